@@ -1,0 +1,91 @@
+"""``inverted <command>``: the command line. Builds a config section from flags and calls one entry point.
+
+Commands: ``make-tiny-model`` (a local random checkpoint), ``serve-engine`` (the embedded
+SGLang-protocol engine), ``servers`` (N engines behind the real sgl-router, with a short demo
+generation through it). Logging is configured here and only here, with the process role in
+every line. Heavy imports happen inside each command so ``inverted --help`` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from inverted.config import (EngineConfig, ServersConfig, TinyModelConfig, add_flags, build_section,
+                             load_yaml_defaults, split_passthrough)
+from inverted.errors import InvertedError
+
+
+def setup_logging(role: str, level: str = "info") -> None:
+    logging.basicConfig(level=level.upper(), format=f"%(asctime)s [{role}] %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stderr, force=True)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # it logs every request at INFO
+
+
+def cmd_make_tiny_model(cfg: TinyModelConfig) -> None:
+    from inverted.tiny_model import make_tiny_model
+
+    print(make_tiny_model(cfg))
+
+
+def cmd_serve_engine(cfg: EngineConfig) -> None:
+    import uvicorn
+
+    from inverted.rollout.engine.server import create_app
+
+    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning", access_log=False)
+
+
+def cmd_servers(cfg: ServersConfig, router_args: list[str]) -> None:
+    import asyncio
+
+    from inverted.rollout.servers import run_demo
+
+    asyncio.run(run_demo(cfg, router_args))
+
+
+COMMANDS = {
+    "make-tiny-model": (TinyModelConfig, cmd_make_tiny_model, "write a random-initialized HF checkpoint and tokenizer"),
+    "serve-engine": (EngineConfig, cmd_serve_engine, "run the embedded SGLang-protocol engine"),
+    "servers": (ServersConfig, cmd_servers, "start embedded engines behind the real sgl-router and generate through it"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="inverted", description="RL post-training where the environment drives the loop.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (section, _, help_text) in COMMANDS.items():
+        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        cmd.add_argument("--config", default=None, help="YAML file with the same keys as the flags (flags override it)")
+        add_flags(cmd, section)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    router_args: list[str] = []
+    if argv and argv[0] == "servers":
+        own = {"--router-host", "--router-port"}
+        argv, router_args = split_passthrough(argv, "router", own)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.config:
+            load_yaml_defaults(parser._subparsers._group_actions[0].choices[args.command], args.config)
+            args = parser.parse_args(argv)
+        section, run, _ = COMMANDS[args.command]
+        cfg = build_section(section, args)
+        setup_logging(args.command, getattr(cfg, "log_level", "info"))
+        if args.command == "servers":
+            run(cfg, router_args)
+        else:
+            run(cfg)
+    except InvertedError as exc:
+        parser.exit(2, f"inverted {argv[0] if argv else ''}: error: {exc}\n")
+    except KeyboardInterrupt:
+        parser.exit(130)
+
+
+if __name__ == "__main__":
+    main()

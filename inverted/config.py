@@ -1,0 +1,183 @@
+"""Typed configuration: section dataclasses whose fields generate the command-line flags.
+
+Every knob is a field with a type, a default and a one-line help (``option``). ``add_flags``
+turns a section into argparse flags (``max_running_requests`` becomes
+``--max-running-requests``) and ``build_section`` turns parsed flags back into the section, whose
+``__post_init__`` checks single fields. ``--config FILE.yaml`` supplies the same keys; flags
+override it. Flags that start with a pass-through prefix (``--sglang-``, ``--router-``) are not
+modelled: ``split_passthrough`` hands them verbatim to the process they belong to.
+
+This module imports only ``errors``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from inverted.errors import ConfigError
+
+
+def option(default: Any, help: str, **extra: Any) -> Any:
+    """A config field with its one-line help; ``extra`` goes to argparse (e.g. ``metavar``)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **extra})
+    return field(default=default, metadata={"help": help, **extra})
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def _argparse_kwargs(tp: Any) -> dict[str, Any]:
+    """argparse keyword arguments for a field type: str, int, float, bool, Literal, list, Optional."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(inner) != 1:
+            raise TypeError(f"unsupported union {tp}")
+        return _argparse_kwargs(inner[0])
+    if origin is Literal:
+        choices = list(typing.get_args(tp))
+        return {"type": type(choices[0]), "choices": choices}
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        return {"type": item, "nargs": "*"}
+    if tp is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if tp in (str, int, float):
+        return {"type": tp}
+    raise TypeError(f"unsupported config field type {tp}")
+
+
+def add_flags(parser: argparse.ArgumentParser, section: type) -> None:
+    """Add one flag per field of ``section`` to ``parser`` (generic; no per-flag code)."""
+    hints = typing.get_type_hints(section)
+    group = parser.add_argument_group(section.__name__, (section.__doc__ or "").strip().splitlines()[0])
+    for f in dataclasses.fields(section):
+        kwargs = _argparse_kwargs(hints[f.name])
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        meta = dict(f.metadata)
+        help_text = meta.pop("help", "")
+        group.add_argument(
+            flag_name(f.name), dest=f.name, default=default, help=f"{help_text} (default: {default!r})",
+            **kwargs, **meta,
+        )
+
+
+def build_section(section: type, namespace: argparse.Namespace) -> Any:
+    """Build ``section`` from parsed flags; field checks in ``__post_init__`` raise ConfigError."""
+    return section(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(section)})
+
+
+def load_yaml_defaults(parser: argparse.ArgumentParser, path: str | None) -> None:
+    """Make the keys of a YAML file the parser's defaults, so that explicit flags override it."""
+    if not path:
+        return
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"--config {path}: cannot read YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of flag names to values")
+    known = {a.dest for a in parser._actions}
+    values = {str(k).replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"--config {path}: unknown keys {unknown}")
+    parser.set_defaults(**values)
+
+
+def split_passthrough(argv: list[str], prefix: str, own: set[str] = frozenset()) -> tuple[list[str], list[str]]:
+    """Split ``--{prefix}-x v`` flags from argv; return (rest, ['--x', 'v', ...]) for the child.
+
+    Flags in ``own`` (e.g. ``--router-port``, which the launcher itself must know) stay in ``rest``.
+    """
+    rest: list[str] = []
+    passed: list[str] = []
+    marker = f"--{prefix}-"
+    taking = False
+    for arg in argv:
+        if arg.startswith(marker) and arg.split("=", 1)[0] not in own:
+            passed.append("--" + arg[len(marker):])
+            taking = "=" not in arg
+        elif taking and not arg.startswith("--"):
+            passed.append(arg)
+        else:
+            taking = False
+            rest.append(arg)
+    return rest, passed
+
+
+def _require(condition: bool, flag: str, value: Any, expected: str) -> None:
+    if not condition:
+        raise ConfigError(f"{flag}={value!r}: expected {expected}")
+
+
+@dataclass(kw_only=True, slots=True)
+class TinyModelConfig:
+    """A random-initialized checkpoint in Hugging Face format, made locally (no download)."""
+
+    out: str = option("models/tiny", "directory to write the checkpoint into")
+    arch: Literal["qwen2", "qwen3", "llama"] = option("qwen2", "model architecture")
+    preset: Literal["tiny", "small"] = option("tiny", "size: tiny for unit tests, small (~20M) for demos")
+    seed: int = option(0, "random seed: the same seed gives byte-identical files")
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineConfig:
+    """The embedded engine: an SGLang-protocol inference server in PyTorch."""
+
+    model: str = option("", "Hugging Face checkpoint directory (config.json, safetensors, tokenizer)")
+    host: str = option("127.0.0.1", "address to bind")
+    port: int = option(30000, "port to bind")
+    device: Literal["cpu", "cuda"] = option("cpu", "device to run on")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
+        "auto", "weight and activation dtype (auto: float32 on CPU, bfloat16 on CUDA)"
+    )
+    max_running_requests: int = option(64, "requests decoded together in one batch")
+    context_length: int = option(0, "longest prompt + output (0: the model's max_position_embeddings, capped at 4096)")
+    max_prefill_tokens: int = option(2048, "prompt tokens prefilled per scheduler step before decoding again")
+    weight_version: str = option("default", "initial weight version, echoed in meta_info")
+    served_model_name: str = option("", "model id reported to clients (default: the model path)")
+    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on every route but health")
+    admin_api_key: str | None = option(None, "key for control and weight routes (then api_key is not accepted there)")
+    num_threads: int = option(0, "torch CPU threads (0: all cores)")
+    random_seed: int = option(0, "seed for requests that give no sampling_seed")
+    log_level: Literal["debug", "info", "warning", "error"] = option("info", "log level")
+
+    def __post_init__(self) -> None:
+        _require(bool(self.model), "--model", self.model, "a checkpoint directory")
+        _require(1 <= self.port <= 65535, "--port", self.port, "1..65535")
+        _require(self.max_running_requests >= 1, "--max-running-requests", self.max_running_requests, ">= 1")
+        _require(self.context_length >= 0, "--context-length", self.context_length, ">= 0")
+        _require(self.max_prefill_tokens >= 1, "--max-prefill-tokens", self.max_prefill_tokens, ">= 1")
+        _require(self.num_threads >= 0, "--num-threads", self.num_threads, ">= 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class ServersConfig:
+    """Rollout servers (embedded engines) behind the real sgl-router; ``--router-*`` passes through."""
+
+    hf_checkpoint: str = option("", "Hugging Face checkpoint the engines serve")
+    num_engines: int = option(2, "embedded engines to start")
+    engine_device: Literal["cpu", "cuda"] = option("cpu", "device of the embedded engines")
+    engine_max_running_requests: int = option(64, "--max-running-requests of each engine")
+    engine_threads: int = option(0, "torch threads per engine (0: cores divided among the engines)")
+    router_host: str = option("127.0.0.1", "address the router binds")
+    router_port: int = option(0, "router port (0: a free port)")
+    startup_timeout: float = option(180.0, "seconds to wait for every process to become healthy")
+    log_dir: str = option("runs/servers", "directory for the engines' and the router's logs")
+
+    def __post_init__(self) -> None:
+        _require(bool(self.hf_checkpoint), "--hf-checkpoint", self.hf_checkpoint, "a checkpoint directory")
+        _require(self.num_engines >= 1, "--num-engines", self.num_engines, ">= 1")
+        _require(0 <= self.router_port <= 65535, "--router-port", self.router_port, "0..65535")
+        _require(self.startup_timeout > 0, "--startup-timeout", self.startup_timeout, "> 0")

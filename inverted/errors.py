@@ -1,0 +1,63 @@
+"""The exception tree. Callers catch categories, not individual classes.
+
+    InvertedError
+    ├── ConfigError          a flag or config value is wrong (names the flag and the value)
+    ├── PluginError          a ``module:function`` path cannot be loaded or has the wrong signature
+    ├── SampleError          a Sample breaks an invariant (names the field)
+    ├── ModelError           a checkpoint cannot be read or does not fit the model it is loaded into
+    └── ServiceError         a remote service failed (carries URL, status and the body's start)
+        ├── ServiceUnavailable   could not be reached, or kept answering 502/503/504
+        └── ProtocolError        answered, but with a 4xx or a body of the wrong shape
+
+This module imports nothing from inverted.
+"""
+
+from __future__ import annotations
+
+
+class InvertedError(Exception):
+    """Root of every error inverted raises on purpose."""
+
+
+class ConfigError(InvertedError):
+    """A configuration value is invalid; the message names the flag and the value."""
+
+
+class PluginError(InvertedError):
+    """A plug-in path could not be loaded or does not match its expected signature."""
+
+
+class SampleError(InvertedError):
+    """A Sample breaks an invariant; the message names the field."""
+
+
+class ModelError(InvertedError):
+    """A checkpoint is missing, unreadable, or does not match the model it is loaded into."""
+
+
+class ServiceError(InvertedError):
+    """A call to a service failed. ``url``, ``status`` and ``body`` say where and how."""
+
+    def __init__(self, message: str, *, url: str = "", status: int | None = None, body: str = ""):
+        super().__init__(message)
+        self.url = url
+        self.status = status
+        self.body = body
+
+    def __str__(self) -> str:
+        parts = [super().__str__()]
+        if self.url:
+            parts.append(f"url={self.url}")
+        if self.status is not None:
+            parts.append(f"status={self.status}")
+        if self.body:
+            parts.append(f"body={self.body[:300]!r}")
+        return " ".join(parts)
+
+
+class ServiceUnavailable(ServiceError):
+    """The service could not be reached, or kept answering 502/503/504 after retries."""
+
+
+class ProtocolError(ServiceError):
+    """The service answered with a client error (4xx) or a body of an unexpected shape."""

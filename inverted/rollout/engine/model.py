@@ -1,0 +1,340 @@
+"""The embedded engine's own forward pass for Qwen2, Qwen3 and Llama checkpoints in HF format.
+
+One decoder serves the three families; they differ only in flags read from ``config.json``:
+Qwen2 has biases on q/k/v, Qwen3 RMS-normalises q and k per head (and decouples ``head_dim``),
+Llama may scale RoPE (``llama3`` or ``linear``). Q/K/V and gate/up are fused into one matrix
+each so a step runs few, large matmuls. ``hf_views`` is the single declarative name table: every
+Hugging Face parameter name maps to a view into the fused tensors, so loading, weight updates and
+``get_weights_by_name`` all go through the same names and never through per-layer converters.
+
+Two entry points share the layers: ``prefill`` runs one request's new tokens into its KV-cache
+row; ``decode`` runs one token for each of the first B rows. Rows are kept compact by the
+scheduler (``KVCache.move_row``) so a decode step attends over ``cache[:, :B]`` without gathers.
+This module owns no scheduling and no HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from inverted.errors import ModelError
+
+ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """The shape and numerics of a decoder, read from a Hugging Face ``config.json``."""
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    rope: dict
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path) -> "ModelSpec":
+        path = Path(path)
+        try:
+            cfg = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise ModelError(f"{path}/config.json: cannot read: {exc}") from None
+        arch = ARCHITECTURES.get((cfg.get("architectures") or [""])[0]) or cfg.get("model_type")
+        if arch not in ARCHITECTURES.values():
+            raise ModelError(f"{path}: unsupported architecture {cfg.get('architectures')}; expected one of {list(ARCHITECTURES)}")
+        heads = cfg["num_attention_heads"]
+        # transformers>=5 writes rope_parameters; 4.x and most published checkpoints write rope_theta/rope_scaling.
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        rope.setdefault("rope_theta", cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
+        rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+        return cls(
+            arch=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            intermediate_size=cfg["intermediate_size"],
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=arch == "qwen3",
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            rope=rope,
+            eos_token_ids=_eos_ids(path, cfg),
+        )
+
+
+def _eos_ids(path: Path, cfg: dict) -> tuple[int, ...]:
+    """EOS ids from config.json and generation_config.json (either may hold an int or a list)."""
+    ids: list[int] = []
+    sources = [cfg]
+    gen = path / "generation_config.json"
+    if gen.exists():
+        sources.append(json.loads(gen.read_text()))
+    for source in sources:
+        value = source.get("eos_token_id")
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, int) and item not in ids:
+                ids.append(item)
+    return tuple(ids)
+
+
+def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
+    """RoPE inverse frequencies, with the ``linear`` and ``llama3`` scalings Hugging Face defines."""
+    rope = spec.rope
+    dim = spec.head_dim
+    inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    kind = rope["rope_type"]
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / rope["factor"]
+    if kind == "llama3":
+        factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+        old_len = rope["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ModelError(f"unsupported rope_type {kind!r}; supported: default, linear, llama3")
+
+
+class KVCache:
+    """Per-row key/value storage, ``[layers, rows, kv_heads, capacity, head_dim]``, grown on demand."""
+
+    GROW = 256
+
+    def __init__(self, spec: ModelSpec, rows: int, max_len: int, dtype: torch.dtype, device: torch.device):
+        self.spec, self.rows, self.max_len, self.dtype, self.device = spec, rows, max_len, dtype, device
+        self.capacity = 0
+        self.k = self.v = torch.empty(0)
+        self.reserve(self.GROW)
+
+    def reserve(self, length: int) -> None:
+        """Make room for positions ``< length`` in every row (copies the cache when it grows)."""
+        if length <= self.capacity:
+            return
+        new_cap = min(self.max_len, max(length, 2 * self.capacity, self.GROW))
+        shape = (self.spec.num_layers, self.rows, self.spec.num_kv_heads, new_cap, self.spec.head_dim)
+        k, v = torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.capacity:
+            k[..., : self.capacity, :] = self.k
+            v[..., : self.capacity, :] = self.v
+        self.k, self.v, self.capacity = k, v, new_cap
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` positions of row ``src`` into row ``dst`` (keeps rows compact)."""
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+
+    def release(self) -> None:
+        """Free the storage (``/release_memory_occupation``); ``reserve`` allocates it again."""
+        self.k = self.v = torch.empty(0)
+        self.capacity = 0
+
+
+class CausalLM(torch.nn.Module):
+    """Decoder weights (fused) plus the two forward entry points."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.spec, self.dtype, self.device = spec, dtype, device
+        s = spec
+        q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+
+        def param(*shape: int) -> torch.nn.Parameter:
+            return torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+        self.embed = param(s.vocab_size, s.hidden_size)
+        self.lm_head = self.embed if s.tie_word_embeddings else param(s.vocab_size, s.hidden_size)
+        self.norm = param(s.hidden_size)
+        self.layers = torch.nn.ModuleList()
+        for _ in range(s.num_layers):
+            layer = torch.nn.Module()
+            layer.ln1, layer.ln2 = param(s.hidden_size), param(s.hidden_size)
+            layer.qkv = param(q + 2 * kv, s.hidden_size)
+            layer.qkv_bias = param(q + 2 * kv) if s.qkv_bias else None
+            layer.q_norm, layer.k_norm = (param(s.head_dim), param(s.head_dim)) if s.qk_norm else (None, None)
+            layer.o = param(s.hidden_size, q)
+            layer.gate_up = param(2 * s.intermediate_size, s.hidden_size)
+            layer.down = param(s.hidden_size, s.intermediate_size)
+            self.layers.append(layer)
+        self.inv_freq = rope_inv_freq(spec).to(device)
+        self.hf_views = self._hf_views()
+
+    def _hf_views(self) -> dict[str, torch.Tensor]:
+        """Hugging Face parameter name -> a view into our (fused) parameter."""
+        s = self.spec
+        q, kv, inter = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.intermediate_size
+        views = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm, "lm_head.weight": self.lm_head}
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            views.update({
+                p + "input_layernorm.weight": layer.ln1,
+                p + "post_attention_layernorm.weight": layer.ln2,
+                p + "self_attn.q_proj.weight": layer.qkv[:q],
+                p + "self_attn.k_proj.weight": layer.qkv[q : q + kv],
+                p + "self_attn.v_proj.weight": layer.qkv[q + kv :],
+                p + "self_attn.o_proj.weight": layer.o,
+                p + "mlp.gate_proj.weight": layer.gate_up[:inter],
+                p + "mlp.up_proj.weight": layer.gate_up[inter:],
+                p + "mlp.down_proj.weight": layer.down,
+            })
+            if layer.qkv_bias is not None:
+                views.update({
+                    p + "self_attn.q_proj.bias": layer.qkv_bias[:q],
+                    p + "self_attn.k_proj.bias": layer.qkv_bias[q : q + kv],
+                    p + "self_attn.v_proj.bias": layer.qkv_bias[q + kv :],
+                })
+            if layer.q_norm is not None:
+                views.update({p + "self_attn.q_norm.weight": layer.q_norm, p + "self_attn.k_norm.weight": layer.k_norm})
+        return views
+
+    # ---- weights -------------------------------------------------------------------------
+
+    def check_weights(self, named: dict[str, torch.Tensor], *, complete: bool) -> None:
+        """Raise ModelError unless every name is ours with the right shape (and, if ``complete``, all are given)."""
+        unknown = sorted(set(named) - set(self.hf_views))
+        if unknown:
+            raise ModelError(f"unknown parameter names: {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
+        for name, tensor in named.items():
+            if tuple(tensor.shape) != tuple(self.hf_views[name].shape):
+                raise ModelError(f"{name}: expected shape {tuple(self.hf_views[name].shape)}, got {tuple(tensor.shape)}")
+        if complete:
+            optional = {"lm_head.weight"} if self.spec.tie_word_embeddings else set()
+            missing = sorted(set(self.hf_views) - set(named) - optional)
+            if missing:
+                raise ModelError(f"checkpoint lacks parameters: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+    @torch.no_grad()
+    def load_weights(self, named: dict[str, torch.Tensor], *, complete: bool) -> None:
+        """Check everything first, then copy: a bad set of weights changes nothing."""
+        self.check_weights(named, complete=complete)
+        for name, tensor in named.items():
+            self.hf_views[name].copy_(tensor)
+
+    # ---- forward -------------------------------------------------------------------------
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # As Hugging Face does it: normalise in fp32, cast back, then scale.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
+        return weight * xf.to(x.dtype)
+
+    def _rope(self, x_NHTD: torch.Tensor, positions_NT: torch.Tensor) -> torch.Tensor:
+        freqs = positions_NT.float()[..., None] * self.inv_freq  # N, T, D/2
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(x_NHTD.dtype)[:, None], emb.sin().to(x_NHTD.dtype)[:, None]
+        half = x_NHTD.shape[-1] // 2
+        rotated = torch.cat((-x_NHTD[..., half:], x_NHTD[..., :half]), dim=-1)
+        return x_NHTD * cos + rotated * sin
+
+    def _qkv(self, layer, x_NTH: torch.Tensor, positions_NT: torch.Tensor):
+        s = self.spec
+        n, t, _ = x_NTH.shape
+        qkv = F.linear(self._norm(x_NTH, layer.ln1), layer.qkv, layer.qkv_bias)
+        q, k, v = qkv.split([s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim], -1)
+        q = q.view(n, t, s.num_heads, s.head_dim).transpose(1, 2)
+        k = k.view(n, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
+        v = v.view(n, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
+        if layer.q_norm is not None:
+            q, k = self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)
+        return self._rope(q, positions_NT), self._rope(k, positions_NT), v
+
+    def _finish_layer(self, layer, x_NTH: torch.Tensor, attn_NHTD: torch.Tensor) -> torch.Tensor:
+        n, _, t, _ = attn_NHTD.shape
+        x_NTH = x_NTH + F.linear(attn_NHTD.transpose(1, 2).reshape(n, t, -1), layer.o)
+        gate, up = F.linear(self._norm(x_NTH, layer.ln2), layer.gate_up).chunk(2, dim=-1)
+        return x_NTH + F.linear(F.silu(gate) * up, layer.down)
+
+    def logits(self, hidden_NH: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of the final hidden states."""
+        return F.linear(self._norm(hidden_NH, self.norm), self.lm_head).float()
+
+    @torch.no_grad()
+    def prefill(self, cache: KVCache, row: int, tokens: list[int], start: int) -> torch.Tensor:
+        """Run ``tokens`` at positions ``start..`` of cache ``row``; return final hidden states ``[T, H]``.
+
+        Positions before ``start`` must already hold this row's keys and values (prefix reuse).
+        """
+        t = len(tokens)
+        end = start + t
+        cache.reserve(end)
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(start, end, device=self.device)[None]
+        x = F.embedding(ids, self.embed)[None]
+        # Query i (at start+i) sees keys 0..start+i.
+        mask = None if start == 0 else torch.ones(t, end, dtype=torch.bool, device=self.device).tril(start)
+        for li, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, x, positions)
+            cache.k[li, row, :, start:end] = k[0]
+            cache.v[li, row, :, start:end] = v[0]
+            keys, values = cache.k[li, row : row + 1, :, :end], cache.v[li, row : row + 1, :, :end]
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+            x = self._finish_layer(layer, x, attn)
+        return x[0]
+
+    @torch.no_grad()
+    def decode(self, cache: KVCache, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """One token for each of rows ``0..B-1`` at the given positions; return hidden states ``[B, H]``."""
+        b = len(tokens)
+        longest = max(positions) + 1
+        cache.reserve(longest)
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        rows = torch.arange(b, device=self.device)
+        x = F.embedding(ids, self.embed)[:, None]
+        mask = (torch.arange(longest, device=self.device)[None] <= pos[:, None])[:, None, None]  # B,1,1,L
+        for li, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, x, pos[:, None])
+            cache.k[li, rows, :, pos] = k[:, :, 0]
+            cache.v[li, rows, :, pos] = v[:, :, 0]
+            keys, values = cache.k[li, :b, :, :longest], cache.v[li, :b, :, :longest]
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+            x = self._finish_layer(layer, x, attn)
+        return x[:, 0]
+
+
+def checkpoint_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor in a checkpoint directory's ``*.safetensors`` files, by Hugging Face name."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"{path}: no *.safetensors files")
+    tensors: dict[str, torch.Tensor] = {}
+    try:
+        for file in files:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():
+                    tensors[name] = handle.get_tensor(name)
+    except Exception as exc:  # safetensors raises its own SafetensorError and OSError for bad files
+        raise ModelError(f"{path}: cannot read safetensors: {exc}") from None
+    return tensors
+
+
+def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    """Build the model described by ``path/config.json`` and load its weights."""
+    spec = ModelSpec.from_checkpoint(path)
+    model = CausalLM(spec, dtype, device)
+    model.load_weights(checkpoint_tensors(path), complete=True)
+    return model

@@ -1,0 +1,204 @@
+"""The SGLang wire format, field for field: request models, ``/generate`` normalisation, responses.
+
+``parse_generate`` turns one ``/generate`` body (single, batch, or ``n > 1``) into a flat list of
+``GenerateItem`` s in SGLang's output order (prompt-major), raising ``SchemaError`` for contract
+violations and ``ValueError`` for bad values. ``generate_response`` renders one request's state as
+SGLang does (``text``, ``output_ids`` including the stop token, ``meta_info``). The control
+request models keep SGLang's field names and defaults; unknown fields are ignored, as there.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from inverted.rollout.engine.sampling import SamplingParams, SchemaError
+from inverted.rollout.engine.scheduler import Request, new_rid
+
+UNSUPPORTED_GENERATE_FIELDS = ("input_embeds", "image_data", "video_data", "audio_data", "session_params",
+                               "lora_path", "custom_logit_processor", "return_hidden_states")
+
+
+class ControlModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class PauseGenerationRequest(ControlModel):
+    mode: str = "abort"
+
+
+class ContinueGenerationRequest(ControlModel):
+    torch_empty_cache: bool = True
+
+
+class AbortRequestRequest(ControlModel):
+    rid: str = ""
+    abort_all: bool = False
+
+
+class UpdateWeightVersionRequest(ControlModel):
+    new_version: str
+    abort_all_requests: bool = True
+
+
+class UpdateWeightsFromDiskRequest(ControlModel):
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    flush_cache: bool = True
+    is_async: bool = False
+    torch_empty_cache: bool = False
+    keep_pause: bool = False
+    recapture_cuda_graph: bool = False
+    token_step: int = 0
+
+
+class GetWeightsByNameRequest(ControlModel):
+    name: str
+    truncate_size: int = 100
+
+
+class MemoryOccupationRequest(ControlModel):
+    tags: list[str] | None = None
+
+
+@dataclass(slots=True)
+class GenerateItem:
+    """One sequence to generate, after batch and ``n`` expansion."""
+
+    rid: str
+    input_ids: list[int] | None
+    text: str | None
+    params: SamplingParams
+    return_logprob: bool
+    logprob_start_len: int
+    return_text_in_logprobs: bool
+    index: int
+
+
+def _per_item(body: dict, key: str, default: Any, size: int, batched: bool) -> list[Any]:
+    value = body.get(key)
+    if value is None:
+        return [default] * size
+    if batched and isinstance(value, list) and key != "stop_token_ids":
+        if len(value) != size:
+            raise ValueError(f"{key}: expected {size} entries (one per prompt), got {len(value)}")
+        return value
+    return [value] * size
+
+
+def parse_generate(body: Any) -> tuple[list[GenerateItem], bool, bool]:
+    """Normalise a ``/generate`` body; return (items, is_single, stream)."""
+    if not isinstance(body, dict):
+        raise SchemaError("invalid type: expected a JSON object")
+    for key in UNSUPPORTED_GENERATE_FIELDS:
+        if body.get(key) not in (None, False):
+            raise ValueError(f"{key} is not supported by the embedded engine")
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (input_ids is None):
+        raise ValueError("Either text or input_ids should be provided, and not both.")
+    if text is not None:
+        prompts = [text] if isinstance(text, str) else text
+        batched = not isinstance(text, str)
+        if not all(isinstance(t, str) for t in prompts):
+            raise SchemaError("invalid type: text must be a string or a list of strings")
+    else:
+        batched = isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
+        prompts = input_ids if batched else [input_ids]
+        for ids in prompts:
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise SchemaError("invalid type: input_ids must be a list of ints or a list of lists of ints")
+    size = len(prompts)
+    if size == 0:
+        raise ValueError("The input is empty: give at least one prompt.")
+    params = [SamplingParams.parse(p) for p in _per_item(body, "sampling_params", {}, size, batched)]
+    if len({p.n for p in params}) > 1:
+        raise ValueError("Every item of a batch must have the same n.")
+    n = params[0].n
+    rids = body.get("rid")
+    if isinstance(rids, list):
+        if len(rids) != size:
+            raise ValueError(f"rid: expected {size} entries (one per prompt), got {len(rids)}")
+    elif rids is None:
+        rids = [new_rid() for _ in range(size)]
+    elif isinstance(rids, str):
+        rids = [f"{rids}_{i}" for i in range(size)] if batched else [rids]
+    else:
+        raise SchemaError("invalid type: rid must be a string or a list of strings")
+    logprob = _per_item(body, "return_logprob", False, size, batched)
+    start = _per_item(body, "logprob_start_len", -1, size, batched)
+    top = _per_item(body, "top_logprobs_num", 0, size, batched)
+    if any(k for k in top) or body.get("token_ids_logprob"):
+        raise ValueError("top_logprobs_num and token_ids_logprob are not supported by the embedded engine")
+    items: list[GenerateItem] = []
+    for i in range(size):
+        for _ in range(n):
+            # Like SGLang, each of n > 1 samples gets a fresh rid (abort them with abort_all).
+            rid = rids[i] if n == 1 else new_rid()
+            items.append(GenerateItem(
+                rid=str(rid), text=prompts[i] if text is not None else None,
+                input_ids=None if text is not None else list(prompts[i]), params=params[i],
+                return_logprob=bool(logprob[i]), logprob_start_len=int(start[i]),
+                return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)), index=len(items),
+            ))
+    return items, not batched and n == 1, bool(body.get("stream", False))
+
+
+def _triples(logprobs: list, ids: list[int], texts: list[str | None]) -> list[list]:
+    return [[lp, tid, text] for lp, tid, text in zip(logprobs, ids, texts)]
+
+
+def version_spans(versions: list[str]) -> list[dict[str, Any]]:
+    """``[{version, start, end}]`` output-token ranges per weight version."""
+    spans: list[dict[str, Any]] = []
+    for i, version in enumerate(versions):
+        if spans and spans[-1]["version"] == version:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": version, "start": i, "end": i + 1})
+    return spans
+
+
+def generate_response(req: Request, item: GenerateItem, n: int, tokenizer, current_version: str) -> dict[str, Any]:
+    """SGLang's response object for the first ``n`` output tokens of ``req``."""
+    ids = req.output_ids[:n]
+    done = req.finished and n == len(req.output_ids)
+    reason = req.finish_reason if done else None
+    keep_stop = item.params.no_stop_trim
+    shown = ids[:-1] if reason and reason["type"] == "stop" and isinstance(reason["matched"], int) and not keep_stop else ids
+    text = tokenizer.decode(shown, skip_special_tokens=item.params.skip_special_tokens)
+    if reason and reason["type"] == "stop" and isinstance(reason["matched"], str) and not keep_stop:
+        text = text[: text.find(reason["matched"])] if reason["matched"] in text else text
+    versions = req.output_versions[:n]
+    meta: dict[str, Any] = {
+        "id": req.rid,
+        "finish_reason": reason,
+        "prompt_tokens": len(req.input_ids),
+        "completion_tokens": len(ids),
+        "cached_tokens": req.cached_tokens,
+        "weight_version": versions[-1] if versions else current_version,
+    }
+    if len(set(versions)) > 1:
+        meta["weight_versions"] = version_spans(versions)
+    if item.return_logprob:
+        out_texts = [tokenizer.decode([t]) if item.return_text_in_logprobs else None for t in ids]
+        meta["output_token_logprobs"] = _triples(req.output_logprobs[:n], ids, out_texts)
+        meta["output_token_logprobs_length"] = len(ids)
+        start = max(item.logprob_start_len, 0)
+        in_ids = req.input_ids[start:] if item.logprob_start_len >= 0 else []
+        in_texts = [tokenizer.decode([t]) if item.return_text_in_logprobs else None for t in in_ids]
+        meta["input_token_logprobs"] = _triples(req.input_logprobs, in_ids, in_texts)
+    if done and req.finished_at is not None:
+        meta["e2e_latency"] = req.finished_at - req.created
+        meta["response_sent_to_client_ts"] = time.time()
+    return {"text": text, "output_ids": ids, "meta_info": meta}
+
+
+def error_body(message: str, code: int = 400) -> dict[str, Any]:
+    """SGLang's validation/HTTPException shape (also used for 401 and 404)."""
+    kind = "Bad Request" if code == 400 else str(code)
+    return {"object": "error", "message": message, "type": kind, "param": None, "code": code}

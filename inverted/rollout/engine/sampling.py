@@ -1,0 +1,168 @@
+"""Sampling parameters (SGLang's ``/generate`` contract) and the batched sampler.
+
+``SamplingParams`` mirrors SGLang 0.5.23: unknown keys and JSON floats for integer fields are
+schema errors (``SchemaError``, answered ``400 {"error": "<text>"}``); values out of range are
+``ValueError`` (answered ``400 {"error": {"message"}}``), as SGLang's ``verify`` does.
+
+``sample`` draws one token per row. The logprob it returns is the one SGLang returns by default:
+``log_softmax(logits / temperature)`` at the sampled token, before top-k/top-p/min-p filtering
+(greedy rows use temperature 1). Every request owns a ``torch.Generator``, seeded from its
+``sampling_seed`` when given, so a seeded request samples the same tokens whatever else shares
+its batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+
+GREEDY_EPS = 1e-6
+MAX_STOPS = 32
+
+
+class SchemaError(ValueError):
+    """A request body breaks the JSON contract (unknown key, wrong type)."""
+
+
+class SamplingParams(BaseModel):
+    """SGLang's sampling parameters, with its defaults. Floats accept JSON ints; ints reject floats."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_new_tokens: StrictInt = 128
+    min_new_tokens: StrictInt = 0
+    temperature: StrictFloat | StrictInt = 1.0
+    top_p: StrictFloat | StrictInt = 1.0
+    top_k: StrictInt = -1
+    min_p: StrictFloat | StrictInt = 0.0
+    frequency_penalty: StrictFloat | StrictInt = 0.0
+    presence_penalty: StrictFloat | StrictInt = 0.0
+    repetition_penalty: StrictFloat | StrictInt = 1.0
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: StrictBool = False
+    n: StrictInt = 1
+    skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True
+    no_stop_trim: StrictBool = False
+    sampling_seed: StrictInt | None = None
+    # Accepted so the contract matches SGLang's, but not implemented by the embedded engine:
+    # ``verify`` rejects any non-default value rather than silently ignoring it.
+    stop_regex: StrictStr | list[StrictStr] | None = None
+    json_schema: StrictStr | None = None
+    regex: StrictStr | None = None
+    ebnf: StrictStr | None = None
+    structural_tag: StrictStr | None = None
+    logit_bias: dict[StrictStr, StrictFloat | StrictInt] | None = None
+    custom_params: dict[str, Any] | None = None
+    stream_interval: StrictInt | None = None
+
+    @classmethod
+    def parse(cls, data: Any) -> "SamplingParams":
+        """Validate a JSON object against the contract, raising SchemaError or ValueError."""
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise SchemaError(f"invalid type: expected a map for sampling_params, got {type(data).__name__}")
+        try:
+            params = cls.model_validate(data)
+        except ValidationError as exc:
+            raise SchemaError(_serde_message(exc)) from None
+        params.verify()
+        return params
+
+    @property
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+    def verify(self) -> None:
+        """Range checks, with SGLang's wording where it has one."""
+        checks = [
+            (self.max_new_tokens >= 0, f"max_new_tokens must be at least 0, got {self.max_new_tokens}."),
+            (0 <= self.min_new_tokens <= self.max_new_tokens,
+             f"min_new_tokens must be in [0, max_new_tokens({self.max_new_tokens})], got {self.min_new_tokens}."),
+            (self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}."),
+            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}."),
+            (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}."),
+            (self.top_k == -1 or self.top_k >= 1, f"top_k must be -1 (disable) or at least 1, got {self.top_k}."),
+            (self.n >= 1, f"n must be at least 1, got {self.n}."),
+            (len(self.stops) <= MAX_STOPS, f"stop must have at most {MAX_STOPS} strings, got {len(self.stops)}."),
+            (all(self.stops), "stop strings must not be empty."),
+            (all(t >= 0 for t in self.stop_token_ids or []), "stop_token_ids must be non-negative."),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        unsupported = {
+            "frequency_penalty": self.frequency_penalty != 0.0, "presence_penalty": self.presence_penalty != 0.0,
+            "repetition_penalty": self.repetition_penalty != 1.0, "stop_regex": bool(self.stop_regex),
+            "json_schema": self.json_schema is not None, "regex": self.regex is not None, "ebnf": self.ebnf is not None,
+            "structural_tag": self.structural_tag is not None, "logit_bias": bool(self.logit_bias),
+        }
+        named = [name for name, used in unsupported.items() if used]
+        if named:
+            raise ValueError(f"the embedded engine does not support sampling parameters {named}; use real SGLang for them.")
+
+
+def _serde_message(exc: ValidationError) -> str:
+    """One serde-style line for the first error, as SGLang's contract check reports it."""
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err["loc"])
+    if err["type"] == "extra_forbidden":
+        return f"unknown field `{where}`, expected one of {', '.join(f'`{f}`' for f in SamplingParams.model_fields)}"
+    return f"invalid value for `{where}`: {err['msg']} (got {err.get('input')!r})"
+
+
+def sample(
+    logits_BV: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
+    banned: list[list[int]],
+) -> tuple[list[int], list[float]]:
+    """Draw one token per row; return token ids and their (temperature-scaled) logprobs.
+
+    ``banned[i]`` lists ids row i may not emit yet (stop tokens before ``min_new_tokens``).
+    """
+    logits_BV = logits_BV.float()
+    for row, ids in enumerate(banned):
+        if ids:
+            logits_BV[row, ids] = float("-inf")
+    temps = torch.tensor([1.0 if p.greedy else float(p.temperature) for p in params], device=logits_BV.device)
+    logprobs_BV = torch.log_softmax(logits_BV / temps[:, None], dim=-1)
+    chosen = logprobs_BV.argmax(dim=-1)
+    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled_rows:
+        rows = torch.tensor(sampled_rows, device=logits_BV.device)
+        probs = _filter(logprobs_BV[rows].exp(), [params[i] for i in sampled_rows])
+        # Exponential race: argmax(p / E), E ~ Exp(1), draws from p; one generator per request.
+        noise = torch.empty_like(probs)
+        for j, i in enumerate(sampled_rows):
+            noise[j].exponential_(generator=generators[i])
+        chosen[rows] = (probs / noise).argmax(dim=-1)
+    token_logprobs = logprobs_BV.gather(1, chosen[:, None])[:, 0]
+    return chosen.tolist(), token_logprobs.tolist()
+
+
+def _filter(probs_RV: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Zero out what top_k, top_p and min_p exclude (unnormalised; the race does not need sums of 1)."""
+    top_k = [p.top_k for p in params]
+    top_p = [float(p.top_p) for p in params]
+    min_p = [float(p.min_p) for p in params]
+    if all(k == -1 for k in top_k) and all(p >= 1.0 for p in top_p) and all(m <= 0.0 for m in min_p):
+        return probs_RV
+    vocab = probs_RV.shape[-1]
+    sorted_probs, order = probs_RV.sort(dim=-1, descending=True)
+    device = probs_RV.device
+    k = torch.tensor([vocab if v == -1 else min(v, vocab) for v in top_k], device=device)
+    rank = torch.arange(vocab, device=device)[None]
+    keep = rank < k[:, None]
+    # Keep a token while the mass strictly before it is below top_p (so the top token always stays).
+    before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    keep &= before < torch.tensor(top_p, device=device)[:, None]
+    keep &= sorted_probs >= torch.tensor(min_p, device=device)[:, None] * sorted_probs[:, :1]
+    filtered = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
+    return torch.zeros_like(probs_RV).scatter(1, order, filtered)

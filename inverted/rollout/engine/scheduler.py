@@ -1,0 +1,332 @@
+"""Continuous batching: the loop that turns queued requests into tokens, one step at a time.
+
+The scheduler runs in its own thread (torch releases the GIL in its kernels, so the HTTP event
+loop stays responsive). Each step it (1) admits waiting requests into free KV-cache rows and
+prefills them, up to ``max_prefill_tokens`` prompt tokens, sampling each one's first token, then
+(2) decodes one token for every running request in a single batch. Requests therefore join and
+leave between decode steps: a short request submitted after a long one finishes first.
+
+Everything that changes engine state (pause, continue, abort, weight updates, flush) is a
+*command*: a function queued by ``call`` and run by this thread between steps, so no step ever
+sees half an update. A *barrier* command (a weight update while not paused) waits until no
+request is running and holds back admissions meanwhile, like SGLang's model-update writer lock.
+
+Pause modes follow SGLang: ``abort`` finishes every queued and running request with
+``finish_reason.type == "abort"``; ``retract`` returns running requests to the front of the queue
+(their KV is dropped and recomputed on continue, their tokens kept); ``in_place`` stops stepping
+and keeps everything. While paused, new requests queue and wait for ``/continue_generation``.
+
+Every output token records the weight version that produced it; this module knows nothing of HTTP.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from inverted.rollout.engine.model import CausalLM, KVCache
+from inverted.rollout.engine.sampling import SamplingParams, sample
+
+logger = logging.getLogger(__name__)
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence being generated. Lists only grow; ``notify(req, n)`` says the first n are final."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    notify: Callable[["Request", int], None]
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    stream: bool = False
+    generator: torch.Generator = field(default_factory=torch.Generator)
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_versions: list[str] = field(default_factory=list)
+    input_logprobs: list[float | None] = field(default_factory=list)
+    finish_reason: dict[str, Any] | None = None
+    cached_tokens: int = 0
+    computed: int = 0  # positions whose keys/values are in this request's cache row
+    created: float = field(default_factory=time.monotonic)
+    finished_at: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Scheduler:
+    """Owns the model, the KV cache and the queues; all mutation happens on its thread."""
+
+    def __init__(self, model: CausalLM, *, max_running: int, context_length: int, max_prefill_tokens: int,
+                 weight_version: str, stop_checker: Callable[[Request], str | None], random_seed: int = 0):
+        self.model = model
+        self.max_running = max_running
+        self.context_length = context_length
+        self.max_prefill_tokens = max_prefill_tokens
+        self.weight_version = weight_version
+        self.stop_checker = stop_checker
+        self.cache = KVCache(model.spec, max_running, context_length, model.dtype, model.device)
+        self.waiting: collections.deque[Request] = collections.deque()  # touched by the scheduler thread only
+        self._incoming: collections.deque[Request] = collections.deque()  # submissions, under _cond
+        self.running: list[Request] = []  # running[i] owns cache row i
+        self.paused: str | None = None
+        self.memory_released = False
+        self.stats = collections.Counter()
+        self._seeds = torch.Generator().manual_seed(random_seed)
+        self._commands: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future, bool]] = collections.deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="engine-scheduler", daemon=True)
+
+    # ---- thread-safe API -----------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def submit(self, req: Request) -> None:
+        if req.params.sampling_seed is not None:
+            req.generator.manual_seed(req.params.sampling_seed)
+        else:
+            req.generator.manual_seed(int(torch.randint(0, 2**62, (1,), generator=self._seeds)))
+        with self._cond:
+            self._incoming.append(req)
+            self.stats["requests_total"] += 1
+            self._cond.notify()
+
+    def call(self, fn: Callable[[], Any], *, barrier: bool = False) -> concurrent.futures.Future:
+        """Run ``fn`` on the scheduler thread between steps; a barrier waits for running requests to end."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            self._commands.append((fn, future, barrier))
+            self._cond.notify()
+        return future
+
+    def load(self) -> dict[str, int]:
+        return {"num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting) + len(self._incoming),
+                "num_tokens": sum(r.computed for r in self.running)}
+
+    # ---- commands (run on the scheduler thread via ``call``) -------------------------------
+
+    def abort(self, rid: str = "", abort_all: bool = False) -> int:
+        """Finish matching queued and running requests with an abort; rid matches as a prefix."""
+        def matches(req: Request) -> bool:
+            return abort_all or (bool(rid) and req.rid.startswith(rid))
+
+        doomed = [r for r in self.waiting if matches(r)]
+        for req in doomed:
+            self.waiting.remove(req)
+        doomed_rows = [i for i, r in enumerate(self.running) if matches(r)]
+        for req in doomed + [self.running[i] for i in doomed_rows]:
+            self._finish(req, {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None})
+        self._release_rows(doomed_rows)
+        self.stats["requests_aborted"] += len(doomed) + len(doomed_rows)
+        return len(doomed) + len(doomed_rows)
+
+    def pause(self, mode: str) -> None:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+        self.paused = mode
+        if mode == "abort":
+            self.abort(abort_all=True)
+        elif mode == "retract":
+            retracted = list(self.running)
+            self._release_rows(list(range(len(self.running))))
+            for req in reversed(retracted):
+                req.computed = 0
+                self.waiting.appendleft(req)
+            self.stats["requests_retracted"] += len(retracted)
+
+    def resume(self) -> None:
+        self.paused = None
+
+    def busy(self) -> bool:
+        """Whether a cache flush must be refused: requests run, or queue while not paused (SGLang's rule)."""
+        return bool(self.running) or (bool(self.waiting) and self.paused not in ("retract", "in_place"))
+
+    def flush(self) -> None:
+        if self.busy():
+            raise RuntimeError("Cache not flushed: there are running or queued requests.")
+        self.cache.release()
+        self.cache.reserve(KVCache.GROW)
+
+    def release_memory(self, tags: list[str]) -> None:
+        if self.running:
+            raise RuntimeError("release_memory_occupation needs an idle engine: pause generation first.")
+        if "kv_cache" in tags:
+            self.cache.release()
+        # Weights stay in host memory (like SGLang's --enable-weights-cpu-backup); nothing to free on CPU.
+        self.memory_released = True
+
+    def resume_memory(self, tags: list[str]) -> None:
+        if "kv_cache" in tags:
+            self.cache.reserve(KVCache.GROW)
+        self.memory_released = False
+
+    # ---- the loop ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._stopping and not self._ready_commands() and not self._has_work():
+                        self._cond.wait()
+                    self.waiting.extend(self._incoming)
+                    self._incoming.clear()
+                    if self._stopping:
+                        break
+                    commands = self._ready_commands()
+                    for command in commands:
+                        self._commands.remove(command)
+                for fn, future, _ in commands:
+                    if future.set_running_or_notify_cancel():
+                        try:
+                            future.set_result(fn())
+                        except Exception as exc:  # the caller's future carries it back to the HTTP layer
+                            future.set_exception(exc)
+                if self._has_work():
+                    self._step()
+        except BaseException as exc:  # the thread's top loop: record it so /health turns 503
+            logger.exception("scheduler crashed")
+            self.error = exc
+            raise
+
+    def _barrier_pending(self) -> bool:
+        return any(barrier for _, _, barrier in self._commands)
+
+    def _ready_commands(self) -> list:
+        idle = not self.running or self.paused is not None
+        return [c for c in self._commands if not c[2] or idle]
+
+    def _has_work(self) -> bool:
+        if self.paused is not None or self.memory_released:
+            return False
+        queued = bool(self.waiting) or bool(self._incoming)
+        return bool(self.running) or (queued and not self._barrier_pending())
+
+    def _step(self) -> None:
+        if not self._barrier_pending():
+            self._admit()
+        if self.running:
+            self._decode()
+
+    def _admit(self) -> None:
+        budget = self.max_prefill_tokens
+        admitted = 0
+        while self.waiting and len(self.running) < self.max_running and (budget > 0 or admitted == 0):
+            req = self.waiting.popleft()
+            row = len(self.running)
+            self.running.append(req)
+            budget -= self._prefill(req, row)
+            admitted += 1
+        self._release_rows([i for i, r in enumerate(self.running) if r.finished])
+
+    def _prefill(self, req: Request, row: int) -> int:
+        """Compute the row's KV for the request's tokens; a fresh request also samples its first token."""
+        resumed = bool(req.output_ids)
+        tokens = (req.input_ids + req.output_ids)[:-1] if resumed else req.input_ids
+        hidden = self.model.prefill(self.cache, row, tokens, 0)
+        req.computed = len(tokens)
+        self.stats["prompt_tokens"] += len(tokens)
+        if resumed:
+            return len(tokens)
+        if req.return_logprob and req.logprob_start_len >= 0:
+            req.input_logprobs = self._input_logprobs(req, hidden)
+        if req.params.max_new_tokens == 0:
+            self._finish(req, {"type": "length", "length": 0})
+            return len(tokens)
+        self._sample_and_check([req], self.model.logits(hidden[-1:]))
+        return len(tokens)
+
+    def _input_logprobs(self, req: Request, hidden_TH: torch.Tensor) -> list[float | None]:
+        start = req.logprob_start_len
+        ids = req.input_ids
+        first = max(start, 1)
+        values: list[float | None] = [None] if start == 0 else []
+        if first < len(ids):
+            logprobs = torch.log_softmax(self.model.logits(hidden_TH[first - 1 : len(ids) - 1]), dim=-1)
+            target = torch.tensor(ids[first:], device=logprobs.device)[:, None]
+            values += logprobs.gather(1, target)[:, 0].tolist()
+        return values
+
+    def _decode(self) -> None:
+        tokens = [r.output_ids[-1] for r in self.running]
+        positions = [r.computed for r in self.running]
+        hidden = self.model.decode(self.cache, tokens, positions)
+        for req in self.running:
+            req.computed += 1
+        self._sample_and_check(self.running, self.model.logits(hidden))
+        self._release_rows([i for i, r in enumerate(self.running) if r.finished])
+
+    def _stop_ids(self, req: Request) -> set[int]:
+        if req.params.ignore_eos:
+            return set()
+        return set(self.model.spec.eos_token_ids) | set(req.params.stop_token_ids or [])
+
+    def _sample_and_check(self, reqs: list[Request], logits_BV: torch.Tensor) -> None:
+        banned = [sorted(self._stop_ids(r)) if len(r.output_ids) < r.params.min_new_tokens else [] for r in reqs]
+        tokens, logprobs = sample(logits_BV, [r.params for r in reqs], [r.generator for r in reqs], banned)
+        self.stats["generated_tokens"] += len(reqs)
+        for req, token, logprob in zip(reqs, tokens, logprobs):
+            req.output_ids.append(token)
+            req.output_logprobs.append(logprob)
+            req.output_versions.append(self.weight_version)
+            reason = self._finish_reason(req, token)
+            if reason is not None:
+                self._finish(req, reason)
+            elif req.stream:
+                req.notify(req, len(req.output_ids))
+
+    def _finish_reason(self, req: Request, token: int) -> dict[str, Any] | None:
+        if token in self._stop_ids(req):  # stop ids are banned until min_new_tokens, so this is past it
+            return {"type": "stop", "matched": token}
+        if req.params.stops:
+            matched = self.stop_checker(req)
+            if matched is not None:
+                return {"type": "stop", "matched": matched}
+        if len(req.output_ids) >= req.params.max_new_tokens:
+            return {"type": "length", "length": req.params.max_new_tokens}
+        if len(req.input_ids) + len(req.output_ids) >= self.context_length:
+            return {"type": "length", "length": len(req.output_ids)}
+        return None
+
+    def _finish(self, req: Request, reason: dict[str, Any]) -> None:
+        req.finish_reason = reason
+        req.finished_at = time.monotonic()
+        req.notify(req, len(req.output_ids))
+
+    def _release_rows(self, rows: list[int]) -> None:
+        """Drop the given rows, moving the last running request into each hole (rows stay compact)."""
+        for row in sorted(rows, reverse=True):
+            last = len(self.running) - 1
+            if row != last:
+                self.running[row] = self.running[last]
+                self.cache.move_row(last, row, self.running[row].computed)
+            self.running.pop()
+
+
+def new_rid() -> str:
+    return uuid.uuid4().hex

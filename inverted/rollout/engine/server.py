@@ -1,0 +1,442 @@
+"""The embedded engine's HTTP server: SGLang's routes over the scheduler (``create_app``).
+
+Routes stay thin: parse (``protocol``), hand work to the ``Scheduler`` (requests via ``submit``,
+state changes via ``call``), and render SGLang's response shapes. Errors map to SGLang's bodies in
+the exception handlers: contract violations ``400 {"error": "<text>"}``, bad values
+``400 {"error": {"message"}}``, malformed or mistyped control bodies
+``400 {"object": "error", ...}``. A failing request never disturbs the others.
+
+``/health`` answers from the scheduler's liveness (a paused engine stays healthy, so the router
+does not evict it during a weight update); ``/health_generate`` runs SGLang's 1-token probe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from contextlib import asynccontextmanager
+from typing import Annotated, Any, AsyncIterator
+
+import torch
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from inverted.config import EngineConfig
+from inverted.errors import ModelError
+from inverted.rollout.engine import protocol as P
+from inverted.rollout.engine.model import ARCHITECTURES, checkpoint_tensors, load_model
+from inverted.rollout.engine.sampling import SamplingParams, SchemaError
+from inverted.rollout.engine.scheduler import Request as EngineRequest
+from inverted.rollout.engine.scheduler import Scheduler, new_rid
+
+logger = logging.getLogger(__name__)
+
+HEALTH_CHECK_TIMEOUT = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "20"))  # SGLang's own knob
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Engine:
+    """What the routes need: config, tokenizer, scheduler, and the startup facts for /server_info."""
+
+    def __init__(self, config: EngineConfig):
+        from transformers import AutoTokenizer
+
+        self.config = config
+        device = torch.device(config.device)
+        dtype = DTYPES[config.dtype] if config.dtype != "auto" else (torch.float32 if device.type == "cpu" else torch.bfloat16)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        model = load_model(config.model, dtype, device)
+        self.context_length = config.context_length or min(model.spec.max_position_embeddings, 4096)
+        self.scheduler = Scheduler(
+            model, max_running=config.max_running_requests, context_length=self.context_length,
+            max_prefill_tokens=config.max_prefill_tokens, weight_version=config.weight_version,
+            stop_checker=self._matched_stop, random_seed=config.random_seed,
+        )
+        self.model_name = config.served_model_name or config.model
+        self.started = time.time()
+        self.inflight: dict[str, EngineRequest] = {}
+
+    def _matched_stop(self, req: EngineRequest) -> str | None:
+        """The stop string that the newest token completed, if any (only the tail can hold it)."""
+        stops = req.params.stops
+        tail = req.output_ids[-(4 * max(map(len, stops)) + 4):]
+        text = self.tokenizer.decode(tail, skip_special_tokens=req.params.skip_special_tokens)
+        return next((s for s in stops if s in text), None)
+
+    async def run(self, fn, *, barrier: bool = False) -> Any:
+        return await asyncio.wrap_future(self.scheduler.call(fn, barrier=barrier))
+
+
+def _engine(request: Request) -> Engine:
+    return request.app.state.engine
+
+
+EngineDep = Annotated[Engine, Depends(_engine)]
+
+
+def _bearer(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    return header[7:] if header.lower().startswith("bearer ") else None
+
+
+def _require_key(request: Request) -> None:
+    key = request.app.state.engine.config.api_key
+    if key and _bearer(request) != key:
+        raise HTTPException(401, "Unauthorized: a valid 'Authorization: Bearer <api key>' header is required.")
+
+
+def _require_admin_key(request: Request) -> None:
+    cfg = request.app.state.engine.config
+    key = cfg.admin_api_key or cfg.api_key  # SGLang: with an admin key set, the plain key is not accepted
+    if key and _bearer(request) != key:
+        raise HTTPException(401, "Unauthorized: this control route needs the admin API key.")
+
+
+def create_app(config: EngineConfig) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        engine = await asyncio.to_thread(Engine, config)
+        engine.scheduler.start()
+        app.state.engine = engine
+        logger.info("engine ready: %s (%s, context %d, %d rows, weight version %r)", engine.model_name,
+                    config.device, engine.context_length, config.max_running_requests, config.weight_version)
+        try:
+            yield
+        finally:
+            engine.scheduler.stop()
+
+    app = FastAPI(title="inverted embedded engine (SGLang protocol)", lifespan=lifespan)
+    _add_error_handlers(app)
+    _add_generate_routes(app)
+    _add_control_routes(app)
+    _add_info_routes(app)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(SchemaError)
+    async def schema_error(_: Request, exc: SchemaError) -> JSONResponse:
+        return JSONResponse({"error": str(exc)}, status_code=400)
+
+    @app.exception_handler(ValueError)
+    async def value_error(_: Request, exc: ValueError) -> JSONResponse:
+        return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        return JSONResponse(P.error_body(f"{where}: {first.get('msg', 'invalid request')}"), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        return JSONResponse(P.error_body(str(exc.detail), exc.status_code), status_code=exc.status_code)
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw or b"null")
+    except ValueError as exc:
+        raise RequestValidationError([{"loc": ("body",), "msg": f"malformed JSON: {exc}", "type": "json_invalid"}])
+
+
+def _prepare(engine: Engine, item: P.GenerateItem) -> list[int]:
+    """Token ids of an item, checked against the vocabulary and the context length."""
+    if item.input_ids is not None:
+        ids = item.input_ids
+    else:
+        ids = engine.tokenizer.encode(item.text, add_special_tokens=True)
+    if not ids:
+        raise ValueError("The input is empty: input_ids must hold at least one token.")
+    vocab = engine.scheduler.model.spec.vocab_size
+    if any(t < 0 or t >= vocab for t in ids):
+        raise ValueError(f"input_ids must be in [0, {vocab}): the model's vocabulary size is {vocab}.")
+    total = len(ids) + item.params.max_new_tokens
+    if total > engine.context_length:
+        raise ValueError(
+            f"Requested token count exceeds the model's maximum context length of {engine.context_length} tokens. "
+            f"You requested a total of {total} tokens: {len(ids)} tokens from the input messages and "
+            f"{item.params.max_new_tokens} tokens for the completion. Please reduce the number of tokens in the "
+            "input messages or the completion to fit within the limit."
+        )
+    if item.return_logprob and item.logprob_start_len > len(ids):
+        raise ValueError(f"logprob_start_len ({item.logprob_start_len}) is larger than the prompt ({len(ids)} tokens).")
+    if item.rid in engine.inflight:
+        raise ValueError(f"Duplicate request ID detected: {item.rid}")
+    return ids
+
+
+def _add_generate_routes(app: FastAPI) -> None:
+    @app.api_route("/generate", methods=["POST", "PUT"], dependencies=[Depends(_require_key)])
+    async def generate(request: Request, engine: EngineDep) -> Response:
+        items, single, stream = P.parse_generate(await _json_body(request))
+        prompts = [_prepare(engine, item) for item in items]  # validate all before submitting any
+        if len({i.rid for i in items}) != len(items):
+            raise ValueError("Duplicate request ID detected within the batch.")
+        loop = asyncio.get_running_loop()
+        updates: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
+        reqs: list[EngineRequest] = []
+        for pos, (item, ids) in enumerate(zip(items, prompts)):
+            def notify(_req: EngineRequest, n: int, pos: int = pos) -> None:
+                loop.call_soon_threadsafe(updates.put_nowait, (pos, n))
+
+            req = EngineRequest(rid=item.rid, input_ids=ids, params=item.params, notify=notify,
+                                return_logprob=item.return_logprob, logprob_start_len=item.logprob_start_len,
+                                stream=stream)
+            reqs.append(req)
+            engine.inflight[item.rid] = req
+        for req in reqs:
+            engine.scheduler.submit(req)
+        if stream:
+            return StreamingResponse(_stream(engine, items, reqs, updates, single), media_type="text/event-stream")
+        try:
+            remaining = len(reqs)
+            while remaining:
+                pos, n = await updates.get()
+                remaining -= reqs[pos].finished and n == len(reqs[pos].output_ids)
+        except asyncio.CancelledError:  # the client went away: stop the work it asked for
+            _abort(engine, reqs)
+            raise
+        finally:
+            _forget(engine, reqs)
+        version = engine.scheduler.weight_version
+        bodies = [P.generate_response(r, i, len(r.output_ids), engine.tokenizer, version) for r, i in zip(reqs, items)]
+        return JSONResponse(bodies[0] if single else bodies)
+
+
+def _abort(engine: Engine, reqs: list[EngineRequest]) -> None:
+    rids = {r.rid for r in reqs if not r.finished}
+
+    def abort() -> None:
+        for rid in rids:
+            engine.scheduler.abort(rid)
+
+    if rids:
+        engine.scheduler.call(abort)
+
+
+def _forget(engine: Engine, reqs: list[EngineRequest]) -> None:
+    for req in reqs:
+        if engine.inflight.get(req.rid) is req:
+            del engine.inflight[req.rid]
+
+
+async def _stream(engine: Engine, items, reqs, updates: asyncio.Queue, single: bool) -> AsyncIterator[bytes]:
+    """Cumulative SSE chunks (SGLang's default), then ``[DONE]``; a disconnect aborts the requests."""
+    done: set[int] = set()
+    try:
+        while len(done) < len(reqs):
+            pos, n = await updates.get()
+            req = reqs[pos]
+            if pos in done:
+                continue
+            chunk = P.generate_response(req, items[pos], n, engine.tokenizer, engine.scheduler.weight_version)
+            if not single:
+                chunk["index"] = pos
+            if req.finished and n == len(req.output_ids):
+                done.add(pos)
+            yield f"data: {json.dumps(chunk)}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+    finally:
+        if len(done) < len(reqs):
+            _abort(engine, reqs)
+        _forget(engine, reqs)
+
+
+def _ok(message: str, status: int = 200, **extra: Any) -> JSONResponse:
+    return JSONResponse({"success": status == 200, "message": message, **extra}, status_code=status)
+
+
+def _add_control_routes(app: FastAPI) -> None:
+    admin = [Depends(_require_admin_key)]
+
+    @app.post("/pause_generation", dependencies=admin)
+    async def pause_generation(body: P.PauseGenerationRequest, engine: EngineDep) -> JSONResponse:
+        if body.mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"mode must be one of abort, retract, in_place; got {body.mode!r}")
+        await engine.run(lambda: engine.scheduler.pause(body.mode))
+        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+    @app.post("/continue_generation", dependencies=admin)
+    async def continue_generation(body: P.ContinueGenerationRequest, engine: EngineDep) -> JSONResponse:
+        await engine.run(engine.scheduler.resume)
+        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+    @app.post("/abort_request", dependencies=admin)
+    async def abort_request(body: P.AbortRequestRequest, engine: EngineDep) -> Response:
+        await engine.run(lambda: engine.scheduler.abort(body.rid, body.abort_all))
+        return Response(status_code=200)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"], dependencies=admin)
+    async def flush_cache(engine: EngineDep) -> PlainTextResponse:
+        try:
+            await engine.run(engine.scheduler.flush)
+        except RuntimeError as exc:
+            return PlainTextResponse(f"{exc}\n", status_code=400)
+        return PlainTextResponse("Cache flushed.\n")
+
+    @app.post("/update_weight_version", dependencies=admin)
+    async def update_weight_version(body: P.UpdateWeightVersionRequest, engine: EngineDep) -> JSONResponse:
+        def apply() -> None:
+            if body.abort_all_requests:
+                engine.scheduler.abort(abort_all=True)
+            engine.scheduler.weight_version = body.new_version
+
+        await engine.run(apply)
+        return JSONResponse({"success": True, "message": f"Weight version updated to {body.new_version}",
+                             "new_version": body.new_version})
+
+    @app.post("/update_weights_from_disk", dependencies=admin)
+    async def update_weights_from_disk(body: P.UpdateWeightsFromDiskRequest, engine: EngineDep) -> JSONResponse:
+        model = engine.scheduler.model
+
+        def read() -> dict[str, torch.Tensor]:
+            tensors = {n: t.to(model.dtype) for n, t in checkpoint_tensors(body.model_path).items()}
+            model.check_weights(tensors, complete=True)
+            return tensors
+
+        try:
+            tensors = await asyncio.to_thread(read)
+        except ModelError as exc:
+            return _ok(f"Failed to update weights: {exc}. Rolled back to the previous weights.", 400, num_paused_requests=0)
+
+        def apply() -> tuple[str, int]:
+            sched = engine.scheduler
+            if body.abort_all_requests:
+                sched.abort(abort_all=True)
+            model.load_weights(tensors, complete=True)
+            message = "Succeeded to update model weights."
+            if body.weight_version is not None:
+                sched.weight_version = body.weight_version
+                message += f" Weight version updated to {body.weight_version}."
+            paused = len(sched.waiting) if sched.paused else 0
+            if body.flush_cache:
+                if sched.busy():
+                    return "Weights were updated, but the cache was not flushed: requests are running.", paused
+                sched.flush()
+            return message, paused
+
+        message, paused = await engine.run(apply, barrier=not body.abort_all_requests)
+        status = 200 if message.startswith("Succeeded") else 400
+        return _ok(message, status, num_paused_requests=paused)
+
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"], dependencies=admin)
+    async def get_weights_by_name(body: P.GetWeightsByNameRequest, engine: EngineDep) -> JSONResponse:
+        view = engine.scheduler.model.hf_views.get(body.name)
+        if view is None:
+            return JSONResponse({"error": {"message": "Get parameter by name failed"}}, status_code=400)
+        values = await engine.run(lambda: view.detach().float().tolist()[: body.truncate_size])
+        return JSONResponse(values)
+
+    @app.api_route("/release_memory_occupation", methods=["GET", "POST"], dependencies=admin)
+    async def release_memory_occupation(body: P.MemoryOccupationRequest, engine: EngineDep) -> JSONResponse:
+        try:
+            await engine.run(lambda: engine.scheduler.release_memory(body.tags or ["weights", "kv_cache", "cuda_graph"]))
+        except RuntimeError as exc:
+            return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
+        return JSONResponse(None)
+
+    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"], dependencies=admin)
+    async def resume_memory_occupation(body: P.MemoryOccupationRequest, engine: EngineDep) -> JSONResponse:
+        await engine.run(lambda: engine.scheduler.resume_memory(body.tags or ["weights", "kv_cache", "cuda_graph"]))
+        return JSONResponse(None)
+
+
+def _model_info(engine: Engine) -> dict[str, Any]:
+    spec = engine.scheduler.model.spec
+    return {
+        "model_path": engine.config.model, "served_model_name": engine.model_name,
+        "tokenizer_path": engine.config.model, "is_generation": True, "preferred_sampling_params": None,
+        "weight_version": engine.scheduler.weight_version, "load_format": "safetensors",
+        "reasoning_parser": None, "tool_call_parser": None, "disaggregation_mode": "null",
+        "has_image_understanding": False, "has_audio_understanding": False,
+        "model_type": spec.arch, "architectures": [name for name, arch in ARCHITECTURES.items() if arch == spec.arch],
+    }
+
+
+def _server_info(engine: Engine) -> dict[str, Any]:
+    cfg = engine.config
+    return {
+        "model_path": cfg.model, "tokenizer_path": cfg.model, "served_model_name": engine.model_name,
+        "host": cfg.host, "port": cfg.port, "device": cfg.device, "dtype": cfg.dtype,
+        "tp_size": 1, "dp_size": 1, "load_balance_method": "round_robin", "disaggregation_mode": "null",
+        "context_length": engine.context_length, "max_running_requests": cfg.max_running_requests,
+        "max_prefill_tokens": cfg.max_prefill_tokens, "weight_version": cfg.weight_version,
+        "skip_tokenizer_init": False, "max_total_num_tokens": cfg.max_running_requests * engine.context_length,
+        "max_req_input_len": engine.context_length - 1, "startup_time": engine.started,
+        "internal_states": [{**engine.scheduler.load(), **engine.scheduler.stats}],
+        "version": "0.5.23", "frontend": "python", "engine": "inverted-embedded",
+    }
+
+
+def _add_info_routes(app: FastAPI) -> None:
+    auth = [Depends(_require_key)]
+
+    @app.get("/health")
+    async def health(engine: EngineDep) -> Response:
+        return Response(status_code=200 if engine.scheduler.alive else 503)
+
+    @app.get("/health_generate")
+    async def health_generate(engine: EngineDep) -> Response:
+        if not engine.scheduler.alive:
+            return Response(status_code=503)
+        done = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        probe = EngineRequest(rid=f"HEALTH_CHECK_{new_rid()}", input_ids=[0],
+                              params=SamplingParams(max_new_tokens=1, temperature=0.0),
+                              notify=lambda r, n: loop.call_soon_threadsafe(done.set) if r.finished else None)
+        engine.scheduler.submit(probe)
+        try:
+            await asyncio.wait_for(done.wait(), HEALTH_CHECK_TIMEOUT)
+        except asyncio.TimeoutError:
+            engine.scheduler.call(lambda: engine.scheduler.abort(probe.rid))
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/ready")
+    async def ready(engine: EngineDep) -> Response:
+        return Response(status_code=200 if engine.scheduler.alive and engine.scheduler.paused is None else 503)
+
+    @app.get("/", dependencies=auth)
+    async def root() -> PlainTextResponse:
+        return PlainTextResponse("SGLang is running")
+
+    @app.get("/model_info", dependencies=auth)
+    @app.get("/get_model_info", dependencies=auth)
+    async def model_info(engine: EngineDep) -> JSONResponse:
+        return JSONResponse(_model_info(engine))
+
+    @app.get("/server_info", dependencies=auth)
+    @app.get("/get_server_info", dependencies=auth)
+    async def server_info(engine: EngineDep) -> JSONResponse:
+        return JSONResponse(_server_info(engine))
+
+    @app.get("/get_load", dependencies=auth)
+    async def get_load(engine: EngineDep) -> JSONResponse:
+        return JSONResponse([{"dp_rank": 0, **engine.scheduler.load(), "num_pending_tokens": 0, "ts_tic": time.time()}])
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models(engine: EngineDep) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{
+            "id": engine.model_name, "object": "model", "created": int(engine.started), "owned_by": "sglang",
+            "root": engine.model_name, "max_model_len": engine.context_length}]})
+
+    @app.get("/metrics")
+    async def metrics(engine: EngineDep) -> PlainTextResponse:
+        load, stats = engine.scheduler.load(), engine.scheduler.stats
+        lines = [
+            f"sglang:num_running_reqs {load['num_running_reqs']}",
+            f"sglang:num_queue_reqs {load['num_waiting_reqs']}",
+            f"sglang:num_requests_total {stats['requests_total']}",
+            f"sglang:prompt_tokens_total {stats['prompt_tokens']}",
+            f"sglang:generation_tokens_total {stats['generated_tokens']}",
+            f"sglang:num_aborted_requests_total {stats['requests_aborted']}",
+        ]
+        return PlainTextResponse("\n".join(lines) + "\n")
