@@ -150,7 +150,7 @@ class EngineConfig:
     api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on every route but health")
     admin_api_key: str | None = option(None, "key for control and weight routes (then api_key is not accepted there)")
     num_threads: int = option(0, "torch CPU threads (0: all cores)")
-    random_seed: int = option(0, "seed for requests that give no sampling_seed")
+    random_seed: int | None = option(None, "seed for requests without sampling_seed (default: fresh per process, so engines differ)")
     log_level: Literal["debug", "info", "warning", "error"] = option("info", "log level")
 
     def __post_init__(self) -> None:

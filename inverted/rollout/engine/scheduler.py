@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 import uuid
@@ -71,7 +72,7 @@ class Scheduler:
     """Owns the model, the KV cache and the queues; all mutation happens on its thread."""
 
     def __init__(self, model: CausalLM, *, max_running: int, context_length: int, max_prefill_tokens: int,
-                 weight_version: str, stop_checker: Callable[[Request], str | None], random_seed: int = 0):
+                 weight_version: str, stop_checker: Callable[[Request], str | None], random_seed: int | None = None):
         self.model = model
         self.max_running = max_running
         self.context_length = context_length
@@ -85,7 +86,8 @@ class Scheduler:
         self.paused: str | None = None
         self.memory_released = False
         self.stats = collections.Counter()
-        self._seeds = torch.Generator().manual_seed(random_seed)
+        self._seeds = torch.Generator()
+        self._seeds.manual_seed(random_seed if random_seed is not None else int.from_bytes(os.urandom(8), "little") >> 2)
         self._commands: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future, bool]] = collections.deque()
         self._cond = threading.Condition()
         self._stopping = False

@@ -1,0 +1,275 @@
+"""Async clients for the SGLang server protocol and the sgl-router worker API.
+
+The only modules that know SGLang's URLs and JSON shapes. ``SGLangClient`` talks to one server
+(real SGLang or the embedded engine: same code) or, for the routed data plane (``/generate``),
+to the router. ``RouterClient`` registers and removes workers with sgl-router 0.3.2's
+``/workers`` API. Control and weight routes are never proxied by the router, so callers use one
+``SGLangClient`` per worker URL for them.
+
+Retries live here and only here: connection errors, 502/503/504, and timeouts of idempotent
+calls are retried with exponential backoff and jitter, each attempt logged at WARNING; a 4xx is
+never retried. Exhausted retries raise ``ServiceUnavailable``; a 4xx or an unexpected body raises
+``ProtocolError``; both carry the URL, the status and the start of the body.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import httpx
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_random_exponential
+
+from inverted.errors import ProtocolError, ServiceUnavailable
+
+logger = logging.getLogger(__name__)
+
+RETRY_STATUS = {502, 503, 504}
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """Seconds per call kind; never unbounded."""
+
+    connect: float = 5.0
+    health: float = 5.0
+    control: float = 60.0
+    generate: float = 1800.0
+    weights: float = 600.0
+
+
+class _Retryable(Exception):
+    """Internal: an attempt failed in a way worth another try."""
+
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
+
+
+class _HTTPService:
+    """One ``httpx.AsyncClient`` per service, with the retry policy above."""
+
+    def __init__(self, base_url: str, *, api_key: str | None = None, timeouts: Timeouts = Timeouts(),
+                 max_attempts: int = 4, max_connections: int = 256, transport: httpx.AsyncBaseTransport | None = None):
+        self.base_url = base_url.rstrip("/")
+        self.timeouts = timeouts
+        self.max_attempts = max_attempts
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url, headers=headers, trust_env=False, transport=transport,
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        )
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _timeout(self, seconds: float) -> httpx.Timeout:
+        return httpx.Timeout(seconds, connect=self.timeouts.connect)
+
+    async def request(self, method: str, path: str, *, json_body: Any = None, timeout: float,
+                      idempotent: bool, params: dict | None = None) -> httpx.Response:
+        """Send with retries; return a 2xx response or raise ProtocolError / ServiceUnavailable."""
+        url = self.base_url + path
+
+        async def attempt() -> httpx.Response:
+            try:
+                response = await self._http.request(method, path, json=json_body, params=params, timeout=self._timeout(timeout))
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
+                raise _Retryable(exc) from exc  # the request never reached the server (or got no answer)
+            except httpx.TimeoutException as exc:
+                if idempotent:
+                    raise _Retryable(exc) from exc
+                raise ServiceUnavailable(f"{method} {path} timed out after {timeout}s", url=url) from exc
+            if response.status_code in RETRY_STATUS:
+                raise _Retryable(ServiceUnavailable(f"{method} {path} failed", url=url,
+                                                    status=response.status_code, body=response.text))
+            if response.status_code >= 400:
+                raise ProtocolError(f"{method} {path} was rejected", url=url, status=response.status_code, body=response.text)
+            return response
+
+        def log_retry(state: RetryCallState) -> None:
+            exc = state.outcome.exception() if state.outcome else None
+            logger.warning("%s %s: attempt %d/%d failed (%s); retrying", method, url, state.attempt_number,
+                           self.max_attempts, getattr(exc, "error", exc))
+
+        retrying = AsyncRetrying(
+            retry=retry_if_exception(lambda e: isinstance(e, _Retryable)), stop=stop_after_attempt(self.max_attempts),
+            wait=wait_random_exponential(multiplier=0.2, max=5.0), before_sleep=log_retry, reraise=True,
+        )
+        try:
+            async for step in retrying:
+                with step:
+                    return await attempt()
+        except _Retryable as exc:
+            error = exc.error
+            if isinstance(error, ServiceUnavailable):
+                raise error from None
+            raise ServiceUnavailable(f"{method} {path}: {type(error).__name__}: {error}", url=url) from None
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def json_of(response: httpx.Response) -> Any:
+        try:
+            return response.json()
+        except ValueError:
+            raise ProtocolError("expected a JSON body", url=str(response.request.url), status=response.status_code,
+                                body=response.text) from None
+
+
+def _check_success(response: httpx.Response, body: Any) -> dict[str, Any]:
+    """Weight and control routes answer ``{"success": bool, "message": str}``; False is an error."""
+    if not isinstance(body, dict) or "success" not in body:
+        raise ProtocolError("expected {success, message}", url=str(response.request.url), status=response.status_code,
+                            body=response.text)
+    if not body["success"]:
+        raise ProtocolError(body.get("message", "failed"), url=str(response.request.url), status=response.status_code,
+                            body=response.text)
+    return body
+
+
+class SGLangClient(_HTTPService):
+    """One SGLang-protocol server (or, for ``generate``, the router in front of several)."""
+
+    # ---- data plane ----------------------------------------------------------------------
+
+    async def generate(self, payload: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
+        """``POST /generate``; one object for a single prompt, a list for batches and ``n > 1``."""
+        response = await self.request("POST", "/generate", json_body={**payload, "stream": False},
+                                      timeout=self.timeouts.generate, idempotent=False)
+        return self.json_of(response)
+
+    async def generate_stream(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """``POST /generate`` with ``stream``: yields each cumulative chunk until ``[DONE]``."""
+        url = self.base_url + "/generate"
+        try:
+            async with self._http.stream("POST", "/generate", json={**payload, "stream": True},
+                                         timeout=self._timeout(self.timeouts.generate)) as response:
+                if response.status_code >= 400:
+                    body = (await response.aread()).decode(errors="replace")
+                    error = ServiceUnavailable if response.status_code in RETRY_STATUS else ProtocolError
+                    raise error("POST /generate (stream) was rejected", url=url, status=response.status_code, body=body)
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        return
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        raise ProtocolError("stream error", url=url, status=response.status_code, body=data)
+                    yield chunk
+        except httpx.TransportError as exc:
+            raise ServiceUnavailable(f"POST /generate (stream): {type(exc).__name__}: {exc}", url=url) from exc
+
+    # ---- health and info -----------------------------------------------------------------
+
+    async def _probe(self, path: str, timeout: float) -> bool:
+        try:
+            response = await self._http.get(path, timeout=self._timeout(timeout))
+        except httpx.TransportError:
+            return False
+        return response.status_code == 200
+
+    async def health(self) -> bool:
+        return await self._probe("/health", self.timeouts.health)
+
+    async def health_generate(self, timeout: float = 30.0) -> bool:
+        return await self._probe("/health_generate", timeout)
+
+    async def ready(self) -> bool:
+        return await self._probe("/ready", self.timeouts.health)
+
+    async def _get_json(self, path: str) -> Any:
+        response = await self.request("GET", path, timeout=self.timeouts.control, idempotent=True)
+        return self.json_of(response)
+
+    async def model_info(self) -> dict[str, Any]:
+        return await self._get_json("/model_info")
+
+    async def server_info(self) -> dict[str, Any]:
+        return await self._get_json("/server_info")
+
+    async def weight_version(self) -> str:
+        return (await self.model_info())["weight_version"]
+
+    # ---- control -------------------------------------------------------------------------
+
+    async def _post(self, path: str, body: dict[str, Any], *, timeout: float | None = None, idempotent: bool = True) -> httpx.Response:
+        return await self.request("POST", path, json_body=body, timeout=timeout or self.timeouts.control, idempotent=idempotent)
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        await self._post("/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> None:
+        await self._post("/continue_generation", {})
+
+    async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        await self._post("/abort_request", {"rid": rid, "abort_all": abort_all})
+
+    async def flush_cache(self) -> bool:
+        """True if flushed; False if the server refused because requests are running or queued."""
+        try:
+            await self._post("/flush_cache", {})
+        except ProtocolError as exc:
+            if exc.status == 400:
+                return False
+            raise
+        return True
+
+    async def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> str:
+        response = await self._post("/update_weight_version", {"new_version": new_version,
+                                                               "abort_all_requests": abort_all_requests})
+        return _check_success(response, self.json_of(response))["new_version"]
+
+    async def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None,
+                                       flush_cache: bool = True, abort_all_requests: bool = False) -> dict[str, Any]:
+        body = {"model_path": model_path, "weight_version": weight_version, "flush_cache": flush_cache,
+                "abort_all_requests": abort_all_requests}
+        try:
+            response = await self._post("/update_weights_from_disk", body, timeout=self.timeouts.weights, idempotent=False)
+        except ProtocolError as exc:  # SGLang answers a failed load with 400 {success: false, message}
+            raise ProtocolError(f"update_weights_from_disk({model_path}) failed", url=exc.url, status=exc.status,
+                                body=exc.body) from None
+        return _check_success(response, self.json_of(response))
+
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        response = await self._post("/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
+        return self.json_of(response)
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        await self._post("/release_memory_occupation", {"tags": tags})
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        await self._post("/resume_memory_occupation", {"tags": tags})
+
+
+class RouterClient(_HTTPService):
+    """sgl-router 0.3.2's worker API (``/workers``; the old ``/add_worker`` routes are gone)."""
+
+    async def list_workers(self) -> list[dict[str, Any]]:
+        return self.json_of(await self.request("GET", "/workers", timeout=self.timeouts.control, idempotent=True))["workers"]
+
+    async def add_worker(self, url: str, **fields: Any) -> str:
+        """Register a worker (asynchronous at the router: poll ``list_workers``); return its id."""
+        response = await self.request("POST", "/workers", json_body={"url": url, **fields},
+                                      timeout=self.timeouts.control, idempotent=True)
+        return self.json_of(response)["worker_id"]
+
+    async def remove_worker(self, url: str) -> bool:
+        """Remove by URL (the router removes by id): False if no such worker is registered."""
+        for worker in await self.list_workers():
+            if worker["url"] == url:
+                await self.request("DELETE", f"/workers/{worker['id']}", timeout=self.timeouts.control, idempotent=True)
+                return True
+        return False
+
+    async def healthy_urls(self) -> set[str]:
+        return {w["url"] for w in await self.list_workers() if w.get("is_healthy")}

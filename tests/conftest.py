@@ -1,0 +1,122 @@
+"""Shared fixtures: tiny checkpoints made locally, and real engine / router processes on loopback.
+
+Every service under test runs as a real process on 127.0.0.1 with a free port; fixtures wait on
+``/health`` with a deadline, yield the URL, terminate (then kill) on teardown, and print the
+process log when a test using them fails.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from inverted.config import TinyModelConfig
+from inverted.rollout.servers import ManagedProcess, free_port
+from inverted.tiny_model import make_tiny_model
+
+ARCHS = ("qwen2", "qwen3", "llama")
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(models_dir):
+    """``tiny_model(arch, seed=0) -> Path``: a cached local checkpoint."""
+    def make(arch: str = "qwen2", seed: int = 0, preset: str = "tiny") -> Path:
+        out = models_dir / f"{arch}-{preset}-{seed}"
+        if not (out / "config.json").exists():
+            make_tiny_model(TinyModelConfig(out=str(out), arch=arch, preset=preset, seed=seed))
+        return out
+    return make
+
+
+def wait_for_health(proc: ManagedProcess, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        proc.check_alive()
+        try:
+            if httpx.get(proc.url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{proc.name} not healthy after {timeout}s:\n{proc.tail()}")
+
+
+class ProcessPool:
+    """Starts real processes and tears them down; dumps their logs if a test failed."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self.procs: list[ManagedProcess] = []
+
+    def engine(self, model: Path, *extra: str, name: str = "engine") -> ManagedProcess:
+        port = free_port()
+        argv = [sys.executable, "-m", "inverted.cli", "serve-engine", "--model", str(model), "--port", str(port),
+                "--num-threads", "1", *extra]
+        proc = ManagedProcess.spawn(f"{name}-{port}", argv, self.log_dir / f"{name}-{port}.log", f"http://127.0.0.1:{port}")
+        self.procs.append(proc)
+        wait_for_health(proc)
+        return proc
+
+    def router(self, *args: str) -> ManagedProcess:
+        port = free_port()
+        argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+                "--prometheus-port", str(free_port()), "--log-level", "warn", *args]
+        proc = ManagedProcess.spawn(f"router-{port}", argv, self.log_dir / f"router-{port}.log", f"http://127.0.0.1:{port}")
+        self.procs.append(proc)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            proc.check_alive()
+            try:
+                if httpx.get(proc.url + "/workers", timeout=2).status_code == 200:
+                    return proc
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"router not up:\n{proc.tail()}")
+
+    def close(self, failed: bool) -> None:
+        for proc in self.procs:
+            proc.terminate()
+            if failed:
+                sys.stderr.write(f"\n----- log of {proc.name} -----\n{proc.tail(60)}\n")
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    setattr(item, f"rep_{report.when}", report)
+    return report
+
+
+def _failed(request) -> bool:
+    return any(getattr(request.node, f"rep_{w}", None) is not None and getattr(request.node, f"rep_{w}").failed
+               for w in ("setup", "call"))
+
+
+@pytest.fixture
+def procs(request, tmp_path):
+    pool = ProcessPool(tmp_path / "logs")
+    yield pool
+    pool.close(_failed(request))
+
+
+@pytest.fixture(scope="module")
+def module_procs(request, tmp_path_factory):
+    pool = ProcessPool(tmp_path_factory.mktemp("logs"))
+    failures_before = request.session.testsfailed
+    yield pool
+    pool.close(request.session.testsfailed > failures_before)

@@ -1,0 +1,146 @@
+"""Continuous batching and sampling behaviour, through a real engine process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(scope="module")
+def engine(module_procs, tiny_model):
+    return module_procs.engine(tiny_model("qwen2"), "--max-running-requests", "64").url
+
+
+def generate(url: str, **body) -> dict:
+    response = httpx.post(url + "/generate", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+async def test_short_requests_are_not_held_behind_a_long_one(engine):
+    finished: dict[str, float] = {}
+    async with httpx.AsyncClient(base_url=engine, timeout=120) as client:
+        async def run(name: str, max_new_tokens: int) -> dict:
+            r = await client.post("/generate", json={"input_ids": [3, 4, 5], "sampling_params": {
+                "max_new_tokens": max_new_tokens, "ignore_eos": True}})
+            finished[name] = time.monotonic()
+            return r.json()
+
+        long_task = asyncio.create_task(run("long", 1500))
+        await asyncio.sleep(0.5)  # the long request is decoding when the short ones arrive
+        shorts = await asyncio.gather(*(run(f"short{i}", 8) for i in range(4)))
+        assert not long_task.done(), "short requests waited for the long one to finish"
+        long_out = await long_task
+    assert all(len(s["output_ids"]) == 8 for s in shorts)
+    assert len(long_out["output_ids"]) == 1500
+    assert max(finished[f"short{i}"] for i in range(4)) < finished["long"]
+
+
+async def test_64_concurrent_requests_complete_with_their_lengths(engine):
+    async with httpx.AsyncClient(base_url=engine, timeout=300) as client:
+        async def run(i: int) -> dict:
+            r = await client.post("/generate", json={"input_ids": list(range(10, 10 + 1 + i % 17)), "sampling_params": {
+                "max_new_tokens": 5 + (i * 7) % 60, "ignore_eos": True, "temperature": 0.9}, "return_logprob": True})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        outs = await asyncio.gather(*(run(i) for i in range(64)))
+    for i, out in enumerate(outs):
+        n = 5 + (i * 7) % 60
+        assert len(out["output_ids"]) == n and out["meta_info"]["completion_tokens"] == n
+        assert len(out["meta_info"]["output_token_logprobs"]) == n
+        assert out["meta_info"]["prompt_tokens"] == 1 + i % 17
+        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": n}
+
+
+async def test_a_request_is_the_same_alone_and_in_a_busy_batch(engine):
+    """Batch invariance: rows of different lengths must not leak into each other's attention."""
+    probe = {"input_ids": [9, 8, 7, 6, 5], "sampling_params": {"max_new_tokens": 30, "temperature": 0}, "return_logprob": True}
+    alone = generate(engine, **probe)
+    async with httpx.AsyncClient(base_url=engine, timeout=120) as client:
+        noise = [client.post("/generate", json={"input_ids": list(range(1, 2 + 13 * k)), "sampling_params": {
+            "max_new_tokens": 20 + k, "ignore_eos": True}}) for k in range(12)]
+        results = await asyncio.gather(*noise[:6], client.post("/generate", json=probe), *noise[6:])
+    busy = results[6].json()
+    assert busy["output_ids"] == alone["output_ids"]
+    diffs = [abs(a[0] - b[0]) for a, b in zip(alone["meta_info"]["output_token_logprobs"], busy["meta_info"]["output_token_logprobs"])]
+    assert max(diffs) < 1e-4
+
+
+def test_sampling_seed_reproduces_and_n_gives_distinct_samples(engine):
+    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 16, "ignore_eos": True, "sampling_seed": 1234}}
+    assert generate(engine, **body)["output_ids"] == generate(engine, **body)["output_ids"]
+    many = generate(engine, input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 16, "ignore_eos": True, "n": 4}, rid="mine")
+    assert isinstance(many, list) and len(many) == 4
+    assert len({tuple(m["output_ids"]) for m in many}) == 4
+    assert len({m["meta_info"]["id"] for m in many}) == 4 and all(m["meta_info"]["id"] != "mine" for m in many)
+
+
+def test_batch_input_keeps_order_and_rids(engine):
+    outs = generate(engine, input_ids=[[1, 2], [3, 4, 5], [6]], rid="batch",
+                    sampling_params=[{"max_new_tokens": n, "ignore_eos": True} for n in (2, 3, 4)])
+    assert [o["meta_info"]["id"] for o in outs] == ["batch_0", "batch_1", "batch_2"]
+    assert [len(o["output_ids"]) for o in outs] == [2, 3, 4]
+    assert [o["meta_info"]["prompt_tokens"] for o in outs] == [2, 3, 1]
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy(engine):
+    greedy = generate(engine, input_ids=[40, 41, 42], sampling_params={"max_new_tokens": 20, "temperature": 0, "ignore_eos": True})
+    for params in ({"top_k": 1}, {"top_p": 1e-9}, {"min_p": 1.0}):
+        out = generate(engine, input_ids=[40, 41, 42], sampling_params={"max_new_tokens": 20, "ignore_eos": True, **params})
+        assert out["output_ids"] == greedy["output_ids"], params
+
+
+def test_stop_token_ids_stop_strings_and_min_new_tokens(engine):
+    base = generate(engine, input_ids=[50, 51], sampling_params={"max_new_tokens": 20, "temperature": 0, "ignore_eos": True})
+    ids = base["output_ids"]
+    stop_id = ids[5]
+    first = ids.index(stop_id)
+    out = generate(engine, input_ids=[50, 51], sampling_params={"max_new_tokens": 20, "temperature": 0, "stop_token_ids": [stop_id]})
+    assert out["output_ids"] == ids[: first + 1]  # the stop token is included
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
+    # min_new_tokens bans stop tokens until reached: sampling must differ at that step, so no early stop.
+    held = generate(engine, input_ids=[50, 51], sampling_params={
+        "max_new_tokens": 20, "temperature": 0, "stop_token_ids": [stop_id], "min_new_tokens": first + 2})
+    assert len(held["output_ids"]) >= first + 2
+    assert stop_id not in held["output_ids"][: first + 2]
+    # A stop string: trimmed from text, matched reported, output_ids up to the token that completed it.
+    text = base["text"]
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    assert stop.strip(), text
+    out = generate(engine, input_ids=[50, 51], sampling_params={"max_new_tokens": 20, "temperature": 0, "stop": [stop], "ignore_eos": True})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert stop not in out["text"] and text.startswith(out["text"])
+    assert out["output_ids"] == ids[: len(out["output_ids"])]
+    kept = generate(engine, input_ids=[50, 51], sampling_params={"max_new_tokens": 20, "temperature": 0, "stop": stop,
+                                                                 "ignore_eos": True, "no_stop_trim": True})
+    assert stop in kept["text"]
+
+
+def test_text_prompt_and_stream_are_cumulative(engine):
+    chunks = []
+    with httpx.stream("POST", engine + "/generate", timeout=60, json={
+            "text": "What is 2 + 3?", "stream": True, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                chunks.append(line[6:])
+    assert chunks[-1] == "[DONE]"
+    bodies = [json.loads(c) for c in chunks[:-1]]
+    assert [len(b["output_ids"]) for b in bodies] == [1, 2, 3, 4, 5, 6]
+    assert all(b["meta_info"]["finish_reason"] is None for b in bodies[:-1])
+    assert bodies[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+    assert all(bodies[i + 1]["output_ids"][: i + 1] == bodies[i]["output_ids"] for i in range(5))
+    whole = generate(engine, text="What is 2 + 3?", sampling_params={"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
+    assert whole["output_ids"] == bodies[-1]["output_ids"] and whole["text"] == bodies[-1]["text"]
+
+
+def test_max_new_tokens_zero_returns_no_tokens(engine):
+    out = generate(engine, input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 0})
+    assert out["output_ids"] == [] and out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}

@@ -1,0 +1,86 @@
+"""Embedded engines behind the real sgl-router, started and registered by ``RolloutServers``."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from inverted.config import ServersConfig
+from inverted.rollout.servers import RolloutServers
+from inverted.rollout.sglang_client import RouterClient, SGLangClient
+
+pytestmark = pytest.mark.anyio
+
+
+def requests_served(url: str) -> int:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith("sglang:num_requests_total "):
+            return int(line.split()[1])
+    raise AssertionError("no request counter")
+
+
+def body(i: int, prefix: list[int] | None = None) -> dict:
+    ids = (prefix or []) + [100 + i, 7, 8, 9]
+    return {"input_ids": ids, "return_logprob": True, "sampling_params": {"max_new_tokens": 6, "ignore_eos": True}}
+
+
+async def test_round_robin_cache_aware_and_worker_registration(tiny_model, tmp_path, module_procs):
+    cfg = ServersConfig(hf_checkpoint=str(tiny_model("qwen2")), num_engines=2, engine_threads=1, log_dir=str(tmp_path))
+    async with RolloutServers(cfg, ["--policy", "round_robin"]) as servers:
+        a, b = servers.engine_urls
+        async with SGLangClient(servers.router_url) as client, RouterClient(servers.router_url) as router:
+            outs = await asyncio.gather(*(client.generate(body(i)) for i in range(10)))
+            for out in outs:
+                assert len(out["output_ids"]) == 6 and len(out["meta_info"]["output_token_logprobs"]) == 6
+                assert out["meta_info"]["weight_version"] == "default"
+            assert requests_served(a) == 5 and requests_served(b) == 5
+
+            # A third engine registered with POST /workers receives its share.
+            c = await servers.add_engine()
+            assert {w["url"] for w in await router.list_workers()} == {a, b, c}
+            for i in range(9):
+                await client.generate(body(i))
+            assert requests_served(c) == 3
+
+            # Removed by URL (the router removes by id): it gets nothing more.
+            assert await router.remove_worker(c)
+            for _ in range(100):
+                if c not in {w["url"] for w in await router.list_workers()}:
+                    break
+                await asyncio.sleep(0.1)
+            before = requests_served(c)
+            await asyncio.gather(*(client.generate(body(i)) for i in range(6)))
+            assert requests_served(c) == before
+
+        # A second router with the cache-aware policy over the same engines: a shared prefix sticks.
+        cache_router = module_procs.router("--policy", "cache_aware")
+        async with RouterClient(cache_router.url) as router2, SGLangClient(cache_router.url) as client2:
+            for url in (a, b):
+                await router2.add_worker(url)
+            while len(await router2.healthy_urls()) < 2:
+                await asyncio.sleep(0.1)
+            counts = {u: requests_served(u) for u in (a, b)}
+            prefix = list(range(300, 364))
+            for i in range(8):
+                out = await client2.generate(body(i, prefix))
+                assert len(out["output_ids"]) == 6
+            served = {u: requests_served(u) - counts[u] for u in (a, b)}
+            assert sorted(served.values()) == [0, 8], served
+
+
+async def test_servers_report_a_dead_engine_with_its_log(tmp_path, tiny_model):
+    # A checkpoint whose config is unreadable: the engine exits, and startup says why.
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in tiny_model("qwen2").iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    (broken / "config.json").write_text("{not json")
+    cfg = ServersConfig(hf_checkpoint=str(broken), num_engines=1, engine_threads=1, log_dir=str(tmp_path / "logs"),
+                        startup_timeout=60)
+    from inverted.errors import ServiceUnavailable
+
+    with pytest.raises(ServiceUnavailable, match=r"(?s)engine-0 exited with code [1-9].*config.json"):
+        async with RolloutServers(cfg):
+            pass
