@@ -7,8 +7,8 @@ each so a step runs few, large matmuls. ``hf_views`` is the single declarative n
 Hugging Face parameter name maps to a view into the fused tensors, so loading, weight updates and
 ``get_weights_by_name`` all go through the same names and never through per-layer converters.
 
-Two entry points share the layers: ``prefill`` runs one request's new tokens into its KV-cache
-row; ``decode`` runs one token for each of the first B rows. Rows are kept compact by the
+Two entry points share the layers: ``prefill`` runs newly admitted requests' tokens (packed into
+one forward) into their KV-cache rows; ``decode`` runs one token for each of the first B rows. Rows are kept compact by the
 scheduler (``KVCache.move_row``) so a decode step attends over ``cache[:, :B]`` without gathers.
 This module owns no scheduling and no HTTP.
 """
@@ -180,7 +180,10 @@ class CausalLM(torch.nn.Module):
             layer.gate_up = param(2 * s.intermediate_size, s.hidden_size)
             layer.down = param(s.hidden_size, s.intermediate_size)
             self.layers.append(layer)
-        self.inv_freq = rope_inv_freq(spec).to(device)
+        # cos/sin for every position, once: a step only indexes them.
+        freqs = torch.outer(torch.arange(spec.max_position_embeddings, dtype=torch.float32), rope_inv_freq(spec))
+        angles = torch.cat((freqs, freqs), dim=-1)
+        self.rope_cos, self.rope_sin = angles.cos().to(device, dtype), angles.sin().to(device, dtype)
         self.hf_views = self._hf_views()
 
     def _hf_views(self) -> dict[str, torch.Tensor]:
@@ -235,85 +238,103 @@ class CausalLM(torch.nn.Module):
             self.hf_views[name].copy_(tensor)
 
     # ---- forward -------------------------------------------------------------------------
+    # Activations are 2-D, [tokens, hidden]: a prefill's T tokens or a decode step's B rows. On a
+    # CPU every kernel launch costs a thread fork/join, so the layer is written in few of them:
+    # residual adds ride in ``addmm``, RMSNorm carries its weight, RoPE turns q and k in one go.
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # As Hugging Face does it: normalise in fp32, cast back, then scale.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
-        return weight * xf.to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), weight, self.spec.rms_norm_eps)
 
-    def _rope(self, x_NHTD: torch.Tensor, positions_NT: torch.Tensor) -> torch.Tensor:
-        freqs = positions_NT.float()[..., None] * self.inv_freq  # N, T, D/2
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x_NHTD.dtype)[:, None], emb.sin().to(x_NHTD.dtype)[:, None]
-        half = x_NHTD.shape[-1] // 2
-        rotated = torch.cat((-x_NHTD[..., half:], x_NHTD[..., :half]), dim=-1)
-        return x_NHTD * cos + rotated * sin
+    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin for ``positions``, shaped ``[T, 1, D]`` to broadcast over heads."""
+        half = self.spec.head_dim // 2
+        sin = self.rope_sin[positions]
+        return self.rope_cos[positions][:, None], torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)[:, None]
 
-    def _qkv(self, layer, x_NTH: torch.Tensor, positions_NT: torch.Tensor):
+    def _qkv(self, layer, x_TH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        """Roped queries ``[T, Hq, D]``, roped keys and values ``[T, Hkv, D]``."""
         s = self.spec
-        n, t, _ = x_NTH.shape
-        qkv = F.linear(self._norm(x_NTH, layer.ln1), layer.qkv, layer.qkv_bias)
-        q, k, v = qkv.split([s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim], -1)
-        q = q.view(n, t, s.num_heads, s.head_dim).transpose(1, 2)
-        k = k.view(n, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
-        v = v.view(n, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
-        if layer.q_norm is not None:
-            q, k = self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)
-        return self._rope(q, positions_NT), self._rope(k, positions_NT), v
+        h = self._norm(x_TH, layer.ln1)
+        qkv = torch.addmm(layer.qkv_bias, h, layer.qkv.t()) if layer.qkv_bias is not None else h @ layer.qkv.t()
+        qkv = qkv.view(-1, s.num_heads + 2 * s.num_kv_heads, s.head_dim)
+        qk, v = qkv[:, : s.num_heads + s.num_kv_heads], qkv[:, s.num_heads + s.num_kv_heads :]
+        if layer.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k before RoPE
+            qk = torch.cat((self._norm(qk[:, : s.num_heads], layer.q_norm), self._norm(qk[:, s.num_heads :], layer.k_norm)), 1)
+        cos, sin = rope
+        half = s.head_dim // 2
+        rotated = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
+        qk = torch.addcmul(qk * cos, rotated, sin)
+        return qk[:, : s.num_heads], qk[:, s.num_heads :], v
 
-    def _finish_layer(self, layer, x_NTH: torch.Tensor, attn_NHTD: torch.Tensor) -> torch.Tensor:
-        n, _, t, _ = attn_NHTD.shape
-        x_NTH = x_NTH + F.linear(attn_NHTD.transpose(1, 2).reshape(n, t, -1), layer.o)
-        gate, up = F.linear(self._norm(x_NTH, layer.ln2), layer.gate_up).chunk(2, dim=-1)
-        return x_NTH + F.linear(F.silu(gate) * up, layer.down)
+    def _finish_layer(self, layer, x_TH: torch.Tensor, attn_TX: torch.Tensor) -> torch.Tensor:
+        x_TH = torch.addmm(x_TH, attn_TX, layer.o.t())
+        gate, up = (self._norm(x_TH, layer.ln2) @ layer.gate_up.t()).chunk(2, dim=-1)
+        return torch.addmm(x_TH, F.silu(gate).mul_(up), layer.down.t())
 
-    def logits(self, hidden_NH: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden_TH: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the final hidden states."""
-        return F.linear(self._norm(hidden_NH, self.norm), self.lm_head).float()
+        return (self._norm(hidden_TH, self.norm) @ self.lm_head.t()).float()
 
     @torch.no_grad()
-    def prefill(self, cache: KVCache, row: int, tokens: list[int], start: int) -> torch.Tensor:
-        """Run ``tokens`` at positions ``start..`` of cache ``row``; return final hidden states ``[T, H]``.
+    def prefill(self, cache: KVCache, rows: list[int], tokens: list[list[int]], starts: list[int]) -> list[torch.Tensor]:
+        """Run several requests' new tokens in one packed forward; return each one's hidden states ``[T_i, H]``.
 
-        Positions before ``start`` must already hold this row's keys and values (prefix reuse).
+        Request i's ``tokens[i]`` go to positions ``starts[i]..`` of cache row ``rows[i]``; positions
+        before ``starts[i]`` must already hold that row's keys and values (prefix reuse). Token-wise
+        work (projections, MLP) runs on all requests at once; attention runs per request.
         """
-        t = len(tokens)
-        end = start + t
-        cache.reserve(end)
-        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        positions = torch.arange(start, end, device=self.device)[None]
-        x = F.embedding(ids, self.embed)[None]
-        # Query i (at start+i) sees keys 0..start+i.
-        mask = None if start == 0 else torch.ones(t, end, dtype=torch.bool, device=self.device).tril(start)
+        lengths = [len(t) for t in tokens]
+        ends = [start + n for start, n in zip(starts, lengths)]
+        cache.reserve(max(ends))
+        x = F.embedding(torch.tensor([t for ts in tokens for t in ts], dtype=torch.long, device=self.device), self.embed)
+        positions = torch.cat([torch.arange(a, b, device=self.device) for a, b in zip(starts, ends)])
+        rope = self._rope_tables(positions)
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
         for li, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, positions)
-            cache.k[li, row, :, start:end] = k[0]
-            cache.v[li, row, :, start:end] = v[0]
-            keys, values = cache.k[li, row : row + 1, :, :end], cache.v[li, row : row + 1, :, :end]
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+            q, k, v = self._qkv(layer, x, rope)
+            attn = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=self.device)
+            for row, start, end, lo, hi in zip(rows, starts, ends, offsets, offsets[1:]):
+                cache.k[li, row, :, start:end] = k[lo:hi].transpose(0, 1)
+                cache.v[li, row, :, start:end] = v[lo:hi].transpose(0, 1)
+                # Query j (at start+j) sees keys 0..start+j.
+                mask = None if start == 0 else torch.ones(hi - lo, end, dtype=torch.bool, device=self.device).tril(start)
+                out = F.scaled_dot_product_attention(
+                    q[lo:hi].transpose(0, 1)[None], cache.k[li, row : row + 1, :, :end], cache.v[li, row : row + 1, :, :end],
+                    attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+                attn[lo:hi] = out[0].transpose(0, 1).reshape(hi - lo, -1)
             x = self._finish_layer(layer, x, attn)
-        return x[0]
+        return [x[lo:hi] for lo, hi in zip(offsets, offsets[1:])]
 
     @torch.no_grad()
     def decode(self, cache: KVCache, tokens: list[int], positions: list[int]) -> torch.Tensor:
         """One token for each of rows ``0..B-1`` at the given positions; return hidden states ``[B, H]``."""
-        b = len(tokens)
+        s = self.spec
+        b, kv_heads, group = len(tokens), s.num_kv_heads, s.num_heads // s.num_kv_heads
         longest = max(positions) + 1
         cache.reserve(longest)
-        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         rows = torch.arange(b, device=self.device)
-        x = F.embedding(ids, self.embed)[:, None]
-        mask = (torch.arange(longest, device=self.device)[None] <= pos[:, None])[:, None, None]  # B,1,1,L
+        x = F.embedding(torch.tensor(tokens, dtype=torch.long, device=self.device), self.embed)
+        rope = self._rope_tables(pos)
+        # Each row attends over its own length: an additive -inf mask past it, one per (row, kv head).
+        past = torch.arange(longest, device=self.device)[None] > pos[:, None]
+        bias = torch.zeros(b, longest, dtype=cache.dtype, device=self.device).masked_fill_(past, float("-inf"))
+        bias = bias.repeat_interleave(kv_heads, dim=0)[:, None]  # B*Hkv, 1, L
         for li, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, pos[:, None])
-            cache.k[li, rows, :, pos] = k[:, :, 0]
-            cache.v[li, rows, :, pos] = v[:, :, 0]
-            keys, values = cache.k[li, :b, :, :longest], cache.v[li, :b, :, :longest]
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-            x = self._finish_layer(layer, x, attn)
-        return x[:, 0]
+            q, k, v = self._qkv(layer, x, rope)
+            cache.k[li, rows, :, pos] = k
+            cache.v[li, rows, :, pos] = v
+            # Grouped-query attention as batched matmuls over (row, kv head): the G query heads of a
+            # KV head share its keys, so K and V are never copied out per query head.
+            keys = cache.k[li, :b, :, :longest].reshape(b * kv_heads, longest, s.head_dim)
+            values = cache.v[li, :b, :, :longest].reshape(b * kv_heads, longest, s.head_dim)
+            scores = torch.baddbmm(bias, q.reshape(b * kv_heads, group, s.head_dim), keys.transpose(1, 2),
+                                   alpha=s.head_dim ** -0.5)
+            attn = torch.bmm(torch.softmax(scores, dim=-1), values)  # B*Hkv, G, D
+            x = self._finish_layer(layer, x, attn.view(b, -1))
+        return x
 
 
 def checkpoint_tensors(path: str | Path) -> dict[str, torch.Tensor]:

@@ -6,9 +6,9 @@ schema errors (``SchemaError``, answered ``400 {"error": "<text>"}``); values ou
 
 ``sample`` draws one token per row. The logprob it returns is the one SGLang returns by default:
 ``log_softmax(logits / temperature)`` at the sampled token, before top-k/top-p/min-p filtering
-(greedy rows use temperature 1). Every request owns a ``torch.Generator``, seeded from its
-``sampling_seed`` when given, so a seeded request samples the same tokens whatever else shares
-its batch.
+(greedy rows use temperature 1). A request with a ``sampling_seed`` owns a ``torch.Generator``,
+so it samples the same tokens whatever else shares its batch; the others draw from the engine's
+shared generator in one call.
 """
 
 from __future__ import annotations
@@ -120,8 +120,8 @@ def _serde_message(exc: ValidationError) -> str:
 
 
 def sample(
-    logits_BV: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
-    banned: list[list[int]],
+    logits_BV: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+    banned: list[list[int]], shared: torch.Generator,
 ) -> tuple[list[int], list[float]]:
     """Draw one token per row; return token ids and their (temperature-scaled) logprobs.
 
@@ -138,17 +138,20 @@ def sample(
     if sampled_rows:
         rows = torch.tensor(sampled_rows, device=logits_BV.device)
         probs = _filter(logprobs_BV[rows].exp(), [params[i] for i in sampled_rows])
-        # Exponential race: argmax(p / E), E ~ Exp(1), draws from p; one generator per request.
-        noise = torch.empty_like(probs)
+        # Inverse CDF: one uniform per row (CPU RNG is slow per element, so never draw a vocab's worth).
+        uniform = torch.rand(len(sampled_rows), generator=shared, device=probs.device)
         for j, i in enumerate(sampled_rows):
-            noise[j].exponential_(generator=generators[i])
-        chosen[rows] = (probs / noise).argmax(dim=-1)
+            if generators[i] is not None:
+                uniform[j] = torch.rand(1, generator=generators[i], device=probs.device)[0]
+        cdf = probs.cumsum(dim=-1)
+        picked = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)[:, 0]
+        chosen[rows] = picked.clamp(max=probs.shape[-1] - 1)
     token_logprobs = logprobs_BV.gather(1, chosen[:, None])[:, 0]
     return chosen.tolist(), token_logprobs.tolist()
 
 
 def _filter(probs_RV: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Zero out what top_k, top_p and min_p exclude (unnormalised; the race does not need sums of 1)."""
+    """Zero out what top_k, top_p and min_p exclude (left unnormalised: the inverse CDF scales by the sum)."""
     top_k = [p.top_k for p in params]
     top_p = [float(p.top_p) for p in params]
     min_p = [float(p.min_p) for p in params]

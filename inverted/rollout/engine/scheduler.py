@@ -52,7 +52,7 @@ class Request:
     return_logprob: bool = False
     logprob_start_len: int = -1
     stream: bool = False
-    generator: torch.Generator = field(default_factory=torch.Generator)
+    generator: torch.Generator | None = None  # only for requests with a sampling_seed
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_versions: list[str] = field(default_factory=list)
@@ -86,7 +86,7 @@ class Scheduler:
         self.paused: str | None = None
         self.memory_released = False
         self.stats = collections.Counter()
-        self._seeds = torch.Generator()
+        self._seeds = torch.Generator(device=model.device)  # shared by requests without a sampling_seed
         self._seeds.manual_seed(random_seed if random_seed is not None else int.from_bytes(os.urandom(8), "little") >> 2)
         self._commands: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future, bool]] = collections.deque()
         self._cond = threading.Condition()
@@ -111,9 +111,7 @@ class Scheduler:
 
     def submit(self, req: Request) -> None:
         if req.params.sampling_seed is not None:
-            req.generator.manual_seed(req.params.sampling_seed)
-        else:
-            req.generator.manual_seed(int(torch.randint(0, 2**62, (1,), generator=self._seeds)))
+            req.generator = torch.Generator(device=self.model.device).manual_seed(req.params.sampling_seed)
         with self._cond:
             self._incoming.append(req)
             self.stats["requests_total"] += 1
@@ -231,37 +229,52 @@ class Scheduler:
 
     def _step(self) -> None:
         if not self._barrier_pending():
+            started = time.perf_counter()
             self._admit()
+            self.stats["prefill_seconds"] += time.perf_counter() - started
         if self.running:
+            started = time.perf_counter()
             self._decode()
+            self.stats["decode_seconds"] += time.perf_counter() - started
+            self.stats["decode_steps"] += 1
+            self.stats["decode_batch_total"] += len(self.running)
 
     def _admit(self) -> None:
+        """Move waiting requests into free rows, up to the prefill budget, and prefill them together."""
         budget = self.max_prefill_tokens
-        admitted = 0
-        while self.waiting and len(self.running) < self.max_running and (budget > 0 or admitted == 0):
+        batch: list[Request] = []
+        while self.waiting and len(self.running) < self.max_running and (budget > 0 or not batch):
             req = self.waiting.popleft()
-            row = len(self.running)
             self.running.append(req)
-            budget -= self._prefill(req, row)
-            admitted += 1
-        self._release_rows([i for i, r in enumerate(self.running) if r.finished])
+            batch.append(req)
+            budget -= len(req.input_ids) + len(req.output_ids)
+        if batch:
+            self._prefill(batch)
+            self._release_rows([i for i, r in enumerate(self.running) if r.finished])
 
-    def _prefill(self, req: Request, row: int) -> int:
-        """Compute the row's KV for the request's tokens; a fresh request also samples its first token."""
-        resumed = bool(req.output_ids)
-        tokens = (req.input_ids + req.output_ids)[:-1] if resumed else req.input_ids
-        hidden = self.model.prefill(self.cache, row, tokens, 0)
-        req.computed = len(tokens)
-        self.stats["prompt_tokens"] += len(tokens)
-        if resumed:
-            return len(tokens)
-        if req.return_logprob and req.logprob_start_len >= 0:
-            req.input_logprobs = self._input_logprobs(req, hidden)
-        if req.params.max_new_tokens == 0:
-            self._finish(req, {"type": "length", "length": 0})
-            return len(tokens)
-        self._sample_and_check([req], self.model.logits(hidden[-1:]))
-        return len(tokens)
+    def _prefill(self, batch: list[Request]) -> None:
+        """Compute each request's KV; fresh requests also sample their first token.
+
+        A request coming back after a retract recomputes prompt + output but the last token, which
+        the next decode step feeds, and samples nothing here.
+        """
+        tokens = [(r.input_ids + r.output_ids)[:-1] if r.output_ids else r.input_ids for r in batch]
+        rows = list(range(len(self.running) - len(batch), len(self.running)))  # admitted last, so at the end
+        hidden = self.model.prefill(self.cache, rows, tokens, [0] * len(batch))
+        fresh: list[tuple[Request, torch.Tensor]] = []
+        for req, ids, states in zip(batch, tokens, hidden):
+            req.computed = len(ids)
+            self.stats["prompt_tokens"] += len(ids)
+            if req.output_ids:
+                continue
+            if req.return_logprob and req.logprob_start_len >= 0:
+                req.input_logprobs = self._input_logprobs(req, states)
+            if req.params.max_new_tokens == 0:
+                self._finish(req, {"type": "length", "length": 0})
+            else:
+                fresh.append((req, states[-1]))
+        if fresh:
+            self._sample_and_check([r for r, _ in fresh], self.model.logits(torch.stack([h for _, h in fresh])))
 
     def _input_logprobs(self, req: Request, hidden_TH: torch.Tensor) -> list[float | None]:
         start = req.logprob_start_len
@@ -290,7 +303,7 @@ class Scheduler:
 
     def _sample_and_check(self, reqs: list[Request], logits_BV: torch.Tensor) -> None:
         banned = [sorted(self._stop_ids(r)) if len(r.output_ids) < r.params.min_new_tokens else [] for r in reqs]
-        tokens, logprobs = sample(logits_BV, [r.params for r in reqs], [r.generator for r in reqs], banned)
+        tokens, logprobs = sample(logits_BV, [r.params for r in reqs], [r.generator for r in reqs], banned, self._seeds)
         self.stats["generated_tokens"] += len(reqs)
         for req, token, logprob in zip(reqs, tokens, logprobs):
             req.output_ids.append(token)

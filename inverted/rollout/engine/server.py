@@ -438,5 +438,8 @@ def _add_info_routes(app: FastAPI) -> None:
             f"sglang:prompt_tokens_total {stats['prompt_tokens']}",
             f"sglang:generation_tokens_total {stats['generated_tokens']}",
             f"sglang:num_aborted_requests_total {stats['requests_aborted']}",
+            f"inverted:prefill_seconds_total {stats['prefill_seconds']:.3f}",
+            f"inverted:decode_seconds_total {stats['decode_seconds']:.3f}",
+            f"inverted:decode_steps_total {stats['decode_steps']}",
         ]
         return PlainTextResponse("\n".join(lines) + "\n")

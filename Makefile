@@ -1,0 +1,36 @@
+# The two commands of the README, plus what they are built from.
+#   make run    set up .venv and run the main job (today: embedded engines behind the real sgl-router)
+#   make test   set up .venv and run the test suite (CPU only, no downloads)
+# TORCH is installed first and pinned, so no dependency pulls a multi-GB CUDA build onto a CPU
+# machine. On a GPU machine: install your CUDA build of torch into .venv first, then TORCH=skip.
+
+PYTHON ?= python3
+VENV   ?= .venv
+TORCH  ?= torch==2.13.0
+MODEL  ?= models/small-qwen2
+BIN    := $(VENV)/bin
+
+.PHONY: setup run test bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(if $(filter skip,$(TORCH)),,$(BIN)/python -m pip install -q "$(TORCH)")
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $@
+
+$(MODEL)/config.json: $(VENV)/.installed
+	$(BIN)/inverted make-tiny-model --out $(MODEL) --arch qwen2 --preset small
+
+run: setup $(MODEL)/config.json
+	$(BIN)/inverted servers --hf-checkpoint $(MODEL) --num-engines 2
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+bench: setup $(MODEL)/config.json
+	$(BIN)/python bench/engine_throughput.py --model $(MODEL)
+
+clean:
+	rm -rf $(VENV) models runs .pytest_cache

@@ -1,0 +1,151 @@
+"""Embedded-engine throughput against ``transformers.generate`` in the same run. Prints JSON.
+
+For each concurrency C the same workload runs twice, one after the other (never sharing cores):
+
+* **engine**: a real ``inverted serve-engine`` process over HTTP; C clients each keep one
+  request in flight until the workload is done (a closed loop, as rollout workers do).
+  Engine and transformers runs alternate per configuration, in the same dtype and thread count.
+* **transformers**: ``model.generate`` in batches of C prompts (left-padded, with its KV cache,
+  sampling at the same temperature), each batch running until its longest request is done.
+
+Two workloads: ``uniform`` (every request wants the same number of tokens) and ``mixed``
+(requested lengths spread 16..max, like RL rollouts where episodes end at different times).
+Tokens/s counts only the tokens each request asked for, on both sides. The ratio
+engine / transformers is the figure of merit (the machine's speed cancels out).
+
+    python bench/engine_throughput.py --model models/small-qwen2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from inverted.config import TinyModelConfig  # noqa: E402
+from inverted.rollout.servers import ManagedProcess, free_port  # noqa: E402
+from inverted.tiny_model import make_tiny_model  # noqa: E402
+
+
+def workload(name: str, count: int, max_new: int, seed: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    jobs = []
+    for _ in range(count):
+        prompt = [rng.randrange(10, 1200) for _ in range(rng.randrange(32, 97))]
+        length = max_new if name == "uniform" else rng.randrange(16, max_new + 1)
+        jobs.append((prompt, length))
+    return jobs
+
+
+async def run_engine(url: str, jobs: list[tuple[list[int], int]], concurrency: int, temperature: float) -> float:
+    queue = list(jobs)
+    produced = 0
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        async def worker() -> None:
+            nonlocal produced
+            while queue:
+                prompt, length = queue.pop()
+                r = await client.post("/generate", json={"input_ids": prompt, "sampling_params": {
+                    "max_new_tokens": length, "ignore_eos": True, "temperature": temperature}})
+                produced += len(r.json()["output_ids"])
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - start
+    assert produced == sum(n for _, n in jobs), "the engine produced a different number of tokens than requested"
+    return produced / elapsed
+
+
+def run_transformers(model, pad_id: int, jobs: list[tuple[list[int], int]], concurrency: int, temperature: float) -> float:
+    start = time.perf_counter()
+    for i in range(0, len(jobs), concurrency):
+        batch = jobs[i : i + concurrency]
+        width = max(len(p) for p, _ in batch)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p, _ in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
+        longest = max(n for _, n in batch)
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
+                           do_sample=True, temperature=temperature, top_p=1.0, top_k=0, pad_token_id=pad_id)
+    return sum(n for _, n in jobs) / (time.perf_counter() - start)
+
+
+def start_engine(model_dir: Path, threads: int, rows: int, dtype: str) -> ManagedProcess:
+    port = free_port()
+    argv = [sys.executable, "-m", "inverted.cli", "serve-engine", "--model", str(model_dir), "--port", str(port),
+            "--num-threads", str(threads), "--max-running-requests", str(rows), "--dtype", dtype]
+    proc = ManagedProcess.spawn("bench-engine", argv, Path("runs/bench/engine.log"), f"http://127.0.0.1:{port}")
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        proc.check_alive()
+        try:
+            if httpx.get(proc.url + "/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            time.sleep(0.3)
+    raise TimeoutError(proc.tail())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="models/small-qwen2", help="checkpoint (made with --preset small if missing)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--requests-per-slot", type=int, default=2, help="requests per unit of concurrency")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--workloads", nargs="+", default=["uniform", "mixed"], choices=["uniform", "mixed"])
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="for both sides")
+    args = parser.parse_args()
+
+    model_dir = Path(args.model)
+    if not (model_dir / "config.json").exists():
+        make_tiny_model(TinyModelConfig(out=str(model_dir), arch="qwen2", preset="small", seed=0))
+    plan = {(w, c): workload(w, c * args.requests_per_slot, args.max_new_tokens, seed=c)
+            for w in args.workloads for c in args.concurrency}
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    pad_id = AutoTokenizer.from_pretrained(model_dir).pad_token_id
+    engine = start_engine(model_dir, args.threads, max(args.concurrency), args.dtype)
+    engine_tps, hf_tps = {}, {}
+    try:
+        asyncio.run(run_engine(engine.url, workload("uniform", 4, 8, 0), 4, args.temperature))  # warm-ups
+        run_transformers(model, pad_id, workload("uniform", 4, 8, 0), 4, args.temperature)
+        # Interleaved, so that each ratio compares runs made under the same machine conditions
+        # (the idle engine uses no CPU while transformers runs).
+        for key, jobs in plan.items():
+            engine_tps[key] = asyncio.run(run_engine(engine.url, jobs, key[1], args.temperature))
+            hf_tps[key] = run_transformers(model, pad_id, jobs, key[1], args.temperature)
+    finally:
+        engine.terminate()
+
+    results = [{"workload": w, "concurrency": c, "requests": len(plan[(w, c)]),
+                "output_tokens": sum(n for _, n in plan[(w, c)]),
+                "engine_tokens_per_s": round(engine_tps[(w, c)], 1), "transformers_tokens_per_s": round(hf_tps[(w, c)], 1),
+                "ratio": round(engine_tps[(w, c)] / hf_tps[(w, c)], 2)} for w, c in plan]
+    target = [r for r in results if r["concurrency"] == 32]
+    print(json.dumps({
+        "bench": "engine_throughput", "model": str(model_dir), "params": sum(p.numel() for p in model.parameters()),
+        "device": "cpu", "dtype": args.dtype, "threads": args.threads, "max_new_tokens": args.max_new_tokens,
+        "torch": torch.__version__, "results": results,
+        "target": {"concurrency": 32, "min_ratio": 3.0, "ratios": {r["workload"]: r["ratio"] for r in target},
+                   "met": all(r["ratio"] >= 3.0 for r in target) if target else None},
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Flags generated from config fields, YAML, pass-through flags, field checks, and the frozen CLI."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from inverted.cli import COMMANDS, build_parser
+from inverted.config import (EngineConfig, ServersConfig, add_flags, build_section, flag_name, load_yaml_defaults,
+                             split_passthrough)
+from inverted.errors import ConfigError
+
+# The public command line. Adding a flag is fine, but it must be added here on purpose.
+FROZEN_FLAGS = {
+    "make-tiny-model": {"--config", "--out", "--arch", "--preset", "--seed"},
+    "serve-engine": {"--config", "--model", "--host", "--port", "--device", "--dtype", "--max-running-requests",
+                     "--context-length", "--max-prefill-tokens", "--weight-version", "--served-model-name", "--api-key",
+                     "--admin-api-key", "--num-threads", "--random-seed", "--log-level"},
+    "servers": {"--config", "--hf-checkpoint", "--num-engines", "--engine-device", "--engine-max-running-requests",
+                "--engine-threads", "--router-host", "--router-port", "--startup-timeout", "--log-dir"},
+}
+
+
+def test_cli_flags_are_frozen():
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(subparsers.choices) == set(FROZEN_FLAGS)
+    for name, sub in subparsers.choices.items():
+        flags = {s for a in sub._actions for s in a.option_strings if s.startswith("--") and s != "--help"}
+        flags -= {f"--no-{f[2:]}" for f in flags}
+        assert flags == FROZEN_FLAGS[name], name
+
+
+def test_every_field_has_a_flag_help_and_default():
+    for section, _, _ in COMMANDS.values():
+        for f in dataclasses.fields(section):
+            assert f.metadata.get("help"), f"{section.__name__}.{f.name} has no help"
+        parser = argparse.ArgumentParser()
+        add_flags(parser, section)
+        assert {flag_name(f.name) for f in dataclasses.fields(section)} <= {s for a in parser._actions for s in a.option_strings}
+
+
+def parse(section, argv):
+    parser = argparse.ArgumentParser()
+    add_flags(parser, section)
+    return build_section(section, parser.parse_args(argv)), parser
+
+
+def test_types_choices_optional_and_bool():
+    cfg, _ = parse(EngineConfig, ["--model", "m", "--port", "123", "--dtype", "bfloat16", "--api-key", "k", "--random-seed", "7"])
+    assert (cfg.port, cfg.dtype, cfg.api_key, cfg.random_seed, cfg.weight_version) == (123, "bfloat16", "k", 7, "default")
+    with pytest.raises(SystemExit):
+        parse(EngineConfig, ["--model", "m", "--dtype", "int3"])
+
+
+@pytest.mark.parametrize(("argv", "flag"), [
+    ([], "--model"), (["--model", "m", "--port", "0"], "--port"),
+    (["--model", "m", "--max-running-requests", "0"], "--max-running-requests"),
+])
+def test_field_checks_name_the_flag(argv, flag):
+    with pytest.raises(ConfigError, match=flag):
+        parse(EngineConfig, argv)
+
+
+def test_yaml_supplies_defaults_and_flags_override(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("hf-checkpoint: /ckpt\nnum_engines: 3\nlog-dir: /logs\n")
+    _, parser = parse(ServersConfig, ["--hf-checkpoint", "x"])
+    load_yaml_defaults(parser, str(path))
+    cfg = build_section(ServersConfig, parser.parse_args(["--num-engines", "4"]))
+    assert (cfg.hf_checkpoint, cfg.num_engines, cfg.log_dir) == ("/ckpt", 4, "/logs")
+    path.write_text("num_engine: 3\n")
+    with pytest.raises(ConfigError, match=r"unknown keys \['num_engine'\]"):
+        load_yaml_defaults(parser, str(path))
+
+
+def test_passthrough_flags_go_verbatim_to_the_child():
+    rest, passed = split_passthrough(
+        ["servers", "--router-policy", "cache_aware", "--num-engines", "2", "--router-port", "9",
+         "--router-worker-urls", "http://a", "http://b", "--router-dp-aware", "--router-cache-threshold=0.5"],
+        "router", {"--router-port"})
+    assert rest == ["servers", "--num-engines", "2", "--router-port", "9"]
+    assert passed == ["--policy", "cache_aware", "--worker-urls", "http://a", "http://b", "--dp-aware", "--cache-threshold=0.5"]
+
+
+def test_cli_reports_config_errors_without_a_traceback(capsys):
+    from inverted.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["serve-engine", "--port", "8000"])
+    assert info.value.code == 2
+    assert "--model=''" in capsys.readouterr().err

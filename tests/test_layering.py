@@ -1,0 +1,77 @@
+"""The module map of STYLE.md, enforced: every ``inverted`` import (lazy ones too) must be allowed.
+
+One deliberate change to the map: ``types`` may import ``errors`` (a leaf that imports nothing),
+so that ``Sample.validate`` raises the tree's ``SampleError`` instead of a twin exception.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "inverted"
+SHARED = ("inverted.types", "inverted.errors", "inverted.config", "inverted.plugins", "inverted.metrics")
+
+# module prefix -> prefixes it may import (besides itself); first match wins
+RULES: list[tuple[str, tuple[str, ...]]] = [
+    ("inverted.errors", ()),
+    ("inverted.types", ("inverted.errors",)),
+    ("inverted.config", ("inverted.types", "inverted.errors")),
+    ("inverted.plugins", ("inverted.types", "inverted.errors")),
+    ("inverted.metrics", ("inverted.errors",)),
+    ("inverted.cli", ("inverted",)),
+    ("inverted.controller", SHARED + ("inverted.buffer.client", "inverted.rollout.servers", "inverted.rollout.sglang_client",
+                                      "inverted.rollout.proxy", "inverted.train.actor")),
+    ("inverted.tiny_model", SHARED),
+    ("inverted.rollout.engine", SHARED + ("inverted.rollout.engine",)),
+    ("inverted.rollout", SHARED + ("inverted.buffer.client", "inverted.rollout.sglang_client", "inverted.rollout.servers",
+                                   "inverted.rollout.proxy", "inverted.rollout.chat")),
+    ("inverted.buffer", SHARED + ("inverted.buffer",)),
+    ("inverted.train", SHARED + ("inverted.rollout.sglang_client", "inverted.train")),
+    ("inverted", ("inverted",)),
+]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def inverted_imports(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("inverted")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("inverted") and node.level == 0:
+            found |= {f"{node.module}.{a.name}" for a in node.names}
+    return found
+
+
+def allowed(module: str, target: str) -> bool:
+    for prefix, allowed_prefixes in RULES:
+        if module == prefix or module.startswith(prefix + "."):
+            return any(target == a or target.startswith(a + ".") for a in allowed_prefixes)
+    return False
+
+
+def test_every_import_follows_the_module_map():
+    violations = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = module_name(path)
+        for target in inverted_imports(path):
+            if not allowed(module, target):
+                violations.append(f"{module} imports {target}")
+    assert not violations, "\n".join(violations)
+
+
+def test_the_engine_is_reached_only_over_http():
+    importers = {module_name(p) for p in PACKAGE.rglob("*.py")
+                 if any(t.startswith("inverted.rollout.engine") for t in inverted_imports(p))}
+    assert {m for m in importers if not m.startswith("inverted.rollout.engine")} <= {"inverted.cli"}
+
+
+def test_the_checker_catches_a_forbidden_import():
+    assert not allowed("inverted.buffer.store", "inverted.rollout.engine.model")
+    assert not allowed("inverted.train.actor", "inverted.rollout.proxy")
+    assert not allowed("inverted.types", "inverted.config")
+    assert allowed("inverted.train.weight_sync", "inverted.rollout.sglang_client.SGLangClient")

@@ -1,0 +1,90 @@
+"""``make-tiny-model``: loadable by transformers, deterministic, with a real chat template."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from inverted.config import TinyModelConfig
+from inverted.tiny_model import PRESETS, _hf_config, build_tokenizer, make_tiny_model
+from tests.conftest import ARCHS
+
+
+def digest(path) -> dict[str, str]:
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(path.iterdir())}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_transformers_loads_model_and_tokenizer(tiny_model, arch):
+    path = tiny_model(arch)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert {f.name for f in path.iterdir()} >= {"config.json", "model.safetensors", "generation_config.json",
+                                                "tokenizer.json", "tokenizer_config.json"}
+    assert model.config.vocab_size >= len(tokenizer) and model.config.vocab_size % 128 == 0
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
+    with torch.no_grad():
+        assert model(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, model.config.vocab_size)
+    config = AutoConfig.from_pretrained(path)
+    if arch == "qwen2":
+        assert model.model.layers[0].self_attn.q_proj.bias is not None
+    if arch == "qwen3":
+        assert config.head_dim != config.hidden_size // config.num_attention_heads
+    if arch == "llama":
+        assert config.rope_parameters["rope_type"] == "llama3" and not config.tie_word_embeddings
+
+
+def test_same_seed_same_bytes_other_seed_other_weights(tmp_path):
+    paths = [make_tiny_model(TinyModelConfig(out=str(tmp_path / f"m{i}"), arch="qwen3", seed=s)) for i, s in enumerate((5, 5, 6))]
+    first, again, other = map(digest, paths)
+    assert first == again
+    assert first["model.safetensors"] != other["model.safetensors"]
+    assert first["tokenizer.json"] == other["tokenizer.json"]
+
+
+def test_small_preset_is_10_to_30m_params():
+    for arch in ARCHS:
+        config = _hf_config(arch, "small", 1280, 2, 0)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        params = sum(p.numel() for p in model.parameters())
+        assert 10e6 <= params <= 30e6, (arch, params)
+    assert PRESETS["tiny"]["hidden_size"] < PRESETS["small"]["hidden_size"]
+
+
+def test_chat_template_renders_roles_tools_and_tool_calls(tiny_model):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model("qwen2"))
+    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2+3?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": '{"x": "2+3"}'}},
+            {"id": "c2", "type": "function", "function": {"name": "calculator", "arguments": {"x": "1"}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "5"},
+        {"role": "tool", "tool_call_id": "c2", "content": "1"},
+        {"role": "assistant", "content": [{"type": "text", "text": "5"}]},
+    ]
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
+    assert '\n{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}\n</tools>' in text
+    assert text.endswith(
+        "<|im_start|>user\n2+3?<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>\n{"name": "calculator", "arguments": {"x": "2+3"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "calculator", "arguments": {"x": "1"}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\n<tool_response>\n5\n</tool_response>\n<tool_response>\n1\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n5<|im_end|>\n<|im_start|>assistant\n")
+    plain = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert plain == "<|im_start|>user\nhi<|im_end|>\n"
+    for token in ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>"):
+        assert len(tokenizer.encode(token)) == 1, token
+    # Byte-level: any text round-trips, including text the corpus never saw.
+    sample = "Zürich 🚀 — ∑ x_i"
+    assert tokenizer.decode(tokenizer.encode(sample)) == sample
+
+
+def test_tokenizer_training_is_deterministic():
+    assert build_tokenizer("{{ x }}").backend_tokenizer.to_str() == build_tokenizer("{{ x }}").backend_tokenizer.to_str()
