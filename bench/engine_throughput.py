@@ -85,15 +85,8 @@ def start_engine(model_dir: Path, threads: int, rows: int, dtype: str) -> Manage
     argv = [sys.executable, "-m", "inverted.cli", "serve-engine", "--model", str(model_dir), "--port", str(port),
             "--num-threads", str(threads), "--max-running-requests", str(rows), "--dtype", dtype]
     proc = ManagedProcess.spawn("bench-engine", argv, Path("runs/bench/engine.log"), f"http://127.0.0.1:{port}")
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        proc.check_alive()
-        try:
-            if httpx.get(proc.url + "/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            time.sleep(0.3)
-    raise TimeoutError(proc.tail())
+    proc.wait_healthy(180)
+    return proc
 
 
 def main() -> None:

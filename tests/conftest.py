@@ -8,10 +8,8 @@ process log when a test using them fails.
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from inverted.config import TinyModelConfig
@@ -42,19 +40,6 @@ def tiny_model(models_dir):
     return make
 
 
-def wait_for_health(proc: ManagedProcess, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        proc.check_alive()
-        try:
-            if httpx.get(proc.url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{proc.name} not healthy after {timeout}s:\n{proc.tail()}")
-
-
 class ProcessPool:
     """Starts real processes and tears them down; dumps their logs if a test failed."""
 
@@ -68,7 +53,7 @@ class ProcessPool:
                 "--num-threads", "1", *extra]
         proc = ManagedProcess.spawn(f"{name}-{port}", argv, self.log_dir / f"{name}-{port}.log", f"http://127.0.0.1:{port}")
         self.procs.append(proc)
-        wait_for_health(proc)
+        proc.wait_healthy(120)
         return proc
 
     def router(self, *args: str) -> ManagedProcess:
@@ -77,16 +62,8 @@ class ProcessPool:
                 "--prometheus-port", str(free_port()), "--log-level", "warn", *args]
         proc = ManagedProcess.spawn(f"router-{port}", argv, self.log_dir / f"router-{port}.log", f"http://127.0.0.1:{port}")
         self.procs.append(proc)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            proc.check_alive()
-            try:
-                if httpx.get(proc.url + "/workers", timeout=2).status_code == 200:
-                    return proc
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"router not up:\n{proc.tail()}")
+        proc.wait_healthy(60, "/workers")
+        return proc
 
     def close(self, failed: bool) -> None:
         for proc in self.procs:

@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
+
 from inverted.config import ServersConfig
 from inverted.errors import ServiceUnavailable
 from inverted.rollout.sglang_client import RouterClient, SGLangClient
@@ -67,6 +69,21 @@ class ManagedProcess:
         if code is not None:
             raise ServiceUnavailable(f"{self.name} exited with code {code}; log tail:\n{self.tail()}", url=self.url)
 
+    def wait_healthy(self, timeout: float, path: str = "/health") -> None:
+        """Poll ``path`` until it answers 200; raise ServiceUnavailable (with the log tail) if the
+        process dies or ``timeout`` seconds pass. Blocking: async callers run it in a thread."""
+        deadline = time.monotonic() + timeout
+        with httpx.Client(trust_env=False, timeout=2.0) as http:
+            while time.monotonic() < deadline:
+                self.check_alive()
+                try:
+                    if http.get(self.url + path).status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.2)
+        raise ServiceUnavailable(f"{self.name} not healthy after {timeout:.0f}s; log tail:\n{self.tail()}", url=self.url)
+
     def terminate(self, grace: float = 10.0) -> None:
         if self.popen.poll() is not None:
             return
@@ -76,17 +93,6 @@ class ManagedProcess:
         except subprocess.TimeoutExpired:
             self.popen.kill()
             self.popen.wait(timeout=grace)
-
-
-async def wait_healthy(proc: ManagedProcess, deadline: float) -> None:
-    """Poll ``/health`` until 200, the process dies, or the deadline passes."""
-    async with SGLangClient(proc.url) as client:
-        while time.monotonic() < deadline:
-            proc.check_alive()
-            if await client.health():
-                return
-            await asyncio.sleep(0.2)
-    raise ServiceUnavailable(f"{proc.name} not healthy in time; log tail:\n{proc.tail()}", url=proc.url)
 
 
 class RolloutServers:
@@ -146,22 +152,12 @@ class RolloutServers:
         self.router = self._spawn_router()
         self.router_url = self.router.url
         engines = [self._spawn_engine() for _ in range(self.config.num_engines)]
-        await asyncio.gather(*(wait_healthy(e, deadline) for e in engines))
-        await self._wait_router(deadline)
+        await asyncio.gather(*(asyncio.to_thread(e.wait_healthy, deadline - time.monotonic()) for e in engines))
+        await asyncio.to_thread(self.router.wait_healthy, deadline - time.monotonic(), "/workers")
         for engine in engines:
             await self.register(engine, deadline)
         logger.info("router %s serving %d engines", self.router_url, len(self.engines))
 
-    async def _wait_router(self, deadline: float) -> None:
-        async with RouterClient(self.router_url) as router:
-            while time.monotonic() < deadline:
-                self.router.check_alive()
-                try:
-                    await router.list_workers()
-                    return
-                except ServiceUnavailable:
-                    await asyncio.sleep(0.2)
-        raise ServiceUnavailable(f"router not up in time; log tail:\n{self.router.tail()}", url=self.router_url)
 
     async def register(self, engine: ManagedProcess, deadline: float) -> None:
         """``POST /workers`` and wait until the router marks the worker healthy."""
@@ -178,7 +174,7 @@ class RolloutServers:
         """Start one more engine and register it with the router; return its URL."""
         deadline = time.monotonic() + self.config.startup_timeout
         engine = self._spawn_engine()
-        await wait_healthy(engine, deadline)
+        await asyncio.to_thread(engine.wait_healthy, deadline - time.monotonic())
         await self.register(engine, deadline)
         return engine.url
 
