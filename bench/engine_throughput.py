@@ -13,7 +13,12 @@ Two workloads: ``uniform`` (every request wants the same number of tokens) and `
 Tokens/s counts only the tokens each request asked for, on both sides. The ratio
 engine / transformers is the figure of merit (the machine's speed cancels out).
 
+With ``--device cuda`` both run on the GPU, and the engine's single-request decode rate is also
+reported as a fraction of the memory-bandwidth roofline: each decode step must read every weight
+once, so ``steps/s x weight bytes / peak bandwidth`` is how close it comes to the hardware limit.
+
     python bench/engine_throughput.py --model models/small-qwen2
+    python bench/engine_throughput.py --device cuda --preset base --dtype bfloat16   # on a GPU
 """
 
 from __future__ import annotations
@@ -71,8 +76,8 @@ def run_transformers(model, pad_id: int, jobs: list[tuple[list[int], int]], conc
     for i in range(0, len(jobs), concurrency):
         batch = jobs[i : i + concurrency]
         width = max(len(p) for p, _ in batch)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p, _ in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p, _ in batch], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=model.device)
         longest = max(n for _, n in batch)
         with torch.no_grad():
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
@@ -80,10 +85,23 @@ def run_transformers(model, pad_id: int, jobs: list[tuple[list[int], int]], conc
     return sum(n for _, n in jobs) / (time.perf_counter() - start)
 
 
-def start_engine(model_dir: Path, threads: int, rows: int, dtype: str) -> ManagedProcess:
+PEAK_BANDWIDTH_GBS = {"H100": 3350.0, "H200": 4800.0, "A100": 2039.0}  # HBM, per vendor data sheets
+
+
+def roofline(model, device: str, peak_gbs: float | None, single_request_tps: float) -> dict:
+    """Achieved weight-read bandwidth of one-request decoding, against the GPU's peak."""
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    peak = peak_gbs or next((v for k, v in PEAK_BANDWIDTH_GBS.items() if k in name), None)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    achieved = single_request_tps * weight_bytes / 1e9
+    return {"device_name": name, "weight_bytes": weight_bytes, "achieved_gbs": round(achieved, 1),
+            "peak_gbs": peak, "fraction_of_roofline": round(achieved / peak, 3) if peak else None}
+
+
+def start_engine(model_dir: Path, threads: int, rows: int, dtype: str, device: str = "cpu") -> ManagedProcess:
     port = free_port()
     argv = [sys.executable, "-m", "inverted.cli", "serve-engine", "--model", str(model_dir), "--port", str(port),
-            "--num-threads", str(threads), "--max-running-requests", str(rows), "--dtype", dtype]
+            "--num-threads", str(threads), "--max-running-requests", str(rows), "--dtype", dtype, "--device", device]
     proc = ManagedProcess.spawn("bench-engine", argv, Path("runs/bench/engine.log"), f"http://127.0.0.1:{port}")
     proc.wait_healthy(180)
     return proc
@@ -91,7 +109,10 @@ def start_engine(model_dir: Path, threads: int, rows: int, dtype: str) -> Manage
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="models/small-qwen2", help="checkpoint (made with --preset small if missing)")
+    parser.add_argument("--model", default="", help="checkpoint (default models/<preset>-qwen2, made if missing)")
+    parser.add_argument("--preset", default="small", choices=["small", "base"], help="model size when --model is made")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--peak-gbs", type=float, default=None, help="GPU memory bandwidth (default: by device name)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--requests-per-slot", type=int, default=2, help="requests per unit of concurrency")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -101,9 +122,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="for both sides")
     args = parser.parse_args()
 
-    model_dir = Path(args.model)
+    model_dir = Path(args.model or f"models/{args.preset}-qwen2")
     if not (model_dir / "config.json").exists():
-        make_tiny_model(TinyModelConfig(out=str(model_dir), arch="qwen2", preset="small", seed=0))
+        make_tiny_model(TinyModelConfig(out=str(model_dir), arch="qwen2", preset=args.preset, seed=0))
     plan = {(w, c): workload(w, c * args.requests_per_slot, args.max_new_tokens, seed=c)
             for w in args.workloads for c in args.concurrency}
 
@@ -111,9 +132,9 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
     pad_id = AutoTokenizer.from_pretrained(model_dir).pad_token_id
-    engine = start_engine(model_dir, args.threads, max(args.concurrency), args.dtype)
+    engine = start_engine(model_dir, args.threads, max(args.concurrency), args.dtype, args.device)
     engine_tps, hf_tps = {}, {}
     try:
         asyncio.run(run_engine(engine.url, workload("uniform", 4, 8, 0), 4, args.temperature))  # warm-ups
@@ -131,9 +152,11 @@ def main() -> None:
                 "engine_tokens_per_s": round(engine_tps[(w, c)], 1), "transformers_tokens_per_s": round(hf_tps[(w, c)], 1),
                 "ratio": round(engine_tps[(w, c)] / hf_tps[(w, c)], 2)} for w, c in plan]
     target = [r for r in results if r["concurrency"] == 32]
+    single = [r["engine_tokens_per_s"] for r in results if r["concurrency"] == 1 and r["workload"] == "uniform"]
     print(json.dumps({
         "bench": "engine_throughput", "model": str(model_dir), "params": sum(p.numel() for p in model.parameters()),
-        "device": "cpu", "dtype": args.dtype, "threads": args.threads, "max_new_tokens": args.max_new_tokens,
+        "device": args.device, "dtype": args.dtype,
+        "roofline": roofline(model, args.device, args.peak_gbs, single[0]) if args.device == "cuda" and single else None, "threads": args.threads, "max_new_tokens": args.max_new_tokens,
         "torch": torch.__version__, "results": results,
         "target": {"concurrency": 32, "min_ratio": 3.0, "ratios": {r["workload"]: r["ratio"] for r in target},
                    "met": all(r["ratio"] >= 3.0 for r in target) if target else None},

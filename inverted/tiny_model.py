@@ -36,6 +36,9 @@ PRESETS: dict[str, dict[str, int]] = {
                  intermediate_size=160, max_position_embeddings=4096),
     "small": dict(hidden_size=384, num_hidden_layers=8, num_attention_heads=6, num_key_value_heads=2,
                   intermediate_size=1024, max_position_embeddings=4096),
+    # ~0.5B: Qwen2.5-0.5B's depth with a wider body (our vocabulary is small), for GPU benchmarks.
+    "base": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=2,
+                 intermediate_size=5504, max_position_embeddings=4096),
 }
 
 _WORDS = (
