@@ -1,7 +1,7 @@
 """``inverted <command>``: the command line. Builds a config section from flags and calls one entry point.
 
 Commands: ``make-tiny-model`` (a local random checkpoint), ``serve-engine`` (the embedded
-SGLang-protocol engine), ``servers`` (N engines behind the real sgl-router, with a short demo
+SGLang-protocol engine), ``buffer`` (the Data Buffer service), ``servers`` (N engines behind the real sgl-router, with a short demo
 generation through it). Logging is configured here and only here, with the process role in
 every line. Heavy imports happen inside each command so ``inverted --help`` is instant.
 """
@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 
-from inverted.config import (EngineConfig, ServersConfig, TinyModelConfig, add_flags, build_section,
+from inverted.config import (BufferConfig, EngineConfig, ServersConfig, TinyModelConfig, add_flags, build_section,
                              load_yaml_defaults, split_passthrough)
 from inverted.errors import InvertedError
 
@@ -41,6 +41,14 @@ def cmd_serve_engine(cfg: EngineConfig) -> None:
     uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning", access_log=False)
 
 
+def cmd_buffer(cfg: BufferConfig) -> None:
+    import uvicorn
+
+    from inverted.buffer.service import create_app
+
+    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning", access_log=False)
+
+
 def cmd_servers(cfg: ServersConfig, router_args: list[str]) -> None:
     import asyncio
 
@@ -52,6 +60,7 @@ def cmd_servers(cfg: ServersConfig, router_args: list[str]) -> None:
 COMMANDS = {
     "make-tiny-model": (TinyModelConfig, cmd_make_tiny_model, "write a random-initialized HF checkpoint and tokenizer"),
     "serve-engine": (EngineConfig, cmd_serve_engine, "run the embedded SGLang-protocol engine"),
+    "buffer": (BufferConfig, cmd_buffer, "run the Data Buffer service (durable tasks and trajectories)"),
     "servers": (ServersConfig, cmd_servers, "start embedded engines behind the real sgl-router and generate through it"),
 }
 

@@ -182,3 +182,35 @@ class ServersConfig:
         _require(self.num_engines >= 1, "--num-engines", self.num_engines, ">= 1")
         _require(0 <= self.router_port <= 65535, "--router-port", self.router_port, "0..65535")
         _require(self.startup_timeout > 0, "--startup-timeout", self.startup_timeout, "> 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class BufferConfig:
+    """The Data Buffer service: durable tasks and trajectories (SQLite), leases, groups, staleness."""
+
+    db: str = option("runs/buffer.db", "SQLite database file (created if missing; reopened on restart)")
+    host: str = option("127.0.0.1", "address to bind")
+    port: int = option(8600, "port to bind")
+    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on every route but /health")
+    prompt_data: str | None = option(None, "prompt dataset (.jsonl or .parquet), loaded into the database once")
+    input_key: str = option("input", "row key of the prompt (text or chat messages)")
+    label_key: str | None = option("label", "row key of the label")
+    metadata_key: str | None = option("metadata", "row key of per-prompt metadata")
+    tool_key: str | None = option("tools", "row key of the prompt's OpenAI tools list")
+    n_samples_per_prompt: int = option(1, "samples per prompt; they form one group")
+    rollout_shuffle: bool = option(False, "shuffle the dataset each epoch (deterministic for --rollout-seed)")
+    rollout_seed: int = option(42, "seed of the per-epoch shuffle")
+    num_epoch: int = option(0, "epochs to serve before leasing stops (0: no limit)")
+    lease_seconds: float = option(600.0, "default lease length; an expired lease puts its task back")
+    partial_rollout: bool = option(False, "keep aborted samples' tokens so the next lessee resumes them")
+    stale_policy: Literal["drop", "retry"] = option("drop", "groups past --max-weight-staleness: drop, or sample again")
+    dynamic_sampling_filter_path: str | None = option(
+        None, "module:function(samples) -> bool keeping a complete group (built-in: "
+              "inverted.buffer.filters:drop_all_equal_rewards)")
+    log_level: Literal["debug", "info", "warning", "error"] = option("info", "log level")
+
+    def __post_init__(self) -> None:
+        _require(1 <= self.port <= 65535, "--port", self.port, "1..65535")
+        _require(self.n_samples_per_prompt >= 1, "--n-samples-per-prompt", self.n_samples_per_prompt, ">= 1")
+        _require(self.num_epoch >= 0, "--num-epoch", self.num_epoch, ">= 0")
+        _require(self.lease_seconds > 0, "--lease-seconds", self.lease_seconds, "> 0")

@@ -56,6 +56,14 @@ class ProcessPool:
         proc.wait_healthy(120)
         return proc
 
+    def buffer(self, db: Path, *args: str, port: int | None = None) -> ManagedProcess:
+        port = port or free_port()
+        argv = [sys.executable, "-m", "inverted.cli", "buffer", "--db", str(db), "--port", str(port), *args]
+        proc = ManagedProcess.spawn(f"buffer-{port}", argv, self.log_dir / f"buffer-{port}.log", f"http://127.0.0.1:{port}")
+        self.procs.append(proc)
+        proc.wait_healthy(60)
+        return proc
+
     def router(self, *args: str) -> ManagedProcess:
         port = free_port()
         argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),

@@ -1,7 +1,9 @@
 """The module map of STYLE.md, enforced: every ``inverted`` import (lazy ones too) must be allowed.
 
-One deliberate change to the map: ``types`` may import ``errors`` (a leaf that imports nothing),
-so that ``Sample.validate`` raises the tree's ``SampleError`` instead of a twin exception.
+Two deliberate changes to the map: ``types`` may import ``errors`` (a leaf that imports nothing),
+so that ``Sample.validate`` raises the tree's ``SampleError`` instead of a twin exception; and
+``http_client`` (the retrying HTTP base under every client module) counts as shared, so that the
+buffer's and SGLang's clients use one retry mechanism.
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "inverted"
-SHARED = ("inverted.types", "inverted.errors", "inverted.config", "inverted.plugins", "inverted.metrics")
+SHARED = ("inverted.types", "inverted.errors", "inverted.config", "inverted.plugins", "inverted.metrics",
+          "inverted.http_client")
 
 # module prefix -> prefixes it may import (besides itself); first match wins
 RULES: list[tuple[str, tuple[str, ...]]] = [
@@ -19,6 +22,7 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("inverted.config", ("inverted.types", "inverted.errors")),
     ("inverted.plugins", ("inverted.types", "inverted.errors")),
     ("inverted.metrics", ("inverted.errors",)),
+    ("inverted.http_client", ("inverted.errors",)),
     ("inverted.cli", ("inverted",)),
     ("inverted.controller", SHARED + ("inverted.buffer.client", "inverted.rollout.servers", "inverted.rollout.sglang_client",
                                       "inverted.rollout.proxy", "inverted.train.actor")),

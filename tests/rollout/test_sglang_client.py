@@ -55,9 +55,10 @@ async def test_persistent_5xx_and_connection_errors_become_service_unavailable()
     assert len(seen) == 2
 
 
-async def test_read_timeouts_retry_only_idempotent_calls():
+@pytest.mark.parametrize("error", [httpx.ReadTimeout, httpx.ReadError, httpx.RemoteProtocolError])
+async def test_unknown_outcomes_retry_only_idempotent_calls(error):
     def slow(req, n):
-        raise httpx.ReadTimeout("slow", request=req)
+        raise error("lost after sending", request=req)
 
     client, seen = client_for(slow, max_attempts=3, timeouts=Timeouts(control=0.1, generate=0.1))
     with pytest.raises(ServiceUnavailable):

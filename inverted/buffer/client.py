@@ -1,0 +1,88 @@
+"""``BufferClient``: the async client of the Data Buffer service (the only code that knows its URLs).
+
+Retries come from the shared ``HTTPService`` base, and none of them can duplicate work: every
+lease and batch call carries a fresh ``request_id`` that the service records with its answer, so
+a retry after a lost response replays the same tasks or the same batch; submissions are
+idempotent by (group_index, index) on the service side.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from inverted.http_client import HTTPService
+from inverted.types import Sample
+
+
+@dataclass(slots=True)
+class Task:
+    """A leased task: produce sample ``index`` of group ``group_index`` for this prompt."""
+
+    lease_id: str
+    group_index: int
+    index: int
+    prompt_index: int
+    prompt: str | list[dict[str, Any]]
+    label: Any = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    tools: list[dict[str, Any]] | None = None
+    expires_at: float = 0.0
+    attempt: int = 1
+    partial: Sample | None = None  # an aborted sample to resume from (with --partial-rollout)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Task":
+        partial = data.pop("partial", None)
+        return cls(**data, partial=Sample.from_json(partial) if partial else None)
+
+    def new_sample(self) -> Sample:
+        """A Sample that belongs to this task, to fill in and submit."""
+        return Sample(group_index=self.group_index, index=self.index, prompt=self.prompt, label=self.label,
+                      metadata=dict(self.metadata))
+
+
+@dataclass(slots=True)
+class Batch:
+    batch_id: str | None
+    groups: list[list[Sample]]
+    staleness: list[int]
+
+    @property
+    def samples(self) -> list[Sample]:
+        return [s for group in self.groups for s in group]
+
+
+class BufferClient(HTTPService):
+    async def health(self) -> bool:
+        response = await self.request("GET", "/health", timeout=self.timeouts.health, idempotent=True)
+        return response.status_code == 200
+
+    async def lease(self, count: int, worker_id: str, lease_seconds: float | None = None) -> list[Task]:
+        body = {"count": count, "worker_id": worker_id, "lease_seconds": lease_seconds, "request_id": uuid.uuid4().hex}
+        response = await self.request("POST", "/tasks/lease", json_body=body, timeout=self.timeouts.data, idempotent=True)
+        return [Task.from_json(t) for t in orjson.loads(response.content)["tasks"]]
+
+    async def submit(self, items: list[tuple[Task | str, Sample]]) -> dict[str, Any]:
+        """Submit finished (or aborted) samples, each with the lease of its task; all or nothing."""
+        body = {"samples": [{"lease_id": t if isinstance(t, str) else t.lease_id, "sample": s.to_json()} for t, s in items]}
+        response = await self.request("POST", "/samples", json_body=body, timeout=self.timeouts.data, idempotent=True)
+        return self.json_of(response)
+
+    async def next_batch(self, *, num_groups: int | None = None, num_samples: int | None = None,
+                         current_weight_version: int | None = None, max_weight_staleness: int | None = None,
+                         timeout_s: float = 0.0, allow_partial: bool = False) -> Batch:
+        """Complete groups, oldest first; waits up to ``timeout_s`` for enough of them (empty on time-out)."""
+        body = {"num_groups": num_groups, "num_samples": num_samples, "current_weight_version": current_weight_version,
+                "max_weight_staleness": max_weight_staleness, "timeout_s": timeout_s, "allow_partial": allow_partial,
+                "request_id": uuid.uuid4().hex}
+        response = await self.request("POST", "/batches/next", json_body=body, timeout=timeout_s + self.timeouts.data,
+                                      idempotent=True)
+        data = orjson.loads(response.content)
+        return Batch(data["batch_id"], [[Sample.from_json(s) for s in g] for g in data["groups"]], data["staleness"])
+
+    async def stats(self) -> dict[str, Any]:
+        return self.json_of(await self.request("GET", "/stats", timeout=self.timeouts.control, idempotent=True))

@@ -1,0 +1,259 @@
+"""The Data Buffer's HTTP service (``create_app``): thin routes over ``SQLiteStore``.
+
+Routes validate what enters (pydantic request models; every Sample through ``Sample.validate``),
+run the store on one dedicated thread (SQLite work never blocks the event loop, and one writer
+means no lock contention), and map domain errors to status codes in one place: a broken Sample
+or an unknown group is 422 naming the field, a void lease is 409, a bad key is 401. Bodies use
+OpenAI's error shape. Big bodies are parsed and written with orjson: ingest throughput matters.
+
+``POST /batches/next`` long-polls: it waits (up to ``timeout_s``) until enough groups are complete,
+woken by submissions rather than by polling the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import secrets
+import time
+from contextlib import asynccontextmanager
+from typing import Annotated, Any, AsyncIterator, Callable
+
+import orjson
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from inverted.buffer.datasets import load_prompts
+from inverted.buffer.store import LeaseConflict, SQLiteStore, version_number
+from inverted.config import BufferConfig
+from inverted.errors import SampleError
+from inverted.plugins import load_plugin
+from inverted.types import Sample
+
+logger = logging.getLogger(__name__)
+
+MAX_LONG_POLL_S = 300.0
+
+
+class LeaseRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    count: int = Field(ge=1, le=4096)
+    worker_id: str = Field(min_length=1, max_length=200)
+    lease_seconds: float | None = Field(default=None, gt=0, le=86400)
+    request_id: str | None = Field(default=None, max_length=200)
+
+
+class LeaseResponse(BaseModel):
+    tasks: list[dict[str, Any]]
+
+
+class SubmitItem(BaseModel):
+    lease_id: str = Field(min_length=1)
+    sample: dict[str, Any]
+
+
+class SubmitRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    samples: list[SubmitItem] = Field(min_length=1)
+
+
+class SubmitResponse(BaseModel):
+    accepted: int
+    duplicates: int
+    requeued: int
+    completed_groups: list[int]
+
+
+class BatchRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    num_groups: int | None = Field(default=None, ge=1)
+    num_samples: int | None = Field(default=None, ge=1)
+    current_weight_version: int | str | None = None
+    max_weight_staleness: int | None = Field(default=None, ge=0)
+    timeout_s: float = Field(default=0.0, ge=0, le=MAX_LONG_POLL_S)
+    allow_partial: bool = False
+    request_id: str | None = Field(default=None, max_length=200)
+
+    @model_validator(mode="after")
+    def one_size(self) -> "BatchRequest":
+        if (self.num_groups is None) == (self.num_samples is None):
+            raise ValueError("give exactly one of num_groups and num_samples")
+        return self
+
+
+class BufferState:
+    """What the routes share: the store, its thread, and the event that wakes long-polls."""
+
+    def __init__(self, config: BufferConfig, store: SQLiteStore):
+        self.config = config
+        self.store = store
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="buffer-store")
+        self.changed = asyncio.Event()
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def notify(self) -> None:
+        """Wake every long-poll waiting now; later waiters get a fresh event."""
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+
+def build_store(config: BufferConfig) -> SQLiteStore:
+    prompts = None
+    if config.prompt_data:
+        prompts = load_prompts(config.prompt_data, input_key=config.input_key, label_key=config.label_key,
+                               metadata_key=config.metadata_key, tool_key=config.tool_key)
+    group_filter = None
+    if config.dynamic_sampling_filter_path:
+        group_filter = load_plugin(config.dynamic_sampling_filter_path, flag="--dynamic-sampling-filter-path",
+                                   params=["samples"])
+    return SQLiteStore(config.db, n_samples_per_prompt=config.n_samples_per_prompt, prompts=prompts,
+                       shuffle=config.rollout_shuffle, seed=config.rollout_seed, num_epoch=config.num_epoch,
+                       partial_rollout=config.partial_rollout, stale_policy=config.stale_policy, group_filter=group_filter)
+
+
+def _state(request: Request) -> BufferState:
+    return request.app.state.buffer
+
+
+StateDep = Annotated[BufferState, Depends(_state)]
+
+
+def _require_key(request: Request) -> None:
+    key = request.app.state.buffer.config.api_key
+    given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+    if key and not secrets.compare_digest(given.encode(), key.encode()):
+        raise PermissionError("a valid 'Authorization: Bearer <api key>' header is required")
+
+
+def _error(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status_code=status)
+
+
+def create_app(config: BufferConfig) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        store = build_store(config)
+        app.state.buffer = BufferState(config, store)
+        logger.info("buffer ready: %s (%d prompts, %d samples per prompt)", config.db, store.num_prompts,
+                    config.n_samples_per_prompt)
+        try:
+            yield
+        finally:
+            app.state.buffer.executor.shutdown(wait=True)
+            store.close()
+
+    app = FastAPI(title="inverted Data Buffer", lifespan=lifespan)
+
+    @app.exception_handler(SampleError)
+    async def sample_error(_: Request, exc: SampleError) -> JSONResponse:
+        return _error(422, str(exc), "invalid_sample", str(exc).split(":", 1)[0])
+
+    @app.exception_handler(LeaseConflict)
+    async def lease_conflict(_: Request, exc: LeaseConflict) -> JSONResponse:
+        return _error(409, str(exc), "lease_conflict")
+
+    @app.exception_handler(PermissionError)
+    async def unauthorized(_: Request, exc: PermissionError) -> JSONResponse:
+        return _error(401, str(exc), "unauthorized")
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"] if p != "body")
+        return _error(422, f"{where}: {first['msg']}", "invalid_request_error", where)
+
+    _add_routes(app)
+    return app
+
+
+async def _parse(request: Request, model: type[BaseModel]) -> Any:
+    """orjson for the (large) body, then the route's pydantic model."""
+    try:
+        data = orjson.loads(await request.body())
+        return model.model_validate(data)
+    except orjson.JSONDecodeError as exc:
+        raise RequestValidationError([{"loc": ("body",), "msg": f"malformed JSON: {exc}"}]) from None
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
+
+
+def _samples(body: SubmitRequest) -> list[tuple[str, Sample]]:
+    """Every Sample checked before any is stored: a batch is all or nothing."""
+    items = []
+    for i, item in enumerate(body.samples):
+        try:
+            sample = Sample.from_json(item.sample)
+            sample.validate()
+        except SampleError as exc:
+            raise SampleError(f"samples[{i}].{exc}") from None
+        except TypeError as exc:
+            raise SampleError(f"samples[{i}]: {exc}") from None
+        items.append((item.lease_id, sample))
+    return items
+
+
+def _add_routes(app: FastAPI) -> None:
+    auth = [Depends(_require_key)]
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post("/tasks/lease", dependencies=auth, response_model=LeaseResponse)
+    async def lease(request: Request, state: StateDep) -> Response:
+        body: LeaseRequest = await _parse(request, LeaseRequest)
+        seconds = body.lease_seconds or state.config.lease_seconds
+        tasks = await state.run(state.store.lease, body.count, body.worker_id, seconds, body.request_id)
+        return Response(orjson.dumps({"tasks": tasks}), media_type="application/json")
+
+    @app.post("/samples", dependencies=auth, response_model=SubmitResponse)
+    async def submit(request: Request, state: StateDep) -> SubmitResponse:
+        items = _samples(await _parse(request, SubmitRequest))
+        result = await state.run(state.store.submit, items)
+        if result.completed_groups:
+            state.notify()
+        return SubmitResponse(accepted=result.accepted, duplicates=result.duplicates, requeued=result.requeued,
+                              completed_groups=result.completed_groups)
+
+    @app.post("/batches/next", dependencies=auth)
+    async def next_batch(request: Request, state: StateDep) -> Response:
+        body: BatchRequest = await _parse(request, BatchRequest)
+        size = state.config.n_samples_per_prompt
+        if body.num_samples is not None and body.num_samples % size:
+            raise SampleError(f"num_samples: {body.num_samples} is not a multiple of the group size {size}")
+        groups = body.num_groups or body.num_samples // size
+        version = None if body.current_weight_version is None else version_number(str(body.current_weight_version))
+        deadline = time.monotonic() + body.timeout_s
+        while True:
+            changed = state.changed  # taken before looking, so a completion in between is not missed
+            last_try = time.monotonic() >= deadline
+            reply = await state.run(state.store.next_batch, groups, version, body.max_weight_staleness, body.request_id,
+                                    body.allow_partial and last_try)
+            if reply is not None:
+                return Response(reply, media_type="application/json")
+            if last_try:
+                return JSONResponse({"batch_id": None, "groups": [], "staleness": [], "timed_out": True})
+            try:
+                await asyncio.wait_for(changed.wait(), deadline - time.monotonic())
+            except asyncio.TimeoutError:
+                pass
+
+    @app.get("/stats", dependencies=auth)
+    async def stats(state: StateDep) -> dict[str, Any]:
+        return await state.run(state.store.stats)
+
+    @app.get("/metrics", dependencies=auth)
+    async def metrics(state: StateDep) -> PlainTextResponse:
+        snapshot = await state.run(state.store.stats)
+        lines = [f'inverted_buffer_groups{{state="{k}"}} {v}' for k, v in snapshot["groups"].items()]
+        lines += [f'inverted_buffer_tasks{{state="{k}"}} {v}' for k, v in snapshot["tasks"].items()]
+        lines += [f"inverted_buffer_{k}_total {v}" for k, v in sorted(snapshot["counters"].items())]
+        lines += [f'inverted_buffer_consumed_groups_by_staleness{{staleness="{k}"}} {v}'
+                  for k, v in snapshot["staleness_histogram"].items()]
+        lines.append(f"inverted_buffer_samples {snapshot['samples']}")
+        return PlainTextResponse("\n".join(lines) + "\n")

@@ -1,0 +1,382 @@
+"""The buffer's durable state: prompts, groups, tasks and samples in one SQLite file (no HTTP here).
+
+Life of a group: the dataset cursor turns the next prompt into a group of
+``n_samples_per_prompt`` *tasks* (one per sample). Workers *lease* tasks; a lease is an
+unguessable id with an expiry, and only the current lease of a task may complete it: when a
+lease expires the task goes back to the queue, and once it is leased again the old lease is
+void, so a task yields exactly one sample. A group whose tasks are all done is *complete*;
+``next_batch`` serves complete groups oldest first, dropping or re-sampling those past the
+staleness bound and those the filter rejects, and marks what it serves *consumed*.
+
+Every state change is one transaction (``BEGIN IMMEDIATE`` … ``COMMIT``) in WAL mode with
+``synchronous=FULL``: a call that returned has reached the disk, and a killed process loses only
+calls that had not returned. Lease and batch calls may carry a ``request_id``; a repeated id
+replays the recorded answer, so a client's retry never leases or consumes twice. Submissions are
+idempotent by (group_index, index).
+
+Weight versions are the trainer's step as a decimal string; a version that is not an integer
+(SGLang's initial ``"default"``) counts as 0.
+
+``BufferStore`` is the interface the service uses, so a server database can replace SQLite.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import sqlite3
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Literal, Protocol
+
+import orjson
+
+from inverted.buffer.datasets import PromptRecord, epoch_order
+from inverted.errors import ConfigError, InvertedError, SampleError
+from inverted.types import Sample
+
+GroupFilter = Callable[[list[Sample]], bool]
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS prompts (prompt_index INTEGER PRIMARY KEY, record BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS groups (
+    group_index INTEGER PRIMARY KEY, prompt_index INTEGER NOT NULL, epoch INTEGER NOT NULL,
+    state TEXT NOT NULL, min_version INTEGER, staleness INTEGER, batch_id TEXT,
+    created_at REAL NOT NULL, completed_at REAL, consumed_at REAL);
+CREATE INDEX IF NOT EXISTS groups_by_state ON groups (state, group_index);
+CREATE TABLE IF NOT EXISTS tasks (
+    group_index INTEGER NOT NULL, sample_index INTEGER NOT NULL, state TEXT NOT NULL,
+    lease_id TEXT, worker_id TEXT, lease_expires REAL, attempts INTEGER NOT NULL DEFAULT 0,
+    partial BLOB, PRIMARY KEY (group_index, sample_index));
+CREATE INDEX IF NOT EXISTS tasks_by_state ON tasks (state, lease_expires);
+CREATE TABLE IF NOT EXISTS samples (
+    group_index INTEGER NOT NULL, sample_index INTEGER NOT NULL, sample BLOB NOT NULL,
+    PRIMARY KEY (group_index, sample_index));
+CREATE TABLE IF NOT EXISTS replies (request_id TEXT PRIMARY KEY, kind TEXT NOT NULL, reply BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+"""
+
+GROUP_STATES = ("open", "complete", "consumed", "dropped_stale", "filtered", "failed")
+TASK_STATES = ("queued", "leased", "done")
+
+
+class LeaseConflict(InvertedError):
+    """A submission names a lease that is not (or no longer) the task's current lease."""
+
+
+def version_number(version: str) -> int:
+    try:
+        return int(version)
+    except ValueError:
+        return 0
+
+
+@dataclass(slots=True)
+class LeasedTask:
+    lease_id: str
+    group_index: int
+    index: int
+    prompt_index: int
+    record: dict[str, Any]
+    expires_at: float
+    attempt: int
+    partial: dict[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"lease_id": self.lease_id, "group_index": self.group_index, "index": self.index,
+                "prompt_index": self.prompt_index, **self.record, "expires_at": self.expires_at,
+                "attempt": self.attempt, "partial": self.partial}
+
+
+@dataclass(slots=True)
+class SubmitResult:
+    accepted: int = 0
+    duplicates: int = 0
+    requeued: int = 0
+    completed_groups: list[int] = field(default_factory=list)
+
+
+class BufferStore(Protocol):
+    """What the service needs from storage."""
+
+    def lease(self, count: int, worker_id: str, lease_seconds: float, request_id: str | None = None) -> list[dict]: ...
+    def submit(self, items: list[tuple[str, Sample]]) -> SubmitResult: ...
+    def next_batch(self, num_groups: int, current_version: int | None, max_staleness: int | None,
+                   request_id: str | None = None, allow_partial: bool = False) -> bytes | None: ...
+    def stats(self) -> dict[str, Any]: ...
+    def close(self) -> None: ...
+
+
+class SQLiteStore:
+    """``BufferStore`` over one SQLite file. Thread-safe: calls are serialised by a lock."""
+
+    def __init__(self, path: str, *, n_samples_per_prompt: int, prompts: list[PromptRecord] | None = None,
+                 shuffle: bool = False, seed: int = 42, num_epoch: int = 0, partial_rollout: bool = False,
+                 stale_policy: Literal["drop", "retry"] = "drop", group_filter: GroupFilter | None = None,
+                 clock: Callable[[], float] = time.time):
+        self.n = n_samples_per_prompt
+        self.shuffle, self.seed, self.num_epoch = shuffle, seed, num_epoch
+        self.partial_rollout, self.stale_policy, self.group_filter = partial_rollout, stale_policy, group_filter
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        for pragma in ("journal_mode=WAL", "synchronous=FULL", "busy_timeout=10000"):
+            self._db.execute(f"PRAGMA {pragma}")
+        self._db.executescript(SCHEMA)
+        with self._tx():
+            self._init_meta(prompts)
+        self.num_prompts = self._db.execute("SELECT COUNT(*) FROM prompts").fetchone()[0]
+        self._orders: dict[int, list[int]] = {}
+
+    # ---- setup ---------------------------------------------------------------------------
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _meta(self, key: str) -> str | None:
+        row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return row[0] if row else None
+
+    def _set_meta(self, key: str, value: Any) -> None:
+        self._db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, str(value)))
+
+    def _init_meta(self, prompts: list[PromptRecord] | None) -> None:
+        stored_n = self._meta("n_samples_per_prompt")
+        if stored_n is not None and int(stored_n) != self.n:
+            raise ConfigError(f"--n-samples-per-prompt={self.n}: this database was made with {stored_n}")
+        self._set_meta("n_samples_per_prompt", self.n)
+        for key, value in (("epoch", 0), ("offset", 0), ("next_group", 0)):
+            if self._meta(key) is None:
+                self._set_meta(key, value)
+        if prompts is None:
+            return
+        blobs = [orjson.dumps(p.to_json()) for p in prompts]
+        fingerprint = hashlib.sha256(b"\n".join(blobs)).hexdigest()
+        stored = self._meta("dataset_sha256")
+        if stored is None:
+            self._db.executemany("INSERT INTO prompts (prompt_index, record) VALUES (?, ?)", enumerate(blobs))
+            self._set_meta("dataset_sha256", fingerprint)
+        elif stored != fingerprint:
+            raise ConfigError("--prompt-data differs from the dataset this database was made with; use a new --db")
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # ---- counters and replies ------------------------------------------------------------
+
+    def _count(self, name: str, by: int = 1) -> None:
+        if by:
+            self._db.execute("INSERT INTO counters (name, value) VALUES (?, ?) "
+                             "ON CONFLICT(name) DO UPDATE SET value = value + excluded.value", (name, by))
+
+    def _replay(self, request_id: str | None, kind: str) -> bytes | None:
+        if request_id is None:
+            return None
+        row = self._db.execute("SELECT kind, reply FROM replies WHERE request_id = ?", (request_id,)).fetchone()
+        if row and row[0] != kind:
+            raise SampleError(f"request_id {request_id!r} was already used for a {row[0]} call")
+        return row[1] if row else None
+
+    def _record(self, request_id: str | None, kind: str, reply: bytes) -> None:
+        if request_id is not None:
+            self._db.execute("INSERT INTO replies (request_id, kind, reply) VALUES (?, ?, ?)", (request_id, kind, reply))
+
+    # ---- leasing -------------------------------------------------------------------------
+
+    def _order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
+            self._orders = {epoch: epoch_order(self.num_prompts, self.seed, epoch, self.shuffle)}
+        return self._orders[epoch]
+
+    def _open_group(self, now: float) -> bool:
+        """Turn the next prompt into a group of queued tasks; False when the epochs are used up."""
+        if self.num_prompts == 0:
+            return False
+        epoch, offset = int(self._meta("epoch")), int(self._meta("offset"))
+        if self.num_epoch and epoch >= self.num_epoch:
+            return False
+        group = int(self._meta("next_group"))
+        prompt_index = self._order(epoch)[offset]
+        self._db.execute("INSERT INTO groups (group_index, prompt_index, epoch, state, created_at) VALUES (?, ?, ?, 'open', ?)",
+                         (group, prompt_index, epoch, now))
+        self._db.executemany("INSERT INTO tasks (group_index, sample_index, state) VALUES (?, ?, 'queued')",
+                             [(group, i) for i in range(self.n)])
+        offset += 1
+        if offset == self.num_prompts:
+            epoch, offset = epoch + 1, 0
+        self._set_meta("epoch", epoch)
+        self._set_meta("offset", offset)
+        self._set_meta("next_group", group + 1)
+        return True
+
+    def lease(self, count: int, worker_id: str, lease_seconds: float, request_id: str | None = None) -> list[dict]:
+        """Up to ``count`` tasks: re-queued ones first, then new groups from the dataset."""
+        with self._tx() as db:
+            replay = self._replay(request_id, "lease")
+            if replay is not None:
+                return orjson.loads(replay)
+            now = self.clock()
+            expired = db.execute("UPDATE tasks SET state = 'queued', worker_id = NULL "
+                                 "WHERE state = 'leased' AND lease_expires <= ?", (now,)).rowcount
+            self._count("leases_expired", expired)
+            queued = db.execute("SELECT COUNT(*) FROM tasks WHERE state = 'queued'").fetchone()[0]
+            while queued < count and self._open_group(now):
+                queued += self.n
+            rows = db.execute("SELECT group_index, sample_index FROM tasks WHERE state = 'queued' "
+                              "ORDER BY group_index, sample_index LIMIT ?", (count,)).fetchall()
+            leased = []
+            for group, index in rows:
+                lease_id = secrets.token_urlsafe(18)
+                db.execute("UPDATE tasks SET state = 'leased', lease_id = ?, worker_id = ?, lease_expires = ?, "
+                           "attempts = attempts + 1 WHERE group_index = ? AND sample_index = ?",
+                           (lease_id, worker_id, now + lease_seconds, group, index))
+                prompt_index, record, attempts, partial = db.execute(
+                    "SELECT g.prompt_index, p.record, t.attempts, t.partial FROM tasks t JOIN groups g USING (group_index) "
+                    "JOIN prompts p USING (prompt_index) WHERE t.group_index = ? AND t.sample_index = ?",
+                    (group, index)).fetchone()
+                leased.append(LeasedTask(lease_id, group, index, prompt_index, orjson.loads(record), now + lease_seconds,
+                                         attempts, orjson.loads(partial) if partial else None).to_json())
+            self._count("tasks_leased", len(leased))
+            self._record(request_id, "lease", orjson.dumps(leased))
+            return leased
+
+    # ---- submitting ----------------------------------------------------------------------
+
+    def submit(self, items: list[tuple[str, Sample]]) -> SubmitResult:
+        """Record samples for leased tasks, all or nothing; a sample already recorded is a duplicate."""
+        result = SubmitResult()
+        with self._tx() as db:
+            touched: set[int] = set()
+            for position, (lease_id, sample) in enumerate(items):
+                where = f"samples[{position}]"
+                if sample.group_index is None or sample.index is None:
+                    raise SampleError(f"{where}: group_index and index are required")
+                key = (sample.group_index, sample.index)
+                task = db.execute("SELECT state, lease_id FROM tasks WHERE group_index = ? AND sample_index = ?", key).fetchone()
+                if task is None:
+                    raise SampleError(f"{where}.group_index: unknown group/index {key}")
+                if db.execute("SELECT 1 FROM samples WHERE group_index = ? AND sample_index = ?", key).fetchone():
+                    result.duplicates += 1
+                    continue
+                if task[1] != lease_id:
+                    raise LeaseConflict(f"{where}: lease {lease_id!r} is not the current lease of task {key} "
+                                        "(it expired and was leased again)")
+                if sample.status in (Sample.Status.ABORTED, Sample.Status.PENDING):
+                    keep = orjson.dumps(sample.to_json()) if self.partial_rollout and sample.response_length else None
+                    db.execute("UPDATE tasks SET state = 'queued', lease_id = NULL, worker_id = NULL, partial = ? "
+                               "WHERE group_index = ? AND sample_index = ?", (keep, *key))
+                    self._count("samples_requeued_partial" if keep else "samples_requeued_aborted")
+                    result.requeued += 1
+                    continue
+                db.execute("INSERT INTO samples (group_index, sample_index, sample) VALUES (?, ?, ?)",
+                           (*key, orjson.dumps(sample.to_json())))
+                db.execute("UPDATE tasks SET state = 'done', partial = NULL WHERE group_index = ? AND sample_index = ?", key)
+                result.accepted += 1
+                touched.add(sample.group_index)
+            for group in sorted(touched):
+                if self._complete_group(group):
+                    result.completed_groups.append(group)
+            self._count("samples_accepted", result.accepted)
+            self._count("samples_duplicate", result.duplicates)
+        return result
+
+    def _complete_group(self, group: int) -> bool:
+        done = self._db.execute("SELECT COUNT(*) FROM samples WHERE group_index = ?", (group,)).fetchone()[0]
+        if done < self.n:
+            return False
+        samples = self._group_samples(group)
+        versions = [version_number(v) for s in samples for v in s.weight_versions]
+        failed = any(s.status == Sample.Status.FAILED for s in samples)
+        self._db.execute("UPDATE groups SET state = ?, min_version = ?, completed_at = ? WHERE group_index = ?",
+                         ("failed" if failed else "complete", min(versions) if versions else None, self.clock(), group))
+        if failed:
+            self._count("groups_failed")
+        return True
+
+    def _group_samples(self, group: int) -> list[Sample]:
+        rows = self._db.execute("SELECT sample FROM samples WHERE group_index = ? ORDER BY sample_index", (group,))
+        return [Sample.from_json(orjson.loads(blob)) for (blob,) in rows]
+
+    # ---- batches -------------------------------------------------------------------------
+
+    def ready_groups(self) -> int:
+        with self._lock:
+            return self._db.execute("SELECT COUNT(*) FROM groups WHERE state = 'complete'").fetchone()[0]
+
+    def next_batch(self, num_groups: int, current_version: int | None, max_staleness: int | None,
+                   request_id: str | None = None, allow_partial: bool = False) -> bytes | None:
+        """Serve ``num_groups`` complete groups as JSON, or None (nothing consumed) if too few qualify.
+
+        Groups past the staleness bound are dropped or re-sampled, and groups the filter rejects
+        are set aside, as they are met, oldest first; those decisions stand even if no batch is served.
+        """
+        with self._tx() as db:
+            replay = self._replay(request_id, "batch")
+            if replay is not None:
+                return replay
+            accepted: list[tuple[int, int, list[bytes]]] = []
+            for group, min_version in db.execute(
+                    "SELECT group_index, min_version FROM groups WHERE state = 'complete' ORDER BY group_index").fetchall():
+                if len(accepted) == num_groups:
+                    break
+                staleness = 0 if current_version is None or min_version is None else max(0, current_version - min_version)
+                if max_staleness is not None and staleness > max_staleness:
+                    self._set_aside_stale(group)
+                    continue
+                blobs = [b for (b,) in db.execute("SELECT sample FROM samples WHERE group_index = ? ORDER BY sample_index", (group,))]
+                if self.group_filter is not None and not self.group_filter([Sample.from_json(orjson.loads(b)) for b in blobs]):
+                    db.execute("UPDATE groups SET state = 'filtered' WHERE group_index = ?", (group,))
+                    self._count("groups_filtered")
+                    continue
+                accepted.append((group, staleness, blobs))
+            if not accepted or (len(accepted) < num_groups and not allow_partial):
+                return None
+            batch_id = secrets.token_hex(8)
+            now = self.clock()
+            db.executemany("UPDATE groups SET state = 'consumed', staleness = ?, batch_id = ?, consumed_at = ? WHERE group_index = ?",
+                           [(staleness, batch_id, now, group) for group, staleness, _ in accepted])
+            self._count("groups_consumed", len(accepted))
+            reply = orjson.dumps({"batch_id": batch_id, "groups": [[orjson.Fragment(b) for b in blobs] for _, _, blobs in accepted],
+                                  "staleness": [s for _, s, _ in accepted]})
+            self._record(request_id, "batch", reply)
+            return reply
+
+    def _set_aside_stale(self, group: int) -> None:
+        if self.stale_policy == "drop":
+            self._db.execute("UPDATE groups SET state = 'dropped_stale' WHERE group_index = ?", (group,))
+            self._count("groups_dropped_stale")
+            return
+        self._db.execute("DELETE FROM samples WHERE group_index = ?", (group,))
+        self._db.execute("UPDATE tasks SET state = 'queued', lease_id = NULL, worker_id = NULL, partial = NULL "
+                         "WHERE group_index = ?", (group,))
+        self._db.execute("UPDATE groups SET state = 'open', min_version = NULL, completed_at = NULL WHERE group_index = ?", (group,))
+        self._count("groups_retried_stale")
+
+    # ---- observing -----------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            db = self._db
+            groups = dict.fromkeys(GROUP_STATES, 0) | dict(db.execute("SELECT state, COUNT(*) FROM groups GROUP BY state").fetchall())
+            tasks = dict.fromkeys(TASK_STATES, 0) | dict(db.execute("SELECT state, COUNT(*) FROM tasks GROUP BY state").fetchall())
+            histogram = {str(k): v for k, v in db.execute(
+                "SELECT staleness, COUNT(*) FROM groups WHERE state = 'consumed' GROUP BY staleness ORDER BY staleness")}
+            return {
+                "groups": groups, "tasks": tasks, "samples": db.execute("SELECT COUNT(*) FROM samples").fetchone()[0],
+                "staleness_histogram": histogram, "counters": dict(db.execute("SELECT name, value FROM counters").fetchall()),
+                "dataset": {"prompts": self.num_prompts, "epoch": int(self._meta("epoch")), "offset": int(self._meta("offset")),
+                            "n_samples_per_prompt": self.n},
+            }
+

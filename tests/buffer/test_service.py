@@ -1,0 +1,183 @@
+"""The Data Buffer as a real process on a real SQLite file, driven by ``BufferClient`` over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sqlite3
+import time
+
+import httpx
+import pytest
+
+from inverted.buffer.client import BufferClient
+from inverted.errors import ProtocolError, ServiceUnavailable
+from inverted.types import Sample
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    def write(n: int) -> str:
+        path = tmp_path / f"prompts-{n}.jsonl"
+        path.write_text("".join(json.dumps({"input": f"What is {i} + {i}?", "label": str(2 * i)}) + "\n" for i in range(n)))
+        return str(path)
+    return write
+
+
+def fill(task, reward: float = 1.0, version: str = "0") -> Sample:
+    sample = task.new_sample()
+    sample.tokens, sample.response_length = [5, 6, 7, 8, 9], 3
+    sample.loss_mask, sample.rollout_log_probs, sample.weight_versions = [1, 0, 1], [-0.1, 0.0, -0.3], [version] * 3
+    sample.reward, sample.status = reward + task.index, Sample.Status.COMPLETED  # rewards differ within a group
+    return sample
+
+
+def db_rows(path) -> list[tuple[int, int]]:
+    with sqlite3.connect(path) as db:
+        return db.execute("SELECT group_index, sample_index FROM samples ORDER BY 1, 2").fetchall()
+
+
+async def test_kill_9_loses_no_acknowledged_sample_and_releases_the_rest(procs, tmp_path, dataset):
+    db = tmp_path / "buffer.db"
+    args = ["--prompt-data", dataset(60), "--n-samples-per-prompt", "2", "--num-epoch", "1", "--lease-seconds", "2"]
+    buffer = procs.buffer(db, *args)
+    acknowledged: set[tuple[int, int]] = set()
+    leased: set[tuple[int, int]] = set()
+
+    async def worker(name: str) -> None:
+        async with BufferClient(buffer.url, max_attempts=1) as client:
+            try:
+                while True:
+                    tasks = await client.lease(3, name)
+                    if not tasks:
+                        return
+                    leased.update((t.group_index, t.index) for t in tasks)
+                    await client.submit([(t, fill(t)) for t in tasks])
+                    acknowledged.update((t.group_index, t.index) for t in tasks)
+            except ServiceUnavailable:
+                return  # the service was killed under us
+
+    async def killer() -> None:
+        while len(acknowledged) < 40:
+            await asyncio.sleep(0.01)
+        os.kill(buffer.popen.pid, signal.SIGKILL)
+
+    await asyncio.gather(killer(), *(worker(f"w{i}") for i in range(4)))
+    buffer.popen.wait()
+    rows = db_rows(db)
+    assert acknowledged <= set(rows) and len(rows) == len(set(rows))  # every acknowledged sample, exactly once
+    assert len(acknowledged) < 120
+
+    # Restart on the same file: the leases of the dead workers expire, and exactly the missing tasks come back.
+    buffer = procs.buffer(db, *args)
+    await asyncio.sleep(2.1)
+    async with BufferClient(buffer.url) as client:
+        again = await client.lease(1000, "survivor")
+        assert {(t.group_index, t.index) for t in again} == {(g, i) for g in range(60) for i in range(2)} - set(rows)
+        await client.submit([(t, fill(t)) for t in again])
+        stats = await client.stats()
+    assert stats["samples"] == 120 and stats["groups"]["complete"] == 60 and stats["tasks"] == {"queued": 0, "leased": 0, "done": 120}
+    assert db_rows(db) == [(g, i) for g in range(60) for i in range(2)]
+
+
+async def test_8_submitters_2_consumers_nothing_lost_nothing_served_twice(procs, tmp_path, dataset):
+    groups, size = 600, 4
+    buffer = procs.buffer(tmp_path / "b.db", "--prompt-data", dataset(groups), "--n-samples-per-prompt", str(size),
+                          "--num-epoch", "1")
+    served: list[list[Sample]] = []
+    done_submitting = asyncio.Event()
+
+    async def submitter(name: str) -> None:
+        async with BufferClient(buffer.url) as client:
+            while tasks := await client.lease(16, name):
+                await client.submit([(t, fill(t)) for t in tasks])
+
+    async def consumer() -> None:
+        async with BufferClient(buffer.url) as client:
+            while True:
+                batch = await client.next_batch(num_groups=8, timeout_s=0.5, allow_partial=done_submitting.is_set())
+                served.extend(batch.groups)
+                if done_submitting.is_set() and not batch.groups:
+                    return
+
+    async def submit_all() -> None:
+        await asyncio.gather(*(submitter(f"s{i}") for i in range(8)))
+        done_submitting.set()
+
+    await asyncio.wait_for(asyncio.gather(submit_all(), consumer(), consumer()), 240)
+    assert sorted(g[0].group_index for g in served) == list(range(groups))  # every group, once
+    assert all([s.index for s in g] == list(range(size)) and {s.group_index for s in g} == {g[0].group_index} for g in served)
+    assert all(s.tokens == [5, 6, 7, 8, 9] and s.weight_versions == ["0"] * 3 for g in served for s in g)
+    stats = httpx.get(buffer.url + "/stats").json()
+    assert stats["groups"]["consumed"] == groups and stats["samples"] == groups * size
+
+
+async def test_long_poll_wakes_when_a_group_completes(procs, tmp_path, dataset):
+    buffer = procs.buffer(tmp_path / "b.db", "--prompt-data", dataset(4), "--n-samples-per-prompt", "2")
+    async with BufferClient(buffer.url) as client:
+        tasks = await client.lease(2, "w")
+        started = time.monotonic()
+        waiting = asyncio.create_task(client.next_batch(num_groups=1, timeout_s=30))
+        await asyncio.sleep(0.5)
+        assert not waiting.done()
+        await client.submit([(t, fill(t)) for t in tasks])
+        batch = await asyncio.wait_for(waiting, 10)
+        assert time.monotonic() - started < 5 and [s.index for s in batch.samples] == [0, 1]
+        empty = await client.next_batch(num_groups=1, timeout_s=0.3)
+        assert empty.groups == [] and empty.batch_id is None
+
+
+def test_bad_input_is_422_naming_the_field_and_stores_nothing(procs, tmp_path, dataset):
+    buffer = procs.buffer(tmp_path / "b.db", "--prompt-data", dataset(4), "--n-samples-per-prompt", "2", "--api-key", "k")
+    headers = {"Authorization": "Bearer k"}
+    assert httpx.get(buffer.url + "/health").status_code == 200
+    assert httpx.get(buffer.url + "/stats").status_code == 401
+    tasks = httpx.post(buffer.url + "/tasks/lease", json={"count": 2, "worker_id": "w"}, headers=headers).json()["tasks"]
+    good = {"group_index": 0, "index": 0, "tokens": [1, 2, 3], "response_length": 2, "loss_mask": [1, 1],
+            "rollout_log_probs": [-1.0, -2.0], "weight_versions": ["0", "0"], "reward": 1.0, "status": "completed"}
+    cases = [
+        ({"loss_mask": [1]}, "samples[1].loss_mask"),
+        ({"rollout_log_probs": [-1.0]}, "samples[1].rollout_log_probs"),
+        ({"weight_versions": ["0"]}, "samples[1].weight_versions"),
+        ({"response_length": 7}, "samples[1].response_length"),
+        ({"group_index": 42}, "samples[1].group_index"),
+        ({"reward": "NaN"}, "samples[1].reward"),
+        ({"tokens": "abc"}, "samples[1].tokens"),
+        ({"status": "exploded"}, "samples[1].status"),
+        ({"colour": "red"}, "samples[1]"),
+    ]
+    for change, field in cases:
+        body = {"samples": [{"lease_id": tasks[0]["lease_id"], "sample": good},
+                            {"lease_id": tasks[1]["lease_id"], "sample": {**good, "index": 1, **change}}]}
+        response = httpx.post(buffer.url + "/samples", json=body, headers=headers)
+        assert response.status_code == 422, (change, response.text)
+        assert response.json()["error"]["message"].startswith(field), response.json()
+    for path, body in (("/tasks/lease", {"count": 0, "worker_id": "w"}), ("/tasks/lease", {"count": 1}),
+                       ("/batches/next", {"num_groups": 1, "num_samples": 2}), ("/batches/next", {"num_samples": 3})):
+        response = httpx.post(buffer.url + path, json=body, headers=headers)
+        assert response.status_code == 422 and response.json()["error"]["type"] in ("invalid_request_error", "invalid_sample")
+    malformed = httpx.post(buffer.url + "/samples", content=b'{"samples": [', headers=headers)
+    assert malformed.status_code == 422 and "malformed JSON" in malformed.json()["error"]["message"]
+    stolen = httpx.post(buffer.url + "/samples", headers=headers,
+                        json={"samples": [{"lease_id": "guessed", "sample": good}]})
+    assert stolen.status_code == 409
+    assert httpx.get(buffer.url + "/stats", headers=headers).json()["samples"] == 0
+    ok = httpx.post(buffer.url + "/samples", headers=headers, json={"samples": [{"lease_id": tasks[0]["lease_id"], "sample": good}]})
+    assert ok.json() == {"accepted": 1, "duplicates": 0, "requeued": 0, "completed_groups": []}
+    metrics = httpx.get(buffer.url + "/metrics", headers=headers).text
+    assert 'inverted_buffer_tasks{state="done"} 1' in metrics and "inverted_buffer_samples 1" in metrics
+
+
+async def test_client_errors_name_the_problem(procs, tmp_path, dataset):
+    buffer = procs.buffer(tmp_path / "b.db", "--prompt-data", dataset(2))
+    async with BufferClient(buffer.url) as client:
+        task = (await client.lease(1, "w"))[0]
+        broken = fill(task)
+        broken.loss_mask = [1]
+        with pytest.raises(ProtocolError) as info:
+            await client.submit([(task, broken)])
+        assert info.value.status == 422 and "loss_mask" in info.value.body

@@ -1,0 +1,191 @@
+"""``SQLiteStore`` in-process on a real SQLite file: leases, groups, batches, staleness, resume."""
+
+from __future__ import annotations
+
+import json
+
+import orjson
+import pytest
+
+from inverted.buffer.datasets import PromptRecord, epoch_order, load_prompts
+from inverted.buffer.filters import drop_all_equal_rewards
+from inverted.buffer.store import LeaseConflict, SQLiteStore
+from inverted.errors import ConfigError, SampleError
+from inverted.types import Sample
+
+PROMPTS = [PromptRecord(prompt=f"What is {i} + {i}?", label=str(2 * i), metadata={"i": i}) for i in range(10)]
+
+
+class Clock:
+    """The store's time source, advanced by hand (the store takes a clock, so no sleeping)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(directory, **kwargs) -> SQLiteStore:
+    directory.mkdir(parents=True, exist_ok=True)
+    kwargs.setdefault("n_samples_per_prompt", 2)
+    kwargs.setdefault("prompts", PROMPTS)
+    return SQLiteStore(str(directory / "buffer.db"), **kwargs)
+
+
+def finished(task: dict, *, version: str = "0", reward: float = 1.0, status=Sample.Status.COMPLETED) -> tuple[str, Sample]:
+    sample = Sample(group_index=task["group_index"], index=task["index"], prompt=task["prompt"], tokens=[1, 2, 3, 4],
+                    response_length=2, loss_mask=[1, 1], rollout_log_probs=[-0.5, -0.25], weight_versions=[version, version],
+                    reward=reward, status=status)
+    return task["lease_id"], sample
+
+
+def batch(store, n, **kwargs):
+    reply = store.next_batch(n, kwargs.pop("current", None), kwargs.pop("max_staleness", None), **kwargs)
+    return None if reply is None else orjson.loads(reply)
+
+
+def test_groups_follow_the_dataset_and_complete_only_when_full(tmp_path):
+    store = make(tmp_path)
+    tasks = store.lease(5, "w", 60)
+    assert [(t["group_index"], t["index"]) for t in tasks] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0)]
+    assert [t["prompt"] for t in tasks[::2]] == ["What is 0 + 0?", "What is 1 + 1?", "What is 2 + 2?"]
+    assert tasks[0]["label"] == "0" and tasks[0]["metadata"] == {"i": 0} and len(tasks[0]["lease_id"]) >= 24
+    store.submit([finished(tasks[0]), finished(tasks[2]), finished(tasks[3]), finished(tasks[4])])
+    got = batch(store, 5, allow_partial=True)
+    assert [[s["group_index"] for s in g] for g in got["groups"]] == [[1, 1]]  # group 0 and 2 are not complete
+    assert batch(store, 1) is None  # consumed groups are never served again
+    store.submit([finished(tasks[1])])
+    assert [s["index"] for s in batch(store, 1)["groups"][0]] == [0, 1]
+    stats = store.stats()
+    assert stats["groups"]["consumed"] == 2 and stats["groups"]["open"] == 1 and stats["samples"] == 5
+
+
+def test_batch_waits_for_enough_groups_unless_partial(tmp_path):
+    store = make(tmp_path)
+    tasks = store.lease(2, "w", 60)
+    store.submit([finished(t) for t in tasks])
+    assert batch(store, 2) is None
+    assert store.stats()["groups"]["complete"] == 1  # nothing was consumed by the refused call
+    assert len(batch(store, 2, allow_partial=True)["groups"]) == 1
+
+
+def test_expired_leases_are_reissued_and_the_old_lease_is_void(tmp_path):
+    clock = Clock()
+    store = make(tmp_path, clock=clock)
+    first = store.lease(2, "dead-worker", 30)
+    clock.now += 31
+    second = store.lease(2, "live-worker", 30)
+    assert [(t["group_index"], t["index"]) for t in second] == [(0, 0), (0, 1)]
+    assert second[0]["attempt"] == 2 and second[0]["lease_id"] != first[0]["lease_id"]
+    with pytest.raises(LeaseConflict, match="not the current lease"):
+        store.submit([finished(first[0])])
+    store.submit([finished(t) for t in second])
+    assert store.stats()["counters"]["leases_expired"] == 2
+    # A late duplicate from anyone is acknowledged and changes nothing.
+    assert store.submit([finished(second[0])]).duplicates == 1
+    assert store.stats()["samples"] == 2
+
+
+def test_a_submission_is_all_or_nothing(tmp_path):
+    store = make(tmp_path)
+    tasks = store.lease(2, "w", 60)
+    bogus = Sample(group_index=99, index=0, tokens=[1], response_length=0)
+    with pytest.raises(SampleError, match=r"samples\[1\].group_index: unknown group"):
+        store.submit([finished(tasks[0]), ("x", bogus)])
+    assert store.stats()["samples"] == 0 and store.stats()["tasks"]["leased"] == 2
+
+
+def test_staleness_drop_and_retry(tmp_path):
+    for policy in ("drop", "retry"):
+        store = make(tmp_path / policy, stale_policy=policy)
+        tasks = store.lease(4, "w", 60)
+        store.submit([finished(tasks[0], version="3"), finished(tasks[1], version="5"),
+                      finished(tasks[2], version="6"), finished(tasks[3], version="6")])
+        got = batch(store, 1, current=7, max_staleness=2)  # group 0 is 4 steps old (its oldest token)
+        assert [s["group_index"] for s in got["groups"][0]] == [1, 1] and got["staleness"] == [1]
+        stats = store.stats()
+        if policy == "drop":
+            assert stats["groups"]["dropped_stale"] == 1 and stats["counters"]["groups_dropped_stale"] == 1
+        else:
+            assert stats["groups"]["open"] == 1 and stats["counters"]["groups_retried_stale"] == 1
+            again = store.lease(2, "w", 60)
+            assert [(t["group_index"], t["index"]) for t in again] == [(0, 0), (0, 1)]
+        assert stats["staleness_histogram"] == {"1": 1}
+
+
+def test_all_equal_rewards_filter(tmp_path):
+    store = make(tmp_path, group_filter=drop_all_equal_rewards)
+    tasks = store.lease(4, "w", 60)
+    store.submit([finished(tasks[0], reward=1.0), finished(tasks[1], reward=1.0),
+                  finished(tasks[2], reward=0.0), finished(tasks[3], reward=1.0)])
+    got = batch(store, 1)
+    assert [s["group_index"] for s in got["groups"][0]] == [1, 1]
+    assert store.stats()["groups"]["filtered"] == 1 and store.stats()["counters"]["groups_filtered"] == 1
+
+
+def test_aborted_samples_requeue_with_or_without_their_tokens(tmp_path):
+    for partial in (False, True):
+        store = make(tmp_path / str(partial), partial_rollout=partial)
+        task = store.lease(1, "w", 60)[0]
+        lease, sample = finished(task, status=Sample.Status.ABORTED, version="4")
+        assert store.submit([(lease, sample)]).requeued == 1
+        again = store.lease(1, "w2", 60)[0]
+        assert (again["group_index"], again["index"]) == (0, 0)
+        if partial:
+            assert again["partial"]["tokens"] == [1, 2, 3, 4] and again["partial"]["weight_versions"] == ["4", "4"]
+        else:
+            assert again["partial"] is None
+        with pytest.raises(LeaseConflict):
+            store.submit([(lease, finished(task)[1])])
+
+
+def test_failed_samples_fail_their_group(tmp_path):
+    store = make(tmp_path)
+    tasks = store.lease(2, "w", 60)
+    store.submit([finished(tasks[0]), finished(tasks[1], status=Sample.Status.FAILED)])
+    assert batch(store, 1) is None
+    assert store.stats()["groups"]["failed"] == 1
+
+
+def test_resume_continues_the_same_order_and_replays_requests(tmp_path):
+    reference = make(tmp_path / "a", shuffle=True, seed=7)
+    expected = [t["prompt_index"] for t in reference.lease(50, "w", 60)[::2]]
+    assert expected[:10] == epoch_order(10, 7, 0, True) and expected[10:20] == epoch_order(10, 7, 1, True)
+    assert expected[:10] != expected[10:20]  # each epoch has its own permutation
+
+    store = make(tmp_path / "b", shuffle=True, seed=7)
+    seen = [t["prompt_index"] for t in store.lease(14, "w", 60, request_id="r1")[::2]]
+    replay = store.lease(14, "w", 60, request_id="r1")
+    assert [t["prompt_index"] for t in replay[::2]] == seen  # a retried call gets the same answer
+    store.close()
+    store = make(tmp_path / "b", shuffle=True, seed=7)  # restart on the same file
+    seen += [t["prompt_index"] for t in store.lease(36, "w", 60)[::2]]
+    assert seen == expected
+    with pytest.raises(ConfigError, match="n-samples-per-prompt"):
+        make(tmp_path / "b", n_samples_per_prompt=3)
+    with pytest.raises(ConfigError, match="differs from the dataset"):
+        make(tmp_path / "b", prompts=PROMPTS[:5])
+
+
+def test_num_epoch_stops_leasing(tmp_path):
+    store = make(tmp_path, num_epoch=1, n_samples_per_prompt=1)
+    assert len(store.lease(100, "w", 60)) == 10
+    assert store.lease(5, "w", 60) == []
+
+
+def test_load_prompts_jsonl_and_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"question": "hi", "answer": "1", "meta": {"k": 1}},
+            {"question": [{"role": "user", "content": "q"}], "answer": "2", "tools": [{"type": "function"}]}]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    pq.write_table(pa.Table.from_pylist([{"question": "hi", "answer": "1"}]), tmp_path / "d.parquet")
+    got = load_prompts(str(tmp_path / "d.jsonl"), input_key="question", label_key="answer", metadata_key="meta", tool_key="tools")
+    assert got[0] == PromptRecord(prompt="hi", label="1", metadata={"k": 1}, tools=None)
+    assert got[1].prompt == [{"role": "user", "content": "q"}] and got[1].tools == [{"type": "function"}]
+    assert load_prompts(str(tmp_path / "d.parquet"), input_key="question", label_key="answer", metadata_key=None,
+                        tool_key=None)[0].prompt == "hi"
+    with pytest.raises(ConfigError, match="row 0 has no text"):
+        load_prompts(str(tmp_path / "d.jsonl"), input_key="input", label_key=None, metadata_key=None, tool_key=None)
