@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from inverted.errors import SampleError
@@ -58,34 +58,40 @@ class Sample:
         return self.tokens[self.prompt_length :]
 
     def validate(self) -> None:
-        """Raise ``SampleError`` naming the first broken invariant."""
-        if not isinstance(self.tokens, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.tokens
-        ):
+        """Raise ``SampleError`` naming the first broken invariant.
+
+        Element checks run through ``map``/``set``/``min`` so that validating a 1,024-token Sample
+        costs microseconds, not a Python loop per token (the buffer ingests thousands per second).
+        """
+        if not isinstance(self.tokens, list) or not set(map(type, self.tokens)) <= {int} or (self.tokens and min(self.tokens) < 0):
             raise SampleError("tokens: expected a list of non-negative ints")
-        if not isinstance(self.response_length, int) or not 0 <= self.response_length <= len(self.tokens):
+        if type(self.response_length) is not int or not 0 <= self.response_length <= len(self.tokens):
             raise SampleError(
                 f"response_length: expected 0 <= response_length <= len(tokens)={len(self.tokens)}, "
                 f"got {self.response_length!r}"
             )
         for name in ("loss_mask", "rollout_log_probs", "weight_versions"):
             value = getattr(self, name)
-            if len(value) != self.response_length:
+            if not isinstance(value, list) or len(value) != self.response_length:
                 raise SampleError(
-                    f"{name}: expected {self.response_length} entries (response_length), got {len(value)}"
+                    f"{name}: expected a list of {self.response_length} entries (response_length), "
+                    f"got {len(value) if isinstance(value, list) else type(value).__name__}"
                 )
-        if any(m not in (0, 1) for m in self.loss_mask):
+        if not set(map(type, self.loss_mask)) <= {int} or not set(self.loss_mask) <= {0, 1}:
             raise SampleError("loss_mask: expected only 0 and 1")
-        if any(not isinstance(lp, (int, float)) or not math.isfinite(lp) or lp > 0 for lp in self.rollout_log_probs):
+        logprobs = self.rollout_log_probs
+        # A NaN or an infinity makes the sum non-finite; one sum is far cheaper than a check per value.
+        if not set(map(type, logprobs)) <= {float, int} or not math.isfinite(sum(logprobs)) or (logprobs and max(logprobs) > 0):
             raise SampleError("rollout_log_probs: expected finite floats <= 0")
-        if any(not isinstance(v, str) for v in self.weight_versions):
+        if not set(map(type, self.weight_versions)) <= {str}:
             raise SampleError("weight_versions: expected strings")
         _check_reward(self.reward)
         if not isinstance(self.status, Sample.Status):
             raise SampleError(f"status: expected one of {[s.value for s in Sample.Status]}, got {self.status!r}")
 
     def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
+        """The JSON form (shallow: lists are shared with the Sample, not copied)."""
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
         data["status"] = self.status.value
         return data
 

@@ -18,6 +18,10 @@ FROZEN_FLAGS = {
     "serve-engine": {"--config", "--model", "--host", "--port", "--device", "--dtype", "--max-running-requests",
                      "--context-length", "--max-prefill-tokens", "--weight-version", "--served-model-name", "--api-key",
                      "--admin-api-key", "--num-threads", "--random-seed", "--log-level"},
+    "buffer": {"--config", "--db", "--host", "--port", "--api-key", "--prompt-data", "--input-key", "--label-key",
+               "--metadata-key", "--tool-key", "--n-samples-per-prompt", "--rollout-shuffle", "--rollout-seed",
+               "--num-epoch", "--lease-seconds", "--partial-rollout", "--stale-policy",
+               "--dynamic-sampling-filter-path", "--log-level"},
     "servers": {"--config", "--hf-checkpoint", "--num-engines", "--engine-device", "--engine-max-running-requests",
                 "--engine-threads", "--router-host", "--router-port", "--startup-timeout", "--log-dir"},
 }

@@ -54,7 +54,7 @@ CREATE TABLE IF NOT EXISTS tasks (
 CREATE INDEX IF NOT EXISTS tasks_by_state ON tasks (state, lease_expires);
 CREATE TABLE IF NOT EXISTS samples (
     group_index INTEGER NOT NULL, sample_index INTEGER NOT NULL, sample BLOB NOT NULL,
-    PRIMARY KEY (group_index, sample_index));
+    min_version INTEGER, failed INTEGER NOT NULL, PRIMARY KEY (group_index, sample_index));
 CREATE TABLE IF NOT EXISTS replies (request_id TEXT PRIMARY KEY, kind TEXT NOT NULL, reply BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 """
@@ -280,8 +280,10 @@ class SQLiteStore:
                     self._count("samples_requeued_partial" if keep else "samples_requeued_aborted")
                     result.requeued += 1
                     continue
-                db.execute("INSERT INTO samples (group_index, sample_index, sample) VALUES (?, ?, ?)",
-                           (*key, orjson.dumps(sample.to_json())))
+                versions = [version_number(v) for v in set(sample.weight_versions)]
+                db.execute("INSERT INTO samples (group_index, sample_index, sample, min_version, failed) VALUES (?, ?, ?, ?, ?)",
+                           (*key, orjson.dumps(sample.to_json()), min(versions) if versions else None,
+                            sample.status == Sample.Status.FAILED))
                 db.execute("UPDATE tasks SET state = 'done', partial = NULL WHERE group_index = ? AND sample_index = ?", key)
                 result.accepted += 1
                 touched.add(sample.group_index)
@@ -293,21 +295,15 @@ class SQLiteStore:
         return result
 
     def _complete_group(self, group: int) -> bool:
-        done = self._db.execute("SELECT COUNT(*) FROM samples WHERE group_index = ?", (group,)).fetchone()[0]
+        done, min_version, failed = self._db.execute(
+            "SELECT COUNT(*), MIN(min_version), MAX(failed) FROM samples WHERE group_index = ?", (group,)).fetchone()
         if done < self.n:
             return False
-        samples = self._group_samples(group)
-        versions = [version_number(v) for s in samples for v in s.weight_versions]
-        failed = any(s.status == Sample.Status.FAILED for s in samples)
         self._db.execute("UPDATE groups SET state = ?, min_version = ?, completed_at = ? WHERE group_index = ?",
-                         ("failed" if failed else "complete", min(versions) if versions else None, self.clock(), group))
+                         ("failed" if failed else "complete", min_version, self.clock(), group))
         if failed:
             self._count("groups_failed")
         return True
-
-    def _group_samples(self, group: int) -> list[Sample]:
-        rows = self._db.execute("SELECT sample FROM samples WHERE group_index = ? ORDER BY sample_index", (group,))
-        return [Sample.from_json(orjson.loads(blob)) for (blob,) in rows]
 
     # ---- batches -------------------------------------------------------------------------
 

@@ -1,0 +1,130 @@
+"""Data Buffer ingest throughput and batch-fetch latency, over HTTP vs the store in-process. Prints JSON.
+
+The same samples (1,024 tokens each: 256 prompt + 768 response, with logprobs, mask and
+versions) are written twice, in requests of 64: once through ``SQLiteStore.submit`` in this
+process (the baseline: SQLite with fsync on every commit), once through a real ``inverted buffer``
+process over HTTP from concurrent clients with pre-encoded bodies. Then batches of 64 samples
+are fetched both ways. The ratio HTTP / in-process is what the service layer costs.
+
+    python bench/buffer_throughput.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from inverted.buffer.datasets import load_prompts  # noqa: E402
+from inverted.buffer.store import SQLiteStore  # noqa: E402
+from inverted.rollout.servers import ManagedProcess, free_port  # noqa: E402
+from inverted.types import Sample  # noqa: E402
+
+GROUP = 8
+PER_REQUEST = 64
+
+
+def make_sample(task: dict, response_len: int = 768, prompt_len: int = 256) -> Sample:
+    n = task["group_index"] * GROUP + task["index"]
+    return Sample(group_index=task["group_index"], index=task["index"], prompt=task["prompt"],
+                  tokens=[(n + i) % 150000 for i in range(prompt_len + response_len)], response_length=response_len,
+                  loss_mask=[1] * response_len, rollout_log_probs=[-0.5 - (i % 7) * 0.01 for i in range(response_len)],
+                  weight_versions=["3"] * response_len, reward=float(task["index"] % 2), status=Sample.Status.COMPLETED)
+
+
+def chunks(items: list, size: int) -> list[list]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def in_process(db: Path, data: str, prompts: int, batches: int) -> dict:
+    records = load_prompts(data, input_key="input", label_key=None, metadata_key=None, tool_key=None)
+    store = SQLiteStore(str(db), n_samples_per_prompt=GROUP, prompts=records, num_epoch=1)
+    tasks = store.lease(prompts * GROUP, "bench", 3600)
+    items = [(t["lease_id"], make_sample(t)) for t in tasks]
+    start = time.perf_counter()
+    for chunk in chunks(items, PER_REQUEST):
+        store.submit(chunk)
+    elapsed = time.perf_counter() - start
+    latencies = []
+    for _ in range(batches):
+        t0 = time.perf_counter()
+        store.next_batch(PER_REQUEST // GROUP, 3, None)
+        latencies.append(time.perf_counter() - t0)
+    store.close()
+    return {"samples_per_s": len(items) / elapsed, "batch_latency_ms": latencies}
+
+
+async def over_http(url: str, prompts: int, batches: int, concurrency: int) -> dict:
+    async with httpx.AsyncClient(base_url=url, timeout=120, trust_env=False) as client:
+        tasks = (await client.post("/tasks/lease", json={"count": prompts * GROUP, "worker_id": "bench"})).json()["tasks"]
+        bodies = [orjson.dumps({"samples": [{"lease_id": t["lease_id"], "sample": make_sample(t).to_json()} for t in chunk]})
+                  for chunk in chunks(tasks, PER_REQUEST)]
+        queue = list(bodies)
+
+        async def sender() -> None:
+            while queue:
+                response = await client.post("/samples", content=queue.pop(), headers={"content-type": "application/json"})
+                assert response.status_code == 200, response.text
+
+        start = time.perf_counter()
+        await asyncio.gather(*(sender() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - start
+        latencies = []
+        for _ in range(batches):
+            t0 = time.perf_counter()
+            response = await client.post("/batches/next", json={"num_samples": PER_REQUEST, "current_weight_version": 3})
+            assert len(orjson.loads(response.content)["groups"]) == PER_REQUEST // GROUP  # as BufferClient parses it
+            latencies.append(time.perf_counter() - t0)
+    return {"samples_per_s": len(tasks) / elapsed, "batch_latency_ms": latencies}
+
+
+def summary(latencies: list[float]) -> dict:
+    ms = sorted(x * 1000 for x in latencies)
+    return {"p50": round(statistics.median(ms), 2), "p95": round(ms[int(0.95 * (len(ms) - 1))], 2)}
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=400, help="groups of 8 samples (default: 3,200 samples)")
+    parser.add_argument("--batches", type=int, default=20, help="batches of 64 samples fetched for the latency figures")
+    parser.add_argument("--concurrency", type=int, default=4, help="concurrent HTTP submitters")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "prompts.jsonl"
+        data.write_text("".join(json.dumps({"input": f"prompt {i}"}) + "\n" for i in range(args.prompts)))
+        local = in_process(Path(tmp) / "local.db", str(data), args.prompts, args.batches)
+        port = free_port()
+        proc = ManagedProcess.spawn("bench-buffer", [sys.executable, "-m", "inverted.cli", "buffer", "--db", f"{tmp}/http.db",
+                                                     "--port", str(port), "--prompt-data", str(data),
+                                                     "--n-samples-per-prompt", str(GROUP), "--num-epoch", "1"],
+                                    Path(tmp) / "buffer.log", f"http://127.0.0.1:{port}")
+        try:
+            proc.wait_healthy(60)
+            remote = asyncio.run(over_http(proc.url, args.prompts, args.batches, args.concurrency))
+        finally:
+            proc.terminate()
+    ratio = remote["samples_per_s"] / local["samples_per_s"]
+    print(json.dumps({
+        "bench": "buffer_throughput", "samples": args.prompts * GROUP, "tokens_per_sample": 1024,
+        "samples_per_request": PER_REQUEST, "http_concurrency": args.concurrency,
+        "in_process": {"samples_per_s": round(local["samples_per_s"], 1), "batch_latency_ms": summary(local["batch_latency_ms"])},
+        "http": {"samples_per_s": round(remote["samples_per_s"], 1), "batch_latency_ms": summary(remote["batch_latency_ms"])},
+        "ratio_http_to_in_process": round(ratio, 3),
+        "target": {"http_samples_per_s": 2000, "min_ratio": 0.5,
+                   "met": remote["samples_per_s"] >= 2000 and ratio >= 0.5},
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()
