@@ -42,11 +42,9 @@ def cmd_serve_engine(cfg: EngineConfig) -> None:
 
 
 def cmd_buffer(cfg: BufferConfig) -> None:
-    import uvicorn
+    from inverted.buffer.service import serve
 
-    from inverted.buffer.service import create_app
-
-    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning", access_log=False)
+    serve(cfg)
 
 
 def cmd_servers(cfg: ServersConfig, router_args: list[str]) -> None:

@@ -201,6 +201,7 @@ class BufferConfig:
     rollout_shuffle: bool = option(False, "shuffle the dataset each epoch (deterministic for --rollout-seed)")
     rollout_seed: int = option(42, "seed of the per-epoch shuffle")
     num_epoch: int = option(0, "epochs to serve before leasing stops (0: no limit)")
+    workers: int = option(1, "service processes sharing the database (more use more cores for ingest)")
     lease_seconds: float = option(600.0, "default lease length; an expired lease puts its task back")
     partial_rollout: bool = option(False, "keep aborted samples' tokens so the next lessee resumes them")
     stale_policy: Literal["drop", "retry"] = option("drop", "groups past --max-weight-staleness: drop, or sample again")
@@ -214,3 +215,4 @@ class BufferConfig:
         _require(self.n_samples_per_prompt >= 1, "--n-samples-per-prompt", self.n_samples_per_prompt, ">= 1")
         _require(self.num_epoch >= 0, "--num-epoch", self.num_epoch, ">= 0")
         _require(self.lease_seconds > 0, "--lease-seconds", self.lease_seconds, "> 0")
+        _require(self.workers >= 1, "--workers", self.workers, ">= 1")

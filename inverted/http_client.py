@@ -69,14 +69,16 @@ class HTTPService:
     def _timeout(self, seconds: float) -> httpx.Timeout:
         return httpx.Timeout(seconds, connect=self.timeouts.connect)
 
-    async def request(self, method: str, path: str, *, json_body: Any = None, timeout: float,
-                      idempotent: bool, params: dict | None = None) -> httpx.Response:
+    async def request(self, method: str, path: str, *, json_body: Any = None, content: bytes | None = None,
+                      timeout: float, idempotent: bool, params: dict | None = None) -> httpx.Response:
         """Send with retries; return a 2xx response or raise ProtocolError / ServiceUnavailable."""
         url = self.base_url + path
 
         async def attempt() -> httpx.Response:
             try:
-                response = await self._http.request(method, path, json=json_body, params=params, timeout=self._timeout(timeout))
+                headers = {"content-type": "application/json"} if content is not None else None
+                response = await self._http.request(method, path, json=json_body, content=content, headers=headers,
+                                                    params=params, timeout=self._timeout(timeout))
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 raise _Retryable(exc) from exc  # the request never reached the server: always safe to resend
             except httpx.TransportError as exc:  # read/write failure or timeout: the outcome is unknown

@@ -20,7 +20,7 @@ FROZEN_FLAGS = {
                      "--admin-api-key", "--num-threads", "--random-seed", "--log-level"},
     "buffer": {"--config", "--db", "--host", "--port", "--api-key", "--prompt-data", "--input-key", "--label-key",
                "--metadata-key", "--tool-key", "--n-samples-per-prompt", "--rollout-shuffle", "--rollout-seed",
-               "--num-epoch", "--lease-seconds", "--partial-rollout", "--stale-policy",
+               "--num-epoch", "--workers", "--lease-seconds", "--partial-rollout", "--stale-policy",
                "--dynamic-sampling-filter-path", "--log-level"},
     "servers": {"--config", "--hf-checkpoint", "--num-engines", "--engine-device", "--engine-max-running-requests",
                 "--engine-threads", "--router-host", "--router-port", "--startup-timeout", "--log-dir"},

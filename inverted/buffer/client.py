@@ -69,7 +69,8 @@ class BufferClient(HTTPService):
     async def submit(self, items: list[tuple[Task | str, Sample]]) -> dict[str, Any]:
         """Submit finished (or aborted) samples, each with the lease of its task; all or nothing."""
         body = {"samples": [{"lease_id": t if isinstance(t, str) else t.lease_id, "sample": s.to_json()} for t, s in items]}
-        response = await self.request("POST", "/samples", json_body=body, timeout=self.timeouts.data, idempotent=True)
+        response = await self.request("POST", "/samples", content=orjson.dumps(body), timeout=self.timeouts.data,
+                                      idempotent=True)
         return self.json_of(response)
 
     async def next_batch(self, *, num_groups: int | None = None, num_samples: int | None = None,

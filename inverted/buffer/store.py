@@ -103,7 +103,7 @@ class BufferStore(Protocol):
     """What the service needs from storage."""
 
     def lease(self, count: int, worker_id: str, lease_seconds: float, request_id: str | None = None) -> list[dict]: ...
-    def submit(self, items: list[tuple[str, Sample]]) -> SubmitResult: ...
+    def submit(self, items: list[tuple[str, Sample]], encoded: list[bytes] | None = None) -> SubmitResult: ...
     def next_batch(self, num_groups: int, current_version: int | None, max_staleness: int | None,
                    request_id: str | None = None, allow_partial: bool = False) -> bytes | None: ...
     def stats(self) -> dict[str, Any]: ...
@@ -254,8 +254,12 @@ class SQLiteStore:
 
     # ---- submitting ----------------------------------------------------------------------
 
-    def submit(self, items: list[tuple[str, Sample]]) -> SubmitResult:
-        """Record samples for leased tasks, all or nothing; a sample already recorded is a duplicate."""
+    def submit(self, items: list[tuple[str, Sample]], encoded: list[bytes] | None = None) -> SubmitResult:
+        """Record samples for leased tasks, all or nothing; a sample already recorded is a duplicate.
+
+        ``encoded[i]``, when given, is item i's Sample as JSON already (the service passes the bytes
+        it received) and is stored instead of encoding the Sample again.
+        """
         result = SubmitResult()
         with self._tx() as db:
             touched: set[int] = set()
@@ -281,8 +285,9 @@ class SQLiteStore:
                     result.requeued += 1
                     continue
                 versions = [version_number(v) for v in set(sample.weight_versions)]
+                blob = encoded[position] if encoded is not None else orjson.dumps(sample.to_json())
                 db.execute("INSERT INTO samples (group_index, sample_index, sample, min_version, failed) VALUES (?, ?, ?, ?, ?)",
-                           (*key, orjson.dumps(sample.to_json()), min(versions) if versions else None,
+                           (*key, blob, min(versions) if versions else None,
                             sample.status == Sample.Status.FAILED))
                 db.execute("UPDATE tasks SET state = 'done', partial = NULL WHERE group_index = ? AND sample_index = ?", key)
                 result.accepted += 1

@@ -84,10 +84,11 @@ async def test_kill_9_loses_no_acknowledged_sample_and_releases_the_rest(procs, 
     assert db_rows(db) == [(g, i) for g in range(60) for i in range(2)]
 
 
-async def test_8_submitters_2_consumers_nothing_lost_nothing_served_twice(procs, tmp_path, dataset):
+@pytest.mark.parametrize("workers", [1, 2])  # 2: two service processes share the database
+async def test_8_submitters_2_consumers_nothing_lost_nothing_served_twice(procs, tmp_path, dataset, workers):
     groups, size = 600, 4
     buffer = procs.buffer(tmp_path / "b.db", "--prompt-data", dataset(groups), "--n-samples-per-prompt", str(size),
-                          "--num-epoch", "1")
+                          "--num-epoch", "1", "--workers", str(workers))
     served: list[list[Sample]] = []
     done_submitting = asyncio.Event()
 
