@@ -146,6 +146,7 @@ class EngineConfig:
     max_running_requests: int = option(64, "requests decoded together in one batch")
     context_length: int = option(0, "longest prompt + output (0: the model's max_position_embeddings, capped at 4096)")
     max_prefill_tokens: int = option(2048, "prompt tokens prefilled per scheduler step before decoding again")
+    disable_radix_cache: bool = option(False, "do not reuse the KV of earlier requests that share a prompt prefix")
     weight_version: str = option("default", "initial weight version, echoed in meta_info")
     served_model_name: str = option("", "model id reported to clients (default: the model path)")
     api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on every route but health")

@@ -16,7 +16,7 @@ from inverted.errors import ConfigError
 FROZEN_FLAGS = {
     "make-tiny-model": {"--config", "--out", "--arch", "--preset", "--seed"},
     "serve-engine": {"--config", "--model", "--host", "--port", "--device", "--dtype", "--max-running-requests",
-                     "--context-length", "--max-prefill-tokens", "--weight-version", "--served-model-name", "--api-key",
+                     "--context-length", "--max-prefill-tokens", "--disable-radix-cache", "--weight-version", "--served-model-name", "--api-key",
                      "--admin-api-key", "--num-threads", "--random-seed", "--log-level"},
     "buffer": {"--config", "--db", "--host", "--port", "--api-key", "--prompt-data", "--input-key", "--label-key",
                "--metadata-key", "--tool-key", "--n-samples-per-prompt", "--rollout-shuffle", "--rollout-seed",

@@ -312,10 +312,6 @@ class SQLiteStore:
 
     # ---- batches -------------------------------------------------------------------------
 
-    def ready_groups(self) -> int:
-        with self._lock:
-            return self._db.execute("SELECT COUNT(*) FROM groups WHERE state = 'complete'").fetchone()[0]
-
     def next_batch(self, num_groups: int, current_version: int | None, max_staleness: int | None,
                    request_id: str | None = None, allow_partial: bool = False) -> bytes | None:
         """Serve ``num_groups`` complete groups as JSON, or None (nothing consumed) if too few qualify.

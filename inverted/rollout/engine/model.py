@@ -148,6 +148,12 @@ class KVCache:
         self.k[:, dst, :, :length] = self.k[:, src, :, :length]
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
 
+    def swap_rows(self, a: int, b: int, length_a: int, length_b: int) -> None:
+        """Exchange the first ``length_a`` positions of row ``a`` with the first ``length_b`` of row ``b``."""
+        held = self.k[:, a, :, :length_a].clone(), self.v[:, a, :, :length_a].clone()
+        self.move_row(b, a, length_b)
+        self.k[:, b, :, :length_a], self.v[:, b, :, :length_a] = held
+
     def release(self) -> None:
         """Free the storage (``/release_memory_occupation``); ``reserve`` allocates it again."""
         self.k = self.v = torch.empty(0)

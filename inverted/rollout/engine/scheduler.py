@@ -16,6 +16,12 @@ Pause modes follow SGLang: ``abort`` finishes every queued and running request w
 (their KV is dropped and recomputed on continue, their tokens kept); ``in_place`` stops stepping
 and keeps everything. While paused, new requests queue and wait for ``/continue_generation``.
 
+Prefix reuse: a finished request's cache row is kept (above the running rows) with the tokens it
+holds, and a new request whose prompt starts with some of them copies that much KV and prefills
+only the rest (``cached_tokens``). Multi-turn agents resend their whole history each turn, so
+this is most of their prompt. Kept rows are evicted when running rows need the room, and dropped
+on a flush and on every weight load (their KV came from the old weights).
+
 Every output token records the weight version that produced it; this module knows nothing of HTTP.
 """
 
@@ -72,7 +78,8 @@ class Scheduler:
     """Owns the model, the KV cache and the queues; all mutation happens on its thread."""
 
     def __init__(self, model: CausalLM, *, max_running: int, context_length: int, max_prefill_tokens: int,
-                 weight_version: str, stop_checker: Callable[[Request], str | None], random_seed: int | None = None):
+                 weight_version: str, stop_checker: Callable[[Request], str | None], random_seed: int | None = None,
+                 reuse_prefixes: bool = True):
         self.model = model
         self.max_running = max_running
         self.context_length = context_length
@@ -83,6 +90,8 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()  # touched by the scheduler thread only
         self._incoming: collections.deque[Request] = collections.deque()  # submissions, under _cond
         self.running: list[Request] = []  # running[i] owns cache row i
+        self.reuse_prefixes = reuse_prefixes
+        self.prefixes: dict[int, list[int]] = {}  # kept row (>= len(running)) -> the tokens whose KV it holds
         self.paused: str | None = None
         self.memory_released = False
         self.stats = collections.Counter()
@@ -154,7 +163,7 @@ class Scheduler:
             self.abort(abort_all=True)
         elif mode == "retract":
             retracted = list(self.running)
-            self._release_rows(list(range(len(self.running))))
+            self._release_rows(list(range(len(self.running))), keep=False)  # SGLang: KV freed, recomputed later
             for req in reversed(retracted):
                 req.computed = 0
                 self.waiting.appendleft(req)
@@ -167,9 +176,13 @@ class Scheduler:
         """Whether a cache flush must be refused: requests run, or queue while not paused (SGLang's rule)."""
         return bool(self.running) or (bool(self.waiting) and self.paused not in ("retract", "in_place"))
 
+    def forget_prefixes(self) -> None:
+        self.prefixes.clear()
+
     def flush(self) -> None:
         if self.busy():
             raise RuntimeError("Cache not flushed: there are running or queued requests.")
+        self.forget_prefixes()
         self.cache.release()
         self.cache.reserve(KVCache.GROW)
 
@@ -177,6 +190,7 @@ class Scheduler:
         if self.running:
             raise RuntimeError("release_memory_occupation needs an idle engine: pause generation first.")
         if "kv_cache" in tags:
+            self.forget_prefixes()
             self.cache.release()
         # Weights stay in host memory (like SGLang's --enable-weights-cpu-backup); nothing to free on CPU.
         self.memory_released = True
@@ -245,9 +259,9 @@ class Scheduler:
         batch: list[Request] = []
         while self.waiting and len(self.running) < self.max_running and (budget > 0 or not batch):
             req = self.waiting.popleft()
-            self.running.append(req)
+            self._place(req)
             batch.append(req)
-            budget -= len(req.input_ids) + len(req.output_ids)
+            budget -= len(req.input_ids) + len(req.output_ids) - req.cached_tokens
         if batch:
             self._prefill(batch)
             self._release_rows([i for i, r in enumerate(self.running) if r.finished])
@@ -260,11 +274,13 @@ class Scheduler:
         """
         tokens = [(r.input_ids + r.output_ids)[:-1] if r.output_ids else r.input_ids for r in batch]
         rows = list(range(len(self.running) - len(batch), len(self.running)))  # admitted last, so at the end
-        hidden = self.model.prefill(self.cache, rows, tokens, [0] * len(batch))
+        starts = [r.cached_tokens for r in batch]
+        hidden = self.model.prefill(self.cache, rows, [ids[start:] for ids, start in zip(tokens, starts)], starts)
         fresh: list[tuple[Request, torch.Tensor]] = []
         for req, ids, states in zip(batch, tokens, hidden):
             req.computed = len(ids)
-            self.stats["prompt_tokens"] += len(ids)
+            self.stats["prompt_tokens"] += len(ids) - req.cached_tokens
+            self.stats["cached_tokens"] += req.cached_tokens
             if req.output_ids:
                 continue
             if req.return_logprob and req.logprob_start_len >= 0:
@@ -333,14 +349,59 @@ class Scheduler:
         req.finished_at = time.monotonic()
         req.notify(req, len(req.output_ids))
 
-    def _release_rows(self, rows: list[int]) -> None:
-        """Drop the given rows, moving the last running request into each hole (rows stay compact)."""
+    def _place(self, req: Request) -> None:
+        """Give ``req`` the next running row, with the longest cached prefix of its prompt copied in.
+
+        At least the prompt's last token is always prefilled (its logits give the first sample);
+        requests that resume after a retract, or want prompt logprobs, prefill everything.
+        """
+        row = len(self.running)
+        source, length = None, 0
+        if self.reuse_prefixes and not req.output_ids and not (req.return_logprob and req.logprob_start_len >= 0):
+            for kept, held in self.prefixes.items():
+                shared = common_prefix(held, req.input_ids)
+                if shared > length:
+                    source, length = kept, shared
+            length = min(length, len(req.input_ids) - 1)
+        if source is not None and length > 0 and source != row:
+            self.prefixes.pop(row, None)  # the row this request takes was holding another prefix
+            self.cache.move_row(source, row, length)
+            self.prefixes[source] = self.prefixes.pop(source)  # most recently used last
+        else:
+            self.prefixes.pop(row, None)
+        req.cached_tokens = length if source is not None and length > 0 else 0
+        self.running.append(req)
+
+    def _release_rows(self, rows: list[int], keep: bool = True) -> None:
+        """Drop the given rows, moving the last running request into each hole (rows stay compact).
+
+        With ``keep``, each dropped row's KV stays in the cache (just above the running rows) as a
+        prefix for later requests.
+        """
+        keep = keep and self.reuse_prefixes
         for row in sorted(rows, reverse=True):
             last = len(self.running) - 1
+            done = self.running[row]
             if row != last:
-                self.running[row] = self.running[last]
-                self.cache.move_row(last, row, self.running[row].computed)
+                moved = self.running[last]
+                if keep:
+                    self.cache.swap_rows(row, last, done.computed, moved.computed)
+                else:
+                    self.cache.move_row(last, row, moved.computed)
+                self.running[row] = moved
             self.running.pop()
+            if keep and done.computed:
+                self.prefixes[last] = (done.input_ids + done.output_ids)[: done.computed]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix (compared in slices: C speed for long shared runs)."""
+    n, i = min(len(a), len(b)), 0
+    while i + 64 <= n and a[i : i + 64] == b[i : i + 64]:
+        i += 64
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 def new_rid() -> str:

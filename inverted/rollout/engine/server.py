@@ -55,6 +55,7 @@ class Engine:
             model, max_running=config.max_running_requests, context_length=self.context_length,
             max_prefill_tokens=config.max_prefill_tokens, weight_version=config.weight_version,
             stop_checker=self._matched_stop, random_seed=config.random_seed,
+            reuse_prefixes=not config.disable_radix_cache,
         )
         self.model_name = config.served_model_name or config.model
         self.started = time.time()
@@ -144,7 +145,7 @@ async def _json_body(request: Request) -> Any:
     try:
         return json.loads(raw or b"null")
     except ValueError as exc:
-        raise RequestValidationError([{"loc": ("body",), "msg": f"malformed JSON: {exc}", "type": "json_invalid"}])
+        raise RequestValidationError([{"loc": ("body",), "msg": f"malformed JSON: {exc}", "type": "json_invalid"}]) from None
 
 
 def _prepare(engine: Engine, item: P.GenerateItem) -> list[int]:
@@ -312,6 +313,7 @@ def _add_control_routes(app: FastAPI) -> None:
             if body.abort_all_requests:
                 sched.abort(abort_all=True)
             model.load_weights(tensors, complete=True)
+            sched.forget_prefixes()  # their KV came from the old weights
             message = "Succeeded to update model weights."
             if body.weight_version is not None:
                 sched.weight_version = body.weight_version
@@ -437,6 +439,7 @@ def _add_info_routes(app: FastAPI) -> None:
             f"sglang:num_requests_total {stats['requests_total']}",
             f"sglang:prompt_tokens_total {stats['prompt_tokens']}",
             f"sglang:generation_tokens_total {stats['generated_tokens']}",
+            f"sglang:cached_tokens_total {stats['cached_tokens']}",
             f"sglang:num_aborted_requests_total {stats['requests_aborted']}",
             f"inverted:prefill_seconds_total {stats['prefill_seconds']:.3f}",
             f"inverted:decode_seconds_total {stats['decode_seconds']:.3f}",

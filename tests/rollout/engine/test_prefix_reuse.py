@@ -1,0 +1,76 @@
+"""Prefix reuse: a later request that extends an earlier one prefills only what is new, and gets
+exactly what an engine without reuse computes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+
+@pytest.fixture(scope="module")
+def engines(module_procs, tiny_model):
+    model = tiny_model("qwen3")
+    return (module_procs.engine(model, name="reuse").url,
+            module_procs.engine(model, "--disable-radix-cache", name="plain").url)
+
+
+def generate(url: str, ids: list[int], n: int = 16) -> dict:
+    body = {"input_ids": ids, "return_logprob": True, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+    response = httpx.post(url + "/generate", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a["output_ids"] == b["output_ids"]
+    diffs = [abs(x[0] - y[0]) for x, y in zip(a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"])]
+    assert max(diffs) < 1e-4
+
+
+def test_multi_turn_reuses_the_history_and_computes_the_same(engines):
+    reuse, plain = engines
+    history = list(range(40, 100))
+    for turn in range(3):
+        got, want = generate(reuse, history), generate(plain, history)
+        assert_same(got, want)
+        assert want["meta_info"]["cached_tokens"] == 0
+        if turn:  # the previous turn's prompt + output (but its last token, never fed back) is reused
+            assert got["meta_info"]["cached_tokens"] == previous - 1
+        history = history + got["output_ids"] + [7, 8, 9]  # the environment appends its reply
+        previous = len(history) - 3
+
+
+def test_a_shared_prompt_is_reused_and_weights_or_flush_clear_it(procs, tiny_model):
+    reuse = procs.engine(tiny_model("qwen3")).url  # its own engine: this test loads other weights
+    prompt = list(range(200, 260))
+    first = generate(reuse, prompt)
+    second = generate(reuse, prompt)
+    assert second["meta_info"]["cached_tokens"] == len(prompt) - 1 and second["output_ids"] == first["output_ids"]
+    assert "sglang:cached_tokens_total" in httpx.get(reuse + "/metrics").text
+    assert httpx.post(reuse + "/flush_cache").status_code == 200
+    assert generate(reuse, prompt)["meta_info"]["cached_tokens"] == 0
+    update = httpx.post(reuse + "/update_weights_from_disk", timeout=60,
+                        json={"model_path": str(tiny_model("qwen3", seed=1)), "flush_cache": False})
+    assert update.status_code == 200, update.text
+    after = generate(reuse, prompt)
+    assert after["meta_info"]["cached_tokens"] == 0  # KV from the old weights is never reused
+    assert after["output_ids"] != first["output_ids"]
+
+
+def test_reuse_under_concurrency_matches(engines):
+    reuse, plain = engines
+    base = list(range(500, 540))
+    generate(reuse, base)
+
+    async def many(url: str) -> list[dict]:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            bodies = [{"input_ids": base + [i, i + 1], "return_logprob": True,
+                       "sampling_params": {"max_new_tokens": 12 + i, "temperature": 0, "ignore_eos": True}} for i in range(12)]
+            return [r.json() for r in await asyncio.gather(*(client.post("/generate", json=b) for b in bodies))]
+
+    got, want = asyncio.run(many(reuse)), asyncio.run(many(plain))
+    for a, b in zip(got, want):
+        assert_same(a, b)
+    assert sum(g["meta_info"]["cached_tokens"] for g in got) >= len(base)
