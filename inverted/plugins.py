@@ -30,7 +30,10 @@ def load_plugin(path: str, *, flag: str, params: list[str]) -> Callable[..., Any
     if not callable(fn):
         raise PluginError(f"{flag}={path!r}: not callable; expected {expected}")
     try:
-        inspect.signature(fn).bind(*params)
+        signature = inspect.signature(fn)
+        signature.bind(*params)
+    except ValueError:  # builtins and some extension types publish no signature
+        raise PluginError(f"{flag}={path!r}: its signature cannot be read; expected {expected}") from None
     except TypeError as exc:
-        raise PluginError(f"{flag}={path!r}: signature {inspect.signature(fn)} does not match {expected} ({exc})") from None
+        raise PluginError(f"{flag}={path!r}: signature {signature} does not match {expected} ({exc})") from None
     return fn
