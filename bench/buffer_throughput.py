@@ -100,7 +100,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=400, help="groups of 8 samples (default: 3,200 samples)")
     parser.add_argument("--batches", type=int, default=20, help="batches of 64 samples fetched for the latency figures")
     parser.add_argument("--concurrency", type=int, default=4, help="concurrent HTTP submitters")
-    parser.add_argument("--workers", type=int, default=2, help="buffer service processes (--workers)")
+    parser.add_argument("--workers", type=int, default=3, help="buffer service processes (--workers)")
     parser.add_argument("--repeat", type=int, default=3, help="alternating rounds; the medians are reported")
     args = parser.parse_args()
     rounds = []

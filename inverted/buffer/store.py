@@ -258,40 +258,44 @@ class SQLiteStore:
         """Record samples for leased tasks, all or nothing; a sample already recorded is a duplicate.
 
         ``encoded[i]``, when given, is item i's Sample as JSON already (the service passes the bytes
-        it received) and is stored instead of encoding the Sample again.
+        it received) and is stored instead of encoding the Sample again. Encoding happens before the
+        transaction, and the writes are batched, so the write lock is held briefly (other service
+        processes wait on it).
         """
+        for position, (_, sample) in enumerate(items):
+            if sample.group_index is None or sample.index is None:
+                raise SampleError(f"samples[{position}]: group_index and index are required")
+        blobs = encoded if encoded is not None else [orjson.dumps(s.to_json()) for _, s in items]
+        lowest = [min(map(version_number, set(s.weight_versions)), default=None) for _, s in items]
         result = SubmitResult()
         with self._tx() as db:
-            touched: set[int] = set()
+            rows, done, touched = [], [], set()
             for position, (lease_id, sample) in enumerate(items):
-                where = f"samples[{position}]"
-                if sample.group_index is None or sample.index is None:
-                    raise SampleError(f"{where}: group_index and index are required")
-                key = (sample.group_index, sample.index)
-                task = db.execute("SELECT state, lease_id FROM tasks WHERE group_index = ? AND sample_index = ?", key).fetchone()
+                where, key = f"samples[{position}]", (sample.group_index, sample.index)
+                task = db.execute("SELECT t.lease_id, s.sample_index IS NOT NULL FROM tasks t LEFT JOIN samples s "
+                                  "USING (group_index, sample_index) WHERE t.group_index = ? AND t.sample_index = ?",
+                                  key).fetchone()
                 if task is None:
                     raise SampleError(f"{where}.group_index: unknown group/index {key}")
-                if db.execute("SELECT 1 FROM samples WHERE group_index = ? AND sample_index = ?", key).fetchone():
+                if task[1] or key in done:
                     result.duplicates += 1
                     continue
-                if task[1] != lease_id:
+                if task[0] != lease_id:
                     raise LeaseConflict(f"{where}: lease {lease_id!r} is not the current lease of task {key} "
                                         "(it expired and was leased again)")
                 if sample.status in (Sample.Status.ABORTED, Sample.Status.PENDING):
-                    keep = orjson.dumps(sample.to_json()) if self.partial_rollout and sample.response_length else None
+                    keep = blobs[position] if self.partial_rollout and sample.response_length else None
                     db.execute("UPDATE tasks SET state = 'queued', lease_id = NULL, worker_id = NULL, partial = ? "
                                "WHERE group_index = ? AND sample_index = ?", (keep, *key))
                     self._count("samples_requeued_partial" if keep else "samples_requeued_aborted")
                     result.requeued += 1
                     continue
-                versions = [version_number(v) for v in set(sample.weight_versions)]
-                blob = encoded[position] if encoded is not None else orjson.dumps(sample.to_json())
-                db.execute("INSERT INTO samples (group_index, sample_index, sample, min_version, failed) VALUES (?, ?, ?, ?, ?)",
-                           (*key, blob, min(versions) if versions else None,
-                            sample.status == Sample.Status.FAILED))
-                db.execute("UPDATE tasks SET state = 'done', partial = NULL WHERE group_index = ? AND sample_index = ?", key)
-                result.accepted += 1
+                rows.append((*key, blobs[position], lowest[position], sample.status == Sample.Status.FAILED))
+                done.append(key)
                 touched.add(sample.group_index)
+            db.executemany("INSERT INTO samples (group_index, sample_index, sample, min_version, failed) VALUES (?, ?, ?, ?, ?)", rows)
+            db.executemany("UPDATE tasks SET state = 'done', partial = NULL WHERE group_index = ? AND sample_index = ?", done)
+            result.accepted = len(rows)
             for group in sorted(touched):
                 if self._complete_group(group):
                     result.completed_groups.append(group)
