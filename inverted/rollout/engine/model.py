@@ -166,11 +166,16 @@ class CausalLM(torch.nn.Module):
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.spec, self.dtype, self.device = spec, dtype, device
+        # On CPU, half-precision matmuls are fast (AMX/AVX-512 bf16) but the small element-wise and
+        # attention kernels are not: keep the weight matrices in ``dtype`` and everything else
+        # (activations, norms, biases, KV cache) in fp32. On GPUs all of it is ``dtype``.
+        self.act_dtype = torch.float32 if device.type == "cpu" else dtype
         s = spec
         q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
 
         def param(*shape: int) -> torch.nn.Parameter:
-            return torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+            kind = dtype if len(shape) == 2 else self.act_dtype  # matrices vs norm weights and biases
+            return torch.nn.Parameter(torch.empty(shape, dtype=kind, device=device), requires_grad=False)
 
         self.embed = param(s.vocab_size, s.hidden_size)
         self.lm_head = self.embed if s.tie_word_embeddings else param(s.vocab_size, s.hidden_size)
@@ -189,7 +194,7 @@ class CausalLM(torch.nn.Module):
         # cos/sin for every position, once: a step only indexes them.
         freqs = torch.outer(torch.arange(spec.max_position_embeddings, dtype=torch.float32), rope_inv_freq(spec))
         angles = torch.cat((freqs, freqs), dim=-1)
-        self.rope_cos, self.rope_sin = angles.cos().to(device, dtype), angles.sin().to(device, dtype)
+        self.rope_cos, self.rope_sin = angles.cos().to(device, self.act_dtype), angles.sin().to(device, self.act_dtype)
         self.hf_views = self._hf_views()
 
     def _hf_views(self) -> dict[str, torch.Tensor]:
@@ -251,6 +256,14 @@ class CausalLM(torch.nn.Module):
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.spec.rms_norm_eps)
 
+    @staticmethod
+    def _linear(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """``add + x @ weight.T``: one fused kernel when dtypes agree, else the matmul in the weight's dtype."""
+        if x.dtype == weight.dtype:
+            return x @ weight.t() if add is None else torch.addmm(add, x, weight.t())
+        out = (x.to(weight.dtype) @ weight.t()).to(x.dtype)
+        return out if add is None else out.add_(add)
+
     def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin for ``positions``, shaped ``[T, 1, D]`` to broadcast over heads."""
         half = self.spec.head_dim // 2
@@ -261,7 +274,7 @@ class CausalLM(torch.nn.Module):
         """Roped queries ``[T, Hq, D]``, roped keys and values ``[T, Hkv, D]``."""
         s = self.spec
         h = self._norm(x_TH, layer.ln1)
-        qkv = torch.addmm(layer.qkv_bias, h, layer.qkv.t()) if layer.qkv_bias is not None else h @ layer.qkv.t()
+        qkv = self._linear(h, layer.qkv, layer.qkv_bias)
         qkv = qkv.view(-1, s.num_heads + 2 * s.num_kv_heads, s.head_dim)
         qk, v = qkv[:, : s.num_heads + s.num_kv_heads], qkv[:, s.num_heads + s.num_kv_heads :]
         if layer.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k before RoPE
@@ -273,13 +286,13 @@ class CausalLM(torch.nn.Module):
         return qk[:, : s.num_heads], qk[:, s.num_heads :], v
 
     def _finish_layer(self, layer, x_TH: torch.Tensor, attn_TX: torch.Tensor) -> torch.Tensor:
-        x_TH = torch.addmm(x_TH, attn_TX, layer.o.t())
-        gate, up = (self._norm(x_TH, layer.ln2) @ layer.gate_up.t()).chunk(2, dim=-1)
-        return torch.addmm(x_TH, F.silu(gate).mul_(up), layer.down.t())
+        x_TH = self._linear(attn_TX, layer.o, x_TH)
+        gate, up = self._linear(self._norm(x_TH, layer.ln2), layer.gate_up).chunk(2, dim=-1)
+        return self._linear(F.silu(gate).mul_(up), layer.down, x_TH)
 
     def logits(self, hidden_TH: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the final hidden states."""
-        return (self._norm(hidden_TH, self.norm) @ self.lm_head.t()).float()
+        return self._linear(self._norm(hidden_TH, self.norm), self.lm_head).float()
 
     @torch.no_grad()
     def prefill(self, cache: KVCache, rows: list[int], tokens: list[list[int]], starts: list[int]) -> list[torch.Tensor]:
@@ -293,6 +306,7 @@ class CausalLM(torch.nn.Module):
         ends = [start + n for start, n in zip(starts, lengths)]
         cache.reserve(max(ends))
         x = F.embedding(torch.tensor([t for ts in tokens for t in ts], dtype=torch.long, device=self.device), self.embed)
+        x = x.to(self.act_dtype)
         positions = torch.cat([torch.arange(a, b, device=self.device) for a, b in zip(starts, ends)])
         rope = self._rope_tables(positions)
         offsets = [0]
@@ -322,7 +336,7 @@ class CausalLM(torch.nn.Module):
         cache.reserve(longest)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         rows = torch.arange(b, device=self.device)
-        x = F.embedding(torch.tensor(tokens, dtype=torch.long, device=self.device), self.embed)
+        x = F.embedding(torch.tensor(tokens, dtype=torch.long, device=self.device), self.embed).to(self.act_dtype)
         rope = self._rope_tables(pos)
         # Each row attends over its own length: an additive -inf mask past it, one per (row, kv head).
         past = torch.arange(longest, device=self.device)[None] > pos[:, None]
