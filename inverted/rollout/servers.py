@@ -207,12 +207,14 @@ async def run_demo(config: ServersConfig, router_args: list[str]) -> None:
             results = await asyncio.gather(*(ask(p) for p in prompts))
             elapsed = time.monotonic() - started
     table = Table(title="generated through sgl-router (random-weight model: the text is noise by design)")
-    for column in ("prompt", "sampled text", "tokens", "mean logprob", "finish", "weight version"):
-        table.add_column(column)
+    for column in ("prompt", "sampled text", "tokens", "mean logprob", "finish", "version"):
+        caps = {"prompt": 14, "sampled text": 16}  # fits 80 columns; the others keep their full headers
+        table.add_column(column, no_wrap=True, overflow="ellipsis", max_width=caps.get(column), min_width=len(column) if column not in caps else None)
     for prompt, out in zip(prompts, results):
         meta = out["meta_info"]
         lps = [lp for lp, _, _ in meta["output_token_logprobs"]]
-        table.add_row(prompt, out["text"][:40], str(len(out["output_ids"])), f"{sum(lps) / len(lps):.3f}",
+        shown = " ".join(out["text"].replace("\ufffd", "").split())[:32]  # one line of the (random) text
+        table.add_row(prompt, shown, str(len(out["output_ids"])), f"{sum(lps) / len(lps):.3f}",
                       meta["finish_reason"]["type"], meta["weight_version"])
     console.print(table)
     tokens = sum(len(o["output_ids"]) for o in results)
