@@ -83,7 +83,7 @@ async def test_abort_request_by_rid_prefix_and_abort_all(engine):
     async with httpx.AsyncClient(base_url=engine, timeout=120) as client:
         a = await started(client, {**LONG, "rid": "group-1-a"})
         b = await started(client, {**LONG, "rid": "group-1-b"})
-        c = await started(client, {**LONG, "rid": "other"})
+        c = await started(client, {**LONG, "rid": "other", "sampling_params": {**LONG["sampling_params"], "max_new_tokens": 4000}})
         assert (await client.post("/abort_request", json={"rid": "nobody"})).status_code == 200
         response = await client.post("/abort_request", json={"rid": "group-1"})
         assert response.status_code == 200 and response.content == b""
@@ -104,14 +104,14 @@ async def test_weight_version_and_spans_across_an_in_place_update(engine):
         response = await client.post("/update_weight_version", json={"new_version": "v1"})
         assert response.json() == {"success": True, "message": "Weight version updated to v1", "new_version": "v1"}
         assert (await client.get("/model_info")).json()["weight_version"] == "v1"
-        task = await started(client, {**LONG, "sampling_params": {**LONG["sampling_params"], "max_new_tokens": 200}}, 10)
+        task = await started(client, {**LONG, "sampling_params": {**LONG["sampling_params"], "max_new_tokens": 2000}}, 10)
         await client.post("/pause_generation", json={"mode": "in_place"})
         await client.post("/update_weight_version", json={"new_version": "v2", "abort_all_requests": False})
         await client.post("/continue_generation", json={})
         meta = (await asyncio.wait_for(task, 60))["meta_info"]
     spans = meta["weight_versions"]
     assert [s["version"] for s in spans] == ["v1", "v2"]
-    assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] >= 10 and spans[1]["end"] == 200
+    assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] >= 10 and spans[1]["end"] == 2000
     assert meta["weight_version"] == "v2"
 
 
