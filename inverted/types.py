@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field, fields
+import typing
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
+
+import msgspec
 
 from inverted.errors import SampleError
 
@@ -101,17 +104,32 @@ class Sample:
         return data
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "Sample":
-        known = {f.name for f in fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise SampleError(f"unknown Sample fields: {sorted(unknown)}")
-        values = dict(data)
+    def from_json(cls, data: dict[str, Any] | bytes) -> "Sample":
+        """A Sample from its JSON form: a parsed dict, or the raw JSON bytes (decoded straight into it).
+
+        Field names and element types are checked here (in C, by msgspec: thousands of tokens cost
+        microseconds), unknown fields included; the cross-field invariants are ``validate``'s job.
+        """
         try:
-            values["status"] = Sample.Status(values.get("status", Sample.Status.PENDING.value))
-        except ValueError as exc:
-            raise SampleError(f"status: {exc}") from None
-        return cls(**values)
+            wire = msgspec.convert(data, _JSON_FORM) if isinstance(data, dict) else _JSON_DECODER.decode(data)
+        except msgspec.ValidationError as exc:
+            problem, _, path = str(exc).rpartition(" - at `$")
+            raise SampleError(f"{path.strip('.`') or 'sample'}: {problem or exc}") from None
+        except msgspec.DecodeError as exc:
+            raise SampleError(f"sample: malformed JSON: {exc}") from None
+        return cls(**msgspec.structs.asdict(wire))
+
+
+def _json_form() -> type:
+    """A msgspec struct with exactly ``Sample``'s fields, types and defaults, generated from the dataclass."""
+    hints = typing.get_type_hints(Sample)
+    spec = [(f.name, hints[f.name], f.default if f.default is not MISSING else msgspec.field(default_factory=f.default_factory))
+            for f in fields(Sample)]
+    return msgspec.defstruct("SampleJSON", spec, forbid_unknown_fields=True)
+
+
+_JSON_FORM = _json_form()
+_JSON_DECODER = msgspec.json.Decoder(_JSON_FORM)
 
 
 def _check_reward(reward: Reward | None) -> None:

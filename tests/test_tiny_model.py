@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from inverted.config import TinyModelConfig
-from inverted.tiny_model import _hf_config, build_tokenizer, make_tiny_model
+from inverted.tiny_model import _hf_config, make_tiny_model
 from tests.conftest import ARCHS
 
 
@@ -85,5 +88,10 @@ def test_chat_template_renders_roles_tools_and_tool_calls(tiny_model):
     assert tokenizer.decode(tokenizer.encode(sample)) == sample
 
 
-def test_tokenizer_training_is_deterministic():
-    assert build_tokenizer("{{ x }}").backend_tokenizer.to_str() == build_tokenizer("{{ x }}").backend_tokenizer.to_str()
+def test_tokenizer_training_is_deterministic_across_processes():
+    """Hash randomisation differs per process, so only separate processes can show an order that leaks in."""
+    code = ("import hashlib; from inverted.tiny_model import build_tokenizer; "
+            "print(hashlib.sha256(build_tokenizer('{{ x }}').backend_tokenizer.to_str().encode()).hexdigest())")
+    digests = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed},
+                              capture_output=True, text=True, check=True).stdout.strip() for seed in ("1", "2", "3")}
+    assert len(digests) == 1 and len(digests.pop()) == 64

@@ -1,15 +1,13 @@
 """The Data Buffer's HTTP service (``create_app``): thin routes over ``SQLiteStore``.
 
 Routes validate what enters (pydantic request models; every Sample through ``Sample.validate``),
-run the store on one dedicated thread (SQLite work never blocks the event loop, and one writer
-means no lock contention), and map domain errors to status codes in one place: a broken Sample
+run the store on one dedicated thread per process (SQLite work never blocks the event loop), and map domain errors to status codes in one place: a broken Sample
 or an unknown group is 422 naming the field, a void lease is 409, a bad key is 401. Bodies use
 OpenAI's error shape.
 
 Ingest is the hot path (thousands of 1,024-token Samples per second), so ``POST /samples`` is
-decoded by msgspec rather than pydantic: the body into typed structs generated from ``Sample``'s
-own fields (unknown fields rejected, element types checked in C), each sample's JSON kept as
-the client sent it and stored without re-encoding.
+decoded by msgspec rather than pydantic, each sample's JSON handed to ``Sample.from_json`` as
+the client sent it (types checked in C) and stored without re-encoding.
 
 ``POST /batches/next`` long-polls: it waits (up to ``timeout_s``) until enough groups are complete,
 woken at once by submissions to this process, and every ``RECHECK_S`` for those that reached
@@ -27,7 +25,6 @@ import logging
 import os
 import secrets
 import time
-import typing
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, AsyncIterator, Callable
 
@@ -73,16 +70,7 @@ class SubmitRequest(msgspec.Struct, forbid_unknown_fields=True):
     samples: list[SubmitItem]
 
 
-def _sample_struct() -> type:
-    """A msgspec struct with exactly ``Sample``'s fields, types and defaults (generated, not a twin)."""
-    hints = typing.get_type_hints(Sample)
-    spec = [(f.name, hints[f.name], f.default if f.default is not dataclasses.MISSING
-             else msgspec.field(default_factory=f.default_factory)) for f in dataclasses.fields(Sample)]
-    return msgspec.defstruct("SampleJSON", spec, forbid_unknown_fields=True)
-
-
 SUBMIT_DECODER = msgspec.json.Decoder(SubmitRequest)
-SAMPLE_DECODER = msgspec.json.Decoder(_sample_struct())
 
 
 class SubmitResponse(BaseModel):
@@ -190,7 +178,7 @@ def create_app(config: BufferConfig) -> FastAPI:
     async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"] if p != "body")
-        return _error(422, f"{where}: {first['msg']}", "invalid_request_error", where)
+        return _error(422, f"{where}: {first['msg']}" if where else first["msg"], "invalid_request_error", where or None)
 
     _add_routes(app)
     return app
@@ -207,19 +195,12 @@ async def _parse(request: Request, model: type[BaseModel]) -> Any:
         raise RequestValidationError(exc.errors()) from None
 
 
-def _where(exc: msgspec.ValidationError) -> tuple[str, str]:
-    """msgspec's "<problem> - at `$.path`" as (".path", "<problem>")."""
-    problem, _, path = str(exc).rpartition(" - at `$")
-    return (path.rstrip("`"), problem) if problem else ("", str(exc))
-
-
 def _samples(raw: bytes) -> tuple[list[tuple[str, Sample]], list[bytes]]:
     """Decode and check every Sample before any is stored (a submission is all or nothing)."""
     try:
         body = SUBMIT_DECODER.decode(raw)
-    except msgspec.ValidationError as exc:
-        path, problem = _where(exc)
-        raise RequestValidationError([{"loc": tuple(path.strip(".").split(".")), "msg": problem}]) from None
+    except msgspec.ValidationError as exc:  # well-formed JSON of the wrong shape; the message has the path
+        raise RequestValidationError([{"loc": ("body",), "msg": str(exc)}]) from None
     except msgspec.DecodeError as exc:
         raise RequestValidationError([{"loc": ("body",), "msg": f"malformed JSON: {exc}"}]) from None
     if not body.samples:
@@ -227,11 +208,8 @@ def _samples(raw: bytes) -> tuple[list[tuple[str, Sample]], list[bytes]]:
     items, blobs = [], []
     for i, item in enumerate(body.samples):
         try:
-            sample = Sample(**msgspec.structs.asdict(SAMPLE_DECODER.decode(item.sample)))
-            sample.validate(check_types=False)  # the decoder enforced every element's type
-        except msgspec.ValidationError as exc:
-            path, problem = _where(exc)
-            raise SampleError(f"samples[{i}]{path}: {problem}") from None
+            sample = Sample.from_json(item.sample)  # straight from the bytes as sent, types checked
+            sample.validate(check_types=False)
         except SampleError as exc:
             raise SampleError(f"samples[{i}].{exc}") from None
         items.append((item.lease_id, sample))

@@ -337,7 +337,7 @@ class SQLiteStore:
                     self._set_aside_stale(group)
                     continue
                 blobs = [b for (b,) in db.execute("SELECT sample FROM samples WHERE group_index = ? ORDER BY sample_index", (group,))]
-                if self.group_filter is not None and not self.group_filter([Sample.from_json(orjson.loads(b)) for b in blobs]):
+                if self.group_filter is not None and not self.group_filter([Sample.from_json(b) for b in blobs]):
                     db.execute("UPDATE groups SET state = 'filtered' WHERE group_index = ?", (group,))
                     self._count("groups_filtered")
                     continue

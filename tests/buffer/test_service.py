@@ -163,6 +163,8 @@ def test_bad_input_is_422_naming_the_field_and_stores_nothing(procs, tmp_path, d
         assert response.status_code == 422 and response.json()["error"]["type"] in ("invalid_request_error", "invalid_sample")
     malformed = httpx.post(buffer.url + "/samples", content=b'{"samples": [', headers=headers)
     assert malformed.status_code == 422 and "malformed JSON" in malformed.json()["error"]["message"]
+    shapeless = httpx.post(buffer.url + "/samples", headers=headers, json={"samples": [{"sample": good}]})
+    assert shapeless.status_code == 422 and "lease_id" in shapeless.json()["error"]["message"]
     stolen = httpx.post(buffer.url + "/samples", headers=headers,
                         json={"samples": [{"lease_id": "guessed", "sample": good}]})
     assert stolen.status_code == 409
