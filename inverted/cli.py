@@ -1,7 +1,7 @@
 """``inverted <command>``: the command line. Builds a config section from flags and calls one entry point.
 
 Commands: ``make-tiny-model`` (a local random checkpoint), ``serve-engine`` (the embedded
-SGLang-protocol engine), ``buffer`` (the Data Buffer service), ``servers`` (N engines behind the real sgl-router, with a short demo
+SGLang-protocol engine), ``buffer`` (the Data Buffer service), ``proxy`` (the token-recording OpenAI proxy), ``servers`` (N engines behind the real sgl-router, with a short demo
 generation through it). Logging is configured here and only here, with the process role in
 every line. Heavy imports happen inside each command so ``inverted --help`` is instant.
 """
@@ -13,8 +13,8 @@ import logging
 import os
 import sys
 
-from inverted.config import (BufferConfig, EngineConfig, ServersConfig, TinyModelConfig, add_flags, build_section,
-                             load_yaml_defaults, split_passthrough)
+from inverted.config import (BufferConfig, EngineConfig, ProxyConfig, ServersConfig, TinyModelConfig, add_flags,
+                             build_section, load_yaml_defaults, split_passthrough)
 from inverted.errors import InvertedError
 
 
@@ -47,6 +47,12 @@ def cmd_buffer(cfg: BufferConfig) -> None:
     serve(cfg)
 
 
+def cmd_proxy(cfg: ProxyConfig) -> None:
+    from inverted.rollout.proxy.service import serve
+
+    serve(cfg)
+
+
 def cmd_servers(cfg: ServersConfig, router_args: list[str]) -> None:
     import asyncio
 
@@ -59,6 +65,7 @@ COMMANDS = {
     "make-tiny-model": (TinyModelConfig, cmd_make_tiny_model, "write a random-initialized HF checkpoint and tokenizer"),
     "serve-engine": (EngineConfig, cmd_serve_engine, "run the embedded SGLang-protocol engine"),
     "buffer": (BufferConfig, cmd_buffer, "run the Data Buffer service (durable tasks and trajectories)"),
+    "proxy": (ProxyConfig, cmd_proxy, "run the token-recording OpenAI-compatible proxy in front of the router"),
     "servers": (ServersConfig, cmd_servers, "start embedded engines behind the real sgl-router and generate through it"),
 }
 

@@ -153,6 +153,7 @@ class EngineConfig:
     admin_api_key: str | None = option(None, "key for control and weight routes (then api_key is not accepted there)")
     num_threads: int = option(0, "torch CPU threads (0: all cores)")
     random_seed: int | None = option(None, "seed for requests without sampling_seed (default: fresh per process, so engines differ)")
+    log_requests: bool = option(False, "log every finished request (input ids, output ids, finish reason) as a JSON line")
     log_level: Literal["debug", "info", "warning", "error"] = option("info", "log level")
 
     def __post_init__(self) -> None:
@@ -217,3 +218,39 @@ class BufferConfig:
         _require(self.num_epoch >= 0, "--num-epoch", self.num_epoch, ">= 0")
         _require(self.lease_seconds > 0, "--lease-seconds", self.lease_seconds, "> 0")
         _require(self.workers >= 1, "--workers", self.workers, ">= 1")
+
+
+@dataclass(kw_only=True, slots=True)
+class ProxyConfig:
+    """The token-recording OpenAI-compatible proxy: sessions in front of the router's /generate."""
+
+    router_url: str = option("", "sgl-router (or one SGLang server) whose /generate the proxy calls")
+    tokenizer: str = option("", "checkpoint directory whose tokenizer and chat template the proxy renders with")
+    proxy_host: str = option("127.0.0.1", "address to bind")
+    proxy_port: int = option(8700, "port to bind")
+    proxy_api_key: str | None = option(None, "key required to create sessions and for session admin routes")
+    served_model_name: str = option("", "model id in answers and /v1/models (default: the checkpoint's folder name)")
+    context_length: int = option(0, "longest prompt + completion (0: the checkpoint's max_position_embeddings)")
+    partial_rollout: bool = option(False, "resume a call aborted by a weight update from its sampled tokens "
+                                          "(each keeps its version) instead of sampling it again")
+    proxy_max_resumes: int = option(8, "aborts one call may survive before it fails with 503")
+    proxy_max_turns: int = option(0, "turns per session (0: no limit); more get 409")
+    proxy_session_timeout: float = option(1800.0, "seconds idle before a session is finished (its samples are kept)")
+    proxy_retention: float = option(3600.0, "seconds a finished session's samples stay readable")
+    proxy_replay_retries: Literal["off", "header", "always"] = option(
+        "header", "answer a repeated identical call from the record: never, when the SDK marks it a retry "
+                  "(x-stainless-retry-count), or always")
+    proxy_tool_parser_path: str = option("inverted.rollout.chat:HermesToolParser",
+                                         "module:Class() -> parser with .start and .parse(text) for tool calls")
+    proxy_generate_timeout: float = option(1800.0, "seconds one call may wait for the servers (paused ones included)")
+    log_level: Literal["debug", "info", "warning", "error"] = option("info", "log level")
+
+    def __post_init__(self) -> None:
+        _require(bool(self.router_url), "--router-url", self.router_url, "the router's URL")
+        _require(bool(self.tokenizer), "--tokenizer", self.tokenizer, "a checkpoint directory")
+        _require(1 <= self.proxy_port <= 65535, "--proxy-port", self.proxy_port, "1..65535")
+        _require(self.context_length >= 0, "--context-length", self.context_length, ">= 0")
+        _require(self.proxy_max_resumes >= 0, "--proxy-max-resumes", self.proxy_max_resumes, ">= 0")
+        _require(self.proxy_max_turns >= 0, "--proxy-max-turns", self.proxy_max_turns, ">= 0")
+        _require(self.proxy_session_timeout > 0, "--proxy-session-timeout", self.proxy_session_timeout, "> 0")
+        _require(self.proxy_generate_timeout > 0, "--proxy-generate-timeout", self.proxy_generate_timeout, "> 0")

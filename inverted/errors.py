@@ -5,6 +5,7 @@
     ├── PluginError          a ``module:function`` path cannot be loaded or has the wrong signature
     ├── SampleError          a Sample breaks an invariant (names the field)
     ├── ModelError           a checkpoint cannot be read or does not fit the model it is loaded into
+    ├── InvalidRequest       a client's API request breaks the contract (carries OpenAI's ``param`` and ``code``)
     └── ServiceError         a remote service failed (carries URL, status and the body's start)
         ├── ServiceUnavailable   could not be reached, or kept answering 502/503/504
         └── ProtocolError        answered, but with a 4xx or a body of the wrong shape
@@ -33,6 +34,20 @@ class SampleError(InvertedError):
 
 class ModelError(InvertedError):
     """A checkpoint is missing, unreadable, or does not match the model it is loaded into."""
+
+
+class InvalidRequest(InvertedError):
+    """A request to one of our OpenAI-compatible routes is invalid; answered 4xx with OpenAI's error body.
+
+    ``param`` names the offending field as OpenAI does (``messages.[2].role``), ``code`` is a short
+    machine-readable reason (``context_length_exceeded``), ``status`` the HTTP status to answer.
+    """
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+        self.status = status
 
 
 class ServiceError(InvertedError):

@@ -73,6 +73,21 @@ class ProcessPool:
         proc.wait_healthy(60, "/workers")
         return proc
 
+    def proxy(self, router_url: str, tokenizer: Path, *args: str) -> ManagedProcess:
+        port = free_port()
+        argv = [sys.executable, "-m", "inverted.cli", "proxy", "--router-url", router_url, "--tokenizer", str(tokenizer),
+                "--proxy-port", str(port), *args]
+        proc = ManagedProcess.spawn(f"proxy-{port}", argv, self.log_dir / f"proxy-{port}.log", f"http://127.0.0.1:{port}")
+        self.procs.append(proc)
+        proc.wait_healthy(60)
+        return proc
+
+    def routed(self, *engines: ManagedProcess) -> ManagedProcess:
+        """A router with ``engines`` registered at startup, waited on until all are ready."""
+        router = self.router("--worker-urls", *(e.url for e in engines))
+        router.wait_healthy(60, "/readiness")
+        return router
+
     def close(self, failed: bool) -> None:
         for proc in self.procs:
             proc.terminate()

@@ -227,6 +227,9 @@ def _forget(engine: Engine, reqs: list[EngineRequest]) -> None:
     for req in reqs:
         if engine.inflight.get(req.rid) is req:
             del engine.inflight[req.rid]
+        if engine.config.log_requests:  # SGLang's --log-requests, as one JSON line per finished request
+            logger.info("request %s", json.dumps({"rid": req.rid, "input_ids": req.input_ids,
+                                                  "output_ids": req.output_ids, "finish_reason": req.finish_reason}))
 
 
 async def _stream(engine: Engine, items, reqs, updates: asyncio.Queue, single: bool) -> AsyncIterator[bytes]:

@@ -1,0 +1,44 @@
+"""Async client for the proxy's session routes: what a rollout function calls around an episode.
+
+The episode itself talks to ``session.base_url`` with any OpenAI client; this client opens the
+session, posts rewards, and finishes it into Samples. Retries come from ``HTTPService``; only
+idempotent calls are retried after a send (finishing twice returns the same Samples).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from inverted.http_client import HTTPService
+from inverted.types import Reward, Sample
+
+
+@dataclass(frozen=True, slots=True)
+class SessionHandle:
+    session_id: str
+    token: str
+    base_url: str  # give this to the agent's OpenAI client
+
+
+class ProxyClient(HTTPService):
+    async def create_session(self, metadata: dict[str, Any] | None = None,
+                             sampling_params: dict[str, Any] | None = None) -> SessionHandle:
+        body = {"metadata": metadata or {}, "sampling_params": sampling_params or {}}
+        data = self.json_of(await self.request("POST", "/sessions", json_body=body, timeout=self.timeouts.control,
+                                               idempotent=False))
+        return SessionHandle(data["session_id"], data["token"], data["base_url"])
+
+    async def set_reward(self, session_id: str, reward: Reward, finished: bool = True) -> None:
+        await self.request("POST", f"/sessions/{session_id}/reward", json_body={"reward": reward, "finished": finished},
+                           timeout=self.timeouts.control, idempotent=True)
+
+    async def finish(self, session_id: str) -> list[Sample]:
+        data = self.json_of(await self.request("POST", f"/sessions/{session_id}/finish", json_body={},
+                                               timeout=self.timeouts.control, idempotent=True))
+        return [Sample.from_json(s) for s in data["samples"]]
+
+    async def samples(self, session_id: str) -> list[Sample]:
+        data = self.json_of(await self.request("GET", f"/sessions/{session_id}/samples",
+                                               timeout=self.timeouts.control, idempotent=True))
+        return [Sample.from_json(s) for s in data["samples"]]

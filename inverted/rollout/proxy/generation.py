@@ -1,0 +1,104 @@
+"""One turn's sampling on the rollout servers: token ids in, ids + logprobs + weight versions out.
+
+``sample_turn`` calls ``/generate`` on the router with ``input_ids`` and ``return_logprob`` and
+yields the turn's growing state (once per engine call without streaming, once per chunk with it).
+A weight update may pause the servers: new calls then queue at the engine and simply wait (up
+to the generate timeout); a running call may come back aborted (``finish_reason.type ==
+"abort"``). Then:
+- with ``partial_rollout`` (or once streamed tokens have reached the client, who cannot un-see
+  them) the call is **resumed**: the prompt plus the tokens sampled so far go back in, and the new
+  tokens are appended; every token keeps the weight version it was sampled under;
+- otherwise the tokens are dropped and the call is **retried** from its prompt.
+More than ``max_resumes`` aborts in one call raise ``ServiceUnavailable``.
+
+Per-token versions come from the engine: ``meta_info.weight_versions`` spans where the embedded
+engine reports a mix, else ``meta_info.weight_version`` for every token (real SGLang).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from inverted.errors import ProtocolError, ServiceUnavailable
+from inverted.rollout.sglang_client import SGLangClient
+
+
+@dataclass(slots=True)
+class Sampled:
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[str] = field(default_factory=list)
+    finish: dict[str, Any] | None = None  # SGLang's finish_reason once the turn is done
+    resumes: int = 0
+    retries: int = 0
+
+    @property
+    def reason(self) -> str:
+        return (self.finish or {}).get("type", "")
+
+
+def read_output(body: Any, url: str) -> tuple[list[int], list[float], list[str], dict[str, Any] | None]:
+    """ids, logprobs, versions and finish reason of one ``/generate`` answer (or cumulative chunk)."""
+    try:
+        meta = body["meta_info"]
+        ids = list(body["output_ids"])
+        logprobs = [float(t[0]) for t in meta["output_token_logprobs"]]
+        spans = meta.get("weight_versions")
+        if spans:
+            versions = [span["version"] for span in spans for _ in range(span["end"] - span["start"])]
+        else:
+            versions = [str(meta["weight_version"])] * len(ids)
+        finish = meta.get("finish_reason")
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise ProtocolError(f"/generate answered without output ids, logprobs or versions ({exc})", url=url,
+                            body=str(body)[:300]) from None
+    if not len(ids) == len(logprobs) == len(versions):
+        raise ProtocolError(f"/generate answered {len(ids)} ids, {len(logprobs)} logprobs, {len(versions)} versions",
+                            url=url, body=str(body)[:300])
+    return ids, logprobs, versions, finish
+
+
+async def sample_turn(client: SGLangClient, prompt_ids: list[int], sampling: dict[str, Any], *, stream: bool,
+                      partial_rollout: bool, max_resumes: int) -> AsyncIterator[Sampled]:
+    """Yield the turn's state as it grows; the last state yielded has ``finish`` set."""
+    state = Sampled()
+    budget = sampling["max_new_tokens"]
+    aborts = 0
+    while True:
+        params = {**sampling, "max_new_tokens": budget - len(state.ids)}
+        payload = {"input_ids": prompt_ids + state.ids, "sampling_params": params, "return_logprob": True}
+        kept = len(state.ids)
+        if stream:
+            chunks = client.generate_stream(payload)
+        else:
+            chunks = _single(client.generate(payload))
+        async for body in chunks:
+            ids, logprobs, versions, finish = read_output(body, client.base_url)
+            del state.ids[kept:], state.logprobs[kept:], state.versions[kept:]
+            state.ids += ids
+            state.logprobs += logprobs
+            state.versions += versions
+            state.finish = finish
+            if finish is None or finish.get("type") != "abort":
+                yield state
+        if state.reason != "abort":
+            return
+        aborts += 1
+        if aborts > max_resumes:
+            raise ServiceUnavailable(f"generation was aborted {aborts} times (weight updates or aborts); giving up",
+                                     url=client.base_url + "/generate")
+        if partial_rollout or (stream and state.ids):
+            state.resumes += 1
+            if len(state.ids) >= budget:
+                state.finish = {"type": "length", "length": budget}
+                yield state
+                return
+        else:
+            state.retries += 1
+            del state.ids[:], state.logprobs[:], state.versions[:]
+        state.finish = None
+
+
+async def _single(call) -> AsyncIterator[Any]:
+    yield await call

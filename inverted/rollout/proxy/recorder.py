@@ -1,0 +1,337 @@
+"""The recorder: one OpenAI call on one session, from request to recorded turn and answer.
+
+For each call it (1) places the request on a branch (``Session.place``), (2) builds the prompt
+ids: the base branch's tokens as they are, plus the bridge for what the client appended (chat:
+``ChatRenderer.bridge``; text completions: the new suffix of the prompt, tokenized), or a full
+render for a new branch, (3) samples ``n`` choices on the router (``generation.sample_turn``),
+(4) records each choice as a turn of its branch and (5) answers in OpenAI's shape, whole or as
+stream chunks. A call that fails at any point is rolled back: nothing is recorded for it.
+
+Streaming is real: content deltas leave as the engine produces tokens. Text that may open a
+tool call (the parser's ``start`` marker, or a prefix of it) is held back; tool calls are parsed
+from the whole turn at its end and sent in one delta, as OpenAI's SDK reassembles them.
+
+No FastAPI here; ``service`` owns HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from inverted.config import ProxyConfig
+from inverted.errors import InvalidRequest
+from inverted.rollout.chat import ChatRenderer, Message, ParsedReply, TemplateBreak, ToolParser, tools_key
+from inverted.rollout.proxy import openai_api as api
+from inverted.rollout.proxy.generation import Sampled, sample_turn
+from inverted.rollout.proxy.session import Branch, History, Placement, Session, Sessions, Turn, history_size
+from inverted.rollout.sglang_client import SGLangClient
+
+
+class ProxyMetrics:
+    """Prometheus counters of one proxy process (its own registry: no global state)."""
+
+    def __init__(self, sessions: Sessions):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.turns = Counter("inverted_proxy_turns", "recorded turns (one per choice)", registry=r)
+        self.prompt_tokens = Counter("inverted_proxy_prompt_tokens", "prompt tokens sent to the servers", registry=r)
+        self.completion_tokens = Counter("inverted_proxy_completion_tokens", "tokens sampled", registry=r)
+        self.branches = Counter("inverted_proxy_branches", "branches beyond a session's first (history rewritten, "
+                                "retried or parallel calls)", registry=r)
+        self.template_breaks = Counter("inverted_proxy_template_breaks", "bridges refused: template not append-only",
+                                       registry=r)
+        self.replays = Counter("inverted_proxy_replays", "retried calls answered from the record", registry=r)
+        self.resumes = Counter("inverted_proxy_resumes", "aborted calls resumed from their tokens", registry=r)
+        self.retries = Counter("inverted_proxy_retries", "aborted calls sampled again", registry=r)
+        self.rejected = Counter("inverted_proxy_rejected", "calls rejected with a 4xx", registry=r)
+        self.latency = Histogram("inverted_proxy_call_latency_seconds", "call latency (whole call)", registry=r,
+                                 buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
+        for name, doc in (("created", "sessions created"), ("finished", "sessions finished"),
+                          ("expired", "sessions finished by the idle timeout")):
+            Gauge(f"inverted_proxy_sessions_{name}_total", doc, registry=r).set_function(
+                lambda name=name: sessions.counts[name])
+        Gauge("inverted_proxy_sessions_active", "sessions not yet finished", registry=r).set_function(
+            lambda: sessions.active)
+
+
+@dataclass(slots=True)
+class Choice:
+    """One choice of a call: its branch, where its prompt ends, and (once done) what it produced."""
+
+    index: int
+    branch: Branch
+    placement: Placement
+    prompt_len: int
+    state: Sampled | None = None
+    text: str = ""
+    reply: ParsedReply | None = None
+
+
+class Recorder:
+    def __init__(self, config: ProxyConfig, tokenizer: Any, client: SGLangClient, parser: ToolParser,
+                 context_length: int, model_name: str):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.renderer = ChatRenderer(tokenizer)
+        self.client = client
+        self.parser = parser
+        self.context_length = context_length
+        self.model_name = model_name
+        self.sessions = Sessions(idle_timeout=config.proxy_session_timeout, retention=config.proxy_retention,
+                                 max_turns=config.proxy_max_turns)
+        self.metrics = ProxyMetrics(self.sessions)
+
+    # ---- placing and prompting -------------------------------------------------------------
+
+    def _incoming(self, req: api.CallRequest) -> History:
+        if req.kind == "text":
+            return req.prompt
+        return (tools_key(req.tools), tuple(m.key for m in req.messages))
+
+    def _fresh_prompt(self, req: api.CallRequest) -> list[int]:
+        if req.kind == "text":
+            return self.renderer.encode(req.prompt)
+        return self.renderer.prompt_ids(req.messages, req.tools)
+
+    def _bridge(self, placement: Placement, req: api.CallRequest) -> list[int]:
+        branch = placement.branch
+        turn = branch.turns[placement.base_turn]
+        sampled = branch.tokens[turn.start:turn.end]
+        size = history_size(turn.history)
+        if req.kind == "text":
+            return self.renderer.encode(req.prompt[size:])
+        return self.renderer.bridge(req.messages[:size], req.messages[size:], req.tools, sampled)
+
+    def _open(self, session: Session, req: api.CallRequest) -> list[Choice]:
+        """Place every choice, append its prompt ids, and check the context; nothing is kept on error."""
+        incoming = self._incoming(req)
+        first = session.place(incoming)
+        if first.base_turn is None:
+            delta = self._fresh_prompt(req)
+        else:
+            try:
+                delta = self._bridge(first, req)
+            except TemplateBreak:
+                self.metrics.template_breaks.inc()
+                first = Placement(Branch(), None, False, 0)
+                delta = self._fresh_prompt(req)
+        base_len = len(first.branch.tokens)
+        prompt_len = base_len + len(delta)
+        self._check_context(prompt_len, req)
+        prompt = [m.to_template() for m in req.messages] if req.kind == "chat" else req.prompt
+        choices: list[Choice] = []
+        for index in range(req.n):
+            placement = first if index == 0 else (
+                session.place(incoming) if first.base_turn is not None else Placement(Branch(), None, False, 0))
+            if not placement.in_place and session.branches:
+                self.metrics.branches.inc()
+            branch = session.open(placement, prompt)
+            branch.append_prompt(delta)
+            choices.append(Choice(index, branch, placement, prompt_len))
+        return choices
+
+    def _check_context(self, prompt_len: int, req: api.CallRequest) -> None:
+        limit = self.context_length
+        wanted = req.max_tokens or 1
+        if prompt_len + wanted > limit:
+            raise InvalidRequest(
+                f"This model's maximum context length is {limit} tokens. However, you requested {prompt_len + wanted} "
+                f"tokens ({prompt_len} in the messages, {wanted} in the completion). Please reduce the length of the "
+                "messages or completion.", param="messages", code="context_length_exceeded")
+
+    # ---- one call ------------------------------------------------------------------------------
+
+    async def complete(self, session: Session, req: api.CallRequest, replay_key: str | None = None,
+                       replay: bool = False) -> dict[str, Any]:
+        """A whole (non-streamed) answer; identical retried calls can be answered from the record."""
+        if replay_key is not None and replay and replay_key in session.replays:
+            self.metrics.replays.inc()
+            return await asyncio.shield(session.replays[replay_key])
+        future: asyncio.Future | None = None
+        if replay_key is not None:
+            future = session.replays[replay_key] = asyncio.get_running_loop().create_future()
+        try:
+            answer = await self._complete(session, req)
+        except BaseException:
+            if future is not None:
+                del session.replays[replay_key]
+                future.cancel()
+            raise
+        if future is not None:
+            future.set_result(answer)
+        return answer
+
+    async def _complete(self, session: Session, req: api.CallRequest) -> dict[str, Any]:
+        started = time.monotonic()
+        call_id = _call_id(req.kind)
+        choices = self._start(session, req)
+
+        async def run(choice: Choice) -> None:
+            async with aclosing(self._sample(session, req, choice, stream=False)) as updates:
+                async for _ in updates:
+                    pass
+
+        async with asyncio.TaskGroup() as group:  # one failed choice cancels the others: all or nothing
+            for choice in choices:
+                group.create_task(run(choice))
+        self.metrics.latency.observe(time.monotonic() - started)
+        body = [self._choice_body(req, c) for c in choices]
+        completion = sum(len(c.state.ids) for c in choices)
+        return api.envelope(req.kind, call_id, req.model or self.model_name, body,
+                            usage_=api.usage(choices[0].prompt_len, completion))
+
+    async def stream(self, session: Session, req: api.CallRequest) -> AsyncIterator[dict[str, Any]]:
+        """OpenAI stream chunks as tokens arrive (several choices interleaved), then the usage chunk."""
+        started = time.monotonic()
+        call_id = _call_id(req.kind)
+        choices = self._start(session, req)
+        model = req.model or self.model_name
+        queue: asyncio.Queue[dict[str, Any] | BaseException | None] = asyncio.Queue()
+
+        async def run(choice: Choice) -> None:
+            try:
+                async with aclosing(self._stream_choice(session, req, choice)) as deltas:
+                    async for delta in deltas:
+                        await queue.put(delta)
+                await queue.put(None)
+            except Exception as exc:  # handed to the consumer, which raises it in the response
+                await queue.put(exc)
+
+        tasks = [asyncio.create_task(run(c)) for c in choices]
+        try:
+            done = 0
+            while done < len(tasks):
+                item = await queue.get()
+                if item is None:
+                    done += 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield api.envelope(req.kind, call_id, model, [item], chunk=True)
+            self.metrics.latency.observe(time.monotonic() - started)
+            if req.include_usage:
+                completion = sum(len(c.state.ids) for c in choices)
+                yield api.envelope(req.kind, call_id, model, [], chunk=True,
+                                   usage_=api.usage(choices[0].prompt_len, completion))
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _start(self, session: Session, req: api.CallRequest) -> list[Choice]:
+        session.check_open()
+        session.touch()
+        return self._open(session, req)
+
+    async def _sample(self, session: Session, req: api.CallRequest, choice: Choice, *,
+                      stream: bool) -> AsyncIterator[Sampled]:
+        """Sample one choice, yielding its growing state; record it as a turn when done (else roll back)."""
+        created = time.time()
+        sampling = {**req.sampling, "max_new_tokens": req.max_tokens or self.context_length - choice.prompt_len}
+        prompt = choice.branch.tokens[:choice.prompt_len]
+        turn: Turn | None = None
+        try:
+            async for state in sample_turn(self.client, prompt, sampling, stream=stream,
+                                           partial_rollout=self.config.partial_rollout,
+                                           max_resumes=self.config.proxy_max_resumes):
+                choice.state = state
+                yield state
+            state = choice.state
+            choice.text = self._decode(state)
+            choice.reply = self.parser.parse(choice.text) if req.parse_tools else ParsedReply(content=choice.text)
+            choice.branch.append_sampled(state.ids, state.logprobs, state.versions)
+            turn = Turn(start=choice.prompt_len, end=len(choice.branch.tokens), history=self._history_after(req, choice),
+                        finish_reason=api.finish_reason(state.reason, choice.reply), sampling_params=sampling,
+                        created=created, latency_s=time.time() - created, resumes=state.resumes)
+            self.metrics.turns.inc()
+            self.metrics.prompt_tokens.inc(choice.prompt_len)
+            self.metrics.completion_tokens.inc(len(state.ids))
+            self.metrics.resumes.inc(state.resumes)
+            self.metrics.retries.inc(state.retries)
+        finally:
+            session.close(choice.branch, choice.placement, turn)
+
+    async def _stream_choice(self, session: Session, req: api.CallRequest, choice: Choice) -> AsyncIterator[dict]:
+        """Stream deltas of one choice: role, content as it grows (tool-call text held back), calls, finish."""
+        yield _delta(req, choice.index, {"role": "assistant", "content": ""})
+        sent = 0
+        async with aclosing(self._sample(session, req, choice, stream=True)) as updates:
+            async for state in updates:
+                visible = self._visible(req, self.tokenizer.decode(state.ids, skip_special_tokens=True))
+                if len(visible) > sent:
+                    yield _delta(req, choice.index, {"content": visible[sent:]})
+                    sent = len(visible)
+        reply = choice.reply
+        final = (reply.content or "") if req.kind == "chat" else choice.text
+        if len(final) > sent:
+            yield _delta(req, choice.index, {"content": final[sent:]})
+        if reply.tool_calls:
+            calls = [{"index": i, **c.to_openai()} for i, c in enumerate(reply.tool_calls)]
+            yield _delta(req, choice.index, {"tool_calls": calls})
+        last = _delta(req, choice.index, {}, finish=api.finish_reason(choice.state.reason, reply))
+        if req.logprobs:
+            last["logprobs"] = self._logprobs(req, choice)
+        yield last
+
+    def _visible(self, req: api.CallRequest, text: str) -> str:
+        """What may be streamed yet: nothing from a tool-call marker or a stop string on (nor a prefix of
+        one at the end, which the next token may complete), no half-decoded character, and (with tools)
+        no trailing space, which the final content drops before a tool call."""
+        text = text.rstrip("\ufffd")
+        markers = ([self.parser.start] if req.parse_tools else []) + req.sampling.get("stop", [])
+        cut = len(text)
+        for marker in markers:
+            at = text.find(marker)
+            if at < 0:
+                at = next((len(text) - k for k in range(min(len(marker) - 1, len(text)), 0, -1)
+                           if text.endswith(marker[:k])), len(text))
+            cut = min(cut, at)
+        return text[:cut].rstrip() if req.parse_tools else text[:cut]
+
+    # ---- shaping answers ---------------------------------------------------------------------
+
+    def _decode(self, state: Sampled) -> str:
+        text = self.tokenizer.decode(state.ids, skip_special_tokens=True)
+        matched = (state.finish or {}).get("matched")
+        if state.reason == "stop" and isinstance(matched, str) and matched in text:
+            text = text[: text.find(matched)]  # OpenAI leaves the stop string out, as SGLang does
+        return text
+
+    def _history_after(self, req: api.CallRequest, choice: Choice) -> History:
+        if req.kind == "text":
+            return req.prompt + choice.text
+        reply = Message(role="assistant", content=choice.reply.content or "", tool_calls=tuple(choice.reply.tool_calls))
+        tools, keys = self._incoming(req)
+        return (tools, keys + (reply.key,))
+
+    def _logprobs(self, req: api.CallRequest, choice: Choice) -> dict[str, Any]:
+        tokens = [self.tokenizer.decode([t]) for t in choice.state.ids]
+        if req.kind == "chat":
+            return api.logprobs_content(tokens, choice.state.logprobs)
+        return {"tokens": tokens, "token_logprobs": choice.state.logprobs, "top_logprobs": None,
+                "text_offset": None}
+
+    def _choice_body(self, req: api.CallRequest, choice: Choice) -> dict[str, Any]:
+        finish = api.finish_reason(choice.state.reason, choice.reply)
+        logprobs = self._logprobs(req, choice) if req.logprobs else None
+        if req.kind == "text":
+            return {"index": choice.index, "text": choice.text, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": choice.index, "message": api.chat_message(choice.reply), "logprobs": logprobs,
+                "finish_reason": finish}
+
+
+def _call_id(kind: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
+
+
+def _delta(req: api.CallRequest, index: int, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+    if req.kind == "text":
+        return {"index": index, "text": delta.get("content", ""), "logprobs": None, "finish_reason": finish}
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}

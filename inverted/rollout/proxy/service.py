@@ -1,0 +1,323 @@
+"""The proxy's HTTP service: sessions, the OpenAI routes per session, rewards, Samples, metrics.
+
+Routes (``create_app(config)``):
+
+- ``POST /sessions`` ``{metadata?, sampling_params?}`` → ``{session_id, token, base_url}``
+  (needs ``--proxy-api-key`` when one is set). ``sampling_params`` are OpenAI request fields
+  (``temperature``, ``top_p``, ``max_tokens``, ...) that override the agent's on every call, e.g.
+  the rollout temperature. ``metadata`` may carry ``group_index``, ``index`` and ``label``,
+  which become the Samples' fields; the rest is kept in their ``metadata``.
+- ``{base_url}/chat/completions``, ``{base_url}/completions``, ``{base_url}/models`` with
+  ``base_url = /sessions/{id}/v1``: the path's unguessable id is the capability, so any SDK works
+  with only ``base_url`` set; the same under ``/v1/...`` with ``Authorization: Bearer <token>``.
+- ``POST /sessions/{id}/reward`` ``{reward, finished}``, ``POST /sessions/{id}/finish`` →
+  ``{samples}``, ``GET /sessions/{id}/samples``, ``GET /sessions/{id}``: allowed with the
+  session's own token or the API key (or, with no API key configured, with no token at all).
+- ``GET /health``, ``GET /metrics`` (Prometheus text).
+
+Isolation: a bearer token that belongs to another session is refused (403) on every route of
+this one; an unknown session is 404. Errors have OpenAI's body. Sessions idle past
+``--proxy-session-timeout`` are finished by a sweeper and their Samples kept for
+``--proxy-retention`` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Annotated, Any, AsyncIterator
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import generate_latest
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat
+
+from inverted.config import ProxyConfig
+from inverted.errors import InvalidRequest, ServiceError
+from inverted.plugins import load_plugin
+from inverted.rollout.proxy import openai_api as api
+from inverted.rollout.proxy.recorder import Recorder
+from inverted.rollout.proxy.session import Session
+from inverted.rollout.sglang_client import SGLangClient, Timeouts
+from inverted.types import Sample
+
+logger = logging.getLogger(__name__)
+SWEEP_S = 5.0
+
+
+class CreateSessionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+
+
+class CreateSessionResponse(BaseModel):
+    session_id: str
+    token: str
+    base_url: str
+
+
+class RewardRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    reward: FiniteFloat | dict[str, FiniteFloat]
+    finished: bool = True
+
+
+class SamplesResponse(BaseModel):
+    session_id: str
+    finished: bool
+    samples: list[dict[str, Any]]
+
+
+def _bearer(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    return header[7:].strip() if header[:7].lower() == "bearer " else None
+
+
+def _recorder(request: Request) -> Recorder:
+    return request.app.state.recorder
+
+
+RecorderDep = Annotated[Recorder, Depends(_recorder)]
+
+
+def _require_api_key(request: Request) -> None:
+    key = request.app.state.config.proxy_api_key
+    if key and _bearer(request) != key:
+        raise InvalidRequest("a valid API key is required to create sessions", code="invalid_api_key", status=401)
+
+
+def _session(request: Request, session_id: str, *, admin: bool) -> Session:
+    """The session named in the path, if the caller may use it (see the module docstring)."""
+    recorder: Recorder = request.app.state.recorder
+    session = recorder.sessions.get(session_id)
+    bearer = _bearer(request)
+    key = request.app.state.config.proxy_api_key
+    if bearer is not None and bearer != session.token and bearer != key:
+        other = recorder.sessions.by_token.get(bearer)
+        if other is not None:
+            raise InvalidRequest(f"this token belongs to another session, not to {session_id}",
+                                 code="wrong_session", status=403)
+    if admin and key and bearer not in (key, session.token):
+        raise InvalidRequest("this route needs the session's token or the API key", code="invalid_api_key",
+                             status=401)
+    return session
+
+
+def _token_session(request: Request) -> Session:
+    session = request.app.state.recorder.sessions.by_token.get(_bearer(request) or "")
+    if session is None:
+        raise InvalidRequest("Incorrect API key provided: use the token of a live session (POST /sessions)",
+                             code="invalid_api_key", status=401)
+    return session
+
+
+async def _json(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw), raw
+    except ValueError as exc:
+        raise InvalidRequest(f"We could not parse the JSON body of your request ({exc})", code="invalid_json") from None
+
+
+def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    async def encode() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in chunks:
+                yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+        except (InvalidRequest, ServiceError) as exc:  # headers are sent: the error becomes the last event
+            yield b"data: " + json.dumps(_error(exc)[1]).encode() + b"\n\n"
+        yield b"data: [DONE]\n\n"
+    return encode()
+
+
+def _error(exc: Exception) -> tuple[int, dict[str, Any]]:
+    if isinstance(exc, InvalidRequest):
+        kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}.get(
+            exc.status, "invalid_request_error")
+        return exc.status, api.error_body(str(exc), type=kind, param=exc.param, code=exc.code)
+    if isinstance(exc, ServiceError) and exc.status is not None and 400 <= exc.status < 500:
+        # The engine refused what we sent (e.g. a sampling value it does not support): the caller's request.
+        message = exc.body
+        try:
+            body = json.loads(exc.body)
+            message = (body.get("error") or {}).get("message") if isinstance(body.get("error"), dict) \
+                else body.get("message") or body.get("error") or exc.body
+        except (ValueError, AttributeError):
+            pass
+        return 400, api.error_body(f"the rollout server rejected the request: {message}", code="engine_rejected")
+    return 503, api.error_body(f"rollout servers unavailable: {exc}", type="server_error", code="unavailable")
+
+
+async def _call(request: Request, session: Session, kind: str) -> Response:
+    recorder: Recorder = request.app.state.recorder
+    body, raw = await _json(request)
+    parse = api.parse_chat if kind == "chat" else api.parse_completion
+    req = parse({**body, **session.overrides} if isinstance(body, dict) else body)
+    if req.stream:
+        chunks = recorder.stream(session, req)
+        first = await anext(chunks)  # placement and validation errors still get a proper status code
+        return StreamingResponse(_sse(_prepend(first, chunks)), media_type="text/event-stream")
+    policy = recorder.config.proxy_replay_retries
+    key = None if policy == "off" else hashlib.blake2b(kind.encode() + raw, digest_size=16).hexdigest()
+    retry = request.headers.get("x-stainless-retry-count", "0")
+    replay = policy == "always" or (retry.isdigit() and int(retry) > 0)
+    return JSONResponse(await recorder.complete(session, req, key, replay))
+
+
+async def _prepend(first: dict[str, Any], rest: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+    yield first
+    async for chunk in rest:
+        yield chunk
+
+
+def _models(recorder: Recorder) -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": recorder.model_name, "object": "model", "created": 0,
+                                        "owned_by": "inverted"}]}
+
+
+def _samples(session: Session, samples: list[Sample]) -> SamplesResponse:
+    return SamplesResponse(session_id=session.id, finished=session.finished, samples=[s.to_json() for s in samples])
+
+
+def create_app(config: ProxyConfig) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
+        parser = load_plugin(config.proxy_tool_parser_path, flag="--proxy-tool-parser-path", params=[])()
+        checkpoint = json.loads((Path(config.tokenizer) / "config.json").read_text())
+        context = config.context_length or int(checkpoint.get("max_position_embeddings", 4096))
+        client = SGLangClient(config.router_url, timeouts=Timeouts(generate=config.proxy_generate_timeout),
+                              max_connections=1024)
+        app.state.recorder = Recorder(config, tokenizer, client, parser, context,
+                                      config.served_model_name or Path(config.tokenizer).resolve().name)
+        sweeper = asyncio.create_task(_sweep(app.state.recorder))
+        logger.info("proxy ready: router %s, context %d tokens", config.router_url, context)
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            await client.close()
+
+    app = FastAPI(title="inverted proxy", lifespan=lifespan)
+    app.state.config = config
+    _add_error_handlers(app)
+    _add_session_routes(app)
+    _add_openai_routes(app)
+    return app
+
+
+async def _sweep(recorder: Recorder) -> None:
+    while True:
+        await asyncio.sleep(SWEEP_S)
+        recorder.sessions.sweep()
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(InvalidRequest)
+    @app.exception_handler(ServiceError)
+    async def known(request: Request, exc: Exception) -> JSONResponse:
+        status, body = _error(exc)
+        if status < 500:
+            request.app.state.recorder.metrics.rejected.inc()
+        return JSONResponse(body, status_code=status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"] if p != "body") or None
+        request.app.state.recorder.metrics.rejected.inc()
+        return JSONResponse(api.error_body(f"{param}: {first['msg']}", param=param), status_code=400)
+
+
+def _add_session_routes(app: FastAPI) -> None:
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics(recorder: RecorderDep) -> Response:
+        return Response(generate_latest(recorder.metrics.registry), media_type="text/plain; version=0.0.4")
+
+    @app.post("/sessions", dependencies=[Depends(_require_api_key)])
+    async def create_session(body: CreateSessionRequest, request: Request,
+                             recorder: RecorderDep) -> CreateSessionResponse:
+        try:  # checked now, with the same rules as a call, so that no call of this session fails on them
+            api.parse_chat({**body.sampling_params, "messages": [{"role": "user", "content": "check"}]})
+        except InvalidRequest as exc:
+            raise InvalidRequest(f"sampling_params: {exc}", param=f"sampling_params.{exc.param}") from None
+        session = recorder.sessions.create(body.metadata, body.sampling_params)
+        base = str(request.base_url).rstrip("/")
+        return CreateSessionResponse(session_id=session.id, token=session.token,
+                                     base_url=f"{base}/sessions/{session.id}/v1")
+
+    @app.get("/sessions/{session_id}")
+    async def get_session(session_id: str, request: Request) -> dict[str, Any]:
+        session = _session(request, session_id, admin=True)
+        return {"session_id": session.id, "finished": session.finished, "expired": session.expired,
+                "turns": session.turns, "branches": len(session.branches), "inflight": session.inflight,
+                "reward": session.reward, "metadata": session.metadata}
+
+    @app.post("/sessions/{session_id}/reward")
+    async def reward(session_id: str, body: RewardRequest, request: Request) -> dict[str, Any]:
+        session = _session(request, session_id, admin=True)
+        if session.finished:
+            raise InvalidRequest(f"session {session_id} is finished; its reward can no longer change",
+                                 code="session_finished", status=409)
+        session.set_reward(body.reward, body.finished)
+        return {"session_id": session.id, "reward": body.reward, "finished": body.finished}
+
+    @app.post("/sessions/{session_id}/finish")
+    async def finish(session_id: str, request: Request, recorder: RecorderDep) -> SamplesResponse:
+        session = _session(request, session_id, admin=True)
+        if session.inflight:
+            raise InvalidRequest(f"session {session_id} has {session.inflight} calls running; finish it after they "
+                                 "return", code="session_busy", status=409)
+        return _samples(session, recorder.sessions.finish(session))
+
+    @app.get("/sessions/{session_id}/samples")
+    async def samples(session_id: str, request: Request) -> SamplesResponse:
+        session = _session(request, session_id, admin=True)
+        return _samples(session, session.samples if session.finished else session.build_samples())
+
+
+def _add_openai_routes(app: FastAPI) -> None:
+    @app.post("/sessions/{session_id}/v1/chat/completions")
+    async def session_chat(session_id: str, request: Request) -> Response:
+        return await _call(request, _session(request, session_id, admin=False), "chat")
+
+    @app.post("/sessions/{session_id}/v1/completions")
+    async def session_completions(session_id: str, request: Request) -> Response:
+        return await _call(request, _session(request, session_id, admin=False), "text")
+
+    @app.get("/sessions/{session_id}/v1/models")
+    async def session_models(session_id: str, request: Request, recorder: RecorderDep) -> dict[str, Any]:
+        _session(request, session_id, admin=False)
+        return _models(recorder)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await _call(request, _token_session(request), "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _call(request, _token_session(request), "text")
+
+    @app.get("/v1/models")
+    async def models(request: Request, recorder: RecorderDep) -> dict[str, Any]:
+        _token_session(request)
+        return _models(recorder)
+
+
+def serve(config: ProxyConfig) -> None:
+    import uvicorn
+
+    uvicorn.run(create_app(config), host=config.proxy_host, port=config.proxy_port, log_level="warning",
+                access_log=False)

@@ -1,0 +1,281 @@
+"""Sessions: each episode's exact token history, as a set of branches, and the Samples they become.
+
+A **branch** is one linear token sequence (``tokens`` with a parallel ``mask``, ``logprobs`` and
+``versions``) and the **turns** that sampled into it. A turn remembers the *history* a client
+will send back to continue it: for chat, the tools and the message keys (the request's messages
+plus the reply); for text completions, the prompt text plus the completion text.
+
+``Session.place`` decides where a request goes. The branch and turn whose history the request
+extends the furthest is the base:
+- it is the branch's last turn and no call is running on it: the branch grows in place;
+- otherwise (the agent edited, dropped or retried history, or runs calls in parallel) a new
+  branch is forked from that turn's tokens (everything up to the end of its sampled ids);
+- nothing matches: a new branch from a full render.
+So every branch is internally exact: its tokens are exactly what the engine saw and produced.
+Each branch becomes one Sample (one per leaf; shared prefixes appear in each, as in miles and
+verifiers). A call that fails rolls its tokens back: nothing is recorded for it.
+
+This module is pure bookkeeping (no I/O, no FastAPI); ``service`` drives it.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from inverted.errors import InvalidRequest
+from inverted.types import Reward, Sample
+
+History = tuple[str, tuple] | str  # (tools key, message keys) for chat; the text so far for completions
+
+
+def extends(history: History, incoming: History) -> bool:
+    if isinstance(history, str) or isinstance(incoming, str):
+        return isinstance(history, str) and isinstance(incoming, str) and incoming.startswith(history)
+    tools, messages = history
+    return tools == incoming[0] and incoming[1][: len(messages)] == messages
+
+
+def history_size(history: History) -> int:
+    return len(history) if isinstance(history, str) else len(history[1])
+
+
+@dataclass(slots=True)
+class Turn:
+    """One sampled reply: its span in the branch and what was asked and how it ended."""
+
+    start: int  # first sampled token (== the turn's prompt length)
+    end: int
+    history: History
+    finish_reason: str
+    sampling_params: dict[str, Any]
+    created: float
+    latency_s: float
+    resumes: int = 0
+
+    def record(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.start, "completion_tokens": self.end - self.start, "start": self.start,
+                "end": self.end, "finish_reason": self.finish_reason, "sampling_params": self.sampling_params,
+                "created": self.created, "latency_s": round(self.latency_s, 6), "resumes": self.resumes}
+
+
+@dataclass(slots=True, eq=False)  # identity, not value: two branches may hold the same tokens
+class Branch:
+    tokens: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[str | None] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    busy: bool = False
+
+    def fork(self, upto_turn: int) -> "Branch":
+        end = self.turns[upto_turn].end
+        return Branch(tokens=self.tokens[:end], mask=self.mask[:end], logprobs=self.logprobs[:end],
+                      versions=self.versions[:end], turns=list(self.turns[: upto_turn + 1]))
+
+    def append_prompt(self, ids: list[int]) -> None:
+        self.tokens += ids
+        self.mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [None] * len(ids)
+
+    def append_sampled(self, ids: list[int], logprobs: list[float], versions: list[str]) -> None:
+        self.tokens += ids
+        self.mask += [1] * len(ids)
+        self.logprobs += logprobs
+        self.versions += versions
+
+    def truncate(self, length: int) -> None:
+        for seq in (self.tokens, self.mask, self.logprobs, self.versions):
+            del seq[length:]
+
+    def to_sample(self, base: Sample) -> Sample:
+        """This branch as a Sample: the response starts at the first sampled token."""
+        start, end = self.turns[0].start, self.turns[-1].end  # a call still running is not part of it
+        versions: list[str] = []
+        following = self.versions[end - 1] or ""
+        for v in reversed(self.versions[start:end]):  # glue and tool output carry the version of the turn they precede
+            following = v if v is not None else following
+            versions.append(following)
+        versions.reverse()
+        last = self.turns[-1].finish_reason
+        status = Sample.Status.TRUNCATED if last == "length" or base.status == Sample.Status.TRUNCATED \
+            else Sample.Status.COMPLETED
+        return Sample(group_index=base.group_index, index=base.index, prompt=base.prompt, tokens=self.tokens[:end],
+                      response_length=end - start, loss_mask=self.mask[start:end],
+                      rollout_log_probs=self.logprobs[start:end], weight_versions=versions, reward=base.reward,
+                      status=status, label=base.label, session_id=base.session_id,
+                      metadata={**base.metadata, "turns": [t.record() for t in self.turns]})
+
+
+@dataclass(slots=True)
+class Placement:
+    """Where a request's tokens go: ``branch`` (new or forked unless ``in_place``) after ``base_turn``."""
+
+    branch: Branch
+    base_turn: int | None  # None: a fresh render
+    in_place: bool
+    rollback_to: int  # length to truncate back to if the call fails
+
+
+class Session:
+    """One episode. Ids and tokens are unguessable; the token is the session's own credential."""
+
+    def __init__(self, metadata: dict[str, Any], overrides: dict[str, Any] | None = None, max_turns: int = 0):
+        self.id = "sess_" + secrets.token_urlsafe(18)
+        self.token = "sk-sess-" + secrets.token_urlsafe(32)
+        self.metadata = metadata
+        self.overrides = overrides or {}  # OpenAI request fields that replace the agent's on every call
+        self.max_turns = max_turns
+        self.created = self.last_active = time.time()
+        self.branches: list[Branch] = []
+        self.prompts: list[Any] = []  # per branch: the first request's messages or text
+        self.reward: Reward | None = None
+        self.finished_by_agent: bool | None = None
+        self.samples: list[Sample] | None = None  # set once finished
+        self.expired = False
+        self.inflight = 0
+        self.turns = 0
+        self.replays: dict[str, Any] = {}
+
+    @property
+    def finished(self) -> bool:
+        return self.samples is not None
+
+    def touch(self) -> None:
+        self.last_active = time.time()
+
+    def check_open(self) -> None:
+        if self.finished:
+            raise InvalidRequest(f"session {self.id} is finished; start a new session", code="session_finished",
+                                 status=409)
+        if self.max_turns and self.turns >= self.max_turns:
+            raise InvalidRequest(f"session {self.id} reached its limit of {self.max_turns} turns",
+                                 code="turn_limit_reached", status=409)
+
+    def place(self, incoming: History) -> Placement:
+        """Pick the branch and turn this request continues (see the module docstring)."""
+        best: tuple[int, Branch, int] | None = None
+        for branch in self.branches:
+            for i in range(len(branch.turns) - 1, -1, -1):
+                size = history_size(branch.turns[i].history)
+                if extends(branch.turns[i].history, incoming):
+                    if best is None or size > best[0] or (size == best[0] and not branch.busy and best[1].busy):
+                        best = (size, branch, i)
+                    break
+        if best is None:
+            return Placement(Branch(), None, False, 0)
+        _, branch, turn = best
+        if turn == len(branch.turns) - 1 and not branch.busy:
+            return Placement(branch, turn, True, len(branch.tokens))
+        return Placement(branch.fork(turn), turn, False, 0)
+
+    def open(self, placement: Placement, prompt: Any) -> Branch:
+        """Register the placement's branch (new ones are added) and mark it busy."""
+        branch = placement.branch
+        if not placement.in_place:
+            self.branches.append(branch)
+            self.prompts.append(prompt if placement.base_turn is None else self.prompts[self._origin(placement)])
+        branch.busy = True
+        self.inflight += 1
+        return branch
+
+    def _origin(self, placement: Placement) -> int:
+        """The prompt of a forked branch is the one its base branch started from."""
+        first = placement.branch.turns[0]
+        for i, branch in enumerate(self.branches):
+            if branch.turns and branch.turns[0] is first:
+                return i
+        raise AssertionError("a forked branch shares its first turn with an existing branch")
+
+    def close(self, branch: Branch, placement: Placement, turn: Turn | None) -> None:
+        """A call ended: keep its turn, or roll it back (and drop a branch left with no turns)."""
+        branch.busy = False
+        self.inflight -= 1
+        self.touch()
+        if turn is not None:
+            branch.turns.append(turn)
+            self.turns += 1
+            return
+        branch.truncate(placement.rollback_to)
+        if not branch.turns:
+            index = self.branches.index(branch)
+            del self.branches[index], self.prompts[index]
+
+    def set_reward(self, reward: Reward, finished: bool) -> None:
+        self.reward = reward
+        self.finished_by_agent = finished
+        self.touch()
+
+    def finish(self, *, expired: bool = False) -> list[Sample]:
+        """Freeze the session into one Sample per branch (idempotent)."""
+        if self.samples is None:
+            self.expired = expired
+            self.samples = self.build_samples()
+        return self.samples
+
+    def build_samples(self) -> list[Sample]:
+        """One validated Sample per branch with at least one recorded turn."""
+        meta = {**self.metadata, "expired": self.expired}
+        truncated = self.finished_by_agent is False or self.expired
+        base = Sample(group_index=meta.pop("group_index", None), index=meta.pop("index", None),
+                      label=meta.pop("label", None), reward=self.reward, session_id=self.id,
+                      status=Sample.Status.TRUNCATED if truncated else Sample.Status.COMPLETED)
+        samples = []
+        for i, (branch, prompt) in enumerate(zip(self.branches, self.prompts)):
+            if not branch.turns:
+                continue
+            base.prompt = prompt
+            base.metadata = {**meta, "branch": i}
+            sample = branch.to_sample(base)
+            sample.validate()
+            samples.append(sample)
+        return samples
+
+
+class Sessions:
+    """The live and recently finished sessions, by id and by token, with idle expiry."""
+
+    def __init__(self, *, idle_timeout: float, retention: float, max_turns: int = 0):
+        self.idle_timeout = idle_timeout
+        self.retention = retention
+        self.max_turns = max_turns
+        self.by_id: dict[str, Session] = {}
+        self.by_token: dict[str, Session] = {}
+        self.counts = {"created": 0, "finished": 0, "expired": 0}
+
+    def create(self, metadata: dict[str, Any], overrides: dict[str, Any] | None = None) -> Session:
+        session = Session(metadata, overrides, self.max_turns)
+        self.by_id[session.id] = session
+        self.by_token[session.token] = session
+        self.counts["created"] += 1
+        return session
+
+    def get(self, session_id: str) -> Session:
+        session = self.by_id.get(session_id)
+        if session is None:
+            raise InvalidRequest(f"session {session_id!r} not found (never created, or finished more than "
+                                 f"{self.retention:.0f}s ago)", code="session_not_found", status=404)
+        return session
+
+    def finish(self, session: Session, *, expired: bool = False) -> list[Sample]:
+        if not session.finished:
+            self.counts["expired" if expired else "finished"] += 1
+        session.touch()
+        return session.finish(expired=expired)
+
+    def sweep(self, now: float | None = None) -> None:
+        """Finish sessions idle past the timeout (kept, not lost); forget finished ones past retention."""
+        now = time.time() if now is None else now
+        for session in list(self.by_id.values()):
+            idle = now - session.last_active
+            if not session.finished and session.inflight == 0 and idle > self.idle_timeout:
+                self.finish(session, expired=True)
+            elif session.finished and idle > self.retention:
+                del self.by_id[session.id], self.by_token[session.token]
+
+    @property
+    def active(self) -> int:
+        return sum(not s.finished for s in self.by_id.values())

@@ -1,0 +1,42 @@
+"""The proxy stack for these tests: a taught tiny model in the embedded engine (with its request
+log on), the real sgl-router in front, and the proxy in front of that; all real processes."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from inverted.rollout.servers import ManagedProcess
+from tests.rollout.proxy.scripted import teach
+
+
+@pytest.fixture(scope="session")
+def taught_model(tiny_model, models_dir) -> Path:
+    out = models_dir / "taught-qwen2"
+    if not (out / "config.json").exists():
+        teach(tiny_model("qwen2"), out)
+    return out
+
+
+@dataclass
+class Stack:
+    engine: ManagedProcess
+    router: ManagedProcess
+    proxy: ManagedProcess
+    model: Path
+
+    def engine_requests(self) -> list[dict]:
+        """What the engine received and produced, from its own request log (--log-requests)."""
+        lines = self.engine.log_path.read_text().splitlines()
+        return [json.loads(line.split(" request ", 1)[1]) for line in lines if " request {" in line]
+
+
+@pytest.fixture(scope="module")
+def stack(module_procs, taught_model) -> Stack:
+    engine = module_procs.engine(taught_model, "--log-requests", "--random-seed", "0")
+    router = module_procs.routed(engine)
+    proxy = module_procs.proxy(router.url, taught_model, "--proxy-api-key", "admin-key")
+    return Stack(engine, router, proxy, taught_model)

@@ -1,0 +1,273 @@
+"""Token recording through the real stack: openai SDK → proxy → sgl-router → embedded engine.
+
+Every Sample is checked token by token against the engine's own request log, and its logprobs
+against a ``transformers`` forward pass over the Sample's tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import httpx
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from inverted.types import Sample
+from tests.rollout.proxy.scripted import CONVERSATION, TOOLS
+
+pytestmark = pytest.mark.anyio
+ADMIN = {"Authorization": "Bearer admin-key"}
+
+
+def new_session(stack, **body) -> dict:
+    response = httpx.post(stack.proxy.url + "/sessions", json=body, headers=ADMIN)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def finish(stack, session) -> list[Sample]:
+    response = httpx.post(f"{stack.proxy.url}/sessions/{session['session_id']}/finish", headers=ADMIN)
+    assert response.status_code == 200, response.text
+    return [Sample.from_json(s) for s in response.json()["samples"]]
+
+
+def check_exact(sample: Sample, engine_log: list[dict]) -> None:
+    """Each turn's prompt and output are what the engine received and produced; masks line up."""
+    outputs: dict[tuple, list] = {}  # several requests share an input when n > 1
+    for r in engine_log:
+        outputs.setdefault(tuple(r["input_ids"]), []).append(r["output_ids"])
+    turns = sample.metadata["turns"]
+    start = turns[0]["start"]
+    assert sample.response_length == len(sample.tokens) - start
+    expected_mask = [0] * len(sample.tokens)
+    for turn in turns:
+        assert sample.tokens[turn["start"]: turn["end"]] in outputs[tuple(sample.tokens[: turn["start"]])]
+        expected_mask[turn["start"]: turn["end"]] = [1] * (turn["end"] - turn["start"])
+    assert sample.loss_mask == expected_mask[start:]
+    assert all(lp == 0.0 for lp, m in zip(sample.rollout_log_probs, sample.loss_mask) if not m)
+    assert len(sample.weight_versions) == sample.response_length
+
+
+def reference_logprobs(model_dir, sample: Sample) -> list[float]:
+    """log_softmax at temperature 1 of every response token, by ``transformers``."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([sample.tokens])).logits[0].float()
+    logprobs = torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(sample.tokens[1:])[:, None])[:, 0]
+    return logprobs[sample.prompt_length - 1:].tolist()
+
+
+def reply_as_message(message) -> dict:
+    return message.model_dump(exclude_none=True, exclude={"refusal", "annotations", "audio", "function_call"})
+
+
+def collect_stream(stream) -> tuple[dict, str, dict]:
+    """Reassemble a streamed reply the way agent frameworks do; return (message, finish_reason, usage)."""
+    content, calls, finish, usage = "", {}, None, None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            delta = choice.delta
+            content += delta.content or ""
+            for call in delta.tool_calls or []:
+                entry = calls.setdefault(call.index, {"id": call.id, "type": "function",
+                                                      "function": {"name": "", "arguments": ""}})
+                entry["function"]["name"] += call.function.name or ""
+                entry["function"]["arguments"] += call.function.arguments or ""
+            finish = choice.finish_reason or finish
+    message = {"role": "assistant", "content": content or None}
+    if calls:
+        message["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return message, finish, usage
+
+
+async def acollect_stream(stream) -> tuple[dict, str, dict]:
+    chunks = [chunk async for chunk in stream]
+    return collect_stream(chunks)
+
+
+EXPECTED = [("tool_calls", "Paris"), ("tool_calls", "Rome"), ("stop", "Paris is sunny; Rome is rainy."),
+            ("stop", "You are welcome.")]
+
+
+def check_reply(turn: int, message: dict, finish: str) -> None:
+    reason, text = EXPECTED[turn]
+    assert finish == reason
+    if reason == "tool_calls":
+        (call,) = message["tool_calls"]
+        assert call["function"]["name"] == "get_weather"
+        assert call["function"]["arguments"] == f'{{"city": "{text}"}}'
+        assert call["id"].startswith("call_") and not message.get("content")
+    else:
+        assert message["content"] == text and "tool_calls" not in message
+
+
+def scripted_history(turn: int, replies: list[dict]) -> list[dict]:
+    """The conversation up to assistant turn ``turn``, with the proxy's own replies echoed back."""
+    history, k = [], 0
+    for message in CONVERSATION:
+        if message["role"] == "assistant":
+            if k == turn:
+                return history
+            history.append(replies[k])
+            k += 1
+            continue
+        message = copy.deepcopy(message)
+        if message["role"] == "tool":  # answer the call id the proxy minted
+            message["tool_call_id"] = replies[k - 1]["tool_calls"][0]["id"]
+        history.append(message)
+    raise AssertionError("no such turn")
+
+
+@pytest.mark.parametrize("mode", ["sync", "sync-stream", "async", "async-stream"])
+async def test_four_turn_tool_conversation_is_recorded_token_for_token(stack, mode):
+    session = new_session(stack, metadata={"group_index": 7, "index": 1, "label": "sunny"})
+    logged_before = len(stack.engine_requests())
+    stream = mode.endswith("stream")
+    kwargs = dict(model="policy", tools=TOOLS, temperature=0, max_tokens=64, logprobs=True)
+    replies, usages = [], []
+    sync_client = openai.OpenAI(base_url=session["base_url"], api_key="anything")
+    async with openai.AsyncOpenAI(base_url=session["base_url"], api_key="anything") as async_client:
+        for turn in range(4):
+            messages = scripted_history(turn, replies)
+            if mode == "sync-stream":
+                message, reason, usage = collect_stream(sync_client.chat.completions.create(
+                    messages=messages, stream=True, stream_options={"include_usage": True}, **kwargs))
+            elif mode == "async-stream":
+                message, reason, usage = await acollect_stream(await async_client.chat.completions.create(
+                    messages=messages, stream=True, stream_options={"include_usage": True}, **kwargs))
+            else:
+                create = sync_client.chat.completions.create if mode == "sync" else async_client.chat.completions.create
+                reply = create(messages=messages, **kwargs)
+                reply = await reply if mode == "async" else reply
+                message, reason, usage = reply_as_message(reply.choices[0].message), reply.choices[0].finish_reason, reply.usage
+            check_reply(turn, message, reason)
+            replies.append(message)
+            usages.append(usage)
+    sync_client.close()
+
+    (sample,) = finish(stack, session)
+    engine_log = stack.engine_requests()[logged_before:]
+    assert len(engine_log) == 4
+    # The Sample is exactly the engine's last input + output, and every turn's input extends the
+    # previous input + output unchanged: earlier turns were never re-encoded.
+    assert sample.tokens == engine_log[-1]["input_ids"] + engine_log[-1]["output_ids"]
+    for before, after in zip(engine_log, engine_log[1:]):
+        prefix = before["input_ids"] + before["output_ids"]
+        assert after["input_ids"][: len(prefix)] == prefix
+    check_exact(sample, engine_log)
+    turns = sample.metadata["turns"]
+    for turn, usage in zip(turns, usages):
+        assert usage.prompt_tokens == turn["start"] and usage.completion_tokens == turn["end"] - turn["start"]
+    assert [t["finish_reason"] for t in turns] == [reason for reason, _ in EXPECTED]
+    assert sample.weight_versions == ["default"] * sample.response_length
+    assert (sample.group_index, sample.index, sample.label, sample.status) == (7, 1, "sunny", Sample.Status.COMPLETED)
+    assert sample.prompt[0] == {"role": "system", "content": "You are a weather bot."}
+    expected = reference_logprobs(stack.model, sample)
+    got = [(lp, ref) for lp, ref, m in zip(sample.rollout_log_probs, expected, sample.loss_mask) if m]
+    assert max(abs(a - b) for a, b in got) <= 1e-4
+
+
+async def test_logprobs_in_the_answer_are_the_recorded_ones(stack):
+    session = new_session(stack)
+    async with openai.AsyncOpenAI(base_url=session["base_url"], api_key="x") as client:
+        reply = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hello"}],
+                                                     max_tokens=12, logprobs=True, seed=3)
+        (sample,) = finish(stack, session)
+        answer = [t.logprob for t in reply.choices[0].logprobs.content]
+        assert answer == sample.rollout_log_probs[-len(answer):] and len(answer) == reply.usage.completion_tokens
+
+
+async def test_an_agent_that_drops_a_middle_message_gets_a_second_exact_branch(stack):
+    session = new_session(stack)
+    logged_before = len(stack.engine_requests())
+    async with openai.AsyncOpenAI(base_url=session["base_url"], api_key="x") as client:
+        replies = []
+        for turn in range(3):
+            reply = await client.chat.completions.create(model="m", messages=scripted_history(turn, replies), tools=TOOLS,
+                                                         temperature=0, max_tokens=64)
+            replies.append(reply_as_message(reply.choices[0].message))
+        # The agent compacts its history: the first tool result is gone.
+        edited = [m for m in scripted_history(3, replies) if m.get("content") != "sunny, 24C"]
+        await client.chat.completions.create(model="m", messages=edited, tools=TOOLS, temperature=0, max_tokens=16)
+
+        first, second = finish(stack, session)
+        engine_log = stack.engine_requests()[logged_before:]
+        check_exact(first, engine_log)
+        check_exact(second, engine_log)
+        assert len(first.metadata["turns"]) == 3 and len(second.metadata["turns"]) == 2
+        # The branch shares turn 1 (the Paris call), then continues from the edited history.
+        shared = first.metadata["turns"][0]["end"]
+        assert second.tokens[:shared] == first.tokens[:shared] and second.tokens[shared:] != first.tokens[shared:]
+        metrics = httpx.get(stack.proxy.url + "/metrics").text
+        assert "inverted_proxy_branches_total" in metrics
+
+
+async def test_64_concurrent_sessions_are_each_exact(stack):
+    logged_before = len(stack.engine_requests())
+
+    async def episode(i: int) -> list[Sample]:
+        session = await asyncio.to_thread(new_session, stack, metadata={"index": i})
+        async with openai.AsyncOpenAI(base_url=session["base_url"], api_key="x") as client:
+            messages = [{"role": "user", "content": f"episode {i}: say something"}]
+            for turn in range(2):
+                reply = await client.chat.completions.create(model="m", messages=messages, max_tokens=6, seed=i)
+                messages += [reply_as_message(reply.choices[0].message), {"role": "user", "content": f"more {turn}"}]
+            return await asyncio.to_thread(finish, stack, session)
+
+    results = await asyncio.gather(*(episode(i) for i in range(64)))
+    engine_log = stack.engine_requests()[logged_before:]
+    assert len(engine_log) == 128
+    for i, samples in enumerate(results):
+        (sample,) = samples
+        assert sample.index == i and len(sample.metadata["turns"]) == 2
+        check_exact(sample, engine_log)
+
+
+async def test_a_retried_call_is_answered_from_the_record(stack):
+    session = new_session(stack)
+    body = {"model": "m", "messages": [{"role": "user", "content": "retry me"}], "max_tokens": 5}
+    url = session["base_url"] + "/chat/completions"
+    first = httpx.post(url, json=body).json()
+    logged = len(stack.engine_requests())
+    replay = httpx.post(url, json=body, headers={"x-stainless-retry-count": "1"}).json()
+    assert replay == first and len(stack.engine_requests()) == logged
+    fresh = httpx.post(url, json=body).json()  # not marked a retry: sampled again, on a new branch
+    assert fresh["id"] != first["id"] and len(stack.engine_requests()) == logged + 1
+    assert len(finish(stack, session)) == 2
+
+
+async def test_text_completions_extend_their_own_tokens(stack):
+    session = new_session(stack)
+    async with openai.AsyncOpenAI(base_url=session["base_url"], api_key="x") as client:
+        logged_before = len(stack.engine_requests())
+        first = await client.completions.create(model="m", prompt="Once upon a time", max_tokens=5, seed=1)
+        prompt = "Once upon a time" + first.choices[0].text + " and then"
+        await client.completions.create(model="m", prompt=prompt, max_tokens=5, seed=2)
+        (sample,) = finish(stack, session)
+        engine_log = stack.engine_requests()[logged_before:]
+        assert engine_log[1]["input_ids"][: len(engine_log[0]["input_ids"] + engine_log[0]["output_ids"])] == \
+            engine_log[0]["input_ids"] + engine_log[0]["output_ids"]
+        check_exact(sample, engine_log)
+
+
+async def test_n_choices_become_branches(stack):
+    session = new_session(stack)
+    async with openai.AsyncOpenAI(base_url=session["base_url"], api_key="x") as client:
+        logged_before = len(stack.engine_requests())
+        reply = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "pick"}], n=3,
+                                                     max_tokens=4)
+        assert [c.index for c in reply.choices] == [0, 1, 2]
+        assert reply.usage.completion_tokens == sum(
+            len(r["output_ids"]) for r in stack.engine_requests()[logged_before:])
+        # The agent continues with choice 1: that branch grows, the others stay one turn long.
+        messages = [{"role": "user", "content": "pick"}, reply_as_message(reply.choices[1].message),
+                    {"role": "user", "content": "go on"}]
+        await client.chat.completions.create(model="m", messages=messages, max_tokens=4)
+        samples = finish(stack, session)
+        assert sorted(len(s.metadata["turns"]) for s in samples) == [1, 1, 2]
+        for sample in samples:
+            check_exact(sample, stack.engine_requests()[logged_before:])
