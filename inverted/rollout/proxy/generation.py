@@ -67,6 +67,8 @@ async def sample_turn(client: SGLangClient, prompt_ids: list[int], sampling: dic
     aborts = 0
     while True:
         params = {**sampling, "max_new_tokens": budget - len(state.ids)}
+        if "min_new_tokens" in params:  # a resumed call owes only what is still missing
+            params["min_new_tokens"] = max(0, params["min_new_tokens"] - len(state.ids))
         payload = {"input_ids": prompt_ids + state.ids, "sampling_params": params, "return_logprob": True}
         kept = len(state.ids)
         if stream:

@@ -178,9 +178,12 @@ class Recorder:
                 async for _ in updates:
                     pass
 
-        async with asyncio.TaskGroup() as group:  # one failed choice cancels the others: all or nothing
-            for choice in choices:
-                group.create_task(run(choice))
+        try:
+            async with asyncio.TaskGroup() as group:  # one failed choice cancels the others: all or nothing
+                for choice in choices:
+                    group.create_task(run(choice))
+        except BaseExceptionGroup as failed:
+            raise failed.exceptions[0] from None
         self.metrics.latency.observe(time.monotonic() - started)
         body = [self._choice_body(req, c) for c in choices]
         completion = sum(len(c.state.ids) for c in choices)

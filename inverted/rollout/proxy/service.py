@@ -47,7 +47,7 @@ from inverted.rollout.sglang_client import SGLangClient, Timeouts
 from inverted.types import Sample
 
 logger = logging.getLogger(__name__)
-SWEEP_S = 5.0
+SWEEP_S = 5.0  # at most; shorter for short timeouts
 
 
 class CreateSessionRequest(BaseModel):
@@ -216,7 +216,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
 
 async def _sweep(recorder: Recorder) -> None:
     while True:
-        await asyncio.sleep(SWEEP_S)
+        await asyncio.sleep(min(SWEEP_S, recorder.sessions.idle_timeout / 2))
         recorder.sessions.sweep()
 
 

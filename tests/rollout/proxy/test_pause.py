@@ -1,0 +1,86 @@
+"""Weight updates under a running episode: calls wait while servers are paused; an aborted call is
+resumed from its recorded tokens (``--partial-rollout``, each token keeping its version) or
+sampled again."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from inverted.rollout.sglang_client import SGLangClient
+from inverted.types import Sample
+from tests.rollout.proxy.test_recording import check_exact
+
+pytestmark = pytest.mark.anyio
+N = 600  # long enough to be paused mid-way (the pause comes after 20 tokens)
+LONG = {"messages": [{"role": "user", "content": "tell a long story"}], "max_tokens": N, "min_tokens": N}
+
+
+def engine_metric(stack, name: str) -> float:
+    for line in httpx.get(stack.engine.url + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(name)
+
+
+async def run_through_a_weight_update(stack, proxy_url: str, version: str) -> tuple[Sample, list[dict]]:
+    """Start a long call, abort it mid-way with a pause, bump the weight version, continue."""
+    async with httpx.AsyncClient(timeout=120) as http, SGLangClient(stack.engine.url) as engine:
+        session = (await http.post(proxy_url + "/sessions", json={})).json()
+        logged = len(stack.engine_requests())
+        call = asyncio.create_task(http.post(session["base_url"] + "/chat/completions", json=LONG))
+        generated = engine_metric(stack, "sglang:generation_tokens_total")
+        while engine_metric(stack, "sglang:generation_tokens_total") < generated + 20:
+            assert not call.done(), (await call).text
+            await asyncio.sleep(0.02)
+        await engine.pause_generation("abort")
+        await engine.update_weight_version(version, abort_all_requests=False)
+        await engine.continue_generation()
+        response = await call
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == N
+        samples = (await http.post(f"{proxy_url}/sessions/{session['session_id']}/finish")).json()["samples"]
+    return Sample.from_json(samples[0]), stack.engine_requests()[logged:]
+
+
+async def test_partial_rollout_resumes_with_per_token_versions(module_procs, stack):
+    proxy = module_procs.proxy(stack.router.url, stack.model, "--partial-rollout")
+    sample, log = await run_through_a_weight_update(stack, proxy.url, "v-partial")
+    first, second = log
+    assert first["finish_reason"]["type"] == "abort" and 0 < len(first["output_ids"]) < N
+    assert second["input_ids"] == first["input_ids"] + first["output_ids"]  # resumed from its own tokens
+    assert sample.tokens == second["input_ids"] + second["output_ids"]
+    assert sample.response_length == N and sample.loss_mask == [1] * N
+    k = len(first["output_ids"])
+    assert sample.weight_versions[:k] == [sample.weight_versions[0]] * k and sample.weight_versions[0] != "v-partial"
+    assert sample.weight_versions[k:] == ["v-partial"] * (N - k)
+    assert sample.metadata["turns"][0]["resumes"] == 1
+
+
+async def test_without_partial_rollout_an_aborted_call_is_sampled_again(module_procs, stack):
+    proxy = module_procs.proxy(stack.router.url, stack.model)
+    sample, log = await run_through_a_weight_update(stack, proxy.url, "v-retry")
+    first, second = log
+    assert first["finish_reason"]["type"] == "abort"
+    assert second["input_ids"] == first["input_ids"]  # the aborted tokens are dropped
+    check_exact(sample, log)
+    assert sample.weight_versions == ["v-retry"] * N
+
+
+async def test_calls_wait_while_servers_are_paused(stack):
+    async with httpx.AsyncClient(timeout=60) as http, SGLangClient(stack.engine.url) as engine:
+        session = (await http.post(stack.proxy.url + "/sessions", json={},
+                                   headers={"Authorization": "Bearer admin-key"})).json()
+        await engine.pause_generation("retract")
+        try:
+            call = asyncio.create_task(http.post(session["base_url"] + "/chat/completions",
+                                                 json={"messages": [{"role": "user", "content": "hi"}],
+                                                       "max_tokens": 4}))
+            await asyncio.sleep(1.0)
+            assert not call.done()
+        finally:
+            await engine.continue_generation()
+        response = await call
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
