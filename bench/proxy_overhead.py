@@ -47,19 +47,20 @@ def user_turn(episode: int, turn: int) -> str:
 async def proxy_episode(proxy_url: str, http: httpx.AsyncClient, episode: int, args, latencies: list[float]) -> int:
     session = (await http.post(proxy_url + "/sessions", json={"metadata": {"index": episode}})).json()
     messages = [{"role": "system", "content": "You are a planning agent."}]
+    sdk = openai.AsyncOpenAI(base_url=session["base_url"], api_key="x", max_retries=0) if args.client == "openai" else None
     for turn in range(args.turns):
         messages.append({"role": "user", "content": user_turn(episode, turn)})
-        body = {"model": "m", "messages": messages, "max_tokens": args.tokens, "seed": episode * 100 + turn,
-                "min_tokens": args.tokens}
+        body = {"model": "m", "messages": messages, "max_tokens": args.tokens, "seed": episode * 100 + turn}
         started = time.perf_counter()
-        if args.client == "openai":
-            async with openai.AsyncOpenAI(base_url=session["base_url"], api_key="x", max_retries=0) as client:
-                sdk_body = {k: v for k, v in body.items() if k != "min_tokens"}  # not an OpenAI field: extra_body
-                reply = (await client.chat.completions.create(**sdk_body, extra_body={"min_tokens": args.tokens})).model_dump()
+        if sdk is not None:  # min_tokens is not an OpenAI field: the SDK sends it as extra_body
+            reply = (await sdk.chat.completions.create(**body, extra_body={"min_tokens": args.tokens})).model_dump()
         else:
-            reply = (await http.post(session["base_url"] + "/chat/completions", json=body)).json()
+            reply = (await http.post(session["base_url"] + "/chat/completions",
+                                     json={**body, "min_tokens": args.tokens})).json()
         latencies.append(time.perf_counter() - started)
         messages.append({"role": "assistant", "content": reply["choices"][0]["message"]["content"]})
+    if sdk is not None:
+        await sdk.close()
     samples = (await http.post(f"{proxy_url}/sessions/{session['session_id']}/finish")).json()["samples"]
     return sum(sum(s["loss_mask"]) for s in samples)
 
