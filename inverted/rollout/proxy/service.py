@@ -117,7 +117,8 @@ def _token_session(request: Request) -> Session:
     return session
 
 
-async def _json(request: Request) -> Any:
+async def _json(request: Request) -> tuple[Any, bytes]:
+    """The parsed body and its raw bytes (which key retried calls for replay)."""
     raw = await request.body()
     try:
         return json.loads(raw), raw

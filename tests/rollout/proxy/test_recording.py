@@ -126,7 +126,6 @@ def scripted_history(turn: int, replies: list[dict]) -> list[dict]:
 async def test_four_turn_tool_conversation_is_recorded_token_for_token(stack, mode):
     session = new_session(stack, metadata={"group_index": 7, "index": 1, "label": "sunny"})
     logged_before = len(stack.engine_requests())
-    stream = mode.endswith("stream")
     kwargs = dict(model="policy", tools=TOOLS, temperature=0, max_tokens=64, logprobs=True)
     replies, usages = [], []
     sync_client = openai.OpenAI(base_url=session["base_url"], api_key="anything")
