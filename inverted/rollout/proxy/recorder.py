@@ -5,7 +5,8 @@ ids: the base branch's tokens as they are, plus the bridge for what the client a
 ``ChatRenderer.bridge``; text completions: the new suffix of the prompt, tokenized), or a full
 render for a new branch, (3) samples ``n`` choices on the router (``generation.sample_turn``),
 (4) records each choice as a turn of its branch and (5) answers in OpenAI's shape, whole or as
-stream chunks. A call that fails at any point is rolled back: nothing is recorded for it.
+stream chunks. A call that fails at any point is rolled back, all its choices together: nothing
+is recorded for it.
 
 Streaming is real: content deltas leave as the engine produces tokens. Text that may open a
 tool call (the parser's ``start`` marker, or a prefix of it) is held back; tool calls are parsed
@@ -72,6 +73,7 @@ class Choice:
     state: Sampled | None = None
     text: str = ""
     reply: ParsedReply | None = None
+    turn: Turn | None = None  # set when sampled; recorded only once every choice of the call succeeded
 
 
 class Recorder:
@@ -174,16 +176,20 @@ class Recorder:
         choices = self._start(session, req)
 
         async def run(choice: Choice) -> None:
-            async with aclosing(self._sample(session, req, choice, stream=False)) as updates:
+            async with aclosing(self._sample(req, choice, stream=False)) as updates:
                 async for _ in updates:
                     pass
 
+        succeeded = False
         try:
-            async with asyncio.TaskGroup() as group:  # one failed choice cancels the others: all or nothing
+            async with asyncio.TaskGroup() as group:  # one failed choice cancels the others
                 for choice in choices:
                     group.create_task(run(choice))
+            succeeded = True
         except BaseExceptionGroup as failed:
             raise failed.exceptions[0] from None
+        finally:
+            self._settle(session, choices, succeeded)
         self.metrics.latency.observe(time.monotonic() - started)
         body = [self._choice_body(req, c) for c in choices]
         completion = sum(len(c.state.ids) for c in choices)
@@ -200,7 +206,7 @@ class Recorder:
 
         async def run(choice: Choice) -> None:
             try:
-                async with aclosing(self._stream_choice(session, req, choice)) as deltas:
+                async with aclosing(self._stream_choice(req, choice)) as deltas:
                     async for delta in deltas:
                         await queue.put(delta)
                 await queue.put(None)
@@ -208,6 +214,7 @@ class Recorder:
                 await queue.put(exc)
 
         tasks = [asyncio.create_task(run(c)) for c in choices]
+        succeeded = False
         try:
             done = 0
             while done < len(tasks):
@@ -218,14 +225,19 @@ class Recorder:
                     raise item
                 else:
                     yield api.envelope(req.kind, call_id, model, [item], chunk=True)
+            succeeded = True
             self.metrics.latency.observe(time.monotonic() - started)
             if req.include_usage:
                 completion = sum(len(c.state.ids) for c in choices)
                 yield api.envelope(req.kind, call_id, model, [], chunk=True,
                                    usage_=api.usage(choices[0].prompt_len, completion))
         finally:
+            # Settled before any await: a server that cancels a hung-up stream cancels every later
+            # await here too. A cancelled choice cannot append to its branch any more (it appends
+            # with no await after its last one), so rolling back now is final.
             for task in tasks:
                 task.cancel()
+            self._settle(session, choices, succeeded)
             await asyncio.gather(*tasks, return_exceptions=True)
 
     def _start(self, session: Session, req: api.CallRequest) -> list[Choice]:
@@ -233,39 +245,43 @@ class Recorder:
         session.touch()
         return self._open(session, req)
 
-    async def _sample(self, session: Session, req: api.CallRequest, choice: Choice, *,
-                      stream: bool) -> AsyncIterator[Sampled]:
-        """Sample one choice, yielding its growing state; record it as a turn when done (else roll back)."""
+    async def _sample(self, req: api.CallRequest, choice: Choice, *, stream: bool) -> AsyncIterator[Sampled]:
+        """Sample one choice, yielding its growing state; when done, its sampled ids join the branch and
+        ``choice.turn`` is set (``_settle`` records it or rolls the branch back)."""
         created = time.time()
         sampling = {**req.sampling, "max_new_tokens": req.max_tokens or self.context_length - choice.prompt_len}
         prompt = choice.branch.tokens[:choice.prompt_len]
-        turn: Turn | None = None
-        try:
-            async for state in sample_turn(self.client, prompt, sampling, stream=stream,
-                                           partial_rollout=self.config.partial_rollout,
-                                           max_resumes=self.config.proxy_max_resumes):
-                choice.state = state
-                yield state
-            state = choice.state
-            choice.text = self._decode(state)
-            choice.reply = self.parser.parse(choice.text) if req.parse_tools else ParsedReply(content=choice.text)
-            choice.branch.append_sampled(state.ids, state.logprobs, state.versions)
-            turn = Turn(start=choice.prompt_len, end=len(choice.branch.tokens), history=self._history_after(req, choice),
-                        finish_reason=api.finish_reason(state.reason, choice.reply), sampling_params=sampling,
-                        created=created, latency_s=time.time() - created, resumes=state.resumes)
-            self.metrics.turns.inc()
-            self.metrics.prompt_tokens.inc(choice.prompt_len)
-            self.metrics.completion_tokens.inc(len(state.ids))
-            self.metrics.resumes.inc(state.resumes)
-            self.metrics.retries.inc(state.retries)
-        finally:
-            session.close(choice.branch, choice.placement, turn)
+        async for state in sample_turn(self.client, prompt, sampling, stream=stream,
+                                       partial_rollout=self.config.partial_rollout,
+                                       max_resumes=self.config.proxy_max_resumes):
+            choice.state = state
+            yield state
+        state = choice.state
+        choice.text = self._decode(state)
+        choice.reply = self.parser.parse(choice.text) if req.parse_tools else ParsedReply(content=choice.text)
+        choice.branch.append_sampled(state.ids, state.logprobs, state.versions)
+        choice.turn = Turn(start=choice.prompt_len, end=len(choice.branch.tokens),
+                           history=self._history_after(req, choice),
+                           finish_reason=api.finish_reason(state.reason, choice.reply), sampling_params=sampling,
+                           created=created, latency_s=time.time() - created, resumes=state.resumes)
 
-    async def _stream_choice(self, session: Session, req: api.CallRequest, choice: Choice) -> AsyncIterator[dict]:
+    def _settle(self, session: Session, choices: list[Choice], succeeded: bool) -> None:
+        """All or nothing: every choice's turn is recorded, or every branch is rolled back."""
+        for choice in choices:
+            turn = choice.turn if succeeded else None
+            session.close(choice.branch, choice.placement, turn)
+            if turn is not None:
+                self.metrics.turns.inc()
+                self.metrics.prompt_tokens.inc(choice.prompt_len)
+                self.metrics.completion_tokens.inc(turn.end - turn.start)
+                self.metrics.resumes.inc(choice.state.resumes)
+                self.metrics.retries.inc(choice.state.retries)
+
+    async def _stream_choice(self, req: api.CallRequest, choice: Choice) -> AsyncIterator[dict]:
         """Stream deltas of one choice: role, content as it grows (tool-call text held back), calls, finish."""
         yield _delta(req, choice.index, {"role": "assistant", "content": ""})
         sent = 0
-        async with aclosing(self._sample(session, req, choice, stream=True)) as updates:
+        async with aclosing(self._sample(req, choice, stream=True)) as updates:
             async for state in updates:
                 visible = self._visible(req, self.tokenizer.decode(state.ids, skip_special_tokens=True))
                 if len(visible) > sent:

@@ -27,7 +27,7 @@ import asyncio
 import hashlib
 import json
 import logging
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
 from typing import Annotated, Any, AsyncIterator
 
@@ -126,15 +126,16 @@ async def _json(request: Request) -> tuple[Any, bytes]:
         raise InvalidRequest(f"We could not parse the JSON body of your request ({exc})", code="invalid_json") from None
 
 
-def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
-    async def encode() -> AsyncIterator[bytes]:
+async def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    """SSE events. When the agent hangs up, Starlette cancels this stream; closing ``chunks`` then
+    rolls the call back and ends its engine request."""
+    async with aclosing(chunks):
         try:
             async for chunk in chunks:
                 yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
         except (InvalidRequest, ServiceError) as exc:  # headers are sent: the error becomes the last event
             yield b"data: " + json.dumps(_error(exc)[1]).encode() + b"\n\n"
-        yield b"data: [DONE]\n\n"
-    return encode()
+    yield b"data: [DONE]\n\n"
 
 
 def _error(exc: Exception) -> tuple[int, dict[str, Any]]:
@@ -172,9 +173,10 @@ async def _call(request: Request, session: Session, kind: str) -> Response:
 
 
 async def _prepend(first: dict[str, Any], rest: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
-    yield first
-    async for chunk in rest:
-        yield chunk
+    async with aclosing(rest):  # closing this closes the call's own stream too
+        yield first
+        async for chunk in rest:
+            yield chunk
 
 
 def _models(recorder: Recorder) -> dict[str, Any]:

@@ -68,12 +68,13 @@ class Branch:
     logprobs: list[float] = field(default_factory=list)
     versions: list[str | None] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
+    prompt: Any = ""  # the messages (or text) of the request that started the branch: the Sample's prompt
     busy: bool = False
 
     def fork(self, upto_turn: int) -> "Branch":
         end = self.turns[upto_turn].end
         return Branch(tokens=self.tokens[:end], mask=self.mask[:end], logprobs=self.logprobs[:end],
-                      versions=self.versions[:end], turns=list(self.turns[: upto_turn + 1]))
+                      versions=self.versions[:end], turns=list(self.turns[: upto_turn + 1]), prompt=self.prompt)
 
     def append_prompt(self, ids: list[int]) -> None:
         self.tokens += ids
@@ -103,7 +104,7 @@ class Branch:
         last = self.turns[-1].finish_reason
         status = Sample.Status.TRUNCATED if last == "length" or base.status == Sample.Status.TRUNCATED \
             else Sample.Status.COMPLETED
-        return Sample(group_index=base.group_index, index=base.index, prompt=base.prompt, tokens=self.tokens[:end],
+        return Sample(group_index=base.group_index, index=base.index, prompt=self.prompt, tokens=self.tokens[:end],
                       response_length=end - start, loss_mask=self.mask[start:end],
                       rollout_log_probs=self.logprobs[start:end], weight_versions=versions, reward=base.reward,
                       status=status, label=base.label, session_id=base.session_id,
@@ -131,7 +132,6 @@ class Session:
         self.max_turns = max_turns
         self.created = self.last_active = time.time()
         self.branches: list[Branch] = []
-        self.prompts: list[Any] = []  # per branch: the first request's messages or text
         self.reward: Reward | None = None
         self.finished_by_agent: bool | None = None
         self.samples: list[Sample] | None = None  # set once finished
@@ -173,22 +173,16 @@ class Session:
         return Placement(branch.fork(turn), turn, False, 0)
 
     def open(self, placement: Placement, prompt: Any) -> Branch:
-        """Register the placement's branch (new ones are added) and mark it busy."""
+        """Register the placement's branch (new ones are added) and mark it busy. ``prompt`` is the
+        request's messages or text, the Sample's prompt if the branch starts here."""
         branch = placement.branch
+        if placement.base_turn is None:
+            branch.prompt = prompt
         if not placement.in_place:
             self.branches.append(branch)
-            self.prompts.append(prompt if placement.base_turn is None else self.prompts[self._origin(placement)])
         branch.busy = True
         self.inflight += 1
         return branch
-
-    def _origin(self, placement: Placement) -> int:
-        """The prompt of a forked branch is the one its base branch started from."""
-        first = placement.branch.turns[0]
-        for i, branch in enumerate(self.branches):
-            if branch.turns and branch.turns[0] is first:
-                return i
-        raise AssertionError("a forked branch shares its first turn with an existing branch")
 
     def close(self, branch: Branch, placement: Placement, turn: Turn | None) -> None:
         """A call ended: keep its turn, or roll it back (and drop a branch left with no turns)."""
@@ -201,8 +195,7 @@ class Session:
             return
         branch.truncate(placement.rollback_to)
         if not branch.turns:
-            index = self.branches.index(branch)
-            del self.branches[index], self.prompts[index]
+            self.branches.remove(branch)
 
     def set_reward(self, reward: Reward, finished: bool) -> None:
         self.reward = reward
@@ -224,10 +217,9 @@ class Session:
                       label=meta.pop("label", None), reward=self.reward, session_id=self.id,
                       status=Sample.Status.TRUNCATED if truncated else Sample.Status.COMPLETED)
         samples = []
-        for i, (branch, prompt) in enumerate(zip(self.branches, self.prompts)):
+        for i, branch in enumerate(self.branches):
             if not branch.turns:
                 continue
-            base.prompt = prompt
             base.metadata = {**meta, "branch": i}
             sample = branch.to_sample(base)
             sample.validate()

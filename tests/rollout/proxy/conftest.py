@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 
 from inverted.rollout.servers import ManagedProcess
@@ -32,6 +33,12 @@ class Stack:
         """What the engine received and produced, from its own request log (--log-requests)."""
         lines = self.engine.log_path.read_text().splitlines()
         return [json.loads(line.split(" request ", 1)[1]) for line in lines if " request {" in line]
+
+    def engine_metric(self, name: str) -> float:
+        for line in httpx.get(self.engine.url + "/metrics").text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        raise AssertionError(f"the engine has no metric {name}")
 
 
 @pytest.fixture(scope="module")

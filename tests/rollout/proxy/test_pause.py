@@ -18,21 +18,14 @@ N = 600  # long enough to be paused mid-way (the pause comes after 20 tokens)
 LONG = {"messages": [{"role": "user", "content": "tell a long story"}], "max_tokens": N, "min_tokens": N}
 
 
-def engine_metric(stack, name: str) -> float:
-    for line in httpx.get(stack.engine.url + "/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(name)
-
-
 async def run_through_a_weight_update(stack, proxy_url: str, version: str) -> tuple[Sample, list[dict]]:
     """Start a long call, abort it mid-way with a pause, bump the weight version, continue."""
     async with httpx.AsyncClient(timeout=120) as http, SGLangClient(stack.engine.url) as engine:
         session = (await http.post(proxy_url + "/sessions", json={})).json()
         logged = len(stack.engine_requests())
         call = asyncio.create_task(http.post(session["base_url"] + "/chat/completions", json=LONG))
-        generated = engine_metric(stack, "sglang:generation_tokens_total")
-        while engine_metric(stack, "sglang:generation_tokens_total") < generated + 20:
+        generated = stack.engine_metric("sglang:generation_tokens_total")
+        while stack.engine_metric("sglang:generation_tokens_total") < generated + 20:
             assert not call.done(), (await call).text
             await asyncio.sleep(0.02)
         await engine.pause_generation("abort")

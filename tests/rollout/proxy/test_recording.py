@@ -60,6 +60,13 @@ def reference_logprobs(model_dir, sample: Sample) -> list[float]:
     return logprobs[sample.prompt_length - 1:].tolist()
 
 
+def metric(stack, name: str) -> float:
+    for line in httpx.get(stack.proxy.url + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no metric {name}")
+
+
 def reply_as_message(message) -> dict:
     return message.model_dump(exclude_none=True, exclude={"refusal", "annotations", "audio", "function_call"})
 
@@ -183,6 +190,7 @@ async def test_logprobs_in_the_answer_are_the_recorded_ones(stack):
 async def test_an_agent_that_drops_a_middle_message_gets_a_second_exact_branch(stack):
     session = new_session(stack)
     logged_before = len(stack.engine_requests())
+    branches_before = metric(stack, "inverted_proxy_branches_total")
     async with openai.AsyncOpenAI(base_url=session["base_url"], api_key="x") as client:
         replies = []
         for turn in range(3):
@@ -201,8 +209,7 @@ async def test_an_agent_that_drops_a_middle_message_gets_a_second_exact_branch(s
         # The branch shares turn 1 (the Paris call), then continues from the edited history.
         shared = first.metadata["turns"][0]["end"]
         assert second.tokens[:shared] == first.tokens[:shared] and second.tokens[shared:] != first.tokens[shared:]
-        metrics = httpx.get(stack.proxy.url + "/metrics").text
-        assert "inverted_proxy_branches_total" in metrics
+        assert metric(stack, "inverted_proxy_branches_total") == branches_before + 1
 
 
 async def test_64_concurrent_sessions_are_each_exact(stack):
@@ -270,3 +277,22 @@ async def test_n_choices_become_branches(stack):
         assert sorted(len(s.metadata["turns"]) for s in samples) == [1, 1, 2]
         for sample in samples:
             check_exact(sample, stack.engine_requests()[logged_before:])
+
+
+async def test_a_stream_the_client_abandons_records_nothing(stack):
+    session = new_session(stack)
+    url = session["base_url"] + "/chat/completions"
+    body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 400, "min_tokens": 400, "stream": True}
+    async with httpx.AsyncClient(timeout=60) as http:
+        async with http.stream("POST", url, json=body) as response:
+            async for line in response.aiter_lines():
+                if '"content"' in line and '"content": ""' not in line:
+                    break  # tokens are flowing: hang up mid-turn
+    info = f"{stack.proxy.url}/sessions/{session['session_id']}"
+    for _ in range(100):
+        state = httpx.get(info, headers=ADMIN).json()
+        if state["inflight"] == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert (state["inflight"], state["turns"], state["branches"]) == (0, 0, 0)
+    assert finish(stack, session) == []
