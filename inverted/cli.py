@@ -2,7 +2,7 @@
 
 Commands: ``make-tiny-model`` (a local random checkpoint), ``serve-engine`` (the embedded
 SGLang-protocol engine), ``buffer`` (the Data Buffer service), ``proxy`` (the token-recording OpenAI proxy), ``servers`` (N engines behind the real sgl-router, with a short demo
-generation through it). Logging is configured here and only here, with the process role in
+generation through it), ``train`` (the Megatron trainer; so far from saved rollout data) and ``export-hf``. Logging is configured here and only here, with the process role in
 every line. Heavy imports happen inside each command so ``inverted --help`` is instant.
 """
 
@@ -13,15 +13,16 @@ import logging
 import os
 import sys
 
-from inverted.config import (BufferConfig, EngineConfig, ProxyConfig, ServersConfig, TinyModelConfig, add_flags,
-                             build_section, load_yaml_defaults, split_passthrough)
-from inverted.errors import InvertedError
+from inverted.config import (BufferConfig, EngineConfig, ExportConfig, ProxyConfig, ServersConfig, TinyModelConfig,
+                             TrainConfig, add_flags, build_section, load_yaml_defaults, split_passthrough)
+from inverted.errors import ConfigError, InvertedError
 
 
 def setup_logging(role: str, level: str = "info") -> None:
     logging.basicConfig(level=level.upper(), format=f"%(asctime)s [{role}] %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S", stream=sys.stderr, force=True)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # it logs every request at INFO
+    logging.getLogger("megatron").setLevel(logging.WARNING)  # it lists every parameter of every bucket at INFO
 
 
 def cmd_make_tiny_model(cfg: TinyModelConfig) -> None:
@@ -61,12 +62,29 @@ def cmd_servers(cfg: ServersConfig, router_args: list[str]) -> None:
     asyncio.run(run_demo(cfg, router_args))
 
 
+def cmd_train(cfg: TrainConfig) -> None:
+    if not cfg.debug_train_only:
+        raise ConfigError("inverted train: only --debug-train-only (training from --load-debug-rollout-data) "
+                          "is available so far; the full loop with rollout servers comes with the orchestration")
+    from inverted.train.offline import run_offline
+
+    run_offline(cfg)
+
+
+def cmd_export_hf(cfg: ExportConfig) -> None:
+    from inverted.train.export import export_hf
+
+    print(export_hf(cfg.checkpoint, cfg.out))
+
+
 COMMANDS = {
     "make-tiny-model": (TinyModelConfig, cmd_make_tiny_model, "write a random-initialized HF checkpoint and tokenizer"),
     "serve-engine": (EngineConfig, cmd_serve_engine, "run the embedded SGLang-protocol engine"),
     "buffer": (BufferConfig, cmd_buffer, "run the Data Buffer service (durable tasks and trajectories)"),
     "proxy": (ProxyConfig, cmd_proxy, "run the token-recording OpenAI-compatible proxy in front of the router"),
     "servers": (ServersConfig, cmd_servers, "start embedded engines behind the real sgl-router and generate through it"),
+    "train": (TrainConfig, cmd_train, "train the policy (so far: --debug-train-only from saved rollout data)"),
+    "export-hf": (ExportConfig, cmd_export_hf, "write a training checkpoint as a Hugging Face model"),
 }
 
 

@@ -254,3 +254,98 @@ class ProxyConfig:
         _require(self.proxy_max_turns >= 0, "--proxy-max-turns", self.proxy_max_turns, ">= 0")
         _require(self.proxy_session_timeout > 0, "--proxy-session-timeout", self.proxy_session_timeout, "> 0")
         _require(self.proxy_generate_timeout > 0, "--proxy-generate-timeout", self.proxy_generate_timeout, "> 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """The Megatron trainer: model, RL loss, batching, parallelism, optimizer and checkpoints."""
+
+    hf_checkpoint: str = option("", "Hugging Face checkpoint the policy (and the KL reference) starts from")
+    load: str | None = option(None, "checkpoint directory to resume from (its latest step); overrides the HF weights")
+    save: str | None = option(None, "directory to write checkpoints into")
+    save_interval: int = option(0, "save every N rollouts (0: only at the end, when --save is set)")
+    output_dir: str = option("runs/train", "run directory: metrics.jsonl, TensorBoard events, the resolved config")
+    num_rollout: int = option(1, "rollouts to train on")
+    debug_train_only: bool = option(False, "train from --load-debug-rollout-data with no rollout servers")
+    load_debug_rollout_data: str | None = option(
+        None, "jsonl of Samples to train on (one per line); '{rollout_id}' in the path picks a file per rollout")
+    global_batch_size: int = option(0, "samples per optimizer step (0: the whole rollout batch in one step)")
+    max_tokens_per_gpu: int = option(4096, "token budget of one packed micro-batch")
+    advantage_estimator: Literal["grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = option(
+        "grpo", "how rewards become per-token advantages, and which surrogate is optimised")
+    disable_grpo_std_normalization: bool = option(False, "group advantages are reward - mean, not divided by std (Dr. GRPO)")
+    gamma: float = option(1.0, "discount of the reinforce_plus_plus returns")
+    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = option(
+        "token_mean", "how per-token losses become one number (seq_mean_token_sum: Dr. GRPO)")
+    eps_clip: float = option(0.2, "PPO clip range below 1")
+    eps_clip_high: float | None = option(None, "PPO clip range above 1 (default: --eps-clip; DAPO's clip-higher)")
+    eps_clip_c: float | None = option(None, "dual-clip bound (> 1) on the loss of negative-advantage tokens")
+    use_kl_loss: bool = option(False, "add a KL-to-reference term to the loss")
+    kl_loss_coef: float = option(0.0, "weight of the KL loss")
+    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = option("low_var_kl", "KL estimator")
+    kl_coef: float = option(0.0, "KL to the reference as a reward penalty (k1, per token)")
+    entropy_coef: float = option(0.0, "weight of the entropy bonus")
+    use_tis: bool = option(False, "truncated importance sampling with the rollout log-probs")
+    tis_clip: float = option(2.0, "upper clip of the TIS weight")
+    tis_clip_low: float = option(0.0, "lower clip of the TIS weight")
+    rollout_temperature: float = option(1.0, "sampling temperature; training log-probs use the same")
+    reward_key: str | None = option(None, "key of a dict reward to train on (default: the sum of its values)")
+    lr: float = option(1e-6, "learning rate (constant)")
+    weight_decay: float = option(0.0, "AdamW weight decay")
+    adam_beta1: float = option(0.9, "AdamW beta1")
+    adam_beta2: float = option(0.98, "AdamW beta2")
+    adam_eps: float = option(1e-8, "AdamW epsilon")
+    clip_grad: float = option(1.0, "clip the global gradient norm to this (0: no clipping)")
+    seed: int = option(1234, "random seed")
+    bf16: bool = option(False, "train in bfloat16 (GPU); fp32 otherwise")
+    tensor_model_parallel_size: int = option(1, "Megatron tensor parallelism")
+    pipeline_model_parallel_size: int = option(1, "Megatron pipeline parallelism")
+    context_parallel_size: int = option(1, "Megatron context parallelism")
+    expert_model_parallel_size: int = option(1, "Megatron expert parallelism")
+    use_distributed_optimizer: bool = option(True, "shard optimizer state over data-parallel ranks (GPU)")
+    actor_num_nodes: int = option(1, "training nodes")
+    actor_num_gpus_per_node: int = option(1, "training processes per node (GPUs; CPU processes without CUDA)")
+    log_level: Literal["debug", "info", "warning", "error"] = option("info", "log level")
+
+    def __post_init__(self) -> None:
+        _require(bool(self.hf_checkpoint), "--hf-checkpoint", self.hf_checkpoint, "a checkpoint directory")
+        for name in ("num_rollout", "max_tokens_per_gpu", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "context_parallel_size", "expert_model_parallel_size", "actor_num_nodes", "actor_num_gpus_per_node"):
+            _require(getattr(self, name) >= 1, flag_name(name), getattr(self, name), ">= 1")
+        _require(self.global_batch_size >= 0, "--global-batch-size", self.global_batch_size, ">= 0")
+        _require(self.save_interval >= 0, "--save-interval", self.save_interval, ">= 0")
+        _require(0 < self.eps_clip, "--eps-clip", self.eps_clip, "> 0")
+        _require(self.eps_clip_high is None or self.eps_clip_high > 0, "--eps-clip-high", self.eps_clip_high, "> 0")
+        _require(self.eps_clip_c is None or self.eps_clip_c > 1, "--eps-clip-c", self.eps_clip_c, "> 1")
+        _require(self.rollout_temperature > 0, "--rollout-temperature", self.rollout_temperature, "> 0")
+        _require(self.lr >= 0, "--lr", self.lr, ">= 0")
+        _require(0 <= self.tis_clip_low <= self.tis_clip, "--tis-clip-low", self.tis_clip_low, "0 <= it <= --tis-clip")
+        _require(not (self.kl_coef and self.use_kl_loss and self.kl_loss_coef), "--kl-coef", self.kl_coef,
+                 "0 when --use-kl-loss has a non-zero --kl-loss-coef (KL as reward or as loss, not both)")
+
+    def validate(self) -> None:
+        """Cross-field checks that need the run's mode."""
+        _require(not self.debug_train_only or bool(self.load_debug_rollout_data), "--load-debug-rollout-data",
+                 self.load_debug_rollout_data, "a jsonl file of Samples with --debug-train-only")
+        _require(self.pipeline_model_parallel_size == 1, "--pipeline-model-parallel-size",
+                 self.pipeline_model_parallel_size, "1 (pipeline schedules are not wired in yet)")
+
+    @property
+    def needs_reference(self) -> bool:
+        return bool(self.kl_coef) or (self.use_kl_loss and bool(self.kl_loss_coef))
+
+    @property
+    def world_size(self) -> int:
+        return self.actor_num_nodes * self.actor_num_gpus_per_node
+
+
+@dataclass(kw_only=True, slots=True)
+class ExportConfig:
+    """Turn a training checkpoint into a Hugging Face model directory."""
+
+    checkpoint: str = option("", "checkpoint directory (written by --save)")
+    out: str = option("", "directory to write the Hugging Face model into")
+
+    def __post_init__(self) -> None:
+        _require(bool(self.checkpoint), "--checkpoint", self.checkpoint, "a checkpoint directory")
+        _require(bool(self.out), "--out", self.out, "an output directory")

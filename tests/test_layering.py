@@ -3,7 +3,9 @@
 Two deliberate changes to the map: ``types`` may import ``errors`` (a leaf that imports nothing),
 so that ``Sample.validate`` raises the tree's ``SampleError`` instead of a twin exception; and
 ``http_client`` (the retrying HTTP base under every client module) counts as shared, so that the
-buffer's and SGLang's clients use one retry mechanism.
+buffer's and SGLang's clients use one retry mechanism; and ``hf_checkpoint`` (what a Hugging
+Face checkpoint's config says) counts as shared, so the engine and the trainer read an
+architecture in one place.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "inverted"
 SHARED = ("inverted.types", "inverted.errors", "inverted.config", "inverted.plugins", "inverted.metrics",
-          "inverted.http_client")
+          "inverted.http_client", "inverted.hf_checkpoint")
 
 # module prefix -> prefixes it may import (besides itself); first match wins
 RULES: list[tuple[str, tuple[str, ...]]] = [
@@ -23,6 +25,7 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("inverted.plugins", ("inverted.types", "inverted.errors")),
     ("inverted.metrics", ("inverted.errors",)),
     ("inverted.http_client", ("inverted.errors",)),
+    ("inverted.hf_checkpoint", ("inverted.errors",)),
     ("inverted.cli", ("inverted",)),
     ("inverted.controller", SHARED + ("inverted.buffer.client", "inverted.rollout.servers", "inverted.rollout.sglang_client",
                                       "inverted.rollout.proxy", "inverted.train.actor")),

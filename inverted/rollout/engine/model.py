@@ -15,109 +15,13 @@ This module owns no scheduling and no HTTP.
 
 from __future__ import annotations
 
-import json
-import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 
 from inverted.errors import ModelError
-
-ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
-
-
-@dataclass(frozen=True, slots=True)
-class ModelSpec:
-    """The shape and numerics of a decoder, read from a Hugging Face ``config.json``."""
-
-    arch: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    qkv_bias: bool
-    qk_norm: bool
-    tie_word_embeddings: bool
-    max_position_embeddings: int
-    rope: dict
-    eos_token_ids: tuple[int, ...]
-
-    @classmethod
-    def from_checkpoint(cls, path: str | Path) -> "ModelSpec":
-        path = Path(path)
-        try:
-            cfg = json.loads((path / "config.json").read_text())
-        except (OSError, ValueError) as exc:
-            raise ModelError(f"{path}/config.json: cannot read: {exc}") from None
-        arch = ARCHITECTURES.get((cfg.get("architectures") or [""])[0]) or cfg.get("model_type")
-        if arch not in ARCHITECTURES.values():
-            raise ModelError(f"{path}: unsupported architecture {cfg.get('architectures')}; expected one of {list(ARCHITECTURES)}")
-        heads = cfg["num_attention_heads"]
-        # transformers>=5 writes rope_parameters; 4.x and most published checkpoints write rope_theta/rope_scaling.
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        rope.setdefault("rope_theta", cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
-        rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
-        return cls(
-            arch=arch,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads", heads),
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            intermediate_size=cfg["intermediate_size"],
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch == "qwen3",
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            rope=rope,
-            eos_token_ids=_eos_ids(path, cfg),
-        )
-
-
-def _eos_ids(path: Path, cfg: dict) -> tuple[int, ...]:
-    """EOS ids from config.json and generation_config.json (either may hold an int or a list)."""
-    ids: list[int] = []
-    sources = [cfg]
-    gen = path / "generation_config.json"
-    if gen.exists():
-        sources.append(json.loads(gen.read_text()))
-    for source in sources:
-        value = source.get("eos_token_id")
-        for item in value if isinstance(value, list) else [value]:
-            if isinstance(item, int) and item not in ids:
-                ids.append(item)
-    return tuple(ids)
-
-
-def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
-    """RoPE inverse frequencies, with the ``linear`` and ``llama3`` scalings Hugging Face defines."""
-    rope = spec.rope
-    dim = spec.head_dim
-    inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    kind = rope["rope_type"]
-    if kind == "default":
-        return inv_freq
-    if kind == "linear":
-        return inv_freq / rope["factor"]
-    if kind == "llama3":
-        factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
-        old_len = rope["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        return torch.where(medium, smoothed, scaled)
-    raise ModelError(f"unsupported rope_type {kind!r}; supported: default, linear, llama3")
+from inverted.hf_checkpoint import ModelSpec, checkpoint_tensors, rope_inv_freq
 
 
 class KVCache:
@@ -355,22 +259,6 @@ class CausalLM(torch.nn.Module):
             attn = torch.bmm(torch.softmax(scores, dim=-1), values)  # B*Hkv, G, D
             x = self._finish_layer(layer, x, attn.view(b, -1))
         return x
-
-
-def checkpoint_tensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor in a checkpoint directory's ``*.safetensors`` files, by Hugging Face name."""
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise ModelError(f"{path}: no *.safetensors files")
-    tensors: dict[str, torch.Tensor] = {}
-    try:
-        for file in files:
-            with safe_open(str(file), framework="pt") as handle:
-                for name in handle.keys():
-                    tensors[name] = handle.get_tensor(name)
-    except Exception as exc:  # safetensors raises its own SafetensorError and OSError for bad files
-        raise ModelError(f"{path}: cannot read safetensors: {exc}") from None
-    return tensors
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> CausalLM:

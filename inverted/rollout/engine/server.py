@@ -17,8 +17,9 @@ import json
 import logging
 import os
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Annotated, Any, AsyncIterator
+from typing import Annotated, Any
 
 import torch
 from fastapi import Depends, FastAPI, HTTPException, Request
@@ -27,8 +28,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from inverted.config import EngineConfig
 from inverted.errors import ModelError
+from inverted.hf_checkpoint import ARCHITECTURES, checkpoint_tensors
 from inverted.rollout.engine import protocol as P
-from inverted.rollout.engine.model import ARCHITECTURES, checkpoint_tensors, load_model
+from inverted.rollout.engine.model import load_model
 from inverted.rollout.engine.sampling import SamplingParams, SchemaError
 from inverted.rollout.engine.scheduler import Request as EngineRequest
 from inverted.rollout.engine.scheduler import Scheduler, new_rid
@@ -400,7 +402,7 @@ def _add_info_routes(app: FastAPI) -> None:
         engine.scheduler.submit(probe)
         try:
             await asyncio.wait_for(done.wait(), HEALTH_CHECK_TIMEOUT)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             engine.scheduler.call(lambda: engine.scheduler.abort(probe.rid))
             return Response(status_code=503)
         return Response(status_code=200)

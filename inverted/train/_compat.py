@@ -1,0 +1,94 @@
+"""Megatron-core on a machine without CUDA: the few places where megatron-core 0.16 assumes a GPU.
+
+Megatron-core is written for CUDA. Its model code (``GPTModel``, the tensor-parallel layers,
+Megatron DDP) runs on CPU tensors over gloo once two assumptions are answered. ``apply()``
+installs the workarounds and is called only when ``torch.cuda.is_available()`` is false, so the
+GPU path never touches this module. It is pinned to the megatron-core versions it was written
+against (``_SUPPORTED``): a new release must be checked before it is admitted.
+``tests/train/test_compat.py`` exercises each workaround.
+
+1. ``torch.cuda.current_device()`` picks the device of parameters, DDP grad buffers and the
+   ``GlobalMemoryBuffer`` scratch space; without CUDA it raises. We answer with the CPU.
+2. The RNG tracker (``CudaRNGStatesTracker``) saves and restores CUDA generator states around
+   tensor-parallel initialization and dropout; we install a subclass doing the same with the CPU
+   generator (``model_parallel_cuda_manual_seed`` then seeds it as usual; ``torch.cuda.manual_seed``
+   itself is a lazy no-op without CUDA).
+
+Not patched, but avoided: Megatron's optimizer wrappers and gradient clipping allocate CUDA
+tensors, so on CPU ``train/optimizer.py`` uses AdamW with Megatron's conventions; and Megatron's
+``DotProductAttention`` does not take packed sequences, so the local spec gets
+``train/attention.PackedAttention``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SUPPORTED = ("0.16.",)
+
+
+def _cpu_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def _cpu_rng_tracker():
+    """A ``CudaRNGStatesTracker`` whose named states live in the CPU generator.
+
+    Megatron forks a named generator state around tensor-parallel initialization and dropout so
+    that ranks draw the same or different numbers as they must; the CPU generator serves the same
+    purpose here. Subclassing keeps Megatron's own ``isinstance`` checks (checkpointing the RNG
+    states) working.
+    """
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+    class CPURNGStatesTracker(CudaRNGStatesTracker):
+        def add(self, name: str, seed: int) -> None:
+            if seed in self.seeds_ or name in self.states_:
+                raise RuntimeError(f"RNG state {name!r} or seed {seed} already exists")
+            self._is_initialized = True
+            self.seeds_.add(seed)
+            outside = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outside)
+
+        @contextlib.contextmanager
+        def fork(self, name: str = "model-parallel-rng"):
+            if name not in self.states_:
+                raise RuntimeError(f"RNG state {name!r} is not added")
+            outside = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(outside)
+
+    return CPURNGStatesTracker()
+
+
+def apply() -> None:
+    """Install the CPU workarounds (idempotent). Call before building any Megatron module."""
+    import megatron.core
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    version = megatron.core.__version__
+    if not version.startswith(_SUPPORTED):
+        raise RuntimeError(f"inverted.train._compat supports megatron-core {_SUPPORTED}, found {version}; "
+                           "check its CUDA assumptions before admitting it")
+    if getattr(torch.cuda.current_device, "_inverted_cpu", False):
+        return
+    # 1. current_device: every `device=torch.cuda.current_device()` becomes the CPU.
+    torch.cuda.current_device = functools.wraps(torch.cuda.current_device)(_cpu_device)
+    torch.cuda.current_device._inverted_cpu = True  # type: ignore[attr-defined]
+
+    # 2. The RNG tracker: Megatron reads it through get_cuda_rng_tracker(); give it ours.
+    mcore_random._CUDA_RNG_STATE_TRACKER = _cpu_rng_tracker()
+    mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    logger.info("megatron-core %s: CPU compatibility applied (current_device, RNG tracker)", version)

@@ -1,0 +1,113 @@
+"""Training checkpoints: model shards, optimizer state, RNG states and counters, per rank.
+
+Layout: ``SAVE/iter_{rollout:07d}/rank_{tp}_{pp}_{dp}.pt`` (one file per rank: each holds its own
+shards and optimizer state), ``SAVE/iter_{rollout:07d}/meta.json`` (the architecture, the
+parallel layout, the counters), ``SAVE/hf_config/`` (the HF config and tokenizer) and ``SAVE/latest`` (the last complete iteration, written after
+every rank has finished, so a crash mid-save leaves the previous one in force). Resuming
+restores everything the next step depends on, so it reproduces the uninterrupted run; it
+requires the same parallel layout (``export-hf`` turns any checkpoint into HF tensors).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+
+from inverted.errors import ModelError
+
+logger = logging.getLogger(__name__)
+
+HF_FILES_DIR = "hf_config"  # the HF config and tokenizer the run started from, for export-hf
+
+
+def _rank_name() -> str:
+    from megatron.core import parallel_state as ps
+
+    return (f"rank_{ps.get_tensor_model_parallel_rank()}_{ps.get_pipeline_model_parallel_rank()}_"
+            f"{ps.get_data_parallel_rank()}.pt")
+
+
+def _rng_state() -> dict:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state = {"cpu": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    torch.set_rng_state(state["cpu"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def latest_iteration(root: str | Path) -> Path | None:
+    marker = Path(root) / "latest"
+    return Path(root) / marker.read_text().strip() if marker.exists() else None
+
+
+def save_checkpoint(trainer, root: str | Path) -> Path:
+    """Write this rank's part of the checkpoint; rank 0 marks it latest once all ranks are done."""
+    directory = Path(root) / f"iter_{trainer.rollout_id:07d}"
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.save({"model": trainer.model.module.state_dict(), "optimizer": trainer.optimizer.state_dict(),
+                "rng": _rng_state()}, directory / _rank_name())
+    rank = torch.distributed.get_rank()
+    if rank == 0:
+        _copy_hf_files(trainer.cfg.hf_checkpoint, Path(root) / HF_FILES_DIR)
+        meta = {"spec": dataclasses.asdict(trainer.spec), "parallel": dataclasses.asdict(trainer.parallel),
+                "world_size": torch.distributed.get_world_size(), "rollout_id": trainer.rollout_id,
+                "optimizer_steps": trainer.optimizer_steps}
+        (directory / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    torch.distributed.barrier()
+    if rank == 0:
+        (Path(root) / "latest").write_text(directory.name + "\n")
+        logger.info("saved checkpoint %s", directory)
+    return directory
+
+
+def _copy_hf_files(source: str, target: Path) -> None:
+    """Everything of the HF checkpoint but its weights (config, generation config, tokenizer)."""
+    target.mkdir(parents=True, exist_ok=True)
+    for item in Path(source).iterdir():
+        if item.is_file() and not item.name.endswith((".safetensors", ".bin")) and item.name != "model.safetensors.index.json":
+            shutil.copy(item, target / item.name)
+
+
+def read_meta(directory: Path) -> dict:
+    try:
+        return json.loads((directory / "meta.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"{directory}: not a checkpoint ({exc})") from None
+
+
+def load_checkpoint(trainer, root: str | Path) -> Path:
+    """Restore model, optimizer, RNG and counters from ``root``'s latest iteration into ``trainer``."""
+    directory = latest_iteration(root)
+    if directory is None:
+        raise ModelError(f"--load {root}: no 'latest' marker (not a checkpoint directory, or no save finished)")
+    meta = read_meta(directory)
+    spec = dataclasses.asdict(trainer.spec)
+    differing = sorted(k for k in spec if k != "eos_token_ids" and json.loads(json.dumps(spec[k])) != meta["spec"].get(k))
+    if differing:
+        raise ModelError(f"--load {directory}: checkpoint of another model than --hf-checkpoint: "
+                         + ", ".join(f"{k} {meta['spec'].get(k)!r} != {spec[k]!r}" for k in differing))
+    if meta["parallel"] != dataclasses.asdict(trainer.parallel) or meta["world_size"] != torch.distributed.get_world_size():
+        raise ModelError(f"--load {directory}: saved with parallel layout {meta['parallel']} on {meta['world_size']} "
+                         f"ranks; this run has {dataclasses.asdict(trainer.parallel)} on {torch.distributed.get_world_size()}")
+    state = torch.load(directory / _rank_name(), weights_only=True)
+    trainer.model.module.load_state_dict(state["model"])
+    trainer.optimizer.load_state_dict(state["optimizer"])
+    _set_rng_state(state["rng"])
+    trainer.rollout_id, trainer.optimizer_steps = meta["rollout_id"], meta["optimizer_steps"]
+    logger.info("resumed from %s (rollout %d)", directory, trainer.rollout_id)
+    return directory

@@ -1,0 +1,168 @@
+"""Hugging Face ⇄ Megatron weights: one declarative name table and generic split/merge of fused tensors.
+
+Every Megatron parameter of the decoder is named by one row of ``LAYER_TABLE`` or
+``MODEL_TABLE``: its Megatron name, the Hugging Face tensors it is made of, and its layout under
+tensor parallelism. The three families share the table; a row whose parameter a model lacks
+(q/k/v biases outside Qwen2, q/k norms outside Qwen3, ``output_layer`` when embeddings are tied)
+is simply not used. Layouts:
+
+- ``replicated``: every TP rank holds the whole tensor (norms).
+- ``column`` / ``row``: split along dim 0 / dim 1 (vocab-parallel embedding and LM head are ``column``).
+- ``qkv``: Megatron fuses q, k and v *per query group*: for each of the ``G`` groups, that group's
+  q heads, then its k head, then its v head. TP ranks take whole groups.
+- ``gate_up``: ``linear_fc1`` is ``[gate_r; up_r]``: each rank's slice of gate, then of up.
+
+``to_megatron`` cuts full HF tensors into one rank's shards; ``to_hf`` puts gathered shards back.
+They are exact inverses (tested bit for bit), and serve loading, weight sync and ``export-hf``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from inverted.errors import ModelError
+from inverted.hf_checkpoint import ModelSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    megatron: str
+    hf: tuple[str, ...]
+    layout: str
+
+
+LAYER_TABLE = (
+    Row("input_layernorm.weight", ("input_layernorm.weight",), "replicated"),
+    Row("self_attention.linear_qkv.weight", ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), "qkv"),
+    Row("self_attention.linear_qkv.bias", ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), "qkv"),
+    Row("self_attention.q_layernorm.weight", ("self_attn.q_norm.weight",), "replicated"),
+    Row("self_attention.k_layernorm.weight", ("self_attn.k_norm.weight",), "replicated"),
+    Row("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), "row"),
+    Row("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), "replicated"),
+    Row("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "gate_up"),
+    Row("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), "row"),
+)
+MODEL_TABLE = (
+    Row("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "column"),
+    Row("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"),
+    Row("output_layer.weight", ("lm_head.weight",), "column"),
+)
+LAYER_PREFIX = "decoder.layers."
+
+
+def rows_for(names: list[str], layer_offset: int) -> dict[str, tuple[Row, str]]:
+    """Each Megatron parameter name → its table row and the HF name prefix (global layer index)."""
+    table = {row.megatron: row for row in LAYER_TABLE}
+    found: dict[str, tuple[Row, str]] = {}
+    for name in names:
+        if name.startswith(LAYER_PREFIX):
+            local, _, suffix = name[len(LAYER_PREFIX):].partition(".")
+            row = table.get(suffix)
+            prefix = f"model.layers.{int(local) + layer_offset}."
+        else:
+            row = next((r for r in MODEL_TABLE if r.megatron == name), None)
+            prefix = ""
+        if row is None:
+            raise ModelError(f"Megatron parameter {name!r} has no row in the HF name table (train/convert.py)")
+        found[name] = (row, prefix)
+    return found
+
+
+def _qkv_groups(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q/k/v (heads along dim 0) → ``[G, (q_per_group + 2) * D, ...]``, Megatron's per-group order."""
+    groups, dim = spec.num_kv_heads, spec.head_dim
+    rest = q.shape[1:]
+    return torch.cat([q.reshape(groups, -1, *rest), k.reshape(groups, dim, *rest), v.reshape(groups, dim, *rest)], dim=1)
+
+
+def to_megatron(spec: ModelSpec, row: Row, hf: list[torch.Tensor], tp_size: int, tp_rank: int) -> torch.Tensor:
+    """One TP rank's shard of the Megatron parameter made of the full HF tensors ``hf``."""
+    if row.layout == "replicated":
+        return hf[0]
+    if row.layout in ("column", "row"):
+        return hf[0].chunk(tp_size, dim=0 if row.layout == "column" else 1)[tp_rank]
+    if row.layout == "gate_up":
+        return torch.cat([t.chunk(tp_size, dim=0)[tp_rank] for t in hf], dim=0)
+    fused = _qkv_groups(spec, *hf).chunk(tp_size, dim=0)[tp_rank]  # qkv: whole groups per rank
+    return fused.reshape(-1, *fused.shape[2:])
+
+
+def to_hf(spec: ModelSpec, row: Row, shards: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The full HF tensors of ``row`` from its shards on every TP rank (in rank order)."""
+    if row.layout == "replicated":
+        return [shards[0]]
+    if row.layout in ("column", "row"):
+        return [torch.cat(shards, dim=0 if row.layout == "column" else 1)]
+    if row.layout == "gate_up":
+        halves = [shard.chunk(2, dim=0) for shard in shards]
+        return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+    q_per_group = spec.num_heads // spec.num_kv_heads
+    dim = spec.head_dim
+    groups = torch.cat(shards, dim=0).reshape(spec.num_kv_heads, (q_per_group + 2) * dim, *shards[0].shape[1:])
+    q, k, v = groups.split([q_per_group * dim, dim, dim], dim=1)
+    return [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]
+
+
+def check_compatible(spec: ModelSpec, tp_size: int) -> None:
+    """Raise ``ModelError`` unless ``spec`` can be split ``tp_size`` ways."""
+    for what, count in (("attention heads", spec.num_heads), ("key/value heads", spec.num_kv_heads),
+                        ("vocabulary entries", spec.vocab_size), ("MLP channels", spec.intermediate_size)):
+        if count % tp_size:
+            raise ModelError(f"--tensor-model-parallel-size {tp_size} does not divide the model's {count} {what}")
+
+
+def _layer_offset(model) -> int:
+    layers = getattr(getattr(model, "decoder", None), "layers", None)
+    return layers[0].layer_number - 1 if layers is not None and len(layers) else 0
+
+
+def load_hf_weights(model, spec: ModelSpec, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy full HF tensors into this rank's shards of ``model`` (a ``GPTModel`` stage).
+
+    Every parameter must be found with the shape it should have: a checkpoint of another
+    architecture or size fails here, naming the tensor, before any step is taken.
+    """
+    from megatron.core import parallel_state
+
+    tp_size, tp_rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, (row, prefix) in rows_for(list(params), _layer_offset(model)).items():
+            missing = [prefix + n for n in row.hf if prefix + n not in tensors]
+            if missing:
+                raise ModelError(f"checkpoint lacks {missing} (needed for Megatron parameter {name})")
+            shard = to_megatron(spec, row, [tensors[prefix + n] for n in row.hf], tp_size, tp_rank)
+            if shard.shape != params[name].shape:
+                raise ModelError(f"{prefix + row.hf[0]}: checkpoint gives {tuple(shard.shape)} for {name}, "
+                                 f"the model expects {tuple(params[name].shape)}")
+            params[name].copy_(shard)
+
+
+def assemble_hf(spec: ModelSpec, names: list[str], shards_of, layer_offset: int = 0) -> dict[str, torch.Tensor]:
+    """Full HF tensors from Megatron parameters; ``shards_of(name, row)`` gives a parameter's TP shards."""
+    out: dict[str, torch.Tensor] = {}
+    for name, (row, prefix) in rows_for(names, layer_offset).items():
+        for hf_name, tensor in zip(row.hf, to_hf(spec, row, shards_of(name, row))):
+            out[prefix + hf_name] = tensor.contiguous()
+    return out
+
+
+def gather_hf_weights(model, spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """This pipeline stage's parameters as full HF tensors (gathered over tensor parallelism)."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    params = dict(model.named_parameters())
+
+    def shards_of(name: str, row: Row) -> list[torch.Tensor]:
+        local = params[name].detach()
+        if tp_size == 1 or row.layout == "replicated":
+            return [local]
+        shards = [torch.empty_like(local) for _ in range(tp_size)]
+        torch.distributed.all_gather(shards, local.contiguous(), group=group)
+        return shards
+
+    return assemble_hf(spec, list(params), shards_of, _layer_offset(model))

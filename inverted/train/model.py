@@ -1,0 +1,95 @@
+"""The policy as a Megatron-core ``GPTModel``, built from a Hugging Face ``config.json``.
+
+Qwen2, Qwen3 and Llama are one decoder with three switches (see ``hf_checkpoint.ModelSpec``):
+q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3), and RoPE scaling (Llama 3). Everything else
+is shared: RMSNorm, SwiGLU MLP, grouped-query attention, tied or untied embeddings.
+
+Attention takes packed sequences (``thd``: no padding). On CUDA with Transformer Engine installed
+the layer spec is Megatron's TE spec; elsewhere it is Megatron's local spec with
+``train/attention.PackedAttention`` as its core attention. RoPE inverse frequencies are set from
+the checkpoint with the same function the engine uses, since Megatron's built-in Llama 3 scaling
+fixes ``original_max_position_embeddings`` at 8192.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from inverted.hf_checkpoint import ModelSpec, rope_inv_freq
+
+
+@dataclass(frozen=True, slots=True)
+class Parallelism:
+    """Megatron's model-parallel sizes (data parallelism is whatever the world size leaves)."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    context: int = 1
+    expert: int = 1
+
+
+def use_transformer_engine() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def transformer_config(spec: ModelSpec, parallel: Parallelism, dtype: torch.dtype):
+    """Megatron's ``TransformerConfig`` for ``spec``: the architecture plus parallel sizes and dtype."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.intermediate_size,
+        num_attention_heads=spec.num_heads, num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim,
+        normalization="RMSNorm", layernorm_epsilon=spec.rms_norm_eps, qk_layernorm=spec.qk_norm,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=spec.qkv_bias,
+        hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=parallel.tensor, pipeline_model_parallel_size=parallel.pipeline,
+        context_parallel_size=parallel.context, expert_model_parallel_size=parallel.expert,
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        pipeline_dtype=dtype, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
+        # Weights come from the checkpoint; nothing to initialise, and no CUDA to initialise on.
+        perform_initialization=False, use_cpu_initialization=not torch.cuda.is_available(),
+        # Losses arrive normalised over the whole global batch: gradients are summed, never averaged.
+        calculate_per_token_loss=True,
+        # The fused kernels are CUDA-only; TE picks its own fusions on GPU.
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+    )
+
+
+def layer_spec(spec: ModelSpec):
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if use_transformer_engine():
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
+    from inverted.train.attention import PackedAttention
+
+    layer = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+    layer.submodules.self_attention.submodules.core_attention = PackedAttention
+    return layer
+
+
+def build_model(spec: ModelSpec, parallel: Parallelism, dtype: torch.dtype = torch.float32):
+    """This rank's stage of the policy (pre/post-processing only on the first/last pipeline stage)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    config = transformer_config(spec, parallel, dtype)
+    model = GPTModel(
+        config=config, transformer_layer_spec=layer_spec(spec), vocab_size=spec.vocab_size,
+        max_sequence_length=spec.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=spec.tie_word_embeddings, position_embedding_type="rope",
+        rotary_base=int(spec.rope["rope_theta"]), parallel_output=True,
+    )
+    inv_freq = rope_inv_freq(spec)
+    model.rotary_pos_emb.inv_freq = inv_freq.to(model.rotary_pos_emb.inv_freq.device)
+    return model

@@ -1,0 +1,83 @@
+"""``inverted train --debug-train-only``: learn from saved rollout data, with no rollout servers.
+
+The data is jsonl, one Sample per line in its JSON form (``types.py``): exactly what
+``--save-debug-rollout-data`` writes on the rollout side. A ``{rollout_id}`` in the path picks
+one file per rollout; without it every rollout trains on the same file. Rank 0 writes one JSON
+object per rollout to ``OUT/metrics.jsonl`` (and TensorBoard), and checkpoints follow
+``--save`` / ``--save-interval``; ``--load`` resumes where a run stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import torch
+import yaml
+
+from inverted.config import TrainConfig
+from inverted.errors import SampleError
+from inverted.types import Sample
+
+logger = logging.getLogger(__name__)
+
+
+def read_rollout_data(template: str, rollout_id: int) -> list[Sample]:
+    path = Path(template.format(rollout_id=rollout_id))
+    try:
+        lines = path.read_bytes().splitlines()
+    except OSError as exc:
+        raise SampleError(f"--load-debug-rollout-data {path}: cannot read: {exc}") from None
+    samples = []
+    for number, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                samples.append(Sample.from_json(line))
+            except SampleError as exc:
+                raise SampleError(f"{path}:{number}: {exc}") from None
+    return samples
+
+
+def run_offline(cfg: TrainConfig) -> None:
+    """Train ``--num-rollout`` rollouts from files, in ``--actor-num-gpus-per-node`` local processes."""
+    from inverted.train.parallel import spawn
+
+    cfg.validate()
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+    read_rollout_data(cfg.load_debug_rollout_data, 0)  # fail on unreadable data before any process starts
+    spawn(train_worker, cfg.world_size, cfg)
+
+
+def train_worker(cfg: TrainConfig) -> None:
+    from tqdm import tqdm
+
+    from inverted.metrics import build_metrics_sink
+    from inverted.train.checkpoint import load_checkpoint, save_checkpoint
+    from inverted.train.parallel import init_parallel, shutdown_parallel
+    from inverted.train.trainer import Trainer
+
+    init_parallel(cfg)
+    rank = torch.distributed.get_rank()
+    sink = build_metrics_sink(cfg.output_dir) if rank == 0 else None
+    try:
+        trainer = Trainer(cfg)
+        if cfg.load:
+            load_checkpoint(trainer, cfg.load)
+        for rollout_id in tqdm(range(trainer.rollout_id, cfg.num_rollout), desc="train", disable=rank != 0,
+                               initial=trainer.rollout_id, total=cfg.num_rollout):
+            metrics = trainer.train(read_rollout_data(cfg.load_debug_rollout_data, rollout_id))
+            if sink is not None:
+                sink.log(metrics, rollout_id)
+                logger.info("rollout %d: loss %.5f, reward %.3f, grad norm %.4f, %.0f tokens/s", rollout_id,
+                            metrics["train/loss"], metrics["train/reward_mean"], metrics["train/grad_norm"],
+                            metrics["perf/train_tokens_per_s"])
+            last = rollout_id + 1 == cfg.num_rollout
+            if cfg.save and (last or (cfg.save_interval and (rollout_id + 1) % cfg.save_interval == 0)):
+                save_checkpoint(trainer, cfg.save)
+    finally:
+        if sink is not None:
+            sink.close()
+        shutdown_parallel()

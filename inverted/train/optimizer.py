@@ -1,0 +1,74 @@
+"""The optimizer: Megatron's on GPU, AdamW with Megatron's conventions on CPU.
+
+On CUDA, ``get_megatron_optimizer`` builds Megatron's optimizer (its distributed optimizer with
+``--use-distributed-optimizer``). Megatron's optimizer wrappers allocate their scale and overflow
+tensors on CUDA, so on CPU ``CPUAdamW`` does the same job with the same conventions: gradients
+are read from Megatron DDP's ``main_grad`` buffers, the global norm counts tensor-parallel
+replicas once and is reduced over the model-parallel group (as Megatron's ``clip_grad_norm_fp32``
+does), and biases and 1-D parameters get no weight decay. ``step()`` returns
+``(success, grad_norm, None)`` like Megatron's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from inverted.config import TrainConfig
+
+
+class CPUAdamW:
+    def __init__(self, cfg: TrainConfig, model: torch.nn.Module) -> None:
+        decay, no_decay = [], []
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                (no_decay if name.endswith(".bias") or param.ndim == 1 else decay).append(param)
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        self.params = decay + no_decay
+        self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+        self.clip_grad = cfg.clip_grad
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def grad_norm(self) -> float:
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        squares = torch.zeros((), dtype=torch.float64)
+        for param in self.params:
+            if param.grad is not None and param_is_not_tensor_parallel_duplicate(param):
+                squares += param.grad.double().square().sum()
+        torch.distributed.all_reduce(squares, group=parallel_state.get_model_parallel_group())
+        return float(squares.sqrt())
+
+    @torch.no_grad()
+    def step(self) -> tuple[bool, float, None]:
+        for param in self.params:
+            param.grad = getattr(param, "main_grad", param.grad)
+        norm = self.grad_norm()
+        if self.clip_grad > 0 and norm > self.clip_grad:
+            for param in self.params:
+                if param.grad is not None:
+                    param.grad.mul_(self.clip_grad / (norm + 1e-6))
+        self.optimizer.step()
+        return True, norm, None
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
+
+
+def build_optimizer(cfg: TrainConfig, ddp_model: torch.nn.Module):
+    if not torch.cuda.is_available():
+        return CPUAdamW(cfg, ddp_model)
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = OptimizerConfig(
+        optimizer="adam", lr=cfg.lr, min_lr=cfg.lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
+        adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad, bf16=cfg.bf16,
+        params_dtype=torch.bfloat16 if cfg.bf16 else torch.float32,
+        use_distributed_optimizer=cfg.use_distributed_optimizer,
+    )
+    return get_megatron_optimizer(config, [ddp_model])

@@ -1,0 +1,87 @@
+"""Process groups: one training process per GPU (or CPU worker), Megatron's parallel state on top.
+
+``init_parallel`` reads the torchrun-style environment (``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``, ``MASTER_PORT``), opens the default group (NCCL on GPU, gloo on CPU), applies
+the CPU compatibility layer when there is no CUDA, creates Megatron's TP/PP/CP/EP/DP groups, and
+seeds every generator (Megatron's tracker gives TP ranks distinct model-parallel streams).
+``spawn`` starts ``n`` such processes on this machine; a failure in any of them is raised here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from inverted.config import TrainConfig
+
+
+def init_parallel(cfg: TrainConfig) -> None:
+    cuda = torch.cuda.is_available()
+    # Megatron warns at import that Apex and Transformer Engine are missing: expected off CUDA.
+    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed")
+    warnings.filterwarnings("ignore", message="full scope is deprecated")
+    warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS")
+    if not cuda:
+        from inverted.train import _compat
+
+        _compat.apply()
+    if not torch.distributed.is_initialized():
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.distributed.init_process_group("nccl" if cuda else "gloo", rank=int(os.environ.get("RANK", "0")),
+                                             world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+            pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+            context_parallel_size=cfg.context_parallel_size,
+            expert_model_parallel_size=cfg.expert_model_parallel_size,
+        )
+    torch.manual_seed(cfg.seed)
+    model_parallel_cuda_manual_seed(cfg.seed)
+
+
+def shutdown_parallel() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, level: int, fn: Callable[..., Any], args: tuple) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if world_size > 1:  # a spawned process starts with no logging configuration
+        logging.basicConfig(level=level, format=f"%(asctime)s [train r{rank}] %(levelname)s %(name)s: %(message)s",
+                            datefmt="%H:%M:%S", force=True)
+        logging.getLogger("megatron").setLevel(logging.WARNING)
+    fn(*args)
+
+
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
+    """Run ``fn(*args)`` in ``world_size`` local processes with the distributed environment set.
+
+    One process runs ``fn`` right here (no extra process). ``fn`` must be importable (module level).
+    """
+    port = free_port()
+    if world_size == 1:
+        _worker(0, 1, port, logging.root.level, fn, args)
+        return
+    torch.multiprocessing.start_processes(_worker, args=(world_size, port, logging.root.level, fn, args), nprocs=world_size,
+                                          start_method="spawn", join=True)

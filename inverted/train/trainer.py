@@ -1,0 +1,278 @@
+"""The learner on one rank: Megatron policy (+ frozen reference), RL loss, optimizer, checkpoints.
+
+``Trainer.train(samples)`` is one rollout's worth of learning, read top to bottom:
+
+1. ``check_samples``: every Sample is valid and trainable, before anything is computed.
+2. The batch is cut into optimizer steps of ``--global-batch-size`` samples; in each step the
+   samples are dealt to data-parallel ranks by length and packed into micro-batches of at most
+   ``--max-tokens-per-gpu`` tokens.
+3. A no-grad pass computes what the update needs from the *unchanged* policy: old log-probs (only
+   when there is more than one optimizer step; with one, ``logp.detach()`` is exactly the old
+   policy) and the reference log-probs for KL.
+4. Advantages for the whole batch, identical on every rank.
+5. Per optimizer step: forward and backward per micro-batch with the step's global token weights,
+   one gradient all-reduce (a sum: the weights already normalise), clip, step.
+
+Every rank of a data-parallel group sees the same list of Samples and takes its share itself, so
+nothing but gradients and metric sums crosses ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from inverted.config import TrainConfig
+from inverted.errors import SampleError
+from inverted.hf_checkpoint import ModelSpec, checkpoint_tensors
+from inverted.train import losses
+from inverted.train.convert import check_compatible, gather_hf_weights, load_hf_weights
+from inverted.train.logprobs import token_logprobs_and_entropy
+from inverted.train.model import Parallelism, build_model
+from inverted.train.optimizer import build_optimizer
+from inverted.train.packing import MicroBatch, balance, pack
+from inverted.types import Sample
+
+logger = logging.getLogger(__name__)
+
+TRAINABLE = {Sample.Status.COMPLETED, Sample.Status.TRUNCATED}
+
+
+def scalar_reward(sample: Sample, reward_key: str | None) -> float:
+    reward = sample.reward
+    if isinstance(reward, dict):
+        if reward_key is None:
+            return float(sum(reward.values()))
+        if reward_key not in reward:
+            raise SampleError(f"sample {sample.index}: reward has no key {reward_key!r} (--reward-key); has {sorted(reward)}")
+        return float(reward[reward_key])
+    return float(reward)
+
+
+def check_samples(samples: list[Sample], spec: ModelSpec) -> None:
+    """Raise ``SampleError`` naming the first sample that must not be trained on."""
+    if not samples:
+        raise SampleError("no samples to train on")
+    for position, sample in enumerate(samples):
+        where = f"sample {position} (index {sample.index}, group {sample.group_index})"
+        try:
+            sample.validate()
+        except SampleError as exc:
+            raise SampleError(f"{where}: {exc}") from None
+        if sample.status not in TRAINABLE:
+            raise SampleError(f"{where}: status {sample.status.value!r} is not trainable (completed or truncated)")
+        if sample.reward is None:
+            raise SampleError(f"{where}: reward is missing")
+        if sample.prompt_length < 1:
+            raise SampleError(f"{where}: needs at least one prompt token")
+        if sample.tokens and max(sample.tokens) >= spec.vocab_size:
+            raise SampleError(f"{where}: token id {max(sample.tokens)} is outside the vocabulary ({spec.vocab_size})")
+        if len(sample.tokens) > spec.max_position_embeddings:
+            raise SampleError(f"{where}: {len(sample.tokens)} tokens exceed the model's {spec.max_position_embeddings} positions")
+
+
+@dataclass(slots=True)
+class RankBatch:
+    """This rank's samples of one optimizer step, packed, with their per-token tensors."""
+
+    micro_batches: list[MicroBatch]
+    indices: list[int]
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        self.cfg = cfg
+        self.spec = ModelSpec.from_checkpoint(cfg.hf_checkpoint)
+        check_compatible(self.spec, cfg.tensor_model_parallel_size)
+        self.parallel = Parallelism(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
+                                    cfg.context_parallel_size, cfg.expert_model_parallel_size)
+        self.dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        hf_weights = checkpoint_tensors(cfg.hf_checkpoint)
+        model = build_model(self.spec, self.parallel, self.dtype)
+        load_hf_weights(model, self.spec, hf_weights)
+        self.model = DistributedDataParallel(
+            model.config, DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                use_distributed_optimizer=torch.cuda.is_available() and cfg.use_distributed_optimizer),
+            model)
+        self.optimizer = build_optimizer(cfg, self.model)
+        self.reference = self._build_reference(hf_weights) if cfg.needs_reference else None
+        self.rollout_id = 0  # rollouts trained on so far
+        self.optimizer_steps = 0
+
+    def _build_reference(self, hf_weights: dict[str, torch.Tensor]):
+        """The frozen policy at its starting point: no gradients, no optimizer state, eval mode."""
+        reference = build_model(self.spec, self.parallel, self.dtype)
+        load_hf_weights(reference, self.spec, hf_weights)
+        reference.requires_grad_(False).eval()
+        return reference
+
+    # -- forward -----------------------------------------------------------------------------
+
+    def _forward(self, model, mb: MicroBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Response-token log-probs (and entropies) of one packed micro-batch, fp32, ``[R]``."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        cu = mb.cu_seqlens.to(device)
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                 max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
+        logits = model(input_ids=mb.tokens_T[None].to(device), position_ids=mb.positions_T[None].to(device),
+                       attention_mask=None, packed_seq_params=params)[0]
+        positions = mb.response_positions().to(device)
+        return token_logprobs_and_entropy(logits[positions], mb.response_targets().to(device),
+                                          self.cfg.rollout_temperature, with_entropy)
+
+    @torch.no_grad()
+    def _no_grad_logprobs(self, model, mbs: list[MicroBatch]) -> dict[int, torch.Tensor]:
+        model.eval()
+        out: dict[int, torch.Tensor] = {}
+        for mb in mbs:
+            logp, _ = self._forward(model, mb, with_entropy=False)
+            for index, part in zip(mb.indices, logp.cpu().split(mb.response_lengths)):
+                out[index] = part
+        return out
+
+    # -- one rollout ---------------------------------------------------------------------------
+
+    def _plan(self, samples: list[Sample]) -> list[RankBatch]:
+        """This rank's packed share of each optimizer step."""
+        size = self.cfg.global_batch_size or len(samples)
+        if len(samples) % size:
+            raise SampleError(f"{len(samples)} samples do not split into optimizer steps of "
+                              f"--global-batch-size {size}")
+        plan = []
+        for start in range(0, len(samples), size):
+            step = list(range(start, start + size))
+            mine = [step[i] for i in balance([len(samples[i].tokens) for i in step], self.dp_size)[self.dp_rank]]
+            mbs = pack([samples[i].tokens for i in mine], [samples[i].response_length for i in mine], mine,
+                       self.cfg.max_tokens_per_gpu)
+            plan.append(RankBatch(mbs, mine))
+        return plan
+
+    def _gather_over_dp(self, values: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        from megatron.core import parallel_state
+
+        if self.dp_size == 1:
+            return values
+        parts: list[dict[int, torch.Tensor]] = [{} for _ in range(self.dp_size)]
+        torch.distributed.all_gather_object(parts, values, group=parallel_state.get_data_parallel_group())
+        return {k: v for part in parts for k, v in part.items()}
+
+    def train(self, samples: list[Sample]) -> dict[str, float]:
+        """Learn from one rollout's samples; returns this rollout's metrics (identical on every rank)."""
+        cfg = self.cfg
+        started = time.perf_counter()
+        check_samples(samples, self.spec)
+        plan = self._plan(samples)
+        all_mbs = [mb for step in plan for mb in step.micro_batches]
+        masks = [torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples]
+        rewards = torch.tensor([scalar_reward(s, cfg.reward_key) for s in samples], dtype=torch.float32)
+
+        old_logp = self._no_grad_logprobs(self.model, all_mbs) if len(plan) > 1 else {}
+        ref_logp = self._no_grad_logprobs(self.reference, all_mbs) if self.reference is not None else {}
+        kl_reward = None
+        if cfg.kl_coef:
+            # KL as reward uses the policy that sampled (the rollout log-probs) against the reference.
+            mine = {i: torch.tensor(samples[i].rollout_log_probs) - ref_logp[i] for i in ref_logp}
+            gathered = self._gather_over_dp(mine)
+            kl_reward = [gathered[i] for i in range(len(samples))]
+        advantages = losses.compute_advantages(
+            cfg.advantage_estimator, rewards, [s.group_index for s in samples], masks, kl_reward, cfg.kl_coef,
+            cfg.gamma, std_normalize=not cfg.disable_grpo_std_normalization)
+
+        sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
+        extremes = {"ratio_max": -float("inf"), "ratio_min": float("inf")}
+        grad_norms = []
+        self.model.train()
+        for step in plan:
+            size = cfg.global_batch_size or len(samples)
+            first = step.indices[0] // size * size if step.indices else 0
+            weights = dict(zip(range(first, first + size), losses.token_weights(cfg.loss_aggregation, masks[first:first + size])))
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            for mb in step.micro_batches:
+                self._micro_step(mb, samples, masks, weights, advantages, old_logp, ref_logp, sums, extremes)
+            self.model.finish_grad_sync()
+            _, grad_norm, _ = self.optimizer.step()
+            grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
+            self.optimizer_steps += 1
+        self.rollout_id += 1
+        metrics = self._reduce_metrics(sums, extremes, steps=len(plan))
+        metrics.update({
+            "train/grad_norm": sum(grad_norms) / len(grad_norms), "train/optimizer_steps": float(len(plan)),
+            "train/reward_mean": float(rewards.mean()), "train/lr": cfg.lr,
+            "train/advantage_mean": float(torch.cat(advantages).mean()) if advantages else 0.0,
+            "perf/train_tokens_per_s": sum(len(s.tokens) for s in samples) / (time.perf_counter() - started),
+        })
+        return metrics
+
+    def _micro_step(self, mb: MicroBatch, samples, masks, weights, advantages, old_logp, ref_logp, sums, extremes) -> None:
+        cfg = self.cfg
+        cat = lambda parts: torch.cat(parts) if parts else torch.zeros(0)  # noqa: E731
+        mask = cat([masks[i] for i in mb.indices])
+        weight = cat([weights[i] for i in mb.indices])
+        adv = cat([advantages[i] for i in mb.indices])
+        rollout = cat([torch.tensor(samples[i].rollout_log_probs, dtype=torch.float32) for i in mb.indices])
+        seq_ids = torch.repeat_interleave(torch.arange(len(mb.indices)), torch.tensor(mb.response_lengths))
+
+        logp, entropy = self._forward(self.model, mb, with_entropy=True)
+        logp, entropy = logp.cpu(), entropy.cpu()
+        old = cat([old_logp[i] for i in mb.indices]) if old_logp else logp.detach()
+        pg, info = losses.policy_loss(cfg.advantage_estimator, logp, old, adv, mask, seq_ids, len(mb.indices),
+                                      cfg.eps_clip, cfg.eps_clip_high or cfg.eps_clip, cfg.eps_clip_c)
+        tis = losses.tis_weights(old, rollout, cfg.tis_clip_low, cfg.tis_clip) if cfg.use_tis else torch.ones_like(pg)
+        per_token = pg * tis
+        kl = losses.kl_penalty(logp, cat([ref_logp[i] for i in mb.indices]), cfg.kl_loss_type) if ref_logp else torch.zeros_like(pg)
+        if cfg.use_kl_loss:
+            per_token = per_token + cfg.kl_loss_coef * kl
+        per_token = per_token - cfg.entropy_coef * entropy
+        loss = (weight * per_token).sum()
+        loss.backward()
+
+        with torch.no_grad():
+            on = mask.bool()
+            for name, value in (("loss", loss), ("pg_loss", (weight * pg * tis).sum()), ("kl_loss", (weight * kl).sum()),
+                                ("entropy_loss", (weight * entropy).sum())):
+                sums[name] += float(value)
+            for name, value in (("clipfrac", info["clipped"]), ("ratio_mean", info["ratio"]), ("tis_mean", tis),
+                                ("train_rollout_logprob_abs_diff", (old - rollout).abs()), ("kl", kl), ("entropy", entropy)):
+                sums[name + "/sum"] += float(value[on].sum())
+            sums["tokens"] += float(on.sum())
+            if on.any():
+                extremes["ratio_max"] = max(extremes["ratio_max"], float(info["ratio"][on].max()))
+                extremes["ratio_min"] = min(extremes["ratio_min"], float(info["ratio"][on].min()))
+
+    def _reduce_metrics(self, sums: dict[str, torch.Tensor], extremes: dict[str, float], steps: int) -> dict[str, float]:
+        """Global metrics: loss parts averaged over optimizer steps, token statistics over loss tokens."""
+        from megatron.core import parallel_state
+
+        names = sorted(sums)
+        packed = torch.stack([sums[n] for n in names]) if names else torch.zeros(0, dtype=torch.float64)
+        high = torch.tensor([extremes["ratio_max"], -extremes["ratio_min"]], dtype=torch.float64)
+        if self.dp_size > 1:
+            group = parallel_state.get_data_parallel_group()
+            torch.distributed.all_reduce(packed, group=group)
+            torch.distributed.all_reduce(high, op=torch.distributed.ReduceOp.MAX, group=group)
+        totals = dict(zip(names, packed.tolist()))
+        tokens = max(totals.get("tokens", 0.0), 1.0)
+        metrics = {f"train/{n}": totals[n] / steps for n in ("loss", "pg_loss", "kl_loss", "entropy_loss") if n in totals}
+        metrics.update({f"train/{n[:-4]}": v / tokens for n, v in totals.items() if n.endswith("/sum")})
+        metrics["train/ratio_max"], metrics["train/ratio_min"] = float(high[0]), float(-high[1])
+        metrics["train/loss_tokens"] = totals.get("tokens", 0.0)
+        return metrics
+
+    # -- weights and checkpoints -------------------------------------------------------------
+
+    def hf_weights(self) -> dict[str, torch.Tensor]:
+        """The current policy as full Hugging Face tensors (gathered over tensor parallelism)."""
+        return gather_hf_weights(self.model.module, self.spec)
