@@ -118,6 +118,23 @@ def _layer_offset(model) -> int:
     return layers[0].layer_number - 1 if layers is not None and len(layers) else 0
 
 
+def mark_tensor_parallel(model) -> None:
+    """Set Megatron's tensor-parallel attributes on every parameter from its table layout.
+
+    Megatron sets ``tensor_model_parallel`` / ``partition_dim`` only inside its weight
+    initialisers, which we skip (weights come from the checkpoint). Without them Megatron's
+    gradient-norm code would count a sharded weight only on TP rank 0.
+    """
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    params = dict(model.named_parameters())
+    for name, (row, _) in rows_for(list(params), _layer_offset(model)).items():
+        for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):  # biases already have them
+            if hasattr(params[name], attr):
+                delattr(params[name], attr)
+        set_tensor_model_parallel_attributes(params[name], row.layout != "replicated", 1 if row.layout == "row" else 0, 1)
+
+
 def load_hf_weights(model, spec: ModelSpec, tensors: dict[str, torch.Tensor]) -> None:
     """Copy full HF tensors into this rank's shards of ``model`` (a ``GPTModel`` stage).
 

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from inverted.hf_checkpoint import ModelSpec, rope_inv_freq
+from inverted.train.convert import mark_tensor_parallel
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +91,7 @@ def build_model(spec: ModelSpec, parallel: Parallelism, dtype: torch.dtype = tor
         share_embeddings_and_output_weights=spec.tie_word_embeddings, position_embedding_type="rope",
         rotary_base=int(spec.rope["rope_theta"]), parallel_output=True,
     )
+    mark_tensor_parallel(model)
     inv_freq = rope_inv_freq(spec)
     model.rotary_pos_emb.inv_freq = inv_freq.to(model.rotary_pos_emb.inv_freq.device)
     return model

@@ -170,6 +170,8 @@ class Trainer:
 
     def train(self, samples: list[Sample]) -> dict[str, float]:
         """Learn from one rollout's samples; returns this rollout's metrics (identical on every rank)."""
+        from megatron.core.distributed import finalize_model_grads
+
         cfg = self.cfg
         started = time.perf_counter()
         check_samples(samples, self.spec)
@@ -202,7 +204,9 @@ class Trainer:
             self.optimizer.zero_grad()
             for mb in step.micro_batches:
                 self._micro_step(mb, samples, masks, weights, advantages, old_logp, ref_logp, sums, extremes)
-            self.model.finish_grad_sync()
+            # Megatron's own finish: the data-parallel sum, plus the tensor-parallel sums of grads that
+            # each TP rank computes only in part (q/k norms see only that rank's heads).
+            finalize_model_grads([self.model])
             _, grad_norm, _ = self.optimizer.step()
             grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
             self.optimizer_steps += 1
