@@ -10,6 +10,7 @@ object per rollout to ``OUT/metrics.jsonl`` (and TensorBoard), and checkpoints f
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from pathlib import Path
 
@@ -33,9 +34,13 @@ def read_rollout_data(template: str, rollout_id: int) -> list[Sample]:
     for number, line in enumerate(lines, 1):
         if line.strip():
             try:
-                samples.append(Sample.from_json(line))
+                # Python's json reads NaN and Infinity, so such a reward is reported as a bad reward
+                # (by check_samples) rather than as unreadable JSON.
+                samples.append(Sample.from_json(json.loads(line)))
             except SampleError as exc:
                 raise SampleError(f"{path}:{number}: {exc}") from None
+            except ValueError as exc:
+                raise SampleError(f"{path}:{number}: malformed JSON: {exc}") from None
     return samples
 
 

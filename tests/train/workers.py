@@ -36,3 +36,20 @@ def logits_and_step(cfg: TrainConfig, out: str) -> None:
             torch.save({"logits": torch.cat(parts, dim=-1), "metrics": metrics, "weights": weights}, out)
     finally:
         shutdown_parallel()
+
+
+def grpo_step(cfg: TrainConfig, samples, out: str) -> None:
+    """Log-probs of every sample's response before and after one training step."""
+    from inverted.train.parallel import init_parallel, shutdown_parallel
+    from inverted.train.trainer import Trainer
+
+    init_parallel(cfg)
+    try:
+        trainer = Trainer(cfg)
+        mbs = [mb for step in trainer._plan(samples) for mb in step.micro_batches]
+        before = trainer._no_grad_logprobs(trainer.model, mbs)
+        trainer.train(samples)
+        after = trainer._no_grad_logprobs(trainer.model, mbs)
+        torch.save({"before": before, "after": after}, out)
+    finally:
+        shutdown_parallel()

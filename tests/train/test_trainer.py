@@ -1,0 +1,110 @@
+"""The trainer end to end: data parallelism, resume, learning direction, bad input, and export."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+from inverted.config import TrainConfig
+from inverted.train.parallel import spawn
+from inverted.types import Sample
+from tests.train.samples import make_samples, write_jsonl
+from tests.train.workers import grpo_step, logits_and_step
+
+
+def test_dp2_equals_one_process_on_the_whole_batch(tiny_model, tmp_path):
+    path = str(tiny_model("qwen2"))
+    results = {}
+    for ranks in (1, 2):
+        cfg = TrainConfig(hf_checkpoint=path, lr=1e-2, adam_eps=1.0, actor_num_gpus_per_node=ranks, max_tokens_per_gpu=24)
+        spawn(logits_and_step, ranks, cfg, str(tmp_path / f"dp{ranks}.pt"))
+        results[ranks] = torch.load(tmp_path / f"dp{ranks}.pt")
+    for name in ("train/loss", "train/entropy", "train/grad_norm", "train/loss_tokens"):
+        assert results[2]["metrics"][name] == pytest.approx(results[1]["metrics"][name], rel=1e-5), name
+    for name, tensor in results[1]["weights"].items():
+        torch.testing.assert_close(results[2]["weights"][name], tensor, rtol=0, atol=1e-7)
+
+
+def test_grpo_step_raises_the_rewarded_answer(tiny_model, tmp_path):
+    samples = make_samples(seed=3, groups=1, per_group=4)
+    for i, sample in enumerate(samples):
+        sample.reward = 1.0 if i == 2 else 0.0
+        sample.loss_mask = [1] * sample.response_length
+    cfg = TrainConfig(hf_checkpoint=str(tiny_model("qwen2")), lr=1e-3)
+    spawn(grpo_step, 1, cfg, samples, str(tmp_path / "grpo.pt"))
+    result = torch.load(tmp_path / "grpo.pt")
+    gain = {i: float(result["after"][i].sum() - result["before"][i].sum()) for i in range(4)}
+    assert gain[2] > 0.01, gain
+    assert all(gain[i] < 0 for i in (0, 1, 3)), gain
+
+
+def train_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "inverted.cli", "train", "--debug-train-only", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def metrics(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_resume_reproduces_the_uninterrupted_run_and_exports(tiny_model, tmp_path):
+    """3 rollouts, save, resume, 2 more == 5 rollouts straight; the checkpoint exports to HF."""
+    data = tmp_path / "rollout_{rollout_id}.jsonl"
+    for rollout in range(5):
+        write_jsonl(make_samples(seed=rollout), str(data).format(rollout_id=rollout))
+    common = ["--hf-checkpoint", str(tiny_model("qwen2")), "--load-debug-rollout-data", str(data), "--lr", "1e-3",
+              "--global-batch-size", "4", "--max-tokens-per-gpu", "32"]
+    straight = train_cli(*common, "--num-rollout", "5", "--output-dir", str(tmp_path / "a"))
+    assert straight.returncode == 0, straight.stderr
+    first = train_cli(*common, "--num-rollout", "3", "--output-dir", str(tmp_path / "b"), "--save", str(tmp_path / "ckpt"))
+    assert first.returncode == 0, first.stderr
+    resumed = train_cli(*common, "--num-rollout", "5", "--output-dir", str(tmp_path / "c"), "--load", str(tmp_path / "ckpt"),
+                        "--save", str(tmp_path / "ckpt"))
+    assert resumed.returncode == 0, resumed.stderr
+    a, b, c = metrics(tmp_path / "a"), metrics(tmp_path / "b"), metrics(tmp_path / "c")
+    assert [row["step"] for row in b + c] == [0, 1, 2, 3, 4]
+    for want, got in zip(a, b + c):
+        for name, value in want.items():
+            if not name.startswith("perf/"):
+                assert got[name] == value, (want["step"], name)
+    assert a[-1]["train/loss"] != a[0]["train/loss"]
+
+    exported = tmp_path / "hf"
+    done = subprocess.run([sys.executable, "-m", "inverted.cli", "export-hf", "--checkpoint", str(tmp_path / "ckpt"),
+                           "--out", str(exported)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    trained = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)
+    original = transformers.AutoModelForCausalLM.from_pretrained(tiny_model("qwen2"), dtype=torch.float32)
+    trained_sd, original_sd = trained.state_dict(), original.state_dict()
+    assert trained_sd.keys() == original_sd.keys()
+    assert any(not torch.equal(trained_sd[k], original_sd[k]) for k in original_sd)
+    transformers.AutoTokenizer.from_pretrained(exported)  # the tokenizer travels with the checkpoint
+
+    other = train_cli("--hf-checkpoint", str(tiny_model("llama")), "--load-debug-rollout-data", str(data),
+                      "--num-rollout", "6", "--output-dir", str(tmp_path / "d"), "--load", str(tmp_path / "ckpt"))
+    assert other.returncode == 2
+    assert "checkpoint of another model than --hf-checkpoint" in other.stderr
+    assert not (tmp_path / "d" / "metrics.jsonl").read_text()
+
+
+@pytest.mark.parametrize("breakage, message", [
+    (lambda s: s.loss_mask.pop(), "loss_mask: expected a list of"),
+    (lambda s: setattr(s, "reward", float("nan")), "reward"),
+    (lambda s: setattr(s, "status", Sample.Status.FAILED), "status 'failed' is not trainable"),
+    (lambda s: s.tokens.__setitem__(0, 99999), "outside the vocabulary"),
+])
+def test_bad_samples_are_refused_before_any_step(breakage, message, tiny_model, tmp_path):
+    samples = make_samples(seed=0)
+    breakage(samples[5])
+    write_jsonl(samples, tmp_path / "data.jsonl")
+    done = train_cli("--hf-checkpoint", str(tiny_model("qwen2")), "--load-debug-rollout-data", str(tmp_path / "data.jsonl"),
+                     "--output-dir", str(tmp_path / "out"))
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr
+    metrics_file = tmp_path / "out" / "metrics.jsonl"
+    assert not metrics_file.exists() or not metrics_file.read_text()
