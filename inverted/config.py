@@ -302,7 +302,8 @@ class TrainConfig:
     pipeline_model_parallel_size: int = option(1, "Megatron pipeline parallelism")
     context_parallel_size: int = option(1, "Megatron context parallelism")
     expert_model_parallel_size: int = option(1, "Megatron expert parallelism")
-    use_distributed_optimizer: bool = option(True, "shard optimizer state over data-parallel ranks (GPU)")
+    use_distributed_optimizer: bool = option(
+        False, "shard optimizer state over data-parallel ranks (GPU only; not yet with --save/--load)")
     actor_num_nodes: int = option(1, "training nodes")
     actor_num_gpus_per_node: int = option(1, "training processes per node (GPUs; CPU processes without CUDA)")
     log_level: Literal["debug", "info", "warning", "error"] = option("info", "log level")
@@ -327,6 +328,8 @@ class TrainConfig:
         """Cross-field checks that need the run's mode."""
         _require(not self.debug_train_only or bool(self.load_debug_rollout_data), "--load-debug-rollout-data",
                  self.load_debug_rollout_data, "a jsonl file of Samples with --debug-train-only")
+        _require(not (self.use_distributed_optimizer and (self.save or self.load)), "--use-distributed-optimizer",
+                 self.use_distributed_optimizer, "off with --save/--load (its sharded optimizer state is not checkpointed yet)")
         _require(self.pipeline_model_parallel_size == 1, "--pipeline-model-parallel-size",
                  self.pipeline_model_parallel_size, "1 (pipeline schedules are not wired in yet)")
 

@@ -14,6 +14,15 @@ from inverted.errors import ConfigError
 
 # The public command line. Adding a flag is fine, but it must be added here on purpose.
 FROZEN_FLAGS = {
+    "train": {"--actor-num-gpus-per-node", "--actor-num-nodes", "--adam-beta1", "--adam-beta2", "--adam-eps", "--advantage-estimator",
+              "--bf16", "--clip-grad", "--config", "--context-parallel-size", "--debug-train-only",
+              "--disable-grpo-std-normalization", "--entropy-coef", "--eps-clip", "--eps-clip-c", "--eps-clip-high",
+              "--expert-model-parallel-size", "--gamma", "--global-batch-size", "--hf-checkpoint", "--kl-coef", "--kl-loss-coef",
+              "--kl-loss-type", "--load", "--load-debug-rollout-data", "--log-level", "--loss-aggregation", "--lr",
+              "--max-tokens-per-gpu", "--num-rollout", "--output-dir", "--pipeline-model-parallel-size", "--reward-key",
+              "--rollout-temperature", "--save", "--save-interval", "--seed", "--tensor-model-parallel-size", "--tis-clip",
+              "--tis-clip-low", "--use-distributed-optimizer", "--use-kl-loss", "--use-tis", "--weight-decay"},
+    "export-hf": {"--checkpoint", "--config", "--out"},
     "make-tiny-model": {"--config", "--out", "--arch", "--preset", "--seed"},
     "serve-engine": {"--config", "--model", "--host", "--port", "--device", "--dtype", "--max-running-requests",
                      "--context-length", "--max-prefill-tokens", "--disable-radix-cache", "--weight-version", "--served-model-name", "--api-key",
