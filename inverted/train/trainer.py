@@ -81,6 +81,7 @@ class RankBatch:
 
     micro_batches: list[MicroBatch]
     indices: list[int]
+    step_samples: range  # every sample of the optimizer step, on all ranks
 
 
 class Trainer:
@@ -156,7 +157,7 @@ class Trainer:
             mine = [step[i] for i in balance([len(samples[i].tokens) for i in step], self.dp_size)[self.dp_rank]]
             mbs = pack([samples[i].tokens for i in mine], [samples[i].response_length for i in mine], mine,
                        self.cfg.max_tokens_per_gpu)
-            plan.append(RankBatch(mbs, mine))
+            plan.append(RankBatch(mbs, mine, range(start, start + size)))
         return plan
 
     def _gather_over_dp(self, values: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -197,9 +198,8 @@ class Trainer:
         grad_norms = []
         self.model.train()
         for step in plan:
-            size = cfg.global_batch_size or len(samples)
-            first = step.indices[0] // size * size if step.indices else 0
-            weights = dict(zip(range(first, first + size), losses.token_weights(cfg.loss_aggregation, masks[first:first + size])))
+            span = step.step_samples
+            weights = dict(zip(span, losses.token_weights(cfg.loss_aggregation, masks[span.start:span.stop])))
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
             for mb in step.micro_batches:
