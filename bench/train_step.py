@@ -70,7 +70,9 @@ def main() -> None:
     args = parser.parse_args()
     import transformers
 
-    from inverted.train.parallel import init_parallel, shutdown_parallel, free_port
+    from torch.distributed.elastic.utils.distributed import get_free_port
+
+    from inverted.train.parallel import init_parallel, shutdown_parallel
     from inverted.train.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -80,7 +82,7 @@ def main() -> None:
         hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()
         hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-6)
 
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(get_free_port()))
         cfg = TrainConfig(hf_checkpoint=str(path), lr=1e-6)
         init_parallel(cfg)
         trainer = Trainer(cfg)

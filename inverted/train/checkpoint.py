@@ -2,8 +2,9 @@
 
 Layout: ``SAVE/iter_{rollout:07d}/rank_{tp}_{pp}_{dp}.pt`` (one file per rank: each holds its own
 shards and optimizer state), ``SAVE/iter_{rollout:07d}/meta.json`` (the architecture, the
-parallel layout, the counters), ``SAVE/hf_config/`` (the HF config and tokenizer) and ``SAVE/latest`` (the last complete iteration, written after
-every rank has finished, so a crash mid-save leaves the previous one in force). Resuming
+parallel layout, the counters), ``SAVE/hf_config/`` (the HF config and tokenizer) and
+``SAVE/latest`` (the last complete iteration, written after every rank has finished, so a crash
+mid-save leaves the previous one in force). Resuming
 restores everything the next step depends on, so it reproduces the uninterrupted run; it
 requires the same parallel layout (``export-hf`` turns any checkpoint into HF tensors).
 """
@@ -25,11 +26,14 @@ logger = logging.getLogger(__name__)
 HF_FILES_DIR = "hf_config"  # the HF config and tokenizer the run started from, for export-hf
 
 
+def rank_file(tp: int, pp: int, dp: int) -> str:
+    return f"rank_{tp}_{pp}_{dp}.pt"
+
+
 def _rank_name() -> str:
     from megatron.core import parallel_state as ps
 
-    return (f"rank_{ps.get_tensor_model_parallel_rank()}_{ps.get_pipeline_model_parallel_rank()}_"
-            f"{ps.get_data_parallel_rank()}.pt")
+    return rank_file(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank())
 
 
 def _rng_state() -> dict:

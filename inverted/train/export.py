@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from inverted.errors import ModelError
 from inverted.hf_checkpoint import ModelSpec
-from inverted.train.checkpoint import HF_FILES_DIR, latest_iteration, read_meta
+from inverted.train.checkpoint import HF_FILES_DIR, latest_iteration, rank_file, read_meta
 from inverted.train.convert import assemble_hf
 
 logger = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
     if meta["parallel"]["pipeline"] != 1:
         raise ModelError(f"{directory}: pipeline-parallel checkpoints are not supported by export-hf yet")
     spec = ModelSpec(**{**meta["spec"], "eos_token_ids": tuple(meta["spec"]["eos_token_ids"])})
-    shards = [torch.load(directory / f"rank_{tp}_0_0.pt", weights_only=True)["model"]
+    shards = [torch.load(directory / rank_file(tp, 0, 0), weights_only=True)["model"]
               for tp in range(meta["parallel"]["tensor"])]
     names = [name for name in shards[0] if not name.endswith("_extra_state")]
     tensors = assemble_hf(spec, names, lambda name, row: [shard[name] for shard in shards])

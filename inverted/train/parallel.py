@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -58,12 +57,6 @@ def shutdown_parallel() -> None:
         torch.distributed.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _worker(rank: int, world_size: int, port: int, level: int, fn: Callable[..., Any], args: tuple) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -79,7 +72,9 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
 
     One process runs ``fn`` right here (no extra process). ``fn`` must be importable (module level).
     """
-    port = free_port()
+    from torch.distributed.elastic.utils.distributed import get_free_port
+
+    port = get_free_port()
     if world_size == 1:
         _worker(0, 1, port, logging.root.level, fn, args)
         return

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -82,6 +82,23 @@ class RankBatch:
     micro_batches: list[MicroBatch]
     indices: list[int]
     step_samples: range  # every sample of the optimizer step, on all ranks
+
+
+@dataclass(slots=True)
+class PerToken:
+    """The rollout's per-response-token tensors, by sample index (``old`` and ``ref`` may be empty)."""
+
+    mask: dict[int, torch.Tensor]
+    advantage: dict[int, torch.Tensor]
+    rollout_logp: dict[int, torch.Tensor]
+    old_logp: dict[int, torch.Tensor]
+    ref_logp: dict[int, torch.Tensor]
+    weight: dict[int, torch.Tensor] = field(default_factory=dict)  # set per optimizer step
+
+    def take(self, name: str, indices: list[int]) -> torch.Tensor:
+        """One micro-batch's values of ``name``, concatenated in packing order."""
+        parts = [getattr(self, name)[i] for i in indices]
+        return torch.cat(parts) if parts else torch.zeros(0)
 
 
 class Trainer:
@@ -193,17 +210,20 @@ class Trainer:
             cfg.advantage_estimator, rewards, [s.group_index for s in samples], masks, kl_reward, cfg.kl_coef,
             cfg.gamma, std_normalize=not cfg.disable_grpo_std_normalization)
 
+        tokens = PerToken(
+            mask=dict(enumerate(masks)), advantage=dict(enumerate(advantages)), old_logp=old_logp, ref_logp=ref_logp,
+            rollout_logp={i: torch.tensor(s.rollout_log_probs, dtype=torch.float32) for i, s in enumerate(samples)})
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
         extremes = {"ratio_max": -float("inf"), "ratio_min": float("inf")}
         grad_norms = []
         self.model.train()
         for step in plan:
             span = step.step_samples
-            weights = dict(zip(span, losses.token_weights(cfg.loss_aggregation, masks[span.start:span.stop])))
+            tokens.weight = dict(zip(span, losses.token_weights(cfg.loss_aggregation, masks[span.start:span.stop])))
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
             for mb in step.micro_batches:
-                self._micro_step(mb, samples, masks, weights, advantages, old_logp, ref_logp, sums, extremes)
+                self._micro_step(mb, tokens, sums, extremes)
             # Megatron's own finish: the data-parallel sum, plus the tensor-parallel sums of grads that
             # each TP rank computes only in part (q/k norms see only that rank's heads).
             finalize_model_grads([self.model])
@@ -220,23 +240,22 @@ class Trainer:
         })
         return metrics
 
-    def _micro_step(self, mb: MicroBatch, samples, masks, weights, advantages, old_logp, ref_logp, sums, extremes) -> None:
+    def _micro_step(self, mb: MicroBatch, tokens: PerToken, sums: dict[str, torch.Tensor], extremes: dict[str, float]) -> None:
+        """Forward and backward of one micro-batch; adds its loss parts and token statistics to ``sums``."""
         cfg = self.cfg
-        cat = lambda parts: torch.cat(parts) if parts else torch.zeros(0)  # noqa: E731
-        mask = cat([masks[i] for i in mb.indices])
-        weight = cat([weights[i] for i in mb.indices])
-        adv = cat([advantages[i] for i in mb.indices])
-        rollout = cat([torch.tensor(samples[i].rollout_log_probs, dtype=torch.float32) for i in mb.indices])
+        mask, weight = tokens.take("mask", mb.indices), tokens.take("weight", mb.indices)
+        adv, rollout = tokens.take("advantage", mb.indices), tokens.take("rollout_logp", mb.indices)
         seq_ids = torch.repeat_interleave(torch.arange(len(mb.indices)), torch.tensor(mb.response_lengths))
 
         logp, entropy = self._forward(self.model, mb, with_entropy=True)
         logp, entropy = logp.cpu(), entropy.cpu()
-        old = cat([old_logp[i] for i in mb.indices]) if old_logp else logp.detach()
+        old = tokens.take("old_logp", mb.indices) if tokens.old_logp else logp.detach()
         pg, info = losses.policy_loss(cfg.advantage_estimator, logp, old, adv, mask, seq_ids, len(mb.indices),
                                       cfg.eps_clip, cfg.eps_clip_high or cfg.eps_clip, cfg.eps_clip_c)
         tis = losses.tis_weights(old, rollout, cfg.tis_clip_low, cfg.tis_clip) if cfg.use_tis else torch.ones_like(pg)
         per_token = pg * tis
-        kl = losses.kl_penalty(logp, cat([ref_logp[i] for i in mb.indices]), cfg.kl_loss_type) if ref_logp else torch.zeros_like(pg)
+        kl = (losses.kl_penalty(logp, tokens.take("ref_logp", mb.indices), cfg.kl_loss_type) if tokens.ref_logp
+              else torch.zeros_like(pg))
         if cfg.use_kl_loss:
             per_token = per_token + cfg.kl_loss_coef * kl
         per_token = per_token - cfg.entropy_coef * entropy
