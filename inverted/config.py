@@ -154,10 +154,13 @@ class EngineConfig:
     num_threads: int = option(0, "torch CPU threads (0: all cores)")
     random_seed: int | None = option(None, "seed for requests without sampling_seed (default: fresh per process, so engines differ)")
     log_requests: bool = option(False, "log every finished request (input ids, output ids, finish reason) as a JSON line")
+    weight_update_timeout: float = option(
+        300.0, "seconds to wait for the trainer when joining a weight-update group or taking one of its broadcasts")
     log_level: Literal["debug", "info", "warning", "error"] = option("info", "log level")
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "--model", self.model, "a checkpoint directory")
+        _require(self.weight_update_timeout > 0, "--weight-update-timeout", self.weight_update_timeout, "> 0")
         _require(1 <= self.port <= 65535, "--port", self.port, "1..65535")
         _require(self.max_running_requests >= 1, "--max-running-requests", self.max_running_requests, ">= 1")
         _require(self.context_length >= 0, "--context-length", self.context_length, ">= 0")
@@ -306,10 +309,22 @@ class TrainConfig:
         False, "shard optimizer state over data-parallel ranks (GPU only; not yet with --save/--load)")
     actor_num_nodes: int = option(1, "training nodes")
     actor_num_gpus_per_node: int = option(1, "training processes per node (GPUs; CPU processes without CUDA)")
+    update_weight_transport: Literal["auto", "tensor", "distributed", "disk"] = option(
+        "auto", "how new weights reach the rollout servers (auto: tensor when they are on this node, else distributed)")
+    update_weight_buffer_size: int = option(512 * 1024**2, "bytes per flattened weight bucket")
+    update_weight_disk_dir: str | None = option(
+        None, "where the disk transport writes weights (default: OUTPUT_DIR/weight_updates; shared storage across nodes)")
+    update_weight_timeout: float = option(300.0, "seconds to wait for the servers to join a weight-update group")
+    pause_mode: Literal["abort", "retract", "in_place"] = option(
+        "retract", "how generation pauses for a weight update: abort in-flight requests, retract them (resumed on "
+                   "the new weights, KV recomputed) or hold them in place")
     log_level: Literal["debug", "info", "warning", "error"] = option("info", "log level")
 
     def __post_init__(self) -> None:
         _require(bool(self.hf_checkpoint), "--hf-checkpoint", self.hf_checkpoint, "a checkpoint directory")
+        _require(self.update_weight_buffer_size >= 1024**2, "--update-weight-buffer-size", self.update_weight_buffer_size,
+                 ">= 1 MiB")
+        _require(self.update_weight_timeout > 0, "--update-weight-timeout", self.update_weight_timeout, "> 0")
         for name in ("num_rollout", "max_tokens_per_gpu", "tensor_model_parallel_size", "pipeline_model_parallel_size",
                      "context_parallel_size", "expert_model_parallel_size", "actor_num_nodes", "actor_num_gpus_per_node"):
             _require(getattr(self, name) >= 1, flag_name(name), getattr(self, name), ">= 1")

@@ -14,7 +14,8 @@ from inverted.errors import ConfigError
 
 # The public command line. Adding a flag is fine, but it must be added here on purpose.
 FROZEN_FLAGS = {
-    "train": {"--actor-num-gpus-per-node", "--actor-num-nodes", "--adam-beta1", "--adam-beta2", "--adam-eps", "--advantage-estimator",
+    "train": {"--update-weight-transport", "--update-weight-buffer-size", "--update-weight-disk-dir",
+              "--update-weight-timeout", "--pause-mode", "--actor-num-gpus-per-node", "--actor-num-nodes", "--adam-beta1", "--adam-beta2", "--adam-eps", "--advantage-estimator",
               "--bf16", "--clip-grad", "--config", "--context-parallel-size", "--debug-train-only",
               "--disable-grpo-std-normalization", "--entropy-coef", "--eps-clip", "--eps-clip-c", "--eps-clip-high",
               "--expert-model-parallel-size", "--gamma", "--global-batch-size", "--hf-checkpoint", "--kl-coef", "--kl-loss-coef",
@@ -26,7 +27,7 @@ FROZEN_FLAGS = {
     "make-tiny-model": {"--config", "--out", "--arch", "--preset", "--seed"},
     "serve-engine": {"--config", "--model", "--host", "--port", "--device", "--dtype", "--max-running-requests",
                      "--context-length", "--max-prefill-tokens", "--disable-radix-cache", "--weight-version", "--served-model-name", "--api-key",
-                     "--admin-api-key", "--num-threads", "--random-seed", "--log-requests", "--log-level"},
+                     "--admin-api-key", "--num-threads", "--random-seed", "--log-requests", "--weight-update-timeout", "--log-level"},
     "buffer": {"--config", "--db", "--host", "--port", "--api-key", "--prompt-data", "--input-key", "--label-key",
                "--metadata-key", "--tool-key", "--n-samples-per-prompt", "--rollout-shuffle", "--rollout-seed",
                "--num-epoch", "--workers", "--lease-seconds", "--partial-rollout", "--stale-policy",

@@ -5,7 +5,8 @@ so that ``Sample.validate`` raises the tree's ``SampleError`` instead of a twin 
 ``http_client`` (the retrying HTTP base under every client module) counts as shared, so that the
 buffer's and SGLang's clients use one retry mechanism; and ``hf_checkpoint`` (what a Hugging
 Face checkpoint's config says) counts as shared, so the engine and the trainer read an
-architecture in one place.
+architecture in one place; and ``weight_wire`` (SGLang's bucket, payload and update-group
+formats) counts as shared, so the trainer's sender and the engine's receiver use one definition.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "inverted"
 SHARED = ("inverted.types", "inverted.errors", "inverted.config", "inverted.plugins", "inverted.metrics",
-          "inverted.http_client", "inverted.hf_checkpoint")
+          "inverted.http_client", "inverted.hf_checkpoint", "inverted.weight_wire")
 
 # module prefix -> prefixes it may import (besides itself); first match wins
 RULES: list[tuple[str, tuple[str, ...]]] = [
@@ -26,6 +27,7 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("inverted.metrics", ("inverted.errors",)),
     ("inverted.http_client", ("inverted.errors",)),
     ("inverted.hf_checkpoint", ("inverted.errors",)),
+    ("inverted.weight_wire", ("inverted.errors",)),
     ("inverted.cli", ("inverted",)),
     ("inverted.controller", SHARED + ("inverted.buffer.client", "inverted.rollout.servers", "inverted.rollout.sglang_client",
                                       "inverted.rollout.proxy", "inverted.train.actor")),

@@ -127,16 +127,58 @@ class SGLangClient(HTTPService):
                                                                "abort_all_requests": abort_all_requests})
         return _check_success(response, self.json_of(response))["new_version"]
 
-    async def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None,
-                                       flush_cache: bool = True, abort_all_requests: bool = False) -> dict[str, Any]:
-        body = {"model_path": model_path, "weight_version": weight_version, "flush_cache": flush_cache,
-                "abort_all_requests": abort_all_requests}
+    # ---- weights (sglang-api.md §4) ---------------------------------------------------------
+
+    async def _update(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """A weight route: ``{success, message}``; a refusal (400, success false) raises ProtocolError with its message."""
         try:
-            response = await self._post("/update_weights_from_disk", body, timeout=self.timeouts.weights, idempotent=False)
-        except ProtocolError as exc:  # SGLang answers a failed load with 400 {success: false, message}
-            raise ProtocolError(f"update_weights_from_disk({model_path}) failed", url=exc.url, status=exc.status,
+            response = await self._post(path, body, timeout=self.timeouts.weights, idempotent=False)
+        except ProtocolError as exc:
+            try:
+                message = json.loads(exc.body).get("message", "")
+            except (ValueError, AttributeError):
+                message = ""
+            raise ProtocolError(f"POST {path} failed: {message or 'rejected'}", url=exc.url, status=exc.status,
                                 body=exc.body) from None
         return _check_success(response, self.json_of(response))
+
+    async def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None,
+                                       flush_cache: bool = True, abort_all_requests: bool = False) -> dict[str, Any]:
+        return await self._update("/update_weights_from_disk", {
+            "model_path": model_path, "weight_version": weight_version, "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests})
+
+    async def begin_weight_update(self) -> None:
+        """Open the update session that tensor and distributed updates need (SGLang >= 0.5.21)."""
+        await self._update("/begin_weight_update", {"selector": "all"})
+
+    async def end_weight_update(self) -> None:
+        await self._update("/end_weight_update", {})
+
+    async def update_weights_from_tensor(self, payloads: list[str], *, load_format: str | None = "flattened_bucket",
+                                         flush_cache: bool = False, weight_version: str | None = None) -> dict[str, Any]:
+        """``payloads``: one serialized entry per server TP rank (``inverted.weight_wire.serialize``)."""
+        return await self._update("/update_weights_from_tensor", {
+            "serialized_named_tensors": payloads, "load_format": load_format, "flush_cache": flush_cache,
+            "weight_version": weight_version})
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                        *, group_name: str, backend: str) -> dict[str, Any]:
+        """Blocks until the group forms: the trainer must join it concurrently."""
+        return await self._update("/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend})
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], *,
+                                              group_name: str, load_format: str | None = "flattened_bucket",
+                                              flush_cache: bool = False, weight_version: str | None = None) -> dict[str, Any]:
+        """Returns once the server has taken the trainer's broadcast(s), issued concurrently by the caller."""
+        return await self._update("/update_weights_from_distributed", {
+            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name, "load_format": load_format,
+            "flush_cache": flush_cache, "weight_version": weight_version})
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        await self._update("/destroy_weights_update_group", {"group_name": group_name})
 
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         response = await self._post("/get_weights_by_name", {"name": name, "truncate_size": truncate_size})

@@ -18,6 +18,7 @@ They are exact inverses (tested bit for bit), and serve loading, weight sync and
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -157,17 +158,20 @@ def load_hf_weights(model, spec: ModelSpec, tensors: dict[str, torch.Tensor]) ->
             params[name].copy_(shard)
 
 
-def assemble_hf(spec: ModelSpec, names: list[str], shards_of, layer_offset: int = 0) -> dict[str, torch.Tensor]:
-    """Full HF tensors from Megatron parameters; ``shards_of(name, row)`` gives a parameter's TP shards."""
-    out: dict[str, torch.Tensor] = {}
+def assembled_hf(spec: ModelSpec, names: list[str], shards_of, layer_offset: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full HF tensors from Megatron parameters, lazily; ``shards_of(name, row)`` gives a parameter's TP shards."""
     for name, (row, prefix) in rows_for(names, layer_offset).items():
         for hf_name, tensor in zip(row.hf, to_hf(spec, row, shards_of(name, row))):
-            out[prefix + hf_name] = tensor.contiguous()
-    return out
+            yield prefix + hf_name, tensor.contiguous()
 
 
-def gather_hf_weights(model, spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """This pipeline stage's parameters as full HF tensors (gathered over tensor parallelism)."""
+def iter_hf_weights(model, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
+    """This pipeline stage's parameters as full HF tensors, one Megatron parameter at a time.
+
+    Gathered over tensor parallelism straight from the live parameters (every TP rank must
+    iterate, in step: each gather is a collective); at most one parameter's full tensors exist
+    at a time, so weight sync never holds a second copy of the model.
+    """
     from megatron.core import parallel_state
 
     group = parallel_state.get_tensor_model_parallel_group()
@@ -182,4 +186,9 @@ def gather_hf_weights(model, spec: ModelSpec) -> dict[str, torch.Tensor]:
         torch.distributed.all_gather(shards, local.contiguous(), group=group)
         return shards
 
-    return assemble_hf(spec, list(params), shards_of, _layer_offset(model))
+    return assembled_hf(spec, list(params), shards_of, _layer_offset(model))
+
+
+def gather_hf_weights(model, spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """This pipeline stage's parameters as full HF tensors (gathered over tensor parallelism)."""
+    return dict(iter_hf_weights(model, spec))

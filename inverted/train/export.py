@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from inverted.errors import ModelError
 from inverted.hf_checkpoint import ModelSpec
 from inverted.train.checkpoint import HF_FILES_DIR, latest_iteration, rank_file, read_meta
-from inverted.train.convert import assemble_hf
+from inverted.train.convert import assembled_hf
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
     shards = [torch.load(directory / rank_file(tp, 0, 0), weights_only=True)["model"]
               for tp in range(meta["parallel"]["tensor"])]
     names = [name for name in shards[0] if not name.endswith("_extra_state")]
-    tensors = assemble_hf(spec, names, lambda name, row: [shard[name] for shard in shards])
+    tensors = dict(assembled_hf(spec, names, lambda name, row: [shard[name] for shard in shards]))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for item in (root / HF_FILES_DIR).iterdir():

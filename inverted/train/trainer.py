@@ -19,6 +19,7 @@ nothing but gradients and metric sums crosses ranks.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import defaultdict
@@ -30,11 +31,12 @@ from inverted.config import TrainConfig
 from inverted.errors import SampleError
 from inverted.hf_checkpoint import ModelSpec, checkpoint_tensors
 from inverted.train import losses
-from inverted.train.convert import check_compatible, gather_hf_weights, load_hf_weights
+from inverted.train.convert import check_compatible, gather_hf_weights, iter_hf_weights, load_hf_weights
 from inverted.train.logprobs import token_logprobs_and_entropy
 from inverted.train.model import Parallelism, build_model
 from inverted.train.optimizer import build_optimizer
 from inverted.train.packing import MicroBatch, balance, pack
+from inverted.train.weight_sync import SyncReport, WeightSync
 from inverted.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -299,3 +301,19 @@ class Trainer:
     def hf_weights(self) -> dict[str, torch.Tensor]:
         """The current policy as full Hugging Face tensors (gathered over tensor parallelism)."""
         return gather_hf_weights(self.model.module, self.spec)
+
+    def sync_weights(self, sync: WeightSync, version: str) -> SyncReport | None:
+        """Push the current policy into the rollout servers; every rank calls this.
+
+        Global rank 0 sends; the other ranks of its model replica take part in the TP gathers
+        (collectives) and return None; other data-parallel replicas have nothing to do.
+        """
+        from megatron.core import parallel_state
+
+        weights = iter_hf_weights(self.model.module, self.spec)
+        if torch.distributed.get_rank() == 0:
+            return asyncio.run(sync.update(weights, version))
+        if parallel_state.get_data_parallel_rank() == 0:
+            for _ in weights:
+                pass
+        return None

@@ -131,14 +131,20 @@ class CausalLM(torch.nn.Module):
 
     # ---- weights -------------------------------------------------------------------------
 
-    def check_weights(self, named: dict[str, torch.Tensor], *, complete: bool) -> None:
-        """Raise ModelError unless every name is ours with the right shape (and, if ``complete``, all are given)."""
+    def check_weights(self, named: dict[str, torch.Tensor], *, complete: bool, strict_dtype: bool = False) -> None:
+        """Raise ModelError unless every name is ours with the right shape (and, if ``complete``, all are given).
+
+        ``strict_dtype``: every tensor must also come in the served dtype (``--dtype``), as weight
+        updates must; a checkpoint on disk is converted instead.
+        """
         unknown = sorted(set(named) - set(self.hf_views))
         if unknown:
             raise ModelError(f"unknown parameter names: {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
         for name, tensor in named.items():
             if tuple(tensor.shape) != tuple(self.hf_views[name].shape):
                 raise ModelError(f"{name}: expected shape {tuple(self.hf_views[name].shape)}, got {tuple(tensor.shape)}")
+            if strict_dtype and tensor.dtype != self.dtype:
+                raise ModelError(f"{name}: expected dtype {self.dtype} (the served dtype), got {tensor.dtype}")
         if complete:
             optional = {"lm_head.weight"} if self.spec.tie_word_embeddings else set()
             missing = sorted(set(self.hf_views) - set(named) - optional)
@@ -146,9 +152,9 @@ class CausalLM(torch.nn.Module):
                 raise ModelError(f"checkpoint lacks parameters: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
 
     @torch.no_grad()
-    def load_weights(self, named: dict[str, torch.Tensor], *, complete: bool) -> None:
+    def load_weights(self, named: dict[str, torch.Tensor], *, complete: bool, strict_dtype: bool = False) -> None:
         """Check everything first, then copy: a bad set of weights changes nothing."""
-        self.check_weights(named, complete=complete)
+        self.check_weights(named, complete=complete, strict_dtype=strict_dtype)
         for name, tensor in named.items():
             self.hf_views[name].copy_(tensor)
 

@@ -44,17 +44,51 @@ class UpdateWeightVersionRequest(ControlModel):
     abort_all_requests: bool = True
 
 
-class UpdateWeightsFromDiskRequest(ControlModel):
-    model_path: str
-    load_format: str | None = None
+class BeginWeightUpdateRequest(ControlModel):
+    selector: str = "all"
+
+
+class WeightLoadOptions(ControlModel):
+    """What every weight-loading route accepts besides its payload."""
+
+    flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: str | None = None
-    flush_cache: bool = True
-    is_async: bool = False
+    load_format: str | None = None
+    selector: str = "all"
     torch_empty_cache: bool = False
+
+
+class UpdateWeightsFromDiskRequest(WeightLoadOptions):
+    model_path: str
+    is_async: bool = False
     keep_pause: bool = False
     recapture_cuda_graph: bool = False
     token_step: int = 0
+
+
+class UpdateWeightsFromTensorRequest(WeightLoadOptions):
+    serialized_named_tensors: list[str]
+
+
+class InitWeightsUpdateGroupRequest(ControlModel):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class UpdateWeightsFromDistributedRequest(WeightLoadOptions):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+
+
+class DestroyWeightsUpdateGroupRequest(ControlModel):
+    group_name: str = "weight_update_group"
 
 
 class GetWeightsByNameRequest(ControlModel):

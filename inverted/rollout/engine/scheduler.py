@@ -11,6 +11,10 @@ Everything that changes engine state (pause, continue, abort, weight updates, fl
 sees half an update. A *barrier* command (a weight update while not paused) waits until no
 request is running and holds back admissions meanwhile, like SGLang's model-update writer lock.
 
+A weight-update session (``begin_update`` ... ``end_update``, SGLang's begin/end weight update)
+is opened by a barrier command and holds all stepping until it ends, so the buckets of one update
+land between two steps and no token is ever sampled from half-new weights.
+
 Pause modes follow SGLang: ``abort`` finishes every queued and running request with
 ``finish_reason.type == "abort"``; ``retract`` returns running requests to the front of the queue
 (their KV is dropped and recomputed on continue, their tokens kept); ``in_place`` stops stepping
@@ -93,6 +97,7 @@ class Scheduler:
         self.reuse_prefixes = reuse_prefixes
         self.prefixes: dict[int, list[int]] = {}  # kept row (>= len(running)) -> the tokens whose KV it holds
         self.paused: str | None = None
+        self.updating = False  # inside /begin_weight_update ... /end_weight_update: nothing steps
         self.memory_released = False
         self.stats = collections.Counter()
         self._seeds = torch.Generator(device=model.device)  # shared by requests without a sampling_seed
@@ -172,6 +177,17 @@ class Scheduler:
     def resume(self) -> None:
         self.paused = None
 
+    def begin_update(self) -> None:
+        """Open a weight-update session (a barrier command: no request runs on half-updated weights)."""
+        if self.updating:
+            raise RuntimeError("a weight update session is already open: call end_weight_update first")
+        self.updating = True
+
+    def end_update(self) -> None:
+        if not self.updating:
+            raise RuntimeError("no weight update session is open: call begin_weight_update first")
+        self.updating = False
+
     def busy(self) -> bool:
         """Whether a cache flush must be refused: requests run, or queue while not paused (SGLang's rule)."""
         return bool(self.running) or (bool(self.waiting) and self.paused not in ("retract", "in_place"))
@@ -236,7 +252,7 @@ class Scheduler:
         return [c for c in self._commands if not c[2] or idle]
 
     def _has_work(self) -> bool:
-        if self.paused is not None or self.memory_released:
+        if self.paused is not None or self.memory_released or self.updating:
             return False
         queued = bool(self.waiting) or bool(self._incoming)
         return bool(self.running) or (queued and not self._barrier_pending())

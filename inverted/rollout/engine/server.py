@@ -27,13 +27,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from inverted.config import EngineConfig
-from inverted.errors import ModelError
+from inverted.errors import InvalidRequest, ModelError
 from inverted.hf_checkpoint import ARCHITECTURES, checkpoint_tensors
 from inverted.rollout.engine import protocol as P
 from inverted.rollout.engine.model import load_model
 from inverted.rollout.engine.sampling import SamplingParams, SchemaError
 from inverted.rollout.engine.scheduler import Request as EngineRequest
 from inverted.rollout.engine.scheduler import Scheduler, new_rid
+from inverted.rollout.engine.weights import UpdateGroups, decode_tensor_payloads
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class Engine:
         self.model_name = config.served_model_name or config.model
         self.started = time.time()
         self.inflight: dict[str, EngineRequest] = {}
+        self.groups = UpdateGroups(timeout=config.weight_update_timeout)
 
     def _matched_stop(self, req: EngineRequest) -> str | None:
         """The stop string that the newest token completed, if any (only the tail can hold it)."""
@@ -113,6 +115,7 @@ def create_app(config: EngineConfig) -> FastAPI:
             yield
         finally:
             engine.scheduler.stop()
+            engine.groups.close()
 
     app = FastAPI(title="inverted embedded engine (SGLang protocol)", lifespan=lifespan)
     _add_error_handlers(app)
@@ -260,6 +263,37 @@ def _ok(message: str, status: int = 200, **extra: Any) -> JSONResponse:
     return JSONResponse({"success": status == 200, "message": message, **extra}, status_code=status)
 
 
+OUTSIDE_SESSION = "{route} must run between begin_weight_update() and end_weight_update()."
+
+
+async def _load_weights(engine: Engine, tensors: dict[str, torch.Tensor], body: P.WeightLoadOptions, *,
+                        complete: bool) -> tuple[str, int, int]:
+    """Copy checked tensors in on the scheduler thread; then version and flush, as SGLang does.
+
+    Inside a session (tensor and distributed updates) nothing is stepping; a disk update outside
+    one waits for running requests unless it aborts them. Returns (message, status, paused count).
+    """
+    def apply() -> tuple[str, int, int]:
+        sched = engine.scheduler
+        if body.abort_all_requests:
+            sched.abort(abort_all=True)
+        sched.model.load_weights(tensors, complete=complete, strict_dtype=not complete)
+        sched.forget_prefixes()  # their KV came from the old weights
+        message = "Succeeded to update model weights."
+        if body.weight_version is not None:
+            sched.weight_version = body.weight_version
+            message += f" Weight version updated to {body.weight_version}."
+        paused = len(sched.waiting) if sched.paused else 0
+        if body.flush_cache:
+            if sched.busy():
+                return "Weights were updated, but the cache was not flushed: requests are running.", 400, paused
+            sched.flush()
+        return message, 200, paused
+
+    barrier = not body.abort_all_requests and not engine.scheduler.updating
+    return await engine.run(apply, barrier=barrier)
+
+
 def _add_control_routes(app: FastAPI) -> None:
     admin = [Depends(_require_admin_key)]
 
@@ -312,27 +346,67 @@ def _add_control_routes(app: FastAPI) -> None:
             tensors = await asyncio.to_thread(read)
         except ModelError as exc:
             return _ok(f"Failed to update weights: {exc}. Rolled back to the previous weights.", 400, num_paused_requests=0)
-
-        def apply() -> tuple[str, int]:
-            sched = engine.scheduler
-            if body.abort_all_requests:
-                sched.abort(abort_all=True)
-            model.load_weights(tensors, complete=True)
-            sched.forget_prefixes()  # their KV came from the old weights
-            message = "Succeeded to update model weights."
-            if body.weight_version is not None:
-                sched.weight_version = body.weight_version
-                message += f" Weight version updated to {body.weight_version}."
-            paused = len(sched.waiting) if sched.paused else 0
-            if body.flush_cache:
-                if sched.busy():
-                    return "Weights were updated, but the cache was not flushed: requests are running.", paused
-                sched.flush()
-            return message, paused
-
-        message, paused = await engine.run(apply, barrier=not body.abort_all_requests)
-        status = 200 if message.startswith("Succeeded") else 400
+        message, status, paused = await _load_weights(engine, tensors, body, complete=True)
         return _ok(message, status, num_paused_requests=paused)
+
+    @app.post("/begin_weight_update", dependencies=admin)
+    async def begin_weight_update(body: P.BeginWeightUpdateRequest, engine: EngineDep) -> JSONResponse:
+        try:
+            await engine.run(engine.scheduler.begin_update, barrier=True)
+        except RuntimeError as exc:
+            return _ok(str(exc), 400)
+        return _ok("Weight update session started.")
+
+    @app.post("/end_weight_update", dependencies=admin)
+    async def end_weight_update(engine: EngineDep) -> JSONResponse:
+        try:
+            await engine.run(engine.scheduler.end_update)
+        except RuntimeError as exc:
+            return _ok(str(exc), 400)
+        return _ok("Weight update session ended.")
+
+    @app.post("/update_weights_from_tensor", dependencies=admin)
+    async def update_weights_from_tensor(body: P.UpdateWeightsFromTensorRequest, engine: EngineDep) -> JSONResponse:
+        if not engine.scheduler.updating:
+            return _ok(OUTSIDE_SESSION.format(route="update_weights_from_tensor"), 400)
+        model = engine.scheduler.model
+        try:
+            named = await asyncio.to_thread(decode_tensor_payloads, model, body.serialized_named_tensors, body.load_format)
+        except InvalidRequest as exc:
+            return _ok(str(exc), 400)
+        message, status, _ = await _load_weights(engine, dict(named), body, complete=False)
+        return _ok(message, status)
+
+    @app.post("/init_weights_update_group", dependencies=admin)
+    async def init_weights_update_group(body: P.InitWeightsUpdateGroupRequest, engine: EngineDep) -> JSONResponse:
+        if body.backend == "nccl" and engine.scheduler.model.device.type != "cuda":
+            return _ok("Failed to init group: backend 'nccl' needs a CUDA engine; use 'gloo' on CPU.", 400)
+        try:
+            await asyncio.to_thread(engine.groups.join, body.master_address, body.master_port, body.rank_offset,
+                                    body.world_size, body.group_name, body.backend)
+        except (InvalidRequest, RuntimeError, ValueError) as exc:  # torch raises RuntimeError/DistStoreError on timeout
+            return _ok(f"Failed to init group: {exc}", 400)
+        return _ok("Succeeded to initialize custom process group.")
+
+    @app.post("/update_weights_from_distributed", dependencies=admin)
+    async def update_weights_from_distributed(body: P.UpdateWeightsFromDistributedRequest, engine: EngineDep) -> JSONResponse:
+        if not engine.scheduler.updating:
+            return _ok(OUTSIDE_SESSION.format(route="update_weights_from_distributed"), 400)
+        try:
+            named = await asyncio.to_thread(engine.groups.receive, engine.scheduler.model, body.group_name, body.names,
+                                            body.dtypes, body.shapes, body.load_format)
+        except (InvalidRequest, RuntimeError) as exc:
+            return _ok(str(exc), 400)
+        message, status, _ = await _load_weights(engine, dict(named), body, complete=False)
+        return _ok(message, status)
+
+    @app.post("/destroy_weights_update_group", dependencies=admin)
+    async def destroy_weights_update_group(body: P.DestroyWeightsUpdateGroupRequest, engine: EngineDep) -> JSONResponse:
+        try:
+            await asyncio.to_thread(engine.groups.destroy, body.group_name)
+        except InvalidRequest as exc:
+            return _ok(str(exc), 400)
+        return _ok("Succeeded to destroy custom process group.")
 
     @app.api_route("/get_weights_by_name", methods=["GET", "POST"], dependencies=admin)
     async def get_weights_by_name(body: P.GetWeightsByNameRequest, engine: EngineDep) -> JSONResponse:
@@ -372,7 +446,8 @@ def _server_info(engine: Engine) -> dict[str, Any]:
     cfg = engine.config
     return {
         "model_path": cfg.model, "tokenizer_path": cfg.model, "served_model_name": engine.model_name,
-        "host": cfg.host, "port": cfg.port, "device": cfg.device, "dtype": cfg.dtype,
+        "host": cfg.host, "port": cfg.port, "device": cfg.device,
+        "dtype": str(engine.scheduler.model.dtype).removeprefix("torch."),  # resolved: what weight updates must send
         "tp_size": 1, "dp_size": 1, "load_balance_method": "round_robin", "disaggregation_mode": "null",
         "context_length": engine.context_length, "max_running_requests": cfg.max_running_requests,
         "max_prefill_tokens": cfg.max_prefill_tokens, "weight_version": cfg.weight_version,

@@ -1,0 +1,131 @@
+"""Weights arriving at the engine: SGLang's tensor payloads and update-group broadcasts, checked whole.
+
+The HTTP routes (``server``) hand a request's payloads here and get back named tensors that are
+known to fit: every name is a parameter of the served model, with its shape and the served dtype.
+Only then does the scheduler copy them in (``CausalLM.load_weights`` checks again and copies), so a
+bad payload changes nothing.
+
+- ``decode_tensor_payloads``: ``/update_weights_from_tensor``. One entry per server TP rank (this
+  engine has one). ``load_format="flattened_bucket"`` carries ``{"flattened_tensor", "metadata"}``;
+  ``None`` / ``"direct"`` carry ``[(name, tensor | LocalSerializedTensor)]``. Decoding goes through
+  ``weight_wire``'s allowlist. CPU tensors arrive as shared-memory files the trainer wrote (the
+  sender's first copy); the scheduler's copy into the parameters is the second and last.
+- ``UpdateGroups``: ``/init_weights_update_group`` joins the trainer's group (blocking, so it runs
+  in a worker thread); ``receive`` takes one broadcast of a flattened bucket, or one per tensor, in
+  list order. A request whose tensors do not fit still takes its broadcasts (into scratch memory)
+  before it is refused, so the trainer's collective never hangs on our refusal.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from inverted.errors import InvalidRequest, ModelError
+from inverted.weight_wire import (
+    LocalSerializedTensor,
+    UpdateGroup,
+    bucket_layout,
+    deserialize,
+    join_update_group,
+    parse_dtype,
+    unflatten,
+)
+
+TP_SIZE = 1  # the embedded engine runs one model replica per process
+LOAD_FORMATS = (None, "direct", "flattened_bucket")
+
+Named = list[tuple[str, torch.Tensor]]
+
+
+def check_fits(model, named: Named) -> None:
+    """``InvalidRequest`` unless every tensor is a parameter of ``model`` with its shape and the served dtype."""
+    try:
+        model.check_weights(dict(named), complete=False, strict_dtype=True)
+    except ModelError as exc:
+        raise InvalidRequest(f"Failed to update weights: {exc}") from None
+
+
+def decode_tensor_payloads(model, payloads: list[str], load_format: str | None) -> Named:
+    """The named tensors of an ``/update_weights_from_tensor`` request for TP rank 0, checked."""
+    if load_format not in LOAD_FORMATS:
+        raise InvalidRequest(f"load_format must be one of {list(LOAD_FORMATS)} on this engine, got {load_format!r}")
+    if len(payloads) != TP_SIZE:
+        raise InvalidRequest(f"serialized_named_tensors has {len(payloads)} entries: one per server TP rank "
+                             f"is needed, and this server has {TP_SIZE}")
+    obj = deserialize(payloads[0])
+    if load_format == "flattened_bucket":
+        if not (isinstance(obj, dict) and isinstance(obj.get("flattened_tensor"), torch.Tensor)
+                and isinstance(obj.get("metadata"), list)):
+            raise InvalidRequest("a flattened_bucket payload must decode to {'flattened_tensor': Tensor, 'metadata': [...]}")
+        named = unflatten(obj["flattened_tensor"], obj["metadata"])
+    else:
+        if not isinstance(obj, list) or not all(isinstance(e, tuple) and len(e) == 2 for e in obj):
+            raise InvalidRequest("a payload must decode to a list of (name, tensor) pairs")
+        named = [(name, value.get(0) if isinstance(value, LocalSerializedTensor) else value) for name, value in obj]
+        if not all(isinstance(name, str) and isinstance(t, torch.Tensor) for name, t in named):
+            raise InvalidRequest("a payload must decode to a list of (name, tensor) pairs")
+        named = [(name, t.to(model.device)) for name, t in named]
+    check_fits(model, named)
+    return named
+
+
+class UpdateGroups:
+    """The weight-update process groups this engine has joined, by group name."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self._groups: dict[str, UpdateGroup] = {}
+        self._lock = threading.Lock()
+
+    def join(self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
+             backend: str) -> None:
+        """Blocking: returns once every rank has joined. Rank ``rank_offset + tp_rank`` (tp_rank is 0 here)."""
+        with self._lock:
+            if group_name in self._groups:
+                raise InvalidRequest(f"process group {group_name!r} already exists: destroy it first")
+        group = join_update_group(master_address, master_port, world_size, rank_offset, group_name=group_name,
+                                  backend=backend, timeout=self.timeout)
+        with self._lock:
+            self._groups[group_name] = group
+
+    def destroy(self, group_name: str) -> None:
+        with self._lock:
+            group = self._groups.pop(group_name, None)
+        if group is None:
+            raise InvalidRequest(f"no process group named {group_name!r}")
+        group.close()
+
+    def receive(self, model, group_name: str, names: list[str], dtype_names: list[str], shapes: list[list[int]],
+                load_format: str | None) -> Named:
+        """Blocking: take the trainer's broadcasts for these tensors, then check that they fit ``model``."""
+        with self._lock:
+            group = self._groups.get(group_name)
+        if group is None:
+            raise InvalidRequest(f"no process group named {group_name!r}: call /init_weights_update_group first")
+        if not (len(names) == len(dtype_names) == len(shapes)) or not names:
+            raise InvalidRequest(f"names, dtypes and shapes must be non-empty lists of one length, got "
+                                 f"{len(names)}, {len(dtype_names)} and {len(shapes)}")
+        if load_format not in (None, "flattened_bucket"):
+            raise InvalidRequest(f"load_format must be null or 'flattened_bucket', got {load_format!r}")
+        entries = [(name, parse_dtype(dtype), tuple(shape)) for name, dtype, shape in zip(names, dtype_names, shapes)]
+        # every shape (and, for a bucket, every offset) is checked before the first receive
+        layout = bucket_layout(entries) if load_format else [bucket_layout([e])[0] for e in entries]
+        device = "cuda" if model.device.type == "cuda" else "cpu"
+        if load_format == "flattened_bucket":
+            flat = torch.empty(layout[-1].end_idx, dtype=torch.uint8, device=device)
+            group.broadcast(flat)
+            named = unflatten(flat, layout)
+        else:
+            named = []
+            for meta in layout:
+                tensor = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+                group.broadcast(tensor)
+                named.append((meta.name, tensor))
+        check_fits(model, named)
+        return named
+
+    def close(self) -> None:
+        for name in list(self._groups):
+            self.destroy(name)

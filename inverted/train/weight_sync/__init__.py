@@ -1,0 +1,43 @@
+"""Weight sync: the trainer's weights into every rollout server, in flattened buckets.
+
+- ``buckets``: named tensors → SGLang ``FlattenedTensorBucket`` layout, two buffers in turn.
+- ``transports``: tensor (shared memory / CUDA IPC), distributed (gloo / NCCL broadcast), disk.
+- ``sync``: one update end to end (pause, session, buckets, version, flush, continue), timed.
+
+``make_weight_sync`` builds one from the trainer's config; ``Trainer.sync_weights`` drives it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from inverted.config import TrainConfig
+from inverted.train.weight_sync.buckets import Bucket, BucketPacker
+from inverted.train.weight_sync.sync import SyncReport, WeightSync
+from inverted.train.weight_sync.transports import (
+    DiskTransport,
+    DistributedTransport,
+    TensorTransport,
+    Transport,
+    address_towards,
+)
+
+__all__ = ["Bucket", "BucketPacker", "DiskTransport", "DistributedTransport", "SyncReport", "TensorTransport",
+           "Transport", "WeightSync", "make_weight_sync"]
+
+
+def make_weight_sync(cfg: TrainConfig, urls: list[str], *, checkpoint_dtype: str | None = None,
+                     api_key: str | None = None) -> WeightSync:
+    """``--update-weight-transport auto``: tensor when every server is on this host, else distributed."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    kind = cfg.update_weight_transport
+    if kind == "auto":
+        kind = "tensor" if all(address_towards(url) == "127.0.0.1" for url in urls) else "distributed"
+    if kind == "tensor":
+        transport: Transport = TensorTransport(device)
+    elif kind == "distributed":
+        transport = DistributedTransport(device, timeout=cfg.update_weight_timeout)
+    else:
+        transport = DiskTransport(device, cfg.update_weight_disk_dir or f"{cfg.output_dir}/weight_updates", cfg.hf_checkpoint)
+    return WeightSync(transport, urls, buffer_size=cfg.update_weight_buffer_size, pause_mode=cfg.pause_mode,
+                      api_key=api_key, checkpoint_dtype=checkpoint_dtype)

@@ -1,0 +1,185 @@
+"""One weight update, end to end: pause, open the session, stream the buckets, version, flush, continue.
+
+``WeightSync.update(weights, version)`` runs on the trainer's sending rank. ``weights`` is a
+lazy stream of full Hugging Face tensors (``convert.iter_hf_weights``: gathered over TP from the
+live parameters, one at a time). The phases, each timed into the ``SyncReport``:
+
+1. ``connect``: once per set of servers (the distributed transport forms its group here; a
+   changed server set, such as a restarted server, tears the group down and forms a new one).
+2. ``pause``: ``/pause_generation`` with ``--pause-mode`` on every server.
+3. ``begin``: ``/begin_weight_update`` (tensor and distributed transports).
+4. ``buckets``: packing bucket ``k+1`` (a worker thread: gather, cast, copy) overlaps sending
+   bucket ``k``; ``pack`` and ``send`` also report their own sums.
+5. ``finish`` (disk: the servers load the shards), ``end``: ``/end_weight_update``.
+6. ``version``: ``/update_weight_version`` to the trainer's step, without aborting anything.
+7. ``flush``: ``/flush_cache`` unless the pause kept KV in place (in_place mode); a server may
+   refuse while requests are queued, which is counted, not fatal (its update dropped its prefix
+   cache anyway).
+8. ``continue``: ``/continue_generation``.
+
+If anything fails after the pause, the session is ended and generation continued before the
+error propagates, so a failed update never leaves servers frozen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import AsyncExitStack, contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from inverted.rollout.sglang_client import SGLangClient
+from inverted.train.weight_sync.buckets import Bucket, BucketPacker
+from inverted.train.weight_sync.transports import Transport, all_servers
+
+logger = logging.getLogger(__name__)
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+@dataclass
+class SyncReport:
+    """What one update moved and how long each phase took (seconds)."""
+
+    version: str
+    transport: str
+    servers: int
+    buckets: int = 0
+    bytes: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+    flushed: int = 0
+
+    @property
+    def gb_per_s(self) -> float:
+        """Effective bandwidth of the bucket phase (gather + pack + send, overlapped)."""
+        return self.bytes / self.seconds["buckets"] / 1e9 if self.seconds.get("buckets") else 0.0
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+
+    @contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(phase, time.perf_counter() - started)
+
+    def metrics(self) -> dict[str, float]:
+        return {"weight_sync/bytes": self.bytes, "weight_sync/buckets": self.buckets, "weight_sync/gb_per_s": self.gb_per_s,
+                **{f"weight_sync/{phase}_s": s for phase, s in self.seconds.items()}}
+
+
+def served_dtype(info: dict, checkpoint_dtype: str | None) -> torch.dtype:
+    """The dtype a server holds its weights in: ``/server_info``'s ``dtype``, or for ``auto`` SGLang's rule
+    (the checkpoint's half-precision dtype; a float32 checkpoint is served in bfloat16)."""
+    for name in (info.get("dtype"), checkpoint_dtype):
+        dtype = getattr(torch, name, None) if isinstance(name, str) else None
+        if isinstance(dtype, torch.dtype) and (name == info.get("dtype") or dtype in (torch.bfloat16, torch.float16)):
+            return dtype
+    return torch.bfloat16
+
+
+class WeightSync:
+    """Pushes the trainer's weights into every rollout server (the URLs of their SGLang endpoints)."""
+
+    def __init__(self, transport: Transport, urls: list[str], *, buffer_size: int, pause_mode: str = "abort",
+                 api_key: str | None = None, checkpoint_dtype: str | None = None):
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
+        self.transport, self.urls, self.api_key = transport, list(urls), api_key
+        self.buffer_size, self.pause_mode, self.checkpoint_dtype = buffer_size, pause_mode, checkpoint_dtype
+        self.packer: BucketPacker | None = None
+        self.connected: list[str] = []
+
+    def set_servers(self, urls: list[str]) -> None:
+        """A new server set (a server was restarted or added); the next update reconnects."""
+        self.urls = list(urls)
+
+    async def update(self, weights: Iterable[tuple[str, torch.Tensor]], version: str) -> SyncReport:
+        async with AsyncExitStack() as stack:
+            servers = [await stack.enter_async_context(SGLangClient(url, api_key=self.api_key)) for url in self.urls]
+            report = SyncReport(version=version, transport=self.transport.name, servers=len(servers))
+            with report.timed("connect"):
+                await self._connect(servers)
+            with report.timed("pause"):
+                await all_servers(s.pause_generation(self.pause_mode) for s in servers)
+            began = done = False
+            try:
+                if self.transport.needs_session:
+                    with report.timed("begin"):
+                        await all_servers(s.begin_weight_update() for s in servers)
+                    began = True
+                with report.timed("buckets"):
+                    await self._stream(servers, iter(weights), report)
+                with report.timed("finish"):
+                    await self.transport.finish(servers, version)
+                if began:
+                    with report.timed("end"):
+                        await all_servers(s.end_weight_update() for s in servers)
+                with report.timed("version"):
+                    await all_servers(s.update_weight_version(version, abort_all_requests=False) for s in servers)
+                if self.pause_mode != "in_place":
+                    with report.timed("flush"):
+                        report.flushed = sum(await asyncio.gather(*(s.flush_cache() for s in servers)))
+                done = True
+            finally:
+                with report.timed("continue"):
+                    if began and not done:  # a failed update must not leave the servers frozen
+                        await asyncio.gather(*(s.end_weight_update() for s in servers), return_exceptions=True)
+                    resumed = asyncio.gather(*(s.continue_generation() for s in servers), return_exceptions=not done)
+                    await resumed
+        logger.info("weights %s -> %d servers over %s: %.1f MB in %d buckets, %.2f GB/s; %s", version, len(servers),
+                    report.transport, report.bytes / 1e6, report.buckets, report.gb_per_s,
+                    " ".join(f"{k}={v:.3f}s" for k, v in report.seconds.items()))
+        return report
+
+    async def _connect(self, servers: list[SGLangClient]) -> None:
+        if self.connected == self.urls:
+            return
+        if self.connected:
+            async with AsyncExitStack() as stack:
+                old = [await stack.enter_async_context(SGLangClient(u, api_key=self.api_key)) for u in self.connected]
+                await self.transport.close(old)
+            self.connected = []
+        infos = await asyncio.gather(*(s.server_info() for s in servers))
+        dtypes = {served_dtype(info, self.checkpoint_dtype) for info in infos}
+        if len(dtypes) != 1:
+            raise ValueError(f"the rollout servers hold different dtypes {sorted(map(str, dtypes))}: one update cannot fit all")
+        self.packer = BucketPacker(self.buffer_size, self.transport.allocate, dtypes.pop())
+        await self.transport.connect(servers, [int(info.get("tp_size", 1)) for info in infos])
+        self.connected = list(self.urls)
+
+    async def _stream(self, servers: list[SGLangClient], weights: Iterator, report: SyncReport) -> None:
+        """Pack bucket k+1 in a worker thread while bucket k is being sent."""
+        assert self.packer is not None
+        buckets = self.packer.pack(weights)
+
+        def next_bucket() -> Bucket | None:
+            started = time.perf_counter()
+            bucket = next(buckets, None)
+            report.add("pack", time.perf_counter() - started)
+            return bucket
+
+        async def send(bucket: Bucket) -> None:
+            started = time.perf_counter()
+            await self.transport.send(servers, bucket)
+            report.add("send", time.perf_counter() - started)
+            report.buckets += 1
+            report.bytes += bucket.nbytes
+
+        sending: asyncio.Task | None = None
+        try:
+            while (bucket := await asyncio.to_thread(next_bucket)) is not None:
+                if sending is not None:
+                    await sending  # its buffer is the one the next pack reuses
+                sending = asyncio.create_task(send(bucket))
+            if sending is not None:
+                await sending
+        finally:
+            if sending is not None and not sending.done():
+                sending.cancel()

@@ -1,0 +1,189 @@
+"""Three ways a bucket reaches the rollout servers, behind one interface (``Transport``).
+
+- ``TensorTransport`` (same node): ``/update_weights_from_tensor`` with
+  ``load_format="flattened_bucket"``. The bucket buffer itself is shared: a CUDA-IPC handle on GPU,
+  a shared-memory file on CPU (torch's ``file_system`` strategy, which an unrelated server process
+  can open; the default ``file_descriptor`` strategy needs the sender's authkey). So the bytes are
+  copied twice in all: packed into the buffer here, copied into the parameters there.
+- ``DistributedTransport`` (separate GPUs or nodes): one update group with every server TP rank
+  (``/init_weights_update_group``; NCCL on GPU, gloo on CPU), then per bucket one broadcast of the
+  flat buffer, issued together with each server's ``/update_weights_from_distributed``.
+- ``DiskTransport``: each bucket is written as one safetensors shard (a bucket *is* a safetensors
+  data section: bytes back to back with byte offsets, so the buffer is written as is), then every
+  server loads the directory with ``/update_weights_from_disk``.
+
+Every method that talks to servers takes the ``SGLangClient`` s of this update; all servers are
+addressed concurrently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import socket
+import uuid
+from abc import ABC, abstractmethod
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+
+from inverted.rollout.sglang_client import SGLangClient
+from inverted.train.weight_sync.buckets import Bucket
+from inverted.weight_wire import UpdateGroup, join_update_group, serialize
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class Transport(ABC):
+    """How buckets travel. ``connect`` once per server set; ``send`` per bucket; ``finish`` per update."""
+
+    name: str
+    needs_session = True  # tensor and distributed updates run inside begin/end_weight_update
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        """A packing buffer the transport can send from."""
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    async def connect(self, servers: list[SGLangClient], tp_sizes: list[int]) -> None:
+        """Prepare for this set of servers (``tp_sizes``: each server's TP ranks)."""
+
+    @abstractmethod
+    async def send(self, servers: list[SGLangClient], bucket: Bucket) -> None: ...
+
+    async def finish(self, servers: list[SGLangClient], version: str) -> None:
+        """After the last bucket."""
+
+    async def close(self, servers: list[SGLangClient]) -> None:
+        """Release what ``connect`` set up (servers may be gone)."""
+
+
+async def all_servers(calls) -> None:
+    """Await calls to every server together; raise the first failure after all have ended."""
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+
+
+class TensorTransport(Transport):
+    name = "tensor"
+
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        self.tp_sizes: list[int] = []
+        if device.type == "cpu":
+            torch.multiprocessing.set_sharing_strategy("file_system")
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        buffer = super().allocate(nbytes)
+        return buffer.share_memory_() if self.device.type == "cpu" else buffer
+
+    async def connect(self, servers: list[SGLangClient], tp_sizes: list[int]) -> None:
+        self.tp_sizes = tp_sizes
+
+    async def send(self, servers: list[SGLangClient], bucket: Bucket) -> None:
+        payload = serialize({"flattened_tensor": bucket.flat, "metadata": bucket.metadata})
+        await all_servers(server.update_weights_from_tensor([payload] * tp, load_format="flattened_bucket")
+                          for server, tp in zip(servers, self.tp_sizes))
+
+
+def address_towards(url: str) -> str:
+    """This host's address on the route to ``url``'s host (loopback for a local server)."""
+    host = urlparse(url).hostname or "127.0.0.1"
+    if host in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # UDP connect sends nothing
+        probe.connect((host, 9))
+        return probe.getsockname()[0]
+
+
+class DistributedTransport(Transport):
+    name = "distributed"
+
+    def __init__(self, device: torch.device, timeout: float = 300.0):
+        super().__init__(device)
+        self.timeout = timeout
+        self.group: UpdateGroup | None = None
+        self.group_name = ""
+
+    async def connect(self, servers: list[SGLangClient], tp_sizes: list[int]) -> None:
+        from torch.distributed.elastic.utils.distributed import get_free_port
+
+        address, port = address_towards(servers[0].base_url), get_free_port()
+        self.group_name = f"weight_update_group_{uuid.uuid4().hex[:8]}"  # fresh per server set: no stale keys
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        world_size = 1 + sum(tp_sizes)
+        offsets = [1 + sum(tp_sizes[:i]) for i in range(len(servers))]
+        ours = asyncio.to_thread(join_update_group, address, port, world_size, 0, group_name=self.group_name,
+                                 backend=backend, timeout=self.timeout)
+        theirs = [server.init_weights_update_group(address, port, offset, world_size, group_name=self.group_name,
+                                                   backend=backend) for server, offset in zip(servers, offsets)]
+        results = await asyncio.gather(ours, *theirs, return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if isinstance(results[0], UpdateGroup):
+            self.group = results[0]
+        if failures:
+            await self.close(servers)
+            raise failures[0]
+
+    async def send(self, servers: list[SGLangClient], bucket: Bucket) -> None:
+        assert self.group is not None, "connect first"
+        shapes = [list(m.shape) for m in bucket.metadata]
+        dtypes = [dtype_name(m.dtype) for m in bucket.metadata]
+        await all_servers([asyncio.to_thread(self.group.broadcast, bucket.flat)] + [
+            server.update_weights_from_distributed(bucket.names, dtypes, shapes, group_name=self.group_name)
+            for server in servers])
+
+    async def close(self, servers: list[SGLangClient]) -> None:
+        # Best effort: a server that died has no group left to destroy.
+        await asyncio.gather(*(s.destroy_weights_update_group(self.group_name) for s in servers), return_exceptions=True)
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+
+
+def write_safetensors_shard(path: Path, bucket: Bucket) -> None:
+    """Write a bucket as a safetensors file: a JSON header, then the bucket's bytes unchanged."""
+    header = {m.name: {"dtype": SAFETENSORS_DTYPES[m.dtype], "shape": list(m.shape),
+                       "data_offsets": [m.start_idx, m.end_idx]} for m in bucket.metadata}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the format lets the header be space-padded; 8 keeps the data aligned
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        f.write(bucket.flat.cpu().numpy().data)
+
+
+class DiskTransport(Transport):
+    name = "disk"
+    needs_session = False  # SGLang loads from disk outside a session
+
+    def __init__(self, device: torch.device, directory: str, config_dir: str):
+        super().__init__(device)
+        self.root, self.config_dir = Path(directory), Path(config_dir)
+        self.current: Path | None = None
+        self.previous: Path | None = None
+
+    async def send(self, servers: list[SGLangClient], bucket: Bucket) -> None:
+        if bucket.index == 0:
+            self.current = self.root / f"update-{uuid.uuid4().hex[:8]}"
+            self.current.mkdir(parents=True)
+        await asyncio.to_thread(write_safetensors_shard, self.current / f"model-{bucket.index:05d}.safetensors", bucket)
+
+    async def finish(self, servers: list[SGLangClient], version: str) -> None:
+        assert self.current is not None, "no bucket was sent"
+        shutil.copy(self.config_dir / "config.json", self.current / "config.json")
+        await all_servers(server.update_weights_from_disk(str(self.current), flush_cache=False) for server in servers)
+        if self.previous is not None:  # the servers no longer need it
+            shutil.rmtree(self.previous, ignore_errors=True)
+        self.previous, self.current = self.current, None
