@@ -8,6 +8,9 @@ PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 MODEL  ?= models/small-qwen2
+# SGLang's own serializer classes, for the weight-payload contract tests: the wheel without its
+# GPU dependencies (the tests load only its pure-Python serializer and bucket code).
+SGLANG_WIRE ?= sglang==0.5.23
 BIN    := $(VENV)/bin
 
 .PHONY: setup run test bench clean
@@ -26,7 +29,11 @@ $(MODEL)/config.json: $(VENV)/.installed
 run: setup $(MODEL)/config.json
 	$(BIN)/inverted servers --hf-checkpoint $(MODEL) --num-engines 2
 
-test: setup
+$(VENV)/.sglang-wire: $(VENV)/.installed
+	$(BIN)/python -m pip install -q --no-deps "$(SGLANG_WIRE)"
+	touch $@
+
+test: setup $(VENV)/.sglang-wire
 	$(BIN)/python -m pytest -q
 
 bench: setup $(MODEL)/config.json

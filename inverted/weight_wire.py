@@ -183,9 +183,12 @@ def _load_storage_by_value(data: bytes) -> torch.UntypedStorage | torch.TypedSto
     return storage
 
 
-def _refuse_fd_sharing(*_: Any) -> None:
-    raise InvalidRequest("the payload shares CPU memory by file descriptor, which an unrelated process cannot open: "
-                         "the sender must use torch.multiprocessing.set_sharing_strategy('file_system') or send by value")
+class _RefuseFdSharing:
+    """Stands in for torch's fd-sharing globals (a class, since ``DupFd`` is rebuilt as an object)."""
+
+    def __new__(cls, *_: Any) -> None:
+        raise InvalidRequest("the payload shares CPU memory by file descriptor, which an unrelated process cannot open: "
+                             "the sender must use torch.multiprocessing.set_sharing_strategy('file_system') or send by value")
 
 
 _ALLOWED: dict[tuple[str, str], Any] = {
@@ -207,8 +210,8 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     **{("torch.multiprocessing.reductions", n): getattr(reductions, n) for n in
        ("rebuild_tensor", "rebuild_cuda_tensor", "rebuild_storage_filename", "rebuild_storage_empty",
         "rebuild_typed_storage", "rebuild_typed_storage_child")},
-    ("torch.multiprocessing.reductions", "rebuild_storage_fd"): _refuse_fd_sharing,
-    ("multiprocessing.resource_sharer", "DupFd"): _refuse_fd_sharing,
+    ("torch.multiprocessing.reductions", "rebuild_storage_fd"): _RefuseFdSharing,
+    ("multiprocessing.resource_sharer", "DupFd"): _RefuseFdSharing,
     _SGLANG_NAMES["FlattenedTensorMetadata"]: FlattenedTensorMetadata,
     _SGLANG_NAMES["LocalSerializedTensor"]: LocalSerializedTensor,
     ("sglang.srt.model_executor.model_runner", "LocalSerializedTensor"): LocalSerializedTensor,

@@ -1,0 +1,96 @@
+"""Contract tests against SGLang's own code: its payloads into our engine, our payloads into its decoder.
+
+Skipped (with the reason) when the sglang wheel is not installed; ``make test`` installs it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+import torch
+
+from inverted.hf_checkpoint import checkpoint_tensors
+from inverted.rollout.servers import free_port
+from inverted.weight_wire import bucket_layout, join_update_group, serialize, unflatten
+from tests.contract.sglang_code import load, sglang_root
+
+pytestmark = pytest.mark.skipif(sglang_root() is None, reason="sglang wheel not installed (make test installs it --no-deps)")
+
+NAME = "model.layers.1.mlp.down_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def sgl():
+    torch.multiprocessing.set_sharing_strategy("file_system")  # an unrelated process can open the shm files
+    return load()
+
+
+def test_a_payload_built_by_sglang_is_accepted_by_the_engine(sgl, procs, tiny_model):
+    engine = procs.engine(tiny_model("qwen2")).url
+    new = checkpoint_tensors(tiny_model("qwen2", seed=3))
+    named = [(n, t) for n, t in sorted(new.items()) if n.startswith("model.layers.1.")]
+    bucket = sgl.FlattenedTensorBucket(named_tensors=named)
+    payload = sgl.MultiprocessingSerializer.serialize(
+        {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}, output_str=True)
+    assert httpx.post(engine + "/begin_weight_update", json={"selector": "all"}).json()["success"]
+    response = httpx.post(engine + "/update_weights_from_tensor", timeout=60, json={
+        "serialized_named_tensors": [payload], "load_format": "flattened_bucket", "flush_cache": False,
+        "weight_version": "sglang-built"})
+    assert response.status_code == 200, response.text
+    assert httpx.post(engine + "/end_weight_update", json={}).json()["success"]
+    got = httpx.post(engine + "/get_weights_by_name", json={"name": NAME, "truncate_size": 3}).json()
+    assert torch.equal(torch.tensor(got), new[NAME][:3])
+    assert httpx.get(engine + "/model_info").json()["weight_version"] == "sglang-built"
+
+    # SGLang's non-bucket form (load_format null): a list of (name, tensor) pairs.
+    plain = sgl.MultiprocessingSerializer.serialize([(NAME, torch.zeros_like(new[NAME]))], output_str=True)
+    httpx.post(engine + "/begin_weight_update", json={})
+    assert httpx.post(engine + "/update_weights_from_tensor", timeout=60, json={
+        "serialized_named_tensors": [plain], "flush_cache": False}).status_code == 200
+    httpx.post(engine + "/end_weight_update", json={})
+    assert httpx.post(engine + "/get_weights_by_name", json={"name": NAME, "truncate_size": 1}).json() == [[0.0] * new[NAME].shape[1]]
+
+
+def test_our_payload_decodes_with_sglangs_safe_unpickler(sgl):
+    tensors = [("a.weight", torch.randn(4, 3)), ("a.bias", torch.randn(4))]
+    layout = bucket_layout([(n, t.dtype, tuple(t.shape)) for n, t in tensors])
+    flat = torch.empty(layout[-1].end_idx, dtype=torch.uint8).share_memory_()
+    for (_, view), (_, tensor) in zip(unflatten(flat, layout), tensors):
+        view.copy_(tensor)
+    decoded = sgl.MultiprocessingSerializer.deserialize(serialize({"flattened_tensor": flat, "metadata": layout}))
+    assert all(isinstance(m, sgl.FlattenedTensorMetadata) for m in decoded["metadata"])  # SGLang's class, not ours
+    rebuilt = sgl.FlattenedTensorBucket(flattened_tensor=decoded["flattened_tensor"], metadata=decoded["metadata"])
+    for (name, got), (want_name, want) in zip(rebuilt.reconstruct_tensors(), tensors):
+        assert name == want_name and torch.equal(got, want)
+
+
+def test_sglangs_layout_equals_ours(sgl):
+    named = [("x", torch.randn(3, 5)), ("y", torch.randn(7).to(torch.bfloat16)), ("z", torch.randn(2).to(torch.bfloat16))]
+    theirs = sgl.FlattenedTensorBucket(named_tensors=named)
+    ours = bucket_layout([(n, t.dtype, tuple(t.shape)) for n, t in named])
+    assert [(m.name, m.start_idx, m.end_idx, m.numel, m.dtype, tuple(m.shape)) for m in theirs.get_metadata()] == \
+           [(m.name, m.start_idx, m.end_idx, m.numel, m.dtype, tuple(m.shape)) for m in ours]
+    empty = sgl.FlattenedTensorBucket.empty(["x", "y"], ["float32", "bfloat16"], [[3, 5], [7]], "cpu")
+    assert [(m.start_idx, m.end_idx) for m in empty.get_metadata()] == [(m.start_idx, m.end_idx) for m in ours[:2]]
+
+
+def test_sglangs_update_group_and_ours_meet_and_broadcast(sgl):
+    """The trainer's side (ours, rank 0) and a server's side (SGLang's init_custom_process_group, rank 1)."""
+    port, received = free_port(), {}
+
+    def server() -> None:
+        group = sgl.init_custom_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=1,
+                                              group_name="weight_update_group")
+        tensor = torch.zeros(6, dtype=torch.uint8)
+        torch.distributed.broadcast(tensor, src=0, group=group)
+        received["tensor"] = tensor
+
+    thread = threading.Thread(target=server)
+    thread.start()
+    group = join_update_group("127.0.0.1", port, 2, 0, timeout=60)
+    group.broadcast(torch.arange(6, dtype=torch.uint8))
+    thread.join(60)
+    group.close()
+    assert torch.equal(received["tensor"], torch.arange(6, dtype=torch.uint8))
