@@ -57,7 +57,26 @@ def shutdown_parallel() -> None:
         torch.distributed.destroy_process_group()
 
 
+def _keep_fds_from_children() -> None:
+    """Mark this process's inherited descriptors close-on-exec.
+
+    ``spawn`` hands a worker the write end of the pipe by which its parent learns that it ended,
+    as an inheritable descriptor. torch starts a ``torch_shm_manager`` daemon on a process's first
+    shared-memory tensor (weight sync's tensor transport) and that daemon outlives the worker: had
+    it inherited the pipe, the parent would wait for the finished worker forever.
+    """
+    fd_dir = "/proc/self/fd"
+    for name in os.listdir(fd_dir) if os.path.isdir(fd_dir) else []:
+        fd = int(name)
+        if fd > 2:
+            try:
+                os.set_inheritable(fd, False)
+            except OSError:  # the directory listing's own descriptor, already closed
+                pass
+
+
 def _worker(rank: int, world_size: int, port: int, level: int, fn: Callable[..., Any], args: tuple) -> None:
+    _keep_fds_from_children()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if world_size > 1:  # a spawned process starts with no logging configuration

@@ -1,0 +1,135 @@
+"""Weight-sync bandwidth per transport against a raw copy of the same bytes, in one run. Prints JSON.
+
+For each model (the ``small`` preset, ~14M parameters, and the ``base`` preset, ~0.5B, both
+fp32 on CPU) one embedded engine is started and the model's weights are pushed into it with
+``WeightSync`` (buckets of ``--buffer-size`` bytes, pause mode ``in_place``):
+
+- **tensor**: pack into a shared-memory bucket, the engine copies it into its parameters.
+  Baseline: one ``memcpy`` (``Tensor.copy_``) of the same bytes. The floor is two copies, so the
+  ratio's ceiling is 0.5; the target is >= 0.4.
+- **distributed**: one gloo broadcast per bucket to the engine, which copies it in. Baseline: raw
+  gloo broadcasts of the same bytes to a second process, acknowledged at the end. Target >= 0.5.
+
+Effective GB/s = bytes / the update's bucket phase (pack + send + the engine's copy, overlapped);
+``total_s`` is the whole update (pause, session, version, flush, continue included). Medians of
+``--rounds`` after one warm-up.
+
+    python bench/weight_sync.py [--presets small base] [--rounds 3] [--buffer-size 536870912]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from inverted.config import TinyModelConfig  # noqa: E402
+from inverted.hf_checkpoint import checkpoint_tensors  # noqa: E402
+from inverted.rollout.servers import ManagedProcess, free_port  # noqa: E402
+from inverted.tiny_model import make_tiny_model  # noqa: E402
+from inverted.train.weight_sync import DistributedTransport, TensorTransport, WeightSync  # noqa: E402
+from inverted.weight_wire import join_update_group  # noqa: E402
+
+RUNS = Path("runs/bench")
+
+
+def model_dir(preset: str) -> Path:
+    out = RUNS / "models" / f"qwen2-{preset}"
+    if not (out / "config.json").exists():
+        make_tiny_model(TinyModelConfig(out=str(out), arch="qwen2", preset=preset, seed=0))
+    return out
+
+
+def start_engine(path: Path) -> ManagedProcess:
+    port = free_port()
+    argv = [sys.executable, "-m", "inverted.cli", "serve-engine", "--model", str(path), "--port", str(port),
+            "--max-running-requests", "4", "--context-length", "256", "--log-level", "warning"]
+    proc = ManagedProcess.spawn("bench-engine", argv, RUNS / "weight_sync_engine.log", f"http://127.0.0.1:{port}")
+    proc.wait_healthy(600)
+    return proc
+
+
+def memcpy_seconds(total: int, chunk: int) -> float:
+    """One copy of ``total`` bytes, in chunks of the bucket size (the memory a bucket touches)."""
+    src = torch.empty(min(chunk, total), dtype=torch.uint8).random_()
+    dst = torch.empty_like(src)
+    started = time.perf_counter()
+    for offset in range(0, total, chunk):
+        n = min(chunk, total - offset)
+        dst[:n].copy_(src[:n])
+    return time.perf_counter() - started
+
+
+def _receiver(port: int, total: int, chunk: int) -> None:
+    group = join_update_group("127.0.0.1", port, 2, 1, timeout=600)
+    buffer = torch.empty(min(chunk, total), dtype=torch.uint8)
+    for offset in range(0, total, chunk):
+        group.broadcast(buffer[: min(chunk, total - offset)])
+    group.broadcast(torch.zeros(1, dtype=torch.uint8), src=1)  # done
+    group.close()
+
+
+def broadcast_seconds(total: int, chunk: int) -> float:
+    """Raw gloo broadcasts of ``total`` bytes to another process, until it acknowledges the last one."""
+    port = free_port()
+    child = multiprocessing.get_context("spawn").Process(target=_receiver, args=(port, total, chunk))
+    child.start()
+    group = join_update_group("127.0.0.1", port, 2, 0, timeout=600)
+    buffer = torch.empty(min(chunk, total), dtype=torch.uint8).random_()
+    started = time.perf_counter()
+    for offset in range(0, total, chunk):
+        group.broadcast(buffer[: min(chunk, total - offset)])
+    group.broadcast(torch.zeros(1, dtype=torch.uint8), src=1)
+    seconds = time.perf_counter() - started
+    child.join(60)
+    group.close()
+    return seconds
+
+
+def bench_model(preset: str, rounds: int, buffer_size: int) -> dict:
+    path = model_dir(preset)
+    weights = checkpoint_tensors(path)
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    engine = start_engine(path)
+    result: dict = {"params": sum(t.numel() for t in weights.values()), "bytes": total}
+    try:
+        for name, make in (("tensor", lambda: TensorTransport(torch.device("cpu"))),
+                           ("distributed", lambda: DistributedTransport(torch.device("cpu"), timeout=600))):
+            sync = WeightSync(make(), [engine.url], buffer_size=buffer_size, pause_mode="in_place")
+            reports = [asyncio.run(sync.update(weights.items(), str(i))) for i in range(rounds + 1)][1:]
+            seconds = statistics.median(r.seconds["buckets"] for r in reports)
+            baseline = statistics.median(
+                (memcpy_seconds if name == "tensor" else broadcast_seconds)(total, buffer_size) for _ in range(rounds))
+            result[name] = {"gb_per_s": total / seconds / 1e9, "baseline_gb_per_s": total / baseline / 1e9,
+                            "ratio": baseline / seconds, "buckets": reports[-1].buckets,
+                            "bucket_phase_s": seconds, "total_s": statistics.median(sum(r.seconds.values()) for r in reports),
+                            "phases_s": {k: round(v, 4) for k, v in reports[-1].seconds.items()}}
+    finally:
+        engine.terminate()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--presets", nargs="*", default=["small", "base"])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--buffer-size", type=int, default=512 * 1024**2)
+    args = parser.parse_args()
+    out = {"bench": "weight_sync", "device": "cpu", "threads": torch.get_num_threads(), "buffer_size": args.buffer_size,
+           "targets": {"tensor_ratio": 0.4, "distributed_ratio": 0.5}}
+    for preset in args.presets:
+        out[preset] = bench_model(preset, args.rounds, args.buffer_size)
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""The engine's weight-update routes as SGLang defines them: sessions, atomic checks, groups, in-flight requests."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import httpx
+import pytest
+import torch
+
+from inverted.hf_checkpoint import checkpoint_tensors
+from inverted.rollout.servers import free_port
+from inverted.train.weight_sync import TensorTransport, WeightSync
+from inverted.weight_wire import bucket_layout, join_update_group, serialize, unflatten
+from tests.rollout.engine.test_control import LONG, started
+
+pytestmark = pytest.mark.anyio
+NAME = "model.layers.0.self_attn.o_proj.weight"
+
+
+@pytest.fixture
+def engine(procs, tiny_model):
+    return procs.engine(tiny_model("qwen2")).url
+
+
+def bucket_payload(named: list[tuple[str, torch.Tensor]]) -> str:
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    layout = bucket_layout([(n, t.dtype, tuple(t.shape)) for n, t in named])
+    flat = torch.empty(layout[-1].end_idx, dtype=torch.uint8).share_memory_()
+    for (_, view), (_, tensor) in zip(unflatten(flat, layout), named):
+        view.copy_(tensor)
+    bucket_payload.keep = flat  # the sender keeps the shared buffer alive until the call returns
+    return serialize({"flattened_tensor": flat, "metadata": layout})
+
+
+def post(url: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(url + path, json=body, timeout=60)
+
+
+def state(url: str) -> tuple[list, str]:
+    return post(url, "/get_weights_by_name", {"name": NAME, "truncate_size": 2}).json(), \
+        httpx.get(url + "/model_info").json()["weight_version"]
+
+
+def test_session_rules(engine):
+    payload = bucket_payload([(NAME, torch.zeros(64, 64))])
+    outside = post(engine, "/update_weights_from_tensor", {"serialized_named_tensors": [payload], "load_format": "flattened_bucket"})
+    assert outside.status_code == 400 and outside.json() == {
+        "success": False, "message": "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()."}
+    assert post(engine, "/end_weight_update", {}).status_code == 400
+    assert post(engine, "/begin_weight_update", {"selector": "all"}).json() == {"success": True, "message": "Weight update session started."}
+    second = post(engine, "/begin_weight_update", {})
+    assert second.status_code == 400 and "already open" in second.json()["message"]
+    assert post(engine, "/end_weight_update", {}).status_code == 200
+
+
+def test_bad_payloads_change_nothing(engine, tiny_model):
+    before = state(engine)
+    good = checkpoint_tensors(tiny_model("qwen2", seed=5))
+    whole = bucket_payload([(NAME, good[NAME])])
+    bad = {
+        "unknown parameter names": bucket_payload([("model.layers.9.mlp.up_proj.weight", good[NAME]), (NAME, good[NAME])]),
+        "expected shape": bucket_payload([(NAME, good[NAME]), ("model.norm.weight", torch.ones(63))]),
+        "expected dtype": bucket_payload([(NAME, good[NAME].to(torch.bfloat16))]),
+        "not valid base64": whole[:-13],
+        "cannot decode the payload": whole[:-12],  # whole base64 groups, but the pickle stops early
+        "not allowed": __import__("base64").b64encode(__import__("pickle").dumps(print)).decode(),
+    }
+    post(engine, "/begin_weight_update", {})
+    for reason, payload in bad.items():
+        response = post(engine, "/update_weights_from_tensor", {"serialized_named_tensors": [payload],
+                                                              "load_format": "flattened_bucket", "weight_version": "bad"})
+        assert response.status_code == 400 and response.json()["success"] is False, reason
+        assert reason in response.json()["message"], (reason, response.json())
+    two_ranks = post(engine, "/update_weights_from_tensor", {"serialized_named_tensors": [bad["expected dtype"]] * 2,
+                                                          "load_format": "flattened_bucket"})
+    assert two_ranks.status_code == 400 and "one per server TP rank" in two_ranks.json()["message"]
+    post(engine, "/end_weight_update", {})
+    assert state(engine) == before  # the good tensors of a bad payload were not applied either
+
+
+def test_a_distributed_update_over_gloo_and_a_refused_one_still_takes_its_broadcast(engine, tiny_model):
+    good = checkpoint_tensors(tiny_model("qwen2", seed=5))
+    port, joined = free_port(), {}
+    thread = threading.Thread(target=lambda: joined.setdefault("g", join_update_group("127.0.0.1", port, 2, 0, timeout=60)))
+    thread.start()
+    init = post(engine, "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+                                                      "world_size": 2, "backend": "gloo"})
+    thread.join()
+    assert init.json() == {"success": True, "message": "Succeeded to initialize custom process group."}
+    group = joined["g"]
+
+    def update(names, tensors, **extra) -> httpx.Response:
+        layout = bucket_layout([(n, t.dtype, tuple(t.shape)) for n, t in zip(names, tensors)])
+        flat = torch.empty(layout[-1].end_idx, dtype=torch.uint8)
+        for (_, view), tensor in zip(unflatten(flat, layout), tensors):
+            view.copy_(tensor)
+        sender = threading.Thread(target=group.broadcast, args=(flat,))
+        sender.start()
+        response = post(engine, "/update_weights_from_distributed", {
+            "names": names, "dtypes": [str(t.dtype)[6:] for t in tensors], "shapes": [list(t.shape) for t in tensors],
+            "load_format": "flattened_bucket", "flush_cache": False, **extra})
+        sender.join(30)
+        assert not sender.is_alive(), "the broadcast must complete even when the update is refused"
+        return response
+
+    before = state(engine)
+    post(engine, "/begin_weight_update", {})
+    refused = update(["no.such.weight"], [good[NAME]], weight_version="bad")
+    assert refused.status_code == 400 and "unknown parameter names" in refused.json()["message"]
+    assert state(engine)[0] == before[0]
+    ok = update([NAME, "model.norm.weight"], [good[NAME], good["model.norm.weight"]], weight_version="d1")
+    assert ok.status_code == 200, ok.text
+    post(engine, "/end_weight_update", {})
+    assert state(engine) == (good[NAME][:2].tolist(), "d1")
+    assert post(engine, "/destroy_weights_update_group", {"group_name": "weight_update_group"}).json()["success"]
+    assert post(engine, "/destroy_weights_update_group", {"group_name": "weight_update_group"}).status_code == 400
+    group.close()
+
+
+@pytest.mark.parametrize("mode", ["abort", "retract"])
+async def test_requests_in_flight_abort_or_resume_and_each_token_has_one_version(engine, tiny_model, mode):
+    new = checkpoint_tensors(tiny_model("qwen2", seed=5))
+    sync = WeightSync(TensorTransport(torch.device("cpu")), [engine], buffer_size=1 << 20, pause_mode=mode)
+    async with httpx.AsyncClient(base_url=engine, timeout=120) as client:
+        body = {**LONG, "sampling_params": {**LONG["sampling_params"], "max_new_tokens": 600}}
+        inflight = await started(client, body, min_tokens=20)
+        report = await sync.update(new.items(), "step-1")
+        out = await asyncio.wait_for(inflight, 120)
+        after = (await client.post("/generate", json={"input_ids": [5], "sampling_params": {"max_new_tokens": 3}})).json()
+    assert report.buckets >= 1 and report.flushed == 1 and set(report.seconds) >= {"pause", "begin", "buckets", "end", "continue"}
+    meta = out["meta_info"]
+    if mode == "abort":
+        assert meta["finish_reason"]["type"] == "abort" and 20 <= len(out["output_ids"]) < 600
+        assert meta["weight_version"] == "default" and "weight_versions" not in meta
+    else:
+        assert meta["finish_reason"]["type"] == "length" and len(out["output_ids"]) == 600
+        spans = meta["weight_versions"]
+        assert [s["version"] for s in spans] == ["default", "step-1"]
+        assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] >= 20 and spans[1]["end"] == 600
+    assert after["meta_info"]["weight_version"] == "step-1"
