@@ -47,8 +47,8 @@ class ProcessPool:
         self.log_dir = log_dir
         self.procs: list[ManagedProcess] = []
 
-    def engine(self, model: Path, *extra: str, name: str = "engine") -> ManagedProcess:
-        port = free_port()
+    def engine(self, model: Path, *extra: str, name: str = "engine", port: int | None = None) -> ManagedProcess:
+        port = port or free_port()
         argv = [sys.executable, "-m", "inverted.cli", "serve-engine", "--model", str(model), "--port", str(port),
                 "--num-threads", "1", *extra]
         proc = ManagedProcess.spawn(f"{name}-{port}", argv, self.log_dir / f"{name}-{port}.log", f"http://127.0.0.1:{port}")

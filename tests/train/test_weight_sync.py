@@ -6,6 +6,8 @@ After one training step and a sync, each engine's log-probs of fixed tokens equa
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 import torch
@@ -13,6 +15,7 @@ import torch
 from inverted.config import TrainConfig
 from inverted.hf_checkpoint import checkpoint_tensors
 from inverted.train.parallel import spawn
+from inverted.train.weight_sync import DistributedTransport, WeightSync
 from tests.train.samples import make_samples
 from tests.train.workers import step_and_sync
 
@@ -57,3 +60,21 @@ def test_after_a_step_and_a_sync_the_engines_score_tokens_as_the_trainer_does(se
         assert (old - result["logprobs"]).abs().max() > 1e-3, "the step must have changed the policy"
     routed = httpx.post(router + "/generate", timeout=60, json={"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 2}})
     assert routed.json()["meta_info"]["weight_version"] == "1"
+
+
+def test_a_restarted_server_gets_a_fresh_update_group(procs, tiny_model):
+    """Distributed transport: the server on the same port dies and comes back; the next sync re-forms the group."""
+    model = tiny_model("qwen2")
+    first = procs.engine(model)
+    port = int(first.url.rsplit(":", 1)[1])
+    sync = WeightSync(DistributedTransport(torch.device("cpu"), timeout=60), [first.url], buffer_size=1 << 20)
+    weights = checkpoint_tensors(tiny_model("qwen2", seed=7))
+    asyncio.run(sync.update(weights.items(), "1"))
+    first.terminate()
+    second = procs.engine(model, port=port)
+    assert engine_logprobs(second.url)[1] == "default"
+    report = asyncio.run(sync.update(weights.items(), "2"))
+    assert report.seconds["connect"] > 0 and engine_logprobs(second.url)[1] == "2"
+    name = "model.layers.1.mlp.up_proj.weight"
+    got = httpx.post(second.url + "/get_weights_by_name", json={"name": name, "truncate_size": 2}).json()
+    assert torch.equal(torch.tensor(got), weights[name][:2])

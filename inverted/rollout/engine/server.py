@@ -34,7 +34,7 @@ from inverted.rollout.engine.model import load_model
 from inverted.rollout.engine.sampling import SamplingParams, SchemaError
 from inverted.rollout.engine.scheduler import Request as EngineRequest
 from inverted.rollout.engine.scheduler import Scheduler, new_rid
-from inverted.rollout.engine.weights import UpdateGroups, decode_tensor_payloads
+from inverted.rollout.engine.weights import RecentBuckets, UpdateGroups, decode_tensor_payloads
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ class Engine:
         self.started = time.time()
         self.inflight: dict[str, EngineRequest] = {}
         self.groups = UpdateGroups(timeout=config.weight_update_timeout)
+        self.recent_buckets = RecentBuckets()
 
     def _matched_stop(self, req: EngineRequest) -> str | None:
         """The stop string that the newest token completed, if any (only the tail can hold it)."""
@@ -371,7 +372,8 @@ def _add_control_routes(app: FastAPI) -> None:
             return _ok(OUTSIDE_SESSION.format(route="update_weights_from_tensor"), 400)
         model = engine.scheduler.model
         try:
-            named = await asyncio.to_thread(decode_tensor_payloads, model, body.serialized_named_tensors, body.load_format)
+            named = await asyncio.to_thread(decode_tensor_payloads, model, body.serialized_named_tensors, body.load_format,
+                                            engine.recent_buckets)
         except InvalidRequest as exc:
             return _ok(str(exc), 400)
         message, status, _ = await _load_weights(engine, dict(named), body, complete=False)

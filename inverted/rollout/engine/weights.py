@@ -47,7 +47,22 @@ def check_fits(model, named: Named) -> None:
         raise InvalidRequest(f"Failed to update weights: {exc}") from None
 
 
-def decode_tensor_payloads(model, payloads: list[str], load_format: str | None) -> Named:
+class RecentBuckets:
+    """The last two shared buckets received, kept mapped.
+
+    A trainer sends from two buffers in turn; keeping their mappings alive lets the next update
+    find them in torch's shared-storage cache instead of mapping (and page-faulting) them anew.
+    """
+
+    def __init__(self, size: int = 2):
+        self.size, self.kept = size, []
+
+    def keep(self, flat: torch.Tensor) -> None:
+        self.kept = [t for t in self.kept if t.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()]
+        self.kept = (self.kept + [flat])[-self.size:]
+
+
+def decode_tensor_payloads(model, payloads: list[str], load_format: str | None, recent: RecentBuckets | None = None) -> Named:
     """The named tensors of an ``/update_weights_from_tensor`` request for TP rank 0, checked."""
     if load_format not in LOAD_FORMATS:
         raise InvalidRequest(f"load_format must be one of {list(LOAD_FORMATS)} on this engine, got {load_format!r}")
@@ -60,6 +75,8 @@ def decode_tensor_payloads(model, payloads: list[str], load_format: str | None) 
                 and isinstance(obj.get("metadata"), list)):
             raise InvalidRequest("a flattened_bucket payload must decode to {'flattened_tensor': Tensor, 'metadata': [...]}")
         named = unflatten(obj["flattened_tensor"], obj["metadata"])
+        if recent is not None and obj["flattened_tensor"].is_shared():
+            recent.keep(obj["flattened_tensor"])
     else:
         if not isinstance(obj, list) or not all(isinstance(e, tuple) and len(e) == 2 for e in obj):
             raise InvalidRequest("a payload must decode to a list of (name, tensor) pairs")
@@ -78,6 +95,7 @@ class UpdateGroups:
         self.timeout = timeout
         self._groups: dict[str, UpdateGroup] = {}
         self._lock = threading.Lock()
+        self._staging = torch.empty(0, dtype=torch.uint8)  # reused: a fresh buffer would page-fault every update
 
     def join(self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
              backend: str) -> None:
@@ -114,7 +132,10 @@ class UpdateGroups:
         layout = bucket_layout(entries) if load_format else [bucket_layout([e])[0] for e in entries]
         device = "cuda" if model.device.type == "cuda" else "cpu"
         if load_format == "flattened_bucket":
-            flat = torch.empty(layout[-1].end_idx, dtype=torch.uint8, device=device)
+            nbytes = layout[-1].end_idx
+            if self._staging.numel() < nbytes or self._staging.device.type != device:
+                self._staging = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            flat = self._staging[:nbytes]
             group.broadcast(flat)
             named = unflatten(flat, layout)
         else:

@@ -4,8 +4,8 @@
 lazy stream of full Hugging Face tensors (``convert.iter_hf_weights``: gathered over TP from the
 live parameters, one at a time). The phases, each timed into the ``SyncReport``:
 
-1. ``connect``: once per set of servers (the distributed transport forms its group here; a
-   changed server set, such as a restarted server, tears the group down and forms a new one).
+1. ``connect``: once per set of server processes (the distributed transport forms its group
+   here); a changed set, a restarted server included, tears the group down and forms a new one.
 2. ``pause``: ``/pause_generation`` with ``--pause-mode`` on every server.
 3. ``begin``: ``/begin_weight_update`` (tensor and distributed transports).
 4. ``buckets``: packing bucket ``k+1`` (a worker thread: gather, cast, copy) overlaps sending
@@ -94,13 +94,14 @@ class WeightSync:
         self.transport, self.urls, self.api_key = transport, list(urls), api_key
         self.buffer_size, self.pause_mode, self.checkpoint_dtype = buffer_size, pause_mode, checkpoint_dtype
         self.packer: BucketPacker | None = None
-        self.connected: list[str] = []
+        self.connected: list[tuple[str, float | None]] = []
 
     def set_servers(self, urls: list[str]) -> None:
-        """A new server set (a server was restarted or added); the next update reconnects."""
+        """A new server set (one added or moved); the next update connects to it."""
         self.urls = list(urls)
 
     async def update(self, weights: Iterable[tuple[str, torch.Tensor]], version: str) -> SyncReport:
+        started = time.perf_counter()
         async with AsyncExitStack() as stack:
             servers = [await stack.enter_async_context(SGLangClient(url, api_key=self.api_key)) for url in self.urls]
             report = SyncReport(version=version, transport=self.transport.name, servers=len(servers))
@@ -133,26 +134,33 @@ class WeightSync:
                         await asyncio.gather(*(s.end_weight_update() for s in servers), return_exceptions=True)
                     resumed = asyncio.gather(*(s.continue_generation() for s in servers), return_exceptions=not done)
                     await resumed
+        report.seconds["total"] = time.perf_counter() - started
         logger.info("weights %s -> %d servers over %s: %.1f MB in %d buckets, %.2f GB/s; %s", version, len(servers),
                     report.transport, report.bytes / 1e6, report.buckets, report.gb_per_s,
                     " ".join(f"{k}={v:.3f}s" for k, v in report.seconds.items()))
         return report
 
     async def _connect(self, servers: list[SGLangClient]) -> None:
-        if self.connected == self.urls:
+        """Connect to this server set, unless already connected to these very processes.
+
+        A server is identified by URL *and* startup time, so a server restarted on the same
+        port is noticed: the old group is torn down (best effort) and a new one formed.
+        """
+        infos = await asyncio.gather(*(s.server_info() for s in servers))
+        identity = [(url, info.get("startup_time")) for url, info in zip(self.urls, infos)]
+        if identity == self.connected:
             return
         if self.connected:
             async with AsyncExitStack() as stack:
-                old = [await stack.enter_async_context(SGLangClient(u, api_key=self.api_key)) for u in self.connected]
+                old = [await stack.enter_async_context(SGLangClient(u, api_key=self.api_key)) for u, _ in self.connected]
                 await self.transport.close(old)
             self.connected = []
-        infos = await asyncio.gather(*(s.server_info() for s in servers))
         dtypes = {served_dtype(info, self.checkpoint_dtype) for info in infos}
         if len(dtypes) != 1:
             raise ValueError(f"the rollout servers hold different dtypes {sorted(map(str, dtypes))}: one update cannot fit all")
         self.packer = BucketPacker(self.buffer_size, self.transport.allocate, dtypes.pop())
         await self.transport.connect(servers, [int(info.get("tp_size", 1)) for info in infos])
-        self.connected = list(self.urls)
+        self.connected = identity
 
     async def _stream(self, servers: list[SGLangClient], weights: Iterator, report: SyncReport) -> None:
         """Pack bucket k+1 in a worker thread while bucket k is being sent."""
