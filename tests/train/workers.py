@@ -10,8 +10,6 @@ from tests.train.samples import make_samples
 
 def logits_and_step(cfg: TrainConfig, out: str) -> None:
     """Full-vocabulary logits of a packed batch, then one training step: logits, metrics, new weights."""
-    from megatron.core import parallel_state
-
     from inverted.train.parallel import init_parallel, shutdown_parallel
     from inverted.train.trainer import Trainer
 
