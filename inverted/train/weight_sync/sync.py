@@ -77,11 +77,11 @@ class SyncReport:
 def served_dtype(info: dict, checkpoint_dtype: str | None) -> torch.dtype:
     """The dtype a server holds its weights in: ``/server_info``'s ``dtype``, or for ``auto`` SGLang's rule
     (the checkpoint's half-precision dtype; a float32 checkpoint is served in bfloat16)."""
-    for name in (info.get("dtype"), checkpoint_dtype):
-        dtype = getattr(torch, name, None) if isinstance(name, str) else None
-        if isinstance(dtype, torch.dtype) and (name == info.get("dtype") or dtype in (torch.bfloat16, torch.float16)):
-            return dtype
-    return torch.bfloat16
+    stated = getattr(torch, str(info.get("dtype")), None)
+    if isinstance(stated, torch.dtype):
+        return stated
+    checkpoint = getattr(torch, str(checkpoint_dtype), None)
+    return checkpoint if checkpoint in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 
 class WeightSync:
@@ -132,8 +132,7 @@ class WeightSync:
                 with report.timed("continue"):
                     if began and not done:  # a failed update must not leave the servers frozen
                         await asyncio.gather(*(s.end_weight_update() for s in servers), return_exceptions=True)
-                    resumed = asyncio.gather(*(s.continue_generation() for s in servers), return_exceptions=not done)
-                    await resumed
+                    await asyncio.gather(*(s.continue_generation() for s in servers), return_exceptions=not done)
         report.seconds["total"] = time.perf_counter() - started
         logger.info("weights %s -> %d servers over %s: %.1f MB in %d buckets, %.2f GB/s; %s", version, len(servers),
                     report.transport, report.bytes / 1e6, report.buckets, report.gb_per_s,
