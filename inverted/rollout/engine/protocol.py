@@ -112,6 +112,7 @@ class GenerateItem:
     logprob_start_len: int
     return_text_in_logprobs: bool
     index: int
+    top_logprobs_num: int = 0
 
 
 def _per_item(body: dict, key: str, default: Any, size: int, batched: bool) -> list[Any]:
@@ -166,8 +167,10 @@ def parse_generate(body: Any) -> tuple[list[GenerateItem], bool, bool]:
     logprob = _per_item(body, "return_logprob", False, size, batched)
     start = _per_item(body, "logprob_start_len", -1, size, batched)
     top = _per_item(body, "top_logprobs_num", 0, size, batched)
-    if any(k for k in top) or body.get("token_ids_logprob"):
-        raise ValueError("top_logprobs_num and token_ids_logprob are not supported by the embedded engine")
+    if not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in top):
+        raise ValueError("top_logprobs_num must be a non-negative integer")
+    if body.get("token_ids_logprob"):
+        raise ValueError("token_ids_logprob is not supported by the embedded engine")
     items: list[GenerateItem] = []
     for i in range(size):
         for _ in range(n):
@@ -176,7 +179,7 @@ def parse_generate(body: Any) -> tuple[list[GenerateItem], bool, bool]:
             items.append(GenerateItem(
                 rid=str(rid), text=prompts[i] if text is not None else None,
                 input_ids=None if text is not None else list(prompts[i]), params=params[i],
-                return_logprob=bool(logprob[i]), logprob_start_len=int(start[i]),
+                return_logprob=bool(logprob[i]), logprob_start_len=int(start[i]), top_logprobs_num=int(top[i]),
                 return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)), index=len(items),
             ))
     return items, not batched and n == 1, bool(body.get("stream", False))
@@ -226,6 +229,13 @@ def generate_response(req: Request, item: GenerateItem, n: int, tokenizer, curre
         in_ids = req.input_ids[start:] if item.logprob_start_len >= 0 else []
         in_texts = [tokenizer.decode([t]) if item.return_text_in_logprobs else None for t in in_ids]
         meta["input_token_logprobs"] = _triples(req.input_logprobs, in_ids, in_texts)
+        if item.top_logprobs_num:
+            def tops(rows: list) -> list:
+                return [None if row is None else [[lp, tid, tokenizer.decode([tid]) if item.return_text_in_logprobs else None]
+                                                  for lp, tid in row] for row in rows]
+
+            meta["output_top_logprobs"] = tops(req.output_top_logprobs[:n])
+            meta["input_top_logprobs"] = tops(req.input_top_logprobs)
     if done and req.finished_at is not None:
         meta["e2e_latency"] = req.finished_at - req.created
         meta["response_sent_to_client_ts"] = time.time()

@@ -119,13 +119,27 @@ def _serde_message(exc: ValidationError) -> str:
     return f"invalid value for `{where}`: {err['msg']} (got {err.get('input')!r})"
 
 
+TopLogprobs = list[tuple[float, int]]
+
+
+def top_logprobs(logprobs_TV: torch.Tensor, ks: list[int]) -> list[TopLogprobs | None]:
+    """Each row's ``ks[i]`` most likely tokens as ``(logprob, id)``, best first (None where k is 0)."""
+    k_max = max(ks, default=0)
+    if k_max == 0:
+        return [None] * len(ks)
+    values, ids = logprobs_TV.topk(min(k_max, logprobs_TV.shape[-1]), dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    return [list(zip(values[i][:k], ids[i][:k])) if k else None for i, k in enumerate(ks)]
+
+
 def sample(
     logits_BV: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-    banned: list[list[int]], shared: torch.Generator,
-) -> tuple[list[int], list[float]]:
-    """Draw one token per row; return token ids and their (temperature-scaled) logprobs.
+    banned: list[list[int]], shared: torch.Generator, top_k_logprobs: list[int] | None = None,
+) -> tuple[list[int], list[float], list[TopLogprobs | None]]:
+    """Draw one token per row; return token ids, their (temperature-scaled) logprobs, and top logprobs.
 
-    ``banned[i]`` lists ids row i may not emit yet (stop tokens before ``min_new_tokens``).
+    ``banned[i]`` lists ids row i may not emit yet (stop tokens before ``min_new_tokens``);
+    ``top_k_logprobs[i]`` asks for row i's k most likely tokens from the same distribution.
     """
     logits_BV = logits_BV.float()
     for row, ids in enumerate(banned):
@@ -147,7 +161,8 @@ def sample(
         picked = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)[:, 0]
         chosen[rows] = picked.clamp(max=probs.shape[-1] - 1)
     token_logprobs = logprobs_BV.gather(1, chosen[:, None])[:, 0]
-    return chosen.tolist(), token_logprobs.tolist()
+    tops = top_logprobs(logprobs_BV, top_k_logprobs or [0] * len(params))
+    return chosen.tolist(), token_logprobs.tolist(), tops
 
 
 def _filter(probs_RV: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -44,7 +44,7 @@ from typing import Any, Callable
 import torch
 
 from inverted.rollout.engine.model import CausalLM, KVCache
-from inverted.rollout.engine.sampling import SamplingParams, sample
+from inverted.rollout.engine.sampling import SamplingParams, sample, top_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +61,15 @@ class Request:
     notify: Callable[["Request", int], None]
     return_logprob: bool = False
     logprob_start_len: int = -1
+    top_logprobs_num: int = 0  # with return_logprob: the k most likely tokens at each position
     stream: bool = False
     generator: torch.Generator | None = None  # only for requests with a sampling_seed
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_versions: list[str] = field(default_factory=list)
     input_logprobs: list[float | None] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
     cached_tokens: int = 0
     computed: int = 0  # positions whose keys/values are in this request's cache row
@@ -300,7 +303,7 @@ class Scheduler:
             if req.output_ids:
                 continue
             if req.return_logprob and req.logprob_start_len >= 0:
-                req.input_logprobs = self._input_logprobs(req, states)
+                req.input_logprobs, req.input_top_logprobs = self._input_logprobs(req, states)
             if req.params.max_new_tokens == 0:
                 self._finish(req, {"type": "length", "length": 0})
             else:
@@ -308,16 +311,19 @@ class Scheduler:
         if fresh:
             self._sample_and_check([r for r, _ in fresh], self.model.logits(torch.stack([h for _, h in fresh])))
 
-    def _input_logprobs(self, req: Request, hidden_TH: torch.Tensor) -> list[float | None]:
+    def _input_logprobs(self, req: Request, hidden_TH: torch.Tensor) -> tuple[list[float | None], list]:
+        """Prompt logprobs from ``logprob_start_len`` (the first position has none), and their top-k."""
         start = req.logprob_start_len
         ids = req.input_ids
         first = max(start, 1)
         values: list[float | None] = [None] if start == 0 else []
+        tops: list = [None] if start == 0 else []
         if first < len(ids):
-            logprobs = torch.log_softmax(self.model.logits(hidden_TH[first - 1 : len(ids) - 1]), dim=-1)
+            logprobs = torch.log_softmax(self.model.logits(hidden_TH[first - 1 : len(ids) - 1]).float(), dim=-1)
             target = torch.tensor(ids[first:], device=logprobs.device)[:, None]
             values += logprobs.gather(1, target)[:, 0].tolist()
-        return values
+            tops += top_logprobs(logprobs, [req.top_logprobs_num] * len(target))
+        return values, tops if req.top_logprobs_num else []
 
     def _decode(self) -> None:
         tokens = [r.output_ids[-1] for r in self.running]
@@ -335,11 +341,15 @@ class Scheduler:
 
     def _sample_and_check(self, reqs: list[Request], logits_BV: torch.Tensor) -> None:
         banned = [sorted(self._stop_ids(r)) if len(r.output_ids) < r.params.min_new_tokens else [] for r in reqs]
-        tokens, logprobs = sample(logits_BV, [r.params for r in reqs], [r.generator for r in reqs], banned, self._seeds)
+        top_k = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
+        tokens, logprobs, tops = sample(logits_BV, [r.params for r in reqs], [r.generator for r in reqs], banned,
+                                        self._seeds, top_k)
         self.stats["generated_tokens"] += len(reqs)
-        for req, token, logprob in zip(reqs, tokens, logprobs):
+        for req, token, logprob, top in zip(reqs, tokens, logprobs, tops):
             req.output_ids.append(token)
             req.output_logprobs.append(logprob)
+            if top is not None:
+                req.output_top_logprobs.append(top)
             req.output_versions.append(self.weight_version)
             reason = self._finish_reason(req, token)
             if reason is not None:

@@ -196,6 +196,7 @@ def _add_generate_routes(app: FastAPI) -> None:
 
             req = EngineRequest(rid=item.rid, input_ids=ids, params=item.params, notify=notify,
                                 return_logprob=item.return_logprob, logprob_start_len=item.logprob_start_len,
+                                top_logprobs_num=item.top_logprobs_num,
                                 stream=stream)
             reqs.append(req)
             engine.inflight[item.rid] = req

@@ -47,6 +47,28 @@ def test_sampled_and_prompt_logprobs_equal_transformers(engines, tiny_model, arc
     assert (torch.tensor([lp for lp, _, _ in in_lps[1:]]) - expected_in).abs().max().item() <= 1e-4
 
 
+def test_top_logprobs_are_transformers_top_k(engines, tiny_model):
+    prompt = [5, 17, 300, 42, 999, 7]
+    body = {"input_ids": prompt, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 5,
+            "return_text_in_logprobs": True,
+            "sampling_params": {"max_new_tokens": 12, "temperature": 0.7, "ignore_eos": True, "sampling_seed": 4}}
+    meta = httpx.post(engines["qwen2"] + "/generate", json=body, timeout=60).json()["meta_info"]
+    output_ids = [t for _, t, _ in meta["output_token_logprobs"]]
+    ref = hf_logprobs(tiny_model("qwen2"), prompt + output_ids, 0.7)
+    assert len(meta["output_top_logprobs"]) == len(output_ids)
+    for i, row in enumerate(meta["output_top_logprobs"]):
+        values, ids = ref[len(prompt) - 1 + i].topk(5)
+        assert [t for _, t, _ in row] == ids.tolist()
+        assert max(abs(lp - v) for (lp, _, _), v in zip(row, values.tolist())) <= 1e-4
+        assert all(isinstance(text, str) for _, _, text in row)
+    raw = hf_logprobs(tiny_model("qwen2"), prompt)
+    assert meta["input_top_logprobs"][0] is None and len(meta["input_top_logprobs"]) == len(prompt)
+    for i, row in enumerate(meta["input_top_logprobs"][1:], start=1):
+        assert [t for _, t, _ in row] == raw[i - 1].topk(5).indices.tolist()
+    bad = httpx.post(engines["qwen2"] + "/generate", json={**body, "top_logprobs_num": -1}, timeout=60)
+    assert bad.status_code == 400 and "top_logprobs_num" in bad.text
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_equals_transformers_generate(engines, tiny_model, arch):
     model = AutoModelForCausalLM.from_pretrained(tiny_model(arch), dtype=torch.float32).eval()
