@@ -29,6 +29,7 @@ class Sampled:
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[str] = field(default_factory=list)
+    tops: list[list[tuple[float, int]]] = field(default_factory=list)  # per token, when top logprobs were asked for
     finish: dict[str, Any] | None = None  # SGLang's finish_reason once the turn is done
     resumes: int = 0
     retries: int = 0
@@ -38,12 +39,13 @@ class Sampled:
         return (self.finish or {}).get("type", "")
 
 
-def read_output(body: Any, url: str) -> tuple[list[int], list[float], list[str], dict[str, Any] | None]:
-    """ids, logprobs, versions and finish reason of one ``/generate`` answer (or cumulative chunk)."""
+def read_output(body: Any, url: str) -> tuple[list[int], list[float], list[str], list, dict[str, Any] | None]:
+    """ids, logprobs, versions, top logprobs and finish reason of one ``/generate`` answer (or cumulative chunk)."""
     try:
         meta = body["meta_info"]
         ids = list(body["output_ids"])
         logprobs = [float(t[0]) for t in meta["output_token_logprobs"]]
+        tops = [[(float(lp), int(tid)) for lp, tid, _ in row] for row in meta.get("output_top_logprobs") or []]
         spans = meta.get("weight_versions")
         if spans:
             versions = [span["version"] for span in spans for _ in range(span["end"] - span["start"])]
@@ -56,11 +58,11 @@ def read_output(body: Any, url: str) -> tuple[list[int], list[float], list[str],
     if not len(ids) == len(logprobs) == len(versions):
         raise ProtocolError(f"/generate answered {len(ids)} ids, {len(logprobs)} logprobs, {len(versions)} versions",
                             url=url, body=str(body)[:300])
-    return ids, logprobs, versions, finish
+    return ids, logprobs, versions, tops, finish
 
 
 async def sample_turn(client: SGLangClient, prompt_ids: list[int], sampling: dict[str, Any], *, stream: bool,
-                      partial_rollout: bool, max_resumes: int) -> AsyncIterator[Sampled]:
+                      partial_rollout: bool, max_resumes: int, top_logprobs: int = 0) -> AsyncIterator[Sampled]:
     """Yield the turn's state as it grows; the last state yielded has ``finish`` set."""
     state = Sampled()
     budget = sampling["max_new_tokens"]
@@ -70,17 +72,20 @@ async def sample_turn(client: SGLangClient, prompt_ids: list[int], sampling: dic
         if "min_new_tokens" in params:  # a resumed call owes only what is still missing
             params["min_new_tokens"] = max(0, params["min_new_tokens"] - len(state.ids))
         payload = {"input_ids": prompt_ids + state.ids, "sampling_params": params, "return_logprob": True}
+        if top_logprobs:
+            payload["top_logprobs_num"] = top_logprobs
         kept = len(state.ids)
         if stream:
             chunks = client.generate_stream(payload)
         else:
             chunks = _single(client.generate(payload))
         async for body in chunks:
-            ids, logprobs, versions, finish = read_output(body, client.base_url)
-            del state.ids[kept:], state.logprobs[kept:], state.versions[kept:]
+            ids, logprobs, versions, tops, finish = read_output(body, client.base_url)
+            del state.ids[kept:], state.logprobs[kept:], state.versions[kept:], state.tops[kept:]
             state.ids += ids
             state.logprobs += logprobs
             state.versions += versions
+            state.tops += tops
             state.finish = finish
             if finish is None or finish.get("type") != "abort":
                 yield state
@@ -98,7 +103,7 @@ async def sample_turn(client: SGLangClient, prompt_ids: list[int], sampling: dic
                 return
         else:
             state.retries += 1
-            del state.ids[:], state.logprobs[:], state.versions[:]
+            del state.ids[:], state.logprobs[:], state.versions[:], state.tops[:]
         state.finish = None
 
 

@@ -70,6 +70,7 @@ class CallRequest:
     logprobs: bool
     max_tokens: int | None
     sampling: dict[str, Any]  # SGLang sampling_params, without max_new_tokens (set from the context left)
+    top_logprobs: int = 0  # chat: the k most likely tokens at each sampled position
 
 
 def _number(name: str, value: Any) -> Any:
@@ -142,9 +143,6 @@ def parse_chat(body: Any) -> CallRequest:
                              code="missing_required_parameter")
     if body.get("top_logprobs") and not body.get("logprobs"):
         raise InvalidRequest("'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
-    if body.get("top_logprobs"):
-        raise InvalidRequest("'top_logprobs' > 0 is not supported by this server: sampled-token logprobs only "
-                             "(use logprobs: true)", param="top_logprobs", code="unsupported_parameter")
     tools = body.get("tools")
     if tools is not None and (not isinstance(tools, list) or not all(
             isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
@@ -155,7 +153,7 @@ def parse_chat(body: Any) -> CallRequest:
         raise InvalidRequest(f"tool_choice {choice!r} is not supported: it needs constrained decoding; use 'auto' "
                              "or 'none'", param="tool_choice", code="unsupported_parameter")
     return CallRequest(kind="chat", messages=parse_messages(body["messages"]), prompt=None, tools=tools or None,
-                       parse_tools=bool(tools) and choice != "none", **common)
+                       parse_tools=bool(tools) and choice != "none", top_logprobs=body.get("top_logprobs") or 0, **common)
 
 
 def parse_completion(body: Any) -> CallRequest:
@@ -176,9 +174,13 @@ def finish_reason(engine_reason: str, reply: ParsedReply | None) -> str:
     return "length" if engine_reason == "length" else "stop"
 
 
-def logprobs_content(tokens: list[str], logprobs: list[float]) -> dict[str, Any]:
-    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                        for t, lp in zip(tokens, logprobs)], "refusal": None}
+def logprobs_content(tokens: list[str], logprobs: list[float],
+                     tops: list[list[tuple[str, float]]] | None = None) -> dict[str, Any]:
+    """Chat ``logprobs``: each sampled token, and (``top_logprobs``) the most likely tokens at its position."""
+    tops = tops or [[] for _ in tokens]
+    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
+                         "top_logprobs": [{"token": tt, "logprob": tlp, "bytes": list(tt.encode())} for tt, tlp in top]}
+                        for t, lp, top in zip(tokens, logprobs, tops)], "refusal": None}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

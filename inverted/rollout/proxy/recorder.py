@@ -253,7 +253,7 @@ class Recorder:
         prompt = choice.branch.tokens[:choice.prompt_len]
         async for state in sample_turn(self.client, prompt, sampling, stream=stream,
                                        partial_rollout=self.config.partial_rollout,
-                                       max_resumes=self.config.proxy_max_resumes):
+                                       max_resumes=self.config.proxy_max_resumes, top_logprobs=req.top_logprobs):
             choice.state = state
             yield state
         state = choice.state
@@ -333,7 +333,8 @@ class Recorder:
     def _logprobs(self, req: api.CallRequest, choice: Choice) -> dict[str, Any]:
         tokens = [self.tokenizer.decode([t]) for t in choice.state.ids]
         if req.kind == "chat":
-            return api.logprobs_content(tokens, choice.state.logprobs)
+            tops = [[(self.tokenizer.decode([tid]), lp) for lp, tid in row] for row in choice.state.tops]
+            return api.logprobs_content(tokens, choice.state.logprobs, tops if req.top_logprobs else None)
         return {"tokens": tokens, "token_logprobs": choice.state.logprobs, "top_logprobs": None,
                 "text_offset": None}
 

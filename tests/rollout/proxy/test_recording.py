@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from inverted.types import Sample
 from tests.rollout.proxy.scripted import CONVERSATION, TOOLS
@@ -177,14 +177,25 @@ async def test_four_turn_tool_conversation_is_recorded_token_for_token(stack, mo
     assert max(abs(a - b) for a, b in got) <= 1e-4
 
 
-async def test_logprobs_in_the_answer_are_the_recorded_ones(stack):
+async def test_logprobs_in_the_answer_are_the_recorded_ones_and_top_logprobs_are_transformers_top_k(stack):
     session = new_session(stack)
     async with openai.AsyncOpenAI(base_url=session["base_url"], api_key="x") as client:
         reply = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hello"}],
-                                                     max_tokens=12, logprobs=True, seed=3)
+                                                     max_tokens=12, logprobs=True, top_logprobs=3, seed=3,
+                                                     temperature=1.0)
         (sample,) = finish(stack, session)
-        answer = [t.logprob for t in reply.choices[0].logprobs.content]
+        content = reply.choices[0].logprobs.content
+        answer = [t.logprob for t in content]
         assert answer == sample.rollout_log_probs[-len(answer):] and len(answer) == reply.usage.completion_tokens
+    model = AutoModelForCausalLM.from_pretrained(stack.model, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(stack.model)
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([sample.tokens])).logits[0].float(), dim=-1)
+    start = len(sample.tokens) - len(content) - 1  # the row that predicts the first answer token
+    for i, entry in enumerate(content):
+        values, ids = ref[start + i].topk(3)
+        assert [t.token for t in entry.top_logprobs] == [tokenizer.decode([t]) for t in ids.tolist()]
+        assert max(abs(t.logprob - v) for t, v in zip(entry.top_logprobs, values.tolist())) <= 1e-4
 
 
 async def test_an_agent_that_drops_a_middle_message_gets_a_second_exact_branch(stack):
