@@ -10,11 +10,16 @@ fp32 on CPU) one embedded engine is started and the model's weights are pushed i
 - **distributed**: one gloo broadcast per bucket to the engine, which copies it in. Baseline: raw
   gloo broadcasts of the same bytes to a second process, acknowledged at the end. Target >= 0.5.
 
+With ``--device cuda`` (one GPU) the engine runs on the GPU in bfloat16 and only the tensor
+transport is measured (CUDA-IPC handles; NCCL cannot put two ranks on one GPU), against one
+device-to-device copy of the same bytes; target >= 0.3. Use ``--presets large`` (~1.3B) there.
+
 Effective GB/s = bytes / the update's bucket phase (pack + send + the engine's copy, overlapped);
 ``total_s`` is the whole update (pause, session, version, flush, continue included). Medians of
 ``--rounds`` after one warm-up.
 
     python bench/weight_sync.py [--presets small base] [--rounds 3] [--buffer-size 536870912]
+    python bench/weight_sync.py --device cuda --presets large
 """
 
 from __future__ import annotations
@@ -49,26 +54,31 @@ def model_dir(preset: str) -> Path:
     return out
 
 
-def start_engine(path: Path) -> ManagedProcess:
+def start_engine(path: Path, device: str) -> ManagedProcess:
     port = free_port()
     argv = [sys.executable, "-m", "inverted.cli", "serve-engine", "--model", str(path), "--port", str(port),
-            "--max-running-requests", "4", "--context-length", "256", "--log-level", "warning"]
+            "--max-running-requests", "4", "--context-length", "256", "--log-level", "warning", "--device", device,
+            "--dtype", "float32" if device == "cpu" else "bfloat16"]
     proc = ManagedProcess.spawn("bench-engine", argv, RUNS / "weight_sync_engine.log", f"http://127.0.0.1:{port}")
     proc.wait_healthy(600)
     return proc
 
 
-def memcpy_seconds(total: int, chunk: int) -> float:
-    """One copy of ``total`` bytes, in chunks of the bucket size (the memory a bucket touches).
+def memcpy_seconds(total: int, chunk: int, device: str = "cpu") -> float:
+    """One copy of ``total`` bytes on ``device``, in chunks of the bucket size (the memory a bucket touches).
 
     Both buffers are touched first, as ours are after the warm-up update: page faults are not copies.
     """
-    src = torch.empty(min(chunk, total), dtype=torch.uint8).random_()
+    src = torch.empty(min(chunk, total), dtype=torch.uint8, device=device).random_()
     dst = src.clone()
+    if device == "cuda":
+        torch.cuda.synchronize()
     started = time.perf_counter()
     for offset in range(0, total, chunk):
         n = min(chunk, total - offset)
         dst[:n].copy_(src[:n])
+    if device == "cuda":
+        torch.cuda.synchronize()
     return time.perf_counter() - started
 
 
@@ -103,20 +113,24 @@ def broadcast_seconds(total: int, chunk: int) -> float:
     return seconds
 
 
-def bench_model(preset: str, rounds: int, buffer_size: int) -> dict:
+def bench_model(preset: str, rounds: int, buffer_size: int, device: str) -> dict:
     path = model_dir(preset)
-    weights = checkpoint_tensors(path)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    weights = {name: t.to(device, dtype) for name, t in checkpoint_tensors(path).items()}
     total = sum(t.numel() * t.element_size() for t in weights.values())
-    engine = start_engine(path)
-    result: dict = {"params": sum(t.numel() for t in weights.values()), "bytes": total}
+    engine = start_engine(path, device)
+    result: dict = {"params": sum(t.numel() for t in weights.values()), "bytes": total, "dtype": str(dtype)}
+    transports = [("tensor", lambda: TensorTransport(torch.device(device)))]
+    if device == "cpu":
+        transports.append(("distributed", lambda: DistributedTransport(torch.device("cpu"), timeout=600)))
     try:
-        for name, make in (("tensor", lambda: TensorTransport(torch.device("cpu"))),
-                           ("distributed", lambda: DistributedTransport(torch.device("cpu"), timeout=600))):
+        for name, make in transports:
             sync = WeightSync(make(), [engine.url], buffer_size=buffer_size, pause_mode="in_place")
             reports = [asyncio.run(sync.update(weights.items(), str(i))) for i in range(rounds + 1)][1:]
             seconds = statistics.median(r.seconds["buckets"] for r in reports)
             baseline = statistics.median(
-                (memcpy_seconds if name == "tensor" else broadcast_seconds)(total, buffer_size) for _ in range(rounds))
+                memcpy_seconds(total, buffer_size, device) if name == "tensor" else broadcast_seconds(total, buffer_size)
+                for _ in range(rounds))
             result[name] = {"gb_per_s": total / seconds / 1e9, "baseline_gb_per_s": total / baseline / 1e9,
                             "ratio": baseline / seconds, "buckets": reports[-1].buckets,
                             "bucket_phase_s": seconds, "total_s": statistics.median(r.seconds["total"] for r in reports),
@@ -131,11 +145,15 @@ def main() -> None:
     parser.add_argument("--presets", nargs="*", default=["small", "base"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--buffer-size", type=int, default=512 * 1024**2)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
-    out = {"bench": "weight_sync", "device": "cpu", "threads": torch.get_num_threads(), "buffer_size": args.buffer_size,
-           "targets": {"tensor_ratio": 0.4, "distributed_ratio": 0.5}}
+    targets = {"tensor_ratio": 0.4, "distributed_ratio": 0.5} if args.device == "cpu" else {"tensor_ratio": 0.3}
+    out = {"bench": "weight_sync", "device": args.device, "threads": torch.get_num_threads(),
+           "buffer_size": args.buffer_size, "targets": targets}
+    if args.device == "cuda":
+        out["gpu"] = torch.cuda.get_device_name()
     for preset in args.presets:
-        out[preset] = bench_model(preset, args.rounds, args.buffer_size)
+        out[preset] = bench_model(preset, args.rounds, args.buffer_size, args.device)
     print(json.dumps(out, indent=2))
 
 

@@ -127,8 +127,9 @@ class TinyModelConfig:
 
     out: str = option("models/tiny", "directory to write the checkpoint into")
     arch: Literal["qwen2", "qwen3", "llama"] = option("qwen2", "model architecture")
-    preset: Literal["tiny", "small", "base"] = option(
-        "tiny", "size: tiny (~0.2M) for unit tests, small (~14M) for demos and CPU benchmarks, base (~0.5B) for GPUs")
+    preset: Literal["tiny", "small", "base", "large"] = option(
+        "tiny", "size: tiny (~0.2M) for unit tests, small (~14M) for demos and CPU benchmarks, base (~0.5B) and "
+                "large (~1.3B) for GPUs")
     seed: int = option(0, "random seed: the same seed gives byte-identical files")
 
 

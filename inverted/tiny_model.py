@@ -39,6 +39,9 @@ PRESETS: dict[str, dict[str, int]] = {
     # ~0.5B: Qwen2.5-0.5B's depth with a wider body (our vocabulary is small), for GPU benchmarks.
     "base": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=2,
                  intermediate_size=5504, max_position_embeddings=4096),
+    # ~1.3B: Qwen2-1.5B's body (its vocabulary would add the rest), for GPU weight-sync benchmarks.
+    "large": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                  intermediate_size=8960, max_position_embeddings=4096),
 }
 
 _WORDS = (
