@@ -9,6 +9,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from inverted.config import TrainConfig
@@ -26,8 +29,7 @@ __all__ = ["Bucket", "BucketPacker", "DiskTransport", "DistributedTransport", "S
            "Transport", "WeightSync", "make_weight_sync"]
 
 
-def make_weight_sync(cfg: TrainConfig, urls: list[str], *, checkpoint_dtype: str | None = None,
-                     api_key: str | None = None) -> WeightSync:
+def make_weight_sync(cfg: TrainConfig, urls: list[str], *, api_key: str | None = None) -> WeightSync:
     """``--update-weight-transport auto``: tensor when every server is on this host, else distributed."""
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     kind = cfg.update_weight_transport
@@ -39,5 +41,6 @@ def make_weight_sync(cfg: TrainConfig, urls: list[str], *, checkpoint_dtype: str
         transport = DistributedTransport(device, timeout=cfg.update_weight_timeout)
     else:
         transport = DiskTransport(device, cfg.update_weight_disk_dir or f"{cfg.output_dir}/weight_updates", cfg.hf_checkpoint)
+    checkpoint_dtype = json.loads((Path(cfg.hf_checkpoint) / "config.json").read_text()).get("torch_dtype")
     return WeightSync(transport, urls, buffer_size=cfg.update_weight_buffer_size, pause_mode=cfg.pause_mode,
                       api_key=api_key, checkpoint_dtype=checkpoint_dtype)

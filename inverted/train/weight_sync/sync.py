@@ -87,7 +87,7 @@ def served_dtype(info: dict, checkpoint_dtype: str | None) -> torch.dtype:
 class WeightSync:
     """Pushes the trainer's weights into every rollout server (the URLs of their SGLang endpoints)."""
 
-    def __init__(self, transport: Transport, urls: list[str], *, buffer_size: int, pause_mode: str = "abort",
+    def __init__(self, transport: Transport, urls: list[str], *, buffer_size: int, pause_mode: str = "retract",
                  api_key: str | None = None, checkpoint_dtype: str | None = None):
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
