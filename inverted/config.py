@@ -156,7 +156,8 @@ class EngineConfig:
     random_seed: int | None = option(None, "seed for requests without sampling_seed (default: fresh per process, so engines differ)")
     log_requests: bool = option(False, "log every finished request (input ids, output ids, finish reason) as a JSON line")
     weight_update_timeout: float = option(
-        300.0, "seconds to wait for the trainer when joining a weight-update group or taking one of its broadcasts")
+        300.0, "seconds to wait for the trainer: joining a weight-update group, taking a broadcast, or between the "
+               "calls of an update session (an idle session is then ended, so a dead trainer cannot stop generation)")
     log_level: Literal["debug", "info", "warning", "error"] = option("info", "log level")
 
     def __post_init__(self) -> None:

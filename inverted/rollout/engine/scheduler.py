@@ -13,7 +13,8 @@ request is running and holds back admissions meanwhile, like SGLang's model-upda
 
 A weight-update session (``begin_update`` ... ``end_update``, SGLang's begin/end weight update)
 is opened by a barrier command and holds all stepping until it ends, so the buckets of one update
-land between two steps and no token is ever sampled from half-new weights.
+land between two steps and no token is ever sampled from half-new weights. A session left idle for
+``update_timeout`` seconds (its trainer died) is ended by the scheduler itself.
 
 Pause modes follow SGLang: ``abort`` finishes every queued and running request with
 ``finish_reason.type == "abort"``; ``retract`` returns running requests to the front of the queue
@@ -86,7 +87,7 @@ class Scheduler:
 
     def __init__(self, model: CausalLM, *, max_running: int, context_length: int, max_prefill_tokens: int,
                  weight_version: str, stop_checker: Callable[[Request], str | None], random_seed: int | None = None,
-                 reuse_prefixes: bool = True):
+                 reuse_prefixes: bool = True, update_timeout: float = 300.0):
         self.model = model
         self.max_running = max_running
         self.context_length = context_length
@@ -101,6 +102,8 @@ class Scheduler:
         self.prefixes: dict[int, list[int]] = {}  # kept row (>= len(running)) -> the tokens whose KV it holds
         self.paused: str | None = None
         self.updating = False  # inside /begin_weight_update ... /end_weight_update: nothing steps
+        self.update_timeout = update_timeout
+        self._update_expires = 0.0
         self.memory_released = False
         self.stats = collections.Counter()
         self._seeds = torch.Generator(device=model.device)  # shared by requests without a sampling_seed
@@ -185,11 +188,23 @@ class Scheduler:
         if self.updating:
             raise RuntimeError("a weight update session is already open: call end_weight_update first")
         self.updating = True
+        self.touch_update()
+
+    def touch_update(self) -> None:
+        """The session's trainer is alive: a session idle for ``update_timeout`` seconds is ended for it."""
+        self._update_expires = time.monotonic() + self.update_timeout
 
     def end_update(self) -> None:
         if not self.updating:
             raise RuntimeError("no weight update session is open: call begin_weight_update first")
         self.updating = False
+
+    def _expire_update(self) -> None:
+        """A trainer that died inside a session must not stop generation for good."""
+        if self.updating and time.monotonic() >= self._update_expires:
+            logger.warning("weight update session idle for %.0fs: ending it (the trainer is gone?)", self.update_timeout)
+            self.updating = False
+            self.stats["weight_update_sessions_expired"] += 1
 
     def busy(self) -> bool:
         """Whether a cache flush must be refused: requests run, or queue while not paused (SGLang's rule)."""
@@ -226,7 +241,8 @@ class Scheduler:
             while True:
                 with self._cond:
                     while not self._stopping and not self._ready_commands() and not self._has_work():
-                        self._cond.wait()
+                        self._cond.wait(timeout=max(0.0, self._update_expires - time.monotonic()) if self.updating else None)
+                        self._expire_update()
                     self.waiting.extend(self._incoming)
                     self._incoming.clear()
                     if self._stopping:

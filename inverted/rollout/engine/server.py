@@ -58,7 +58,7 @@ class Engine:
             model, max_running=config.max_running_requests, context_length=self.context_length,
             max_prefill_tokens=config.max_prefill_tokens, weight_version=config.weight_version,
             stop_checker=self._matched_stop, random_seed=config.random_seed,
-            reuse_prefixes=not config.disable_radix_cache,
+            reuse_prefixes=not config.disable_radix_cache, update_timeout=config.weight_update_timeout,
         )
         self.model_name = config.served_model_name or config.model
         self.started = time.time()
@@ -277,6 +277,8 @@ async def _load_weights(engine: Engine, tensors: dict[str, torch.Tensor], body: 
     """
     def apply() -> tuple[str, int, int]:
         sched = engine.scheduler
+        if sched.updating:
+            sched.touch_update()
         if body.abort_all_requests:
             sched.abort(abort_all=True)
         sched.model.load_weights(tensors, complete=complete, strict_dtype=not complete)
@@ -371,6 +373,7 @@ def _add_control_routes(app: FastAPI) -> None:
     async def update_weights_from_tensor(body: P.UpdateWeightsFromTensorRequest, engine: EngineDep) -> JSONResponse:
         if not engine.scheduler.updating:
             return _ok(OUTSIDE_SESSION.format(route="update_weights_from_tensor"), 400)
+        engine.scheduler.touch_update()
         model = engine.scheduler.model
         try:
             named = await asyncio.to_thread(decode_tensor_payloads, model, body.serialized_named_tensors, body.load_format,
@@ -395,6 +398,7 @@ def _add_control_routes(app: FastAPI) -> None:
     async def update_weights_from_distributed(body: P.UpdateWeightsFromDistributedRequest, engine: EngineDep) -> JSONResponse:
         if not engine.scheduler.updating:
             return _ok(OUTSIDE_SESSION.format(route="update_weights_from_distributed"), 400)
+        engine.scheduler.touch_update()
         try:
             named = await asyncio.to_thread(engine.groups.receive, engine.scheduler.model, body.group_name, body.names,
                                             body.dtypes, body.shapes, body.load_format)
@@ -524,6 +528,7 @@ def _add_info_routes(app: FastAPI) -> None:
             f"sglang:generation_tokens_total {stats['generated_tokens']}",
             f"sglang:cached_tokens_total {stats['cached_tokens']}",
             f"sglang:num_aborted_requests_total {stats['requests_aborted']}",
+            f"inverted:weight_update_sessions_expired_total {stats['weight_update_sessions_expired']}",
             f"inverted:prefill_seconds_total {stats['prefill_seconds']:.3f}",
             f"inverted:decode_seconds_total {stats['decode_seconds']:.3f}",
             f"inverted:decode_steps_total {stats['decode_steps']}",
