@@ -10,6 +10,8 @@ bad payload changes nothing.
   ``None`` / ``"direct"`` carry ``[(name, tensor | LocalSerializedTensor)]``. Decoding goes through
   ``weight_wire``'s allowlist. CPU tensors arrive as shared-memory files the trainer wrote (the
   sender's first copy); the scheduler's copy into the parameters is the second and last.
+  ``RecentBuckets`` keeps the last two such files mapped, so the trainer's next update (which
+  reuses its two buffers) costs no new mapping or page faults.
 - ``UpdateGroups``: ``/init_weights_update_group`` joins the trainer's group (blocking, so it runs
   in a worker thread); ``receive`` takes one broadcast of a flattened bucket, or one per tensor, in
   list order. A request whose tensors do not fit still takes its broadcasts (into scratch memory)
@@ -75,8 +77,9 @@ def decode_tensor_payloads(model, payloads: list[str], load_format: str | None, 
                 and isinstance(obj.get("metadata"), list)):
             raise InvalidRequest("a flattened_bucket payload must decode to {'flattened_tensor': Tensor, 'metadata': [...]}")
         named = unflatten(obj["flattened_tensor"], obj["metadata"])
-        if recent is not None and obj["flattened_tensor"].is_shared():
-            recent.keep(obj["flattened_tensor"])
+        flat = obj["flattened_tensor"]
+        if recent is not None and flat.device.type == "cpu" and flat.is_shared():  # CUDA-IPC memory is not held on to
+            recent.keep(flat)
     else:
         if not isinstance(obj, list) or not all(isinstance(e, tuple) and len(e) == 2 for e in obj):
             raise InvalidRequest("a payload must decode to a list of (name, tensor) pairs")
