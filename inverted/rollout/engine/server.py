@@ -268,6 +268,20 @@ def _ok(message: str, status: int = 200, **extra: Any) -> JSONResponse:
 OUTSIDE_SESSION = "{route} must run between begin_weight_update() and end_weight_update()."
 
 
+async def _update_in_session(engine: Engine, route: str, body: P.WeightLoadOptions, receive) -> JSONResponse:
+    """Tensor and distributed updates: only inside a session; ``receive()`` (blocking, so off the event
+    loop) returns the checked tensors, which are then loaded."""
+    if not engine.scheduler.updating:
+        return _ok(OUTSIDE_SESSION.format(route=route), 400)
+    engine.scheduler.touch_update()
+    try:
+        named = await asyncio.to_thread(receive)
+    except (InvalidRequest, RuntimeError) as exc:  # RuntimeError: a broken or timed-out update group
+        return _ok(str(exc), 400)
+    message, status, _ = await _load_weights(engine, dict(named), body, complete=False)
+    return _ok(message, status)
+
+
 async def _load_weights(engine: Engine, tensors: dict[str, torch.Tensor], body: P.WeightLoadOptions, *,
                         complete: bool) -> tuple[str, int, int]:
     """Copy checked tensors in on the scheduler thread; then version and flush, as SGLang does.
@@ -371,17 +385,8 @@ def _add_control_routes(app: FastAPI) -> None:
 
     @app.post("/update_weights_from_tensor", dependencies=admin)
     async def update_weights_from_tensor(body: P.UpdateWeightsFromTensorRequest, engine: EngineDep) -> JSONResponse:
-        if not engine.scheduler.updating:
-            return _ok(OUTSIDE_SESSION.format(route="update_weights_from_tensor"), 400)
-        engine.scheduler.touch_update()
-        model = engine.scheduler.model
-        try:
-            named = await asyncio.to_thread(decode_tensor_payloads, model, body.serialized_named_tensors, body.load_format,
-                                            engine.recent_buckets)
-        except InvalidRequest as exc:
-            return _ok(str(exc), 400)
-        message, status, _ = await _load_weights(engine, dict(named), body, complete=False)
-        return _ok(message, status)
+        return await _update_in_session(engine, "update_weights_from_tensor", body, lambda: decode_tensor_payloads(
+            engine.scheduler.model, body.serialized_named_tensors, body.load_format, engine.recent_buckets))
 
     @app.post("/init_weights_update_group", dependencies=admin)
     async def init_weights_update_group(body: P.InitWeightsUpdateGroupRequest, engine: EngineDep) -> JSONResponse:
@@ -396,16 +401,8 @@ def _add_control_routes(app: FastAPI) -> None:
 
     @app.post("/update_weights_from_distributed", dependencies=admin)
     async def update_weights_from_distributed(body: P.UpdateWeightsFromDistributedRequest, engine: EngineDep) -> JSONResponse:
-        if not engine.scheduler.updating:
-            return _ok(OUTSIDE_SESSION.format(route="update_weights_from_distributed"), 400)
-        engine.scheduler.touch_update()
-        try:
-            named = await asyncio.to_thread(engine.groups.receive, engine.scheduler.model, body.group_name, body.names,
-                                            body.dtypes, body.shapes, body.load_format)
-        except (InvalidRequest, RuntimeError) as exc:
-            return _ok(str(exc), 400)
-        message, status, _ = await _load_weights(engine, dict(named), body, complete=False)
-        return _ok(message, status)
+        return await _update_in_session(engine, "update_weights_from_distributed", body, lambda: engine.groups.receive(
+            engine.scheduler.model, body.group_name, body.names, body.dtypes, body.shapes, body.load_format))
 
     @app.post("/destroy_weights_update_group", dependencies=admin)
     async def destroy_weights_update_group(body: P.DestroyWeightsUpdateGroupRequest, engine: EngineDep) -> JSONResponse:
