@@ -125,14 +125,12 @@ def _rebuild_cuda_tensor_by_uuid(*args: Any) -> torch.Tensor:
 
 
 # Our objects that must pickle under SGLang's qualified names (and unpickle back to ours).
-_SGLANG_NAMES: dict[str, tuple[str, str]] = {
-    "FlattenedTensorMetadata": (SGLANG_BUCKET_MODULE, "FlattenedTensorMetadata"),
-    "LocalSerializedTensor": ("sglang.srt.model_executor.model_runner_components.weight_updater", "LocalSerializedTensor"),
-    "_rebuild_cuda_tensor_by_uuid": (SGLANG_PATCH_MODULE, "_rebuild_cuda_tensor_modified"),
-}
-_ALIASED = {id(FlattenedTensorMetadata): _SGLANG_NAMES["FlattenedTensorMetadata"],
-            id(LocalSerializedTensor): _SGLANG_NAMES["LocalSerializedTensor"],
-            id(_rebuild_cuda_tensor_by_uuid): _SGLANG_NAMES["_rebuild_cuda_tensor_by_uuid"]}
+_SGLANG_ALIASES: list[tuple[Any, tuple[str, str]]] = [
+    (FlattenedTensorMetadata, (SGLANG_BUCKET_MODULE, "FlattenedTensorMetadata")),
+    (LocalSerializedTensor, ("sglang.srt.model_executor.model_runner_components.weight_updater", "LocalSerializedTensor")),
+    (_rebuild_cuda_tensor_by_uuid, (SGLANG_PATCH_MODULE, "_rebuild_cuda_tensor_modified")),
+]
+_ALIASED = {id(obj): name for obj, name in _SGLANG_ALIASES}
 
 
 class _Pickler(pickle._Pickler):
@@ -175,6 +173,11 @@ def serialize(obj: Any) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
+def bucket_payload(flat: torch.Tensor, metadata: list[FlattenedTensorMetadata]) -> str:
+    """One ``/update_weights_from_tensor`` entry for ``load_format="flattened_bucket"``, as SGLang builds it."""
+    return serialize({"flattened_tensor": flat, "metadata": metadata})
+
+
 def _load_storage_by_value(data: bytes) -> torch.UntypedStorage | torch.TypedStorage:
     """A storage pickled by value: torch's own loader in ``weights_only`` mode, as SGLang does."""
     storage = torch.load(io.BytesIO(data), weights_only=True)
@@ -212,10 +215,8 @@ _ALLOWED: dict[tuple[str, str], Any] = {
         "rebuild_typed_storage", "rebuild_typed_storage_child")},
     ("torch.multiprocessing.reductions", "rebuild_storage_fd"): _RefuseFdSharing,
     ("multiprocessing.resource_sharer", "DupFd"): _RefuseFdSharing,
-    _SGLANG_NAMES["FlattenedTensorMetadata"]: FlattenedTensorMetadata,
-    _SGLANG_NAMES["LocalSerializedTensor"]: LocalSerializedTensor,
-    ("sglang.srt.model_executor.model_runner", "LocalSerializedTensor"): LocalSerializedTensor,
-    _SGLANG_NAMES["_rebuild_cuda_tensor_by_uuid"]: _rebuild_cuda_tensor_by_uuid,
+    **{name: obj for obj, name in _SGLANG_ALIASES},
+    ("sglang.srt.model_executor.model_runner", "LocalSerializedTensor"): LocalSerializedTensor,  # its older home
 }
 
 

@@ -82,12 +82,13 @@ def test_anything_but_tensors_and_containers_is_refused(payload, message, capsys
 def test_file_descriptor_sharing_is_refused_with_a_fix():
     from multiprocessing.reduction import ForkingPickler
 
+    before = torch.multiprocessing.get_sharing_strategy()
     torch.multiprocessing.set_sharing_strategy("file_descriptor")
     try:
         buf = io.BytesIO()
         ForkingPickler(buf).dump(torch.ones(8))
     finally:
-        torch.multiprocessing.set_sharing_strategy("file_system")
+        torch.multiprocessing.set_sharing_strategy(before)
     with pytest.raises(InvalidRequest, match="set_sharing_strategy\\('file_system'\\)"):
         deserialize(buf.getvalue())
 

@@ -10,6 +10,7 @@ source of ``MultiprocessingSerializer``, ``SafeUnpickler`` and ``init_custom_pro
 
 from __future__ import annotations
 
+import __future__
 import ast
 import importlib.util
 import io
@@ -55,9 +56,12 @@ def load() -> types.SimpleNamespace:
     wanted = [node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in COMMON_NAMES]
     assert {n.name for n in wanted} == set(COMMON_NAMES), "sglang's common.py changed shape"
     namespace = {"__name__": "sglang.srt.utils.common", "io": io, "pickle": pickle, "torch": torch, "binascii": binascii,
-                 "pybase64": pybase64, "ForkingPickler": ForkingPickler, "List": list, "Union": object,
-                 "SerializedTensorPayload": object, "torch_release": pkg_version.parse(torch.__version__).release}
-    exec(compile(ast.Module(body=wanted, type_ignores=[]), str(root / "srt/utils/common.py"), "exec"), namespace)
+                 "pybase64": pybase64, "ForkingPickler": ForkingPickler,
+                 "torch_release": pkg_version.parse(torch.__version__).release}
+    # common.py has ``from __future__ import annotations``: compiled the same way, its annotations stay unevaluated.
+    code = compile(ast.Module(body=wanted, type_ignores=[]), str(root / "srt/utils/common.py"), "exec",
+                   flags=__future__.annotations.compiler_flag, dont_inherit=True)
+    exec(code, namespace)
     return types.SimpleNamespace(FlattenedTensorBucket=bucket.FlattenedTensorBucket,
                                  FlattenedTensorMetadata=bucket.FlattenedTensorMetadata,
                                  **{name: namespace[name] for name in COMMON_NAMES})

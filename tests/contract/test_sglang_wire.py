@@ -13,7 +13,8 @@ import torch
 
 from inverted.hf_checkpoint import checkpoint_tensors
 from inverted.rollout.servers import free_port
-from inverted.weight_wire import bucket_layout, join_update_group, serialize, unflatten
+from inverted.train.weight_sync import BucketPacker, TensorTransport
+from inverted.weight_wire import bucket_layout, bucket_payload, join_update_group
 from tests.contract.sglang_code import load, sglang_root
 
 pytestmark = pytest.mark.skipif(sglang_root() is None, reason="sglang wheel not installed (make test installs it --no-deps)")
@@ -55,11 +56,8 @@ def test_a_payload_built_by_sglang_is_accepted_by_the_engine(sgl, procs, tiny_mo
 
 def test_our_payload_decodes_with_sglangs_safe_unpickler(sgl):
     tensors = [("a.weight", torch.randn(4, 3)), ("a.bias", torch.randn(4))]
-    layout = bucket_layout([(n, t.dtype, tuple(t.shape)) for n, t in tensors])
-    flat = torch.empty(layout[-1].end_idx, dtype=torch.uint8).share_memory_()
-    for (_, view), (_, tensor) in zip(unflatten(flat, layout), tensors):
-        view.copy_(tensor)
-    decoded = sgl.MultiprocessingSerializer.deserialize(serialize({"flattened_tensor": flat, "metadata": layout}))
+    (bucket,) = BucketPacker(1 << 20, TensorTransport(torch.device("cpu")).allocate, torch.float32).pack(tensors)
+    decoded = sgl.MultiprocessingSerializer.deserialize(bucket_payload(bucket.flat, bucket.metadata))  # the trainer's payload
     assert all(isinstance(m, sgl.FlattenedTensorMetadata) for m in decoded["metadata"])  # SGLang's class, not ours
     rebuilt = sgl.FlattenedTensorBucket(flattened_tensor=decoded["flattened_tensor"], metadata=decoded["metadata"])
     for (name, got), (want_name, want) in zip(rebuilt.reconstruct_tensors(), tensors):

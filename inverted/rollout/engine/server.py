@@ -295,7 +295,8 @@ async def _load_weights(engine: Engine, tensors: dict[str, torch.Tensor], body: 
             sched.touch_update()
         if body.abort_all_requests:
             sched.abort(abort_all=True)
-        sched.model.load_weights(tensors, complete=complete, strict_dtype=not complete)
+        # Everything arriving here is in the served dtype: payloads were checked, disk tensors converted.
+        sched.model.load_weights(tensors, complete=complete, strict_dtype=True)
         sched.forget_prefixes()  # their KV came from the old weights
         message = "Succeeded to update model weights."
         if body.weight_version is not None:

@@ -96,10 +96,6 @@ class WeightSync:
         self.packer: BucketPacker | None = None
         self.connected: list[tuple[str, float | None]] = []
 
-    def set_servers(self, urls: list[str]) -> None:
-        """A new server set (one added or moved); the next update connects to it."""
-        self.urls = list(urls)
-
     async def update(self, weights: Iterable[tuple[str, torch.Tensor]], version: str) -> SyncReport:
         started = time.perf_counter()
         async with AsyncExitStack() as stack:

@@ -31,7 +31,7 @@ import torch
 
 from inverted.rollout.sglang_client import SGLangClient
 from inverted.train.weight_sync.buckets import Bucket
-from inverted.weight_wire import UpdateGroup, join_update_group, serialize
+from inverted.weight_wire import UpdateGroup, bucket_payload, join_update_group
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -89,7 +89,7 @@ class TensorTransport(Transport):
         self.tp_sizes = tp_sizes
 
     async def send(self, servers: list[SGLangClient], bucket: Bucket) -> None:
-        payload = serialize({"flattened_tensor": bucket.flat, "metadata": bucket.metadata})
+        payload = bucket_payload(bucket.flat, bucket.metadata)
         await all_servers(server.update_weights_from_tensor([payload] * tp, load_format="flattened_bucket")
                           for server, tp in zip(servers, self.tp_sizes))
 

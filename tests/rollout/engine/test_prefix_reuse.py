@@ -32,6 +32,7 @@ def assert_same(a: dict, b: dict) -> None:
 def test_multi_turn_reuses_the_history_and_computes_the_same(engines):
     reuse, plain = engines
     history = list(range(40, 100))
+    previous = 0  # tokens the previous turn's request held (prompt + output)
     for turn in range(3):
         got, want = generate(reuse, history), generate(plain, history)
         assert_same(got, want)

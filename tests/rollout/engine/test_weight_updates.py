@@ -13,8 +13,9 @@ import torch
 from inverted.errors import ProtocolError
 from inverted.hf_checkpoint import checkpoint_tensors
 from inverted.rollout.servers import free_port
-from inverted.train.weight_sync import TensorTransport, WeightSync
-from inverted.weight_wire import bucket_layout, join_update_group, serialize, unflatten
+from inverted.train.weight_sync import Bucket, BucketPacker, TensorTransport, WeightSync
+from inverted.train.weight_sync.transports import dtype_name
+from inverted.weight_wire import bucket_payload, join_update_group
 from tests.rollout.engine.test_control import LONG, started
 
 pytestmark = pytest.mark.anyio
@@ -26,14 +27,15 @@ def engine(procs, tiny_model):
     return procs.engine(tiny_model("qwen2")).url
 
 
-def bucket_payload(named: list[tuple[str, torch.Tensor]]) -> str:
-    torch.multiprocessing.set_sharing_strategy("file_system")
-    layout = bucket_layout([(n, t.dtype, tuple(t.shape)) for n, t in named])
-    flat = torch.empty(layout[-1].end_idx, dtype=torch.uint8).share_memory_()
-    for (_, view), (_, tensor) in zip(unflatten(flat, layout), named):
-        view.copy_(tensor)
-    bucket_payload.keep = flat  # the sender keeps the shared buffer alive until the call returns
-    return serialize({"flattened_tensor": flat, "metadata": layout})
+def packed(named: list[tuple[str, torch.Tensor]], dtype: torch.dtype = torch.float32, *, shared: bool = True) -> Bucket:
+    """One bucket, packed by the trainer's own packer into its own buffer (shared memory, as the tensor transport's)."""
+    allocate = TensorTransport(torch.device("cpu")).allocate if shared else (lambda n: torch.empty(n, dtype=torch.uint8))
+    (bucket,) = BucketPacker(1 << 30, allocate, dtype).pack(named)
+    return bucket
+
+
+def payload_of(bucket: Bucket) -> str:
+    return bucket_payload(bucket.flat, bucket.metadata)
 
 
 def post(url: str, path: str, body: dict) -> httpx.Response:
@@ -46,7 +48,8 @@ def state(url: str) -> tuple[list, str]:
 
 
 def test_session_rules(engine):
-    payload = bucket_payload([(NAME, torch.zeros(64, 64))])
+    bucket = packed([(NAME, torch.zeros(64, 64))])  # the sender keeps its bucket alive until the call returns
+    payload = payload_of(bucket)
     outside = post(engine, "/update_weights_from_tensor", {"serialized_named_tensors": [payload], "load_format": "flattened_bucket"})
     assert outside.status_code == 400 and outside.json() == {
         "success": False, "message": "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()."}
@@ -60,11 +63,15 @@ def test_session_rules(engine):
 def test_bad_payloads_change_nothing(engine, tiny_model):
     before = state(engine)
     good = checkpoint_tensors(tiny_model("qwen2", seed=5))
-    whole = bucket_payload([(NAME, good[NAME])])
+    buckets = {  # kept alive until the calls return, as a sender must
+        "unknown parameter names": packed([("model.layers.9.mlp.up_proj.weight", good[NAME]), (NAME, good[NAME])]),
+        "expected shape": packed([(NAME, good[NAME]), ("model.norm.weight", torch.ones(63))]),
+        "expected dtype": packed([(NAME, good[NAME])], torch.bfloat16),
+        "whole": packed([(NAME, good[NAME])]),
+    }
+    whole = payload_of(buckets.pop("whole"))
     bad = {
-        "unknown parameter names": bucket_payload([("model.layers.9.mlp.up_proj.weight", good[NAME]), (NAME, good[NAME])]),
-        "expected shape": bucket_payload([(NAME, good[NAME]), ("model.norm.weight", torch.ones(63))]),
-        "expected dtype": bucket_payload([(NAME, good[NAME].to(torch.bfloat16))]),
+        **{reason: payload_of(bucket) for reason, bucket in buckets.items()},
         "not valid base64": whole[:-13],
         "cannot decode the payload": whole[:-12],  # whole base64 groups, but the pickle stops early
         "not allowed": __import__("base64").b64encode(__import__("pickle").dumps(print)).decode(),
@@ -93,26 +100,24 @@ def test_a_distributed_update_over_gloo_and_a_refused_one_still_takes_its_broadc
     assert init.json() == {"success": True, "message": "Succeeded to initialize custom process group."}
     group = joined["g"]
 
-    def update(names, tensors, **extra) -> httpx.Response:
-        layout = bucket_layout([(n, t.dtype, tuple(t.shape)) for n, t in zip(names, tensors)])
-        flat = torch.empty(layout[-1].end_idx, dtype=torch.uint8)
-        for (_, view), tensor in zip(unflatten(flat, layout), tensors):
-            view.copy_(tensor)
-        sender = threading.Thread(target=group.broadcast, args=(flat,))
+    def update(named, **extra) -> httpx.Response:
+        bucket = packed(named, shared=False)
+        sender = threading.Thread(target=group.broadcast, args=(bucket.flat,))
         sender.start()
         response = post(engine, "/update_weights_from_distributed", {
-            "names": names, "dtypes": [str(t.dtype)[6:] for t in tensors], "shapes": [list(t.shape) for t in tensors],
-            "load_format": "flattened_bucket", "flush_cache": False, **extra})
+            "names": bucket.names, "dtypes": [dtype_name(m.dtype) for m in bucket.metadata],
+            "shapes": [list(m.shape) for m in bucket.metadata], "load_format": "flattened_bucket", "flush_cache": False,
+            **extra})
         sender.join(30)
         assert not sender.is_alive(), "the broadcast must complete even when the update is refused"
         return response
 
     before = state(engine)
     post(engine, "/begin_weight_update", {})
-    refused = update(["no.such.weight"], [good[NAME]], weight_version="bad")
+    refused = update([("no.such.weight", good[NAME])], weight_version="bad")
     assert refused.status_code == 400 and "unknown parameter names" in refused.json()["message"]
     assert state(engine)[0] == before[0]
-    ok = update([NAME, "model.norm.weight"], [good[NAME], good["model.norm.weight"]], weight_version="d1")
+    ok = update([(NAME, good[NAME]), ("model.norm.weight", good["model.norm.weight"])], weight_version="d1")
     assert ok.status_code == 200, ok.text
     post(engine, "/end_weight_update", {})
     assert state(engine) == (good[NAME][:2].tolist(), "d1")
