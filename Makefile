@@ -1,5 +1,5 @@
 # The two commands of the README, plus what they are built from.
-#   make run    set up .venv and run the main job (today: embedded engines behind the real sgl-router)
+#   make run    set up .venv and run the main job: inverted train on the tiny model (examples/demo.yaml)
 #   make test   set up .venv and run the test suite (CPU only, no downloads)
 # TORCH is installed first and pinned, so no dependency pulls a multi-GB CUDA build onto a CPU
 # machine. On a GPU machine: install your CUDA build of torch into .venv first, then TORCH=skip.
@@ -7,7 +7,9 @@
 PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= torch==2.13.0
+TINY   ?= models/tiny-qwen2
 MODEL  ?= models/small-qwen2
+DEMO_DATA := data/letters.jsonl
 # SGLang's own serializer classes, for the weight-payload contract tests: the wheel without its
 # GPU dependencies (the tests load only its pure-Python serializer and bucket code).
 SGLANG_WIRE ?= sglang==0.5.23
@@ -26,8 +28,14 @@ $(VENV)/.installed: pyproject.toml
 $(MODEL)/config.json: $(VENV)/.installed
 	$(BIN)/inverted make-tiny-model --out $(MODEL) --arch qwen2 --preset small
 
-run: setup $(MODEL)/config.json
-	$(BIN)/inverted servers --hf-checkpoint $(MODEL) --num-engines 2
+$(TINY)/config.json: $(VENV)/.installed
+	$(BIN)/inverted make-tiny-model --out $(TINY) --arch qwen2 --preset tiny
+
+$(DEMO_DATA): $(VENV)/.installed
+	$(BIN)/python -m envs.letters --out $(DEMO_DATA)
+
+run: setup $(TINY)/config.json $(DEMO_DATA)
+	$(BIN)/inverted train --config examples/demo.yaml
 
 $(VENV)/.sglang-wire: $(VENV)/.installed
 	$(BIN)/python -m pip install -q --no-deps "$(SGLANG_WIRE)"
@@ -40,4 +48,4 @@ bench: setup $(MODEL)/config.json
 	$(BIN)/python bench/engine_throughput.py --model $(MODEL)
 
 clean:
-	rm -rf $(VENV) models runs .pytest_cache
+	rm -rf $(VENV) models runs data .pytest_cache

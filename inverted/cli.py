@@ -2,26 +2,29 @@
 
 Commands: ``make-tiny-model`` (a local random checkpoint), ``serve-engine`` (the embedded
 SGLang-protocol engine), ``buffer`` (the Data Buffer service), ``proxy`` (the token-recording OpenAI proxy), ``servers`` (N engines behind the real sgl-router, with a short demo
-generation through it), ``train`` (the Megatron trainer; so far from saved rollout data) and ``export-hf``. Logging is configured here and only here, with the process role in
+generation through it), ``train`` (the main job: the RL loop over all of them, or
+``--debug-train-only`` from saved rollout data) and ``export-hf``. Logging is configured here and only here, with the process role in
 every line. Heavy imports happen inside each command so ``inverted --help`` is instant.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
 
-from inverted.config import (BufferConfig, EngineConfig, ExportConfig, ProxyConfig, ServersConfig, TinyModelConfig,
-                             TrainConfig, add_flags, build_section, load_yaml_defaults, split_passthrough)
-from inverted.errors import ConfigError, InvertedError
+from inverted.config import (BufferConfig, EngineConfig, ExportConfig, JobConfig, ProxyConfig, ServersConfig,
+                             TinyModelConfig, add_flags, build_section, load_yaml_defaults, split_passthrough)
+from inverted.errors import InvertedError
 
 
 def setup_logging(role: str, level: str = "info") -> None:
     logging.basicConfig(level=level.upper(), format=f"%(asctime)s [{role}] %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S", stream=sys.stderr, force=True)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # it logs every request at INFO
+    for name in ("httpx", "httpx2"):  # they log every request at INFO (httpx2: the openai SDK's copy)
+        logging.getLogger(name).setLevel(logging.WARNING)
     logging.getLogger("megatron").setLevel(logging.WARNING)  # it lists every parameter of every bucket at INFO
 
 
@@ -54,21 +57,25 @@ def cmd_proxy(cfg: ProxyConfig) -> None:
     serve(cfg)
 
 
-def cmd_servers(cfg: ServersConfig, router_args: list[str]) -> None:
+def cmd_servers(cfg: ServersConfig, router_args: list[str], sglang_args: list[str]) -> None:
     import asyncio
 
     from inverted.rollout.servers import run_demo
 
-    asyncio.run(run_demo(cfg, router_args))
+    asyncio.run(run_demo(cfg, router_args, sglang_args))
 
 
-def cmd_train(cfg: TrainConfig) -> None:
-    if not cfg.debug_train_only:
-        raise ConfigError("inverted train: only --debug-train-only (training from --load-debug-rollout-data) "
-                          "is available so far; the full loop with rollout servers comes with the orchestration")
-    from inverted.train.offline import run_offline
+def cmd_train(job: JobConfig, router_args: list[str], sglang_args: list[str]) -> None:
+    if job.train.debug_train_only:  # no servers: straight from saved rollout data
+        from inverted.train.offline import run_offline
 
-    run_offline(cfg)
+        run_offline(job.train)
+        return
+    # As for serve-engine: the engines and the trainer share the cores with this process.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from inverted.controller import run
+
+    run(job, router_args, sglang_args, functools.partial(setup_logging, level=job.train.log_level))
 
 
 def cmd_export_hf(cfg: ExportConfig) -> None:
@@ -83,9 +90,12 @@ COMMANDS = {
     "buffer": (BufferConfig, cmd_buffer, "run the Data Buffer service (durable tasks and trajectories)"),
     "proxy": (ProxyConfig, cmd_proxy, "run the token-recording OpenAI-compatible proxy in front of the router"),
     "servers": (ServersConfig, cmd_servers, "start embedded engines behind the real sgl-router and generate through it"),
-    "train": (TrainConfig, cmd_train, "train the policy (so far: --debug-train-only from saved rollout data)"),
+    "train": (JobConfig, cmd_train, "the main job: rollout servers, proxy, buffer and trainer in the RL loop"),
     "export-hf": (ExportConfig, cmd_export_hf, "write a training checkpoint as a Hugging Face model"),
 }
+
+
+PASSTHROUGH = {"servers", "train"}  # commands that launch servers: --router-* and --sglang-* go to them
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,9 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     router_args: list[str] = []
-    if argv and argv[0] == "servers":
-        own = {"--router-host", "--router-port"}
-        argv, router_args = split_passthrough(argv, "router", own)
+    sglang_args: list[str] = []
+    launches_servers = bool(argv) and argv[0] in PASSTHROUGH
+    if launches_servers:
+        argv, router_args = split_passthrough(argv, "router", {"--router-host", "--router-port"})
+        argv, sglang_args = split_passthrough(argv, "sglang")
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -112,9 +124,9 @@ def main(argv: list[str] | None = None) -> None:
             args = parser.parse_args(argv)
         section, run, _ = COMMANDS[args.command]
         cfg = build_section(section, args)
-        setup_logging(args.command, getattr(cfg, "log_level", "info"))
-        if args.command == "servers":
-            run(cfg, router_args)
+        setup_logging(args.command, cfg.train.log_level if isinstance(cfg, JobConfig) else getattr(cfg, "log_level", "info"))
+        if launches_servers:
+            run(cfg, router_args, sglang_args)
         else:
             run(cfg)
     except InvertedError as exc:

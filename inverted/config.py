@@ -57,23 +57,54 @@ def _argparse_kwargs(tp: Any) -> dict[str, Any]:
     raise TypeError(f"unsupported config field type {tp}")
 
 
-def add_flags(parser: argparse.ArgumentParser, section: type) -> None:
-    """Add one flag per field of ``section`` to ``parser`` (generic; no per-flag code)."""
+def _default(f: dataclasses.Field) -> Any:
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+
+
+def _parts(composite: type) -> dict[str, type]:
+    """The sections of a composite config (a dataclass whose fields are sections), by field name."""
+    hints = typing.get_type_hints(composite)
+    return {f.name: hints[f.name] for f in dataclasses.fields(composite)}
+
+
+def add_flags(parser: argparse.ArgumentParser, section: type, exclude: frozenset[str] = frozenset()) -> None:
+    """Add one flag per field of ``section`` to ``parser`` (generic; no per-flag code).
+
+    A composite (``JobConfig``) adds its sections' flags, minus the fields it sets itself. A field
+    that two sections share (``--hf-checkpoint``) is one flag: the same name means the same thing.
+    """
+    if hasattr(section, "SETS"):
+        for name, part in _parts(section).items():
+            add_flags(parser, part, exclude=frozenset(section.SETS.get(name, {})))
+        return
     hints = typing.get_type_hints(section)
+    taken = {a.dest: a.default for a in parser._actions}
     group = parser.add_argument_group(section.__name__, (section.__doc__ or "").strip().splitlines()[0])
     for f in dataclasses.fields(section):
-        kwargs = _argparse_kwargs(hints[f.name])
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        if f.name in exclude:
+            continue
+        default = _default(f)
+        if f.name in taken:
+            if taken[f.name] != default:
+                raise TypeError(f"{section.__name__}.{f.name}: shared flag with a different default")
+            continue
         meta = dict(f.metadata)
         help_text = meta.pop("help", "")
         group.add_argument(
             flag_name(f.name), dest=f.name, default=default, help=f"{help_text} (default: {default!r})",
-            **kwargs, **meta,
+            **_argparse_kwargs(hints[f.name]), **meta,
         )
 
 
 def build_section(section: type, namespace: argparse.Namespace) -> Any:
     """Build ``section`` from parsed flags; field checks in ``__post_init__`` raise ConfigError."""
+    if hasattr(section, "SETS"):
+        parts = {}
+        for name, part in _parts(section).items():
+            fixed = section.SETS.get(name, {})
+            parts[name] = part(**{f.name: fixed[f.name] if f.name in fixed else getattr(namespace, f.name)
+                                  for f in dataclasses.fields(part)})
+        return section(**parts)
     return section(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(section)})
 
 
@@ -172,10 +203,14 @@ class EngineConfig:
 
 @dataclass(kw_only=True, slots=True)
 class ServersConfig:
-    """Rollout servers (embedded engines) behind the real sgl-router; ``--router-*`` passes through."""
+    """Rollout servers behind the real sgl-router; ``--router-*`` (and ``--sglang-*``) pass through."""
 
     hf_checkpoint: str = option("", "Hugging Face checkpoint the engines serve")
-    num_engines: int = option(2, "embedded engines to start")
+    rollout_backend: Literal["auto", "sglang", "embedded"] = option(
+        "auto", "real SGLang servers (needs the sglang package and CUDA) or embedded engines (auto: SGLang when it can run)")
+    num_engines: int = option(2, "rollout servers to start")
+    rollout_num_gpus: int = option(0, "GPUs for real SGLang servers (0: --num-engines x --rollout-num-gpus-per-engine)")
+    rollout_num_gpus_per_engine: int = option(1, "GPUs per real SGLang server (its tensor parallelism)")
     engine_device: Literal["cpu", "cuda"] = option("cpu", "device of the embedded engines")
     engine_max_running_requests: int = option(64, "--max-running-requests of each engine")
     engine_threads: int = option(0, "torch threads per engine (0: cores divided among the engines)")
@@ -187,6 +222,11 @@ class ServersConfig:
     def __post_init__(self) -> None:
         _require(bool(self.hf_checkpoint), "--hf-checkpoint", self.hf_checkpoint, "a checkpoint directory")
         _require(self.num_engines >= 1, "--num-engines", self.num_engines, ">= 1")
+        _require(self.rollout_num_gpus_per_engine >= 1, "--rollout-num-gpus-per-engine", self.rollout_num_gpus_per_engine, ">= 1")
+        _require(self.rollout_num_gpus % self.rollout_num_gpus_per_engine == 0, "--rollout-num-gpus", self.rollout_num_gpus,
+                 "a multiple of --rollout-num-gpus-per-engine")
+        if self.rollout_num_gpus:
+            self.num_engines = self.rollout_num_gpus // self.rollout_num_gpus_per_engine
         _require(0 <= self.router_port <= 65535, "--router-port", self.router_port, "0..65535")
         _require(self.startup_timeout > 0, "--startup-timeout", self.startup_timeout, "> 0")
 
@@ -369,3 +409,82 @@ class ExportConfig:
     def __post_init__(self) -> None:
         _require(bool(self.checkpoint), "--checkpoint", self.checkpoint, "a checkpoint directory")
         _require(bool(self.out), "--out", self.out, "an output directory")
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutConfig:
+    """The rollout side of ``inverted train``: rollout function, environment, sampling, evaluation, debug modes."""
+
+    rollout_function_path: str = option(
+        "rollout_functions.agent:generate_rollout",
+        "module:function turning leased tasks into Samples (built-in: rollout_functions.agent | single_turn | "
+        "subprocess_agent); slime's generate_rollout(args, rollout_id, data_buffer, evaluation) works too")
+    env_path: str | None = option(None, "module:function(task, client) -> reward: the environment the agent rollout runs")
+    custom_rm_path: str | None = option(None, "module:function(sample) -> reward for the single_turn rollout")
+    agent_command: str | None = option(
+        None, "shell command of an existing agent for the subprocess_agent rollout (gets OPENAI_BASE_URL, "
+              "OPENAI_API_KEY, INVERTED_TASK and INVERTED_REWARD_FILE)")
+    rollout_batch_size: int = option(8, "prompts per rollout (each gives --n-samples-per-prompt samples)")
+    rollout_max_response_len: int = option(256, "most tokens sampled in one model call")
+    rollout_top_p: float = option(1.0, "nucleus sampling")
+    rollout_concurrency: int = option(64, "episodes run at the same time")
+    rollout_episode_timeout: float = option(600.0, "seconds one episode may take; then it is a failed Sample")
+    eval_interval: int = option(0, "evaluate every N rollouts on --eval-prompt-data (0: never)")
+    eval_prompt_data: str | None = option(None, "prompt dataset for evaluation (same keys as --prompt-data)")
+    n_samples_per_eval_prompt: int = option(1, "samples per evaluation prompt")
+    debug_rollout_only: bool = option(False, "rollouts only, no trainer: report throughput and save the Samples")
+    save_debug_rollout_data: str | None = option(
+        None, "write each rollout's Samples as jsonl here; '{rollout_id}' in the path makes one file per rollout")
+    ray_address: str | None = option(None, "Ray cluster to join ('auto' or HOST:PORT; default: start a local one)")
+    colocate: bool = option(False, "training and rollout share the devices: servers release memory while training")
+
+    def __post_init__(self) -> None:
+        for name in ("rollout_batch_size", "rollout_max_response_len", "rollout_concurrency", "n_samples_per_eval_prompt"):
+            _require(getattr(self, name) >= 1, flag_name(name), getattr(self, name), ">= 1")
+        _require(0 < self.rollout_top_p <= 1, "--rollout-top-p", self.rollout_top_p, "in (0, 1]")
+        _require(self.rollout_episode_timeout > 0, "--rollout-episode-timeout", self.rollout_episode_timeout, "> 0")
+        _require(self.eval_interval >= 0, "--eval-interval", self.eval_interval, ">= 0")
+
+
+_SET_BY_JOB = "(set by inverted train)"
+
+
+@dataclass(kw_only=True, slots=True)
+class JobConfig:
+    """``inverted train``: the main job, one section per part it runs (flags of all of them)."""
+
+    train: TrainConfig
+    rollout: RolloutConfig
+    buffer: BufferConfig
+    proxy: ProxyConfig
+    servers: ServersConfig
+
+    # Fields the job sets itself when it starts each service (addresses, ports, keys, and files in
+    # --output-dir), so they are not flags of ``inverted train``; these values only pass the
+    # sections' checks until the controller replaces them.
+    SETS: typing.ClassVar[dict[str, dict[str, Any]]] = {
+        "buffer": {"db": _SET_BY_JOB, "host": "127.0.0.1", "port": 8600, "api_key": None, "workers": 1},
+        "proxy": {"router_url": _SET_BY_JOB, "tokenizer": _SET_BY_JOB, "proxy_host": "127.0.0.1", "proxy_port": 8700,
+                  "proxy_api_key": None},
+        "servers": {"log_dir": _SET_BY_JOB},
+    }
+
+    def validate(self) -> None:
+        """Cross-section checks, before any process starts."""
+        train, rollout = self.train, self.rollout
+        train.validate()
+        _require(not (train.debug_train_only and rollout.debug_rollout_only), "--debug-train-only", True,
+                 "not together with --debug-rollout-only")
+        if not train.debug_train_only:
+            _require(bool(self.buffer.prompt_data), "--prompt-data", self.buffer.prompt_data, "a .jsonl or .parquet dataset")
+            needs = {"rollout_functions.agent:generate_rollout": ("env_path", "module:function(task, client) for the agent rollout"),
+                     "rollout_functions.single_turn:generate_rollout": ("custom_rm_path", "module:function(sample) for single_turn"),
+                     "rollout_functions.subprocess_agent:generate_rollout": ("agent_command", "a command for subprocess_agent")}
+            name, expected = needs.get(rollout.rollout_function_path, (None, ""))
+            _require(name is None or bool(getattr(rollout, name)), flag_name(name or ""), getattr(rollout, name or "", None),
+                     expected)
+        _require(not rollout.eval_interval or bool(rollout.eval_prompt_data), "--eval-prompt-data",
+                 rollout.eval_prompt_data, "a dataset when --eval-interval is set")
+        samples = rollout.rollout_batch_size * self.buffer.n_samples_per_prompt
+        _require(not train.global_batch_size or samples % train.global_batch_size == 0, "--global-batch-size",
+                 train.global_batch_size, f"a divisor of --rollout-batch-size x --n-samples-per-prompt = {samples}")

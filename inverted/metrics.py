@@ -1,5 +1,6 @@
 """Where metrics go: one ``MetricsSink`` interface (``log(metrics, step)``, ``close()``) with backends.
 
+``plot_rewards`` draws a run's reward curves into a PNG at its end.
 ``JsonlSink`` (always on) appends one JSON object per step to ``metrics.jsonl``;
 ``TensorBoardSink`` writes event files when TensorBoard is installed; ``FanOut`` sends to several.
 Metric names are ``owner/what_unit`` (``train/loss``, ``perf/tokens_per_s``); the step is the
@@ -75,3 +76,28 @@ def build_metrics_sink(output_dir: str | Path) -> FanOut:
     except ImportError:
         logger.warning("tensorboard is not installed: metrics go to metrics.jsonl only")
     return FanOut(sinks)
+
+
+def plot_rewards(metrics_path: str | Path, out: str | Path, keys: tuple[str, ...] = ("rollout/reward_mean", "eval/reward_mean")) -> Path | None:
+    """Plot the reward curves of a run's ``metrics.jsonl`` into a PNG; None when there is nothing to plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: write the file only
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
+    curves = {k: [(r["step"], r[k]) for r in rows if r.get(k) is not None] for k in keys}
+    curves = {k: v for k, v in curves.items() if v}
+    if not curves:
+        return None
+    figure, axis = plt.subplots(figsize=(7, 4))
+    for name, points in curves.items():
+        axis.plot(*zip(*points), marker="o", markersize=3, label=name)
+    axis.set_xlabel("rollout")
+    axis.set_ylabel("mean reward")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(out, dpi=120)
+    plt.close(figure)
+    return Path(out)

@@ -3,7 +3,8 @@
 Field names follow slime's where the meaning is the same, so slime rollout functions port easily.
 A Sample crosses process boundaries only as the JSON made by ``to_json`` and read by
 ``from_json``; ``validate`` checks every invariant and is called wherever Samples enter a
-service. It imports only ``errors`` (a leaf), so that ``validate`` raises the tree's SampleError.
+service. ``Task`` is the unit of work the buffer leases out and a rollout function turns into
+one Sample. It imports only ``errors`` (a leaf), so that ``validate`` raises the tree's SampleError.
 """
 
 from __future__ import annotations
@@ -59,6 +60,19 @@ class Sample:
     @property
     def response_tokens(self) -> list[int]:
         return self.tokens[self.prompt_length :]
+
+    def scalar_reward(self, key: str | None = None) -> float:
+        """The reward as one number: a float as is; of a dict, ``key``'s value or else the sum."""
+        reward = self.reward
+        if reward is None:
+            raise SampleError(f"sample {self.index}: reward is missing")
+        if not isinstance(reward, dict):
+            return float(reward)
+        if key is None:
+            return float(sum(reward.values()))
+        if key not in reward:
+            raise SampleError(f"sample {self.index}: reward has no key {key!r} (--reward-key); has {sorted(reward)}")
+        return float(reward[key])
 
     def validate(self, *, check_types: bool = True) -> None:
         """Raise ``SampleError`` naming the first broken invariant.
@@ -118,6 +132,33 @@ class Sample:
         except msgspec.DecodeError as exc:
             raise SampleError(f"sample: malformed JSON: {exc}") from None
         return cls(**msgspec.structs.asdict(wire))
+
+
+@dataclass(slots=True)
+class Task:
+    """A leased task: produce sample ``index`` of group ``group_index`` for this prompt."""
+
+    lease_id: str
+    group_index: int
+    index: int
+    prompt_index: int
+    prompt: str | list[dict[str, Any]]
+    label: Any = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    tools: list[dict[str, Any]] | None = None
+    expires_at: float = 0.0
+    attempt: int = 1
+    partial: Sample | None = None  # an aborted sample to resume from (with --partial-rollout)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Task":
+        partial = data.pop("partial", None)
+        return cls(**data, partial=Sample.from_json(partial) if partial else None)
+
+    def new_sample(self) -> Sample:
+        """A Sample that belongs to this task, to fill in and submit."""
+        return Sample(group_index=self.group_index, index=self.index, prompt=self.prompt, label=self.label,
+                      metadata=dict(self.metadata))
 
 
 def _json_form() -> type:

@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 
 from inverted.cli import COMMANDS, build_parser
-from inverted.config import (EngineConfig, ServersConfig, add_flags, build_section, flag_name, load_yaml_defaults,
+from inverted import config as config_module
+from inverted.config import (EngineConfig, JobConfig, ServersConfig, add_flags, build_section, flag_name, load_yaml_defaults,
                              split_passthrough)
 from inverted.errors import ConfigError
 
@@ -22,7 +23,19 @@ FROZEN_FLAGS = {
               "--kl-loss-type", "--load", "--load-debug-rollout-data", "--log-level", "--loss-aggregation", "--lr",
               "--max-tokens-per-gpu", "--num-rollout", "--output-dir", "--pipeline-model-parallel-size", "--reward-key",
               "--rollout-temperature", "--save", "--save-interval", "--seed", "--tensor-model-parallel-size", "--tis-clip",
-              "--tis-clip-low", "--use-distributed-optimizer", "--use-kl-loss", "--use-tis", "--weight-decay"},
+              "--tis-clip-low", "--use-distributed-optimizer", "--use-kl-loss", "--use-tis", "--weight-decay"} | {
+        # the main job's other sections: rollout, buffer (dataset and groups), proxy knobs, servers
+        "--agent-command", "--colocate", "--context-length", "--custom-rm-path", "--debug-rollout-only",
+        "--dynamic-sampling-filter-path", "--engine-device", "--engine-max-running-requests", "--engine-threads",
+        "--env-path", "--eval-interval", "--eval-prompt-data", "--input-key", "--label-key", "--lease-seconds",
+        "--metadata-key", "--n-samples-per-eval-prompt", "--n-samples-per-prompt", "--num-engines", "--num-epoch",
+        "--partial-rollout", "--prompt-data", "--proxy-generate-timeout", "--proxy-max-resumes", "--proxy-max-turns",
+        "--proxy-replay-retries", "--proxy-retention", "--proxy-session-timeout", "--proxy-tool-parser-path",
+        "--ray-address", "--rollout-backend", "--rollout-batch-size", "--rollout-concurrency",
+        "--rollout-episode-timeout", "--rollout-function-path", "--rollout-max-response-len", "--rollout-num-gpus",
+        "--rollout-num-gpus-per-engine", "--rollout-seed", "--rollout-shuffle", "--rollout-top-p", "--router-host",
+        "--router-port", "--save-debug-rollout-data", "--served-model-name", "--stale-policy", "--startup-timeout",
+        "--tool-key"},
     "export-hf": {"--checkpoint", "--config", "--out"},
     "make-tiny-model": {"--config", "--out", "--arch", "--preset", "--seed"},
     "serve-engine": {"--config", "--model", "--host", "--port", "--device", "--dtype", "--max-running-requests",
@@ -37,7 +50,8 @@ FROZEN_FLAGS = {
               "--proxy-session-timeout", "--proxy-retention", "--proxy-replay-retries", "--proxy-tool-parser-path",
               "--proxy-generate-timeout", "--log-level"},
     "servers": {"--config", "--hf-checkpoint", "--num-engines", "--engine-device", "--engine-max-running-requests",
-                "--engine-threads", "--router-host", "--router-port", "--startup-timeout", "--log-dir"},
+                "--engine-threads", "--router-host", "--router-port", "--startup-timeout", "--log-dir",
+                "--rollout-backend", "--rollout-num-gpus", "--rollout-num-gpus-per-engine"},
 }
 
 
@@ -52,12 +66,32 @@ def test_cli_flags_are_frozen():
 
 
 def test_every_field_has_a_flag_help_and_default():
-    for section, _, _ in COMMANDS.values():
+    sections = [part for section, _, _ in COMMANDS.values()
+                for part in ([f.type for f in dataclasses.fields(section)] if section is JobConfig else [section])]
+    for section in sections:
+        section = getattr(config_module, section) if isinstance(section, str) else section
         for f in dataclasses.fields(section):
             assert f.metadata.get("help"), f"{section.__name__}.{f.name} has no help"
         parser = argparse.ArgumentParser()
         add_flags(parser, section)
         assert {flag_name(f.name) for f in dataclasses.fields(section)} <= {s for a in parser._actions for s in a.option_strings}
+
+
+def test_the_job_shares_flags_between_its_sections_and_keeps_its_own_fields():
+    job, parser = parse(JobConfig, ["--hf-checkpoint", "/m", "--partial-rollout", "--prompt-data", "p.jsonl",
+                                    "--env-path", "envs.letters:episode"])
+    assert job.train.hf_checkpoint == job.servers.hf_checkpoint == "/m"  # one flag, both sections
+    assert job.buffer.partial_rollout and job.proxy.partial_rollout
+    flags = {s for a in parser._actions for s in a.option_strings}
+    for section, fixed in JobConfig.SETS.items():  # ports, keys and paths are the job's, not flags
+        assert not {flag_name(name) for name in fixed} & flags, section
+    job.validate()
+    with pytest.raises(ConfigError, match="--global-batch-size=3: expected a divisor of --rollout-batch-size"):
+        parse(JobConfig, ["--hf-checkpoint", "/m", "--prompt-data", "p", "--env-path", "e:f",
+                          "--global-batch-size", "3"])[0].validate()
+    with pytest.raises(ConfigError, match="--custom-rm-path=None"):
+        parse(JobConfig, ["--hf-checkpoint", "/m", "--prompt-data", "p",
+                          "--rollout-function-path", "rollout_functions.single_turn:generate_rollout"])[0].validate()
 
 
 def parse(section, argv):

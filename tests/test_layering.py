@@ -6,7 +6,11 @@ so that ``Sample.validate`` raises the tree's ``SampleError`` instead of a twin 
 buffer's and SGLang's clients use one retry mechanism; and ``hf_checkpoint`` (what a Hugging
 Face checkpoint's config says) counts as shared, so the engine and the trainer read an
 architecture in one place; and ``weight_wire`` (SGLang's bucket, payload and update-group
-formats) counts as shared, so the trainer's sender and the engine's receiver use one definition.
+formats) counts as shared, so the trainer's sender and the engine's receiver use one definition;
+and ``plugins`` may read ``config`` (the rollout function's context carries its config section);
+and ``placement`` (Ray's side of starting servers) sits beside the controller, which alone uses
+it, and the controller may read prompt datasets (``buffer.datasets``) to check them and to
+evaluate, before and beside the buffer service.
 """
 
 from __future__ import annotations
@@ -23,14 +27,16 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("inverted.errors", ()),
     ("inverted.types", ("inverted.errors",)),
     ("inverted.config", ("inverted.types", "inverted.errors")),
-    ("inverted.plugins", ("inverted.types", "inverted.errors")),
+    ("inverted.plugins", ("inverted.types", "inverted.errors", "inverted.config")),
     ("inverted.metrics", ("inverted.errors",)),
     ("inverted.http_client", ("inverted.errors",)),
     ("inverted.hf_checkpoint", ("inverted.errors",)),
     ("inverted.weight_wire", ("inverted.errors",)),
     ("inverted.cli", ("inverted",)),
-    ("inverted.controller", SHARED + ("inverted.buffer.client", "inverted.rollout.servers", "inverted.rollout.sglang_client",
-                                      "inverted.rollout.proxy", "inverted.train.actor")),
+    ("inverted.controller", SHARED + ("inverted.buffer.client", "inverted.buffer.datasets", "inverted.rollout.servers",
+                                      "inverted.rollout.sglang_client", "inverted.rollout.proxy", "inverted.train.actor",
+                                      "inverted.placement")),
+    ("inverted.placement", SHARED + ("inverted.rollout.servers",)),
     ("inverted.tiny_model", SHARED),
     ("inverted.rollout.engine", SHARED + ("inverted.rollout.engine",)),
     ("inverted.rollout", SHARED + ("inverted.buffer.client", "inverted.rollout.sglang_client", "inverted.rollout.servers",
@@ -84,3 +90,20 @@ def test_the_checker_catches_a_forbidden_import():
     assert not allowed("inverted.train.actor", "inverted.rollout.proxy")
     assert not allowed("inverted.types", "inverted.config")
     assert allowed("inverted.train.weight_sync", "inverted.rollout.sglang_client.SGLangClient")
+
+
+USER_SIDE = {  # top-level packages of user-side code -> the inverted modules they may use
+    "envs": (),  # an environment does not know it is trained
+    "rollout_functions": ("inverted.types", "inverted.plugins", "inverted.rollout.proxy.client",
+                          "inverted.rollout.sglang_client"),  # the services only through their clients
+}
+
+
+def test_environments_and_rollout_functions_use_only_the_public_surface():
+    violations = []
+    for package, allowed_prefixes in USER_SIDE.items():
+        for path in sorted((PACKAGE.parent / package).rglob("*.py")):
+            for target in inverted_imports(path):
+                if not any(target == a or target.startswith(a + ".") for a in allowed_prefixes):
+                    violations.append(f"{package}/{path.name} imports {target}")
+    assert not violations, "\n".join(violations)

@@ -7,7 +7,7 @@ import pytest
 from inverted.buffer.service import build_store
 from inverted.config import BufferConfig
 from inverted.errors import PluginError
-from inverted.plugins import load_plugin
+from inverted.plugins import load_plugin, load_rollout_function
 from inverted.types import Sample
 
 FILTER = "inverted.buffer.filters:drop_all_equal_rewards"
@@ -53,3 +53,52 @@ def test_the_buffer_applies_the_filter_named_by_its_flag(tmp_path):
     assert store.stats()["groups"] == {"open": 0, "complete": 0, "consumed": 1, "dropped_stale": 0, "filtered": 1, "failed": 0}
     with pytest.raises(PluginError):
         build_store(BufferConfig(db=str(tmp_path / "c.db"), dynamic_sampling_filter_path="nope:nope"))
+
+
+ROLLOUT_FUNCTIONS = ["rollout_functions.agent:generate_rollout", "rollout_functions.single_turn:generate_rollout",
+                     "rollout_functions.subprocess_agent:generate_rollout"]
+
+
+@pytest.mark.parametrize("path", ROLLOUT_FUNCTIONS)
+def test_the_built_in_rollout_functions_load_through_their_paths(path):
+    import importlib
+
+    module, _, name = path.partition(":")
+    assert load_rollout_function(path) is getattr(importlib.import_module(module), name)
+
+
+def slime_rollout(args, rollout_id, data_buffer, evaluation=False):
+    groups = data_buffer.get_samples(args.rollout_batch_size)
+    for group in groups:
+        for sample in group:
+            sample.reward, sample.metadata["seen"] = float(rollout_id), (evaluation, sample.metadata["tools"])
+    return groups
+
+
+def sync_rollout(ctx, tasks):
+    return []
+
+
+def test_slime_rollout_functions_are_adapted_to_the_contract():
+    import argparse
+    import asyncio
+
+    from inverted.config import RolloutConfig
+    from inverted.plugins import RolloutContext
+    from inverted.types import Task
+
+    fn = load_rollout_function(f"{__name__}.slime_rollout")  # slime's dotted form, slime's signature
+    tasks = [Task(lease_id="l", group_index=g, index=2 * g + i, prompt_index=g, prompt="p", tools=[{"t": g}])
+             for g in range(3) for i in range(2)]
+    ctx = RolloutContext(rollout_id=7, config=RolloutConfig(), proxy_url="", proxy_api_key=None, router_url="",
+                         hf_checkpoint="", sampling={}, evaluation=True, slime_args=argparse.Namespace(rollout_batch_size=3))
+    samples = asyncio.run(fn(ctx, tasks))
+    assert [(s.group_index, s.index, s.reward) for s in samples] == [(t.group_index, t.index, 7.0) for t in tasks]
+    assert samples[2].metadata["seen"] == (True, [{"t": 1}])
+
+
+def test_a_rollout_function_with_the_wrong_shape_is_refused_at_load():
+    with pytest.raises(PluginError, match=r"expected 'async def sync_rollout\(ctx, tasks\) -> list\[Sample\]'"):
+        load_rollout_function(f"{__name__}:sync_rollout")
+    with pytest.raises(PluginError, match=r"does not match def first_character\(ctx, tasks\)"):
+        load_rollout_function("envs.letters:first_character")

@@ -9,40 +9,13 @@ idempotent by (group_index, index) on the service side.
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from inverted.http_client import HTTPService
-from inverted.types import Sample
-
-
-@dataclass(slots=True)
-class Task:
-    """A leased task: produce sample ``index`` of group ``group_index`` for this prompt."""
-
-    lease_id: str
-    group_index: int
-    index: int
-    prompt_index: int
-    prompt: str | list[dict[str, Any]]
-    label: Any = None
-    metadata: dict[str, Any] = field(default_factory=dict)
-    tools: list[dict[str, Any]] | None = None
-    expires_at: float = 0.0
-    attempt: int = 1
-    partial: Sample | None = None  # an aborted sample to resume from (with --partial-rollout)
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "Task":
-        partial = data.pop("partial", None)
-        return cls(**data, partial=Sample.from_json(partial) if partial else None)
-
-    def new_sample(self) -> Sample:
-        """A Sample that belongs to this task, to fill in and submit."""
-        return Sample(group_index=self.group_index, index=self.index, prompt=self.prompt, label=self.label,
-                      metadata=dict(self.metadata))
+from inverted.types import Sample, Task
 
 
 @dataclass(slots=True)

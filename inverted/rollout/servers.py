@@ -1,20 +1,27 @@
-"""Start rollout servers (embedded engines) behind the real sgl-router, and stop them cleanly.
+"""Start rollout servers behind the real sgl-router, and stop them cleanly.
 
-``RolloutServers`` is an async context manager: it launches N ``inverted serve-engine``
-processes on free loopback ports and one ``python -m sglang_router.launch_router`` (every
-``--router-*`` flag passed through verbatim), waits for each engine's ``/health``, registers them
-with the router's ``POST /workers`` and waits until the router reports them healthy. ``add_engine``
-starts and registers one more while running. On exit every child gets SIGTERM, then SIGKILL after
-a grace period. A child that dies during startup raises ``ServiceUnavailable`` with its exit code
-and the tail of its log.
+``RolloutServers`` is an async context manager: it launches N rollout servers and one
+``python -m sglang_router.launch_router`` (every ``--router-*`` flag passed through verbatim),
+waits for each server's ``/health``, registers them with the router's ``POST /workers`` and waits
+until the router reports them healthy. ``add_engine`` starts and registers one more while
+running. On exit every child gets SIGTERM, then SIGKILL after a grace period. A child that dies
+during startup raises ``ServiceUnavailable`` with its exit code and the tail of its log.
 
-Real SGLang servers (``python -m sglang.launch_server``) join through the same registration path;
-launching them is the orchestration layer's job (a later issue), since it needs GPU placement.
+The servers are real SGLang (``python -m sglang.launch_server``, every ``--sglang-*`` flag passed
+through) or embedded engines (``inverted serve-engine``), per ``--rollout-backend``; ``auto`` picks
+SGLang where it can run (the package and CUDA present). Where a server runs is the ``launch``
+function's business: on this machine by default, or in a Ray placement bundle
+(``inverted.placement``), which hands back a handle with the same methods as ``ManagedProcess``.
+
+Workers are registered with a failure threshold well above the router's default, and real SGLang
+servers run with ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0``: a server paused for a weight
+update answers its health probe late, and must not be evicted for it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -24,6 +31,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Protocol
 
 import httpx
 
@@ -33,11 +41,22 @@ from inverted.rollout.sglang_client import RouterClient, SGLangClient
 
 logger = logging.getLogger(__name__)
 
+HEALTH_FAILURE_THRESHOLD = 10  # the router's default is 3 probes (~3 minutes at its 60 s interval)
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the parent dies, so a crashed or killed job
+    (or Ray actor) leaves no orphaned servers behind (Linux; elsewhere a no-op)."""
+    if sys.platform == "linux":
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 @dataclass
@@ -50,11 +69,12 @@ class ManagedProcess:
     url: str
 
     @classmethod
-    def spawn(cls, name: str, argv: list[str], log_path: Path, url: str) -> "ManagedProcess":
+    def spawn(cls, name: str, argv: list[str], log_path: Path, url: str, env: dict[str, str] | None = None) -> "ManagedProcess":
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "wb") as log:
             popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                                     preexec_fn=_die_with_parent)
         logger.info("started %s (pid %d): %s", name, popen.pid, url)
         return cls(name, popen, log_path, url)
 
@@ -95,14 +115,61 @@ class ManagedProcess:
             self.popen.wait(timeout=grace)
 
 
-class RolloutServers:
-    """N embedded engines behind one sgl-router; use as ``async with RolloutServers(cfg) as s``."""
+class ServerHandle(Protocol):
+    """A launched server process, wherever it runs (``ManagedProcess`` here, a Ray actor's elsewhere)."""
 
-    def __init__(self, config: ServersConfig, router_args: list[str] | None = None):
+    name: str
+    url: str
+
+    def check_alive(self) -> None: ...
+    def tail(self, lines: int = 30) -> str: ...
+    def wait_healthy(self, timeout: float, path: str = "/health") -> None: ...
+    def terminate(self, grace: float = 10.0) -> None: ...
+
+
+ArgvFor = Callable[[str, int], list[str]]  # (host, port) -> the server's command line
+Launch = Callable[[str, ArgvFor, Path, dict[str, str]], ServerHandle]  # (name, argv_for, log, env)
+
+
+def launch_local(name: str, argv_for: ArgvFor, log_path: Path, env: dict[str, str]) -> ManagedProcess:
+    """Start a server on this machine, on a free loopback port."""
+    port = free_port()
+    return ManagedProcess.spawn(name, argv_for("127.0.0.1", port), log_path, f"http://127.0.0.1:{port}", env)
+
+
+def resolve_backend(config: ServersConfig) -> str:
+    """``sglang`` or ``embedded`` for ``--rollout-backend`` (``auto``: SGLang when it can run here)."""
+    if config.rollout_backend != "auto":
+        return config.rollout_backend
+    import importlib.util
+
+    import torch
+
+    return "sglang" if importlib.util.find_spec("sglang") and torch.cuda.is_available() else "embedded"
+
+
+def engine_argv(cfg: ServersConfig, backend: str, sglang_args: list[str], threads: int, host: str, port: int) -> list[str]:
+    """The command line of one rollout server (a plain function, so a Ray actor can receive it)."""
+    if backend == "sglang":
+        return [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.hf_checkpoint, "--host", host,
+                "--port", str(port), "--tp-size", str(cfg.rollout_num_gpus_per_engine), *sglang_args]
+    return [sys.executable, "-m", "inverted.cli", "serve-engine", "--model", cfg.hf_checkpoint, "--host", host,
+            "--port", str(port), "--device", cfg.engine_device, "--max-running-requests",
+            str(cfg.engine_max_running_requests), "--num-threads", str(threads)]
+
+
+class RolloutServers:
+    """N rollout servers behind one sgl-router; use as ``async with RolloutServers(cfg) as s``."""
+
+    def __init__(self, config: ServersConfig, router_args: list[str] | None = None,
+                 sglang_args: list[str] | None = None, launch: Launch = launch_local):
         self.config = config
         self.router_args = list(router_args or [])
+        self.sglang_args = list(sglang_args or [])
+        self.launch = launch
+        self.backend = resolve_backend(config)
         self.log_dir = Path(config.log_dir)
-        self.engines: list[ManagedProcess] = []
+        self.engines: list[ServerHandle] = []
         self.router: ManagedProcess | None = None
         self.router_url = ""
 
@@ -113,14 +180,11 @@ class RolloutServers:
     def _engine_threads(self) -> int:
         return self.config.engine_threads or max(1, (os.cpu_count() or 1) // self.config.num_engines)
 
-    def _spawn_engine(self) -> ManagedProcess:
-        port = free_port()
+    def _spawn_engine(self) -> ServerHandle:
         index = len(self.engines)
-        argv = [sys.executable, "-m", "inverted.cli", "serve-engine", "--model", self.config.hf_checkpoint,
-                "--host", "127.0.0.1", "--port", str(port), "--device", self.config.engine_device,
-                "--max-running-requests", str(self.config.engine_max_running_requests),
-                "--num-threads", str(self._engine_threads())]
-        proc = ManagedProcess.spawn(f"engine-{index}", argv, self.log_dir / f"engine-{index}.log", f"http://127.0.0.1:{port}")
+        env = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"} if self.backend == "sglang" else {}
+        argv_for = functools.partial(engine_argv, self.config, self.backend, self.sglang_args, self._engine_threads())
+        proc = self.launch(f"engine-{index}", argv_for, self.log_dir / f"engine-{index}.log", env)
         self.engines.append(proc)
         return proc
 
@@ -156,13 +220,12 @@ class RolloutServers:
         await asyncio.to_thread(self.router.wait_healthy, deadline - time.monotonic(), "/workers")
         for engine in engines:
             await self.register(engine, deadline)
-        logger.info("router %s serving %d engines", self.router_url, len(self.engines))
+        logger.info("router %s serving %d %s servers", self.router_url, len(self.engines), self.backend)
 
-
-    async def register(self, engine: ManagedProcess, deadline: float) -> None:
+    async def register(self, engine: ServerHandle, deadline: float) -> None:
         """``POST /workers`` and wait until the router marks the worker healthy."""
         async with RouterClient(self.router_url) as router:
-            await router.add_worker(engine.url)
+            await router.add_worker(engine.url, health_failure_threshold=HEALTH_FAILURE_THRESHOLD)
             while time.monotonic() < deadline:
                 self.router.check_alive()
                 if engine.url in await router.healthy_urls():
@@ -178,6 +241,11 @@ class RolloutServers:
         await self.register(engine, deadline)
         return engine.url
 
+    def check_alive(self) -> None:
+        """Raise ``ServiceUnavailable`` (name, exit code, log tail) if the router or a server died."""
+        for proc in [*([self.router] if self.router else []), *self.engines]:
+            proc.check_alive()
+
     def stop(self) -> None:
         for proc in [*self.engines, *([self.router] if self.router else [])]:
             proc.terminate()
@@ -185,7 +253,7 @@ class RolloutServers:
             logger.info("stopped router and %d engines", len(self.engines))
 
 
-async def run_demo(config: ServersConfig, router_args: list[str]) -> None:
+async def run_demo(config: ServersConfig, router_args: list[str], sglang_args: list[str]) -> None:
     """Start engines behind the router, send chat prompts through it, print what came back."""
     from rich.console import Console
     from rich.table import Table
@@ -195,7 +263,7 @@ async def run_demo(config: ServersConfig, router_args: list[str]) -> None:
     prompts = ["What is 17 + 25?", "Name three colors.", "Count from one to five.", "Say hello to the world.",
                "What is 6 times 7?", "Write a short question.", "List two numbers.", "Solve 9 - 4."]
     console = Console()
-    async with RolloutServers(config, router_args) as servers:
+    async with RolloutServers(config, router_args, sglang_args) as servers:
         console.print(f"router {servers.router_url} -> engines {', '.join(servers.engine_urls)}")
         async with SGLangClient(servers.router_url) as client:
             async def ask(question: str) -> dict:

@@ -44,17 +44,6 @@ logger = logging.getLogger(__name__)
 TRAINABLE = {Sample.Status.COMPLETED, Sample.Status.TRUNCATED}
 
 
-def scalar_reward(sample: Sample, reward_key: str | None) -> float:
-    reward = sample.reward
-    if isinstance(reward, dict):
-        if reward_key is None:
-            return float(sum(reward.values()))
-        if reward_key not in reward:
-            raise SampleError(f"sample {sample.index}: reward has no key {reward_key!r} (--reward-key); has {sorted(reward)}")
-        return float(reward[reward_key])
-    return float(reward)
-
-
 def check_samples(samples: list[Sample], spec: ModelSpec) -> None:
     """Raise ``SampleError`` naming the first sample that must not be trained on."""
     if not samples:
@@ -198,7 +187,7 @@ class Trainer:
         plan = self._plan(samples)
         all_mbs = [mb for step in plan for mb in step.micro_batches]
         masks = [torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples]
-        rewards = torch.tensor([scalar_reward(s, cfg.reward_key) for s in samples], dtype=torch.float32)
+        rewards = torch.tensor([s.scalar_reward(cfg.reward_key) for s in samples], dtype=torch.float32)
 
         old_logp = self._no_grad_logprobs(self.model, all_mbs) if len(plan) > 1 else {}
         ref_logp = self._no_grad_logprobs(self.reference, all_mbs) if self.reference is not None else {}

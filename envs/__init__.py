@@ -1,0 +1,13 @@
+"""Example environments: plain async functions of ``(task, client) -> reward`` (``--env-path``).
+
+An environment does not know it is trained. It reads the task (``prompt``, ``label``,
+``metadata``, ``tools``), talks to the policy through the ``openai.AsyncOpenAI`` client it is
+given, and returns a reward: a float, or a dict of named floats. Raising, or taking longer than
+``--rollout-episode-timeout``, makes the episode a ``failed`` Sample, which is never trained on.
+
+- ``letters``: a single-turn task the tiny random model learns in minutes (the README's demo).
+- ``calculator``: multi-turn tool use with OpenAI ``tools`` (a calculator), with feedback turns.
+- ``countdown``: the countdown arithmetic puzzle with an exact verifier, for real models.
+
+Each module also writes its own prompt dataset: ``python -m envs.letters --out FILE.jsonl``.
+"""

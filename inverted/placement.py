@@ -1,0 +1,99 @@
+"""Ray at the edge: start or join a cluster, and run rollout servers where Ray places them.
+
+``start_ray`` joins ``--ray-address`` or starts a local Ray sized to this machine (no dashboard).
+``ray_launch`` is a ``Launch`` for ``RolloutServers``: each server process is started by a
+``ServerActor`` on the node Ray picks, with the GPUs it needs reserved (``CUDA_VISIBLE_DEVICES``
+set by Ray), and the ``RayServer`` handle forwards ``check_alive`` / ``tail`` / ``wait_healthy`` /
+``terminate`` to that actor, so the controller supervises a server anywhere in the cluster as it
+would a local child. The trainer's ranks are placed by ``inverted.train.actor.TrainGroup``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import ray
+
+from inverted.errors import ServiceUnavailable
+from inverted.rollout.servers import ArgvFor, Launch, ManagedProcess, free_port
+
+logger = logging.getLogger(__name__)
+
+
+def start_ray(address: str | None) -> None:
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address, logging_level="WARNING")
+    else:
+        # A local instance: all cores (fractional requests below keep small jobs schedulable).
+        ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, logging_level="WARNING",
+                 configure_logging=False)
+    logger.info("ray %s: %s", "joined" if address else "started locally", ray.cluster_resources())
+
+
+class ServerActor:
+    """Holds one server process on its node."""
+
+    def start(self, name: str, argv_for: ArgvFor, log_path: str, env: dict[str, str], loopback: bool) -> str:
+        host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
+        port = free_port(host)
+        self.proc = ManagedProcess.spawn(name, argv_for(host, port), Path(log_path), f"http://{host}:{port}", env)
+        return self.proc.url
+
+    def check_alive(self) -> None:
+        self.proc.check_alive()
+
+    def tail(self, lines: int = 30) -> str:
+        return self.proc.tail(lines)
+
+    def wait_healthy(self, timeout: float, path: str = "/health") -> None:
+        self.proc.wait_healthy(timeout, path)
+
+    def terminate(self, grace: float = 10.0) -> None:
+        self.proc.terminate(grace)
+
+
+class RayServer:
+    """The controller's handle on a ``ServerActor``: the methods of ``ManagedProcess``, remotely."""
+
+    def __init__(self, actor, name: str, url: str) -> None:
+        self.actor, self.name, self.url = actor, name, url
+
+    def _call(self, method: str, *args):
+        try:
+            return ray.get(getattr(self.actor, method).remote(*args))
+        except ray.exceptions.RayActorError as exc:
+            raise ServiceUnavailable(f"{self.name}: its Ray actor died: {exc}", url=self.url) from None
+
+    def check_alive(self) -> None:
+        self._call("check_alive")
+
+    def tail(self, lines: int = 30) -> str:
+        return self._call("tail", lines)
+
+    def wait_healthy(self, timeout: float, path: str = "/health") -> None:
+        self._call("wait_healthy", timeout, path)
+
+    def terminate(self, grace: float = 10.0) -> None:
+        try:
+            self._call("terminate", grace)
+        except ServiceUnavailable:
+            pass  # the actor (and its process) are gone already
+        ray.kill(self.actor)
+
+
+def _launch(num_gpus: float, loopback: bool, name: str, argv_for: ArgvFor, log_path: Path, env: dict[str, str]) -> RayServer:
+    # No CPU reservation: servers mostly wait on I/O or a GPU, and a whole core each would make
+    # small machines unschedulable.
+    actor = ray.remote(ServerActor).options(num_cpus=0, num_gpus=num_gpus, name=None).remote()
+    url = ray.get(actor.start.remote(name, argv_for, str(log_path), env, loopback))
+    return RayServer(actor, name, url)
+
+
+def ray_launch(num_gpus_per_server: float, loopback: bool) -> Launch:
+    """A ``Launch`` that starts each server in its own Ray actor (``loopback``: bind 127.0.0.1)."""
+    return functools.partial(_launch, num_gpus_per_server, loopback)

@@ -1,0 +1,128 @@
+"""The trainer as a Ray actor group: one ``TrainActor`` per training rank, placed together.
+
+``TrainGroup`` reserves one placement-group bundle per rank (a GPU each on GPU machines; a
+sliver of CPU otherwise, so a small machine can hold several ranks), starts the actors, lets rank
+0 pick the rendezvous address, and initialises every rank's process group and ``Trainer`` at the
+same time (the rendezvous needs them all). Its methods call every rank and return rank 0's
+answer: all ranks take part in training, in the tensor-parallel gathers of a weight sync and in
+saving; rank 0 alone sends the weights and reports.
+
+Samples cross into the actors as their JSON form (``types.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from inverted.config import TrainConfig
+from inverted.types import Sample
+
+logger = logging.getLogger(__name__)
+
+
+class TrainActor:
+    """One training rank: its process group, its ``Trainer`` and its weight sync."""
+
+    def rendezvous(self) -> tuple[str, int]:
+        from torch.distributed.elastic.utils.distributed import get_free_port
+
+        return ray.util.get_node_ip_address(), get_free_port()
+
+    def setup(self, cfg: TrainConfig, rank: int, address: tuple[str, int], log_setup: Callable[[str], None]) -> int:
+        import torch
+
+        from inverted.train.checkpoint import load_checkpoint
+        from inverted.train.parallel import init_parallel
+        from inverted.train.trainer import Trainer
+
+        log_setup(f"train r{rank}")
+        local = ray.get_gpu_ids()
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(cfg.world_size), MASTER_ADDR=address[0],
+                          MASTER_PORT=str(address[1]), LOCAL_RANK="0" if local else str(rank))
+        if not torch.cuda.is_available():  # rollout and training alternate: a rank may use its share of the cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.world_size))
+        init_parallel(cfg)
+        self.cfg, self.rank, self.sync = cfg, rank, None
+        self.trainer = Trainer(cfg)
+        if cfg.load:
+            load_checkpoint(self.trainer, cfg.load)
+        return self.trainer.rollout_id
+
+    def train(self, samples: list[dict[str, Any]]) -> dict[str, float]:
+        return self.trainer.train([Sample.from_json(s) for s in samples])
+
+    def sync_weights(self, urls: list[str], version: str) -> dict[str, Any] | None:
+        import dataclasses
+
+        from inverted.train.weight_sync import make_weight_sync
+
+        if self.sync is None or self.sync.urls != urls:
+            self.sync = make_weight_sync(self.cfg, urls)
+        report = self.trainer.sync_weights(self.sync, version)
+        return dataclasses.asdict(report) if report is not None else None
+
+    def save(self, root: str) -> str:
+        from inverted.train.checkpoint import save_checkpoint
+
+        return str(save_checkpoint(self.trainer, root))
+
+    def export_hf(self, root: str, out: str) -> str | None:
+        from inverted.train.export import export_hf
+
+        return str(export_hf(root, out)) if self.rank == 0 else None
+
+    def shutdown(self) -> None:
+        from inverted.train.parallel import shutdown_parallel
+
+        shutdown_parallel()
+
+
+class TrainGroup:
+    """``cfg.world_size`` ``TrainActor``s in one placement group; call like a single trainer."""
+
+    def __init__(self, cfg: TrainConfig, log_setup: Callable[[str], None], gpu_fraction: float = 1.0) -> None:
+        import torch
+
+        gpus = torch.cuda.is_available()
+        bundle = {"GPU": 1, "CPU": 1} if gpus else {"CPU": 0.01}
+        self.group = placement_group([bundle] * cfg.world_size, strategy="PACK")
+        ray.get(self.group.ready())
+        remote = ray.remote(TrainActor)
+        self.actors = [remote.options(
+            num_cpus=0.01 if not gpus else 1, num_gpus=gpu_fraction if gpus else 0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=rank),
+        ).remote() for rank in range(cfg.world_size)]
+        address = ray.get(self.actors[0].rendezvous.remote())
+        self.rollout_id: int = ray.get([actor.setup.remote(cfg, rank, address, log_setup)
+                                        for rank, actor in enumerate(self.actors)])[0]
+
+    def _all(self, method: str, *args: Any) -> Any:
+        """Call ``method`` on every rank at once; rank 0's answer."""
+        return ray.get([getattr(actor, method).remote(*args) for actor in self.actors])[0]
+
+    def train(self, samples: list[Sample]) -> dict[str, float]:
+        return self._all("train", [s.to_json() for s in samples])
+
+    def sync_weights(self, urls: list[str], version: int) -> dict[str, Any] | None:
+        return self._all("sync_weights", urls, str(version))
+
+    def save(self, root: str) -> str:
+        return self._all("save", root)
+
+    def export_hf(self, root: str, out: str) -> str:
+        """The latest checkpoint under ``root`` as a Hugging Face model in ``out`` (written by rank 0)."""
+        return self._all("export_hf", root, out)
+
+    def shutdown(self) -> None:
+        try:
+            self._all("shutdown")
+        finally:
+            for actor in self.actors:
+                ray.kill(actor)
+            remove_placement_group(self.group)

@@ -1,0 +1,33 @@
+"""The default rollout: run the ``--env-path`` environment once per task, through the proxy.
+
+Each episode gets its own proxy session and an ``openai.AsyncOpenAI`` client whose ``base_url``
+is that session, so every token the environment's calls produce is recorded exactly, whatever
+the environment does with the replies. The environment's return value is the reward.
+
+The clients share one connection pool: building one per episode would cost more CPU (an SSL
+context each) than the proxy spends serving the call.
+"""
+
+from __future__ import annotations
+
+import openai
+
+from inverted.plugins import RolloutContext
+from inverted.types import Sample, Task
+from rollout_functions.episodes import run_all
+
+
+async def generate_rollout(ctx: RolloutContext, tasks: list[Task]) -> list[Sample]:
+    env = ctx.env
+    if env is None:
+        raise ValueError("the agent rollout function needs an environment: --env-path module:function")
+    async with openai.DefaultAsyncHttpxClient(trust_env=False) as pool:
+        def play_for(task: Task):
+            async def play(session, proxy):
+                # The SDK's retries are safe: the proxy answers a retried call from its record.
+                client = openai.AsyncOpenAI(base_url=session.base_url, api_key=session.token, http_client=pool,
+                                            timeout=ctx.config.rollout_episode_timeout)
+                return await env(task, client)
+            return play
+
+        return await run_all(ctx, tasks, play_for)

@@ -1,0 +1,74 @@
+"""One episode in one proxy session: the mechanism the agent and subprocess rollouts share.
+
+``run_session`` opens a session for a task, lets ``play(session, proxy)`` drive it (an environment with an OpenAI
+client, or an agent process), posts the reward ``play`` returns, and finishes the session into
+the task's Sample. Whatever goes wrong in ``play`` (an exception, the episode timeout, an episode
+that never called the model or gave no reward) becomes a ``failed`` Sample that says why: the
+environment's faults never crash the run, and a failed Sample is never trained on.
+
+A session that branched (the agent rewrote its history) yields several Samples; the episode's
+Sample is the last branch, the one whose final turn the reward judged, and ``metadata.branches``
+counts them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Awaitable, Callable
+
+from inverted.plugins import RolloutContext
+from inverted.rollout.proxy.client import ProxyClient, SessionHandle
+from inverted.types import Reward, Sample, Task
+
+logger = logging.getLogger(__name__)
+
+Play = Callable[[SessionHandle, ProxyClient], Awaitable[Reward | None]]  # (session, proxy) -> reward
+
+
+def failed_sample(task: Task, reason: str) -> Sample:
+    sample = task.new_sample()
+    sample.status = Sample.Status.FAILED
+    sample.metadata["error"] = reason
+    return sample
+
+
+async def run_session(ctx: RolloutContext, proxy: ProxyClient, task: Task, play: Play) -> Sample:
+    session = await proxy.create_session(
+        metadata={"group_index": task.group_index, "index": task.index, "label": task.label, "rollout_id": ctx.rollout_id},
+        sampling_params=ctx.sampling)
+    try:
+        reward = await asyncio.wait_for(play(session, proxy), ctx.config.rollout_episode_timeout)
+        if reward is not None:
+            await proxy.set_reward(session.session_id, reward)
+    except TimeoutError:
+        reason = f"episode timed out after {ctx.config.rollout_episode_timeout:g}s (--rollout-episode-timeout)"
+    except Exception as exc:  # the environment's fault, whatever it is, fails this episode only
+        logger.warning("episode %d/%d failed: %s: %s", task.group_index, task.index, type(exc).__name__, exc)
+        reason = f"{type(exc).__name__}: {exc}"
+    else:
+        reason = ""
+    samples = await proxy.finish(session.session_id)
+    if reason:
+        return failed_sample(task, reason)
+    if not samples:
+        return failed_sample(task, "the episode never called the model")
+    sample = samples[-1]
+    if sample.reward is None:
+        return failed_sample(task, "the episode gave no reward")
+    sample.prompt, sample.metadata = sample.prompt or task.prompt, {**task.metadata, **sample.metadata,
+                                                                     "branches": len(samples)}
+    return sample
+
+
+async def run_all(ctx: RolloutContext, tasks: list[Task], play_for: Callable[[Task], Play]) -> list[Sample]:
+    """Every task's episode, at most ``--rollout-concurrency`` at a time."""
+    limit = asyncio.Semaphore(ctx.config.rollout_concurrency)
+
+    async def one(proxy: ProxyClient, task: Task) -> Sample:
+        async with limit:
+            return await run_session(ctx, proxy, task, play_for(task))
+
+    async with ProxyClient(ctx.proxy_url, api_key=ctx.proxy_api_key,
+                           max_connections=ctx.config.rollout_concurrency) as proxy:
+        return list(await asyncio.gather(*(one(proxy, task) for task in tasks)))

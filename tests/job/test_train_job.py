@@ -1,0 +1,225 @@
+"""``inverted train`` end to end, as a user runs it: the real CLI, Ray, sgl-router, engines, proxy, buffer and trainer.
+
+Each test starts the whole job as a subprocess on the tiny model with a handful of episodes, then
+checks what it left behind: ``metrics.jsonl``, the buffer's SQLite file (every stored Sample with
+its per-token weight versions), the saved rollout data, checkpoints and the Hugging Face export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from envs.calculator import rows as calculator_rows
+from envs.datasets import write_dataset
+from inverted.types import Sample
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL_RUN = ["--num-engines", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+             "--rollout-max-response-len", "6", "--lr", "1e-3", "--log-level", "warning"]
+
+
+def inverted(*args: str, timeout: float = 300, pythonpath: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(pythonpath or ""), str(ROOT)]))}
+    return subprocess.run([sys.executable, "-m", "inverted.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+
+
+def check(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stderr[-6000:]}"
+
+
+def metrics_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def stored_samples(run_dir: Path) -> dict[tuple[int, int], Sample]:
+    with sqlite3.connect(run_dir / "buffer.db") as db:
+        return {(g, i): Sample.from_json(blob) for g, i, blob in
+                db.execute("SELECT group_index, sample_index, sample FROM samples")}
+
+
+@pytest.fixture
+def calculator_data(tmp_path) -> Path:
+    return write_dataset(calculator_rows, tmp_path / "calculator.jsonl", count=8)
+
+
+def test_train_end_to_end_with_a_multi_turn_tool_env(tiny_model, tmp_path, calculator_data):
+    """Two rollouts, two engines behind the router, agent rollout, calculator tool env (one episode's env raises)."""
+    env_module = tmp_path / "flaky_env.py"
+    env_module.write_text(textwrap.dedent("""
+        from envs.calculator import episode as calculator_episode
+
+        async def episode(task, client):
+            if task.metadata.get("fail"):
+                raise RuntimeError("the environment broke")
+            return await calculator_episode(task, client)
+    """))
+    rows = [json.loads(line) for line in calculator_data.read_text().splitlines()]
+    rows[2]["metadata"] = {"fail": True}  # rollout 1's first prompt: its group fails, the other one trains
+    calculator_data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_dir = tmp_path / "run"
+    check(inverted("train", "--hf-checkpoint", str(tiny_model()), "--prompt-data", str(calculator_data),
+                   "--env-path", "flaky_env:episode", "--output-dir", str(run_dir), "--num-rollout", "2",
+                   *SMALL_RUN, pythonpath=tmp_path))
+
+    metrics = metrics_rows(run_dir)
+    assert [m["step"] for m in metrics] == [0, 1]
+    assert [m["weight_version"] for m in metrics] == [1, 2]
+    for m in metrics:
+        for key in ("rollout/reward_mean", "train/loss", "time/rollout_s", "time/train_s", "time/sync_s", "sync/servers"):
+            assert m.get(key) is not None, key
+        assert m["sync/servers"] == 2
+    assert metrics[0]["rollout/failed"] == 0 and metrics[1]["rollout/failed"] == 2  # both samples of that prompt
+    assert metrics[0]["rollout/trained_samples"] == 4 and metrics[1]["rollout/trained_samples"] == 2
+
+    samples = stored_samples(run_dir)
+    assert len(samples) == 8
+    # Rollout 0 ran on the starting weights; rollout 1 on the weights synced after step 0.
+    for (group, _), sample in samples.items():
+        if sample.status == Sample.Status.FAILED:
+            assert group == 2 and "the environment broke" in sample.metadata["error"]
+            continue
+        assert set(sample.weight_versions) == ({"default"} if group < 2 else {"1"}), (group, sample.weight_versions)
+        assert len(sample.metadata["turns"]) >= 2  # multi-turn: tool results or feedback between the model's turns
+        mask = sample.loss_mask
+        assert mask[0] == 1 and 0 in mask[mask.index(1):]  # environment tokens inside the response are masked
+        assert sum(mask) == sum(t["completion_tokens"] for t in sample.metadata["turns"])
+
+    assert (run_dir / "reward.png").stat().st_size > 0
+    assert list((run_dir / "tensorboard").iterdir())
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "iter_0000002"
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(run_dir / "hf")  # the final export loads
+
+
+AGENT = """
+import json, sys
+from openai import OpenAI  # configured only by OPENAI_BASE_URL and OPENAI_API_KEY
+
+client = OpenAI()
+reply = client.chat.completions.create(model="any", messages=[{"role": "user", "content": "Name a color."}],
+                                       logprobs=True, max_tokens=5)
+choice = reply.choices[0]
+with open(sys.argv[1] + "/" + client.base_url.path.split("/")[2], "w") as out:
+    json.dump({"content": choice.message.content, "logprobs": [t.logprob for t in choice.logprobs.content]}, out)
+"""
+
+
+def test_subprocess_agent_then_debug_train_only(tiny_model, tmp_path):
+    """An unchanged OpenAI-SDK program is recorded exactly; its saved rollouts then train with no servers."""
+    (tmp_path / "agent.py").write_text(AGENT)
+    seen = tmp_path / "seen"
+    seen.mkdir()
+    prompts = write_dataset(lambda n, rng: [{"input": "unused: the agent brings its own"}] * n, tmp_path / "p.jsonl", 4)
+    model, data = tiny_model(), tmp_path / "rollouts" / "rollout_{rollout_id}.jsonl"
+    check(inverted("train", "--debug-rollout-only", "--hf-checkpoint", str(model), "--prompt-data", str(prompts),
+                   "--rollout-function-path", "rollout_functions.subprocess_agent:generate_rollout",
+                   "--agent-command", f"{sys.executable} {tmp_path / 'agent.py'} {seen}",
+                   "--save-debug-rollout-data", str(data), "--output-dir", str(tmp_path / "rollout-run"),
+                   "--num-rollout", "2", *SMALL_RUN))
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    saved = [Sample.from_json(json.loads(line)) for i in range(2)
+             for line in Path(str(data).format(rollout_id=i)).read_text().splitlines()]
+    assert len(saved) == 8
+    for sample in saved:
+        assert sample.reward == 1.0  # exit status 0
+        agent_saw = json.loads((seen / sample.session_id).read_text())
+        assert sample.rollout_log_probs == agent_saw["logprobs"]
+        assert tokenizer.decode(sample.response_tokens, skip_special_tokens=True) == agent_saw["content"]
+        assert sample.loss_mask == [1] * sample.response_length
+
+    run_dir = tmp_path / "train-run"
+    check(inverted("train", "--debug-train-only", "--hf-checkpoint", str(model), "--load-debug-rollout-data", str(data),
+                   "--output-dir", str(run_dir), "--num-rollout", "2"))
+    assert [m["step"] for m in metrics_rows(run_dir)] == [0, 1]
+
+
+SLIME_STYLE = '''
+import httpx
+
+def generate_rollout(args, rollout_id, data_buffer, evaluation=False):
+    """slime's signature, from outside the package: raw /generate on the router, like slime does."""
+    url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
+    groups = data_buffer.get_samples(args.rollout_batch_size)
+    for group in groups:
+        for sample in group:
+            prompt = [5, 6, 7]
+            out = httpx.post(url, json={"input_ids": prompt, "return_logprob": True,
+                                        "sampling_params": {"max_new_tokens": 3, "temperature": 1.0}}).json()
+            meta = out["meta_info"]
+            sample.tokens = prompt + out["output_ids"]
+            sample.response_length = len(out["output_ids"])
+            sample.loss_mask = [1] * sample.response_length
+            sample.rollout_log_probs = [lp for lp, _, _ in meta["output_token_logprobs"]]
+            sample.weight_versions = [meta["weight_version"]] * sample.response_length
+            sample.reward = float(len(out["output_ids"]))
+            sample.status = sample.Status.COMPLETED
+            sample.metadata["made_by"] = "my_rollout"
+    return groups
+'''
+
+
+def test_a_rollout_function_from_outside_the_package(tiny_model, tmp_path):
+    (tmp_path / "my_rollout.py").write_text(SLIME_STYLE)
+    prompts = write_dataset(lambda n, rng: [{"input": "x"}] * n, tmp_path / "p.jsonl", 4)
+    data = tmp_path / "out.jsonl"
+    check(inverted("train", "--debug-rollout-only", "--hf-checkpoint", str(tiny_model()), "--prompt-data", str(prompts),
+                   "--rollout-function-path", "my_rollout.generate_rollout", "--save-debug-rollout-data", str(data),
+                   "--output-dir", str(tmp_path / "run"), "--num-rollout", "1", *SMALL_RUN, pythonpath=tmp_path))
+    saved = [Sample.from_json(json.loads(line)) for line in data.read_text().splitlines()]
+    assert len(saved) == 4 and {s.metadata["made_by"] for s in saved} == {"my_rollout"}
+    assert {s.reward for s in saved} == {3.0}
+
+
+def leftover_processes(marker: str) -> list[str]:
+    found = []
+    for pid in os.listdir("/proc"):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if marker in cmdline and pid != str(os.getpid()):
+            found.append(cmdline)
+    return found
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--no-such-flag", "1"], "unrecognized arguments: --no-such-flag"),
+    ([], "--env-path=None: expected module:function(task, client) for the agent rollout"),
+    (["--env-path", "no_such_module:episode"], "--env-path='no_such_module:episode': cannot load it"),
+    (["--env-path", "envs.letters:first_character"], "does not match def first_character(task, client)"),
+    (["--env-path", "envs.letters:score"], "expected 'async def score(task, client) -> reward'"),
+    (["--env-path", "envs.letters:episode", "--input-key", "question"], "has no text or messages under --input-key 'question'"),
+])
+def test_bad_input_fails_fast_with_a_clear_message(tiny_model, tmp_path, args, message):
+    prompts = write_dataset(lambda n, rng: [{"input": "hi", "label": "abcde"}] * n, tmp_path / "p.jsonl", 2)
+    result = inverted("train", "--hf-checkpoint", str(tiny_model()), "--prompt-data", str(prompts),
+                      "--output-dir", str(tmp_path / "run"), *args, timeout=60)
+    assert result.returncode == 2 and message in result.stderr, result.stderr[-3000:]
+    assert not (tmp_path / "run" / "buffer.db").exists()  # refused before anything started
+
+
+def test_a_broken_rollout_function_stops_the_job_and_leaves_no_process(tiny_model, tmp_path):
+    (tmp_path / "broken.py").write_text("async def generate_rollout(ctx, tasks):\n    return []\n")
+    model = tmp_path / "model"  # a private copy: its path marks this job's processes
+    shutil.copytree(tiny_model(), model)
+    prompts = write_dataset(lambda n, rng: [{"input": "hi"}] * n, tmp_path / "p.jsonl", 2)
+    result = inverted("train", "--hf-checkpoint", str(model), "--prompt-data", str(prompts),
+                      "--rollout-function-path", "broken:generate_rollout", "--output-dir", str(tmp_path / "run"),
+                      *SMALL_RUN, pythonpath=tmp_path)
+    assert result.returncode == 2
+    assert "--rollout-function-path broken:generate_rollout: expected one Sample per task (4), got 0" in result.stderr
+    assert leftover_processes(str(model)) == [] and leftover_processes(str(tmp_path / "run")) == []
