@@ -35,6 +35,7 @@ $(DEMO_DATA): $(VENV)/.installed
 	$(BIN)/python -m envs.letters --out $(DEMO_DATA)
 
 run: setup $(TINY)/config.json $(DEMO_DATA)
+	rm -rf runs/demo  # the demo starts fresh each time (a real run resumes with --load)
 	$(BIN)/inverted train --config examples/demo.yaml
 
 $(VENV)/.sglang-wire: $(VENV)/.installed

@@ -37,7 +37,7 @@ import yaml
 from inverted.buffer.client import BufferClient
 from inverted.buffer.datasets import load_prompts
 from inverted.config import JobConfig
-from inverted.errors import PluginError, ServiceUnavailable
+from inverted.errors import ConfigError, PluginError, ServiceUnavailable
 from inverted.metrics import build_metrics_sink, plot_rewards
 from inverted.placement import ray_launch, start_ray
 from inverted.plugins import RolloutContext, RolloutFunction, load_plugin, load_rollout_function
@@ -88,6 +88,7 @@ class Job:
         self.run_dir = Path(job.train.output_dir)
         self.processes: list[ManagedProcess] = []
         self.trainer = None
+        self.version = 0  # the weight version the servers hold (the trainer's rollout id at its last sync)
         self._stack = AsyncExitStack()
 
     async def __aenter__(self) -> "Job":
@@ -159,6 +160,9 @@ def run(job: JobConfig, router_args: list[str], sglang_args: list[str], log_setu
         if data:  # a dataset the buffer would refuse fails here, before any process starts
             read_prompts(job, data)
     run_dir = Path(job.train.output_dir)
+    if (run_dir / "buffer.db").exists() and not job.train.load:
+        raise ConfigError(f"--output-dir {run_dir} holds an earlier run: resume it with --load "
+                          f"{checkpoint_dir(job)}, or choose another --output-dir")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(job), sort_keys=False))
     asyncio.run(run_loop(job, plugins, router_args, sglang_args, log_setup))
@@ -175,6 +179,7 @@ async def run_loop(cfg: JobConfig, plugins: Plugins, router_args: list[str], sgl
             start = job.trainer.rollout_id if job.trainer else 0
             if start:  # resumed: the servers still hold the starting weights
                 await asyncio.to_thread(job.trainer.sync_weights, job.servers.engine_urls, start)
+                job.version = start
             for rollout_id in tqdm(range(start, cfg.train.num_rollout), desc="rollout", initial=start,
                                    total=cfg.train.num_rollout, dynamic_ncols=True):
                 job.check_alive()
@@ -244,7 +249,7 @@ async def rollout_step(cfg: JobConfig, job: Job, plugins: Plugins, rollout_id: i
     samples = await run_rollout(cfg, context(cfg, job, plugins, rollout_id), plugins, tasks)
     clock["rolled_out"] = time.perf_counter()
     await job.buffer.submit(list(zip(tasks, samples)))
-    batch = await job.buffer.next_batch(num_groups=cfg.rollout.rollout_batch_size, current_weight_version=rollout_id,
+    batch = await job.buffer.next_batch(num_groups=cfg.rollout.rollout_batch_size, current_weight_version=job.version,
                                         allow_partial=True)
     clock["batched"] = time.perf_counter()
     save_rollout_data(cfg, rollout_id, batch.samples)
@@ -262,8 +267,12 @@ async def rollout_step(cfg: JobConfig, job: Job, plugins: Plugins, rollout_id: i
         clock["trained"] = time.perf_counter()
         report = await asyncio.to_thread(job.trainer.sync_weights, job.servers.engine_urls, rollout_id + 1)
         metrics |= {f"sync/{k}": float(v) for k, v in (report or {}).items() if isinstance(v, (int, float))}
+        job.version = rollout_id + 1
+    elif job.trainer is not None:  # every group failed or was filtered: nothing to learn, the weights stay
+        logger.info("rollout %d: no group to train on; the policy stays at version %d", rollout_id, job.version)
+        await asyncio.to_thread(job.trainer.skip, rollout_id)
     clock["synced"] = time.perf_counter()
-    return metrics | phase_times(clock) | {"weight_version": float(rollout_id + 1 if job.trainer else 0)}
+    return metrics | phase_times(clock) | {"weight_version": float(job.version)}
 
 
 async def all_servers(job: Job, method: str) -> None:

@@ -17,6 +17,7 @@ import asyncio
 import logging
 from typing import Awaitable, Callable
 
+from inverted.errors import ProtocolError
 from inverted.plugins import RolloutContext
 from inverted.rollout.proxy.client import ProxyClient, SessionHandle
 from inverted.types import Reward, Sample, Task
@@ -48,9 +49,13 @@ async def run_session(ctx: RolloutContext, proxy: ProxyClient, task: Task, play:
         reason = f"{type(exc).__name__}: {exc}"
     else:
         reason = ""
-    samples = await proxy.finish(session.session_id)
     if reason:
+        try:  # free the session now; one with a call still running is left to expire (--proxy-session-timeout)
+            await proxy.finish(session.session_id)
+        except ProtocolError:
+            pass
         return failed_sample(task, reason)
+    samples = await proxy.finish(session.session_id)
     if not samples:
         return failed_sample(task, "the episode never called the model")
     sample = samples[-1]

@@ -94,7 +94,7 @@ def test_the_checker_catches_a_forbidden_import():
 
 USER_SIDE = {  # top-level packages of user-side code -> the inverted modules they may use
     "envs": (),  # an environment does not know it is trained
-    "rollout_functions": ("inverted.types", "inverted.plugins", "inverted.rollout.proxy.client",
+    "rollout_functions": ("inverted.types", "inverted.errors", "inverted.plugins", "inverted.rollout.proxy.client",
                           "inverted.rollout.sglang_client"),  # the services only through their clients
 }
 

@@ -57,6 +57,10 @@ class TrainActor:
     def train(self, samples: list[dict[str, Any]]) -> dict[str, float]:
         return self.trainer.train([Sample.from_json(s) for s in samples])
 
+    def skip(self, rollout_id: int) -> None:
+        """A rollout with nothing to train on still counts, so checkpoints and resumes stay in step."""
+        self.trainer.rollout_id = rollout_id + 1
+
     def sync_weights(self, urls: list[str], version: str) -> dict[str, Any] | None:
         import dataclasses
 
@@ -108,6 +112,9 @@ class TrainGroup:
 
     def train(self, samples: list[Sample]) -> dict[str, float]:
         return self._all("train", [s.to_json() for s in samples])
+
+    def skip(self, rollout_id: int) -> None:
+        self._all("skip", rollout_id)
 
     def sync_weights(self, urls: list[str], version: int) -> dict[str, Any] | None:
         return self._all("sync_weights", urls, str(version))

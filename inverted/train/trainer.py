@@ -228,6 +228,7 @@ class Trainer:
             "train/reward_mean": float(rewards.mean()), "train/lr": cfg.lr,
             "train/advantage_mean": float(torch.cat(advantages).mean()) if advantages else 0.0,
             "perf/train_tokens_per_s": sum(len(s.tokens) for s in samples) / (time.perf_counter() - started),
+            "perf/train_step_s": time.perf_counter() - started,
         })
         return metrics
 

@@ -53,7 +53,11 @@ def calculator_data(tmp_path) -> Path:
 
 
 def test_train_end_to_end_with_a_multi_turn_tool_env(tiny_model, tmp_path, calculator_data):
-    """Two rollouts, two engines behind the router, agent rollout, calculator tool env (one episode's env raises)."""
+    """Two rollouts, two engines behind the router, agent rollout, calculator tool env (one episode's env raises).
+
+    With ``--colocate`` the engines release their memory while the trainer trains and get the new
+    weights after resuming: rollout 1's log-probs must then match the trainer's to float precision.
+    """
     env_module = tmp_path / "flaky_env.py"
     env_module.write_text(textwrap.dedent("""
         from envs.calculator import episode as calculator_episode
@@ -66,10 +70,11 @@ def test_train_end_to_end_with_a_multi_turn_tool_env(tiny_model, tmp_path, calcu
     rows = [json.loads(line) for line in calculator_data.read_text().splitlines()]
     rows[2]["metadata"] = {"fail": True}  # rollout 1's first prompt: its group fails, the other one trains
     calculator_data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    run_dir = tmp_path / "run"
+    run_dir, eval_data = tmp_path / "run", write_dataset(calculator_rows, tmp_path / "eval.jsonl", count=2, seed=1)
     check(inverted("train", "--hf-checkpoint", str(tiny_model()), "--prompt-data", str(calculator_data),
                    "--env-path", "flaky_env:episode", "--output-dir", str(run_dir), "--num-rollout", "2",
-                   *SMALL_RUN, pythonpath=tmp_path))
+                   "--eval-interval", "2", "--eval-prompt-data", str(eval_data), "--colocate", *SMALL_RUN,
+                   pythonpath=tmp_path))
 
     metrics = metrics_rows(run_dir)
     assert [m["step"] for m in metrics] == [0, 1]
@@ -79,6 +84,8 @@ def test_train_end_to_end_with_a_multi_turn_tool_env(tiny_model, tmp_path, calcu
             assert m.get(key) is not None, key
         assert m["sync/servers"] == 2
     assert metrics[0]["rollout/failed"] == 0 and metrics[1]["rollout/failed"] == 2  # both samples of that prompt
+    assert metrics[1]["train/train_rollout_logprob_abs_diff"] < 1e-4  # the engines held the synced weights exactly
+    assert "eval/reward_mean" not in metrics[0] and metrics[1]["eval/failed"] == 0  # evaluated after rollout 1
     assert metrics[0]["rollout/trained_samples"] == 4 and metrics[1]["rollout/trained_samples"] == 2
 
     samples = stored_samples(run_dir)
