@@ -145,7 +145,12 @@ def resolve_backend(config: ServersConfig) -> str:
 
     import torch
 
-    return "sglang" if importlib.util.find_spec("sglang") and torch.cuda.is_available() else "embedded"
+    if not torch.cuda.is_available():
+        return "embedded"
+    try:
+        return "sglang" if importlib.util.find_spec("sglang.launch_server") else "embedded"
+    except (ImportError, ValueError):  # a partial or stand-in sglang package: not a server we can launch
+        return "embedded"
 
 
 def engine_argv(cfg: ServersConfig, backend: str, sglang_args: list[str], threads: int, host: str, port: int) -> list[str]:

@@ -76,4 +76,5 @@ async def test_calls_wait_while_servers_are_paused(stack):
         finally:
             await engine.continue_generation()
         response = await call
-        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
+        # It completes once the server continues (the sampled reply may end early at the stop token).
+        assert response.status_code == 200 and 1 <= response.json()["usage"]["completion_tokens"] <= 4
