@@ -15,6 +15,8 @@ started again and every step's generation is replayed straight to the router's `
 the step's **pure generation** time. The pure **training** time is the trainer's own measure of
 its step (``perf/train_step_s``). ``framework_overhead`` is the fraction of the step that is
 neither: 1 - (generation + training) / step. Target <= 0.10. The first step (warm-up) is left out.
+``longest_model_call_s`` (the slowest model call of a step, as the proxy timed it) tells how much
+of the rollout phase's excess is inside the generation path rather than around it.
 
     python bench/rl_step.py [--model models/small-qwen2] [--steps 4] [--batch 8] [--n 4] [--response-len 64]
 """
@@ -54,16 +56,19 @@ def run_job(args, model: Path, out: Path) -> None:
     subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
 
 
-def recorded_requests(db: Path) -> dict[int, list[tuple[list[int], int]]]:
-    """Per rollout id: (prompt ids, output tokens) of every model call the episodes made."""
+def recorded_requests(db: Path) -> tuple[dict[int, list[tuple[list[int], int]]], dict[int, float]]:
+    """Per rollout id: (prompt ids, output tokens) of every model call the episodes made, and the
+    longest call as the proxy timed it (its /generate round trip)."""
     steps: dict[int, list[tuple[list[int], int]]] = {}
+    longest: dict[int, float] = {}
     with sqlite3.connect(db) as conn:
         for (blob,) in conn.execute("SELECT sample FROM samples"):
             sample = Sample.from_json(blob)
+            step = sample.metadata["rollout_id"]
             for turn in sample.metadata.get("turns", []):
-                steps.setdefault(sample.metadata["rollout_id"], []).append(
-                    (sample.tokens[:turn["start"]], turn["completion_tokens"]))
-    return steps
+                steps.setdefault(step, []).append((sample.tokens[:turn["start"]], turn["completion_tokens"]))
+                longest[step] = max(longest.get(step, 0.0), turn["latency_s"])
+    return steps, longest
 
 
 async def replay(args, model: Path, log_dir: Path, steps: dict[int, list[tuple[list[int], int]]]) -> dict[int, float]:
@@ -97,7 +102,8 @@ def main() -> None:
         out = Path(scratch)
         run_job(args, model, out)
         rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()][1:]
-        generation = asyncio.run(replay(args, model, out / "replay-logs", recorded_requests(out / "run" / "buffer.db")))
+        calls, longest_call = recorded_requests(out / "run" / "buffer.db")
+        generation = asyncio.run(replay(args, model, out / "replay-logs", calls))
 
     def median(values) -> float:
         return round(statistics.median(values), 3)
@@ -113,6 +119,7 @@ def main() -> None:
                      "idle": median(r["time/step_s"] - r["time/rollout_s"] - r["time/train_s"] - r["time/sync_s"] for r in rows),
                      "step": median(step)},
         "baseline_s": {"generation": median(generation[r["step"]] for r in rows), "training": median(train_compute)},
+        "longest_model_call_s": median(longest_call[r["step"]] for r in rows),
         "framework_overhead": round(1 - statistics.median(p / s for p, s in zip(pure, step)), 3),
         "target": "framework_overhead <= 0.10",
     }

@@ -53,7 +53,8 @@ def calculator_data(tmp_path) -> Path:
 
 
 def test_train_end_to_end_with_a_multi_turn_tool_env(tiny_model, tmp_path, calculator_data):
-    """Two rollouts, two engines behind the router, agent rollout, calculator tool env (one episode's env raises).
+    """Two rollouts (the second after a resume with --load), two engines behind the router, agent
+    rollout, calculator tool env (one episode's env raises), evaluation.
 
     With ``--colocate`` the engines release their memory while the trainer trains and get the new
     weights after resuming: rollout 1's log-probs must then match the trainer's to float precision.
@@ -71,10 +72,15 @@ def test_train_end_to_end_with_a_multi_turn_tool_env(tiny_model, tmp_path, calcu
     rows[2]["metadata"] = {"fail": True}  # rollout 1's first prompt: its group fails, the other one trains
     calculator_data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     run_dir, eval_data = tmp_path / "run", write_dataset(calculator_rows, tmp_path / "eval.jsonl", count=2, seed=1)
-    check(inverted("train", "--hf-checkpoint", str(tiny_model()), "--prompt-data", str(calculator_data),
-                   "--env-path", "flaky_env:episode", "--output-dir", str(run_dir), "--num-rollout", "2",
-                   "--eval-interval", "2", "--eval-prompt-data", str(eval_data), "--colocate", *SMALL_RUN,
-                   pythonpath=tmp_path))
+    args = ["train", "--hf-checkpoint", str(tiny_model()), "--prompt-data", str(calculator_data), "--env-path",
+            "flaky_env:episode", "--output-dir", str(run_dir), "--eval-interval", "2", "--eval-prompt-data",
+            str(eval_data), "--colocate", *SMALL_RUN]
+    check(inverted(*args, "--num-rollout", "1", pythonpath=tmp_path))
+    refused = inverted(*args, "--num-rollout", "2", pythonpath=tmp_path)  # the same directory, not resumed
+    assert refused.returncode == 2 and f"--output-dir {run_dir} holds an earlier run: resume it with --load" in refused.stderr
+    # Resume: the trainer continues from its checkpoint, the buffer from its file, the fresh servers get
+    # the checkpoint's weights first (rollout 1's tokens must carry version 1).
+    check(inverted(*args, "--num-rollout", "2", "--load", str(run_dir / "checkpoints"), pythonpath=tmp_path))
 
     metrics = metrics_rows(run_dir)
     assert [m["step"] for m in metrics] == [0, 1]
