@@ -1,6 +1,6 @@
 """The main job, ``inverted train``: start every part, run the sync loop, always clean up.
 
-The recipe, one rollout at a time (``run_loop``):
+The recipe, one rollout at a time (``run_rollouts`` and ``rollout_step``):
 
 1. **lease** ``--rollout-batch-size`` prompts x ``--n-samples-per-prompt`` tasks from the buffer;
 2. **rollout**: the rollout function turns them into Samples (by default, environment episodes
@@ -38,7 +38,7 @@ from inverted.buffer.client import BufferClient
 from inverted.buffer.datasets import load_prompts
 from inverted.config import JobConfig
 from inverted.errors import ConfigError, PluginError, ServiceUnavailable
-from inverted.metrics import build_metrics_sink, plot_rewards
+from inverted.metrics import MetricsSink, build_metrics_sink, plot_rewards
 from inverted.placement import ray_launch, start_ray
 from inverted.plugins import RolloutContext, RolloutFunction, load_plugin, load_rollout_function
 from inverted.rollout.servers import ManagedProcess, RolloutServers, free_port
@@ -170,34 +170,44 @@ def run(job: JobConfig, router_args: list[str], sglang_args: list[str], log_setu
 
 async def run_loop(cfg: JobConfig, plugins: Plugins, router_args: list[str], sglang_args: list[str],
                    log_setup: Callable[[str], None]) -> None:
-    from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
 
     sink = build_metrics_sink(cfg.train.output_dir)
     run_dir = Path(cfg.train.output_dir)
     try:
-        async with Job(cfg, router_args, sglang_args, log_setup) as job:
-            start = job.trainer.rollout_id if job.trainer else 0
-            if start:  # resumed: the servers still hold the starting weights
-                await asyncio.to_thread(job.trainer.sync_weights, job.servers.engine_urls, start)
-                job.version = start
-            for rollout_id in tqdm(range(start, cfg.train.num_rollout), desc="rollout", initial=start,
-                                   total=cfg.train.num_rollout, dynamic_ncols=True):
-                job.check_alive()
-                metrics = await rollout_step(cfg, job, plugins, rollout_id)
-                if cfg.rollout.eval_interval and (rollout_id + 1) % cfg.rollout.eval_interval == 0:
-                    metrics |= await evaluate(cfg, job, plugins, rollout_id)
-                sink.log(metrics, rollout_id)
-                logger.info("rollout %d: %s", rollout_id, summary(metrics))
-                last = rollout_id + 1 == cfg.train.num_rollout
-                if job.trainer and (last or (cfg.train.save_interval and (rollout_id + 1) % cfg.train.save_interval == 0)):
-                    await asyncio.to_thread(job.trainer.save, checkpoint_dir(cfg))
-            if job.trainer and start < cfg.train.num_rollout:
-                out = await asyncio.to_thread(job.trainer.export_hf, checkpoint_dir(cfg), str(run_dir / "hf"))
-                logger.info("final policy exported to %s", out)
+        # Log lines go above the progress bar instead of through it.
+        with logging_redirect_tqdm():
+            await run_rollouts(cfg, plugins, router_args, sglang_args, log_setup, sink, run_dir)
     finally:
         sink.close()
         if (run_dir / "metrics.jsonl").exists() and plot_rewards(run_dir / "metrics.jsonl", run_dir / "reward.png"):
             logger.info("reward curve: %s", run_dir / "reward.png")
+
+
+async def run_rollouts(cfg: JobConfig, plugins: Plugins, router_args: list[str], sglang_args: list[str],
+                       log_setup: Callable[[str], None], sink: MetricsSink, run_dir: Path) -> None:
+    """Start the job's parts, then rollout after rollout until ``--num-rollout``; a final export."""
+    from tqdm import tqdm
+
+    async with Job(cfg, router_args, sglang_args, log_setup) as job:
+        start = job.trainer.rollout_id if job.trainer else 0
+        if start:  # resumed: the servers still hold the starting weights
+            await asyncio.to_thread(job.trainer.sync_weights, job.servers.engine_urls, start)
+            job.version = start
+        for rollout_id in tqdm(range(start, cfg.train.num_rollout), desc="rollout", initial=start,
+                               total=cfg.train.num_rollout, dynamic_ncols=True):
+            job.check_alive()
+            metrics = await rollout_step(cfg, job, plugins, rollout_id)
+            if cfg.rollout.eval_interval and (rollout_id + 1) % cfg.rollout.eval_interval == 0:
+                metrics |= await evaluate(cfg, job, plugins, rollout_id)
+            sink.log(metrics, rollout_id)
+            logger.info("rollout %d: %s", rollout_id, summary(metrics))
+            last = rollout_id + 1 == cfg.train.num_rollout
+            if job.trainer and (last or (cfg.train.save_interval and (rollout_id + 1) % cfg.train.save_interval == 0)):
+                await asyncio.to_thread(job.trainer.save, checkpoint_dir(cfg))
+        if job.trainer and start < cfg.train.num_rollout:
+            out = await asyncio.to_thread(job.trainer.export_hf, checkpoint_dir(cfg), str(run_dir / "hf"))
+            logger.info("final policy exported to %s", out)
 
 
 def read_prompts(cfg: JobConfig, path: str):

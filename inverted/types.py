@@ -107,7 +107,7 @@ class Sample:
             raise SampleError("rollout_log_probs: expected finite floats <= 0")
         if check_types and not set(map(type, self.weight_versions)) <= {str}:
             raise SampleError("weight_versions: expected strings")
-        _check_reward(self.reward)
+        check_reward(self.reward)
         if not isinstance(self.status, Sample.Status):
             raise SampleError(f"status: expected one of {[s.value for s in Sample.Status]}, got {self.status!r}")
 
@@ -173,7 +173,8 @@ _JSON_FORM = _json_form()
 _JSON_DECODER = msgspec.json.Decoder(_JSON_FORM)
 
 
-def _check_reward(reward: Reward | None) -> None:
+def check_reward(reward: Reward | None) -> None:
+    """Raise ``SampleError`` unless the reward is None, a finite number, or a dict of finite numbers."""
     if reward is None:
         return
     items = reward.items() if isinstance(reward, dict) else [("reward", reward)]

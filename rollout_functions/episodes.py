@@ -1,8 +1,8 @@
 """One episode in one proxy session: the mechanism the agent and subprocess rollouts share.
 
 ``run_session`` opens a session for a task, lets ``play(session, proxy)`` drive it (an environment with an OpenAI
-client, or an agent process), posts the reward ``play`` returns, and finishes the session into
-the task's Sample. Whatever goes wrong in ``play`` (an exception, the episode timeout, an episode
+client, or an agent process), and finishes the session with the reward ``play`` returns (one call)
+into the task's Sample. Whatever goes wrong in ``play`` (an exception, the episode timeout, an episode
 that never called the model or gave no reward) becomes a ``failed`` Sample that says why: the
 environment's faults never crash the run, and a failed Sample is never trained on.
 
@@ -20,7 +20,7 @@ from typing import Awaitable, Callable
 from inverted.errors import ProtocolError
 from inverted.plugins import RolloutContext
 from inverted.rollout.proxy.client import ProxyClient, SessionHandle
-from inverted.types import Reward, Sample, Task
+from inverted.types import Reward, Sample, Task, check_reward
 
 logger = logging.getLogger(__name__)
 
@@ -35,14 +35,23 @@ def failed_sample(task: Task, reason: str) -> Sample:
     return sample
 
 
+async def close_quietly(proxy: ProxyClient, session: SessionHandle) -> None:
+    """Free a failed episode's session now; one with a call still running is left to expire
+    (``--proxy-session-timeout``)."""
+    try:
+        await proxy.finish(session.session_id)
+    except ProtocolError:
+        pass
+
+
 async def run_session(ctx: RolloutContext, proxy: ProxyClient, task: Task, play: Play) -> Sample:
     session = await proxy.create_session(
         metadata={"group_index": task.group_index, "index": task.index, "label": task.label, "rollout_id": ctx.rollout_id},
         sampling_params=ctx.sampling)
+    reward = None
     try:
         reward = await asyncio.wait_for(play(session, proxy), ctx.config.rollout_episode_timeout)
-        if reward is not None:
-            await proxy.set_reward(session.session_id, reward)
+        check_reward(reward)  # a NaN or a string is the environment's fault too
     except TimeoutError:
         reason = f"episode timed out after {ctx.config.rollout_episode_timeout:g}s (--rollout-episode-timeout)"
     except Exception as exc:  # the environment's fault, whatever it is, fails this episode only
@@ -51,12 +60,13 @@ async def run_session(ctx: RolloutContext, proxy: ProxyClient, task: Task, play:
     else:
         reason = ""
     if reason:
-        try:  # free the session now; one with a call still running is left to expire (--proxy-session-timeout)
-            await proxy.finish(session.session_id)
-        except ProtocolError:
-            pass
+        await close_quietly(proxy, session)
         return failed_sample(task, reason)
-    samples = await proxy.finish(session.session_id)
+    try:
+        samples = await proxy.finish(session.session_id, reward)
+    except ProtocolError as exc:  # e.g. the session expired (--proxy-session-timeout) while the episode ran
+        await close_quietly(proxy, session)
+        return failed_sample(task, f"the proxy refused to finish the session: {exc}")
     if not samples:
         return failed_sample(task, "the episode never called the model")
     sample = samples[-1]

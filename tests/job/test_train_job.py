@@ -66,10 +66,12 @@ def test_train_end_to_end_with_a_multi_turn_tool_env(tiny_model, tmp_path, calcu
         async def episode(task, client):
             if task.metadata.get("fail"):
                 raise RuntimeError("the environment broke")
-            return await calculator_episode(task, client)
+            reward = await calculator_episode(task, client)
+            return float("nan") if task.metadata.get("nan") else reward
     """))
     rows = [json.loads(line) for line in calculator_data.read_text().splitlines()]
-    rows[2]["metadata"] = {"fail": True}  # rollout 1's first prompt: its group fails, the other one trains
+    rows[1]["metadata"] = {"nan": True}  # one group per rollout fails (a bad reward, then an exception);
+    rows[2]["metadata"] = {"fail": True}  # the other group of the rollout trains
     calculator_data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     run_dir, eval_data = tmp_path / "run", write_dataset(calculator_rows, tmp_path / "eval.jsonl", count=2, seed=1)
     args = ["train", "--hf-checkpoint", str(tiny_model()), "--prompt-data", str(calculator_data), "--env-path",
@@ -89,17 +91,19 @@ def test_train_end_to_end_with_a_multi_turn_tool_env(tiny_model, tmp_path, calcu
         for key in ("rollout/reward_mean", "train/loss", "time/rollout_s", "time/train_s", "time/sync_s", "sync/servers"):
             assert m.get(key) is not None, key
         assert m["sync/servers"] == 2
-    assert metrics[0]["rollout/failed"] == 0 and metrics[1]["rollout/failed"] == 2  # both samples of that prompt
+    assert metrics[0]["rollout/failed"] == metrics[1]["rollout/failed"] == 2  # both samples of the failing prompt
     assert metrics[1]["train/train_rollout_logprob_abs_diff"] < 1e-4  # the engines held the synced weights exactly
     assert "eval/reward_mean" not in metrics[0] and metrics[1]["eval/failed"] == 0  # evaluated after rollout 1
-    assert metrics[0]["rollout/trained_samples"] == 4 and metrics[1]["rollout/trained_samples"] == 2
+    assert metrics[0]["rollout/trained_samples"] == metrics[1]["rollout/trained_samples"] == 2
 
     samples = stored_samples(run_dir)
     assert len(samples) == 8
     # Rollout 0 ran on the starting weights; rollout 1 on the weights synced after step 0.
     for (group, _), sample in samples.items():
         if sample.status == Sample.Status.FAILED:
-            assert group == 2 and "the environment broke" in sample.metadata["error"]
+            expected = {1: "SampleError: reward['reward']: expected a finite number, got nan",
+                        2: "RuntimeError: the environment broke"}[group]
+            assert sample.metadata["error"].startswith(expected)
             continue
         assert set(sample.weight_versions) == ({"default"} if group < 2 else {"1"}), (group, sample.weight_versions)
         assert len(sample.metadata["turns"]) >= 2  # multi-turn: tool results or feedback between the model's turns

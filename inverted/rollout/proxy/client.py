@@ -33,8 +33,10 @@ class ProxyClient(HTTPService):
         await self.request("POST", f"/sessions/{session_id}/reward", json_body={"reward": reward, "finished": finished},
                            timeout=self.timeouts.control, idempotent=True)
 
-    async def finish(self, session_id: str) -> list[Sample]:
-        data = self.json_of(await self.request("POST", f"/sessions/{session_id}/finish", json_body={},
+    async def finish(self, session_id: str, reward: Reward | None = None) -> list[Sample]:
+        """End the session (with its reward, when given) and return its Samples."""
+        body = {} if reward is None else {"reward": reward}
+        data = self.json_of(await self.request("POST", f"/sessions/{session_id}/finish", json_body=body,
                                                timeout=self.timeouts.control, idempotent=True))
         return [Sample.from_json(s) for s in data["samples"]]
 

@@ -68,6 +68,13 @@ class RewardRequest(BaseModel):
     finished: bool = True
 
 
+class FinishRequest(BaseModel):
+    """The episode's reward may come with the finish, saving the rollout a round trip."""
+
+    model_config = ConfigDict(extra="forbid")
+    reward: FiniteFloat | dict[str, FiniteFloat] | None = None
+
+
 class SamplesResponse(BaseModel):
     session_id: str
     finished: bool
@@ -278,11 +285,14 @@ def _add_session_routes(app: FastAPI) -> None:
         return {"session_id": session.id, "reward": body.reward, "finished": body.finished}
 
     @app.post("/sessions/{session_id}/finish")
-    async def finish(session_id: str, request: Request, recorder: RecorderDep) -> SamplesResponse:
+    async def finish(session_id: str, request: Request, recorder: RecorderDep,
+                     body: FinishRequest | None = None) -> SamplesResponse:
         session = _session(request, session_id, admin=True)
         if session.inflight:
             raise InvalidRequest(f"session {session_id} has {session.inflight} calls running; finish it after they "
                                  "return", code="session_busy", status=409)
+        if body is not None and body.reward is not None and not session.finished:
+            session.set_reward(body.reward, True)
         return _samples(session, recorder.sessions.finish(session))
 
     @app.get("/sessions/{session_id}/samples")
