@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import typing
 
 import pytest
 
 from inverted.cli import COMMANDS, build_parser
-from inverted import config as config_module
 from inverted.config import (EngineConfig, JobConfig, ServersConfig, add_flags, build_section, flag_name, load_yaml_defaults,
                              split_passthrough)
 from inverted.errors import ConfigError
@@ -65,11 +65,16 @@ def test_cli_flags_are_frozen():
         assert flags == FROZEN_FLAGS[name], name
 
 
+def sections_of(section: type) -> list[type]:
+    """A command's config sections: the job's parts, or the one section."""
+    if section is not JobConfig:
+        return [section]
+    hints = typing.get_type_hints(JobConfig)
+    return [hints[f.name] for f in dataclasses.fields(JobConfig)]
+
+
 def test_every_field_has_a_flag_help_and_default():
-    sections = [part for section, _, _ in COMMANDS.values()
-                for part in ([f.type for f in dataclasses.fields(section)] if section is JobConfig else [section])]
-    for section in sections:
-        section = getattr(config_module, section) if isinstance(section, str) else section
+    for section in (part for command, _, _ in COMMANDS.values() for part in sections_of(command)):
         for f in dataclasses.fields(section):
             assert f.metadata.get("help"), f"{section.__name__}.{f.name} has no help"
         parser = argparse.ArgumentParser()
