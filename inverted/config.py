@@ -477,12 +477,6 @@ class JobConfig:
                  "not together with --debug-rollout-only")
         if not train.debug_train_only:
             _require(bool(self.buffer.prompt_data), "--prompt-data", self.buffer.prompt_data, "a .jsonl or .parquet dataset")
-            needs = {"rollout_functions.agent:generate_rollout": ("env_path", "module:function(task, client) for the agent rollout"),
-                     "rollout_functions.single_turn:generate_rollout": ("custom_rm_path", "module:function(sample) for single_turn"),
-                     "rollout_functions.subprocess_agent:generate_rollout": ("agent_command", "a command for subprocess_agent")}
-            name, expected = needs.get(rollout.rollout_function_path, (None, ""))
-            _require(name is None or bool(getattr(rollout, name)), flag_name(name or ""), getattr(rollout, name or "", None),
-                     expected)
         _require(not rollout.eval_interval or bool(rollout.eval_prompt_data), "--eval-prompt-data",
                  rollout.eval_prompt_data, "a dataset when --eval-interval is set")
         samples = rollout.rollout_batch_size * self.buffer.n_samples_per_prompt

@@ -36,11 +36,11 @@ import yaml
 
 from inverted.buffer.client import BufferClient
 from inverted.buffer.datasets import load_prompts
-from inverted.config import JobConfig
+from inverted.config import JobConfig, flag_name
 from inverted.errors import ConfigError, PluginError, ServiceUnavailable
 from inverted.metrics import MetricsSink, build_metrics_sink, plot_rewards
 from inverted.placement import ray_launch, start_ray
-from inverted.plugins import RolloutContext, RolloutFunction, load_plugin, load_rollout_function
+from inverted.plugins import RolloutContext, RolloutFunction, load_plugin, load_rollout_function, required_flags
 from inverted.rollout.servers import ManagedProcess, RolloutServers, free_port
 from inverted.rollout.sglang_client import SGLangClient
 from inverted.types import Sample, Task
@@ -65,7 +65,11 @@ class Plugins:
         if env is not None and not inspect.iscoroutinefunction(env):
             raise PluginError(f"--env-path={cfg.env_path!r}: expected 'async def {env.__name__}(task, client) -> reward'")
         reward = load_plugin(cfg.custom_rm_path, flag="--custom-rm-path", params=["sample"]) if cfg.custom_rm_path else None
-        return cls(load_rollout_function(cfg.rollout_function_path), env, reward)
+        rollout = load_rollout_function(cfg.rollout_function_path)
+        for name in required_flags(rollout):
+            if not getattr(cfg, name):
+                raise ConfigError(f"--rollout-function-path {cfg.rollout_function_path} needs {flag_name(name)}")
+        return cls(rollout, env, reward)
 
 
 def start_service(command: str, section: Any, run_dir: Path, url: str, timeout: float) -> ManagedProcess:
@@ -278,10 +282,10 @@ async def rollout_step(cfg: JobConfig, job: Job, plugins: Plugins, rollout_id: i
         report = await asyncio.to_thread(job.trainer.sync_weights, job.servers.engine_urls, rollout_id + 1)
         metrics |= {f"sync/{k}": float(v) for k, v in (report or {}).items() if isinstance(v, (int, float))}
         job.version = rollout_id + 1
+        clock["synced"] = time.perf_counter()
     elif job.trainer is not None:  # every group failed or was filtered: nothing to learn, the weights stay
         logger.info("rollout %d: no group to train on; the policy stays at version %d", rollout_id, job.version)
         await asyncio.to_thread(job.trainer.skip, rollout_id)
-    clock["synced"] = time.perf_counter()
     return metrics | phase_times(clock) | {"weight_version": float(job.version)}
 
 
@@ -297,8 +301,6 @@ def phase_times(clock: dict[str, float]) -> dict[str, float]:
     marks = list(clock.items())
     names = {"leased": "lease", "rolled_out": "rollout", "batched": "buffer", "trained": "train", "synced": "sync"}
     times = {f"time/{names[name]}_s": at - before for (_, before), (name, at) in zip(marks, marks[1:])}
-    if "trained" not in clock:
-        times.pop("time/sync_s", None)
     times["time/step_s"] = marks[-1][1] - marks[0][1]
     return times
 

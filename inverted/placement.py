@@ -89,7 +89,7 @@ class RayServer:
 def _launch(num_gpus: float, loopback: bool, name: str, argv_for: ArgvFor, log_path: Path, env: dict[str, str]) -> RayServer:
     # No CPU reservation: servers mostly wait on I/O or a GPU, and a whole core each would make
     # small machines unschedulable.
-    actor = ray.remote(ServerActor).options(num_cpus=0, num_gpus=num_gpus, name=None).remote()
+    actor = ray.remote(ServerActor).options(num_cpus=0, num_gpus=num_gpus).remote()
     url = ray.get(actor.start.remote(name, argv_for, str(log_path), env, loopback))
     return RayServer(actor, name, url)
 

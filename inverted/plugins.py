@@ -10,7 +10,9 @@ It also holds the contract of the biggest plug-in point, the rollout function (`
     async def generate_rollout(ctx: RolloutContext, tasks: list[Task]) -> list[Sample]
 
 one Sample per task (``task.new_sample()`` gives one with the task's group and index; match is by
-``(group_index, index)``, order does not matter). slime's ``generate_rollout(args, rollout_id,
+``(group_index, index)``, order does not matter). A rollout function names the flags it cannot run
+without in a ``requires`` attribute (``RolloutConfig`` field names, e.g. ``("env_path",)``); the job
+checks them before anything starts. slime's ``generate_rollout(args, rollout_id,
 data_buffer, evaluation=False) -> list[list[Sample]]`` is accepted too: it runs in a thread with a
 ``data_buffer`` whose ``get_samples(n)`` hands out the leased tasks as groups of Samples to fill.
 """
@@ -107,17 +109,25 @@ def load_rollout_function(path: str) -> RolloutFunction:
     """Load ``--rollout-function-path``: our async contract as is, slime's signature adapted to it."""
     flag = "--rollout-function-path"
     try:
-        fn = load_plugin(path, flag=flag, params=SLIME_PARAMS)
-        params = list(inspect.signature(fn).parameters)
-        if params[:3] != SLIME_PARAMS:
-            raise PluginError("not slime's")
-    except PluginError:
         fn = load_plugin(path, flag=flag, params=["ctx", "tasks"])
-        if not inspect.iscoroutinefunction(fn):
-            raise PluginError(f"{flag}={path!r}: expected 'async def {fn.__name__}(ctx, tasks) -> list[Sample]' "
-                              "(or slime's generate_rollout(args, rollout_id, data_buffer, evaluation=False))") from None
-        return fn
+    except PluginError as ours:  # slime's takes three arguments; if it is not that either, say what ours wants
+        try:
+            slime_fn = load_plugin(path, flag=flag, params=SLIME_PARAMS)
+        except PluginError:
+            raise ours from None
+        return _adapt_slime(slime_fn)
+    if not inspect.iscoroutinefunction(fn):
+        raise PluginError(f"{flag}={path!r}: expected 'async def {fn.__name__}(ctx, tasks) -> list[Sample]' "
+                          "(or slime's generate_rollout(args, rollout_id, data_buffer, evaluation=False))")
+    return fn
 
+
+def required_flags(fn: RolloutFunction) -> tuple[str, ...]:
+    """The ``RolloutConfig`` fields a rollout function cannot run without (its ``requires`` attribute)."""
+    return tuple(getattr(fn, "requires", ()))
+
+
+def _adapt_slime(fn: Callable[..., Any]) -> RolloutFunction:
     async def run_slime(ctx: RolloutContext, tasks: list[Task]) -> list[Sample]:
         buffer = SlimeDataBuffer(tasks)
         groups = await asyncio.to_thread(fn, ctx.slime_args, ctx.rollout_id, buffer, evaluation=ctx.evaluation)

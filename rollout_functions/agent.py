@@ -19,8 +19,6 @@ from rollout_functions.episodes import run_all
 
 async def generate_rollout(ctx: RolloutContext, tasks: list[Task]) -> list[Sample]:
     env = ctx.env
-    if env is None:
-        raise ValueError("the agent rollout function needs an environment: --env-path module:function")
     async with openai.DefaultAsyncHttpxClient(trust_env=False) as pool:
         def play_for(task: Task):
             async def play(session, proxy):
@@ -31,3 +29,6 @@ async def generate_rollout(ctx: RolloutContext, tasks: list[Task]) -> list[Sampl
             return play
 
         return await run_all(ctx, tasks, play_for)
+
+
+generate_rollout.requires = ("env_path",)  # checked by the job before anything starts

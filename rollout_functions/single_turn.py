@@ -39,8 +39,6 @@ def prompt_ids(checkpoint: str, task: Task) -> list[int]:
 
 
 async def generate_rollout(ctx: RolloutContext, tasks: list[Task]) -> list[Sample]:
-    if ctx.reward_fn is None:
-        raise ValueError("the single_turn rollout function needs a reward function: --custom-rm-path module:function")
     params = {"temperature": ctx.sampling["temperature"], "top_p": ctx.sampling["top_p"],
               "max_new_tokens": ctx.sampling["max_tokens"]}
     limit = asyncio.Semaphore(ctx.config.rollout_concurrency)
@@ -62,3 +60,6 @@ async def generate_rollout(ctx: RolloutContext, tasks: list[Task]) -> list[Sampl
 
     async with SGLangClient(ctx.router_url, max_connections=ctx.config.rollout_concurrency) as client:
         return list(await asyncio.gather(*(one(client, task) for task in tasks)))
+
+
+generate_rollout.requires = ("custom_rm_path",)  # checked by the job before anything starts

@@ -75,6 +75,7 @@ async def play(ctx: RolloutContext, task: Task, session: SessionHandle, proxy: P
 
 
 async def generate_rollout(ctx: RolloutContext, tasks: list[Task]) -> list[Sample]:
-    if not ctx.config.agent_command:
-        raise ValueError("the subprocess_agent rollout function needs --agent-command")
     return await run_all(ctx, tasks, lambda task: functools.partial(play, ctx, task))
+
+
+generate_rollout.requires = ("agent_command",)  # checked by the job before anything starts

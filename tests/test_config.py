@@ -94,9 +94,6 @@ def test_the_job_shares_flags_between_its_sections_and_keeps_its_own_fields():
     with pytest.raises(ConfigError, match="--global-batch-size=3: expected a divisor of --rollout-batch-size"):
         parse(JobConfig, ["--hf-checkpoint", "/m", "--prompt-data", "p", "--env-path", "e:f",
                           "--global-batch-size", "3"])[0].validate()
-    with pytest.raises(ConfigError, match="--custom-rm-path=None"):
-        parse(JobConfig, ["--hf-checkpoint", "/m", "--prompt-data", "p",
-                          "--rollout-function-path", "rollout_functions.single_turn:generate_rollout"])[0].validate()
 
 
 def parse(section, argv):

@@ -7,7 +7,7 @@ import pytest
 from inverted.buffer.service import build_store
 from inverted.config import BufferConfig
 from inverted.errors import PluginError
-from inverted.plugins import load_plugin, load_rollout_function
+from inverted.plugins import load_plugin, load_rollout_function, required_flags
 from inverted.types import Sample
 
 FILTER = "inverted.buffer.filters:drop_all_equal_rewards"
@@ -59,12 +59,14 @@ ROLLOUT_FUNCTIONS = ["rollout_functions.agent:generate_rollout", "rollout_functi
                      "rollout_functions.subprocess_agent:generate_rollout"]
 
 
-@pytest.mark.parametrize("path", ROLLOUT_FUNCTIONS)
-def test_the_built_in_rollout_functions_load_through_their_paths(path):
+@pytest.mark.parametrize(("path", "needs"), zip(ROLLOUT_FUNCTIONS, [("env_path",), ("custom_rm_path",), ("agent_command",)]))
+def test_the_built_in_rollout_functions_load_through_their_paths(path, needs):
     import importlib
 
     module, _, name = path.partition(":")
-    assert load_rollout_function(path) is getattr(importlib.import_module(module), name)
+    fn = load_rollout_function(path)
+    assert fn is getattr(importlib.import_module(module), name)
+    assert required_flags(fn) == needs  # the job refuses to start without them
 
 
 def slime_rollout(args, rollout_id, data_buffer, evaluation=False):

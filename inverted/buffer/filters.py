@@ -9,14 +9,9 @@ from __future__ import annotations
 from inverted.types import Sample
 
 
-def _scalar(reward: float | dict[str, float] | None) -> float | None:
-    if isinstance(reward, dict):
-        return reward.get("reward", sum(reward.values()))
-    return reward
-
-
 def drop_all_equal_rewards(samples: list[Sample]) -> bool:
     """Keep a group only if its rewards differ: with all rewards equal, GRPO's advantages are all zero
-    and the group teaches nothing (DAPO's dynamic sampling)."""
-    rewards = {_scalar(s.reward) for s in samples}
+    and the group teaches nothing (DAPO's dynamic sampling). A dict reward counts as its sum, as the
+    trainer sees it by default."""
+    rewards = {s.scalar_reward() if s.reward is not None else None for s in samples}
     return len(rewards) > 1

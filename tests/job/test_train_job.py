@@ -215,7 +215,7 @@ def leftover_processes(marker: str) -> list[str]:
 
 @pytest.mark.parametrize("args, message", [
     (["--no-such-flag", "1"], "unrecognized arguments: --no-such-flag"),
-    ([], "--env-path=None: expected module:function(task, client) for the agent rollout"),
+    ([], "--rollout-function-path rollout_functions.agent:generate_rollout needs --env-path"),
     (["--env-path", "no_such_module:episode"], "--env-path='no_such_module:episode': cannot load it"),
     (["--env-path", "envs.letters:first_character"], "does not match def first_character(task, client)"),
     (["--env-path", "envs.letters:score"], "expected 'async def score(task, client) -> reward'"),
