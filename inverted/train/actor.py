@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 class TrainActor:
     """One training rank: its process group, its ``Trainer`` and its weight sync."""
 
+    sync = None  # the weight sync, made on the first push (its servers known then)
+
     def rendezvous(self) -> tuple[str, int]:
         from torch.distributed.elastic.utils.distributed import get_free_port
 
@@ -48,7 +50,7 @@ class TrainActor:
         if not torch.cuda.is_available():  # rollout and training alternate: a rank may use its share of the cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.world_size))
         init_parallel(cfg)
-        self.cfg, self.rank, self.sync = cfg, rank, None
+        self.cfg, self.rank = cfg, rank
         self.trainer = Trainer(cfg)
         if cfg.load:
             load_checkpoint(self.trainer, cfg.load)
@@ -67,6 +69,8 @@ class TrainActor:
         from inverted.train.weight_sync import make_weight_sync
 
         if self.sync is None or self.sync.urls != urls:
+            if self.sync is not None:
+                self.sync.release()
             self.sync = make_weight_sync(self.cfg, urls)
         report = self.trainer.sync_weights(self.sync, version)
         return dataclasses.asdict(report) if report is not None else None
@@ -84,6 +88,8 @@ class TrainActor:
     def shutdown(self) -> None:
         from inverted.train.parallel import shutdown_parallel
 
+        if self.sync is not None:
+            self.sync.release()
         shutdown_parallel()
 
 

@@ -96,6 +96,11 @@ class WeightSync:
         self.packer: BucketPacker | None = None
         self.connected: list[tuple[str, float | None]] = []
 
+    def release(self) -> None:
+        """Free the packing buffers (the next update allocates them again)."""
+        self.packer = None
+        self.transport.release()
+
     async def update(self, weights: Iterable[tuple[str, torch.Tensor]], version: str) -> SyncReport:
         started = time.perf_counter()
         async with AsyncExitStack() as stack:
