@@ -8,6 +8,8 @@ given, and returns a reward: a float, or a dict of named floats. Raising, or tak
 - ``letters``: a single-turn task the tiny random model learns in minutes (the README's demo).
 - ``calculator``: multi-turn tool use with OpenAI ``tools`` (a calculator), with feedback turns.
 - ``countdown``: the countdown arithmetic puzzle with an exact verifier, for real models.
+- ``long_tail``: the letters task behind a slow simulated tool, one prompt in ten twenty times slower
+  (the asynchronous loop's benchmark).
 
 Each module also writes its own prompt dataset: ``python -m envs.letters --out FILE.jsonl``.
 """

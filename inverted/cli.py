@@ -3,7 +3,8 @@
 Commands: ``make-tiny-model`` (a local random checkpoint), ``serve-engine`` (the embedded
 SGLang-protocol engine), ``buffer`` (the Data Buffer service), ``proxy`` (the token-recording OpenAI proxy), ``servers`` (N engines behind the real sgl-router, with a short demo
 generation through it), ``train`` (the main job: the RL loop over all of them, or
-``--debug-train-only`` from saved rollout data) and ``export-hf``. Logging is configured here and only here, with the process role in
+``--debug-train-only`` from saved rollout data; ``train-async`` is ``train --async-mode``) and
+``export-hf``. Logging is configured here and only here, with the process role in
 every line. Heavy imports happen inside each command so ``inverted --help`` is instant.
 """
 
@@ -110,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train-async"]:  # slime's name for its async driver: the same job in --async-mode
+        argv = ["train", "--async-mode", *argv[1:]]
     router_args: list[str] = []
     sglang_args: list[str] = []
     launches_servers = bool(argv) and argv[0] in PASSTHROUGH

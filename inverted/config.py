@@ -333,6 +333,9 @@ class TrainConfig:
     use_tis: bool = option(False, "truncated importance sampling with the rollout log-probs")
     tis_clip: float = option(2.0, "upper clip of the TIS weight")
     tis_clip_low: float = option(0.0, "lower clip of the TIS weight")
+    mask_offpolicy_in_partial_rollout: bool = option(
+        False, "leave out of the loss the tokens of a sample that older weights sampled before its last weight "
+               "update (a partial rollout trains only on its newest policy's tokens)")
     rollout_temperature: float = option(1.0, "sampling temperature; training log-probs use the same")
     reward_key: str | None = option(None, "key of a dict reward to train on (default: the sum of its values)")
     lr: float = option(1e-6, "learning rate (constant)")
@@ -437,6 +440,14 @@ class RolloutConfig:
         None, "write each rollout's Samples as jsonl here; '{rollout_id}' in the path makes one file per rollout")
     ray_address: str | None = option(None, "Ray cluster to join ('auto' or HOST:PORT; default: start a local one)")
     colocate: bool = option(False, "training and rollout share the devices: servers release memory while training")
+    async_mode: bool = option(
+        False, "rollout never stops: training takes each batch as soon as the buffer holds it, and new weights are "
+               "pushed while episodes run (see --max-weight-staleness, --update-weights-interval, --pause-mode)")
+    max_weight_staleness: int | None = option(
+        None, "train only on groups whose oldest token is at most this many weight versions behind the policy "
+              "(older ones: --stale-policy); async mode also starts no episode that would exceed it (default: no "
+              "bound in sync mode, 1 in async mode, which is one-step-off-policy training)")
+    update_weights_interval: int = option(1, "push new weights into the rollout servers every N training steps")
 
     def __post_init__(self) -> None:
         for name in ("rollout_batch_size", "rollout_max_response_len", "rollout_concurrency", "n_samples_per_eval_prompt"):
@@ -444,6 +455,11 @@ class RolloutConfig:
         _require(0 < self.rollout_top_p <= 1, "--rollout-top-p", self.rollout_top_p, "in (0, 1]")
         _require(self.rollout_episode_timeout > 0, "--rollout-episode-timeout", self.rollout_episode_timeout, "> 0")
         _require(self.eval_interval >= 0, "--eval-interval", self.eval_interval, ">= 0")
+        _require(self.update_weights_interval >= 1, "--update-weights-interval", self.update_weights_interval, ">= 1")
+        if self.max_weight_staleness is None and self.async_mode:
+            self.max_weight_staleness = 1
+        _require(self.max_weight_staleness is None or self.max_weight_staleness >= 0, "--max-weight-staleness",
+                 self.max_weight_staleness, ">= 0")
 
 
 _SET_BY_JOB = "(set by inverted train)"
@@ -479,6 +495,9 @@ class JobConfig:
             _require(bool(self.buffer.prompt_data), "--prompt-data", self.buffer.prompt_data, "a .jsonl or .parquet dataset")
         _require(not rollout.eval_interval or bool(rollout.eval_prompt_data), "--eval-prompt-data",
                  rollout.eval_prompt_data, "a dataset when --eval-interval is set")
+        if rollout.async_mode:
+            _require(not (rollout.colocate or rollout.debug_rollout_only or train.debug_train_only), "--async-mode", True,
+                     "not with --colocate, --debug-rollout-only or --debug-train-only (rollout and training overlap)")
         samples = rollout.rollout_batch_size * self.buffer.n_samples_per_prompt
         _require(not train.global_batch_size or samples % train.global_batch_size == 0, "--global-batch-size",
                  train.global_batch_size, f"a divisor of --rollout-batch-size x --n-samples-per-prompt = {samples}")

@@ -22,6 +22,15 @@ from inverted.errors import SampleError
 Reward = float | dict[str, float]
 
 
+def version_number(version: str) -> int:
+    """A weight version as a number: the trainer's step; SGLang's initial ``"default"`` (or anything
+    else that is not an integer) counts as 0."""
+    try:
+        return int(version)
+    except ValueError:
+        return 0
+
+
 @dataclass(kw_only=True, slots=True)
 class Sample:
     """One trajectory: prompt + response tokens, with what the policy sampled and under which weights.

@@ -25,7 +25,8 @@ FROZEN_FLAGS = {
               "--rollout-temperature", "--save", "--save-interval", "--seed", "--tensor-model-parallel-size", "--tis-clip",
               "--tis-clip-low", "--use-distributed-optimizer", "--use-kl-loss", "--use-tis", "--weight-decay"} | {
         # the main job's other sections: rollout, buffer (dataset and groups), proxy knobs, servers
-        "--agent-command", "--colocate", "--context-length", "--custom-rm-path", "--debug-rollout-only",
+        "--agent-command", "--async-mode", "--max-weight-staleness", "--update-weights-interval",
+        "--mask-offpolicy-in-partial-rollout", "--colocate", "--context-length", "--custom-rm-path", "--debug-rollout-only",
         "--dynamic-sampling-filter-path", "--engine-device", "--engine-max-running-requests", "--engine-threads",
         "--env-path", "--eval-interval", "--eval-prompt-data", "--input-key", "--label-key", "--lease-seconds",
         "--metadata-key", "--n-samples-per-eval-prompt", "--n-samples-per-prompt", "--num-engines", "--num-epoch",

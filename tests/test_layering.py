@@ -8,8 +8,8 @@ Face checkpoint's config says) counts as shared, so the engine and the trainer r
 architecture in one place; and ``weight_wire`` (SGLang's bucket, payload and update-group
 formats) counts as shared, so the trainer's sender and the engine's receiver use one definition;
 and ``plugins`` may read ``config`` (the rollout function's context carries its config section);
-and ``placement`` (Ray's side of starting servers) sits beside the controller, which alone uses
-it, and the controller may read prompt datasets (``buffer.datasets``) to check them and to
+and ``placement`` (Ray's side of starting servers) sits beside the controller (a package of its
+own modules), which alone uses it, and the controller may read prompt datasets (``buffer.datasets``) to check them and to
 evaluate, before and beside the buffer service.
 """
 
@@ -33,7 +33,7 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("inverted.hf_checkpoint", ("inverted.errors",)),
     ("inverted.weight_wire", ("inverted.errors",)),
     ("inverted.cli", ("inverted",)),
-    ("inverted.controller", SHARED + ("inverted.buffer.client", "inverted.buffer.datasets", "inverted.rollout.servers",
+    ("inverted.controller", SHARED + ("inverted.controller", "inverted.buffer.client", "inverted.buffer.datasets", "inverted.rollout.servers",
                                       "inverted.rollout.sglang_client", "inverted.rollout.proxy", "inverted.train.actor",
                                       "inverted.placement")),
     ("inverted.placement", SHARED + ("inverted.rollout.servers",)),

@@ -39,6 +39,12 @@ class BufferClient(HTTPService):
         response = await self.request("POST", "/tasks/lease", json_body=body, timeout=self.timeouts.data, idempotent=True)
         return [Task.from_json(t) for t in orjson.loads(response.content)["tasks"]]
 
+    async def release(self, worker_id: str) -> int:
+        """Give back every task ``worker_id`` holds (they are leased again, to anyone)."""
+        response = await self.request("POST", "/tasks/release", json_body={"worker_id": worker_id},
+                                      timeout=self.timeouts.data, idempotent=True)
+        return self.json_of(response)["released"]
+
     async def submit(self, items: list[tuple[Task | str, Sample]]) -> dict[str, Any]:
         """Submit finished (or aborted) samples, each with the lease of its task; all or nothing."""
         body = {"samples": [{"lease_id": t if isinstance(t, str) else t.lease_id, "sample": s.to_json()} for t, s in items]}

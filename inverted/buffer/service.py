@@ -36,11 +36,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from inverted.buffer.datasets import load_prompts
-from inverted.buffer.store import LeaseConflict, SQLiteStore, version_number
+from inverted.buffer.store import LeaseConflict, SQLiteStore
 from inverted.config import BufferConfig
 from inverted.errors import SampleError
 from inverted.plugins import load_plugin
-from inverted.types import Sample
+from inverted.types import Sample, version_number
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,11 @@ class LeaseRequest(BaseModel):
     worker_id: str = Field(min_length=1, max_length=200)
     lease_seconds: float | None = Field(default=None, gt=0, le=86400)
     request_id: str | None = Field(default=None, max_length=200)
+
+
+class ReleaseRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    worker_id: str = Field(min_length=1, max_length=200)
 
 
 class LeaseResponse(BaseModel):
@@ -230,6 +235,11 @@ def _add_routes(app: FastAPI) -> None:
         seconds = body.lease_seconds or state.config.lease_seconds
         tasks = await state.run(state.store.lease, body.count, body.worker_id, seconds, body.request_id)
         return Response(orjson.dumps({"tasks": tasks}), media_type="application/json")
+
+    @app.post("/tasks/release", dependencies=auth)
+    async def release(request: Request, state: StateDep) -> dict[str, int]:
+        body: ReleaseRequest = await _parse(request, ReleaseRequest)
+        return {"released": await state.run(state.store.release, body.worker_id)}
 
     @app.post("/samples", dependencies=auth, response_model=SubmitResponse)
     async def submit(request: Request, state: StateDep) -> SubmitResponse:

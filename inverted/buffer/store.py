@@ -14,8 +14,7 @@ calls that had not returned. Lease and batch calls may carry a ``request_id``; a
 replays the recorded answer, so a client's retry never leases or consumes twice. Submissions are
 idempotent by (group_index, index).
 
-Weight versions are the trainer's step as a decimal string; a version that is not an integer
-(SGLang's initial ``"default"``) counts as 0.
+Weight versions are the trainer's step as a decimal string (``types.version_number``).
 
 ``BufferStore`` is the interface the service uses, so a server database can replace SQLite.
 """
@@ -35,7 +34,7 @@ import orjson
 
 from inverted.buffer.datasets import PromptRecord, epoch_order
 from inverted.errors import ConfigError, InvertedError, SampleError
-from inverted.types import Sample
+from inverted.types import Sample, version_number
 
 GroupFilter = Callable[[list[Sample]], bool]
 
@@ -67,13 +66,6 @@ class LeaseConflict(InvertedError):
     """A submission names a lease that is not (or no longer) the task's current lease."""
 
 
-def version_number(version: str) -> int:
-    try:
-        return int(version)
-    except ValueError:
-        return 0
-
-
 @dataclass(slots=True)
 class LeasedTask:
     lease_id: str
@@ -103,6 +95,7 @@ class BufferStore(Protocol):
     """What the service needs from storage."""
 
     def lease(self, count: int, worker_id: str, lease_seconds: float, request_id: str | None = None) -> list[dict]: ...
+    def release(self, worker_id: str) -> int: ...
     def submit(self, items: list[tuple[str, Sample]], encoded: list[bytes] | None = None) -> SubmitResult: ...
     def next_batch(self, num_groups: int, current_version: int | None, max_staleness: int | None,
                    request_id: str | None = None, allow_partial: bool = False) -> bytes | None: ...
@@ -251,6 +244,15 @@ class SQLiteStore:
             self._count("tasks_leased", len(leased))
             self._record(request_id, "lease", orjson.dumps(leased))
             return leased
+
+    def release(self, worker_id: str) -> int:
+        """Put every task ``worker_id`` holds back in the queue, its leases void (a worker that stopped
+        or restarted gives its tasks back at once instead of letting the leases run out); how many."""
+        with self._tx() as db:
+            released = db.execute("UPDATE tasks SET state = 'queued', lease_id = NULL, worker_id = NULL "
+                                  "WHERE state = 'leased' AND worker_id = ?", (worker_id,)).rowcount
+            self._count("leases_released", released)
+        return released
 
     # ---- submitting ----------------------------------------------------------------------
 

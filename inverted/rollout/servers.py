@@ -3,9 +3,12 @@
 ``RolloutServers`` is an async context manager: it launches N rollout servers and one
 ``python -m sglang_router.launch_router`` (every ``--router-*`` flag passed through verbatim),
 waits for each server's ``/health``, registers them with the router's ``POST /workers`` and waits
-until the router reports them healthy. ``add_engine`` starts and registers one more while
-running. On exit every child gets SIGTERM, then SIGKILL after a grace period. A child that dies
-during startup raises ``ServiceUnavailable`` with its exit code and the tail of its log.
+until the router reports them healthy. While running, ``dead`` lists the servers whose process
+has exited, ``retire`` takes one out of the router, and ``start_engine``, ``adopt`` and
+``register`` bring a replacement in (the job gives it the current weights before ``adopt``, so it
+never serves stale ones). On exit every child gets SIGTERM, then SIGKILL after a grace period. A
+child that dies during startup raises ``ServiceUnavailable`` with its exit code and the tail of
+its log.
 
 The servers are real SGLang (``python -m sglang.launch_server``, every ``--sglang-*`` flag passed
 through) or embedded engines (``inverted serve-engine``), per ``--rollout-backend``; ``auto`` picks
@@ -175,6 +178,7 @@ class RolloutServers:
         self.backend = resolve_backend(config)
         self.log_dir = Path(config.log_dir)
         self.engines: list[ServerHandle] = []
+        self.launched = 0  # servers started so far, replacements included (names their logs)
         self.router: ManagedProcess | None = None
         self.router_url = ""
 
@@ -186,12 +190,10 @@ class RolloutServers:
         return self.config.engine_threads or max(1, (os.cpu_count() or 1) // self.config.num_engines)
 
     def _spawn_engine(self) -> ServerHandle:
-        index = len(self.engines)
+        name, self.launched = f"engine-{self.launched}", self.launched + 1
         env = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"} if self.backend == "sglang" else {}
         argv_for = functools.partial(engine_argv, self.config, self.backend, self.sglang_args, self._engine_threads())
-        proc = self.launch(f"engine-{index}", argv_for, self.log_dir / f"engine-{index}.log", env)
-        self.engines.append(proc)
-        return proc
+        return self.launch(name, argv_for, self.log_dir / f"{name}.log", env)
 
     def _spawn_router(self) -> ManagedProcess:
         port = self.config.router_port or free_port(self.config.router_host)
@@ -221,14 +223,16 @@ class RolloutServers:
         self.router = self._spawn_router()
         self.router_url = self.router.url
         engines = [self._spawn_engine() for _ in range(self.config.num_engines)]
+        self.engines += engines
         await asyncio.gather(*(asyncio.to_thread(e.wait_healthy, deadline - time.monotonic()) for e in engines))
         await asyncio.to_thread(self.router.wait_healthy, deadline - time.monotonic(), "/workers")
         for engine in engines:
             await self.register(engine, deadline)
         logger.info("router %s serving %d %s servers", self.router_url, len(self.engines), self.backend)
 
-    async def register(self, engine: ServerHandle, deadline: float) -> None:
+    async def register(self, engine: ServerHandle, deadline: float | None = None) -> None:
         """``POST /workers`` and wait until the router marks the worker healthy."""
+        deadline = deadline or time.monotonic() + self.config.startup_timeout
         async with RouterClient(self.router_url) as router:
             await router.add_worker(engine.url, health_failure_threshold=HEALTH_FAILURE_THRESHOLD)
             while time.monotonic() < deadline:
@@ -238,18 +242,38 @@ class RolloutServers:
                 await asyncio.sleep(0.2)
         raise ServiceUnavailable(f"router did not activate {engine.url}; log tail:\n{self.router.tail()}", url=self.router_url)
 
-    async def add_engine(self) -> str:
-        """Start one more engine and register it with the router; return its URL."""
-        deadline = time.monotonic() + self.config.startup_timeout
+    async def start_engine(self) -> ServerHandle:
+        """Start one more server and wait until it is healthy; it serves nothing until ``adopt``/``register``."""
         engine = self._spawn_engine()
-        await asyncio.to_thread(engine.wait_healthy, deadline - time.monotonic())
-        await self.register(engine, deadline)
-        return engine.url
+        try:
+            await asyncio.to_thread(engine.wait_healthy, self.config.startup_timeout)
+        except BaseException:
+            engine.terminate()
+            raise
+        return engine
 
-    def check_alive(self) -> None:
-        """Raise ``ServiceUnavailable`` (name, exit code, log tail) if the router or a server died."""
-        for proc in [*([self.router] if self.router else []), *self.engines]:
-            proc.check_alive()
+    def adopt(self, engine: ServerHandle) -> None:
+        """Count ``engine`` among the servers (weight updates reach it from now on)."""
+        self.engines.append(engine)
+
+    def dead(self) -> list[ServerHandle]:
+        """The servers whose process has exited; raises ``ServiceUnavailable`` if the router has."""
+        if self.router is not None:
+            self.router.check_alive()
+        gone = []
+        for engine in self.engines:
+            try:
+                engine.check_alive()
+            except ServiceUnavailable:
+                gone.append(engine)
+        return gone
+
+    async def retire(self, engine: ServerHandle) -> None:
+        """Take a (dead) server out of the router and of the server list, and clean up after it."""
+        self.engines.remove(engine)
+        async with RouterClient(self.router_url) as router:
+            await router.remove_worker(engine.url)
+        await asyncio.to_thread(engine.terminate)
 
     def stop(self) -> None:
         for proc in [*self.engines, *([self.router] if self.router else [])]:

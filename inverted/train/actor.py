@@ -68,10 +68,11 @@ class TrainActor:
 
         from inverted.train.weight_sync import make_weight_sync
 
-        if self.sync is None or self.sync.urls != urls:
-            if self.sync is not None:
-                self.sync.release()
+        if self.sync is None:
             self.sync = make_weight_sync(self.cfg, urls)
+        # A changed server set (a replaced server, or one new server getting the current weights)
+        # reuses this sync and its buckets: the servers may still map the buckets' shared memory.
+        self.sync.urls = list(urls)
         report = self.trainer.sync_weights(self.sync, version)
         return dataclasses.asdict(report) if report is not None else None
 

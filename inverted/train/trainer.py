@@ -9,7 +9,11 @@
 3. A no-grad pass computes what the update needs from the *unchanged* policy: old log-probs (only
    when there is more than one optimizer step; with one, ``logp.detach()`` is exactly the old
    policy) and the reference log-probs for KL.
-4. Advantages for the whole batch, identical on every rank.
+4. Advantages for the whole batch, identical on every rank. Each token's weight version says how
+   far behind the policy it was sampled (its staleness, reported); with
+   ``--mask-offpolicy-in-partial-rollout`` the tokens a sample got from weights older than its
+   newest are left out of the loss. TIS (``--use-tis``) reweights every token by its own sampling
+   policy's log-prob, so mixed versions are corrected token by token.
 5. Per optimizer step: forward and backward per micro-batch with the step's global token weights,
    one gradient all-reduce (a sum: the weights already normalise), clip, step.
 
@@ -37,7 +41,7 @@ from inverted.train.model import Parallelism, build_model
 from inverted.train.optimizer import build_optimizer
 from inverted.train.packing import MicroBatch, balance, pack
 from inverted.train.weight_sync import SyncReport, WeightSync
-from inverted.types import Sample
+from inverted.types import Sample, version_number
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +88,7 @@ class PerToken:
     rollout_logp: dict[int, torch.Tensor]
     old_logp: dict[int, torch.Tensor]
     ref_logp: dict[int, torch.Tensor]
+    staleness: dict[int, torch.Tensor]  # policy version minus the token's sampling version
     weight: dict[int, torch.Tensor] = field(default_factory=dict)  # set per optimizer step
 
     def take(self, name: str, indices: list[int]) -> torch.Tensor:
@@ -186,7 +191,10 @@ class Trainer:
         check_samples(samples, self.spec)
         plan = self._plan(samples)
         all_mbs = [mb for step in plan for mb in step.micro_batches]
+        versions = [torch.tensor([version_number(v) for v in s.weight_versions], dtype=torch.int64) for s in samples]
         masks = [torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples]
+        if cfg.mask_offpolicy_in_partial_rollout:
+            masks = [m * (v == v.max()) if len(v) else m for m, v in zip(masks, versions)]
         rewards = torch.tensor([s.scalar_reward(cfg.reward_key) for s in samples], dtype=torch.float32)
 
         old_logp = self._no_grad_logprobs(self.model, all_mbs) if len(plan) > 1 else {}
@@ -203,9 +211,10 @@ class Trainer:
 
         tokens = PerToken(
             mask=dict(enumerate(masks)), advantage=dict(enumerate(advantages)), old_logp=old_logp, ref_logp=ref_logp,
+            staleness={i: (self.rollout_id - v).float() for i, v in enumerate(versions)},
             rollout_logp={i: torch.tensor(s.rollout_log_probs, dtype=torch.float32) for i, s in enumerate(samples)})
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
-        extremes = {"ratio_max": -float("inf"), "ratio_min": float("inf")}
+        extremes = {"ratio_max": -float("inf"), "ratio_min": float("inf"), "token_staleness_max": 0.0}
         grad_norms = []
         self.model.train()
         for step in plan:
@@ -226,6 +235,7 @@ class Trainer:
         metrics.update({
             "train/grad_norm": sum(grad_norms) / len(grad_norms), "train/optimizer_steps": float(len(plan)),
             "train/reward_mean": float(rewards.mean()), "train/lr": cfg.lr,
+            "train/offpolicy_masked_tokens": float(sum(s.loss_mask.count(1) for s in samples) - sum(m.sum() for m in masks)),
             "train/advantage_mean": float(torch.cat(advantages).mean()) if advantages else 0.0,
             "perf/train_tokens_per_s": sum(len(s.tokens) for s in samples) / (time.perf_counter() - started),
             "perf/train_step_s": time.perf_counter() - started,
@@ -237,6 +247,7 @@ class Trainer:
         cfg = self.cfg
         mask, weight = tokens.take("mask", mb.indices), tokens.take("weight", mb.indices)
         adv, rollout = tokens.take("advantage", mb.indices), tokens.take("rollout_logp", mb.indices)
+        staleness = tokens.take("staleness", mb.indices)
         seq_ids = torch.repeat_interleave(torch.arange(len(mb.indices)), torch.tensor(mb.response_lengths))
 
         logp, entropy = self._forward(self.model, mb, with_entropy=True)
@@ -260,12 +271,19 @@ class Trainer:
                                 ("entropy_loss", (weight * entropy).sum())):
                 sums[name] += float(value)
             for name, value in (("clipfrac", info["clipped"]), ("ratio_mean", info["ratio"]), ("tis_mean", tis),
-                                ("train_rollout_logprob_abs_diff", (old - rollout).abs()), ("kl", kl), ("entropy", entropy)):
+                                ("train_rollout_logprob_abs_diff", (old - rollout).abs()), ("kl", kl), ("entropy", entropy),
+                                ("token_staleness", staleness)):
                 sums[name + "/sum"] += float(value[on].sum())
             sums["tokens"] += float(on.sum())
+            # The same gap on the tokens sampled by the very weights being trained: ~0 when every
+            # token's recorded version is the one that sampled it.
+            fresh = on & (staleness == 0)
+            sums["fresh_logprob_abs_diff"] += float((old - rollout).abs()[fresh].sum())
+            sums["fresh_tokens"] += float(fresh.sum())
             if on.any():
                 extremes["ratio_max"] = max(extremes["ratio_max"], float(info["ratio"][on].max()))
                 extremes["ratio_min"] = min(extremes["ratio_min"], float(info["ratio"][on].min()))
+                extremes["token_staleness_max"] = max(extremes["token_staleness_max"], float(staleness[on].max()))
 
     def _reduce_metrics(self, sums: dict[str, torch.Tensor], extremes: dict[str, float], steps: int) -> dict[str, float]:
         """Global metrics: loss parts averaged over optimizer steps, token statistics over loss tokens."""
@@ -273,7 +291,8 @@ class Trainer:
 
         names = sorted(sums)
         packed = torch.stack([sums[n] for n in names]) if names else torch.zeros(0, dtype=torch.float64)
-        high = torch.tensor([extremes["ratio_max"], -extremes["ratio_min"]], dtype=torch.float64)
+        high = torch.tensor([extremes["ratio_max"], -extremes["ratio_min"], extremes["token_staleness_max"]],
+                            dtype=torch.float64)
         if self.dp_size > 1:
             group = parallel_state.get_data_parallel_group()
             torch.distributed.all_reduce(packed, group=group)
@@ -283,6 +302,9 @@ class Trainer:
         metrics = {f"train/{n}": totals[n] / steps for n in ("loss", "pg_loss", "kl_loss", "entropy_loss") if n in totals}
         metrics.update({f"train/{n[:-4]}": v / tokens for n, v in totals.items() if n.endswith("/sum")})
         metrics["train/ratio_max"], metrics["train/ratio_min"] = float(high[0]), float(-high[1])
+        metrics["train/token_staleness_max"] = float(high[2])
+        if totals.get("fresh_tokens"):
+            metrics["train/fresh_logprob_abs_diff"] = totals["fresh_logprob_abs_diff"] / totals["fresh_tokens"]
         metrics["train/loss_tokens"] = totals.get("tokens", 0.0)
         return metrics
 

@@ -5,7 +5,8 @@ lazy stream of full Hugging Face tensors (``convert.iter_hf_weights``: gathered 
 live parameters, one at a time). The phases, each timed into the ``SyncReport``:
 
 1. ``connect``: once per set of server processes (the distributed transport forms its group
-   here); a changed set, a restarted server included, tears the group down and forms a new one.
+   here); a changed set (``urls`` may be reassigned between updates), a restarted server
+   included, tears the group down and forms a new one; the packing buckets are kept.
 2. ``pause``: ``/pause_generation`` with ``--pause-mode`` on every server.
 3. ``begin``: ``/begin_weight_update`` (tensor and distributed transports).
 4. ``buckets``: packing bucket ``k+1`` (a worker thread: gather, cast, copy) overlaps sending
@@ -158,7 +159,9 @@ class WeightSync:
         dtypes = {served_dtype(info, self.checkpoint_dtype) for info in infos}
         if len(dtypes) != 1:
             raise ValueError(f"the rollout servers hold different dtypes {sorted(map(str, dtypes))}: one update cannot fit all")
-        self.packer = BucketPacker(self.buffer_size, self.transport.allocate, dtypes.pop())
+        dtype = dtypes.pop()
+        if self.packer is None or self.packer.dtype != dtype:
+            self.packer = BucketPacker(self.buffer_size, self.transport.allocate, dtype)
         await self.transport.connect(servers, [int(info.get("tp_size", 1)) for info in infos])
         self.connected = identity
 

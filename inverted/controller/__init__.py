@@ -1,0 +1,93 @@
+"""The main job, ``inverted train``: start every part, run the loop, supervise, always clean up.
+
+- ``job``: the running parts (Ray, buffer, rollout servers behind the router, proxy, trainer),
+  their supervision (dead rollout servers are replaced and given the current weights) and the
+  one door into the trainer.
+- ``sync_loop``: each step rolls out a batch, trains on it, syncs the weights.
+- ``async_loop`` (``--async-mode`` or ``inverted train-async``): rollout never stops; each step
+  trains on the next batch within ``--max-weight-staleness`` while episodes run on.
+- ``rollouts``: what both loops share: calling the rollout function, its metrics, evaluation.
+
+``run`` checks everything first (config, plug-ins, datasets, the output directory), then
+``drive`` runs either loop the same way: resume (the servers get the checkpoint's weights), one
+step per ``--num-rollout``, evaluation every ``--eval-interval``, a metrics row per step
+(``metrics.jsonl``, TensorBoard, a console line), a checkpoint every ``--save-interval`` and at the
+end, then a Hugging Face export (``OUTPUT_DIR/hf``) and ``reward.png``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Callable
+
+import yaml
+
+from inverted.config import JobConfig
+from inverted.controller.async_loop import AsyncLoop
+from inverted.controller.job import Job, Plugins
+from inverted.controller.rollouts import checkpoint_dir, evaluate, read_prompts, summary
+from inverted.controller.sync_loop import SyncLoop
+from inverted.errors import ConfigError
+from inverted.metrics import MetricsSink, build_metrics_sink, plot_rewards
+
+logger = logging.getLogger(__name__)
+
+
+def run(job: JobConfig, router_args: list[str], sglang_args: list[str], log_setup: Callable[[str], None]) -> None:
+    """``inverted train``: check everything, then run the loop with every part started."""
+    job.validate()
+    plugins = Plugins.load(job)
+    for data in (job.buffer.prompt_data, job.rollout.eval_prompt_data if job.rollout.eval_interval else None):
+        if data:  # a dataset the buffer would refuse fails here, before any process starts
+            read_prompts(job, data)
+    run_dir = Path(job.train.output_dir)
+    if (run_dir / "buffer.db").exists() and not job.train.load:
+        raise ConfigError(f"--output-dir {run_dir} holds an earlier run: resume it with --load "
+                          f"{checkpoint_dir(job)}, or choose another --output-dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(job), sort_keys=False))
+    asyncio.run(run_job(job, plugins, router_args, sglang_args, log_setup))
+
+
+async def run_job(cfg: JobConfig, plugins: Plugins, router_args: list[str], sglang_args: list[str],
+                  log_setup: Callable[[str], None]) -> None:
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    sink = build_metrics_sink(cfg.train.output_dir)
+    run_dir = Path(cfg.train.output_dir)
+    try:
+        # Log lines go above the progress bar instead of through it.
+        with logging_redirect_tqdm():
+            async with Job(cfg, router_args, sglang_args, log_setup) as job:
+                await job.run_supervised(drive(cfg, job, plugins, sink, run_dir))
+    finally:
+        sink.close()
+        if (run_dir / "metrics.jsonl").exists() and plot_rewards(run_dir / "metrics.jsonl", run_dir / "reward.png"):
+            logger.info("reward curve: %s", run_dir / "reward.png")
+
+
+async def drive(cfg: JobConfig, job: Job, plugins: Plugins, sink: MetricsSink, run_dir: Path) -> None:
+    """Step after step until ``--num-rollout``, with evaluation, metrics and checkpoints; a final export."""
+    from tqdm import tqdm
+
+    start = job.trainer.rollout_id if job.trainer else 0
+    if start:  # resumed: the servers still hold the starting weights
+        await job.sync_weights(start)
+    loop = AsyncLoop(cfg, job, plugins, start) if cfg.rollout.async_mode else SyncLoop(cfg, job, plugins)
+    async with loop:
+        for rollout_id in tqdm(range(start, cfg.train.num_rollout), desc="rollout", initial=start,
+                               total=cfg.train.num_rollout, dynamic_ncols=True):
+            metrics = await loop.step(rollout_id)
+            if cfg.rollout.eval_interval and (rollout_id + 1) % cfg.rollout.eval_interval == 0:
+                metrics |= await evaluate(cfg, job, plugins, rollout_id)
+            sink.log(metrics, rollout_id)
+            logger.info("rollout %d: %s", rollout_id, summary(metrics))
+            last = rollout_id + 1 == cfg.train.num_rollout
+            if job.trainer and (last or (cfg.train.save_interval and (rollout_id + 1) % cfg.train.save_interval == 0)):
+                await job.trainer_call("save", checkpoint_dir(cfg))
+    if job.trainer and start < cfg.train.num_rollout:
+        out = await job.trainer_call("export_hf", checkpoint_dir(cfg), str(run_dir / "hf"))
+        logger.info("final policy exported to %s", out)

@@ -1,0 +1,240 @@
+"""The running parts of one ``inverted train`` and their supervision (``Job``).
+
+``async with Job(...)`` starts Ray (local, or ``--ray-address``), the buffer service on
+``OUTPUT_DIR/buffer.db``, the rollout servers behind the real sgl-router (each started by a Ray
+actor), the trainer (a Ray actor group) and the proxy, each service on a free loopback port with
+an unguessable key; on exit it stops them all, whatever happened.
+
+Supervision (``supervise``, a background task beside the loop): every second the buffer, the
+proxy and the router must be alive (if one is not, the job stops with its name, exit code and log
+tail); a rollout server that died is *healed*: taken out of the router, replaced by a fresh
+server that first gets the current weights and version, then registered. Episodes that were on
+the dead server are retried by the router on the others. Deaths and restarts are logged and
+counted (``faults/*`` metrics).
+
+Every call into the trainer goes through one lock, so a replacement's weight sync never
+interleaves with a training step or another sync.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import logging
+import secrets
+import sys
+from collections import Counter
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any, Awaitable, Callable, TypeVar
+
+import yaml
+
+from inverted.buffer.client import BufferClient
+from inverted.config import JobConfig, flag_name
+from inverted.errors import ConfigError, PluginError
+from inverted.placement import ray_launch, start_ray
+from inverted.plugins import RolloutFunction, load_plugin, load_rollout_function, required_flags
+from inverted.rollout.servers import ManagedProcess, RolloutServers, ServerHandle, free_port
+from inverted.rollout.sglang_client import SGLangClient
+from inverted.types import Sample
+
+logger = logging.getLogger(__name__)
+
+WORKER_ID = "controller"  # the buffer worker id of the job's leases (given back on exit and on resume)
+SUPERVISE_EVERY_S = 1.0
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(slots=True)
+class Plugins:
+    """The user code the job runs, loaded (and checked) before any process starts."""
+
+    rollout: RolloutFunction
+    env: Callable | None
+    reward: Callable | None
+
+    @classmethod
+    def load(cls, job: JobConfig) -> "Plugins":
+        cfg = job.rollout
+        env = load_plugin(cfg.env_path, flag="--env-path", params=["task", "client"]) if cfg.env_path else None
+        if env is not None and not inspect.iscoroutinefunction(env):
+            raise PluginError(f"--env-path={cfg.env_path!r}: expected 'async def {env.__name__}(task, client) -> reward'")
+        reward = load_plugin(cfg.custom_rm_path, flag="--custom-rm-path", params=["sample"]) if cfg.custom_rm_path else None
+        rollout = load_rollout_function(cfg.rollout_function_path)
+        for name in required_flags(rollout):
+            if not getattr(cfg, name):
+                raise ConfigError(f"--rollout-function-path {cfg.rollout_function_path} needs {flag_name(name)}")
+        return cls(rollout, env, reward)
+
+
+def start_service(command: str, section: Any, run_dir: Path, url: str, timeout: float) -> ManagedProcess:
+    """``inverted COMMAND --config run_dir/services/COMMAND.yaml`` (owner-only: it holds the key)."""
+    config = run_dir / "services" / f"{command}.yaml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.touch(mode=0o600)
+    config.write_text(yaml.safe_dump(dataclasses.asdict(section), sort_keys=False))
+    argv = [sys.executable, "-m", "inverted.cli", command, "--config", str(config)]
+    process = ManagedProcess.spawn(command, argv, run_dir / "logs" / f"{command}.log", url)
+    process.wait_healthy(timeout)
+    return process
+
+
+class Job:
+    """Every running part of one ``inverted train``; ``async with Job(...)`` starts and stops them."""
+
+    def __init__(self, job: JobConfig, router_args: list[str], sglang_args: list[str], log_setup: Callable[[str], None]):
+        self.cfg, self.router_args, self.sglang_args, self.log_setup = job, router_args, sglang_args, log_setup
+        self.run_dir = Path(job.train.output_dir)
+        self.processes: list[ManagedProcess] = []
+        self.trainer = None
+        self.version = 0  # the weight version the servers hold (the trainer's step at its last sync)
+        self.faults: Counter[str] = Counter()
+        self._trainer_lock = asyncio.Lock()
+        self._heal_lock = asyncio.Lock()
+        self._stack = AsyncExitStack()
+
+    async def __aenter__(self) -> "Job":
+        try:
+            await self._start()
+        except BaseException:
+            await self.__aexit__()
+            raise
+        return self
+
+    async def _start(self) -> None:
+        cfg, timeout = self.cfg, self.cfg.servers.startup_timeout
+        start_ray(cfg.rollout.ray_address)
+        port, key = free_port(), secrets.token_urlsafe(24)
+        buffer_cfg = dataclasses.replace(cfg.buffer, db=str(self.run_dir / "buffer.db"), port=port, api_key=key)
+        self.processes.append(await asyncio.to_thread(start_service, "buffer", buffer_cfg, self.run_dir,
+                                                      f"http://127.0.0.1:{port}", timeout))
+        self.buffer = await self._stack.enter_async_context(BufferClient(self.processes[-1].url, api_key=key))
+        if released := await self.buffer.release(WORKER_ID):  # tasks an earlier, killed run of this job held
+            logger.info("gave %d tasks leased by an earlier run back to the buffer", released)
+
+        servers_cfg = dataclasses.replace(cfg.servers, log_dir=str(self.run_dir / "logs"))
+        gpus = cfg.servers.rollout_num_gpus_per_engine * (0.5 if cfg.rollout.colocate else 1.0)
+        self.servers = RolloutServers(servers_cfg, self.router_args, self.sglang_args,
+                                      launch=ray_launch(gpus if _has_cuda() else 0, cfg.rollout.ray_address is None))
+        trainer = None if cfg.rollout.debug_rollout_only else asyncio.to_thread(self._start_trainer)
+        await asyncio.gather(self.servers.start(), *([trainer] if trainer else []))
+
+        port, self.proxy_key = free_port(), secrets.token_urlsafe(24)
+        proxy_cfg = dataclasses.replace(cfg.proxy, router_url=self.servers.router_url, tokenizer=cfg.train.hf_checkpoint,
+                                        proxy_port=port, proxy_api_key=self.proxy_key)
+        self.processes.append(await asyncio.to_thread(start_service, "proxy", proxy_cfg, self.run_dir,
+                                                      f"http://127.0.0.1:{port}", timeout))
+        self.proxy_url = self.processes[-1].url
+
+    def _start_trainer(self) -> None:
+        from inverted.train.actor import TrainGroup
+
+        self.trainer = TrainGroup(self.cfg.train, self.log_setup, gpu_fraction=0.5 if self.cfg.rollout.colocate else 1.0)
+
+    async def __aexit__(self, *exc: object) -> None:
+        import ray
+
+        if hasattr(self, "buffer"):
+            try:  # episodes cut short by the end of the run: their tasks go back to the queue now
+                await self.buffer.release(WORKER_ID)
+            except Exception as error:  # noqa: BLE001 - stopping goes on regardless
+                logger.warning("could not give the job's leased tasks back to the buffer: %s", error)
+        await self._stack.aclose()
+        if self.trainer is not None:
+            await asyncio.to_thread(self.trainer.shutdown)
+        if hasattr(self, "servers"):
+            self.servers.stop()
+        for process in reversed(self.processes):
+            process.terminate()
+        if self.cfg.rollout.ray_address is None:
+            ray.shutdown()
+
+    # -- the trainer -----------------------------------------------------------------------
+
+    async def trainer_call(self, method: str, *args: Any) -> Any:
+        """``trainer.method(*args)`` in a thread, one call at a time."""
+        async with self._trainer_lock:
+            return await asyncio.to_thread(getattr(self.trainer, method), *args)
+
+    async def train(self, samples: list[Sample]) -> dict[str, float]:
+        return await self.trainer_call("train", samples)
+
+    async def sync_weights(self, version: int) -> dict[str, float]:
+        """Push the trainer's weights into every live server as ``version``; its metrics.
+
+        A server that dies during the update fails it: it is healed (its replacement gets the
+        weights the others held) and the update is made again.
+        """
+        urls = self.servers.engine_urls
+        try:
+            report = await self.trainer_call("sync_weights", urls, version)
+        except Exception as error:
+            await self.heal()
+            if self.servers.engine_urls == urls:  # no server was replaced: the failure is the update's own
+                raise
+            logger.warning("weight update %d failed while a server died (%s); updating again", version, error)
+            report = await self.trainer_call("sync_weights", self.servers.engine_urls, version)
+        self.version = version
+        return {f"sync/{k}": float(v) for k, v in (report or {}).items() if isinstance(v, (int, float))}
+
+    # -- supervision -----------------------------------------------------------------------
+
+    async def run_supervised(self, main: Awaitable[T]) -> T:
+        """Run ``main`` while ``supervise`` watches; a part that cannot be healed stops it with its error."""
+        work, watch = asyncio.ensure_future(main), asyncio.create_task(self.supervise())
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if watch.done():
+                watch.result()  # raises what stopped the supervisor
+            return await work
+        finally:
+            for task in (watch, work):
+                task.cancel()
+            await asyncio.gather(watch, work, return_exceptions=True)
+
+    async def supervise(self) -> None:
+        """Forever: services alive (else raise), dead rollout servers replaced."""
+        while True:
+            for process in self.processes:
+                process.check_alive()
+            await self.heal()
+            await asyncio.sleep(SUPERVISE_EVERY_S)
+
+    async def heal(self) -> int:
+        """Replace every rollout server that died; how many were replaced."""
+        async with self._heal_lock:
+            dead = await asyncio.to_thread(self.servers.dead)
+            for engine in dead:
+                await self._replace(engine)
+            return len(dead)
+
+    async def _replace(self, dead: ServerHandle) -> None:
+        self.faults["engine_deaths"] += 1
+        logger.warning("%s (%s) died; replacing it. Log tail:\n%s", dead.name, dead.url,
+                       await asyncio.to_thread(dead.tail, 10))
+        await self.servers.retire(dead)
+        engine = await self.servers.start_engine()
+        async with self._trainer_lock:  # no update may pass between its weights and its adoption
+            if self.trainer is not None and self.version:
+                await asyncio.to_thread(self.trainer.sync_weights, [engine.url], self.version)
+            self.servers.adopt(engine)
+        await self.servers.register(engine)
+        self.faults["engine_restarts"] += 1
+        logger.warning("%s replaces %s at %s with weight version %d", engine.name, dead.name, engine.url, self.version)
+
+    def fault_metrics(self) -> dict[str, float]:
+        return {f"faults/{name}": float(count) for name, count in self.faults.items()}
+
+    async def all_servers(self, method: str) -> None:
+        async def call(url: str) -> None:
+            async with SGLangClient(url) as client:
+                await getattr(client, method)()
+        await asyncio.gather(*(call(url) for url in self.servers.engine_urls))
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -1,0 +1,127 @@
+"""What both loops do with the rollout function: call it, check it, measure it, evaluate with it.
+
+``context`` builds the ``RolloutContext`` a rollout function receives; ``run_rollout`` calls the
+function on leased tasks and checks its answer (user code: one Sample per task); the metrics and
+the saved rollout data are the same whichever loop produced the Samples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+from inverted.buffer.datasets import load_prompts
+from inverted.config import JobConfig
+from inverted.controller.job import Job, Plugins
+from inverted.errors import PluginError
+from inverted.plugins import RolloutContext
+from inverted.types import Sample, Task
+
+USABLE = (Sample.Status.COMPLETED, Sample.Status.TRUNCATED)
+
+
+def read_prompts(cfg: JobConfig, path: str):
+    return load_prompts(path, input_key=cfg.buffer.input_key, label_key=cfg.buffer.label_key,
+                        metadata_key=cfg.buffer.metadata_key, tool_key=cfg.buffer.tool_key)
+
+
+def checkpoint_dir(cfg: JobConfig) -> str:
+    return cfg.train.save or str(Path(cfg.train.output_dir) / "checkpoints")
+
+
+def context(cfg: JobConfig, job: Job, plugins: Plugins, rollout_id: int, evaluation: bool = False) -> RolloutContext:
+    sampling = {"temperature": cfg.train.rollout_temperature, "top_p": cfg.rollout.rollout_top_p,
+                "max_tokens": cfg.rollout.rollout_max_response_len}
+    router = job.servers.router_url.rsplit(":", 1)
+    slime_args = argparse.Namespace(**{k: v for part in (cfg.train, cfg.rollout, cfg.buffer, cfg.servers)
+                                       for k, v in dataclasses.asdict(part).items()},
+                                    sglang_router_ip=router[0].split("//")[-1], sglang_router_port=int(router[1]))
+    return RolloutContext(rollout_id=rollout_id, config=cfg.rollout, proxy_url=job.proxy_url, proxy_api_key=job.proxy_key,
+                          router_url=job.servers.router_url, hf_checkpoint=cfg.train.hf_checkpoint, sampling=sampling,
+                          env=plugins.env, reward_fn=plugins.reward, evaluation=evaluation, slime_args=slime_args)
+
+
+async def run_rollout(cfg: JobConfig, ctx: RolloutContext, plugins: Plugins, tasks: list[Task]) -> list[Sample]:
+    """The rollout function's Samples, one per task, checked (the function is user code)."""
+    samples = await plugins.rollout(ctx, tasks)
+    path = cfg.rollout.rollout_function_path
+    if not isinstance(samples, list) or not all(isinstance(s, Sample) for s in samples):
+        raise PluginError(f"--rollout-function-path {path}: expected a list of Samples, got {type(samples).__name__}")
+    by_key = {(s.group_index, s.index): s for s in samples}
+    missing = [(t.group_index, t.index) for t in tasks if (t.group_index, t.index) not in by_key]
+    if missing or len(samples) != len(tasks):
+        raise PluginError(f"--rollout-function-path {path}: expected one Sample per task ({len(tasks)}), got "
+                          f"{len(samples)}; tasks without one (group_index, index): {missing[:5]}")
+    return [by_key[(t.group_index, t.index)] for t in tasks]
+
+
+def phase_times(clock: dict[str, float]) -> dict[str, float]:
+    """Seconds per phase of one step (a phase that did not happen is absent)."""
+    marks = list(clock.items())
+    names = {"leased": "lease", "rolled_out": "rollout", "batched": "buffer", "waited": "wait", "trained": "train",
+             "synced": "sync"}
+    times = {f"time/{names[name]}_s": at - before for (_, before), (name, at) in zip(marks, marks[1:])}
+    times["time/step_s"] = marks[-1][1] - marks[0][1]
+    return times
+
+
+def rollout_metrics(cfg: JobConfig, samples: list[Sample], trained: list[Sample]) -> dict[str, float]:
+    usable = [s for s in samples if s.status in USABLE]
+    rewards = [s.scalar_reward(cfg.train.reward_key) for s in usable]
+    lengths = [s.response_length for s in usable]
+    return {
+        "rollout/reward_mean": sum(rewards) / len(rewards) if rewards else float("nan"),
+        "rollout/samples": float(len(samples)), "rollout/trained_samples": float(len(trained)),
+        "rollout/failed": float(sum(s.status == Sample.Status.FAILED for s in samples)),
+        "rollout/truncated": float(sum(s.status == Sample.Status.TRUNCATED for s in samples)),
+        "rollout/response_len_mean": sum(lengths) / len(lengths) if lengths else 0.0,
+        "rollout/response_tokens": float(sum(sum(s.loss_mask) for s in usable)),
+        # Partial rollouts: model calls that a weight update interrupted and that went on from their
+        # tokens, and the samples whose tokens therefore carry more than one weight version.
+        "rollout/resumed_calls": float(sum(t.get("resumes", 0) for s in usable for t in s.metadata.get("turns", []))),
+        "rollout/mixed_version_samples": float(sum(len(set(s.weight_versions)) > 1 for s in usable)),
+    }
+
+
+async def buffer_metrics(job: Job) -> dict[str, float]:
+    """The buffer's running totals: what was set aside and why (nothing leaves it uncounted)."""
+    stats = await job.buffer.stats()
+    counters = stats["counters"]
+    names = ("groups_filtered", "groups_failed", "groups_dropped_stale", "groups_retried_stale",
+             "samples_requeued_partial", "samples_requeued_aborted", "leases_expired", "leases_released")
+    return {f"buffer/{name}": float(counters.get(name, 0)) for name in names} | {
+        "buffer/groups_waiting": float(stats["groups"]["complete"])}
+
+
+def save_rollout_data(cfg: JobConfig, rollout_id: int, samples: list[Sample]) -> None:
+    """``--save-debug-rollout-data``: what this rollout trains on, one Sample per line (the
+    format ``--load-debug-rollout-data`` reads)."""
+    import orjson
+
+    if not cfg.rollout.save_debug_rollout_data:
+        return
+    path = Path(cfg.rollout.save_debug_rollout_data.format(rollout_id=rollout_id))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    mode = "wb" if "{rollout_id}" in cfg.rollout.save_debug_rollout_data or rollout_id == 0 else "ab"
+    with path.open(mode) as out:
+        out.writelines(orjson.dumps(s.to_json()) + b"\n" for s in samples)
+
+
+async def evaluate(cfg: JobConfig, job: Job, plugins: Plugins, rollout_id: int) -> dict[str, float]:
+    """The rollout function on ``--eval-prompt-data`` (through no buffer: nothing here is trained on)."""
+    records = read_prompts(cfg, cfg.rollout.eval_prompt_data)
+    n = cfg.rollout.n_samples_per_eval_prompt
+    tasks = [Task(lease_id="eval", group_index=i, index=i * n + j, prompt_index=i, prompt=r.prompt, label=r.label,
+                  metadata=r.metadata, tools=r.tools) for i, r in enumerate(records) for j in range(n)]
+    samples = await run_rollout(cfg, context(cfg, job, plugins, rollout_id, evaluation=True), plugins, tasks)
+    rewards = [s.scalar_reward(cfg.train.reward_key) for s in samples if s.status != Sample.Status.FAILED]
+    return {"eval/reward_mean": sum(rewards) / len(rewards) if rewards else float("nan"),
+            "eval/failed": float(len(samples) - len(rewards))}
+
+
+def summary(metrics: dict[str, float]) -> str:
+    shown = {"reward": "rollout/reward_mean", "loss": "train/loss", "eval": "eval/reward_mean",
+             "version": "weight_version", "staleness": "async/staleness_mean", "step_s": "time/step_s",
+             "rollout_s": "time/rollout_s", "wait_s": "time/wait_s", "train_s": "time/train_s", "sync_s": "time/sync_s"}
+    return ", ".join(f"{name} {metrics[key]:.4g}" for name, key in shown.items() if key in metrics)

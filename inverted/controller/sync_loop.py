@@ -1,0 +1,77 @@
+"""The synchronous loop: each step rolls out one batch, trains on it, and syncs the weights.
+
+One step (``SyncLoop.step``):
+
+1. **lease** ``--rollout-batch-size`` prompts x ``--n-samples-per-prompt`` tasks from the buffer;
+2. **rollout**: the rollout function turns them into Samples (by default, environment episodes
+   through the token-recording proxy), and they are submitted to the buffer, which stores them;
+3. **batch**: the buffer serves the complete groups (failed or filtered groups are never served);
+4. **train** on them, then, every ``--update-weights-interval`` steps, **sync** the new weights
+   into every rollout server, stamped with the next weight version.
+
+With ``--colocate`` the servers release their memory while the trainer trains. With
+``--debug-rollout-only`` there is no trainer: the step ends after the batch (saved with
+``--save-debug-rollout-data``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from inverted.config import JobConfig
+from inverted.controller.job import WORKER_ID, Job, Plugins
+from inverted.controller.rollouts import buffer_metrics, context, phase_times, rollout_metrics, run_rollout, save_rollout_data
+from inverted.errors import ServiceUnavailable
+from inverted.types import Sample
+
+logger = logging.getLogger(__name__)
+
+
+class SyncLoop:
+    def __init__(self, cfg: JobConfig, job: Job, plugins: Plugins):
+        self.cfg, self.job, self.plugins = cfg, job, plugins
+
+    async def __aenter__(self) -> "SyncLoop":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        pass
+
+    async def step(self, rollout_id: int) -> dict[str, float]:
+        """One turn of the sync loop; its metrics row."""
+        cfg, job = self.cfg, self.job
+        clock = {"started": time.perf_counter()}
+        tasks = await job.buffer.lease(cfg.rollout.rollout_batch_size * cfg.buffer.n_samples_per_prompt, WORKER_ID,
+                                       cfg.buffer.lease_seconds)
+        if not tasks:
+            raise ServiceUnavailable("the buffer has no more tasks to lease (the dataset is exhausted: see --num-epoch)",
+                                     url=job.buffer.base_url)
+        clock["leased"] = time.perf_counter()
+        samples = await run_rollout(cfg, context(cfg, job, self.plugins, rollout_id), self.plugins, tasks)
+        clock["rolled_out"] = time.perf_counter()
+        await job.buffer.submit(list(zip(tasks, samples)))
+        batch = await job.buffer.next_batch(num_groups=cfg.rollout.rollout_batch_size, current_weight_version=rollout_id,
+                                            max_weight_staleness=cfg.rollout.max_weight_staleness, allow_partial=True)
+        clock["batched"] = time.perf_counter()
+        save_rollout_data(cfg, rollout_id, batch.samples)
+        metrics = rollout_metrics(cfg, samples, batch.samples)
+        failed = [s for s in samples if s.status == Sample.Status.FAILED]
+        if failed:
+            logger.warning("rollout %d: %d of %d episodes failed (never trained on); the first: %s", rollout_id,
+                           len(failed), len(samples), failed[0].metadata.get("error", "?"))
+        if job.trainer is not None and batch.samples:
+            if cfg.rollout.colocate:
+                await job.all_servers("release_memory_occupation")
+            metrics |= await job.train(batch.samples)
+            if cfg.rollout.colocate:
+                await job.all_servers("resume_memory_occupation")
+            clock["trained"] = time.perf_counter()
+            if (rollout_id + 1) % cfg.rollout.update_weights_interval == 0:
+                metrics |= await job.sync_weights(rollout_id + 1)
+                clock["synced"] = time.perf_counter()
+        elif job.trainer is not None:  # every group failed or was filtered: nothing to learn, the weights stay
+            logger.info("rollout %d: no group to train on; the policy stays at version %d", rollout_id, job.version)
+            await job.trainer_call("skip", rollout_id)
+        return (metrics | phase_times(clock) | await buffer_metrics(job) | job.fault_metrics()
+                | {"weight_version": float(job.version)})

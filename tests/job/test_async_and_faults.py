@@ -1,0 +1,173 @@
+"""Asynchronous training and fault tolerance, end to end: the real job, real processes, real kills.
+
+- ``--async-mode`` with one-step-off staleness, partial rollouts and a whole-job ``kill -9`` after
+  a checkpoint, then ``--load``: every trained Sample is within the bound token by token, mixed
+  versions are recorded exactly (the trainer's log-probs equal the rollout's on every token of the
+  current version), nothing is trained twice and the groups left waiting in the buffer are trained
+  after the resume.
+- A rollout server killed mid-run is replaced: the run finishes, the replacement serves the
+  current weights under the current version, and every task ends as exactly one trained,
+  filtered or failed group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from envs import long_tail
+from envs.datasets import write_dataset
+from inverted.types import Sample, version_number
+from tests.job.test_train_job import ROOT, metrics_rows, stored_samples
+
+RUN = ["--num-engines", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--lr", "1e-3",
+       "--env-path", "envs.long_tail:episode", "--log-level", "warning"]
+
+
+def long_tail_data(path: Path, count: int, short_s: float, long_s: float) -> Path:
+    """The long-tail dataset with the test's own latencies (short and long episodes)."""
+    write_dataset(long_tail.rows, path, count=count)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for row in rows:
+        row["metadata"]["latency_s"] = long_s if row["metadata"]["latency_s"] > long_tail.SHORT_S else short_s
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def start_job(*args: str, log: Path) -> subprocess.Popen:
+    """``inverted train`` in its own session, so that the whole job can be killed at once."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with log.open("w") as out:
+        return subprocess.Popen([sys.executable, "-m", "inverted.cli", "train", *args], stdout=out,
+                                stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
+
+
+def wait_for(condition, job: subprocess.Popen, log: Path, timeout: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert job.poll() is None, f"the job exited early ({job.returncode}):\n{log.read_text()[-4000:]}"
+        assert time.monotonic() < deadline, f"timed out:\n{log.read_text()[-4000:]}"
+        time.sleep(0.1)
+
+
+def finish(job: subprocess.Popen, log: Path, timeout: float = 300.0) -> None:
+    assert job.wait(timeout) == 0, f"exit {job.returncode}\n{log.read_text()[-6000:]}"
+
+
+def processes_with(text: str) -> list[int]:
+    """Pids of the processes whose command line contains ``text``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and text in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode():
+                found.append(int(entry.name))
+        except OSError:
+            pass
+    return found
+
+
+def own_model(tiny_model, tmp_path: Path) -> Path:
+    """A private copy of the tiny model: its path names this test's engine processes."""
+    return Path(shutil.copytree(tiny_model(), tmp_path / "model"))
+
+
+def latest_checkpoint(run_dir: Path) -> int:
+    latest = run_dir / "checkpoints" / "latest"
+    return int(latest.read_text().strip().removeprefix("iter_")) if latest.exists() else 0
+
+
+def group_states(run_dir: Path) -> dict[int, str]:
+    with sqlite3.connect(run_dir / "buffer.db") as db:
+        return dict(db.execute("SELECT group_index, state FROM groups"))
+
+
+def test_async_one_step_off_with_partial_rollouts_survives_a_job_kill(tiny_model, tmp_path):
+    model, run_dir = own_model(tiny_model, tmp_path), tmp_path / "run"
+    data = long_tail_data(tmp_path / "long_tail.jsonl", count=64, short_s=0.05, long_s=1.0)
+    args = ["--hf-checkpoint", str(model), "--prompt-data", str(data), "--output-dir", str(run_dir), "--async-mode",
+            "--max-weight-staleness", "1", "--partial-rollout", "--pause-mode", "abort", "--rollout-max-response-len",
+            "128", "--save-interval", "1", "--save-debug-rollout-data", str(run_dir / "trained" / "{rollout_id}.jsonl"),
+            *RUN]
+
+    shared_before = set(Path("/dev/shm").glob("torch_*"))
+    first = start_job(*args, "--num-rollout", "10", log=tmp_path / "first.log")
+    try:
+        wait_for(lambda: latest_checkpoint(run_dir) >= 3, first, tmp_path / "first.log")
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)  # the whole job: controller, services, servers, Ray
+        first.wait()
+    time.sleep(3)
+    for orphan in set(Path("/dev/shm").glob("torch_*")) - shared_before:  # a killed trainer cannot unlink its buckets
+        orphan.unlink(missing_ok=True)
+    assert processes_with(str(model)) == []  # nothing of the killed job lives on
+    resumed_at = latest_checkpoint(run_dir)
+    waiting = {g for g, state in group_states(run_dir).items() if state == "complete"}
+    rows_before = len(metrics_rows(run_dir))
+
+    second = start_job(*args, "--num-rollout", "10", "--load", str(run_dir / "checkpoints"), log=tmp_path / "second.log")
+    finish(second, tmp_path / "second.log")
+
+    resumed = metrics_rows(run_dir)[rows_before:]
+    assert [m["step"] for m in resumed] == list(range(resumed_at, 10))  # on from the step after the checkpoint
+    trained: dict[tuple[int, int], int] = {}
+    mixed = 0
+    for step in range(10):
+        for line in (run_dir / "trained" / f"{step}.jsonl").read_text().splitlines():
+            sample = Sample.from_json(json.loads(line))
+            key = (sample.group_index, sample.index)
+            assert key not in trained, f"{key} trained at steps {trained[key]} and {step}"
+            trained[key] = step
+            versions = [version_number(v) for v in sample.weight_versions]
+            assert versions == sorted(versions)  # a sample only ever moves on to newer weights
+            assert step - min(versions) <= 1, (step, sample.weight_versions)  # the bound, token by token
+            mixed += len(set(versions)) > 1
+    trained_groups_after = {g for (g, _), step in trained.items() if step >= resumed_at}
+    assert waiting and waiting <= trained_groups_after  # what the crash left in the buffer was used
+
+    rows = metrics_rows(run_dir)
+    assert all(m["async/staleness_max"] <= 1 for m in rows)
+    assert sum(m["rollout/resumed_calls"] for m in rows) > 0 and mixed  # updates cut into running calls ...
+    fresh = [m["train/fresh_logprob_abs_diff"] for m in rows if m.get("train/fresh_logprob_abs_diff") is not None]
+    assert fresh and max(fresh) < 1e-4  # ... and each token's recorded version is the one that sampled it
+    assert rows[-1]["buffer/leases_released"] > 0  # the killed run's leases went back at once
+
+
+def test_a_killed_engine_is_replaced_with_the_current_weights(tiny_model, tmp_path):
+    model, run_dir = own_model(tiny_model, tmp_path), tmp_path / "run"
+    data = long_tail_data(tmp_path / "long_tail.jsonl", count=32, short_s=0.5, long_s=0.5)
+    log = tmp_path / "job.log"
+    job = start_job("--hf-checkpoint", str(model), "--prompt-data", str(data), "--output-dir", str(run_dir),
+                    "--num-rollout", "14", "--rollout-max-response-len", "64", *RUN, log=log)
+    try:
+        wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics_rows(run_dir)) >= 1, job, log)
+        engines = processes_with(f"serve-engine --model {model} ")
+        assert len(engines) == 2
+        os.kill(engines[0], signal.SIGKILL)
+        finish(job, log)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+
+    rows = metrics_rows(run_dir)
+    # Steps take ~1 s, a replacement ~5-10 s to start: it is back well before the last steps.
+    assert rows[-1]["faults/engine_deaths"] == rows[-1]["faults/engine_restarts"] == 1
+    assert rows[-1]["sync/servers"] == 2 and (run_dir / "logs" / "engine-2.log").exists()
+    # The replacement got the current weights before serving: every token of rollout r carries
+    # version r (the groups of rollout r are 2r and 2r+1), and the trainer's log-probs equal them.
+    for (group, _), sample in stored_samples(run_dir).items():
+        if sample.status != Sample.Status.FAILED:
+            assert {version_number(v) for v in sample.weight_versions} == {group // 2}, (group, sample.weight_versions)
+    assert max(m.get("train/fresh_logprob_abs_diff", 0.0) for m in rows) < 1e-4
+    # Accounting: every task done, every group trained, filtered or failed, and trained exactly once.
+    states = group_states(run_dir)
+    assert len(states) == 28 and set(states.values()) <= {"consumed", "filtered", "failed"}
+    with sqlite3.connect(run_dir / "buffer.db") as db:
+        assert db.execute("SELECT DISTINCT state FROM tasks").fetchall() == [("done",)]
+    assert sum(m["rollout/trained_samples"] for m in rows) == 2 * list(states.values()).count("consumed")
