@@ -498,6 +498,9 @@ class JobConfig:
         if rollout.async_mode:
             _require(not (rollout.colocate or rollout.debug_rollout_only or train.debug_train_only), "--async-mode", True,
                      "not with --colocate, --debug-rollout-only or --debug-train-only (rollout and training overlap)")
+        if rollout.max_weight_staleness is not None:  # the servers lag the trainer by up to interval - 1 versions
+            _require(rollout.max_weight_staleness >= rollout.update_weights_interval - 1, "--max-weight-staleness",
+                     rollout.max_weight_staleness, f">= --update-weights-interval - 1 = {rollout.update_weights_interval - 1}")
         samples = rollout.rollout_batch_size * self.buffer.n_samples_per_prompt
         _require(not train.global_batch_size or samples % train.global_batch_size == 0, "--global-batch-size",
                  train.global_batch_size, f"a divisor of --rollout-batch-size x --n-samples-per-prompt = {samples}")

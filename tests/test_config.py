@@ -97,6 +97,19 @@ def test_the_job_shares_flags_between_its_sections_and_keeps_its_own_fields():
                           "--global-batch-size", "3"])[0].validate()
 
 
+def test_async_mode_defaults_to_one_step_off_and_refuses_what_cannot_overlap():
+    base = ["--hf-checkpoint", "/m", "--prompt-data", "p", "--env-path", "e:f"]
+    job = parse(JobConfig, [*base, "--async-mode"])[0]
+    assert job.rollout.max_weight_staleness == 1  # one-step-off unless told otherwise
+    assert parse(JobConfig, base)[0].rollout.max_weight_staleness is None  # sync mode: no bound by default
+    for extra, message in ((["--colocate"], "--async-mode=True: expected not with --colocate"),
+                           (["--update-weights-interval", "3"], "--max-weight-staleness=1: expected >= "
+                                                                  "--update-weights-interval - 1 = 2"),
+                           (["--max-weight-staleness", "-1"], "--max-weight-staleness=-1: expected >= 0")):
+        with pytest.raises(ConfigError, match=message):
+            parse(JobConfig, [*base, "--async-mode", *extra])[0].validate()
+
+
 def parse(section, argv):
     parser = argparse.ArgumentParser()
     add_flags(parser, section)

@@ -158,7 +158,8 @@ def test_bad_input_is_422_naming_the_field_and_stores_nothing(procs, tmp_path, d
         assert response.status_code == 422, (change, response.text)
         assert response.json()["error"]["message"].startswith(field), response.json()
     for path, body in (("/tasks/lease", {"count": 0, "worker_id": "w"}), ("/tasks/lease", {"count": 1}),
-                       ("/batches/next", {"num_groups": 1, "num_samples": 2}), ("/batches/next", {"num_samples": 3})):
+                       ("/batches/next", {"num_groups": 1, "num_samples": 2}), ("/batches/next", {"num_samples": 3}),
+                       ("/tasks/release", {"worker_id": ""}), ("/tasks/release", {"worker": "w"})):
         response = httpx.post(buffer.url + path, json=body, headers=headers)
         assert response.status_code == 422 and response.json()["error"]["type"] in ("invalid_request_error", "invalid_sample")
     malformed = httpx.post(buffer.url + "/samples", content=b'{"samples": [', headers=headers)

@@ -87,6 +87,23 @@ def test_expired_leases_are_reissued_and_the_old_lease_is_void(tmp_path):
     assert store.stats()["samples"] == 2
 
 
+def test_a_worker_gives_its_leases_back_at_once(tmp_path):
+    """A job that restarts (or stops) returns its tasks instead of waiting out their leases."""
+    store = make(tmp_path, partial_rollout=True)
+    crashed, other = store.lease(2, "controller", 600), store.lease(2, "other", 600)
+    aborted = finished(crashed[0], status=Sample.Status.ABORTED)
+    store.submit([aborted])  # an aborted sample keeps its tokens for the next lessee
+    crashed = [crashed[1], *store.lease(1, "controller", 600)]
+    assert store.release("controller") == 2 and store.release("controller") == 0
+    with pytest.raises(LeaseConflict):  # the old leases are void
+        store.submit([finished(crashed[1])])
+    again = store.lease(4, "controller", 600)
+    assert [(t["group_index"], t["index"]) for t in again] == [(0, 0), (0, 1), (2, 0), (2, 1)]
+    assert again[0]["partial"]["tokens"] == aborted[1].tokens  # the partial rollout survived the release
+    store.submit([finished(t) for t in other])  # the other worker's leases are untouched
+    assert store.stats()["counters"]["leases_released"] == 2
+
+
 def test_a_submission_is_all_or_nothing(tmp_path):
     store = make(tmp_path)
     tasks = store.lease(2, "w", 60)

@@ -8,7 +8,7 @@ from fractions import Fraction
 
 import pytest
 
-from envs import calculator, countdown, letters
+from envs import calculator, countdown, letters, long_tail
 from envs.arithmetic import BadExpression, evaluate, numbers_in
 from envs.datasets import write_dataset
 
@@ -28,6 +28,15 @@ def test_letters_rewards_the_first_character_of_the_reply():
     rows = letters.rows(8, random.Random(0))
     assert sorted(r["label"] for r in rows) == sorted(letters.GROUPS * 4)  # each group equally often
     assert all(" ".join(r["label"]) in r["input"] for r in rows)
+
+
+def test_long_tail_latencies_are_long_tailed():
+    rows = long_tail.rows(1000, random.Random(0))
+    latencies = [r["metadata"]["latency_s"] for r in rows]
+    assert set(latencies) == {long_tail.SHORT_S, long_tail.SHORT_S * long_tail.LONG_FACTOR}
+    slow = latencies.count(long_tail.SHORT_S * long_tail.LONG_FACTOR) / len(rows)
+    assert 0.07 < slow < 0.13  # about one prompt in ten, twenty times slower
+    assert [r["label"] for r in rows] == [r["label"] for r in letters.rows(1000, random.Random(0))]  # letters' task
 
 
 def test_calculator_tool_and_answer_check():

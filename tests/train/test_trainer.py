@@ -14,7 +14,7 @@ from inverted.config import TrainConfig
 from inverted.train.parallel import spawn
 from inverted.types import Sample
 from tests.train.samples import make_samples, write_jsonl
-from tests.train.workers import grpo_step, logits_and_step
+from tests.train.workers import grpo_step, logits_and_step, step_at_version
 
 
 def test_dp2_equals_one_process_on_the_whole_batch(tiny_model, tmp_path):
@@ -41,6 +41,36 @@ def test_grpo_step_raises_the_rewarded_answer(tiny_model, tmp_path):
     gain = {i: float(result["after"][i].sum() - result["before"][i].sum()) for i in range(4)}
     assert gain[2] > 0.01, gain
     assert all(gain[i] < 0 for i in (0, 1, 3)), gain
+
+
+def test_per_token_versions_reach_the_loss(tiny_model, tmp_path):
+    """Partial rollouts: tokens sampled by versions 1 and 2, trained by a policy at version 2.
+
+    ``--mask-offpolicy-in-partial-rollout`` must equal zeroing, by hand, the loss mask of every token
+    older than its sample's newest (exactly the same update); staleness is reported per token."""
+    samples = make_samples(seed=5)
+    for sample in samples:
+        old = sample.response_length // 2
+        sample.weight_versions = ["1"] * old + ["2"] * (sample.response_length - old)
+    by_hand = [Sample.from_json(s.to_json()) for s in samples]
+    for sample in by_hand:
+        sample.loss_mask = [m if v == "2" else 0 for m, v in zip(sample.loss_mask, sample.weight_versions)]
+    path = str(tiny_model("qwen2"))
+    masked_cfg = TrainConfig(hf_checkpoint=path, lr=1e-2, mask_offpolicy_in_partial_rollout=True)
+    spawn(step_at_version, 1, masked_cfg, samples, 2, str(tmp_path / "masked.pt"))
+    spawn(step_at_version, 1, TrainConfig(hf_checkpoint=path, lr=1e-2), by_hand, 2, str(tmp_path / "by_hand.pt"))
+    spawn(step_at_version, 1, TrainConfig(hf_checkpoint=path, lr=1e-2), samples, 2, str(tmp_path / "all.pt"))
+    masked, manual, unmasked = (torch.load(tmp_path / f"{name}.pt") for name in ("masked", "by_hand", "all"))
+
+    for name, tensor in manual["weights"].items():
+        torch.testing.assert_close(masked["weights"][name], tensor, rtol=0, atol=0)
+    assert any(not torch.equal(unmasked["weights"][n], t) for n, t in manual["weights"].items())  # masking mattered
+    dropped = sum(s.loss_mask.count(1) for s in samples) - sum(s.loss_mask.count(1) for s in by_hand)
+    assert dropped > 0 and masked["metrics"]["train/offpolicy_masked_tokens"] == dropped
+    assert masked["metrics"]["train/token_staleness"] == 0.0  # only version-2 tokens are left in the loss
+    stale = [2 - int(v) for s in samples for m, v in zip(s.loss_mask, s.weight_versions) if m]
+    assert unmasked["metrics"]["train/token_staleness"] == pytest.approx(sum(stale) / len(stale))
+    assert unmasked["metrics"]["train/token_staleness_max"] == 1.0
 
 
 def train_cli(*args: str) -> subprocess.CompletedProcess:

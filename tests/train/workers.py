@@ -80,6 +80,21 @@ def grpo_step(cfg: TrainConfig, samples, out: str) -> None:
         shutdown_parallel()
 
 
+def step_at_version(cfg: TrainConfig, samples, version: int, out: str) -> None:
+    """One training step by a trainer whose policy is at ``version``: its metrics and new weights."""
+    from inverted.train.parallel import init_parallel, shutdown_parallel
+    from inverted.train.trainer import Trainer
+
+    init_parallel(cfg)
+    try:
+        trainer = Trainer(cfg)
+        trainer.rollout_id = version
+        metrics = trainer.train(samples)
+        torch.save({"metrics": metrics, "weights": trainer.hf_weights()}, out)
+    finally:
+        shutdown_parallel()
+
+
 GOOD_FIRST_TOKENS = frozenset(range(3, 2048, 4))  # a quarter of the vocabulary: a random policy lands here 1 time in 4
 
 
