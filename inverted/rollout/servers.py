@@ -3,8 +3,8 @@
 ``RolloutServers`` is an async context manager: it launches N rollout servers and one
 ``python -m sglang_router.launch_router`` (every ``--router-*`` flag passed through verbatim),
 waits for each server's ``/health``, registers them with the router's ``POST /workers`` and waits
-until the router reports them healthy. While running, ``dead`` lists the servers whose process
-has exited, ``retire`` takes one out of the router, and ``start_engine``, ``adopt`` and
+until the router reports them healthy. While running, ``add_engine`` adds one more server,
+``dead`` lists the servers whose process has exited, ``retire`` takes one out of the router, and ``start_engine``, ``adopt`` and
 ``register`` bring a replacement in (the job gives it the current weights before ``adopt``, so it
 never serves stale ones). On exit every child gets SIGTERM, then SIGKILL after a grace period. A
 child that dies during startup raises ``ServiceUnavailable`` with its exit code and the tail of
@@ -255,6 +255,13 @@ class RolloutServers:
     def adopt(self, engine: ServerHandle) -> None:
         """Count ``engine`` among the servers (weight updates reach it from now on)."""
         self.engines.append(engine)
+
+    async def add_engine(self) -> str:
+        """Start one more server and register it with the router; return its URL."""
+        engine = await self.start_engine()
+        self.adopt(engine)
+        await self.register(engine)
+        return engine.url
 
     def dead(self) -> list[ServerHandle]:
         """The servers whose process has exited; raises ``ServiceUnavailable`` if the router has."""

@@ -159,6 +159,7 @@ def test_a_killed_engine_is_replaced_with_the_current_weights(tiny_model, tmp_pa
     # Steps take ~1 s, a replacement ~5-10 s to start: it is back well before the last steps.
     assert rows[-1]["faults/engine_deaths"] == rows[-1]["faults/engine_restarts"] == 1
     assert rows[-1]["sync/servers"] == 2 and (run_dir / "logs" / "engine-2.log").exists()
+    assert sum(m["rollout/failed"] for m in rows) == 0  # the dead server's running calls were retried elsewhere
     # The replacement got the current weights before serving: every token of rollout r carries
     # version r (the groups of rollout r are 2r and 2r+1), and the trainer's log-probs equal them.
     for (group, _), sample in stored_samples(run_dir).items():
