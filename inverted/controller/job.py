@@ -90,7 +90,8 @@ class Job:
         self.processes: list[ManagedProcess] = []
         self.trainer = None
         self.version = 0  # the weight version the servers hold (the trainer's step at its last sync)
-        self.faults: Counter[str] = Counter()
+        self._pushed_to: list[str] = []  # the servers of the latest weight update
+        self.faults: Counter[str] = Counter(engine_deaths=0, engine_restarts=0)  # reported from the first row on
         self._trainer_lock = asyncio.Lock()
         self._heal_lock = asyncio.Lock()
         self._stack = AsyncExitStack()
@@ -167,17 +168,25 @@ class Job:
         A server that dies during the update fails it: it is healed (its replacement gets the
         weights the others held) and the update is made again.
         """
-        urls = self.servers.engine_urls
         try:
-            report = await self.trainer_call("sync_weights", urls, version)
+            report = await self._push(version)
         except Exception as error:
+            tried = self._pushed_to
             await self.heal()
-            if self.servers.engine_urls == urls:  # no server was replaced: the failure is the update's own
+            if self.servers.engine_urls == tried:  # no server was replaced: the failure is the update's own
                 raise
             logger.warning("weight update %d failed while a server died (%s); updating again", version, error)
-            report = await self.trainer_call("sync_weights", self.servers.engine_urls, version)
-        self.version = version
+            report = await self._push(version)
         return {f"sync/{k}": float(v) for k, v in (report or {}).items() if isinstance(v, (int, float))}
+
+    async def _push(self, version: int) -> dict[str, Any] | None:
+        async with self._trainer_lock:
+            # The servers are read under the lock: a replacement adopted while this update waited
+            # for it (with the previous version's weights) must get this one too.
+            self._pushed_to = self.servers.engine_urls
+            report = await asyncio.to_thread(self.trainer.sync_weights, self._pushed_to, version)
+            self.version = version
+        return report
 
     # -- supervision -----------------------------------------------------------------------
 
@@ -202,13 +211,11 @@ class Job:
             await self.heal()
             await asyncio.sleep(SUPERVISE_EVERY_S)
 
-    async def heal(self) -> int:
-        """Replace every rollout server that died; how many were replaced."""
+    async def heal(self) -> None:
+        """Replace every rollout server that died."""
         async with self._heal_lock:
-            dead = await asyncio.to_thread(self.servers.dead)
-            for engine in dead:
+            for engine in await asyncio.to_thread(self.servers.dead):
                 await self._replace(engine)
-            return len(dead)
 
     async def _replace(self, dead: ServerHandle) -> None:
         self.faults["engine_deaths"] += 1
