@@ -101,9 +101,15 @@ def test_async_one_step_off_with_partial_rollouts_survives_a_job_kill(tiny_model
     shared_before = set(Path("/dev/shm").glob("torch_*"))
     first = start_job(*args, "--num-rollout", "10", log=tmp_path / "first.log")
     try:
-        # After a checkpoint, at a moment when finished groups wait in the buffer for the trainer.
-        wait_for(lambda: latest_checkpoint(run_dir) >= 3 and "complete" in group_states(run_dir).values(), first,
-                 tmp_path / "first.log")
+        # After a checkpoint, at a moment when finished groups wait in the buffer for the trainer:
+        # the job is frozen (SIGSTOP) to look, so that what is seen is what the kill leaves.
+        while True:
+            wait_for(lambda: latest_checkpoint(run_dir) >= 3, first, tmp_path / "first.log")
+            os.killpg(first.pid, signal.SIGSTOP)
+            if "complete" in group_states(run_dir).values():
+                break
+            os.killpg(first.pid, signal.SIGCONT)
+            time.sleep(0.05)
     finally:
         os.killpg(first.pid, signal.SIGKILL)  # the whole job: controller, services, servers, Ray
         first.wait()
