@@ -50,7 +50,8 @@ async def run_session(ctx: RolloutContext, proxy: ProxyClient, task: Task, play:
         sampling_params=ctx.sampling)
     reward = None
     try:
-        reward = await asyncio.wait_for(play(session, proxy), ctx.config.rollout_episode_timeout)
+        async with asyncio.timeout(ctx.config.rollout_episode_timeout):  # unlike 3.11's wait_for, never eats a cancel
+            reward = await play(session, proxy)
         check_reward(reward)  # a NaN or a string is the environment's fault too
     except TimeoutError:
         reason = f"episode timed out after {ctx.config.rollout_episode_timeout:g}s (--rollout-episode-timeout)"

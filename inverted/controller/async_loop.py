@@ -82,7 +82,10 @@ class AsyncLoop:
                 self.running.add(group)
                 group.add_done_callback(self._group_done)
             try:
-                await asyncio.wait_for(self.wake.wait(), timeout=0.5)
+                # Not wait_for: on Python 3.11 it can swallow a cancellation that arrives as the event
+                # is set (a group ending as the loop stops), and the producer would then run forever.
+                async with asyncio.timeout(0.5):
+                    await self.wake.wait()
             except TimeoutError:
                 pass
 
