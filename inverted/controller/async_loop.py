@@ -30,7 +30,7 @@ import time
 
 from inverted.config import JobConfig
 from inverted.controller.job import WORKER_ID, Job, Plugins
-from inverted.controller.rollouts import buffer_metrics, context, phase_times, rollout_metrics, run_rollout, save_rollout_data
+from inverted.controller.rollouts import context, rollout_metrics, run_rollout, save_rollout_data, step_row, sync_when_due
 from inverted.errors import ServiceUnavailable
 from inverted.types import Sample, Task
 
@@ -139,9 +139,6 @@ class AsyncLoop:
             "async/staleness_max": float(max(batch.staleness)), "async/groups_running": float(len(self.running))}
         metrics |= await job.train(batch.samples)
         clock["trained"] = time.perf_counter()
-        if (rollout_id + 1) % cfg.rollout.update_weights_interval == 0:
-            metrics |= await job.sync_weights(rollout_id + 1)
-            clock["synced"] = time.perf_counter()
+        metrics |= await sync_when_due(cfg, job, rollout_id, clock)
         self.wake.set()  # a step taken and (maybe) a new version: room for more groups
-        return (metrics | phase_times(clock) | await buffer_metrics(job) | job.fault_metrics()
-                | {"weight_version": float(job.version)})
+        return await step_row(job, metrics, clock)

@@ -2,13 +2,15 @@
 
 ``context`` builds the ``RolloutContext`` a rollout function receives; ``run_rollout`` calls the
 function on leased tasks and checks its answer (user code: one Sample per task); the metrics and
-the saved rollout data are the same whichever loop produced the Samples.
+the saved rollout data are the same whichever loop produced the Samples, and so are the end of a
+step: ``sync_when_due`` (every ``--update-weights-interval`` steps) and ``step_row``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import time
 from pathlib import Path
 
 from inverted.buffer.datasets import load_prompts
@@ -82,6 +84,21 @@ def rollout_metrics(cfg: JobConfig, samples: list[Sample], trained: list[Sample]
         "rollout/resumed_calls": float(sum(t.get("resumes", 0) for s in usable for t in s.metadata.get("turns", []))),
         "rollout/mixed_version_samples": float(sum(len(set(s.weight_versions)) > 1 for s in usable)),
     }
+
+
+async def sync_when_due(cfg: JobConfig, job: Job, rollout_id: int, clock: dict[str, float]) -> dict[str, float]:
+    """After training step ``rollout_id``: push the weights every ``--update-weights-interval`` steps."""
+    if (rollout_id + 1) % cfg.rollout.update_weights_interval:
+        return {}
+    metrics = await job.sync_weights(rollout_id + 1)
+    clock["synced"] = time.perf_counter()
+    return metrics
+
+
+async def step_row(job: Job, metrics: dict[str, float], clock: dict[str, float]) -> dict[str, float]:
+    """A step's metrics row: its own metrics, phase times, the buffer's totals, faults, the servers' version."""
+    return (metrics | phase_times(clock) | await buffer_metrics(job) | job.fault_metrics()
+            | {"weight_version": float(job.version)})
 
 
 async def buffer_metrics(job: Job) -> dict[str, float]:

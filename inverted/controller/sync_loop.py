@@ -21,7 +21,7 @@ import time
 
 from inverted.config import JobConfig
 from inverted.controller.job import WORKER_ID, Job, Plugins
-from inverted.controller.rollouts import buffer_metrics, context, phase_times, rollout_metrics, run_rollout, save_rollout_data
+from inverted.controller.rollouts import context, rollout_metrics, run_rollout, save_rollout_data, step_row, sync_when_due
 from inverted.errors import ServiceUnavailable
 from inverted.types import Sample
 
@@ -67,11 +67,8 @@ class SyncLoop:
             if cfg.rollout.colocate:
                 await job.all_servers("resume_memory_occupation")
             clock["trained"] = time.perf_counter()
-            if (rollout_id + 1) % cfg.rollout.update_weights_interval == 0:
-                metrics |= await job.sync_weights(rollout_id + 1)
-                clock["synced"] = time.perf_counter()
+            metrics |= await sync_when_due(cfg, job, rollout_id, clock)
         elif job.trainer is not None:  # every group failed or was filtered: nothing to learn, the weights stay
             logger.info("rollout %d: no group to train on; the policy stays at version %d", rollout_id, job.version)
             await job.trainer_call("skip", rollout_id)
-        return (metrics | phase_times(clock) | await buffer_metrics(job) | job.fault_metrics()
-                | {"weight_version": float(job.version)})
+        return await step_row(job, metrics, clock)
