@@ -3,8 +3,8 @@
 The same samples (1,024 tokens each: 256 prompt + 768 response, with logprobs, mask and
 versions) are written twice, in requests of 64: once through ``SQLiteStore.submit`` in this
 process (the baseline: SQLite with fsync on every commit), once through a real ``inverted buffer``
-process over HTTP from concurrent clients with pre-encoded bodies. Then batches of 64 samples
-are fetched both ways. The ratio HTTP / in-process is what the service layer costs. Rounds
+process over HTTP from concurrent clients with pre-encoded bodies (the job's own ``BufferClient``).
+Then batches of 64 samples are fetched both ways (over HTTP, decoded into Samples as the trainer gets them). The ratio HTTP / in-process is what the service layer costs. Rounds
 alternate the two paths and the medians are reported (this VM's speed drifts between runs).
 
     python bench/buffer_throughput.py
@@ -20,11 +20,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from inverted.buffer.client import BufferClient  # noqa: E402
 from inverted.buffer.datasets import load_prompts  # noqa: E402
 from inverted.buffer.store import SQLiteStore  # noqa: E402
 from inverted.rollout.servers import ManagedProcess, free_port  # noqa: E402
@@ -34,12 +34,12 @@ GROUP = 8
 PER_REQUEST = 64
 
 
-def make_sample(task: dict, response_len: int = 768, prompt_len: int = 256) -> Sample:
-    n = task["group_index"] * GROUP + task["index"]
-    return Sample(group_index=task["group_index"], index=task["index"], prompt=task["prompt"],
+def make_sample(group_index: int, index: int, prompt: str, response_len: int = 768, prompt_len: int = 256) -> Sample:
+    n = group_index * GROUP + index
+    return Sample(group_index=group_index, index=index, prompt=prompt,
                   tokens=[(n + i) % 150000 for i in range(prompt_len + response_len)], response_length=response_len,
                   loss_mask=[1] * response_len, rollout_log_probs=[-0.5 - (i % 7) * 0.01 for i in range(response_len)],
-                  weight_versions=["3"] * response_len, reward=float(task["index"] % 2), status=Sample.Status.COMPLETED)
+                  weight_versions=["3"] * response_len, reward=float(index % 2), status=Sample.Status.COMPLETED)
 
 
 def chunks(items: list, size: int) -> list[list]:
@@ -50,7 +50,7 @@ def in_process(db: Path, data: str, prompts: int, batches: int) -> dict:
     records = load_prompts(data, input_key="input", label_key=None, metadata_key=None, tool_key=None)
     store = SQLiteStore(str(db), n_samples_per_prompt=GROUP, prompts=records, num_epoch=1)
     tasks = store.lease(prompts * GROUP, "bench", 3600)
-    items = [(t["lease_id"], make_sample(t)) for t in tasks]
+    items = [(t["lease_id"], make_sample(t["group_index"], t["index"], t["prompt"])) for t in tasks]
     start = time.perf_counter()
     for chunk in chunks(items, PER_REQUEST):
         store.submit(chunk)
@@ -65,16 +65,15 @@ def in_process(db: Path, data: str, prompts: int, batches: int) -> dict:
 
 
 async def over_http(url: str, prompts: int, batches: int, concurrency: int) -> dict:
-    async with httpx.AsyncClient(base_url=url, timeout=120, trust_env=False) as client:
-        tasks = (await client.post("/tasks/lease", json={"count": prompts * GROUP, "worker_id": "bench"})).json()["tasks"]
-        bodies = [orjson.dumps({"samples": [{"lease_id": t["lease_id"], "sample": make_sample(t).to_json()} for t in chunk]})
+    async with BufferClient(url) as client:  # the job's own client (aiohttp, retries)
+        tasks = await client.lease(prompts * GROUP, "bench")
+        bodies = [orjson.dumps({"samples": [{"lease_id": t.lease_id, "sample": make_sample(t.group_index, t.index, t.prompt).to_json()} for t in chunk]})
                   for chunk in chunks(tasks, PER_REQUEST)]
         queue = list(bodies)
 
         async def sender() -> None:
             while queue:
-                response = await client.post("/samples", content=queue.pop(), headers={"content-type": "application/json"})
-                assert response.status_code == 200, response.text
+                await client.request("POST", "/samples", content=queue.pop(), timeout=120, idempotent=True)
 
         start = time.perf_counter()
         await asyncio.gather(*(sender() for _ in range(concurrency)))
@@ -82,8 +81,8 @@ async def over_http(url: str, prompts: int, batches: int, concurrency: int) -> d
         latencies = []
         for _ in range(batches):
             t0 = time.perf_counter()
-            response = await client.post("/batches/next", json={"num_samples": PER_REQUEST, "current_weight_version": 3})
-            assert len(orjson.loads(response.content)["groups"]) == PER_REQUEST // GROUP  # as BufferClient parses it
+            batch = await client.next_batch(num_samples=PER_REQUEST, current_weight_version=3)
+            assert len(batch.groups) == PER_REQUEST // GROUP
             latencies.append(time.perf_counter() - t0)
     return {"samples_per_s": len(tasks) / elapsed, "batch_latency_ms": latencies}
 

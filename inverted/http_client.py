@@ -1,19 +1,28 @@
 """The retrying async HTTP base that every client module builds on (shared; imports only ``errors``).
 
-One ``httpx.AsyncClient`` per service, ``trust_env=False`` (traffic stays inside the cluster),
-explicit timeouts per call kind, and one retry policy: connection errors, 502/503/504, and
-timeouts of idempotent calls are retried with jittered exponential backoff, each attempt logged
-at WARNING with the URL; a 4xx is never retried. Exhausted retries raise ``ServiceUnavailable``;
-a 4xx or a body of the wrong shape raises ``ProtocolError``; both carry URL, status and body.
+One ``aiohttp.ClientSession`` per service (opened on first use, inside the running event loop),
+no proxy settings from the environment (traffic stays inside the cluster), explicit timeouts per
+call kind, and one retry policy: connection errors, 502/503/504, and timeouts of idempotent calls
+are retried with jittered exponential backoff, each attempt logged at WARNING with the URL; a 4xx
+is never retried. Exhausted retries raise ``ServiceUnavailable``; a 4xx or a body of the wrong
+shape raises ``ProtocolError``; both carry URL, status and body.
+
+Why aiohttp and not httpx: the proxy, the controller and the trainer make thousands of calls per
+step on the same cores as the engines. Measured client CPU per request at 32 concurrent calls:
+httpx 7.4 ms (its connection pool polls every pooled socket on each request), aiohttp 0.3 ms.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
+import ssl
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, AsyncIterator
 
-import httpx
+import aiohttp
+import orjson
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_random_exponential
 
 from inverted.errors import ProtocolError, ServiceUnavailable
@@ -21,6 +30,7 @@ from inverted.errors import ProtocolError, ServiceUnavailable
 logger = logging.getLogger(__name__)
 
 RETRY_STATUS = {502, 503, 504}
+KEEPALIVE_S = 4.0  # below uvicorn's 5 s, so a pooled connection is never one the server is closing
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +45,29 @@ class Timeouts:
     data: float = 120.0  # buffer submissions and leases
 
 
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A whole response, read before its connection went back to the pool."""
+
+    status_code: int
+    url: str
+    content: bytes
+
+    @property
+    def text(self) -> str:
+        return self.content.decode(errors="replace")
+
+    def json(self) -> Any:
+        return orjson.loads(self.content)
+
+
+@functools.cache
+def tls_context() -> ssl.SSLContext:
+    """One TLS context for the process's httpx clients (the openai SDK's): httpx builds one per
+    client by default, loading the CA bundle (~30 ms of CPU), and the rollout opens a client every step."""
+    return ssl.create_default_context()
+
+
 class _Retryable(Exception):
     """Internal: an attempt failed in a way worth another try."""
 
@@ -44,21 +77,29 @@ class _Retryable(Exception):
 
 
 class HTTPService:
-    """One ``httpx.AsyncClient`` per service, with the retry policy above."""
+    """One ``aiohttp.ClientSession`` per service, with the retry policy above."""
 
     def __init__(self, base_url: str, *, api_key: str | None = None, timeouts: Timeouts = Timeouts(),
-                 max_attempts: int = 4, max_connections: int = 256, transport: httpx.AsyncBaseTransport | None = None):
+                 max_attempts: int = 4, max_connections: int = 256):
         self.base_url = base_url.rstrip("/")
         self.timeouts = timeouts
         self.max_attempts = max_attempts
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.AsyncClient(
-            base_url=self.base_url, headers=headers, trust_env=False, transport=transport,
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
-        )
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:  # aiohttp binds a session to the loop it is made in
+            connector = aiohttp.TCPConnector(limit=self._max_connections, keepalive_timeout=KEEPALIVE_S)
+            self._session = aiohttp.ClientSession(connector=connector, headers=self._headers, trust_env=False,
+                                                  json_serialize=lambda obj: orjson.dumps(obj).decode())
+        return self._session
 
     async def close(self) -> None:
-        await self._http.aclose()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
     async def __aenter__(self):
         return self
@@ -66,32 +107,40 @@ class HTTPService:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    def _timeout(self, seconds: float) -> httpx.Timeout:
-        return httpx.Timeout(seconds, connect=self.timeouts.connect)
+    def _timeout(self, seconds: float) -> aiohttp.ClientTimeout:
+        """``seconds`` to get a connection and between reads (a stream may last longer); connecting has its own."""
+        return aiohttp.ClientTimeout(total=None, connect=seconds, sock_connect=self.timeouts.connect, sock_read=seconds)
+
+    def _send(self, method: str, path: str, *, json_body: Any = None, content: bytes | None = None,
+              timeout: float, params: dict | None = None):
+        """One attempt's request context (``async with`` it); what ``request`` and streaming share."""
+        headers = {"content-type": "application/json"} if content is not None else None
+        return self._http.request(method, self.base_url + path, json=json_body, data=content, headers=headers,
+                                  params=params, timeout=self._timeout(timeout))
 
     async def request(self, method: str, path: str, *, json_body: Any = None, content: bytes | None = None,
-                      timeout: float, idempotent: bool, params: dict | None = None) -> httpx.Response:
-        """Send with retries; return a 2xx response or raise ProtocolError / ServiceUnavailable."""
+                      timeout: float, idempotent: bool, params: dict | None = None) -> Reply:
+        """Send with retries; return a 2xx reply or raise ProtocolError / ServiceUnavailable."""
         url = self.base_url + path
 
-        async def attempt() -> httpx.Response:
+        async def attempt() -> Reply:
             try:
-                headers = {"content-type": "application/json"} if content is not None else None
-                response = await self._http.request(method, path, json=json_body, content=content, headers=headers,
-                                                    params=params, timeout=self._timeout(timeout))
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                async with self._send(method, path, json_body=json_body, content=content, timeout=timeout,
+                                      params=params) as response:
+                    reply = Reply(response.status, url, await response.read())
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
                 raise _Retryable(exc) from exc  # the request never reached the server: always safe to resend
-            except httpx.TransportError as exc:  # read/write failure or timeout: the outcome is unknown
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # lost after sending: the outcome is unknown
                 if idempotent:
                     raise _Retryable(exc) from exc
                 raise ServiceUnavailable(f"{method} {path}: {type(exc).__name__} after sending (timeout {timeout}s); "
                                          "the outcome is unknown", url=url) from exc
-            if response.status_code in RETRY_STATUS:
-                raise _Retryable(ServiceUnavailable(f"{method} {path} failed", url=url,
-                                                    status=response.status_code, body=response.text))
-            if response.status_code >= 400:
-                raise ProtocolError(f"{method} {path} was rejected", url=url, status=response.status_code, body=response.text)
-            return response
+            if reply.status_code in RETRY_STATUS:
+                raise _Retryable(ServiceUnavailable(f"{method} {path} failed", url=url, status=reply.status_code,
+                                                    body=reply.text))
+            if reply.status_code >= 400:
+                raise ProtocolError(f"{method} {path} was rejected", url=url, status=reply.status_code, body=reply.text)
+            return reply
 
         def log_retry(state: RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
@@ -113,10 +162,39 @@ class HTTPService:
             raise ServiceUnavailable(f"{method} {path}: {type(error).__name__}: {error}", url=url) from None
         raise AssertionError("unreachable")
 
-    @staticmethod
-    def json_of(response: httpx.Response) -> Any:
+    async def lines(self, method: str, path: str, *, json_body: Any, timeout: float) -> AsyncIterator[bytes]:
+        """The response body line by line, as it arrives (one attempt: a stream is never resent).
+
+        A 502/503/504 or a lost connection raises ``ServiceUnavailable``, any other error status ``ProtocolError``.
+        """
+        url = self.base_url + path
         try:
-            return response.json()
+            async with self._send(method, path, json_body=json_body, timeout=timeout) as response:
+                if response.status >= 400:
+                    error = ServiceUnavailable if response.status in RETRY_STATUS else ProtocolError
+                    raise error(f"{method} {path} (stream) was rejected", url=url, status=response.status,
+                                body=(await response.read()).decode(errors="replace"))
+                pending = b""
+                async for chunk in response.content.iter_any():  # a line may be longer than any read buffer
+                    *complete, pending = (pending + chunk).split(b"\n")
+                    for line in complete:
+                        yield line
+                if pending:
+                    yield pending
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise ServiceUnavailable(f"{method} {path} (stream): {type(exc).__name__}: {exc}", url=url) from exc
+
+    async def probe(self, path: str, timeout: float) -> bool:
+        """Whether ``GET path`` answers 200 now (one try; any failure is False)."""
+        try:
+            async with self._send("GET", path, timeout=timeout) as response:
+                return response.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
+
+    @staticmethod
+    def json_of(reply: Reply) -> Any:
+        try:
+            return reply.json()
         except ValueError:
-            raise ProtocolError("expected a JSON body", url=str(response.request.url), status=response.status_code,
-                                body=response.text) from None
+            raise ProtocolError("expected a JSON body", url=reply.url, status=reply.status_code, body=reply.text) from None

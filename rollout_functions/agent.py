@@ -4,8 +4,7 @@ Each episode gets its own proxy session and an ``openai.AsyncOpenAI`` client who
 is that session, so every token the environment's calls produce is recorded exactly, whatever
 the environment does with the replies. The environment's return value is the reward.
 
-The clients share one connection pool: building one per episode would cost more CPU (an SSL
-context each) than the proxy spends serving the call.
+The clients share one connection pool (``openai_pool``).
 """
 
 from __future__ import annotations
@@ -13,13 +12,14 @@ from __future__ import annotations
 import openai
 
 from inverted.plugins import RolloutContext
+from inverted.rollout.proxy.client import openai_pool
 from inverted.types import Sample, Task
 from rollout_functions.episodes import run_all
 
 
 async def generate_rollout(ctx: RolloutContext, tasks: list[Task]) -> list[Sample]:
     env = ctx.env
-    async with openai.DefaultAsyncHttpxClient(trust_env=False) as pool:
+    async with openai_pool() as pool:
         def play_for(task: Task):
             async def play(session, proxy):
                 # The SDK's retries are safe: the proxy answers a retried call from its record.

@@ -134,14 +134,15 @@ def build_store(config: BufferConfig) -> SQLiteStore:
                        partial_rollout=config.partial_rollout, stale_policy=config.stale_policy, group_filter=group_filter)
 
 
-def _state(request: Request) -> BufferState:
+# Dependencies are ``async def``: FastAPI runs a plain ``def`` one on a worker thread, a thread hop per request.
+async def _state(request: Request) -> BufferState:
     return request.app.state.buffer
 
 
 StateDep = Annotated[BufferState, Depends(_state)]
 
 
-def _require_key(request: Request) -> None:
+async def _require_key(request: Request) -> None:
     key = request.app.state.buffer.config.api_key
     given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
     if key and not secrets.compare_digest(given.encode(), key.encode()):

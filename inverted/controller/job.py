@@ -177,7 +177,9 @@ class Job:
                 raise
             logger.warning("weight update %d failed while a server died (%s); updating again", version, error)
             report = await self._push(version)
-        return {f"sync/{k}": float(v) for k, v in (report or {}).items() if isinstance(v, (int, float))}
+        report = report or {}
+        phases = {f"sync/{phase}_s": float(s) for phase, s in report.get("seconds", {}).items()}
+        return {**{f"sync/{k}": float(v) for k, v in report.items() if isinstance(v, (int, float))}, **phases}
 
     async def _push(self, version: int) -> dict[str, Any] | None:
         async with self._trainer_lock:

@@ -16,6 +16,12 @@ SGLang where it can run (the package and CUDA present). Where a server runs is t
 function's business: on this machine by default, or in a Ray placement bundle
 (``inverted.placement``), which hands back a handle with the same methods as ``ManagedProcess``.
 
+The router keeps its cache-aware policy, with tighter load balancing than its defaults (which let
+one server run 64 more requests than another): an RL batch arrives at once, often with one
+system prompt in every request, and cache-aware routing alone then sends all of it to one server
+(measured on the demo: one engine did 84% of the work; balanced, the rollout phase took 0.5 s
+less of ~2.8 s). ``--router-*`` flags override each default.
+
 Workers are registered with a failure threshold well above the router's default, and real SGLang
 servers run with ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0``: a server paused for a weight
 update answers its health probe late, and must not be evicted for it.
@@ -60,6 +66,9 @@ def _die_with_parent() -> None:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+ROUTER_DEFAULTS = {"--log-level": "warn", "--balance-abs-threshold": "2", "--balance-rel-threshold": "1.1"}
 
 
 @dataclass
@@ -199,10 +208,10 @@ class RolloutServers:
         port = self.config.router_port or free_port(self.config.router_host)
         given = {arg.split("=", 1)[0] for arg in self.router_args if arg.startswith("--")}
         argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", self.config.router_host, "--port", str(port)]
-        if "--prometheus-port" not in given:  # the default 29000 would clash between routers
-            argv += ["--prometheus-port", str(free_port())]
-        if "--log-level" not in given:
-            argv += ["--log-level", "warn"]
+        defaults = {**ROUTER_DEFAULTS, "--prometheus-port": str(free_port())}  # 29000 would clash between routers
+        for flag, value in defaults.items():
+            if flag not in given:
+                argv += [flag, value]
         argv += self.router_args
         url = f"http://{self.config.router_host}:{port}"
         return ManagedProcess.spawn("router", argv, self.log_dir / "router.log", url)

@@ -12,24 +12,23 @@ Retries come from the shared ``HTTPService`` base (``inverted.http_client``): co
 
 from __future__ import annotations
 
-import json
+from contextlib import aclosing
 from typing import Any, AsyncIterator
 
-import httpx
+import orjson
 
-from inverted.errors import ProtocolError, ServiceUnavailable
-from inverted.http_client import RETRY_STATUS, HTTPService, Timeouts
+from inverted.errors import ProtocolError
+from inverted.http_client import HTTPService, Reply, Timeouts
 
 __all__ = ["RouterClient", "SGLangClient", "Timeouts"]
 
-def _check_success(response: httpx.Response, body: Any) -> dict[str, Any]:
+
+def _check_success(reply: Reply, body: Any) -> dict[str, Any]:
     """Weight and control routes answer ``{"success": bool, "message": str}``; False is an error."""
     if not isinstance(body, dict) or "success" not in body:
-        raise ProtocolError("expected {success, message}", url=str(response.request.url), status=response.status_code,
-                            body=response.text)
+        raise ProtocolError("expected {success, message}", url=reply.url, status=reply.status_code, body=reply.text)
     if not body["success"]:
-        raise ProtocolError(body.get("message", "failed"), url=str(response.request.url), status=response.status_code,
-                            body=response.text)
+        raise ProtocolError(body.get("message", "failed"), url=reply.url, status=reply.status_code, body=reply.text)
     return body
 
 
@@ -46,44 +45,29 @@ class SGLangClient(HTTPService):
 
     async def generate_stream(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """``POST /generate`` with ``stream``: yields each cumulative chunk until ``[DONE]``."""
-        url = self.base_url + "/generate"
-        try:
-            async with self._http.stream("POST", "/generate", json={**payload, "stream": True},
-                                         timeout=self._timeout(self.timeouts.generate)) as response:
-                if response.status_code >= 400:
-                    body = (await response.aread()).decode(errors="replace")
-                    error = ServiceUnavailable if response.status_code in RETRY_STATUS else ProtocolError
-                    raise error("POST /generate (stream) was rejected", url=url, status=response.status_code, body=body)
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        return
-                    chunk = json.loads(data)
-                    if "error" in chunk:
-                        raise ProtocolError("stream error", url=url, status=response.status_code, body=data)
-                    yield chunk
-        except httpx.TransportError as exc:
-            raise ServiceUnavailable(f"POST /generate (stream): {type(exc).__name__}: {exc}", url=url) from exc
+        lines = self.lines("POST", "/generate", json_body={**payload, "stream": True}, timeout=self.timeouts.generate)
+        async with aclosing(lines):
+            async for line in lines:
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    return
+                chunk = orjson.loads(data)
+                if "error" in chunk:
+                    raise ProtocolError("stream error", url=self.base_url + "/generate", body=data.decode(errors="replace"))
+                yield chunk
 
     # ---- health and info -----------------------------------------------------------------
 
-    async def _probe(self, path: str, timeout: float) -> bool:
-        try:
-            response = await self._http.get(path, timeout=self._timeout(timeout))
-        except httpx.TransportError:
-            return False
-        return response.status_code == 200
-
     async def health(self) -> bool:
-        return await self._probe("/health", self.timeouts.health)
+        return await self.probe("/health", self.timeouts.health)
 
     async def health_generate(self, timeout: float = 30.0) -> bool:
-        return await self._probe("/health_generate", timeout)
+        return await self.probe("/health_generate", timeout)
 
     async def ready(self) -> bool:
-        return await self._probe("/ready", self.timeouts.health)
+        return await self.probe("/ready", self.timeouts.health)
 
     async def _get_json(self, path: str) -> Any:
         response = await self.request("GET", path, timeout=self.timeouts.control, idempotent=True)
@@ -100,7 +84,7 @@ class SGLangClient(HTTPService):
 
     # ---- control -------------------------------------------------------------------------
 
-    async def _post(self, path: str, body: dict[str, Any], *, timeout: float | None = None, idempotent: bool = True) -> httpx.Response:
+    async def _post(self, path: str, body: dict[str, Any], *, timeout: float | None = None, idempotent: bool = True) -> Reply:
         return await self.request("POST", path, json_body=body, timeout=timeout or self.timeouts.control, idempotent=idempotent)
 
     async def pause_generation(self, mode: str = "abort") -> None:
@@ -135,7 +119,7 @@ class SGLangClient(HTTPService):
             response = await self._post(path, body, timeout=self.timeouts.weights, idempotent=False)
         except ProtocolError as exc:
             try:
-                message = json.loads(exc.body).get("message", "")
+                message = orjson.loads(exc.body).get("message", "")
             except (ValueError, AttributeError):
                 message = ""
             raise ProtocolError(f"POST {path} failed: {message or 'rejected'}", url=exc.url, status=exc.status,

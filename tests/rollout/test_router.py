@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from inverted.config import ServersConfig
-from inverted.rollout.servers import RolloutServers
+from inverted.rollout.servers import ROUTER_DEFAULTS, RolloutServers
 from inverted.rollout.sglang_client import RouterClient, SGLangClient
 
 pytestmark = pytest.mark.anyio
@@ -68,6 +68,21 @@ async def test_round_robin_cache_aware_and_worker_registration(tiny_model, tmp_p
                 assert len(out["output_ids"]) == 6
             served = {u: requests_served(u) - counts[u] for u in (a, b)}
             assert sorted(served.values()) == [0, 8], served
+
+            # A batch sent at once with one shared prefix (an RL rollout): cache-aware routing alone puts it
+            # all on one engine; with the job's balance defaults both engines share it.
+            balance = [x for flag, value in ROUTER_DEFAULTS.items() if flag.startswith("--balance") for x in (flag, value)]
+            assert balance, "the job's router defaults must bound the load imbalance"
+            for args, spread in (((), False), (balance, True)):
+                batch_router = module_procs.router("--policy", "cache_aware", "--worker-urls", a, b, *args)
+                async with RouterClient(batch_router.url) as router3, SGLangClient(batch_router.url) as client3:
+                    while len(await router3.healthy_urls()) < 2:
+                        await asyncio.sleep(0.1)
+                    counts = {u: requests_served(u) for u in (a, b)}
+                    await asyncio.gather(*(client3.generate({**body(i, prefix), "sampling_params": {
+                        "max_new_tokens": 32, "ignore_eos": True}}) for i in range(16)))
+                served = {u: requests_served(u) - counts[u] for u in (a, b)}
+                assert (min(served.values()) >= 4) if spread else (sorted(served.values()) == [0, 16]), (args, served)
 
 
 async def test_servers_report_a_dead_engine_with_its_log(tmp_path, tiny_model):

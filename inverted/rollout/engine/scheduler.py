@@ -214,11 +214,11 @@ class Scheduler:
         self.prefixes.clear()
 
     def flush(self) -> None:
+        """Forget every cached prefix. The storage stays allocated, as SGLang keeps its KV pool: freeing
+        it cost each weight update ~0.1 s, and the next rollout as much again to grow it back."""
         if self.busy():
             raise RuntimeError("Cache not flushed: there are running or queued requests.")
         self.forget_prefixes()
-        self.cache.release()
-        self.cache.reserve(KVCache.GROW)
 
     def release_memory(self, tags: list[str]) -> None:
         if self.running:

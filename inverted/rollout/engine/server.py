@@ -77,7 +77,8 @@ class Engine:
         return await asyncio.wrap_future(self.scheduler.call(fn, barrier=barrier))
 
 
-def _engine(request: Request) -> Engine:
+# Dependencies are ``async def``: FastAPI runs a plain ``def`` one on a worker thread, a thread hop per request.
+async def _engine(request: Request) -> Engine:
     return request.app.state.engine
 
 
@@ -89,13 +90,13 @@ def _bearer(request: Request) -> str | None:
     return header[7:] if header.lower().startswith("bearer ") else None
 
 
-def _require_key(request: Request) -> None:
+async def _require_key(request: Request) -> None:
     key = request.app.state.engine.config.api_key
     if key and _bearer(request) != key:
         raise HTTPException(401, "Unauthorized: a valid 'Authorization: Bearer <api key>' header is required.")
 
 
-def _require_admin_key(request: Request) -> None:
+async def _require_admin_key(request: Request) -> None:
     cfg = request.app.state.engine.config
     key = cfg.admin_api_key or cfg.api_key  # SGLang: with an admin key set, the plain key is not accepted
     if key and _bearer(request) != key:

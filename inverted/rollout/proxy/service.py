@@ -86,14 +86,15 @@ def _bearer(request: Request) -> str | None:
     return header[7:].strip() if header[:7].lower() == "bearer " else None
 
 
-def _recorder(request: Request) -> Recorder:
+# Dependencies are ``async def``: FastAPI runs a plain ``def`` one on a worker thread, a thread hop per request.
+async def _recorder(request: Request) -> Recorder:
     return request.app.state.recorder
 
 
 RecorderDep = Annotated[Recorder, Depends(_recorder)]
 
 
-def _require_api_key(request: Request) -> None:
+async def _require_api_key(request: Request) -> None:
     key = request.app.state.config.proxy_api_key
     if key and _bearer(request) != key:
         raise InvalidRequest("a valid API key is required to create sessions", code="invalid_api_key", status=401)
