@@ -19,8 +19,7 @@ function's business: on this machine by default, or in a Ray placement bundle
 The router keeps its cache-aware policy, with tighter load balancing than its defaults (which let
 one server run 64 more requests than another): an RL batch arrives at once, often with one
 system prompt in every request, and cache-aware routing alone then sends all of it to one server
-(measured on the demo: one engine did 84% of the work; balanced, the rollout phase took 0.5 s
-less of ~2.8 s). ``--router-*`` flags override each default.
+(measured on the demo: one engine did 84% of the work). ``--router-*`` flags override each default.
 
 Workers are registered with a failure threshold well above the router's default, and real SGLang
 servers run with ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0``: a server paused for a weight

@@ -90,7 +90,8 @@ def test_train_end_to_end_with_a_multi_turn_tool_env(tiny_model, tmp_path, calcu
     assert [m["step"] for m in metrics] == [0, 1]
     assert [m["weight_version"] for m in metrics] == [1, 2]
     for m in metrics:
-        for key in ("rollout/reward_mean", "train/loss", "time/rollout_s", "time/train_s", "time/sync_s", "sync/servers"):
+        for key in ("rollout/reward_mean", "train/loss", "time/rollout_s", "time/train_s", "time/sync_s", "sync/servers",
+                    "sync/buckets_s", "sync/total_s"):
             assert m.get(key) is not None, key
         assert m["sync/servers"] == 2
     assert metrics[0]["rollout/failed"] == metrics[1]["rollout/failed"] == 2  # both samples of the failing prompt
