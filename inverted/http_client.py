@@ -15,9 +15,7 @@ httpx 7.4 ms (its connection pool polls every pooled socket on each request), ai
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-import ssl
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -59,13 +57,6 @@ class Reply:
 
     def json(self) -> Any:
         return orjson.loads(self.content)
-
-
-@functools.cache
-def tls_context() -> ssl.SSLContext:
-    """One TLS context for the process's httpx clients (the openai SDK's): httpx builds one per
-    client by default, loading the CA bundle (~30 ms of CPU), and the rollout opens a client every step."""
-    return ssl.create_default_context()
 
 
 class _Retryable(Exception):

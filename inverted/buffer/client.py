@@ -31,8 +31,7 @@ class Batch:
 
 class BufferClient(HTTPService):
     async def health(self) -> bool:
-        response = await self.request("GET", "/health", timeout=self.timeouts.health, idempotent=True)
-        return response.status_code == 200
+        return await self.probe("/health", self.timeouts.health)
 
     async def lease(self, count: int, worker_id: str, lease_seconds: float | None = None) -> list[Task]:
         body = {"count": count, "worker_id": worker_id, "lease_seconds": lease_seconds, "request_id": uuid.uuid4().hex}

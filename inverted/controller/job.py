@@ -178,8 +178,8 @@ class Job:
             logger.warning("weight update %d failed while a server died (%s); updating again", version, error)
             report = await self._push(version)
         report = report or {}
-        phases = {f"sync/{phase}_s": float(s) for phase, s in report.get("seconds", {}).items()}
-        return {**{f"sync/{k}": float(v) for k, v in report.items() if isinstance(v, (int, float))}, **phases}
+        phases = {f"{phase}_s": seconds for phase, seconds in report.pop("seconds", {}).items()}
+        return {f"sync/{k}": float(v) for k, v in (report | phases).items() if isinstance(v, (int, float))}
 
     async def _push(self, version: int) -> dict[str, Any] | None:
         async with self._trainer_lock:

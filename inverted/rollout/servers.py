@@ -4,8 +4,8 @@
 ``python -m sglang_router.launch_router`` (every ``--router-*`` flag passed through verbatim),
 waits for each server's ``/health``, registers them with the router's ``POST /workers`` and waits
 until the router reports them healthy. While running, ``add_engine`` adds one more server,
-``dead`` lists the servers whose process has exited, ``retire`` takes one out of the router, and ``start_engine``, ``adopt`` and
-``register`` bring a replacement in (the job gives it the current weights before ``adopt``, so it
+``dead`` lists the servers whose process has exited, ``retire`` takes one out of the router,
+and ``start_engine``, ``adopt`` and ``register`` bring a replacement in (the job gives it the current weights before ``adopt``, so it
 never serves stale ones). On exit every child gets SIGTERM, then SIGKILL after a grace period. A
 child that dies during startup raises ``ServiceUnavailable`` with its exit code and the tail of
 its log.

@@ -77,6 +77,16 @@ async def test_persistent_5xx_and_connection_errors_become_service_unavailable()
     async with SGLangClient(f"http://127.0.0.1:{free_port()}", max_attempts=2) as nobody:  # nothing listens there
         with pytest.raises(ServiceUnavailable, match="Connect"):
             await nobody.generate({"input_ids": [1]})
+        assert await nobody.health() is False  # a probe answers, it does not raise
+
+
+async def test_health_probes_read_the_status():
+    async with engine(answer(200, {})) as (client, seen):
+        assert await client.health() is True and await client.ready() is True
+    assert [path for path, _, _ in seen] == ["/health", "/ready"]
+    async with engine(answer(503, text="starting")) as (client, seen):
+        assert await client.health() is False
+    assert len(seen) == 1  # one try: a probe is not retried
 
 
 async def _too_slow(request, n):
