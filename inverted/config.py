@@ -390,8 +390,10 @@ class TrainConfig:
                  self.load_debug_rollout_data, "a jsonl file of Samples with --debug-train-only")
         _require(not (self.use_distributed_optimizer and (self.save or self.load)), "--use-distributed-optimizer",
                  self.use_distributed_optimizer, "off with --save/--load (its sharded optimizer state is not checkpointed yet)")
-        _require(self.pipeline_model_parallel_size == 1, "--pipeline-model-parallel-size",
-                 self.pipeline_model_parallel_size, "1 (pipeline schedules are not wired in yet)")
+        model_parallel = self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+        _require(self.world_size % model_parallel == 0, "--actor-num-gpus-per-node", self.actor_num_gpus_per_node,
+                 f"a multiple of tensor x pipeline x context parallel sizes ({model_parallel}) over "
+                 f"{self.actor_num_nodes} node(s)")
 
     @property
     def needs_reference(self) -> bool:

@@ -95,6 +95,10 @@ def test_the_job_shares_flags_between_its_sections_and_keeps_its_own_fields():
     with pytest.raises(ConfigError, match="--global-batch-size=3: expected a divisor of --rollout-batch-size"):
         parse(JobConfig, ["--hf-checkpoint", "/m", "--prompt-data", "p", "--env-path", "e:f",
                           "--global-batch-size", "3"])[0].validate()
+    with pytest.raises(ConfigError, match=r"--actor-num-gpus-per-node=3: expected a multiple of tensor x pipeline "
+                                          r"x context parallel sizes \(4\)"):
+        parse(JobConfig, ["--hf-checkpoint", "/m", "--prompt-data", "p", "--env-path", "e:f", "--actor-num-gpus-per-node",
+                          "3", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"])[0].validate()
 
 
 def test_async_mode_defaults_to_one_step_off_and_refuses_what_cannot_overlap():

@@ -13,6 +13,11 @@ against (``_SUPPORTED``): a new release must be checked before it is admitted.
    tensor-parallel initialization and dropout; we install a subclass doing the same with the CPU
    generator (``model_parallel_cuda_manual_seed`` then seeds it as usual; ``torch.cuda.manual_seed``
    itself is a lazy no-op without CUDA).
+3. Pipeline parallelism: ``Tensor.cuda()`` (the tied output layer's first copy of the embedding
+   on the last stage) stays on the CPU; ``torch.cuda.synchronize()`` (between the point-to-point
+   exchanges of the schedule) has no stream to wait for; and the schedules' token counter
+   ``torch.zeros(..., device="cuda")`` is made on the CPU, through a ``torch`` seen only by
+   Megatron's ``schedules`` module.
 
 Not patched, but avoided: Megatron's optimizer wrappers and gradient clipping allocate CUDA
 tensors, so on CPU ``train/optimizer.py`` uses AdamW with Megatron's conventions; and Megatron's
@@ -25,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import types
 
 import torch
 
@@ -35,6 +41,28 @@ _SUPPORTED = ("0.16.",)
 
 def _cpu_device() -> torch.device:
     return torch.device("cpu")
+
+
+def _on_cpu(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    return tensor
+
+
+def _no_stream(device=None) -> None:
+    return None
+
+
+class _TorchOnCPU(types.ModuleType):
+    """``torch`` as Megatron's pipeline schedules see it: tensors asked for on "cuda" are made on the CPU."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*size, device=None, **kwargs) -> torch.Tensor:
+        return torch.zeros(*size, device="cpu" if device == "cuda" else device, **kwargs)
 
 
 def _cpu_rng_tracker():
@@ -76,6 +104,7 @@ def _cpu_rng_tracker():
 def apply() -> None:
     """Install the CPU workarounds (idempotent). Call before building any Megatron module."""
     import megatron.core
+    from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as mcore_random
 
     version = megatron.core.__version__
@@ -91,4 +120,9 @@ def apply() -> None:
     # 2. The RNG tracker: Megatron reads it through get_cuda_rng_tracker(); give it ours.
     mcore_random._CUDA_RNG_STATE_TRACKER = _cpu_rng_tracker()
     mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
-    logger.info("megatron-core %s: CPU compatibility applied (current_device, RNG tracker)", version)
+
+    # 3. Pipeline parallelism: the tied output layer's .cuda(), the schedule's synchronize() and its token counter.
+    torch.Tensor.cuda = _on_cpu
+    torch.cuda.synchronize = _no_stream
+    schedules.torch = _TorchOnCPU()
+    logger.info("megatron-core %s: CPU compatibility applied (current_device, RNG tracker, pipeline schedules)", version)

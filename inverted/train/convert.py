@@ -4,7 +4,9 @@ Every Megatron parameter of the decoder is named by one row of ``LAYER_TABLE`` o
 ``MODEL_TABLE``: its Megatron name, the Hugging Face tensors it is made of, and its layout under
 tensor parallelism. The three families share the table; a row whose parameter a model lacks
 (q/k/v biases outside Qwen2, q/k norms outside Qwen3, ``output_layer`` when embeddings are tied)
-is simply not used. Layouts:
+is simply not used. With tied embeddings under pipeline parallelism the last stage holds its own
+copy of the embedding as ``output_layer`` (``TIED_OUTPUT``): loaded from the embedding, and left
+out when the model is assembled, since the first stage already gives that tensor. Layouts:
 
 - ``replicated``: every TP rank holds the whole tensor (norms).
 - ``column`` / ``row``: split along dim 0 / dim 1 (vocab-parallel embedding and LM head are ``column``).
@@ -14,6 +16,8 @@ is simply not used. Layouts:
 
 ``to_megatron`` cuts full HF tensors into one rank's shards; ``to_hf`` puts gathered shards back.
 They are exact inverses (tested bit for bit), and serve loading, weight sync and ``export-hf``.
+``iter_hf_weights`` assembles the whole model on the first pipeline stage: each stage gathers its
+parameters over tensor parallelism and sends them there, one tensor at a time.
 """
 
 from __future__ import annotations
@@ -50,11 +54,15 @@ MODEL_TABLE = (
     Row("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"),
     Row("output_layer.weight", ("lm_head.weight",), "column"),
 )
+TIED_OUTPUT = Row("output_layer.weight", ("model.embed_tokens.weight",), "column")
 LAYER_PREFIX = "decoder.layers."
 
 
-def rows_for(names: list[str], layer_offset: int) -> dict[str, tuple[Row, str]]:
-    """Each Megatron parameter name → its table row and the HF name prefix (global layer index)."""
+def rows_for(names: list[str], layer_offset: int, tied: bool) -> dict[str, tuple[Row, str]]:
+    """Each Megatron parameter name → its table row and the HF name prefix (global layer index).
+
+    ``tied``: the model ties its embeddings, so an ``output_layer`` is the last stage's copy of them.
+    """
     table = {row.megatron: row for row in LAYER_TABLE}
     found: dict[str, tuple[Row, str]] = {}
     for name in names:
@@ -63,7 +71,8 @@ def rows_for(names: list[str], layer_offset: int) -> dict[str, tuple[Row, str]]:
             row = table.get(suffix)
             prefix = f"model.layers.{int(local) + layer_offset}."
         else:
-            row = next((r for r in MODEL_TABLE if r.megatron == name), None)
+            row = TIED_OUTPUT if tied and name == TIED_OUTPUT.megatron else next(
+                (r for r in MODEL_TABLE if r.megatron == name), None)
             prefix = ""
         if row is None:
             raise ModelError(f"Megatron parameter {name!r} has no row in the HF name table (train/convert.py)")
@@ -106,12 +115,14 @@ def to_hf(spec: ModelSpec, row: Row, shards: list[torch.Tensor]) -> list[torch.T
     return [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]
 
 
-def check_compatible(spec: ModelSpec, tp_size: int) -> None:
-    """Raise ``ModelError`` unless ``spec`` can be split ``tp_size`` ways."""
+def check_compatible(spec: ModelSpec, tp_size: int, pp_size: int = 1) -> None:
+    """Raise ``ModelError`` unless ``spec`` can be split ``tp_size`` ways and cut into ``pp_size`` stages."""
     for what, count in (("attention heads", spec.num_heads), ("key/value heads", spec.num_kv_heads),
                         ("vocabulary entries", spec.vocab_size), ("MLP channels", spec.intermediate_size)):
         if count % tp_size:
             raise ModelError(f"--tensor-model-parallel-size {tp_size} does not divide the model's {count} {what}")
+    if spec.num_layers % pp_size:
+        raise ModelError(f"--pipeline-model-parallel-size {pp_size} does not divide the model's {spec.num_layers} layers")
 
 
 def _layer_offset(model) -> int:
@@ -129,7 +140,7 @@ def mark_tensor_parallel(model) -> None:
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
     params = dict(model.named_parameters())
-    for name, (row, _) in rows_for(list(params), _layer_offset(model)).items():
+    for name, (row, _) in rows_for(list(params), _layer_offset(model), model.share_embeddings_and_output_weights).items():
         for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):  # biases already have them
             if hasattr(params[name], attr):
                 delattr(params[name], attr)
@@ -147,7 +158,7 @@ def load_hf_weights(model, spec: ModelSpec, tensors: dict[str, torch.Tensor]) ->
     tp_size, tp_rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
     params = dict(model.named_parameters())
     with torch.no_grad():
-        for name, (row, prefix) in rows_for(list(params), _layer_offset(model)).items():
+        for name, (row, prefix) in rows_for(list(params), _layer_offset(model), spec.tie_word_embeddings).items():
             missing = [prefix + n for n in row.hf if prefix + n not in tensors]
             if missing:
                 raise ModelError(f"checkpoint lacks {missing} (needed for Megatron parameter {name})")
@@ -160,18 +171,15 @@ def load_hf_weights(model, spec: ModelSpec, tensors: dict[str, torch.Tensor]) ->
 
 def assembled_hf(spec: ModelSpec, names: list[str], shards_of, layer_offset: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
     """Full HF tensors from Megatron parameters, lazily; ``shards_of(name, row)`` gives a parameter's TP shards."""
-    for name, (row, prefix) in rows_for(names, layer_offset).items():
+    for name, (row, prefix) in rows_for(names, layer_offset, spec.tie_word_embeddings).items():
+        if row is TIED_OUTPUT:
+            continue
         for hf_name, tensor in zip(row.hf, to_hf(spec, row, shards_of(name, row))):
             yield prefix + hf_name, tensor.contiguous()
 
 
-def iter_hf_weights(model, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
-    """This pipeline stage's parameters as full HF tensors, one Megatron parameter at a time.
-
-    Gathered over tensor parallelism straight from the live parameters (every TP rank must
-    iterate, in step: each gather is a collective); at most one parameter's full tensors exist
-    at a time, so weight sync never holds a second copy of the model.
-    """
+def _stage_hf_weights(model, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
+    """This pipeline stage's parameters as full HF tensors, gathered over tensor parallelism."""
     from megatron.core import parallel_state
 
     group = parallel_state.get_tensor_model_parallel_group()
@@ -189,6 +197,52 @@ def iter_hf_weights(model, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]
     return assembled_hf(spec, list(params), shards_of, _layer_offset(model))
 
 
+def iter_hf_weights(model, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
+    """The whole policy as full HF tensors on the first pipeline stage, one Megatron parameter at a time.
+
+    Every rank of the model replica must iterate, in step: the tensor-parallel gathers are
+    collectives, and each later stage sends its tensors (from its TP rank 0) to the first stage,
+    which yields them after its own. The first stage's other TP ranks and the later stages yield
+    nothing of the other stages. At most one parameter's full tensors exist at a time, so weight
+    sync never holds a second copy of the model.
+    """
+    from megatron.core import parallel_state
+
+    local = _stage_hf_weights(model, spec)
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return local
+    return _over_pipeline(local, next(model.parameters()).device)
+
+
+def _over_pipeline(local: Iterator[tuple[str, torch.Tensor]], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_pipeline_model_parallel_group()
+    stages = torch.distributed.get_process_group_ranks(group)
+    sender = parallel_state.get_tensor_model_parallel_rank() == 0  # its TP peers gathered the same tensors
+    if parallel_state.get_pipeline_model_parallel_rank() > 0:
+        for name, tensor in local:
+            if sender:
+                torch.distributed.send_object_list([(name, tensor.shape, tensor.dtype)], dst=stages[0], group=group)
+                torch.distributed.send(tensor, dst=stages[0], group=group)
+        if sender:
+            torch.distributed.send_object_list([None], dst=stages[0], group=group)
+        return
+    yield from local
+    if not sender:
+        return
+    for source in stages[1:]:
+        while True:
+            header = [None]
+            torch.distributed.recv_object_list(header, src=source, group=group)
+            if header[0] is None:
+                break
+            name, shape, dtype = header[0]
+            tensor = torch.empty(shape, dtype=dtype, device=device)
+            torch.distributed.recv(tensor, src=source, group=group)
+            yield name, tensor
+
+
 def gather_hf_weights(model, spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """This pipeline stage's parameters as full HF tensors (gathered over tensor parallelism)."""
+    """The whole policy as full HF tensors on the first pipeline stage (see ``iter_hf_weights``)."""
     return dict(iter_hf_weights(model, spec))

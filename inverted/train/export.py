@@ -1,7 +1,8 @@
 """``inverted export-hf --checkpoint CKPT --out DIR``: a training checkpoint as a Hugging Face model.
 
-Reads the tensor-parallel shards of the checkpoint's latest iteration straight from disk (no
-processes, no GPU), merges them with the name table of ``convert.py``, and writes
+Reads the shards of the checkpoint's latest iteration straight from disk (no processes, no GPU):
+per pipeline stage, its tensor-parallel shards are merged with the name table of ``convert.py``
+(a stage's local layer numbers shifted by the layers of the stages before it). It writes
 ``model.safetensors`` next to the config and tokenizer the checkpoint was trained from, so
 ``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` loads the trained policy.
 """
@@ -18,7 +19,7 @@ from safetensors.torch import save_file
 from inverted.errors import ModelError
 from inverted.hf_checkpoint import ModelSpec
 from inverted.train.checkpoint import HF_FILES_DIR, latest_iteration, rank_file, read_meta
-from inverted.train.convert import assembled_hf
+from inverted.train.convert import LAYER_PREFIX, assembled_hf
 
 logger = logging.getLogger(__name__)
 
@@ -27,13 +28,17 @@ def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
     root = Path(checkpoint)
     directory = latest_iteration(root) or root
     meta = read_meta(directory)
-    if meta["parallel"]["pipeline"] != 1:
-        raise ModelError(f"{directory}: pipeline-parallel checkpoints are not supported by export-hf yet")
     spec = ModelSpec(**{**meta["spec"], "eos_token_ids": tuple(meta["spec"]["eos_token_ids"])})
-    shards = [torch.load(directory / rank_file(tp, 0, 0), weights_only=True)["model"]
-              for tp in range(meta["parallel"]["tensor"])]
-    names = [name for name in shards[0] if not name.endswith("_extra_state")]
-    tensors = dict(assembled_hf(spec, names, lambda name, row: [shard[name] for shard in shards]))
+    tensors: dict[str, torch.Tensor] = {}
+    layers_before = 0
+    for stage in range(meta["parallel"]["pipeline"]):
+        shards = [torch.load(directory / rank_file(tp, stage, 0), weights_only=True)["model"]
+                  for tp in range(meta["parallel"]["tensor"])]
+        names = [name for name in shards[0] if not name.endswith("_extra_state")]
+        tensors.update(assembled_hf(spec, names, lambda name, row: [shard[name] for shard in shards], layers_before))
+        layers_before += len({name[len(LAYER_PREFIX):].partition(".")[0] for name in names if name.startswith(LAYER_PREFIX)})
+    if layers_before != spec.num_layers:
+        raise ModelError(f"{directory}: its stages hold {layers_before} layers, the model has {spec.num_layers}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for item in (root / HF_FILES_DIR).iterdir():

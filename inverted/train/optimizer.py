@@ -4,8 +4,8 @@ On CUDA, ``get_megatron_optimizer`` builds Megatron's optimizer (its distributed
 ``--use-distributed-optimizer``). Megatron's optimizer wrappers allocate their scale and overflow
 tensors on CUDA, so on CPU ``CPUAdamW`` does the same job with the same conventions: gradients
 are read from Megatron DDP's ``main_grad`` buffers, the global norm counts tensor-parallel
-replicas once and is reduced over the model-parallel group (as Megatron's ``clip_grad_norm_fp32``
-does), and biases and 1-D parameters get no weight decay. ``step()`` returns
+replicas and the last pipeline stage's copy of tied embeddings once and is reduced over the
+model-parallel group (as Megatron's ``clip_grad_norm_fp32`` does), and biases and 1-D parameters get no weight decay. ``step()`` returns
 ``(success, grad_norm, None)`` like Megatron's.
 """
 
@@ -33,10 +33,11 @@ class CPUAdamW:
     def grad_norm(self) -> float:
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        from megatron.core.transformer.module import param_is_not_shared
 
         squares = torch.zeros((), dtype=torch.float64)
         for param in self.params:
-            if param.grad is not None and param_is_not_tensor_parallel_duplicate(param):
+            if param.grad is not None and param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param):
                 squares += param.grad.double().square().sum()
         torch.distributed.all_reduce(squares, group=parallel_state.get_model_parallel_group())
         return float(squares.sqrt())

@@ -14,19 +14,23 @@
    ``--mask-offpolicy-in-partial-rollout`` the tokens a sample got from weights older than its
    newest are left out of the loss. TIS (``--use-tis``) reweights every token by its own sampling
    policy's log-prob, so mixed versions are corrected token by token.
-5. Per optimizer step: forward and backward per micro-batch with the step's global token weights,
-   one gradient all-reduce (a sum: the weights already normalise), clip, step.
+5. Per optimizer step: forward and backward of the micro-batches through Megatron's schedule (1F1B
+   across pipeline stages) with the step's global token weights, one gradient all-reduce (a sum:
+   the weights already normalise), clip, step.
 
-Every rank of a data-parallel group sees the same list of Samples and takes its share itself, so
-nothing but gradients and metric sums crosses ranks.
+Every rank sees the same list of Samples and takes its data-parallel share itself, so nothing but
+gradients, metric sums and (between pipeline stages) activations and the last stage's results
+crosses ranks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -104,7 +108,7 @@ class Trainer:
 
         self.cfg = cfg
         self.spec = ModelSpec.from_checkpoint(cfg.hf_checkpoint)
-        check_compatible(self.spec, cfg.tensor_model_parallel_size)
+        check_compatible(self.spec, cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size)
         self.parallel = Parallelism(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
                                     cfg.context_parallel_size, cfg.expert_model_parallel_size)
         self.dtype = torch.bfloat16 if cfg.bf16 else torch.float32
@@ -132,29 +136,66 @@ class Trainer:
 
     # -- forward -----------------------------------------------------------------------------
 
-    def _forward(self, model, mb: MicroBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Response-token log-probs (and entropies) of one packed micro-batch, fp32, ``[R]``."""
-        from megatron.core.packed_seq_params import PackedSeqParams
+    def _schedule(self, model, mbs: list[MicroBatch], on_logits: Callable[[MicroBatch, torch.Tensor], torch.Tensor],
+                  forward_only: bool) -> None:
+        """Run ``mbs`` through Megatron's schedule: 1F1B across pipeline stages, a plain loop without.
 
+        Every stage reads the same micro-batches (each needs the packing to place its attention);
+        the first embeds the tokens, the others take the previous stage's activations. On the last
+        stage ``on_logits(mb, logits)`` turns a micro-batch's logits ``[T, V / tp]`` into its loss,
+        and the schedule runs the backward passes unless ``forward_only``.
+        """
+        from megatron.core.packed_seq_params import PackedSeqParams
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if not mbs:
+            return
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        cu = mb.cu_seqlens.to(device)
-        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                 max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
-        logits = model(input_ids=mb.tokens_T[None].to(device), position_ids=mb.positions_T[None].to(device),
-                       attention_mask=None, packed_seq_params=params)[0]
-        positions = mb.response_positions().to(device)
-        return token_logprobs_and_entropy(logits[positions], mb.response_targets().to(device),
+
+        def forward_step(batches, model):
+            mb = next(batches)
+            cu = mb.cu_seqlens.to(device)
+            params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                     max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
+            output = model(input_ids=mb.tokens_T[None].to(device), position_ids=mb.positions_T[None].to(device),
+                           attention_mask=None, packed_seq_params=params)
+            tokens = torch.tensor(sum(mb.response_lengths), dtype=torch.int)
+            return output, lambda logits: (on_logits(mb, logits[0]), tokens, {})
+
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(mbs), model=model, num_microbatches=len(mbs),
+            seq_length=max(len(mb.tokens_T) for mb in mbs), micro_batch_size=1, forward_only=forward_only)
+
+    def _logprobs(self, mb: MicroBatch, logits: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Response-token log-probs (and entropies) of one packed micro-batch from its logits, fp32, ``[R]``."""
+        positions = mb.response_positions().to(logits.device)
+        return token_logprobs_and_entropy(logits[positions], mb.response_targets().to(logits.device),
                                           self.cfg.rollout_temperature, with_entropy)
 
     @torch.no_grad()
     def _no_grad_logprobs(self, model, mbs: list[MicroBatch]) -> dict[int, torch.Tensor]:
+        """Each sample's response log-probs under ``model``, by sample index, on every pipeline stage."""
         model.eval()
         out: dict[int, torch.Tensor] = {}
-        for mb in mbs:
-            logp, _ = self._forward(model, mb, with_entropy=False)
-            for index, part in zip(mb.indices, logp.cpu().split(mb.response_lengths)):
-                out[index] = part
-        return out
+
+        def keep(mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
+            logp, _ = self._logprobs(mb, logits, with_entropy=False)
+            out.update(zip(mb.indices, logp.cpu().split(mb.response_lengths)))
+            return logp.new_zeros(())
+
+        self._schedule(model, mbs, keep, forward_only=True)
+        return self._from_last_stage(out)
+
+    def _from_last_stage(self, value):
+        """``value`` as the last pipeline stage holds it, on every stage (losses and log-probs are computed there)."""
+        from megatron.core import parallel_state
+
+        if self.parallel.pipeline == 1:
+            return value
+        box = [value]
+        torch.distributed.broadcast_object_list(box, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                                group=parallel_state.get_pipeline_model_parallel_group())
+        return box[0]
 
     # -- one rollout ---------------------------------------------------------------------------
 
@@ -222,8 +263,8 @@ class Trainer:
             tokens.weight = dict(zip(span, losses.token_weights(cfg.loss_aggregation, masks[span.start:span.stop])))
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
-            for mb in step.micro_batches:
-                self._micro_step(mb, tokens, sums, extremes)
+            self._schedule(self.model, step.micro_batches, functools.partial(self._loss, tokens=tokens, sums=sums,
+                                                                             extremes=extremes), forward_only=False)
             # Megatron's own finish: the data-parallel sum, plus the tensor-parallel sums of grads that
             # each TP rank computes only in part (q/k norms see only that rank's heads).
             finalize_model_grads([self.model])
@@ -242,15 +283,16 @@ class Trainer:
         })
         return metrics
 
-    def _micro_step(self, mb: MicroBatch, tokens: PerToken, sums: dict[str, torch.Tensor], extremes: dict[str, float]) -> None:
-        """Forward and backward of one micro-batch; adds its loss parts and token statistics to ``sums``."""
+    def _loss(self, mb: MicroBatch, logits: torch.Tensor, tokens: PerToken, sums: dict[str, torch.Tensor],
+              extremes: dict[str, float]) -> torch.Tensor:
+        """One micro-batch's loss from its logits; adds its loss parts and token statistics to ``sums``."""
         cfg = self.cfg
         mask, weight = tokens.take("mask", mb.indices), tokens.take("weight", mb.indices)
         adv, rollout = tokens.take("advantage", mb.indices), tokens.take("rollout_logp", mb.indices)
         staleness = tokens.take("staleness", mb.indices)
         seq_ids = torch.repeat_interleave(torch.arange(len(mb.indices)), torch.tensor(mb.response_lengths))
 
-        logp, entropy = self._forward(self.model, mb, with_entropy=True)
+        logp, entropy = self._logprobs(mb, logits, with_entropy=True)
         logp, entropy = logp.cpu(), entropy.cpu()
         old = tokens.take("old_logp", mb.indices) if tokens.old_logp else logp.detach()
         pg, info = losses.policy_loss(cfg.advantage_estimator, logp, old, adv, mask, seq_ids, len(mb.indices),
@@ -263,7 +305,6 @@ class Trainer:
             per_token = per_token + cfg.kl_loss_coef * kl
         per_token = per_token - cfg.entropy_coef * entropy
         loss = (weight * per_token).sum()
-        loss.backward()
 
         with torch.no_grad():
             on = mask.bool()
@@ -284,6 +325,7 @@ class Trainer:
                 extremes["ratio_max"] = max(extremes["ratio_max"], float(info["ratio"][on].max()))
                 extremes["ratio_min"] = min(extremes["ratio_min"], float(info["ratio"][on].min()))
                 extremes["token_staleness_max"] = max(extremes["token_staleness_max"], float(staleness[on].max()))
+        return loss
 
     def _reduce_metrics(self, sums: dict[str, torch.Tensor], extremes: dict[str, float], steps: int) -> dict[str, float]:
         """Global metrics: loss parts averaged over optimizer steps, token statistics over loss tokens."""
@@ -306,7 +348,7 @@ class Trainer:
         if totals.get("fresh_tokens"):
             metrics["train/fresh_logprob_abs_diff"] = totals["fresh_logprob_abs_diff"] / totals["fresh_tokens"]
         metrics["train/loss_tokens"] = totals.get("tokens", 0.0)
-        return metrics
+        return self._from_last_stage(metrics)
 
     # -- weights and checkpoints -------------------------------------------------------------
 

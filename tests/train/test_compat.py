@@ -12,6 +12,11 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the compatibi
 
 PROBE = r"""
 import torch
+try:
+    torch.cuda.synchronize()
+    raise SystemExit("synchronize worked before apply(): the probe proves nothing")
+except (AssertionError, RuntimeError):
+    pass
 from megatron.core.tensor_parallel import random as mcore_random
 from megatron.core.utils import GlobalMemoryBuffer
 from inverted.train import _compat
@@ -49,6 +54,15 @@ try:
     raise SystemExit("a reused seed was accepted")
 except RuntimeError:
     pass
+
+# 3. Pipeline schedules: .cuda() stays put, synchronize() returns, the schedules' counter is made on the CPU.
+from megatron.core.pipeline_parallel import schedules
+weight = torch.ones(2)
+assert weight.cuda() is weight
+torch.cuda.synchronize()
+counter = schedules.torch.zeros([], dtype=torch.int, device="cuda")
+assert counter.device.type == "cpu" and counter.dtype == torch.int
+assert schedules.torch.float32 is torch.float32 and torch.zeros(1).device.type == "cpu"
 print("ok")
 """
 

@@ -47,7 +47,7 @@ def test_hf_megatron_hf_round_trip_is_bit_exact(arch, tp, tiny_model):
     names = [f"decoder.layers.{i}.{row.megatron}" for i in range(spec.num_layers) for row in LAYER_TABLE]
     names += [row.megatron for row in MODEL_TABLE]
     rebuilt = {}
-    for name, (row, prefix) in rows_for(names, 0).items():
+    for name, (row, prefix) in rows_for(names, 0, tied=False).items():
         if not all(prefix + n in hf for n in row.hf):
             continue  # a row this family lacks (biases, q/k norms, an untied head)
         shards = [to_megatron(spec, row, [hf[prefix + n] for n in row.hf], tp, rank) for rank in range(tp)]
@@ -63,7 +63,7 @@ def test_qkv_layout_is_megatrons_per_group_order(tiny_model):
     """Megatron's fused qkv rows are [q heads of group g, k_g, v_g] for each group g."""
     spec = ModelSpec.from_checkpoint(tiny_model("qwen2"))
     hf = checkpoint_tensors(tiny_model("qwen2"))
-    row = rows_for(["decoder.layers.0.self_attention.linear_qkv.weight"], 0)["decoder.layers.0.self_attention.linear_qkv.weight"][0]
+    row = rows_for(["decoder.layers.0.self_attention.linear_qkv.weight"], 0, tied=False)["decoder.layers.0.self_attention.linear_qkv.weight"][0]
     q, k, v = (hf[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv")
     fused = to_megatron(spec, row, [q, k, v], 1, 0)
     d, per = spec.head_dim, spec.num_heads // spec.num_kv_heads
@@ -89,7 +89,10 @@ def test_tp2_equals_tp1(tiny_model, tmp_path):
         torch.testing.assert_close(results[2]["weights"][name], tensor, rtol=0, atol=1e-7)
 
 
-def test_tp_that_does_not_divide_the_model_is_refused(tiny_model):
+def test_tp_or_pp_that_does_not_divide_the_model_is_refused(tiny_model):
     spec = ModelSpec.from_checkpoint(tiny_model("qwen2"))
     with pytest.raises(ModelError, match="--tensor-model-parallel-size 3 does not divide"):
         check_compatible(spec, 3)
+    with pytest.raises(ModelError, match="--pipeline-model-parallel-size 3 does not divide the model's 2 layers"):
+        check_compatible(spec, 1, 3)
+    check_compatible(spec, 2, 2)

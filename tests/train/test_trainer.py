@@ -9,12 +9,13 @@ import sys
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file
 
 from inverted.config import TrainConfig
 from inverted.train.parallel import spawn
 from inverted.types import Sample
 from tests.train.samples import make_samples, write_jsonl
-from tests.train.workers import grpo_step, logits_and_step, step_at_version
+from tests.train.workers import grpo_step, logits_and_step, logprobs_step_and_save, step_at_version
 
 
 def test_dp2_equals_one_process_on_the_whole_batch(tiny_model, tmp_path):
@@ -28,6 +29,43 @@ def test_dp2_equals_one_process_on_the_whole_batch(tiny_model, tmp_path):
         assert results[2]["metrics"][name] == pytest.approx(results[1]["metrics"][name], rel=1e-5), name
     for name, tensor in results[1]["weights"].items():
         torch.testing.assert_close(results[2]["weights"][name], tensor, rtol=0, atol=1e-7)
+
+
+def test_tp2_pp2_equals_one_process_and_exports(tiny_model, tmp_path):
+    """Four gloo ranks, two pipeline stages of two tensor-parallel ranks each, give one process's result.
+
+    Two optimizer steps of several micro-batches each run Megatron's 1F1B schedule (warm-up,
+    steady state, cool-down), with a no-grad pass for the old log-probs and one through the frozen
+    reference; Qwen3 ties its embeddings, so the last stage trains its own copy of them. Log-probs,
+    metrics and the updated weights (assembled on the first stage) must match, and the
+    four-rank checkpoint must export to exactly those weights.
+    """
+    path = str(tiny_model("qwen3"))
+    samples = make_samples(seed=7)
+    results = {}
+    for tp, pp in ((1, 1), (2, 2)):
+        cfg = TrainConfig(hf_checkpoint=path, lr=1e-2, adam_eps=1.0, tensor_model_parallel_size=tp,
+                          pipeline_model_parallel_size=pp, actor_num_gpus_per_node=tp * pp, max_tokens_per_gpu=24,
+                          global_batch_size=4, use_kl_loss=True, kl_loss_coef=0.1)
+        spawn(logprobs_step_and_save, tp * pp, cfg, samples, str(tmp_path / f"ckpt{pp}"), str(tmp_path / f"{pp}.pt"))
+        results[pp] = torch.load(tmp_path / f"{pp}.pt")
+    one, four = results[1], results[2]
+    assert len(one["logprobs"]) == len(samples)
+    for index, logprobs in one["logprobs"].items():
+        torch.testing.assert_close(four["logprobs"][index], logprobs, rtol=0, atol=1e-5)
+    assert one["metrics"]["train/optimizer_steps"] == 2 and one["metrics"]["train/kl"] > 0
+    for name in ("train/loss", "train/pg_loss", "train/kl", "train/entropy", "train/grad_norm", "train/loss_tokens"):
+        assert four["metrics"][name] == pytest.approx(one["metrics"][name], rel=1e-5, abs=1e-9), name
+    assert four["weights"].keys() == one["weights"].keys()
+    for name, tensor in one["weights"].items():
+        torch.testing.assert_close(four["weights"][name], tensor, rtol=0, atol=1e-6)
+
+    from inverted.train.export import export_hf
+
+    exported = load_file(export_hf(tmp_path / "ckpt2", tmp_path / "hf") / "model.safetensors")
+    assert exported.keys() == four["weights"].keys()
+    for name, tensor in four["weights"].items():
+        assert torch.equal(exported[name], tensor), name
 
 
 def test_grpo_step_raises_the_rewarded_answer(tiny_model, tmp_path):

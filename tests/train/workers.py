@@ -139,3 +139,23 @@ def grpo_loop(cfg: TrainConfig, url: str, steps: int, out: str) -> None:
         torch.save(history, out)
     finally:
         shutdown_parallel()
+
+
+def logprobs_step_and_save(cfg: TrainConfig, samples, save: str, out: str) -> None:
+    """Response log-probs through the schedule, one training step, a checkpoint in ``save``: what rank 0 sees."""
+    from inverted.train.checkpoint import save_checkpoint
+    from inverted.train.parallel import init_parallel, shutdown_parallel
+    from inverted.train.trainer import Trainer
+
+    init_parallel(cfg)
+    try:
+        trainer = Trainer(cfg)
+        mbs = [mb for step in trainer._plan(samples) for mb in step.micro_batches]
+        logprobs = trainer._no_grad_logprobs(trainer.model, mbs)
+        metrics = trainer.train(samples)
+        weights = trainer.hf_weights()
+        save_checkpoint(trainer, save)
+        if torch.distributed.get_rank() == 0:
+            torch.save({"logprobs": logprobs, "metrics": metrics, "weights": weights}, out)
+    finally:
+        shutdown_parallel()
