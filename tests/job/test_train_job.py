@@ -56,8 +56,9 @@ def test_train_end_to_end_with_a_multi_turn_tool_env(tiny_model, tmp_path, calcu
     """Two rollouts (the second after a resume with --load), two engines behind the router, agent
     rollout, calculator tool env (one episode's env raises), evaluation.
 
-    With ``--colocate`` the engines release their memory while the trainer trains and get the new
-    weights after resuming: rollout 1's log-probs must then match the trainer's to float precision.
+    The trainer is two pipeline stages (two Ray actors). With ``--colocate`` the engines release
+    their memory while the trainer trains and get the new weights, assembled from both stages,
+    after resuming: rollout 1's log-probs must then match the trainer's to float precision.
     """
     env_module = tmp_path / "flaky_env.py"
     env_module.write_text(textwrap.dedent("""
@@ -76,7 +77,7 @@ def test_train_end_to_end_with_a_multi_turn_tool_env(tiny_model, tmp_path, calcu
     run_dir, eval_data = tmp_path / "run", write_dataset(calculator_rows, tmp_path / "eval.jsonl", count=2, seed=1)
     args = ["train", "--hf-checkpoint", str(tiny_model()), "--prompt-data", str(calculator_data), "--env-path",
             "flaky_env:episode", "--output-dir", str(run_dir), "--eval-interval", "2", "--eval-prompt-data",
-            str(eval_data), "--colocate", *SMALL_RUN]
+            str(eval_data), "--colocate", "--pipeline-model-parallel-size", "2", "--actor-num-gpus-per-node", "2", *SMALL_RUN]
     shared_before = set(Path("/dev/shm").glob("torch_*"))
     check(inverted(*args, "--num-rollout", "1", pythonpath=tmp_path))
     assert set(Path("/dev/shm").glob("torch_*")) <= shared_before  # the weight buckets' shared memory is given back
