@@ -265,8 +265,9 @@ class Trainer:
             self.optimizer.zero_grad()
             self._schedule(self.model, step.micro_batches, functools.partial(self._loss, tokens=tokens, sums=sums,
                                                                              extremes=extremes), forward_only=False)
-            # Megatron's own finish: the data-parallel sum, plus the tensor-parallel sums of grads that
-            # each TP rank computes only in part (q/k norms see only that rank's heads).
+            # Megatron's own finish: the data-parallel sum, the tensor-parallel sums of grads that each
+            # TP rank computes only in part (q/k norms see only that rank's heads), and under PP the sum
+            # of the tied embedding's two copies (first and last stage), which keeps them equal.
             finalize_model_grads([self.model])
             _, grad_norm, _ = self.optimizer.step()
             grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
