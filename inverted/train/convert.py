@@ -215,23 +215,24 @@ def iter_hf_weights(model, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]
 
 
 def _over_pipeline(local: Iterator[tuple[str, torch.Tensor]], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """``local`` on the first stage, then each later stage's tensors as its TP rank 0 sends them (name, then tensor)."""
     from megatron.core import parallel_state
 
     group = parallel_state.get_pipeline_model_parallel_group()
-    stages = torch.distributed.get_process_group_ranks(group)
-    sender = parallel_state.get_tensor_model_parallel_rank() == 0  # its TP peers gathered the same tensors
+    first, *later = torch.distributed.get_process_group_ranks(group)
+    lead = parallel_state.get_tensor_model_parallel_rank() == 0  # speaks for its stage: its TP peers hold the same tensors
     if parallel_state.get_pipeline_model_parallel_rank() > 0:
         for name, tensor in local:
-            if sender:
-                torch.distributed.send_object_list([(name, tensor.shape, tensor.dtype)], dst=stages[0], group=group)
-                torch.distributed.send(tensor, dst=stages[0], group=group)
-        if sender:
-            torch.distributed.send_object_list([None], dst=stages[0], group=group)
+            if lead:
+                torch.distributed.send_object_list([(name, tensor.shape, tensor.dtype)], dst=first, group=group)
+                torch.distributed.send(tensor, dst=first, group=group)
+        if lead:
+            torch.distributed.send_object_list([None], dst=first, group=group)
         return
     yield from local
-    if not sender:
+    if not lead:
         return
-    for source in stages[1:]:
+    for source in later:
         while True:
             header = [None]
             torch.distributed.recv_object_list(header, src=source, group=group)
