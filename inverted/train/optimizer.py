@@ -3,10 +3,10 @@
 On CUDA, ``get_megatron_optimizer`` builds Megatron's optimizer (its distributed optimizer with
 ``--use-distributed-optimizer``). Megatron's optimizer wrappers allocate their scale and overflow
 tensors on CUDA, so on CPU ``CPUAdamW`` does the same job with the same conventions: gradients
-are read from Megatron DDP's ``main_grad`` buffers, the global norm counts tensor-parallel
-replicas and the last pipeline stage's copy of tied embeddings once and is reduced over the
-model-parallel group (as Megatron's ``clip_grad_norm_fp32`` does), and biases and 1-D parameters get no weight decay. ``step()`` returns
-``(success, grad_norm, None)`` like Megatron's.
+are read from Megatron DDP's ``main_grad`` buffers; the global norm counts tensor-parallel
+replicas once, leaves out the last pipeline stage's copy of tied embeddings, and is reduced over
+the model-parallel group (as Megatron's ``clip_grad_norm_fp32`` does); biases and 1-D parameters
+get no weight decay. ``step()`` returns ``(success, grad_norm, None)`` like Megatron's.
 """
 
 from __future__ import annotations
