@@ -58,6 +58,15 @@ TIED_OUTPUT = Row("output_layer.weight", ("model.embed_tokens.weight",), "column
 LAYER_PREFIX = "decoder.layers."
 
 
+def layer_param(name: str) -> tuple[int, str] | None:
+    """``decoder.layers.3.mlp.linear_fc2.weight`` → ``(3, "mlp.linear_fc2.weight")``: the stage-local
+    layer number and the rest; None for a parameter outside the layers."""
+    if not name.startswith(LAYER_PREFIX):
+        return None
+    local, _, suffix = name[len(LAYER_PREFIX):].partition(".")
+    return int(local), suffix
+
+
 def rows_for(names: list[str], layer_offset: int, tied: bool) -> dict[str, tuple[Row, str]]:
     """Each Megatron parameter name → its table row and the HF name prefix (global layer index).
 
@@ -66,10 +75,10 @@ def rows_for(names: list[str], layer_offset: int, tied: bool) -> dict[str, tuple
     table = {row.megatron: row for row in LAYER_TABLE}
     found: dict[str, tuple[Row, str]] = {}
     for name in names:
-        if name.startswith(LAYER_PREFIX):
-            local, _, suffix = name[len(LAYER_PREFIX):].partition(".")
+        if (layer := layer_param(name)) is not None:
+            local, suffix = layer
             row = table.get(suffix)
-            prefix = f"model.layers.{int(local) + layer_offset}."
+            prefix = f"model.layers.{local + layer_offset}."
         else:
             row = TIED_OUTPUT if tied and name == TIED_OUTPUT.megatron else next(
                 (r for r in MODEL_TABLE if r.megatron == name), None)

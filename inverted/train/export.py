@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from inverted.errors import ModelError
 from inverted.hf_checkpoint import ModelSpec
 from inverted.train.checkpoint import HF_FILES_DIR, latest_iteration, rank_file, read_meta
-from inverted.train.convert import LAYER_PREFIX, assembled_hf
+from inverted.train.convert import assembled_hf, layer_param
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
                   for tp in range(meta["parallel"]["tensor"])]
         names = [name for name in shards[0] if not name.endswith("_extra_state")]
         tensors.update(assembled_hf(spec, names, lambda name, row: [shard[name] for shard in shards], layers_before))
-        layers_before += len({name[len(LAYER_PREFIX):].partition(".")[0] for name in names if name.startswith(LAYER_PREFIX)})
+        layers_before += len({layer[0] for layer in map(layer_param, names) if layer is not None})
     if layers_before != spec.num_layers:
         raise ModelError(f"{directory}: its stages hold {layers_before} layers, the model has {spec.num_layers}")
     out = Path(out)
