@@ -29,6 +29,7 @@ import base64
 import binascii
 import collections
 import datetime
+import functools
 import io
 import pickle
 from dataclasses import dataclass
@@ -160,22 +161,47 @@ class _Pickler(pickle._Pickler):
         alias = _ALIASED.get(id(obj))
         if alias is None:
             return super().save_global(obj, name)
-        self.save(alias[0])
-        self.save(alias[1])
-        self.write(pickle.STACK_GLOBAL)
+        self.write(pickle.GLOBAL + f"{alias[0]}\n{alias[1]}\n".encode())  # readable at every protocol
         self.memoize(obj)
+
+
+def _pickle(obj: Any, protocol: int) -> bytes:
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=protocol).dump(obj)
+    return buf.getvalue()
 
 
 def serialize(obj: Any) -> str:
     """SGLang's ``MultiprocessingSerializer.serialize(obj, output_str=True)``, readable by real SGLang."""
-    buf = io.BytesIO()
-    _Pickler(buf, protocol=pickle.DEFAULT_PROTOCOL).dump(obj)
-    return base64.b64encode(buf.getvalue()).decode()
+    return base64.b64encode(_pickle(obj, pickle.DEFAULT_PROTOCOL)).decode()
+
+
+# A bucket payload is pickled in parts, and the metadata's part is kept. The pure-Python pickler
+# spends ~70 us per metadata entry (measured: 6-7 ms for the 98 tensors of the `small` model; a
+# 1.5B model has 339, more than CUDA IPC needs to move its 3 GB), and a bucket's layout is the
+# same at every update. Protocol 3 makes the splice sound: it has no frames, and it names memo
+# slots explicitly (BINPUT n), so each part only reads the slots it wrote itself.
+_SPLICE_PROTOCOL = 3
+
+
+def _pickled_part(obj: Any) -> bytes:
+    """``obj``'s pickle opcodes, without the protocol header and the STOP."""
+    return _pickle(obj, _SPLICE_PROTOCOL)[2:-1]
+
+
+@functools.lru_cache(maxsize=256)
+def _pickled_metadata(layout: tuple[tuple, ...]) -> bytes:
+    return _pickled_part([FlattenedTensorMetadata(*entry) for entry in layout])
 
 
 def bucket_payload(flat: torch.Tensor, metadata: list[FlattenedTensorMetadata]) -> str:
-    """One ``/update_weights_from_tensor`` entry for ``load_format="flattened_bucket"``, as SGLang builds it."""
-    return serialize({"flattened_tensor": flat, "metadata": metadata})
+    """One ``/update_weights_from_tensor`` entry for ``load_format="flattened_bucket"``, as SGLang builds it:
+    ``{"flattened_tensor": flat, "metadata": metadata}``, the metadata's pickle reused across updates."""
+    layout = tuple((m.name, torch.Size(m.shape), m.dtype, m.start_idx, m.end_idx, m.numel) for m in metadata)
+    raw = b"".join([pickle.PROTO, bytes([_SPLICE_PROTOCOL]), pickle.EMPTY_DICT, pickle.MARK,
+                    _pickled_part("flattened_tensor"), _pickled_part(flat),
+                    _pickled_part("metadata"), _pickled_metadata(layout), pickle.SETITEMS, pickle.STOP])
+    return base64.b64encode(raw).decode()
 
 
 def _load_storage_by_value(data: bytes) -> torch.UntypedStorage | torch.TypedStorage:

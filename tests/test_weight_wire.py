@@ -9,11 +9,13 @@ import pickle
 import pytest
 import torch
 
+from inverted import weight_wire
 from inverted.errors import InvalidRequest
 from inverted.weight_wire import (
     FlattenedTensorMetadata,
     LocalSerializedTensor,
     bucket_layout,
+    bucket_payload,
     deserialize,
     parse_dtype,
     serialize,
@@ -40,7 +42,7 @@ def test_a_bucket_round_trips_through_shared_memory_under_sglang_names():
     flat = torch.empty(layout[-1].end_idx, dtype=torch.uint8).share_memory_()
     for (name, view) in unflatten(flat, layout):
         view.copy_(tensors[name])
-    payload = serialize({"flattened_tensor": flat, "metadata": layout})
+    payload = bucket_payload(flat, layout)
     raw = base64.b64decode(payload)
     assert b"sglang.srt.weight_sync.tensor_bucket" in raw and b"FlattenedTensorMetadata" in raw
     assert b"inverted" not in raw  # real SGLang could not resolve our module
@@ -50,6 +52,19 @@ def test_a_bucket_round_trips_through_shared_memory_under_sglang_names():
     assert all(isinstance(m, FlattenedTensorMetadata) for m in decoded["metadata"])
     for name, view in unflatten(decoded["flattened_tensor"], decoded["metadata"]):
         assert torch.equal(view, tensors[name])
+
+
+def test_a_bucket_payload_reuses_the_pickle_of_an_unchanged_layout_only():
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    first = bucket_layout([("w", torch.float32, (2, 4)), ("b", torch.float32, (4,)), ("v", torch.float32, (2, 4))])
+    flat = torch.arange(first[-1].end_idx, dtype=torch.uint8).share_memory_()
+    reused = weight_wire._pickled_metadata.cache_info().hits
+    decoded = [deserialize(bucket_payload(flat, first)) for _ in range(2)]
+    assert weight_wire._pickled_metadata.cache_info().hits == reused + 1
+    for got in decoded:  # the spliced parts decode together: the tensor's memo slots do not leak into the metadata's
+        assert got["metadata"] == first and torch.equal(got["flattened_tensor"], flat)
+    second = bucket_layout([("w", torch.float32, (4, 2)), ("b", torch.float32, (2,)), ("v", torch.float32, (2, 5))])
+    assert deserialize(bucket_payload(flat, second))["metadata"] == second  # a changed layout is pickled anew
 
 
 def test_by_value_pickles_and_per_rank_tensors_are_accepted():
