@@ -74,6 +74,29 @@ def processes_with(text: str) -> list[int]:
     return found
 
 
+def freeze(group: int, timeout: float = 30.0) -> None:
+    """SIGSTOP a process group and wait until every process in it has stopped.
+
+    A process stops only on its way back from the kernel: one inside a system call (the buffer's
+    SQLite commit, say) finishes it first, so without the wait its write could land after a look.
+    """
+    os.killpg(group, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = []
+        for entry in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = entry.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == group:
+                states.append(fields[0])
+        if all(state in "TtZX" for state in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process group {group} did not stop within {timeout} s")
+
+
 def own_model(tiny_model, tmp_path: Path) -> Path:
     """A private copy of the tiny model: its path names this test's engine processes."""
     return Path(shutil.copytree(tiny_model(), tmp_path / "model"))
@@ -105,7 +128,7 @@ def test_async_one_step_off_with_partial_rollouts_survives_a_job_kill(tiny_model
         # the job is frozen (SIGSTOP) to look, so that what is seen is what the kill leaves.
         while True:
             wait_for(lambda: latest_checkpoint(run_dir) >= 3, first, tmp_path / "first.log")
-            os.killpg(first.pid, signal.SIGSTOP)
+            freeze(first.pid)
             if "complete" in group_states(run_dir).values():
                 break
             os.killpg(first.pid, signal.SIGCONT)
