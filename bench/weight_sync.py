@@ -9,14 +9,16 @@ fp32 on CPU) one embedded engine is started and the model's weights are pushed i
   ratio's ceiling is 0.5; the target is >= 0.4.
 - **distributed**: one gloo broadcast per bucket to the engine, which copies it in. Baseline: raw
   gloo broadcasts of the same bytes to a second process, acknowledged at the end. Target >= 0.5.
+- **payload_ms**: building the tensor payloads of one update, each bucket dict pickled whole
+  (``serialize``) against ``bucket_payload``, which reuses the pickled metadata of an unchanged layout.
 
 With ``--device cuda`` (one GPU) the engine runs on the GPU in bfloat16 and only the tensor
 transport is measured (CUDA-IPC handles; NCCL cannot put two ranks on one GPU), against one
 device-to-device copy of the same bytes; target >= 0.3. Use ``--presets large`` (~1.3B) there.
 
 Effective GB/s = bytes / the update's bucket phase (pack + send + the engine's copy, overlapped);
-``total_s`` is the whole update (pause, session, version, flush, continue included). Medians of
-``--rounds`` after one warm-up.
+``total_s`` is the whole update (pause, session, version, flush, continue included); ``phases_s``
+each phase on its own. Every figure is the median of ``--rounds`` updates after one warm-up.
 
     python bench/weight_sync.py [--presets small base] [--rounds 3] [--buffer-size 536870912]
     python bench/weight_sync.py --device cuda --presets large
@@ -41,8 +43,8 @@ from inverted.config import TinyModelConfig  # noqa: E402
 from inverted.hf_checkpoint import checkpoint_tensors  # noqa: E402
 from inverted.rollout.servers import ManagedProcess, free_port  # noqa: E402
 from inverted.tiny_model import make_tiny_model  # noqa: E402
-from inverted.train.weight_sync import DistributedTransport, TensorTransport, WeightSync  # noqa: E402
-from inverted.weight_wire import join_update_group  # noqa: E402
+from inverted.train.weight_sync import BucketPacker, DistributedTransport, TensorTransport, WeightSync  # noqa: E402
+from inverted.weight_wire import bucket_payload, join_update_group, serialize  # noqa: E402
 
 RUNS = Path("runs/bench")
 
@@ -113,13 +115,34 @@ def broadcast_seconds(total: int, chunk: int) -> float:
     return seconds
 
 
+def payload_ms(weights: dict[str, torch.Tensor], buffer_size: int, device: str, rounds: int) -> dict:
+    """Milliseconds to build the tensor payloads of one update: the bucket dict pickled whole
+    (``serialize``) against ``bucket_payload``, which reuses the pickle of an unchanged layout."""
+    transport = TensorTransport(torch.device(device))
+    buckets = list(BucketPacker(buffer_size, transport.allocate, next(iter(weights.values())).dtype).pack(weights.items()))
+
+    def build(payload) -> float:
+        started = time.perf_counter()
+        for bucket in buckets:
+            payload(bucket)
+        return (time.perf_counter() - started) * 1e3
+
+    whole = statistics.median(build(lambda b: serialize({"flattened_tensor": b.flat, "metadata": b.metadata}))
+                              for _ in range(rounds))
+    build(lambda b: bucket_payload(b.flat, b.metadata))  # an update's first payloads pickle their layouts
+    reused = statistics.median(build(lambda b: bucket_payload(b.flat, b.metadata)) for _ in range(rounds))
+    transport.release()
+    return {"tensors": len(weights), "pickled_whole": whole, "reused_layout": reused, "ratio": whole / reused}
+
+
 def bench_model(preset: str, rounds: int, buffer_size: int, device: str) -> dict:
     path = model_dir(preset)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     weights = {name: t.to(device, dtype) for name, t in checkpoint_tensors(path).items()}
     total = sum(t.numel() * t.element_size() for t in weights.values())
     engine = start_engine(path, device)
-    result: dict = {"params": sum(t.numel() for t in weights.values()), "bytes": total, "dtype": str(dtype)}
+    result: dict = {"params": sum(t.numel() for t in weights.values()), "bytes": total, "dtype": str(dtype),
+                    "payload_ms": payload_ms(weights, buffer_size, device, rounds)}
     transports = [("tensor", lambda: TensorTransport(torch.device(device)))]
     if device == "cpu":
         transports.append(("distributed", lambda: DistributedTransport(torch.device("cpu"), timeout=600)))
@@ -134,7 +157,8 @@ def bench_model(preset: str, rounds: int, buffer_size: int, device: str) -> dict
             result[name] = {"gb_per_s": total / seconds / 1e9, "baseline_gb_per_s": total / baseline / 1e9,
                             "ratio": baseline / seconds, "buckets": reports[-1].buckets,
                             "bucket_phase_s": seconds, "total_s": statistics.median(r.seconds["total"] for r in reports),
-                            "phases_s": {k: round(v, 4) for k, v in reports[-1].seconds.items()}}
+                            "phases_s": {k: round(statistics.median(r.seconds.get(k, 0.0) for r in reports), 4)
+                                         for k in reports[-1].seconds}}
     finally:
         engine.terminate()
     return result
