@@ -13,9 +13,10 @@ so each format is written once:
   SGLang's ``SafeUnpickler`` accepts our payloads. Tensors go as torch's multiprocessing
   reductions: CPU storages as shared-memory files, if the caller chose torch's ``file_system``
   sharing strategy; CUDA tensors as IPC handles that name the device by UUID, as SGLang's patched
-  reduction does. ``deserialize`` never runs plain pickle: an allowlist resolves SGLang's class
-  names to ours, the torch rebuild functions, and the builtin containers; every other global is
-  refused.
+  reduction does. ``bucket_payload`` pickles a bucket's metadata once per layout and reuses it,
+  since only the buffer's handle changes between updates. ``deserialize`` never runs plain
+  pickle: an allowlist resolves SGLang's class names to ours, the torch rebuild functions, and
+  the builtin containers; every other global is refused.
 - **The update group** (``/init_weights_update_group``): ``join_update_group`` builds the process
   group the way SGLang's ``init_custom_process_group`` builds it (a TCP rendezvous, then torch's
   store prefixes for a named group), so a trainer and a real SGLang server meet in it.
