@@ -75,16 +75,16 @@ def processes_with(text: str) -> list[int]:
 
 
 def freeze(group: int, timeout: float = 30.0) -> None:
-    """SIGSTOP a process group and wait until every process in it has stopped.
+    """SIGSTOP a process group and wait until every thread of every process in it has stopped.
 
-    A process stops only on its way back from the kernel: one inside a system call (the buffer's
+    A thread stops only on its way back from the kernel: one inside a system call (the buffer's
     SQLite commit, say) finishes it first, so without the wait its write could land after a look.
     """
     os.killpg(group, signal.SIGSTOP)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         states = []
-        for entry in Path("/proc").glob("[0-9]*/stat"):
+        for entry in Path("/proc").glob("[0-9]*/task/[0-9]*/stat"):
             try:
                 fields = entry.read_text().rsplit(")", 1)[1].split()
             except OSError:
