@@ -43,7 +43,7 @@ $(VENV)/.sglang-wire: $(VENV)/.installed
 	touch $@
 
 test: setup $(VENV)/.sglang-wire
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15  # the slowest tests, to keep the suite within its time
 
 bench: setup $(MODEL)/config.json
 	$(BIN)/python bench/engine_throughput.py --model $(MODEL)

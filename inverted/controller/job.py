@@ -69,16 +69,15 @@ class Plugins:
         return cls(rollout, env, reward)
 
 
-def start_service(command: str, section: Any, run_dir: Path, url: str, timeout: float) -> ManagedProcess:
-    """``inverted COMMAND --config run_dir/services/COMMAND.yaml`` (owner-only: it holds the key)."""
+def spawn_service(command: str, section: Any, run_dir: Path, url: str) -> ManagedProcess:
+    """``inverted COMMAND --config run_dir/services/COMMAND.yaml`` (owner-only: it holds the key);
+    the caller waits until it is healthy."""
     config = run_dir / "services" / f"{command}.yaml"
     config.parent.mkdir(parents=True, exist_ok=True)
     config.touch(mode=0o600)
     config.write_text(yaml.safe_dump(dataclasses.asdict(section), sort_keys=False))
     argv = [sys.executable, "-m", "inverted.cli", command, "--config", str(config)]
-    process = ManagedProcess.spawn(command, argv, run_dir / "logs" / f"{command}.log", url)
-    process.wait_healthy(timeout)
-    return process
+    return ManagedProcess.spawn(command, argv, run_dir / "logs" / f"{command}.log", url)
 
 
 class Job:
@@ -105,13 +104,15 @@ class Job:
         return self
 
     async def _start(self) -> None:
+        """Start every part, booting side by side whatever does not need another part ready first."""
         cfg, timeout = self.cfg, self.cfg.servers.startup_timeout
-        start_ray(cfg.rollout.ray_address)
         port, key = free_port(), secrets.token_urlsafe(24)
         buffer_cfg = dataclasses.replace(cfg.buffer, db=str(self.run_dir / "buffer.db"), port=port, api_key=key)
-        self.processes.append(await asyncio.to_thread(start_service, "buffer", buffer_cfg, self.run_dir,
-                                                      f"http://127.0.0.1:{port}", timeout))
-        self.buffer = await self._stack.enter_async_context(BufferClient(self.processes[-1].url, api_key=key))
+        buffer = spawn_service("buffer", buffer_cfg, self.run_dir, f"http://127.0.0.1:{port}")
+        self.processes.append(buffer)
+        start_ray(cfg.rollout.ray_address)  # while the buffer boots
+        await asyncio.to_thread(buffer.wait_healthy, timeout)
+        self.buffer = await self._stack.enter_async_context(BufferClient(buffer.url, api_key=key))
         if released := await self.buffer.release(WORKER_ID):  # tasks an earlier, killed run of this job held
             logger.info("gave %d tasks leased by an earlier run back to the buffer", released)
 
@@ -119,15 +120,14 @@ class Job:
         gpus = cfg.servers.rollout_num_gpus_per_engine * (0.5 if cfg.rollout.colocate else 1.0)
         self.servers = RolloutServers(servers_cfg, self.router_args, self.sglang_args,
                                       launch=ray_launch(gpus if _has_cuda() else 0, cfg.rollout.ray_address is None))
-        trainer = None if cfg.rollout.debug_rollout_only else asyncio.to_thread(self._start_trainer)
-        await asyncio.gather(self.servers.start(), *([trainer] if trainer else []))
-
         port, self.proxy_key = free_port(), secrets.token_urlsafe(24)
         proxy_cfg = dataclasses.replace(cfg.proxy, router_url=self.servers.router_url, tokenizer=cfg.train.hf_checkpoint,
                                         proxy_port=port, proxy_api_key=self.proxy_key)
-        self.processes.append(await asyncio.to_thread(start_service, "proxy", proxy_cfg, self.run_dir,
-                                                      f"http://127.0.0.1:{port}", timeout))
-        self.proxy_url = self.processes[-1].url
+        proxy = spawn_service("proxy", proxy_cfg, self.run_dir, f"http://127.0.0.1:{port}")  # needs no router to boot
+        self.processes.append(proxy)
+        self.proxy_url = proxy.url
+        trainer = [] if cfg.rollout.debug_rollout_only else [asyncio.to_thread(self._start_trainer)]
+        await asyncio.gather(self.servers.start(), asyncio.to_thread(proxy.wait_healthy, timeout), *trainer)
 
     def _start_trainer(self) -> None:
         from inverted.train.actor import TrainGroup

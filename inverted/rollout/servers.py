@@ -188,7 +188,8 @@ class RolloutServers:
         self.engines: list[ServerHandle] = []
         self.launched = 0  # servers started so far, replacements included (names their logs)
         self.router: ManagedProcess | None = None
-        self.router_url = ""
+        # Known before ``start``, so that a client of the router (the proxy) can boot alongside it.
+        self.router_url = f"http://{config.router_host}:{config.router_port or free_port(config.router_host)}"
 
     @property
     def engine_urls(self) -> list[str]:
@@ -204,16 +205,15 @@ class RolloutServers:
         return self.launch(name, argv_for, self.log_dir / f"{name}.log", env)
 
     def _spawn_router(self) -> ManagedProcess:
-        port = self.config.router_port or free_port(self.config.router_host)
+        port = self.router_url.rsplit(":", 1)[1]
         given = {arg.split("=", 1)[0] for arg in self.router_args if arg.startswith("--")}
-        argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", self.config.router_host, "--port", str(port)]
+        argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", self.config.router_host, "--port", port]
         defaults = {**ROUTER_DEFAULTS, "--prometheus-port": str(free_port())}  # 29000 would clash between routers
         for flag, value in defaults.items():
             if flag not in given:
                 argv += [flag, value]
         argv += self.router_args
-        url = f"http://{self.config.router_host}:{port}"
-        return ManagedProcess.spawn("router", argv, self.log_dir / "router.log", url)
+        return ManagedProcess.spawn("router", argv, self.log_dir / "router.log", self.router_url)
 
     async def __aenter__(self) -> "RolloutServers":
         try:
@@ -229,7 +229,6 @@ class RolloutServers:
     async def start(self) -> None:
         deadline = time.monotonic() + self.config.startup_timeout
         self.router = self._spawn_router()
-        self.router_url = self.router.url
         engines = [self._spawn_engine() for _ in range(self.config.num_engines)]
         self.engines += engines
         await asyncio.gather(*(asyncio.to_thread(e.wait_healthy, deadline - time.monotonic()) for e in engines))
