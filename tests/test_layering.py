@@ -7,6 +7,8 @@ buffer's and SGLang's clients use one retry mechanism; and ``hf_checkpoint`` (wh
 Face checkpoint's config says) counts as shared, so the engine and the trainer read an
 architecture in one place; and ``weight_wire`` (SGLang's bucket, payload and update-group
 formats) counts as shared, so the trainer's sender and the engine's receiver use one definition;
+and ``processes`` (children that die with their parent, one app on several processes) counts as
+shared, so the rollout servers and the buffer's workers use one mechanism;
 and ``plugins`` may read ``config`` (the rollout function's context carries its config section);
 and ``placement`` (Ray's side of starting servers) sits beside the controller (a package of its
 own modules), which alone uses it, and the controller may read prompt datasets (``buffer.datasets``) to check them and to
@@ -20,7 +22,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "inverted"
 SHARED = ("inverted.types", "inverted.errors", "inverted.config", "inverted.plugins", "inverted.metrics",
-          "inverted.http_client", "inverted.hf_checkpoint", "inverted.weight_wire")
+          "inverted.http_client", "inverted.hf_checkpoint", "inverted.weight_wire", "inverted.processes")
 
 # module prefix -> prefixes it may import (besides itself); first match wins
 RULES: list[tuple[str, tuple[str, ...]]] = [
@@ -32,6 +34,7 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("inverted.http_client", ("inverted.errors",)),
     ("inverted.hf_checkpoint", ("inverted.errors",)),
     ("inverted.weight_wire", ("inverted.errors",)),
+    ("inverted.processes", ()),
     ("inverted.cli", ("inverted",)),
     ("inverted.controller", SHARED + ("inverted.controller", "inverted.buffer.client", "inverted.buffer.datasets", "inverted.rollout.servers",
                                       "inverted.rollout.sglang_client", "inverted.rollout.proxy", "inverted.train.actor",

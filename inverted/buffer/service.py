@@ -40,13 +40,14 @@ from inverted.buffer.store import LeaseConflict, SQLiteStore
 from inverted.config import BufferConfig
 from inverted.errors import SampleError
 from inverted.plugins import load_plugin
+from inverted.processes import serve_workers
 from inverted.types import Sample, version_number
 
 logger = logging.getLogger(__name__)
 
 MAX_LONG_POLL_S = 300.0
 RECHECK_S = 0.25
-CONFIG_ENV = "INVERTED_BUFFER_CONFIG"  # how ``serve`` hands the config to uvicorn's worker processes
+CONFIG_ENV = "INVERTED_BUFFER_CONFIG"  # how ``serve`` hands the config to its worker processes
 
 
 class LeaseRequest(BaseModel):
@@ -291,7 +292,7 @@ def _add_routes(app: FastAPI) -> None:
 
 
 def app_from_env() -> FastAPI:
-    """uvicorn's factory in each worker process (it starts several only from an import string)."""
+    """The app of each worker process (``serve_workers`` starts them from an import string)."""
     return create_app(BufferConfig(**json.loads(os.environ[CONFIG_ENV])))
 
 
@@ -304,5 +305,4 @@ def serve(config: BufferConfig) -> None:
         return
     build_store(config).close()  # create the database and load the dataset once, before the workers race
     os.environ[CONFIG_ENV] = json.dumps(dataclasses.asdict(config))
-    uvicorn.run("inverted.buffer.service:app_from_env", factory=True, workers=config.workers, host=config.host,
-                port=config.port, log_level="warning", access_log=False)
+    serve_workers("inverted.buffer.service:app_from_env", config.host, config.port, config.workers, "buffer")

@@ -45,6 +45,7 @@ import httpx
 
 from inverted.config import ServersConfig
 from inverted.errors import ServiceUnavailable
+from inverted.processes import die_with_parent
 from inverted.rollout.sglang_client import RouterClient, SGLangClient
 
 logger = logging.getLogger(__name__)
@@ -56,15 +57,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the parent dies, so a crashed or killed job
-    (or Ray actor) leaves no orphaned servers behind (Linux; elsewhere a no-op)."""
-    if sys.platform == "linux":
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 ROUTER_DEFAULTS = {"--log-level": "warn", "--balance-abs-threshold": "2", "--balance-rel-threshold": "1.1"}
@@ -85,7 +77,7 @@ class ManagedProcess:
         with open(log_path, "wb") as log:
             popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-                                     preexec_fn=_die_with_parent)
+                                     preexec_fn=die_with_parent)
         logger.info("started %s (pid %d): %s", name, popen.pid, url)
         return cls(name, popen, log_path, url)
 

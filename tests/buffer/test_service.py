@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
+import socket
 import sqlite3
 import time
+from collections import Counter
+from pathlib import Path
 
 import httpx
 import pytest
@@ -115,6 +119,62 @@ async def test_8_submitters_2_consumers_nothing_lost_nothing_served_twice(procs,
     assert all(s.tokens == [5, 6, 7, 8, 9] and s.weight_versions == ["0"] * 3 for g in served for s in g)
     stats = httpx.get(buffer.url + "/stats").json()
     assert stats["groups"]["consumed"] == groups and stats["samples"] == groups * size
+
+
+def sockets_on(port: int, state: str) -> Counter[int]:
+    """pid -> its sockets on local ``port`` in TCP ``state`` (/proc/net/tcp's hex code: 01 established, 0A listening)."""
+    with open("/proc/net/tcp") as table:
+        rows = [line.split() for line in table.readlines()[1:]]
+    inodes = {row[9] for row in rows if int(row[1].split(":")[1], 16) == port and row[3] == state}
+    owners: Counter[int] = Counter()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:[") and link[8:-1] in inodes:
+                    owners[int(pid)] += 1
+    return owners
+
+
+def workers_of(pid: int) -> set[int]:
+    """The live worker processes of a ``--workers`` buffer (not multiprocessing's resource tracker)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    found = set()
+    for child in children:
+        with contextlib.suppress(OSError):  # gone already
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                found.add(int(child))
+    return found
+
+
+def test_workers_share_a_burst_of_connections_and_a_dead_worker_is_replaced(procs, tmp_path, dataset):
+    buffer = procs.buffer(tmp_path / "b.db", "--prompt-data", dataset(4), "--n-samples-per-prompt", "2", "--workers", "2")
+    port = int(buffer.url.rsplit(":", 1)[1])
+    deadline = time.monotonic() + 60
+    while len(sockets_on(port, "0A")) < 2:  # healthy means one worker listens; wait for the second
+        assert time.monotonic() < deadline, "the second worker never listened"
+        time.sleep(0.2)
+    clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(16)]  # a pool opening at once
+    for client in clients:
+        client.sendall(b"GET /health HTTP/1.1\r\nHost: buffer\r\n\r\n")
+    assert all(client.recv(4096).startswith(b"HTTP/1.1 200") for client in clients)
+    owners = sockets_on(port, "01")
+    assert sum(owners.values()) == 16 and len(owners) == 2, owners  # both workers serve (uvicorn's piled onto one)
+    for client in clients:
+        client.close()
+
+    dead = min(owners)
+    os.kill(dead, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while len(workers := workers_of(buffer.popen.pid)) < 2 or dead in workers:
+        assert time.monotonic() < deadline, "the dead worker was not replaced"
+        time.sleep(0.2)
+    buffer.wait_healthy(30)
+    os.kill(buffer.popen.pid, signal.SIGKILL)  # the supervisor dies: its workers follow
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{pid}/cmdline").exists() and Path(f"/proc/{pid}/cmdline").read_bytes() for pid in workers):
+        assert time.monotonic() < deadline, "workers outlived their supervisor"
+        time.sleep(0.2)
 
 
 async def test_long_poll_wakes_when_a_group_completes(procs, tmp_path, dataset):

@@ -1,0 +1,83 @@
+"""Process plumbing the services share: children that die with their parent, and one app served
+by several processes on one port.
+
+``serve_workers`` exists because uvicorn's own ``--workers`` share one listening socket, and
+asyncio accepts every pending connection when it wakes: a client's pool opening four connections
+at once put all four on whichever worker woke first, and left a core idle (seen with ``ss`` under
+``bench/buffer_throughput.py``). Here every worker binds the port itself with ``SO_REUSEPORT``
+(Linux), and the kernel spreads new connections over the workers by a hash of their addresses.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+import threading
+
+logger = logging.getLogger(__name__)
+
+
+def die_with_parent(parent: int | None = None) -> None:
+    """In a child: get SIGTERM when the parent dies, so a crashed or killed parent (a job, a Ray
+    actor, a supervisor) leaves no orphaned servers behind (Linux; elsewhere a no-op).
+
+    ``parent``: its pid, for a child that gets here long after it started (a Python process that
+    first imports): if the parent died meanwhile, no signal will come, so the child ends now.
+    """
+    if sys.platform == "linux":
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if parent is not None and os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def reuse_port_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` that other ``SO_REUSEPORT`` sockets of this user may share."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def _worker(app_factory: str, host: str, port: int, supervisor: int) -> None:
+    import uvicorn
+
+    die_with_parent(supervisor)
+    config = uvicorn.Config(app_factory, factory=True, log_level="warning", access_log=False)
+    uvicorn.Server(config).run(sockets=[reuse_port_socket(host, port)])
+
+
+def serve_workers(app_factory: str, host: str, port: int, workers: int, name: str) -> None:
+    """Serve ``app_factory`` (``"module:function"``, called in each worker) from ``workers`` processes
+    until SIGTERM or SIGINT; a worker that dies is replaced. The environment reaches the workers."""
+    holder = reuse_port_socket(host, port)  # never listens: keeps the port ours while workers come and go
+    spawn = multiprocessing.get_context("spawn")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+
+    def start() -> multiprocessing.process.BaseProcess:
+        process = spawn.Process(target=_worker, args=(app_factory, host, port, os.getpid()), name=name)
+        process.start()
+        return process
+
+    running = [start() for _ in range(workers)]
+    while not stop.wait(0.5):
+        for i, process in enumerate(running):
+            if not process.is_alive():
+                logger.warning("%s worker (pid %d) exited with code %s; starting another", name, process.pid,
+                               process.exitcode)
+                running[i] = start()
+    for process in running:
+        process.terminate()
+    for process in running:
+        process.join(10)
+        if process.is_alive():
+            process.kill()
+    holder.close()
