@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from inverted.buffer.client import BufferClient  # noqa: E402
 from inverted.buffer.datasets import load_prompts  # noqa: E402
 from inverted.buffer.store import SQLiteStore  # noqa: E402
+from inverted.processes import tcp_sockets  # noqa: E402
 from inverted.rollout.servers import ManagedProcess, free_port  # noqa: E402
 from inverted.types import Sample  # noqa: E402
 
@@ -114,7 +115,10 @@ def main() -> None:
                 "--prompt-data", str(data), "--n-samples-per-prompt", str(GROUP), "--num-epoch", "1",
                 "--workers", str(args.workers)], Path(tmp) / f"buffer-{r}.log", f"http://127.0.0.1:{port}")
             try:
-                proc.wait_healthy(60)
+                proc.wait_healthy(60)  # one worker serves: wait for all, or the rest boot inside the timing
+                while len(tcp_sockets(port, "0A")) < args.workers:
+                    proc.check_alive()
+                    time.sleep(0.1)
                 remote = asyncio.run(over_http(proc.url, args.prompts, args.batches, args.concurrency))
             finally:
                 proc.terminate()

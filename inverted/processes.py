@@ -45,6 +45,18 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def tcp_sockets(port: int, state: str) -> set[str]:
+    """Inodes of this machine's TCP sockets on local ``port`` in ``state`` (Linux ``/proc/net/tcp``'s
+    hex code: ``"0A"`` listening, ``"01"`` established); how a caller sees that every worker listens."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as rows:
+            for row in map(str.split, rows.readlines()[1:]):
+                if int(row[1].rsplit(":", 1)[1], 16) == port and row[3] == state:
+                    found.add(row[9])
+    return found
+
+
 def _worker(app_factory: str, host: str, port: int, supervisor: int) -> None:
     import uvicorn
 

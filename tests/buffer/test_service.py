@@ -18,6 +18,7 @@ import pytest
 
 from inverted.buffer.client import BufferClient
 from inverted.errors import ProtocolError, ServiceUnavailable
+from inverted.processes import tcp_sockets
 from inverted.types import Sample
 
 pytestmark = pytest.mark.anyio
@@ -121,11 +122,9 @@ async def test_8_submitters_2_consumers_nothing_lost_nothing_served_twice(procs,
     assert stats["groups"]["consumed"] == groups and stats["samples"] == groups * size
 
 
-def sockets_on(port: int, state: str) -> Counter[int]:
-    """pid -> its sockets on local ``port`` in TCP ``state`` (/proc/net/tcp's hex code: 01 established, 0A listening)."""
-    with open("/proc/net/tcp") as table:
-        rows = [line.split() for line in table.readlines()[1:]]
-    inodes = {row[9] for row in rows if int(row[1].split(":")[1], 16) == port and row[3] == state}
+def connections_by_process(port: int) -> Counter[int]:
+    """pid -> the accepted connections on ``port`` it holds (which process owns each socket, from /proc)."""
+    inodes = tcp_sockets(port, "01")
     owners: Counter[int] = Counter()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         with contextlib.suppress(OSError):
@@ -151,14 +150,14 @@ def test_workers_share_a_burst_of_connections_and_a_dead_worker_is_replaced(proc
     buffer = procs.buffer(tmp_path / "b.db", "--prompt-data", dataset(4), "--n-samples-per-prompt", "2", "--workers", "2")
     port = int(buffer.url.rsplit(":", 1)[1])
     deadline = time.monotonic() + 60
-    while len(sockets_on(port, "0A")) < 2:  # healthy means one worker listens; wait for the second
+    while len(tcp_sockets(port, "0A")) < 2:  # healthy means one worker listens; wait for the second
         assert time.monotonic() < deadline, "the second worker never listened"
         time.sleep(0.2)
     clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(16)]  # a pool opening at once
     for client in clients:
         client.sendall(b"GET /health HTTP/1.1\r\nHost: buffer\r\n\r\n")
     assert all(client.recv(4096).startswith(b"HTTP/1.1 200") for client in clients)
-    owners = sockets_on(port, "01")
+    owners = connections_by_process(port)
     assert sum(owners.values()) == 16 and len(owners) == 2, owners  # both workers serve (uvicorn's piled onto one)
     for client in clients:
         client.close()
