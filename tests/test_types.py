@@ -46,6 +46,9 @@ def test_each_broken_invariant_is_named(change, field):
         setattr(sample, key, value)
     with pytest.raises(SampleError, match=field):
         sample.validate()
+    # The same rules hold on the buffer's fast path: element rules in the decoder, the rest after it.
+    with pytest.raises(SampleError, match=f"^{field}"):
+        Sample.from_json(sample.to_json()).validate(elements_checked=True)
 
 
 def test_from_json_checks_names_and_types_from_dicts_and_bytes():

@@ -215,8 +215,8 @@ def _samples(raw: bytes) -> tuple[list[tuple[str, Sample]], list[bytes]]:
     items, blobs = [], []
     for i, item in enumerate(body.samples):
         try:
-            sample = Sample.from_json(item.sample)  # straight from the bytes as sent, types checked
-            sample.validate(check_types=False)
+            sample = Sample.from_json(item.sample)  # straight from the bytes as sent, elements checked
+            sample.validate(elements_checked=True)
         except SampleError as exc:
             raise SampleError(f"samples[{i}].{exc}") from None
         items.append((item.lease_id, sample))
