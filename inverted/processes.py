@@ -1,11 +1,12 @@
 """Process plumbing the services share: children that die with their parent, and one app served
 by several processes on one port.
 
-``serve_workers`` exists because uvicorn's own ``--workers`` share one listening socket, and
-asyncio accepts every pending connection when it wakes: a client's pool opening four connections
-at once put all four on whichever worker woke first, and left a core idle (seen with ``ss`` under
-``bench/buffer_throughput.py``). Here every worker binds the port itself with ``SO_REUSEPORT``
-(Linux), and the kernel spreads new connections over the workers by a hash of their addresses.
+``serve_workers`` exists for two reasons. uvicorn's own ``--workers`` share one listening socket,
+and asyncio accepts every pending connection when it wakes, so a burst of new connections lands
+on whichever worker woke first (seen with ``ss``: all four of ``bench/buffer_throughput.py``'s on
+one of three workers). Here every worker binds the port itself with ``SO_REUSEPORT`` (Linux), and
+the kernel spreads new connections over the workers by a hash of their addresses. And uvicorn's
+workers outlive a supervisor killed with SIGKILL; ours die with it.
 """
 
 from __future__ import annotations
