@@ -137,43 +137,46 @@ def connections_by_process(port: int) -> Counter[int]:
 
 def workers_of(pid: int) -> set[int]:
     """The live worker processes of a ``--workers`` buffer (not multiprocessing's resource tracker)."""
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    found = set()
-    for child in children:
-        with contextlib.suppress(OSError):  # gone already
-            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
-                found.add(int(child))
-    return found
+    return {int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+            if b"spawn_main" in cmdline(int(child))}
+
+
+def cmdline(pid: int) -> bytes:
+    """The process's command line; empty once it has exited (a zombie's too)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def until(condition, failure: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.2)
 
 
 def test_workers_share_a_burst_of_connections_and_a_dead_worker_is_replaced(procs, tmp_path, dataset):
     buffer = procs.buffer(tmp_path / "b.db", "--prompt-data", dataset(4), "--n-samples-per-prompt", "2", "--workers", "2")
     port = int(buffer.url.rsplit(":", 1)[1])
-    deadline = time.monotonic() + 60
-    while len(tcp_sockets(port, "0A")) < 2:  # healthy means one worker listens; wait for the second
-        assert time.monotonic() < deadline, "the second worker never listened"
-        time.sleep(0.2)
+    # Healthy means one worker listens; wait for the second.
+    until(lambda: len(tcp_sockets(port, "0A")) == 2, "the second worker never listened")
     clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(16)]  # a pool opening at once
     for client in clients:
         client.sendall(b"GET /health HTTP/1.1\r\nHost: buffer\r\n\r\n")
     assert all(client.recv(4096).startswith(b"HTTP/1.1 200") for client in clients)
     owners = connections_by_process(port)
-    assert sum(owners.values()) == 16 and len(owners) == 2, owners  # both workers serve (uvicorn's piled onto one)
+    assert sum(owners.values()) == 16 and len(owners) == 2, owners  # both workers serve (a shared socket can pile them onto one)
     for client in clients:
         client.close()
 
     dead = min(owners)
     os.kill(dead, signal.SIGKILL)
-    deadline = time.monotonic() + 60
-    while len(workers := workers_of(buffer.popen.pid)) < 2 or dead in workers:
-        assert time.monotonic() < deadline, "the dead worker was not replaced"
-        time.sleep(0.2)
-    buffer.wait_healthy(30)
+    until(lambda: len(workers_of(buffer.popen.pid) - {dead}) == 2 and len(tcp_sockets(port, "0A")) == 2,
+          "the dead worker was not replaced by one that listens")
+    workers = workers_of(buffer.popen.pid)
     os.kill(buffer.popen.pid, signal.SIGKILL)  # the supervisor dies: its workers follow
-    deadline = time.monotonic() + 30
-    while any(Path(f"/proc/{pid}/cmdline").exists() and Path(f"/proc/{pid}/cmdline").read_bytes() for pid in workers):
-        assert time.monotonic() < deadline, "workers outlived their supervisor"
-        time.sleep(0.2)
+    until(lambda: not any(cmdline(pid) for pid in workers), "workers outlived their supervisor", timeout=30)
 
 
 async def test_long_poll_wakes_when_a_group_completes(procs, tmp_path, dataset):
