@@ -1,6 +1,7 @@
 """Ray at the edge: start or join a cluster, and run rollout servers where Ray places them.
 
-``start_ray`` joins ``--ray-address`` or starts a local Ray sized to this machine (no dashboard).
+``start_ray`` joins ``--ray-address`` or starts a local Ray sized to this machine (no dashboard;
+its workers at the job's priority, not Ray's default nice 15).
 ``ray_launch`` is a ``Launch`` for ``RolloutServers``: each server process is started by a
 ``ServerActor`` on the node Ray picks, with the GPUs it needs reserved (``CUDA_VISIBLE_DEVICES``
 set by Ray), and the ``RayServer`` handle forwards ``check_alive`` / ``tail`` / ``wait_healthy`` /
@@ -29,9 +30,12 @@ def start_ray(address: str | None) -> None:
     if address:
         ray.init(address=address, logging_level="WARNING")
     else:
-        # A local instance: all cores (fractional requests below keep small jobs schedulable).
+        # A local instance: all cores (fractional requests below keep small jobs schedulable). Ray
+        # starts its workers at nice 15, and ours are the engines and the trainer, the job's
+        # critical path: at 15, any busy process beside them (an environment's tools, Ray's own
+        # daemons) would take their CPU first.
         ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, logging_level="WARNING",
-                 configure_logging=False)
+                 configure_logging=False, _system_config={"worker_niceness": 0})
     logger.info("ray %s: %s", "joined" if address else "started locally", ray.cluster_resources())
 
 

@@ -188,6 +188,8 @@ def test_a_killed_engine_is_replaced_with_the_current_weights(tiny_model, tmp_pa
         wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics_rows(run_dir)) >= 1, job, log)
         engines = processes_with(f"serve-engine --model {model} ")
         assert len(engines) == 2
+        # Ray starts its workers at nice 15; the engines it launches must run at the job's priority.
+        assert {os.getpriority(os.PRIO_PROCESS, pid) for pid in engines} == {os.getpriority(os.PRIO_PROCESS, job.pid)}
         os.kill(engines[0], signal.SIGKILL)
         finish(job, log)
     finally:
