@@ -89,6 +89,26 @@ def test_bad_payloads_change_nothing(engine, tiny_model):
     assert state(engine) == before  # the good tensors of a bad payload were not applied either
 
 
+def test_a_repeated_payload_loads_what_its_shared_memory_holds_now(engine, tiny_model):
+    """A trainer reuses its buffers, so it sends the same payload string at every update: the engine
+    may reuse what it decoded, but must load the bytes the memory holds now. A refused payload stays refused."""
+    shape = checkpoint_tensors(tiny_model("qwen2"))[NAME].shape
+    bucket = packed([(NAME, torch.zeros(shape))])
+    payload = payload_of(bucket)
+    wrong_shape = packed([(NAME, torch.zeros(shape[0], shape[1] + 1))])
+    post(engine, "/begin_weight_update", {})
+    for value in (1.0, 2.0, -3.0):
+        bucket.flat.view(torch.float32).fill_(value)  # what the trainer's next pack does
+        response = post(engine, "/update_weights_from_tensor", {"serialized_named_tensors": [payload],
+                                                              "load_format": "flattened_bucket"})
+        assert response.status_code == 200, response.text
+        assert torch.tensor(state(engine)[0]).unique().tolist() == [value]
+        refused = post(engine, "/update_weights_from_tensor", {"serialized_named_tensors": [payload_of(wrong_shape)],
+                                                             "load_format": "flattened_bucket"})
+        assert refused.status_code == 400 and "expected shape" in refused.json()["message"]
+    post(engine, "/end_weight_update", {})
+
+
 def test_a_distributed_update_over_gloo_and_a_refused_one_still_takes_its_broadcast(engine, tiny_model):
     good = checkpoint_tensors(tiny_model("qwen2", seed=5))
     port, joined = free_port(), {}
