@@ -53,11 +53,15 @@ class BufferClient(HTTPService):
 
     async def next_batch(self, *, num_groups: int | None = None, num_samples: int | None = None,
                          current_weight_version: int | None = None, max_weight_staleness: int | None = None,
-                         timeout_s: float = 0.0, allow_partial: bool = False) -> Batch:
-        """Complete groups, oldest first; waits up to ``timeout_s`` for enough of them (empty on time-out)."""
+                         timeout_s: float = 0.0, allow_partial: bool = False, request_id: str | None = None) -> Batch:
+        """Complete groups, oldest first; waits up to ``timeout_s`` for enough of them (empty on time-out).
+
+        A ``request_id`` that was answered with a batch before is answered with that batch again
+        (fresh by default; the async loop names each step's batch, so a resumed job gets it back).
+        """
         body = {"num_groups": num_groups, "num_samples": num_samples, "current_weight_version": current_weight_version,
                 "max_weight_staleness": max_weight_staleness, "timeout_s": timeout_s, "allow_partial": allow_partial,
-                "request_id": uuid.uuid4().hex}
+                "request_id": request_id or uuid.uuid4().hex}
         response = await self.request("POST", "/batches/next", json_body=body, timeout=timeout_s + self.timeouts.data,
                                       idempotent=True)
         data = orjson.loads(response.content)

@@ -117,8 +117,11 @@ class AsyncLoop:
         while True:
             if self.error is not None:
                 raise self.error
+            # Named by its step: a job killed after the buffer served this batch, and resumed from an
+            # earlier checkpoint, trains this step on the same groups instead of losing them.
             batch = await self.job.buffer.next_batch(num_groups=self.batch_groups, current_weight_version=rollout_id,
-                                                     max_weight_staleness=self.staleness, timeout_s=POLL_S)
+                                                     max_weight_staleness=self.staleness, timeout_s=POLL_S,
+                                                     request_id=f"batch:{rollout_id}")
             if batch.groups:
                 return batch
             if self.exhausted and not self.running:
