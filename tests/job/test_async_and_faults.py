@@ -107,9 +107,10 @@ def latest_checkpoint(run_dir: Path) -> int:
     return int(latest.read_text().strip().removeprefix("iter_")) if latest.exists() else 0
 
 
-def group_states(run_dir: Path) -> dict[int, str]:
+def group_states(run_dir: Path, *, read_only: bool = True) -> dict[int, str]:
     """The buffer's groups and their states, read from its file (read-only: the job may be running)."""
-    with closing(sqlite3.connect(f"file:{run_dir / 'buffer.db'}?mode=ro", uri=True)) as db:
+    database = f"file:{run_dir / 'buffer.db'}{'?mode=ro' if read_only else ''}"
+    with closing(sqlite3.connect(database, uri=True)) as db:
         return dict(db.execute("SELECT group_index, state FROM groups"))
 
 
@@ -123,8 +124,7 @@ def durable_group_states(run_dir: Path, scratch: Path) -> dict[int, str]:
             shutil.copyfile(run_dir / f"buffer.db{suffix}", scratch / f"buffer.db{suffix}")
     (scratch / "buffer.db-shm").unlink(missing_ok=True)
     try:
-        with closing(sqlite3.connect(scratch / "buffer.db")) as db:  # its first reader rebuilds the index from the WAL
-            return dict(db.execute("SELECT group_index, state FROM groups"))
+        return group_states(scratch, read_only=False)  # its first reader rebuilds the index from the WAL
     finally:
         for suffix in ("", "-wal", "-shm"):
             (scratch / f"buffer.db{suffix}").unlink(missing_ok=True)
