@@ -144,6 +144,10 @@ class _Pickler(pickle._Pickler):
     """
 
     def reducer_override(self, obj: Any) -> Any:
+        if id(obj) in _ALIASED:
+            # A name makes ``save`` call our ``save_global``; without this, a function would reach
+            # the base class's (the dispatch table holds it for functions) under our module's name.
+            return _ALIASED[id(obj)][1]
         if isinstance(obj, torch.Tensor):
             rebuild, args = reductions.reduce_tensor(obj)
             if obj.is_cuda:

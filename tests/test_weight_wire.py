@@ -54,6 +54,16 @@ def test_a_bucket_round_trips_through_shared_memory_under_sglang_names():
         assert torch.equal(view, tensors[name])
 
 
+def test_the_cuda_ipc_rebuild_travels_under_sglangs_name():
+    """A CUDA tensor pickles as (rebuild function, IPC handle); the function must carry SGLang's name,
+    which real SGLang and our allowlist resolve. (Functions bypass ``save_global`` overrides in the
+    pure-Python pickler: this failed on a GPU before it was caught.)"""
+    raw = base64.b64decode(serialize([weight_wire._rebuild_cuda_tensor_by_uuid]))
+    assert b"sglang.srt.utils.patch_torch" in raw and b"_rebuild_cuda_tensor_modified" in raw
+    assert b"inverted" not in raw
+    assert deserialize(base64.b64encode(raw).decode()) == [weight_wire._rebuild_cuda_tensor_by_uuid]
+
+
 def test_a_bucket_payload_reuses_the_pickle_of_an_unchanged_layout_only():
     torch.multiprocessing.set_sharing_strategy("file_system")
     first = bucket_layout([("w", torch.float32, (2, 4)), ("b", torch.float32, (4,)), ("v", torch.float32, (2, 4))])
