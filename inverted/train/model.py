@@ -91,6 +91,10 @@ def build_model(spec: ModelSpec, parallel: Parallelism, dtype: torch.dtype = tor
         share_embeddings_and_output_weights=spec.tie_word_embeddings, position_embedding_type="rope",
         rotary_base=int(spec.rope["rope_theta"]), parallel_output=True,
     )
+    # Megatron makes its own layers in ``dtype``, on the GPU when there is one; the local spec's norms
+    # are torch's, made in fp32 on the CPU. (Megatron's training loop mends this with ``.cuda()`` and
+    # its ``Float16Module`` wrapper.) A norm left in fp32 also has no fused kernel for bf16 input.
+    model.to(device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu", dtype=dtype)
     mark_tensor_parallel(model)
     inv_freq = rope_inv_freq(spec)
     model.rotary_pos_emb.inv_freq = inv_freq.to(model.rotary_pos_emb.inv_freq.device)

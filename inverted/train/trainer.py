@@ -145,8 +145,9 @@ class Trainer:
         stage ``on_logits(mb, logits)`` turns a micro-batch's logits ``[T, V / tp]`` into its loss,
         and the schedule runs the backward passes unless ``forward_only``.
         """
-        from megatron.core.packed_seq_params import PackedSeqParams
         from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from inverted.train.attention import packed_seq_params
 
         if not mbs:
             return
@@ -154,11 +155,8 @@ class Trainer:
 
         def forward_step(batches, model):
             mb = next(batches)
-            cu = mb.cu_seqlens.to(device)
-            params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                     max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
             output = model(input_ids=mb.tokens_T[None].to(device), position_ids=mb.positions_T[None].to(device),
-                           attention_mask=None, packed_seq_params=params)
+                           attention_mask=None, packed_seq_params=packed_seq_params(mb.cu_seqlens, mb.max_seqlen, device))
             tokens = torch.tensor(sum(mb.response_lengths), dtype=torch.int)
             return output, lambda logits: (on_logits(mb, logits[0]), tokens, {})
 

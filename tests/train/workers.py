@@ -30,16 +30,16 @@ def logits_and_step(cfg: TrainConfig, out: str) -> None:
 def full_logits(trainer, tokens_T, positions_T, cu_seqlens, max_seqlen) -> torch.Tensor:
     """Full-vocabulary logits of packed sequences (gathered over TP; a collective: every rank calls it)."""
     from megatron.core import parallel_state
-    from megatron.core.packed_seq_params import PackedSeqParams
 
+    from inverted.train.attention import packed_seq_params
+
+    device = next(trainer.model.parameters()).device
     with torch.no_grad():
-        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
-                                 max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
-        local = trainer.model(input_ids=tokens_T[None], position_ids=positions_T[None], attention_mask=None,
-                              packed_seq_params=params)[0]
+        local = trainer.model(input_ids=tokens_T[None].to(device), position_ids=positions_T[None].to(device),
+                              attention_mask=None, packed_seq_params=packed_seq_params(cu_seqlens, max_seqlen, device))[0]
         parts = [torch.empty_like(local) for _ in range(parallel_state.get_tensor_model_parallel_world_size())]
         torch.distributed.all_gather(parts, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
-    return torch.cat(parts, dim=-1)
+    return torch.cat(parts, dim=-1).cpu()
 
 
 def step_and_sync(cfg: TrainConfig, samples, urls: list[str], probe: list[int], out: str) -> None:
