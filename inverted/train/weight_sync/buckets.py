@@ -9,6 +9,12 @@ Two buffers take turns: while the transport sends bucket ``k`` from one, bucket 
 packed into the other. The caller (``sync.WeightSync``) waits for bucket ``k``'s send before it
 asks for bucket ``k+2``, which reuses that buffer. A tensor larger than the buffer size grows
 that buffer once.
+
+A bucket's copies are issued together when it is full (``torch._foreach_copy_``: on a GPU a few
+fused launches instead of one per tensor, which made packing launch-bound), so its source
+tensors are held until then: at most one bucket's worth. A bucket is handed out only once its
+bytes are in place, since on a GPU the server reads it from another process, unordered with
+our stream.
 """
 
 from __future__ import annotations
@@ -60,20 +66,30 @@ class BucketPacker:
         return current
 
     def pack(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[Bucket]:
-        """Copy each tensor in as it arrives (nothing waits in a list); yield a bucket when the next one would overflow it."""
+        """Yield a bucket of the tensors as they arrive whenever the next one would overflow it."""
         metadata: list[FlattenedTensorMetadata] = []
+        targets: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
         buffer, offset, index = None, 0, 0
+
+        def filled() -> Bucket:
+            with torch.no_grad():
+                torch._foreach_copy_(targets, sources)  # casting to the bucket's dtype on the way
+            if buffer.is_cuda:
+                torch.cuda.current_stream(buffer.device).synchronize()
+            targets.clear(), sources.clear()
+            return Bucket(buffer, metadata, index)
+
         for name, tensor in named:
             nbytes = tensor.numel() * self.dtype.itemsize
             if metadata and offset + nbytes > self.capacity:
-                yield Bucket(buffer, metadata, index)
+                yield filled()
                 metadata, offset, index = [], 0, index + 1
             if not metadata:
                 buffer = self._buffer(index % 2, nbytes)
-            meta = FlattenedTensorMetadata(name, tensor.shape, self.dtype, offset, offset + nbytes, nbytes)
-            with torch.no_grad():
-                buffer[offset : offset + nbytes].view(self.dtype).view(tensor.shape).copy_(tensor)
-            metadata.append(meta)
+            metadata.append(FlattenedTensorMetadata(name, tensor.shape, self.dtype, offset, offset + nbytes, nbytes))
+            targets.append(buffer[offset : offset + nbytes].view(self.dtype).view(tensor.shape))
+            sources.append(tensor)
             offset += nbytes
         if metadata:
-            yield Bucket(buffer, metadata, index)
+            yield filled()
