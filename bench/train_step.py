@@ -1,15 +1,22 @@
 """Training throughput of the Megatron trainer vs a plain ``transformers`` + AdamW step. Prints JSON.
 
-Both train the ``small`` tiny-model preset (~14M parameters) on the same batch: 16 samples of
-192-256 tokens (64-token prompts), a GRPO-style objective on the response tokens. The baseline
-is what one writes by hand with ``transformers``: one padded forward of the batch, log-softmax of
-the response tokens, ``-(advantage * logp)`` averaged over response tokens, backward,
-``torch.optim.AdamW`` step. Ours is ``Trainer.train`` (packed micro-batches of
-``--max-tokens-per-gpu`` 4096, PPO-clip loss with entropy metrics, gradient sync, clipping, step)
-on one CPU process. Rounds alternate the two and medians are reported; the ratio is ours /
-baseline in training tokens per second (target >= 0.8 on CPU).
+Both train the same model on the same batch with a GRPO-style objective on the response tokens
+(64-token prompts). The baseline is what one writes by hand with ``transformers``: one padded
+forward of the batch, log-softmax of the response tokens, ``-(advantage * logp)`` averaged over
+response tokens, backward, ``torch.optim.AdamW`` step. Ours is ``Trainer.train`` (packed
+micro-batches of ``--max-tokens-per-gpu``, PPO-clip loss with entropy metrics, gradient sync,
+clipping, step). Rounds alternate the two and medians are reported; the ratio is ours / baseline
+in training tokens per second.
+
+- CPU (default): the ``small`` preset (~14M parameters), 16 samples of 192-256 tokens, fp32, one
+  process; target ratio >= 0.8.
+- ``--device cuda``: the ``base`` preset (~0.5B), 16 samples of 768-1024 tokens in bf16 (ours:
+  Megatron's bf16 model with fp32 main weights and its optimizer; the baseline: fp32 weights
+  under ``torch.autocast``). Also reports model FLOPs utilisation: 6 x matmul parameters per
+  token plus causal attention, against the GPU's dense bf16 peak.
 
     python bench/train_step.py [--rounds 5]
+    python bench/train_step.py --device cuda
 """
 
 from __future__ import annotations
@@ -32,11 +39,11 @@ from inverted.tiny_model import make_tiny_model  # noqa: E402
 from inverted.types import Sample  # noqa: E402
 
 
-def make_batch(seed: int = 0, count: int = 16) -> list[Sample]:
+def make_batch(seed: int = 0, count: int = 16, lengths: tuple[int, int] = (192, 256)) -> list[Sample]:
     g = torch.Generator().manual_seed(seed)
     samples = []
     for i in range(count):
-        length = int(torch.randint(192, 257, (1,), generator=g))
+        length = int(torch.randint(lengths[0], lengths[1] + 1, (1,), generator=g))
         tokens = torch.randint(3, 1200, (length,), generator=g).tolist()
         n = length - 64
         samples.append(Sample(group_index=i // 4, index=i, tokens=tokens, response_length=n, loss_mask=[1] * n,
@@ -46,6 +53,7 @@ def make_batch(seed: int = 0, count: int = 16) -> list[Sample]:
 
 
 def baseline_step(model, optimizer, samples: list[Sample]) -> None:
+    device = model.device
     width = max(len(s.tokens) for s in samples)
     ids = torch.zeros(len(samples), width, dtype=torch.long)
     attention = torch.zeros(len(samples), width, dtype=torch.long)
@@ -54,8 +62,10 @@ def baseline_step(model, optimizer, samples: list[Sample]) -> None:
         ids[row, :len(s.tokens)] = torch.tensor(s.tokens)
         attention[row, :len(s.tokens)] = 1
         response[row, s.prompt_length - 1:len(s.tokens) - 1] = 1
-    advantages = torch.tensor([s.reward - 0.5 for s in samples])[:, None]
-    logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
+    ids, attention, response = ids.to(device), attention.to(device), response.to(device)
+    advantages = torch.tensor([s.reward - 0.5 for s in samples], device=device)[:, None]
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
     logp = logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     loss = -(advantages * logp * response).sum() / response.sum()
     optimizer.zero_grad()
@@ -64,9 +74,38 @@ def baseline_step(model, optimizer, samples: list[Sample]) -> None:
     optimizer.step()
 
 
+PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}  # dense, per vendor data sheets
+
+
+def model_flops(path: Path, samples: list[Sample]) -> float:
+    """Training FLOPs of one pass over ``samples``: 3 x (2 x matmul params per token + causal attention)."""
+    config = json.loads((path / "config.json").read_text())
+    layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = hidden // heads
+    per_layer = hidden * head_dim * (2 * heads + 2 * kv) + 3 * hidden * config["intermediate_size"]
+    matmul_params = layers * per_layer + hidden * config["vocab_size"]  # the output layer too
+    forward = 0.0
+    for s in samples:
+        n = len(s.tokens)
+        forward += 2 * matmul_params * n + 4 * layers * heads * head_dim * n * (n + 1) / 2
+    return 3 * forward
+
+
+def timed(fn, device: str) -> float:
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
     import transformers
 
@@ -75,34 +114,43 @@ def main() -> None:
     from inverted.train.parallel import init_parallel, shutdown_parallel
     from inverted.train.trainer import Trainer
 
+    cuda = args.device == "cuda"
+    preset, lengths, budget = ("base", (768, 1024), 16384) if cuda else ("small", (192, 256), 4096)
     with tempfile.TemporaryDirectory() as tmp:
-        path = make_tiny_model(TinyModelConfig(out=f"{tmp}/small", arch="qwen2", preset="small"))
-        samples = make_batch()
+        path = make_tiny_model(TinyModelConfig(out=f"{tmp}/{preset}", arch="qwen2", preset=preset))
+        samples = make_batch(lengths=lengths)
         tokens = sum(len(s.tokens) for s in samples)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(args.device).train()
         hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-6)
 
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(get_free_port()))
-        cfg = TrainConfig(hf_checkpoint=str(path), lr=1e-6)
+        cfg = TrainConfig(hf_checkpoint=str(path), lr=1e-6, bf16=cuda, max_tokens_per_gpu=budget)
         init_parallel(cfg)
         trainer = Trainer(cfg)
         baseline_step(hf, hf_opt, samples)  # warm-up both
         trainer.train(samples)
         ours, base = [], []
         for _ in range(args.rounds):
-            start = time.perf_counter()
-            baseline_step(hf, hf_opt, samples)
-            base.append(tokens / (time.perf_counter() - start))
-            start = time.perf_counter()
-            trainer.train(samples)
-            ours.append(tokens / (time.perf_counter() - start))
+            base.append(tokens / timed(lambda: baseline_step(hf, hf_opt, samples), args.device))
+            ours.append(tokens / timed(lambda: trainer.train(samples), args.device))
         shutdown_parallel()
+        flops_per_token = model_flops(path, samples) / tokens
+    params = sum(p.numel() for p in hf.parameters())
     result = {
-        "model": "small (qwen2, ~14M params)", "batch_tokens": tokens, "rounds": args.rounds, "threads": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name() if cuda else "cpu", "dtype": "bfloat16" if cuda else "float32",
+        "model": f"{preset} (qwen2, {params / 1e6:.1f}M params)", "batch_tokens": tokens, "rounds": args.rounds,
+        "threads": torch.get_num_threads(),
         "baseline_transformers_tokens_per_s": round(statistics.median(base), 1),
         "megatron_trainer_tokens_per_s": round(statistics.median(ours), 1),
-        "ratio": round(statistics.median(ours) / statistics.median(base), 3), "target_ratio": 0.8,
+        "ratio": round(statistics.median(ours) / statistics.median(base), 3),
     }
+    if cuda:
+        peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in result["device"]), None)
+        result |= {"flops_per_token": round(flops_per_token), "peak_bf16_tflops": peak,
+                   "megatron_trainer_mfu": round(statistics.median(ours) * flops_per_token / (peak * 1e12), 3) if peak else None,
+                   "baseline_transformers_mfu": round(statistics.median(base) * flops_per_token / (peak * 1e12), 3) if peak else None}
+    else:
+        result["target_ratio"] = 0.8
     print(json.dumps(result, indent=2))
 
 
