@@ -351,7 +351,7 @@ class TrainConfig:
     context_parallel_size: int = option(1, "Megatron context parallelism")
     expert_model_parallel_size: int = option(1, "Megatron expert parallelism")
     use_distributed_optimizer: bool = option(
-        False, "shard optimizer state over data-parallel ranks (GPU only; not yet with --save/--load)")
+        False, "shard optimizer state over data-parallel ranks (GPU only)")
     actor_num_nodes: int = option(1, "training nodes")
     actor_num_gpus_per_node: int = option(1, "training processes per node (GPUs; CPU processes without CUDA)")
     update_weight_transport: Literal["auto", "tensor", "distributed", "disk"] = option(
@@ -388,8 +388,6 @@ class TrainConfig:
         """Cross-field checks that need the run's mode."""
         _require(not self.debug_train_only or bool(self.load_debug_rollout_data), "--load-debug-rollout-data",
                  self.load_debug_rollout_data, "a jsonl file of Samples with --debug-train-only")
-        _require(not (self.use_distributed_optimizer and (self.save or self.load)), "--use-distributed-optimizer",
-                 self.use_distributed_optimizer, "off with --save/--load (its sharded optimizer state is not checkpointed yet)")
         model_parallel = self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
         _require(self.world_size % model_parallel == 0, "--actor-num-gpus-per-node", self.actor_num_gpus_per_node,
                  f"a multiple of tensor x pipeline x context parallel sizes ({model_parallel}) over "

@@ -1,7 +1,8 @@
 """Training checkpoints: model shards, optimizer state, RNG states and counters, per rank.
 
 Layout: ``SAVE/iter_{rollout:07d}/rank_{tp}_{pp}_{dp}.pt`` (one file per rank: each holds its own
-shards and optimizer state), ``SAVE/iter_{rollout:07d}/meta.json`` (the architecture, the
+shards and optimizer state; with Megatron's distributed optimizer, its own shard of the main
+weights and moments), ``SAVE/iter_{rollout:07d}/meta.json`` (the architecture, the
 parallel layout, the counters), ``SAVE/hf_config/`` (the HF config and tokenizer) and
 ``SAVE/latest`` (the last complete iteration, written after every rank has finished, so a crash
 mid-save leaves the previous one in force). Resuming
@@ -36,6 +37,32 @@ def _rank_name() -> str:
     return rank_file(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank())
 
 
+def _distributed_optimizers(trainer) -> list:
+    """Megatron's distributed optimizers, whose ``state_dict()`` leaves out this rank's shard of the
+    main weights and moments. (Megatron saves those through a gather whose loader expects apex's or
+    TE's Adam state: with torch's AdamW, the fallback without them, it fails on ``step``.)"""
+    if not trainer.distributed_optimizer:
+        return []
+    return list(getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]))
+
+
+def _shard_params(optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.optimizer.param_groups for p in group["params"]]
+
+
+def _shard_states(trainer) -> list[dict]:
+    return [{"main": [p.detach().clone() for p in _shard_params(o)], "inner": o.optimizer.state_dict()}
+            for o in _distributed_optimizers(trainer)]
+
+
+def _load_shard_states(trainer, states: list[dict]) -> None:
+    with torch.no_grad():  # the main weights are leaves that require grad
+        for optimizer, state in zip(_distributed_optimizers(trainer), states, strict=True):
+            for param, saved in zip(_shard_params(optimizer), state["main"], strict=True):
+                param.copy_(saved)
+            optimizer.optimizer.load_state_dict(state["inner"])
+
+
 def _rng_state() -> dict:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
@@ -64,7 +91,7 @@ def save_checkpoint(trainer, root: str | Path) -> Path:
     directory = Path(root) / f"iter_{trainer.rollout_id:07d}"
     directory.mkdir(parents=True, exist_ok=True)
     torch.save({"model": trainer.model.module.state_dict(), "optimizer": trainer.optimizer.state_dict(),
-                "rng": _rng_state()}, directory / _rank_name())
+                "optimizer_shards": _shard_states(trainer), "rng": _rng_state()}, directory / _rank_name())
     rank = torch.distributed.get_rank()
     if rank == 0:
         _copy_hf_files(trainer.cfg.hf_checkpoint, Path(root) / HF_FILES_DIR)
@@ -111,6 +138,7 @@ def load_checkpoint(trainer, root: str | Path) -> Path:
     state = torch.load(directory / _rank_name(), weights_only=True)
     trainer.model.module.load_state_dict(state["model"])
     trainer.optimizer.load_state_dict(state["optimizer"])
+    _load_shard_states(trainer, state.get("optimizer_shards", []))
     _set_rng_state(state["rng"])
     trainer.rollout_id, trainer.optimizer_steps = meta["rollout_id"], meta["optimizer_steps"]
     logger.info("resumed from %s (rollout %d)", directory, trainer.rollout_id)

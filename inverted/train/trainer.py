@@ -117,10 +117,10 @@ class Trainer:
         hf_weights = checkpoint_tensors(cfg.hf_checkpoint)
         model = build_model(self.spec, self.parallel, self.dtype)
         load_hf_weights(model, self.spec, hf_weights)
+        self.distributed_optimizer = torch.cuda.is_available() and cfg.use_distributed_optimizer
         self.model = DistributedDataParallel(
             model.config, DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                use_distributed_optimizer=torch.cuda.is_available() and cfg.use_distributed_optimizer),
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=self.distributed_optimizer),
             model)
         self.optimizer = build_optimizer(cfg, self.model)
         self.reference = self._build_reference(hf_weights) if cfg.needs_reference else None

@@ -159,3 +159,33 @@ def logprobs_step_and_save(cfg: TrainConfig, samples, save: str, out: str) -> No
             torch.save({"logprobs": logprobs, "metrics": metrics, "weights": weights}, out)
     finally:
         shutdown_parallel()
+
+
+def straight_and_resumed(cfg: TrainConfig, batches, save: str, out: str) -> None:
+    """The weights after training on every batch in one go, and after a checkpoint three batches in and a resume."""
+    from inverted.train.checkpoint import load_checkpoint, save_checkpoint
+    from inverted.train.parallel import init_parallel, shutdown_parallel
+    from inverted.train.trainer import Trainer
+
+    init_parallel(cfg)
+    try:
+        straight = Trainer(cfg)
+        start = {name: t.float().cpu() for name, t in straight.hf_weights().items()}
+        for batch in batches:
+            straight.train(batch)
+        weights = {"start": start, "straight": straight.hf_weights()}
+        del straight
+        first = Trainer(cfg)
+        for batch in batches[:3]:
+            first.train(batch)
+        save_checkpoint(first, save)
+        del first
+        resumed = Trainer(cfg)
+        load_checkpoint(resumed, save)
+        for batch in batches[3:]:
+            resumed.train(batch)
+        weights["resumed"] = resumed.hf_weights()
+        if torch.distributed.get_rank() == 0:
+            torch.save({k: {n: t.float().cpu() for n, t in w.items()} for k, w in weights.items()}, out)
+    finally:
+        shutdown_parallel()
