@@ -77,7 +77,8 @@ class BucketPacker:
                 torch._foreach_copy_(targets, sources)  # casting to the bucket's dtype on the way
             if buffer.is_cuda:
                 torch.cuda.current_stream(buffer.device).synchronize()
-            targets.clear(), sources.clear()
+            targets.clear()
+            sources.clear()
             return Bucket(buffer, metadata, index)
 
         for name, tensor in named:
