@@ -101,7 +101,9 @@ def save_checkpoint(trainer, root: str | Path) -> Path:
         (directory / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     torch.distributed.barrier()
     if rank == 0:
-        (Path(root) / "latest").write_text(directory.name + "\n")
+        staged = Path(root) / "latest.tmp"
+        staged.write_text(directory.name + "\n")
+        staged.replace(Path(root) / "latest")  # whole: no reader, and no crash, meets it half-written
         logger.info("saved checkpoint %s", directory)
     return directory
 

@@ -109,22 +109,28 @@ def latest_checkpoint(run_dir: Path) -> int:
 
 def group_states(run_dir: Path, *, read_only: bool = True) -> dict[int, str]:
     """The buffer's groups and their states, read from its file (read-only: the job may be running)."""
+    return buffer_query(run_dir, "SELECT group_index, state FROM groups", read_only=read_only)
+
+
+def buffer_query(run_dir: Path, query: str, *, read_only: bool = True) -> dict:
     database = f"file:{run_dir / 'buffer.db'}{'?mode=ro' if read_only else ''}"
     with closing(sqlite3.connect(database, uri=True)) as db:
-        return dict(db.execute("SELECT group_index, state FROM groups"))
+        return dict(db.execute(query))
 
 
-def durable_group_states(run_dir: Path, scratch: Path) -> dict[int, str]:
-    """The group states a kill would leave: a copy of the database and its WAL, opened without the live
-    WAL index. A commit whose WAL write had returned but whose index update had not (the writer
-    stopped in between) is invisible to a reader of the live index, yet survives the kill."""
+def durable_states(run_dir: Path, scratch: Path) -> tuple[dict[int, str], dict[str, int]]:
+    """The group states and task counts by state that a kill would leave: a copy of the database and
+    its WAL, opened without the live WAL index. A commit whose WAL write had returned but whose index
+    update had not (the writer stopped in between) is invisible to a reader of the live index, yet
+    survives the kill."""
     scratch.mkdir(exist_ok=True)
     for suffix in ("", "-wal"):
         if (run_dir / f"buffer.db{suffix}").exists():
             shutil.copyfile(run_dir / f"buffer.db{suffix}", scratch / f"buffer.db{suffix}")
     (scratch / "buffer.db-shm").unlink(missing_ok=True)
-    try:
-        return group_states(scratch, read_only=False)  # its first reader rebuilds the index from the WAL
+    try:  # its first reader rebuilds the index from the WAL
+        return (group_states(scratch, read_only=False),
+                buffer_query(scratch, "SELECT state, COUNT(*) FROM tasks GROUP BY state", read_only=False))
     finally:
         for suffix in ("", "-wal", "-shm"):
             (scratch / f"buffer.db{suffix}").unlink(missing_ok=True)
@@ -146,7 +152,8 @@ def test_async_one_step_off_with_partial_rollouts_survives_a_job_kill(tiny_model
         while True:
             wait_for(lambda: latest_checkpoint(run_dir) >= 3, first, tmp_path / "first.log")
             freeze(first.pid)
-            if "complete" in durable_group_states(run_dir, tmp_path / "look").values():
+            groups, tasks = durable_states(run_dir, tmp_path / "look")
+            if "complete" in groups.values():
                 break
             os.killpg(first.pid, signal.SIGCONT)
             time.sleep(0.05)
@@ -195,7 +202,8 @@ def test_async_one_step_off_with_partial_rollouts_survives_a_job_kill(tiny_model
     assert sum(m["rollout/resumed_calls"] for m in rows) > 0 and mixed  # updates cut into running calls ...
     fresh = [m["train/fresh_logprob_abs_diff"] for m in rows if m.get("train/fresh_logprob_abs_diff") is not None]
     assert fresh and max(fresh) < 1e-4  # ... and each token's recorded version is the one that sampled it
-    assert rows[-1]["buffer/leases_released"] > 0  # the killed run's leases went back at once
+    # The killed run's leases went back at once (whether episodes held any depends on the moment).
+    assert rows[-1]["buffer/leases_released"] >= tasks.get("leased", 0)
 
 
 def test_a_killed_engine_is_replaced_with_the_current_weights(tiny_model, tmp_path):
