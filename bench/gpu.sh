@@ -26,15 +26,15 @@ part() {
     tail -n 8 "$out/$name.log"
 }
 
-for what in "${@:-tests engine sync train}"; do
-    for name in $what; do
-        case $name in
-            tests) part tests $py -m pytest -q -m gpu -p no:cacheprovider tests/rollout/engine/test_cuda.py \
-                       tests/train/test_weight_sync_cuda.py tests/train/test_cuda.py ;;
-            engine) part engine $py bench/engine_throughput.py --device cuda --preset base --dtype bfloat16 ;;
-            sync) part sync $py bench/weight_sync.py --device cuda --presets large ;;
-            train) part train $py bench/train_step.py --device cuda ;;
-            *) echo "unknown part: $name (tests, engine, sync, train)"; exit 2 ;;
-        esac
-    done
+parts=("$@")
+[ ${#parts[@]} -gt 0 ] || parts=(tests engine sync train)
+for name in "${parts[@]}"; do
+    case $name in
+        tests) part tests $py -m pytest -q -m gpu -p no:cacheprovider tests/rollout/engine/test_cuda.py \
+                   tests/train/test_weight_sync_cuda.py tests/train/test_cuda.py ;;
+        engine) part engine $py bench/engine_throughput.py --device cuda --preset base --dtype bfloat16 ;;
+        sync) part sync $py bench/weight_sync.py --device cuda --presets large ;;
+        train) part train $py bench/train_step.py --device cuda ;;
+        *) echo "unknown part: $name (tests, engine, sync, train)"; exit 2 ;;
+    esac
 done

@@ -10,7 +10,6 @@ the trainer does.
 
 from __future__ import annotations
 
-import httpx
 import pytest
 import torch
 import transformers
@@ -18,12 +17,11 @@ import transformers
 from inverted.config import TrainConfig
 from inverted.train.parallel import spawn
 from tests.train.samples import make_samples
+from tests.train.test_weight_sync import PROBE, engine_logprobs
 from tests.train.workers import grpo_step, logits_and_step, step_and_sync, straight_and_resumed
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")]
-
-PROBE = [5, 17, 230, 41, 9, 600, 77, 3, 1000, 12, 64, 8]
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
@@ -77,9 +75,6 @@ def test_cuda_step_then_cuda_ipc_sync_lands_exactly(procs, tiny_model, tmp_path)
     spawn(step_and_sync, 1, cfg, make_samples(seed=1), [url], PROBE, str(tmp_path / "out.pt"))
     result = torch.load(tmp_path / "out.pt", weights_only=False)
     assert result["report"].transport == "tensor" and result["report"].buckets >= 1
-    out = httpx.post(url + "/generate", timeout=60, json={
-        "input_ids": PROBE, "sampling_params": {"max_new_tokens": 1, "temperature": 0}, "return_logprob": True,
-        "logprob_start_len": 0}).json()
-    got = torch.tensor([entry[0] for entry in out["meta_info"]["input_token_logprobs"][1:]])
-    assert out["meta_info"]["weight_version"] == "1"
+    got, version = engine_logprobs(url)
+    assert version == "1"
     assert (got - result["logprobs"]).abs().max() <= 1e-4
