@@ -1,7 +1,7 @@
 """Continuous batching: the loop that turns queued requests into tokens, one step at a time.
 
 The scheduler runs in its own thread (torch releases the GIL in its kernels, so the HTTP event
-loop stays responsive). Each step it (1) admits waiting requests into free KV-cache rows and
+loop stays responsive): ``run`` is the loop, on the thread that calls it. Each step it (1) admits waiting requests into free KV-cache rows and
 prefills them, up to ``max_prefill_tokens`` prompt tokens, sampling each one's first token, then
 (2) decodes one token for every running request in a single batch. Requests therefore join and
 leave between decode steps: a short request submitted after a long one finishes first.
@@ -112,22 +112,20 @@ class Scheduler:
         self._cond = threading.Condition()
         self._stopping = False
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="engine-scheduler", daemon=True)
+        self._thread: threading.Thread | None = None  # the thread in ``run``
 
     # ---- thread-safe API -----------------------------------------------------------------
-
-    def start(self) -> None:
-        self._thread.start()
 
     def stop(self) -> None:
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        self._thread.join(timeout=10)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and self.error is None
+        return self._thread is not None and self._thread.is_alive() and self.error is None
 
     def submit(self, req: Request) -> None:
         if req.params.sampling_seed is not None:
@@ -236,7 +234,9 @@ class Scheduler:
 
     # ---- the loop ------------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def run(self) -> None:
+        """The loop, on the calling thread, until ``stop``."""
+        self._thread = threading.current_thread()
         try:
             while True:
                 with self._cond:
