@@ -10,7 +10,8 @@ live parameters, one at a time). The phases, each timed into the ``SyncReport``:
 2. ``pause``: ``/pause_generation`` with ``--pause-mode`` on every server.
 3. ``begin``: ``/begin_weight_update`` (tensor and distributed transports).
 4. ``buckets``: packing bucket ``k+1`` (a worker thread: gather, cast, copy) overlaps sending
-   bucket ``k``; ``pack`` and ``send`` also report their own sums.
+   bucket ``k``, except where the transport gains nothing from it on a CPU
+   (``Transport.overlaps_on_cpu``); ``pack`` and ``send`` also report their own sums.
 5. ``finish`` (disk: the servers load the shards), ``end``: ``/end_weight_update``.
 6. ``version``: ``/update_weight_version`` to the trainer's step, without aborting anything.
 7. ``flush``: ``/flush_cache`` unless the pause kept KV in place (in_place mode); a server may
@@ -183,9 +184,14 @@ class WeightSync:
             report.buckets += 1
             report.bytes += bucket.nbytes
 
+        async def packed() -> Bucket | None:
+            if self.transport.device.type == "cpu" and not self.transport.overlaps_on_cpu:
+                return next_bucket()
+            return await asyncio.to_thread(next_bucket)
+
         sending: asyncio.Task | None = None
         try:
-            while (bucket := await asyncio.to_thread(next_bucket)) is not None:
+            while (bucket := await packed()) is not None:
                 if sending is not None:
                     await sending  # its buffer is the one the next pack reuses
                 sending = asyncio.create_task(send(bucket))

@@ -13,7 +13,7 @@ import torch
 from inverted.errors import ProtocolError
 from inverted.hf_checkpoint import checkpoint_tensors
 from inverted.rollout.servers import free_port
-from inverted.train.weight_sync import Bucket, BucketPacker, TensorTransport, WeightSync
+from inverted.train.weight_sync import Bucket, BucketPacker, DiskTransport, TensorTransport, WeightSync
 from inverted.train.weight_sync.transports import dtype_name
 from inverted.weight_wire import bucket_payload, join_update_group
 from tests.rollout.engine.test_control import LONG, started
@@ -181,6 +181,27 @@ async def test_a_failed_update_leaves_the_engine_serving_and_out_of_the_session(
         assert out["meta_info"]["weight_version"] == "default" and len(out["output_ids"]) == 3  # not paused, not bumped
         assert (await client.post("/begin_weight_update", json={})).status_code == 200  # the session was ended
         await client.post("/end_weight_update", json={})
+
+
+@pytest.mark.parametrize("transport", ["tensor", "disk"])
+async def test_buckets_are_packed_on_a_worker_thread_only_where_that_pays_on_a_cpu(engine, tiny_model, tmp_path, transport):
+    """A worker thread's copies would open a second OpenMP pool: the tensor transport packs inline on a CPU,
+    the disk transport (its writes run outside OpenMP) keeps packing the next bucket while one is written."""
+    packing_threads = set()
+
+    def weights():
+        for item in checkpoint_tensors(tiny_model("qwen2", seed=5)).items():
+            packing_threads.add(threading.current_thread())
+            yield item
+
+    made = (TensorTransport(torch.device("cpu")) if transport == "tensor"
+            else DiskTransport(torch.device("cpu"), str(tmp_path / "updates"), str(tiny_model("qwen2"))))
+    report = await WeightSync(made, [engine], buffer_size=1 << 16, pause_mode="in_place").update(weights(), "step-1")
+    assert report.buckets > 1
+    if transport == "tensor":
+        assert packing_threads == {threading.main_thread()}
+    else:
+        assert packing_threads and threading.main_thread() not in packing_threads
 
 
 def test_a_session_whose_trainer_died_is_ended_and_generation_resumes(procs, tiny_model):
