@@ -1,10 +1,11 @@
 """Continuous batching: the loop that turns queued requests into tokens, one step at a time.
 
 The scheduler runs in its own thread (torch releases the GIL in its kernels, so the HTTP event
-loop stays responsive): ``run`` is the loop, on the thread that calls it. Each step it (1) admits waiting requests into free KV-cache rows and
-prefills them, up to ``max_prefill_tokens`` prompt tokens, sampling each one's first token, then
-(2) decodes one token for every running request in a single batch. Requests therefore join and
-leave between decode steps: a short request submitted after a long one finishes first.
+loop stays responsive): ``run`` is the loop, on the thread that calls it. Each step it (1) admits
+waiting requests into free KV-cache rows and prefills them, up to ``max_prefill_tokens`` prompt
+tokens, sampling each one's first token, then (2) decodes one token for every running request in
+a single batch. Requests therefore join and leave between decode steps: a short request submitted
+after a long one finishes first.
 
 Everything that changes engine state (pause, continue, abort, weight updates, flush) is a
 *command*: a function queued by ``call`` and run by this thread between steps, so no step ever
@@ -125,7 +126,8 @@ class Scheduler:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.error is None
+        """Not crashed and not stopped (a scheduler about to ``run`` is alive)."""
+        return self.error is None and (self._thread is None or self._thread.is_alive())
 
     def submit(self, req: Request) -> None:
         if req.params.sampling_seed is not None:
