@@ -1,5 +1,5 @@
-"""Process plumbing the services share: children that die with their parent, and one app served
-by several processes on one port.
+"""Process plumbing the services share: children that die with their parent, one app served by
+several processes on one port, and a heap that Python's collector leaves alone once started.
 
 ``serve_workers`` exists for two reasons. uvicorn's own ``--workers`` share one listening socket,
 and asyncio accepts every pending connection when it wakes, so a burst of new connections lands
@@ -11,6 +11,7 @@ workers outlive a supervisor killed with SIGKILL; ours die with it.
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import os
@@ -20,6 +21,18 @@ import sys
 import threading
 
 logger = logging.getLogger(__name__)
+
+
+def freeze_startup_heap() -> None:
+    """Take everything made so far (imports, tokenizer, model) out of Python's cyclic collector.
+
+    A service that imports torch and transformers holds ~240k objects that live as long as it does.
+    Every full collection walks them all, with the GIL held: 150-230 ms (measured in the proxy and
+    the controller during jobs). One such pause at the start of a rollout delayed half of its model
+    calls by 0.2-0.4 s. Frozen objects are never collected, so call this once, when startup is done.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def die_with_parent(parent: int | None = None) -> None:

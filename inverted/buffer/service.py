@@ -40,7 +40,7 @@ from inverted.buffer.store import LeaseConflict, SQLiteStore
 from inverted.config import BufferConfig
 from inverted.errors import SampleError
 from inverted.plugins import load_plugin
-from inverted.processes import serve_workers
+from inverted.processes import freeze_startup_heap, serve_workers
 from inverted.types import Sample, version_number
 
 logger = logging.getLogger(__name__)
@@ -159,6 +159,7 @@ def create_app(config: BufferConfig) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store = build_store(config)
         app.state.buffer = BufferState(config, store)
+        freeze_startup_heap()
         logger.info("buffer ready: %s (%d prompts, %d samples per prompt)", config.db, store.num_prompts,
                     config.n_samples_per_prompt)
         try:

@@ -32,6 +32,7 @@ from inverted.controller.rollouts import checkpoint_dir, evaluate, read_prompts,
 from inverted.controller.sync_loop import SyncLoop
 from inverted.errors import ConfigError
 from inverted.metrics import MetricsSink, build_metrics_sink, plot_rewards
+from inverted.processes import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ async def run_job(cfg: JobConfig, plugins: Plugins, router_args: list[str], sgla
         # Log lines go above the progress bar instead of through it.
         with logging_redirect_tqdm():
             async with Job(cfg, router_args, sglang_args, log_setup) as job:
+                freeze_startup_heap()
                 await job.run_supervised(drive(cfg, job, plugins, sink, run_dir))
     finally:
         sink.close()

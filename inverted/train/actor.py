@@ -21,6 +21,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from inverted.config import TrainConfig
+from inverted.processes import freeze_startup_heap
 from inverted.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class TrainActor:
         self.trainer = Trainer(cfg)
         if cfg.load:
             load_checkpoint(self.trainer, cfg.load)
+        freeze_startup_heap()
         return self.trainer.rollout_id
 
     def train(self, samples: list[dict[str, Any]]) -> dict[str, float]:

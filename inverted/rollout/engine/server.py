@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from inverted.config import EngineConfig
 from inverted.errors import InvalidRequest, ModelError
 from inverted.hf_checkpoint import ARCHITECTURES, checkpoint_tensors
+from inverted.processes import freeze_startup_heap
 from inverted.rollout.engine import protocol as P
 from inverted.rollout.engine.model import load_model
 from inverted.rollout.engine.sampling import SamplingParams, SchemaError
@@ -99,6 +100,7 @@ def launch(config: EngineConfig) -> concurrent.futures.Future[Engine]:
         except BaseException as exc:
             built.set_exception(exc)
             return
+        freeze_startup_heap()
         built.set_result(engine)
         engine.scheduler.run()
 

@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, FiniteFloat
 from inverted.config import ProxyConfig
 from inverted.errors import InvalidRequest, ServiceError
 from inverted.plugins import load_plugin
+from inverted.processes import freeze_startup_heap
 from inverted.rollout.proxy import openai_api as api
 from inverted.rollout.proxy.recorder import Recorder
 from inverted.rollout.proxy.session import Session
@@ -210,6 +211,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
         app.state.recorder = Recorder(config, tokenizer, client, parser, context,
                                       config.served_model_name or Path(config.tokenizer).resolve().name)
         sweeper = asyncio.create_task(_sweep(app.state.recorder))
+        freeze_startup_heap()
         logger.info("proxy ready: router %s, context %d tokens", config.router_url, context)
         try:
             yield
