@@ -27,7 +27,7 @@ def freeze_startup_heap() -> None:
     """Take everything made so far (imports, tokenizer, model) out of Python's cyclic collector.
 
     A service that imports torch and transformers holds ~240k objects that live as long as it does.
-    Every full collection walks them all, with the GIL held: 150-230 ms (measured in the proxy and
+    Every full collection walks them all, with the GIL held: 150-240 ms (measured in the proxy and
     the controller during jobs). One such pause at the start of a rollout delayed half of its model
     calls by 0.2-0.4 s. Frozen objects are never collected, so call this once, when startup is done.
     """
