@@ -7,7 +7,7 @@ so each format is written once:
   1-D ``uint8`` buffer, described by ``FlattenedTensorMetadata`` with *byte* offsets.
   ``bucket_layout`` computes the offsets from names, dtypes and shapes, and refuses an offset
   that is not a multiple of its tensor's item size, as SGLang's receiver does. ``unflatten`` turns a
-  buffer back into named views (no copy).
+  buffer back into named views (no copy). ``copy_all`` is how either end copies into or out of one.
 - **Payloads** (SGLang's ``MultiprocessingSerializer``): a ``ForkingPickler``-style pickle,
   base64-encoded. ``serialize`` pickles our metadata class under SGLang's qualified name, so real
   SGLang's ``SafeUnpickler`` accepts our payloads. Tensors go as torch's multiprocessing
@@ -110,6 +110,19 @@ def unflatten(flat: torch.Tensor, metadata: list[FlattenedTensorMetadata]) -> li
             raise InvalidRequest(f"Unaligned received tensor {meta.name}: byte offset {meta.start_idx}, dtype {meta.dtype}")
         views.append((meta.name, flat[meta.start_idx : meta.end_idx].view(meta.dtype).view(shape)))
     return views
+
+
+@torch.no_grad()
+def copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """Copy each source into its target (casting), all together, and on a GPU wait for the copies.
+
+    Together: on a GPU a few fused launches instead of one per tensor, which made both ends
+    launch-bound. Waited for: a CUDA-IPC bucket is read or refilled by the other process, which
+    our stream does not order, as soon as this end hands it over or answers.
+    """
+    torch._foreach_copy_(targets, sources)
+    for device in {t.device for t in targets if t.is_cuda}:
+        torch.cuda.current_stream(device).synchronize()
 
 
 # ---- payloads -------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from inverted.errors import ModelError
 from inverted.hf_checkpoint import ModelSpec, checkpoint_tensors, rope_inv_freq
+from inverted.weight_wire import copy_all
 
 
 class KVCache:
@@ -153,14 +154,10 @@ class CausalLM(torch.nn.Module):
 
     @torch.no_grad()
     def load_weights(self, named: dict[str, torch.Tensor], *, complete: bool, strict_dtype: bool = False) -> None:
-        """Check everything first, then copy: a bad set of weights changes nothing.
-
-        The copies go out together (on a GPU a few fused launches, not one per tensor), and on a GPU
-        they are waited for: the sender reuses a CUDA-IPC bucket as soon as we answer."""
+        """Check everything first, then copy (together, and waited for on a GPU, where the sender
+        refills a CUDA-IPC bucket as soon as we answer): a bad set of weights changes nothing."""
         self.check_weights(named, complete=complete, strict_dtype=strict_dtype)
-        torch._foreach_copy_([self.hf_views[name] for name in named], list(named.values()))
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        copy_all([self.hf_views[name] for name in named], list(named.values()))
 
     # ---- forward -------------------------------------------------------------------------
     # Activations are 2-D, [tokens, hidden]: a prefill's T tokens or a decode step's B rows. On a

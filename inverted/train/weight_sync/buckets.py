@@ -10,11 +10,9 @@ packed into the other. The caller (``sync.WeightSync``) waits for bucket ``k``'s
 asks for bucket ``k+2``, which reuses that buffer. A tensor larger than the buffer size grows
 that buffer once.
 
-A bucket's copies are issued together when it is full (``torch._foreach_copy_``: on a GPU a few
-fused launches instead of one per tensor, which made packing launch-bound), so its source
-tensors are held until then: at most one bucket's worth. A bucket is handed out only once its
-bytes are in place, since on a GPU the server reads it from another process, unordered with
-our stream.
+A bucket's copies are issued together when it is full (``weight_wire.copy_all``, which also
+waits for them on a GPU before the bucket is handed out), so its source tensors are held until
+then: at most one bucket's worth.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inverted.weight_wire import FlattenedTensorMetadata
+from inverted.weight_wire import FlattenedTensorMetadata, copy_all
 
 
 @dataclass(slots=True)
@@ -73,10 +71,7 @@ class BucketPacker:
         buffer, offset, index = None, 0, 0
 
         def filled() -> Bucket:
-            with torch.no_grad():
-                torch._foreach_copy_(targets, sources)  # casting to the bucket's dtype on the way
-            if buffer.is_cuda:
-                torch.cuda.current_stream(buffer.device).synchronize()
+            copy_all(targets, sources)  # casting to the bucket's dtype on the way
             targets.clear()
             sources.clear()
             return Bucket(buffer, metadata, index)
