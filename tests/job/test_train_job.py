@@ -179,7 +179,8 @@ def generate_rollout(args, rollout_id, data_buffer, evaluation=False):
         for sample in group:
             prompt = [5, 6, 7]
             out = httpx.post(url, json={"input_ids": prompt, "return_logprob": True,
-                                        "sampling_params": {"max_new_tokens": 3, "temperature": 1.0}}).json()
+                                        "sampling_params": {"max_new_tokens": 3, "temperature": 1.0,
+                                                            "ignore_eos": True}}).json()
             meta = out["meta_info"]
             sample.tokens = prompt + out["output_ids"]
             sample.response_length = len(out["output_ids"])
