@@ -11,7 +11,8 @@ live parameters, one at a time). The phases, each timed into the ``SyncReport``:
 3. ``begin``: ``/begin_weight_update`` (tensor and distributed transports).
 4. ``buckets``: packing bucket ``k+1`` (a worker thread: gather, cast, copy) overlaps sending
    bucket ``k``, except where the transport gains nothing from it on a CPU
-   (``Transport.overlaps_on_cpu``); ``pack`` and ``send`` also report their own sums.
+   (``Transport.overlaps_on_cpu``); the first bucket, with nothing to overlap, is packed inline;
+   ``pack`` and ``send`` also report their own sums.
 5. ``finish`` (disk: the servers load the shards), ``end``: ``/end_weight_update``.
 6. ``version``: ``/update_weight_version`` to the trainer's step, without aborting anything.
 7. ``flush``: ``/flush_cache`` unless the pause kept KV in place (in_place mode); a server may
@@ -167,7 +168,7 @@ class WeightSync:
         self.connected = identity
 
     async def _stream(self, servers: list[SGLangClient], weights: Iterator, report: SyncReport) -> None:
-        """Pack bucket k+1 in a worker thread while bucket k is being sent."""
+        """Pack bucket k+1 in a worker thread while bucket k is being sent (bucket 0 inline)."""
         assert self.packer is not None
         buckets = self.packer.pack(weights)
 
@@ -184,14 +185,15 @@ class WeightSync:
             report.buckets += 1
             report.bytes += bucket.nbytes
 
-        async def packed() -> Bucket | None:
-            if self.transport.device.type == "cpu" and not self.transport.overlaps_on_cpu:
+        async def packed(in_flight: bool) -> Bucket | None:
+            # A worker thread pays only while a send runs beside it: the first bucket is packed inline.
+            if not in_flight or (self.transport.device.type == "cpu" and not self.transport.overlaps_on_cpu):
                 return next_bucket()
             return await asyncio.to_thread(next_bucket)
 
         sending: asyncio.Task | None = None
         try:
-            while (bucket := await packed()) is not None:
+            while (bucket := await packed(sending is not None)) is not None:
                 if sending is not None:
                     await sending  # its buffer is the one the next pack reuses
                 sending = asyncio.create_task(send(bucket))

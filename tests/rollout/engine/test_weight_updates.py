@@ -177,7 +177,7 @@ async def test_a_failed_update_leaves_the_engine_serving_and_out_of_the_session(
     with pytest.raises(ProtocolError, match="expected shape"):
         await sync.update(weights.items(), "broken")
     async with httpx.AsyncClient(base_url=engine, timeout=60) as client:
-        out = (await client.post("/generate", json={"input_ids": [5], "sampling_params": {"max_new_tokens": 3}})).json()
+        out = (await client.post("/generate", json={"input_ids": [5], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}})).json()
         assert out["meta_info"]["weight_version"] == "default" and len(out["output_ids"]) == 3  # not paused, not bumped
         assert (await client.post("/begin_weight_update", json={})).status_code == 200  # the session was ended
         await client.post("/end_weight_update", json={})
@@ -186,29 +186,31 @@ async def test_a_failed_update_leaves_the_engine_serving_and_out_of_the_session(
 @pytest.mark.parametrize("transport", ["tensor", "disk"])
 async def test_buckets_are_packed_on_a_worker_thread_only_where_that_pays_on_a_cpu(engine, tiny_model, tmp_path, transport):
     """A worker thread's copies would open a second OpenMP pool: the tensor transport packs inline on a CPU,
-    the disk transport (its writes run outside OpenMP) keeps packing the next bucket while one is written."""
-    packing_threads = set()
+    the disk transport (its writes run outside OpenMP) keeps packing the next bucket while one is written.
+    The first bucket, with no write beside it, is packed inline by both."""
+    packing_threads = []
 
     def weights():
         for item in checkpoint_tensors(tiny_model("qwen2", seed=5)).items():
-            packing_threads.add(threading.current_thread())
+            packing_threads.append(threading.current_thread())
             yield item
 
     made = (TensorTransport(torch.device("cpu")) if transport == "tensor"
             else DiskTransport(torch.device("cpu"), str(tmp_path / "updates"), str(tiny_model("qwen2"))))
     report = await WeightSync(made, [engine], buffer_size=1 << 16, pause_mode="in_place").update(weights(), "step-1")
     assert report.buckets > 1
+    assert packing_threads[0] is threading.main_thread()
     if transport == "tensor":
-        assert packing_threads == {threading.main_thread()}
+        assert set(packing_threads) == {threading.main_thread()}
     else:
-        assert packing_threads and threading.main_thread() not in packing_threads
+        assert threading.main_thread() not in packing_threads[-3:]
 
 
 def test_a_session_whose_trainer_died_is_ended_and_generation_resumes(procs, tiny_model):
     url = procs.engine(tiny_model("qwen2"), "--weight-update-timeout", "2").url
     assert post(url, "/begin_weight_update", {}).status_code == 200  # ... and the trainer never comes back
     started = time.monotonic()
-    out = httpx.post(url + "/generate", timeout=60, json={"input_ids": [5], "sampling_params": {"max_new_tokens": 2}}).json()
+    out = httpx.post(url + "/generate", timeout=60, json={"input_ids": [5], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}).json()
     assert len(out["output_ids"]) == 2 and 1.5 <= time.monotonic() - started < 30  # held, then released
     assert "inverted:weight_update_sessions_expired_total 1" in httpx.get(url + "/metrics").text
     assert post(url, "/end_weight_update", {}).status_code == 400  # already ended
