@@ -9,6 +9,8 @@ fp32 on CPU) one embedded engine is started and the model's weights are pushed i
   ratio's ceiling is 0.5; the target is >= 0.4.
 - **distributed**: one gloo broadcast per bucket to the engine, which copies it in. Baseline: raw
   gloo broadcasts of the same bytes to a second process, acknowledged at the end. Target >= 0.5.
+- **repeated_call_ms** (under ``tensor``, CPU): one ``/update_weights_from_tensor`` call whose payload is
+  sent again and again in one session: what the engine spends per call, its copy included.
 - **payload_ms**: building the tensor payloads of one update, each bucket dict pickled whole
   (``serialize``) against ``bucket_payload``, which reuses the pickled metadata of an unchanged layout.
 
@@ -42,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from inverted.config import TinyModelConfig  # noqa: E402
 from inverted.hf_checkpoint import checkpoint_tensors  # noqa: E402
 from inverted.rollout.servers import ManagedProcess, free_port  # noqa: E402
+from inverted.rollout.sglang_client import SGLangClient  # noqa: E402
 from inverted.tiny_model import make_tiny_model  # noqa: E402
 from inverted.train.weight_sync import BucketPacker, DistributedTransport, TensorTransport, WeightSync  # noqa: E402
 from inverted.weight_wire import bucket_payload, join_update_group, serialize  # noqa: E402
@@ -135,6 +138,27 @@ def payload_ms(weights: dict[str, torch.Tensor], buffer_size: int, device: str, 
     return {"tensors": len(weights), "pickled_whole": whole, "reused_layout": reused, "ratio": whole / reused}
 
 
+async def repeated_call_ms(url: str, weights: dict[str, torch.Tensor], buffer_size: int, device: str,
+                           calls: int = 200) -> float:
+    """Median ms of one ``/update_weights_from_tensor`` call whose payload (the first bucket) is sent
+    again and again inside one session: the engine's per-call cost, its copy included, with no packing."""
+    transport = TensorTransport(torch.device(device))
+    bucket = next(iter(BucketPacker(buffer_size, transport.allocate, next(iter(weights.values())).dtype).pack(weights.items())))
+    payload = bucket_payload(bucket.flat, bucket.metadata)
+    seconds = []
+    async with SGLangClient(url) as client:
+        await client.begin_weight_update()
+        try:
+            for _ in range(calls + 5):  # 5 warm-up calls
+                started = time.perf_counter()
+                await client.update_weights_from_tensor([payload], load_format="flattened_bucket")
+                seconds.append(time.perf_counter() - started)
+        finally:
+            await client.end_weight_update()
+            transport.release()
+    return statistics.median(seconds[5:]) * 1e3
+
+
 def bench_model(preset: str, rounds: int, buffer_size: int, device: str) -> dict:
     path = model_dir(preset)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
@@ -159,6 +183,8 @@ def bench_model(preset: str, rounds: int, buffer_size: int, device: str) -> dict
                             "bucket_phase_s": seconds, "total_s": statistics.median(r.seconds["total"] for r in reports),
                             "phases_s": {k: round(statistics.median(r.seconds.get(k, 0.0) for r in reports), 4)
                                          for k in reports[-1].seconds}}
+        if device == "cpu":
+            result["tensor"]["repeated_call_ms"] = asyncio.run(repeated_call_ms(engine.url, weights, buffer_size, device))
     finally:
         engine.terminate()
     return result
