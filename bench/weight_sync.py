@@ -143,7 +143,8 @@ async def repeated_call_ms(url: str, weights: dict[str, torch.Tensor], buffer_si
     """Median ms of one ``/update_weights_from_tensor`` call whose payload (the first bucket) is sent
     again and again inside one session: the engine's per-call cost, its copy included, with no packing."""
     transport = TensorTransport(torch.device(device))
-    bucket = next(iter(BucketPacker(buffer_size, transport.allocate, next(iter(weights.values())).dtype).pack(weights.items())))
+    packer = BucketPacker(buffer_size, transport.allocate, next(iter(weights.values())).dtype)
+    bucket = next(iter(packer.pack(weights.items())))
     payload = bucket_payload(bucket.flat, bucket.metadata)
     seconds = []
     async with SGLangClient(url) as client:

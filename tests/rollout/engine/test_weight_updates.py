@@ -177,7 +177,8 @@ async def test_a_failed_update_leaves_the_engine_serving_and_out_of_the_session(
     with pytest.raises(ProtocolError, match="expected shape"):
         await sync.update(weights.items(), "broken")
     async with httpx.AsyncClient(base_url=engine, timeout=60) as client:
-        out = (await client.post("/generate", json={"input_ids": [5], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}})).json()
+        out = (await client.post("/generate", json={"input_ids": [5], "sampling_params": {
+            "max_new_tokens": 3, "ignore_eos": True}})).json()
         assert out["meta_info"]["weight_version"] == "default" and len(out["output_ids"]) == 3  # not paused, not bumped
         assert (await client.post("/begin_weight_update", json={})).status_code == 200  # the session was ended
         await client.post("/end_weight_update", json={})
@@ -210,7 +211,8 @@ def test_a_session_whose_trainer_died_is_ended_and_generation_resumes(procs, tin
     url = procs.engine(tiny_model("qwen2"), "--weight-update-timeout", "2").url
     assert post(url, "/begin_weight_update", {}).status_code == 200  # ... and the trainer never comes back
     started = time.monotonic()
-    out = httpx.post(url + "/generate", timeout=60, json={"input_ids": [5], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}).json()
+    out = httpx.post(url + "/generate", timeout=60, json={
+        "input_ids": [5], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}).json()
     assert len(out["output_ids"]) == 2 and 1.5 <= time.monotonic() - started < 30  # held, then released
     assert "inverted:weight_update_sessions_expired_total 1" in httpx.get(url + "/metrics").text
     assert post(url, "/end_weight_update", {}).status_code == 400  # already ended
