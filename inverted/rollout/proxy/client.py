@@ -44,10 +44,15 @@ def openai_pool() -> openai.DefaultAioHttpClient:
 class ProxyClient(HTTPService):
     async def create_session(self, metadata: dict[str, Any] | None = None,
                              sampling_params: dict[str, Any] | None = None) -> SessionHandle:
-        body = {"metadata": metadata or {}, "sampling_params": sampling_params or {}}
-        data = self.json_of(await self.request("POST", "/sessions", json_body=body, timeout=self.timeouts.control,
-                                               idempotent=False))
-        return SessionHandle(data["session_id"], data["token"], data["base_url"])
+        return (await self.create_sessions([metadata or {}], sampling_params))[0]
+
+    async def create_sessions(self, metadata: list[dict[str, Any]],
+                              sampling_params: dict[str, Any] | None = None) -> list[SessionHandle]:
+        """One session per ``metadata`` entry, all sampling with ``sampling_params``, in one request."""
+        body = {"sessions": [{"metadata": m, "sampling_params": sampling_params or {}} for m in metadata]}
+        data = self.json_of(await self.request("POST", "/sessions/batch", json_body=body,
+                                               timeout=self.timeouts.control, idempotent=False))
+        return [SessionHandle(s["session_id"], s["token"], s["base_url"]) for s in data["sessions"]]
 
     async def set_reward(self, session_id: str, reward: Reward, finished: bool = True) -> None:
         await self.request("POST", f"/sessions/{session_id}/reward", json_body={"reward": reward, "finished": finished},

@@ -7,6 +7,9 @@ Routes (``create_app(config)``):
   (``temperature``, ``top_p``, ``max_tokens``, ...) that override the agent's on every call, e.g.
   the rollout temperature. ``metadata`` may carry ``group_index``, ``index`` and ``label``,
   which become the Samples' fields; the rest is kept in their ``metadata``.
+- ``POST /sessions/batch`` ``{sessions: [{metadata?, sampling_params?}, ...]}`` → ``{sessions:
+  [...]}``, the same answers in order: all of them or, on any bad entry, none. A rollout opens
+  its sessions this way, so that its episodes' first calls reach the servers together.
 - ``{base_url}/chat/completions``, ``{base_url}/completions``, ``{base_url}/models`` with
   ``base_url = /sessions/{id}/v1``: the path's unguessable id is the capability, so any SDK works
   with only ``base_url`` set; the same under ``/v1/...`` with ``Authorization: Bearer <token>``.
@@ -49,6 +52,7 @@ from inverted.types import Sample
 
 logger = logging.getLogger(__name__)
 SWEEP_S = 5.0  # at most; shorter for short timeouts
+MAX_BATCH = 4096  # sessions one POST /sessions/batch may open
 
 
 class CreateSessionRequest(BaseModel):
@@ -61,6 +65,15 @@ class CreateSessionResponse(BaseModel):
     session_id: str
     token: str
     base_url: str
+
+
+class CreateSessionsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    sessions: list[CreateSessionRequest] = Field(min_length=1, max_length=MAX_BATCH)
+
+
+class CreateSessionsResponse(BaseModel):
+    sessions: list[CreateSessionResponse]
 
 
 class RewardRequest(BaseModel):
@@ -124,6 +137,22 @@ def _token_session(request: Request) -> Session:
         raise InvalidRequest("Incorrect API key provided: use the token of a live session (POST /sessions)",
                              code="invalid_api_key", status=401)
     return session
+
+
+def _open_sessions(recorder: Recorder, bodies: list[CreateSessionRequest], request: Request,
+                   where: str) -> list[CreateSessionResponse]:
+    """Every body checked first, then every session created: a bad one opens none. ``where`` names
+    body ``i`` in an error's message and ``param``."""
+    for i, body in enumerate(bodies):
+        at = where.format(i=i)
+        try:  # checked now, with the same rules as a call, so that no call of this session fails on them
+            api.parse_chat({**body.sampling_params, "messages": [{"role": "user", "content": "check"}]})
+        except InvalidRequest as exc:
+            raise InvalidRequest(f"{at}sampling_params: {exc}", param=f"{at}sampling_params.{exc.param}") from None
+    base = str(request.base_url).rstrip("/")
+    sessions = [recorder.sessions.create(body.metadata, body.sampling_params) for body in bodies]
+    return [CreateSessionResponse(session_id=s.id, token=s.token, base_url=f"{base}/sessions/{s.id}/v1")
+            for s in sessions]
 
 
 async def _json(request: Request) -> tuple[Any, bytes]:
@@ -262,14 +291,12 @@ def _add_session_routes(app: FastAPI) -> None:
     @app.post("/sessions", dependencies=[Depends(_require_api_key)])
     async def create_session(body: CreateSessionRequest, request: Request,
                              recorder: RecorderDep) -> CreateSessionResponse:
-        try:  # checked now, with the same rules as a call, so that no call of this session fails on them
-            api.parse_chat({**body.sampling_params, "messages": [{"role": "user", "content": "check"}]})
-        except InvalidRequest as exc:
-            raise InvalidRequest(f"sampling_params: {exc}", param=f"sampling_params.{exc.param}") from None
-        session = recorder.sessions.create(body.metadata, body.sampling_params)
-        base = str(request.base_url).rstrip("/")
-        return CreateSessionResponse(session_id=session.id, token=session.token,
-                                     base_url=f"{base}/sessions/{session.id}/v1")
+        return _open_sessions(recorder, [body], request, where="")[0]
+
+    @app.post("/sessions/batch", dependencies=[Depends(_require_api_key)])
+    async def create_sessions(body: CreateSessionsRequest, request: Request,
+                              recorder: RecorderDep) -> CreateSessionsResponse:
+        return CreateSessionsResponse(sessions=_open_sessions(recorder, body.sessions, request, where="sessions[{i}]."))
 
     @app.get("/sessions/{session_id}")
     async def get_session(session_id: str, request: Request) -> dict[str, Any]:

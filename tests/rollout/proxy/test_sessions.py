@@ -124,6 +124,36 @@ def test_rewards_finish_and_session_overrides(stack):
                         headers=ADMIN), 400)
 
 
+def created(stack) -> float:
+    for line in httpx.get(stack.proxy.url + "/metrics").text.splitlines():
+        if line.startswith("inverted_proxy_sessions_created_total "):
+            return float(line.split()[1])
+    raise AssertionError("the proxy has no inverted_proxy_sessions_created_total")
+
+
+def test_a_batch_of_sessions_opens_all_or_none(stack):
+    batch = stack.proxy.url + "/sessions/batch"
+    before = created(stack)
+    body = {"sessions": [{"metadata": {"group_index": i, "label": f"l{i}"}, "sampling_params": {"max_tokens": i + 1}}
+                         for i in range(3)]}
+    response = httpx.post(batch, json=body, headers=ADMIN)
+    assert response.status_code == 200, response.text
+    sessions = response.json()["sessions"]
+    assert created(stack) == before + 3 and len({s["session_id"] for s in sessions} | {s["token"] for s in sessions}) == 6
+    for i, session in enumerate(sessions):  # in order: each answer is its own entry's session
+        assert chat(session["base_url"], {"messages": USER, "max_tokens": 50}).json()["usage"]["completion_tokens"] == i + 1
+        (sample,) = finish(stack, session)
+        assert (sample.group_index, sample.label) == (i, f"l{i}")
+    # One bad entry opens none of them, and the error names it.
+    body["sessions"][1]["sampling_params"] = {"temperature": -1}
+    error = error_of(httpx.post(batch, json=body, headers=ADMIN), 400)
+    assert error["param"] == "sessions[1].sampling_params.temperature" and "sessions[1]" in error["message"]
+    error_of(httpx.post(batch, json={"sessions": []}, headers=ADMIN), 400)
+    error_of(httpx.post(batch, json={"sessions": [{"metadata": {}, "extra": 1}]}, headers=ADMIN), 400)
+    error_of(httpx.post(batch, json={"sessions": [{}]}), 401)  # an API key is configured
+    assert created(stack) == before + 3
+
+
 def test_idle_sessions_expire_into_kept_samples(module_procs, stack):
     proxy = module_procs.proxy(stack.router.url, stack.model, "--proxy-session-timeout", "0.5")
     session = httpx.post(proxy.url + "/sessions", json={}).json()  # no API key on this proxy
