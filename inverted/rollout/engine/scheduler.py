@@ -25,8 +25,10 @@ and keeps everything. While paused, new requests queue and wait for ``/continue_
 Prefix reuse: a finished request's cache row is kept (above the running rows) with the tokens it
 holds, and a new request whose prompt starts with some of them copies that much KV and prefills
 only the rest (``cached_tokens``). Multi-turn agents resend their whole history each turn, so
-this is most of their prompt. Kept rows are evicted when running rows need the room, and dropped
-on a flush and on every weight load (their KV came from the old weights).
+this is most of their prompt. A running request's prompt is offered the same way, and requests
+admitted in one step that share a prompt (GRPO's n samples) are prefilled in two passes, so the
+second copies what the first computed. Kept rows are evicted when running rows need the room,
+and dropped on a flush and on every weight load (their KV came from the old weights).
 
 Every output token records the weight version that produced it; this module knows nothing of HTTP.
 """
@@ -51,6 +53,7 @@ from inverted.rollout.engine.sampling import SamplingParams, sample, top_logprob
 logger = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+SHARED_PREFIX_MIN = 16  # prompt tokens two requests of one step must share to prefill them once
 
 
 @dataclass(eq=False)
@@ -75,6 +78,7 @@ class Request:
     finish_reason: dict[str, Any] | None = None
     cached_tokens: int = 0
     computed: int = 0  # positions whose keys/values are in this request's cache row
+    lends_kv: bool = True  # whether later requests may copy its prompt's KV (not once the weights changed under it)
     created: float = field(default_factory=time.monotonic)
     finished_at: float | None = None
 
@@ -211,7 +215,11 @@ class Scheduler:
         return bool(self.running) or (bool(self.waiting) and self.paused not in ("retract", "in_place"))
 
     def forget_prefixes(self) -> None:
+        """Offer no cached KV to later requests: the kept rows go, and requests still running (paused in
+        place across a weight load) keep theirs to themselves."""
         self.prefixes.clear()
+        for req in self.running:
+            req.lends_kv = False
 
     def flush(self) -> None:
         """Forget every cached prefix. The storage stays allocated, as SGLang keeps its KV pool: freeing
@@ -291,17 +299,33 @@ class Scheduler:
             self.stats["decode_batch_total"] += len(self.running)
 
     def _admit(self) -> None:
-        """Move waiting requests into free rows, up to the prefill budget, and prefill them together."""
+        """Move waiting requests into free rows, up to the prefill budget, and prefill them together.
+
+        A request that shares at least ``SHARED_PREFIX_MIN`` prompt tokens with one admitted before it
+        in the same step (the n samples of a GRPO prompt arrive together) waits for a second pass,
+        after the first has computed that prefix, and copies its KV: a shared prompt is prefilled once.
+        """
         budget = self.max_prefill_tokens
-        batch: list[Request] = []
-        while self.waiting and len(self.running) < self.max_running and (budget > 0 or not batch):
+        first: list[Request] = []
+        second: list[Request] = []
+        while self.waiting and len(self.running) + len(second) < self.max_running and (budget > 0 or not first):
             req = self.waiting.popleft()
-            self._place(req)
-            batch.append(req)
-            budget -= len(req.input_ids) + len(req.output_ids) - req.cached_tokens
-        if batch:
-            self._prefill(batch)
-            self._release_rows([i for i, r in enumerate(self.running) if r.finished])
+            shared = max((common_prefix(f.input_ids, req.input_ids) for f in first), default=0) if self._reuses(req) else 0
+            if shared >= SHARED_PREFIX_MIN:
+                second.append(req)
+                budget -= len(req.input_ids) - shared
+            else:
+                self._place(req)
+                first.append(req)
+                budget -= len(req.input_ids) + len(req.output_ids) - req.cached_tokens
+        if not first:
+            return
+        self._prefill(first)
+        if second:
+            for req in second:
+                self._place(req)  # the first pass's rows now hold the shared prefix
+            self._prefill(second)
+        self._release_rows([i for i, r in enumerate(self.running) if r.finished])
 
     def _prefill(self, batch: list[Request]) -> None:
         """Compute each request's KV; fresh requests also sample their first token.
@@ -393,24 +417,32 @@ class Scheduler:
         req.finished_at = time.monotonic()
         req.notify(req, len(req.output_ids))
 
-    def _place(self, req: Request) -> None:
-        """Give ``req`` the next running row, with the longest cached prefix of its prompt copied in.
+    def _reuses(self, req: Request) -> bool:
+        """Whether ``req`` may start from cached KV: not when resuming after a retract, nor when it
+        wants prompt logprobs (those need every position's hidden state)."""
+        return self.reuse_prefixes and not req.output_ids and not (req.return_logprob and req.logprob_start_len >= 0)
 
-        At least the prompt's last token is always prefilled (its logits give the first sample);
-        requests that resume after a retract, or want prompt logprobs, prefill everything.
+    def _place(self, req: Request) -> None:
+        """Give ``req`` the next running row, with the longest cached prefix of its prompt copied in:
+        from a kept row, or from a running request's prompt.
+
+        At least the prompt's last token is always prefilled (its logits give the first sample).
         """
         row = len(self.running)
         source, length = None, 0
-        if self.reuse_prefixes and not req.output_ids and not (req.return_logprob and req.logprob_start_len >= 0):
-            for kept, held in self.prefixes.items():
-                shared = common_prefix(held, req.input_ids)
+        if self._reuses(req):
+            held = [(kept, tokens, len(tokens)) for kept, tokens in self.prefixes.items()]
+            held += [(i, r.input_ids, r.computed) for i, r in enumerate(self.running) if r.lends_kv]
+            for kept, tokens, valid in held:
+                shared = min(common_prefix(tokens, req.input_ids), valid)
                 if shared > length:
                     source, length = kept, shared
             length = min(length, len(req.input_ids) - 1)
         if source is not None and length > 0 and source != row:
             self.prefixes.pop(row, None)  # the row this request takes was holding another prefix
             self.cache.move_row(source, row, length)
-            self.prefixes[source] = self.prefixes.pop(source)  # most recently used last
+            if source in self.prefixes:
+                self.prefixes[source] = self.prefixes.pop(source)  # most recently used last
         else:
             self.prefixes.pop(row, None)
         req.cached_tokens = length if source is not None and length > 0 else 0
@@ -434,7 +466,7 @@ class Scheduler:
                     self.cache.move_row(last, row, moved.computed)
                 self.running[row] = moved
             self.running.pop()
-            if keep and done.computed:
+            if keep and done.computed and done.lends_kv:
                 self.prefixes[last] = (done.input_ids + done.output_ids)[: done.computed]
 
 

@@ -75,3 +75,42 @@ def test_reuse_under_concurrency_matches(engines):
     for a, b in zip(got, want):
         assert_same(a, b)
     assert sum(g["meta_info"]["cached_tokens"] for g in got) >= len(base)
+
+
+def test_the_samples_of_one_prompt_share_its_prefill(engines):
+    """GRPO's n samples of a prompt arrive together: the prompt is computed once, then copied."""
+    reuse, plain = engines
+    prompt = list(range(600, 660))
+    body = {"input_ids": [prompt] * 6, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
+    got = httpx.post(reuse + "/generate", json=body, timeout=60).json()
+    want = generate(plain, prompt, 8)
+    for out in got:
+        assert_same(out, want)
+    assert sorted(out["meta_info"]["cached_tokens"] for out in got) == [0] + [len(prompt) - 1] * 5
+
+
+@pytest.mark.anyio
+async def test_kv_computed_before_an_in_place_weight_load_is_never_lent(procs, tiny_model):
+    from tests.rollout.engine.test_control import started
+
+    engine = procs.engine(tiny_model("qwen3")).url  # its own engine: this test loads other weights
+    prompt = list(range(300, 340))
+    long = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}
+    async with httpx.AsyncClient(base_url=engine, timeout=120) as client:
+        running = await started(client, long)
+        await client.post("/pause_generation", json={"mode": "in_place"})
+        update = await client.post("/update_weights_from_disk", json={
+            "model_path": str(tiny_model("qwen3", seed=1)), "flush_cache": False, "abort_all_requests": False})
+        assert update.status_code == 200, update.text
+        await client.post("/continue_generation", json={})
+        # The running request's KV came from the old weights: no new request may copy it, neither
+        # while it runs nor once it has finished.
+        short = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+        assert (await client.post("/generate", json=short)).json()["meta_info"]["cached_tokens"] == 0
+        old_tokens = (await asyncio.wait_for(running, 60))["output_ids"]
+        assert len(old_tokens) == 400
+        # Its row would share the prompt and 5 more tokens; the short request's row (new weights) at most one more.
+        follow = {"input_ids": prompt + old_tokens[:5], "sampling_params": {"max_new_tokens": 2}}
+        cached = (await client.post("/generate", json=follow)).json()["meta_info"]["cached_tokens"]
+    assert len(prompt) <= cached <= len(prompt) + 1
