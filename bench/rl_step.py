@@ -11,8 +11,9 @@ tokens per reply, then reads each step's phase times from ``metrics.jsonl``:
 
 The baseline, in the same run: after the job, the same engines behind the same router are
 started again and every step's generation is replayed straight to the router's ``/generate``
-(the recorded prompt ids, the recorded number of output tokens, all requests at once): that is
-the step's **pure generation** time. The pure **training** time is the trainer's own measure of
+(the recorded prompt ids, the recorded number of output tokens, all requests at once, each step
+from an empty prefix cache as the job's weight sync leaves it): that is the step's **pure
+generation** time. The pure **training** time is the trainer's own measure of
 its step (``perf/train_step_s``). ``framework_overhead`` is the fraction of the step that is
 neither: 1 - (generation + training) / step. Target <= 0.10. The first step (warm-up) is left out.
 ``longest_model_call_s`` (the slowest model call of a step, as the proxy timed it) tells how much
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sqlite3
 import statistics
@@ -75,8 +77,15 @@ async def replay(args, model: Path, log_dir: Path, steps: dict[int, list[tuple[l
     """Seconds to generate each step's calls straight through the router (all at once, fixed lengths)."""
     config = ServersConfig(hf_checkpoint=str(model), num_engines=args.engines, log_dir=str(log_dir))
     seconds = {}
-    async with RolloutServers(config) as servers, SGLangClient(servers.router_url) as client:
+    async with RolloutServers(config) as servers, SGLangClient(servers.router_url) as client, \
+            contextlib.AsyncExitStack() as stack:
+        engines = [await stack.enter_async_context(SGLangClient(url)) for url in servers.engine_urls]
         for step, calls in sorted(steps.items()):
+            # The job's weight sync flushed every server's prefix cache before this rollout (the cached
+            # KV was the old policy's); the replay starts as cold, or it would reuse the previous
+            # step's prompts (the letters task has two).
+            if not all(await asyncio.gather(*(engine.flush_cache() for engine in engines))):
+                raise RuntimeError("an engine refused /flush_cache between replayed steps")
             started = time.perf_counter()
             await asyncio.gather(*(client.generate({
                 "input_ids": ids, "sampling_params": {"max_new_tokens": length, "min_new_tokens": length,
