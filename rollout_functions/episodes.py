@@ -25,7 +25,7 @@ from inverted.types import Reward, Sample, Task, check_reward
 
 logger = logging.getLogger(__name__)
 
-SESSION_CONNECTIONS = 8
+SESSION_CONNECTIONS = 8  # to the proxy, for opening, rewarding and finishing sessions (the model calls have their own pool)
 Play = Callable[[SessionHandle, ProxyClient], Awaitable[Reward | None]]  # (session, proxy) -> reward
 
 
@@ -45,7 +45,7 @@ async def close_quietly(proxy: ProxyClient, session: SessionHandle) -> None:
         pass
 
 
-def session_metadata(ctx: RolloutContext, task: Task) -> dict:
+def _session_metadata(ctx: RolloutContext, task: Task) -> dict:
     return {"group_index": task.group_index, "index": task.index, "label": task.label, "rollout_id": ctx.rollout_id}
 
 
@@ -93,11 +93,11 @@ async def run_all(ctx: RolloutContext, tasks: list[Task], play_for: Callable[[Ta
 
     async def one(proxy: ProxyClient, task: Task, session: SessionHandle | None) -> Sample:
         async with limit:
-            session = session or await proxy.create_session(session_metadata(ctx, task), ctx.sampling)
+            session = session or await proxy.create_session(_session_metadata(ctx, task), ctx.sampling)
             return await run_session(ctx, proxy, task, play_for(task), session)
 
     async with ProxyClient(ctx.proxy_url, api_key=ctx.proxy_api_key, max_connections=SESSION_CONNECTIONS) as proxy:
         first = tasks[:concurrency]
-        opened = await proxy.create_sessions([session_metadata(ctx, t) for t in first], ctx.sampling) if first else []
+        opened = await proxy.create_sessions([_session_metadata(ctx, t) for t in first], ctx.sampling) if first else []
         return list(await asyncio.gather(*(one(proxy, task, session)
                                            for task, session in itertools.zip_longest(tasks, opened))))
