@@ -82,6 +82,16 @@ class SGLangClient(HTTPService):
     async def weight_version(self) -> str:
         return (await self.model_info())["weight_version"]
 
+    async def metrics(self) -> dict[str, float]:
+        """``/metrics`` (Prometheus text) as ``{sample: value}``; a sample keeps its labels: ``name{...}``."""
+        response = await self.request("GET", "/metrics", timeout=self.timeouts.control, idempotent=True)
+        samples = {}
+        for line in response.text.splitlines():
+            if line.strip() and not line.startswith("#"):
+                sample, _, value = line.rpartition(" ")
+                samples[sample] = float(value)
+        return samples
+
     # ---- control -------------------------------------------------------------------------
 
     async def _post(self, path: str, body: dict[str, Any], *, timeout: float | None = None, idempotent: bool = True) -> Reply:

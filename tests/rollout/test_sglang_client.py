@@ -89,6 +89,14 @@ async def test_health_probes_read_the_status():
     assert len(seen) == 1  # one try: a probe is not retried
 
 
+async def test_metrics_read_prometheus_text_as_real_sglang_writes_it():
+    text = ('# HELP sglang:num_running_reqs The number of running requests.\n# TYPE sglang:num_running_reqs gauge\n'
+            'sglang:num_running_reqs{model_name="qwen, tiny",tp_rank="0"} 3.0\n\ninverted:weight_loads_total 7\n')
+    async with engine(answer(200, text=text)) as (client, _):
+        assert await client.metrics() == {'sglang:num_running_reqs{model_name="qwen, tiny",tp_rank="0"}': 3.0,
+                                          "inverted:weight_loads_total": 7.0}
+
+
 async def _too_slow(request, n):
     await asyncio.sleep(3.0)
     return web.json_response({})

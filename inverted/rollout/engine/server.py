@@ -8,6 +8,9 @@ the exception handlers: contract violations ``400 {"error": "<text>"}``, bad val
 
 ``/health`` answers from the scheduler's liveness (a paused engine stays healthy, so the router
 does not evict it during a weight update); ``/health_generate`` runs SGLang's 1-token probe.
+``/metrics`` adds ``inverted:*`` counters to SGLang's: time spent in prefill and decode, and for
+weight loads the seconds spent receiving broadcasts, decoding payloads and copying into the
+parameters, so a sender can tell this engine's share of an update from the wire's.
 """
 
 from __future__ import annotations
@@ -310,7 +313,9 @@ async def _update_in_session(engine: Engine, route: str, body: P.WeightLoadOptio
     engine.scheduler.touch_update()
     try:
         if waits_on_peers:
+            started = time.perf_counter()
             named = await asyncio.to_thread(receive)
+            engine.scheduler.stats["weight_receive_seconds"] += time.perf_counter() - started
             message, status, _ = await _load_weights(engine, lambda: dict(named), body, complete=False)
         else:
             message, status, _ = await _load_weights(engine, lambda: dict(receive()), body, complete=False)
@@ -336,7 +341,14 @@ async def _load_weights(engine: Engine, tensors: Callable[[], dict[str, torch.Te
             sched.touch_update()
         if body.abort_all_requests:
             sched.abort(abort_all=True)
-        sched.model.load_weights(tensors(), complete=complete, strict_dtype=strict_dtype)
+        started = time.perf_counter()
+        named = tensors()
+        decoded = time.perf_counter()
+        sched.model.load_weights(named, complete=complete, strict_dtype=strict_dtype)
+        # On /metrics, so that a sender can tell this engine's share of an update from the wire's.
+        sched.stats["weight_loads"] += 1
+        sched.stats["weight_decode_seconds"] += decoded - started
+        sched.stats["weight_copy_seconds"] += time.perf_counter() - decoded
         sched.forget_prefixes()  # their KV came from the old weights
         message = "Succeeded to update model weights."
         if body.weight_version is not None:
@@ -572,5 +584,9 @@ def _add_info_routes(app: FastAPI) -> None:
             f"inverted:prefill_seconds_total {stats['prefill_seconds']:.3f}",
             f"inverted:decode_seconds_total {stats['decode_seconds']:.3f}",
             f"inverted:decode_steps_total {stats['decode_steps']}",
+            f"inverted:weight_loads_total {stats['weight_loads']}",
+            f"inverted:weight_receive_seconds_total {stats['weight_receive_seconds']:.6f}",
+            f"inverted:weight_decode_seconds_total {stats['weight_decode_seconds']:.6f}",
+            f"inverted:weight_copy_seconds_total {stats['weight_copy_seconds']:.6f}",
         ]
         return PlainTextResponse("\n".join(lines) + "\n")

@@ -13,6 +13,7 @@ import torch
 from inverted.errors import ProtocolError
 from inverted.hf_checkpoint import checkpoint_tensors
 from inverted.rollout.servers import free_port
+from inverted.rollout.sglang_client import SGLangClient
 from inverted.train.weight_sync import Bucket, BucketPacker, DiskTransport, TensorTransport, WeightSync
 from inverted.train.weight_sync.transports import dtype_name
 from inverted.weight_wire import bucket_payload, join_update_group
@@ -45,6 +46,15 @@ def post(url: str, path: str, body: dict) -> httpx.Response:
 def state(url: str) -> tuple[list, str]:
     return post(url, "/get_weights_by_name", {"name": NAME, "truncate_size": 2}).json(), \
         httpx.get(url + "/model_info").json()["weight_version"]
+
+
+def weight_load_metrics(url: str) -> dict[str, float]:
+    """The engine's counters of weight loads: how many, and seconds receiving, decoding and copying."""
+    async def read() -> dict[str, float]:
+        async with SGLangClient(url) as client:
+            return await client.metrics()
+    return {k.removeprefix("inverted:weight_"): v for k, v in asyncio.run(read()).items()
+            if k.removeprefix("inverted:weight_").startswith(("loads", "receive", "decode", "copy"))}
 
 
 def test_session_rules(engine):
@@ -107,6 +117,8 @@ def test_a_repeated_payload_loads_what_its_shared_memory_holds_now(engine, tiny_
                                                              "load_format": "flattened_bucket"})
         assert refused.status_code == 400 and "expected shape" in refused.json()["message"]
     post(engine, "/end_weight_update", {})
+    loads = weight_load_metrics(engine)  # the refusals are not loads
+    assert loads["loads_total"] == 3 and loads["copy_seconds_total"] > 0 and loads["receive_seconds_total"] == 0, loads
 
 
 def test_a_distributed_update_over_gloo_and_a_refused_one_still_takes_its_broadcast(engine, tiny_model):
@@ -139,6 +151,8 @@ def test_a_distributed_update_over_gloo_and_a_refused_one_still_takes_its_broadc
     assert state(engine)[0] == before[0]
     ok = update([(NAME, good[NAME]), ("model.norm.weight", good["model.norm.weight"])], weight_version="d1")
     assert ok.status_code == 200, ok.text
+    loads = weight_load_metrics(engine)
+    assert loads["loads_total"] == 1 and loads["receive_seconds_total"] > 0 and loads["copy_seconds_total"] > 0, loads
     post(engine, "/end_weight_update", {})
     assert state(engine) == (good[NAME][:2].tolist(), "d1")
     assert post(engine, "/destroy_weights_update_group", {"group_name": "weight_update_group"}).json()["success"]
