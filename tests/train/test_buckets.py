@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from inverted.train.weight_sync import BucketPacker
+from inverted.train.weight_sync import BucketPacker, TensorTransport
 from inverted.train.weight_sync.sync import served_dtype
 from inverted.weight_wire import unflatten
 
@@ -27,6 +27,35 @@ def test_buckets_split_at_capacity_cast_while_packing_and_alternate_two_buffers(
     packed = {n: t for names, _, tensors in buckets for n, t in zip(names, tensors)}
     for name, tensor in named:
         assert packed[name].dtype == torch.bfloat16 and torch.equal(packed[name], tensor.to(torch.bfloat16))
+
+
+def test_a_repeated_stream_lands_where_it_did_and_a_changed_one_is_laid_out_afresh():
+    """Each update streams the same names and shapes: the packer reuses its layout, the tensor transport
+    its payload; the bytes packed are always the new values, and a changed stream gets a new layout."""
+    transport = TensorTransport(torch.device("cpu"))
+    packer = BucketPacker(capacity=450, allocate=transport.allocate, dtype=torch.float32)  # two 200-byte tensors per bucket
+
+    def update(shapes: list[tuple[int, ...]]) -> list[tuple[list, str, dict[str, torch.Tensor]]]:
+        named = [(f"t{i}", torch.randn(shape)) for i, shape in enumerate(shapes)]
+        buckets = []
+        for bucket in packer.pack(iter(named)):
+            packed = {n: t.clone() for n, t in unflatten(bucket.flat, bucket.metadata)}
+            buckets.append((list(bucket.metadata), transport.payload(bucket), packed))
+        for name, tensor in named:
+            assert torch.equal(next(p[name] for _, _, p in buckets if name in p), tensor)
+        return buckets
+
+    try:
+        first, again = update([(10, 5)] * 5), update([(10, 5)] * 5)
+        for (meta, payload, _), (meta2, payload2, _) in zip(first, again, strict=True):
+            assert all(a is b for a, b in zip(meta, meta2, strict=True)) and payload2 is payload
+        changed = update([(10, 5), (5, 10), (10, 5), (20, 5), (10, 5)])  # same sizes from t1 on, other shapes
+        assert [[m.name for m in meta] for meta, _, _ in changed] == [["t0", "t1"], ["t2"], ["t3"], ["t4"]]
+        assert changed[0][0][0] is first[0][0][0] and changed[0][0][1] is not first[0][0][1]
+        assert list(changed[0][0][1].shape) == [5, 10] and changed[0][1] != first[0][1]
+    finally:
+        packer.buffers, packer.placed = [None, None], []  # the buffers go before their files are unlinked
+        transport.release()
 
 
 def test_the_update_dtype_follows_the_server():

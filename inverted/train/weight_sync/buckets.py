@@ -13,6 +13,11 @@ that buffer once.
 A bucket's copies are issued together when it is full (``weight_wire.copy_all``, which also
 waits for them on a GPU before the bucket is handed out), so its source tensors are held until
 then: at most one bucket's worth.
+
+Every update streams the same names and shapes, so each lands where it landed the time before:
+the packer keeps where it put each tensor (its metadata entry and its view of the buffer) and
+reuses it while the stream repeats itself. Laying out afresh costs a few microseconds per tensor
+(measured: 0.47 ms of the `small` model's 98 tensors, a tenth of its pack).
 """
 
 from __future__ import annotations
@@ -50,12 +55,24 @@ class Bucket:
         return self.metadata[0].dtype
 
 
+@dataclass(slots=True)
+class Placed:
+    """Where a pack put one tensor: its metadata entry and its view of a packing buffer."""
+
+    name: str
+    shape: torch.Size
+    buffer: torch.Tensor
+    meta: FlattenedTensorMetadata
+    target: torch.Tensor
+
+
 class BucketPacker:
     """``pack(named)`` yields buckets of at most ``capacity`` bytes (more only for one larger tensor)."""
 
     def __init__(self, capacity: int, allocate: Callable[[int], torch.Tensor], dtype: torch.dtype):
         self.capacity, self.allocate, self.dtype = capacity, allocate, dtype
         self.buffers: list[torch.Tensor | None] = [None, None]
+        self.placed: list[Placed] = []  # by the last pack, in stream order
 
     def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
         current = self.buffers[slot]
@@ -69,6 +86,8 @@ class BucketPacker:
         targets: list[torch.Tensor] = []
         sources: list[torch.Tensor] = []
         buffer, offset, index = None, 0, 0
+        previous, placed = self.placed, []
+        self.placed = placed
 
         def filled() -> Bucket:
             copy_all(targets, sources)  # casting to the bucket's dtype on the way
@@ -83,8 +102,16 @@ class BucketPacker:
                 metadata, offset, index = [], 0, index + 1
             if not metadata:
                 buffer = self._buffer(index % 2, nbytes)
-            metadata.append(FlattenedTensorMetadata(name, tensor.shape, self.dtype, offset, offset + nbytes, nbytes))
-            targets.append(buffer[offset : offset + nbytes].view(self.dtype).view(tensor.shape))
+            spot = previous[len(placed)] if len(placed) < len(previous) else None
+            if (spot is None or spot.name != name or spot.shape != tensor.shape or spot.buffer is not buffer
+                    or spot.meta.start_idx != offset):
+                previous = []  # the stream changed here: lay out the rest afresh
+                meta = FlattenedTensorMetadata(name, tensor.shape, self.dtype, offset, offset + nbytes, nbytes)
+                target = buffer[offset : offset + nbytes].view(self.dtype).view(tensor.shape)
+                spot = Placed(name, tensor.shape, buffer, meta, target)
+            placed.append(spot)
+            metadata.append(spot.meta)
+            targets.append(spot.target)
             sources.append(tensor)
             offset += nbytes
         if metadata:

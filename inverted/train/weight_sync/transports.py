@@ -90,6 +90,7 @@ class TensorTransport(Transport):
         super().__init__(device)
         self.tp_sizes: list[int] = []
         self.shared_files: list[str] = []
+        self.sent: dict[int, tuple[torch.Tensor, list, str]] = {}  # CPU: bucket index -> (buffer, metadata, payload)
         if device.type == "cpu":
             torch.multiprocessing.set_sharing_strategy("file_system")
 
@@ -108,12 +109,26 @@ class TensorTransport(Transport):
         for name in self.shared_files:
             Path("/dev/shm" + name).unlink(missing_ok=True)
         self.shared_files.clear()
+        self.sent.clear()
 
     async def connect(self, servers: list[SGLangClient], tp_sizes: list[int]) -> None:
         self.tp_sizes = tp_sizes
 
+    def payload(self, bucket: Bucket) -> str:
+        """The bucket's payload. On a CPU, bucket k of every update comes from the same buffer with the
+        same layout, so it is sent as the same string again: it names the same shared-memory file and
+        offsets, and the engine has it decoded already (measured: 0.3 ms of the `small` model's
+        update). A CUDA-IPC payload is built anew: torch gives each one its own event and reference count."""
+        if self.device.type != "cpu":
+            return bucket_payload(bucket.flat, bucket.metadata)
+        buffer, metadata, payload = self.sent.get(bucket.index, (None, None, ""))
+        if buffer is not bucket.buffer or metadata != bucket.metadata:  # the packer reuses entries: compared by identity first
+            payload = bucket_payload(bucket.flat, bucket.metadata)
+            self.sent[bucket.index] = (bucket.buffer, bucket.metadata, payload)
+        return payload
+
     async def send(self, servers: list[SGLangClient], bucket: Bucket) -> None:
-        payload = bucket_payload(bucket.flat, bucket.metadata)
+        payload = self.payload(bucket)
         await all_servers(server.update_weights_from_tensor([payload] * tp, load_format="flattened_bucket")
                           for server, tp in zip(servers, self.tp_sizes))
 
