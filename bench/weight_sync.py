@@ -26,7 +26,8 @@ Effective GB/s = bytes / the update's bucket phase (pack + send + the engine's c
 ``total_s`` is the whole update (pause, session, version, flush, continue included); ``phases_s``
 each phase on its own; ``engine_s`` the engine's own share of ``send`` from its ``/metrics``
 (receiving broadcasts, decoding payloads, copying into the parameters), per update. Every figure
-is the median of ``--rounds`` updates after one warm-up (``engine_s``: the mean).
+is the median of ``--rounds`` updates after one warm-up (``engine_s``: the mean). Each update is
+timed right beside its baselines, and each ratio is the median of the rounds' own ratios.
 
     python bench/weight_sync.py [--presets small base] [--rounds 3] [--buffer-size 536870912]
     python bench/weight_sync.py --device cuda --presets large
@@ -41,6 +42,8 @@ import multiprocessing
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -82,27 +85,31 @@ def start_engine(path: Path, device: str) -> ManagedProcess:
     return proc
 
 
-def memcpy_seconds(total: int, chunk: int, device: str = "cpu") -> float:
-    """One copy of ``total`` bytes on ``device``, in chunks of the bucket size (the memory a bucket touches).
-
-    Both buffers are touched first, as ours are after the warm-up update: page faults are not copies.
-    """
+def memcpy_timer(total: int, chunk: int, device: str = "cpu") -> Callable[[], float]:
+    """A timer of one copy of ``total`` bytes on ``device``, in chunks of the bucket size (the memory a
+    bucket touches). Its buffers are made once and touched first, as ours are after the warm-up
+    update: page faults are not copies. (Fresh 52 MB buffers at every round, freed after it, made
+    the engine's next copy into its parameters take 13 ms instead of 5 on this VM.)"""
     src = torch.empty(min(chunk, total), dtype=torch.uint8, device=device).random_()
     dst = src.clone()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    started = time.perf_counter()
-    for offset in range(0, total, chunk):
-        n = min(chunk, total - offset)
-        dst[:n].copy_(src[:n])
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - started
+
+    def once() -> float:
+        if device == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        for offset in range(0, total, chunk):
+            n = min(chunk, total - offset)
+            dst[:n].copy_(src[:n])
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - started
+
+    return once
 
 
-def two_copies_seconds(weights: dict[str, torch.Tensor], buffer_size: int, device: str, rounds: int) -> list[float]:
-    """``rounds`` timings of the tensor transport's two copies alone: the weights into shared buckets
-    (as ours are), then out of each bucket into tensors shaped as the parameters."""
+def two_copies_timer(weights: dict[str, torch.Tensor], buffer_size: int, device: str) -> Callable[[], float]:
+    """A timer of the tensor transport's two copies alone: the weights into shared buckets (as ours
+    are), then out of each bucket into tensors shaped as the parameters. Its buckets' files go with it."""
     transport = TensorTransport(torch.device(device))
     packer = BucketPacker(buffer_size, transport.allocate, next(iter(weights.values())).dtype)
     plans = [([t for _, t in unflatten(b.flat, b.metadata)], [weights[n] for n in b.names],
@@ -116,7 +123,7 @@ def two_copies_seconds(weights: dict[str, torch.Tensor], buffer_size: int, devic
         return time.perf_counter() - started
 
     once()  # page faults are not copies
-    return [once() for _ in range(rounds)]  # the buckets' files go with their last views
+    return once
 
 
 async def engine_seconds(url: str) -> dict[str, float]:
@@ -133,28 +140,36 @@ def _broadcast_all(group, buffer: torch.Tensor, total: int, chunk: int) -> None:
     group.broadcast(torch.zeros(1, dtype=torch.uint8), src=1)
 
 
-def _receiver(port: int, total: int, chunk: int) -> None:
+def _receiver(port: int, total: int, chunk: int, passes: int) -> None:
     group = join_update_group("127.0.0.1", port, 2, 1, timeout=600)
     buffer = torch.empty(min(chunk, total), dtype=torch.uint8)
-    for _ in range(2):  # a warm-up pass (page faults), then the timed one
+    for _ in range(passes):
         _broadcast_all(group, buffer, total, chunk)
     group.close()
 
 
-def broadcast_seconds(total: int, chunk: int) -> float:
-    """Raw gloo broadcasts of ``total`` bytes to another process, until it acknowledges the last one."""
+@contextmanager
+def broadcast_timer(total: int, chunk: int, rounds: int) -> Iterator[Callable[[], float]]:
+    """A timer of raw gloo broadcasts of ``total`` bytes to another process, until it acknowledges the
+    last one. The receiver lives for a warm-up pass (page faults) and ``rounds`` timed ones: a process
+    started and ended beside each update slowed that update (as fresh buffers do, see ``memcpy_timer``)."""
     port = free_port()
-    child = multiprocessing.get_context("spawn").Process(target=_receiver, args=(port, total, chunk))
+    child = multiprocessing.get_context("spawn").Process(target=_receiver, args=(port, total, chunk, rounds + 1))
     child.start()
     group = join_update_group("127.0.0.1", port, 2, 0, timeout=600)
     buffer = torch.empty(min(chunk, total), dtype=torch.uint8).random_()
-    _broadcast_all(group, buffer, total, chunk)
-    started = time.perf_counter()
-    _broadcast_all(group, buffer, total, chunk)
-    seconds = time.perf_counter() - started
-    child.join(60)
-    group.close()
-    return seconds
+
+    def once() -> float:
+        started = time.perf_counter()
+        _broadcast_all(group, buffer, total, chunk)
+        return time.perf_counter() - started
+
+    once()
+    try:
+        yield once
+    finally:
+        child.join(60)
+        group.close()
 
 
 def payload_ms(weights: dict[str, torch.Tensor], buffer_size: int, device: str, rounds: int) -> dict:
@@ -214,22 +229,36 @@ def bench_model(preset: str, rounds: int, buffer_size: int, device: str) -> dict
         for name, make in transports:
             sync = WeightSync(make(), [engine.url], buffer_size=buffer_size, pause_mode="in_place")
             asyncio.run(sync.update(weights.items(), "warm-up"))
-            before = asyncio.run(engine_seconds(engine.url))
-            reports = [asyncio.run(sync.update(weights.items(), str(i))) for i in range(rounds)]
-            after = asyncio.run(engine_seconds(engine.url))
-            seconds = statistics.median(r.seconds["buckets"] for r in reports)
-            baseline = statistics.median(
-                memcpy_seconds(total, buffer_size, device) if name == "tensor" else broadcast_seconds(total, buffer_size)
-                for _ in range(rounds))
+            two_copies = two_copies_timer(weights, buffer_size, device) if name == "tensor" else None
+            reports, baselines, floors = [], [], []
+            with ExitStack() as stack:
+                baseline_once = (memcpy_timer(total, buffer_size, device) if name == "tensor"
+                                 else stack.enter_context(broadcast_timer(total, buffer_size, rounds)))
+                before = asyncio.run(engine_seconds(engine.url))
+                # Each update is timed beside its baselines: this machine's memory speed drifts by as much
+                # as half within a minute, and the drift cancels in each round's ratio.
+                for i in range(rounds):
+                    reports.append(asyncio.run(sync.update(weights.items(), str(i))))
+                    baselines.append(baseline_once())
+                    if two_copies is not None:
+                        floors.append(two_copies())
+                after = asyncio.run(engine_seconds(engine.url))
+                del baseline_once
+            phases = [r.seconds["buckets"] for r in reports]
+            seconds, baseline = statistics.median(phases), statistics.median(baselines)
             result[name] = {"gb_per_s": total / seconds / 1e9, "baseline_gb_per_s": total / baseline / 1e9,
-                            "ratio": baseline / seconds, "buckets": reports[-1].buckets,
-                            "bucket_phase_s": seconds, "total_s": statistics.median(r.seconds["total"] for r in reports),
+                            "ratio": statistics.median(b / p for b, p in zip(baselines, phases)),
+                            "buckets": reports[-1].buckets, "bucket_phase_s": seconds,
+                            "total_s": statistics.median(r.seconds["total"] for r in reports),
                             "phases_s": {k: round(statistics.median(r.seconds.get(k, 0.0) for r in reports), 4)
                                          for k in reports[-1].seconds},
                             "engine_s": {k: round((after[k] - before[k]) / rounds, 4) for k in after}}
-            if name == "tensor":
-                floor = statistics.median(two_copies_seconds(weights, buffer_size, device, rounds))
-                result[name]["two_copies"] = {"seconds": floor, "ceiling_ratio": baseline / floor, "of_floor": floor / seconds}
+            if floors:
+                result[name]["two_copies"] = {
+                    "seconds": statistics.median(floors),
+                    "ceiling_ratio": statistics.median(b / f for b, f in zip(baselines, floors)),
+                    "of_floor": statistics.median(f / p for f, p in zip(floors, phases))}
+            del two_copies
         if device == "cpu":
             result["tensor"]["repeated_call_ms"] = asyncio.run(repeated_call_ms(engine.url, weights, buffer_size, device))
     finally:
