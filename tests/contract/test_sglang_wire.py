@@ -64,6 +64,42 @@ def test_our_payload_decodes_with_sglangs_safe_unpickler(sgl):
         assert name == want_name and torch.equal(got, want)
 
 
+def _sglang_receiver(payloads, values) -> None:
+    """Decodes each payload with SGLang's deserializer, reads it, and lets it go, as an SGLang server does."""
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    sgl = load()
+    while (payload := payloads.get()) is not None:
+        try:
+            values.put(sgl.MultiprocessingSerializer.deserialize(payload)["flattened_tensor"].view(torch.float32)[0].item())
+        except Exception as exc:  # noqa: BLE001 - the parent asserts on what went wrong
+            values.put(repr(exc))
+
+
+def test_a_repeated_payload_stays_decodable_by_a_receiver_that_lets_each_go(sgl):
+    """Our trainer sends bucket k as the same string at every update. Each decode takes over one
+    reference to the shared-memory file, and torch unlinks the file at zero: every payload handed out
+    must carry its own, or the third update finds the trainer's buffer gone."""
+    context = torch.multiprocessing.get_context("spawn")
+    payloads, values = context.Queue(), context.Queue()
+    receiver = context.Process(target=_sglang_receiver, args=(payloads, values))
+    receiver.start()
+    transport = TensorTransport(torch.device("cpu"))
+    packer = BucketPacker(1 << 20, transport.allocate, torch.float32)
+
+    def update(value: float) -> float | str:
+        (bucket,) = packer.pack([("w", torch.full((1000,), value))])
+        payloads.put(transport.payload(bucket))
+        return values.get(timeout=60)
+
+    try:
+        assert [update(float(v)) for v in range(5)] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    finally:
+        payloads.put(None)
+        receiver.join(60)
+        packer.buffers, packer.placed = [None, None], []  # the buffers go before their files are unlinked
+        transport.release()
+
+
 def test_sglangs_layout_equals_ours(sgl):
     named = [("x", torch.randn(3, 5)), ("y", torch.randn(7).to(torch.bfloat16)), ("z", torch.randn(2).to(torch.bfloat16))]
     theirs = sgl.FlattenedTensorBucket(named_tensors=named)

@@ -106,30 +106,38 @@ class TensorTransport(Transport):
         """Unlink the shared-memory bucket files. torch's shm manager does not remove them when the
         trainer is killed rather than left to exit (Ray kills its actors), and each one is a whole
         bucket (measured: 512 MiB left in /dev/shm per run). Mapped copies stay valid; Linux only."""
+        self.sent.clear()  # first: a buffer freed after its file was unlinked makes torch abort
         for name in self.shared_files:
             Path("/dev/shm" + name).unlink(missing_ok=True)
         self.shared_files.clear()
-        self.sent.clear()
 
     async def connect(self, servers: list[SGLangClient], tp_sizes: list[int]) -> None:
         self.tp_sizes = tp_sizes
 
     def payload(self, bucket: Bucket) -> str:
-        """The bucket's payload. On a CPU, bucket k of every update comes from the same buffer with the
-        same layout, so it is sent as the same string again: it names the same shared-memory file and
-        offsets, and the engine has it decoded already (measured: 0.3 ms of the `small` model's
-        update). A CUDA-IPC payload is built anew: torch gives each one its own event and reference count."""
+        """The bucket's payload for one receiver.
+
+        On a CPU, bucket k of every update comes from the same buffer with the same layout, so it is
+        sent as the same string again: it names the same shared-memory file and offsets, and the
+        engine has it decoded already (measured: 0.3 ms of the `small` model's update). Each string
+        handed out still carries one reference to the file, as a fresh pickle would: a receiver that
+        decodes it takes that reference over, and torch unlinks the file when none is left. The
+        references nobody takes over are moot: ``release`` unlinks the files. A CUDA-IPC payload is
+        built anew: torch gives each one its own event and reference count.
+        """
         if self.device.type != "cpu":
             return bucket_payload(bucket.flat, bucket.metadata)
         buffer, metadata, payload = self.sent.get(bucket.index, (None, None, ""))
-        if buffer is not bucket.buffer or metadata != bucket.metadata:  # the packer reuses entries: compared by identity first
-            payload = bucket_payload(bucket.flat, bucket.metadata)
-            self.sent[bucket.index] = (bucket.buffer, bucket.metadata, payload)
+        if buffer is bucket.buffer and metadata == bucket.metadata:  # the packer reuses entries: compared by identity first
+            bucket.buffer.untyped_storage()._shared_incref()
+            return payload
+        payload = bucket_payload(bucket.flat, bucket.metadata)  # pickling takes its own reference
+        self.sent[bucket.index] = (bucket.buffer, bucket.metadata, payload)
         return payload
 
     async def send(self, servers: list[SGLangClient], bucket: Bucket) -> None:
-        payload = self.payload(bucket)
-        await all_servers(server.update_weights_from_tensor([payload] * tp, load_format="flattened_bucket")
+        await all_servers(server.update_weights_from_tensor([self.payload(bucket) for _ in range(tp)],
+                                                            load_format="flattened_bucket")
                           for server, tp in zip(servers, self.tp_sizes))
 
 
