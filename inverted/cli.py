@@ -1,11 +1,12 @@
 """``inverted <command>``: the command line. Builds a config section from flags and calls one entry point.
 
-Commands: ``make-tiny-model`` (a local random checkpoint), ``serve-engine`` (the embedded
-SGLang-protocol engine), ``buffer`` (the Data Buffer service), ``proxy`` (the token-recording OpenAI proxy), ``servers`` (N engines behind the real sgl-router, with a short demo
-generation through it), ``train`` (the main job: the RL loop over all of them, or
-``--debug-train-only`` from saved rollout data; ``train-async`` is ``train --async-mode``) and
-``export-hf``. Logging is configured here and only here, with the process role in
-every line. Heavy imports happen inside each command so ``inverted --help`` is instant.
+Commands: ``make-tiny-model`` (a local random checkpoint), ``import-gguf`` (a real model shipped
+as GGUF, as a checkpoint), ``serve-engine`` (the embedded SGLang-protocol engine), ``buffer`` (the
+Data Buffer service), ``proxy`` (the token-recording OpenAI proxy), ``servers`` (N engines behind
+the real sgl-router, with a short demo generation through it), ``train`` (the main job: the RL
+loop over all of them, or ``--debug-train-only`` from saved rollout data; ``train-async`` is
+``train --async-mode``) and ``export-hf``. Logging is configured here and only here, with the
+process role in every line. Heavy imports happen inside each command so ``inverted --help`` is instant.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import logging
 import os
 import sys
 
-from inverted.config import (BufferConfig, EngineConfig, ExportConfig, JobConfig, ProxyConfig, ServersConfig,
-                             TinyModelConfig, add_flags, build_section, load_yaml_defaults, split_passthrough)
+from inverted.config import (BufferConfig, EngineConfig, ExportConfig, ImportGGUFConfig, JobConfig, ProxyConfig,
+                             ServersConfig, TinyModelConfig, add_flags, build_section, load_yaml_defaults, split_passthrough)
 from inverted.errors import InvertedError
 
 
@@ -45,6 +46,12 @@ def cmd_make_tiny_model(cfg: TinyModelConfig) -> None:
     from inverted.tiny_model import make_tiny_model
 
     print(make_tiny_model(cfg))
+
+
+def cmd_import_gguf(cfg: ImportGGUFConfig) -> None:
+    from inverted.gguf_import import import_gguf
+
+    print(import_gguf(cfg))
 
 
 def cmd_serve_engine(cfg: EngineConfig) -> None:
@@ -96,6 +103,7 @@ def cmd_export_hf(cfg: ExportConfig) -> None:
 
 COMMANDS = {
     "make-tiny-model": (TinyModelConfig, cmd_make_tiny_model, "write a random-initialized HF checkpoint and tokenizer"),
+    "import-gguf": (ImportGGUFConfig, cmd_import_gguf, "convert a GGUF model (a file, or one a package ships) to a HF checkpoint"),
     "serve-engine": (EngineConfig, cmd_serve_engine, "run the embedded SGLang-protocol engine"),
     "buffer": (BufferConfig, cmd_buffer, "run the Data Buffer service (durable tasks and trajectories)"),
     "proxy": (ProxyConfig, cmd_proxy, "run the token-recording OpenAI-compatible proxy in front of the router"),

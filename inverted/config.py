@@ -90,10 +90,11 @@ def add_flags(parser: argparse.ArgumentParser, section: type, exclude: frozenset
             continue
         meta = dict(f.metadata)
         help_text = meta.pop("help", "")
-        group.add_argument(
-            flag_name(f.name), dest=f.name, default=default, help=f"{help_text} (default: {default!r})",
-            **_argparse_kwargs(hints[f.name]), **meta,
-        )
+        # A positional field (import-gguf's SRC) is still optional to argparse, so --config can supply it.
+        names = ((f.name,), {"metavar": f.name.upper(), "nargs": "?"}) if meta.pop("positional", False) else \
+            ((flag_name(f.name),), {"dest": f.name})
+        group.add_argument(*names[0], **names[1], default=default, help=f"{help_text} (default: {default!r})",
+                           **_argparse_kwargs(hints[f.name]), **meta)
 
 
 def build_section(section: type, namespace: argparse.Namespace) -> Any:
@@ -162,6 +163,19 @@ class TinyModelConfig:
         "tiny", "size: tiny (~0.2M) for unit tests, small (~14M) for demos and CPU benchmarks, base (~0.5B) and "
                 "large (~1.3B) for GPUs")
     seed: int = option(0, "random seed: the same seed gives byte-identical files")
+
+
+@dataclass(kw_only=True, slots=True)
+class ImportGGUFConfig:
+    """A GGUF file (llama.cpp's format) as a Hugging Face checkpoint directory, checked against transformers."""
+
+    src: str = option("", "a .gguf file, or pkg:NAME for the GGUF file an installed package ships", positional=True)
+    out: str = option("", "directory to write the checkpoint into (must not exist or be empty)")
+    dtype: Literal["float32", "bfloat16"] = option("float32", "dtype of the written weights")
+
+    def __post_init__(self) -> None:
+        _require(bool(self.src), "SRC", self.src, "a .gguf path or pkg:NAME")
+        _require(bool(self.out), "--out", self.out, "an output directory")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -435,6 +449,7 @@ class RolloutConfig:
     eval_interval: int = option(0, "evaluate every N rollouts on --eval-prompt-data (0: never)")
     eval_prompt_data: str | None = option(None, "prompt dataset for evaluation (same keys as --prompt-data)")
     n_samples_per_eval_prompt: int = option(1, "samples per evaluation prompt")
+    eval_temperature: float = option(0.0, "sampling temperature of evaluation (0: greedy)")
     debug_rollout_only: bool = option(False, "rollouts only, no trainer: report throughput and save the Samples")
     save_debug_rollout_data: str | None = option(
         None, "write each rollout's Samples as jsonl here; '{rollout_id}' in the path makes one file per rollout")

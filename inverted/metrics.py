@@ -78,7 +78,7 @@ def build_metrics_sink(output_dir: str | Path) -> FanOut:
     return FanOut(sinks)
 
 
-def plot_rewards(metrics_path: str | Path, out: str | Path, keys: tuple[str, ...] = ("rollout/reward_mean", "eval/reward_mean")) -> Path | None:
+def plot_rewards(metrics_path: str | Path, out: str | Path, keys: tuple[str, ...] = ("rollout/reward_mean", "eval/reward_mean", "eval/pass_rate")) -> Path | None:
     """Plot the reward curves of a run's ``metrics.jsonl`` into a PNG; None when there is nothing to plot."""
     import matplotlib
 
@@ -93,8 +93,8 @@ def plot_rewards(metrics_path: str | Path, out: str | Path, keys: tuple[str, ...
     figure, axis = plt.subplots(figsize=(7, 4))
     for name, points in curves.items():
         axis.plot(*zip(*points), marker="o", markersize=3, label=name)
-    axis.set_xlabel("rollout")
-    axis.set_ylabel("mean reward")
+    axis.set_xlabel("rollout (an evaluation at N: the policy after N updates)")
+    axis.set_ylabel("reward (pass rate: share fully correct)")
     axis.grid(alpha=0.3)
     axis.legend()
     figure.tight_layout()

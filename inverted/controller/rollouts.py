@@ -33,7 +33,8 @@ def checkpoint_dir(cfg: JobConfig) -> str:
 
 
 def context(cfg: JobConfig, job: Job, plugins: Plugins, rollout_id: int, evaluation: bool = False) -> RolloutContext:
-    sampling = {"temperature": cfg.train.rollout_temperature, "top_p": cfg.rollout.rollout_top_p,
+    temperature = cfg.rollout.eval_temperature if evaluation else cfg.train.rollout_temperature
+    sampling = {"temperature": temperature, "top_p": cfg.rollout.rollout_top_p if temperature else 1.0,
                 "max_tokens": cfg.rollout.rollout_max_response_len}
     router = job.servers.router_url.rsplit(":", 1)
     slime_args = argparse.Namespace(**{k: v for part in (cfg.train, cfg.rollout, cfg.buffer, cfg.servers)
@@ -126,19 +127,21 @@ def save_rollout_data(cfg: JobConfig, rollout_id: int, samples: list[Sample]) ->
 
 
 async def evaluate(cfg: JobConfig, job: Job, plugins: Plugins, rollout_id: int) -> dict[str, float]:
-    """The rollout function on ``--eval-prompt-data`` (through no buffer: nothing here is trained on)."""
+    """The rollout function on ``--eval-prompt-data`` at ``--eval-temperature`` (through no buffer:
+    nothing here is trained on). A pass is a sample whose reward reaches 1, the graders' "correct"."""
     records = read_prompts(cfg, cfg.rollout.eval_prompt_data)
     n = cfg.rollout.n_samples_per_eval_prompt
     tasks = [Task(lease_id="eval", group_index=i, index=i * n + j, prompt_index=i, prompt=r.prompt, label=r.label,
                   metadata=r.metadata, tools=r.tools) for i, r in enumerate(records) for j in range(n)]
     samples = await run_rollout(cfg, context(cfg, job, plugins, rollout_id, evaluation=True), plugins, tasks)
     rewards = [s.scalar_reward(cfg.train.reward_key) for s in samples if s.status != Sample.Status.FAILED]
-    return {"eval/reward_mean": sum(rewards) / len(rewards) if rewards else float("nan"),
+    mean = (lambda values: sum(values) / len(values) if values else float("nan"))
+    return {"eval/reward_mean": mean(rewards), "eval/pass_rate": mean([float(r >= 1.0) for r in rewards]),
             "eval/failed": float(len(samples) - len(rewards))}
 
 
 def summary(metrics: dict[str, float]) -> str:
-    shown = {"reward": "rollout/reward_mean", "loss": "train/loss", "eval": "eval/reward_mean",
+    shown = {"reward": "rollout/reward_mean", "loss": "train/loss", "eval": "eval/reward_mean", "pass": "eval/pass_rate",
              "version": "weight_version", "staleness": "async/staleness_mean", "step_s": "time/step_s",
              "rollout_s": "time/rollout_s", "wait_s": "time/wait_s", "train_s": "time/train_s", "sync_s": "time/sync_s"}
     return ", ".join(f"{name} {metrics[key]:.4g}" for name, key in shown.items() if key in metrics)

@@ -12,7 +12,9 @@ The proxy owns each session's token history (token-in, token-out). Three jobs li
   template has to be append-only, checked every time), preceded by the *junction*, the part of the
   template's end-of-assistant-turn text that the sampled ids do not already hold (for ChatML the
   ``\\n`` after a sampled ``<|im_end|>``; all of ``<|im_end|>\\n`` after a turn cut by
-  ``max_tokens``). Only that bridge text is tokenized; earlier ids are reused as they are.
+  ``max_tokens``). Only that bridge text is tokenized; earlier ids are reused as they are. A
+  request with ``tools`` to a template that does not render tools (SmolLM2's) is refused with a
+  400 naming the model, rather than shown to the model without them.
 - ``HermesToolParser``: Qwen/Hermes ``<tool_call>{"name", "arguments"}</tool_call>`` blocks in the
   sampled text become OpenAI ``tool_calls``. Parsers are plug-ins (``--proxy-tool-parser-path``):
   a class with a ``start`` marker (so streaming can hold tool-call text back) and ``parse``.
@@ -166,8 +168,14 @@ class ChatRenderer:
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         self.turn_end = self._assistant_turn_end()
+        self.renders_tools = self._renders_tools()
 
     def render(self, messages: list[Message], tools: list[dict] | None, *, generation_prompt: bool) -> str:
+        if tools and not self.renders_tools:
+            # Rendered anyway, the tools would silently vanish: the model would answer without them.
+            raise InvalidRequest(f"the chat template of {self.tokenizer.name_or_path or 'this model'} cannot render "
+                                 "tools (SmolLM2's, for one, has no tool support); send the request without "
+                                 "'tools', or serve a model whose template renders them", param="tools")
         return self.tokenizer.apply_chat_template([m.to_template() for m in messages], tools=tools or None,
                                                   tokenize=False, add_generation_prompt=generation_prompt)
 
@@ -190,6 +198,14 @@ class ChatRenderer:
         if last and junction.startswith(last):
             junction = junction[len(last):]
         return self.encode(junction + after[len(before):])
+
+    def _renders_tools(self) -> bool:
+        """Whether the template writes a tool's definition into the prompt at all."""
+        tool = {"type": "function", "function": {"name": "inverted_probe_tool", "description": _SENTINEL,
+                                                 "parameters": {"type": "object", "properties": {}}}}
+        text = self.tokenizer.apply_chat_template([{"role": "user", "content": "u"}], tools=[tool], tokenize=False,
+                                                  add_generation_prompt=True)
+        return "inverted_probe_tool" in text
 
     def _assistant_turn_end(self) -> str:
         """The text the template writes after an assistant message's content (ChatML: ``<|im_end|>\\n``)."""

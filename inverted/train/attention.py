@@ -1,18 +1,26 @@
-"""Packed (THD) causal attention in plain PyTorch, as a Megatron-core ``core_attention`` module.
+"""Packed (THD) causal attention in plain PyTorch, with shared prompts, as a Megatron-core ``core_attention``.
 
-Training batches are packed: the sequences of a micro-batch are laid end to end in one row, with
-no padding, and ``PackedSeqParams.cu_seqlens_q`` marks where each starts. Megatron-core's own
-``DotProductAttention`` refuses packed input (it is meant for padded ``[s, b]`` batches) and
-Transformer Engine, which accepts it, needs CUDA. This module fills that gap with the layer
-interface Megatron expects from a core attention, so the spec swaps it in with no patching: one
-``scaled_dot_product_attention`` call per sequence, causal within the sequence, never across.
-On a CUDA machine with Transformer Engine the model uses TE's fused attention instead
-(``train/model.py``); this module is then unused.
+Training batches are packed: the segments of a micro-batch are laid end to end in one row, with
+no padding, and ``PackedSeqParams.cu_seqlens_q`` marks where each starts. A segment is a prompt
+and the responses that continue it (``train/packing.py``): the prompt attends causally to itself,
+each response to the whole prompt and causally to itself, never to a sibling, so a GRPO group's
+prompt is computed once for all its samples and every output equals the unshared sequence's.
+Megatron-core's own ``DotProductAttention`` refuses packed input (it is meant for padded
+``[s, b]`` batches) and Transformer Engine, which accepts it, needs CUDA. This module fills that
+gap with the layer interface Megatron expects from a core attention, so the spec swaps it in with
+no patching. On a CUDA machine with Transformer Engine the model uses TE's fused attention (and
+plain sequences) instead (``train/model.py``); this module is then unused.
 
-The loop needs the sequence lengths as Python ints. ``packed_seq_params`` builds Megatron's
-``PackedSeqParams`` with a host copy of them: read off the GPU, they would stall the launch queue
-once per layer. The sequences are taken apart with one ``split`` (whose backward is one ``cat``),
-not a slice each (whose backwards each zero-fill and copy a whole ``[T, H, D]`` gradient).
+RoPE is applied here, from each token's position, and not by Megatron: Megatron rotates a packed
+row sequence by sequence from position 0 (its ``thd`` path splits on ``cu_seqlens``), which
+would give a response after its siblings the wrong positions. The model is built without
+Megatron's rotary embedding on this path, and ``packed_seq_params`` carries the cos / sin of the
+row's positions, computed once per micro-batch for all layers, as ``transformers`` computes them.
+
+The loop needs the lengths as Python ints. ``packed_seq_params`` builds Megatron's
+``PackedSeqParams`` with the segments on the host: read off the GPU, they would stall the launch
+queue once per layer. The segments are taken apart with one ``split`` (whose backward is one
+``cat``), not a slice each (whose backwards each zero-fill and copy a whole ``[T, H, D]`` gradient).
 """
 
 from __future__ import annotations
@@ -26,23 +34,56 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from inverted.train.packing import MicroBatch, Segment
+
 
 @dataclass
 class HostPackedSeqParams(PackedSeqParams):
-    """``PackedSeqParams`` with the sequence lengths also kept on the host."""
+    """``PackedSeqParams`` with the segments on the host and the rotary cos / sin of the row (``[T, 1, D]``)."""
 
-    seqlens: tuple[int, ...] = ()
+    segments: tuple[Segment, ...] = ()
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
-def packed_seq_params(cu_seqlens: torch.Tensor, max_seqlen: int, device: torch.device | str) -> HostPackedSeqParams:
-    """Megatron's packed-sequence parameters for sequences starting at ``cu_seqlens`` (a CPU tensor)."""
-    cu = cu_seqlens.to(device)
-    return HostPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_seqlen,
-                               max_seqlen_kv=max_seqlen, seqlens=tuple((cu_seqlens[1:] - cu_seqlens[:-1]).tolist()))
+def packed_seq_params(mb: MicroBatch, device: torch.device | str, inv_freq: torch.Tensor | None) -> HostPackedSeqParams:
+    """Megatron's packed-sequence parameters for ``mb``; with ``inv_freq``, the rotary cos / sin of its positions."""
+    cu = mb.cu_seqlens.to(device)
+    rope = None
+    if inv_freq is not None:
+        angles = mb.positions_T.to(device=device, dtype=torch.float32)[:, None] * inv_freq.to(device)[None, :]
+        angles = torch.cat([angles, angles], dim=-1)[:, None, :]
+        rope = (angles.cos(), angles.sin())
+    return HostPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=mb.max_seqlen,
+                               max_seqlen_kv=mb.max_seqlen, segments=tuple(mb.segments), rope=rope)
+
+
+def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """RoPE as ``transformers`` applies it (halves rotated, not interleaved pairs)."""
+    cos, sin = (t.to(x.dtype) for t in rope)
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def response_mask(segment: Segment, device: torch.device) -> torch.Tensor:
+    """Which keys each response query sees: the whole prompt, and its own earlier tokens (``[R, P + R]``)."""
+    owner = torch.repeat_interleave(torch.arange(len(segment.response_lengths), device=device),
+                                    torch.tensor(segment.response_lengths, device=device))
+    index = torch.arange(len(owner), device=device)
+    own = (owner[:, None] == owner[None, :]) & (index[None, :] <= index[:, None])
+    return torch.cat([own.new_ones(len(owner), segment.prompt_length), own], dim=1)
+
+
+def _sdpa(q, k, v, dropout: float, scale: float, causal: bool, mask: torch.Tensor | None = None) -> torch.Tensor:
+    # [T, H, D] -> [1, H, T, D]: SDPA's fused (flash) kernels take only 4-D input, and 3-D falls back to
+    # its math kernel (measured 2x slower training on an H100). GQA heads are shared by SDPA itself.
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                         attn_mask=mask, is_causal=causal, dropout_p=dropout, scale=scale,
+                                         enable_gqa=True)
+    return out[0].transpose(0, 1)
 
 
 class PackedAttention(MegatronModule):
-    """Causal attention over packed sequences: queries ``[T, Hq, D]``, keys and values ``[T, Hkv, D]``."""
+    """Causal attention over packed segments: queries ``[T, Hq, D]``, keys and values ``[T, Hkv, D]``."""
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
                  attention_type: str, attention_dropout: float | None = None, softmax_scale: float | None = None,
@@ -61,15 +102,18 @@ class PackedAttention(MegatronModule):
                 packed_seq_params: PackedSeqParams | None = None) -> torch.Tensor:
         if not isinstance(packed_seq_params, HostPackedSeqParams):
             raise ValueError("PackedAttention expects packed (thd) input, described by attention.packed_seq_params")
-        lengths = packed_seq_params.seqlens
+        if packed_seq_params.rope is not None:
+            query, key = rotate(query, packed_seq_params.rope), rotate(key, packed_seq_params.rope)
         dropout = self.dropout if self.training else 0.0
         outputs = []
-        for q, k, v in zip(*(x.split(lengths) for x in (query, key, value))):
-            # [T, H, D] -> [1, H, T, D] per sequence: SDPA's fused (flash) kernels take only 4-D input,
-            # and 3-D falls back to its math kernel (measured 2x slower training on an H100).
-            # GQA heads are shared by SDPA itself.
-            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                                 is_causal=True, dropout_p=dropout, scale=self.softmax_scale, enable_gqa=True)
-            outputs.append(out[0].transpose(0, 1))
+        lengths = [s.length for s in packed_seq_params.segments]
+        for segment, q, k, v in zip(packed_seq_params.segments, *(x.split(lengths) for x in (query, key, value))):
+            if len(segment.response_lengths) == 1:  # one sequence: causal throughout
+                outputs.append(_sdpa(q, k, v, dropout, self.softmax_scale, causal=True))
+                continue
+            p = segment.prompt_length
+            outputs.append(_sdpa(q[:p], k[:p], v[:p], dropout, self.softmax_scale, causal=True))
+            outputs.append(_sdpa(q[p:], k, v, dropout, self.softmax_scale, causal=False,
+                                 mask=response_mask(segment, q.device)))
         out_THD = torch.cat(outputs, dim=0)
         return out_THD.reshape(out_THD.shape[0], -1)

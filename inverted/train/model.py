@@ -84,11 +84,13 @@ def build_model(spec: ModelSpec, parallel: Parallelism, dtype: torch.dtype = tor
     from megatron.core.models.gpt import GPTModel
 
     config = transformer_config(spec, parallel, dtype)
+    te = use_transformer_engine()
     model = GPTModel(
         config=config, transformer_layer_spec=layer_spec(spec), vocab_size=spec.vocab_size,
         max_sequence_length=spec.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=spec.tie_word_embeddings, position_embedding_type="rope",
+        # Without TE, PackedAttention rotates queries and keys itself (rope_for_packed_attention).
+        share_embeddings_and_output_weights=spec.tie_word_embeddings, position_embedding_type="rope" if te else "none",
         rotary_base=int(spec.rope["rope_theta"]), parallel_output=True,
     )
     # Megatron makes its own layers in ``dtype``, on the GPU when there is one; the local spec's norms
@@ -96,6 +98,11 @@ def build_model(spec: ModelSpec, parallel: Parallelism, dtype: torch.dtype = tor
     # its ``Float16Module`` wrapper.) A norm left in fp32 also has no fused kernel for bf16 input.
     model.to(device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu", dtype=dtype)
     mark_tensor_parallel(model)
-    inv_freq = rope_inv_freq(spec)
-    model.rotary_pos_emb.inv_freq = inv_freq.to(model.rotary_pos_emb.inv_freq.device)
+    if te:
+        model.rotary_pos_emb.inv_freq = rope_inv_freq(spec).to(model.rotary_pos_emb.inv_freq.device)
     return model
+
+
+def rope_for_packed_attention(spec: ModelSpec) -> torch.Tensor | None:
+    """The inverse frequencies ``PackedAttention`` rotates with; None where Megatron's TE path rotates."""
+    return None if use_transformer_engine() else rope_inv_freq(spec)

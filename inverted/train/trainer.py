@@ -41,7 +41,7 @@ from inverted.hf_checkpoint import ModelSpec, checkpoint_tensors
 from inverted.train import losses
 from inverted.train.convert import check_compatible, gather_hf_weights, iter_hf_weights, load_hf_weights
 from inverted.train.logprobs import token_logprobs_and_entropy
-from inverted.train.model import Parallelism, build_model
+from inverted.train.model import Parallelism, build_model, rope_for_packed_attention
 from inverted.train.optimizer import build_optimizer
 from inverted.train.packing import MicroBatch, balance, pack
 from inverted.train.weight_sync import SyncReport, WeightSync
@@ -112,6 +112,7 @@ class Trainer:
         self.parallel = Parallelism(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
                                     cfg.context_parallel_size, cfg.expert_model_parallel_size)
         self.dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+        self.rope = rope_for_packed_attention(self.spec)
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         hf_weights = checkpoint_tensors(cfg.hf_checkpoint)
@@ -156,7 +157,7 @@ class Trainer:
         def forward_step(batches, model):
             mb = next(batches)
             output = model(input_ids=mb.tokens_T[None].to(device), position_ids=mb.positions_T[None].to(device),
-                           attention_mask=None, packed_seq_params=packed_seq_params(mb.cu_seqlens, mb.max_seqlen, device))
+                           attention_mask=None, packed_seq_params=packed_seq_params(mb, device, self.rope))
             tokens = torch.tensor(sum(mb.response_lengths), dtype=torch.int)
             return output, lambda logits: (on_logits(mb, logits[0]), tokens, {})
 
@@ -207,8 +208,9 @@ class Trainer:
         for start in range(0, len(samples), size):
             step = list(range(start, start + size))
             mine = [step[i] for i in balance([len(samples[i].tokens) for i in step], self.dp_size)[self.dp_rank]]
+            # A group's samples share their prompt in the packed row where our attention runs (not TE's).
             mbs = pack([samples[i].tokens for i in mine], [samples[i].response_length for i in mine], mine,
-                       self.cfg.max_tokens_per_gpu)
+                       self.cfg.max_tokens_per_gpu, share_prefixes=self.rope is not None)
             plan.append(RankBatch(mbs, mine, range(start, start + size)))
         return plan
 

@@ -87,7 +87,9 @@ def test_train_end_to_end_with_a_multi_turn_tool_env(tiny_model, tmp_path, calcu
     # the checkpoint's weights first (rollout 1's tokens must carry version 1).
     check(inverted(*args, "--num-rollout", "2", "--load", str(run_dir / "checkpoints"), pythonpath=tmp_path))
 
-    metrics = metrics_rows(run_dir)
+    rows = metrics_rows(run_dir)
+    metrics = [m for m in rows if "rollout/reward_mean" in m]
+    evaluations = [m for m in rows if "eval/reward_mean" in m]
     assert [m["step"] for m in metrics] == [0, 1]
     assert [m["weight_version"] for m in metrics] == [1, 2]
     for m in metrics:
@@ -97,7 +99,10 @@ def test_train_end_to_end_with_a_multi_turn_tool_env(tiny_model, tmp_path, calcu
         assert m["sync/servers"] == 2
     assert metrics[0]["rollout/failed"] == metrics[1]["rollout/failed"] == 2  # both samples of the failing prompt
     assert metrics[1]["train/train_rollout_logprob_abs_diff"] < 1e-4  # the engines held the synced weights exactly
-    assert "eval/reward_mean" not in metrics[0] and metrics[1]["eval/failed"] == 0  # evaluated after rollout 1
+    # Evaluated before any update, after the first run's last step, and after rollout 1 (--eval-interval 2);
+    # an evaluation's step counts the updates its policy had.
+    assert [m["step"] for m in evaluations] == [0, 1, 2] and [m["weight_version"] for m in evaluations] == [0, 1, 2]
+    assert all(m["eval/failed"] == 0 and 0 <= m["eval/pass_rate"] <= 1 for m in evaluations)
     assert metrics[0]["rollout/trained_samples"] == metrics[1]["rollout/trained_samples"] == 2
 
     samples = stored_samples(run_dir)

@@ -18,7 +18,7 @@ from inverted.config import TrainConfig
 from inverted.train.parallel import spawn
 from tests.train.samples import make_samples
 from tests.train.test_weight_sync import PROBE, engine_logprobs
-from tests.train.workers import grpo_step, logits_and_step, step_and_sync, straight_and_resumed
+from tests.train.workers import check_packed_logits, grpo_step, logits_and_step, step_and_sync, straight_and_resumed
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")]
@@ -28,15 +28,9 @@ pytestmark = [pytest.mark.gpu,
 def test_cuda_logits_equal_transformers(arch, tiny_model, tmp_path):
     path = tiny_model(arch)
     spawn(logits_and_step, 1, TrainConfig(hf_checkpoint=str(path)), str(tmp_path / "out.pt"))
-    logits = torch.load(tmp_path / "out.pt", weights_only=False)["logits"]
+    result = torch.load(tmp_path / "out.pt", weights_only=False)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
-    start = 0
-    with torch.no_grad():
-        for sample in make_samples(seed=7):
-            ref = hf(torch.tensor([sample.tokens], device="cuda")).logits[0].cpu()
-            assert (logits[start:start + len(sample.tokens)] - ref).abs().max() <= 1e-4
-            start += len(sample.tokens)
-    assert start == logits.shape[0]
+    check_packed_logits(result, make_samples(seed=7), lambda tokens: hf(torch.tensor([tokens], device="cuda")).logits[0].cpu())
 
 
 @pytest.mark.parametrize("distributed_optimizer", [False, True])

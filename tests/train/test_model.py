@@ -11,30 +11,26 @@ from inverted.errors import ModelError
 from inverted.hf_checkpoint import ModelSpec, checkpoint_tensors
 from inverted.train.convert import check_compatible, rows_for, to_hf, to_megatron
 from inverted.train.parallel import spawn
-from tests.train.workers import logits_and_step
+from tests.train.workers import check_packed_logits, logits_and_step
 
 ARCHS = ["qwen2", "qwen3", "llama"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_logits_equal_transformers(arch, tiny_model, tmp_path):
-    """Packed sequences (one over 512 tokens: Llama 3's RoPE scaling matters) match HF run one by one."""
+    """Packed sequences, each group sharing its prompt in the row, match HF run one by one."""
     path = tiny_model(arch)
     cfg = TrainConfig(hf_checkpoint=str(path), max_tokens_per_gpu=8192)
     out = tmp_path / "tp1.pt"
     spawn(logits_and_step, 1, cfg, str(out))
-    logits = torch.load(out)["logits"]
+    result = torch.load(out)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     from tests.train.samples import make_samples
 
-    start = 0
-    with torch.no_grad():
-        for sample in make_samples(seed=7):
-            ref = hf(torch.tensor([sample.tokens])).logits[0]
-            got = logits[start:start + len(sample.tokens)]
-            assert (got - ref).abs().max() <= 1e-4
-            start += len(sample.tokens)
-    assert start == logits.shape[0]
+    samples = make_samples(seed=7)
+    check_packed_logits(result, samples, lambda tokens: hf(torch.tensor([tokens])).logits[0])
+    prompts = {tuple(s.tokens[:len(s.tokens) - s.response_length]) for s in samples}
+    assert result["logits"].shape[0] == sum(map(len, prompts)) + sum(s.response_length for s in samples)  # shared
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from inverted.config import TrainConfig
+from inverted.train.packing import pack
 from tests.train.samples import make_samples
 
 
@@ -18,25 +19,37 @@ def logits_and_step(cfg: TrainConfig, out: str) -> None:
         trainer = Trainer(cfg)
         samples = make_samples(seed=7)
         mb = trainer._plan(samples)[0].micro_batches[0]
-        logits = full_logits(trainer, mb.tokens_T, mb.positions_T, mb.cu_seqlens, mb.max_seqlen)
+        logits = full_logits(trainer, mb)
         metrics = trainer.train(samples)
         weights = trainer.hf_weights()
         if torch.distributed.get_rank() == 0:
-            torch.save({"logits": logits, "metrics": metrics, "weights": weights}, out)
+            # Where each sample's sequence lies in the packed row (a group's prompt is shared).
+            rows = dict(zip(mb.indices, mb.sequence_positions()))
+            torch.save({"logits": logits, "rows": rows, "metrics": metrics, "weights": weights}, out)
     finally:
         shutdown_parallel()
 
 
-def full_logits(trainer, tokens_T, positions_T, cu_seqlens, max_seqlen) -> torch.Tensor:
-    """Full-vocabulary logits of packed sequences (gathered over TP; a collective: every rank calls it)."""
+def check_packed_logits(result: dict, samples, reference) -> None:
+    """Each sample's rows of ``logits_and_step``'s packed logits equal ``reference(tokens)`` (full-vocabulary
+    logits of the sequence alone) within 1e-4, and every row belongs to some sample."""
+    logits, rows = result["logits"], result["rows"]
+    with torch.no_grad():
+        for i, sample in enumerate(samples):
+            assert (logits[rows[i]] - reference(sample.tokens)).abs().max() <= 1e-4, f"sample {i}"
+    assert torch.cat(list(rows.values())).unique().numel() == logits.shape[0]
+
+
+def full_logits(trainer, mb) -> torch.Tensor:
+    """Full-vocabulary logits of a packed micro-batch (gathered over TP; a collective: every rank calls it)."""
     from megatron.core import parallel_state
 
     from inverted.train.attention import packed_seq_params
 
     device = next(trainer.model.parameters()).device
     with torch.no_grad():
-        local = trainer.model(input_ids=tokens_T[None].to(device), position_ids=positions_T[None].to(device),
-                              attention_mask=None, packed_seq_params=packed_seq_params(cu_seqlens, max_seqlen, device))[0]
+        local = trainer.model(input_ids=mb.tokens_T[None].to(device), position_ids=mb.positions_T[None].to(device),
+                              attention_mask=None, packed_seq_params=packed_seq_params(mb, device, trainer.rope))[0]
         parts = [torch.empty_like(local) for _ in range(parallel_state.get_tensor_model_parallel_world_size())]
         torch.distributed.all_gather(parts, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
     return torch.cat(parts, dim=-1).cpu()
@@ -54,8 +67,7 @@ def step_and_sync(cfg: TrainConfig, samples, urls: list[str], probe: list[int], 
         trainer.train(samples)
         report = trainer.sync_weights(make_weight_sync(cfg, urls), "1")
         tokens = torch.tensor(probe)
-        logits = full_logits(trainer, tokens, torch.arange(len(probe)), torch.tensor([0, len(probe)], dtype=torch.int32),
-                             len(probe))
+        logits = full_logits(trainer, pack([probe], [len(probe) - 1], [0], len(probe))[0])
         logprobs = torch.log_softmax(logits.float(), dim=-1)[:-1].gather(1, tokens[1:, None])[:, 0]
         if torch.distributed.get_rank() == 0:
             torch.save({"logprobs": logprobs, "report": report}, out)
