@@ -12,10 +12,10 @@ TINY   ?= models/tiny-qwen2
 MODEL  ?= models/small-qwen2
 REAL   ?= models/smollm2-135m
 DEMO_DATA := data/letters.jsonl
-# The main job's task (README: which, and why). The held-out set uses a distant seed (reasoning-gym
-# seeds entry i with seed + i) and --exclude drops any question the training set holds.
+# The main job's task (README: which, and why). Its held-out set is written first, each question
+# once, and the training set excludes it: no held-out question is ever trained on.
 TASK        ?= chain_sum
-TASK_CONFIG ?= {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
+TASK_CONFIG ?= {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
 TASK_DATA   := data/$(TASK).jsonl
 TASK_EVAL   := data/$(TASK)-eval.jsonl
 # SGLang's own serializer classes, for the weight-payload contract tests: the wheel without its
@@ -46,12 +46,14 @@ $(REAL)/config.json: $(VENV)/.installed
 $(DEMO_DATA): $(VENV)/.installed
 	$(BIN)/python -m envs.letters --out $(DEMO_DATA)
 
-$(TASK_DATA): $(VENV)/.installed
-	$(BIN)/python -m envs.reasoning_gym --task $(TASK) --config '$(TASK_CONFIG)' --out $@ --count 2048 --seed 0
+# reasoning-gym seeds entry i with seed + i: the held-out set's distant seed keeps the two apart.
+$(TASK_EVAL): $(VENV)/.installed
+	$(BIN)/python -m envs.reasoning_gym --task $(TASK) --config '$(TASK_CONFIG)' --out $@ --count 48 \
+		--seed 1000000 --unique
 
-$(TASK_EVAL): $(TASK_DATA)
-	$(BIN)/python -m envs.reasoning_gym --task $(TASK) --config '$(TASK_CONFIG)' --out $@ --count 64 \
-		--seed 1000000 --exclude $(TASK_DATA)
+$(TASK_DATA): $(TASK_EVAL)
+	$(BIN)/python -m envs.reasoning_gym --task $(TASK) --config '$(TASK_CONFIG)' --out $@ --count 2048 \
+		--seed 0 --exclude $(TASK_EVAL)
 
 run: setup $(REAL)/config.json $(TASK_DATA) $(TASK_EVAL)
 	rm -rf runs/main  # the main job starts fresh each time (a real run resumes with --load)

@@ -10,12 +10,17 @@ in training tokens per second.
 
 - CPU (default): the ``small`` preset (~14M parameters), 16 samples of 192-256 tokens, fp32, one
   process; target ratio >= 0.8.
+- ``--model DIR`` trains that checkpoint instead (e.g. ``models/smollm2-135m``, the main job's);
+  ``--shape grpo`` is the main job's batch: 8 groups of 16 samples that share a 48-token prompt,
+  with 4-16-token responses (the trainer lays each prompt out once, ``train/packing.py``; the
+  baseline pads every sample whole, as one would by hand).
 - ``--device cuda``: the ``base`` preset (~0.5B), 16 samples of 768-1024 tokens in bf16 (ours:
   Megatron's bf16 model with fp32 main weights and its optimizer; the baseline: fp32 weights
   under ``torch.autocast``). Also reports model FLOPs utilisation: 6 x matmul parameters per
   token plus causal attention, against the GPU's dense bf16 peak.
 
     python bench/train_step.py [--rounds 5]
+    python bench/train_step.py --model models/smollm2-135m --shape grpo [--rounds 3]
     python bench/train_step.py --device cuda
 """
 
@@ -49,6 +54,21 @@ def make_batch(seed: int = 0, count: int = 16, lengths: tuple[int, int] = (192, 
         samples.append(Sample(group_index=i // 4, index=i, tokens=tokens, response_length=n, loss_mask=[1] * n,
                               rollout_log_probs=[-1.0] * n, weight_versions=["0"] * n, reward=float(i % 2),
                               status=Sample.Status.COMPLETED))
+    return samples
+
+
+def make_grpo_batch(seed: int = 0, groups: int = 8, per_group: int = 16, prompt: int = 48,
+                    responses: tuple[int, int] = (4, 16)) -> list[Sample]:
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for group in range(groups):
+        shared = torch.randint(3, 1200, (prompt,), generator=g).tolist()
+        for i in range(per_group):
+            n = int(torch.randint(responses[0], responses[1] + 1, (1,), generator=g))
+            samples.append(Sample(group_index=group, index=group * per_group + i,
+                                  tokens=shared + torch.randint(3, 1200, (n,), generator=g).tolist(), response_length=n,
+                                  loss_mask=[1] * n, rollout_log_probs=[-1.0] * n, weight_versions=["0"] * n,
+                                  reward=float(i % 2), status=Sample.Status.COMPLETED))
     return samples
 
 
@@ -106,6 +126,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--model", default=None, help="a checkpoint directory (default: a generated preset)")
+    parser.add_argument("--shape", choices=["long", "grpo"], default="long",
+                        help="long: 16 samples of 192-256 tokens; grpo: groups sharing a prompt, short responses")
     args = parser.parse_args()
     import transformers
 
@@ -117,8 +140,9 @@ def main() -> None:
     cuda = args.device == "cuda"
     preset, lengths, budget = ("base", (768, 1024), 16384) if cuda else ("small", (192, 256), 4096)
     with tempfile.TemporaryDirectory() as tmp:
-        path = make_tiny_model(TinyModelConfig(out=f"{tmp}/{preset}", arch="qwen2", preset=preset))
-        samples = make_batch(lengths=lengths)
+        path = Path(args.model) if args.model else make_tiny_model(
+            TinyModelConfig(out=f"{tmp}/{preset}", arch="qwen2", preset=preset))
+        samples = make_grpo_batch() if args.shape == "grpo" else make_batch(lengths=lengths)
         tokens = sum(len(s.tokens) for s in samples)
         hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(args.device).train()
         hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-6)
@@ -138,7 +162,8 @@ def main() -> None:
     params = sum(p.numel() for p in hf.parameters())
     result = {
         "device": torch.cuda.get_device_name() if cuda else "cpu", "dtype": "bfloat16" if cuda else "float32",
-        "model": f"{preset} (qwen2, {params / 1e6:.1f}M params)", "batch_tokens": tokens, "rounds": args.rounds,
+        "model": f"{args.model or preset} ({params / 1e6:.1f}M params)", "shape": args.shape, "batch_tokens": tokens,
+        "rounds": args.rounds,
         "threads": torch.get_num_threads(),
         "baseline_transformers_tokens_per_s": round(statistics.median(base), 1),
         "megatron_trainer_tokens_per_s": round(statistics.median(ours), 1),
