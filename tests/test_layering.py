@@ -41,6 +41,7 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
                                       "inverted.placement")),
     ("inverted.placement", SHARED + ("inverted.rollout.servers",)),
     ("inverted.tiny_model", SHARED),
+    ("inverted.gguf_import", SHARED),  # like make-tiny-model: a checkpoint maker, beside the services
     ("inverted.rollout.engine", SHARED + ("inverted.rollout.engine",)),
     ("inverted.rollout", SHARED + ("inverted.buffer.client", "inverted.rollout.sglang_client", "inverted.rollout.servers",
                                    "inverted.rollout.proxy", "inverted.rollout.chat")),
