@@ -11,7 +11,7 @@ in training tokens per second.
 - CPU (default): the ``small`` preset (~14M parameters), 16 samples of 192-256 tokens, fp32, one
   process; target ratio >= 0.8.
 - ``--model DIR`` trains that checkpoint instead (e.g. ``models/smollm2-135m``, the main job's);
-  ``--shape grpo`` is the main job's batch: 8 groups of 16 samples that share a 48-token prompt,
+  ``--shape grpo`` is the main job's batch: 4 groups of 16 samples that share a 48-token prompt,
   with 4-16-token responses (the trainer lays each prompt out once, ``train/packing.py``; the
   baseline pads every sample whole, as one would by hand).
 - ``--device cuda``: the ``base`` preset (~0.5B), 16 samples of 768-1024 tokens in bf16 (ours:
@@ -57,7 +57,7 @@ def make_batch(seed: int = 0, count: int = 16, lengths: tuple[int, int] = (192, 
     return samples
 
 
-def make_grpo_batch(seed: int = 0, groups: int = 8, per_group: int = 16, prompt: int = 48,
+def make_grpo_batch(seed: int = 0, groups: int = 4, per_group: int = 16, prompt: int = 48,
                     responses: tuple[int, int] = (4, 16)) -> list[Sample]:
     g = torch.Generator().manual_seed(seed)
     samples = []

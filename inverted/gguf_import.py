@@ -103,7 +103,11 @@ def import_gguf(cfg: ImportGGUFConfig) -> Path:
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        check(staging, gguf_model.to(dtype), tokenizer, dtype)
+        # The reference is transformers reading the GGUF in the written dtype: a model cast with .to()
+        # would also cast RoPE's inverse frequencies, which from_pretrained keeps in fp32.
+        reference = gguf_model if dtype == torch.float32 else AutoModelForCausalLM.from_pretrained(
+            str(src.parent), gguf_file=src.name, dtype=dtype)
+        check(staging, reference, tokenizer, dtype)
         staging.chmod(0o755)  # mkdtemp's 0700 and the writers' 0600 would hide a shared model
         for f in staging.iterdir():
             f.chmod(0o644)

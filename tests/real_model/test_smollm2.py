@@ -15,6 +15,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from inverted.config import TrainConfig
+from inverted.errors import ModelError
+from inverted.hf_checkpoint import ModelSpec
+from inverted.train.convert import check_compatible
 from inverted.train.parallel import spawn
 from inverted.types import Sample
 from tests.train.workers import check_packed_logits, logits_and_step, step_and_sync
@@ -94,6 +97,19 @@ def test_megatron_logits_equal_transformers(smollm2, hf, tmp_path):
     from tests.train.samples import make_samples
 
     check_packed_logits(result, make_samples(seed=7), lambda tokens: hf(torch.tensor([tokens])).logits[0])
+
+
+def test_megatron_tp3_equals_transformers_and_tp2_is_refused(smollm2, hf, tmp_path):
+    """9 query and 3 key/value heads split three ways, not two: TP=2 is refused before any process starts."""
+    with pytest.raises(ModelError, match="--tensor-model-parallel-size 2 does not divide the model's 9 attention heads"):
+        check_compatible(ModelSpec.from_checkpoint(smollm2), 2)
+    cfg = TrainConfig(hf_checkpoint=str(smollm2), max_tokens_per_gpu=8192, lr=1e-5, tensor_model_parallel_size=3,
+                      actor_num_gpus_per_node=3)
+    spawn(logits_and_step, 3, cfg, str(tmp_path / "out.pt"))
+    from tests.train.samples import make_samples
+
+    check_packed_logits(torch.load(tmp_path / "out.pt"), make_samples(seed=7),
+                        lambda tokens: hf(torch.tensor([tokens])).logits[0])
 
 
 def test_after_a_grpo_step_and_a_sync_the_engine_scores_tokens_as_the_trainer_does(served, smollm2, tmp_path):
