@@ -55,7 +55,7 @@ def resolve_source(src: str) -> Path:
     return found[0]
 
 
-def inspect(path: Path) -> str:
+def read_header(path: Path) -> str:
     """The file's architecture, after checking that it is whole and that we can read every tensor."""
     from gguf import GGUFReader
     from gguf.quants import _type_traits
@@ -84,7 +84,7 @@ def import_gguf(cfg: ImportGGUFConfig) -> Path:
     src, out = resolve_source(cfg.src), Path(cfg.out)
     if out.exists() and any(out.iterdir()):
         raise ModelError(f"import-gguf: --out {out} is not empty; remove it or choose another directory")
-    inspect(src)
+    read_header(src)
     dtype = getattr(torch, cfg.dtype)
     tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
     gguf_model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)

@@ -2,8 +2,9 @@
 
 ``ModelSpec`` reads ``config.json`` (and ``generation_config.json`` for end-of-sequence ids) for
 the three families we serve and train (Qwen2, Qwen3, Llama); ``rope_inv_freq`` turns its RoPE
-settings into inverse frequencies exactly as ``transformers`` does; ``checkpoint_tensors`` reads
-the safetensors files. The embedded engine and the trainer both build their models from these,
+settings into inverse frequencies exactly as ``transformers`` does, and ``rope_angles`` lays them
+out for any positions (the engine's tables, the trainer's packed rows); ``checkpoint_tensors``
+reads the safetensors files. The embedded engine and the trainer both build their models from these,
 so an architecture is understood in one place. It imports only ``errors``.
 """
 
@@ -89,6 +90,13 @@ def _eos_ids(path: Path, cfg: dict) -> tuple[int, ...]:
             if isinstance(item, int) and item not in ids:
                 ids.append(item)
     return tuple(ids)
+
+
+def rope_angles(spec: ModelSpec, positions: torch.Tensor) -> torch.Tensor:
+    """RoPE's angle of every position and channel, ``[len(positions), head_dim]`` in fp32, as ``transformers``
+    lays them out (the frequencies twice over: halves are rotated, not interleaved pairs)."""
+    freqs = torch.outer(positions.to(torch.float32), rope_inv_freq(spec).to(positions.device))
+    return torch.cat((freqs, freqs), dim=-1)
 
 
 def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:

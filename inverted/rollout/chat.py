@@ -201,7 +201,7 @@ class ChatRenderer:
 
     def _renders_tools(self) -> bool:
         """Whether the template writes a tool's definition into the prompt at all."""
-        tool = {"type": "function", "function": {"name": "inverted_probe_tool", "description": _SENTINEL,
+        tool = {"type": "function", "function": {"name": "inverted_probe_tool", "description": "",
                                                  "parameters": {"type": "object", "properties": {}}}}
         text = self.tokenizer.apply_chat_template([{"role": "user", "content": "u"}], tools=[tool], tokenize=False,
                                                   add_generation_prompt=True)

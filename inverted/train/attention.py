@@ -34,6 +34,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from inverted.hf_checkpoint import ModelSpec, rope_angles
 from inverted.train.packing import MicroBatch, Segment
 
 
@@ -45,13 +46,13 @@ class HostPackedSeqParams(PackedSeqParams):
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
-def packed_seq_params(mb: MicroBatch, device: torch.device | str, inv_freq: torch.Tensor | None) -> HostPackedSeqParams:
-    """Megatron's packed-sequence parameters for ``mb``; with ``inv_freq``, the rotary cos / sin of its positions."""
+def packed_seq_params(mb: MicroBatch, device: torch.device | str, rope_of: ModelSpec | None) -> HostPackedSeqParams:
+    """Megatron's packed-sequence parameters for ``mb``; with ``rope_of`` (the model's spec), the rotary
+    cos / sin of its positions, for ``PackedAttention`` (Transformer Engine's path rotates in Megatron)."""
     cu = mb.cu_seqlens.to(device)
     rope = None
-    if inv_freq is not None:
-        angles = mb.positions_T.to(device=device, dtype=torch.float32)[:, None] * inv_freq.to(device)[None, :]
-        angles = torch.cat([angles, angles], dim=-1)[:, None, :]
+    if rope_of is not None:
+        angles = rope_angles(rope_of, mb.positions_T.to(device))[:, None, :]
         rope = (angles.cos(), angles.sin())
     return HostPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=mb.max_seqlen,
                                max_seqlen_kv=mb.max_seqlen, segments=tuple(mb.segments), rope=rope)
@@ -102,8 +103,10 @@ class PackedAttention(MegatronModule):
                 packed_seq_params: PackedSeqParams | None = None) -> torch.Tensor:
         if not isinstance(packed_seq_params, HostPackedSeqParams):
             raise ValueError("PackedAttention expects packed (thd) input, described by attention.packed_seq_params")
-        if packed_seq_params.rope is not None:
-            query, key = rotate(query, packed_seq_params.rope), rotate(key, packed_seq_params.rope)
+        if packed_seq_params.rope is None:
+            raise ValueError("PackedAttention rotates queries and keys itself: build its packed_seq_params with the "
+                             "model's spec")
+        query, key = rotate(query, packed_seq_params.rope), rotate(key, packed_seq_params.rope)
         dropout = self.dropout if self.training else 0.0
         outputs = []
         lengths = [s.length for s in packed_seq_params.segments]
@@ -111,9 +114,10 @@ class PackedAttention(MegatronModule):
             if len(segment.response_lengths) == 1:  # one sequence: causal throughout
                 outputs.append(_sdpa(q, k, v, dropout, self.softmax_scale, causal=True))
                 continue
-            p = segment.prompt_length
-            outputs.append(_sdpa(q[:p], k[:p], v[:p], dropout, self.softmax_scale, causal=True))
-            outputs.append(_sdpa(q[p:], k, v, dropout, self.softmax_scale, causal=False,
+            parts = [segment.prompt_length, len(q) - segment.prompt_length]
+            (q_prompt, q_responses), (k_prompt, _), (v_prompt, _) = (x.split(parts) for x in (q, k, v))
+            outputs.append(_sdpa(q_prompt, k_prompt, v_prompt, dropout, self.softmax_scale, causal=True))
+            outputs.append(_sdpa(q_responses, k, v, dropout, self.softmax_scale, causal=False,
                                  mask=response_mask(segment, q.device)))
         out_THD = torch.cat(outputs, dim=0)
         return out_THD.reshape(out_THD.shape[0], -1)

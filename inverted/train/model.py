@@ -89,7 +89,7 @@ def build_model(spec: ModelSpec, parallel: Parallelism, dtype: torch.dtype = tor
         config=config, transformer_layer_spec=layer_spec(spec), vocab_size=spec.vocab_size,
         max_sequence_length=spec.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
-        # Without TE, PackedAttention rotates queries and keys itself (rope_for_packed_attention).
+        # Without TE, PackedAttention rotates queries and keys itself (train/attention.py).
         share_embeddings_and_output_weights=spec.tie_word_embeddings, position_embedding_type="rope" if te else "none",
         rotary_base=int(spec.rope["rope_theta"]), parallel_output=True,
     )
@@ -101,8 +101,3 @@ def build_model(spec: ModelSpec, parallel: Parallelism, dtype: torch.dtype = tor
     if te:
         model.rotary_pos_emb.inv_freq = rope_inv_freq(spec).to(model.rotary_pos_emb.inv_freq.device)
     return model
-
-
-def rope_for_packed_attention(spec: ModelSpec) -> torch.Tensor | None:
-    """The inverse frequencies ``PackedAttention`` rotates with; None where Megatron's TE path rotates."""
-    return None if use_transformer_engine() else rope_inv_freq(spec)

@@ -53,32 +53,29 @@ class MicroBatch:
     def max_seqlen(self) -> int:
         return max(s.length for s in self.segments)
 
-    def _responses(self) -> list[tuple[int, int, int]]:
-        """(end of its prompt, start, length) of every response in the row, in order."""
+    def _responses(self) -> list[tuple[int, int, int, int]]:
+        """(start of its prompt, end of its prompt, start, length) of every response in the row, in order."""
         found = []
         for offset, segment in zip(self.cu_seqlens.tolist(), self.segments):
             prompt_end = start = offset + segment.prompt_length
             for length in segment.response_lengths:
-                found.append((prompt_end, start, length))
+                found.append((offset, prompt_end, start, length))
                 start += length
         return found
 
     def response_positions(self) -> torch.Tensor:
         """Positions in the packed row whose logits predict a response token, in response order."""
         spans = [torch.cat([torch.tensor([prompt_end - 1]), torch.arange(start, start + length - 1)])
-                 for prompt_end, start, length in self._responses()]
+                 for _, prompt_end, start, length in self._responses()]
         return torch.cat(spans) if spans else torch.zeros(0, dtype=torch.long)
 
     def sequence_positions(self) -> list[torch.Tensor]:
         """Per response, in order: the row positions of its whole sequence (shared prompt, then its own tokens)."""
-        return [torch.cat([torch.arange(prompt_end - segment_prompt, prompt_end), torch.arange(start, start + length)])
-                for (prompt_end, start, length), segment_prompt in zip(self._responses(), self._prompt_lengths())]
-
-    def _prompt_lengths(self) -> list[int]:
-        return [s.prompt_length for s in self.segments for _ in s.response_lengths]
+        return [torch.cat([torch.arange(prompt_start, prompt_end), torch.arange(start, start + length)])
+                for prompt_start, prompt_end, start, length in self._responses()]
 
     def response_targets(self) -> torch.Tensor:
-        spans = [self.tokens_T[start:start + length] for _, start, length in self._responses()]
+        spans = [self.tokens_T[start:start + length] for _, _, start, length in self._responses()]
         return torch.cat(spans) if spans else torch.zeros(0, dtype=torch.long)
 
 

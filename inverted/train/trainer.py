@@ -41,7 +41,7 @@ from inverted.hf_checkpoint import ModelSpec, checkpoint_tensors
 from inverted.train import losses
 from inverted.train.convert import check_compatible, gather_hf_weights, iter_hf_weights, load_hf_weights
 from inverted.train.logprobs import token_logprobs_and_entropy
-from inverted.train.model import Parallelism, build_model, rope_for_packed_attention
+from inverted.train.model import Parallelism, build_model, use_transformer_engine
 from inverted.train.optimizer import build_optimizer
 from inverted.train.packing import MicroBatch, balance, pack
 from inverted.train.weight_sync import SyncReport, WeightSync
@@ -112,7 +112,8 @@ class Trainer:
         self.parallel = Parallelism(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
                                     cfg.context_parallel_size, cfg.expert_model_parallel_size)
         self.dtype = torch.bfloat16 if cfg.bf16 else torch.float32
-        self.rope = rope_for_packed_attention(self.spec)
+        # Our PyTorch attention (not TE's) takes segments whose responses share their prompt.
+        self.packed_attention = not use_transformer_engine()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         hf_weights = checkpoint_tensors(cfg.hf_checkpoint)
@@ -148,8 +149,6 @@ class Trainer:
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from inverted.train.attention import packed_seq_params
-
         if not mbs:
             return
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -157,13 +156,19 @@ class Trainer:
         def forward_step(batches, model):
             mb = next(batches)
             output = model(input_ids=mb.tokens_T[None].to(device), position_ids=mb.positions_T[None].to(device),
-                           attention_mask=None, packed_seq_params=packed_seq_params(mb, device, self.rope))
+                           attention_mask=None, packed_seq_params=self.seq_params(mb, device))
             tokens = torch.tensor(sum(mb.response_lengths), dtype=torch.int)
             return output, lambda logits: (on_logits(mb, logits[0]), tokens, {})
 
         get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(mbs), model=model, num_microbatches=len(mbs),
             seq_length=max(len(mb.tokens_T) for mb in mbs), micro_batch_size=1, forward_only=forward_only)
+
+    def seq_params(self, mb: MicroBatch, device: torch.device | str):
+        """Megatron's packed-sequence parameters of ``mb``: its segments, and RoPE where our attention applies it."""
+        from inverted.train.attention import packed_seq_params
+
+        return packed_seq_params(mb, device, self.spec if self.packed_attention else None)
 
     def _logprobs(self, mb: MicroBatch, logits: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Response-token log-probs (and entropies) of one packed micro-batch from its logits, fp32, ``[R]``."""
@@ -208,9 +213,8 @@ class Trainer:
         for start in range(0, len(samples), size):
             step = list(range(start, start + size))
             mine = [step[i] for i in balance([len(samples[i].tokens) for i in step], self.dp_size)[self.dp_rank]]
-            # A group's samples share their prompt in the packed row where our attention runs (not TE's).
             mbs = pack([samples[i].tokens for i in mine], [samples[i].response_length for i in mine], mine,
-                       self.cfg.max_tokens_per_gpu, share_prefixes=self.rope is not None)
+                       self.cfg.max_tokens_per_gpu, share_prefixes=self.packed_attention)
             plan.append(RankBatch(mbs, mine, range(start, start + size)))
         return plan
 

@@ -1,10 +1,10 @@
-"""The reasoning-gym environment: rows any task can be graded from, graded by the library itself."""
+"""The reasoning-gym environment: rows any task can be graded from, graded by the library itself.
+
+Its episode runs through the real proxy and SmolLM2 in ``tests/real_model/test_smollm2.py``."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import types
 
 import pytest
 import reasoning_gym
@@ -37,25 +37,6 @@ def test_the_library_grades_right_wrong_and_partial_answers():
     # Another task, with a grader of its own: the metadata alone says how to grade.
     (legs,) = env.rows("leg_counting", {}, count=1, seed=0)
     assert env.score(legs["label"], legs["metadata"]) == 1.0 and env.score("0.5", legs["metadata"]) == 0.0
-
-
-def test_the_episode_asks_once_and_grades_only_a_finished_reply():
-    (row,) = env.rows("chain_sum", CONFIG, count=1, seed=5)
-    sent = []
-
-    finish = "stop"
-
-    async def create(**request):
-        sent.append(request)
-        message = types.SimpleNamespace(content=row["label"])
-        return types.SimpleNamespace(choices=[types.SimpleNamespace(message=message, finish_reason=finish)])
-
-    client = types.SimpleNamespace(chat=types.SimpleNamespace(completions=types.SimpleNamespace(create=create)))
-    task = types.SimpleNamespace(prompt=row["input"], metadata=row["metadata"])
-    assert asyncio.run(env.episode(task, client)) == 1.0
-    finish = "length"  # the same text, cut off by the token limit: not an answer
-    assert asyncio.run(env.episode(task, client)) == 0.0
-    assert sent[0]["messages"] == [{"role": "system", "content": env.SYSTEM_PROMPT}, {"role": "user", "content": row["input"]}]
 
 
 def test_bad_task_names_and_configs_get_clear_errors(tmp_path, capsys):

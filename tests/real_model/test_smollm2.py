@@ -8,6 +8,8 @@ checked here: Llama with tied embeddings and grouped-query attention 9/3, RoPE t
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import openai
 import pytest
@@ -19,7 +21,8 @@ from inverted.errors import ModelError
 from inverted.hf_checkpoint import ModelSpec
 from inverted.train.convert import check_compatible
 from inverted.train.parallel import spawn
-from inverted.types import Sample
+from inverted.types import Sample, Task
+from envs import reasoning_gym
 from tests.train.workers import check_packed_logits, logits_and_step, step_and_sync
 
 QUESTION = [{"role": "user", "content": "What is 3 + 4?"}]
@@ -87,6 +90,35 @@ def test_proxy_records_a_two_turn_chat_as_the_template_renders_it(served, smollm
     assert refused.status_code == 400
     error = refused.json()["error"]
     assert error["param"] == "tools" and "cannot render tools" in error["message"] and "smollm2" in error["message"]
+
+
+def test_the_reasoning_gym_episode_grades_the_finished_reply_through_the_real_proxy(served, smollm2):
+    """The main job's environment, with the openai SDK on a proxy session: the policy sees the system prompt,
+    a finished reply gets the library's grade of its text, and the same text cut off by the token limit 0."""
+    _, proxy = served
+    (row,) = reasoning_gym.rows("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}, 1, 5)
+    task = Task(lease_id="t", group_index=0, index=0, prompt_index=0, prompt=row["input"], label=row["label"],
+                metadata=row["metadata"])
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+
+    async def episode(max_tokens: int) -> tuple[float, Sample]:
+        session = httpx.post(proxy.url + "/sessions",
+                             json={"sampling_params": {"max_tokens": max_tokens, "temperature": 0}}).json()
+        async with openai.AsyncOpenAI(base_url=session["base_url"], api_key=session["token"]) as client:
+            reward = await reasoning_gym.episode(task, client)
+        (sample,) = httpx.post(f"{proxy.url}/sessions/{session['session_id']}/finish").json()["samples"]
+        return reward, Sample.from_json(sample)
+
+    reward, sample = asyncio.run(episode(64))  # greedy: "The final answer to ... is 8." (right, and wordy)
+    assert sample.status == Sample.Status.COMPLETED
+    prompt = tokenizer.decode(sample.tokens[:sample.prompt_length])
+    assert reasoning_gym.SYSTEM_PROMPT in prompt and row["input"] in prompt and "SmolLM" not in prompt
+    reply = tokenizer.decode(sample.tokens[sample.prompt_length:], skip_special_tokens=True)
+    assert reward == reasoning_gym.score(reply, row["metadata"]) > 0
+    # The same reply without its end token: the same text, cut off, so no grade.
+    cut_reward, cut = asyncio.run(episode(sample.response_length - 1))
+    assert cut.status == Sample.Status.TRUNCATED and tokenizer.decode(cut.tokens[cut.prompt_length:]) == reply
+    assert cut_reward == 0.0
 
 
 def test_megatron_logits_equal_transformers(smollm2, hf, tmp_path):

@@ -44,12 +44,10 @@ def full_logits(trainer, mb) -> torch.Tensor:
     """Full-vocabulary logits of a packed micro-batch (gathered over TP; a collective: every rank calls it)."""
     from megatron.core import parallel_state
 
-    from inverted.train.attention import packed_seq_params
-
     device = next(trainer.model.parameters()).device
     with torch.no_grad():
         local = trainer.model(input_ids=mb.tokens_T[None].to(device), position_ids=mb.positions_T[None].to(device),
-                              attention_mask=None, packed_seq_params=packed_seq_params(mb, device, trainer.rope))[0]
+                              attention_mask=None, packed_seq_params=trainer.seq_params(mb, device))[0]
         parts = [torch.empty_like(local) for _ in range(parallel_state.get_tensor_model_parallel_world_size())]
         torch.distributed.all_gather(parts, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
     return torch.cat(parts, dim=-1).cpu()

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from inverted.errors import ModelError
-from inverted.hf_checkpoint import ModelSpec, checkpoint_tensors, rope_inv_freq
+from inverted.hf_checkpoint import ModelSpec, checkpoint_tensors, rope_angles
 from inverted.weight_wire import copy_all
 
 
@@ -97,8 +97,7 @@ class CausalLM(torch.nn.Module):
             layer.down = param(s.hidden_size, s.intermediate_size)
             self.layers.append(layer)
         # cos/sin for every position, once: a step only indexes them.
-        freqs = torch.outer(torch.arange(spec.max_position_embeddings, dtype=torch.float32), rope_inv_freq(spec))
-        angles = torch.cat((freqs, freqs), dim=-1)
+        angles = rope_angles(spec, torch.arange(spec.max_position_embeddings))
         self.rope_cos, self.rope_sin = angles.cos().to(device, self.act_dtype), angles.sin().to(device, self.act_dtype)
         self.hf_views = self._hf_views()
 
