@@ -46,7 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from inverted.config import TinyModelConfig  # noqa: E402
-from inverted.rollout.engine.model import CausalLM, load_model  # noqa: E402
+from inverted.engine.model import CausalLM, load_model  # noqa: E402
 from inverted.rollout.servers import ManagedProcess, free_port  # noqa: E402
 from inverted.tiny_model import make_tiny_model  # noqa: E402
 

@@ -30,7 +30,7 @@ parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(tests engine sync train)
 for name in "${parts[@]}"; do
     case $name in
-        tests) part tests $py -m pytest -q -m gpu -p no:cacheprovider tests/rollout/engine/test_cuda.py \
+        tests) part tests $py -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_cuda.py \
                    tests/train/test_weight_sync_cuda.py tests/train/test_cuda.py ;;
         engine) part engine $py bench/engine_throughput.py --device cuda --preset base --dtype bfloat16 ;;
         sync) part sync $py bench/weight_sync.py --device cuda --presets large ;;

@@ -58,7 +58,7 @@ def cmd_serve_engine(cfg: EngineConfig) -> None:
     spin_briefly()
     import uvicorn
 
-    from inverted.rollout.engine.server import create_app
+    from inverted.engine.server import create_app
 
     uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning", access_log=False)
 

@@ -12,7 +12,10 @@ shared, so the rollout servers and the buffer's workers use one mechanism;
 and ``plugins`` may read ``config`` (the rollout function's context carries its config section);
 and ``placement`` (Ray's side of starting servers) sits beside the controller (a package of its
 own modules), which alone uses it, and the controller may read prompt datasets (``buffer.datasets``) to check them and to
-evaluate, before and beside the buffer service.
+evaluate, before and beside the buffer service; and the embedded engine is a top-level package
+(``inverted.engine``), not a part of ``rollout``: it shares no code with the rollout side, which
+reaches it over HTTP exactly as it reaches SGLang, so the only importer outside it is the CLI that
+serves it (``test_the_engine_is_reached_only_over_http``).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("inverted.placement", SHARED + ("inverted.rollout.servers",)),
     ("inverted.tiny_model", SHARED),
     ("inverted.gguf_import", SHARED),  # like make-tiny-model: a checkpoint maker, beside the services
-    ("inverted.rollout.engine", SHARED + ("inverted.rollout.engine",)),
+    ("inverted.engine", SHARED + ("inverted.engine",)),
     ("inverted.rollout", SHARED + ("inverted.buffer.client", "inverted.rollout.sglang_client", "inverted.rollout.servers",
                                    "inverted.rollout.proxy", "inverted.rollout.chat")),
     ("inverted.buffer", SHARED + ("inverted.buffer",)),
@@ -85,12 +88,12 @@ def test_every_import_follows_the_module_map():
 
 def test_the_engine_is_reached_only_over_http():
     importers = {module_name(p) for p in PACKAGE.rglob("*.py")
-                 if any(t.startswith("inverted.rollout.engine") for t in inverted_imports(p))}
-    assert {m for m in importers if not m.startswith("inverted.rollout.engine")} <= {"inverted.cli"}
+                 if any(t.startswith("inverted.engine") for t in inverted_imports(p))}
+    assert {m for m in importers if not m.startswith("inverted.engine")} <= {"inverted.cli"}
 
 
 def test_the_checker_catches_a_forbidden_import():
-    assert not allowed("inverted.buffer.store", "inverted.rollout.engine.model")
+    assert not allowed("inverted.buffer.store", "inverted.engine.model")
     assert not allowed("inverted.train.actor", "inverted.rollout.proxy")
     assert not allowed("inverted.types", "inverted.config")
     assert allowed("inverted.train.weight_sync", "inverted.rollout.sglang_client.SGLangClient")

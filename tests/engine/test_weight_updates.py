@@ -17,7 +17,7 @@ from inverted.rollout.sglang_client import SGLangClient
 from inverted.train.weight_sync import Bucket, BucketPacker, DiskTransport, TensorTransport, WeightSync
 from inverted.train.weight_sync.transports import dtype_name
 from inverted.weight_wire import bucket_payload, join_update_group
-from tests.rollout.engine.test_control import LONG, started
+from tests.engine.test_control import LONG, started
 
 pytestmark = pytest.mark.anyio
 NAME = "model.layers.0.self_attn.o_proj.weight"

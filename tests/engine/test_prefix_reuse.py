@@ -92,7 +92,7 @@ def test_the_samples_of_one_prompt_share_its_prefill(engines):
 
 @pytest.mark.anyio
 async def test_kv_computed_before_an_in_place_weight_load_is_never_lent(procs, tiny_model):
-    from tests.rollout.engine.test_control import started
+    from tests.engine.test_control import started
 
     engine = procs.engine(tiny_model("qwen3")).url  # its own engine: this test loads other weights
     prompt = list(range(300, 340))

@@ -35,12 +35,12 @@ from inverted.config import EngineConfig
 from inverted.errors import InvalidRequest, ModelError
 from inverted.hf_checkpoint import ARCHITECTURES, checkpoint_tensors
 from inverted.processes import freeze_startup_heap
-from inverted.rollout.engine import protocol as P
-from inverted.rollout.engine.model import load_model
-from inverted.rollout.engine.sampling import SamplingParams, SchemaError
-from inverted.rollout.engine.scheduler import Request as EngineRequest
-from inverted.rollout.engine.scheduler import Scheduler, new_rid
-from inverted.rollout.engine.weights import RecentBuckets, UpdateGroups, decode_tensor_payloads
+from inverted.engine import protocol as P
+from inverted.engine.model import load_model
+from inverted.engine.sampling import SamplingParams, SchemaError
+from inverted.engine.scheduler import Request as EngineRequest
+from inverted.engine.scheduler import Scheduler, new_rid
+from inverted.engine.weights import RecentBuckets, UpdateGroups, decode_tensor_payloads
 
 logger = logging.getLogger(__name__)
 

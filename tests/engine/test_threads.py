@@ -50,7 +50,7 @@ SERVE_AND_COUNT = """
 import json, os, sys, threading, time, urllib.request
 import uvicorn
 from inverted.config import EngineConfig
-from inverted.rollout.engine.server import create_app
+from inverted.engine.server import create_app
 """ + FOREIGN_THREADS + """
 
 model, port = sys.argv[1], int(sys.argv[2])

@@ -47,8 +47,8 @@ from typing import Any, Callable
 
 import torch
 
-from inverted.rollout.engine.model import CausalLM, KVCache
-from inverted.rollout.engine.sampling import SamplingParams, sample, top_logprobs
+from inverted.engine.model import CausalLM, KVCache
+from inverted.engine.sampling import SamplingParams, sample, top_logprobs
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from inverted.rollout.engine.sampling import SamplingParams, SchemaError
-from inverted.rollout.engine.scheduler import Request, new_rid
+from inverted.engine.sampling import SamplingParams, SchemaError
+from inverted.engine.scheduler import Request, new_rid
 
 UNSUPPORTED_GENERATE_FIELDS = ("input_embeds", "image_data", "video_data", "audio_data", "session_params",
                                "lora_path", "custom_logit_processor", "return_hidden_states")
