@@ -28,7 +28,7 @@ from inverted.buffer.client import BufferClient  # noqa: E402
 from inverted.buffer.datasets import load_prompts  # noqa: E402
 from inverted.buffer.store import SQLiteStore  # noqa: E402
 from inverted.processes import tcp_sockets  # noqa: E402
-from inverted.rollout.servers import ManagedProcess, free_port  # noqa: E402
+from inverted.processes import ManagedProcess, free_port  # noqa: E402
 from inverted.types import Sample  # noqa: E402
 
 GROUP = 8

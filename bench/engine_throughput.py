@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from inverted.config import TinyModelConfig  # noqa: E402
 from inverted.engine.model import CausalLM, load_model  # noqa: E402
-from inverted.rollout.servers import ManagedProcess, free_port  # noqa: E402
+from inverted.processes import ManagedProcess, free_port  # noqa: E402
 from inverted.tiny_model import make_tiny_model  # noqa: E402
 
 

@@ -36,7 +36,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from inverted.config import TinyModelConfig  # noqa: E402
 from inverted.rollout.chat import ChatRenderer, Message  # noqa: E402
-from inverted.rollout.servers import ManagedProcess, free_port  # noqa: E402
+from inverted.processes import ManagedProcess, free_port  # noqa: E402
 from inverted.tiny_model import make_tiny_model  # noqa: E402
 
 

@@ -59,7 +59,7 @@ import torch  # noqa: E402
 
 from inverted.config import TinyModelConfig  # noqa: E402
 from inverted.hf_checkpoint import checkpoint_tensors  # noqa: E402
-from inverted.rollout.servers import ManagedProcess, free_port  # noqa: E402
+from inverted.processes import ManagedProcess, free_port  # noqa: E402
 from inverted.rollout.sglang_client import SGLangClient  # noqa: E402
 from inverted.tiny_model import make_tiny_model  # noqa: E402
 from inverted.train.weight_sync import BucketPacker, DistributedTransport, TensorTransport, WeightSync  # noqa: E402

@@ -23,6 +23,7 @@ from typing import Any, Literal
 import yaml
 
 from inverted.errors import ConfigError
+from inverted.types import PauseMode
 
 
 def option(default: Any, help: str, **extra: Any) -> Any:
@@ -374,7 +375,7 @@ class TrainConfig:
     update_weight_disk_dir: str | None = option(
         None, "where the disk transport writes weights (default: OUTPUT_DIR/weight_updates; shared storage across nodes)")
     update_weight_timeout: float = option(300.0, "seconds to wait for the servers to join a weight-update group")
-    pause_mode: Literal["abort", "retract", "in_place"] = option(
+    pause_mode: PauseMode = option(
         "retract", "how generation pauses for a weight update: abort in-flight requests, retract them (resumed on "
                    "the new weights, KV recomputed) or hold them in place")
     log_level: Literal["debug", "info", "warning", "error"] = option("info", "log level")

@@ -5,10 +5,19 @@
     ├── PluginError          a ``module:function`` path cannot be loaded or has the wrong signature
     ├── SampleError          a Sample breaks an invariant (names the field)
     ├── ModelError           a checkpoint cannot be read or does not fit the model it is loaded into
-    ├── InvalidRequest       a client's API request breaks the contract (carries OpenAI's ``param`` and ``code``)
+    ├── InvalidRequest       a client's request breaks the contract (carries the status, OpenAI's ``param`` and ``code``)
+    │   ├── SchemaError          its JSON has the wrong shape or types (SGLang answers these in serde's words)
+    │   └── Unauthorized         it lacks the key the route needs (401)
+    ├── EngineError          an engine command cannot run in the engine's present state (400, the route's SGLang body)
+    │   └── UpdateGroupError     a weight-update process group could not be joined, or a broadcast failed
+    ├── LeaseConflict        a buffer submission names a lease that is not the task's current one (409)
     └── ServiceError         a remote service failed (carries URL, status and the body's start)
         ├── ServiceUnavailable   could not be reached, or kept answering 502/503/504
         └── ProtocolError        answered, but with a 4xx or a body of the wrong shape
+
+Each service maps these to status codes in one exception handler per app. Anything else that
+escapes a route (``ValueError``, torch's ``RuntimeError``) is a bug of ours, answered 500 with the
+traceback in the log, never blamed on the client.
 
 This module imports nothing from inverted.
 """
@@ -48,6 +57,33 @@ class InvalidRequest(InvertedError):
         self.param = param
         self.code = code
         self.status = status
+
+
+class SchemaError(InvalidRequest):
+    """A request body has the wrong JSON shape: an unknown key, a wrong type."""
+
+
+class Unauthorized(InvalidRequest):
+    """The request lacks the key its route needs (``inverted.auth`` decides)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, code="invalid_api_key", status=401)
+
+
+class EngineError(InvertedError):
+    """An engine command cannot run now: outside a weight-update session, with requests running, ...
+
+    Not the client's malformed input (that is ``InvalidRequest``) and not our bug: the engine is in a
+    state where SGLang also refuses the command, and says so with a 400.
+    """
+
+
+class UpdateGroupError(EngineError):
+    """Joining a weight-update process group, or one of its broadcasts, failed: a peer is gone or late."""
+
+
+class LeaseConflict(InvertedError):
+    """A buffer submission names a lease that is not (or no longer) the task's current lease."""
 
 
 class ServiceError(InvertedError):

@@ -19,7 +19,8 @@ from pathlib import Path
 import ray
 
 from inverted.errors import ServiceUnavailable
-from inverted.rollout.servers import ArgvFor, Launch, ManagedProcess, free_port
+from inverted.processes import ManagedProcess, free_port
+from inverted.rollout.servers import ArgvFor, Launch
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,6 @@
-"""Process plumbing the services share: children that die with their parent, one app served by
-several processes on one port, and a heap that Python's collector leaves alone once started.
+"""Process plumbing the services share: children that die with their parent (``ManagedProcess``
+starts one with its log file and waits for its health), free ports, one app served by several
+processes on one port, and a heap that Python's collector leaves alone once started.
 
 ``serve_workers`` exists for two reasons. uvicorn's own ``--workers`` share one listening socket,
 and asyncio accepts every pending connection when it wakes, so a burst of new connections lands
@@ -17,8 +18,16 @@ import multiprocessing
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from inverted.errors import ServiceUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -107,3 +116,65 @@ def serve_workers(app_factory: str, host: str, port: int, workers: int, name: st
         if process.is_alive():
             process.kill()
     holder.close()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class ManagedProcess:
+    """A child process with its log file; ``tail`` is what a failure report shows."""
+
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+    url: str
+
+    @classmethod
+    def spawn(cls, name: str, argv: list[str], log_path: Path, url: str, env: dict[str, str] | None = None) -> "ManagedProcess":
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "wb") as log:
+            popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                                     preexec_fn=die_with_parent)
+        logger.info("started %s (pid %d): %s", name, popen.pid, url)
+        return cls(name, popen, log_path, url)
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def check_alive(self) -> None:
+        code = self.popen.poll()
+        if code is not None:
+            raise ServiceUnavailable(f"{self.name} exited with code {code}; log tail:\n{self.tail()}", url=self.url)
+
+    def wait_healthy(self, timeout: float, path: str = "/health") -> None:
+        """Poll ``path`` until it answers 200; raise ServiceUnavailable (with the log tail) if the
+        process dies or ``timeout`` seconds pass. Blocking: async callers run it in a thread."""
+        deadline = time.monotonic() + timeout
+        with httpx.Client(trust_env=False, timeout=2.0) as http:
+            while time.monotonic() < deadline:
+                self.check_alive()
+                try:
+                    if http.get(self.url + path).status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.2)
+        raise ServiceUnavailable(f"{self.name} not healthy after {timeout:.0f}s; log tail:\n{self.tail()}", url=self.url)
+
+    def terminate(self, grace: float = 10.0) -> None:
+        if self.popen.poll() is not None:
+            return
+        self.popen.send_signal(signal.SIGTERM)
+        try:
+            self.popen.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait(timeout=grace)

@@ -14,13 +14,18 @@ import math
 import sys
 import typing
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
 from inverted.errors import SampleError
 
 Reward = float | dict[str, float]
+
+# How an SGLang server pauses generation (``/pause_generation``'s ``mode``): abort in-flight
+# requests, retract them to the queue (KV dropped, tokens kept), or stop stepping and keep everything.
+PauseMode = Literal["abort", "retract", "in_place"]
+PAUSE_MODES: tuple[str, ...] = typing.get_args(PauseMode)
 
 
 def version_number(version: str) -> int:

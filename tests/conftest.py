@@ -7,16 +7,42 @@ process log when a test using them fails.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from inverted.config import TinyModelConfig
-from inverted.rollout.servers import ManagedProcess, free_port
+from inverted.processes import ManagedProcess, free_port
 from inverted.tiny_model import make_tiny_model
 
 ARCHS = ("qwen2", "qwen3", "llama")
+
+
+@contextlib.contextmanager
+def serving(app) -> Iterator[str]:
+    """``app`` served by uvicorn on a thread of this process, for a test that patches its internals;
+    yields its URL once it serves (its lifespan has run)."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the app did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
 
 
 @pytest.fixture

@@ -7,8 +7,11 @@ buffer's and SGLang's clients use one retry mechanism; and ``hf_checkpoint`` (wh
 Face checkpoint's config says) counts as shared, so the engine and the trainer read an
 architecture in one place; and ``weight_wire`` (SGLang's bucket, payload and update-group
 formats) counts as shared, so the trainer's sender and the engine's receiver use one definition;
-and ``processes`` (children that die with their parent, one app on several processes) counts as
-shared, so the rollout servers and the buffer's workers use one mechanism;
+and ``processes`` (children that die with their parent, ``ManagedProcess``, free ports, one app on
+several processes) counts as shared and may raise the tree's errors, so the rollout servers, the
+job's services and the buffer's workers start and watch children one way; and ``auth`` (the API-key
+rule, compared in constant time) counts as shared, so the engine, the proxy and the buffer check
+keys one way;
 and ``plugins`` may read ``config`` (the rollout function's context carries its config section);
 and ``placement`` (Ray's side of starting servers) sits beside the controller (a package of its
 own modules), which alone uses it, and the controller may read prompt datasets (``buffer.datasets``) to check them and to
@@ -25,7 +28,8 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "inverted"
 SHARED = ("inverted.types", "inverted.errors", "inverted.config", "inverted.plugins", "inverted.metrics",
-          "inverted.http_client", "inverted.hf_checkpoint", "inverted.weight_wire", "inverted.processes")
+          "inverted.http_client", "inverted.hf_checkpoint", "inverted.weight_wire", "inverted.processes",
+          "inverted.auth")
 
 # module prefix -> prefixes it may import (besides itself); first match wins
 RULES: list[tuple[str, tuple[str, ...]]] = [
@@ -37,7 +41,8 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("inverted.http_client", ("inverted.errors",)),
     ("inverted.hf_checkpoint", ("inverted.errors",)),
     ("inverted.weight_wire", ("inverted.errors",)),
-    ("inverted.processes", ()),
+    ("inverted.processes", ("inverted.errors",)),
+    ("inverted.auth", ("inverted.errors",)),
     ("inverted.cli", ("inverted",)),
     ("inverted.controller", SHARED + ("inverted.controller", "inverted.buffer.client", "inverted.buffer.datasets", "inverted.rollout.servers",
                                       "inverted.rollout.sglang_client", "inverted.rollout.proxy", "inverted.train.actor",

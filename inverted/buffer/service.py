@@ -23,7 +23,6 @@ import dataclasses
 import json
 import logging
 import os
-import secrets
 import time
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, AsyncIterator, Callable
@@ -35,10 +34,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from inverted.auth import require_key
 from inverted.buffer.datasets import load_prompts
-from inverted.buffer.store import LeaseConflict, SQLiteStore
+from inverted.buffer.store import SQLiteStore
 from inverted.config import BufferConfig
-from inverted.errors import SampleError
+from inverted.errors import LeaseConflict, SampleError, Unauthorized
 from inverted.plugins import load_plugin
 from inverted.processes import freeze_startup_heap, serve_workers
 from inverted.types import Sample, version_number
@@ -143,11 +143,8 @@ async def _state(request: Request) -> BufferState:
 StateDep = Annotated[BufferState, Depends(_state)]
 
 
-async def _require_key(request: Request) -> None:
-    key = request.app.state.buffer.config.api_key
-    given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-    if key and not secrets.compare_digest(given.encode(), key.encode()):
-        raise PermissionError("a valid 'Authorization: Bearer <api key>' header is required")
+_require_key = require_key(lambda request: request.app.state.buffer.config.api_key,
+                           "a valid 'Authorization: Bearer <api key>' header is required")
 
 
 def _error(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
@@ -178,8 +175,8 @@ def create_app(config: BufferConfig) -> FastAPI:
     async def lease_conflict(_: Request, exc: LeaseConflict) -> JSONResponse:
         return _error(409, str(exc), "lease_conflict")
 
-    @app.exception_handler(PermissionError)
-    async def unauthorized(_: Request, exc: PermissionError) -> JSONResponse:
+    @app.exception_handler(Unauthorized)
+    async def unauthorized(_: Request, exc: Unauthorized) -> JSONResponse:
         return _error(401, str(exc), "unauthorized")
 
     @app.exception_handler(RequestValidationError)

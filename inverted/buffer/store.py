@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator, Literal, Protocol
 import orjson
 
 from inverted.buffer.datasets import PromptRecord, epoch_order
-from inverted.errors import ConfigError, InvertedError, SampleError
+from inverted.errors import ConfigError, LeaseConflict, SampleError
 from inverted.types import Sample, version_number
 
 GroupFilter = Callable[[list[Sample]], bool]
@@ -60,10 +60,6 @@ CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NU
 
 GROUP_STATES = ("open", "complete", "consumed", "dropped_stale", "filtered", "failed")
 TASK_STATES = ("queued", "leased", "done")
-
-
-class LeaseConflict(InvertedError):
-    """A submission names a lease that is not (or no longer) the task's current lease."""
 
 
 @dataclass(slots=True)

@@ -36,7 +36,8 @@ from inverted.config import JobConfig, flag_name
 from inverted.errors import ConfigError, PluginError
 from inverted.placement import ray_launch, start_ray
 from inverted.plugins import RolloutFunction, load_plugin, load_rollout_function, required_flags
-from inverted.rollout.servers import ManagedProcess, RolloutServers, ServerHandle, free_port
+from inverted.processes import ManagedProcess, free_port
+from inverted.rollout.servers import RolloutServers, ServerHandle
 from inverted.rollout.sglang_client import SGLangClient
 from inverted.types import Sample
 

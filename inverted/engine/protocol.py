@@ -2,7 +2,7 @@
 
 ``parse_generate`` turns one ``/generate`` body (single, batch, or ``n > 1``) into a flat list of
 ``GenerateItem`` s in SGLang's output order (prompt-major), raising ``SchemaError`` for contract
-violations and ``ValueError`` for bad values. ``generate_response`` renders one request's state as
+violations and ``InvalidRequest`` for bad values. ``generate_response`` renders one request's state as
 SGLang does (``text``, ``output_ids`` including the stop token, ``meta_info``). The control
 request models keep SGLang's field names and defaults; unknown fields are ignored, as there.
 """
@@ -15,8 +15,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from inverted.engine.sampling import SamplingParams, SchemaError
+from inverted.engine.sampling import SamplingParams
 from inverted.engine.scheduler import Request, new_rid
+from inverted.errors import InvalidRequest, SchemaError
 
 UNSUPPORTED_GENERATE_FIELDS = ("input_embeds", "image_data", "video_data", "audio_data", "session_params",
                                "lora_path", "custom_logit_processor", "return_hidden_states")
@@ -27,7 +28,7 @@ class ControlModel(BaseModel):
 
 
 class PauseGenerationRequest(ControlModel):
-    mode: str = "abort"
+    mode: str = "abort"  # any string parses: the scheduler names the modes it knows
 
 
 class ContinueGenerationRequest(ControlModel):
@@ -121,7 +122,7 @@ def _per_item(body: dict, key: str, default: Any, size: int, batched: bool) -> l
         return [default] * size
     if batched and isinstance(value, list) and key != "stop_token_ids":
         if len(value) != size:
-            raise ValueError(f"{key}: expected {size} entries (one per prompt), got {len(value)}")
+            raise InvalidRequest(f"{key}: expected {size} entries (one per prompt), got {len(value)}")
         return value
     return [value] * size
 
@@ -132,10 +133,10 @@ def parse_generate(body: Any) -> tuple[list[GenerateItem], bool, bool]:
         raise SchemaError("invalid type: expected a JSON object")
     for key in UNSUPPORTED_GENERATE_FIELDS:
         if body.get(key) not in (None, False):
-            raise ValueError(f"{key} is not supported by the embedded engine")
+            raise InvalidRequest(f"{key} is not supported by the embedded engine")
     text, input_ids = body.get("text"), body.get("input_ids")
     if (text is None) == (input_ids is None):
-        raise ValueError("Either text or input_ids should be provided, and not both.")
+        raise InvalidRequest("Either text or input_ids should be provided, and not both.")
     if text is not None:
         prompts = [text] if isinstance(text, str) else text
         batched = not isinstance(text, str)
@@ -149,15 +150,15 @@ def parse_generate(body: Any) -> tuple[list[GenerateItem], bool, bool]:
                 raise SchemaError("invalid type: input_ids must be a list of ints or a list of lists of ints")
     size = len(prompts)
     if size == 0:
-        raise ValueError("The input is empty: give at least one prompt.")
+        raise InvalidRequest("The input is empty: give at least one prompt.")
     params = [SamplingParams.parse(p) for p in _per_item(body, "sampling_params", {}, size, batched)]
     if len({p.n for p in params}) > 1:
-        raise ValueError("Every item of a batch must have the same n.")
+        raise InvalidRequest("Every item of a batch must have the same n.")
     n = params[0].n
     rids = body.get("rid")
     if isinstance(rids, list):
         if len(rids) != size:
-            raise ValueError(f"rid: expected {size} entries (one per prompt), got {len(rids)}")
+            raise InvalidRequest(f"rid: expected {size} entries (one per prompt), got {len(rids)}")
     elif rids is None:
         rids = [new_rid() for _ in range(size)]
     elif isinstance(rids, str):
@@ -168,9 +169,9 @@ def parse_generate(body: Any) -> tuple[list[GenerateItem], bool, bool]:
     start = _per_item(body, "logprob_start_len", -1, size, batched)
     top = _per_item(body, "top_logprobs_num", 0, size, batched)
     if not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in top):
-        raise ValueError("top_logprobs_num must be a non-negative integer")
+        raise InvalidRequest("top_logprobs_num must be a non-negative integer")
     if body.get("token_ids_logprob"):
-        raise ValueError("token_ids_logprob is not supported by the embedded engine")
+        raise InvalidRequest("token_ids_logprob is not supported by the embedded engine")
     items: list[GenerateItem] = []
     for i in range(size):
         for _ in range(n):
@@ -240,6 +241,25 @@ def generate_response(req: Request, item: GenerateItem, n: int, tokenizer, curre
         meta["e2e_latency"] = req.finished_at - req.created
         meta["response_sent_to_client_ts"] = time.time()
     return {"text": text, "output_ids": ids, "meta_info": meta}
+
+
+# Routes whose refusals SGLang answers as ``{"success": false, "message"}`` (with these extra fields),
+# and those it answers in plain text; every other route answers ``{"error": {"message"}}``.
+SUCCESS_FLAG_ROUTES: dict[str, dict[str, Any]] = {
+    "/update_weights_from_disk": {"num_paused_requests": 0}, "/update_weights_from_tensor": {},
+    "/update_weights_from_distributed": {}, "/init_weights_update_group": {}, "/destroy_weights_update_group": {},
+    "/begin_weight_update": {}, "/end_weight_update": {},
+}
+PLAIN_TEXT_ROUTES = ("/flush_cache",)
+
+
+def refusal(path: str, message: str) -> dict[str, Any] | str:
+    """The body SGLang answers a refused request on ``path`` with (status 400)."""
+    if path in SUCCESS_FLAG_ROUTES:
+        return {"success": False, "message": message, **SUCCESS_FLAG_ROUTES[path]}
+    if path in PLAIN_TEXT_ROUTES:
+        return f"{message}\n"
+    return {"error": {"message": message}}
 
 
 def error_body(message: str, code: int = 400) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 ``SamplingParams`` mirrors SGLang 0.5.23: unknown keys and JSON floats for integer fields are
 schema errors (``SchemaError``, answered ``400 {"error": "<text>"}``); values out of range are
-``ValueError`` (answered ``400 {"error": {"message"}}``), as SGLang's ``verify`` does.
+``InvalidRequest`` (answered ``400 {"error": {"message"}}``), as SGLang's ``verify`` does.
 
 ``sample`` draws one token per row. The logprob it returns is the one SGLang returns by default:
 ``log_softmax(logits / temperature)`` at the sampled token, before top-k/top-p/min-p filtering
@@ -18,12 +18,10 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
+from inverted.errors import InvalidRequest, SchemaError
+
 GREEDY_EPS = 1e-6
 MAX_STOPS = 32
-
-
-class SchemaError(ValueError):
-    """A request body breaks the JSON contract (unknown key, wrong type)."""
 
 
 class SamplingParams(BaseModel):
@@ -61,7 +59,7 @@ class SamplingParams(BaseModel):
 
     @classmethod
     def parse(cls, data: Any) -> "SamplingParams":
-        """Validate a JSON object against the contract, raising SchemaError or ValueError."""
+        """Validate a JSON object against the contract, raising SchemaError (shape) or InvalidRequest (values)."""
         if data is None:
             data = {}
         if not isinstance(data, dict):
@@ -98,7 +96,7 @@ class SamplingParams(BaseModel):
         ]
         for ok, message in checks:
             if not ok:
-                raise ValueError(message)
+                raise InvalidRequest(message)
         unsupported = {
             "frequency_penalty": self.frequency_penalty != 0.0, "presence_penalty": self.presence_penalty != 0.0,
             "repetition_penalty": self.repetition_penalty != 1.0, "stop_regex": bool(self.stop_regex),
@@ -107,7 +105,7 @@ class SamplingParams(BaseModel):
         }
         named = [name for name, used in unsupported.items() if used]
         if named:
-            raise ValueError(f"the embedded engine does not support sampling parameters {named}; use real SGLang for them.")
+            raise InvalidRequest(f"the embedded engine does not support sampling parameters {named}; use real SGLang for them.")
 
 
 def _serde_message(exc: ValidationError) -> str:

@@ -49,10 +49,11 @@ import torch
 
 from inverted.engine.model import CausalLM, KVCache
 from inverted.engine.sampling import SamplingParams, sample, top_logprobs
+from inverted.errors import EngineError, InvalidRequest
+from inverted.types import PAUSE_MODES, PauseMode
 
 logger = logging.getLogger(__name__)
 
-PAUSE_MODES = ("abort", "retract", "in_place")
 SHARED_PREFIX_MIN = 16  # prompt tokens two requests of one step must share to prefill them once
 
 
@@ -85,6 +86,16 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class WeightLoad:
+    """The outcome of ``Scheduler.load_weights``: the weights changed; ``flushed`` is False when a
+    flush was asked for and refused (requests were running)."""
+
+    message: str
+    flushed: bool
+    paused_requests: int
 
 
 class Scheduler:
@@ -170,9 +181,9 @@ class Scheduler:
         self.stats["requests_aborted"] += len(doomed) + len(doomed_rows)
         return len(doomed) + len(doomed_rows)
 
-    def pause(self, mode: str) -> None:
+    def pause(self, mode: PauseMode) -> None:
         if mode not in PAUSE_MODES:
-            raise ValueError(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+            raise InvalidRequest(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
         self.paused = mode
         if mode == "abort":
             self.abort(abort_all=True)
@@ -190,7 +201,7 @@ class Scheduler:
     def begin_update(self) -> None:
         """Open a weight-update session (a barrier command: no request runs on half-updated weights)."""
         if self.updating:
-            raise RuntimeError("a weight update session is already open: call end_weight_update first")
+            raise EngineError("a weight update session is already open: call end_weight_update first")
         self.updating = True
         self.touch_update()
 
@@ -200,7 +211,7 @@ class Scheduler:
 
     def end_update(self) -> None:
         if not self.updating:
-            raise RuntimeError("no weight update session is open: call begin_weight_update first")
+            raise EngineError("no weight update session is open: call begin_weight_update first")
         self.updating = False
 
     def _expire_update(self) -> None:
@@ -225,12 +236,43 @@ class Scheduler:
         """Forget every cached prefix. The storage stays allocated, as SGLang keeps its KV pool: freeing
         it cost each weight update ~0.1 s, and the next rollout as much again to grow it back."""
         if self.busy():
-            raise RuntimeError("Cache not flushed: there are running or queued requests.")
+            raise EngineError("Cache not flushed: there are running or queued requests.")
         self.forget_prefixes()
+
+    def load_weights(self, tensors: Callable[[], dict[str, torch.Tensor]], *, complete: bool, strict_dtype: bool,
+                     abort_all: bool, weight_version: str | None, flush_cache: bool) -> WeightLoad:
+        """Copy in the checked tensors that ``tensors()`` gives; then version and flush, as SGLang does.
+
+        Run as a command: inside an update session nothing is stepping; outside one the caller makes
+        it a barrier (running requests finish first) unless it aborts them. ``tensors`` runs here, so
+        that decoding a payload and copying it cost one thread hop, not two. ``strict_dtype``: updates
+        over the wire must come in the served dtype; a checkpoint on disk is cast by the copy.
+        """
+        if self.updating:
+            self.touch_update()
+        if abort_all:
+            self.abort(abort_all=True)
+        started = time.perf_counter()
+        named = tensors()
+        decoded = time.perf_counter()
+        self.model.load_weights(named, complete=complete, strict_dtype=strict_dtype)
+        # On /metrics, so that a sender can tell this engine's share of an update from the wire's.
+        self.stats["weight_loads"] += 1
+        self.stats["weight_decode_seconds"] += decoded - started
+        self.stats["weight_copy_seconds"] += time.perf_counter() - decoded
+        self.forget_prefixes()  # their KV came from the old weights
+        message = "Succeeded to update model weights."
+        if weight_version is not None:
+            self.weight_version = weight_version
+            message += f" Weight version updated to {weight_version}."
+        paused = len(self.waiting) if self.paused else 0
+        if flush_cache and self.busy():
+            return WeightLoad("Weights were updated, but the cache was not flushed: requests are running.", False, paused)
+        return WeightLoad(message, True, paused)
 
     def release_memory(self, tags: list[str]) -> None:
         if self.running:
-            raise RuntimeError("release_memory_occupation needs an idle engine: pause generation first.")
+            raise EngineError("release_memory_occupation needs an idle engine: pause generation first.")
         if "kv_cache" in tags:
             self.forget_prefixes()
             self.cache.release()

@@ -1,10 +1,13 @@
 """The embedded engine's HTTP server: SGLang's routes over the scheduler (``create_app``).
 
 Routes stay thin: parse (``protocol``), hand work to the ``Scheduler`` (requests via ``submit``,
-state changes via ``call``), and render SGLang's response shapes. Errors map to SGLang's bodies in
-the exception handlers: contract violations ``400 {"error": "<text>"}``, bad values
-``400 {"error": {"message"}}``, malformed or mistyped control bodies
-``400 {"object": "error", ...}``. A failing request never disturbs the others.
+state changes and weight loads via ``call``), and render SGLang's response shapes. Errors are
+raised, never answered route by route: the exception handlers map the error tree to SGLang's
+bodies once. Schema violations are ``400 {"error": "<text>"}``; bad values (``InvalidRequest``),
+commands the engine cannot run now (``EngineError``) and weights that do not fit (``ModelError``)
+are 400 in the route's shape (``protocol.refusal``); malformed or mistyped control bodies are
+``400 {"object": "error", ...}``. Anything else is our bug: 500, with the traceback logged by the
+server. A failing request never disturbs the others.
 
 ``/health`` answers from the scheduler's liveness (a paused engine stays healthy, so the router
 does not evict it during a weight update); ``/health_generate`` runs SGLang's 1-token probe.
@@ -31,16 +34,17 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from inverted.auth import require_key
 from inverted.config import EngineConfig
-from inverted.errors import InvalidRequest, ModelError
-from inverted.hf_checkpoint import ARCHITECTURES, checkpoint_tensors
-from inverted.processes import freeze_startup_heap
 from inverted.engine import protocol as P
 from inverted.engine.model import load_model
-from inverted.engine.sampling import SamplingParams, SchemaError
+from inverted.engine.sampling import SamplingParams
 from inverted.engine.scheduler import Request as EngineRequest
-from inverted.engine.scheduler import Scheduler, new_rid
-from inverted.engine.weights import RecentBuckets, UpdateGroups, decode_tensor_payloads
+from inverted.engine.scheduler import Scheduler, WeightLoad, new_rid
+from inverted.engine.weights import RecentBuckets, UpdateGroups, decode_tensor_payloads, read_checkpoint
+from inverted.errors import EngineError, InvalidRequest, ModelError, SchemaError, Unauthorized
+from inverted.hf_checkpoint import ARCHITECTURES
+from inverted.processes import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +86,16 @@ class Engine:
     async def run(self, fn, *, barrier: bool = False) -> Any:
         return await asyncio.wrap_future(self.scheduler.call(fn, barrier=barrier))
 
+    async def load_weights(self, tensors: Callable[[], dict[str, torch.Tensor]], body: P.WeightLoadOptions, *,
+                           complete: bool, strict_dtype: bool = True) -> WeightLoad:
+        """``Scheduler.load_weights`` between steps: a barrier (running requests finish first) unless
+        it aborts them or an update session already holds all stepping."""
+        sched = self.scheduler
+        barrier = not body.abort_all_requests and not sched.updating
+        return await self.run(lambda: sched.load_weights(
+            tensors, complete=complete, strict_dtype=strict_dtype, abort_all=body.abort_all_requests,
+            weight_version=body.weight_version, flush_cache=body.flush_cache), barrier=barrier)
+
 
 def launch(config: EngineConfig) -> concurrent.futures.Future[Engine]:
     """Build the engine on a new thread, which then runs its scheduler; the future gives the engine once built.
@@ -119,22 +133,12 @@ async def _engine(request: Request) -> Engine:
 EngineDep = Annotated[Engine, Depends(_engine)]
 
 
-def _bearer(request: Request) -> str | None:
-    header = request.headers.get("authorization", "")
-    return header[7:] if header.lower().startswith("bearer ") else None
-
-
-async def _require_key(request: Request) -> None:
-    key = request.app.state.engine.config.api_key
-    if key and _bearer(request) != key:
-        raise HTTPException(401, "Unauthorized: a valid 'Authorization: Bearer <api key>' header is required.")
-
-
-async def _require_admin_key(request: Request) -> None:
-    cfg = request.app.state.engine.config
-    key = cfg.admin_api_key or cfg.api_key  # SGLang: with an admin key set, the plain key is not accepted
-    if key and _bearer(request) != key:
-        raise HTTPException(401, "Unauthorized: this control route needs the admin API key.")
+_require_key = require_key(lambda request: request.app.state.engine.config.api_key,
+                           "Unauthorized: a valid 'Authorization: Bearer <api key>' header is required.")
+# SGLang: with an admin key set, the plain key is not accepted on control routes.
+_require_admin_key = require_key(
+    lambda request: request.app.state.engine.config.admin_api_key or request.app.state.engine.config.api_key,
+    "Unauthorized: this control route needs the admin API key.")
 
 
 def create_app(config: EngineConfig) -> FastAPI:
@@ -158,14 +162,36 @@ def create_app(config: EngineConfig) -> FastAPI:
     return app
 
 
+def _refusal(request: Request, message: str) -> Response:
+    body = P.refusal(request.url.path, message)
+    if isinstance(body, str):
+        return PlainTextResponse(body, status_code=400)
+    return JSONResponse(body, status_code=400)
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(SchemaError)
     async def schema_error(_: Request, exc: SchemaError) -> JSONResponse:
         return JSONResponse({"error": str(exc)}, status_code=400)
 
-    @app.exception_handler(ValueError)
-    async def value_error(_: Request, exc: ValueError) -> JSONResponse:
-        return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
+    @app.exception_handler(Unauthorized)
+    async def unauthorized(_: Request, exc: Unauthorized) -> JSONResponse:
+        return JSONResponse(P.error_body(str(exc), 401), status_code=401)
+
+    @app.exception_handler(InvalidRequest)
+    @app.exception_handler(EngineError)
+    async def refused(request: Request, exc: InvalidRequest | EngineError) -> Response:
+        return _refusal(request, str(exc))
+
+    @app.exception_handler(ModelError)
+    async def weights_do_not_fit(request: Request, exc: ModelError) -> Response:
+        return _refusal(request, f"Failed to update weights: {exc}. Rolled back to the previous weights.")
+
+    @app.exception_handler(Exception)
+    async def bug(_: Request, exc: Exception) -> JSONResponse:
+        # Starlette re-raises after this answer, so the server logs the traceback.
+        return JSONResponse({"error": {"message": f"Internal server error: {type(exc).__name__}: {exc}"}},
+                            status_code=500)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -182,7 +208,7 @@ async def _json_body(request: Request) -> Any:
     raw = await request.body()
     try:
         return json.loads(raw or b"null")
-    except ValueError as exc:
+    except ValueError as exc:  # json's own error
         raise RequestValidationError([{"loc": ("body",), "msg": f"malformed JSON: {exc}", "type": "json_invalid"}]) from None
 
 
@@ -193,22 +219,22 @@ def _prepare(engine: Engine, item: P.GenerateItem) -> list[int]:
     else:
         ids = engine.tokenizer.encode(item.text, add_special_tokens=True)
     if not ids:
-        raise ValueError("The input is empty: input_ids must hold at least one token.")
+        raise InvalidRequest("The input is empty: input_ids must hold at least one token.")
     vocab = engine.scheduler.model.spec.vocab_size
     if any(t < 0 or t >= vocab for t in ids):
-        raise ValueError(f"input_ids must be in [0, {vocab}): the model's vocabulary size is {vocab}.")
+        raise InvalidRequest(f"input_ids must be in [0, {vocab}): the model's vocabulary size is {vocab}.")
     total = len(ids) + item.params.max_new_tokens
     if total > engine.context_length:
-        raise ValueError(
+        raise InvalidRequest(
             f"Requested token count exceeds the model's maximum context length of {engine.context_length} tokens. "
             f"You requested a total of {total} tokens: {len(ids)} tokens from the input messages and "
             f"{item.params.max_new_tokens} tokens for the completion. Please reduce the number of tokens in the "
             "input messages or the completion to fit within the limit."
         )
     if item.return_logprob and item.logprob_start_len > len(ids):
-        raise ValueError(f"logprob_start_len ({item.logprob_start_len}) is larger than the prompt ({len(ids)} tokens).")
+        raise InvalidRequest(f"logprob_start_len ({item.logprob_start_len}) is larger than the prompt ({len(ids)} tokens).")
     if item.rid in engine.inflight:
-        raise ValueError(f"Duplicate request ID detected: {item.rid}")
+        raise InvalidRequest(f"Duplicate request ID detected: {item.rid}")
     return ids
 
 
@@ -218,7 +244,7 @@ def _add_generate_routes(app: FastAPI) -> None:
         items, single, stream = P.parse_generate(await _json_body(request))
         prompts = [_prepare(engine, item) for item in items]  # validate all before submitting any
         if len({i.rid for i in items}) != len(items):
-            raise ValueError("Duplicate request ID detected within the batch.")
+            raise InvalidRequest("Duplicate request ID detected within the batch.")
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
         reqs: list[EngineRequest] = []
@@ -293,8 +319,13 @@ async def _stream(engine: Engine, items, reqs, updates: asyncio.Queue, single: b
         _forget(engine, reqs)
 
 
-def _ok(message: str, status: int = 200, **extra: Any) -> JSONResponse:
-    return JSONResponse({"success": status == 200, "message": message, **extra}, status_code=status)
+def _success(message: str, **extra: Any) -> JSONResponse:
+    return JSONResponse({"success": True, "message": message, **extra})
+
+
+def _loaded(load: WeightLoad, **extra: Any) -> JSONResponse:
+    return JSONResponse({"success": load.flushed, "message": load.message, **extra},
+                        status_code=200 if load.flushed else 400)
 
 
 OUTSIDE_SESSION = "{route} must run between begin_weight_update() and end_weight_update()."
@@ -309,60 +340,16 @@ async def _update_in_session(engine: Engine, route: str, body: P.WeightLoadOptio
     each hop may wait for an idle vCPU to wake: ~0.3 ms, at times 3-4 ms, measured on 2 cores).
     """
     if not engine.scheduler.updating:
-        return _ok(OUTSIDE_SESSION.format(route=route), 400)
+        raise EngineError(OUTSIDE_SESSION.format(route=route))
     engine.scheduler.touch_update()
-    try:
-        if waits_on_peers:
-            started = time.perf_counter()
-            named = await asyncio.to_thread(receive)
-            engine.scheduler.stats["weight_receive_seconds"] += time.perf_counter() - started
-            message, status, _ = await _load_weights(engine, lambda: dict(named), body, complete=False)
-        else:
-            message, status, _ = await _load_weights(engine, lambda: dict(receive()), body, complete=False)
-    except (InvalidRequest, RuntimeError) as exc:  # RuntimeError: a broken or timed-out update group
-        return _ok(str(exc), 400)
-    return _ok(message, status)
-
-
-async def _load_weights(engine: Engine, tensors: Callable[[], dict[str, torch.Tensor]], body: P.WeightLoadOptions, *,
-                        complete: bool, strict_dtype: bool = True) -> tuple[str, int, int]:
-    """Copy the checked tensors that ``tensors()`` gives in on the scheduler thread; then version and
-    flush, as SGLang does.
-
-    ``strict_dtype``: updates over the wire must come in the served dtype; a checkpoint on disk is
-    cast by the copy.
-
-    Inside a session (tensor and distributed updates) nothing is stepping; a disk update outside
-    one waits for running requests unless it aborts them. Returns (message, status, paused count).
-    """
-    def apply() -> tuple[str, int, int]:
-        sched = engine.scheduler
-        if sched.updating:
-            sched.touch_update()
-        if body.abort_all_requests:
-            sched.abort(abort_all=True)
+    if waits_on_peers:
         started = time.perf_counter()
-        named = tensors()
-        decoded = time.perf_counter()
-        sched.model.load_weights(named, complete=complete, strict_dtype=strict_dtype)
-        # On /metrics, so that a sender can tell this engine's share of an update from the wire's.
-        sched.stats["weight_loads"] += 1
-        sched.stats["weight_decode_seconds"] += decoded - started
-        sched.stats["weight_copy_seconds"] += time.perf_counter() - decoded
-        sched.forget_prefixes()  # their KV came from the old weights
-        message = "Succeeded to update model weights."
-        if body.weight_version is not None:
-            sched.weight_version = body.weight_version
-            message += f" Weight version updated to {body.weight_version}."
-        paused = len(sched.waiting) if sched.paused else 0
-        if body.flush_cache:
-            if sched.busy():
-                return "Weights were updated, but the cache was not flushed: requests are running.", 400, paused
-            sched.flush()
-        return message, 200, paused
-
-    barrier = not body.abort_all_requests and not engine.scheduler.updating
-    return await engine.run(apply, barrier=barrier)
+        named = await asyncio.to_thread(receive)
+        engine.scheduler.stats["weight_receive_seconds"] += time.perf_counter() - started
+        load = await engine.load_weights(lambda: dict(named), body, complete=False)
+    else:
+        load = await engine.load_weights(lambda: dict(receive()), body, complete=False)
+    return _loaded(load)
 
 
 def _add_control_routes(app: FastAPI) -> None:
@@ -370,8 +357,6 @@ def _add_control_routes(app: FastAPI) -> None:
 
     @app.post("/pause_generation", dependencies=admin)
     async def pause_generation(body: P.PauseGenerationRequest, engine: EngineDep) -> JSONResponse:
-        if body.mode not in ("abort", "retract", "in_place"):
-            raise ValueError(f"mode must be one of abort, retract, in_place; got {body.mode!r}")
         await engine.run(lambda: engine.scheduler.pause(body.mode))
         return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
 
@@ -387,10 +372,7 @@ def _add_control_routes(app: FastAPI) -> None:
 
     @app.api_route("/flush_cache", methods=["GET", "POST"], dependencies=admin)
     async def flush_cache(engine: EngineDep) -> PlainTextResponse:
-        try:
-            await engine.run(engine.scheduler.flush)
-        except RuntimeError as exc:
-            return PlainTextResponse(f"{exc}\n", status_code=400)
+        await engine.run(engine.scheduler.flush)
         return PlainTextResponse("Cache flushed.\n")
 
     @app.post("/update_weight_version", dependencies=admin)
@@ -406,35 +388,20 @@ def _add_control_routes(app: FastAPI) -> None:
 
     @app.post("/update_weights_from_disk", dependencies=admin)
     async def update_weights_from_disk(body: P.UpdateWeightsFromDiskRequest, engine: EngineDep) -> JSONResponse:
-        model = engine.scheduler.model
-
-        def read() -> dict[str, torch.Tensor]:  # as stored: the copy on the scheduler thread casts them
-            tensors = checkpoint_tensors(body.model_path)
-            model.check_weights(tensors, complete=True)
-            return tensors
-
-        try:
-            tensors = await asyncio.to_thread(read)
-        except ModelError as exc:
-            return _ok(f"Failed to update weights: {exc}. Rolled back to the previous weights.", 400, num_paused_requests=0)
-        message, status, paused = await _load_weights(engine, lambda: tensors, body, complete=True, strict_dtype=False)
-        return _ok(message, status, num_paused_requests=paused)
+        # read and checked whole, as stored, on a worker thread: the copy on the scheduler thread casts them
+        tensors = await asyncio.to_thread(read_checkpoint, engine.scheduler.model, body.model_path)
+        load = await engine.load_weights(lambda: tensors, body, complete=True, strict_dtype=False)
+        return _loaded(load, num_paused_requests=load.paused_requests)
 
     @app.post("/begin_weight_update", dependencies=admin)
     async def begin_weight_update(body: P.BeginWeightUpdateRequest, engine: EngineDep) -> JSONResponse:
-        try:
-            await engine.run(engine.scheduler.begin_update, barrier=True)
-        except RuntimeError as exc:
-            return _ok(str(exc), 400)
-        return _ok("Weight update session started.")
+        await engine.run(engine.scheduler.begin_update, barrier=True)
+        return _success("Weight update session started.")
 
     @app.post("/end_weight_update", dependencies=admin)
     async def end_weight_update(engine: EngineDep) -> JSONResponse:
-        try:
-            await engine.run(engine.scheduler.end_update)
-        except RuntimeError as exc:
-            return _ok(str(exc), 400)
-        return _ok("Weight update session ended.")
+        await engine.run(engine.scheduler.end_update)
+        return _success("Weight update session ended.")
 
     @app.post("/update_weights_from_tensor", dependencies=admin)
     async def update_weights_from_tensor(body: P.UpdateWeightsFromTensorRequest, engine: EngineDep) -> JSONResponse:
@@ -445,13 +412,10 @@ def _add_control_routes(app: FastAPI) -> None:
     @app.post("/init_weights_update_group", dependencies=admin)
     async def init_weights_update_group(body: P.InitWeightsUpdateGroupRequest, engine: EngineDep) -> JSONResponse:
         if body.backend == "nccl" and engine.scheduler.model.device.type != "cuda":
-            return _ok("Failed to init group: backend 'nccl' needs a CUDA engine; use 'gloo' on CPU.", 400)
-        try:
-            await asyncio.to_thread(engine.groups.join, body.master_address, body.master_port, body.rank_offset,
-                                    body.world_size, body.group_name, body.backend)
-        except (InvalidRequest, RuntimeError, ValueError) as exc:  # torch raises RuntimeError/DistStoreError on timeout
-            return _ok(f"Failed to init group: {exc}", 400)
-        return _ok("Succeeded to initialize custom process group.")
+            raise EngineError("Failed to init group: backend 'nccl' needs a CUDA engine; use 'gloo' on CPU.")
+        await asyncio.to_thread(engine.groups.join, body.master_address, body.master_port, body.rank_offset,
+                                body.world_size, body.group_name, body.backend)
+        return _success("Succeeded to initialize custom process group.")
 
     @app.post("/update_weights_from_distributed", dependencies=admin)
     async def update_weights_from_distributed(body: P.UpdateWeightsFromDistributedRequest, engine: EngineDep) -> JSONResponse:
@@ -461,26 +425,20 @@ def _add_control_routes(app: FastAPI) -> None:
 
     @app.post("/destroy_weights_update_group", dependencies=admin)
     async def destroy_weights_update_group(body: P.DestroyWeightsUpdateGroupRequest, engine: EngineDep) -> JSONResponse:
-        try:
-            await asyncio.to_thread(engine.groups.destroy, body.group_name)
-        except InvalidRequest as exc:
-            return _ok(str(exc), 400)
-        return _ok("Succeeded to destroy custom process group.")
+        await asyncio.to_thread(engine.groups.destroy, body.group_name)
+        return _success("Succeeded to destroy custom process group.")
 
     @app.api_route("/get_weights_by_name", methods=["GET", "POST"], dependencies=admin)
     async def get_weights_by_name(body: P.GetWeightsByNameRequest, engine: EngineDep) -> JSONResponse:
         view = engine.scheduler.model.hf_views.get(body.name)
         if view is None:
-            return JSONResponse({"error": {"message": "Get parameter by name failed"}}, status_code=400)
+            raise InvalidRequest("Get parameter by name failed")
         values = await engine.run(lambda: view.detach().float().tolist()[: body.truncate_size])
         return JSONResponse(values)
 
     @app.api_route("/release_memory_occupation", methods=["GET", "POST"], dependencies=admin)
     async def release_memory_occupation(body: P.MemoryOccupationRequest, engine: EngineDep) -> JSONResponse:
-        try:
-            await engine.run(lambda: engine.scheduler.release_memory(body.tags or ["weights", "kv_cache", "cuda_graph"]))
-        except RuntimeError as exc:
-            return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
+        await engine.run(lambda: engine.scheduler.release_memory(body.tags or ["weights", "kv_cache", "cuda_graph"]))
         return JSONResponse(None)
 
     @app.api_route("/resume_memory_occupation", methods=["GET", "POST"], dependencies=admin)

@@ -16,16 +16,24 @@ bad payload changes nothing.
 - ``UpdateGroups``: ``/init_weights_update_group`` joins the trainer's group (blocking, so it runs
   in a worker thread); ``receive`` takes one broadcast of a flattened bucket, or one per tensor, in
   list order. A request whose tensors do not fit still takes its broadcasts (into scratch memory)
-  before it is refused, so the trainer's collective never hangs on our refusal.
+  before it is refused, so the trainer's collective never hangs on our refusal. A join or
+  broadcast that torch fails (a peer gone, a timeout) is an ``UpdateGroupError``.
+
+A tensor that does not fit is a ``ModelError``, a malformed request an ``InvalidRequest``; the
+server answers both 400 and the old weights keep serving.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
-from inverted.errors import InvalidRequest, ModelError
+from inverted.errors import InvalidRequest, UpdateGroupError
+from inverted.hf_checkpoint import checkpoint_tensors
 from inverted.weight_wire import (
     LocalSerializedTensor,
     UpdateGroup,
@@ -40,14 +48,28 @@ TP_SIZE = 1  # the embedded engine runs one model replica per process
 LOAD_FORMATS = (None, "direct", "flattened_bucket")
 
 Named = list[tuple[str, torch.Tensor]]
+T = TypeVar("T")
 
 
 def check_fits(model, named: Named) -> None:
-    """``InvalidRequest`` unless every tensor is a parameter of ``model`` with its shape and the served dtype."""
+    """``ModelError`` unless every tensor is a parameter of ``model`` with its shape and the served dtype."""
+    model.check_weights(dict(named), complete=False, strict_dtype=True)
+
+
+def read_checkpoint(model, path: str) -> dict[str, torch.Tensor]:
+    """``/update_weights_from_disk``: every tensor of the checkpoint at ``path``, as stored, checked
+    whole against ``model`` (``ModelError`` names what does not fit) before anything is copied."""
+    tensors = checkpoint_tensors(path)
+    model.check_weights(tensors, complete=True)
+    return tensors
+
+
+def collective(what: str, fn: Callable[[], T]) -> T:
+    """Run a join or broadcast; torch's failures there are the peers' (gone, late), not ours."""
     try:
-        model.check_weights(dict(named), complete=False, strict_dtype=True)
-    except ModelError as exc:
-        raise InvalidRequest(f"Failed to update weights: {exc}") from None
+        return fn()
+    except (torch.distributed.DistError, RuntimeError) as exc:  # gloo reports timeouts as RuntimeError
+        raise UpdateGroupError(f"{what} failed: {exc}") from exc
 
 
 class RecentBuckets:
@@ -116,8 +138,9 @@ class UpdateGroups:
         with self._lock:
             if group_name in self._groups:
                 raise InvalidRequest(f"process group {group_name!r} already exists: destroy it first")
-        group = join_update_group(master_address, master_port, world_size, rank_offset, group_name=group_name,
-                                  backend=backend, timeout=self.timeout)
+        group = collective("Joining the weight-update group", lambda: join_update_group(
+            master_address, master_port, world_size, rank_offset, group_name=group_name, backend=backend,
+            timeout=self.timeout))
         with self._lock:
             self._groups[group_name] = group
 
@@ -149,13 +172,13 @@ class UpdateGroups:
             if self._staging.numel() < nbytes or self._staging.device.type != device:
                 self._staging = torch.empty(nbytes, dtype=torch.uint8, device=device)
             flat = self._staging[:nbytes]
-            group.broadcast(flat)
+            collective("The broadcast", functools.partial(group.broadcast, flat))
             named = unflatten(flat, layout)
         else:
             named = []
             for meta in layout:
                 tensor = torch.empty(meta.shape, dtype=meta.dtype, device=device)
-                group.broadcast(tensor)
+                collective("The broadcast", functools.partial(group.broadcast, tensor))
                 named.append((meta.name, tensor))
         check_fits(model, named)
         return named

@@ -9,7 +9,8 @@ import pytest
 
 from inverted.buffer.datasets import PromptRecord, epoch_order, load_prompts
 from inverted.buffer.filters import drop_all_equal_rewards
-from inverted.buffer.store import LeaseConflict, SQLiteStore
+from inverted.buffer.store import SQLiteStore
+from inverted.errors import LeaseConflict
 from inverted.errors import ConfigError, SampleError
 from inverted.types import Sample
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from inverted.hf_checkpoint import checkpoint_tensors
-from inverted.rollout.servers import free_port
+from inverted.processes import free_port
 from inverted.train.weight_sync import BucketPacker, TensorTransport
 from inverted.weight_wire import bucket_layout, bucket_payload, join_update_group
 from tests.contract.sglang_code import load, sglang_root

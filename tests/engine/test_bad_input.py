@@ -100,3 +100,34 @@ def test_api_keys(procs, tiny_model):
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         assert httpx.post(url + "/update_weight_version", json={"new_version": "x"}, headers=headers).status_code == status
     assert httpx.post(url + "/generate", json=body).json()["object"] == "error"
+
+
+def test_a_torch_failure_inside_a_weight_load_is_our_500_not_the_clients_400(tiny_model, monkeypatch):
+    """A weight load that passes every check and then fails in torch is a bug of the engine's (or
+    its device's): 500 with the cause, never a 400 that blames the sender. The engine keeps serving."""
+    from inverted.config import EngineConfig
+    from inverted.engine.model import CausalLM
+    from inverted.engine.server import create_app
+    from inverted.hf_checkpoint import checkpoint_tensors
+    from tests.conftest import serving
+    from tests.engine.test_weight_updates import packed, payload_of
+
+    def fails(self, named, **_):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with serving(create_app(EngineConfig(model=str(tiny_model("qwen2"))))) as url:
+        monkeypatch.setattr(CausalLM, "load_weights", fails)  # once started: starting loads weights too
+        response = httpx.post(url + "/update_weights_from_disk", json={"model_path": str(tiny_model("qwen2", seed=1))},
+                              timeout=60)
+        assert response.status_code == 500
+        assert "RuntimeError: CUDA error" in response.json()["error"]["message"]
+        # inside an update session too (this route used to answer any RuntimeError with a 400)
+        named = list(checkpoint_tensors(str(tiny_model("qwen2", seed=1))).items())[:2]
+        assert httpx.post(url + "/begin_weight_update", json={}).status_code == 200
+        response = httpx.post(url + "/update_weights_from_tensor", timeout=60, json={
+            "serialized_named_tensors": [payload_of(packed(named))], "load_format": "flattened_bucket"})
+        assert response.status_code == 500 and "CUDA error" in response.json()["error"]["message"]
+        assert httpx.post(url + "/end_weight_update", json={}).status_code == 200
+        generated = httpx.post(url + "/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}},
+                               timeout=60)
+        assert generated.status_code == 200 and len(generated.json()["output_ids"]) == 2

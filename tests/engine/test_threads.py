@@ -17,7 +17,7 @@ import os
 import subprocess
 import sys
 
-from inverted.rollout.servers import free_port
+from inverted.processes import free_port
 
 FOREIGN_THREADS = """
 def foreign_threads():

@@ -12,7 +12,7 @@ import torch
 
 from inverted.errors import ProtocolError
 from inverted.hf_checkpoint import checkpoint_tensors
-from inverted.rollout.servers import free_port
+from inverted.processes import free_port
 from inverted.rollout.sglang_client import SGLangClient
 from inverted.train.weight_sync import Bucket, BucketPacker, DiskTransport, TensorTransport, WeightSync
 from inverted.train.weight_sync.transports import dtype_name

@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from inverted.errors import ProtocolError, ServiceUnavailable
-from inverted.rollout.servers import free_port
+from inverted.processes import free_port
 from inverted.rollout.sglang_client import SGLangClient, Timeouts
 
 pytestmark = pytest.mark.anyio

@@ -40,8 +40,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 from pydantic import BaseModel, ConfigDict, Field, FiniteFloat
 
+from inverted.auth import key_matches, presented_key, require_key
 from inverted.config import ProxyConfig
-from inverted.errors import InvalidRequest, ServiceError
+from inverted.errors import InvalidRequest, ServiceError, Unauthorized
 from inverted.plugins import load_plugin
 from inverted.processes import freeze_startup_heap
 from inverted.rollout.proxy import openai_api as api
@@ -95,11 +96,6 @@ class SamplesResponse(BaseModel):
     samples: list[dict[str, Any]]
 
 
-def _bearer(request: Request) -> str | None:
-    header = request.headers.get("authorization", "")
-    return header[7:].strip() if header[:7].lower() == "bearer " else None
-
-
 # Dependencies are ``async def``: FastAPI runs a plain ``def`` one on a worker thread, a thread hop per request.
 async def _recorder(request: Request) -> Recorder:
     return request.app.state.recorder
@@ -108,34 +104,29 @@ async def _recorder(request: Request) -> Recorder:
 RecorderDep = Annotated[Recorder, Depends(_recorder)]
 
 
-async def _require_api_key(request: Request) -> None:
-    key = request.app.state.config.proxy_api_key
-    if key and _bearer(request) != key:
-        raise InvalidRequest("a valid API key is required to create sessions", code="invalid_api_key", status=401)
+_require_api_key = require_key(lambda request: request.app.state.config.proxy_api_key,
+                               "a valid API key is required to create sessions")
 
 
 def _session(request: Request, session_id: str, *, admin: bool) -> Session:
     """The session named in the path, if the caller may use it (see the module docstring)."""
     recorder: Recorder = request.app.state.recorder
     session = recorder.sessions.get(session_id)
-    bearer = _bearer(request)
+    given = presented_key(request)
     key = request.app.state.config.proxy_api_key
-    if bearer is not None and bearer != session.token and bearer != key:
-        other = recorder.sessions.by_token.get(bearer)
-        if other is not None:
-            raise InvalidRequest(f"this token belongs to another session, not to {session_id}",
-                                 code="wrong_session", status=403)
-    if admin and key and bearer not in (key, session.token):
-        raise InvalidRequest("this route needs the session's token or the API key", code="invalid_api_key",
-                             status=401)
+    authorized = key_matches(given, session.token) or key_matches(given, key)
+    if given and not authorized and recorder.sessions.by_token.get(given) is not None:
+        raise InvalidRequest(f"this token belongs to another session, not to {session_id}",
+                             code="wrong_session", status=403)
+    if admin and key and not authorized:
+        raise Unauthorized("this route needs the session's token or the API key")
     return session
 
 
 def _token_session(request: Request) -> Session:
-    session = request.app.state.recorder.sessions.by_token.get(_bearer(request) or "")
+    session = request.app.state.recorder.sessions.by_token.get(presented_key(request) or "")
     if session is None:
-        raise InvalidRequest("Incorrect API key provided: use the token of a live session (POST /sessions)",
-                             code="invalid_api_key", status=401)
+        raise Unauthorized("Incorrect API key provided: use the token of a live session (POST /sessions)")
     return session
 
 

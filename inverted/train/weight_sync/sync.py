@@ -35,13 +35,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from inverted.errors import ConfigError
 from inverted.rollout.sglang_client import SGLangClient
 from inverted.train.weight_sync.buckets import Bucket, BucketPacker
 from inverted.train.weight_sync.transports import Transport, all_servers
+from inverted.types import PAUSE_MODES, PauseMode
 
 logger = logging.getLogger(__name__)
-
-PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 @dataclass
@@ -90,10 +90,10 @@ def served_dtype(info: dict, checkpoint_dtype: str | None) -> torch.dtype:
 class WeightSync:
     """Pushes the trainer's weights into every rollout server (the URLs of their SGLang endpoints)."""
 
-    def __init__(self, transport: Transport, urls: list[str], *, buffer_size: int, pause_mode: str = "retract",
+    def __init__(self, transport: Transport, urls: list[str], *, buffer_size: int, pause_mode: PauseMode = "retract",
                  api_key: str | None = None, checkpoint_dtype: str | None = None):
         if pause_mode not in PAUSE_MODES:
-            raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
+            raise ConfigError(f"--pause-mode must be one of {list(PAUSE_MODES)}, got {pause_mode!r}")
         self.transport, self.urls, self.api_key = transport, list(urls), api_key
         self.buffer_size, self.pause_mode, self.checkpoint_dtype = buffer_size, pause_mode, checkpoint_dtype
         self.packer: BucketPacker | None = None

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from inverted.rollout.servers import ManagedProcess
+from inverted.processes import ManagedProcess
 from tests.rollout.proxy.scripted import teach
 
 
