@@ -45,7 +45,7 @@ def user_turn(episode: int, turn: int) -> str:
 
 
 async def proxy_episode(proxy_url: str, http: httpx.AsyncClient, episode: int, args, latencies: list[float]) -> int:
-    session = (await http.post(proxy_url + "/sessions", json={"metadata": {"index": episode}})).json()
+    session = (await http.post(proxy_url + "/sessions", json={"sample": {"index": episode}})).json()
     messages = [{"role": "system", "content": "You are a planning agent."}]
     sdk = openai.AsyncOpenAI(base_url=session["base_url"], api_key="x", max_retries=0) if args.client == "openai" else None
     for turn in range(args.turns):

@@ -167,10 +167,16 @@ class Task:
     attempt: int = 1
     partial: Sample | None = None  # an aborted sample to resume from (with --partial-rollout)
 
+    def to_json(self) -> dict[str, Any]:
+        """The JSON form (shallow, like ``Sample.to_json``)."""
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["partial"] = self.partial.to_json() if self.partial is not None else None
+        return data
+
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Task":
-        partial = data.pop("partial", None)
-        return cls(**data, partial=Sample.from_json(partial) if partial else None)
+        partial = data.get("partial")
+        return cls(**{**data, "partial": Sample.from_json(partial) if partial else None})
 
     def new_sample(self) -> Sample:
         """A Sample that belongs to this task, to fill in and submit."""

@@ -6,9 +6,10 @@ into the task's Sample. Whatever goes wrong in ``play`` (an exception, the episo
 that never called the model or gave no reward) becomes a ``failed`` Sample that says why: the
 environment's faults never crash the run, and a failed Sample is never trained on.
 
-A session that branched (the agent rewrote its history) yields several Samples; the episode's
-Sample is the last branch, the one whose final turn the reward judged, and ``metadata.branches``
-counts them.
+Each session is opened with the Sample its task made (``Task.new_sample``), and the proxy returns
+it whole. A session that branched (the agent rewrote its history) holds several Samples; the
+episode's Sample is the last branch, the one whose final turn the reward judged (the proxy sends
+that one alone), and its ``metadata.branches`` counts them.
 """
 
 from __future__ import annotations
@@ -45,8 +46,11 @@ async def close_quietly(proxy: ProxyClient, session: SessionHandle) -> None:
         pass
 
 
-def _session_metadata(ctx: RolloutContext, task: Task) -> dict:
-    return {"group_index": task.group_index, "index": task.index, "label": task.label, "rollout_id": ctx.rollout_id}
+def _episode_sample(ctx: RolloutContext, task: Task) -> Sample:
+    """The Sample a task's session records into."""
+    sample = task.new_sample()
+    sample.metadata["rollout_id"] = ctx.rollout_id
+    return sample
 
 
 async def run_session(ctx: RolloutContext, proxy: ProxyClient, task: Task, play: Play, session: SessionHandle) -> Sample:
@@ -66,17 +70,15 @@ async def run_session(ctx: RolloutContext, proxy: ProxyClient, task: Task, play:
         await close_quietly(proxy, session)
         return failed_sample(task, reason)
     try:
-        samples = await proxy.finish(session.session_id, reward)
+        samples = await proxy.finish(session.session_id, reward, only_last=True)
     except ProtocolError as exc:  # e.g. the session expired (--proxy-session-timeout) while the episode ran
         await close_quietly(proxy, session)
         return failed_sample(task, f"the proxy refused to finish the session: {exc}")
     if not samples:
         return failed_sample(task, "the episode never called the model")
-    sample = samples[-1]
+    (sample,) = samples
     if sample.reward is None:
         return failed_sample(task, "the episode gave no reward")
-    sample.prompt, sample.metadata = sample.prompt or task.prompt, {**task.metadata, **sample.metadata,
-                                                                     "branches": len(samples)}
     return sample
 
 
@@ -93,11 +95,11 @@ async def run_all(ctx: RolloutContext, tasks: list[Task], play_for: Callable[[Ta
 
     async def one(proxy: ProxyClient, task: Task, session: SessionHandle | None) -> Sample:
         async with limit:
-            session = session or await proxy.create_session(_session_metadata(ctx, task), ctx.sampling)
+            session = session or await proxy.create_session(_episode_sample(ctx, task), ctx.sampling)
             return await run_session(ctx, proxy, task, play_for(task), session)
 
     async with ProxyClient(ctx.proxy_url, api_key=ctx.proxy_api_key, max_connections=SESSION_CONNECTIONS) as proxy:
         first = tasks[:concurrency]
-        opened = await proxy.create_sessions([_session_metadata(ctx, t) for t in first], ctx.sampling) if first else []
+        opened = await proxy.create_sessions([_episode_sample(ctx, t) for t in first], ctx.sampling) if first else []
         return list(await asyncio.gather(*(one(proxy, task, session)
                                            for task, session in itertools.zip_longest(tasks, opened))))

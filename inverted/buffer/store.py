@@ -34,7 +34,7 @@ import orjson
 
 from inverted.buffer.datasets import PromptRecord, epoch_order
 from inverted.errors import ConfigError, LeaseConflict, SampleError
-from inverted.types import Sample, version_number
+from inverted.types import Sample, Task, version_number
 
 GroupFilter = Callable[[list[Sample]], bool]
 
@@ -60,23 +60,6 @@ CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NU
 
 GROUP_STATES = ("open", "complete", "consumed", "dropped_stale", "filtered", "failed")
 TASK_STATES = ("queued", "leased", "done")
-
-
-@dataclass(slots=True)
-class LeasedTask:
-    lease_id: str
-    group_index: int
-    index: int
-    prompt_index: int
-    record: dict[str, Any]
-    expires_at: float
-    attempt: int
-    partial: dict[str, Any] | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {"lease_id": self.lease_id, "group_index": self.group_index, "index": self.index,
-                "prompt_index": self.prompt_index, **self.record, "expires_at": self.expires_at,
-                "attempt": self.attempt, "partial": self.partial}
 
 
 @dataclass(slots=True)
@@ -235,8 +218,9 @@ class SQLiteStore:
                     "SELECT g.prompt_index, p.record, t.attempts, t.partial FROM tasks t JOIN groups g USING (group_index) "
                     "JOIN prompts p USING (prompt_index) WHERE t.group_index = ? AND t.sample_index = ?",
                     (group, index)).fetchone()
-                leased.append(LeasedTask(lease_id, group, index, prompt_index, orjson.loads(record), now + lease_seconds,
-                                         attempts, orjson.loads(partial) if partial else None).to_json())
+                leased.append(Task(lease_id=lease_id, group_index=group, index=index, prompt_index=prompt_index,
+                                   **orjson.loads(record), expires_at=now + lease_seconds, attempt=attempts,
+                                   partial=Sample.from_json(partial) if partial else None).to_json())
             self._count("tasks_leased", len(leased))
             self._record(request_id, "lease", orjson.dumps(leased))
             return leased

@@ -46,9 +46,6 @@ from collections.abc import Sequence
 import torch
 
 EPS = 1e-6
-ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
-KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 
 
 def group_baseline(rewards_N: torch.Tensor, groups: Sequence[object], std_normalize: bool) -> torch.Tensor:
@@ -134,8 +131,8 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
 
 def sequence_mean(values_T: torch.Tensor, mask_T: torch.Tensor, seq_ids_T: torch.Tensor, count: int) -> torch.Tensor:
     """Each token gets the masked mean of its sequence's values (0 for a sequence with no mask)."""
-    sums = torch.zeros(count, dtype=values_T.dtype).index_add(0, seq_ids_T, values_T * mask_T)
-    lengths = torch.zeros(count, dtype=values_T.dtype).index_add(0, seq_ids_T, mask_T)
+    sums = values_T.new_zeros(count).index_add(0, seq_ids_T, values_T * mask_T)
+    lengths = values_T.new_zeros(count).index_add(0, seq_ids_T, mask_T)
     return (sums / lengths.clamp(min=1))[seq_ids_T]
 
 

@@ -16,7 +16,10 @@
    policy's log-prob, so mixed versions are corrected token by token.
 5. Per optimizer step: forward and backward of the micro-batches through Megatron's schedule (1F1B
    across pipeline stages) with the step's global token weights, one gradient all-reduce (a sum:
-   the weights already normalise), clip, step.
+   the weights already normalise), clip, step. The loss runs where the logits are: each rollout's
+   per-token tensors go to the model's device once, and each micro-batch hands its statistics
+   back through the schedule (Megatron's loss-reporting dict) as device tensors, reduced once at
+   the end of the rollout, so no micro-batch waits on a device-to-host copy.
 
 Every rank sees the same list of Samples and takes its data-parallel share itself, so nothing but
 gradients, metric sums and (between pipeline stages) activations and the last stage's results
@@ -29,7 +32,6 @@ import asyncio
 import functools
 import logging
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -97,8 +99,23 @@ class PerToken:
 
     def take(self, name: str, indices: list[int]) -> torch.Tensor:
         """One micro-batch's values of ``name``, concatenated in packing order."""
-        parts = [getattr(self, name)[i] for i in indices]
-        return torch.cat(parts) if parts else torch.zeros(0)
+        return torch.cat([getattr(self, name)[i] for i in indices])
+
+    def to(self, device: torch.device) -> "PerToken":
+        """The same tensors on ``device``: moved once per rollout, not once per micro-batch."""
+        def move(values: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+            return {i: t.to(device, non_blocking=True) for i, t in values.items()}
+
+        return PerToken(move(self.mask), move(self.advantage), move(self.rollout_logp), move(self.old_logp),
+                        move(self.ref_logp), move(self.staleness))
+
+
+# What each micro-batch's loss reports (summed over the rollout; token statistics divided by the
+# loss tokens in the end), and the extremes (maxima; a minimum travels negated).
+LOSS_PARTS = ("loss", "pg_loss", "kl_loss", "entropy_loss")
+TOKEN_STATS = ("clipfrac", "ratio_mean", "tis_mean", "train_rollout_logprob_abs_diff", "kl", "entropy", "token_staleness")
+COUNTS = ("tokens", "fresh_logprob_abs_diff", "fresh_tokens")
+MAXIMA = ("ratio_max", "neg_ratio_min", "token_staleness_max")
 
 
 class Trainer:
@@ -107,6 +124,7 @@ class Trainer:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         self.cfg = cfg
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.spec = ModelSpec.from_checkpoint(cfg.hf_checkpoint)
         check_compatible(self.spec, cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size)
         self.parallel = Parallelism(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
@@ -138,29 +156,36 @@ class Trainer:
 
     # -- forward -----------------------------------------------------------------------------
 
-    def _schedule(self, model, mbs: list[MicroBatch], on_logits: Callable[[MicroBatch, torch.Tensor], torch.Tensor],
-                  forward_only: bool) -> None:
+    def _schedule(self, model, mbs: list[MicroBatch],
+                  on_logits: Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+                  forward_only: bool) -> list[dict[str, torch.Tensor]]:
         """Run ``mbs`` through Megatron's schedule: 1F1B across pipeline stages, a plain loop without.
 
         Every stage reads the same micro-batches (each needs the packing to place its attention);
         the first embeds the tokens, the others take the previous stage's activations. On the last
-        stage ``on_logits(mb, logits)`` turns a micro-batch's logits ``[T, V / tp]`` into its loss,
-        and the schedule runs the backward passes unless ``forward_only``.
+        stage ``on_logits(mb, logits)`` turns a micro-batch's logits ``[T, V / tp]`` into its loss
+        and a dict of statistics, and the schedule runs the backward passes unless ``forward_only``.
+        Returns the statistics of every micro-batch (on the last stage; elsewhere none).
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         if not mbs:
-            return
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+            return []
+        device = self.device
 
         def forward_step(batches, model):
             mb = next(batches)
             output = model(input_ids=mb.tokens_T[None].to(device), position_ids=mb.positions_T[None].to(device),
                            attention_mask=None, packed_seq_params=self.seq_params(mb, device))
-            tokens = torch.tensor(sum(mb.response_lengths), dtype=torch.int)
-            return output, lambda logits: (on_logits(mb, logits[0]), tokens, {})
+            tokens = torch.tensor(sum(mb.response_lengths), dtype=torch.int, device=device)
 
-        get_forward_backward_func()(
+            def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+                loss, stats = on_logits(mb, logits[0])
+                return loss, tokens, stats  # Megatron collects each ``stats`` and returns them all
+
+            return output, loss_func
+
+        return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(mbs), model=model, num_microbatches=len(mbs),
             seq_length=max(len(mb.tokens_T) for mb in mbs), micro_batch_size=1, forward_only=forward_only)
 
@@ -182,10 +207,10 @@ class Trainer:
         model.eval()
         out: dict[int, torch.Tensor] = {}
 
-        def keep(mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
+        def keep(mb: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             logp, _ = self._logprobs(mb, logits, with_entropy=False)
-            out.update(zip(mb.indices, logp.cpu().split(mb.response_lengths)))
-            return logp.new_zeros(())
+            out.update(zip(mb.indices, logp.split(mb.response_lengths)))
+            return logp.new_zeros(()), {}
 
         self._schedule(model, mbs, keep, forward_only=True)
         return self._from_last_stage(out)
@@ -247,7 +272,7 @@ class Trainer:
         kl_reward = None
         if cfg.kl_coef:
             # KL as reward uses the policy that sampled (the rollout log-probs) against the reference.
-            mine = {i: torch.tensor(samples[i].rollout_log_probs) - ref_logp[i] for i in ref_logp}
+            mine = {i: torch.tensor(samples[i].rollout_log_probs) - ref_logp[i].cpu() for i in ref_logp}
             gathered = self._gather_over_dp(mine)
             kl_reward = [gathered[i] for i in range(len(samples))]
         advantages = losses.compute_advantages(
@@ -257,18 +282,19 @@ class Trainer:
         tokens = PerToken(
             mask=dict(enumerate(masks)), advantage=dict(enumerate(advantages)), old_logp=old_logp, ref_logp=ref_logp,
             staleness={i: (self.rollout_id - v).float() for i, v in enumerate(versions)},
-            rollout_logp={i: torch.tensor(s.rollout_log_probs, dtype=torch.float32) for i, s in enumerate(samples)})
-        sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
-        extremes = {"ratio_max": -float("inf"), "ratio_min": float("inf"), "token_staleness_max": 0.0}
+            rollout_logp={i: torch.tensor(s.rollout_log_probs, dtype=torch.float32) for i, s in enumerate(samples)},
+        ).to(self.device)
+        reported: list[dict[str, torch.Tensor]] = []
         grad_norms = []
         self.model.train()
         for step in plan:
             span = step.step_samples
-            tokens.weight = dict(zip(span, losses.token_weights(cfg.loss_aggregation, masks[span.start:span.stop])))
+            tokens.weight = {i: w.to(self.device) for i, w in zip(
+                span, losses.token_weights(cfg.loss_aggregation, masks[span.start:span.stop]))}
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
-            self._schedule(self.model, step.micro_batches, functools.partial(self._loss, tokens=tokens, sums=sums,
-                                                                             extremes=extremes), forward_only=False)
+            reported += self._schedule(self.model, step.micro_batches, functools.partial(self._loss, tokens=tokens),
+                                       forward_only=False)
             # Megatron's own finish: the data-parallel sum, the tensor-parallel sums of grads that each
             # TP rank computes only in part (q/k norms see only that rank's heads), and under PP the sum
             # of the tied embedding's two copies (first and last stage), which keeps them equal.
@@ -277,7 +303,7 @@ class Trainer:
             grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
             self.optimizer_steps += 1
         self.rollout_id += 1
-        metrics = self._reduce_metrics(sums, extremes, steps=len(plan))
+        metrics = self._reduce_metrics(reported, steps=len(plan))
         metrics.update({
             "train/grad_norm": sum(grad_norms) / len(grad_norms), "train/optimizer_steps": float(len(plan)),
             "train/reward_mean": float(rewards.mean()), "train/lr": cfg.lr,
@@ -288,17 +314,16 @@ class Trainer:
         })
         return metrics
 
-    def _loss(self, mb: MicroBatch, logits: torch.Tensor, tokens: PerToken, sums: dict[str, torch.Tensor],
-              extremes: dict[str, float]) -> torch.Tensor:
-        """One micro-batch's loss from its logits; adds its loss parts and token statistics to ``sums``."""
+    def _loss(self, mb: MicroBatch, logits: torch.Tensor, tokens: PerToken) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """One micro-batch's loss from its logits, and its statistics (device tensors, see ``LOSS_PARTS``)."""
         cfg = self.cfg
         mask, weight = tokens.take("mask", mb.indices), tokens.take("weight", mb.indices)
         adv, rollout = tokens.take("advantage", mb.indices), tokens.take("rollout_logp", mb.indices)
         staleness = tokens.take("staleness", mb.indices)
-        seq_ids = torch.repeat_interleave(torch.arange(len(mb.indices)), torch.tensor(mb.response_lengths))
+        seq_ids = torch.repeat_interleave(torch.arange(len(mb.indices), device=mask.device),
+                                          torch.tensor(mb.response_lengths, device=mask.device))
 
         logp, entropy = self._logprobs(mb, logits, with_entropy=True)
-        logp, entropy = logp.cpu(), entropy.cpu()
         old = tokens.take("old_logp", mb.indices) if tokens.old_logp else logp.detach()
         pg, info = losses.policy_loss(cfg.advantage_estimator, logp, old, adv, mask, seq_ids, len(mb.indices),
                                       cfg.eps_clip, cfg.eps_clip_high or cfg.eps_clip, cfg.eps_clip_c)
@@ -313,46 +338,49 @@ class Trainer:
 
         with torch.no_grad():
             on = mask.bool()
-            for name, value in (("loss", loss), ("pg_loss", (weight * pg * tis).sum()), ("kl_loss", (weight * kl).sum()),
-                                ("entropy_loss", (weight * entropy).sum())):
-                sums[name] += float(value)
-            for name, value in (("clipfrac", info["clipped"]), ("ratio_mean", info["ratio"]), ("tis_mean", tis),
-                                ("train_rollout_logprob_abs_diff", (old - rollout).abs()), ("kl", kl), ("entropy", entropy),
-                                ("token_staleness", staleness)):
-                sums[name + "/sum"] += float(value[on].sum())
-            sums["tokens"] += float(on.sum())
             # The same gap on the tokens sampled by the very weights being trained: ~0 when every
             # token's recorded version is the one that sampled it.
             fresh = on & (staleness == 0)
-            sums["fresh_logprob_abs_diff"] += float((old - rollout).abs()[fresh].sum())
-            sums["fresh_tokens"] += float(fresh.sum())
-            if on.any():
-                extremes["ratio_max"] = max(extremes["ratio_max"], float(info["ratio"][on].max()))
-                extremes["ratio_min"] = min(extremes["ratio_min"], float(info["ratio"][on].min()))
-                extremes["token_staleness_max"] = max(extremes["token_staleness_max"], float(staleness[on].max()))
-        return loss
+            gap = (old - rollout).abs()
+            ratio = info["ratio"]
+            stats = {"loss": loss.detach(), "pg_loss": (weight * pg * tis).sum(), "kl_loss": (weight * kl).sum(),
+                     "entropy_loss": (weight * entropy).sum(), "tokens": on.sum(),
+                     "fresh_logprob_abs_diff": gap[fresh].sum(), "fresh_tokens": fresh.sum(),
+                     "ratio_max": torch.where(on, ratio, -torch.inf).max(),
+                     "neg_ratio_min": -torch.where(on, ratio, torch.inf).min(),
+                     "token_staleness_max": torch.where(on, staleness, 0.0).max()}
+            for name, value in (("clipfrac", info["clipped"]), ("ratio_mean", ratio), ("tis_mean", tis),
+                                ("train_rollout_logprob_abs_diff", gap), ("kl", kl), ("entropy", entropy),
+                                ("token_staleness", staleness)):
+                stats[name] = value[on].sum()
+        return loss, stats
 
-    def _reduce_metrics(self, sums: dict[str, torch.Tensor], extremes: dict[str, float], steps: int) -> dict[str, float]:
-        """Global metrics: loss parts averaged over optimizer steps, token statistics over loss tokens."""
+    def _reduce_metrics(self, reported: list[dict[str, torch.Tensor]], steps: int) -> dict[str, float]:
+        """Global metrics from every micro-batch's statistics, read off the device once: loss parts
+        averaged over optimizer steps, token statistics over loss tokens."""
         from megatron.core import parallel_state
 
-        names = sorted(sums)
-        packed = torch.stack([sums[n] for n in names]) if names else torch.zeros(0, dtype=torch.float64)
-        high = torch.tensor([extremes["ratio_max"], -extremes["ratio_min"], extremes["token_staleness_max"]],
-                            dtype=torch.float64)
+        def column(name: str, reduce: Callable[[torch.Tensor], torch.Tensor], empty: float) -> torch.Tensor:
+            values = [r[name].double() for r in reported]
+            return reduce(torch.stack(values)) if values else torch.tensor(empty, dtype=torch.float64, device=self.device)
+
+        summed = LOSS_PARTS + TOKEN_STATS + COUNTS
+        sums = torch.stack([column(n, torch.sum, 0.0) for n in summed])
+        high = torch.stack([column(n, torch.max, -float("inf") if n != "token_staleness_max" else 0.0) for n in MAXIMA])
         if self.dp_size > 1:
             group = parallel_state.get_data_parallel_group()
-            torch.distributed.all_reduce(packed, group=group)
+            torch.distributed.all_reduce(sums, group=group)
             torch.distributed.all_reduce(high, op=torch.distributed.ReduceOp.MAX, group=group)
-        totals = dict(zip(names, packed.tolist()))
-        tokens = max(totals.get("tokens", 0.0), 1.0)
-        metrics = {f"train/{n}": totals[n] / steps for n in ("loss", "pg_loss", "kl_loss", "entropy_loss") if n in totals}
-        metrics.update({f"train/{n[:-4]}": v / tokens for n, v in totals.items() if n.endswith("/sum")})
-        metrics["train/ratio_max"], metrics["train/ratio_min"] = float(high[0]), float(-high[1])
-        metrics["train/token_staleness_max"] = float(high[2])
-        if totals.get("fresh_tokens"):
+        totals = dict(zip(summed, sums.tolist()))
+        highs = dict(zip(MAXIMA, high.tolist()))
+        tokens = max(totals["tokens"], 1.0)
+        metrics = {f"train/{n}": totals[n] / steps for n in LOSS_PARTS}
+        metrics.update({f"train/{n}": totals[n] / tokens for n in TOKEN_STATS})
+        metrics["train/ratio_max"], metrics["train/ratio_min"] = highs["ratio_max"], -highs["neg_ratio_min"]
+        metrics["train/token_staleness_max"] = highs["token_staleness_max"]
+        if totals["fresh_tokens"]:
             metrics["train/fresh_logprob_abs_diff"] = totals["fresh_logprob_abs_diff"] / totals["fresh_tokens"]
-        metrics["train/loss_tokens"] = totals.get("tokens", 0.0)
+        metrics["train/loss_tokens"] = totals["tokens"]
         return self._from_last_stage(metrics)
 
     # -- weights and checkpoints -------------------------------------------------------------

@@ -42,14 +42,15 @@ def openai_pool() -> openai.DefaultAioHttpClient:
 
 
 class ProxyClient(HTTPService):
-    async def create_session(self, metadata: dict[str, Any] | None = None,
+    async def create_session(self, sample: Sample | None = None,
                              sampling_params: dict[str, Any] | None = None) -> SessionHandle:
-        return (await self.create_sessions([metadata or {}], sampling_params))[0]
+        """A session whose branches become copies of ``sample`` (``task.new_sample()``) with their tokens."""
+        return (await self.create_sessions([sample or Sample()], sampling_params))[0]
 
-    async def create_sessions(self, metadata: list[dict[str, Any]],
+    async def create_sessions(self, samples: list[Sample],
                               sampling_params: dict[str, Any] | None = None) -> list[SessionHandle]:
-        """One session per ``metadata`` entry, all sampling with ``sampling_params``, in one request."""
-        body = {"sessions": [{"metadata": m, "sampling_params": sampling_params or {}} for m in metadata]}
+        """One session per Sample to record, all sampling with ``sampling_params``, in one request."""
+        body = {"sessions": [{"sample": s.to_json(), "sampling_params": sampling_params or {}} for s in samples]}
         data = self.json_of(await self.request("POST", "/sessions/batch", json_body=body,
                                                timeout=self.timeouts.control, idempotent=False))
         return [SessionHandle(s["session_id"], s["token"], s["base_url"]) for s in data["sessions"]]
@@ -58,9 +59,10 @@ class ProxyClient(HTTPService):
         await self.request("POST", f"/sessions/{session_id}/reward", json_body={"reward": reward, "finished": finished},
                            timeout=self.timeouts.control, idempotent=True)
 
-    async def finish(self, session_id: str, reward: Reward | None = None) -> list[Sample]:
-        """End the session (with its reward, when given) and return its Samples."""
-        body = {} if reward is None else {"reward": reward}
+    async def finish(self, session_id: str, reward: Reward | None = None, *, only_last: bool = False) -> list[Sample]:
+        """End the session (with its reward, when given) and return its Samples (``only_last``: the
+        last branch's alone, the one the reward judged)."""
+        body = {"reward": reward, "only_last": only_last}
         data = self.json_of(await self.request("POST", f"/sessions/{session_id}/finish", json_body=body,
                                                timeout=self.timeouts.control, idempotent=True))
         return [Sample.from_json(s) for s in data["samples"]]

@@ -2,19 +2,21 @@
 
 Routes (``create_app(config)``):
 
-- ``POST /sessions`` ``{metadata?, sampling_params?}`` → ``{session_id, token, base_url}``
-  (needs ``--proxy-api-key`` when one is set). ``sampling_params`` are OpenAI request fields
-  (``temperature``, ``top_p``, ``max_tokens``, ...) that override the agent's on every call, e.g.
-  the rollout temperature. ``metadata`` may carry ``group_index``, ``index`` and ``label``,
-  which become the Samples' fields; the rest is kept in their ``metadata``.
-- ``POST /sessions/batch`` ``{sessions: [{metadata?, sampling_params?}, ...]}`` → ``{sessions:
+- ``POST /sessions`` ``{sample?, metadata?, sampling_params?}`` → ``{session_id, token, base_url}``
+  (needs ``--proxy-api-key`` when one is set). ``sample`` is the Sample the episode is for, in its
+  JSON form, as its task made it (``group_index``, ``index``, ``prompt``, ``label``,
+  ``metadata``): every branch becomes a whole copy of it with the recorded tokens. ``metadata`` is
+  added to the Samples' metadata. ``sampling_params`` are OpenAI request fields (``temperature``,
+  ``top_p``, ``max_tokens``, ...) that override the agent's on every call, e.g. the rollout temperature.
+- ``POST /sessions/batch`` ``{sessions: [{sample?, metadata?, sampling_params?}, ...]}`` → ``{sessions:
   [...]}``, the same answers in order: all of them or, on any bad entry, none. A rollout opens
   its sessions this way, so that its episodes' first calls reach the servers together.
 - ``{base_url}/chat/completions``, ``{base_url}/completions``, ``{base_url}/models`` with
   ``base_url = /sessions/{id}/v1``: the path's unguessable id is the capability, so any SDK works
   with only ``base_url`` set; the same under ``/v1/...`` with ``Authorization: Bearer <token>``.
-- ``POST /sessions/{id}/reward`` ``{reward, finished}``, ``POST /sessions/{id}/finish`` →
-  ``{samples}``, ``GET /sessions/{id}/samples``, ``GET /sessions/{id}``: allowed with the
+- ``POST /sessions/{id}/reward`` ``{reward, finished}``, ``POST /sessions/{id}/finish``
+  ``{reward?, only_last?}`` → ``{samples}`` (``only_last``: the episode's Sample alone, the last
+  branch, whose final turn the reward judged), ``GET /sessions/{id}/samples``, ``GET /sessions/{id}``: allowed with the
   session's own token or the API key (or, with no API key configured, with no token at all).
 - ``GET /health``, ``GET /metrics`` (Prometheus text).
 
@@ -42,7 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, FiniteFloat
 
 from inverted.auth import key_matches, presented_key, require_key
 from inverted.config import ProxyConfig
-from inverted.errors import InvalidRequest, ServiceError, Unauthorized
+from inverted.errors import InvalidRequest, SampleError, ServiceError, Unauthorized
 from inverted.plugins import load_plugin
 from inverted.processes import freeze_startup_heap
 from inverted.rollout.proxy import openai_api as api
@@ -58,6 +60,7 @@ MAX_BATCH = 4096  # sessions one POST /sessions/batch may open
 
 class CreateSessionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    sample: dict[str, Any] | None = None  # the episode's Sample as its task made it (JSON form)
     metadata: dict[str, Any] = Field(default_factory=dict)
     sampling_params: dict[str, Any] = Field(default_factory=dict)
 
@@ -88,6 +91,7 @@ class FinishRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     reward: FiniteFloat | dict[str, FiniteFloat] | None = None
+    only_last: bool = False  # answer with the last branch's Sample only (every branch is still kept)
 
 
 class SamplesResponse(BaseModel):
@@ -134,14 +138,20 @@ def _open_sessions(recorder: Recorder, bodies: list[CreateSessionRequest], reque
                    where: str) -> list[CreateSessionResponse]:
     """Every body checked first, then every session created: a bad one opens none. ``where`` names
     body ``i`` in an error's message and ``param``."""
+    templates = []
     for i, body in enumerate(bodies):
         at = where.format(i=i)
         try:  # checked now, with the same rules as a call, so that no call of this session fails on them
             api.parse_chat({**body.sampling_params, "messages": [{"role": "user", "content": "check"}]})
         except InvalidRequest as exc:
             raise InvalidRequest(f"{at}sampling_params: {exc}", param=f"{at}sampling_params.{exc.param}") from None
+        try:
+            templates.append(Sample.from_json(body.sample) if body.sample is not None else None)
+        except SampleError as exc:
+            raise InvalidRequest(f"{at}sample: {exc}", param=f"{at}sample") from None
     base = str(request.base_url).rstrip("/")
-    sessions = [recorder.sessions.create(body.metadata, body.sampling_params) for body in bodies]
+    sessions = [recorder.sessions.create(body.metadata, body.sampling_params, template)
+                for body, template in zip(bodies, templates)]
     return [CreateSessionResponse(session_id=s.id, token=s.token, base_url=f"{base}/sessions/{s.id}/v1")
             for s in sessions]
 
@@ -314,7 +324,8 @@ def _add_session_routes(app: FastAPI) -> None:
                                  "return", code="session_busy", status=409)
         if body is not None and body.reward is not None and not session.finished:
             session.set_reward(body.reward, True)
-        return _samples(session, recorder.sessions.finish(session))
+        samples = recorder.sessions.finish(session)
+        return _samples(session, samples[-1:] if body is not None and body.only_last else samples)
 
     @app.get("/sessions/{session_id}/samples")
     async def samples(session_id: str, request: Request) -> SamplesResponse:

@@ -20,6 +20,7 @@ This module is pure bookkeeping (no I/O, no FastAPI); ``service`` drives it.
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -104,7 +105,7 @@ class Branch:
         last = self.turns[-1].finish_reason
         status = Sample.Status.TRUNCATED if last == "length" or base.status == Sample.Status.TRUNCATED \
             else Sample.Status.COMPLETED
-        return Sample(group_index=base.group_index, index=base.index, prompt=self.prompt, tokens=self.tokens[:end],
+        return Sample(group_index=base.group_index, index=base.index, prompt=self.prompt or base.prompt, tokens=self.tokens[:end],
                       response_length=end - start, loss_mask=self.mask[start:end],
                       rollout_log_probs=self.logprobs[start:end], weight_versions=versions, reward=base.reward,
                       status=status, label=base.label, session_id=base.session_id,
@@ -122,12 +123,18 @@ class Placement:
 
 
 class Session:
-    """One episode. Ids and tokens are unguessable; the token is the session's own credential."""
+    """One episode. Ids and tokens are unguessable; the token is the session's own credential.
 
-    def __init__(self, metadata: dict[str, Any], overrides: dict[str, Any] | None = None, max_turns: int = 0):
+    ``template`` is the Sample the episode is for, as its task made it (``Task.new_sample``: group,
+    index, prompt, label, metadata); each branch becomes a copy of it with the recorded tokens.
+    """
+
+    def __init__(self, metadata: dict[str, Any], overrides: dict[str, Any] | None = None, max_turns: int = 0,
+                 template: Sample | None = None):
         self.id = "sess_" + secrets.token_urlsafe(18)
         self.token = "sk-sess-" + secrets.token_urlsafe(32)
         self.metadata = metadata
+        self.template = template or Sample()
         self.overrides = overrides or {}  # OpenAI request fields that replace the agent's on every call
         self.max_turns = max_turns
         self.created = self.last_active = time.time()
@@ -210,17 +217,16 @@ class Session:
         return self.samples
 
     def build_samples(self) -> list[Sample]:
-        """One validated Sample per branch with at least one recorded turn."""
-        meta = {**self.metadata, "expired": self.expired}
+        """One validated Sample per branch with at least one recorded turn, each whole: the template's
+        fields, the recorded tokens, and ``metadata.branch`` of ``metadata.branches``."""
+        meta = {**self.template.metadata, **self.metadata, "expired": self.expired}
         truncated = self.finished_by_agent is False or self.expired
-        base = Sample(group_index=meta.pop("group_index", None), index=meta.pop("index", None),
-                      label=meta.pop("label", None), reward=self.reward, session_id=self.id,
-                      status=Sample.Status.TRUNCATED if truncated else Sample.Status.COMPLETED)
+        base = dataclasses.replace(self.template, reward=self.reward, session_id=self.id,
+                                   status=Sample.Status.TRUNCATED if truncated else Sample.Status.COMPLETED)
+        recorded = [(i, branch) for i, branch in enumerate(self.branches) if branch.turns]
         samples = []
-        for i, branch in enumerate(self.branches):
-            if not branch.turns:
-                continue
-            base.metadata = {**meta, "branch": i}
+        for i, branch in recorded:
+            base.metadata = {**meta, "branch": i, "branches": len(recorded)}
             sample = branch.to_sample(base)
             sample.validate()
             samples.append(sample)
@@ -238,8 +244,9 @@ class Sessions:
         self.by_token: dict[str, Session] = {}
         self.counts = {"created": 0, "finished": 0, "expired": 0}
 
-    def create(self, metadata: dict[str, Any], overrides: dict[str, Any] | None = None) -> Session:
-        session = Session(metadata, overrides, self.max_turns)
+    def create(self, metadata: dict[str, Any], overrides: dict[str, Any] | None = None,
+               template: Sample | None = None) -> Session:
+        session = Session(metadata, overrides, self.max_turns, template)
         self.by_id[session.id] = session
         self.by_token[session.token] = session
         self.counts["created"] += 1

@@ -131,7 +131,7 @@ def scripted_history(turn: int, replies: list[dict]) -> list[dict]:
 
 @pytest.mark.parametrize("mode", ["sync", "sync-stream", "async", "async-stream"])
 async def test_four_turn_tool_conversation_is_recorded_token_for_token(stack, mode):
-    session = new_session(stack, metadata={"group_index": 7, "index": 1, "label": "sunny"})
+    session = new_session(stack, sample={"group_index": 7, "index": 1, "label": "sunny"})
     logged_before = len(stack.engine_requests())
     kwargs = dict(model="policy", tools=TOOLS, temperature=0, max_tokens=64, logprobs=True)
     replies, usages = [], []
@@ -227,7 +227,7 @@ async def test_64_concurrent_sessions_are_each_exact(stack):
     logged_before = len(stack.engine_requests())
 
     async def episode(i: int) -> list[Sample]:
-        session = await asyncio.to_thread(new_session, stack, metadata={"index": i})
+        session = await asyncio.to_thread(new_session, stack, sample={"index": i})
         async with openai.AsyncOpenAI(base_url=session["base_url"], api_key="x") as client:
             messages = [{"role": "user", "content": f"episode {i}: say something"}]
             for turn in range(2):

@@ -103,7 +103,7 @@ def test_neutral_and_ignored_parameters_of_agent_sdks_are_accepted(stack):
 
 
 def test_rewards_finish_and_session_overrides(stack):
-    session = new_session(stack, metadata={"group_index": 2, "label": 4}, sampling_params={"max_tokens": 3})
+    session = new_session(stack, sample={"group_index": 2, "label": 4}, sampling_params={"max_tokens": 3})
     url = f"{stack.proxy.url}/sessions/{session['session_id']}"
     as_owner = {"Authorization": f"Bearer {session['token']}"}
     assert chat(session["base_url"], {"messages": USER, "max_tokens": 50}).json()["usage"]["completion_tokens"] == 3
@@ -134,7 +134,7 @@ def created(stack) -> float:
 def test_a_batch_of_sessions_opens_all_or_none(stack):
     batch = stack.proxy.url + "/sessions/batch"
     before = created(stack)
-    body = {"sessions": [{"metadata": {"group_index": i, "label": f"l{i}"}, "sampling_params": {"max_tokens": i + 1}}
+    body = {"sessions": [{"sample": {"group_index": i, "label": f"l{i}"}, "sampling_params": {"max_tokens": i + 1}}
                          for i in range(3)]}
     response = httpx.post(batch, json=body, headers=ADMIN)
     assert response.status_code == 200, response.text
@@ -169,3 +169,24 @@ def test_idle_sessions_expire_into_kept_samples(module_procs, stack):
     metrics = httpx.get(proxy.url + "/metrics").text
     assert "inverted_proxy_sessions_expired_total 1.0" in metrics
     assert "inverted_proxy_turns_total 1.0" in metrics and "inverted_proxy_rejected_total 1.0" in metrics
+
+
+def test_a_session_returns_whole_samples_of_the_task_it_was_opened_for(stack):
+    """The task's identity goes in when the session opens; what comes out is whole (no patching by
+    the caller), and ``only_last`` answers with the episode's Sample: the last branch."""
+    task = {"group_index": 3, "index": 1, "prompt": "the task's prompt", "label": "x", "metadata": {"task": "t"}}
+    session = new_session(stack, sample=task, metadata={"episode": "e"})
+    for content in ("hi", "hello"):  # the second history does not extend the first: a second branch
+        body = {"messages": [{"role": "user", "content": content}], "max_tokens": 2}
+        assert chat(session["base_url"], body).status_code == 200
+    response = httpx.post(f"{stack.proxy.url}/sessions/{session['session_id']}/finish", headers=ADMIN,
+                          json={"reward": 1.0, "only_last": True})
+    (sample,) = [Sample.from_json(s) for s in response.json()["samples"]]
+    assert (sample.group_index, sample.index, sample.label, sample.reward) == (3, 1, "x", 1.0)
+    assert sample.prompt == [{"role": "user", "content": "hello"}]  # what the policy saw, not the task's text
+    assert {k: sample.metadata[k] for k in ("task", "episode", "branch", "branches")} == \
+        {"task": "t", "episode": "e", "branch": 1, "branches": 2}
+    assert len(finish(stack, session)) == 2  # every branch is still kept
+    bad = {"sessions": [{"sample": {"group_index": "three"}}]}
+    assert error_of(httpx.post(stack.proxy.url + "/sessions/batch", json=bad, headers=ADMIN), 400)["param"] == \
+        "sessions[0].sample"
