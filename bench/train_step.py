@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inverted.config import TinyModelConfig, TrainConfig  # noqa: E402
+from inverted.config import TinyModelConfig, TrainConfig, from_flags  # noqa: E402
 from inverted.tiny_model import make_tiny_model  # noqa: E402
 from inverted.types import Sample  # noqa: E402
 
@@ -148,8 +148,8 @@ def main() -> None:
         hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-6)
 
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(get_free_port()))
-        cfg = TrainConfig(hf_checkpoint=str(path), lr=1e-6, bf16=cuda, max_tokens_per_gpu=budget)
-        init_parallel(cfg)
+        cfg = from_flags(TrainConfig, hf_checkpoint=str(path), lr=1e-6, bf16=cuda, max_tokens_per_gpu=budget)
+        init_parallel(cfg.parallel, cfg.seed)
         trainer = Trainer(cfg)
         baseline_step(hf, hf_opt, samples)  # warm-up both
         trainer.train(samples)

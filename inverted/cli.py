@@ -83,16 +83,16 @@ def cmd_servers(cfg: ServersConfig, router_args: list[str], sglang_args: list[st
     asyncio.run(run_demo(cfg, router_args, sglang_args))
 
 
-def cmd_train(job: JobConfig, router_args: list[str], sglang_args: list[str]) -> None:
-    if job.train.debug_train_only:  # no servers: straight from saved rollout data
+def cmd_train(cfg: JobConfig, router_args: list[str], sglang_args: list[str]) -> None:
+    if cfg.train.debug_train_only:  # no servers: straight from saved rollout data
         from inverted.train.offline import run_offline
 
-        run_offline(job.train)
+        run_offline(cfg.train)
         return
     spin_briefly()  # inherited by the engines and the trainer
     from inverted.controller import run
 
-    run(job, router_args, sglang_args, functools.partial(setup_logging, level=job.train.log_level))
+    run(cfg, router_args, sglang_args, functools.partial(setup_logging, level=cfg.train.log_level))
 
 
 def cmd_export_hf(cfg: ExportConfig) -> None:
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
             args = parser.parse_args(argv)
         section, run, _ = COMMANDS[args.command]
         cfg = build_section(section, args)
-        setup_logging(args.command, cfg.train.log_level if isinstance(cfg, JobConfig) else getattr(cfg, "log_level", "info"))
+        setup_logging(args.command, vars(args).get("log_level", "info"))  # commands without --log-level: info
         if launches_servers:
             run(cfg, router_args, sglang_args)
         else:

@@ -3,7 +3,10 @@
 Every knob is a field with a type, a default and a one-line help (``option``). ``add_flags``
 turns a section into argparse flags (``max_running_requests`` becomes
 ``--max-running-requests``) and ``build_section`` turns parsed flags back into the section, whose
-``__post_init__`` checks single fields. ``--config FILE.yaml`` supplies the same keys; flags
+``__post_init__`` checks single fields. A section may hold sections of its own (``TrainConfig``'s
+``loss``, ``optim``, ``parallel``, ``sync``, ``ckpt``), each handed whole to the component that
+owns it; their flags stay flat (``--lr``, not ``--optim-lr``), so ``from_flags`` builds any
+section from flag names and ``to_flags`` flattens one back (for YAML and slime's ``args``). ``--config FILE.yaml`` supplies the same keys; flags
 override it. Flags that start with a pass-through prefix (``--sglang-``, ``--router-``) are not
 modelled: ``split_passthrough`` hands them verbatim to the process they belong to.
 
@@ -62,6 +65,36 @@ def _default(f: dataclasses.Field) -> Any:
     return f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
 
 
+def _subsection(tp: Any) -> type | None:
+    """The section type of a field that holds a section (a dataclass), else None."""
+    return tp if isinstance(tp, type) and dataclasses.is_dataclass(tp) else None
+
+
+def from_flags(section: type, values: dict[str, Any] | argparse.Namespace | None = None, **more: Any) -> Any:
+    """``section`` built from flag-named values (nested sections too); missing ones take their defaults."""
+    given = {**(vars(values) if isinstance(values, argparse.Namespace) else values or {}), **more}
+    hints = typing.get_type_hints(section)
+    kwargs = {}
+    for f in dataclasses.fields(section):
+        if (sub := _subsection(hints[f.name])) is not None:
+            kwargs[f.name] = from_flags(sub, given)
+        elif f.name in given:
+            kwargs[f.name] = given[f.name]
+    built = section(**kwargs)
+    if unknown := set(more) - set(to_flags(built)):
+        raise TypeError(f"{section.__name__} has no field(s) {sorted(unknown)}")
+    return built
+
+
+def to_flags(config: Any) -> dict[str, Any]:
+    """A section's values by flag name, its nested sections flattened into it."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        out.update(to_flags(value) if dataclasses.is_dataclass(value) else {f.name: value})
+    return out
+
+
 def _parts(composite: type) -> dict[str, type]:
     """The sections of a composite config (a dataclass whose fields are sections), by field name."""
     hints = typing.get_type_hints(composite)
@@ -82,6 +115,9 @@ def add_flags(parser: argparse.ArgumentParser, section: type, exclude: frozenset
     taken = {a.dest: a.default for a in parser._actions}
     group = parser.add_argument_group(section.__name__, (section.__doc__ or "").strip().splitlines()[0])
     for f in dataclasses.fields(section):
+        if (sub := _subsection(hints[f.name])) is not None:
+            add_flags(parser, sub, exclude)
+            continue
         if f.name in exclude:
             continue
         default = _default(f)
@@ -101,13 +137,9 @@ def add_flags(parser: argparse.ArgumentParser, section: type, exclude: frozenset
 def build_section(section: type, namespace: argparse.Namespace) -> Any:
     """Build ``section`` from parsed flags; field checks in ``__post_init__`` raise ConfigError."""
     if hasattr(section, "SETS"):
-        parts = {}
-        for name, part in _parts(section).items():
-            fixed = section.SETS.get(name, {})
-            parts[name] = part(**{f.name: fixed[f.name] if f.name in fixed else getattr(namespace, f.name)
-                                  for f in dataclasses.fields(part)})
-        return section(**parts)
-    return section(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(section)})
+        return section(**{name: from_flags(part, namespace, **section.SETS.get(name, {}))
+                          for name, part in _parts(section).items()})
+    return from_flags(section, namespace)
 
 
 def load_yaml_defaults(parser: argparse.ArgumentParser, path: str | None) -> None:
@@ -317,20 +349,9 @@ class ProxyConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class TrainConfig:
-    """The Megatron trainer: model, RL loss, batching, parallelism, optimizer and checkpoints."""
+class LossConfig:
+    """The RL objective: advantages, the surrogate and its clipping, KL, entropy and importance weights."""
 
-    hf_checkpoint: str = option("", "Hugging Face checkpoint the policy (and the KL reference) starts from")
-    load: str | None = option(None, "checkpoint directory to resume from (its latest step); overrides the HF weights")
-    save: str | None = option(None, "directory to write checkpoints into")
-    save_interval: int = option(0, "save every N rollouts (0: only at the end, when --save is set)")
-    output_dir: str = option("runs/train", "run directory: metrics.jsonl, TensorBoard events, the resolved config")
-    num_rollout: int = option(1, "rollouts to train on")
-    debug_train_only: bool = option(False, "train from --load-debug-rollout-data with no rollout servers")
-    load_debug_rollout_data: str | None = option(
-        None, "jsonl of Samples to train on (one per line); '{rollout_id}' in the path picks a file per rollout")
-    global_batch_size: int = option(0, "samples per optimizer step (0: the whole rollout batch in one step)")
-    max_tokens_per_gpu: int = option(4096, "token budget of one packed micro-batch")
     advantage_estimator: Literal["grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = option(
         "grpo", "how rewards become per-token advantages, and which surrogate is optimised")
     disable_grpo_std_normalization: bool = option(False, "group advantages are reward - mean, not divided by std (Dr. GRPO)")
@@ -353,22 +374,69 @@ class TrainConfig:
                "update (a partial rollout trains only on its newest policy's tokens)")
     rollout_temperature: float = option(1.0, "sampling temperature; training log-probs use the same")
     reward_key: str | None = option(None, "key of a dict reward to train on (default: the sum of its values)")
+
+    def __post_init__(self) -> None:
+        _require(0 < self.eps_clip, "--eps-clip", self.eps_clip, "> 0")
+        _require(self.eps_clip_high is None or self.eps_clip_high > 0, "--eps-clip-high", self.eps_clip_high, "> 0")
+        _require(self.eps_clip_c is None or self.eps_clip_c > 1, "--eps-clip-c", self.eps_clip_c, "> 1")
+        _require(self.rollout_temperature > 0, "--rollout-temperature", self.rollout_temperature, "> 0")
+        _require(0 <= self.tis_clip_low <= self.tis_clip, "--tis-clip-low", self.tis_clip_low, "0 <= it <= --tis-clip")
+        _require(not (self.kl_coef and self.use_kl_loss and self.kl_loss_coef), "--kl-coef", self.kl_coef,
+                 "0 when --use-kl-loss has a non-zero --kl-loss-coef (KL as reward or as loss, not both)")
+
+    @property
+    def needs_reference(self) -> bool:
+        return bool(self.kl_coef) or (self.use_kl_loss and bool(self.kl_loss_coef))
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    """The optimizer: AdamW through Megatron's optimizer wrapper, with gradient clipping."""
+
     lr: float = option(1e-6, "learning rate (constant)")
     weight_decay: float = option(0.0, "AdamW weight decay")
     adam_beta1: float = option(0.9, "AdamW beta1")
     adam_beta2: float = option(0.98, "AdamW beta2")
     adam_eps: float = option(1e-8, "AdamW epsilon")
     clip_grad: float = option(1.0, "clip the global gradient norm to this (0: no clipping)")
-    seed: int = option(1234, "random seed")
-    bf16: bool = option(False, "train in bfloat16 (GPU); fp32 otherwise")
+    use_distributed_optimizer: bool = option(
+        False, "shard optimizer state over data-parallel ranks (GPU only)")
+
+    def __post_init__(self) -> None:
+        _require(self.lr >= 0, "--lr", self.lr, ">= 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    """How the trainer is laid out: Megatron's parallel sizes over nodes x processes per node."""
+
     tensor_model_parallel_size: int = option(1, "Megatron tensor parallelism")
     pipeline_model_parallel_size: int = option(1, "Megatron pipeline parallelism")
     context_parallel_size: int = option(1, "Megatron context parallelism")
     expert_model_parallel_size: int = option(1, "Megatron expert parallelism")
-    use_distributed_optimizer: bool = option(
-        False, "shard optimizer state over data-parallel ranks (GPU only)")
     actor_num_nodes: int = option(1, "training nodes")
     actor_num_gpus_per_node: int = option(1, "training processes per node (GPUs; CPU processes without CUDA)")
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                     "expert_model_parallel_size", "actor_num_nodes", "actor_num_gpus_per_node"):
+            _require(getattr(self, name) >= 1, flag_name(name), getattr(self, name), ">= 1")
+
+    def validate(self) -> None:
+        model_parallel = self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+        _require(self.world_size % model_parallel == 0, "--actor-num-gpus-per-node", self.actor_num_gpus_per_node,
+                 f"a multiple of tensor x pipeline x context parallel sizes ({model_parallel}) over "
+                 f"{self.actor_num_nodes} node(s)")
+
+    @property
+    def world_size(self) -> int:
+        return self.actor_num_nodes * self.actor_num_gpus_per_node
+
+
+@dataclass(kw_only=True, slots=True)
+class WeightSyncConfig:
+    """How new weights reach the rollout servers after a training step."""
+
     update_weight_transport: Literal["auto", "tensor", "distributed", "disk"] = option(
         "auto", "how new weights reach the rollout servers (auto: tensor when they are on this node, else distributed)")
     update_weight_buffer_size: int = option(512 * 1024**2, "bytes per flattened weight bucket")
@@ -378,43 +446,58 @@ class TrainConfig:
     pause_mode: PauseMode = option(
         "retract", "how generation pauses for a weight update: abort in-flight requests, retract them (resumed on "
                    "the new weights, KV recomputed) or hold them in place")
-    log_level: Literal["debug", "info", "warning", "error"] = option("info", "log level")
 
     def __post_init__(self) -> None:
-        _require(bool(self.hf_checkpoint), "--hf-checkpoint", self.hf_checkpoint, "a checkpoint directory")
         _require(self.update_weight_buffer_size >= 1024**2, "--update-weight-buffer-size", self.update_weight_buffer_size,
                  ">= 1 MiB")
         _require(self.update_weight_timeout > 0, "--update-weight-timeout", self.update_weight_timeout, "> 0")
-        for name in ("num_rollout", "max_tokens_per_gpu", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                     "context_parallel_size", "expert_model_parallel_size", "actor_num_nodes", "actor_num_gpus_per_node"):
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """Training checkpoints: where to resume from, where and how often to save."""
+
+    load: str | None = option(None, "checkpoint directory to resume from (its latest step); overrides the HF weights")
+    save: str | None = option(None, "directory to write checkpoints into")
+    save_interval: int = option(0, "save every N rollouts (0: only at the end, when --save is set)")
+
+    def __post_init__(self) -> None:
+        _require(self.save_interval >= 0, "--save-interval", self.save_interval, ">= 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """The Megatron trainer: model, batching and precision here; loss, optimizer, parallelism, weight
+    sync and checkpoints in sections of their own, each handed to its owner (flags stay flat)."""
+
+    hf_checkpoint: str = option("", "Hugging Face checkpoint the policy (and the KL reference) starts from")
+    output_dir: str = option("runs/train", "run directory: metrics.jsonl, TensorBoard events, the resolved config")
+    num_rollout: int = option(1, "rollouts to train on")
+    debug_train_only: bool = option(False, "train from --load-debug-rollout-data with no rollout servers")
+    load_debug_rollout_data: str | None = option(
+        None, "jsonl of Samples to train on (one per line); '{rollout_id}' in the path picks a file per rollout")
+    global_batch_size: int = option(0, "samples per optimizer step (0: the whole rollout batch in one step)")
+    max_tokens_per_gpu: int = option(4096, "token budget of one packed micro-batch")
+    seed: int = option(1234, "random seed")
+    bf16: bool = option(False, "train in bfloat16 (GPU); fp32 otherwise")
+    log_level: Literal["debug", "info", "warning", "error"] = option("info", "log level")
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        _require(bool(self.hf_checkpoint), "--hf-checkpoint", self.hf_checkpoint, "a checkpoint directory")
+        for name in ("num_rollout", "max_tokens_per_gpu"):
             _require(getattr(self, name) >= 1, flag_name(name), getattr(self, name), ">= 1")
         _require(self.global_batch_size >= 0, "--global-batch-size", self.global_batch_size, ">= 0")
-        _require(self.save_interval >= 0, "--save-interval", self.save_interval, ">= 0")
-        _require(0 < self.eps_clip, "--eps-clip", self.eps_clip, "> 0")
-        _require(self.eps_clip_high is None or self.eps_clip_high > 0, "--eps-clip-high", self.eps_clip_high, "> 0")
-        _require(self.eps_clip_c is None or self.eps_clip_c > 1, "--eps-clip-c", self.eps_clip_c, "> 1")
-        _require(self.rollout_temperature > 0, "--rollout-temperature", self.rollout_temperature, "> 0")
-        _require(self.lr >= 0, "--lr", self.lr, ">= 0")
-        _require(0 <= self.tis_clip_low <= self.tis_clip, "--tis-clip-low", self.tis_clip_low, "0 <= it <= --tis-clip")
-        _require(not (self.kl_coef and self.use_kl_loss and self.kl_loss_coef), "--kl-coef", self.kl_coef,
-                 "0 when --use-kl-loss has a non-zero --kl-loss-coef (KL as reward or as loss, not both)")
 
     def validate(self) -> None:
         """Cross-field checks that need the run's mode."""
         _require(not self.debug_train_only or bool(self.load_debug_rollout_data), "--load-debug-rollout-data",
                  self.load_debug_rollout_data, "a jsonl file of Samples with --debug-train-only")
-        model_parallel = self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
-        _require(self.world_size % model_parallel == 0, "--actor-num-gpus-per-node", self.actor_num_gpus_per_node,
-                 f"a multiple of tensor x pipeline x context parallel sizes ({model_parallel}) over "
-                 f"{self.actor_num_nodes} node(s)")
-
-    @property
-    def needs_reference(self) -> bool:
-        return bool(self.kl_coef) or (self.use_kl_loss and bool(self.kl_loss_coef))
-
-    @property
-    def world_size(self) -> int:
-        return self.actor_num_nodes * self.actor_num_gpus_per_node
+        self.parallel.validate()
 
 
 @dataclass(kw_only=True, slots=True)
@@ -444,6 +527,7 @@ class RolloutConfig:
               "OPENAI_API_KEY, INVERTED_TASK and INVERTED_REWARD_FILE)")
     rollout_batch_size: int = option(8, "prompts per rollout (each gives --n-samples-per-prompt samples)")
     rollout_max_response_len: int = option(256, "most tokens sampled in one model call")
+    rollout_temperature: float = option(1.0, "sampling temperature; training log-probs use the same")
     rollout_top_p: float = option(1.0, "nucleus sampling")
     rollout_concurrency: int = option(64, "episodes run at the same time")
     rollout_episode_timeout: float = option(600.0, "seconds one episode may take; then it is a failed Sample")
@@ -469,6 +553,7 @@ class RolloutConfig:
         for name in ("rollout_batch_size", "rollout_max_response_len", "rollout_concurrency", "n_samples_per_eval_prompt"):
             _require(getattr(self, name) >= 1, flag_name(name), getattr(self, name), ">= 1")
         _require(0 < self.rollout_top_p <= 1, "--rollout-top-p", self.rollout_top_p, "in (0, 1]")
+        _require(self.rollout_temperature > 0, "--rollout-temperature", self.rollout_temperature, "> 0")
         _require(self.rollout_episode_timeout > 0, "--rollout-episode-timeout", self.rollout_episode_timeout, "> 0")
         _require(self.eval_interval >= 0, "--eval-interval", self.eval_interval, ">= 0")
         _require(self.update_weights_interval >= 1, "--update-weights-interval", self.update_weights_interval, ">= 1")

@@ -9,8 +9,8 @@ import typing
 import pytest
 
 from inverted.cli import COMMANDS, build_parser
-from inverted.config import (EngineConfig, ImportGGUFConfig, JobConfig, ServersConfig, add_flags, build_section, flag_name,
-                             load_yaml_defaults, split_passthrough)
+from inverted.config import (EngineConfig, ImportGGUFConfig, JobConfig, ServersConfig, TrainConfig, add_flags,
+                             build_section, flag_name, from_flags, load_yaml_defaults, split_passthrough, to_flags)
 from inverted.errors import ConfigError
 
 # The public command line. Adding a flag is fine, but it must be added here on purpose.
@@ -68,21 +68,30 @@ def test_cli_flags_are_frozen():
 
 
 def sections_of(section: type) -> list[type]:
-    """A command's config sections: the job's parts, or the one section."""
-    if section is not JobConfig:
-        return [section]
-    hints = typing.get_type_hints(JobConfig)
-    return [hints[f.name] for f in dataclasses.fields(JobConfig)]
+    """A command's config sections: the job's parts, or the one section, and the sections they hold."""
+    parts = [hints[f.name] for hints in [typing.get_type_hints(JobConfig)] for f in dataclasses.fields(JobConfig)] \
+        if section is JobConfig else [section]
+    return [s for part in parts for s in (part, *nested_sections(part))]
+
+
+def nested_sections(section: type) -> list[type]:
+    hints = typing.get_type_hints(section)
+    return [hints[f.name] for f in dataclasses.fields(section) if dataclasses.is_dataclass(hints[f.name])]
+
+
+def leaf_fields(section: type) -> list[dataclasses.Field]:
+    hints = typing.get_type_hints(section)
+    return [f for f in dataclasses.fields(section) if not dataclasses.is_dataclass(hints[f.name])]
 
 
 def test_every_field_has_a_flag_help_and_default():
     for section in (part for command, _, _ in COMMANDS.values() for part in sections_of(command)):
-        for f in dataclasses.fields(section):
+        for f in leaf_fields(section):
             assert f.metadata.get("help"), f"{section.__name__}.{f.name} has no help"
         parser = argparse.ArgumentParser()
         add_flags(parser, section)
-        named = {flag_name(f.name) for f in dataclasses.fields(section) if not f.metadata.get("positional")}
-        positional = {f.name for f in dataclasses.fields(section) if f.metadata.get("positional")}
+        named = {flag_name(f.name) for f in leaf_fields(section) if not f.metadata.get("positional")}
+        positional = {f.name for f in leaf_fields(section) if f.metadata.get("positional")}
         assert named <= {s for a in parser._actions for s in a.option_strings}
         assert positional <= {a.dest for a in parser._actions if not a.option_strings}
 
@@ -98,6 +107,22 @@ def test_a_positional_field_takes_its_value_from_the_command_line_or_the_yaml(tm
     assert build_section(ImportGGUFConfig, parser.parse_args(["import-gguf"])).src == "a.gguf"
     with pytest.raises(ConfigError, match="SRC=''"):
         ImportGGUFConfig(out="m")
+
+
+def test_the_trainer_s_sections_take_flat_flags_and_go_to_their_owners():
+    job, _ = parse(JobConfig, ["--hf-checkpoint", "/m", "--prompt-data", "p.jsonl", "--lr", "0.5", "--eps-clip", "0.1",
+                               "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2",
+                               "--pause-mode", "abort", "--save", "ck", "--rollout-temperature", "0.7"])
+    train = job.train
+    assert (train.optim.lr, train.loss.eps_clip, train.parallel.tensor_model_parallel_size, train.sync.pause_mode,
+            train.ckpt.save) == (0.5, 0.1, 2, "abort", "ck")
+    assert train.loss.rollout_temperature == job.rollout.rollout_temperature == 0.7  # one flag: rollout and loss
+    flat = to_flags(train)
+    assert flat["lr"] == 0.5 and "optim" not in flat and from_flags(TrainConfig, flat) == train
+    with pytest.raises(TypeError, match="optim_lr"):
+        from_flags(TrainConfig, hf_checkpoint="/m", optim_lr=0.5)
+    with pytest.raises(ConfigError, match="--lr"):
+        from_flags(TrainConfig, hf_checkpoint="/m", lr=-1.0)
 
 
 def test_the_job_shares_flags_between_its_sections_and_keeps_its_own_fields():

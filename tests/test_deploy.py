@@ -69,7 +69,7 @@ def test_kuberay_rayjob_pods_are_valid_kubernetes_and_its_job_a_valid_config(tmp
     assert parsed.rollout.async_mode and parsed.servers.rollout_backend == "sglang"
     gpus = int(cluster["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
     workers = cluster["workerGroupSpecs"][0]["replicas"]
-    assert parsed.train.world_size + parsed.servers.rollout_num_gpus <= gpus * workers  # the job fits the pods
+    assert parsed.train.parallel.world_size + parsed.servers.rollout_num_gpus <= gpus * workers  # the job fits the pods
 
 
 def test_slurm_script_and_container_recipe():

@@ -19,14 +19,13 @@ end, then a Hugging Face export (``OUTPUT_DIR/hf``) and ``reward.png``.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from pathlib import Path
 from typing import Callable
 
 import yaml
 
-from inverted.config import JobConfig
+from inverted.config import JobConfig, to_flags
 from inverted.controller.async_loop import AsyncLoop
 from inverted.controller.job import Job, Plugins
 from inverted.controller.rollouts import checkpoint_dir, evaluate, read_prompts, summary
@@ -38,20 +37,22 @@ from inverted.processes import freeze_startup_heap
 logger = logging.getLogger(__name__)
 
 
-def run(job: JobConfig, router_args: list[str], sglang_args: list[str], log_setup: Callable[[str], None]) -> None:
+def run(cfg: JobConfig, router_args: list[str], sglang_args: list[str], log_setup: Callable[[str], None]) -> None:
     """``inverted train``: check everything, then run the loop with every part started."""
-    job.validate()
-    plugins = Plugins.load(job)
-    for data in (job.buffer.prompt_data, job.rollout.eval_prompt_data if job.rollout.eval_interval else None):
+    cfg.validate()
+    plugins = Plugins.load(cfg.rollout)
+    for data in (cfg.buffer.prompt_data, cfg.rollout.eval_prompt_data if cfg.rollout.eval_interval else None):
         if data:  # a dataset the buffer would refuse fails here, before any process starts
-            read_prompts(job, data)
-    run_dir = Path(job.train.output_dir)
-    if (run_dir / "buffer.db").exists() and not job.train.load:
+            read_prompts(cfg.buffer, data)
+    run_dir = Path(cfg.train.output_dir)
+    if (run_dir / "buffer.db").exists() and not cfg.train.ckpt.load:
         raise ConfigError(f"--output-dir {run_dir} holds an earlier run: resume it with --load "
-                          f"{checkpoint_dir(job)}, or choose another --output-dir")
+                          f"{checkpoint_dir(cfg.train)}, or choose another --output-dir")
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(job), sort_keys=False))
-    asyncio.run(run_job(job, plugins, router_args, sglang_args, log_setup))
+    # The resolved flags, by section: each section's keys are a --config file of its command.
+    resolved = {name: to_flags(getattr(cfg, name)) for name in ("train", "rollout", "buffer", "proxy", "servers")}
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+    asyncio.run(run_job(cfg, plugins, router_args, sglang_args, log_setup))
 
 
 async def run_job(cfg: JobConfig, plugins: Plugins, router_args: list[str], sglang_args: list[str],
@@ -100,8 +101,9 @@ async def drive(cfg: JobConfig, job: Job, plugins: Plugins, sink: MetricsSink, r
             last = rollout_id + 1 == cfg.train.num_rollout
             if evaluating and (last or (rollout_id + 1) % cfg.rollout.eval_interval == 0):
                 await evaluate_and_log(cfg, job, plugins, sink, rollout_id + 1)
-            if job.trainer and (last or (cfg.train.save_interval and (rollout_id + 1) % cfg.train.save_interval == 0)):
-                await job.trainer_call("save", checkpoint_dir(cfg))
+            every = cfg.train.ckpt.save_interval
+            if job.trainer and (last or (every and (rollout_id + 1) % every == 0)):
+                await job.trainer_call("save", checkpoint_dir(cfg.train))
     if job.trainer and start < cfg.train.num_rollout:
-        out = await job.trainer_call("export_hf", checkpoint_dir(cfg), str(run_dir / "hf"))
+        out = await job.trainer_call("export_hf", checkpoint_dir(cfg.train), str(run_dir / "hf"))
         logger.info("final policy exported to %s", out)

@@ -98,7 +98,7 @@ class AsyncLoop:
 
     async def _run_group(self, tasks: list[Task]) -> None:
         ctx = context(self.cfg, self.job, self.plugins, self.step_id)
-        samples = await run_rollout(self.cfg, ctx, self.plugins, tasks)
+        samples = await run_rollout(ctx, self.plugins, tasks)
         await self.job.buffer.submit(list(zip(tasks, samples)))
         self.finished += samples
 
@@ -136,12 +136,12 @@ class AsyncLoop:
         clock["waited"] = time.perf_counter()
         self.steps += 1
         finished, self.finished = self.finished, []
-        save_rollout_data(cfg, rollout_id, batch.samples)
-        metrics = rollout_metrics(cfg, finished, batch.samples) | {
+        save_rollout_data(cfg.rollout.save_debug_rollout_data, rollout_id, batch.samples)
+        metrics = rollout_metrics(cfg.train.loss.reward_key, finished, batch.samples) | {
             "async/staleness_mean": sum(batch.staleness) / len(batch.staleness),
             "async/staleness_max": float(max(batch.staleness)), "async/groups_running": float(len(self.running))}
         metrics |= await job.train(batch.samples)
         clock["trained"] = time.perf_counter()
-        metrics |= await sync_when_due(cfg, job, rollout_id, clock)
+        metrics |= await sync_when_due(cfg.rollout.update_weights_interval, job, rollout_id, clock)
         self.wake.set()  # a step taken and (maybe) a new version: room for more groups
         return await step_row(job, metrics, clock)

@@ -32,7 +32,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 import yaml
 
 from inverted.buffer.client import BufferClient
-from inverted.config import JobConfig, flag_name
+from inverted.config import JobConfig, RolloutConfig, flag_name, to_flags
 from inverted.errors import ConfigError, PluginError
 from inverted.placement import ray_launch, start_ray
 from inverted.plugins import RolloutFunction, load_plugin, load_rollout_function, required_flags
@@ -57,8 +57,7 @@ class Plugins:
     reward: Callable | None
 
     @classmethod
-    def load(cls, job: JobConfig) -> "Plugins":
-        cfg = job.rollout
+    def load(cls, cfg: RolloutConfig) -> "Plugins":
         env = load_plugin(cfg.env_path, flag="--env-path", params=["task", "client"]) if cfg.env_path else None
         if env is not None and not inspect.iscoroutinefunction(env):
             raise PluginError(f"--env-path={cfg.env_path!r}: expected 'async def {env.__name__}(task, client) -> reward'")
@@ -76,7 +75,7 @@ def spawn_service(command: str, section: Any, run_dir: Path, url: str) -> Manage
     config = run_dir / "services" / f"{command}.yaml"
     config.parent.mkdir(parents=True, exist_ok=True)
     config.touch(mode=0o600)
-    config.write_text(yaml.safe_dump(dataclasses.asdict(section), sort_keys=False))
+    config.write_text(yaml.safe_dump(to_flags(section), sort_keys=False))
     argv = [sys.executable, "-m", "inverted.cli", command, "--config", str(config)]
     return ManagedProcess.spawn(command, argv, run_dir / "logs" / f"{command}.log", url)
 

@@ -9,12 +9,11 @@ step: ``sync_when_due`` (every ``--update-weights-interval`` steps) and ``step_r
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import time
 from pathlib import Path
 
 from inverted.buffer.datasets import load_prompts
-from inverted.config import JobConfig
+from inverted.config import BufferConfig, JobConfig, TrainConfig, to_flags
 from inverted.controller.job import Job, Plugins
 from inverted.errors import PluginError
 from inverted.plugins import RolloutContext
@@ -23,32 +22,34 @@ from inverted.types import Sample, Task
 USABLE = (Sample.Status.COMPLETED, Sample.Status.TRUNCATED)
 
 
-def read_prompts(cfg: JobConfig, path: str):
-    return load_prompts(path, input_key=cfg.buffer.input_key, label_key=cfg.buffer.label_key,
-                        metadata_key=cfg.buffer.metadata_key, tool_key=cfg.buffer.tool_key)
+def read_prompts(buffer: BufferConfig, path: str):
+    return load_prompts(path, input_key=buffer.input_key, label_key=buffer.label_key,
+                        metadata_key=buffer.metadata_key, tool_key=buffer.tool_key)
 
 
-def checkpoint_dir(cfg: JobConfig) -> str:
-    return cfg.train.save or str(Path(cfg.train.output_dir) / "checkpoints")
+def checkpoint_dir(train: TrainConfig) -> str:
+    return train.ckpt.save or str(Path(train.output_dir) / "checkpoints")
 
 
 def context(cfg: JobConfig, job: Job, plugins: Plugins, rollout_id: int, evaluation: bool = False) -> RolloutContext:
-    temperature = cfg.rollout.eval_temperature if evaluation else cfg.train.rollout_temperature
+    """What a rollout function gets: its section, the services' addresses, sampling, and slime's ``args``
+    (every flag of the job, by name)."""
+    temperature = cfg.rollout.eval_temperature if evaluation else cfg.rollout.rollout_temperature
     sampling = {"temperature": temperature, "top_p": cfg.rollout.rollout_top_p if temperature else 1.0,
                 "max_tokens": cfg.rollout.rollout_max_response_len}
     router = job.servers.router_url.rsplit(":", 1)
     slime_args = argparse.Namespace(**{k: v for part in (cfg.train, cfg.rollout, cfg.buffer, cfg.servers)
-                                       for k, v in dataclasses.asdict(part).items()},
+                                       for k, v in to_flags(part).items()},
                                     sglang_router_ip=router[0].split("//")[-1], sglang_router_port=int(router[1]))
     return RolloutContext(rollout_id=rollout_id, config=cfg.rollout, proxy_url=job.proxy_url, proxy_api_key=job.proxy_key,
                           router_url=job.servers.router_url, hf_checkpoint=cfg.train.hf_checkpoint, sampling=sampling,
                           env=plugins.env, reward_fn=plugins.reward, evaluation=evaluation, slime_args=slime_args)
 
 
-async def run_rollout(cfg: JobConfig, ctx: RolloutContext, plugins: Plugins, tasks: list[Task]) -> list[Sample]:
+async def run_rollout(ctx: RolloutContext, plugins: Plugins, tasks: list[Task]) -> list[Sample]:
     """The rollout function's Samples, one per task, checked (the function is user code)."""
     samples = await plugins.rollout(ctx, tasks)
-    path = cfg.rollout.rollout_function_path
+    path = ctx.config.rollout_function_path
     if not isinstance(samples, list) or not all(isinstance(s, Sample) for s in samples):
         raise PluginError(f"--rollout-function-path {path}: expected a list of Samples, got {type(samples).__name__}")
     by_key = {(s.group_index, s.index): s for s in samples}
@@ -69,9 +70,9 @@ def phase_times(clock: dict[str, float]) -> dict[str, float]:
     return times
 
 
-def rollout_metrics(cfg: JobConfig, samples: list[Sample], trained: list[Sample]) -> dict[str, float]:
+def rollout_metrics(reward_key: str | None, samples: list[Sample], trained: list[Sample]) -> dict[str, float]:
     usable = [s for s in samples if s.status in USABLE]
-    rewards = [s.scalar_reward(cfg.train.reward_key) for s in usable]
+    rewards = [s.scalar_reward(reward_key) for s in usable]
     lengths = [s.response_length for s in usable]
     return {
         "rollout/reward_mean": sum(rewards) / len(rewards) if rewards else float("nan"),
@@ -87,9 +88,9 @@ def rollout_metrics(cfg: JobConfig, samples: list[Sample], trained: list[Sample]
     }
 
 
-async def sync_when_due(cfg: JobConfig, job: Job, rollout_id: int, clock: dict[str, float]) -> dict[str, float]:
-    """After training step ``rollout_id``: push the weights every ``--update-weights-interval`` steps."""
-    if (rollout_id + 1) % cfg.rollout.update_weights_interval:
+async def sync_when_due(interval: int, job: Job, rollout_id: int, clock: dict[str, float]) -> dict[str, float]:
+    """After training step ``rollout_id``: push the weights every ``interval`` (``--update-weights-interval``) steps."""
+    if (rollout_id + 1) % interval:
         return {}
     metrics = await job.sync_weights(rollout_id + 1)
     clock["synced"] = time.perf_counter()
@@ -112,16 +113,16 @@ async def buffer_metrics(job: Job) -> dict[str, float]:
         "buffer/groups_waiting": float(stats["groups"]["complete"])}
 
 
-def save_rollout_data(cfg: JobConfig, rollout_id: int, samples: list[Sample]) -> None:
-    """``--save-debug-rollout-data``: what this rollout trains on, one Sample per line (the
+def save_rollout_data(template: str | None, rollout_id: int, samples: list[Sample]) -> None:
+    """``--save-debug-rollout-data TEMPLATE``: what this rollout trains on, one Sample per line (the
     format ``--load-debug-rollout-data`` reads)."""
     import orjson
 
-    if not cfg.rollout.save_debug_rollout_data:
+    if not template:
         return
-    path = Path(cfg.rollout.save_debug_rollout_data.format(rollout_id=rollout_id))
+    path = Path(template.format(rollout_id=rollout_id))
     path.parent.mkdir(parents=True, exist_ok=True)
-    mode = "wb" if "{rollout_id}" in cfg.rollout.save_debug_rollout_data or rollout_id == 0 else "ab"
+    mode = "wb" if "{rollout_id}" in template or rollout_id == 0 else "ab"
     with path.open(mode) as out:
         out.writelines(orjson.dumps(s.to_json()) + b"\n" for s in samples)
 
@@ -129,12 +130,12 @@ def save_rollout_data(cfg: JobConfig, rollout_id: int, samples: list[Sample]) ->
 async def evaluate(cfg: JobConfig, job: Job, plugins: Plugins, rollout_id: int) -> dict[str, float]:
     """The rollout function on ``--eval-prompt-data`` at ``--eval-temperature`` (through no buffer:
     nothing here is trained on). A pass is a sample whose reward reaches 1, the graders' "correct"."""
-    records = read_prompts(cfg, cfg.rollout.eval_prompt_data)
+    records = read_prompts(cfg.buffer, cfg.rollout.eval_prompt_data)
     n = cfg.rollout.n_samples_per_eval_prompt
     tasks = [Task(lease_id="eval", group_index=i, index=i * n + j, prompt_index=i, prompt=r.prompt, label=r.label,
                   metadata=r.metadata, tools=r.tools) for i, r in enumerate(records) for j in range(n)]
-    samples = await run_rollout(cfg, context(cfg, job, plugins, rollout_id, evaluation=True), plugins, tasks)
-    rewards = [s.scalar_reward(cfg.train.reward_key) for s in samples if s.status != Sample.Status.FAILED]
+    samples = await run_rollout(context(cfg, job, plugins, rollout_id, evaluation=True), plugins, tasks)
+    rewards = [s.scalar_reward(cfg.train.loss.reward_key) for s in samples if s.status != Sample.Status.FAILED]
     mean = (lambda values: sum(values) / len(values) if values else float("nan"))
     return {"eval/reward_mean": mean(rewards), "eval/pass_rate": mean([float(r >= 1.0) for r in rewards]),
             "eval/failed": float(len(samples) - len(rewards))}

@@ -48,14 +48,14 @@ class SyncLoop:
             raise ServiceUnavailable("the buffer has no more tasks to lease (the dataset is exhausted: see --num-epoch)",
                                      url=job.buffer.base_url)
         clock["leased"] = time.perf_counter()
-        samples = await run_rollout(cfg, context(cfg, job, self.plugins, rollout_id), self.plugins, tasks)
+        samples = await run_rollout(context(cfg, job, self.plugins, rollout_id), self.plugins, tasks)
         clock["rolled_out"] = time.perf_counter()
         await job.buffer.submit(list(zip(tasks, samples)))
         batch = await job.buffer.next_batch(num_groups=cfg.rollout.rollout_batch_size, current_weight_version=rollout_id,
                                             max_weight_staleness=cfg.rollout.max_weight_staleness, allow_partial=True)
         clock["batched"] = time.perf_counter()
-        save_rollout_data(cfg, rollout_id, batch.samples)
-        metrics = rollout_metrics(cfg, samples, batch.samples)
+        save_rollout_data(cfg.rollout.save_debug_rollout_data, rollout_id, batch.samples)
+        metrics = rollout_metrics(cfg.train.loss.reward_key, samples, batch.samples)
         failed = [s for s in samples if s.status == Sample.Status.FAILED]
         if failed:
             logger.warning("rollout %d: %d of %d episodes failed (never trained on); the first: %s", rollout_id,
@@ -67,7 +67,7 @@ class SyncLoop:
             if cfg.rollout.colocate:
                 await job.all_servers("resume_memory_occupation")
             clock["trained"] = time.perf_counter()
-            metrics |= await sync_when_due(cfg, job, rollout_id, clock)
+            metrics |= await sync_when_due(cfg.rollout.update_weights_interval, job, rollout_id, clock)
         elif job.trainer is not None:  # every group failed or was filtered: nothing to learn, the weights stay
             logger.info("rollout %d: no group to train on; the policy stays at version %d", rollout_id, job.version)
             await job.trainer_call("skip", rollout_id)

@@ -46,15 +46,15 @@ class TrainActor:
 
         log_setup(f"train r{rank}")
         local = ray.get_gpu_ids()
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(cfg.world_size), MASTER_ADDR=address[0],
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(cfg.parallel.world_size), MASTER_ADDR=address[0],
                           MASTER_PORT=str(address[1]), LOCAL_RANK="0" if local else str(rank))
         if not torch.cuda.is_available():  # rollout and training alternate: a rank may use its share of the cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.world_size))
-        init_parallel(cfg)
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.parallel.world_size))
+        init_parallel(cfg.parallel, cfg.seed)
         self.cfg, self.rank = cfg, rank
         self.trainer = Trainer(cfg)
-        if cfg.load:
-            load_checkpoint(self.trainer, cfg.load)
+        if cfg.ckpt.load:
+            load_checkpoint(self.trainer, cfg.ckpt.load)
         freeze_startup_heap()
         return self.trainer.rollout_id
 
@@ -71,7 +71,7 @@ class TrainActor:
         from inverted.train.weight_sync import make_weight_sync
 
         if self.sync is None:
-            self.sync = make_weight_sync(self.cfg, urls)
+            self.sync = make_weight_sync(self.cfg.sync, self.cfg.hf_checkpoint, self.cfg.output_dir, urls)
         # A changed server set (a replaced server, or one new server getting the current weights)
         # reuses this sync and its buckets: the servers may still map the buckets' shared memory.
         self.sync.urls = list(urls)
@@ -97,20 +97,20 @@ class TrainActor:
 
 
 class TrainGroup:
-    """``cfg.world_size`` ``TrainActor``s in one placement group; call like a single trainer."""
+    """``cfg.parallel.world_size`` ``TrainActor``s in one placement group; call like a single trainer."""
 
     def __init__(self, cfg: TrainConfig, log_setup: Callable[[str], None], gpu_fraction: float = 1.0) -> None:
         import torch
 
         gpus = torch.cuda.is_available()
         bundle = {"GPU": 1, "CPU": 1} if gpus else {"CPU": 0.01}
-        self.group = placement_group([bundle] * cfg.world_size, strategy="PACK")
+        self.group = placement_group([bundle] * cfg.parallel.world_size, strategy="PACK")
         ray.get(self.group.ready())
         remote = ray.remote(TrainActor)
         self.actors = [remote.options(
             num_cpus=0.01 if not gpus else 1, num_gpus=gpu_fraction if gpus else 0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=rank),
-        ).remote() for rank in range(cfg.world_size)]
+        ).remote() for rank in range(cfg.parallel.world_size)]
         address = ray.get(self.actors[0].rendezvous.remote())
         self.rollout_id: int = ray.get([actor.setup.remote(cfg, rank, address, log_setup)
                                         for rank, actor in enumerate(self.actors)])[0]

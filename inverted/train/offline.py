@@ -9,7 +9,6 @@ object per rollout to ``OUT/metrics.jsonl`` (and TensorBoard), and checkpoints f
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from inverted.config import TrainConfig
+from inverted.config import TrainConfig, to_flags
 from inverted.errors import SampleError
 from inverted.types import Sample
 
@@ -51,9 +50,9 @@ def run_offline(cfg: TrainConfig) -> None:
     cfg.validate()
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+    (out / "config.yaml").write_text(yaml.safe_dump(to_flags(cfg), sort_keys=False))  # a --config file
     read_rollout_data(cfg.load_debug_rollout_data, 0)  # fail on unreadable data before any process starts
-    spawn(train_worker, cfg.world_size, cfg)
+    spawn(train_worker, cfg.parallel.world_size, cfg)
 
 
 def train_worker(cfg: TrainConfig) -> None:
@@ -64,13 +63,13 @@ def train_worker(cfg: TrainConfig) -> None:
     from inverted.train.parallel import init_parallel, shutdown_parallel
     from inverted.train.trainer import Trainer
 
-    init_parallel(cfg)
+    init_parallel(cfg.parallel, cfg.seed)
     rank = torch.distributed.get_rank()
     sink = build_metrics_sink(cfg.output_dir) if rank == 0 else None
     try:
         trainer = Trainer(cfg)
-        if cfg.load:
-            load_checkpoint(trainer, cfg.load)
+        if cfg.ckpt.load:
+            load_checkpoint(trainer, cfg.ckpt.load)
         for rollout_id in tqdm(range(trainer.rollout_id, cfg.num_rollout), desc="train", disable=rank != 0,
                                initial=trainer.rollout_id, total=cfg.num_rollout):
             metrics = trainer.train(read_rollout_data(cfg.load_debug_rollout_data, rollout_id))
@@ -80,8 +79,9 @@ def train_worker(cfg: TrainConfig) -> None:
                             metrics["train/loss"], metrics["train/reward_mean"], metrics["train/grad_norm"],
                             metrics["perf/train_tokens_per_s"])
             last = rollout_id + 1 == cfg.num_rollout
-            if cfg.save and (last or (cfg.save_interval and (rollout_id + 1) % cfg.save_interval == 0)):
-                save_checkpoint(trainer, cfg.save)
+            ckpt = cfg.ckpt
+            if ckpt.save and (last or (ckpt.save_interval and (rollout_id + 1) % ckpt.save_interval == 0)):
+                save_checkpoint(trainer, ckpt.save)
     finally:
         if sink is not None:
             sink.close()

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from inverted.config import TrainConfig
+from inverted.config import OptimConfig
 
 
 class CPUAdamW:
-    def __init__(self, cfg: TrainConfig, model: torch.nn.Module) -> None:
+    def __init__(self, cfg: OptimConfig, model: torch.nn.Module) -> None:
         decay, no_decay = [], []
         for name, param in model.named_parameters():
             if param.requires_grad:
@@ -61,15 +61,15 @@ class CPUAdamW:
         self.optimizer.load_state_dict(state)
 
 
-def build_optimizer(cfg: TrainConfig, ddp_model: torch.nn.Module):
+def build_optimizer(cfg: OptimConfig, ddp_model: torch.nn.Module, *, bf16: bool):
     if not torch.cuda.is_available():
         return CPUAdamW(cfg, ddp_model)
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     config = OptimizerConfig(
         optimizer="adam", lr=cfg.lr, min_lr=cfg.lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
-        adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad, bf16=cfg.bf16,
-        params_dtype=torch.bfloat16 if cfg.bf16 else torch.float32,
+        adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad, bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_distributed_optimizer=cfg.use_distributed_optimizer,
     )
     return get_megatron_optimizer(config, [ddp_model])

@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from inverted.config import TrainConfig
+from inverted.config import ParallelConfig
 
 
-def init_parallel(cfg: TrainConfig) -> None:
+def init_parallel(cfg: ParallelConfig, seed: int) -> None:
     cuda = torch.cuda.is_available()
     # Megatron warns at import that Apex and Transformer Engine are missing: expected off CUDA.
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed")
@@ -45,8 +45,8 @@ def init_parallel(cfg: TrainConfig) -> None:
             context_parallel_size=cfg.context_parallel_size,
             expert_model_parallel_size=cfg.expert_model_parallel_size,
         )
-    torch.manual_seed(cfg.seed)
-    model_parallel_cuda_manual_seed(cfg.seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
 
 
 def shutdown_parallel() -> None:

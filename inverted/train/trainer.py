@@ -126,9 +126,10 @@ class Trainer:
         self.cfg = cfg
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.spec = ModelSpec.from_checkpoint(cfg.hf_checkpoint)
-        check_compatible(self.spec, cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size)
-        self.parallel = Parallelism(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
-                                    cfg.context_parallel_size, cfg.expert_model_parallel_size)
+        layout = cfg.parallel
+        check_compatible(self.spec, layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size)
+        self.parallel = Parallelism(layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
+                                    layout.context_parallel_size, layout.expert_model_parallel_size)
         self.dtype = torch.bfloat16 if cfg.bf16 else torch.float32
         # Our PyTorch attention (not TE's) takes segments whose responses share their prompt.
         self.packed_attention = not use_transformer_engine()
@@ -137,13 +138,13 @@ class Trainer:
         hf_weights = checkpoint_tensors(cfg.hf_checkpoint)
         model = build_model(self.spec, self.parallel, self.dtype)
         load_hf_weights(model, self.spec, hf_weights)
-        self.distributed_optimizer = torch.cuda.is_available() and cfg.use_distributed_optimizer
+        self.distributed_optimizer = torch.cuda.is_available() and cfg.optim.use_distributed_optimizer
         self.model = DistributedDataParallel(
             model.config, DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=self.distributed_optimizer),
             model)
-        self.optimizer = build_optimizer(cfg, self.model)
-        self.reference = self._build_reference(hf_weights) if cfg.needs_reference else None
+        self.optimizer = build_optimizer(cfg.optim, self.model, bf16=cfg.bf16)
+        self.reference = self._build_reference(hf_weights) if cfg.loss.needs_reference else None
         self.rollout_id = 0  # rollouts trained on so far
         self.optimizer_steps = 0
 
@@ -199,7 +200,7 @@ class Trainer:
         """Response-token log-probs (and entropies) of one packed micro-batch from its logits, fp32, ``[R]``."""
         positions = mb.response_positions().to(logits.device)
         return token_logprobs_and_entropy(logits[positions], mb.response_targets().to(logits.device),
-                                          self.cfg.rollout_temperature, with_entropy)
+                                          self.cfg.loss.rollout_temperature, with_entropy)
 
     @torch.no_grad()
     def _no_grad_logprobs(self, model, mbs: list[MicroBatch]) -> dict[int, torch.Tensor]:
@@ -256,28 +257,28 @@ class Trainer:
         """Learn from one rollout's samples; returns this rollout's metrics (identical on every rank)."""
         from megatron.core.distributed import finalize_model_grads
 
-        cfg = self.cfg
+        cfg, loss = self.cfg, self.cfg.loss
         started = time.perf_counter()
         check_samples(samples, self.spec)
         plan = self._plan(samples)
         all_mbs = [mb for step in plan for mb in step.micro_batches]
         versions = [torch.tensor([version_number(v) for v in s.weight_versions], dtype=torch.int64) for s in samples]
         masks = [torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples]
-        if cfg.mask_offpolicy_in_partial_rollout:
+        if loss.mask_offpolicy_in_partial_rollout:
             masks = [m * (v == v.max()) if len(v) else m for m, v in zip(masks, versions)]
-        rewards = torch.tensor([s.scalar_reward(cfg.reward_key) for s in samples], dtype=torch.float32)
+        rewards = torch.tensor([s.scalar_reward(loss.reward_key) for s in samples], dtype=torch.float32)
 
         old_logp = self._no_grad_logprobs(self.model, all_mbs) if len(plan) > 1 else {}
         ref_logp = self._no_grad_logprobs(self.reference, all_mbs) if self.reference is not None else {}
         kl_reward = None
-        if cfg.kl_coef:
+        if loss.kl_coef:
             # KL as reward uses the policy that sampled (the rollout log-probs) against the reference.
             mine = {i: torch.tensor(samples[i].rollout_log_probs) - ref_logp[i].cpu() for i in ref_logp}
             gathered = self._gather_over_dp(mine)
             kl_reward = [gathered[i] for i in range(len(samples))]
         advantages = losses.compute_advantages(
-            cfg.advantage_estimator, rewards, [s.group_index for s in samples], masks, kl_reward, cfg.kl_coef,
-            cfg.gamma, std_normalize=not cfg.disable_grpo_std_normalization)
+            loss.advantage_estimator, rewards, [s.group_index for s in samples], masks, kl_reward, loss.kl_coef,
+            loss.gamma, std_normalize=not loss.disable_grpo_std_normalization)
 
         tokens = PerToken(
             mask=dict(enumerate(masks)), advantage=dict(enumerate(advantages)), old_logp=old_logp, ref_logp=ref_logp,
@@ -290,7 +291,7 @@ class Trainer:
         for step in plan:
             span = step.step_samples
             tokens.weight = {i: w.to(self.device) for i, w in zip(
-                span, losses.token_weights(cfg.loss_aggregation, masks[span.start:span.stop]))}
+                span, losses.token_weights(loss.loss_aggregation, masks[span.start:span.stop]))}
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
             reported += self._schedule(self.model, step.micro_batches, functools.partial(self._loss, tokens=tokens),
@@ -306,7 +307,7 @@ class Trainer:
         metrics = self._reduce_metrics(reported, steps=len(plan))
         metrics.update({
             "train/grad_norm": sum(grad_norms) / len(grad_norms), "train/optimizer_steps": float(len(plan)),
-            "train/reward_mean": float(rewards.mean()), "train/lr": cfg.lr,
+            "train/reward_mean": float(rewards.mean()), "train/lr": cfg.optim.lr,
             "train/offpolicy_masked_tokens": float(sum(s.loss_mask.count(1) for s in samples) - sum(m.sum() for m in masks)),
             "train/advantage_mean": float(torch.cat(advantages).mean()) if advantages else 0.0,
             "perf/train_tokens_per_s": sum(len(s.tokens) for s in samples) / (time.perf_counter() - started),
@@ -316,7 +317,7 @@ class Trainer:
 
     def _loss(self, mb: MicroBatch, logits: torch.Tensor, tokens: PerToken) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """One micro-batch's loss from its logits, and its statistics (device tensors, see ``LOSS_PARTS``)."""
-        cfg = self.cfg
+        cfg = self.cfg.loss
         mask, weight = tokens.take("mask", mb.indices), tokens.take("weight", mb.indices)
         adv, rollout = tokens.take("advantage", mb.indices), tokens.take("rollout_logp", mb.indices)
         staleness = tokens.take("staleness", mb.indices)

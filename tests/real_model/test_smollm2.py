@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from inverted.config import TrainConfig
+from inverted.config import TrainConfig, from_flags
 from inverted.errors import ModelError
 from inverted.hf_checkpoint import ModelSpec
 from inverted.train.convert import check_compatible
@@ -123,7 +123,7 @@ def test_the_reasoning_gym_episode_grades_the_finished_reply_through_the_real_pr
 
 def test_megatron_logits_equal_transformers(smollm2, hf, tmp_path):
     """Llama, tied embeddings, GQA 9/3: Megatron's forward of packed sequences equals transformers'."""
-    cfg = TrainConfig(hf_checkpoint=str(smollm2), max_tokens_per_gpu=8192, lr=1e-5)
+    cfg = from_flags(TrainConfig, hf_checkpoint=str(smollm2), max_tokens_per_gpu=8192, lr=1e-5)
     spawn(logits_and_step, 1, cfg, str(tmp_path / "out.pt"))
     result = torch.load(tmp_path / "out.pt")
     from tests.train.samples import make_samples
@@ -135,7 +135,7 @@ def test_megatron_tp3_equals_transformers_and_tp2_is_refused(smollm2, hf, tmp_pa
     """9 query and 3 key/value heads split three ways, not two: TP=2 is refused before any process starts."""
     with pytest.raises(ModelError, match="--tensor-model-parallel-size 2 does not divide the model's 9 attention heads"):
         check_compatible(ModelSpec.from_checkpoint(smollm2), 2)
-    cfg = TrainConfig(hf_checkpoint=str(smollm2), max_tokens_per_gpu=8192, lr=1e-5, tensor_model_parallel_size=3,
+    cfg = from_flags(TrainConfig, hf_checkpoint=str(smollm2), max_tokens_per_gpu=8192, lr=1e-5, tensor_model_parallel_size=3,
                       actor_num_gpus_per_node=3)
     spawn(logits_and_step, 3, cfg, str(tmp_path / "out.pt"))
     from tests.train.samples import make_samples
@@ -149,7 +149,7 @@ def test_after_a_grpo_step_and_a_sync_the_engine_scores_tokens_as_the_trainer_do
     probe = prompt_ids(smollm2) + [28, 1274, 216, 33, 2]
     from tests.train.samples import make_samples
 
-    cfg = TrainConfig(hf_checkpoint=str(smollm2), lr=1e-4, output_dir=str(tmp_path), update_weight_transport="tensor")
+    cfg = from_flags(TrainConfig, hf_checkpoint=str(smollm2), lr=1e-4, output_dir=str(tmp_path), update_weight_transport="tensor")
     spawn(step_and_sync, 1, cfg, make_samples(seed=3), [engine.url], probe, str(tmp_path / "out.pt"))
     trainer = torch.load(tmp_path / "out.pt", weights_only=False)["logprobs"]
     out = httpx.post(engine.url + "/generate", timeout=120, json={

@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from inverted.config import TrainConfig
+from inverted.config import TrainConfig, from_flags
 from inverted.errors import ModelError
 from inverted.hf_checkpoint import ModelSpec, checkpoint_tensors
 from inverted.train.convert import check_compatible, rows_for, to_hf, to_megatron
@@ -20,7 +20,7 @@ ARCHS = ["qwen2", "qwen3", "llama"]
 def test_logits_equal_transformers(arch, tiny_model, tmp_path):
     """Packed sequences, each group sharing its prompt in the row, match HF run one by one."""
     path = tiny_model(arch)
-    cfg = TrainConfig(hf_checkpoint=str(path), max_tokens_per_gpu=8192)
+    cfg = from_flags(TrainConfig, hf_checkpoint=str(path), max_tokens_per_gpu=8192)
     out = tmp_path / "tp1.pt"
     spawn(logits_and_step, 1, cfg, str(out))
     result = torch.load(out)
@@ -75,7 +75,7 @@ def test_tp2_equals_tp1(tiny_model, tmp_path):
     results = {}
     for tp in (1, 2):
         # adam_eps=1 makes the step nearly linear in the gradient, so equal weights mean equal gradients.
-        cfg = TrainConfig(hf_checkpoint=path, lr=1e-2, adam_eps=1.0, tensor_model_parallel_size=tp, actor_num_gpus_per_node=tp)
+        cfg = from_flags(TrainConfig, hf_checkpoint=path, lr=1e-2, adam_eps=1.0, tensor_model_parallel_size=tp, actor_num_gpus_per_node=tp)
         spawn(logits_and_step, tp, cfg, str(tmp_path / f"tp{tp}.pt"))
         results[tp] = torch.load(tmp_path / f"tp{tp}.pt")
     torch.testing.assert_close(results[2]["logits"], results[1]["logits"], rtol=0, atol=1e-5)

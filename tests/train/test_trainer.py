@@ -11,7 +11,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from inverted.config import TrainConfig
+from inverted.config import TrainConfig, from_flags
 from inverted.train.parallel import spawn
 from inverted.types import Sample
 from tests.train.samples import make_samples, write_jsonl
@@ -22,7 +22,7 @@ def test_dp2_equals_one_process_on_the_whole_batch(tiny_model, tmp_path):
     path = str(tiny_model("qwen2"))
     results = {}
     for ranks in (1, 2):
-        cfg = TrainConfig(hf_checkpoint=path, lr=1e-2, adam_eps=1.0, actor_num_gpus_per_node=ranks, max_tokens_per_gpu=24)
+        cfg = from_flags(TrainConfig, hf_checkpoint=path, lr=1e-2, adam_eps=1.0, actor_num_gpus_per_node=ranks, max_tokens_per_gpu=24)
         spawn(logits_and_step, ranks, cfg, str(tmp_path / f"dp{ranks}.pt"))
         results[ranks] = torch.load(tmp_path / f"dp{ranks}.pt")
     for name in ("train/loss", "train/entropy", "train/grad_norm", "train/loss_tokens"):
@@ -44,7 +44,7 @@ def test_tp2_pp2_equals_one_process_and_exports(tiny_model, tmp_path):
     samples = make_samples(seed=7)
     results = {}
     for tp, pp in ((1, 1), (2, 2)):
-        cfg = TrainConfig(hf_checkpoint=path, lr=1e-2, adam_eps=1.0, tensor_model_parallel_size=tp,
+        cfg = from_flags(TrainConfig, hf_checkpoint=path, lr=1e-2, adam_eps=1.0, tensor_model_parallel_size=tp,
                           pipeline_model_parallel_size=pp, actor_num_gpus_per_node=tp * pp, max_tokens_per_gpu=24,
                           global_batch_size=4, use_kl_loss=True, kl_loss_coef=0.1)
         spawn(logprobs_step_and_save, tp * pp, cfg, samples, str(tmp_path / f"ckpt{pp}"), str(tmp_path / f"{pp}.pt"))
@@ -73,7 +73,7 @@ def test_grpo_step_raises_the_rewarded_answer(tiny_model, tmp_path):
     for i, sample in enumerate(samples):
         sample.reward = 1.0 if i == 2 else 0.0
         sample.loss_mask = [1] * sample.response_length
-    cfg = TrainConfig(hf_checkpoint=str(tiny_model("qwen2")), lr=1e-3)
+    cfg = from_flags(TrainConfig, hf_checkpoint=str(tiny_model("qwen2")), lr=1e-3)
     spawn(grpo_step, 1, cfg, samples, str(tmp_path / "grpo.pt"))
     result = torch.load(tmp_path / "grpo.pt")
     gain = {i: float(result["after"][i].sum() - result["before"][i].sum()) for i in range(4)}
@@ -94,10 +94,10 @@ def test_per_token_versions_reach_the_loss(tiny_model, tmp_path):
     for sample in by_hand:
         sample.loss_mask = [m if v == "2" else 0 for m, v in zip(sample.loss_mask, sample.weight_versions)]
     path = str(tiny_model("qwen2"))
-    masked_cfg = TrainConfig(hf_checkpoint=path, lr=1e-2, mask_offpolicy_in_partial_rollout=True)
+    masked_cfg = from_flags(TrainConfig, hf_checkpoint=path, lr=1e-2, mask_offpolicy_in_partial_rollout=True)
     spawn(step_at_version, 1, masked_cfg, samples, 2, str(tmp_path / "masked.pt"))
-    spawn(step_at_version, 1, TrainConfig(hf_checkpoint=path, lr=1e-2), by_hand, 2, str(tmp_path / "by_hand.pt"))
-    spawn(step_at_version, 1, TrainConfig(hf_checkpoint=path, lr=1e-2), samples, 2, str(tmp_path / "all.pt"))
+    spawn(step_at_version, 1, from_flags(TrainConfig, hf_checkpoint=path, lr=1e-2), by_hand, 2, str(tmp_path / "by_hand.pt"))
+    spawn(step_at_version, 1, from_flags(TrainConfig, hf_checkpoint=path, lr=1e-2), samples, 2, str(tmp_path / "all.pt"))
     masked, manual, unmasked = (torch.load(tmp_path / f"{name}.pt") for name in ("masked", "by_hand", "all"))
 
     for name, tensor in manual["weights"].items():

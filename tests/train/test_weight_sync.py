@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 
-from inverted.config import TrainConfig
+from inverted.config import TrainConfig, from_flags
 from inverted.hf_checkpoint import checkpoint_tensors
 from inverted.train.parallel import spawn
 from inverted.train.weight_sync import DistributedTransport, WeightSync
@@ -44,7 +44,7 @@ CASES = [("tensor", 1), ("distributed", 1), ("disk", 1), ("tensor", 2), ("distri
 def test_after_a_step_and_a_sync_the_engines_score_tokens_as_the_trainer_does(servers, tiny_model, tmp_path, transport, tp):
     urls, router = servers
     before = [engine_logprobs(url)[0] for url in urls]
-    cfg = TrainConfig(hf_checkpoint=str(tiny_model("qwen2")), lr=3e-2, adam_eps=1.0, output_dir=str(tmp_path),
+    cfg = from_flags(TrainConfig, hf_checkpoint=str(tiny_model("qwen2")), lr=3e-2, adam_eps=1.0, output_dir=str(tmp_path),
                       update_weight_transport=transport, update_weight_buffer_size=1 << 20,
                       tensor_model_parallel_size=tp, actor_num_gpus_per_node=tp)
     samples = make_samples(seed=CASES.index((transport, tp)))  # each case moves the shared engines somewhere new
@@ -85,7 +85,7 @@ def test_a_grpo_loop_through_weight_sync_learns_and_stays_exactly_on_policy(proc
     """Generate -> train -> sync, 14 times: the engine always samples from the trainer's current weights
     (rollout and training log-probs agree to ~1e-7 at every step), and the policy learns the task."""
     url = procs.engine(tiny_model("qwen2"), "--random-seed", "1").url  # the same samples on every run
-    cfg = TrainConfig(hf_checkpoint=str(tiny_model("qwen2")), lr=3e-2, output_dir=str(tmp_path),
+    cfg = from_flags(TrainConfig, hf_checkpoint=str(tiny_model("qwen2")), lr=3e-2, output_dir=str(tmp_path),
                       update_weight_transport=transport, update_weight_buffer_size=1 << 20)
     spawn(grpo_loop, 1, cfg, url, 14, str(tmp_path / "loop.pt"))
     history = torch.load(tmp_path / "loop.pt")

@@ -14,7 +14,7 @@ def logits_and_step(cfg: TrainConfig, out: str) -> None:
     from inverted.train.parallel import init_parallel, shutdown_parallel
     from inverted.train.trainer import Trainer
 
-    init_parallel(cfg)
+    init_parallel(cfg.parallel, cfg.seed)
     try:
         trainer = Trainer(cfg)
         samples = make_samples(seed=7)
@@ -59,11 +59,11 @@ def step_and_sync(cfg: TrainConfig, samples, urls: list[str], probe: list[int], 
     from inverted.train.trainer import Trainer
     from inverted.train.weight_sync import make_weight_sync
 
-    init_parallel(cfg)
+    init_parallel(cfg.parallel, cfg.seed)
     try:
         trainer = Trainer(cfg)
         trainer.train(samples)
-        report = trainer.sync_weights(make_weight_sync(cfg, urls), "1")
+        report = trainer.sync_weights(make_weight_sync(cfg.sync, cfg.hf_checkpoint, cfg.output_dir, urls), "1")
         tokens = torch.tensor(probe)
         logits = full_logits(trainer, pack([probe], [len(probe) - 1], [0], len(probe))[0])
         logprobs = torch.log_softmax(logits.float(), dim=-1)[:-1].gather(1, tokens[1:, None])[:, 0]
@@ -78,7 +78,7 @@ def grpo_step(cfg: TrainConfig, samples, out: str) -> None:
     from inverted.train.parallel import init_parallel, shutdown_parallel
     from inverted.train.trainer import Trainer
 
-    init_parallel(cfg)
+    init_parallel(cfg.parallel, cfg.seed)
     try:
         trainer = Trainer(cfg)
         mbs = [mb for step in trainer._plan(samples) for mb in step.micro_batches]
@@ -95,7 +95,7 @@ def step_at_version(cfg: TrainConfig, samples, version: int, out: str) -> None:
     from inverted.train.parallel import init_parallel, shutdown_parallel
     from inverted.train.trainer import Trainer
 
-    init_parallel(cfg)
+    init_parallel(cfg.parallel, cfg.seed)
     try:
         trainer = Trainer(cfg)
         trainer.rollout_id = version
@@ -124,9 +124,9 @@ def grpo_loop(cfg: TrainConfig, url: str, steps: int, out: str) -> None:
     from inverted.train.weight_sync import make_weight_sync
     from inverted.types import Sample
 
-    init_parallel(cfg)
+    init_parallel(cfg.parallel, cfg.seed)
     try:
-        trainer, sync, rng = Trainer(cfg), make_weight_sync(cfg, [url]), random.Random(0)
+        trainer, sync, rng = Trainer(cfg), make_weight_sync(cfg.sync, cfg.hf_checkpoint, cfg.output_dir, [url]), random.Random(0)
         history = []
         for step in range(steps):
             prompts = [[rng.randrange(3, 1000) for _ in range(4)] for _ in range(16)]
@@ -157,7 +157,7 @@ def logprobs_step_and_save(cfg: TrainConfig, samples, save: str, out: str) -> No
     from inverted.train.parallel import init_parallel, shutdown_parallel
     from inverted.train.trainer import Trainer
 
-    init_parallel(cfg)
+    init_parallel(cfg.parallel, cfg.seed)
     try:
         trainer = Trainer(cfg)
         mbs = [mb for step in trainer._plan(samples) for mb in step.micro_batches]
@@ -177,7 +177,7 @@ def straight_and_resumed(cfg: TrainConfig, batches, save: str, out: str) -> None
     from inverted.train.parallel import init_parallel, shutdown_parallel
     from inverted.train.trainer import Trainer
 
-    init_parallel(cfg)
+    init_parallel(cfg.parallel, cfg.seed)
     try:
         straight = Trainer(cfg)
         start = {name: t.float().cpu() for name, t in straight.hf_weights().items()}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from inverted.config import TrainConfig
+from inverted.config import WeightSyncConfig
 from inverted.train.weight_sync.buckets import Bucket, BucketPacker
 from inverted.train.weight_sync.sync import SyncReport, WeightSync
 from inverted.train.weight_sync.transports import (
@@ -29,8 +29,10 @@ __all__ = ["Bucket", "BucketPacker", "DiskTransport", "DistributedTransport", "S
            "Transport", "WeightSync", "make_weight_sync"]
 
 
-def make_weight_sync(cfg: TrainConfig, urls: list[str], *, api_key: str | None = None) -> WeightSync:
-    """``--update-weight-transport auto``: tensor when every server is on this host, else distributed."""
+def make_weight_sync(cfg: WeightSyncConfig, hf_checkpoint: str, output_dir: str, urls: list[str], *,
+                     api_key: str | None = None) -> WeightSync:
+    """``--update-weight-transport auto``: tensor when every server is on this host, else distributed.
+    The disk transport writes under ``output_dir`` unless told where, beside ``hf_checkpoint``'s config."""
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     kind = cfg.update_weight_transport
     if kind == "auto":
@@ -40,7 +42,7 @@ def make_weight_sync(cfg: TrainConfig, urls: list[str], *, api_key: str | None =
     elif kind == "distributed":
         transport = DistributedTransport(device, timeout=cfg.update_weight_timeout)
     else:
-        transport = DiskTransport(device, cfg.update_weight_disk_dir or f"{cfg.output_dir}/weight_updates", cfg.hf_checkpoint)
-    checkpoint_dtype = json.loads((Path(cfg.hf_checkpoint) / "config.json").read_text()).get("torch_dtype")
+        transport = DiskTransport(device, cfg.update_weight_disk_dir or f"{output_dir}/weight_updates", hf_checkpoint)
+    checkpoint_dtype = json.loads((Path(hf_checkpoint) / "config.json").read_text()).get("torch_dtype")
     return WeightSync(transport, urls, buffer_size=cfg.update_weight_buffer_size, pause_mode=cfg.pause_mode,
                       api_key=api_key, checkpoint_dtype=checkpoint_dtype)
