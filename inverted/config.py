@@ -233,6 +233,7 @@ class EngineConfig:
     num_threads: int = option(0, "torch CPU threads (0: all cores)")
     random_seed: int | None = option(None, "seed for requests without sampling_seed (default: fresh per process, so engines differ)")
     log_requests: bool = option(False, "log every finished request (input ids, output ids, finish reason) as a JSON line")
+    max_request_bytes: int = option(64 * 1024**2, "largest request body accepted (larger ones get 413 unread)")
     weight_update_timeout: float = option(
         300.0, "seconds to wait for the trainer: joining a weight-update group, taking a broadcast, or between the "
                "calls of an update session (an idle session is then ended, so a dead trainer cannot stop generation)")
@@ -246,6 +247,7 @@ class EngineConfig:
         _require(self.context_length >= 0, "--context-length", self.context_length, ">= 0")
         _require(self.max_prefill_tokens >= 1, "--max-prefill-tokens", self.max_prefill_tokens, ">= 1")
         _require(self.num_threads >= 0, "--num-threads", self.num_threads, ">= 0")
+        _require(self.max_request_bytes >= 1, "--max-request-bytes", self.max_request_bytes, ">= 1")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -299,6 +301,8 @@ class BufferConfig:
     lease_seconds: float = option(600.0, "default lease length; an expired lease puts its task back")
     partial_rollout: bool = option(False, "keep aborted samples' tokens so the next lessee resumes them")
     stale_policy: Literal["drop", "retry"] = option("drop", "groups past --max-weight-staleness: drop, or sample again")
+    buffer_max_request_bytes: int = option(
+        256 * 1024**2, "largest request body accepted (a submission of Samples; larger ones get 413 unread)")
     dynamic_sampling_filter_path: str | None = option(
         None, "module:function(samples) -> bool keeping a complete group (built-in: "
               "inverted.buffer.filters:drop_all_equal_rewards)")
@@ -310,6 +314,7 @@ class BufferConfig:
         _require(self.num_epoch >= 0, "--num-epoch", self.num_epoch, ">= 0")
         _require(self.lease_seconds > 0, "--lease-seconds", self.lease_seconds, "> 0")
         _require(self.workers >= 1, "--workers", self.workers, ">= 1")
+        _require(self.buffer_max_request_bytes >= 1, "--buffer-max-request-bytes", self.buffer_max_request_bytes, ">= 1")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -327,6 +332,12 @@ class ProxyConfig:
                                           "(each keeps its version) instead of sampling it again")
     proxy_max_resumes: int = option(8, "aborts one call may survive before it fails with 503")
     proxy_max_turns: int = option(0, "turns per session (0: no limit); more get 409")
+    proxy_max_sessions: int = option(
+        16384, "sessions held at once, open or finished and kept for --proxy-retention; when full, the oldest "
+               "finished ones are forgotten first, and with only open ones left a new session gets 429")
+    proxy_max_session_tokens: int = option(
+        1 << 20, "tokens one session may record over all its branches; a call past it gets 400")
+    proxy_max_request_bytes: int = option(32 * 1024**2, "largest request body accepted (larger ones get 413 unread)")
     proxy_session_timeout: float = option(1800.0, "seconds idle before a session is finished (its samples are kept)")
     proxy_retention: float = option(3600.0, "seconds a finished session's samples stay readable")
     proxy_replay_retries: Literal["off", "header", "always"] = option(
@@ -344,6 +355,8 @@ class ProxyConfig:
         _require(self.context_length >= 0, "--context-length", self.context_length, ">= 0")
         _require(self.proxy_max_resumes >= 0, "--proxy-max-resumes", self.proxy_max_resumes, ">= 0")
         _require(self.proxy_max_turns >= 0, "--proxy-max-turns", self.proxy_max_turns, ">= 0")
+        for name in ("proxy_max_sessions", "proxy_max_session_tokens", "proxy_max_request_bytes"):
+            _require(getattr(self, name) >= 1, flag_name(name), getattr(self, name), ">= 1")
         _require(self.proxy_session_timeout > 0, "--proxy-session-timeout", self.proxy_session_timeout, "> 0")
         _require(self.proxy_generate_timeout > 0, "--proxy-generate-timeout", self.proxy_generate_timeout, "> 0")
 

@@ -10,8 +10,9 @@ formats) counts as shared, so the trainer's sender and the engine's receiver use
 and ``processes`` (children that die with their parent, ``ManagedProcess``, free ports, one app on
 several processes) counts as shared and may raise the tree's errors, so the rollout servers, the
 job's services and the buffer's workers start and watch children one way; and ``auth`` (the API-key
-rule, compared in constant time) counts as shared, so the engine, the proxy and the buffer check
-keys one way;
+rule, compared in constant time) and ``limits`` (what one request may cost: body size, text that
+cannot fit a context) count as shared, so the engine, the proxy and the buffer check keys and
+bound requests one way;
 and ``plugins`` may read ``config`` (the rollout function's context carries its config section);
 and ``placement`` (Ray's side of starting servers) sits beside the controller (a package of its
 own modules), which alone uses it, and the controller may read prompt datasets (``buffer.datasets``) to check them and to
@@ -29,7 +30,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "inverted"
 SHARED = ("inverted.types", "inverted.errors", "inverted.config", "inverted.plugins", "inverted.metrics",
           "inverted.http_client", "inverted.hf_checkpoint", "inverted.weight_wire", "inverted.processes",
-          "inverted.auth")
+          "inverted.auth", "inverted.limits")
 
 # module prefix -> prefixes it may import (besides itself); first match wins
 RULES: list[tuple[str, tuple[str, ...]]] = [
@@ -43,6 +44,7 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("inverted.weight_wire", ("inverted.errors",)),
     ("inverted.processes", ("inverted.errors",)),
     ("inverted.auth", ("inverted.errors",)),
+    ("inverted.limits", ()),
     ("inverted.cli", ("inverted",)),
     ("inverted.controller", SHARED + ("inverted.controller", "inverted.buffer.client", "inverted.buffer.datasets", "inverted.rollout.servers",
                                       "inverted.rollout.sglang_client", "inverted.rollout.proxy", "inverted.train.actor",

@@ -33,12 +33,14 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from starlette.exceptions import HTTPException
 
 from inverted.auth import require_key
 from inverted.buffer.datasets import load_prompts
 from inverted.buffer.store import SQLiteStore
 from inverted.config import BufferConfig
 from inverted.errors import LeaseConflict, SampleError, Unauthorized
+from inverted.limits import BodyLimit
 from inverted.plugins import load_plugin
 from inverted.processes import freeze_startup_heap, serve_workers
 from inverted.types import Sample, version_number
@@ -166,6 +168,12 @@ def create_app(config: BufferConfig) -> FastAPI:
             store.close()
 
     app = FastAPI(title="inverted Data Buffer", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=config.buffer_max_request_bytes)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:  # 404s, and 413 from BodyLimit
+        kind = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code, "http_error")
+        return _error(exc.status_code, str(exc.detail), kind)
 
     @app.exception_handler(SampleError)
     async def sample_error(_: Request, exc: SampleError) -> JSONResponse:

@@ -30,9 +30,10 @@ from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 import torch
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from inverted.auth import require_key
 from inverted.config import EngineConfig
@@ -44,6 +45,7 @@ from inverted.engine.scheduler import Scheduler, WeightLoad, new_rid
 from inverted.engine.weights import RecentBuckets, UpdateGroups, decode_tensor_payloads, read_checkpoint
 from inverted.errors import EngineError, InvalidRequest, ModelError, SchemaError, Unauthorized
 from inverted.hf_checkpoint import ARCHITECTURES
+from inverted.limits import BodyLimit, cannot_fit, max_token_chars
 from inverted.processes import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
@@ -62,6 +64,7 @@ class Engine:
         device = torch.device(config.device)
         dtype = DTYPES[config.dtype] if config.dtype != "auto" else (torch.float32 if device.type == "cpu" else torch.bfloat16)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.max_token_chars = max_token_chars(self.tokenizer)
         model = load_model(config.model, dtype, device)
         self.context_length = config.context_length or min(model.spec.max_position_embeddings, 4096)
         self.scheduler = Scheduler(
@@ -155,6 +158,7 @@ def create_app(config: EngineConfig) -> FastAPI:
             engine.groups.close()
 
     app = FastAPI(title="inverted embedded engine (SGLang protocol)", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     _add_error_handlers(app)
     _add_generate_routes(app)
     _add_control_routes(app)
@@ -208,8 +212,28 @@ async def _json_body(request: Request) -> Any:
     raw = await request.body()
     try:
         return json.loads(raw or b"null")
-    except ValueError as exc:  # json's own error
+    except (ValueError, RecursionError) as exc:  # json's own errors: malformed, or nested too deep
         raise RequestValidationError([{"loc": ("body",), "msg": f"malformed JSON: {exc}", "type": "json_invalid"}]) from None
+
+
+def _context_exceeded(engine: Engine, prompt_tokens: int, max_new_tokens: int) -> InvalidRequest:
+    return InvalidRequest(
+        f"Requested token count exceeds the model's maximum context length of {engine.context_length} tokens. "
+        f"You requested a total of {prompt_tokens + max_new_tokens} tokens: {prompt_tokens} tokens from the input "
+        f"messages and {max_new_tokens} tokens for the completion. Please reduce the number of tokens in the input "
+        "messages or the completion to fit within the limit.")
+
+
+def _check_text_lengths(engine: Engine, items: list[P.GenerateItem]) -> None:
+    """Refuse, by its length alone, a text that cannot fit the context: tokenizing it first could cost minutes."""
+    for item in items:
+        room = engine.context_length - item.params.max_new_tokens
+        if item.text is not None and cannot_fit(len(item.text), room, engine.max_token_chars):
+            raise InvalidRequest(
+                f"Requested token count exceeds the model's maximum context length of {engine.context_length} "
+                f"tokens. The input text has {len(item.text)} characters, more than the {room} tokens left after "
+                f"{item.params.max_new_tokens} for the completion can hold (one token covers at most "
+                f"{engine.max_token_chars} characters). Please shorten the input.")
 
 
 def _prepare(engine: Engine, item: P.GenerateItem) -> list[int]:
@@ -223,14 +247,8 @@ def _prepare(engine: Engine, item: P.GenerateItem) -> list[int]:
     vocab = engine.scheduler.model.spec.vocab_size
     if any(t < 0 or t >= vocab for t in ids):
         raise InvalidRequest(f"input_ids must be in [0, {vocab}): the model's vocabulary size is {vocab}.")
-    total = len(ids) + item.params.max_new_tokens
-    if total > engine.context_length:
-        raise InvalidRequest(
-            f"Requested token count exceeds the model's maximum context length of {engine.context_length} tokens. "
-            f"You requested a total of {total} tokens: {len(ids)} tokens from the input messages and "
-            f"{item.params.max_new_tokens} tokens for the completion. Please reduce the number of tokens in the "
-            "input messages or the completion to fit within the limit."
-        )
+    if len(ids) + item.params.max_new_tokens > engine.context_length:
+        raise _context_exceeded(engine, len(ids), item.params.max_new_tokens)
     if item.return_logprob and item.logprob_start_len > len(ids):
         raise InvalidRequest(f"logprob_start_len ({item.logprob_start_len}) is larger than the prompt ({len(ids)} tokens).")
     if item.rid in engine.inflight:
@@ -242,7 +260,11 @@ def _add_generate_routes(app: FastAPI) -> None:
     @app.api_route("/generate", methods=["POST", "PUT"], dependencies=[Depends(_require_key)])
     async def generate(request: Request, engine: EngineDep) -> Response:
         items, single, stream = P.parse_generate(await _json_body(request))
-        prompts = [_prepare(engine, item) for item in items]  # validate all before submitting any
+        _check_text_lengths(engine, items)
+        if any(item.text is not None for item in items):  # tokenizing is CPU work: off the event loop
+            prompts = await asyncio.to_thread(lambda: [_prepare(engine, item) for item in items])
+        else:
+            prompts = [_prepare(engine, item) for item in items]  # validate all before submitting any
         if len({i.rid for i in items}) != len(items):
             raise InvalidRequest("Duplicate request ID detected within the batch.")
         loop = asyncio.get_running_loop()

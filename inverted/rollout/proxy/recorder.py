@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from inverted.config import ProxyConfig
 from inverted.errors import InvalidRequest
+from inverted.limits import cannot_fit, max_token_chars
 from inverted.rollout.chat import ChatRenderer, Message, ParsedReply, TemplateBreak, ToolParser, tools_key
 from inverted.rollout.proxy import openai_api as api
 from inverted.rollout.proxy.generation import Sampled, sample_turn
@@ -82,12 +83,13 @@ class Recorder:
         self.config = config
         self.tokenizer = tokenizer
         self.renderer = ChatRenderer(tokenizer)
+        self.max_token_chars = max_token_chars(tokenizer)
         self.client = client
         self.parser = parser
         self.context_length = context_length
         self.model_name = model_name
         self.sessions = Sessions(idle_timeout=config.proxy_session_timeout, retention=config.proxy_retention,
-                                 max_turns=config.proxy_max_turns)
+                                 max_turns=config.proxy_max_turns, max_sessions=config.proxy_max_sessions)
         self.metrics = ProxyMetrics(self.sessions)
 
     # ---- placing and prompting -------------------------------------------------------------
@@ -111,22 +113,43 @@ class Recorder:
             return self.renderer.encode(req.prompt[size:])
         return self.renderer.bridge(req.messages[:size], req.messages[size:], req.tools, sampled)
 
-    def _open(self, session: Session, req: api.CallRequest) -> list[Choice]:
-        """Place every choice, append its prompt ids, and check the context; nothing is kept on error."""
+    def _check_length(self, req: api.CallRequest) -> None:
+        """Refuse, by its length alone, text that cannot fit the context: tokenizing 20 MB took 30 s."""
+        if req.kind == "text":
+            chars = len(req.prompt)
+        else:
+            chars = sum(len(m.content) + sum(len(c.arguments) for c in m.tool_calls) for m in req.messages)
+        room = self.context_length - (req.max_tokens or 1)
+        if cannot_fit(chars, room, self.max_token_chars):
+            raise InvalidRequest(
+                f"This model's maximum context length is {self.context_length} tokens. However, your messages hold "
+                f"{chars} characters, more than the {room} tokens left for them can hold (one token covers at most "
+                f"{self.max_token_chars} characters). Please reduce the length of the messages or completion.",
+                param="messages", code="context_length_exceeded")
+
+    async def _open(self, session: Session, req: api.CallRequest) -> list[Choice]:
+        """Place every choice, append its prompt ids, and check the context; nothing is kept on error.
+
+        Rendering and tokenizing run on a worker thread, so that other sessions' calls and
+        ``/health`` are served meanwhile; the caller holds the session's ``opening`` lock, so no
+        other call of this session places itself in between (a fork's branch is its own copy).
+        """
         incoming = self._incoming(req)
         first = session.place(incoming)
         if first.base_turn is None:
-            delta = self._fresh_prompt(req)
+            delta = await asyncio.to_thread(self._fresh_prompt, req)
         else:
             try:
-                delta = self._bridge(first, req)
+                delta = await asyncio.to_thread(self._bridge, first, req)
             except TemplateBreak:
                 self.metrics.template_breaks.inc()
                 first = Placement(Branch(), None, False, 0)
-                delta = self._fresh_prompt(req)
+                delta = await asyncio.to_thread(self._fresh_prompt, req)
+        session.check_open()  # it may have been finished while this call's prompt was tokenized
         base_len = len(first.branch.tokens)
         prompt_len = base_len + len(delta)
         self._check_context(prompt_len, req)
+        session.check_tokens(len(delta) + (0 if first.in_place else base_len), self.config.proxy_max_session_tokens)
         prompt = [m.to_template() for m in req.messages] if req.kind == "chat" else req.prompt
         choices: list[Choice] = []
         for index in range(req.n):
@@ -173,7 +196,7 @@ class Recorder:
     async def _complete(self, session: Session, req: api.CallRequest) -> dict[str, Any]:
         started = time.monotonic()
         call_id = _call_id(req.kind)
-        choices = self._start(session, req)
+        choices = await self._start(session, req)
 
         async def run(choice: Choice) -> None:
             async with aclosing(self._sample(req, choice, stream=False)) as updates:
@@ -200,7 +223,7 @@ class Recorder:
         """OpenAI stream chunks as tokens arrive (several choices interleaved), then the usage chunk."""
         started = time.monotonic()
         call_id = _call_id(req.kind)
-        choices = self._start(session, req)
+        choices = await self._start(session, req)
         model = req.model or self.model_name
         queue: asyncio.Queue[dict[str, Any] | BaseException | None] = asyncio.Queue()
 
@@ -240,10 +263,12 @@ class Recorder:
             self._settle(session, choices, succeeded)
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _start(self, session: Session, req: api.CallRequest) -> list[Choice]:
+    async def _start(self, session: Session, req: api.CallRequest) -> list[Choice]:
         session.check_open()
         session.touch()
-        return self._open(session, req)
+        self._check_length(req)
+        async with session.opening:
+            return await self._open(session, req)
 
     async def _sample(self, req: api.CallRequest, choice: Choice, *, stream: bool) -> AsyncIterator[Sampled]:
         """Sample one choice, yielding its growing state; when done, its sampled ids join the branch and

@@ -41,10 +41,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 from pydantic import BaseModel, ConfigDict, Field, FiniteFloat
+from starlette.exceptions import HTTPException
 
 from inverted.auth import key_matches, presented_key, require_key
 from inverted.config import ProxyConfig
 from inverted.errors import InvalidRequest, SampleError, ServiceError, Unauthorized
+from inverted.limits import BodyLimit
 from inverted.plugins import load_plugin
 from inverted.processes import freeze_startup_heap
 from inverted.rollout.proxy import openai_api as api
@@ -149,6 +151,7 @@ def _open_sessions(recorder: Recorder, bodies: list[CreateSessionRequest], reque
             templates.append(Sample.from_json(body.sample) if body.sample is not None else None)
         except SampleError as exc:
             raise InvalidRequest(f"{at}sample: {exc}", param=f"{at}sample") from None
+    recorder.sessions.make_room(len(bodies))
     base = str(request.base_url).rstrip("/")
     sessions = [recorder.sessions.create(body.metadata, body.sampling_params, template)
                 for body, template in zip(bodies, templates)]
@@ -161,7 +164,7 @@ async def _json(request: Request) -> tuple[Any, bytes]:
     raw = await request.body()
     try:
         return json.loads(raw), raw
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # malformed, or nested too deep for the parser
         raise InvalidRequest(f"We could not parse the JSON body of your request ({exc})", code="invalid_json") from None
 
 
@@ -250,6 +253,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
             await client.close()
 
     app = FastAPI(title="inverted proxy", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=config.proxy_max_request_bytes)
     app.state.config = config
     _add_error_handlers(app)
     _add_session_routes(app)
@@ -264,6 +268,12 @@ async def _sweep(recorder: Recorder) -> None:
 
 
 def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:  # 404s, and 413 from BodyLimit
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(api.error_body(str(exc.detail), type=kind, code=code), status_code=exc.status_code)
+
     @app.exception_handler(InvalidRequest)
     @app.exception_handler(ServiceError)
     async def known(request: Request, exc: Exception) -> JSONResponse:

@@ -20,6 +20,7 @@ This module is pure bookkeeping (no I/O, no FastAPI); ``service`` drives it.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import secrets
 import time
@@ -146,6 +147,7 @@ class Session:
         self.inflight = 0
         self.turns = 0
         self.replays: dict[str, Any] = {}
+        self.opening = asyncio.Lock()  # one call of this session at a time finds its place and tokenizes
 
     @property
     def finished(self) -> bool:
@@ -153,6 +155,14 @@ class Session:
 
     def touch(self) -> None:
         self.last_active = time.time()
+
+    def check_tokens(self, adding: int, limit: int) -> None:
+        """Refuse a call that would take this session's recorded tokens (all branches) past ``limit``."""
+        held = sum(len(branch.tokens) for branch in self.branches)
+        if held + adding > limit:
+            raise InvalidRequest(f"session {self.id} would record {held + adding} tokens over its branches, more than "
+                                 f"the {limit} one session may hold (--proxy-max-session-tokens); start a new session",
+                                 param="messages", code="session_too_large")
 
     def check_open(self) -> None:
         if self.finished:
@@ -236,13 +246,28 @@ class Session:
 class Sessions:
     """The live and recently finished sessions, by id and by token, with idle expiry."""
 
-    def __init__(self, *, idle_timeout: float, retention: float, max_turns: int = 0):
+    def __init__(self, *, idle_timeout: float, retention: float, max_turns: int = 0, max_sessions: int = 1 << 14):
         self.idle_timeout = idle_timeout
         self.retention = retention
         self.max_turns = max_turns
+        self.max_sessions = max_sessions
         self.by_id: dict[str, Session] = {}
         self.by_token: dict[str, Session] = {}
         self.counts = {"created": 0, "finished": 0, "expired": 0}
+
+    def make_room(self, count: int) -> None:
+        """Room for ``count`` new sessions within ``max_sessions``: the finished sessions kept longest
+        are forgotten first; if open ones alone fill it, 429 (``count`` opens all or none)."""
+        excess = len(self.by_id) + count - self.max_sessions
+        if excess <= 0:
+            return
+        finished = sorted((s for s in self.by_id.values() if s.finished), key=lambda s: s.last_active)
+        if len(finished) < excess:
+            raise InvalidRequest(f"the proxy holds its maximum of {self.max_sessions} sessions (--proxy-max-sessions), "
+                                 f"{len(self.by_id) - len(finished)} of them open: finish some, or retry later",
+                                 code="too_many_sessions", status=429)
+        for session in finished[:excess]:
+            del self.by_id[session.id], self.by_token[session.token]
 
     def create(self, metadata: dict[str, Any], overrides: dict[str, Any] | None = None,
                template: Sample | None = None) -> Session:

@@ -1,0 +1,95 @@
+"""What one request may cost: each of the three defects found under hostile load, and the body limits.
+
+Measured before the fix (tiny model, default flags): a 50 MB ``/generate`` text held the engine for
+two minutes and 9 GB, ``/health`` unanswered; a 20 MB chat message held the proxy for 29.5 s; and
+819,200 sessions were opened in 41 s with nothing to stop them.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+import httpx
+
+from tests.adversarial.conftest import (ADMIN_KEY, BUFFER_KEY, MAX_SESSIONS, PROXY_KEY, Beside,
+                                        declared_huge, health_latency, raw_request)
+
+HUGE_TEXT = "lorem ipsum " * (20_000_000 // 12)  # 20 MB: under every body limit, far over any context
+
+
+def test_the_engine_refuses_a_text_that_cannot_fit_by_its_length_and_keeps_answering(services):
+    url, auth = services.engine.url, {}
+    call = Beside(lambda: httpx.post(url + "/generate", json={"text": HUGE_TEXT, "sampling_params": {"max_new_tokens": 4}},
+                                     headers=auth, timeout=60))
+    latencies = call.health_while_running(url, timeout=10)
+    assert call.result.status_code == 400, call.result.text
+    assert "maximum context length of 256 tokens" in call.result.json()["error"]["message"]
+    assert max(latencies, default=0.0) < 1.0
+    fine = httpx.post(url + "/generate", json={"text": "hello", "sampling_params": {"max_new_tokens": 2}}, headers=auth)
+    assert fine.status_code == 200 and len(fine.json()["output_ids"]) == 2
+
+
+def test_the_proxy_refuses_a_message_that_cannot_fit_by_its_length_and_keeps_answering(services):
+    url = services.proxy.url
+    session = httpx.post(url + "/sessions", json={}, headers={"Authorization": f"Bearer {PROXY_KEY}"}).json()
+    body = {"model": "m", "messages": [{"role": "user", "content": HUGE_TEXT}], "max_tokens": 4}
+    call = Beside(lambda: httpx.post(session["base_url"] + "/chat/completions", json=body, timeout=60))
+    latencies = call.health_while_running(url, timeout=10)
+    assert call.result.status_code == 400, call.result.text
+    assert call.result.json()["error"]["code"] == "context_length_exceeded"
+    assert max(latencies, default=0.0) < 1.0
+    httpx.post(f"{url}/sessions/{session['session_id']}/finish", headers={"Authorization": f"Bearer {PROXY_KEY}"})
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read_in_each_service_s_own_error_shape(services):
+    for proc, path, key, shape in ((services.engine, "/update_weights_from_disk", ADMIN_KEY, {"object", "message", "type", "param", "code"}),
+                                   (services.proxy, "/sessions", PROXY_KEY, {"error"}),
+                                   (services.buffer, "/samples", BUFFER_KEY, {"error"})):
+        host = urlsplit(proc.url).netloc
+        status, body = raw_request(proc.url, declared_huge(path, host, f"Authorization: Bearer {key}\n"))
+        assert status == 413, (proc.name, body)
+        assert set(body) == shape, (proc.name, body)
+        assert health_latency(proc.url) < 1.0
+    # chunked: no length declared, refused once the bytes received pass the limit (32 MiB for the proxy)
+    chunk = b"x" * (1 << 20)
+    head = (f"POST /sessions HTTP/1.1\nHost: {urlsplit(services.proxy.url).netloc}\nTransfer-Encoding: chunked\n"
+            f"Authorization: Bearer {PROXY_KEY}\nContent-Type: application/json\n")
+    body = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(40)) + b"0\r\n\r\n"
+    status, answer = raw_request(services.proxy.url, head, body)
+    assert status == 413 and answer["error"]["code"] == "request_too_large"
+
+
+def test_sessions_are_capped_finished_ones_make_room_first(services):
+    url, admin = services.proxy.url, {"Authorization": f"Bearer {PROXY_KEY}"}
+    opened = []
+    while len(opened) < MAX_SESSIONS:
+        response = httpx.post(url + "/sessions", json={}, headers=admin)
+        if response.status_code == 429:
+            break
+        opened.append(response.json())
+    refused = httpx.post(url + "/sessions", json={}, headers=admin)
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "too_many_sessions"
+    batch = httpx.post(url + "/sessions/batch", json={"sessions": [{}, {}]}, headers=admin)
+    assert batch.status_code == 429  # all or none
+    assert httpx.post(f"{url}/sessions/{opened[0]['session_id']}/finish", headers=admin).status_code == 200
+    again = httpx.post(url + "/sessions", json={}, headers=admin)  # the finished one is forgotten for it
+    assert again.status_code == 200
+    assert httpx.get(f"{url}/sessions/{opened[0]['session_id']}", headers=admin).status_code == 404
+    for session in opened[1:] + [again.json()]:
+        httpx.post(f"{url}/sessions/{session['session_id']}/finish", headers=admin)
+
+
+def test_a_session_s_recorded_tokens_are_capped(services):
+    url, admin = services.proxy.url, {"Authorization": f"Bearer {PROXY_KEY}"}
+    session = httpx.post(url + "/sessions", json={}, headers=admin).json()
+    history, refused = [], None
+    for turn in range(40):  # each turn forks a new branch (a rewritten history) until the cap
+        history = [{"role": "user", "content": f"turn {turn}: " + "word " * 30}]
+        response = httpx.post(session["base_url"] + "/chat/completions",
+                              json={"model": "m", "messages": history, "max_tokens": 2})
+        if response.status_code != 200:
+            refused = response
+            break
+    assert refused is not None and refused.status_code == 400
+    assert refused.json()["error"]["code"] == "session_too_large"
+    httpx.post(f"{url}/sessions/{session['session_id']}/finish", headers=admin)
