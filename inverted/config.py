@@ -267,6 +267,8 @@ class ServersConfig:
     router_port: int = option(0, "router port (0: a free port)")
     startup_timeout: float = option(180.0, "seconds to wait for every process to become healthy")
     log_dir: str = option("runs/servers", "directory for the engines' and the router's logs")
+    admin_api_key: str | None = option(
+        None, "key every rollout server requires on its weight and control routes (inverted train sets a random one)")
 
     def __post_init__(self) -> None:
         _require(bool(self.hf_checkpoint), "--hf-checkpoint", self.hf_checkpoint, "a checkpoint directory")
@@ -596,7 +598,7 @@ class JobConfig:
         "buffer": {"db": _SET_BY_JOB, "host": "127.0.0.1", "port": 8600, "api_key": None, "workers": 1},
         "proxy": {"router_url": _SET_BY_JOB, "tokenizer": _SET_BY_JOB, "proxy_host": "127.0.0.1", "proxy_port": 8700,
                   "proxy_api_key": None},
-        "servers": {"log_dir": _SET_BY_JOB},
+        "servers": {"log_dir": _SET_BY_JOB, "admin_api_key": None},
     }
 
     def validate(self) -> None:

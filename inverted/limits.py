@@ -4,6 +4,9 @@
   own error shape: it is raised as an ``HTTPException`` where the app reads the body) as soon as the
   app starts to read it, from its ``Content-Length``, or for a chunked body as soon as the bytes
   received pass the limit: the service never reads or holds more than the limit of any request.
+- ``parse_json``: a large body's JSON parsed on a worker thread, so that requests beside it are
+  served meanwhile (measured with a 20 MB body refused again and again: ``/health`` p50 33 -> 5 ms
+  on the engine, p99 83 -> 45 ms on the proxy; ``bench/hostile_load.py``).
 - ``max_token_chars``: the most characters one token of a tokenizer stands for. Every character of
   a prompt's text is in some token, so a text of more than ``tokens × max_token_chars`` characters
   cannot fit ``tokens``, whatever it says; services refuse it by its length instead of tokenizing
@@ -12,6 +15,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +55,16 @@ class BodyLimit:
             return message
 
         await self.app(scope, counted_receive, send)
+
+
+OFF_LOOP_BYTES = 1 << 20  # below this, the thread hop costs more than the parse
+
+
+async def parse_json(raw: bytes) -> Any:
+    """``json.loads(raw)`` (raising what it raises), off the event loop for bodies over ``OFF_LOOP_BYTES``."""
+    if len(raw) < OFF_LOOP_BYTES:
+        return json.loads(raw)
+    return await asyncio.to_thread(json.loads, raw)
 
 
 def max_token_chars(tokenizer: Any) -> int:

@@ -55,7 +55,7 @@ FROZEN_FLAGS = {
               "--proxy-generate-timeout", "--log-level", "--proxy-max-sessions", "--proxy-max-session-tokens",
               "--proxy-max-request-bytes"},
     "servers": {"--config", "--hf-checkpoint", "--num-engines", "--engine-device", "--engine-max-running-requests",
-                "--engine-threads", "--router-host", "--router-port", "--startup-timeout", "--log-dir",
+                "--engine-threads", "--router-host", "--router-port", "--startup-timeout", "--log-dir", "--admin-api-key",
                 "--rollout-backend", "--rollout-num-gpus", "--rollout-num-gpus-per-engine"},
 }
 

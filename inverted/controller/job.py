@@ -83,13 +83,14 @@ def spawn_service(command: str, section: Any, run_dir: Path, url: str) -> Manage
 class Job:
     """Every running part of one ``inverted train``; ``async with Job(...)`` starts and stops them."""
 
-    def __init__(self, job: JobConfig, router_args: list[str], sglang_args: list[str], log_setup: Callable[[str], None]):
-        self.cfg, self.router_args, self.sglang_args, self.log_setup = job, router_args, sglang_args, log_setup
-        self.run_dir = Path(job.train.output_dir)
+    def __init__(self, cfg: JobConfig, router_args: list[str], sglang_args: list[str], log_setup: Callable[[str], None]):
+        self.cfg, self.router_args, self.sglang_args, self.log_setup = cfg, router_args, sglang_args, log_setup
+        self.run_dir = Path(cfg.train.output_dir)
         self.processes: list[ManagedProcess] = []
         self.trainer = None
         self.version = 0  # the weight version the servers hold (the trainer's step at its last sync)
         self._pushed_to: list[str] = []  # the servers of the latest weight update
+        self.engine_key = secrets.token_urlsafe(24)  # the rollout servers' admin key
         self.faults: Counter[str] = Counter(engine_deaths=0, engine_restarts=0)  # reported from the first row on
         self._trainer_lock = asyncio.Lock()
         self._heal_lock = asyncio.Lock()
@@ -116,7 +117,9 @@ class Job:
         if released := await self.buffer.release(WORKER_ID):  # tasks an earlier, killed run of this job held
             logger.info("gave %d tasks leased by an earlier run back to the buffer", released)
 
-        servers_cfg = dataclasses.replace(cfg.servers, log_dir=str(self.run_dir / "logs"))
+        # The servers' weight and control routes take only this key: nobody else on the network
+        # can change the weights they serve (SGLang shipped those routes open, and got a CVE for it).
+        servers_cfg = dataclasses.replace(cfg.servers, log_dir=str(self.run_dir / "logs"), admin_api_key=self.engine_key)
         gpus = cfg.servers.rollout_num_gpus_per_engine * (0.5 if cfg.rollout.colocate else 1.0)
         self.servers = RolloutServers(servers_cfg, self.router_args, self.sglang_args,
                                       launch=ray_launch(gpus if _has_cuda() else 0, cfg.rollout.ray_address is None))
@@ -186,7 +189,7 @@ class Job:
             # The servers are read under the lock: a replacement adopted while this update waited
             # for it (with the previous version's weights) must get this one too.
             self._pushed_to = self.servers.engine_urls
-            report = await asyncio.to_thread(self.trainer.sync_weights, self._pushed_to, version)
+            report = await asyncio.to_thread(self.trainer.sync_weights, self._pushed_to, version, self.engine_key)
             self.version = version
         return report
 
@@ -227,7 +230,7 @@ class Job:
         engine = await self.servers.start_engine()
         async with self._trainer_lock:  # no update may pass between its weights and its adoption
             if self.trainer is not None and self.version:
-                await asyncio.to_thread(self.trainer.sync_weights, [engine.url], self.version)
+                await asyncio.to_thread(self.trainer.sync_weights, [engine.url], self.version, self.engine_key)
             self.servers.adopt(engine)
         await self.servers.register(engine)
         self.faults["engine_restarts"] += 1
@@ -238,7 +241,7 @@ class Job:
 
     async def all_servers(self, method: str) -> None:
         async def call(url: str) -> None:
-            async with SGLangClient(url) as client:
+            async with SGLangClient(url, api_key=self.engine_key) as client:
                 await getattr(client, method)()
         await asyncio.gather(*(call(url) for url in self.servers.engine_urls))
 

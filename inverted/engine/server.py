@@ -45,7 +45,7 @@ from inverted.engine.scheduler import Scheduler, WeightLoad, new_rid
 from inverted.engine.weights import RecentBuckets, UpdateGroups, decode_tensor_payloads, read_checkpoint
 from inverted.errors import EngineError, InvalidRequest, ModelError, SchemaError, Unauthorized
 from inverted.hf_checkpoint import ARCHITECTURES
-from inverted.limits import BodyLimit, cannot_fit, max_token_chars
+from inverted.limits import BodyLimit, cannot_fit, max_token_chars, parse_json
 from inverted.processes import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
@@ -211,7 +211,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 async def _json_body(request: Request) -> Any:
     raw = await request.body()
     try:
-        return json.loads(raw or b"null")
+        return await parse_json(raw or b"null")
     except (ValueError, RecursionError) as exc:  # json's own errors: malformed, or nested too deep
         raise RequestValidationError([{"loc": ("body",), "msg": f"malformed JSON: {exc}", "type": "json_invalid"}]) from None
 

@@ -65,13 +65,15 @@ class TrainActor:
         """A rollout with nothing to train on still counts, so checkpoints and resumes stay in step."""
         self.trainer.rollout_id = rollout_id + 1
 
-    def sync_weights(self, urls: list[str], version: str) -> dict[str, Any] | None:
+    def sync_weights(self, urls: list[str], version: str, api_key: str | None = None) -> dict[str, Any] | None:
+        """``api_key``: the servers' admin key (their weight routes need it)."""
         import dataclasses
 
         from inverted.train.weight_sync import make_weight_sync
 
         if self.sync is None:
-            self.sync = make_weight_sync(self.cfg.sync, self.cfg.hf_checkpoint, self.cfg.output_dir, urls)
+            self.sync = make_weight_sync(self.cfg.sync, self.cfg.hf_checkpoint, self.cfg.output_dir, urls,
+                                         api_key=api_key)
         # A changed server set (a replaced server, or one new server getting the current weights)
         # reuses this sync and its buckets: the servers may still map the buckets' shared memory.
         self.sync.urls = list(urls)
@@ -125,8 +127,8 @@ class TrainGroup:
     def skip(self, rollout_id: int) -> None:
         self._all("skip", rollout_id)
 
-    def sync_weights(self, urls: list[str], version: int) -> dict[str, Any] | None:
-        return self._all("sync_weights", urls, str(version))
+    def sync_weights(self, urls: list[str], version: int, api_key: str | None = None) -> dict[str, Any] | None:
+        return self._all("sync_weights", urls, str(version), api_key)
 
     def save(self, root: str) -> str:
         return self._all("save", root)

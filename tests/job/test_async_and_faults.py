@@ -23,6 +23,8 @@ import time
 from contextlib import closing
 from pathlib import Path
 
+import httpx
+
 from envs import long_tail
 from envs.datasets import write_dataset
 from inverted.types import Sample, version_number
@@ -218,6 +220,11 @@ def test_a_killed_engine_is_replaced_with_the_current_weights(tiny_model, tmp_pa
         assert len(engines) == 2
         # Ray starts its workers at nice 15; the engines it launches must run at the job's priority.
         assert {os.getpriority(os.PRIO_PROCESS, pid) for pid in engines} == {os.getpriority(os.PRIO_PROCESS, job.pid)}
+        # Their weight and control routes take only the job's own key (the weight syncs below used it).
+        argv = Path(f"/proc/{engines[1]}/cmdline").read_bytes().split(b"\0")
+        url = f"http://127.0.0.1:{int(argv[argv.index(b'--port') + 1])}"
+        assert b"--admin-api-key" in argv
+        assert httpx.post(url + "/update_weights_from_disk", json={"model_path": str(model)}).status_code == 401
         os.kill(engines[0], signal.SIGKILL)
         finish(job, log)
     finally:

@@ -46,7 +46,7 @@ from starlette.exceptions import HTTPException
 from inverted.auth import key_matches, presented_key, require_key
 from inverted.config import ProxyConfig
 from inverted.errors import InvalidRequest, SampleError, ServiceError, Unauthorized
-from inverted.limits import BodyLimit
+from inverted.limits import BodyLimit, parse_json
 from inverted.plugins import load_plugin
 from inverted.processes import freeze_startup_heap
 from inverted.rollout.proxy import openai_api as api
@@ -163,7 +163,7 @@ async def _json(request: Request) -> tuple[Any, bytes]:
     """The parsed body and its raw bytes (which key retried calls for replay)."""
     raw = await request.body()
     try:
-        return json.loads(raw), raw
+        return await parse_json(raw), raw
     except (ValueError, RecursionError) as exc:  # malformed, or nested too deep for the parser
         raise InvalidRequest(f"We could not parse the JSON body of your request ({exc})", code="invalid_json") from None
 

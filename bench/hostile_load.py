@@ -1,0 +1,163 @@
+"""What a hostile request costs everyone else: ``/health`` latency while a service refuses it. Prints JSON.
+
+One embedded engine behind the real sgl-router and a proxy in front, default flags (tiny model):
+
+* **idle**: ``/health`` latency with nothing else running (the baseline of the same run);
+* **engine_text**: while ``/generate`` is sent a ``--text-mb`` MB text, again and again (refused by its
+  length before it is tokenized; before that bound it held the engine two minutes);
+* **proxy_text**: while a session is sent a ``--text-mb`` MB chat message (refused by its length;
+  before, 29.5 s of tokenizing on the event loop);
+* **engine_body** / **proxy_body**: while each is sent ``--body-mb`` MB bodies, over its body limit
+  (413 from the declared length, unread);
+* **sessions**: the proxy's RSS empty, then holding ``--max-sessions`` sessions (the cap), then after
+  as many again were refused with 429.
+
+The figure of merit is each arm's p99 ``/health`` latency over the idle one (a ratio: the machine's
+speed cancels out), with the refusals' own latency beside it.
+
+    python bench/hostile_load.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from inverted.config import TinyModelConfig  # noqa: E402
+from inverted.processes import ManagedProcess, free_port  # noqa: E402
+from inverted.tiny_model import make_tiny_model  # noqa: E402
+
+
+def start(model: Path, log_dir: Path, max_sessions: int) -> dict[str, ManagedProcess]:
+    py, ports = sys.executable, {name: free_port() for name in ("engine", "router", "proxy")}
+    url = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
+    engine = ManagedProcess.spawn("engine", [py, "-m", "inverted.cli", "serve-engine", "--model", str(model), "--port",
+                                             str(ports["engine"])], log_dir / "engine.log", url["engine"])
+    engine.wait_healthy(180)
+    router = ManagedProcess.spawn("router", [py, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port",
+                                             str(ports["router"]), "--prometheus-port", str(free_port()),
+                                             "--worker-urls", engine.url, "--log-level", "warn"],
+                                  log_dir / "router.log", url["router"])
+    router.wait_healthy(60, "/readiness")
+    proxy = ManagedProcess.spawn("proxy", [py, "-m", "inverted.cli", "proxy", "--router-url", router.url, "--tokenizer",
+                                           str(model), "--proxy-port", str(ports["proxy"]), "--proxy-max-sessions",
+                                           str(max_sessions)], log_dir / "proxy.log", url["proxy"])
+    proxy.wait_healthy(60)
+    return {"engine": engine, "router": router, "proxy": proxy}
+
+
+def attack(url: str, body: bytes, stop, results) -> None:
+    """In its own process (so that the probe's latency is the server's, not this client's GIL):
+    post ``body`` again and again until ``stop``; report (seconds, status) of each."""
+    with httpx.Client(timeout=300) as http:
+        while not stop.is_set():
+            started = time.perf_counter()
+            try:
+                status = http.post(url, content=body, headers={"content-type": "application/json"}).status_code
+            except httpx.TransportError:  # answered 413 and closed before the whole body was sent
+                status = 413
+            results.put((time.perf_counter() - started, status))
+
+
+def health_while(url: str, seconds: float, target: str | None = None, body: bytes = b"") -> dict[str, float]:
+    """``/health`` latencies for ``seconds``, alone or while another process posts ``body`` to ``target``."""
+    context = multiprocessing.get_context("spawn")
+    stop, results = context.Event(), context.Queue()
+    attacker = context.Process(target=attack, args=(target, body, stop, results), daemon=True) if target else None
+    if attacker:
+        attacker.start()
+        time.sleep(1.0)  # the attacker's interpreter starting is not the server's cost
+    latencies = []
+    deadline = time.monotonic() + seconds
+    with httpx.Client(timeout=120) as http:
+        while time.monotonic() < deadline:
+            started = time.perf_counter()
+            http.get(url + "/health")
+            latencies.append(time.perf_counter() - started)
+            time.sleep(0.01)
+    stop.set()
+    refusals = []
+    if attacker:
+        attacker.join(300)
+        while not results.empty():
+            refusals.append(results.get())
+    latencies.sort()
+    out = {"health_p50_ms": 1e3 * statistics.median(latencies), "health_p99_ms": 1e3 * latencies[int(len(latencies) * 0.99)],
+           "health_max_ms": 1e3 * latencies[-1], "probes": len(latencies)}
+    if refusals:
+        out |= {"refusals": len(refusals), "statuses": sorted({s for _, s in refusals}),
+                "refusal_median_s": statistics.median(t for t, _ in refusals)}
+    return out
+
+
+def rss_mb(proc: ManagedProcess) -> float:
+    for line in Path(f"/proc/{proc.popen.pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+def sessions_arm(proxy: ManagedProcess, cap: int) -> dict[str, float]:
+    before = rss_mb(proxy)
+    opened = refused = 0
+    with httpx.Client(timeout=60) as http:
+        while opened < cap:
+            response = http.post(proxy.url + "/sessions/batch", json={"sessions": [{}] * min(128, cap - opened)})
+            if response.status_code != 200:
+                break
+            opened += len(response.json()["sessions"])
+        full = rss_mb(proxy)
+        for _ in range(max(1, cap // 128)):
+            refused += http.post(proxy.url + "/sessions/batch", json={"sessions": [{}] * 128}).status_code == 429
+    return {"cap": cap, "opened": opened, "batches_refused_429": refused, "rss_empty_mb": before,
+            "rss_at_cap_mb": full, "rss_after_refusals_mb": rss_mb(proxy), "kb_per_session": 1024 * (full - before) / max(opened, 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="models/tiny-qwen2", help="checkpoint (made if missing)")
+    parser.add_argument("--seconds", type=float, default=10.0, help="length of each arm")
+    parser.add_argument("--text-mb", type=float, default=20.0, help="prompt text under the body limits")
+    parser.add_argument("--body-mb", type=float, default=100.0, help="a body over every default limit")
+    parser.add_argument("--max-sessions", type=int, default=16384)
+    args = parser.parse_args()
+    model = Path(args.model)
+    if not (model / "config.json").exists():
+        make_tiny_model(TinyModelConfig(out=str(model), arch="qwen2", preset="tiny"))
+    log_dir = Path("runs/bench/hostile")
+    procs = start(model, log_dir, args.max_sessions)
+    try:
+        engine, proxy = procs["engine"].url, procs["proxy"].url
+        text = "lorem ipsum " * int(args.text_mb * 1e6 / 12)
+        session = httpx.post(proxy + "/sessions", json={}).json()
+        engine_text = json.dumps({"text": text, "sampling_params": {"max_new_tokens": 4}}).encode()
+        proxy_text = json.dumps({"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 4}).encode()
+        body = b'{"text": "' + b"x" * int(args.body_mb * 1e6) + b'"}'
+        result = {"idle_engine": health_while(engine, args.seconds), "idle_proxy": health_while(proxy, args.seconds)}
+        chat = session["base_url"] + "/chat/completions"
+        result["engine_text"] = health_while(engine, args.seconds, engine + "/generate", engine_text)
+        result["proxy_text"] = health_while(proxy, args.seconds, chat, proxy_text)
+        result["engine_body"] = health_while(engine, args.seconds, engine + "/generate", body)
+        result["proxy_body"] = health_while(proxy, args.seconds, chat, body)
+        for arm, idle in (("engine_text", "idle_engine"), ("engine_body", "idle_engine"), ("proxy_text", "idle_proxy"),
+                          ("proxy_body", "idle_proxy")):
+            result[arm]["p99_over_idle"] = result[arm]["health_p99_ms"] / result[idle]["health_p99_ms"]
+        result["sessions"] = sessions_arm(procs["proxy"], args.max_sessions)
+        result["config"] = vars(args)
+        print(json.dumps(result, indent=2))
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+
+
+if __name__ == "__main__":
+    main()
