@@ -32,27 +32,10 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.proxy_overhead import start_stack  # noqa: E402
 from inverted.config import TinyModelConfig  # noqa: E402
-from inverted.processes import ManagedProcess, free_port  # noqa: E402
+from inverted.processes import ManagedProcess  # noqa: E402
 from inverted.tiny_model import make_tiny_model  # noqa: E402
-
-
-def start(model: Path, log_dir: Path, max_sessions: int) -> dict[str, ManagedProcess]:
-    py, ports = sys.executable, {name: free_port() for name in ("engine", "router", "proxy")}
-    url = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
-    engine = ManagedProcess.spawn("engine", [py, "-m", "inverted.cli", "serve-engine", "--model", str(model), "--port",
-                                             str(ports["engine"])], log_dir / "engine.log", url["engine"])
-    engine.wait_healthy(180)
-    router = ManagedProcess.spawn("router", [py, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port",
-                                             str(ports["router"]), "--prometheus-port", str(free_port()),
-                                             "--worker-urls", engine.url, "--log-level", "warn"],
-                                  log_dir / "router.log", url["router"])
-    router.wait_healthy(60, "/readiness")
-    proxy = ManagedProcess.spawn("proxy", [py, "-m", "inverted.cli", "proxy", "--router-url", router.url, "--tokenizer",
-                                           str(model), "--proxy-port", str(ports["proxy"]), "--proxy-max-sessions",
-                                           str(max_sessions)], log_dir / "proxy.log", url["proxy"])
-    proxy.wait_healthy(60)
-    return {"engine": engine, "router": router, "proxy": proxy}
 
 
 def attack(url: str, body: bytes, stop, results) -> None:
@@ -134,7 +117,7 @@ def main() -> None:
     if not (model / "config.json").exists():
         make_tiny_model(TinyModelConfig(out=str(model), arch="qwen2", preset="tiny"))
     log_dir = Path("runs/bench/hostile")
-    procs = start(model, log_dir, args.max_sessions)
+    procs = start_stack(model, log_dir, proxy_args=("--proxy-max-sessions", str(args.max_sessions)))
     try:
         engine, proxy = procs["engine"].url, procs["proxy"].url
         text = "lorem ipsum " * int(args.text_mb * 1e6 / 12)

@@ -111,12 +111,14 @@ async def run_arm(name: str, urls: dict[str, str], renderer: ChatRenderer, args)
             "p50_s": latencies[len(latencies) // 2], "p99_s": latencies[int(len(latencies) * 0.99)]}
 
 
-def start_stack(model: Path, log_dir: Path, threads: int) -> dict[str, ManagedProcess]:
+def start_stack(model: Path, log_dir: Path, *, engine_args: tuple[str, ...] = (),
+                proxy_args: tuple[str, ...] = ()) -> dict[str, ManagedProcess]:
+    """An embedded engine, the real sgl-router in front of it and a proxy in front of that."""
     py = sys.executable
     ports = {name: free_port() for name in ("engine", "router", "proxy")}
     url = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
     engine = ManagedProcess.spawn("engine", [py, "-m", "inverted.cli", "serve-engine", "--model", str(model), "--port",
-                                             str(ports["engine"]), "--num-threads", str(threads)],
+                                             str(ports["engine"]), *engine_args],
                                   log_dir / "engine.log", url["engine"])
     engine.wait_healthy(180)
     router = ManagedProcess.spawn("router", [py, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port",
@@ -125,7 +127,7 @@ def start_stack(model: Path, log_dir: Path, threads: int) -> dict[str, ManagedPr
                                   log_dir / "router.log", url["router"])
     router.wait_healthy(60, "/readiness")
     proxy = ManagedProcess.spawn("proxy", [py, "-m", "inverted.cli", "proxy", "--router-url", router.url,
-                                           "--tokenizer", str(model), "--proxy-port", str(ports["proxy"])],
+                                           "--tokenizer", str(model), "--proxy-port", str(ports["proxy"]), *proxy_args],
                                  log_dir / "proxy.log", url["proxy"])
     proxy.wait_healthy(60)
     return {"engine": engine, "router": router, "proxy": proxy}
@@ -148,7 +150,7 @@ def main() -> None:
     model = Path(args.model)
     if not (model / "config.json").exists():
         make_tiny_model(TinyModelConfig(out=str(model), preset=args.preset))
-    procs = start_stack(model, Path(args.log_dir), args.threads)
+    procs = start_stack(model, Path(args.log_dir), engine_args=("--num-threads", str(args.threads)))
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(model))
     urls = {name: proc.url for name, proc in procs.items()}
     try:
