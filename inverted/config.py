@@ -260,6 +260,8 @@ class ServersConfig:
     num_engines: int = option(2, "rollout servers to start")
     rollout_num_gpus: int = option(0, "GPUs for real SGLang servers (0: --num-engines x --rollout-num-gpus-per-engine)")
     rollout_num_gpus_per_engine: int = option(1, "GPUs per real SGLang server (its tensor parallelism)")
+    rollout_node_resource: str | None = option(
+        None, "a Ray custom resource (ray start --resources) that only the rollout nodes offer: the servers go there")
     engine_device: Literal["cpu", "cuda"] = option("cpu", "device of the embedded engines")
     engine_max_running_requests: int = option(64, "--max-running-requests of each engine")
     engine_threads: int = option(0, "torch threads per engine (0: cores divided among the engines)")
@@ -431,6 +433,8 @@ class ParallelConfig:
     expert_model_parallel_size: int = option(1, "Megatron expert parallelism")
     actor_num_nodes: int = option(1, "training nodes")
     actor_num_gpus_per_node: int = option(1, "training processes per node (GPUs; CPU processes without CUDA)")
+    actor_node_resource: str | None = option(
+        None, "a Ray custom resource (ray start --resources) that only the training nodes offer: the ranks go there")
 
     def __post_init__(self) -> None:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from pathlib import Path
 
 import ray
@@ -78,7 +79,10 @@ class RayServer:
         self._call("check_alive")
 
     def tail(self, lines: int = 30) -> str:
-        return self._call("tail", lines)
+        try:
+            return self._call("tail", lines)
+        except ServiceUnavailable as exc:  # the log was on its node, which may be gone with it
+            return f"(no log tail: {exc})"
 
     def wait_healthy(self, timeout: float, path: str = "/health") -> None:
         self._call("wait_healthy", timeout, path)
@@ -91,14 +95,35 @@ class RayServer:
         ray.kill(self.actor)
 
 
-def _launch(num_gpus: float, loopback: bool, name: str, argv_for: ArgvFor, log_path: Path, env: dict[str, str]) -> RayServer:
-    # No CPU reservation: servers mostly wait on I/O or a GPU, and a whole core each would make
-    # small machines unschedulable.
-    actor = ray.remote(ServerActor).options(num_cpus=0, num_gpus=num_gpus).remote()
-    url = ray.get(actor.start.remote(name, argv_for, str(log_path), env, loopback))
-    return RayServer(actor, name, url)
+def node_resource(name: str | None) -> dict[str, float]:
+    """What an actor asks of a node that must offer the custom resource ``name`` (a sliver, so any
+    number of actors fit on a node that offers one unit)."""
+    return {name: 0.001} if name else {}
 
 
-def ray_launch(num_gpus_per_server: float, loopback: bool) -> Launch:
-    """A ``Launch`` that starts each server in its own Ray actor (``loopback``: bind 127.0.0.1)."""
-    return functools.partial(_launch, num_gpus_per_server, loopback)
+def _launch(num_gpus: float, loopback: bool, resource: str | None, timeout: float, name: str, argv_for: ArgvFor,
+            log_path: Path, env: dict[str, str]) -> RayServer:
+    """Start the server in an actor on a node Ray picks; an actor lost with its node is started again,
+    until ``timeout`` seconds have passed without a node that takes it."""
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        # No CPU reservation: servers mostly wait on I/O or a GPU, and a whole core each would make
+        # small machines unschedulable.
+        actor = ray.remote(ServerActor).options(num_cpus=0, num_gpus=num_gpus, resources=node_resource(resource)).remote()
+        try:
+            url = ray.get(actor.start.remote(name, argv_for, str(log_path), env, loopback), timeout=left)
+            return RayServer(actor, name, url)
+        except ray.exceptions.RayActorError as exc:  # its node died under it (one Ray has not yet marked dead)
+            logger.warning("%s: its Ray actor died while starting (%s); placing it again", name, exc)
+        except ray.exceptions.GetTimeoutError:
+            ray.kill(actor)
+            break
+    wants = f"{num_gpus:g} GPUs" + (f" and the resource {resource!r} (--rollout-node-resource)" if resource else "")
+    raise ServiceUnavailable(f"no Ray node took rollout server {name} within {timeout:.0f}s: it needs {wants}; "
+                             f"the cluster has {ray.available_resources()} free")
+
+
+def ray_launch(num_gpus_per_server: float, loopback: bool, resource: str | None = None, timeout: float = 180.0) -> Launch:
+    """A ``Launch`` that starts each server in its own Ray actor on a node that offers ``resource``
+    (``loopback``: bind 127.0.0.1); a server no node takes within ``timeout`` seconds fails."""
+    return functools.partial(_launch, num_gpus_per_server, loopback, resource, timeout)

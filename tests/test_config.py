@@ -37,7 +37,7 @@ FROZEN_FLAGS = {
         "--rollout-num-gpus-per-engine", "--rollout-seed", "--rollout-shuffle", "--rollout-top-p", "--router-host",
         "--router-port", "--save-debug-rollout-data", "--served-model-name", "--stale-policy", "--startup-timeout",
         "--tool-key", "--proxy-max-sessions", "--proxy-max-session-tokens", "--proxy-max-request-bytes",
-        "--buffer-max-request-bytes"},
+        "--buffer-max-request-bytes", "--actor-node-resource", "--rollout-node-resource"},
     "export-hf": {"--checkpoint", "--config", "--out"},
     "make-tiny-model": {"--config", "--out", "--arch", "--preset", "--seed"},
     "import-gguf": {"--config", "--out", "--dtype"},  # and the positional SRC
@@ -56,7 +56,7 @@ FROZEN_FLAGS = {
               "--proxy-max-request-bytes"},
     "servers": {"--config", "--hf-checkpoint", "--num-engines", "--engine-device", "--engine-max-running-requests",
                 "--engine-threads", "--router-host", "--router-port", "--startup-timeout", "--log-dir", "--admin-api-key",
-                "--rollout-backend", "--rollout-num-gpus", "--rollout-num-gpus-per-engine"},
+                "--rollout-backend", "--rollout-num-gpus", "--rollout-num-gpus-per-engine", "--rollout-node-resource"},
 }
 
 

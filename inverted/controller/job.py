@@ -34,7 +34,7 @@ import yaml
 from inverted.buffer.client import BufferClient
 from inverted.config import JobConfig, RolloutConfig, flag_name, to_flags
 from inverted.errors import ConfigError, PluginError
-from inverted.placement import ray_launch, start_ray
+from inverted.placement import node_resource, ray_launch, start_ray
 from inverted.plugins import RolloutFunction, load_plugin, load_rollout_function, required_flags
 from inverted.processes import ManagedProcess, free_port
 from inverted.rollout.servers import RolloutServers, ServerHandle
@@ -122,7 +122,8 @@ class Job:
         servers_cfg = dataclasses.replace(cfg.servers, log_dir=str(self.run_dir / "logs"), admin_api_key=self.engine_key)
         gpus = cfg.servers.rollout_num_gpus_per_engine * (0.5 if cfg.rollout.colocate else 1.0)
         self.servers = RolloutServers(servers_cfg, self.router_args, self.sglang_args,
-                                      launch=ray_launch(gpus if _has_cuda() else 0, cfg.rollout.ray_address is None))
+                                      launch=ray_launch(gpus if _has_cuda() else 0, cfg.rollout.ray_address is None,
+                                                        cfg.servers.rollout_node_resource, cfg.servers.startup_timeout))
         port, self.proxy_key = free_port(), secrets.token_urlsafe(24)
         proxy_cfg = dataclasses.replace(cfg.proxy, router_url=self.servers.router_url, tokenizer=cfg.train.hf_checkpoint,
                                         proxy_port=port, proxy_api_key=self.proxy_key)
@@ -135,7 +136,8 @@ class Job:
     def _start_trainer(self) -> None:
         from inverted.train.actor import TrainGroup
 
-        self.trainer = TrainGroup(self.cfg.train, self.log_setup, gpu_fraction=0.5 if self.cfg.rollout.colocate else 1.0)
+        self.trainer = TrainGroup(self.cfg.train, self.log_setup, gpu_fraction=0.5 if self.cfg.rollout.colocate else 1.0,
+                                  node=node_resource(self.cfg.train.parallel.actor_node_resource))
 
     async def __aexit__(self, *exc: object) -> None:
         import ray

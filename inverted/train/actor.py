@@ -21,10 +21,13 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from inverted.config import TrainConfig
+from inverted.errors import ServiceUnavailable
 from inverted.processes import freeze_startup_heap
 from inverted.types import Sample
 
 logger = logging.getLogger(__name__)
+
+PLACEMENT_TIMEOUT_S = 300.0  # for the cluster to offer every rank its bundle (nodes may still be joining)
 
 
 class TrainActor:
@@ -101,13 +104,21 @@ class TrainActor:
 class TrainGroup:
     """``cfg.parallel.world_size`` ``TrainActor``s in one placement group; call like a single trainer."""
 
-    def __init__(self, cfg: TrainConfig, log_setup: Callable[[str], None], gpu_fraction: float = 1.0) -> None:
+    def __init__(self, cfg: TrainConfig, log_setup: Callable[[str], None], gpu_fraction: float = 1.0,
+                 node: dict[str, float] | None = None) -> None:
+        """``node``: custom resources each rank's node must offer (``placement.node_resource``)."""
         import torch
 
         gpus = torch.cuda.is_available()
-        bundle = {"GPU": 1, "CPU": 1} if gpus else {"CPU": 0.01}
+        bundle = ({"GPU": 1, "CPU": 1} if gpus else {"CPU": 0.01}) | (node or {})
         self.group = placement_group([bundle] * cfg.parallel.world_size, strategy="PACK")
-        ray.get(self.group.ready())
+        try:
+            ray.get(self.group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self.group)
+            raise ServiceUnavailable(f"no Ray node took the {cfg.parallel.world_size} training ranks within "
+                                     f"{PLACEMENT_TIMEOUT_S:.0f}s: each needs {bundle}; the cluster has "
+                                     f"{ray.available_resources()} free") from None
         remote = ray.remote(TrainActor)
         self.actors = [remote.options(
             num_cpus=0.01 if not gpus else 1, num_gpus=gpu_fraction if gpus else 0,
