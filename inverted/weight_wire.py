@@ -33,6 +33,7 @@ import datetime
 import functools
 import io
 import pickle
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -346,5 +347,20 @@ def join_update_group(master_address: str, master_port: int, world_size: int, ra
         options._timeout = delta
         group = torch.distributed.ProcessGroupNCCL(prefixed, rank, world_size, options)
     else:
-        group = torch.distributed.ProcessGroupGloo(prefixed, rank, world_size, delta)
+        options = torch.distributed.ProcessGroupGloo._Options()
+        options._timeout = delta
+        # Listen where the other ranks can reach: gloo's default looks up the hostname, which is
+        # 127.0.0.1 on many machines, and a server on another host (or network namespace) then
+        # dials its own loopback and never connects.
+        options._devices = [torch.distributed.ProcessGroupGloo.create_device(hostname=route_address(master_address))]
+        group = torch.distributed.ProcessGroupGloo(prefixed, rank, world_size, options)
     return UpdateGroup(group, store, rank, world_size)
+
+
+def route_address(host: str) -> str:
+    """This host's address on the route to ``host`` (loopback for a local one)."""
+    if host in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # a UDP connect sends nothing
+        probe.connect((host, 9))
+        return probe.getsockname()[0]

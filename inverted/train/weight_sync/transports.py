@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import socket
 import uuid
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -31,7 +30,7 @@ import torch
 
 from inverted.rollout.sglang_client import SGLangClient
 from inverted.train.weight_sync.buckets import Bucket
-from inverted.weight_wire import UpdateGroup, bucket_payload, join_update_group
+from inverted.weight_wire import UpdateGroup, bucket_payload, join_update_group, route_address
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -143,12 +142,7 @@ class TensorTransport(Transport):
 
 def address_towards(url: str) -> str:
     """This host's address on the route to ``url``'s host (loopback for a local server)."""
-    host = urlparse(url).hostname or "127.0.0.1"
-    if host in ("localhost", "127.0.0.1", "::1"):
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # UDP connect sends nothing
-        probe.connect((host, 9))
-        return probe.getsockname()[0]
+    return route_address(urlparse(url).hostname or "127.0.0.1")
 
 
 class DistributedTransport(Transport):
