@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 
+from inverted.compat.slime import NOT_HERE
 from inverted.config import (BufferConfig, EngineConfig, ExportConfig, ImportGGUFConfig, JobConfig, ProxyConfig,
                              ServersConfig, TinyModelConfig, add_flags, build_section, load_yaml_defaults, split_passthrough)
 from inverted.errors import InvertedError
@@ -137,6 +138,11 @@ def main(argv: list[str] | None = None) -> None:
         argv, router_args = split_passthrough(argv, "router", {"--router-host", "--router-port"})
         argv, sglang_args = split_passthrough(argv, "sglang")
     parser = build_parser()
+    for arg in argv:  # a slime flag we do not have: say so, and why, rather than "unrecognized"
+        name = arg.split("=", 1)[0][2:].replace("-", "_") if arg.startswith("--") else ""
+        if name in NOT_HERE:
+            parser.exit(2, f"inverted: error: --{name.replace('_', '-')} is a slime flag inverted does not have: "
+                           f"{NOT_HERE[name]} (docs/migrating-from-slime.md)\n")
     try:
         args = parser.parse_args(argv)
         if args.config:

@@ -309,7 +309,10 @@ class BufferConfig:
         256 * 1024**2, "largest request body accepted (a submission of Samples; larger ones get 413 unread)")
     dynamic_sampling_filter_path: str | None = option(
         None, "module:function(samples) -> bool keeping a complete group (built-in: "
-              "inverted.buffer.filters:drop_all_equal_rewards)")
+              "inverted.buffer.filters:drop_all_equal_rewards); slime's (args, samples, **kw) -> DynamicFilterOutput too")
+    buffer_filter_path: str | None = option(
+        None, "module:function(args, rollout_id, buffer, num_samples) -> groups: which waiting complete groups a batch "
+              "takes (default: the oldest first)")
     log_level: Literal["debug", "info", "warning", "error"] = option("info", "log level")
 
     def __post_init__(self) -> None:
@@ -391,8 +394,23 @@ class LossConfig:
                "update (a partial rollout trains only on its newest policy's tokens)")
     rollout_temperature: float = option(1.0, "sampling temperature; training log-probs use the same")
     reward_key: str | None = option(None, "key of a dict reward to train on (default: the sum of its values)")
+    loss_type: Literal["policy_loss", "custom_loss"] = option(
+        "policy_loss", "the RL surrogate above, or --custom-loss-function-path's loss (slime's custom_loss)")
+    custom_loss_function_path: str | None = option(
+        None, "module:function(args, batch, logits, sum_of_sample_mean) -> (loss, metrics), with --loss-type custom_loss")
+    custom_tis_function_path: str | None = option(
+        None, "module:function(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, **kw) -> "
+              "(pg_loss, loss_masks, metrics): importance weights in place of --use-tis's (turns TIS on)")
+    custom_pg_loss_reducer_function_path: str | None = option(
+        None, "module:get_pg_loss_reducer(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) -> "
+              "reducer: how the policy-gradient term is reduced (e.g. Dr. GRPO's constant divisor)")
+    custom_reward_post_process_path: str | None = option(
+        None, "module:function(args, samples) -> (raw_rewards, rewards): the rewards that become advantages, "
+              "in place of the group normalisation")
 
     def __post_init__(self) -> None:
+        _require(self.loss_type != "custom_loss" or bool(self.custom_loss_function_path), "--custom-loss-function-path",
+                 self.custom_loss_function_path, "a module:function with --loss-type custom_loss")
         _require(0 < self.eps_clip, "--eps-clip", self.eps_clip, "> 0")
         _require(self.eps_clip_high is None or self.eps_clip_high > 0, "--eps-clip-high", self.eps_clip_high, "> 0")
         _require(self.eps_clip_c is None or self.eps_clip_c > 1, "--eps-clip-c", self.eps_clip_c, "> 1")
@@ -540,7 +558,21 @@ class RolloutConfig:
         "module:function turning leased tasks into Samples (built-in: rollout_functions.agent | single_turn | "
         "subprocess_agent); slime's generate_rollout(args, rollout_id, data_buffer, evaluation) works too")
     env_path: str | None = option(None, "module:function(task, client) -> reward: the environment the agent rollout runs")
-    custom_rm_path: str | None = option(None, "module:function(sample) -> reward for the single_turn rollout")
+    custom_rm_path: str | None = option(
+        None, "module:function(sample) -> reward (or slime's async (args, sample)) for every Sample the rollout "
+              "function left without one")
+    group_rm: bool = option(False, "--custom-rm-path scores a whole group at once: (args, samples) -> rewards")
+    custom_generate_function_path: str | None = option(
+        None, "slime's async generate(args, sample, sampling_params) -> Sample | list[Sample], run for every task "
+              "inside the single_turn rollout (it calls the router itself)")
+    rollout_sample_filter_path: str | None = option(
+        None, "module:function(args, groups) -> None setting remove_sample on Samples to keep out of the loss")
+    eval_function_path: str | None = option(None, "rollout function for evaluation (default: --rollout-function-path)")
+    custom_rollout_log_function_path: str | None = option(
+        None, "module:function(rollout_id, args, samples, rollout_extra_metrics, rollout_time) -> bool (True: skip "
+              "the default rollout metrics)")
+    custom_eval_rollout_log_function_path: str | None = option(
+        None, "module:function(rollout_id, args, data, extra_metrics) -> bool (True: skip the default eval metrics)")
     agent_command: str | None = option(
         None, "shell command of an existing agent for the subprocess_agent rollout (gets OPENAI_BASE_URL, "
               "OPENAI_API_KEY, INVERTED_TASK and INVERTED_REWARD_FILE)")

@@ -3,7 +3,9 @@
 Each plug-in point has a flag ending in ``-path`` and an expected signature. ``load_plugin``
 imports once at startup and checks the callable's parameters against the expected names, so a
 wrong path or signature fails before any process starts, with the flag, the path and the
-signature in the message. Defaults are loaded the same way, through their path strings.
+signature in the message. Where a point takes both our signature and slime's, ``load_forms``
+recognises which one a function has. Before importing, ``compat.slime.install`` makes slime's
+module paths (``slime.utils.types``, ...) resolve to inverted's, so a slime plug-in loads unchanged.
 
 It also holds the contract of the biggest plug-in point, the rollout function (``--rollout-function-path``):
 
@@ -14,46 +16,74 @@ one Sample per task (``task.new_sample()`` gives one with the task's group and i
 without in a ``requires`` attribute (``RolloutConfig`` field names, e.g. ``("env_path",)``); the job
 checks them before anything starts. slime's ``generate_rollout(args, rollout_id,
 data_buffer, evaluation=False) -> list[list[Sample]]`` is accepted too: it runs in a thread with a
-``data_buffer`` whose ``get_samples(n)`` hands out the leased tasks as groups of Samples to fill.
+``data_buffer`` whose ``get_samples(n)`` hands out the leased tasks as groups of slime Samples to fill.
+
+The reward model (``--custom-rm-path``) is applied here too, after any rollout function, to every
+usable Sample it left without a reward: ours ``(sample)``, slime's ``async (args, sample)``, or with
+``--group-rm`` slime's ``async (args, samples) -> rewards`` once per group.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import dataclasses
 import importlib
 import inspect
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-from inverted.config import RolloutConfig
+from inverted.compat import slime
+from inverted.config import LossConfig, RolloutConfig
 from inverted.errors import PluginError
 from inverted.types import Reward, Sample, Task
 
 
-def load_plugin(path: str, *, flag: str, params: list[str]) -> Callable[..., Any]:
-    """Import ``path`` and check that it accepts ``params`` positionally (extra defaults are fine)."""
+def _import(path: str, *, flag: str, expected: str) -> Callable[..., Any]:
     module_name, sep, attr = path.partition(":")
     if not sep:
         module_name, _, attr = path.rpartition(".")
-    expected = f"def {attr or 'fn'}({', '.join(params)})"
     if not module_name or not attr:
         raise PluginError(f"{flag}={path!r}: expected 'module:function' with signature {expected}")
+    slime.install()
     try:
         fn = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise PluginError(f"{flag}={path!r}: cannot load it ({exc}); expected {expected}") from None
     if not callable(fn):
         raise PluginError(f"{flag}={path!r}: not callable; expected {expected}")
+    return fn
+
+
+def _fits(fn: Callable[..., Any], params: list[str]) -> bool:
+    """Whether ``fn`` accepts ``params`` positionally (extra defaults are fine)."""
+    try:
+        inspect.signature(fn).bind(*params)
+    except TypeError:
+        return False
+    return True
+
+
+def _signature(params: list[str], name: str = "fn") -> str:
+    return f"def {name}({', '.join(params)})"
+
+
+def load_plugin(path: str, *, flag: str, params: list[str]) -> Callable[..., Any]:
+    """Import ``path`` and check that it accepts ``params`` positionally (extra defaults are fine)."""
+    return load_forms(path, flag=flag, forms={"": params})[1]
+
+
+def load_forms(path: str, *, flag: str, forms: dict[str, list[str]]) -> tuple[str, Callable[..., Any]]:
+    """Import ``path`` and name the first of ``forms`` (name -> parameters) its signature accepts."""
+    attr = path.replace(":", ".").rpartition(".")[2] or "fn"
+    expected = " or ".join(_signature(params, attr) for params in forms.values())
+    fn = _import(path, flag=flag, expected=expected)
     try:
         signature = inspect.signature(fn)
-        signature.bind(*params)
     except ValueError:  # builtins and some extension types publish no signature
         raise PluginError(f"{flag}={path!r}: its signature cannot be read; expected {expected}") from None
-    except TypeError as exc:
-        raise PluginError(f"{flag}={path!r}: signature {signature} does not match {expected} ({exc})") from None
-    return fn
+    for name, params in forms.items():
+        if _fits(fn, params):
+            return name, fn
+    raise PluginError(f"{flag}={path!r}: signature {signature} does not match {expected}")
 
 
 @dataclass(slots=True)
@@ -68,9 +98,9 @@ class RolloutContext:
     hf_checkpoint: str  # the tokenizer and chat template the policy uses
     sampling: dict[str, Any]  # OpenAI request fields every episode samples with (temperature, top_p, max_tokens)
     env: Callable[[Task, Any], Awaitable[Reward]] | None = None  # from --env-path
-    reward_fn: Callable[[Sample], Any] | None = None  # from --custom-rm-path
+    generate: Callable[..., Awaitable[Any]] | None = None  # slime's custom generate (--custom-generate-function-path)
     evaluation: bool = False
-    slime_args: argparse.Namespace | None = None  # the flags under slime's names, for slime rollout functions
+    slime_args: Any = None  # the flags under slime's names (compat.slime.SlimeArgs), for slime plug-ins
 
 
 RolloutFunction = Callable[[RolloutContext, list[Task]], Awaitable[list[Sample]]]
@@ -78,44 +108,36 @@ SLIME_PARAMS = ["args", "rollout_id", "data_buffer"]
 
 
 class SlimeDataBuffer:
-    """What slime's ``generate_rollout`` expects as ``data_buffer``: leased tasks as groups of Samples."""
+    """What slime's ``generate_rollout`` expects as ``data_buffer``: leased tasks as groups of slime Samples."""
 
     def __init__(self, tasks: list[Task]) -> None:
-        groups: dict[int, list[Sample]] = {}
+        groups: dict[int, list[Any]] = {}
+        cls = slime.sample_class()
         for task in tasks:
-            sample = task.new_sample()
+            sample = slime.from_inverted(task.new_sample(), cls)
             sample.metadata.setdefault("tools", task.tools)
             groups.setdefault(task.group_index, []).append(sample)
         self._groups = list(groups.values())
 
-    def get_samples(self, num_samples: int) -> list[list[Sample]]:
+    def get_samples(self, num_samples: int) -> list[list[Any]]:
         taken, self._groups = self._groups[:num_samples], self._groups[num_samples:]
         return taken
 
-    def add_samples(self, samples: list[list[Sample]]) -> None:
+    def add_samples(self, samples: list[list[Any]]) -> None:
         """slime returns unfinished groups this way; they go back to be handed out again."""
         self._groups.extend(samples)
 
 
-def _as_sample(item: Any) -> Sample:
-    """A slime Sample (or ours) as ours: the shared field names carry over."""
-    if isinstance(item, Sample):
-        return item
-    names = {f.name for f in dataclasses.fields(Sample)}
-    return Sample(**{name: getattr(item, name) for name in names if hasattr(item, name)})
+def as_inverted(item: Any) -> Sample:
+    """A Sample a slime plug-in returned (slime's, or ours) as ours."""
+    return item if isinstance(item, Sample) else slime.to_inverted(item)
 
 
-def load_rollout_function(path: str) -> RolloutFunction:
-    """Load ``--rollout-function-path``: our async contract as is, slime's signature adapted to it."""
-    flag = "--rollout-function-path"
-    try:
-        fn = load_plugin(path, flag=flag, params=["ctx", "tasks"])
-    except PluginError as ours:  # slime's takes three arguments; if it is not that either, say what ours wants
-        try:
-            slime_fn = load_plugin(path, flag=flag, params=SLIME_PARAMS)
-        except PluginError:
-            raise ours from None
-        return _adapt_slime(slime_fn)
+def load_rollout_function(path: str, flag: str = "--rollout-function-path") -> RolloutFunction:
+    """Load a rollout function: our async contract as is, slime's signature adapted to it."""
+    form, fn = load_forms(path, flag=flag, forms={"ours": ["ctx", "tasks"], "slime": SLIME_PARAMS})
+    if form == "slime":
+        return _adapt_slime(fn)
     if not inspect.iscoroutinefunction(fn):
         raise PluginError(f"{flag}={path!r}: expected 'async def {fn.__name__}(ctx, tasks) -> list[Sample]' "
                           "(or slime's generate_rollout(args, rollout_id, data_buffer, evaluation=False))")
@@ -131,6 +153,86 @@ def _adapt_slime(fn: Callable[..., Any]) -> RolloutFunction:
     async def run_slime(ctx: RolloutContext, tasks: list[Task]) -> list[Sample]:
         buffer = SlimeDataBuffer(tasks)
         groups = await asyncio.to_thread(fn, ctx.slime_args, ctx.rollout_id, buffer, evaluation=ctx.evaluation)
-        return [_as_sample(s) for group in groups for s in (group if isinstance(group, list) else [group])]
+        return [as_inverted(s) for group in groups for s in (group if isinstance(group, list) else [group])]
 
     return run_slime
+
+
+REWARD_FORMS = {"ours": ["sample"], "slime": ["args", "sample"]}
+
+
+@dataclass(slots=True)
+class RewardModel:
+    """``--custom-rm-path``, in whichever form it was written; ``score`` fills the missing rewards."""
+
+    fn: Callable[..., Any]
+    form: str  # "ours" (sample), "slime" (args, sample), "group" (args, samples) -> rewards
+    args: Any = None
+
+    @classmethod
+    def load(cls, path: str, group: bool) -> "RewardModel":
+        if group:
+            fn = load_plugin(path, flag="--custom-rm-path", params=["args", "samples"])
+            return cls(fn, "group")
+        form, fn = load_forms(path, flag="--custom-rm-path", forms=REWARD_FORMS)
+        return cls(fn, form)
+
+    async def score(self, samples: list[Sample], args: Any) -> None:
+        """Reward every usable Sample that has none (a rollout or generate function may score its own)."""
+        todo = [s for s in samples if s.reward is None and s.status in (Sample.Status.COMPLETED, Sample.Status.TRUNCATED)]
+        if self.form == "group":
+            groups: dict[Any, list[Sample]] = {}
+            for sample in todo:
+                groups.setdefault(sample.group_index, []).append(sample)
+            answers = await asyncio.gather(*(_call(self.fn, args, [slime.from_inverted(s, slime.sample_class()) for s in group])
+                                             for group in groups.values()))
+            for group, rewards in zip(groups.values(), answers):
+                if len(rewards) != len(group):
+                    raise PluginError(f"--custom-rm-path (--group-rm): {len(rewards)} rewards for a group of {len(group)}")
+                for sample, reward in zip(group, rewards):
+                    sample.reward = reward
+            return
+        calls = [_call(self.fn, s) if self.form == "ours" else _call(self.fn, args, slime.from_inverted(s, slime.sample_class()))
+                 for s in todo]
+        for sample, reward in zip(todo, await asyncio.gather(*calls)):
+            sample.reward = reward
+
+
+async def _call(fn: Callable[..., Any], *args: Any) -> Any:
+    result = fn(*args)
+    return await result if inspect.isawaitable(result) else result
+
+
+@dataclass(slots=True)
+class LossPlugins:
+    """The trainer's plug-ins, in slime's signatures (see ``inverted.train.slime_loss``), loaded on
+    every rank and, to fail before anything starts, once by the job."""
+
+    loss: Callable[..., Any] | None = None
+    tis: Callable[..., Any] | None = None
+    reducer: Callable[..., Any] | None = None
+    reward_post_process: Callable[..., Any] | None = None
+
+    @classmethod
+    def load(cls, cfg: LossConfig) -> "LossPlugins":
+        def optional(path: str | None, flag: str, params: list[str]) -> Callable[..., Any] | None:
+            return load_plugin(path, flag=flag, params=params) if path else None
+
+        tis = None
+        if path := cfg.custom_tis_function_path:  # slime passes everything but args by keyword
+            expected = ("def fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, **kwargs) -> "
+                        "(pg_loss, loss_masks, metrics)")
+            tis = _import(path, flag="--custom-tis-function-path", expected=expected)
+            try:
+                inspect.signature(tis).bind("args", pg_loss=0, train_log_probs=0, rollout_log_probs=0, loss_masks=0,
+                                            total_lengths=0, response_lengths=0)
+            except (TypeError, ValueError) as exc:
+                raise PluginError(f"--custom-tis-function-path={path!r}: expected {expected} ({exc})") from None
+        return cls(
+            loss=(optional(cfg.custom_loss_function_path, "--custom-loss-function-path",
+                           ["args", "batch", "logits", "sum_of_sample_mean"]) if cfg.loss_type == "custom_loss" else None),
+            tis=tis,
+            reducer=optional(cfg.custom_pg_loss_reducer_function_path, "--custom-pg-loss-reducer-function-path",
+                             ["total_lengths", "response_lengths", "loss_masks"]),
+            reward_post_process=optional(cfg.custom_reward_post_process_path, "--custom-reward-post-process-path",
+                                         ["args", "samples"]))

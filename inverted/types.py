@@ -45,6 +45,8 @@ class Sample:
     ``loss_mask``, ``rollout_log_probs`` and ``weight_versions`` have one entry per response token:
     the mask is 1 exactly where the policy sampled the token (0 on tool output and template glue,
     whose logprob is 0.0 and whose version is the one of the surrounding turn).
+    Two ``metadata`` keys mean something to the trainer: ``remove_sample`` (true: no token of it
+    is in the loss; slime's field of that name) and ``siblings`` (see ``with_siblings``).
     """
 
     class Status(str, enum.Enum):
@@ -149,6 +151,26 @@ class Sample:
         except msgspec.DecodeError as exc:
             raise SampleError(f"sample: malformed JSON: {exc}") from None
         return cls(**msgspec.structs.asdict(wire))
+
+
+def with_siblings(samples: list[Sample]) -> list[Sample]:
+    """Each Sample followed by the siblings it carries (``metadata["siblings"]``: the other Samples
+    one rollout fanned out into, stored and served with it so that they stay together)."""
+    out = []
+    for sample in samples:
+        siblings = sample.metadata.get("siblings") or []
+        if siblings:
+            sample = Sample(**{f.name: getattr(sample, f.name) for f in fields(sample)})
+            sample.metadata = {k: v for k, v in sample.metadata.items() if k != "siblings"}
+        out.append(sample)
+        for position, data in enumerate(siblings):
+            try:
+                sibling = Sample.from_json(data)
+                sibling.validate(elements_checked=True)
+            except SampleError as exc:
+                raise SampleError(f"sample {sample.index}: metadata.siblings[{position}]: {exc}") from None
+            out.append(sibling)
+    return out
 
 
 @dataclass(slots=True)

@@ -1,10 +1,18 @@
-"""slime's default rollout: one ``/generate`` per task on the router, scored by ``--custom-rm-path``.
+"""slime's default rollout: one ``/generate`` per task on the router, or slime's custom generate function.
 
 No proxy and no environment: the prompt (chat messages through the checkpoint's chat template, or
-plain text as is) is tokenized here once, the router's SGLang ``/generate`` returns the sampled ids
-with their logprobs and weight version, and the reward function scores the finished Sample::
+plain text as is) is tokenized here once, and the router's SGLang ``/generate`` returns the sampled
+ids with their logprobs and weight version. The job scores the finished Samples with
+``--custom-rm-path`` (ours ``reward(sample)``, or slime's; see ``inverted.plugins``).
 
-    def reward(sample: Sample) -> float | dict[str, float]   # or async def
+With ``--custom-generate-function-path`` the function replaces that one call, as in slime::
+
+    async def generate(args, sample: Sample, sampling_params: dict) -> Sample | list[Sample]
+
+it gets slime's ``Sample`` for the task and calls the router itself (``slime.utils.http_utils.post``
+records each answer's weight version, so every sampled token keeps the version that sampled it).
+Several Samples from one task (fan-out) must share ``rollout_id``: the first is the task's, the
+others travel with it as ``metadata["siblings"]`` and are trained beside it.
 
 A generation cut by the length limit is ``truncated``; an aborted one is returned ``aborted``
 (with --partial-rollout the buffer keeps it to resume).
@@ -14,8 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import inspect
 
+from inverted.compat import slime
+from inverted.errors import PluginError
 from inverted.plugins import RolloutContext
 from inverted.rollout.sglang_client import SGLangClient
 from inverted.types import Sample, Task
@@ -54,10 +63,34 @@ async def generate_rollout(ctx: RolloutContext, tasks: list[Task]) -> list[Sampl
         sample.rollout_log_probs = [lp for lp, _, _ in meta["output_token_logprobs"]]
         sample.weight_versions = [str(meta["weight_version"])] * sample.response_length
         sample.status = STATUS.get(meta["finish_reason"]["type"], Sample.Status.COMPLETED)
-        reward = ctx.reward_fn(sample)
-        sample.reward = await reward if inspect.isawaitable(reward) else reward
         return sample
 
+    async def custom(task: Task) -> Sample:
+        start = task.partial if task.partial is not None else task.new_sample()
+        view = slime.from_inverted(start, slime.sample_class())
+        if task.tools:
+            view.metadata.setdefault("tools", task.tools)
+        calls = slime.record_calls()  # this task's router answers (each gather task has its own context)
+        sampling = {**params, "top_k": -1, "skip_special_tokens": False, "no_stop_trim": True,
+                    "spaces_between_special_tokens": False}
+        async with limit:
+            out = await ctx.generate(ctx.slime_args, view, sampling)
+        views = out if isinstance(out, list) else [out]
+        if not views:
+            raise PluginError(f"--custom-generate-function-path: no Sample for task {(task.group_index, task.index)}")
+        if len(views) > 1 and (views[0].rollout_id is None or len({v.rollout_id for v in views}) > 1):
+            raise PluginError("--custom-generate-function-path: the Samples one task fans out into must share a "
+                              f"rollout_id (got {[v.rollout_id for v in views]})")
+        samples = [slime.to_inverted(v, calls) for v in views]
+        for sample in samples:
+            sample.group_index, sample.index = task.group_index, task.index
+        first = samples[0]
+        if len(samples) > 1:
+            first.metadata["siblings"] = [s.to_json() for s in samples[1:]]
+        return first
+
+    if ctx.generate is not None:
+        return list(await asyncio.gather(*(custom(task) for task in tasks)))
     async with SGLangClient(ctx.router_url, max_connections=ctx.config.rollout_concurrency) as client:
         return list(await asyncio.gather(*(one(client, task) for task in tasks)))
 

@@ -37,7 +37,12 @@ FROZEN_FLAGS = {
         "--rollout-num-gpus-per-engine", "--rollout-seed", "--rollout-shuffle", "--rollout-top-p", "--router-host",
         "--router-port", "--save-debug-rollout-data", "--served-model-name", "--stale-policy", "--startup-timeout",
         "--tool-key", "--proxy-max-sessions", "--proxy-max-session-tokens", "--proxy-max-request-bytes",
-        "--buffer-max-request-bytes", "--actor-node-resource", "--rollout-node-resource"},
+        "--buffer-max-request-bytes", "--actor-node-resource", "--rollout-node-resource",
+        # slime's plug-in points (inverted/compat/slime.py)
+        "--custom-generate-function-path", "--group-rm", "--rollout-sample-filter-path", "--eval-function-path",
+        "--custom-rollout-log-function-path", "--custom-eval-rollout-log-function-path", "--buffer-filter-path",
+        "--loss-type", "--custom-loss-function-path", "--custom-tis-function-path",
+        "--custom-pg-loss-reducer-function-path", "--custom-reward-post-process-path"},
     "export-hf": {"--checkpoint", "--config", "--out"},
     "make-tiny-model": {"--config", "--out", "--arch", "--preset", "--seed"},
     "import-gguf": {"--config", "--out", "--dtype"},  # and the positional SRC
@@ -48,7 +53,7 @@ FROZEN_FLAGS = {
     "buffer": {"--config", "--db", "--host", "--port", "--api-key", "--prompt-data", "--input-key", "--label-key",
                "--metadata-key", "--tool-key", "--n-samples-per-prompt", "--rollout-shuffle", "--rollout-seed",
                "--num-epoch", "--workers", "--lease-seconds", "--partial-rollout", "--stale-policy",
-               "--dynamic-sampling-filter-path", "--log-level", "--buffer-max-request-bytes"},
+               "--dynamic-sampling-filter-path", "--log-level", "--buffer-max-request-bytes", "--buffer-filter-path"},
     "proxy": {"--config", "--router-url", "--tokenizer", "--proxy-host", "--proxy-port", "--proxy-api-key",
               "--served-model-name", "--context-length", "--partial-rollout", "--proxy-max-resumes", "--proxy-max-turns",
               "--proxy-session-timeout", "--proxy-retention", "--proxy-replay-retries", "--proxy-tool-parser-path",

@@ -13,7 +13,10 @@ job's services and the buffer's workers start and watch children one way; and ``
 rule, compared in constant time) and ``limits`` (what one request may cost: body size, text that
 cannot fit a context) count as shared, so the engine, the proxy and the buffer check keys and
 bound requests one way;
-and ``plugins`` may read ``config`` (the rollout function's context carries its config section);
+and ``plugins`` may read ``config`` (the rollout function's context carries its config section) and
+``compat`` (slime's plug-in API, whose module paths it installs before importing a plug-in; a
+shared leaf beside ``types``), and the controller checks the buffer's plug-ins (``buffer.filters``)
+before starting it;
 and ``placement`` (Ray's side of starting servers) sits beside the controller (a package of its
 own modules), which alone uses it, and the controller may read prompt datasets (``buffer.datasets``) to check them and to
 evaluate, before and beside the buffer service; and the embedded engine is a top-level package
@@ -28,7 +31,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "inverted"
-SHARED = ("inverted.types", "inverted.errors", "inverted.config", "inverted.plugins", "inverted.metrics",
+SHARED = ("inverted.types", "inverted.errors", "inverted.config", "inverted.plugins", "inverted.compat", "inverted.metrics",
           "inverted.http_client", "inverted.hf_checkpoint", "inverted.weight_wire", "inverted.processes",
           "inverted.auth", "inverted.limits")
 
@@ -37,7 +40,8 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("inverted.errors", ()),
     ("inverted.types", ("inverted.errors",)),
     ("inverted.config", ("inverted.types", "inverted.errors")),
-    ("inverted.plugins", ("inverted.types", "inverted.errors", "inverted.config")),
+    ("inverted.plugins", ("inverted.types", "inverted.errors", "inverted.config", "inverted.compat")),
+    ("inverted.compat", ("inverted.types", "inverted.errors")),
     ("inverted.metrics", ("inverted.errors",)),
     ("inverted.http_client", ("inverted.errors",)),
     ("inverted.hf_checkpoint", ("inverted.errors",)),
@@ -46,7 +50,8 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("inverted.auth", ("inverted.errors",)),
     ("inverted.limits", ()),
     ("inverted.cli", ("inverted",)),
-    ("inverted.controller", SHARED + ("inverted.controller", "inverted.buffer.client", "inverted.buffer.datasets", "inverted.rollout.servers",
+    ("inverted.controller", SHARED + ("inverted.controller", "inverted.buffer.client", "inverted.buffer.datasets",
+                                      "inverted.buffer.filters", "inverted.rollout.servers",
                                       "inverted.rollout.sglang_client", "inverted.rollout.proxy", "inverted.train.actor",
                                       "inverted.placement")),
     ("inverted.placement", SHARED + ("inverted.rollout.servers",)),
@@ -108,7 +113,8 @@ def test_the_checker_catches_a_forbidden_import():
 
 USER_SIDE = {  # top-level packages of user-side code -> the inverted modules they may use
     "envs": (),  # an environment does not know it is trained
-    "rollout_functions": ("inverted.types", "inverted.errors", "inverted.plugins", "inverted.rollout.proxy.client",
+    "rollout_functions": ("inverted.types", "inverted.errors", "inverted.plugins", "inverted.compat",
+                          "inverted.rollout.proxy.client",
                           "inverted.rollout.sglang_client"),  # the services only through their clients
 }
 

@@ -37,11 +37,11 @@ from starlette.exceptions import HTTPException
 
 from inverted.auth import require_key
 from inverted.buffer.datasets import load_prompts
+from inverted.buffer.filters import load_group_chooser, load_group_filter
 from inverted.buffer.store import SQLiteStore
 from inverted.config import BufferConfig
 from inverted.errors import LeaseConflict, SampleError, Unauthorized
 from inverted.limits import BodyLimit
-from inverted.plugins import load_plugin
 from inverted.processes import freeze_startup_heap, serve_workers
 from inverted.types import Sample, version_number
 
@@ -128,13 +128,12 @@ def build_store(config: BufferConfig) -> SQLiteStore:
     if config.prompt_data:
         prompts = load_prompts(config.prompt_data, input_key=config.input_key, label_key=config.label_key,
                                metadata_key=config.metadata_key, tool_key=config.tool_key)
-    group_filter = None
-    if config.dynamic_sampling_filter_path:
-        group_filter = load_plugin(config.dynamic_sampling_filter_path, flag="--dynamic-sampling-filter-path",
-                                   params=["samples"])
     return SQLiteStore(config.db, n_samples_per_prompt=config.n_samples_per_prompt, prompts=prompts,
                        shuffle=config.rollout_shuffle, seed=config.rollout_seed, num_epoch=config.num_epoch,
-                       partial_rollout=config.partial_rollout, stale_policy=config.stale_policy, group_filter=group_filter)
+                       partial_rollout=config.partial_rollout, stale_policy=config.stale_policy,
+                       group_filter=load_group_filter(config), group_chooser=load_group_chooser(config))
+
+
 
 
 # Dependencies are ``async def``: FastAPI runs a plain ``def`` one on a worker thread, a thread hop per request.

@@ -33,10 +33,10 @@ from typing import Any, Callable, Iterator, Literal, Protocol
 import orjson
 
 from inverted.buffer.datasets import PromptRecord, epoch_order
+from inverted.buffer.filters import GroupChooser, GroupFilter
 from inverted.errors import ConfigError, LeaseConflict, SampleError
 from inverted.types import Sample, Task, version_number
 
-GroupFilter = Callable[[list[Sample]], bool]
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -88,10 +88,11 @@ class SQLiteStore:
     def __init__(self, path: str, *, n_samples_per_prompt: int, prompts: list[PromptRecord] | None = None,
                  shuffle: bool = False, seed: int = 42, num_epoch: int = 0, partial_rollout: bool = False,
                  stale_policy: Literal["drop", "retry"] = "drop", group_filter: GroupFilter | None = None,
-                 clock: Callable[[], float] = time.time):
+                 group_chooser: GroupChooser | None = None, clock: Callable[[], float] = time.time):
         self.n = n_samples_per_prompt
         self.shuffle, self.seed, self.num_epoch = shuffle, seed, num_epoch
         self.partial_rollout, self.stale_policy, self.group_filter = partial_rollout, stale_policy, group_filter
+        self.group_chooser = group_chooser
         self.clock = clock
         self._lock = threading.Lock()
         self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
@@ -312,7 +313,7 @@ class SQLiteStore:
             accepted: list[tuple[int, int, list[bytes]]] = []
             for group, min_version in db.execute(
                     "SELECT group_index, min_version FROM groups WHERE state = 'complete' ORDER BY group_index").fetchall():
-                if len(accepted) == num_groups:
+                if len(accepted) == num_groups and self.group_chooser is None:  # a chooser sees every waiting group
                     break
                 staleness = 0 if current_version is None or min_version is None else max(0, current_version - min_version)
                 if max_staleness is not None and staleness > max_staleness:
@@ -324,6 +325,10 @@ class SQLiteStore:
                     self._count("groups_filtered")
                     continue
                 accepted.append((group, staleness, blobs))
+            if self.group_chooser is not None and accepted:
+                chosen = self.group_chooser([[Sample.from_json(b) for b in blobs] for _, _, blobs in accepted],
+                                            num_groups, current_version)
+                accepted = [accepted[i] for i in chosen][:num_groups]
             if not accepted or (len(accepted) < num_groups and not allow_partial):
                 return None
             batch_id = secrets.token_hex(8)

@@ -25,6 +25,7 @@ from typing import Callable
 
 import yaml
 
+from inverted.buffer.filters import load_group_chooser, load_group_filter
 from inverted.config import JobConfig, to_flags
 from inverted.controller.async_loop import AsyncLoop
 from inverted.controller.job import Job, Plugins
@@ -32,6 +33,7 @@ from inverted.controller.rollouts import checkpoint_dir, evaluate, read_prompts,
 from inverted.controller.sync_loop import SyncLoop
 from inverted.errors import ConfigError
 from inverted.metrics import MetricsSink, build_metrics_sink, plot_rewards
+from inverted.plugins import LossPlugins
 from inverted.processes import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
@@ -41,6 +43,8 @@ def run(cfg: JobConfig, router_args: list[str], sglang_args: list[str], log_setu
     """``inverted train``: check everything, then run the loop with every part started."""
     cfg.validate()
     plugins = Plugins.load(cfg.rollout)
+    LossPlugins.load(cfg.train.loss)  # the trainer's and the buffer's plug-ins load in their own processes:
+    load_group_filter(cfg.buffer), load_group_chooser(cfg.buffer)  # check them here, before any starts
     for data in (cfg.buffer.prompt_data, cfg.rollout.eval_prompt_data if cfg.rollout.eval_interval else None):
         if data:  # a dataset the buffer would refuse fails here, before any process starts
             read_prompts(cfg.buffer, data)

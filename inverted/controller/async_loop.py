@@ -30,7 +30,7 @@ import time
 
 from inverted.config import JobConfig
 from inverted.controller.job import WORKER_ID, Job, Plugins
-from inverted.controller.rollouts import context, rollout_metrics, run_rollout, save_rollout_data, step_row, sync_when_due
+from inverted.controller.rollouts import context, run_rollout, step_row, sync_when_due, take_batch
 from inverted.errors import ServiceUnavailable
 from inverted.types import Sample, Task
 
@@ -136,8 +136,7 @@ class AsyncLoop:
         clock["waited"] = time.perf_counter()
         self.steps += 1
         finished, self.finished = self.finished, []
-        save_rollout_data(cfg.rollout.save_debug_rollout_data, rollout_id, batch.samples)
-        metrics = rollout_metrics(cfg.train.loss.reward_key, finished, batch.samples) | {
+        metrics = take_batch(cfg, self.plugins, rollout_id, finished, batch.samples, clock["waited"] - clock["started"]) | {
             "async/staleness_mean": sum(batch.staleness) / len(batch.staleness),
             "async/staleness_max": float(max(batch.staleness)), "async/groups_running": float(len(self.running))}
         metrics |= await job.train(batch.samples)

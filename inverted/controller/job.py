@@ -35,7 +35,7 @@ from inverted.buffer.client import BufferClient
 from inverted.config import JobConfig, RolloutConfig, flag_name, to_flags
 from inverted.errors import ConfigError, PluginError
 from inverted.placement import node_resource, ray_launch, start_ray
-from inverted.plugins import RolloutFunction, load_plugin, load_rollout_function, required_flags
+from inverted.plugins import RewardModel, RolloutFunction, load_plugin, load_rollout_function, required_flags
 from inverted.processes import ManagedProcess, free_port
 from inverted.rollout.servers import RolloutServers, ServerHandle
 from inverted.rollout.sglang_client import SGLangClient
@@ -48,25 +48,54 @@ SUPERVISE_EVERY_S = 1.0
 T = TypeVar("T")
 
 
+SINGLE_TURN = "rollout_functions.single_turn:generate_rollout"
+
+
 @dataclasses.dataclass(slots=True)
 class Plugins:
-    """The user code the job runs, loaded (and checked) before any process starts."""
+    """The user code the job's controller runs, loaded (and checked) before any process starts."""
 
     rollout: RolloutFunction
-    env: Callable | None
-    reward: Callable | None
+    env: Callable | None = None
+    reward: RewardModel | None = None
+    generate: Callable | None = None  # slime's custom generate, run inside single_turn
+    evaluate: RolloutFunction | None = None  # --eval-function-path (else the rollout function)
+    sample_filter: Callable | None = None  # slime's (args, groups) -> None, setting remove_sample
+    rollout_log: Callable | None = None  # slime's (rollout_id, args, samples, extra_metrics, time) -> bool
+    eval_log: Callable | None = None  # slime's (rollout_id, args, data, extra_metrics) -> bool
 
     @classmethod
     def load(cls, cfg: RolloutConfig) -> "Plugins":
         env = load_plugin(cfg.env_path, flag="--env-path", params=["task", "client"]) if cfg.env_path else None
         if env is not None and not inspect.iscoroutinefunction(env):
             raise PluginError(f"--env-path={cfg.env_path!r}: expected 'async def {env.__name__}(task, client) -> reward'")
-        reward = load_plugin(cfg.custom_rm_path, flag="--custom-rm-path", params=["sample"]) if cfg.custom_rm_path else None
-        rollout = load_rollout_function(cfg.rollout_function_path)
+        optional = (lambda path, flag, params: load_plugin(path, flag=flag, params=params) if path else None)
+        generate = optional(cfg.custom_generate_function_path, "--custom-generate-function-path",
+                            ["args", "sample", "sampling_params"])
+        if generate is not None and not inspect.iscoroutinefunction(generate):
+            raise PluginError(f"--custom-generate-function-path={cfg.custom_generate_function_path!r}: expected "
+                              f"'async def {generate.__name__}(args, sample, sampling_params) -> Sample | list[Sample]'")
+        path = cfg.rollout_function_path
+        if generate is not None:  # as in slime, a custom generate runs inside the default rollout
+            default = RolloutConfig.__dataclass_fields__["rollout_function_path"].default
+            if path not in (default, SINGLE_TURN):
+                raise ConfigError(f"--custom-generate-function-path runs inside {SINGLE_TURN} (slime's default "
+                                  f"rollout), not inside --rollout-function-path {path}")
+            path = SINGLE_TURN
+        rollout = load_rollout_function(path)
         for name in required_flags(rollout):
-            if not getattr(cfg, name):
-                raise ConfigError(f"--rollout-function-path {cfg.rollout_function_path} needs {flag_name(name)}")
-        return cls(rollout, env, reward)
+            if not getattr(cfg, name) and not (name == "custom_rm_path" and generate is not None):
+                raise ConfigError(f"--rollout-function-path {path} needs {flag_name(name)}")
+        return cls(
+            rollout, env, generate=generate,
+            reward=RewardModel.load(cfg.custom_rm_path, cfg.group_rm) if cfg.custom_rm_path else None,
+            evaluate=(load_rollout_function(cfg.eval_function_path, "--eval-function-path")
+                      if cfg.eval_function_path else None),
+            sample_filter=optional(cfg.rollout_sample_filter_path, "--rollout-sample-filter-path", ["args", "groups"]),
+            rollout_log=optional(cfg.custom_rollout_log_function_path, "--custom-rollout-log-function-path",
+                                 ["rollout_id", "args", "samples", "rollout_extra_metrics", "rollout_time"]),
+            eval_log=optional(cfg.custom_eval_rollout_log_function_path, "--custom-eval-rollout-log-function-path",
+                              ["rollout_id", "args", "data", "extra_metrics"]))
 
 
 def spawn_service(command: str, section: Any, run_dir: Path, url: str) -> ManagedProcess:

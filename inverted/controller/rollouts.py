@@ -8,11 +8,12 @@ step: ``sync_when_due`` (every ``--update-weights-interval`` steps) and ``step_r
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
+from typing import Any
 
 from inverted.buffer.datasets import load_prompts
+from inverted.compat import slime
 from inverted.config import BufferConfig, JobConfig, TrainConfig, to_flags
 from inverted.controller.job import Job, Plugins
 from inverted.errors import PluginError
@@ -37,19 +38,24 @@ def context(cfg: JobConfig, job: Job, plugins: Plugins, rollout_id: int, evaluat
     temperature = cfg.rollout.eval_temperature if evaluation else cfg.rollout.rollout_temperature
     sampling = {"temperature": temperature, "top_p": cfg.rollout.rollout_top_p if temperature else 1.0,
                 "max_tokens": cfg.rollout.rollout_max_response_len}
-    router = job.servers.router_url.rsplit(":", 1)
-    slime_args = argparse.Namespace(**{k: v for part in (cfg.train, cfg.rollout, cfg.buffer, cfg.servers)
-                                       for k, v in to_flags(part).items()},
-                                    sglang_router_ip=router[0].split("//")[-1], sglang_router_port=int(router[1]))
     return RolloutContext(rollout_id=rollout_id, config=cfg.rollout, proxy_url=job.proxy_url, proxy_api_key=job.proxy_key,
                           router_url=job.servers.router_url, hf_checkpoint=cfg.train.hf_checkpoint, sampling=sampling,
-                          env=plugins.env, reward_fn=plugins.reward, evaluation=evaluation, slime_args=slime_args)
+                          env=plugins.env, generate=plugins.generate, evaluation=evaluation,
+                          slime_args=slime_args(cfg, job.servers.router_url))
+
+
+def slime_args(cfg: JobConfig, router_url: str | None = None) -> slime.SlimeArgs:
+    """Every flag of the job under slime's names (slime plug-ins' ``args``)."""
+    return slime.SlimeArgs.of(*(to_flags(part) for part in (cfg.train, cfg.rollout, cfg.buffer, cfg.servers)),
+                              router_url=router_url)
 
 
 async def run_rollout(ctx: RolloutContext, plugins: Plugins, tasks: list[Task]) -> list[Sample]:
-    """The rollout function's Samples, one per task, checked (the function is user code)."""
-    samples = await plugins.rollout(ctx, tasks)
-    path = ctx.config.rollout_function_path
+    """The rollout function's Samples, one per task, checked (the function is user code), then scored
+    by ``--custom-rm-path`` where they have no reward yet."""
+    function, path = ((plugins.evaluate, ctx.config.eval_function_path) if ctx.evaluation and plugins.evaluate
+                      else (plugins.rollout, ctx.config.rollout_function_path))
+    samples = await function(ctx, tasks)
     if not isinstance(samples, list) or not all(isinstance(s, Sample) for s in samples):
         raise PluginError(f"--rollout-function-path {path}: expected a list of Samples, got {type(samples).__name__}")
     by_key = {(s.group_index, s.index): s for s in samples}
@@ -57,7 +63,47 @@ async def run_rollout(ctx: RolloutContext, plugins: Plugins, tasks: list[Task]) 
     if missing or len(samples) != len(tasks):
         raise PluginError(f"--rollout-function-path {path}: expected one Sample per task ({len(tasks)}), got "
                           f"{len(samples)}; tasks without one (group_index, index): {missing[:5]}")
-    return [by_key[(t.group_index, t.index)] for t in tasks]
+    ordered = [by_key[(t.group_index, t.index)] for t in tasks]
+    if plugins.reward is not None:
+        await plugins.reward.score(ordered, ctx.slime_args)
+    return ordered
+
+
+def take_batch(cfg: JobConfig, plugins: Plugins, rollout_id: int, samples: list[Sample], trained: list[Sample],
+               seconds: float) -> dict[str, float]:
+    """What both loops do with a batch before training: the sample filter, the debug dump, the
+    metrics (and a slime rollout log function's say over them)."""
+    args = slime_args(cfg)
+    filter_samples(plugins, args, trained)
+    save_rollout_data(cfg.rollout.save_debug_rollout_data, rollout_id, trained)
+    return log_rollout(plugins, args, rollout_id, trained, rollout_metrics(cfg.train.loss.reward_key, samples, trained),
+                       seconds)
+
+
+def filter_samples(plugins: Plugins, args: Any, samples: list[Sample]) -> None:
+    """``--rollout-sample-filter-path``: slime's ``(args, groups)`` marks Samples ``remove_sample``;
+    the mark travels in their metadata, and the trainer leaves them out of the loss."""
+    if plugins.sample_filter is None:
+        return
+    groups: dict[Any, list[tuple[Sample, Any]]] = {}
+    for sample in samples:
+        groups.setdefault(sample.group_index, []).append((sample, slime.from_inverted(sample, slime.sample_class())))
+    plugins.sample_filter(args, [[view for _, view in group] for group in groups.values()])
+    for sample, view in (pair for group in groups.values() for pair in group):
+        if view.remove_sample:
+            sample.metadata["remove_sample"] = True
+
+
+def log_rollout(plugins: Plugins, args: Any, rollout_id: int, samples: list[Sample], metrics: dict[str, float],
+                seconds: float) -> dict[str, float]:
+    """``--custom-rollout-log-function-path`` sees the rollout; if it returns True, the default
+    ``rollout/*`` metrics are left out of the row (slime: it did the logging itself)."""
+    if plugins.rollout_log is None:
+        return metrics
+    views = [slime.from_inverted(s, slime.sample_class()) for s in samples]
+    if plugins.rollout_log(rollout_id, args, views, dict(metrics), seconds):
+        return {k: v for k, v in metrics.items() if not k.startswith("rollout/")}
+    return metrics
 
 
 def phase_times(clock: dict[str, float]) -> dict[str, float]:
@@ -134,11 +180,20 @@ async def evaluate(cfg: JobConfig, job: Job, plugins: Plugins, rollout_id: int) 
     n = cfg.rollout.n_samples_per_eval_prompt
     tasks = [Task(lease_id="eval", group_index=i, index=i * n + j, prompt_index=i, prompt=r.prompt, label=r.label,
                   metadata=r.metadata, tools=r.tools) for i, r in enumerate(records) for j in range(n)]
-    samples = await run_rollout(context(cfg, job, plugins, rollout_id, evaluation=True), plugins, tasks)
+    ctx = context(cfg, job, plugins, rollout_id, evaluation=True)
+    samples = await run_rollout(ctx, plugins, tasks)
     rewards = [s.scalar_reward(cfg.train.loss.reward_key) for s in samples if s.status != Sample.Status.FAILED]
     mean = (lambda values: sum(values) / len(values) if values else float("nan"))
-    return {"eval/reward_mean": mean(rewards), "eval/pass_rate": mean([float(r >= 1.0) for r in rewards]),
-            "eval/failed": float(len(samples) - len(rewards))}
+    metrics = {"eval/reward_mean": mean(rewards), "eval/pass_rate": mean([float(r >= 1.0) for r in rewards]),
+               "eval/failed": float(len(samples) - len(rewards))}
+    if plugins.eval_log is not None:  # slime's data: {dataset: {rewards, truncated, samples}}
+        usable = [s for s in samples if s.status != Sample.Status.FAILED]
+        data = {Path(cfg.rollout.eval_prompt_data).stem: {
+            "rewards": rewards, "truncated": [s.status == Sample.Status.TRUNCATED for s in usable],
+            "samples": [slime.from_inverted(s, slime.sample_class()) for s in usable]}}
+        if plugins.eval_log(rollout_id, ctx.slime_args, data, dict(metrics)):
+            return {}
+    return metrics
 
 
 def summary(metrics: dict[str, float]) -> str:

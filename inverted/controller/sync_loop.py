@@ -21,7 +21,7 @@ import time
 
 from inverted.config import JobConfig
 from inverted.controller.job import WORKER_ID, Job, Plugins
-from inverted.controller.rollouts import context, rollout_metrics, run_rollout, save_rollout_data, step_row, sync_when_due
+from inverted.controller.rollouts import context, run_rollout, step_row, sync_when_due, take_batch
 from inverted.errors import ServiceUnavailable
 from inverted.types import Sample
 
@@ -54,8 +54,7 @@ class SyncLoop:
         batch = await job.buffer.next_batch(num_groups=cfg.rollout.rollout_batch_size, current_weight_version=rollout_id,
                                             max_weight_staleness=cfg.rollout.max_weight_staleness, allow_partial=True)
         clock["batched"] = time.perf_counter()
-        save_rollout_data(cfg.rollout.save_debug_rollout_data, rollout_id, batch.samples)
-        metrics = rollout_metrics(cfg.train.loss.reward_key, samples, batch.samples)
+        metrics = take_batch(cfg, self.plugins, rollout_id, samples, batch.samples, clock["rolled_out"] - clock["leased"])
         failed = [s for s in samples if s.status == Sample.Status.FAILED]
         if failed:
             logger.warning("rollout %d: %d of %d episodes failed (never trained on); the first: %s", rollout_id,

@@ -81,8 +81,11 @@ def discounted_returns(rewards_T: torch.Tensor, gamma: float) -> torch.Tensor:
 
 def compute_advantages(estimator: str, rewards_N: torch.Tensor, groups: Sequence[object], masks: list[torch.Tensor],
                        kl: list[torch.Tensor] | None = None, kl_coef: float = 0.0, gamma: float = 1.0,
-                       std_normalize: bool = True) -> list[torch.Tensor]:
-    """Per-token advantages for each sample (``masks[i]`` has one entry per response token)."""
+                       std_normalize: bool = True, baseline: bool = True) -> list[torch.Tensor]:
+    """Per-token advantages for each sample (``masks[i]`` has one entry per response token).
+
+    ``baseline=False``: the rewards were normalised already (``--custom-reward-post-process-path``,
+    slime's hook), so the group estimators take them as they are."""
     kl = kl if kl is not None and kl_coef else [torch.zeros(len(m)) for m in masks]
     if estimator == "reinforce_plus_plus":
         returns = []
@@ -95,10 +98,10 @@ def compute_advantages(estimator: str, rewards_N: torch.Tensor, groups: Sequence
         return whiten(returns, masks)
     shaped = rewards_N - kl_coef * torch.stack([(k * m).sum() for k, m in zip(kl, masks)]) if masks else rewards_N
     if estimator == "reinforce_plus_plus_baseline":
-        baseline = group_baseline(shaped, groups, std_normalize=False)
-        return whiten([torch.full((len(m),), float(a)) for a, m in zip(baseline, masks)], masks)
-    baseline = group_baseline(shaped, groups, std_normalize)
-    return [torch.full((len(m),), float(a)) for a, m in zip(baseline, masks)]
+        centered = group_baseline(shaped, groups, std_normalize=False) if baseline else shaped
+        return whiten([torch.full((len(m),), float(a)) for a, m in zip(centered, masks)], masks)
+    centered = group_baseline(shaped, groups, std_normalize) if baseline else shaped
+    return [torch.full((len(m),), float(a)) for a, m in zip(centered, masks)]
 
 
 def token_weights(aggregation: str, masks: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -37,17 +37,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from inverted.config import TrainConfig
+from inverted.compat import slime
+from inverted.config import TrainConfig, to_flags
 from inverted.errors import SampleError
 from inverted.hf_checkpoint import ModelSpec, checkpoint_tensors
-from inverted.train import losses
+from inverted.plugins import LossPlugins
+from inverted.train import losses, slime_loss
 from inverted.train.convert import check_compatible, gather_hf_weights, iter_hf_weights, load_hf_weights
 from inverted.train.logprobs import token_logprobs_and_entropy
 from inverted.train.model import Parallelism, build_model, use_transformer_engine
 from inverted.train.optimizer import build_optimizer
 from inverted.train.packing import MicroBatch, balance, pack
 from inverted.train.weight_sync import SyncReport, WeightSync
-from inverted.types import Sample, version_number
+from inverted.types import Sample, version_number, with_siblings
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +98,7 @@ class PerToken:
     ref_logp: dict[int, torch.Tensor]
     staleness: dict[int, torch.Tensor]  # policy version minus the token's sampling version
     weight: dict[int, torch.Tensor] = field(default_factory=dict)  # set per optimizer step
+    step_samples: int = 0  # samples in the optimizer step (all ranks), set per step
 
     def take(self, name: str, indices: list[int]) -> torch.Tensor:
         """One micro-batch's values of ``name``, concatenated in packing order."""
@@ -147,6 +150,8 @@ class Trainer:
         self.reference = self._build_reference(hf_weights) if cfg.loss.needs_reference else None
         self.rollout_id = 0  # rollouts trained on so far
         self.optimizer_steps = 0
+        self.plugins = LossPlugins.load(cfg.loss)  # slime's loss plug-ins (train/slime_loss.py)
+        self.slime_args = slime.SlimeArgs.of(to_flags(cfg))
 
     def _build_reference(self, hf_weights: dict[str, torch.Tensor]):
         """The frozen policy at its starting point: no gradients, no optimizer state, eval mode."""
@@ -259,14 +264,19 @@ class Trainer:
 
         cfg, loss = self.cfg, self.cfg.loss
         started = time.perf_counter()
+        samples = with_siblings(samples)
         check_samples(samples, self.spec)
         plan = self._plan(samples)
         all_mbs = [mb for step in plan for mb in step.micro_batches]
         versions = [torch.tensor([version_number(v) for v in s.weight_versions], dtype=torch.int64) for s in samples]
-        masks = [torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples]
+        masks = [torch.tensor(s.loss_mask, dtype=torch.float32) * (not s.metadata.get("remove_sample")) for s in samples]
         if loss.mask_offpolicy_in_partial_rollout:
             masks = [m * (v == v.max()) if len(v) else m for m, v in zip(masks, versions)]
         rewards = torch.tensor([s.scalar_reward(loss.reward_key) for s in samples], dtype=torch.float32)
+        if self.plugins.reward_post_process is not None:  # slime's: these rewards are the normalised ones
+            _, processed = self.plugins.reward_post_process(
+                self.slime_args, [slime.from_inverted(s, slime.sample_class()) for s in samples])
+            rewards = torch.tensor([float(r) for r in processed], dtype=torch.float32)
 
         old_logp = self._no_grad_logprobs(self.model, all_mbs) if len(plan) > 1 else {}
         ref_logp = self._no_grad_logprobs(self.reference, all_mbs) if self.reference is not None else {}
@@ -278,7 +288,8 @@ class Trainer:
             kl_reward = [gathered[i] for i in range(len(samples))]
         advantages = losses.compute_advantages(
             loss.advantage_estimator, rewards, [s.group_index for s in samples], masks, kl_reward, loss.kl_coef,
-            loss.gamma, std_normalize=not loss.disable_grpo_std_normalization)
+            loss.gamma, std_normalize=not loss.disable_grpo_std_normalization,
+            baseline=self.plugins.reward_post_process is None)
 
         tokens = PerToken(
             mask=dict(enumerate(masks)), advantage=dict(enumerate(advantages)), old_logp=old_logp, ref_logp=ref_logp,
@@ -292,6 +303,7 @@ class Trainer:
             span = step.step_samples
             tokens.weight = {i: w.to(self.device) for i, w in zip(
                 span, losses.token_weights(loss.loss_aggregation, masks[span.start:span.stop]))}
+            tokens.step_samples = len(span)
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
             reported += self._schedule(self.model, step.micro_batches, functools.partial(self._loss, tokens=tokens),
@@ -317,7 +329,7 @@ class Trainer:
 
     def _loss(self, mb: MicroBatch, logits: torch.Tensor, tokens: PerToken) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """One micro-batch's loss from its logits, and its statistics (device tensors, see ``LOSS_PARTS``)."""
-        cfg = self.cfg.loss
+        cfg, plugins = self.cfg.loss, self.plugins
         mask, weight = tokens.take("mask", mb.indices), tokens.take("weight", mb.indices)
         adv, rollout = tokens.take("advantage", mb.indices), tokens.take("rollout_logp", mb.indices)
         staleness = tokens.take("staleness", mb.indices)
@@ -326,16 +338,29 @@ class Trainer:
 
         logp, entropy = self._logprobs(mb, logits, with_entropy=True)
         old = tokens.take("old_logp", mb.indices) if tokens.old_logp else logp.detach()
+        ref = tokens.take("ref_logp", mb.indices) if tokens.ref_logp else None
+        if plugins.loss is not None:
+            named = {"loss_masks": mask, "advantages": adv, "log_probs": old, "rollout_log_probs": rollout}
+            loss, custom = slime_loss.custom_loss(plugins.loss, self.slime_args, mb, logits,
+                                                  named | ({"ref_log_probs": ref} if ref is not None else {}), weight)
+            custom = {f"custom/{name}": value for name, value in custom.items()}
         pg, info = losses.policy_loss(cfg.advantage_estimator, logp, old, adv, mask, seq_ids, len(mb.indices),
                                       cfg.eps_clip, cfg.eps_clip_high or cfg.eps_clip, cfg.eps_clip_c)
-        tis = losses.tis_weights(old, rollout, cfg.tis_clip_low, cfg.tis_clip) if cfg.use_tis else torch.ones_like(pg)
-        per_token = pg * tis
-        kl = (losses.kl_penalty(logp, tokens.take("ref_logp", mb.indices), cfg.kl_loss_type) if tokens.ref_logp
-              else torch.zeros_like(pg))
-        if cfg.use_kl_loss:
-            per_token = per_token + cfg.kl_loss_coef * kl
-        per_token = per_token - cfg.entropy_coef * entropy
-        loss = (weight * per_token).sum()
+        if plugins.tis is not None:
+            pg, weight, tis = slime_loss.custom_tis(plugins.tis, self.slime_args, mb, pg, old, rollout, mask, weight,
+                                                    cfg.loss_aggregation)
+            tis = tis if tis is not None else torch.ones_like(pg)
+        else:
+            tis = losses.tis_weights(old, rollout, cfg.tis_clip_low, cfg.tis_clip) if cfg.use_tis else torch.ones_like(pg)
+            pg = pg * tis
+        kl = losses.kl_penalty(logp, ref, cfg.kl_loss_type) if ref is not None else torch.zeros_like(pg)
+        pg_term = (slime_loss.reduce_pg(plugins.reducer, mb, pg, mask, tokens.step_samples,
+                                        cfg.loss_aggregation == "token_mean")
+                   if plugins.reducer is not None else (weight * pg).sum())
+        if plugins.loss is None:
+            loss = pg_term - cfg.entropy_coef * (weight * entropy).sum()
+            if cfg.use_kl_loss:
+                loss = loss + cfg.kl_loss_coef * (weight * kl).sum()
 
         with torch.no_grad():
             on = mask.bool()
@@ -344,7 +369,7 @@ class Trainer:
             fresh = on & (staleness == 0)
             gap = (old - rollout).abs()
             ratio = info["ratio"]
-            stats = {"loss": loss.detach(), "pg_loss": (weight * pg * tis).sum(), "kl_loss": (weight * kl).sum(),
+            stats = {"loss": loss.detach(), "pg_loss": pg_term.detach(), "kl_loss": (weight * kl).sum(),
                      "entropy_loss": (weight * entropy).sum(), "tokens": on.sum(),
                      "fresh_logprob_abs_diff": gap[fresh].sum(), "fresh_tokens": fresh.sum(),
                      "ratio_max": torch.where(on, ratio, -torch.inf).max(),
@@ -354,6 +379,8 @@ class Trainer:
                                 ("train_rollout_logprob_abs_diff", gap), ("kl", kl), ("entropy", entropy),
                                 ("token_staleness", staleness)):
                 stats[name] = value[on].sum()
+            if plugins.loss is not None:
+                stats |= custom
         return loss, stats
 
     def _reduce_metrics(self, reported: list[dict[str, torch.Tensor]], steps: int) -> dict[str, float]:
@@ -365,7 +392,9 @@ class Trainer:
             values = [r[name].double() for r in reported]
             return reduce(torch.stack(values)) if values else torch.tensor(empty, dtype=torch.float64, device=self.device)
 
-        summed = LOSS_PARTS + TOKEN_STATS + COUNTS
+        # A custom loss's own metrics are aggregated like the loss (sum_of_sample_mean): summed, per step.
+        extra = tuple(sorted(set(reported[0]) - set(LOSS_PARTS + TOKEN_STATS + COUNTS + MAXIMA))) if reported else ()
+        summed = LOSS_PARTS + TOKEN_STATS + COUNTS + extra
         sums = torch.stack([column(n, torch.sum, 0.0) for n in summed])
         high = torch.stack([column(n, torch.max, -float("inf") if n != "token_staleness_max" else 0.0) for n in MAXIMA])
         if self.dp_size > 1:
@@ -375,7 +404,7 @@ class Trainer:
         totals = dict(zip(summed, sums.tolist()))
         highs = dict(zip(MAXIMA, high.tolist()))
         tokens = max(totals["tokens"], 1.0)
-        metrics = {f"train/{n}": totals[n] / steps for n in LOSS_PARTS}
+        metrics = {f"train/{n}": totals[n] / steps for n in LOSS_PARTS + extra}
         metrics.update({f"train/{n}": totals[n] / tokens for n in TOKEN_STATS})
         metrics["train/ratio_max"], metrics["train/ratio_min"] = highs["ratio_max"], -highs["neg_ratio_min"]
         metrics["train/token_staleness_max"] = highs["token_staleness_max"]

@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from inverted.config import RolloutConfig
-from inverted.plugins import RolloutContext
+from inverted.plugins import RewardModel, RolloutContext
 from inverted.types import Sample, Task
 from rollout_functions.single_turn import generate_rollout
 
@@ -25,8 +25,10 @@ def test_single_turn_records_what_the_engine_sampled(tiny_model, procs):
              for i, p in enumerate([messages, messages, "plain text prompt"])]
     ctx = RolloutContext(rollout_id=0, config=RolloutConfig(rollout_max_response_len=5), proxy_url="",
                          proxy_api_key=None, router_url=engine.url, hf_checkpoint=str(model),
-                         sampling={"temperature": 1.0, "top_p": 1.0, "max_tokens": 5}, reward_fn=reward_by_length)
+                         sampling={"temperature": 1.0, "top_p": 1.0, "max_tokens": 5})
     samples = asyncio.run(generate_rollout(ctx, tasks))
+    assert {s.reward for s in samples} == {None}  # the job scores them, for every rollout function alike
+    asyncio.run(RewardModel(reward_by_length, "ours").score(samples, args=None))
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     chat_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -50,8 +52,7 @@ def test_single_turn_logprobs_are_the_engines(tiny_model, procs):
     engine = procs.engine(model)
     task = Task(lease_id="l", group_index=0, index=0, prompt_index=0, prompt="hello world")
     ctx = RolloutContext(rollout_id=0, config=RolloutConfig(), proxy_url="", proxy_api_key=None, router_url=engine.url,
-                         hf_checkpoint=str(model), sampling={"temperature": 1.0, "top_p": 1.0, "max_tokens": 4},
-                         reward_fn=lambda sample: 0.0)
+                         hf_checkpoint=str(model), sampling={"temperature": 1.0, "top_p": 1.0, "max_tokens": 4})
     (sample,) = asyncio.run(generate_rollout(ctx, [task]))
     scored = httpx.post(engine.url + "/generate", timeout=60, json={
         "input_ids": sample.tokens, "return_logprob": True, "logprob_start_len": sample.prompt_length - 1,

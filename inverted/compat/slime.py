@@ -1,0 +1,359 @@
+"""slime's plug-in API on inverted: its ``Sample``, its ``args``, its router helpers, under its own module paths.
+
+A slime plug-in (a custom generate function, reward model, filter, loss, ...) is written against
+four things, and this module is each of them:
+
+- ``Sample`` (``slime.utils.types``): slime's field names and meanings. ``to_inverted`` and
+  ``from_inverted`` convert it exactly to and from our ``Sample``; what ours has no field for
+  (``response``, ``rollout_id``, ``remove_sample``) travels in our ``metadata`` under those names.
+  slime's ``weight_versions`` holds one version per generate call, ours one per response token:
+  ``to_inverted`` spreads the calls' versions over the tokens each call sampled (``post`` records
+  the router's answers), so every token keeps the version that sampled it.
+- ``args``: ``SlimeArgs``, the job's flags under slime's attribute names, read-only. A slime flag
+  inverted does not have is an ``AttributeError`` that names it and says why.
+- ``post(url, payload, max_retries=60, headers=None)`` and ``get(url)`` (``slime.utils.http_utils``):
+  slime's behaviour (every failure retried once a second, the JSON answer returned).
+- ``GenerateState(args)`` (``slime.rollout.sglang_rollout``): the tokenizer, the sampling
+  parameters and the concurrency limit of the default rollout.
+- ``DynamicFilterOutput`` (``slime.rollout.filter_hub.base_types``), and the trainer's
+  ``get_log_probs_and_entropy`` (``slime.backends.megatron_utils.loss``, from ``train.slime_loss``).
+
+``install()`` makes ``import slime.utils.types`` (and the other paths above) resolve here when the
+real slime is not installed, so a plug-in changes not one line. Where slime *is* installed, its
+modules are left alone: the plug-in gets slime's own classes, and the conversions work on them by
+field name (``from_inverted(..., cls=...)``, ``to_inverted`` reads attributes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import importlib.util
+import logging
+import sys
+import types
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+from inverted.errors import SampleError
+from inverted.types import Sample as _Sample
+
+logger = logging.getLogger(__name__)
+
+# Our Sample keeps these slime fields in its metadata (it has no field of its own for them).
+META_FIELDS = {"response": "", "rollout_id": None, "remove_sample": False}
+
+
+@dataclass
+class Sample:
+    """slime's ``Sample`` (``slime.utils.types``), the fields both frameworks have, with slime's meanings.
+
+    ``tokens`` is prompt + response ids; ``loss_mask``, ``rollout_log_probs`` have one entry per
+    response token (None: all trainable / not recorded); ``weight_versions`` one per generate call;
+    ``rollout_id`` ties the samples one rollout fanned out into; ``remove_sample`` keeps a sample
+    out of the loss.
+    """
+
+    Status = _Sample.Status
+
+    group_index: int | None = None
+    index: int | None = None
+    rollout_id: int | None = None
+    prompt: str | list[dict[str, Any]] = ""
+    tokens: list[int] = field(default_factory=list)
+    response: str = ""
+    response_length: int = 0
+    label: Any = None
+    reward: float | dict[str, float] | None = None
+    loss_mask: list[int] | None = None
+    weight_versions: list[str] = field(default_factory=list)
+    rollout_log_probs: list[float] | None = None
+    status: _Sample.Status = _Sample.Status.PENDING
+    metadata: dict[str, Any] = field(default_factory=dict)
+    remove_sample: bool = False
+    session_id: str | None = None
+
+
+def from_inverted(sample: _Sample, cls: type = Sample) -> Any:
+    """Our Sample as slime's (``cls``: ours here, or the installed slime's class)."""
+    metadata = dict(sample.metadata)
+    moved = {name: metadata.pop(name, default) for name, default in META_FIELDS.items()}
+    view = cls(group_index=sample.group_index, index=sample.index, prompt=sample.prompt, tokens=list(sample.tokens),
+               response_length=sample.response_length, label=sample.label, reward=sample.reward,
+               loss_mask=list(sample.loss_mask), rollout_log_probs=list(sample.rollout_log_probs),
+               weight_versions=_calls_of(sample.weight_versions), status=cls.Status(sample.status.value),
+               metadata=metadata, session_id=sample.session_id, **moved)
+    view._token_versions = list(sample.weight_versions)  # exact per-token versions, for the way back
+    return view
+
+
+def to_inverted(view: Any, calls: list[GenerateCall] | None = None) -> _Sample:
+    """A slime Sample (ours or the installed slime's) as ours; ``calls``: the router answers its
+    generate function received (``post`` records them), which give each token its version."""
+    n = view.response_length
+    where = f"slime Sample (group {view.group_index}, index {view.index})"
+    if n and view.rollout_log_probs is None:
+        raise SampleError(f"{where}: rollout_log_probs is None; inverted trains on the sampled tokens' "
+                          "logprobs (ask /generate for return_logprob: true and keep them)")
+    mask = list(view.loss_mask) if view.loss_mask is not None else [1] * n
+    metadata = dict(view.metadata or {})
+    for name, default in META_FIELDS.items():
+        value = getattr(view, name, default)
+        if value != default:
+            metadata[name] = value
+    return _Sample(group_index=view.group_index, index=view.index, prompt=view.prompt, tokens=list(view.tokens),
+                   response_length=n, loss_mask=mask, rollout_log_probs=list(view.rollout_log_probs or []),
+                   weight_versions=token_versions(view, mask, calls or []), reward=view.reward,
+                   status=_Sample.Status(getattr(view.status, "value", view.status)), label=view.label,
+                   metadata=metadata, session_id=getattr(view, "session_id", None))
+
+
+def _calls_of(per_token: list[str]) -> list[str]:
+    """Per-token versions as slime's per-call list: one entry per run of equal versions."""
+    return [v for i, v in enumerate(per_token) if i == 0 or per_token[i - 1] != v]
+
+
+def token_versions(view: Any, mask: list[int], calls: list[GenerateCall]) -> list[str]:
+    """One weight version per response token of a slime Sample.
+
+    In order of trust: the exact list it came from (a Sample that went out through
+    ``from_inverted``, unchanged in length); the router answers its generate function received,
+    whose sampled tokens are the trainable ones, in order; one trainable run of tokens per entry of
+    slime's per-call ``weight_versions``; a single version for all. Tokens the policy did not
+    sample (tool output) take the version of the call before them.
+    """
+    n = view.response_length
+    exact = getattr(view, "_token_versions", None)
+    if exact is not None and len(exact) == n:
+        return list(exact)
+    versions = [str(v) for v in view.weight_versions]
+    if len(versions) == n:  # already one per token (a common slime shortcut)
+        return versions
+    trainable = [i for i, m in enumerate(mask) if m]
+    runs = [i for i in trainable if i == 0 or not mask[i - 1]]  # first token of each trainable run
+    if calls and sum(len(c.output_ids) for c in calls) == len(trainable):
+        sampled = [c.weight_version for c in calls for _ in c.output_ids]
+    elif len(versions) == len(runs) and versions:
+        run_of = {start: k for k, start in enumerate(runs)}
+        sampled, k = [], -1
+        for i in trainable:
+            k = run_of.get(i, k)
+            sampled.append(versions[k])
+    elif len(set(versions)) == 1 or (not versions and calls and len({c.weight_version for c in calls}) == 1):
+        return [versions[0] if versions else calls[0].weight_version] * n
+    elif not n:
+        return []
+    else:
+        raise SampleError(f"slime Sample (group {view.group_index}, index {view.index}): cannot tell which of its "
+                          f"{n} response tokens each of weight_versions {versions} sampled; call the router through "
+                          "slime.utils.http_utils.post (it records each answer's version)")
+    out, current, taken = [], sampled[0] if sampled else "default", iter(sampled)
+    for m in mask:  # tokens before the first sampled one belong to the first call
+        if m:
+            current = next(taken)
+        out.append(current)
+    return out
+
+
+# -- args ------------------------------------------------------------------------------------------
+
+# slime flags that have no counterpart here, and why (the rest of slime's flags are simply absent).
+NOT_HERE: dict[str, str] = {
+    "data_source_path": "inverted's Data Buffer is a durable service (SQLite, leases, restarts); prompts come "
+                        "from --prompt-data, and --buffer-filter-path chooses which complete groups are trained",
+    "rollout_all_samples_process_path": "Samples are stored in the Data Buffer as they finish; read them there "
+                                        "(--save-debug-rollout-data) or in --custom-rollout-log-function-path",
+    "rollout_data_postprocess_path": "the trainer computes log-probs inside its own step; change Samples before "
+                                     "training with --rollout-sample-filter-path",
+    "custom_convert_samples_to_train_data_path": "Samples are the training data itself: the trainer packs them "
+                                                 "(prefix sharing, balancing) and no dict of lists exists",
+    "custom_megatron_init_path": "the trainer builds Megatron itself inside a Ray actor; not a plug-in point",
+    "custom_megatron_before_log_prob_hook_path": "not a plug-in point of inverted's trainer",
+    "custom_megatron_before_train_step_hook_path": "not a plug-in point of inverted's trainer",
+    "rm_type": "the rule-based reward models are libraries here (reasoning-gym, math-verify): wrap one in "
+               "--custom-rm-path",
+    "use_rollout_logprobs": "inverted recomputes the old log-probs (or uses the live ones with one optimizer "
+                            "step); TIS (--use-tis) corrects against the rollout's",
+}
+
+
+class SlimeArgs:
+    """The job's flags under slime's attribute names (``args.rollout_max_response_len``), read-only."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        object.__setattr__(self, "_values", dict(values))
+
+    @classmethod
+    def of(cls, *flag_dicts: dict[str, Any], router_url: str | None = None) -> "SlimeArgs":
+        """From our sections' flags (``config.to_flags``); slime's names for the knobs we name otherwise."""
+        values: dict[str, Any] = {}
+        for flags in flag_dicts:
+            values.update(flags)
+        if "loss_aggregation" in values:
+            values["calculate_per_token_loss"] = values["loss_aggregation"] == "token_mean"
+        if router_url:
+            host, _, port = router_url.split("//")[-1].rpartition(":")
+            values.update(sglang_router_ip=host, sglang_router_port=int(port))
+        return cls(values)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._values[name]
+        except KeyError:
+            flag = "--" + name.replace("_", "-")
+            why = NOT_HERE.get(name, "it has no counterpart among inverted's flags")
+            raise AttributeError(f"args.{name}: slime's {flag} is not in inverted ({why}); see "
+                                 "docs/migrating-from-slime.md") from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"args.{name}: args is read-only in inverted (the job's flags, fixed at start-up)")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._values
+
+    def __repr__(self) -> str:
+        return f"SlimeArgs({len(self._values)} flags)"
+
+
+# -- the router helpers ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateCall:
+    """One ``/generate`` answer a generate function received: what it sampled, under which weights."""
+
+    output_ids: tuple[int, ...]
+    weight_version: str
+
+
+_calls: contextvars.ContextVar[list[GenerateCall] | None] = contextvars.ContextVar("slime_generate_calls", default=None)
+_sessions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def record_calls() -> list[GenerateCall]:
+    """Start recording the ``/generate`` answers ``post`` receives in this task (and tasks it starts)."""
+    calls: list[GenerateCall] = []
+    _calls.set(calls)
+    return calls
+
+
+def _session():
+    import aiohttp
+
+    loop = asyncio.get_running_loop()
+    if loop not in _sessions:  # one pooled session per event loop, no timeout (slime's client)
+        _sessions[loop] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None), trust_env=False,
+                                                connector=aiohttp.TCPConnector(limit=0))
+    return _sessions[loop]
+
+
+async def post(url: str, payload: Any, max_retries: int = 60, headers: dict[str, str] | None = None) -> Any:
+    """POST JSON and return the JSON answer; like slime, any failure is retried once a second,
+    ``max_retries`` times, then raised."""
+    for attempt in range(1, max_retries + 1):
+        try:
+            async with _session().post(url, json=payload, headers=headers) as response:
+                response.raise_for_status()
+                output = await response.json(content_type=None)
+            break
+        except Exception as exc:  # noqa: BLE001 (slime retries whatever went wrong)
+            if attempt >= max_retries:
+                raise
+            logger.info("post %s failed (%s), retrying (attempt %d/%d)", url, exc, attempt, max_retries)
+            await asyncio.sleep(1)
+    calls = _calls.get()
+    if calls is not None and isinstance(output, dict) and "output_ids" in output and "meta_info" in output:
+        calls.append(GenerateCall(tuple(output["output_ids"]), str(output["meta_info"].get("weight_version", "default"))))
+    return output
+
+
+async def get(url: str) -> Any:
+    async with _session().get(url) as response:
+        response.raise_for_status()
+        return await response.json(content_type=None)
+
+
+class GenerateState:
+    """The default rollout's state (``slime.rollout.sglang_rollout``): tokenizer, sampling, concurrency.
+
+    One per process, as in slime (``GenerateState(args)`` returns the same object every time).
+    """
+
+    _instance: GenerateState | None = None
+
+    def __new__(cls, args: Any) -> "GenerateState":
+        if cls._instance is None or cls._instance.args is not args:
+            from transformers import AutoTokenizer
+
+            state = super().__new__(cls)
+            state.args = args
+            state.tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
+            state.processor = None
+            state.semaphore = asyncio.Semaphore(args.rollout_concurrency)
+            state.sampling_params = {
+                "temperature": args.rollout_temperature, "top_p": args.rollout_top_p, "top_k": -1,
+                "max_new_tokens": args.rollout_max_response_len, "skip_special_tokens": False,
+                "no_stop_trim": True, "spaces_between_special_tokens": False}
+            cls._instance = state
+        return cls._instance
+
+
+@dataclass
+class DynamicFilterOutput:
+    """What slime's dynamic-sampling filters return (``slime.rollout.filter_hub.base_types``)."""
+
+    keep: bool
+    reason: str | None = None
+
+
+# -- slime's module paths -------------------------------------------------------------------------
+
+# Each module's names, or the module that provides them (read when a plug-in first asks: the
+# trainer's loss helpers need torch and Megatron, which no other process should import for them).
+MODULES: dict[str, dict[str, Any] | str] = {
+    "slime": {},
+    "slime.utils": {},
+    "slime.utils.types": {"Sample": Sample},
+    "slime.utils.http_utils": {"post": post, "get": get},
+    "slime.rollout": {},
+    "slime.rollout.sglang_rollout": {"GenerateState": GenerateState},
+    "slime.rollout.filter_hub": {},
+    "slime.rollout.filter_hub.base_types": {"DynamicFilterOutput": DynamicFilterOutput},
+    "slime.backends": {},
+    "slime.backends.megatron_utils": {},
+    "slime.backends.megatron_utils.loss": "inverted.train.slime_loss",
+}
+
+
+def slime_installed() -> bool:
+    module = sys.modules.get("slime")
+    if module is not None:
+        return not getattr(module, "__inverted__", False)
+    return importlib.util.find_spec("slime") is not None
+
+
+def install() -> bool:
+    """Make slime's module paths import from here, unless the real slime is installed; True if they do."""
+    if slime_installed():
+        return False
+    for name, names in MODULES.items():
+        if name not in sys.modules:
+            module = types.ModuleType(name, f"slime's {name} as provided by inverted.compat.slime")
+            module.__inverted__ = True
+            module.__path__ = []  # a package, so its submodules import
+            if isinstance(names, str):
+                module.__getattr__ = (lambda attr, provider=names: getattr(importlib.import_module(provider), attr))
+            else:
+                module.__dict__.update(names)
+            sys.modules[name] = module
+            parent, _, child = name.rpartition(".")
+            if parent:
+                setattr(sys.modules[parent], child, module)
+    return True
+
+
+def sample_class() -> type:
+    """The Sample class plug-ins see: the installed slime's, else ours."""
+    install()
+    return sys.modules["slime.utils.types"].Sample

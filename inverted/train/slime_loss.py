@@ -1,0 +1,101 @@
+"""slime's training-side plug-ins on our trainer: a custom loss, importance weights, the pg-loss reducer.
+
+Our loss is a weighted sum: each token's weight in an optimizer step is fixed before the step
+(``losses.token_weights``, the ``--loss-aggregation`` over the whole global batch), so
+micro-batches and data-parallel ranks just add up. slime's plug-ins are written in its terms, and
+these adapters translate, one micro-batch at a time:
+
+- ``sum_of_sample_mean(x)`` is ``sum(weight * x)``: the configured aggregation of a per-token
+  tensor (slime's per-sample mean, which Megatron then divides by the global batch size, is our
+  ``seq_mean_token_mean``).
+- ``--custom-pg-loss-reducer-function-path``: the reducer's value for the micro-batch, divided by
+  the samples of the optimizer step (slime divides by ``--global-batch-size``), is the
+  policy-gradient term; KL and entropy keep the aggregation.
+- ``--custom-tis-function-path``: gets the policy-gradient loss per token and the per-sample
+  log-probs and masks, returns the reweighted loss and masks. A token whose mask it zeroes leaves
+  the loss; with ``seq_mean_token_mean`` its sample's other tokens are renormalised, as slime
+  rebuilds its per-sample means from the returned masks.
+- ``--custom-loss-function-path`` (``--loss-type custom_loss``): ``fn(args, batch, logits,
+  sum_of_sample_mean) -> (loss, metrics)``. ``batch`` holds slime's per-sample lists
+  (``unconcat_tokens``, ``total_lengths``, ``response_lengths``, ``loss_masks``, ``advantages``,
+  ``log_probs`` (the old policy's), ``rollout_log_probs``, ``ref_log_probs`` when there is a
+  reference) and ``logits`` are in slime's layout, ``[1, sum(total_lengths), V / tp]`` with the
+  samples back to back (our packing shares a group's prompt; the rows are copied out for the
+  plug-in). ``get_log_probs_and_entropy`` (also importable as slime's
+  ``slime.backends.megatron_utils.loss``) reads log-probs from them, tensor-parallel-correct.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from inverted.train.logprobs import token_logprobs_and_entropy
+from inverted.train.packing import MicroBatch
+
+
+def get_log_probs_and_entropy(logits: torch.Tensor, *, args: Any, unconcat_tokens: list[torch.Tensor],
+                              total_lengths: list[int], response_lengths: list[int], with_entropy: bool = False,
+                              **_: Any) -> dict[str, list[torch.Tensor]]:
+    """Per sample, the response tokens' log-probs (and entropies) from slime-layout logits ``[1, T, V / tp]``."""
+    rows, targets, offset = [], [], 0
+    for tokens, total, response in zip(unconcat_tokens, total_lengths, response_lengths):
+        rows.append(torch.arange(offset + total - response - 1, offset + total - 1))
+        targets.append(tokens[total - response:total])
+        offset += total
+    index = torch.cat(rows).to(logits.device) if rows else torch.zeros(0, dtype=torch.long, device=logits.device)
+    logp, entropy = token_logprobs_and_entropy(logits[0][index], torch.cat(targets).to(logits.device),
+                                               args.rollout_temperature, with_entropy)
+    out = {"log_probs": list(logp.split(response_lengths))}
+    if with_entropy:
+        out["entropy"] = list(entropy.split(response_lengths))
+    return out
+
+
+def sequences(mb: MicroBatch) -> tuple[list[torch.Tensor], list[int]]:
+    """Each sample's row positions in the packed micro-batch (its prompt, then its response) and its length."""
+    positions = mb.sequence_positions()
+    return positions, [len(p) for p in positions]
+
+
+def custom_loss(fn: Callable[..., Any], args: Any, mb: MicroBatch, logits: torch.Tensor, per_token: dict[str, torch.Tensor],
+                weight: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """slime's custom loss on one micro-batch; ``per_token`` holds the micro-batch's flat tensors by
+    slime's batch name (``log_probs``, ``advantages``, ...)."""
+    positions, totals = sequences(mb)
+    batch: dict[str, Any] = {name: list(values.split(mb.response_lengths)) for name, values in per_token.items()}
+    batch.update(unconcat_tokens=[mb.tokens_T[p].to(logits.device) for p in positions], total_lengths=totals,
+                 response_lengths=list(mb.response_lengths))
+    rows = torch.cat(positions).to(logits.device) if positions else torch.zeros(0, dtype=torch.long, device=logits.device)
+    loss, metrics = fn(args, batch, logits[rows][None], lambda x: (weight * x).sum())
+    return loss, {name: torch.as_tensor(value).detach().to(weight.device, torch.float64).reshape(())
+                  for name, value in metrics.items()}
+
+
+def reduce_pg(reducer_of: Callable[..., Any], mb: MicroBatch, pg: torch.Tensor, mask: torch.Tensor,
+              step_samples: int, per_token_loss: bool) -> torch.Tensor:
+    """The policy-gradient term of one micro-batch through slime's reducer (divided as slime divides)."""
+    _, totals = sequences(mb)
+    reducer = reducer_of(totals, list(mb.response_lengths), list(mask.split(mb.response_lengths)), per_token_loss)
+    return reducer(pg) / step_samples
+
+
+def custom_tis(fn: Callable[..., Any], args: Any, mb: MicroBatch, pg: torch.Tensor, old: torch.Tensor,
+               rollout: torch.Tensor, mask: torch.Tensor, weight: torch.Tensor,
+               aggregation: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """slime's importance-weight function on one micro-batch: the reweighted pg loss, the token
+    weights with its rejections applied, and its ``tis`` values (if it reports them)."""
+    lengths = list(mb.response_lengths)
+    _, totals = sequences(mb)
+    pg_out, masks, metrics = fn(args, pg_loss=pg, train_log_probs=list(old.split(lengths)),
+                                rollout_log_probs=list(rollout.split(lengths)), loss_masks=list(mask.split(lengths)),
+                                total_lengths=totals, response_lengths=lengths)
+    kept = torch.cat([m.to(weight.dtype) for m in masks]) if masks else torch.zeros_like(weight)
+    weight = weight * kept
+    if aggregation == "seq_mean_token_mean":  # a sample's mean over the tokens it still has
+        seq = torch.repeat_interleave(torch.arange(len(lengths), device=mask.device), torch.tensor(lengths, device=mask.device))
+        before = mask.new_zeros(len(lengths)).index_add(0, seq, mask)
+        after = mask.new_zeros(len(lengths)).index_add(0, seq, kept * mask)
+        weight = weight * (before / after.clamp(min=1))[seq]
+    return pg_out, weight, (metrics or {}).get("tis")

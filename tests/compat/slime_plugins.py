@@ -1,0 +1,142 @@
+"""Plug-ins written as slime's customization guide shows them: our own code, slime's API and imports.
+
+Nothing here knows inverted: the imports are slime's module paths, which the plug-in loader makes
+resolve to ``inverted.compat.slime`` (slime itself is not installed).
+"""
+
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+
+from slime.backends.megatron_utils.loss import get_log_probs_and_entropy
+from slime.rollout.filter_hub.base_types import DynamicFilterOutput
+from slime.rollout.sglang_rollout import GenerateState
+from slime.utils.http_utils import post
+from slime.utils.types import Sample
+
+TOOLS = [{"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+LOG = Path(os.environ.get("SLIME_PLUGIN_LOG", "slime_log.jsonl"))  # the test says where
+
+
+def calculator(expression: str) -> str:
+    if not re.fullmatch(r"[0-9+\-*/() ]+", expression):
+        return "error: not an expression"
+    return str(eval(expression))  # noqa: S307 (digits and operators only)
+
+
+async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
+    """A two-turn calculator loop (search-r1's pattern): the model answers, the calculator's result on
+    the question comes back as a tool message (masked out), and the model answers again."""
+    state = GenerateState(args)
+    url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
+    messages = [{"role": "user", "content": sample.prompt}] if isinstance(sample.prompt, str) else list(sample.prompt)
+    sample.tokens = state.tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True,
+                                                        tokenize=True, return_dict=False)
+    prompt_length = len(sample.tokens)
+    sample.loss_mask, sample.rollout_log_probs = [], []
+    for turn in range(2):
+        output = await post(url, {"input_ids": sample.tokens, "sampling_params": sampling_params,
+                                  "return_logprob": True})
+        meta = output["meta_info"]
+        sample.tokens = sample.tokens + output["output_ids"]
+        sample.loss_mask += [1] * len(output["output_ids"])
+        sample.rollout_log_probs += [logprob for logprob, _, _ in meta["output_token_logprobs"]]
+        sample.weight_versions.append(meta["weight_version"])
+        sample.response += output["text"]
+        if turn == 0:
+            expression = re.sub(r"[^0-9+\-*/() ]", "", messages[-1]["content"])
+            observation = state.tokenizer(f"\n<tool_response>\n{calculator(expression)}\n</tool_response>\n",
+                                          add_special_tokens=False)["input_ids"]
+            sample.tokens = sample.tokens + observation
+            sample.loss_mask += [0] * len(observation)
+            sample.rollout_log_probs += [0.0] * len(observation)
+    sample.response_length = len(sample.tokens) - prompt_length
+    sample.status = Sample.Status.TRUNCATED if meta["finish_reason"]["type"] == "length" else Sample.Status.COMPLETED
+    return sample
+
+
+async def group_rm(args, samples: list[Sample]) -> list[float]:
+    """Batched (--group-rm): the group's longest response scores 1, the others 0."""
+    longest = max(s.response_length for s in samples)
+    return [float(s.response_length == longest) for s in samples]
+
+
+def keep_differing_rewards(args, samples, **kwargs) -> DynamicFilterOutput:
+    rewards = {s.reward for s in samples}
+    return DynamicFilterOutput(keep=len(rewards) > 1, reason=None if len(rewards) > 1 else "all_equal")
+
+
+def newest_groups_first(args, rollout_id, buffer: list[list[Sample]], num_samples: int) -> list[list[Sample]]:
+    """A buffer filter: the highest group_index first (slime's default takes the oldest)."""
+    return sorted(buffer, key=lambda group: -group[0].group_index)[:num_samples]
+
+
+def remove_odd_indices(args, groups: list[list[Sample]]) -> None:
+    for group in groups:
+        for sample in group:
+            sample.remove_sample = sample.index % 2 == 1
+
+
+def log_rollout(rollout_id, args, samples, rollout_extra_metrics, rollout_time) -> bool:
+    with LOG.open("a") as out:
+        out.write(json.dumps({"rollout_id": rollout_id, "samples": len(samples), "time": rollout_time,
+                              "reward_mean": rollout_extra_metrics.get("rollout/reward_mean"),
+                              "removed": sum(s.remove_sample for s in samples)}) + "\n")
+    return True  # the default rollout metrics are skipped
+
+
+def eval_rollout(args, rollout_id, data_buffer, evaluation=False):
+    """A slime rollout function for evaluation only (--eval-function-path): scores every task 0.5."""
+    groups = data_buffer.get_samples(len(data_buffer._groups))
+    for group in groups:
+        for sample in group:
+            sample.tokens, sample.response_length = [1, 2], 1
+            sample.loss_mask, sample.rollout_log_probs, sample.weight_versions = [1], [-0.1], ["0"]
+            sample.reward, sample.status = (0.5 if evaluation else 0.0), Sample.Status.COMPLETED
+    return groups
+
+
+def log_eval(rollout_id, args, data, extra_metrics) -> bool:
+    with LOG.open("a") as out:
+        out.write(json.dumps({"eval": rollout_id, "datasets": {k: len(v["samples"]) for k, v in data.items()}}) + "\n")
+    return False
+
+
+# -- the trainer's plug-ins --------------------------------------------------------------------------
+
+DR_GRPO_DIVISOR = 16.0
+
+
+def get_pg_loss_reducer(total_lengths, response_lengths, loss_masks, calculate_per_token_loss=False):
+    """Dr. GRPO: each sample's token sum divided by one constant, not by its own length."""
+    def reducer(x: torch.Tensor) -> torch.Tensor:
+        return sum((part * mask).sum() for part, mask in zip(x.split(response_lengths), loss_masks)) / DR_GRPO_DIVISOR
+    return reducer
+
+
+def half_and_reject_first(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, **kwargs):
+    """An importance-weight function: every weight 0.5, and each sample's first token rejected."""
+    masks = [mask.clone() for mask in loss_masks]
+    for mask in masks:
+        mask[0] = 0
+    return pg_loss * 0.5, masks, {"tis": torch.full_like(pg_loss, 0.5)}
+
+
+def nll_loss(args, batch, logits, sum_of_sample_mean):
+    """A custom loss: the negative log-likelihood of the response tokens (SFT), slime's way."""
+    log_probs = get_log_probs_and_entropy(logits, args=args, unconcat_tokens=batch["unconcat_tokens"],
+                                          total_lengths=batch["total_lengths"],
+                                          response_lengths=batch["response_lengths"])["log_probs"]
+    loss = -sum_of_sample_mean(torch.cat(log_probs))
+    return loss, {"nll": loss.detach()}
+
+
+def rewards_as_given(args, samples):
+    """Reward post-processing that keeps the raw rewards (no group normalisation)."""
+    raw = [s.reward for s in samples]
+    return raw, raw

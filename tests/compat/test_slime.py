@@ -1,0 +1,155 @@
+"""slime's plug-in API: the Sample view converts exactly, args are slime's names, slime's module paths
+resolve here (and stay slime's where slime is installed), and wrong plug-ins are refused by signature."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from inverted.compat import slime
+from inverted.config import BufferConfig, RolloutConfig, to_flags
+from inverted.errors import PluginError, SampleError
+from inverted.plugins import load_forms, load_plugin
+from inverted.types import Sample
+
+
+def full_sample() -> Sample:
+    """Every field off its default; per-token versions that change mid-response."""
+    return Sample(group_index=3, index=7, prompt=[{"role": "user", "content": "2+2?"}], tokens=[1, 2, 3, 4, 5, 6],
+                  response_length=4, loss_mask=[1, 0, 1, 1], rollout_log_probs=[-0.5, 0.0, -1.25, -2.0],
+                  weight_versions=["4", "4", "5", "5"], reward={"correct": 1.0, "format": 0.5},
+                  status=Sample.Status.TRUNCATED, label="4", session_id="s-1",
+                  metadata={"task": "add", "response": "four", "rollout_id": 9, "remove_sample": True})
+
+
+def test_every_field_converts_exactly_both_ways():
+    ours = full_sample()
+    view = slime.from_inverted(ours)
+    assert (view.group_index, view.index, view.prompt, view.tokens, view.response_length, view.label) == \
+        (3, 7, ours.prompt, [1, 2, 3, 4, 5, 6], 4, "4")
+    assert (view.response, view.rollout_id, view.remove_sample) == ("four", 9, True)  # slime fields of their own
+    assert view.metadata == {"task": "add"} and view.session_id == "s-1"
+    assert view.status is slime.Sample.Status.TRUNCATED and view.reward == {"correct": 1.0, "format": 0.5}
+    assert view.weight_versions == ["4", "5"]  # slime's meaning: one per generate call
+    assert view.loss_mask == [1, 0, 1, 1] and view.rollout_log_probs == [-0.5, 0.0, -1.25, -2.0]
+    assert slime.to_inverted(view) == ours  # and back, per-token versions included
+
+    fresh = slime.Sample(group_index=1, index=2, rollout_id=5, prompt="p", tokens=[9, 8, 7], response="xy",
+                         response_length=2, label=1, reward=0.25, loss_mask=[1, 1], weight_versions=["3"],
+                         rollout_log_probs=[-1.0, -2.0], status=slime.Sample.Status.COMPLETED,
+                         metadata={"k": "v"}, remove_sample=True, session_id="s")
+    back = slime.from_inverted(slime.to_inverted(fresh))
+    del back._token_versions
+    assert back == fresh
+    assert slime.to_inverted(fresh).weight_versions == ["3", "3"]
+
+
+def test_defaults_and_slime_shortcuts():
+    view = slime.Sample(tokens=[1, 2, 3], response_length=2, rollout_log_probs=[-1.0, -1.0], weight_versions=["2"])
+    ours = slime.to_inverted(view)
+    assert ours.loss_mask == [1, 1] and ours.metadata == {} and ours.weight_versions == ["2", "2"]  # None mask: all trained
+    ours.validate()
+    with pytest.raises(SampleError, match="rollout_log_probs is None"):
+        slime.to_inverted(slime.Sample(tokens=[1, 2], response_length=1))
+
+
+def test_each_token_gets_the_version_of_the_call_that_sampled_it():
+    mask = [1, 1, 0, 0, 1, 1, 1]
+    view = slime.Sample(tokens=list(range(9)), response_length=7, loss_mask=mask, rollout_log_probs=[0.0] * 7,
+                        weight_versions=["1", "2"])
+    calls = [slime.GenerateCall((5, 6), "1"), slime.GenerateCall((7, 8, 9), "2")]
+    expected = ["1", "1", "1", "1", "2", "2", "2"]  # tool output takes the version of the call before it
+    assert slime.to_inverted(view, calls).weight_versions == expected
+    assert slime.to_inverted(view).weight_versions == expected  # no recorded calls: one trainable run per call
+    view.weight_versions = ["1", "2", "3"]
+    with pytest.raises(SampleError, match="cannot tell which"):
+        slime.to_inverted(view)
+
+
+def test_args_are_slime_names_read_only_and_missing_flags_say_why():
+    args = slime.SlimeArgs.of(to_flags(RolloutConfig(rollout_max_response_len=77)), to_flags(BufferConfig()),
+                              {"loss_aggregation": "token_mean"}, router_url="http://127.0.0.1:4321")
+    assert (args.rollout_max_response_len, args.n_samples_per_prompt, args.rollout_temperature) == (77, 1, 1.0)
+    assert (args.sglang_router_ip, args.sglang_router_port, args.calculate_per_token_loss) == ("127.0.0.1", 4321, True)
+    with pytest.raises(AttributeError, match=r"--data-source-path is not in inverted \(inverted's Data Buffer"):
+        args.data_source_path
+    with pytest.raises(AttributeError, match="--use-wandb is not in inverted"):
+        args.use_wandb
+    with pytest.raises(AttributeError, match="read-only"):
+        args.rollout_max_response_len = 1
+
+
+def test_slime_module_paths_resolve_here():
+    assert slime.install()
+    from slime.rollout.filter_hub.base_types import DynamicFilterOutput
+    from slime.rollout.sglang_rollout import GenerateState
+    from slime.utils.http_utils import post
+    from slime.utils.types import Sample as SlimeSample
+
+    assert (SlimeSample, post, GenerateState, DynamicFilterOutput) == \
+        (slime.Sample, slime.post, slime.GenerateState, slime.DynamicFilterOutput)
+    from slime.backends.megatron_utils.loss import get_log_probs_and_entropy  # lazily, from the trainer
+    from inverted.train.slime_loss import get_log_probs_and_entropy as ours
+
+    assert get_log_probs_and_entropy is ours
+
+
+def test_an_installed_slime_is_left_alone(tmp_path):
+    """With the real slime on the path its modules are used; our conversions work on its Sample by field name."""
+    package = tmp_path / "slime" / "utils"
+    package.mkdir(parents=True)
+    (tmp_path / "slime" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "types.py").write_text(textwrap.dedent('''
+        import enum
+        from dataclasses import dataclass, field
+
+        @dataclass
+        class Sample:
+            class Status(enum.Enum):
+                PENDING = "pending"; COMPLETED = "completed"; TRUNCATED = "truncated"; ABORTED = "aborted"; FAILED = "failed"
+            group_index: int = None; index: int = None; rollout_id: int = None; prompt: object = ""
+            tokens: list = field(default_factory=list); response: str = ""; response_length: int = 0; label: object = None
+            reward: object = None; loss_mask: list = None; weight_versions: list = field(default_factory=list)
+            rollout_log_probs: list = None; status: Status = Status.PENDING; metadata: dict = field(default_factory=dict)
+            remove_sample: bool = False; session_id: str = None; train_metadata: dict = None
+    '''))
+    script = textwrap.dedent('''
+        from inverted.compat import slime
+        from tests.compat.test_slime import full_sample
+        assert not slime.install()
+        import slime.utils.types as real
+        assert not getattr(real, "__inverted__", False)
+        assert slime.sample_class() is real.Sample
+        view = slime.from_inverted(full_sample(), real.Sample)
+        assert isinstance(view, real.Sample) and view.status is real.Sample.Status.TRUNCATED
+        assert slime.to_inverted(view) == full_sample()
+        print("ok")
+    ''')
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            env={"PYTHONPATH": f"{tmp_path}:{sys.path[0]}", "PATH": "/usr/bin:/bin"}, cwd=sys.path[0])
+    assert result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def test_signatures_are_recognised_and_wrong_ones_refused():
+    path = "tests.compat.slime_plugins"
+    assert load_forms(f"{path}:group_rm", flag="--custom-rm-path", forms={"ours": ["sample"], "slime": ["args", "sample"]})[0] == "slime"
+    with pytest.raises(PluginError, match=r"signature \(args, rollout_id, buffer.*does not match def newest_groups_first\(rollout_id, args"):
+        load_plugin(f"{path}:newest_groups_first", flag="--custom-rollout-log-function-path",
+                    params=["rollout_id", "args", "samples", "rollout_extra_metrics", "rollout_time"])
+    with pytest.raises(PluginError, match="cannot load it"):
+        load_plugin(f"{path}:no_such_function", flag="--buffer-filter-path", params=["args"])
+
+
+def test_slime_dynamic_sampling_filters_keep_groups_by_their_output():
+    from inverted.buffer.filters import load_group_filter
+
+    keep = load_group_filter(BufferConfig(dynamic_sampling_filter_path="tests.compat.slime_plugins:keep_differing_rewards"))
+    group = [full_sample(), full_sample()]
+    group[0].reward, group[1].reward = 1.0, 0.0
+    assert keep(group)
+    group[1].reward = 1.0
+    assert not keep(group)
