@@ -214,3 +214,14 @@ def test_cli_reports_config_errors_without_a_traceback(capsys):
         main(["serve-engine", "--port", "8000"])
     assert info.value.code == 2
     assert "--model=''" in capsys.readouterr().err
+
+
+def test_a_random_key_that_looks_like_a_flag_reaches_the_engine():
+    """secrets.token_urlsafe begins with "-" one time in 64; the engine must still get it as the key."""
+    from inverted.cli import build_parser
+    from inverted.config import ServersConfig
+    from inverted.rollout.servers import engine_argv
+
+    argv = engine_argv(ServersConfig(hf_checkpoint="m", admin_api_key="-dash-first"), "embedded", [], 1, "127.0.0.1", 1234)
+    start = argv.index("serve-engine")
+    assert build_parser().parse_args(argv[start:]).admin_api_key == "-dash-first"

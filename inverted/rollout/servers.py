@@ -88,7 +88,8 @@ def resolve_backend(config: ServersConfig) -> str:
 
 def engine_argv(cfg: ServersConfig, backend: str, sglang_args: list[str], threads: int, host: str, port: int) -> list[str]:
     """The command line of one rollout server (a plain function, so a Ray actor can receive it)."""
-    key = ["--admin-api-key", cfg.admin_api_key] if cfg.admin_api_key else []
+    # one argument: a random key may begin with "-", which argparse would take for a flag
+    key = [f"--admin-api-key={cfg.admin_api_key}"] if cfg.admin_api_key else []
     if backend == "sglang":
         return [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.hf_checkpoint, "--host", host,
                 "--port", str(port), "--tp-size", str(cfg.rollout_num_gpus_per_engine), *key, *sglang_args]
