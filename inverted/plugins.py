@@ -112,9 +112,8 @@ class SlimeDataBuffer:
 
     def __init__(self, tasks: list[Task]) -> None:
         groups: dict[int, list[Any]] = {}
-        cls = slime.sample_class()
         for task in tasks:
-            sample = slime.from_inverted(task.new_sample(), cls)
+            sample = slime.from_inverted(task.new_sample())
             sample.metadata.setdefault("tools", task.tools)
             groups.setdefault(task.group_index, []).append(sample)
         self._groups = list(groups.values())
@@ -184,7 +183,7 @@ class RewardModel:
             groups: dict[Any, list[Sample]] = {}
             for sample in todo:
                 groups.setdefault(sample.group_index, []).append(sample)
-            answers = await asyncio.gather(*(_call(self.fn, args, [slime.from_inverted(s, slime.sample_class()) for s in group])
+            answers = await asyncio.gather(*(_call(self.fn, args, [slime.from_inverted(s) for s in group])
                                              for group in groups.values()))
             for group, rewards in zip(groups.values(), answers):
                 if len(rewards) != len(group):
@@ -192,7 +191,7 @@ class RewardModel:
                 for sample, reward in zip(group, rewards):
                     sample.reward = reward
             return
-        calls = [_call(self.fn, s) if self.form == "ours" else _call(self.fn, args, slime.from_inverted(s, slime.sample_class()))
+        calls = [_call(self.fn, s) if self.form == "ours" else _call(self.fn, args, slime.from_inverted(s))
                  for s in todo]
         for sample, reward in zip(todo, await asyncio.gather(*calls)):
             sample.reward = reward

@@ -75,8 +75,9 @@ class Sample:
     session_id: str | None = None
 
 
-def from_inverted(sample: _Sample, cls: type = Sample) -> Any:
-    """Our Sample as slime's (``cls``: ours here, or the installed slime's class)."""
+def from_inverted(sample: _Sample, cls: type | None = None) -> Any:
+    """Our Sample as slime's: the class plug-ins import (``sample_class``), unless ``cls`` is given."""
+    cls = cls or sample_class()
     metadata = dict(sample.metadata)
     moved = {name: metadata.pop(name, default) for name, default in META_FIELDS.items()}
     view = cls(group_index=sample.group_index, index=sample.index, prompt=sample.prompt, tokens=list(sample.tokens),

@@ -53,15 +53,16 @@ def slime_args(cfg: JobConfig, router_url: str | None = None) -> slime.SlimeArgs
 async def run_rollout(ctx: RolloutContext, plugins: Plugins, tasks: list[Task]) -> list[Sample]:
     """The rollout function's Samples, one per task, checked (the function is user code), then scored
     by ``--custom-rm-path`` where they have no reward yet."""
-    function, path = ((plugins.evaluate, ctx.config.eval_function_path) if ctx.evaluation and plugins.evaluate
-                      else (plugins.rollout, ctx.config.rollout_function_path))
+    function, where = ((plugins.evaluate, f"--eval-function-path {ctx.config.eval_function_path}")
+                       if ctx.evaluation and plugins.evaluate else
+                       (plugins.rollout, f"--rollout-function-path {ctx.config.rollout_function_path}"))
     samples = await function(ctx, tasks)
     if not isinstance(samples, list) or not all(isinstance(s, Sample) for s in samples):
-        raise PluginError(f"--rollout-function-path {path}: expected a list of Samples, got {type(samples).__name__}")
+        raise PluginError(f"{where}: expected a list of Samples, got {type(samples).__name__}")
     by_key = {(s.group_index, s.index): s for s in samples}
     missing = [(t.group_index, t.index) for t in tasks if (t.group_index, t.index) not in by_key]
     if missing or len(samples) != len(tasks):
-        raise PluginError(f"--rollout-function-path {path}: expected one Sample per task ({len(tasks)}), got "
+        raise PluginError(f"{where}: expected one Sample per task ({len(tasks)}), got "
                           f"{len(samples)}; tasks without one (group_index, index): {missing[:5]}")
     ordered = [by_key[(t.group_index, t.index)] for t in tasks]
     if plugins.reward is not None:
@@ -87,7 +88,7 @@ def filter_samples(plugins: Plugins, args: Any, samples: list[Sample]) -> None:
         return
     groups: dict[Any, list[tuple[Sample, Any]]] = {}
     for sample in samples:
-        groups.setdefault(sample.group_index, []).append((sample, slime.from_inverted(sample, slime.sample_class())))
+        groups.setdefault(sample.group_index, []).append((sample, slime.from_inverted(sample)))
     plugins.sample_filter(args, [[view for _, view in group] for group in groups.values()])
     for sample, view in (pair for group in groups.values() for pair in group):
         if view.remove_sample:
@@ -100,7 +101,7 @@ def log_rollout(plugins: Plugins, args: Any, rollout_id: int, samples: list[Samp
     ``rollout/*`` metrics are left out of the row (slime: it did the logging itself)."""
     if plugins.rollout_log is None:
         return metrics
-    views = [slime.from_inverted(s, slime.sample_class()) for s in samples]
+    views = [slime.from_inverted(s) for s in samples]
     if plugins.rollout_log(rollout_id, args, views, dict(metrics), seconds):
         return {k: v for k, v in metrics.items() if not k.startswith("rollout/")}
     return metrics
@@ -190,7 +191,7 @@ async def evaluate(cfg: JobConfig, job: Job, plugins: Plugins, rollout_id: int) 
         usable = [s for s in samples if s.status != Sample.Status.FAILED]
         data = {Path(cfg.rollout.eval_prompt_data).stem: {
             "rewards": rewards, "truncated": [s.status == Sample.Status.TRUNCATED for s in usable],
-            "samples": [slime.from_inverted(s, slime.sample_class()) for s in usable]}}
+            "samples": [slime.from_inverted(s) for s in usable]}}
         if plugins.eval_log(rollout_id, ctx.slime_args, data, dict(metrics)):
             return {}
     return metrics

@@ -275,7 +275,7 @@ class Trainer:
         rewards = torch.tensor([s.scalar_reward(loss.reward_key) for s in samples], dtype=torch.float32)
         if self.plugins.reward_post_process is not None:  # slime's: these rewards are the normalised ones
             _, processed = self.plugins.reward_post_process(
-                self.slime_args, [slime.from_inverted(s, slime.sample_class()) for s in samples])
+                self.slime_args, [slime.from_inverted(s) for s in samples])
             rewards = torch.tensor([float(r) for r in processed], dtype=torch.float32)
 
         old_logp = self._no_grad_logprobs(self.model, all_mbs) if len(plan) > 1 else {}
