@@ -24,6 +24,7 @@ TOOLS = [{"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression with + - * / and parentheses.",
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
 SYSTEM = "You can use the calculator tool. Answer with the number only."
+RETRY = "That is not right. Try again, or use the calculator."
 
 
 def run_tool(name: str, arguments: str) -> str:
@@ -56,7 +57,7 @@ async def episode(task, client) -> float:
         elif is_correct(message.content, task.label):
             return 1.0
         else:
-            messages.append({"role": "user", "content": "That is not right. Try again, or use the calculator."})
+            messages.append({"role": "user", "content": RETRY})
     return 0.0
 
 

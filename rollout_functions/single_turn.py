@@ -50,6 +50,8 @@ def prompt_ids(checkpoint: str, task: Task) -> list[int]:
 async def generate_rollout(ctx: RolloutContext, tasks: list[Task]) -> list[Sample]:
     params = {"temperature": ctx.sampling["temperature"], "top_p": ctx.sampling["top_p"],
               "max_new_tokens": ctx.sampling["max_tokens"]}
+    if ctx.sampling.get("seed") is not None:  # as the proxy passes an OpenAI seed on
+        params["sampling_seed"] = ctx.sampling["seed"]
     limit = asyncio.Semaphore(ctx.config.rollout_concurrency)
 
     async def one(client: SGLangClient, task: Task) -> Sample:

@@ -17,6 +17,8 @@ from slime.rollout.sglang_rollout import GenerateState
 from slime.utils.http_utils import post
 from slime.utils.types import Sample
 
+from envs import calculator as calc
+
 TOOLS = [{"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression.",
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
@@ -55,6 +57,69 @@ async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
             sample.tokens = sample.tokens + observation
             sample.loss_mask += [0] * len(observation)
             sample.rollout_log_probs += [0.0] * len(observation)
+    sample.response_length = len(sample.tokens) - prompt_length
+    sample.status = Sample.Status.TRUNCATED if meta["finish_reason"]["type"] == "length" else Sample.Status.COMPLETED
+    return sample
+
+
+async def calculator_episode(args, sample: Sample, sampling_params: dict) -> Sample:
+    """``envs.calculator``'s episode as a slime generate function, to compare with the agent rollout.
+
+    The model may call the calculator (Hermes ``<tool_call>`` blocks); a wrong answer gets the same
+    retry message, up to ``MAX_TURNS`` calls. Each turn's new messages are tokenized as the
+    template's text after the conversation so far, preceded by what is left of the assistant
+    turn's end (``<|im_end|>\\n``) after the last sampled token: what the proxy records for an agent.
+    The reward is set here, so slime (and inverted) run no reward model for it.
+    """
+    tokenizer = GenerateState(args).tokenizer
+    url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
+    tools = sample.metadata.get("tools") or calc.TOOLS
+    messages = [{"role": "system", "content": calc.SYSTEM}, {"role": "user", "content": sample.prompt}]
+
+    def render(generation_prompt: bool) -> str:
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
+
+    sample.tokens = tokenizer(render(True), add_special_tokens=False)["input_ids"]
+    prompt_length = len(sample.tokens)
+    sample.loss_mask, sample.rollout_log_probs, sample.reward = [], [], 0.0
+    for turn in range(calc.MAX_TURNS):
+        output = await post(url, {"input_ids": sample.tokens, "sampling_params": sampling_params,
+                                  "return_logprob": True})
+        ids, meta = output["output_ids"], output["meta_info"]
+        sample.tokens = sample.tokens + ids
+        sample.loss_mask += [1] * len(ids)
+        sample.rollout_log_probs += [logprob for logprob, _, _ in meta["output_token_logprobs"]]
+        sample.weight_versions.append(meta["weight_version"])
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        sample.response += text
+        try:
+            calls = [json.loads(block) for block in re.findall(r"<tool_call>\s*(.*?)\s*</tool_call>", text, re.DOTALL)]
+        except ValueError:
+            calls = []
+        if calls:
+            messages.append({"role": "assistant", "content": text[:text.index("<tool_call>")].rstrip() or None,
+                             "tool_calls": [{"id": f"call_{i}", "type": "function", "function": call}
+                                            for i, call in enumerate(calls)]})
+            new = [{"role": "tool", "tool_call_id": f"call_{i}",
+                    "content": calc.run_tool(call["name"], json.dumps(call.get("arguments", {})))}
+                   for i, call in enumerate(calls)]
+        elif calc.is_correct(text, sample.label):
+            sample.reward = 1.0
+            break
+        else:
+            messages.append({"role": "assistant", "content": text})
+            new = [{"role": "user", "content": calc.RETRY}]
+        if turn == calc.MAX_TURNS - 1:
+            break
+        before = render(False)
+        messages.extend(new)
+        after = render(True)
+        turn_end, last = "<|im_end|>\n", tokenizer.decode(ids[-1:])
+        junction = turn_end[len(last):] if last and turn_end.startswith(last) else turn_end
+        observation = tokenizer(junction + after[len(before):], add_special_tokens=False)["input_ids"]
+        sample.tokens = sample.tokens + observation
+        sample.loss_mask += [0] * len(observation)
+        sample.rollout_log_probs += [0.0] * len(observation)
     sample.response_length = len(sample.tokens) - prompt_length
     sample.status = Sample.Status.TRUNCATED if meta["finish_reason"]["type"] == "length" else Sample.Status.COMPLETED
     return sample

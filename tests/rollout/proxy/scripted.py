@@ -37,18 +37,19 @@ CONVERSATION = [
 ]
 
 
-def teach(base: Path, out: Path, steps: int = 300) -> Path:
-    """Fine-tune ``base`` on CONVERSATION (loss on assistant turns) and save it to ``out``."""
+def teach(base: Path, out: Path, steps: int = 300, conversation: list[dict] = CONVERSATION,
+          tools: list[dict] = TOOLS) -> Path:
+    """Fine-tune ``base`` on ``conversation`` (loss on assistant turns) and save it to ``out``."""
     tokenizer = AutoTokenizer.from_pretrained(base)
     renderer = ChatRenderer(tokenizer)
-    messages = parse_messages(CONVERSATION)
+    messages = parse_messages(conversation)
     ids: list[int] = []
     mask: list[int] = []
     for i, message in enumerate(messages):
         if message.role != "assistant":
             continue
-        prompt = renderer.prompt_ids(messages[:i], TOOLS)
-        full = renderer.encode(renderer.render(messages[: i + 1], TOOLS, generation_prompt=False))
+        prompt = renderer.prompt_ids(messages[:i], tools)
+        full = renderer.encode(renderer.render(messages[: i + 1], tools, generation_prompt=False))
         assert full[: len(prompt)] == prompt
         end = full.index(tokenizer.convert_tokens_to_ids("<|im_end|>"), len(prompt)) + 1
         mask += [0] * (len(prompt) - len(ids)) + [1] * (end - len(prompt))
