@@ -4,7 +4,9 @@
 client, or an agent process), and finishes the session with the reward ``play`` returns (one call)
 into the task's Sample. Whatever goes wrong in ``play`` (an exception, the episode timeout, an episode
 that never called the model or gave no reward) becomes a ``failed`` Sample that says why: the
-environment's faults never crash the run, and a failed Sample is never trained on.
+environment's faults never crash the run, and a failed Sample is never trained on. It also carries
+the calls the proxy refused in that session (``metadata.proxy_refused``): an agent that was sent a
+4xx and gave up says so.
 
 Each session is opened with the Sample its task made (``Task.new_sample``), and the proxy returns
 it whole. A session that branched (the agent rewrote its history) holds several Samples; the
@@ -30,20 +32,30 @@ SESSION_CONNECTIONS = 8  # to the proxy, for opening, rewarding and finishing se
 Play = Callable[[SessionHandle, ProxyClient], Awaitable[Reward | None]]  # (session, proxy) -> reward
 
 
-def failed_sample(task: Task, reason: str) -> Sample:
+def failed_sample(task: Task, reason: str, refused: list[dict] | None = None) -> Sample:
     sample = task.new_sample()
     sample.status = Sample.Status.FAILED
     sample.metadata["error"] = reason
+    if refused:  # what the proxy refused the agent: often why it gave up
+        sample.metadata["proxy_refused"] = refused
+        last = refused[-1]
+        sample.metadata["error"] += (f" (the proxy refused {len(refused)} call(s); the last: {last['route']} "
+                                     f"answered {last['status']}: {last['message']})")
     return sample
 
 
-async def close_quietly(proxy: ProxyClient, session: SessionHandle) -> None:
-    """Free a failed episode's session now; one with a call still running is left to expire
-    (``--proxy-session-timeout``)."""
+async def fail(proxy: ProxyClient, session: SessionHandle, task: Task, reason: str) -> Sample:
+    """A failed Sample with the calls the proxy refused; the session is freed now, or, with a call
+    still running, left to expire (``--proxy-session-timeout``)."""
+    try:
+        refused = await proxy.refused(session.session_id)
+    except ProtocolError:  # e.g. the session expired long ago
+        refused = []
     try:
         await proxy.finish(session.session_id)
     except ProtocolError:
         pass
+    return failed_sample(task, reason, refused)
 
 
 def _episode_sample(ctx: RolloutContext, task: Task) -> Sample:
@@ -67,18 +79,16 @@ async def run_session(ctx: RolloutContext, proxy: ProxyClient, task: Task, play:
     else:
         reason = ""
     if reason:
-        await close_quietly(proxy, session)
-        return failed_sample(task, reason)
+        return await fail(proxy, session, task, reason)
     try:
         samples = await proxy.finish(session.session_id, reward, only_last=True)
     except ProtocolError as exc:  # e.g. the session expired (--proxy-session-timeout) while the episode ran
-        await close_quietly(proxy, session)
-        return failed_sample(task, f"the proxy refused to finish the session: {exc}")
+        return await fail(proxy, session, task, f"the proxy refused to finish the session: {exc}")
     if not samples:
-        return failed_sample(task, "the episode never called the model")
+        return await fail(proxy, session, task, "the episode never called the model")
     (sample,) = samples
     if sample.reward is None:
-        return failed_sample(task, "the episode gave no reward")
+        return await fail(proxy, session, task, "the episode gave no reward")
     return sample
 
 

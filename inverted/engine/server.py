@@ -84,7 +84,7 @@ class Engine:
         stops = req.params.stops
         tail = req.output_ids[-(4 * max(map(len, stops)) + 4):]
         text = self.tokenizer.decode(tail, skip_special_tokens=req.params.skip_special_tokens)
-        return next((s for s in stops if s in text), None)
+        return min((s for s in stops if s in text), key=text.find, default=None)  # the first in the text
 
     async def run(self, fn, *, barrier: bool = False) -> Any:
         return await asyncio.wrap_future(self.scheduler.call(fn, barrier=barrier))

@@ -232,6 +232,10 @@ class ToolParser(Protocol):
 
     def parse(self, text: str) -> ParsedReply: ...
 
+    # Optional: ``forced(name)``, the text that opens a call of tool ``name`` (of any tool when
+    # ``name`` is ""). With it, ``tool_choice`` required or named is served by writing that text
+    # after the generation prompt; without it, such a call is refused.
+
 
 def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
@@ -242,6 +246,11 @@ class HermesToolParser:
 
     start = "<tool_call>"
     _block = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+    def forced(self, name: str) -> str:
+        # Cut where the tokenizer splits the whole call anyway (before ' {"'), so that the model
+        # continues from the tokens it would have sampled itself.
+        return self.start + (f'\n{{"name": {json.dumps(name)}, "arguments":' if name else "")
 
     def parse(self, text: str) -> ParsedReply:
         at = text.find(self.start)

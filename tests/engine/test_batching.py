@@ -123,6 +123,25 @@ def test_stop_token_ids_stop_strings_and_min_new_tokens(engine):
     assert stop in kept["text"]
 
 
+def test_a_token_that_completes_two_stop_strings_stops_at_the_first_in_the_text(engine, tiny_model):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model("qwen2"))
+    params = {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True}
+    ids = generate(engine, input_ids=[50, 51], sampling_params=params)["output_ids"]
+    for k in range(len(ids)):  # a token of 2+ characters whose text, and its tail, appear first in it
+        before = tokenizer.decode(ids[:k])
+        word = tokenizer.decode(ids[: k + 1])[len(before):]
+        if len(word) >= 2 and "\ufffd" not in word + before and word[1:] not in before + word[0]:
+            break
+    else:
+        pytest.skip("no multi-character token in this output")
+    # the list names the later one first: the cut is still before the token
+    out = generate(engine, input_ids=[50, 51], sampling_params={**params, "stop": [word[1:], word]})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": word}
+    assert out["output_ids"] == ids[: k + 1] and out["text"] == before
+
+
 def test_text_prompt_and_stream_are_cumulative(engine):
     chunks = []
     with httpx.stream("POST", engine + "/generate", timeout=60, json={

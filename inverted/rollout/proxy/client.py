@@ -67,6 +67,12 @@ class ProxyClient(HTTPService):
                                                timeout=self.timeouts.control, idempotent=True))
         return [Sample.from_json(s) for s in data["samples"]]
 
+    async def refused(self, session_id: str) -> list[dict[str, Any]]:
+        """The session's latest refused calls (``{route, status, message}``), oldest first."""
+        data = self.json_of(await self.request("GET", f"/sessions/{session_id}", timeout=self.timeouts.control,
+                                               idempotent=True))
+        return data["refused"]
+
     async def samples(self, session_id: str) -> list[Sample]:
         data = self.json_of(await self.request("GET", f"/sessions/{session_id}/samples",
                                                timeout=self.timeouts.control, idempotent=True))

@@ -6,7 +6,7 @@ sampled. So every request field falls in one of four classes:
 - **implemented**: mapped onto SGLang sampling parameters (``temperature``, ``top_p``,
   ``max_tokens``/``max_completion_tokens``, ``stop``, ``n``, ``seed``, penalties, and SGLang's
   extras ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``) or served by the proxy
-  (``tools``, ``tool_choice`` none/auto, ``stream``, ``stream_options``, ``logprobs``);
+  (``tools``, ``tool_choice``, ``stream``, ``stream_options``, ``logprobs``);
 - **ignored**, because they never change the tokens (``model``, ``user``, ``metadata``, ``store``,
   ``service_tier``, ``parallel_tool_calls``, ...);
 - **neutral only**: accepted at their neutral value (``logit_bias: {}``, ``response_format:
@@ -70,7 +70,8 @@ class CallRequest:
     logprobs: bool
     max_tokens: int | None
     sampling: dict[str, Any]  # SGLang sampling_params, without max_new_tokens (set from the context left)
-    top_logprobs: int = 0  # chat: the k most likely tokens at each sampled position
+    top_logprobs: int = 0  # chat: the k most likely tokens at each sampled position; text: the legacy count
+    force_call: str | None = None  # tool_choice: "" = some tool (required), a name = that tool, None = free
 
 
 def _number(name: str, value: Any) -> Any:
@@ -108,6 +109,14 @@ def _stop(value: Any) -> list[str] | None:
     return stops
 
 
+def before_stop(text: str, stops: list[str]) -> str:
+    """The text up to the first stop string in it (OpenAI leaves the stop string out). The first in
+    the text, not in the list: one sampled token may complete several, and SGLang names the first
+    in the request's list."""
+    found = [text.find(stop) for stop in stops if stop in text]
+    return text[: min(found)] if found else text
+
+
 def _sampling(body: dict[str, Any]) -> dict[str, Any]:
     params = {ENGINE_NAMES[k]: _number(k, v) for k, v in body.items() if k in ENGINE_NAMES and v is not None}
     stops = _stop(body.get("stop"))
@@ -123,21 +132,23 @@ def _common(body: Any, allowed: set[str]) -> dict[str, Any]:
     for name in ("n", "max_tokens", "max_completion_tokens", "top_logprobs"):
         if body.get(name) is not None:
             _number(name, body[name])
-    for name in ("stream", "logprobs"):
-        if body.get(name) not in (None, True, False):
-            raise InvalidRequest(f"Invalid type for '{name}': expected a boolean", param=name, code="invalid_type")
+    if body.get("stream") not in (None, True, False):
+        raise InvalidRequest("Invalid type for 'stream': expected a boolean", param="stream", code="invalid_type")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise InvalidRequest("'stream_options' must be an object", param="stream_options")
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
     return {"model": body.get("model") if isinstance(body.get("model"), str) else None, "n": body.get("n") or 1,
             "stream": bool(body.get("stream")), "include_usage": bool(options.get("include_usage")),
-            "logprobs": bool(body.get("logprobs")), "max_tokens": max_tokens,
+            "logprobs": body.get("logprobs") is not None and body.get("logprobs") is not False,  # legacy: a count
+            "max_tokens": max_tokens,
             "sampling": _sampling(body)}
 
 
 def parse_chat(body: Any) -> CallRequest:
     common = _common(body, CHAT_FIELDS)
+    if body.get("logprobs") not in (None, True, False):
+        raise InvalidRequest("Invalid type for 'logprobs': expected a boolean", param="logprobs", code="invalid_type")
     if "messages" not in body:
         raise InvalidRequest("Missing required parameter: 'messages'.", param="messages",
                              code="missing_required_parameter")
@@ -149,11 +160,31 @@ def parse_chat(body: Any) -> CallRequest:
             for t in tools)):
         raise InvalidRequest("'tools' must be an array of {type: 'function', function: {name, ...}}", param="tools")
     choice = body.get("tool_choice")
-    if choice not in (None, "none", "auto"):
-        raise InvalidRequest(f"tool_choice {choice!r} is not supported: it needs constrained decoding; use 'auto' "
-                             "or 'none'", param="tool_choice", code="unsupported_parameter")
     return CallRequest(kind="chat", messages=parse_messages(body["messages"]), prompt=None, tools=tools or None,
-                       parse_tools=bool(tools) and choice != "none", top_logprobs=body.get("top_logprobs") or 0, **common)
+                       parse_tools=bool(tools) and choice != "none", top_logprobs=body.get("top_logprobs") or 0,
+                       force_call=_forced_call(choice, tools or []), **common)
+
+
+def _forced_call(choice: Any, tools: list[dict[str, Any]]) -> str | None:
+    """``tool_choice``: None for none/auto; ``""`` for required (some tool); a tool's name for a named choice."""
+    if choice in (None, "none", "auto"):
+        return None
+    if choice == "required":
+        name = ""
+    elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict) \
+            and isinstance(choice["function"].get("name"), str):
+        name = choice["function"]["name"]
+    else:
+        raise InvalidRequest(f"Invalid value for 'tool_choice': {choice!r}; expected 'none', 'auto', 'required' or "
+                             "{'type': 'function', 'function': {'name': ...}}", param="tool_choice", code="invalid_value")
+    names = [t["function"]["name"] for t in tools]
+    if not names:
+        raise InvalidRequest("Invalid value for 'tool_choice': 'tool_choice' is only allowed when 'tools' are "
+                             "specified", param="tool_choice", code="invalid_value")
+    if name and name not in names:
+        raise InvalidRequest(f"Invalid value for 'tool_choice': no tool named {name!r} in 'tools' ({names})",
+                             param="tool_choice", code="invalid_value")
+    return name
 
 
 def parse_completion(body: Any) -> CallRequest:
@@ -162,7 +193,15 @@ def parse_completion(body: Any) -> CallRequest:
     if not isinstance(prompt, str) or not prompt:
         raise InvalidRequest("'prompt' must be a non-empty string (token and batch prompts are not supported "
                              "per session)", param="prompt")
-    return CallRequest(kind="text", messages=None, prompt=prompt, tools=None, parse_tools=False, **common)
+    # The legacy API's logprobs is a count: the sampled tokens' logprobs and, at each position, the
+    # ``logprobs`` most likely tokens (0 to 5).
+    top = body.get("logprobs")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 5):
+        raise InvalidRequest(f"Invalid 'logprobs': {top!r} must be an integer between 0 and 5 (the legacy "
+                             "completions API counts the most likely tokens to list)", param="logprobs",
+                             code="invalid_value")
+    return CallRequest(kind="text", messages=None, prompt=prompt, tools=None, parse_tools=False,
+                       top_logprobs=top or 0, **common)
 
 
 # ---- responses ----------------------------------------------------------------------------

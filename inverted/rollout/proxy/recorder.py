@@ -18,6 +18,7 @@ No FastAPI here; ``service`` owns HTTP.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import secrets
 import time
 from contextlib import aclosing
@@ -52,7 +53,8 @@ class ProxyMetrics:
         self.replays = Counter("inverted_proxy_replays", "retried calls answered from the record", registry=r)
         self.resumes = Counter("inverted_proxy_resumes", "aborted calls resumed from their tokens", registry=r)
         self.retries = Counter("inverted_proxy_retries", "aborted calls sampled again", registry=r)
-        self.rejected = Counter("inverted_proxy_rejected", "calls rejected with a 4xx", registry=r)
+        self.rejected = Counter("inverted_proxy_rejected", "requests answered with a 4xx", ["route", "status"],
+                                registry=r)
         self.latency = Histogram("inverted_proxy_call_latency_seconds", "call latency (whole call)", registry=r,
                                  buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
         for name, doc in (("created", "sessions created"), ("finished", "sessions finished"),
@@ -71,6 +73,7 @@ class Choice:
     branch: Branch
     placement: Placement
     prompt_len: int
+    forced: str = ""  # the start of a tool call written after the prompt (tool_choice required or named)
     state: Sampled | None = None
     text: str = ""
     reply: ParsedReply | None = None
@@ -145,6 +148,9 @@ class Recorder:
                 self.metrics.template_breaks.inc()
                 first = Placement(Branch(), None, False, 0)
                 delta = await asyncio.to_thread(self._fresh_prompt, req)
+        forced = self._forced(req)
+        if forced:  # prompt tokens to the model, not sampled: masked out like the template's
+            delta = delta + self.renderer.encode(forced)
         session.check_open()  # it may have been finished while this call's prompt was tokenized
         base_len = len(first.branch.tokens)
         prompt_len = base_len + len(delta)
@@ -159,8 +165,19 @@ class Recorder:
                 self.metrics.branches.inc()
             branch = session.open(placement, prompt)
             branch.append_prompt(delta)
-            choices.append(Choice(index, branch, placement, prompt_len))
+            choices.append(Choice(index, branch, placement, prompt_len, forced))
         return choices
+
+    def _forced(self, req: api.CallRequest) -> str:
+        """``tool_choice`` required or named: the call's opening text, which the model then completes."""
+        if req.force_call is None:
+            return ""
+        forced = getattr(self.parser, "forced", None)
+        if forced is None:
+            raise InvalidRequest(f"tool_choice {'required' if not req.force_call else req.force_call!r} needs a tool "
+                                 f"parser that can open a call; {type(self.parser).__name__} (--proxy-tool-parser-path) "
+                                 "has no forced(name)", param="tool_choice", code="unsupported_parameter")
+        return forced(req.force_call)
 
     def _check_context(self, prompt_len: int, req: api.CallRequest) -> None:
         limit = self.context_length
@@ -282,7 +299,7 @@ class Recorder:
             choice.state = state
             yield state
         state = choice.state
-        choice.text = self._decode(state)
+        choice.text = choice.forced + self._decode(state, req.sampling.get("stop", []))
         choice.reply = self.parser.parse(choice.text) if req.parse_tools else ParsedReply(content=choice.text)
         choice.branch.append_sampled(state.ids, state.logprobs, state.versions)
         choice.turn = Turn(start=choice.prompt_len, end=len(choice.branch.tokens),
@@ -308,7 +325,7 @@ class Recorder:
         sent = 0
         async with aclosing(self._sample(req, choice, stream=True)) as updates:
             async for state in updates:
-                visible = self._visible(req, self.tokenizer.decode(state.ids, skip_special_tokens=True))
+                visible = self._visible(req, choice.forced + self.tokenizer.decode(state.ids, skip_special_tokens=True))
                 if len(visible) > sent:
                     yield _delta(req, choice.index, {"content": visible[sent:]})
                     sent = len(visible)
@@ -341,11 +358,10 @@ class Recorder:
 
     # ---- shaping answers ---------------------------------------------------------------------
 
-    def _decode(self, state: Sampled) -> str:
+    def _decode(self, state: Sampled, stops: list[str]) -> str:
         text = self.tokenizer.decode(state.ids, skip_special_tokens=True)
-        matched = (state.finish or {}).get("matched")
-        if state.reason == "stop" and isinstance(matched, str) and matched in text:
-            text = text[: text.find(matched)]  # OpenAI leaves the stop string out, as SGLang does
+        if state.reason == "stop" and isinstance((state.finish or {}).get("matched"), str):
+            text = api.before_stop(text, stops)
         return text
 
     def _history_after(self, req: api.CallRequest, choice: Choice) -> History:
@@ -360,8 +376,10 @@ class Recorder:
         if req.kind == "chat":
             tops = [[(self.tokenizer.decode([tid]), lp) for lp, tid in row] for row in choice.state.tops]
             return api.logprobs_content(tokens, choice.state.logprobs, tops if req.top_logprobs else None)
-        return {"tokens": tokens, "token_logprobs": choice.state.logprobs, "top_logprobs": None,
-                "text_offset": None}
+        tops = [{self.tokenizer.decode([tid]): lp for lp, tid in row} for row in choice.state.tops]
+        offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=len(req.prompt)))
+        return {"tokens": tokens, "token_logprobs": choice.state.logprobs,
+                "top_logprobs": tops if req.top_logprobs else None, "text_offset": offsets}
 
     def _choice_body(self, req: api.CallRequest, choice: Choice) -> dict[str, Any]:
         finish = api.finish_reason(choice.state.reason, choice.reply)

@@ -32,6 +32,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import re
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
 from typing import Annotated, Any, AsyncIterator
@@ -267,27 +268,60 @@ async def _sweep(recorder: Recorder) -> None:
         recorder.sessions.sweep()
 
 
+SESSION_PATH = re.compile(r"^/sessions/([^/]+)")
+
+
+def _answer_error(request: Request, status: int, body: dict[str, Any]) -> JSONResponse:
+    """Every error answer. A 4xx is also logged with its route and reason, counted in ``/metrics``,
+    and kept on the caller's session: an agent that gets refused (a route we lack, a bad field) and
+    gives up fails its episode, and the failed Sample says what was refused."""
+    if status < 500:
+        route = getattr(request.scope.get("route"), "path", None)
+        path = route or SESSION_PATH.sub("/sessions/{session_id}", request.url.path)[:200]
+        message = body["error"]["message"]
+        logger.warning("%s %s answered %d: %s", request.method, path, status, message[:500])
+        recorder: Recorder = request.app.state.recorder
+        recorder.metrics.rejected.labels(route=route or "(no route)", status=str(status)).inc()
+        session = _caller_session(request)
+        if session is not None:
+            session.refused.append({"route": f"{request.method} {path}", "status": status, "message": message[:500]})
+    return JSONResponse(body, status_code=status)
+
+
+def _caller_session(request: Request) -> Session | None:
+    """The session whose own token came with the request (in the path's session, or as the bearer)."""
+    sessions = request.app.state.recorder.sessions
+    given = presented_key(request) or ""
+    named = SESSION_PATH.match(request.url.path)
+    session = sessions.by_token.get(given) if given else None
+    if named is not None:
+        try:
+            session = sessions.get(named.group(1))
+        except InvalidRequest:
+            return None
+        # a capability path: its id is the credential, unless another session's token came with it
+        if given and not key_matches(given, session.token) and sessions.by_token.get(given) is not None:
+            return None
+    return session
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:  # 404s, and 413 from BodyLimit
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(api.error_body(str(exc.detail), type=kind, code=code), status_code=exc.status_code)
+        return _answer_error(request, exc.status_code, api.error_body(str(exc.detail), type=kind, code=code))
 
     @app.exception_handler(InvalidRequest)
     @app.exception_handler(ServiceError)
     async def known(request: Request, exc: Exception) -> JSONResponse:
-        status, body = _error(exc)
-        if status < 500:
-            request.app.state.recorder.metrics.rejected.inc()
-        return JSONResponse(body, status_code=status)
+        return _answer_error(request, *_error(exc))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first["loc"] if p != "body") or None
-        request.app.state.recorder.metrics.rejected.inc()
-        return JSONResponse(api.error_body(f"{param}: {first['msg']}", param=param), status_code=400)
+        return _answer_error(request, 400, api.error_body(f"{param}: {first['msg']}", param=param))
 
 
 def _add_session_routes(app: FastAPI) -> None:
@@ -314,7 +348,7 @@ def _add_session_routes(app: FastAPI) -> None:
         session = _session(request, session_id, admin=True)
         return {"session_id": session.id, "finished": session.finished, "expired": session.expired,
                 "turns": session.turns, "branches": len(session.branches), "inflight": session.inflight,
-                "reward": session.reward, "metadata": session.metadata}
+                "reward": session.reward, "metadata": session.metadata, "refused": list(session.refused)}
 
     @app.post("/sessions/{session_id}/reward")
     async def reward(session_id: str, body: RewardRequest, request: Request) -> dict[str, Any]:

@@ -21,6 +21,7 @@ This module is pure bookkeeping (no I/O, no FastAPI); ``service`` drives it.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import secrets
 import time
@@ -30,6 +31,7 @@ from typing import Any
 from inverted.errors import InvalidRequest
 from inverted.types import Reward, Sample
 
+MAX_REFUSALS = 8  # a session keeps its latest refused calls, for the failed episode to report
 History = tuple[str, tuple] | str  # (tools key, message keys) for chat; the text so far for completions
 
 
@@ -147,6 +149,7 @@ class Session:
         self.inflight = 0
         self.turns = 0
         self.replays: dict[str, Any] = {}
+        self.refused: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_REFUSALS)  # its latest 4xx
         self.opening = asyncio.Lock()  # one call of this session at a time finds its place and tokenizes
 
     @property

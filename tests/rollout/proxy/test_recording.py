@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 
 import httpx
 import openai
@@ -177,6 +178,36 @@ async def test_four_turn_tool_conversation_is_recorded_token_for_token(stack, mo
     assert max(abs(a - b) for a, b in got) <= 1e-4
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_named_or_required_tool_choice_opens_the_call_for_the_model(stack, stream):
+    """smolagents sends tool_choice "required". The proxy writes the call's opening after the
+    generation prompt (masked out: the model did not sample it) and the model completes it. (This
+    taught model completes a call only where it learned one; a real model completes it anywhere.)"""
+    session = new_session(stack)
+    logged_before = len(stack.engine_requests())
+    history = copy.deepcopy(CONVERSATION[:2])
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    async with openai.AsyncOpenAI(base_url=session["base_url"], api_key="x") as client:
+        for choice in (forced, "required"):
+            kwargs = dict(model="m", messages=history, tools=TOOLS, tool_choice=choice, temperature=0, max_tokens=40)
+            if stream:
+                message, reason, _ = await acollect_stream(await client.chat.completions.create(stream=True, **kwargs))
+            else:
+                reply = await client.chat.completions.create(**kwargs)
+                message, reason = reply_as_message(reply.choices[0].message), reply.choices[0].finish_reason
+            (call,) = message["tool_calls"]
+            assert call["function"]["name"] == "get_weather" and reason == "tool_calls"
+            assert json.loads(call["function"]["arguments"]) == {"city": "Paris"} and not message.get("content")
+    samples = finish(stack, session)
+    tokenizer = AutoTokenizer.from_pretrained(stack.model)
+    for sample, opening in zip(samples, ['<tool_call>\n{"name": "get_weather", "arguments":', "<tool_call>"]):
+        check_exact(sample, stack.engine_requests()[logged_before:])
+        start = sample.metadata["turns"][0]["start"]
+        forced_ids = tokenizer.encode(opening, add_special_tokens=False)
+        assert sample.tokens[start - len(forced_ids): start] == forced_ids  # the prompt's end, mask 0
+        assert "<tool_call>" not in tokenizer.decode(sample.tokens[start:])  # the model sampled the rest
+
+
 async def test_logprobs_in_the_answer_are_the_recorded_ones_and_top_logprobs_are_transformers_top_k(stack):
     session = new_session(stack)
     async with openai.AsyncOpenAI(base_url=session["base_url"], api_key="x") as client:
@@ -261,10 +292,18 @@ async def test_text_completions_extend_their_own_tokens(stack):
     session = new_session(stack)
     async with openai.AsyncOpenAI(base_url=session["base_url"], api_key="x") as client:
         logged_before = len(stack.engine_requests())
-        first = await client.completions.create(model="m", prompt="Once upon a time", max_tokens=5, seed=1)
+        first = await client.completions.create(model="m", prompt="Once upon a time", max_tokens=5, seed=1,
+                                                logprobs=2)  # the legacy API's type: a count of top tokens
         prompt = "Once upon a time" + first.choices[0].text + " and then"
         await client.completions.create(model="m", prompt=prompt, max_tokens=5, seed=2)
         (sample,) = finish(stack, session)
+        logprobs = first.choices[0].logprobs
+        n = len(logprobs.tokens)
+        assert logprobs.token_logprobs == sample.rollout_log_probs[:n]
+        assert all(1 <= len(top) <= 2 and max(top.values()) >= lp for top, lp in zip(logprobs.top_logprobs,
+                                                                                      logprobs.token_logprobs))
+        assert logprobs.text_offset[0] == len("Once upon a time")
+        assert [b - a for a, b in zip(logprobs.text_offset, logprobs.text_offset[1:])] == [len(t) for t in logprobs.tokens[:-1]]
         engine_log = stack.engine_requests()[logged_before:]
         assert engine_log[1]["input_ids"][: len(engine_log[0]["input_ids"] + engine_log[0]["output_ids"])] == \
             engine_log[0]["input_ids"] + engine_log[0]["output_ids"]

@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from inverted.types import Sample
+from tests.rollout.proxy.scripted import TOOLS
 from tests.rollout.proxy.test_recording import ADMIN, finish, new_session
 
 USER = [{"role": "user", "content": "hi"}]
@@ -42,6 +43,9 @@ def test_one_session_cannot_read_or_write_another(stack):
         response = httpx.request(method, f"{proxy}/sessions/{b['session_id']}{path}", json=body, headers=as_a)
         assert error_of(response, 403)["code"] == "wrong_session"
     error_of(chat(b["base_url"], {"messages": USER}, headers=as_a), 403)
+    # A's refused calls on B's routes are kept on neither (the session records only its own caller's).
+    for session in (a, b):
+        assert httpx.get(f"{proxy}/sessions/{session['session_id']}", headers=ADMIN).json()["refused"] == []
     # The token route writes only to its own session.
     assert httpx.post(proxy + "/v1/chat/completions", json={"messages": USER, "max_tokens": 2},
                       headers=as_a).status_code == 200
@@ -80,7 +84,9 @@ def test_the_openai_sdk_works_with_only_the_token(stack):
     ({"messages": USER, "top_p": 1.5}, 400, "top_p", "invalid_value"),
     ({"messages": USER, "logit_bias": {"5": 10}}, 400, "logit_bias", "unsupported_parameter"),
     ({"messages": USER, "frequency_penalty": 0.5}, 400, "frequency_penalty", "unsupported_parameter"),
-    ({"messages": USER, "tool_choice": "required", "tools": []}, 400, "tool_choice", "unsupported_parameter"),
+    ({"messages": USER, "tool_choice": "required", "tools": []}, 400, "tool_choice", "invalid_value"),
+    ({"messages": USER, "tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": TOOLS}, 400,
+     "tool_choice", "invalid_value"),
     ({"messages": USER, "best_of_luck": 1}, 400, "best_of_luck", "unrecognized_argument"),
 ])
 def test_bad_input_is_a_clear_4xx_and_records_nothing(stack, body, status, param, code):
@@ -168,7 +174,8 @@ def test_idle_sessions_expire_into_kept_samples(module_procs, stack):
     assert error_of(chat(session["base_url"], {"messages": USER}), 409)["code"] == "session_finished"
     metrics = httpx.get(proxy.url + "/metrics").text
     assert "inverted_proxy_sessions_expired_total 1.0" in metrics
-    assert "inverted_proxy_turns_total 1.0" in metrics and "inverted_proxy_rejected_total 1.0" in metrics
+    assert "inverted_proxy_turns_total 1.0" in metrics
+    assert 'inverted_proxy_rejected_total{route="/sessions/{session_id}/v1/chat/completions",status="409"} 1.0' in metrics
 
 
 def test_a_session_returns_whole_samples_of_the_task_it_was_opened_for(stack):
