@@ -46,11 +46,11 @@ class SamplingParams(BaseModel):
     spaces_between_special_tokens: StrictBool = True
     no_stop_trim: StrictBool = False
     sampling_seed: StrictInt | None = None
+    json_schema: StrictStr | None = None  # constrained decoding (engine.grammar)
+    regex: StrictStr | None = None
     # Accepted so the contract matches SGLang's, but not implemented by the embedded engine:
     # ``verify`` rejects any non-default value rather than silently ignoring it.
     stop_regex: StrictStr | list[StrictStr] | None = None
-    json_schema: StrictStr | None = None
-    regex: StrictStr | None = None
     ebnf: StrictStr | None = None
     structural_tag: StrictStr | None = None
     logit_bias: dict[StrictStr, StrictFloat | StrictInt] | None = None
@@ -100,7 +100,7 @@ class SamplingParams(BaseModel):
         unsupported = {
             "frequency_penalty": self.frequency_penalty != 0.0, "presence_penalty": self.presence_penalty != 0.0,
             "repetition_penalty": self.repetition_penalty != 1.0, "stop_regex": bool(self.stop_regex),
-            "json_schema": self.json_schema is not None, "regex": self.regex is not None, "ebnf": self.ebnf is not None,
+            "ebnf": self.ebnf is not None,
             "structural_tag": self.structural_tag is not None, "logit_bias": bool(self.logit_bias),
         }
         named = [name for name, used in unsupported.items() if used]

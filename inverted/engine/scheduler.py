@@ -47,6 +47,7 @@ from typing import Any, Callable
 
 import torch
 
+from inverted.engine.grammar import Grammars
 from inverted.engine.model import CausalLM, KVCache
 from inverted.engine.sampling import SamplingParams, sample, top_logprobs
 from inverted.errors import EngineError, InvalidRequest
@@ -70,6 +71,7 @@ class Request:
     top_logprobs_num: int = 0  # with return_logprob: the k most likely tokens at each position
     stream: bool = False
     generator: torch.Generator | None = None  # only for requests with a sampling_seed
+    matcher: Any = None  # only for constrained requests (json_schema, regex): see engine.grammar
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_versions: list[str] = field(default_factory=list)
@@ -123,6 +125,7 @@ class Scheduler:
         self.memory_released = False
         self.stats = collections.Counter()
         self._seeds = torch.Generator(device=model.device)  # shared by requests without a sampling_seed
+        self.grammars: Grammars | None = None  # set by the server with the first constrained request
         self._seeds.manual_seed(random_seed if random_seed is not None else int.from_bytes(os.urandom(8), "little") >> 2)
         self._commands: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future, bool]] = collections.deque()
         self._cond = threading.Condition()
@@ -426,12 +429,17 @@ class Scheduler:
     def _sample_and_check(self, reqs: list[Request], logits_BV: torch.Tensor) -> None:
         banned = [sorted(self._stop_ids(r)) if len(r.output_ids) < r.params.min_new_tokens else [] for r in reqs]
         top_k = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
+        matchers = [r.matcher for r in reqs]
+        if any(m is not None for m in matchers):
+            self.grammars.mask(logits_BV, matchers)
         tokens, logprobs, tops = sample(logits_BV, [r.params for r in reqs], [r.generator for r in reqs], banned,
                                         self._seeds, top_k)
         self.stats["generated_tokens"] += len(reqs)
         for req, token, logprob, top in zip(reqs, tokens, logprobs, tops):
             req.output_ids.append(token)
             req.output_logprobs.append(logprob)
+            if req.matcher is not None:
+                self.grammars.advance(req.matcher, token)
             if top is not None:
                 req.output_top_logprobs.append(top)
             req.output_versions.append(self.weight_version)

@@ -38,6 +38,7 @@ from starlette.exceptions import HTTPException
 from inverted.auth import require_key
 from inverted.config import EngineConfig
 from inverted.engine import protocol as P
+from inverted.engine.grammar import Grammars
 from inverted.engine.model import load_model
 from inverted.engine.sampling import SamplingParams
 from inverted.engine.scheduler import Request as EngineRequest
@@ -74,10 +75,19 @@ class Engine:
             reuse_prefixes=not config.disable_radix_cache, update_timeout=config.weight_update_timeout,
         )
         self.model_name = config.served_model_name or config.model
+        self._grammars: Grammars | None = None  # built on the first constrained request
         self.started = time.time()
         self.inflight: dict[str, EngineRequest] = {}
         self.groups = UpdateGroups(timeout=config.weight_update_timeout)
         self.recent_buckets = RecentBuckets()
+
+    def grammar_matcher(self, params: SamplingParams) -> Any | None:
+        """The matcher of a request's ``json_schema`` or ``regex`` (None without one)."""
+        if params.json_schema is None and params.regex is None:
+            return None
+        if self._grammars is None:
+            self._grammars = self.scheduler.grammars = Grammars(self.tokenizer, self.scheduler.model.spec.vocab_size)
+        return self._grammars.matcher(params.json_schema, params.regex)
 
     def _matched_stop(self, req: EngineRequest) -> str | None:
         """The stop string that the newest token completed, if any (only the tail can hold it)."""
@@ -267,17 +277,17 @@ def _add_generate_routes(app: FastAPI) -> None:
             prompts = [_prepare(engine, item) for item in items]  # validate all before submitting any
         if len({i.rid for i in items}) != len(items):
             raise InvalidRequest("Duplicate request ID detected within the batch.")
+        matchers = [engine.grammar_matcher(item.params) for item in items]  # a bad constraint: 400, nothing runs
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
         reqs: list[EngineRequest] = []
-        for pos, (item, ids) in enumerate(zip(items, prompts)):
+        for pos, (item, ids, matcher) in enumerate(zip(items, prompts, matchers)):
             def notify(_req: EngineRequest, n: int, pos: int = pos) -> None:
                 loop.call_soon_threadsafe(updates.put_nowait, (pos, n))
 
             req = EngineRequest(rid=item.rid, input_ids=ids, params=item.params, notify=notify,
                                 return_logprob=item.return_logprob, logprob_start_len=item.logprob_start_len,
-                                top_logprobs_num=item.top_logprobs_num,
-                                stream=stream)
+                                top_logprobs_num=item.top_logprobs_num, matcher=matcher, stream=stream)
             reqs.append(req)
             engine.inflight[item.rid] = req
         for req in reqs:

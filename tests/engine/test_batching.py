@@ -142,6 +142,29 @@ def test_a_token_that_completes_two_stop_strings_stops_at_the_first_in_the_text(
     assert out["output_ids"] == ids[: k + 1] and out["text"] == before
 
 
+def test_json_schema_and_regex_constrain_what_is_sampled(engine, tiny_model):
+    """SGLang's constrained decoding: a random model at temperature 1 still answers in the grammar
+    and then stops; each request of a mixed batch keeps its own constraint."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    params = {"max_new_tokens": 40, "temperature": 1.0}
+    outs = generate(engine, input_ids=[[50, 51]] * 6, sampling_params=[
+        {**params, "json_schema": json.dumps(schema), "sampling_seed": i} if i < 3 else
+        {**params, "regex": "[0-9]{3}", "sampling_seed": i} if i < 5 else params for i in range(6)])
+    for out in outs[:3]:
+        assert json.loads(out["text"]) in ({"ok": True}, {"ok": False}), out["text"]
+        assert out["meta_info"]["finish_reason"]["type"] == "stop"  # the grammar ended: only EOS was left
+    for out in outs[3:5]:
+        assert len(out["text"]) == 3 and out["text"].isdigit(), out["text"]
+    assert not outs[5]["text"].startswith('{"ok"')  # unconstrained beside them
+    for bad, message in [({"json_schema": "{not json"}, "json_schema is not JSON"),
+                         ({"json_schema": json.dumps({"type": "nonsense"})}, "cannot be compiled"),
+                         ({"regex": "[0-9"}, "cannot be compiled"),
+                         ({"ebnf": "root ::= 'a'"}, "does not support")]:
+        response = httpx.post(engine + "/generate", json={"input_ids": [1], "sampling_params": bad}, timeout=60)
+        assert response.status_code == 400 and message in response.text, response.text
+
+
 def test_text_prompt_and_stream_are_cumulative(engine):
     chunks = []
     with httpx.stream("POST", engine + "/generate", timeout=60, json={

@@ -6,11 +6,12 @@ sampled. So every request field falls in one of four classes:
 - **implemented**: mapped onto SGLang sampling parameters (``temperature``, ``top_p``,
   ``max_tokens``/``max_completion_tokens``, ``stop``, ``n``, ``seed``, penalties, and SGLang's
   extras ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``) or served by the proxy
-  (``tools``, ``tool_choice``, ``stream``, ``stream_options``, ``logprobs``);
+  (``tools``, ``tool_choice``, ``response_format`` by constrained decoding, ``stream``,
+  ``stream_options``, ``logprobs``);
 - **ignored**, because they never change the tokens (``model``, ``user``, ``metadata``, ``store``,
   ``service_tier``, ``parallel_tool_calls``, ...);
-- **neutral only**: accepted at their neutral value (``logit_bias: {}``, ``response_format:
-  {"type": "text"}``, ``reasoning_effort: null``, ...), else a 400 naming the parameter;
+- **neutral only**: accepted at their neutral value (``logit_bias: {}``, ``reasoning_effort: null``,
+  ...), else a 400 naming the parameter;
 - anything else: 400 ``Unrecognized request argument supplied: X``, as OpenAI answers.
 
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``. Responses are plain
@@ -19,6 +20,7 @@ dicts in OpenAI's field order; streaming chunks are built by the same functions.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +31,7 @@ from inverted.rollout.chat import Message, ParsedReply, parse_messages
 IGNORED = {"model", "user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
            "prompt_cache_retention", "safety_identifier", "stream_options", "echo_usage"}
 NEUTRAL: dict[str, Any] = {
-    "logit_bias": ({}, None), "response_format": ({"type": "text"}, None), "reasoning_effort": (None,),
+    "logit_bias": ({}, None), "reasoning_effort": (None,),
     "prediction": (None,), "modalities": (["text"], None), "audio": (None,), "functions": (None, []),
     "function_call": (None, "none", "auto"), "web_search_options": (None,), "verbosity": (None,),
     "frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0, None), "suffix": (None,), "echo": (False, None),
@@ -43,7 +45,7 @@ NUMERIC = {  # name: (type, low, high) for implemented scalar parameters
     "top_k": (int, -1, None), "min_p": (float, 0.0, 1.0), "repetition_penalty": (float, 0.0, 2.0),
     "min_tokens": (int, 0, None),
 }
-CHAT_FIELDS = {"messages", "tools", "tool_choice", "stream", "logprobs", "stop"} | set(NUMERIC)
+CHAT_FIELDS = {"messages", "tools", "tool_choice", "stream", "logprobs", "stop", "response_format"} | set(NUMERIC)
 COMPLETION_FIELDS = {"prompt", "stream", "logprobs", "stop"} | set(NUMERIC) - {"top_logprobs", "max_completion_tokens"}
 ENGINE_NAMES = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                 "repetition_penalty": "repetition_penalty", "min_tokens": "min_new_tokens", "seed": "sampling_seed"}
@@ -160,9 +162,32 @@ def parse_chat(body: Any) -> CallRequest:
             for t in tools)):
         raise InvalidRequest("'tools' must be an array of {type: 'function', function: {name, ...}}", param="tools")
     choice = body.get("tool_choice")
+    force_call = _forced_call(choice, tools or [])
+    schema = _response_schema(body.get("response_format"))
+    if schema is not None:
+        if force_call is not None:
+            raise InvalidRequest("'response_format' cannot be combined with a required or named 'tool_choice'",
+                                 param="response_format")
+        common["sampling"]["json_schema"] = schema
     return CallRequest(kind="chat", messages=parse_messages(body["messages"]), prompt=None, tools=tools or None,
                        parse_tools=bool(tools) and choice != "none", top_logprobs=body.get("top_logprobs") or 0,
-                       force_call=_forced_call(choice, tools or []), **common)
+                       force_call=force_call, **common)
+
+
+def _response_schema(value: Any) -> str | None:
+    """``response_format`` as SGLang's ``json_schema`` sampling parameter (constrained decoding), as
+    SGLang's own OpenAI server maps it: ``json_object`` is any object."""
+    if value is None or value == {"type": "text"}:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "json_object":
+        return '{"type": "object"}'
+    spec = value.get("json_schema") if kind == "json_schema" else None
+    if isinstance(spec, dict) and isinstance(spec.get("schema", {}), dict):
+        return json.dumps(spec.get("schema", {}))
+    raise InvalidRequest(f"Invalid 'response_format': {str(value)[:200]}; expected {{'type': 'text'}}, "
+                         "{'type': 'json_object'} or {'type': 'json_schema', 'json_schema': {'name', 'schema'}}",
+                         param="response_format", code="invalid_value")
 
 
 def _forced_call(choice: Any, tools: list[dict[str, Any]]) -> str | None:

@@ -294,7 +294,8 @@ class Recorder:
         sampling = {**req.sampling, "max_new_tokens": req.max_tokens or self.context_length - choice.prompt_len}
         prompt = choice.branch.tokens[:choice.prompt_len]
         async for state in sample_turn(self.client, prompt, sampling, stream=stream,
-                                       partial_rollout=self.config.partial_rollout,
+                                       # a constrained call resumed would restart its grammar: sampled again
+                                       partial_rollout=self.config.partial_rollout and "json_schema" not in sampling,
                                        max_resumes=self.config.proxy_max_resumes, top_logprobs=req.top_logprobs):
             choice.state = state
             yield state

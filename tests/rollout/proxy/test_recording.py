@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+from typing import Literal
 
 import httpx
 import openai
+import pydantic
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -206,6 +208,26 @@ async def test_a_named_or_required_tool_choice_opens_the_call_for_the_model(stac
         forced_ids = tokenizer.encode(opening, add_special_tokens=False)
         assert sample.tokens[start - len(forced_ids): start] == forced_ids  # the prompt's end, mask 0
         assert "<tool_call>" not in tokenizer.decode(sample.tokens[start:])  # the model sampled the rest
+
+
+async def test_response_format_is_served_by_constrained_decoding(stack):
+    """The SDK's structured outputs (a pydantic model as a strict json_schema) and json_object."""
+
+    class Weather(pydantic.BaseModel):
+        city: Literal["Paris", "Rome"]
+        sunny: bool
+
+    session = new_session(stack)
+    logged_before = len(stack.engine_requests())
+    async with openai.AsyncOpenAI(base_url=session["base_url"], api_key="x") as client:
+        reply = await client.chat.completions.parse(model="m", messages=[{"role": "user", "content": "Paris?"}],
+                                                    response_format=Weather, max_tokens=60, seed=3)
+        assert isinstance(reply.choices[0].message.parsed, Weather)
+        loose = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Rome?"}],
+                                                     response_format={"type": "json_object"}, max_tokens=8, seed=3)
+        assert loose.choices[0].message.content.startswith("{")
+    for sample in finish(stack, session):
+        check_exact(sample, stack.engine_requests()[logged_before:])
 
 
 async def test_logprobs_in_the_answer_are_the_recorded_ones_and_top_logprobs_are_transformers_top_k(stack):
