@@ -31,6 +31,29 @@ def calculator(expression: str) -> str:
     return str(eval(expression))  # noqa: S307 (digits and operators only)
 
 
+def append_sampled(sample: Sample, output: dict) -> None:
+    """One router answer onto the sample: its tokens trained, with their logprobs and version."""
+    meta = output["meta_info"]
+    sample.tokens = sample.tokens + output["output_ids"]
+    sample.loss_mask += [1] * len(output["output_ids"])
+    sample.rollout_log_probs += [logprob for logprob, _, _ in meta["output_token_logprobs"]]
+    sample.weight_versions.append(meta["weight_version"])
+
+
+def append_observation(sample: Sample, ids: list[int]) -> None:
+    """Tokens the model did not sample (a tool's output, the template's glue): masked out."""
+    sample.tokens = sample.tokens + ids
+    sample.loss_mask += [0] * len(ids)
+    sample.rollout_log_probs += [0.0] * len(ids)
+
+
+def finish(sample: Sample, prompt_length: int, last: dict) -> Sample:
+    sample.response_length = len(sample.tokens) - prompt_length
+    sample.status = Sample.Status.TRUNCATED if last["meta_info"]["finish_reason"]["type"] == "length" \
+        else Sample.Status.COMPLETED
+    return sample
+
+
 async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
     """A two-turn calculator loop (search-r1's pattern): the model answers, the calculator's result on
     the question comes back as a tool message (masked out), and the model answers again."""
@@ -44,22 +67,13 @@ async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
     for turn in range(2):
         output = await post(url, {"input_ids": sample.tokens, "sampling_params": sampling_params,
                                   "return_logprob": True})
-        meta = output["meta_info"]
-        sample.tokens = sample.tokens + output["output_ids"]
-        sample.loss_mask += [1] * len(output["output_ids"])
-        sample.rollout_log_probs += [logprob for logprob, _, _ in meta["output_token_logprobs"]]
-        sample.weight_versions.append(meta["weight_version"])
+        append_sampled(sample, output)
         sample.response += output["text"]
         if turn == 0:
             expression = re.sub(r"[^0-9+\-*/() ]", "", messages[-1]["content"])
-            observation = state.tokenizer(f"\n<tool_response>\n{calculator(expression)}\n</tool_response>\n",
-                                          add_special_tokens=False)["input_ids"]
-            sample.tokens = sample.tokens + observation
-            sample.loss_mask += [0] * len(observation)
-            sample.rollout_log_probs += [0.0] * len(observation)
-    sample.response_length = len(sample.tokens) - prompt_length
-    sample.status = Sample.Status.TRUNCATED if meta["finish_reason"]["type"] == "length" else Sample.Status.COMPLETED
-    return sample
+            append_observation(sample, state.tokenizer(
+                f"\n<tool_response>\n{calculator(expression)}\n</tool_response>\n", add_special_tokens=False)["input_ids"])
+    return finish(sample, prompt_length, output)
 
 
 async def calculator_episode(args, sample: Sample, sampling_params: dict) -> Sample:
@@ -85,11 +99,8 @@ async def calculator_episode(args, sample: Sample, sampling_params: dict) -> Sam
     for turn in range(calc.MAX_TURNS):
         output = await post(url, {"input_ids": sample.tokens, "sampling_params": sampling_params,
                                   "return_logprob": True})
-        ids, meta = output["output_ids"], output["meta_info"]
-        sample.tokens = sample.tokens + ids
-        sample.loss_mask += [1] * len(ids)
-        sample.rollout_log_probs += [logprob for logprob, _, _ in meta["output_token_logprobs"]]
-        sample.weight_versions.append(meta["weight_version"])
+        append_sampled(sample, output)
+        ids = output["output_ids"]
         text = tokenizer.decode(ids, skip_special_tokens=True)
         sample.response += text
         try:
@@ -116,13 +127,8 @@ async def calculator_episode(args, sample: Sample, sampling_params: dict) -> Sam
         after = render(True)
         turn_end, last = "<|im_end|>\n", tokenizer.decode(ids[-1:])
         junction = turn_end[len(last):] if last and turn_end.startswith(last) else turn_end
-        observation = tokenizer(junction + after[len(before):], add_special_tokens=False)["input_ids"]
-        sample.tokens = sample.tokens + observation
-        sample.loss_mask += [0] * len(observation)
-        sample.rollout_log_probs += [0.0] * len(observation)
-    sample.response_length = len(sample.tokens) - prompt_length
-    sample.status = Sample.Status.TRUNCATED if meta["finish_reason"]["type"] == "length" else Sample.Status.COMPLETED
-    return sample
+        append_observation(sample, tokenizer(junction + after[len(before):], add_special_tokens=False)["input_ids"])
+    return finish(sample, prompt_length, output)
 
 
 async def group_rm(args, samples: list[Sample]) -> list[float]:
