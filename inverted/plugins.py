@@ -71,6 +71,11 @@ def load_plugin(path: str, *, flag: str, params: list[str]) -> Callable[..., Any
     return load_forms(path, flag=flag, forms={"": params})[1]
 
 
+def load_optional(path: str | None, *, flag: str, params: list[str]) -> Callable[..., Any] | None:
+    """``load_plugin`` for a flag that may be unset (None then)."""
+    return load_plugin(path, flag=flag, params=params) if path else None
+
+
 def load_forms(path: str, *, flag: str, forms: dict[str, list[str]]) -> tuple[str, Callable[..., Any]]:
     """Import ``path`` and name the first of ``forms`` (name -> parameters) its signature accepts."""
     attr = path.replace(":", ".").rpartition(".")[2] or "fn"
@@ -166,7 +171,6 @@ class RewardModel:
 
     fn: Callable[..., Any]
     form: str  # "ours" (sample), "slime" (args, sample), "group" (args, samples) -> rewards
-    args: Any = None
 
     @classmethod
     def load(cls, path: str, group: bool) -> "RewardModel":
@@ -214,9 +218,6 @@ class LossPlugins:
 
     @classmethod
     def load(cls, cfg: LossConfig) -> "LossPlugins":
-        def optional(path: str | None, flag: str, params: list[str]) -> Callable[..., Any] | None:
-            return load_plugin(path, flag=flag, params=params) if path else None
-
         tis = None
         if path := cfg.custom_tis_function_path:  # slime passes everything but args by keyword
             expected = ("def fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, **kwargs) -> "
@@ -228,10 +229,11 @@ class LossPlugins:
             except (TypeError, ValueError) as exc:
                 raise PluginError(f"--custom-tis-function-path={path!r}: expected {expected} ({exc})") from None
         return cls(
-            loss=(optional(cfg.custom_loss_function_path, "--custom-loss-function-path",
-                           ["args", "batch", "logits", "sum_of_sample_mean"]) if cfg.loss_type == "custom_loss" else None),
+            loss=(load_optional(cfg.custom_loss_function_path, flag="--custom-loss-function-path",
+                                params=["args", "batch", "logits", "sum_of_sample_mean"])
+                  if cfg.loss_type == "custom_loss" else None),
             tis=tis,
-            reducer=optional(cfg.custom_pg_loss_reducer_function_path, "--custom-pg-loss-reducer-function-path",
-                             ["total_lengths", "response_lengths", "loss_masks"]),
-            reward_post_process=optional(cfg.custom_reward_post_process_path, "--custom-reward-post-process-path",
-                                         ["args", "samples"]))
+            reducer=load_optional(cfg.custom_pg_loss_reducer_function_path, flag="--custom-pg-loss-reducer-function-path",
+                                  params=["total_lengths", "response_lengths", "loss_masks"]),
+            reward_post_process=load_optional(cfg.custom_reward_post_process_path,
+                                              flag="--custom-reward-post-process-path", params=["args", "samples"]))

@@ -134,8 +134,6 @@ def build_store(config: BufferConfig) -> SQLiteStore:
                        group_filter=load_group_filter(config), group_chooser=load_group_chooser(config))
 
 
-
-
 # Dependencies are ``async def``: FastAPI runs a plain ``def`` one on a worker thread, a thread hop per request.
 async def _state(request: Request) -> BufferState:
     return request.app.state.buffer

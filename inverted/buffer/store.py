@@ -37,7 +37,6 @@ from inverted.buffer.filters import GroupChooser, GroupFilter
 from inverted.errors import ConfigError, LeaseConflict, SampleError
 from inverted.types import Sample, Task, version_number
 
-
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS prompts (prompt_index INTEGER PRIMARY KEY, record BLOB NOT NULL);

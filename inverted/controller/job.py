@@ -35,7 +35,7 @@ from inverted.buffer.client import BufferClient
 from inverted.config import JobConfig, RolloutConfig, flag_name, to_flags
 from inverted.errors import ConfigError, PluginError
 from inverted.placement import node_resource, ray_launch, start_ray
-from inverted.plugins import RewardModel, RolloutFunction, load_plugin, load_rollout_function, required_flags
+from inverted.plugins import RewardModel, RolloutFunction, load_optional, load_rollout_function, required_flags
 from inverted.processes import ManagedProcess, free_port
 from inverted.rollout.servers import RolloutServers, ServerHandle
 from inverted.rollout.sglang_client import SGLangClient
@@ -66,12 +66,11 @@ class Plugins:
 
     @classmethod
     def load(cls, cfg: RolloutConfig) -> "Plugins":
-        env = load_plugin(cfg.env_path, flag="--env-path", params=["task", "client"]) if cfg.env_path else None
+        env = load_optional(cfg.env_path, flag="--env-path", params=["task", "client"])
         if env is not None and not inspect.iscoroutinefunction(env):
             raise PluginError(f"--env-path={cfg.env_path!r}: expected 'async def {env.__name__}(task, client) -> reward'")
-        optional = (lambda path, flag, params: load_plugin(path, flag=flag, params=params) if path else None)
-        generate = optional(cfg.custom_generate_function_path, "--custom-generate-function-path",
-                            ["args", "sample", "sampling_params"])
+        generate = load_optional(cfg.custom_generate_function_path, flag="--custom-generate-function-path",
+                                 params=["args", "sample", "sampling_params"])
         if generate is not None and not inspect.iscoroutinefunction(generate):
             raise PluginError(f"--custom-generate-function-path={cfg.custom_generate_function_path!r}: expected "
                               f"'async def {generate.__name__}(args, sample, sampling_params) -> Sample | list[Sample]'")
@@ -91,11 +90,13 @@ class Plugins:
             reward=RewardModel.load(cfg.custom_rm_path, cfg.group_rm) if cfg.custom_rm_path else None,
             evaluate=(load_rollout_function(cfg.eval_function_path, "--eval-function-path")
                       if cfg.eval_function_path else None),
-            sample_filter=optional(cfg.rollout_sample_filter_path, "--rollout-sample-filter-path", ["args", "groups"]),
-            rollout_log=optional(cfg.custom_rollout_log_function_path, "--custom-rollout-log-function-path",
-                                 ["rollout_id", "args", "samples", "rollout_extra_metrics", "rollout_time"]),
-            eval_log=optional(cfg.custom_eval_rollout_log_function_path, "--custom-eval-rollout-log-function-path",
-                              ["rollout_id", "args", "data", "extra_metrics"]))
+            sample_filter=load_optional(cfg.rollout_sample_filter_path, flag="--rollout-sample-filter-path",
+                                        params=["args", "groups"]),
+            rollout_log=load_optional(cfg.custom_rollout_log_function_path, flag="--custom-rollout-log-function-path",
+                                      params=["rollout_id", "args", "samples", "rollout_extra_metrics", "rollout_time"]),
+            eval_log=load_optional(cfg.custom_eval_rollout_log_function_path,
+                                   flag="--custom-eval-rollout-log-function-path",
+                                   params=["rollout_id", "args", "data", "extra_metrics"]))
 
 
 def spawn_service(command: str, section: Any, run_dir: Path, url: str) -> ManagedProcess:

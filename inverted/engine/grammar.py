@@ -21,12 +21,12 @@ from inverted.errors import InvalidRequest
 
 
 class Grammars:
-    """Compiles the constraints of requests against one tokenizer and vocabulary."""
+    """Compiles the constraints of requests against one tokenizer and vocabulary (the server's part;
+    the scheduler applies the matchers with ``mask`` and ``advance``)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int):
         import llguidance.hf
 
-        self.vocab_size = vocab_size
         self.info = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
 
     def matcher(self, json_schema: str | None, regex: str | None) -> Any | None:
@@ -51,21 +51,23 @@ class Grammars:
                                  f"{error.strip()[:500]}")
         return llguidance.LLMatcher(self.info, grammar)
 
-    def mask(self, logits_BV: torch.Tensor, matchers: list[Any | None]) -> None:
-        """Set the logits of the tokens each row's matcher forbids to ``-inf``, in place."""
-        import llguidance.torch
 
-        rows = [i for i, m in enumerate(matchers) if m is not None]
-        if not rows:
-            return
-        bitmask = llguidance.torch.allocate_token_bitmask(len(rows), self.vocab_size)
-        for j, i in enumerate(rows):
-            llguidance.torch.fill_next_token_bitmask(matchers[i], bitmask, j)
-        constrained = logits_BV[rows].float()
-        llguidance.torch.apply_token_bitmask_inplace(constrained, bitmask)
-        logits_BV[rows] = constrained.to(logits_BV.dtype)
+def mask(logits_BV: torch.Tensor, matchers: list[Any | None]) -> None:
+    """Set the logits of the tokens each row's matcher forbids to ``-inf``, in place (rows without one: as they are)."""
+    import llguidance.torch
 
-    @staticmethod
-    def advance(matcher: Any, token: int) -> None:
-        if not matcher.consume_token(token):
-            raise RuntimeError(f"the grammar refused token {token} it allowed: {matcher.get_error()}")
+    rows = [i for i, m in enumerate(matchers) if m is not None]
+    if not rows:
+        return
+    bitmask = llguidance.torch.allocate_token_bitmask(len(rows), logits_BV.shape[-1])
+    for j, i in enumerate(rows):
+        llguidance.torch.fill_next_token_bitmask(matchers[i], bitmask, j)
+    constrained = logits_BV[rows]
+    llguidance.torch.apply_token_bitmask_inplace(constrained, bitmask)
+    logits_BV[rows] = constrained
+
+
+def advance(matcher: Any, token: int) -> None:
+    """The sampled token, into its request's matcher."""
+    if not matcher.consume_token(token):
+        raise RuntimeError(f"the grammar refused token {token} it allowed: {matcher.get_error()}")

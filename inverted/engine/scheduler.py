@@ -47,7 +47,7 @@ from typing import Any, Callable
 
 import torch
 
-from inverted.engine.grammar import Grammars
+from inverted.engine import grammar
 from inverted.engine.model import CausalLM, KVCache
 from inverted.engine.sampling import SamplingParams, sample, top_logprobs
 from inverted.errors import EngineError, InvalidRequest
@@ -125,7 +125,6 @@ class Scheduler:
         self.memory_released = False
         self.stats = collections.Counter()
         self._seeds = torch.Generator(device=model.device)  # shared by requests without a sampling_seed
-        self.grammars: Grammars | None = None  # set by the server with the first constrained request
         self._seeds.manual_seed(random_seed if random_seed is not None else int.from_bytes(os.urandom(8), "little") >> 2)
         self._commands: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future, bool]] = collections.deque()
         self._cond = threading.Condition()
@@ -431,7 +430,7 @@ class Scheduler:
         top_k = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
         matchers = [r.matcher for r in reqs]
         if any(m is not None for m in matchers):
-            self.grammars.mask(logits_BV, matchers)
+            grammar.mask(logits_BV, matchers)
         tokens, logprobs, tops = sample(logits_BV, [r.params for r in reqs], [r.generator for r in reqs], banned,
                                         self._seeds, top_k)
         self.stats["generated_tokens"] += len(reqs)
@@ -439,7 +438,7 @@ class Scheduler:
             req.output_ids.append(token)
             req.output_logprobs.append(logprob)
             if req.matcher is not None:
-                self.grammars.advance(req.matcher, token)
+                grammar.advance(req.matcher, token)
             if top is not None:
                 req.output_top_logprobs.append(top)
             req.output_versions.append(self.weight_version)

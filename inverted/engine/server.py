@@ -86,7 +86,7 @@ class Engine:
         if params.json_schema is None and params.regex is None:
             return None
         if self._grammars is None:
-            self._grammars = self.scheduler.grammars = Grammars(self.tokenizer, self.scheduler.model.spec.vocab_size)
+            self._grammars = Grammars(self.tokenizer, self.scheduler.model.spec.vocab_size)
         return self._grammars.matcher(params.json_schema, params.regex)
 
     def _matched_stop(self, req: EngineRequest) -> str | None:

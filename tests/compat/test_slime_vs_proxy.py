@@ -67,7 +67,8 @@ def test_the_agent_rollout_and_a_slime_generate_function_record_the_same_tokens(
     theirs = run(stack, single_turn, sampling, generate=generate, slime_args=args)
 
     for a, b in zip(ours, theirs, strict=True):
-        a.validate(), b.validate()
+        a.validate()
+        b.validate()
         assert a.tokens == b.tokens and a.prompt_length == b.prompt_length
         assert a.loss_mask == b.loss_mask
         assert a.rollout_log_probs == b.rollout_log_probs

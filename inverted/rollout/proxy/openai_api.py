@@ -140,9 +140,11 @@ def _common(body: Any, allowed: set[str]) -> dict[str, Any]:
     if not isinstance(options, dict):
         raise InvalidRequest("'stream_options' must be an object", param="stream_options")
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    logprobs = body.get("logprobs")
+    asked_logprobs = logprobs is not None and logprobs is not False  # the legacy API's count may be 0
     return {"model": body.get("model") if isinstance(body.get("model"), str) else None, "n": body.get("n") or 1,
             "stream": bool(body.get("stream")), "include_usage": bool(options.get("include_usage")),
-            "logprobs": body.get("logprobs") is not None and body.get("logprobs") is not False,  # legacy: a count
+            "logprobs": asked_logprobs,
             "max_tokens": max_tokens,
             "sampling": _sampling(body)}
 
