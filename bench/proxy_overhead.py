@@ -2,19 +2,21 @@
 
 Both arms run against the same embedded engine behind the real sgl-router, in one run:
 
-* **proxy**: each episode opens a session and posts chat completions to it (raw HTTP by default,
-  so the figure is the proxy's own cost; ``--client openai`` uses the SDK as an agent would);
-  the proxy renders, bridges, records every token and builds the Sample at ``finish``.
+* **proxy**: each episode opens a session and posts its turns to it in the API ``--api`` names
+  (Chat Completions, Responses or Anthropic Messages; raw HTTP by default, so the figure is the
+  proxy's own cost; ``--client openai`` uses the SDK as an agent would); the proxy renders,
+  bridges, records every token and builds the Sample at ``finish``.
 * **direct**: each episode keeps its own token history client-side (the same ``ChatRenderer``:
   full render on turn 1, bridge after) and calls the router's ``/generate`` with ``input_ids``,
   which is what a hand-written TITO rollout does without a proxy.
 
-Every call asks for exactly ``--tokens`` tokens with a per-(episode, turn) seed, so both arms do
-the same engine work. ``--concurrency`` episodes run at once (a closed loop). The arms alternate
+Every call asks for exactly ``--tokens`` tokens with a per-episode seed (the session's
+``sampling_params``, which hold for every API), so both arms do the same engine work. ``--concurrency`` episodes run at once (a closed loop). The arms alternate
 ``--rounds`` times; the figure of merit is proxy / direct throughput (the machine's speed cancels
 out), with the added per-call latency at p50 and p99 (proxy call latency minus direct).
 
     python bench/proxy_overhead.py                       # small model, 32 concurrent sessions
+    python bench/proxy_overhead.py --api responses       # the same through /v1/responses (or messages)
 """
 
 from __future__ import annotations
@@ -40,25 +42,58 @@ from inverted.processes import ManagedProcess, free_port  # noqa: E402
 from inverted.tiny_model import make_tiny_model  # noqa: E402
 
 
+SYSTEM = "You are a planning agent."
+
+
 def user_turn(episode: int, turn: int) -> str:
     return f"Episode {episode}, step {turn}: what should we do next with item {episode * 7 + turn}?"
 
 
+def chat_body(turns: list[tuple[str, str]], user: str) -> dict:
+    messages = [{"role": "system", "content": SYSTEM}]
+    for asked, answered in turns:
+        messages += [{"role": "user", "content": asked}, {"role": "assistant", "content": answered}]
+    return {"model": "m", "messages": messages + [{"role": "user", "content": user}]}
+
+
+def responses_body(turns: list[tuple[str, str]], user: str) -> dict:
+    items = [item for asked, answered in turns
+             for item in ({"role": "user", "content": asked}, {"role": "assistant", "content": answered})]
+    return {"model": "m", "instructions": SYSTEM, "input": items + [{"role": "user", "content": user}]}
+
+
+def messages_body(turns: list[tuple[str, str]], user: str) -> dict:
+    body = chat_body(turns, user)
+    return {"model": "m", "max_tokens": 1, "system": SYSTEM, "messages": body["messages"][1:]}  # the session sets max
+
+
+# Each API: its route, the request for the conversation so far, the reply's text.
+APIS = {
+    "chat": ("/chat/completions", chat_body, lambda r: r["choices"][0]["message"]["content"]),
+    "responses": ("/responses", responses_body, lambda r: "".join(
+        part["text"] for item in r["output"] if item["type"] == "message" for part in item["content"])),
+    "messages": ("/messages", messages_body, lambda r: "".join(b["text"] for b in r["content"] if b["type"] == "text")),
+}
+
+
 async def proxy_episode(proxy_url: str, http: httpx.AsyncClient, episode: int, args, latencies: list[float]) -> int:
-    session = (await http.post(proxy_url + "/sessions", json={"sample": {"index": episode}})).json()
-    messages = [{"role": "system", "content": "You are a planning agent."}]
+    # The session fixes each call's length and seed, whatever the API can express.
+    sampling = {"max_tokens": args.tokens, "min_tokens": args.tokens, "seed": episode}
+    session = (await http.post(proxy_url + "/sessions", json={"sample": {"index": episode},
+                                                              "sampling_params": sampling})).json()
+    route, body_of, text_of = APIS[args.api]
     sdk = openai.AsyncOpenAI(base_url=session["base_url"], api_key="x", max_retries=0) if args.client == "openai" else None
+    turns: list[tuple[str, str]] = []
     for turn in range(args.turns):
-        messages.append({"role": "user", "content": user_turn(episode, turn)})
-        body = {"model": "m", "messages": messages, "max_tokens": args.tokens, "seed": episode * 100 + turn}
+        user = user_turn(episode, turn)
+        body = body_of(turns, user)
         started = time.perf_counter()
-        if sdk is not None:  # min_tokens is not an OpenAI field: the SDK sends it as extra_body
-            reply = (await sdk.chat.completions.create(**body, extra_body={"min_tokens": args.tokens})).model_dump()
+        if sdk is not None:
+            reply = (await sdk.chat.completions.create(**body)).model_dump()
         else:
-            reply = (await http.post(session["base_url"] + "/chat/completions",
-                                     json={**body, "min_tokens": args.tokens})).json()
+            reply = (await http.post(session["base_url"] + route, json=body)).json()
         latencies.append(time.perf_counter() - started)
-        messages.append({"role": "assistant", "content": reply["choices"][0]["message"]["content"]})
+        turns.append((user, text_of(reply)))
     if sdk is not None:
         await sdk.close()
     samples = (await http.post(f"{proxy_url}/sessions/{session['session_id']}/finish")).json()["samples"]
@@ -67,7 +102,7 @@ async def proxy_episode(proxy_url: str, http: httpx.AsyncClient, episode: int, a
 
 async def direct_episode(router_url: str, http: httpx.AsyncClient, renderer: ChatRenderer, episode: int, args,
                          latencies: list[float]) -> int:
-    history = [Message(role="system", content="You are a planning agent.")]
+    history = [Message(role="system", content=SYSTEM)]
     tokens: list[int] = []
     sampled: list[int] = []
     produced = 0
@@ -77,7 +112,7 @@ async def direct_episode(router_url: str, http: httpx.AsyncClient, renderer: Cha
         tokens += renderer.prompt_ids(history + new, None) if not tokens else renderer.bridge(history, new, None, sampled)
         body = {"input_ids": tokens, "return_logprob": True,
                 "sampling_params": {"max_new_tokens": args.tokens, "min_new_tokens": args.tokens,
-                                    "sampling_seed": episode * 100 + turn}}
+                                    "sampling_seed": episode}}
         out = (await http.post(router_url + "/generate", json=body)).json()
         latencies.append(time.perf_counter() - started)
         sampled = out["output_ids"]
@@ -143,10 +178,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=24, help="tokens sampled per call")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="engine torch threads (the rest is for the proxy)")
+    parser.add_argument("--api", default="chat", choices=sorted(APIS), help="the API the proxy arm speaks")
     parser.add_argument("--client", default="httpx", choices=["httpx", "openai"],
-                        help="how the proxy arm calls it: raw HTTP (the proxy's own cost) or the openai SDK")
+                        help="how the proxy arm calls it: raw HTTP (the proxy's own cost) or the openai SDK (chat)")
     parser.add_argument("--log-dir", default="runs/bench-proxy")
     args = parser.parse_args()
+    if args.client == "openai" and args.api != "chat":
+        parser.error("--client openai drives the chat API only")
     model = Path(args.model)
     if not (model / "config.json").exists():
         make_tiny_model(TinyModelConfig(out=str(model), preset=args.preset))
@@ -166,7 +204,7 @@ def main() -> None:
     p50 = {arm: statistics.median(r["p50_s"] for r in results) for arm, results in runs.items()}
     p99 = {arm: statistics.median(r["p99_s"] for r in results) for arm, results in runs.items()}
     print(json.dumps({
-        "model": str(model), "concurrency": args.concurrency, "episodes": args.episodes, "turns": args.turns,
+        "model": str(model), "api": args.api, "concurrency": args.concurrency, "episodes": args.episodes, "turns": args.turns,
         "tokens_per_call": args.tokens, "runs": runs,
         "direct_tokens_per_s": round(best["direct"], 1), "proxy_tokens_per_s": round(best["proxy"], 1),
         "ratio_proxy_over_direct": round(best["proxy"] / best["direct"], 3), "target_ratio": 0.9,

@@ -1,8 +1,10 @@
 """Run an existing agent program unchanged, once per task (``--agent-command``).
 
-The program is started with its session in the environment variables every OpenAI SDK reads:
-``OPENAI_BASE_URL`` (the session's ``/v1`` base) and ``OPENAI_API_KEY`` (the session token), plus
-``INVERTED_TASK`` (the task as JSON: prompt, label, metadata, tools), ``INVERTED_SESSION_ID`` and
+The program is started with its session in the environment variables the SDKs read:
+``OPENAI_BASE_URL`` (the session's ``/v1`` base) and ``OPENAI_API_KEY`` (the session token) for
+OpenAI's, ``ANTHROPIC_BASE_URL`` and ``ANTHROPIC_API_KEY`` for Anthropic's, and
+``OPENAI_AGENTS_DISABLE_TRACING=1`` (the openai-agents SDK would upload its traces to OpenAI with
+the session token as the key), plus ``INVERTED_TASK`` (the task as JSON: prompt, label, metadata, tools), ``INVERTED_SESSION_ID`` and
 ``INVERTED_REWARD_FILE``. The command is split like a shell would split it, but no shell runs it.
 
 The reward, first found wins: the number or JSON object the program wrote to
@@ -45,6 +47,8 @@ async def run_agent(ctx: RolloutContext, task: Task, session: SessionHandle) -> 
     with tempfile.TemporaryDirectory(prefix="inverted-agent-") as scratch:
         reward_file = Path(scratch) / "reward"
         env = {**os.environ, "OPENAI_BASE_URL": session.base_url, "OPENAI_API_KEY": session.token,
+               "ANTHROPIC_BASE_URL": session.base_url.removesuffix("/v1"), "ANTHROPIC_API_KEY": session.token,
+               "OPENAI_AGENTS_DISABLE_TRACING": "1",
                "INVERTED_SESSION_ID": session.session_id, "INVERTED_REWARD_FILE": str(reward_file),
                "INVERTED_TASK": json.dumps({"prompt": task.prompt, "label": task.label, "metadata": task.metadata,
                                             "tools": task.tools})}

@@ -1,25 +1,23 @@
-"""The recorder: one OpenAI call on one session, from request to recorded turn and answer.
+"""The recorder: one call on one session, from request to recorded turn and answer, whatever the API.
 
 For each call it (1) places the request on a branch (``Session.place``), (2) builds the prompt
 ids: the base branch's tokens as they are, plus the bridge for what the client appended (chat:
 ``ChatRenderer.bridge``; text completions: the new suffix of the prompt, tokenized), or a full
 render for a new branch, (3) samples ``n`` choices on the router (``generation.sample_turn``),
-(4) records each choice as a turn of its branch and (5) answers in OpenAI's shape, whole or as
-stream chunks. A call that fails at any point is rolled back, all its choices together: nothing
-is recorded for it.
+(4) records each choice as a turn of its branch and (5) answers with an ``apis.call.Answer``, whole
+or as a stream of events, which the request's API module shapes. A call that fails at any point is
+rolled back, all its choices together: nothing is recorded for it.
 
-Streaming is real: content deltas leave as the engine produces tokens. Text that may open a
-tool call (the parser's ``start`` marker, or a prefix of it) is held back; tool calls are parsed
-from the whole turn at its end and sent in one delta, as OpenAI's SDK reassembles them.
+Streaming is real: text deltas leave as the engine produces tokens. Text that may open a tool
+call (the parser's ``start`` marker, or a prefix of it) is held back; tool calls are parsed from
+the whole turn at its end and arrive in its ``Output``.
 
-No FastAPI here; ``service`` owns HTTP.
+No FastAPI here, nor any API's shapes: ``service`` owns HTTP, ``apis`` the shapes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
-import secrets
 import time
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -31,7 +29,8 @@ from inverted.config import ProxyConfig
 from inverted.errors import InvalidRequest
 from inverted.limits import cannot_fit, max_token_chars
 from inverted.rollout.chat import ChatRenderer, Message, ParsedReply, TemplateBreak, ToolParser, tools_key
-from inverted.rollout.proxy import openai_api as api
+from inverted.rollout.proxy.apis import call
+from inverted.rollout.proxy.apis.call import Answer, CallRequest, Delta, Event, Output, TokenLogprob
 from inverted.rollout.proxy.generation import Sampled, sample_turn
 from inverted.rollout.proxy.session import Branch, History, Placement, Session, Sessions, Turn, history_size
 from inverted.rollout.sglang_client import SGLangClient
@@ -75,8 +74,7 @@ class Choice:
     prompt_len: int
     forced: str = ""  # the start of a tool call written after the prompt (tool_choice required or named)
     state: Sampled | None = None
-    text: str = ""
-    reply: ParsedReply | None = None
+    output: Output | None = None  # set when sampled
     turn: Turn | None = None  # set when sampled; recorded only once every choice of the call succeeded
 
 
@@ -97,17 +95,17 @@ class Recorder:
 
     # ---- placing and prompting -------------------------------------------------------------
 
-    def _incoming(self, req: api.CallRequest) -> History:
+    def _incoming(self, req: CallRequest) -> History:
         if req.kind == "text":
             return req.prompt
         return (tools_key(req.tools), tuple(m.key for m in req.messages))
 
-    def _fresh_prompt(self, req: api.CallRequest) -> list[int]:
+    def _fresh_prompt(self, req: CallRequest) -> list[int]:
         if req.kind == "text":
             return self.renderer.encode(req.prompt)
         return self.renderer.prompt_ids(req.messages, req.tools)
 
-    def _bridge(self, placement: Placement, req: api.CallRequest) -> list[int]:
+    def _bridge(self, placement: Placement, req: CallRequest) -> list[int]:
         branch = placement.branch
         turn = branch.turns[placement.base_turn]
         sampled = branch.tokens[turn.start:turn.end]
@@ -116,7 +114,7 @@ class Recorder:
             return self.renderer.encode(req.prompt[size:])
         return self.renderer.bridge(req.messages[:size], req.messages[size:], req.tools, sampled)
 
-    def _check_length(self, req: api.CallRequest) -> None:
+    def _check_length(self, req: CallRequest) -> None:
         """Refuse, by its length alone, text that cannot fit the context: tokenizing 20 MB took 30 s."""
         if req.kind == "text":
             chars = len(req.prompt)
@@ -130,7 +128,7 @@ class Recorder:
                 f"{self.max_token_chars} characters). Please reduce the length of the messages or completion.",
                 param="messages", code="context_length_exceeded")
 
-    async def _open(self, session: Session, req: api.CallRequest) -> list[Choice]:
+    async def _open(self, session: Session, req: CallRequest) -> list[Choice]:
         """Place every choice, append its prompt ids, and check the context; nothing is kept on error.
 
         Rendering and tokenizing run on a worker thread, so that other sessions' calls and
@@ -168,7 +166,7 @@ class Recorder:
             choices.append(Choice(index, branch, placement, prompt_len, forced))
         return choices
 
-    def _forced(self, req: api.CallRequest) -> str:
+    def _forced(self, req: CallRequest) -> str:
         """``tool_choice`` required or named: the call's opening text, which the model then completes."""
         if req.force_call is None:
             return ""
@@ -179,7 +177,7 @@ class Recorder:
                                  "has no forced(name)", param="tool_choice", code="unsupported_parameter")
         return forced(req.force_call)
 
-    def _check_context(self, prompt_len: int, req: api.CallRequest) -> None:
+    def _check_context(self, prompt_len: int, req: CallRequest) -> None:
         limit = self.context_length
         wanted = req.max_tokens or 1
         if prompt_len + wanted > limit:
@@ -190,8 +188,8 @@ class Recorder:
 
     # ---- one call ------------------------------------------------------------------------------
 
-    async def complete(self, session: Session, req: api.CallRequest, replay_key: str | None = None,
-                       replay: bool = False) -> dict[str, Any]:
+    async def complete(self, session: Session, req: CallRequest, replay_key: str | None = None,
+                       replay: bool = False) -> Answer:
         """A whole (non-streamed) answer; identical retried calls can be answered from the record."""
         if replay_key is not None and replay and replay_key in session.replays:
             self.metrics.replays.inc()
@@ -210,10 +208,10 @@ class Recorder:
             future.set_result(answer)
         return answer
 
-    async def _complete(self, session: Session, req: api.CallRequest) -> dict[str, Any]:
+    async def _complete(self, session: Session, req: CallRequest) -> Answer:
         started = time.monotonic()
-        call_id = _call_id(req.kind)
         choices = await self._start(session, req)
+        answer = Answer(model=req.model or self.model_name, prompt_tokens=choices[0].prompt_len)
 
         async def run(choice: Choice) -> None:
             async with aclosing(self._sample(req, choice, stream=False)) as updates:
@@ -225,30 +223,29 @@ class Recorder:
             async with asyncio.TaskGroup() as group:  # one failed choice cancels the others
                 for choice in choices:
                     group.create_task(run(choice))
+            answer.outputs = [c.output for c in choices]
             succeeded = True
         except BaseExceptionGroup as failed:
             raise failed.exceptions[0] from None
         finally:
-            self._settle(session, choices, succeeded)
+            self._settle(session, req, answer, choices, succeeded)
         self.metrics.latency.observe(time.monotonic() - started)
-        body = [self._choice_body(req, c) for c in choices]
-        completion = sum(len(c.state.ids) for c in choices)
-        return api.envelope(req.kind, call_id, req.model or self.model_name, body,
-                            usage_=api.usage(choices[0].prompt_len, completion))
+        return answer
 
-    async def stream(self, session: Session, req: api.CallRequest) -> AsyncIterator[dict[str, Any]]:
-        """OpenAI stream chunks as tokens arrive (several choices interleaved), then the usage chunk."""
+    async def stream(self, session: Session, req: CallRequest) -> AsyncIterator[Event]:
+        """The ``Answer`` once the call is placed, then each choice's ``Delta``s as tokens arrive
+        (choices interleaved) and its ``Output`` as it ends; the call is recorded before the end."""
         started = time.monotonic()
-        call_id = _call_id(req.kind)
         choices = await self._start(session, req)
-        model = req.model or self.model_name
-        queue: asyncio.Queue[dict[str, Any] | BaseException | None] = asyncio.Queue()
+        answer = Answer(model=req.model or self.model_name, prompt_tokens=choices[0].prompt_len)
+        yield answer
+        queue: asyncio.Queue[Delta | Output | BaseException | None] = asyncio.Queue()
 
         async def run(choice: Choice) -> None:
             try:
-                async with aclosing(self._stream_choice(req, choice)) as deltas:
-                    async for delta in deltas:
-                        await queue.put(delta)
+                async with aclosing(self._stream_choice(req, choice)) as events:
+                    async for event in events:
+                        await queue.put(event)
                 await queue.put(None)
             except Exception as exc:  # handed to the consumer, which raises it in the response
                 await queue.put(exc)
@@ -264,32 +261,31 @@ class Recorder:
                 elif isinstance(item, BaseException):
                     raise item
                 else:
-                    yield api.envelope(req.kind, call_id, model, [item], chunk=True)
+                    if isinstance(item, Output):
+                        answer.outputs.append(item)
+                    yield item
+            answer.outputs.sort(key=lambda o: o.index)
             succeeded = True
             self.metrics.latency.observe(time.monotonic() - started)
-            if req.include_usage:
-                completion = sum(len(c.state.ids) for c in choices)
-                yield api.envelope(req.kind, call_id, model, [], chunk=True,
-                                   usage_=api.usage(choices[0].prompt_len, completion))
         finally:
             # Settled before any await: a server that cancels a hung-up stream cancels every later
             # await here too. A cancelled choice cannot append to its branch any more (it appends
             # with no await after its last one), so rolling back now is final.
             for task in tasks:
                 task.cancel()
-            self._settle(session, choices, succeeded)
+            self._settle(session, req, answer, choices, succeeded)
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _start(self, session: Session, req: api.CallRequest) -> list[Choice]:
+    async def _start(self, session: Session, req: CallRequest) -> list[Choice]:
         session.check_open()
         session.touch()
         self._check_length(req)
         async with session.opening:
             return await self._open(session, req)
 
-    async def _sample(self, req: api.CallRequest, choice: Choice, *, stream: bool) -> AsyncIterator[Sampled]:
+    async def _sample(self, req: CallRequest, choice: Choice, *, stream: bool) -> AsyncIterator[Sampled]:
         """Sample one choice, yielding its growing state; when done, its sampled ids join the branch and
-        ``choice.turn`` is set (``_settle`` records it or rolls the branch back)."""
+        ``choice.turn`` and ``choice.output`` are set (``_settle`` records the turn or rolls the branch back)."""
         created = time.time()
         sampling = {**req.sampling, "max_new_tokens": req.max_tokens or self.context_length - choice.prompt_len}
         prompt = choice.branch.tokens[:choice.prompt_len]
@@ -300,15 +296,19 @@ class Recorder:
             choice.state = state
             yield state
         state = choice.state
-        choice.text = choice.forced + self._decode(state, req.sampling.get("stop", []))
-        choice.reply = self.parser.parse(choice.text) if req.parse_tools else ParsedReply(content=choice.text)
+        text, stop = self._decode(state, req.sampling.get("stop", []))
+        text = choice.forced + text
+        reply = self.parser.parse(text) if req.parse_tools else ParsedReply(content=text)
+        finish = call.finish_reason(state.reason, reply)
+        choice.output = Output(index=choice.index, text=text, reply=reply, finish=finish, stop=stop,
+                               tokens=len(state.ids), logprobs=self._logprobs(state) if req.logprobs else None)
         choice.branch.append_sampled(state.ids, state.logprobs, state.versions)
         choice.turn = Turn(start=choice.prompt_len, end=len(choice.branch.tokens),
-                           history=self._history_after(req, choice),
-                           finish_reason=api.finish_reason(state.reason, choice.reply), sampling_params=sampling,
+                           history=self._history_after(req, reply), finish_reason=finish, sampling_params=sampling,
                            created=created, latency_s=time.time() - created, resumes=state.resumes)
 
-    def _settle(self, session: Session, choices: list[Choice], succeeded: bool) -> None:
+    def _settle(self, session: Session, req: CallRequest, answer: Answer, choices: list[Choice],
+                succeeded: bool) -> None:
         """All or nothing: every choice's turn is recorded, or every branch is rolled back."""
         for choice in choices:
             turn = choice.turn if succeeded else None
@@ -319,30 +319,25 @@ class Recorder:
                 self.metrics.completion_tokens.inc(turn.end - turn.start)
                 self.metrics.resumes.inc(choice.state.resumes)
                 self.metrics.retries.inc(choice.state.retries)
+        if succeeded and req.on_recorded is not None:
+            req.on_recorded(answer)
 
-    async def _stream_choice(self, req: api.CallRequest, choice: Choice) -> AsyncIterator[dict]:
-        """Stream deltas of one choice: role, content as it grows (tool-call text held back), calls, finish."""
-        yield _delta(req, choice.index, {"role": "assistant", "content": ""})
+    async def _stream_choice(self, req: CallRequest, choice: Choice) -> AsyncIterator[Delta | Output]:
+        """One choice's visible text as it grows (tool-call text held back), the rest of its content, its Output."""
         sent = 0
         async with aclosing(self._sample(req, choice, stream=True)) as updates:
             async for state in updates:
                 visible = self._visible(req, choice.forced + self.tokenizer.decode(state.ids, skip_special_tokens=True))
                 if len(visible) > sent:
-                    yield _delta(req, choice.index, {"content": visible[sent:]})
+                    yield Delta(choice.index, visible[sent:])
                     sent = len(visible)
-        reply = choice.reply
-        final = (reply.content or "") if req.kind == "chat" else choice.text
+        output = choice.output
+        final = (output.reply.content or "") if req.kind == "chat" else output.text
         if len(final) > sent:
-            yield _delta(req, choice.index, {"content": final[sent:]})
-        if reply.tool_calls:
-            calls = [{"index": i, **c.to_openai()} for i, c in enumerate(reply.tool_calls)]
-            yield _delta(req, choice.index, {"tool_calls": calls})
-        last = _delta(req, choice.index, {}, finish=api.finish_reason(choice.state.reason, reply))
-        if req.logprobs:
-            last["logprobs"] = self._logprobs(req, choice)
-        yield last
+            yield Delta(choice.index, final[sent:])
+        yield output
 
-    def _visible(self, req: api.CallRequest, text: str) -> str:
+    def _visible(self, req: CallRequest, text: str) -> str:
         """What may be streamed yet: nothing from a tool-call marker or a stop string on (nor a prefix of
         one at the end, which the next token may complete), no half-decoded character, and (with tools)
         no trailing space, which the final content drops before a tool call."""
@@ -357,45 +352,25 @@ class Recorder:
             cut = min(cut, at)
         return text[:cut].rstrip() if req.parse_tools else text[:cut]
 
-    # ---- shaping answers ---------------------------------------------------------------------
+    # ---- what a call produced ---------------------------------------------------------------
 
-    def _decode(self, state: Sampled, stops: list[str]) -> str:
+    def _decode(self, state: Sampled, stops: list[str]) -> tuple[str, str | None]:
+        """The sampled text, up to the stop string that ended it, and that string."""
         text = self.tokenizer.decode(state.ids, skip_special_tokens=True)
         if state.reason == "stop" and isinstance((state.finish or {}).get("matched"), str):
-            text = api.before_stop(text, stops)
-        return text
+            stop = call.first_stop(text, stops)
+            return call.before_stop(text, stops), stop
+        return text, None
 
-    def _history_after(self, req: api.CallRequest, choice: Choice) -> History:
+    def _history_after(self, req: CallRequest, reply: ParsedReply) -> History:
         if req.kind == "text":
-            return req.prompt + choice.text
-        reply = Message(role="assistant", content=choice.reply.content or "", tool_calls=tuple(choice.reply.tool_calls))
+            return req.prompt + reply.content
+        message = Message(role="assistant", content=reply.content or "", tool_calls=tuple(reply.tool_calls))
         tools, keys = self._incoming(req)
-        return (tools, keys + (reply.key,))
+        return (tools, keys + (message.key,))
 
-    def _logprobs(self, req: api.CallRequest, choice: Choice) -> dict[str, Any]:
-        tokens = [self.tokenizer.decode([t]) for t in choice.state.ids]
-        if req.kind == "chat":
-            tops = [[(self.tokenizer.decode([tid]), lp) for lp, tid in row] for row in choice.state.tops]
-            return api.logprobs_content(tokens, choice.state.logprobs, tops if req.top_logprobs else None)
-        tops = [{self.tokenizer.decode([tid]): lp for lp, tid in row} for row in choice.state.tops]
-        offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=len(req.prompt)))
-        return {"tokens": tokens, "token_logprobs": choice.state.logprobs,
-                "top_logprobs": tops if req.top_logprobs else None, "text_offset": offsets}
-
-    def _choice_body(self, req: api.CallRequest, choice: Choice) -> dict[str, Any]:
-        finish = api.finish_reason(choice.state.reason, choice.reply)
-        logprobs = self._logprobs(req, choice) if req.logprobs else None
-        if req.kind == "text":
-            return {"index": choice.index, "text": choice.text, "logprobs": logprobs, "finish_reason": finish}
-        return {"index": choice.index, "message": api.chat_message(choice.reply), "logprobs": logprobs,
-                "finish_reason": finish}
-
-
-def _call_id(kind: str) -> str:
-    return ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
-
-
-def _delta(req: api.CallRequest, index: int, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-    if req.kind == "text":
-        return {"index": index, "text": delta.get("content", ""), "logprobs": None, "finish_reason": finish}
-    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+    def _logprobs(self, state: Sampled) -> list[TokenLogprob]:
+        decode = self.tokenizer.decode
+        tops = state.tops or [[] for _ in state.ids]
+        return [TokenLogprob(decode([t]), lp, [(decode([tid]), tlp) for tlp, tid in top])
+                for t, lp, top in zip(state.ids, state.logprobs, tops)]

@@ -6,14 +6,17 @@ Routes (``create_app(config)``):
   (needs ``--proxy-api-key`` when one is set). ``sample`` is the Sample the episode is for, in its
   JSON form, as its task made it (``group_index``, ``index``, ``prompt``, ``label``,
   ``metadata``): every branch becomes a whole copy of it with the recorded tokens. ``metadata`` is
-  added to the Samples' metadata. ``sampling_params`` are OpenAI request fields (``temperature``,
-  ``top_p``, ``max_tokens``, ...) that override the agent's on every call, e.g. the rollout temperature.
+  added to the Samples' metadata. ``sampling_params`` (``temperature``, ``top_p``, ``max_tokens``, ``seed``,
+  ``stop``, ...: ``apis.call.OVERRIDES``) override the agent's on every call, whatever its API, e.g.
+  the rollout temperature.
 - ``POST /sessions/batch`` ``{sessions: [{sample?, metadata?, sampling_params?}, ...]}`` → ``{sessions:
   [...]}``, the same answers in order: all of them or, on any bad entry, none. A rollout opens
   its sessions this way, so that its episodes' first calls reach the servers together.
-- ``{base_url}/chat/completions``, ``{base_url}/completions``, ``{base_url}/models`` with
-  ``base_url = /sessions/{id}/v1``: the path's unguessable id is the capability, so any SDK works
-  with only ``base_url`` set; the same under ``/v1/...`` with ``Authorization: Bearer <token>``.
+- ``{base_url}/chat/completions``, ``{base_url}/completions``, ``{base_url}/responses``,
+  ``{base_url}/messages`` (Anthropic's), ``{base_url}/models`` with ``base_url = /sessions/{id}/v1``
+  (``apis`` holds each API): the path's unguessable id is the capability, so any SDK works with
+  only its base URL set; the same under ``/v1/...`` with the session's token as the key
+  (``Authorization: Bearer <token>`` or ``x-api-key: <token>``).
 - ``POST /sessions/{id}/reward`` ``{reward, finished}``, ``POST /sessions/{id}/finish``
   ``{reward?, only_last?}`` → ``{samples}`` (``only_last``: the episode's Sample alone, the last
   branch, whose final turn the reward judged), ``GET /sessions/{id}/samples``, ``GET /sessions/{id}``: allowed with the
@@ -21,7 +24,8 @@ Routes (``create_app(config)``):
 - ``GET /health``, ``GET /metrics`` (Prometheus text).
 
 Isolation: a bearer token that belongs to another session is refused (403) on every route of
-this one; an unknown session is 404. Errors have OpenAI's body. Sessions idle past
+this one; an unknown session is 404. Errors have the body of the route's API (OpenAI's
+elsewhere). Sessions idle past
 ``--proxy-session-timeout`` are finished by a sweeper and their Samples kept for
 ``--proxy-retention`` seconds.
 """
@@ -35,7 +39,7 @@ import logging
 import re
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
-from typing import Annotated, Any, AsyncIterator
+from typing import Annotated, Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -50,7 +54,9 @@ from inverted.errors import InvalidRequest, SampleError, ServiceError, Unauthori
 from inverted.limits import BodyLimit, parse_json
 from inverted.plugins import load_plugin
 from inverted.processes import freeze_startup_heap
-from inverted.rollout.proxy import openai_api as api
+from inverted.rollout.proxy import apis
+from inverted.rollout.proxy.apis import call
+from inverted.rollout.proxy.apis.call import Failure
 from inverted.rollout.proxy.recorder import Recorder
 from inverted.rollout.proxy.session import Session
 from inverted.rollout.sglang_client import SGLangClient, Timeouts
@@ -144,8 +150,8 @@ def _open_sessions(recorder: Recorder, bodies: list[CreateSessionRequest], reque
     templates = []
     for i, body in enumerate(bodies):
         at = where.format(i=i)
-        try:  # checked now, with the same rules as a call, so that no call of this session fails on them
-            api.parse_chat({**body.sampling_params, "messages": [{"role": "user", "content": "check"}]})
+        try:  # checked now, so that no call of this session fails on them
+            call.check_overrides(body.sampling_params)
         except InvalidRequest as exc:
             raise InvalidRequest(f"{at}sampling_params: {exc}", param=f"{at}sampling_params.{exc.param}") from None
         try:
@@ -169,57 +175,45 @@ async def _json(request: Request) -> tuple[Any, bytes]:
         raise InvalidRequest(f"We could not parse the JSON body of your request ({exc})", code="invalid_json") from None
 
 
-async def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
-    """SSE events. When the agent hangs up, Starlette cancels this stream; closing ``chunks`` then
+async def _sse(api: apis.Api, events: AsyncIterator[tuple[str | None, dict[str, Any]]]) -> AsyncIterator[bytes]:
+    """SSE events. When the agent hangs up, Starlette cancels this stream; closing ``events`` then
     rolls the call back and ends its engine request."""
-    async with aclosing(chunks):
+    sent = 0
+    async with aclosing(events):
         try:
-            async for chunk in chunks:
-                yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+            async for name, data in events:
+                yield _event(name, data)
+                sent += 1
         except (InvalidRequest, ServiceError) as exc:  # headers are sent: the error becomes the last event
-            yield b"data: " + json.dumps(_error(exc)[1]).encode() + b"\n\n"
-    yield b"data: [DONE]\n\n"
+            yield _event(*api.stream_error(call.failure(exc), sent))
+    yield api.done
 
 
-def _error(exc: Exception) -> tuple[int, dict[str, Any]]:
-    if isinstance(exc, InvalidRequest):
-        kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}.get(
-            exc.status, "invalid_request_error")
-        return exc.status, api.error_body(str(exc), type=kind, param=exc.param, code=exc.code)
-    if isinstance(exc, ServiceError) and exc.status is not None and 400 <= exc.status < 500:
-        # The engine refused what we sent (e.g. a sampling value it does not support): the caller's request.
-        message = exc.body
-        try:
-            body = json.loads(exc.body)
-            message = (body.get("error") or {}).get("message") if isinstance(body.get("error"), dict) \
-                else body.get("message") or body.get("error") or exc.body
-        except (ValueError, AttributeError):
-            pass
-        return 400, api.error_body(f"the rollout server rejected the request: {message}", code="engine_rejected")
-    return 503, api.error_body(f"rollout servers unavailable: {exc}", type="server_error", code="unavailable")
+def _event(name: str | None, data: dict[str, Any]) -> bytes:
+    return (f"event: {name}\n".encode() if name else b"") + b"data: " + json.dumps(data).encode() + b"\n\n"
 
 
-async def _call(request: Request, session: Session, kind: str) -> Response:
+async def _call(request: Request, session: Session, api: apis.Api) -> Response:
     recorder: Recorder = request.app.state.recorder
     body, raw = await _json(request)
-    parse = api.parse_chat if kind == "chat" else api.parse_completion
-    req = parse({**body, **session.overrides} if isinstance(body, dict) else body)
+    req = api.parse(body, session)
+    call.apply_overrides(req, session.overrides)
     if req.stream:
-        chunks = recorder.stream(session, req)
-        first = await anext(chunks)  # placement and validation errors still get a proper status code
-        return StreamingResponse(_sse(_prepend(first, chunks)), media_type="text/event-stream")
+        events = api.events(req, recorder.stream(session, req))
+        first = await anext(events)  # placement and validation errors still get a proper status code
+        return StreamingResponse(_sse(api, _prepend(first, events)), media_type="text/event-stream")
     policy = recorder.config.proxy_replay_retries
-    key = None if policy == "off" else hashlib.blake2b(kind.encode() + raw, digest_size=16).hexdigest()
+    key = None if policy == "off" else hashlib.blake2b(api.name.encode() + raw, digest_size=16).hexdigest()
     retry = request.headers.get("x-stainless-retry-count", "0")
     replay = policy == "always" or (retry.isdigit() and int(retry) > 0)
-    return JSONResponse(await recorder.complete(session, req, key, replay))
+    return JSONResponse(api.answer(req, await recorder.complete(session, req, key, replay)))
 
 
-async def _prepend(first: dict[str, Any], rest: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+async def _prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
     async with aclosing(rest):  # closing this closes the call's own stream too
         yield first
-        async for chunk in rest:
-            yield chunk
+        async for item in rest:
+            yield item
 
 
 def _models(recorder: Recorder) -> dict[str, Any]:
@@ -258,7 +252,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
     app.state.config = config
     _add_error_handlers(app)
     _add_session_routes(app)
-    _add_openai_routes(app)
+    _add_api_routes(app)
     return app
 
 
@@ -271,21 +265,21 @@ async def _sweep(recorder: Recorder) -> None:
 SESSION_PATH = re.compile(r"^/sessions/([^/]+)")
 
 
-def _answer_error(request: Request, status: int, body: dict[str, Any]) -> JSONResponse:
+def _answer_error(request: Request, failure: Failure) -> JSONResponse:
     """Every error answer. A 4xx is also logged with its route and reason, counted in ``/metrics``,
     and kept on the caller's session: an agent that gets refused (a route we lack, a bad field) and
     gives up fails its episode, and the failed Sample says what was refused."""
+    status, message = failure.status, failure.message
     if status < 500:
         route = getattr(request.scope.get("route"), "path", None)
         path = route or SESSION_PATH.sub("/sessions/{session_id}", request.url.path)[:200]
-        message = body["error"]["message"]
         logger.warning("%s %s answered %d: %s", request.method, path, status, message[:500])
         recorder: Recorder = request.app.state.recorder
         recorder.metrics.rejected.labels(route=route or "(no route)", status=str(status)).inc()
         session = _caller_session(request)
         if session is not None:
             session.refused.append({"route": f"{request.method} {path}", "status": status, "message": message[:500]})
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(apis.for_path(request.url.path).error_body(failure), status_code=status)
 
 
 def _caller_session(request: Request) -> Session | None:
@@ -310,18 +304,18 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:  # 404s, and 413 from BodyLimit
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _answer_error(request, exc.status_code, api.error_body(str(exc.detail), type=kind, code=code))
+        return _answer_error(request, Failure(exc.status_code, kind, str(exc.detail), code=code))
 
     @app.exception_handler(InvalidRequest)
     @app.exception_handler(ServiceError)
     async def known(request: Request, exc: Exception) -> JSONResponse:
-        return _answer_error(request, *_error(exc))
+        return _answer_error(request, call.failure(exc))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first["loc"] if p != "body") or None
-        return _answer_error(request, 400, api.error_body(f"{param}: {first['msg']}", param=param))
+        return _answer_error(request, Failure(400, "invalid_request_error", f"{param}: {first['msg']}", param))
 
 
 def _add_session_routes(app: FastAPI) -> None:
@@ -377,32 +371,33 @@ def _add_session_routes(app: FastAPI) -> None:
         return _samples(session, session.samples if session.finished else session.build_samples())
 
 
-def _add_openai_routes(app: FastAPI) -> None:
-    @app.post("/sessions/{session_id}/v1/chat/completions")
-    async def session_chat(session_id: str, request: Request) -> Response:
-        return await _call(request, _session(request, session_id, admin=False), "chat")
-
-    @app.post("/sessions/{session_id}/v1/completions")
-    async def session_completions(session_id: str, request: Request) -> Response:
-        return await _call(request, _session(request, session_id, admin=False), "text")
+def _add_api_routes(app: FastAPI) -> None:
+    """Every API's route twice: under the session's path (its id is the capability) and under ``/v1``
+    with the session's token as the key."""
+    for api in apis.APIS:
+        in_session, with_token = _endpoints(api)
+        app.add_api_route("/sessions/{session_id}/v1" + api.route, in_session, methods=["POST"])
+        app.add_api_route("/v1" + api.route, with_token, methods=["POST"])
 
     @app.get("/sessions/{session_id}/v1/models")
     async def session_models(session_id: str, request: Request, recorder: RecorderDep) -> dict[str, Any]:
         _session(request, session_id, admin=False)
         return _models(recorder)
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await _call(request, _token_session(request), "chat")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await _call(request, _token_session(request), "text")
-
     @app.get("/v1/models")
     async def models(request: Request, recorder: RecorderDep) -> dict[str, Any]:
         _token_session(request)
         return _models(recorder)
+
+
+def _endpoints(api: apis.Api) -> tuple[Callable[..., Awaitable[Response]], Callable[..., Awaitable[Response]]]:
+    async def in_session(session_id: str, request: Request) -> Response:
+        return await _call(request, _session(request, session_id, admin=False), api)
+
+    async def with_token(request: Request) -> Response:
+        return await _call(request, _token_session(request), api)
+
+    return in_session, with_token
 
 
 def serve(config: ProxyConfig) -> None:

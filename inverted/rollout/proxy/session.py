@@ -138,7 +138,7 @@ class Session:
         self.token = "sk-sess-" + secrets.token_urlsafe(32)
         self.metadata = metadata
         self.template = template or Sample()
-        self.overrides = overrides or {}  # OpenAI request fields that replace the agent's on every call
+        self.overrides = overrides or {}  # sampling fields that replace the agent's on every call
         self.max_turns = max_turns
         self.created = self.last_active = time.time()
         self.branches: list[Branch] = []
@@ -149,6 +149,7 @@ class Session:
         self.inflight = 0
         self.turns = 0
         self.replays: dict[str, Any] = {}
+        self.stored: dict[str, Any] = {}  # what an API keeps for later calls (Responses' previous_response_id)
         self.refused: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_REFUSALS)  # its latest 4xx
         self.opening = asyncio.Lock()  # one call of this session at a time finds its place and tokenizes
 

@@ -1,0 +1,271 @@
+"""The Anthropic Messages API: ``POST {base}/v1/messages``, what Claude-Code-style harnesses speak.
+
+The ``anthropic`` SDK works with ``base_url={proxy}/sessions/{id}`` (the path's id is the
+capability), or with ``base_url={proxy}`` and the session's token as its API key (``x-api-key``).
+
+``system`` (a string or text blocks) is the system message; ``messages`` hold ``text``,
+``tool_use`` and ``tool_result`` blocks: a user message's tool results become tool messages, in
+order, and an assistant message's text and tool uses one assistant turn, as the reply that made
+them was. Implemented: ``tools`` (``input_schema`` is the function's parameters), ``tool_choice``
+(``auto``, ``any``, ``tool``, ``none``), ``max_tokens`` (required, as Anthropic requires it),
+``stop_sequences``, ``temperature``, ``top_p``, ``top_k``, ``output_config.format`` (by
+constrained decoding), and ``stream`` with Anthropic's events (``message_start``,
+``content_block_start``/``delta``/``stop``, ``message_delta``, ``message_stop``). Errors have
+Anthropic's body ``{"type": "error", "error": {"type", "message"}}``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterator
+
+from inverted.errors import InvalidRequest
+from inverted.rollout.chat import Message, ToolCall
+from inverted.rollout.proxy.apis import call
+from inverted.rollout.proxy.apis.call import Answer, CallRequest, Delta, Event, Failure, Output
+
+ROUTE = "/messages"
+FIELDS = {"model", "max_tokens", "messages", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k",
+          "tools", "tool_choice", "output_config"}
+IGNORED = {"metadata", "service_tier", "cache_control", "inference_geo", "speed", "diagnostics"}  # never change tokens
+NEUTRAL: dict[str, tuple] = {"thinking": (None, {"type": "disabled"}), "container": (None,)}
+BOUNDS = {"temperature": (float, 0.0, 1.0), "top_p": (float, 0.0, 1.0), "top_k": (int, 1, None),
+          "max_tokens": (int, 1, None)}
+STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}
+
+
+def parse(body: Any, session: Any = None) -> CallRequest:
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object", code="invalid_body")
+    for key, value in body.items():
+        if key in NEUTRAL and value not in NEUTRAL[key]:
+            raise InvalidRequest(f"{key}: {value!r} is not supported by this server: it would change what is "
+                                 f"sampled (accepted: {list(NEUTRAL[key])})", param=key)
+        if key not in FIELDS | IGNORED | set(NEUTRAL):
+            raise InvalidRequest(f"{key}: Extra inputs are not permitted", param=key)
+    for name in ("max_tokens", "messages"):
+        if name not in body:
+            raise InvalidRequest(f"{name}: Field required", param=name)
+    if body.get("stream") not in (None, True, False):
+        raise InvalidRequest("stream: Input should be a valid boolean", param="stream")
+    for name, bounds in BOUNDS.items():
+        if body.get(name) is not None:
+            call.number(name, body[name], bounds)
+    tools = [_tool(t, f"tools.{i}") for i, t in enumerate(_list(body.get("tools"), "tools"))]
+    messages = _system(body.get("system")) + _messages(body["messages"])
+    mode, name = _tool_choice(body.get("tool_choice"))
+    sampling = {engine: body[name] for name, engine in (("temperature", "temperature"), ("top_p", "top_p"),
+                                                         ("top_k", "top_k")) if body.get(name) is not None}
+    found = call.stops(body.get("stop_sequences"), "stop_sequences", most=16)
+    if found:
+        sampling["stop"] = found
+    req = CallRequest(kind="chat", model=body.get("model") if isinstance(body.get("model"), str) else None,
+                      messages=messages, prompt=None, tools=tools or None, parse_tools=bool(tools) and mode != "none",
+                      stream=bool(body.get("stream")), max_tokens=body["max_tokens"], sampling=sampling,
+                      force_call=call.forced_call(mode, name, tools))
+    call.constrain(req, _output_schema(body.get("output_config")), "output_config.format")
+    return req
+
+
+def _list(value: Any, name: str) -> list:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise InvalidRequest(f"{name}: Input should be a valid list", param=name)
+    return value
+
+
+def _system(system: Any) -> list[Message]:
+    if system is None:
+        return []
+    text = system if isinstance(system, str) else "".join(_texts(system, "system"))
+    return [Message(role="system", content=text)] if text else []
+
+
+def _texts(blocks: Any, where: str) -> list[str]:
+    if isinstance(blocks, str):
+        return [blocks]
+    texts = []
+    for j, block in enumerate(_list(blocks, where)):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind != "text" or not isinstance(block.get("text"), str):
+            raise InvalidRequest(f"{where}.{j}: blocks of type {kind!r} are not supported here: this model reads "
+                                 "text blocks only", param=f"{where}.{j}.type")
+        texts.append(block["text"])
+    return texts
+
+
+def _messages(raw: Any) -> list[Message]:
+    """Anthropic messages as chat messages (see the module docstring)."""
+    if not isinstance(raw, list) or not raw:
+        raise InvalidRequest("messages: at least one message is required", param="messages")
+    messages: list[Message] = []
+    called: set[str] = set()
+    for i, item in enumerate(raw):
+        where = f"messages.{i}"
+        role = item.get("role") if isinstance(item, dict) else None
+        if role not in ("user", "assistant"):
+            raise InvalidRequest(f"{where}.role: Input should be 'user' or 'assistant'", param=f"{where}.role")
+        content = item.get("content")
+        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else _list(content, f"{where}.content")
+        pending: list[str | ToolCall] = []  # the blocks of the message being built
+        for j, block in enumerate(blocks):
+            at = f"{where}.content.{j}"
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind == "text" and isinstance(block.get("text"), str):
+                pending.append(block["text"])
+            elif kind == "tool_use" and role == "assistant":
+                made = _tool_use(block, at)
+                called.add(made.id)
+                pending.append(made)
+            elif kind == "tool_result" and role == "user":
+                if block.get("tool_use_id") not in called:
+                    raise InvalidRequest(f"{at}: unexpected `tool_use_id` found in `tool_result` blocks: "
+                                         f"{block.get('tool_use_id')!r}. Each `tool_result` block must have a "
+                                         "corresponding `tool_use` block in the previous message.",
+                                         param=f"{at}.tool_use_id")
+                _flush(messages, role, pending)
+                result = "".join(_texts(block.get("content", ""), f"{at}.content"))
+                messages.append(Message(role="tool", content=result, tool_call_id=block["tool_use_id"]))
+            else:
+                raise InvalidRequest(f"{at}: blocks of type {kind!r} are not supported in {role} messages here (text, "
+                                     "tool_use from the assistant, tool_result from the user)", param=f"{at}.type")
+        _flush(messages, role, pending)
+    return messages
+
+
+def _flush(messages: list[Message], role: str, pending: list[str | ToolCall]) -> None:
+    """The pending text (and, for the assistant, tool uses) as one message."""
+    if not pending:
+        return
+    calls = tuple(p for p in pending if isinstance(p, ToolCall))
+    text = "".join(p for p in pending if isinstance(p, str))
+    messages.append(Message(role=role, content=text, tool_calls=calls))
+    pending.clear()
+
+
+def _tool_use(block: dict[str, Any], where: str) -> ToolCall:
+    if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str) \
+            or not isinstance(block.get("input"), dict):
+        raise InvalidRequest(f"{where}: a tool_use block needs 'id', 'name' and an 'input' object", param=where)
+    return ToolCall(id=block["id"], name=block["name"], arguments=json.dumps(block["input"]))
+
+
+def _tool(tool: Any, where: str) -> dict[str, Any]:
+    if not isinstance(tool, dict) or tool.get("type", "custom") != "custom" or "input_schema" not in tool:
+        raise InvalidRequest(f"{where}: only client tools ({{name, description, input_schema}}) are supported: the "
+                             "agent runs them", param=where)
+    return call.function_tool(tool.get("name"), tool.get("description"), tool["input_schema"], where)
+
+
+def _tool_choice(choice: Any) -> tuple[str, str | None]:
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if choice is None:
+        return "auto", None
+    if kind in ("auto", "none"):
+        return kind, None
+    if kind == "any":
+        return "required", None
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        return "named", choice["name"]
+    raise InvalidRequest(f"tool_choice: {choice!r} is not one of {{type: auto}}, {{type: any}}, {{type: tool, name}}, "
+                         "{type: none}", param="tool_choice")
+
+
+def _output_schema(config: Any) -> dict[str, Any] | None:
+    if config is None:
+        return None
+    spec = config.get("format") if isinstance(config, dict) else "?"
+    if isinstance(config, dict) and config.get("effort") is not None:
+        raise InvalidRequest("output_config.effort is not supported by this server: it would change what is sampled",
+                             param="output_config.effort")
+    if spec is None:
+        return None
+    if isinstance(spec, dict) and spec.get("type") == "json_schema" and isinstance(spec.get("schema"), dict):
+        return spec["schema"]
+    raise InvalidRequest("output_config.format: expected {type: 'json_schema', schema: {...}}",
+                         param="output_config.format")
+
+
+# ---- answers --------------------------------------------------------------------------------
+
+
+def blocks(output: Output) -> list[dict[str, Any]]:
+    content: list[dict[str, Any]] = [{"type": "text", "text": output.reply.content}] if output.reply.content else []
+    return content + [_tool_use_block(c) for c in output.reply.tool_calls]
+
+
+def _tool_use_block(made: ToolCall) -> dict[str, Any]:
+    try:
+        arguments = json.loads(made.arguments)
+    except ValueError:
+        arguments = made.arguments
+    # Anthropic's input is an object; arguments the model wrote as anything else travel under one key.
+    return {"type": "tool_use", "id": made.id, "name": made.name,
+            "input": arguments if isinstance(arguments, dict) else {"arguments": arguments}}
+
+
+def _stop(output: Output) -> tuple[str, str | None]:
+    if output.stop is not None and output.finish == "stop":
+        return "stop_sequence", output.stop
+    return STOP_REASONS.get(output.finish, "end_turn"), None
+
+
+def _usage(answer: Answer, output_tokens: int) -> dict[str, int]:
+    return {"input_tokens": answer.prompt_tokens, "output_tokens": output_tokens, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0}
+
+
+def _message(answer: Answer, content: list[dict[str, Any]], stop: tuple[str | None, str | None],
+             output_tokens: int) -> dict[str, Any]:
+    return {"id": "msg_" + answer.id, "type": "message", "role": "assistant", "model": answer.model,
+            "content": content, "stop_reason": stop[0], "stop_sequence": stop[1],
+            "usage": _usage(answer, output_tokens)}
+
+
+def answer(req: CallRequest, answer: Answer) -> dict[str, Any]:
+    output = answer.outputs[0]
+    return _message(answer, blocks(output), _stop(output), answer.completion_tokens)
+
+
+async def events(req: CallRequest, stream: AsyncIterator[Event]) -> AsyncIterator[tuple[str | None, dict]]:
+    def event(kind: str, **fields: Any) -> tuple[str, dict[str, Any]]:
+        return kind, {"type": kind, **fields}
+
+    opened: Answer | None = None
+    index = -1  # of the open text block, or the last block
+    texting = False
+    async for item in stream:
+        if isinstance(item, Answer):
+            opened = item
+            yield event("message_start", message=_message(opened, [], (None, None), 0))
+        elif isinstance(item, Delta) and item.text:
+            if not texting:
+                texting, index = True, index + 1
+                yield event("content_block_start", index=index, content_block={"type": "text", "text": ""})
+            yield event("content_block_delta", index=index, delta={"type": "text_delta", "text": item.text})
+        elif isinstance(item, Output):
+            if texting:  # the recorder streams all of the content before the Output
+                yield event("content_block_stop", index=index)
+            for made in item.reply.tool_calls:
+                index += 1
+                block = _tool_use_block(made)
+                yield event("content_block_start", index=index, content_block={**block, "input": {}})
+                yield event("content_block_delta", index=index,
+                            delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"])})
+                yield event("content_block_stop", index=index)
+            stop_reason, stop_sequence = _stop(item)
+            yield event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                        usage={"output_tokens": item.tokens})
+    yield event("message_stop")
+
+
+def error_body(failure: Failure) -> dict[str, Any]:
+    kind = {413: "request_too_large"}.get(failure.status, failure.type)
+    if failure.status >= 500:
+        kind = "api_error"
+    return {"type": "error", "error": {"type": kind, "message": failure.message}}
+
+
+def stream_error(failure: Failure, sent: int) -> tuple[str | None, dict[str, Any]]:
+    return "error", error_body(failure)

@@ -1,0 +1,65 @@
+"""What OpenAI's three APIs share: how an unknown field is refused, the error body, the SSE framing.
+
+Agents built with any SDK must work unchanged, and nothing may silently change what is sampled.
+So every request field falls in one of four classes, declared by each API module:
+
+- **implemented**: mapped onto SGLang sampling parameters or served by the proxy;
+- **ignored**, because they never change the tokens (``model``, ``user``, ``metadata``, ...);
+- **neutral only**: accepted at their neutral value (``logit_bias: {}``, ``reasoning: null``,
+  ...), else a 400 naming the parameter;
+- anything else: 400 ``Unrecognized request argument supplied: X``, as OpenAI answers.
+
+Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from inverted.errors import InvalidRequest
+from inverted.rollout.proxy.apis.call import Failure
+
+IGNORED = {"model", "user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+           "prompt_cache_retention", "safety_identifier", "stream_options", "echo_usage"}
+
+
+def check_fields(body: Any, allowed: set[str], neutral: dict[str, tuple]) -> dict[str, Any]:
+    """``body`` itself, once it is an object whose every field is allowed, ignored or neutral."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object", code="invalid_body")
+    for key, value in body.items():
+        if key in allowed or key in IGNORED:
+            continue
+        if key in neutral:
+            if value not in neutral[key]:
+                raise InvalidRequest(f"'{key}' = {value!r} is not supported by this server: it would change what is "
+                                     f"sampled (accepted values: {list(neutral[key])})", param=key,
+                                     code="unsupported_parameter")
+            continue
+        raise InvalidRequest(f"Unrecognized request argument supplied: {key}", param=key,
+                             code="unrecognized_argument")
+    if body.get("stream") not in (None, True, False):
+        raise InvalidRequest("Invalid type for 'stream': expected a boolean", param="stream", code="invalid_type")
+    return body
+
+
+def model_name(body: dict[str, Any]) -> str | None:
+    return body.get("model") if isinstance(body.get("model"), str) else None
+
+
+def error_body(failure: Failure) -> dict[str, Any]:
+    return {"error": {"message": failure.message, "type": failure.type, "param": failure.param,
+                      "code": failure.code}}
+
+
+def stream_error(failure: Failure, sent: int) -> tuple[str | None, dict[str, Any]]:
+    """The error a Chat Completions stream ends with, once its headers are sent."""
+    return None, error_body(failure)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+DONE = b"data: [DONE]\n\n"  # how Chat Completions and Completions streams end

@@ -1,0 +1,313 @@
+"""OpenAI Responses: ``POST {base_url}/responses``, the default model of the ``openai-agents`` SDK.
+
+``input`` (a string, or items: ``message`` with ``input_text``/``output_text`` parts,
+``function_call``, ``function_call_output``) becomes chat messages: an assistant ``message`` item
+and the ``function_call`` items after it are one assistant turn, as the response that produced
+them was, so an agent that echoes a response's output back continues its branch. ``instructions``
+is the system message.
+
+``previous_response_id`` is resolved inside the session: each stored response (``store`` is true
+unless the call says false) keeps its conversation, without its instructions, which OpenAI does
+not carry over either. Implemented besides: function ``tools``, ``tool_choice``,
+``max_output_tokens``, ``temperature``, ``top_p``, ``text.format`` (by constrained decoding),
+``include: ["message.output_text.logprobs"]`` with ``top_logprobs``, and ``stream`` with the
+documented events (``response.created``, ``response.output_item.added``,
+``response.output_text.delta``, ``response.function_call_arguments.delta``,
+``response.completed``, ...). A reply cut by ``max_output_tokens`` is ``incomplete``, as OpenAI's.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, AsyncIterator
+
+from inverted.errors import InvalidRequest
+from inverted.rollout.chat import Message, ToolCall
+from inverted.rollout.proxy.apis import call, openai
+from inverted.rollout.proxy.apis.call import Answer, CallRequest, Delta, Event, Failure, Output
+
+ROUTE = "/responses"
+FIELDS = {"input", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature", "top_p", "stream",
+          "text", "previous_response_id", "top_logprobs", "include", "truncation"}
+NEUTRAL: dict[str, tuple] = {"reasoning": (None, {}), "background": (False, None), "conversation": (None,),
+                             "max_tool_calls": (None,), "prompt": (None,), "context_management": (None,),
+                             "prompt_cache_options": (None,)}
+LOGPROBS = "message.output_text.logprobs"
+MAX_STORED = 256  # responses a session keeps for previous_response_id (the oldest go first)
+
+
+def parse(body: Any, session: Any) -> CallRequest:
+    body = openai.check_fields(body, FIELDS, NEUTRAL)
+    prior = _previous(body.get("previous_response_id"), session)
+    if body.get("input") is None and not prior:
+        raise InvalidRequest("Missing required parameter: 'input'.", param="input", code="missing_required_parameter")
+    conversation = _conversation(body.get("input"), prior)
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise InvalidRequest("'instructions' must be a string", param="instructions", code="invalid_type")
+    messages = ([Message(role="system", content=instructions)] if instructions else []) + conversation
+    tools = [_tool(t, f"tools[{i}]") for i, t in enumerate(_list(body.get("tools"), "tools"))]
+    include = _list(body.get("include"), "include")
+    for name in ("max_output_tokens", "top_logprobs"):
+        if body.get(name) is not None:
+            call.number(name, body[name])
+    choice = body.get("tool_choice")
+    req = CallRequest(kind="chat", model=openai.model_name(body), messages=messages, prompt=None, tools=tools or None,
+                      parse_tools=bool(tools) and choice != "none", stream=bool(body.get("stream")),
+                      max_tokens=body.get("max_output_tokens"),
+                      sampling=call.sampling({k: body.get(k) for k in ("temperature", "top_p")}),
+                      logprobs=LOGPROBS in include, top_logprobs=body.get("top_logprobs") or 0,
+                      force_call=call.forced_call(*_tool_choice(choice), tools))
+    call.constrain(req, _text_schema(body.get("text")), "text.format")
+    req.echo = {"instructions": instructions, "max_output_tokens": body.get("max_output_tokens"),
+                "parallel_tool_calls": body.get("parallel_tool_calls", True),
+                "previous_response_id": body.get("previous_response_id"), "store": body.get("store", True) is not False,
+                "temperature": body.get("temperature", 1.0), "text": body.get("text") or {"format": {"type": "text"}},
+                "tool_choice": choice or "auto", "tools": body.get("tools") or [], "top_p": body.get("top_p", 1.0),
+                "metadata": body.get("metadata") or {}, "user": body.get("user"),
+                "top_logprobs": body.get("top_logprobs") or 0}
+    if req.echo["store"]:
+        kept = conversation  # OpenAI does not carry instructions over to the next response
+
+        def store(answer: Answer) -> None:
+            reply = answer.outputs[0].reply
+            session.stored[_response_id(answer)] = kept + [Message(role="assistant", content=reply.content or "",
+                                                                   tool_calls=tuple(reply.tool_calls))]
+            while len(session.stored) > MAX_STORED:
+                session.stored.pop(next(iter(session.stored)))
+
+        req.on_recorded = store
+    return req
+
+
+def _previous(response_id: Any, session: Any) -> list[Message]:
+    if response_id is None:
+        return []
+    found = session.stored.get(response_id) if isinstance(response_id, str) else None
+    if found is None:
+        raise InvalidRequest(f"Previous response with id '{response_id}' not found (only this session's stored "
+                             "responses can be continued).", param="previous_response_id",
+                             code="previous_response_not_found")
+    return found
+
+
+def _list(value: Any, name: str) -> list:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise InvalidRequest(f"'{name}' must be an array", param=name, code="invalid_type")
+    return value
+
+
+def _conversation(raw: Any, prior: list[Message]) -> list[Message]:
+    """``input`` as chat messages, after the ``prior`` conversation (a previous response's)."""
+    messages = list(prior)
+    if raw is None:
+        return messages
+    if isinstance(raw, str):
+        return messages + [Message(role="user", content=raw)]
+    called = {c.id for m in messages for c in m.tool_calls}
+    for i, item in enumerate(_list(raw, "input")):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise InvalidRequest(f"expected an input item object, got {type(item).__name__}", param=where)
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            messages.append(_message(item, where))
+        elif kind == "function_call":
+            if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
+                raise InvalidRequest("a function_call item needs string 'call_id', 'name' and 'arguments'", param=where)
+            made = ToolCall(id=item["call_id"], name=item["name"], arguments=item["arguments"])
+            called.add(made.id)
+            last = messages[-1] if messages else None
+            if last is not None and last.role == "assistant":  # the same turn as the message before it
+                messages[-1] = Message(role="assistant", content=last.content, tool_calls=last.tool_calls + (made,))
+            else:
+                messages.append(Message(role="assistant", tool_calls=(made,)))
+        elif kind == "function_call_output":
+            if item.get("call_id") not in called:
+                raise InvalidRequest("a function_call_output must answer a function_call made earlier in the "
+                                     f"conversation; no call has call_id {item.get('call_id')!r}",
+                                     param=f"{where}.call_id")
+            messages.append(Message(role="tool", content=_text(item.get("output"), f"{where}.output"),
+                                    tool_call_id=item["call_id"]))
+        else:
+            raise InvalidRequest(f"input items of type {kind!r} are not supported: send message, function_call and "
+                                 "function_call_output items", param=f"{where}.type", code="invalid_value")
+    return messages
+
+
+def _message(item: dict[str, Any], where: str) -> Message:
+    role = item.get("role")
+    if role not in ("user", "system", "developer", "assistant"):
+        raise InvalidRequest(f"Invalid value: {role!r}. Supported values are: 'user', 'system', 'developer' and "
+                             "'assistant'.", param=f"{where}.role", code="invalid_value")
+    return Message(role="system" if role == "developer" else role, content=_text(item.get("content"), f"{where}.content"))
+
+
+def _text(content: Any, where: str) -> str:
+    """A string, or text parts (``input_text``, ``output_text``): this model reads text only."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequest("expected a string or an array of text parts", param=where, code="invalid_type")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text") \
+                or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise InvalidRequest(f"content part of type {kind!r} is not supported: this model reads text parts only "
+                                 "(input_text, output_text)", param=f"{where}[{j}]", code="invalid_value")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _tool(tool: Any, where: str) -> dict[str, Any]:
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+        raise InvalidRequest(f"tools of type {kind!r} are not supported: only function tools, which the agent runs",
+                             param=f"{where}.type", code="invalid_value")
+    return call.function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"), where)
+
+
+def _tool_choice(choice: Any) -> tuple[str, str | None]:
+    if choice is None:
+        return "auto", None
+    if choice in ("none", "auto", "required"):
+        return choice, None
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return "named", choice["name"]
+    raise InvalidRequest(f"Invalid value for 'tool_choice': {choice!r}; expected 'none', 'auto', 'required' or "
+                         "{'type': 'function', 'name': ...}", param="tool_choice", code="invalid_value")
+
+
+def _text_schema(text: Any) -> dict[str, Any] | None:
+    """``text.format`` as a JSON schema to constrain the reply with (``json_object``: any object)."""
+    if text is None:
+        return None
+    spec = text.get("format") if isinstance(text, dict) else "?"
+    kind = spec.get("type") if isinstance(spec, dict) else None
+    if spec is None or kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema" and isinstance(spec.get("schema"), dict):
+        return spec["schema"]
+    raise InvalidRequest(f"Invalid 'text.format': {str(spec)[:200]}; expected {{'type': 'text'}}, "
+                         "{'type': 'json_object'} or {'type': 'json_schema', 'name', 'schema'}", param="text.format",
+                         code="invalid_value")
+
+
+# ---- answers --------------------------------------------------------------------------------
+
+
+def _response_id(answer: Answer) -> str:
+    return "resp_" + answer.id
+
+
+def _message_id(answer: Answer) -> str:
+    return "msg_" + answer.id
+
+
+def output_items(answer: Answer, output: Output, with_message: bool | None = None) -> list[dict[str, Any]]:
+    """The message (when there is text, or nothing else) and each function call, completed."""
+    content = output.reply.content or ""
+    items = []
+    if with_message or (with_message is None and (content or not output.reply.tool_calls)):
+        status = "incomplete" if output.finish == "length" else "completed"
+        items.append({"id": _message_id(answer), "type": "message", "status": status, "role": "assistant",
+                      "content": [_text_part(content, output)]})
+    for i, made in enumerate(output.reply.tool_calls):
+        items.append({"id": f"fc_{answer.id}_{i}", "type": "function_call", "status": "completed",
+                      "call_id": made.id, "name": made.name, "arguments": made.arguments})
+    return items
+
+
+def _text_part(text: str, output: Output | None) -> dict[str, Any]:
+    logprobs = [] if output is None or output.logprobs is None else [
+        {"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode()),
+         "top_logprobs": [{"token": tt, "logprob": tlp, "bytes": list(tt.encode())} for tt, tlp in t.top]}
+        for t in output.logprobs]
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
+
+
+def response(req: CallRequest, answer: Answer, output: list[dict[str, Any]], done: bool) -> dict[str, Any]:
+    """The response object; ``done``: with its status and usage (else ``in_progress``)."""
+    cut = done and any(o.finish == "length" for o in answer.outputs)
+    status = ("incomplete" if cut else "completed") if done else "in_progress"
+    usage = {"input_tokens": answer.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+             "output_tokens": answer.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+             "total_tokens": answer.prompt_tokens + answer.completion_tokens} if done else None
+    echo = req.echo
+    return {"id": _response_id(answer), "object": "response", "created_at": answer.created, "status": status,
+            "error": None, "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+            "instructions": echo["instructions"], "max_output_tokens": echo["max_output_tokens"],
+            "model": answer.model, "output": output, "parallel_tool_calls": echo["parallel_tool_calls"],
+            "previous_response_id": echo["previous_response_id"], "reasoning": {"effort": None, "summary": None},
+            "store": echo["store"], "temperature": echo["temperature"], "text": echo["text"],
+            "tool_choice": echo["tool_choice"], "tools": echo["tools"], "top_logprobs": echo["top_logprobs"],
+            "top_p": echo["top_p"], "truncation": "disabled", "usage": usage, "user": echo["user"],
+            "metadata": echo["metadata"]}
+
+
+def answer(req: CallRequest, answer: Answer) -> dict[str, Any]:
+    return response(req, answer, output_items(answer, answer.outputs[0]), done=True)
+
+
+async def events(req: CallRequest, stream: AsyncIterator[Event]) -> AsyncIterator[tuple[str | None, dict]]:
+    """The documented event sequence; text deltas as tokens arrive, each function call whole at the end."""
+    numbers = itertools.count()
+
+    def event(kind: str, **fields: Any) -> tuple[str, dict[str, Any]]:
+        return kind, {"type": kind, "sequence_number": next(numbers), **fields}
+
+    opened: Answer | None = None
+    texting = False  # the message item is open
+    items: list[dict[str, Any]] = []
+    async for item in stream:
+        if isinstance(item, Answer):
+            opened = item
+            yield event("response.created", response=response(req, opened, [], done=False))
+            yield event("response.in_progress", response=response(req, opened, [], done=False))
+            continue
+        if isinstance(item, Delta) and item.text:
+            if not texting:
+                texting = True
+                for ev in _open_message(event, opened):
+                    yield ev
+            yield event("response.output_text.delta", item_id=_message_id(opened), output_index=0, content_index=0,
+                        delta=item.text, logprobs=[])
+        elif isinstance(item, Output):
+            items = output_items(opened, item, with_message=texting or None)
+            for index, done in enumerate(items):
+                if done["type"] == "message":
+                    if not texting:
+                        for ev in _open_message(event, opened):
+                            yield ev
+                    part = done["content"][0]
+                    at = {"item_id": done["id"], "output_index": index, "content_index": 0}
+                    yield event("response.output_text.done", **at, text=part["text"], logprobs=part["logprobs"])
+                    yield event("response.content_part.done", **at, part=part)
+                else:
+                    yield event("response.output_item.added", output_index=index,
+                                item={**done, "arguments": "", "status": "in_progress"})
+                    at = {"item_id": done["id"], "output_index": index}
+                    yield event("response.function_call_arguments.delta", **at, delta=done["arguments"])
+                    yield event("response.function_call_arguments.done", **at, name=done["name"],
+                                arguments=done["arguments"])
+                yield event("response.output_item.done", output_index=index, item=done)
+    final = response(req, opened, items, done=True)
+    yield event("response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final)
+
+
+def _open_message(event: Any, answer: Answer) -> list[tuple[str, dict[str, Any]]]:
+    item = {"id": _message_id(answer), "type": "message", "status": "in_progress", "role": "assistant", "content": []}
+    return [event("response.output_item.added", output_index=0, item=item),
+            event("response.content_part.added", item_id=item["id"], output_index=0, content_index=0,
+                  part=_text_part("", None))]
+
+
+def stream_error(failure: Failure, sent: int) -> tuple[str | None, dict[str, Any]]:
+    """The ``error`` event a Responses stream ends with once its headers are sent."""
+    return "error", {"type": "error", "code": failure.code, "message": failure.message, "param": failure.param,
+                     "sequence_number": sent}
