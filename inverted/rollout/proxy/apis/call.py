@@ -215,16 +215,6 @@ def function_tool(name: Any, description: Any, parameters: Any, where: str) -> d
     return {"type": "function", "function": function}
 
 
-def check_answers(messages: list[Message], where: Callable[[int], str]) -> None:
-    """Every tool result answers a call made earlier in the conversation."""
-    called: set[str] = set()
-    for i, message in enumerate(messages):
-        called.update(c.id for c in message.tool_calls)
-        if message.role == "tool" and message.tool_call_id not in called:
-            raise InvalidRequest(f"a tool result must answer a tool call made earlier in the conversation; no call "
-                                 f"has id {message.tool_call_id!r}", param=where(i))
-
-
 def apply_overrides(req: CallRequest, overrides: dict[str, Any]) -> None:
     """A session's ``sampling_params`` replace the call's own (e.g. the rollout's temperature)."""
     if not overrides:
