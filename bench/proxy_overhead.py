@@ -11,9 +11,10 @@ Both arms run against the same embedded engine behind the real sgl-router, in on
   which is what a hand-written TITO rollout does without a proxy.
 
 Every call asks for exactly ``--tokens`` tokens with a per-episode seed (the session's
-``sampling_params``, which hold for every API), so both arms do the same engine work. ``--concurrency`` episodes run at once (a closed loop). The arms alternate
-``--rounds`` times; the figure of merit is proxy / direct throughput (the machine's speed cancels
-out), with the added per-call latency at p50 and p99 (proxy call latency minus direct).
+``sampling_params``, which hold for every API), so both arms do the same engine work.
+``--concurrency`` episodes run at once (a closed loop). The arms alternate ``--rounds`` times; the
+figure of merit is proxy / direct throughput (the machine's speed cancels out), with the added
+per-call latency at p50 and p99 (proxy call latency minus direct).
 
     python bench/proxy_overhead.py                       # small model, 32 concurrent sessions
     python bench/proxy_overhead.py --api responses       # the same through /v1/responses (or messages)

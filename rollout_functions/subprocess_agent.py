@@ -4,8 +4,9 @@ The program is started with its session in the environment variables the SDKs re
 ``OPENAI_BASE_URL`` (the session's ``/v1`` base) and ``OPENAI_API_KEY`` (the session token) for
 OpenAI's, ``ANTHROPIC_BASE_URL`` and ``ANTHROPIC_API_KEY`` for Anthropic's, and
 ``OPENAI_AGENTS_DISABLE_TRACING=1`` (the openai-agents SDK would upload its traces to OpenAI with
-the session token as the key), plus ``INVERTED_TASK`` (the task as JSON: prompt, label, metadata, tools), ``INVERTED_SESSION_ID`` and
-``INVERTED_REWARD_FILE``. The command is split like a shell would split it, but no shell runs it.
+the session token as the key), plus ``INVERTED_TASK`` (the task as JSON: prompt, label,
+metadata, tools), ``INVERTED_SESSION_ID`` and ``INVERTED_REWARD_FILE``. The command is split like
+a shell would split it, but no shell runs it.
 
 The reward, first found wins: the number or JSON object the program wrote to
 ``INVERTED_REWARD_FILE``; a reward it posted itself to ``POST /sessions/{id}/reward``; else its exit

@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
-from inverted.rollout.proxy.apis import anthropic_messages, openai, openai_chat, openai_completions, openai_responses
+from inverted.rollout.proxy.apis import (anthropic_messages, openai_chat, openai_completions, openai_responses,
+                                         openai_shared)
 from inverted.rollout.proxy.apis.call import Answer, CallRequest, Event, Failure
 
 
@@ -29,14 +30,14 @@ class Api:
     done: bytes = b""  # what ends a stream after its last event
 
 
-CHAT = Api("chat", openai_chat.ROUTE, openai_chat.parse, openai_chat.answer, openai_chat.events, openai.error_body,
-           openai.stream_error, openai.DONE)
+CHAT = Api("chat", openai_chat.ROUTE, openai_chat.parse, openai_chat.answer, openai_chat.events,
+           openai_shared.error_body, openai_shared.stream_error, openai_shared.DONE)
 APIS = [
     CHAT,
     Api("completions", openai_completions.ROUTE, openai_completions.parse, openai_completions.answer,
-        openai_completions.events, openai.error_body, openai.stream_error, openai.DONE),
+        openai_completions.events, openai_shared.error_body, openai_shared.stream_error, openai_shared.DONE),
     Api("responses", openai_responses.ROUTE, openai_responses.parse, openai_responses.answer, openai_responses.events,
-        openai.error_body, openai_responses.stream_error),
+        openai_shared.error_body, openai_responses.stream_error),
     Api("messages", anthropic_messages.ROUTE, anthropic_messages.parse, anthropic_messages.answer,
         anthropic_messages.events, anthropic_messages.error_body, anthropic_messages.stream_error),
 ]

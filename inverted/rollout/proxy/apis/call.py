@@ -178,7 +178,8 @@ def first_stop(text: str, stop_strings: list[str]) -> str | None:
     return min(found)[1] if found else None
 
 
-def forced_call(mode: str, name: str | None, tools: list[dict[str, Any]] | None, param: str = "tool_choice") -> str | None:
+def forced_call(mode: str, name: str | None, tools: list[dict[str, Any]] | None,
+                param: str = "tool_choice") -> str | None:
     """A tool choice (``none``, ``auto``, ``required`` or ``named``) as ``CallRequest.force_call``."""
     if mode in ("none", "auto"):
         return None

@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator
 
 from inverted.errors import InvalidRequest
 from inverted.rollout.chat import parse_messages
-from inverted.rollout.proxy.apis import call, openai
+from inverted.rollout.proxy.apis import call, openai_shared
 from inverted.rollout.proxy.apis.call import Answer, CallRequest, Delta, Event, Output
 
 ROUTE = "/chat/completions"
@@ -29,7 +29,7 @@ NEUTRAL: dict[str, tuple] = {
 
 
 def parse(body: Any, session: Any = None) -> CallRequest:
-    body = openai.check_fields(body, FIELDS, NEUTRAL)
+    body = openai_shared.check_fields(body, FIELDS, NEUTRAL)
     if body.get("logprobs") not in (None, True, False):
         raise InvalidRequest("Invalid type for 'logprobs': expected a boolean", param="logprobs", code="invalid_type")
     if "messages" not in body:
@@ -49,9 +49,10 @@ def parse(body: Any, session: Any = None) -> CallRequest:
             for t in tools)):
         raise InvalidRequest("'tools' must be an array of {type: 'function', function: {name, ...}}", param="tools")
     choice = body.get("tool_choice")
-    req = CallRequest(kind="chat", model=openai.model_name(body), messages=parse_messages(body["messages"]),
+    req = CallRequest(kind="chat", model=openai_shared.model_name(body), messages=parse_messages(body["messages"]),
                       prompt=None, tools=tools or None, parse_tools=bool(tools) and choice != "none",
-                      stream=bool(body.get("stream")), max_tokens=body.get("max_completion_tokens") or body.get("max_tokens"),
+                      stream=bool(body.get("stream")),
+                      max_tokens=body.get("max_completion_tokens") or body.get("max_tokens"),
                       sampling=call.sampling(body), n=body.get("n") or 1, logprobs=bool(body.get("logprobs")),
                       top_logprobs=body.get("top_logprobs") or 0, include_usage=bool(options.get("include_usage")),
                       force_call=call.forced_call(*_tool_choice(choice), tools))
@@ -93,7 +94,7 @@ def answer(req: CallRequest, answer: Answer) -> dict[str, Any]:
     choices = [{"index": o.index, "message": message(o), "logprobs": logprobs(o), "finish_reason": o.finish}
                for o in answer.outputs]
     return envelope(answer, "chat.completion", choices,
-                    openai.usage(answer.prompt_tokens, answer.completion_tokens))
+                    openai_shared.usage(answer.prompt_tokens, answer.completion_tokens))
 
 
 def message(output: Output) -> dict[str, Any]:
@@ -107,9 +108,7 @@ def logprobs(output: Output) -> dict[str, Any] | None:
     """Each sampled token's logprob and, with ``top_logprobs``, the most likely tokens at its position."""
     if output.logprobs is None:
         return None
-    return {"content": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode()),
-                         "top_logprobs": [{"token": tt, "logprob": tlp, "bytes": list(tt.encode())} for tt, tlp in t.top]}
-                        for t in output.logprobs], "refusal": None}
+    return {"content": openai_shared.token_logprobs(output.logprobs), "refusal": None}
 
 
 def envelope(answer: Answer, obj: str, choices: list[dict[str, Any]], usage: dict[str, int] | None, *,
@@ -140,7 +139,7 @@ async def events(req: CallRequest, stream: AsyncIterator[Event]) -> AsyncIterato
             yield None, last
     if req.include_usage:
         yield None, envelope(opened, "chat.completion.chunk", [],
-                             openai.usage(opened.prompt_tokens, opened.completion_tokens), chunk=True)
+                             openai_shared.usage(opened.prompt_tokens, opened.completion_tokens), chunk=True)
 
 
 def _chunk(answer: Answer, index: int, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import itertools
 from typing import Any, AsyncIterator
 
 from inverted.errors import InvalidRequest
-from inverted.rollout.proxy.apis import call, openai
+from inverted.rollout.proxy.apis import call, openai_shared
 from inverted.rollout.proxy.apis.call import Answer, CallRequest, Delta, Event, Output
 from inverted.rollout.proxy.apis.openai_chat import envelope
 
@@ -24,7 +24,7 @@ NEUTRAL: dict[str, tuple] = {"logit_bias": ({}, None), "frequency_penalty": (0, 
 
 
 def parse(body: Any, session: Any = None) -> CallRequest:
-    body = openai.check_fields(body, FIELDS, NEUTRAL)
+    body = openai_shared.check_fields(body, FIELDS, NEUTRAL)
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt:
         raise InvalidRequest("'prompt' must be a non-empty string (token and batch prompts are not supported "
@@ -38,7 +38,7 @@ def parse(body: Any, session: Any = None) -> CallRequest:
         if body.get(name) is not None:
             call.number(name, body[name])
     options = body.get("stream_options") or {}
-    return CallRequest(kind="text", model=openai.model_name(body), messages=None, prompt=prompt, tools=None,
+    return CallRequest(kind="text", model=openai_shared.model_name(body), messages=None, prompt=prompt, tools=None,
                        parse_tools=False, stream=bool(body.get("stream")), max_tokens=body.get("max_tokens"),
                        sampling=call.sampling(body), n=body.get("n") or 1, logprobs=top is not None,
                        top_logprobs=top or 0,
@@ -48,8 +48,8 @@ def parse(body: Any, session: Any = None) -> CallRequest:
 def answer(req: CallRequest, answer: Answer) -> dict[str, Any]:
     choices = [{"index": o.index, "text": o.text, "logprobs": logprobs(req, o), "finish_reason": o.finish}
                for o in answer.outputs]
-    return envelope(answer, "text_completion", choices, openai.usage(answer.prompt_tokens, answer.completion_tokens),
-                    prefix="cmpl-")
+    usage = openai_shared.usage(answer.prompt_tokens, answer.completion_tokens)
+    return envelope(answer, "text_completion", choices, usage, prefix="cmpl-")
 
 
 def logprobs(req: CallRequest, output: Output) -> dict[str, Any] | None:
@@ -73,7 +73,7 @@ async def events(req: CallRequest, stream: AsyncIterator[Event]) -> AsyncIterato
             yield None, _chunk(opened, event.index, "", finish=event.finish, logprobs=logprobs(req, event))
     if req.include_usage:
         yield None, envelope(opened, "text_completion", [],
-                             openai.usage(opened.prompt_tokens, opened.completion_tokens), prefix="cmpl-",
+                             openai_shared.usage(opened.prompt_tokens, opened.completion_tokens), prefix="cmpl-",
                              chunk=True)
 
 

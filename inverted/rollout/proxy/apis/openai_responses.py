@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator
 
 from inverted.errors import InvalidRequest
 from inverted.rollout.chat import Message, ToolCall
-from inverted.rollout.proxy.apis import call, openai
+from inverted.rollout.proxy.apis import call, openai_shared
 from inverted.rollout.proxy.apis.call import Answer, CallRequest, Delta, Event, Failure, Output
 
 ROUTE = "/responses"
@@ -37,7 +37,7 @@ MAX_STORED = 256  # responses a session keeps for previous_response_id (the olde
 
 
 def parse(body: Any, session: Any) -> CallRequest:
-    body = openai.check_fields(body, FIELDS, NEUTRAL)
+    body = openai_shared.check_fields(body, FIELDS, NEUTRAL)
     prior = _previous(body.get("previous_response_id"), session)
     if body.get("input") is None and not prior:
         raise InvalidRequest("Missing required parameter: 'input'.", param="input", code="missing_required_parameter")
@@ -52,8 +52,9 @@ def parse(body: Any, session: Any) -> CallRequest:
         if body.get(name) is not None:
             call.number(name, body[name])
     choice = body.get("tool_choice")
-    req = CallRequest(kind="chat", model=openai.model_name(body), messages=messages, prompt=None, tools=tools or None,
-                      parse_tools=bool(tools) and choice != "none", stream=bool(body.get("stream")),
+    req = CallRequest(kind="chat", model=openai_shared.model_name(body), messages=messages, prompt=None,
+                      tools=tools or None, parse_tools=bool(tools) and choice != "none",
+                      stream=bool(body.get("stream")),
                       max_tokens=body.get("max_output_tokens"),
                       sampling=call.sampling({k: body.get(k) for k in ("temperature", "top_p")}),
                       logprobs=LOGPROBS in include, top_logprobs=body.get("top_logprobs") or 0,
@@ -142,7 +143,8 @@ def _message(item: dict[str, Any], where: str) -> Message:
     if role not in ("user", "system", "developer", "assistant"):
         raise InvalidRequest(f"Invalid value: {role!r}. Supported values are: 'user', 'system', 'developer' and "
                              "'assistant'.", param=f"{where}.role", code="invalid_value")
-    return Message(role="system" if role == "developer" else role, content=_text(item.get("content"), f"{where}.content"))
+    content = _text(item.get("content"), f"{where}.content")
+    return Message(role="system" if role == "developer" else role, content=content)
 
 
 def _text(content: Any, where: str) -> str:
@@ -224,10 +226,7 @@ def output_items(answer: Answer, output: Output, with_message: bool | None = Non
 
 
 def _text_part(text: str, output: Output | None) -> dict[str, Any]:
-    logprobs = [] if output is None or output.logprobs is None else [
-        {"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode()),
-         "top_logprobs": [{"token": tt, "logprob": tlp, "bytes": list(tt.encode())} for tt, tlp in t.top]}
-        for t in output.logprobs]
+    logprobs = [] if output is None or output.logprobs is None else openai_shared.token_logprobs(output.logprobs)
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
 
 

@@ -1,4 +1,5 @@
-"""What OpenAI's three APIs share: how an unknown field is refused, the error body, the SSE framing.
+"""What OpenAI's three APIs share: how an unknown field is refused, the error body, token logprobs,
+usage and the end of a stream.
 
 Agents built with any SDK must work unchanged, and nothing may silently change what is sampled.
 So every request field falls in one of four classes, declared by each API module:
@@ -17,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from inverted.errors import InvalidRequest
-from inverted.rollout.proxy.apis.call import Failure
+from inverted.rollout.proxy.apis.call import Failure, TokenLogprob
 
 IGNORED = {"model", "user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
            "prompt_cache_retention", "safety_identifier", "stream_options", "echo_usage"}
@@ -55,6 +56,13 @@ def error_body(failure: Failure) -> dict[str, Any]:
 def stream_error(failure: Failure, sent: int) -> tuple[str | None, dict[str, Any]]:
     """The error a Chat Completions stream ends with, once its headers are sent."""
     return None, error_body(failure)
+
+
+def token_logprobs(logprobs: list[TokenLogprob]) -> list[dict[str, Any]]:
+    """Each sampled token's logprob and the most likely tokens at its position (Chat and Responses)."""
+    return [{"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode()),
+             "top_logprobs": [{"token": tt, "logprob": tlp, "bytes": list(tt.encode())} for tt, tlp in t.top]}
+            for t in logprobs]
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
