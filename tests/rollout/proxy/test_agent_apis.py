@@ -4,6 +4,7 @@ conversation recorded identically whichever of the three APIs carried it."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 
@@ -214,11 +215,16 @@ def test_an_openai_agents_agent_on_its_default_responses_model_runs_unchanged(st
     tool = agents.FunctionTool(name=FUNCTION["name"], description=FUNCTION["description"],
                                params_json_schema=FUNCTION["parameters"], on_invoke_tool=get_weather,
                                strict_json_schema=False)
-    client = openai.AsyncOpenAI(base_url=session["base_url"], api_key="x")
-    agent = agents.Agent(name="weather", instructions=SYSTEM, tools=[tool],
-                         model=agents.OpenAIResponsesModel(model="m", openai_client=client),
-                         model_settings=agents.ModelSettings(temperature=0, max_tokens=64))
-    result = agents.Runner.run_sync(agent, user_turns()[0])
+
+    async def run() -> agents.RunResult:
+        # closed in its own loop: an async client collected later would close itself on another test's loop
+        async with openai.AsyncOpenAI(base_url=session["base_url"], api_key="x") as client:
+            agent = agents.Agent(name="weather", instructions=SYSTEM, tools=[tool],
+                                 model=agents.OpenAIResponsesModel(model="m", openai_client=client),
+                                 model_settings=agents.ModelSettings(temperature=0, max_tokens=64))
+            return await agents.Runner.run(agent, user_turns()[0])
+
+    result = asyncio.run(run())
     assert result.final_output == EXPECTED[2][1]
     (sample,) = finish(stack, session)
     log = stack.engine_requests()[logged_before:]
