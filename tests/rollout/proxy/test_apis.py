@@ -115,3 +115,11 @@ def test_session_overrides_apply_to_every_api_after_parsing():
         call.check_overrides({"n": 2})
     with pytest.raises(InvalidRequest, match="between 0.0 and 2.0"):
         call.check_overrides({"temperature": 3})
+
+
+def test_both_chunked_openai_apis_check_stream_options_alike():
+    for parse, body in ((openai_chat.parse, {"messages": [{"role": "user", "content": "u"}]}),
+                        (openai_completions.parse, {"prompt": "p"})):
+        assert parse({**body, "stream": True, "stream_options": {"include_usage": True}}).include_usage
+        with pytest.raises(InvalidRequest, match="'stream_options' must be an object"):
+            parse({**body, "stream_options": "yes"})

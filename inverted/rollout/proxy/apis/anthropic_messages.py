@@ -54,8 +54,7 @@ def parse(body: Any, session: Any = None) -> CallRequest:
     tools = [_tool(t, f"tools.{i}") for i, t in enumerate(_list(body.get("tools"), "tools"))]
     messages = _system(body.get("system")) + _messages(body["messages"])
     mode, name = _tool_choice(body.get("tool_choice"))
-    sampling = {engine: body[name] for name, engine in (("temperature", "temperature"), ("top_p", "top_p"),
-                                                         ("top_k", "top_k")) if body.get(name) is not None}
+    sampling = call.sampling({name: body.get(name) for name in ("temperature", "top_p", "top_k")})
     found = call.stops(body.get("stop_sequences"), "stop_sequences", most=16)
     if found:
         sampling["stop"] = found

@@ -156,9 +156,9 @@ def stops(value: Any, name: str = "stop", most: int = 4) -> list[str] | None:
     return found or None
 
 
-def sampling(body: dict[str, Any], names: dict[str, str] = ENGINE_NAMES) -> dict[str, Any]:
-    """SGLang sampling parameters from the request fields ``names`` maps (request name → SGLang name)."""
-    params = {engine: number(name, body[name]) for name, engine in names.items() if body.get(name) is not None}
+def sampling(body: dict[str, Any]) -> dict[str, Any]:
+    """SGLang sampling parameters from a request's sampling fields (``ENGINE_NAMES``) and ``stop``."""
+    params = {engine: number(name, body[name]) for name, engine in ENGINE_NAMES.items() if body.get(name) is not None}
     found = stops(body.get("stop"))
     if found:
         params["stop"] = found

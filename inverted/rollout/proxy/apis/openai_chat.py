@@ -40,9 +40,6 @@ def parse(body: Any, session: Any = None) -> CallRequest:
     for name in ("n", "max_tokens", "max_completion_tokens", "top_logprobs"):
         if body.get(name) is not None:
             call.number(name, body[name])
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise InvalidRequest("'stream_options' must be an object", param="stream_options")
     tools = body.get("tools")
     if tools is not None and (not isinstance(tools, list) or not all(
             isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
@@ -54,7 +51,7 @@ def parse(body: Any, session: Any = None) -> CallRequest:
                       stream=bool(body.get("stream")),
                       max_tokens=body.get("max_completion_tokens") or body.get("max_tokens"),
                       sampling=call.sampling(body), n=body.get("n") or 1, logprobs=bool(body.get("logprobs")),
-                      top_logprobs=body.get("top_logprobs") or 0, include_usage=bool(options.get("include_usage")),
+                      top_logprobs=body.get("top_logprobs") or 0, include_usage=openai_shared.include_usage(body),
                       force_call=call.forced_call(*_tool_choice(choice), tools))
     call.constrain(req, _response_schema(body.get("response_format")), "response_format")
     return req

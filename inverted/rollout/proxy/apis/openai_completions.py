@@ -37,12 +37,11 @@ def parse(body: Any, session: Any = None) -> CallRequest:
     for name in ("n", "max_tokens"):
         if body.get(name) is not None:
             call.number(name, body[name])
-    options = body.get("stream_options") or {}
     return CallRequest(kind="text", model=openai_shared.model_name(body), messages=None, prompt=prompt, tools=None,
                        parse_tools=False, stream=bool(body.get("stream")), max_tokens=body.get("max_tokens"),
                        sampling=call.sampling(body), n=body.get("n") or 1, logprobs=top is not None,
                        top_logprobs=top or 0,
-                       include_usage=isinstance(options, dict) and bool(options.get("include_usage")))
+                       include_usage=openai_shared.include_usage(body))
 
 
 def answer(req: CallRequest, answer: Answer) -> dict[str, Any]:

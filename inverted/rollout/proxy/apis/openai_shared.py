@@ -44,6 +44,14 @@ def check_fields(body: Any, allowed: set[str], neutral: dict[str, tuple]) -> dic
     return body
 
 
+def include_usage(body: dict[str, Any]) -> bool:
+    """``stream_options.include_usage``: a last chunk with the call's usage."""
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise InvalidRequest("'stream_options' must be an object", param="stream_options")
+    return bool(options.get("include_usage"))
+
+
 def model_name(body: dict[str, Any]) -> str | None:
     return body.get("model") if isinstance(body.get("model"), str) else None
 
