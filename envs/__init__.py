@@ -10,6 +10,9 @@ given, and returns a reward: a float, or a dict of named floats. Raising, or tak
 - ``countdown``: the countdown arithmetic puzzle with an exact verifier, for real models.
 - ``long_tail``: the letters task behind a slow simulated tool, one prompt in ten twenty times slower
   (the asynchronous loop's benchmark).
+- ``reasoning_gym``: any reasoning-gym task, graded by the library (the main job's).
+- ``verifiers`` and ``openenv``: the environments of those libraries, run as they are;
+  ``guess_number`` is an OpenEnv environment with its driver.
 
 Each module also writes its own prompt dataset: ``python -m envs.letters --out FILE.jsonl``.
 """

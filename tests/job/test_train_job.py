@@ -25,6 +25,7 @@ from inverted.types import Sample
 ROOT = Path(__file__).resolve().parents[2]
 SMALL_RUN = ["--num-engines", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
              "--rollout-max-response-len", "6", "--lr", "1e-3", "--log-level", "warning"]
+ONE_ENGINE_RUN = [*SMALL_RUN[2:], "--num-engines", "1"]  # a rollout path end to end, at the least cost
 
 
 def inverted(*args: str, timeout: float = 300, pythonpath: Path | None = None) -> subprocess.CompletedProcess:

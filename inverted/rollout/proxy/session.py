@@ -11,6 +11,7 @@ extends the furthest is the base:
 - otherwise (the agent edited, dropped or retried history, or runs calls in parallel) a new
   branch is forked from that turn's tokens (everything up to the end of its sampled ids);
 - nothing matches: a new branch from a full render.
+Messages match by key, or as a known rewrite of a recorded reply (``rewrites``).
 So every branch is internally exact: its tokens are exactly what the engine saw and produced.
 Each branch becomes one Sample (one per leaf; shared prefixes appear in each, as in miles and
 verifiers). A call that fails rolls its tokens back: nothing is recorded for it.
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inverted.errors import InvalidRequest
+from inverted.rollout.proxy import rewrites
 from inverted.types import Reward, Sample
 
 MAX_REFUSALS = 8  # a session keeps its latest refused calls, for the failed episode to report
@@ -39,7 +41,9 @@ def extends(history: History, incoming: History) -> bool:
     if isinstance(history, str) or isinstance(incoming, str):
         return isinstance(history, str) and isinstance(incoming, str) and incoming.startswith(history)
     tools, messages = history
-    return tools == incoming[0] and incoming[1][: len(messages)] == messages
+    if tools != incoming[0] or len(incoming[1]) < len(messages):
+        return False
+    return incoming[1][: len(messages)] == messages or all(map(rewrites.same, messages, incoming[1]))
 
 
 def history_size(history: History) -> int:

@@ -1,0 +1,121 @@
+"""verifiers environments run unchanged through the real proxy and engine: the library plays and
+scores each episode, and every turn it asked for is recorded token for token."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import verifiers as vf
+from datasets import Dataset
+from transformers import AutoTokenizer
+
+from envs import verifiers as env
+from inverted.config import RolloutConfig
+from inverted.plugins import RolloutContext
+from inverted.types import Sample, Task
+from rollout_functions.agent import generate_rollout
+from tests.job.test_train_job import ONE_ENGINE_RUN, check, inverted
+
+REASONING_GYM = "verifiers.envs.integrations.reasoninggym_env:ReasoningGymEnv"
+GYM_ARGS = {"gym": "chain_sum", "num_train_examples": 6, "num_eval_examples": 2, "seed": 3}
+FEEDBACK = "Once more, shorter."
+
+
+class Retry(vf.MultiTurnEnv):
+    """Two model turns: the environment answers the first with feedback."""
+
+    async def env_response(self, messages, state, **kwargs):
+        return [{"role": "user", "content": FEEDBACK}]
+
+
+def chars(completion, **kwargs) -> float:
+    return float(sum(len(m["content"] or "") for m in completion if m["role"] == "assistant"))
+
+
+def turns(completion, **kwargs) -> float:
+    return float(sum(m["role"] == "assistant" for m in completion))
+
+
+def never(completion, **kwargs) -> float:  # a metric: weight 0
+    return 7.0
+
+
+def load_retry() -> vf.Environment:
+    """A multi-turn environment written in the library's own API, scored by two weighted functions."""
+    dataset = Dataset.from_list([{"question": f"Say {w}.", "answer": w} for w in ("hi", "yes", "no")])
+    return Retry(dataset=dataset, rubric=vf.Rubric(funcs=[chars, turns, never], weights=[1.0, 0.5, 0.0]), max_turns=2)
+
+
+def rollout(stack, rows: list[dict], max_tokens: int = 3) -> list[Sample]:
+    model, engine, proxy = stack
+    tasks = [Task(lease_id="l", group_index=i, index=0, prompt_index=i, prompt=row["input"], label=row["label"],
+                  metadata=row["metadata"]) for i, row in enumerate(rows)]
+    ctx = RolloutContext(rollout_id=0, config=RolloutConfig(), proxy_url=proxy.url, proxy_api_key="k",
+                         router_url=engine.url, hf_checkpoint=str(model), sampling={"max_tokens": max_tokens},
+                         env=env.episode)
+    samples = asyncio.run(generate_rollout(ctx, tasks))
+    for sample in samples:
+        assert sample.status != Sample.Status.FAILED, sample.metadata.get("error")
+    return samples
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model, module_procs):
+    model = tiny_model()
+    engine = module_procs.engine(model)
+    return model, engine, module_procs.proxy(engine.url, model, "--proxy-api-key", "k")
+
+
+def test_the_librarys_reasoning_gym_environment_plays_and_grades_each_row(stack):
+    rows = env.rows(REASONING_GYM, GYM_ARGS, count=4, seed=0)
+    assert [m["role"] for m in rows[0]["input"]] == ["system", "user"]
+    samples = rollout(stack, rows)
+    tokenizer = AutoTokenizer.from_pretrained(stack[0])
+    graded = env.load(REASONING_GYM, GYM_ARGS)
+    for row, sample in zip(rows, samples):
+        prompt = tokenizer.apply_chat_template(row["input"], add_generation_prompt=True, tokenize=True,
+                                               return_dict=False)
+        assert sample.tokens[:len(prompt)] == prompt and sample.loss_mask == [1] * sample.response_length
+        assert len(sample.rollout_log_probs) == sample.response_length <= 3
+        # The reward is reasoning-gym's own grade of what the model said, as the environment parses it.
+        reply = tokenizer.decode(sample.tokens[len(prompt):], skip_special_tokens=True)
+        entry = graded.rg_dataset[int(row["label"])]
+        answer = str(graded.parser.parse_answer([{"role": "assistant", "content": reply}])).strip()
+        assert sample.reward == graded.rg_dataset.score_answer(answer=answer, entry=entry)
+
+
+def test_a_multi_turn_environment_is_one_branch_and_its_weighted_parts_are_the_reward(stack):
+    rows = env.rows(f"{__name__}:load_retry", {}, count=-1, seed=0)
+    samples = rollout(stack, rows)
+    tokenizer = AutoTokenizer.from_pretrained(stack[0])
+    for sample in samples:
+        turns_ = sample.metadata["turns"]
+        assert len(turns_) == 2 and sample.metadata["branches"] == 1
+        text = tokenizer.decode(sample.tokens)
+        assert text.count(FEEDBACK) == 1  # the environment's feedback, not sampled: mask 0
+        replies = [tokenizer.decode(sample.tokens[t["start"]:t["end"]], skip_special_tokens=True) for t in turns_]
+        assert sum(sample.loss_mask) == sum(t["end"] - t["start"] for t in turns_)
+        assert sample.reward == {"chars": float(sum(map(len, replies))), "turns": 1.0}  # never (weight 0) is left out
+
+
+def test_environments_it_cannot_run_get_clear_errors(tmp_path, capsys):
+    with pytest.raises(env.EnvError, match="cannot load the verifiers environment 'no-such-env'"):
+        env.load("no-such-env")
+    with pytest.raises(env.EnvError, match="gave a dict, not a verifiers Environment"):
+        env.load("builtins:dict")
+    with pytest.raises(SystemExit):
+        env.main(["--env", REASONING_GYM, "--args", "[1]", "--out", str(tmp_path / "x.jsonl")])
+    assert "--args must be a JSON object" in capsys.readouterr().err and not (tmp_path / "x.jsonl").exists()
+
+
+def test_a_debug_rollout_only_job_plays_a_verifiers_environment(tiny_model, tmp_path):
+    prompts, data = tmp_path / "p.jsonl", tmp_path / "rollout.jsonl"
+    env.main(["--env", REASONING_GYM, "--args", json.dumps(GYM_ARGS), "--out", str(prompts), "--count", "2"])
+    check(inverted("train", "--debug-rollout-only", "--hf-checkpoint", str(tiny_model()), "--prompt-data", str(prompts),
+                   "--env-path", "envs.verifiers:episode", "--save-debug-rollout-data", str(data),
+                   "--output-dir", str(tmp_path / "run"), "--num-rollout", "1", *ONE_ENGINE_RUN))
+    saved = [Sample.from_json(json.loads(line)) for line in data.read_text().splitlines()]
+    assert len(saved) == 4 and all(s.status != Sample.Status.FAILED and s.reward in (0.0, 1.0) for s in saved)
+    assert {s.metadata["verifiers"]["env"] for s in saved} == {REASONING_GYM}
