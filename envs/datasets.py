@@ -1,7 +1,7 @@
 """Writing an environment's prompt dataset: one jsonl row per prompt (``input``, ``label``, ``tools``).
 
-Each environment defines ``rows(count, rng) -> list[dict]``; ``write_dataset`` saves them and
-``main`` is the ``python -m envs.NAME --out FILE.jsonl [--count N] [--seed S]`` command line.
+Each environment defines ``rows(count, rng) -> list[dict]``; ``write_dataset`` saves them
+(``write_rows`` saves rows made otherwise) and ``main`` is the ``python -m envs.NAME --out FILE.jsonl [--count N] [--seed S]`` command line.
 """
 
 from __future__ import annotations
@@ -15,11 +15,26 @@ from typing import Any, Callable
 Rows = Callable[[int, random.Random], list[dict[str, Any]]]
 
 
-def write_dataset(rows: Rows, out: str | Path, count: int, seed: int = 0) -> Path:
+def json_object(text: str) -> dict[str, Any]:
+    """An argparse ``type``: a JSON object given on the command line."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
+def write_rows(rows: list[dict[str, Any]], out: str | Path) -> Path:
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows(count, random.Random(seed))))
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
+
+
+def write_dataset(rows: Rows, out: str | Path, count: int, seed: int = 0) -> Path:
+    return write_rows(rows(count, random.Random(seed)), out)
 
 
 def main(rows: Rows, description: str, count: int) -> None:

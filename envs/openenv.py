@@ -32,7 +32,6 @@ import asyncio
 import atexit
 import ctypes
 import importlib
-import json
 import os
 import signal
 import socket
@@ -45,6 +44,8 @@ from typing import Any
 
 import httpx
 from openenv.core.generic_client import GenericEnvClient
+
+from envs.datasets import write_rows
 
 MODEL = "policy"  # the proxy serves the one policy whatever the name
 START_TIMEOUT_S = 60.0
@@ -147,10 +148,7 @@ def main(argv: list[str] | None = None) -> None:
                        args.max_turns)
     except ImportError as exc:
         parser.error(f"--driver {args.driver!r}: {exc}")
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(row) + "\n" for row in written))
-    print(path)
+    print(write_rows(written, args.out))
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ import reasoning_gym
 from reasoning_gym.factory import DATASETS
 from reasoning_gym.utils import extract_answer
 
+from envs.datasets import json_object, write_rows
+
 # Replaces the chat template's default system prompt and asks for what the grader scores; of five
 # phrasings measured on SmolLM2-135M, the one whose replies most often finish within a few tokens.
 SYSTEM_PROMPT = "You are a calculator. Output only the result."
@@ -84,7 +86,7 @@ async def episode(task, client) -> float:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     parser.add_argument("--task", required=True, help="reasoning-gym dataset name, e.g. chain_sum")
-    parser.add_argument("--config", default="{}", help="the dataset's knobs as a JSON object")
+    parser.add_argument("--config", type=json_object, default={}, help="the dataset's knobs as a JSON object")
     parser.add_argument("--out", required=True, help="jsonl file to write")
     parser.add_argument("--count", type=int, default=256, help="prompts to write")
     parser.add_argument("--seed", type=int, default=0, help="seed (the same seed writes the same file)")
@@ -93,21 +95,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--unique", action="store_true", help="write each question once")
     args = parser.parse_args(argv)
     try:
-        config = json.loads(args.config)
-        if not isinstance(config, dict):
-            raise TaskError(f"--config must be a JSON object, got {args.config!r}")
-        written = rows(args.task, config, args.count, args.seed)
+        written = rows(args.task, args.config, args.count, args.seed)
         if args.exclude:
             seen = {json.loads(line)["input"] for line in Path(args.exclude).read_text().splitlines() if line}
             written = [row for row in written if row["input"] not in seen]
         if args.unique:
             written = list({row["input"]: row for row in reversed(written)}.values())[::-1]
-    except (TaskError, json.JSONDecodeError) as exc:
+    except TaskError as exc:
         parser.error(str(exc))
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(row) + "\n" for row in written))
-    print(path)
+    print(write_rows(written, args.out))
 
 
 if __name__ == "__main__":

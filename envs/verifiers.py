@@ -35,10 +35,11 @@ import functools
 import importlib
 import json
 import math
-from pathlib import Path
 from typing import Any
 
 import verifiers as vf
+
+from envs.datasets import json_object, write_rows
 
 MODEL = "policy"  # the proxy serves the one policy whatever the name
 
@@ -104,23 +105,17 @@ async def episode(task, client) -> float | dict[str, float]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     parser.add_argument("--env", required=True, help="a verifiers environment id, or module:attr")
-    parser.add_argument("--args", default="{}", help="the environment's arguments as a JSON object")
+    parser.add_argument("--args", type=json_object, default={}, help="the environment's arguments as a JSON object")
     parser.add_argument("--out", required=True, help="jsonl file to write")
     parser.add_argument("--count", type=int, default=-1, help="prompts to write (-1: all)")
     parser.add_argument("--seed", type=int, default=0, help="shuffle seed")
     parser.add_argument("--eval", action="store_true", help="write the environment's evaluation set")
     args = parser.parse_args(argv)
     try:
-        env_args = json.loads(args.args)
-        if not isinstance(env_args, dict):
-            raise EnvError(f"--args must be a JSON object, got {args.args!r}")
-        written = rows(args.env, env_args, args.count, args.seed, args.eval)
-    except (EnvError, json.JSONDecodeError) as exc:
+        written = rows(args.env, args.args, args.count, args.seed, args.eval)
+    except EnvError as exc:
         parser.error(str(exc))
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(row) + "\n" for row in written))
-    print(path)
+    print(write_rows(written, args.out))
 
 
 if __name__ == "__main__":

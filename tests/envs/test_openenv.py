@@ -11,10 +11,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from envs import guess_number, openenv
-from inverted.config import RolloutConfig
-from inverted.plugins import RolloutContext
-from inverted.types import Sample, Task
-from rollout_functions.agent import generate_rollout
+from inverted.types import Sample
+from tests.envs import play
 from tests.job.test_train_job import ONE_ENGINE_RUN, check, inverted
 
 APP = "envs.guess_number:app"
@@ -25,45 +23,31 @@ def act(reply: str) -> dict:
     return {"guess": len(reply) % guess_number.HIGH + 1}
 
 
-def rollout(stack, rows: list[dict]) -> list[Sample]:
-    model, engine, proxy = stack
-    tasks = [Task(lease_id="l", group_index=i, index=0, prompt_index=i, prompt=row["input"],
-                  metadata=row["metadata"]) for i, row in enumerate(rows)]
-    ctx = RolloutContext(rollout_id=0, config=RolloutConfig(), proxy_url=proxy.url, proxy_api_key="k",
-                         router_url=engine.url, hf_checkpoint=str(model), sampling={"max_tokens": 4},
-                         env=openenv.episode)
-    samples = asyncio.run(generate_rollout(ctx, tasks))
-    for sample in samples:
-        assert sample.status != Sample.Status.FAILED, sample.metadata.get("error")
-    return samples
-
-
-@pytest.fixture(scope="module")
-def stack(tiny_model, module_procs):
-    model = tiny_model()
-    engine = module_procs.engine(model)
-    return model, engine, module_procs.proxy(engine.url, model, "--proxy-api-key", "k")
-
-
-def replay(sample: Sample, seed: int, tokenizer) -> tuple[list[str], float]:
-    """The feedback and reward the environment gives the recorded replies, played again in-process."""
+def replay(sample: Sample, seed: int, tokenizer, driver_act=act) -> tuple[list[str], float, bool]:
+    """The feedback and reward the environment gives the recorded replies, played again in-process,
+    and whether the last reply was no action."""
     game = guess_number.GuessNumberEnvironment()
     observation, said, total = game.reset(seed=seed), [], 0.0
     for turn in sample.metadata["turns"]:
         said.append(observe(observation.model_dump()))
         reply = tokenizer.decode(sample.tokens[turn["start"]:turn["end"]], skip_special_tokens=True)
-        observation = game.step(guess_number.GuessAction(**act(reply)))
+        try:
+            action = driver_act(reply)
+        except ValueError:
+            assert turn is sample.metadata["turns"][-1]  # no action ends the episode
+            return said, total, True
+        observation = game.step(guess_number.GuessAction(**action))
         total += observation.reward
-    return said, total
+    return said, total, False
 
 
 def test_episodes_are_played_on_the_environment_server_and_recorded_as_one_branch(stack):
     rows = openenv.rows(__name__, {"app": APP}, count=6, seed=40, max_turns=guess_number.GUESSES)
-    samples = rollout(stack, rows)
+    samples = play(stack, rows, openenv.episode, max_tokens=4)
     tokenizer = AutoTokenizer.from_pretrained(stack[0])
     played = []
     for row, sample in zip(rows, samples):
-        said, reward = replay(sample, row["metadata"]["openenv"]["reset"]["seed"], tokenizer)
+        said, reward, _ = replay(sample, row["metadata"]["openenv"]["reset"]["seed"], tokenizer)
         assert sample.reward == reward and sample.metadata["branches"] == 1
         text = tokenizer.decode(sample.tokens)
         assert all(message in text for message in said)  # the environment's feedback, as the policy saw it
@@ -73,7 +57,7 @@ def test_episodes_are_played_on_the_environment_server_and_recorded_as_one_branc
     # The same server again, by URL this time: no second one is started.
     url = asyncio.run(openenv.serve(APP))
     by_url = openenv.rows(__name__, {"url": url}, count=1, seed=40, max_turns=guess_number.GUESSES)
-    (again,) = rollout(stack, by_url)
+    (again,) = play(stack, by_url, openenv.episode, max_tokens=4)
     assert again.metadata["turns"] and len(openenv._servers) == 1
 
 
@@ -82,13 +66,14 @@ def test_a_reply_that_is_no_action_ends_the_episode_and_is_trained_on(stack):
     for reply in ("no idea", "99"):
         with pytest.raises(ValueError):
             guess_number.act(reply)
-    rows = openenv.rows("envs.guess_number", {"app": APP}, count=2, seed=0, max_turns=3)
+    rows = openenv.rows("envs.guess_number", {"app": APP}, count=4, seed=0, max_turns=3)
     tokenizer = AutoTokenizer.from_pretrained(stack[0])
-    for sample in rollout(stack, rows):  # the random tiny model names no number
-        reply = tokenizer.decode(sample.response_tokens, skip_special_tokens=True)
-        with pytest.raises(ValueError):
-            guess_number.act(reply)
-        assert len(sample.metadata["turns"]) == 1 and sample.reward == 0.0
+    ended = []
+    for row, sample in zip(rows, play(stack, rows, openenv.episode, max_tokens=4)):
+        _, reward, no_action = replay(sample, row["metadata"]["openenv"]["reset"]["seed"], tokenizer, guess_number.act)
+        assert sample.reward == reward
+        ended.append(no_action)
+    assert any(ended)  # the random tiny model seldom names a number
 
 
 def test_a_server_that_cannot_start_and_a_driver_that_does_not_exist_get_clear_errors(tmp_path, capsys):

@@ -48,7 +48,7 @@ def test_bad_task_names_and_configs_get_clear_errors(tmp_path, capsys):
         env.rows("chain_sum", {"min_terms": 5, "max_terms": 2}, 1, 0)
     with pytest.raises(SystemExit):
         env.main(["--task", "chain_sum", "--config", "[1]", "--out", str(tmp_path / "x.jsonl")])
-    assert "--config must be a JSON object" in capsys.readouterr().err and not (tmp_path / "x.jsonl").exists()
+    assert "argument --config: must be a JSON object" in capsys.readouterr().err and not (tmp_path / "x.jsonl").exists()
 
 
 def test_the_command_writes_a_held_out_set_that_repeats_no_training_question(tmp_path):

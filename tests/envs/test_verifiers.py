@@ -3,7 +3,6 @@ scores each episode, and every turn it asked for is recorded token for token."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
@@ -12,10 +11,8 @@ from datasets import Dataset
 from transformers import AutoTokenizer
 
 from envs import verifiers as env
-from inverted.config import RolloutConfig
-from inverted.plugins import RolloutContext
-from inverted.types import Sample, Task
-from rollout_functions.agent import generate_rollout
+from inverted.types import Sample
+from tests.envs import play
 from tests.job.test_train_job import ONE_ENGINE_RUN, check, inverted
 
 REASONING_GYM = "verifiers.envs.integrations.reasoninggym_env:ReasoningGymEnv"
@@ -48,30 +45,10 @@ def load_retry() -> vf.Environment:
     return Retry(dataset=dataset, rubric=vf.Rubric(funcs=[chars, turns, never], weights=[1.0, 0.5, 0.0]), max_turns=2)
 
 
-def rollout(stack, rows: list[dict], max_tokens: int = 3) -> list[Sample]:
-    model, engine, proxy = stack
-    tasks = [Task(lease_id="l", group_index=i, index=0, prompt_index=i, prompt=row["input"], label=row["label"],
-                  metadata=row["metadata"]) for i, row in enumerate(rows)]
-    ctx = RolloutContext(rollout_id=0, config=RolloutConfig(), proxy_url=proxy.url, proxy_api_key="k",
-                         router_url=engine.url, hf_checkpoint=str(model), sampling={"max_tokens": max_tokens},
-                         env=env.episode)
-    samples = asyncio.run(generate_rollout(ctx, tasks))
-    for sample in samples:
-        assert sample.status != Sample.Status.FAILED, sample.metadata.get("error")
-    return samples
-
-
-@pytest.fixture(scope="module")
-def stack(tiny_model, module_procs):
-    model = tiny_model()
-    engine = module_procs.engine(model)
-    return model, engine, module_procs.proxy(engine.url, model, "--proxy-api-key", "k")
-
-
 def test_the_librarys_reasoning_gym_environment_plays_and_grades_each_row(stack):
     rows = env.rows(REASONING_GYM, GYM_ARGS, count=4, seed=0)
     assert [m["role"] for m in rows[0]["input"]] == ["system", "user"]
-    samples = rollout(stack, rows)
+    samples = play(stack, rows, env.episode, max_tokens=3)
     tokenizer = AutoTokenizer.from_pretrained(stack[0])
     graded = env.load(REASONING_GYM, GYM_ARGS)
     for row, sample in zip(rows, samples):
@@ -88,7 +65,7 @@ def test_the_librarys_reasoning_gym_environment_plays_and_grades_each_row(stack)
 
 def test_a_multi_turn_environment_is_one_branch_and_its_weighted_parts_are_the_reward(stack):
     rows = env.rows(f"{__name__}:load_retry", {}, count=-1, seed=0)
-    samples = rollout(stack, rows)
+    samples = play(stack, rows, env.episode, max_tokens=3)
     tokenizer = AutoTokenizer.from_pretrained(stack[0])
     for sample in samples:
         turns_ = sample.metadata["turns"]
@@ -107,7 +84,7 @@ def test_environments_it_cannot_run_get_clear_errors(tmp_path, capsys):
         env.load("builtins:dict")
     with pytest.raises(SystemExit):
         env.main(["--env", REASONING_GYM, "--args", "[1]", "--out", str(tmp_path / "x.jsonl")])
-    assert "--args must be a JSON object" in capsys.readouterr().err and not (tmp_path / "x.jsonl").exists()
+    assert "argument --args: must be a JSON object" in capsys.readouterr().err and not (tmp_path / "x.jsonl").exists()
 
 
 def test_a_debug_rollout_only_job_plays_a_verifiers_environment(tiny_model, tmp_path):
