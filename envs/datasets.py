@@ -1,7 +1,9 @@
 """Writing an environment's prompt dataset: one jsonl row per prompt (``input``, ``label``, ``tools``).
 
 Each environment defines ``rows(count, rng) -> list[dict]``; ``write_dataset`` saves them
-(``write_rows`` saves rows made otherwise) and ``main`` is the ``python -m envs.NAME --out FILE.jsonl [--count N] [--seed S]`` command line.
+(``write_rows`` saves rows made otherwise) and ``main`` is the
+``python -m envs.NAME --out FILE.jsonl [--count N] [--seed S]`` command line. ``json_object`` is the
+type of a flag that takes a JSON object (``--config``, ``--args``).
 """
 
 from __future__ import annotations

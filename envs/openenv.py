@@ -50,11 +50,13 @@ from envs.datasets import write_rows
 MODEL = "policy"  # the proxy serves the one policy whatever the name
 START_TIMEOUT_S = 60.0
 
-_servers: dict[str, tuple[subprocess.Popen, str, Path]] = {}  # app -> (process, url, log): what this process started
+_servers: dict[str, tuple[subprocess.Popen, str, Path]] = {}  # app -> (process, url, log), started here
+_LIBC = ctypes.CDLL("libc.so.6", use_errno=True) if sys.platform == "linux" else None  # looked up before any fork
 
 
 def _die_with_parent() -> None:
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if _LIBC is not None:
+        _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _free_port() -> int:

@@ -87,7 +87,10 @@ def _weighted_parts(rubric: Any, metrics: dict[str, float]) -> dict[str, float]:
 
 def reward(loaded: vf.Environment, output: dict[str, Any]) -> float | dict[str, float]:
     total = float(output["reward"])
-    parts = _weighted_parts(loaded.rubric, output.get("metrics") or {})
+    try:
+        parts = _weighted_parts(loaded.rubric, output.get("metrics") or {})
+    except KeyError:  # a rubric that reports its functions under other names: its reward alone
+        return total
     if len(parts) > 1 and math.isclose(sum(parts.values()), total, rel_tol=1e-9, abs_tol=1e-9):
         return parts
     return total
