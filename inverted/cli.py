@@ -99,7 +99,7 @@ def cmd_train(cfg: JobConfig, router_args: list[str], sglang_args: list[str]) ->
 def cmd_export_hf(cfg: ExportConfig) -> None:
     from inverted.train.export import export_hf
 
-    print(export_hf(cfg.checkpoint, cfg.out))
+    print(export_hf(cfg.checkpoint, cfg.out, cfg.merge_lora))
 
 
 COMMANDS = {

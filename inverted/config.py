@@ -237,10 +237,23 @@ class EngineConfig:
     weight_update_timeout: float = option(
         300.0, "seconds to wait for the trainer: joining a weight-update group, taking a broadcast, or between the "
                "calls of an update session (an idle session is then ended, so a dead trainer cannot stop generation)")
+    enable_lora: bool = option(False, "serve LoRA adapters (SGLang's LoRA routes, and lora_path on /generate)")
+    max_lora_rank: int = option(0, "largest adapter rank accepted (0: the largest of --lora-paths)")
+    lora_target_modules: list[str] = option(
+        [], "modules adapters may target: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, or all "
+            "(default: those of --lora-paths, else all)")
+    max_loras_per_batch: int = option(8, "distinct adapters running at once (more wait their turn)")
+    max_loaded_loras: int | None = option(None, "adapters held at once (default: no limit)")
+    lora_paths: list[str] = option([], "adapters to load at startup, as NAME=PATH (PEFT directories); implies --enable-lora")
     log_level: Literal["debug", "info", "warning", "error"] = option("info", "log level")
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "--model", self.model, "a checkpoint directory")
+        _require(self.max_lora_rank >= 0, "--max-lora-rank", self.max_lora_rank, ">= 0")
+        _require(self.max_loras_per_batch >= 1, "--max-loras-per-batch", self.max_loras_per_batch, ">= 1")
+        _require(self.max_loaded_loras is None or self.max_loaded_loras >= 1, "--max-loaded-loras",
+                 self.max_loaded_loras, ">= 1")
+        self.enable_lora = self.enable_lora or bool(self.lora_paths)
         _require(self.weight_update_timeout > 0, "--weight-update-timeout", self.weight_update_timeout, "> 0")
         _require(1 <= self.port <= 65535, "--port", self.port, "1..65535")
         _require(self.max_running_requests >= 1, "--max-running-requests", self.max_running_requests, ">= 1")
@@ -503,6 +516,28 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class AdapterConfig:
+    """LoRA: train a low-rank adapter on frozen base weights, and sync only the adapter (miles' flags)."""
+
+    lora_rank: int = option(0, "LoRA rank (0: full fine-tuning)")
+    lora_alpha: float = option(32.0, "LoRA alpha: the adapter's output is scaled by alpha / rank")
+    lora_dropout: float = option(0.0, "dropout on the adapter's input")
+    target_modules: list[str] = option(
+        ["all"], "modules to adapt: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, or all")
+    lora_adapter_path: str | None = option(
+        None, "PEFT adapter directory to start from (its own rank, alpha and modules are used)")
+
+    def __post_init__(self) -> None:
+        _require(self.lora_rank >= 0, "--lora-rank", self.lora_rank, ">= 0")
+        _require(self.lora_alpha > 0, "--lora-alpha", self.lora_alpha, "> 0")
+        _require(0 <= self.lora_dropout < 1, "--lora-dropout", self.lora_dropout, "in [0, 1)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.lora_rank > 0 or bool(self.lora_adapter_path)
+
+
+@dataclass(kw_only=True, slots=True)
 class TrainConfig:
     """The Megatron trainer: model, batching and precision here; loss, optimizer, parallelism, weight
     sync and checkpoints in sections of their own, each handed to its owner (flags stay flat)."""
@@ -523,6 +558,7 @@ class TrainConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
+    lora: AdapterConfig = field(default_factory=AdapterConfig)
 
     def __post_init__(self) -> None:
         _require(bool(self.hf_checkpoint), "--hf-checkpoint", self.hf_checkpoint, "a checkpoint directory")
@@ -543,6 +579,7 @@ class ExportConfig:
 
     checkpoint: str = option("", "checkpoint directory (written by --save)")
     out: str = option("", "directory to write the Hugging Face model into")
+    merge_lora: bool = option(False, "a LoRA checkpoint: fold the adapter into its base model (default: a PEFT adapter)")
 
     def __post_init__(self) -> None:
         _require(bool(self.checkpoint), "--checkpoint", self.checkpoint, "a checkpoint directory")
@@ -645,6 +682,10 @@ class JobConfig:
                  "not together with --debug-rollout-only")
         if not train.debug_train_only:
             _require(bool(self.buffer.prompt_data), "--prompt-data", self.buffer.prompt_data, "a .jsonl or .parquet dataset")
+            # The trainer, export and adapter sync run LoRA; the job does not yet start its servers with
+            # --enable-lora nor name the adapter in rollouts, so it would train an adapter nobody samples from.
+            _require(not train.lora.enabled, "--lora-rank", train.lora.lora_rank,
+                     "0 in the full job for now (LoRA runs with --debug-train-only, export-hf and the Trainer API)")
         _require(not rollout.eval_interval or bool(rollout.eval_prompt_data), "--eval-prompt-data",
                  rollout.eval_prompt_data, "a dataset when --eval-interval is set")
         if rollout.async_mode:

@@ -26,6 +26,9 @@ Reward = float | dict[str, float]
 # requests, retract them to the queue (KV dropped, tokens kept), or stop stepping and keep everything.
 PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES: tuple[str, ...] = typing.get_args(PauseMode)
+# The LoRA adapter a LoRA run trains, by the name the rollout servers hold it under: the weight
+# sync loads it, and every policy call of the rollout side names it (SGLang's lora_path).
+POLICY_ADAPTER = "policy"
 
 
 def version_number(version: str) -> int:

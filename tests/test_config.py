@@ -23,7 +23,7 @@ FROZEN_FLAGS = {
               "--kl-loss-type", "--load", "--load-debug-rollout-data", "--log-level", "--loss-aggregation", "--lr",
               "--max-tokens-per-gpu", "--num-rollout", "--output-dir", "--pipeline-model-parallel-size", "--reward-key",
               "--rollout-temperature", "--save", "--save-interval", "--seed", "--tensor-model-parallel-size", "--tis-clip",
-              "--tis-clip-low", "--use-distributed-optimizer", "--use-kl-loss", "--use-tis", "--weight-decay"} | {
+              "--tis-clip-low", "--use-distributed-optimizer", "--use-kl-loss", "--use-tis", "--weight-decay", "--lora-rank", "--lora-alpha", "--lora-dropout", "--target-modules", "--lora-adapter-path"} | {
         # the main job's other sections: rollout, buffer (dataset and groups), proxy knobs, servers
         "--agent-command", "--async-mode", "--max-weight-staleness", "--update-weights-interval",
         "--mask-offpolicy-in-partial-rollout", "--colocate", "--context-length", "--custom-rm-path", "--debug-rollout-only",
@@ -43,13 +43,13 @@ FROZEN_FLAGS = {
         "--custom-rollout-log-function-path", "--custom-eval-rollout-log-function-path", "--buffer-filter-path",
         "--loss-type", "--custom-loss-function-path", "--custom-tis-function-path",
         "--custom-pg-loss-reducer-function-path", "--custom-reward-post-process-path"},
-    "export-hf": {"--checkpoint", "--config", "--out"},
+    "export-hf": {"--checkpoint", "--config", "--out", "--merge-lora"},
     "make-tiny-model": {"--config", "--out", "--arch", "--preset", "--seed"},
     "import-gguf": {"--config", "--out", "--dtype"},  # and the positional SRC
     "serve-engine": {"--config", "--model", "--host", "--port", "--device", "--dtype", "--max-running-requests",
                      "--context-length", "--max-prefill-tokens", "--disable-radix-cache", "--weight-version", "--served-model-name", "--api-key",
                      "--admin-api-key", "--num-threads", "--random-seed", "--log-requests", "--weight-update-timeout", "--log-level",
-                     "--max-request-bytes"},
+                     "--max-request-bytes", "--enable-lora", "--max-lora-rank", "--lora-target-modules", "--max-loras-per-batch", "--max-loaded-loras", "--lora-paths"},
     "buffer": {"--config", "--db", "--host", "--port", "--api-key", "--prompt-data", "--input-key", "--label-key",
                "--metadata-key", "--tool-key", "--n-samples-per-prompt", "--rollout-shuffle", "--rollout-seed",
                "--num-epoch", "--workers", "--lease-seconds", "--partial-rollout", "--stale-policy",
@@ -142,6 +142,8 @@ def test_the_job_shares_flags_between_its_sections_and_keeps_its_own_fields():
     for section, fixed in JobConfig.SETS.items():  # ports, keys and paths are the job's, not flags
         assert not {flag_name(name) for name in fixed} & flags, section
     job.validate()
+    with pytest.raises(ConfigError, match="--lora-rank=8: expected 0 in the full job for now"):
+        parse(JobConfig, ["--hf-checkpoint", "/m", "--prompt-data", "p", "--env-path", "e:f", "--lora-rank", "8"])[0].validate()
     with pytest.raises(ConfigError, match="--global-batch-size=3: expected a divisor of --rollout-batch-size"):
         parse(JobConfig, ["--hf-checkpoint", "/m", "--prompt-data", "p", "--env-path", "e:f",
                           "--global-batch-size", "3"])[0].validate()

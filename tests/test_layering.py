@@ -12,7 +12,8 @@ several processes) counts as shared and may raise the tree's errors, so the roll
 job's services and the buffer's workers start and watch children one way; and ``auth`` (the API-key
 rule, compared in constant time) and ``limits`` (what one request may cost: body size, text that
 cannot fit a context) count as shared, so the engine, the proxy and the buffer check keys and
-bound requests one way;
+bound requests one way; and ``peft_adapter`` (PEFT's LoRA adapter format: config, names,
+directory) counts as shared, so the trainer's writer and the engine's reader use one definition;
 and ``plugins`` may read ``config`` (the rollout function's context carries its config section) and
 ``compat`` (slime's plug-in API, whose module paths it installs before importing a plug-in; a
 shared leaf beside ``types``), and the controller checks the buffer's plug-ins (``buffer.filters``)
@@ -33,7 +34,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "inverted"
 SHARED = ("inverted.types", "inverted.errors", "inverted.config", "inverted.plugins", "inverted.compat", "inverted.metrics",
           "inverted.http_client", "inverted.hf_checkpoint", "inverted.weight_wire", "inverted.processes",
-          "inverted.auth", "inverted.limits")
+          "inverted.auth", "inverted.limits", "inverted.peft_adapter")
 
 # module prefix -> prefixes it may import (besides itself); first match wins
 RULES: list[tuple[str, tuple[str, ...]]] = [
@@ -46,6 +47,7 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("inverted.http_client", ("inverted.errors",)),
     ("inverted.hf_checkpoint", ("inverted.errors",)),
     ("inverted.weight_wire", ("inverted.errors",)),
+    ("inverted.peft_adapter", ("inverted.errors", "inverted.hf_checkpoint")),
     ("inverted.processes", ("inverted.errors",)),
     ("inverted.auth", ("inverted.errors",)),
     ("inverted.limits", ()),

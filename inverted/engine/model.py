@@ -6,6 +6,7 @@ Llama may scale RoPE (``llama3`` or ``linear``). Q/K/V and gate/up are fused int
 each so a step runs few, large matmuls. ``hf_views`` is the single declarative name table: every
 Hugging Face parameter name maps to a view into the fused tensors, so loading, weight updates and
 ``get_weights_by_name`` all go through the same names and never through per-layer converters.
+LoRA adapters (``engine.lora``) add their deltas to the fused projections' outputs, per row.
 
 Two entry points share the layers: ``prefill`` runs newly admitted requests' tokens (packed into
 one forward) into their KV-cache rows; ``decode`` runs one token for each of the first B rows. Rows are kept compact by the
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from inverted.engine.lora import LoRABatch
 from inverted.errors import ModelError
 from inverted.hf_checkpoint import ModelSpec, checkpoint_tensors, rope_angles
 from inverted.weight_wire import copy_all
@@ -180,11 +182,13 @@ class CausalLM(torch.nn.Module):
         sin = self.rope_sin[positions]
         return self.rope_cos[positions][:, None], torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)[:, None]
 
-    def _qkv(self, layer, x_TH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+    def _qkv(self, li: int, x_TH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], lora: LoRABatch | None):
         """Roped queries ``[T, Hq, D]``, roped keys and values ``[T, Hkv, D]``."""
-        s = self.spec
+        s, layer = self.spec, self.layers[li]
         h = self._norm(x_TH, layer.ln1)
         qkv = self._linear(h, layer.qkv, layer.qkv_bias)
+        if lora is not None:
+            lora.add(qkv, h, li, "qkv")
         qkv = qkv.view(-1, s.num_heads + 2 * s.num_kv_heads, s.head_dim)
         qk, v = qkv[:, : s.num_heads + s.num_kv_heads], qkv[:, s.num_heads + s.num_kv_heads :]
         if layer.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k before RoPE
@@ -195,22 +199,35 @@ class CausalLM(torch.nn.Module):
         qk = torch.addcmul(qk * cos, rotated, sin)
         return qk[:, : s.num_heads], qk[:, s.num_heads :], v
 
-    def _finish_layer(self, layer, x_TH: torch.Tensor, attn_TX: torch.Tensor) -> torch.Tensor:
+    def _finish_layer(self, li: int, x_TH: torch.Tensor, attn_TX: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+        layer = self.layers[li]
         x_TH = self._linear(attn_TX, layer.o, x_TH)
-        gate, up = self._linear(self._norm(x_TH, layer.ln2), layer.gate_up).chunk(2, dim=-1)
-        return self._linear(F.silu(gate).mul_(up), layer.down, x_TH)
+        if lora is not None:
+            lora.add(x_TH, attn_TX, li, "o")
+        h = self._norm(x_TH, layer.ln2)
+        gate_up = self._linear(h, layer.gate_up)
+        if lora is not None:
+            lora.add(gate_up, h, li, "gate_up")
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate).mul_(up)
+        out = self._linear(act, layer.down, x_TH)
+        if lora is not None:
+            lora.add(out, act, li, "down")
+        return out
 
     def logits(self, hidden_TH: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the final hidden states."""
         return self._linear(self._norm(hidden_TH, self.norm), self.lm_head).float()
 
     @torch.no_grad()
-    def prefill(self, cache: KVCache, rows: list[int], tokens: list[list[int]], starts: list[int]) -> list[torch.Tensor]:
+    def prefill(self, cache: KVCache, rows: list[int], tokens: list[list[int]], starts: list[int],
+                lora: LoRABatch | None = None) -> list[torch.Tensor]:
         """Run several requests' new tokens in one packed forward; return each one's hidden states ``[T_i, H]``.
 
         Request i's ``tokens[i]`` go to positions ``starts[i]..`` of cache row ``rows[i]``; positions
         before ``starts[i]`` must already hold that row's keys and values (prefix reuse). Token-wise
-        work (projections, MLP) runs on all requests at once; attention runs per request.
+        work (projections, MLP) runs on all requests at once; attention runs per request. ``lora``
+        assigns the packed tokens to adapters.
         """
         lengths = [len(t) for t in tokens]
         ends = [start + n for start, n in zip(starts, lengths)]
@@ -222,8 +239,8 @@ class CausalLM(torch.nn.Module):
         offsets = [0]
         for n in lengths:
             offsets.append(offsets[-1] + n)
-        for li, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, rope)
+        for li in range(len(self.layers)):
+            q, k, v = self._qkv(li, x, rope, lora)
             attn = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=self.device)
             for row, start, end, lo, hi in zip(rows, starts, ends, offsets, offsets[1:]):
                 cache.k[li, row, :, start:end] = k[lo:hi].transpose(0, 1)
@@ -234,12 +251,13 @@ class CausalLM(torch.nn.Module):
                     q[lo:hi].transpose(0, 1)[None], cache.k[li, row : row + 1, :, :end], cache.v[li, row : row + 1, :, :end],
                     attn_mask=mask, is_causal=mask is None, enable_gqa=True)
                 attn[lo:hi] = out[0].transpose(0, 1).reshape(hi - lo, -1)
-            x = self._finish_layer(layer, x, attn)
+            x = self._finish_layer(li, x, attn, lora)
         return [x[lo:hi] for lo, hi in zip(offsets, offsets[1:])]
 
     @torch.no_grad()
-    def decode(self, cache: KVCache, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """One token for each of rows ``0..B-1`` at the given positions; return hidden states ``[B, H]``."""
+    def decode(self, cache: KVCache, tokens: list[int], positions: list[int], lora: LoRABatch | None = None) -> torch.Tensor:
+        """One token for each of rows ``0..B-1`` at the given positions (``lora``: their adapters); return
+        hidden states ``[B, H]``."""
         s = self.spec
         b, kv_heads, group = len(tokens), s.num_kv_heads, s.num_heads // s.num_kv_heads
         longest = max(positions) + 1
@@ -252,8 +270,8 @@ class CausalLM(torch.nn.Module):
         past = torch.arange(longest, device=self.device)[None] > pos[:, None]
         bias = torch.zeros(b, longest, dtype=cache.dtype, device=self.device).masked_fill_(past, float("-inf"))
         bias = bias.repeat_interleave(kv_heads, dim=0)[:, None]  # B*Hkv, 1, L
-        for li, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, rope)
+        for li in range(len(self.layers)):
+            q, k, v = self._qkv(li, x, rope, lora)
             cache.k[li, rows, :, pos] = k
             cache.v[li, rows, :, pos] = v
             # Grouped-query attention as batched matmuls over (row, kv head): the G query heads of a
@@ -263,7 +281,7 @@ class CausalLM(torch.nn.Module):
             scores = torch.baddbmm(bias, q.reshape(b * kv_heads, group, s.head_dim), keys.transpose(1, 2),
                                    alpha=s.head_dim ** -0.5)
             attn = torch.bmm(torch.softmax(scores, dim=-1), values)  # B*Hkv, G, D
-            x = self._finish_layer(layer, x, attn.view(b, -1))
+            x = self._finish_layer(li, x, attn.view(b, -1), lora)
         return x
 
 

@@ -20,7 +20,7 @@ from inverted.engine.scheduler import Request, new_rid
 from inverted.errors import InvalidRequest, SchemaError
 
 UNSUPPORTED_GENERATE_FIELDS = ("input_embeds", "image_data", "video_data", "audio_data", "session_params",
-                               "lora_path", "custom_logit_processor", "return_hidden_states")
+                               "custom_logit_processor", "return_hidden_states")
 
 
 class ControlModel(BaseModel):
@@ -101,6 +101,30 @@ class MemoryOccupationRequest(ControlModel):
     tags: list[str] | None = None
 
 
+class LoadLoRAAdapterRequest(ControlModel):
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+
+class UnloadLoRAAdapterRequest(ControlModel):
+    lora_name: str
+
+
+class LoadLoRAAdapterFromTensorsRequest(ControlModel):
+    lora_name: str
+    config_dict: dict[str, Any]
+    serialized_named_tensors: list[str] | None = None  # one payload per server TP rank
+    serialized_tensors: str | None = None  # older SGLang builds: one payload
+    load_format: str | None = None
+    pinned: bool = False
+
+    def payloads(self) -> list[str]:
+        if (self.serialized_named_tensors is None) == (self.serialized_tensors is None):
+            raise InvalidRequest("give serialized_named_tensors (one payload per TP rank), or serialized_tensors")
+        return self.serialized_named_tensors if self.serialized_tensors is None else [self.serialized_tensors]
+
+
 @dataclass(slots=True)
 class GenerateItem:
     """One sequence to generate, after batch and ``n`` expansion."""
@@ -114,6 +138,7 @@ class GenerateItem:
     return_text_in_logprobs: bool
     index: int
     top_logprobs_num: int = 0
+    lora: str | None = None
 
 
 def _per_item(body: dict, key: str, default: Any, size: int, batched: bool) -> list[Any]:
@@ -172,6 +197,9 @@ def parse_generate(body: Any) -> tuple[list[GenerateItem], bool, bool]:
         raise InvalidRequest("top_logprobs_num must be a non-negative integer")
     if body.get("token_ids_logprob"):
         raise InvalidRequest("token_ids_logprob is not supported by the embedded engine")
+    loras = _per_item(body, "lora_path", None, size, batched)
+    if not all(lora is None or isinstance(lora, str) for lora in loras):
+        raise SchemaError("invalid type: lora_path must be an adapter name, or a list of them (null: the base model)")
     items: list[GenerateItem] = []
     for i in range(size):
         for _ in range(n):
@@ -182,6 +210,7 @@ def parse_generate(body: Any) -> tuple[list[GenerateItem], bool, bool]:
                 input_ids=None if text is not None else list(prompts[i]), params=params[i],
                 return_logprob=bool(logprob[i]), logprob_start_len=int(start[i]), top_logprobs_num=int(top[i]),
                 return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)), index=len(items),
+                lora=loras[i],
             ))
     return items, not batched and n == 1, bool(body.get("stream", False))
 
@@ -251,6 +280,7 @@ SUCCESS_FLAG_ROUTES: dict[str, dict[str, Any]] = {
     "/begin_weight_update": {}, "/end_weight_update": {},
 }
 PLAIN_TEXT_ROUTES = ("/flush_cache",)
+LORA_ROUTES = ("/load_lora_adapter", "/unload_lora_adapter", "/load_lora_adapter_from_tensors")
 
 
 def refusal(path: str, message: str) -> dict[str, Any] | str:
@@ -259,6 +289,8 @@ def refusal(path: str, message: str) -> dict[str, Any] | str:
         return {"success": False, "message": message, **SUCCESS_FLAG_ROUTES[path]}
     if path in PLAIN_TEXT_ROUTES:
         return f"{message}\n"
+    if path in LORA_ROUTES:  # SGLang's LoRAUpdateOutput; the server adds loaded_adapters
+        return {"success": False, "error_message": message}
     return {"error": {"message": message}}
 
 

@@ -30,6 +30,10 @@ admitted in one step that share a prompt (GRPO's n samples) are prefilled in two
 second copies what the first computed. Kept rows are evicted when running rows need the room,
 and dropped on a flush and on every weight load (their KV came from the old weights).
 
+LoRA: a request may name an adapter (``Request.lora``); each step groups its rows by adapter
+(``engine.lora.LoRABatch``), at most ``--max-loras-per-batch`` adapters run at once, and cached
+prefixes are reused only under the same adapter. Adapters are added and removed by commands.
+
 Every output token records the weight version that produced it; this module knows nothing of HTTP.
 """
 
@@ -48,6 +52,7 @@ from typing import Any, Callable
 import torch
 
 from inverted.engine import grammar
+from inverted.engine.lora import Adapter, Adapters, LoRABatch
 from inverted.engine.model import CausalLM, KVCache
 from inverted.engine.sampling import SamplingParams, sample, top_logprobs
 from inverted.errors import EngineError, InvalidRequest
@@ -72,6 +77,7 @@ class Request:
     stream: bool = False
     generator: torch.Generator | None = None  # only for requests with a sampling_seed
     matcher: Any = None  # only for constrained requests (json_schema, regex): see engine.grammar
+    lora: str | None = None  # the LoRA adapter it runs with (SGLang's lora_path); None: the base model
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_versions: list[str] = field(default_factory=list)
@@ -105,7 +111,7 @@ class Scheduler:
 
     def __init__(self, model: CausalLM, *, max_running: int, context_length: int, max_prefill_tokens: int,
                  weight_version: str, stop_checker: Callable[[Request], str | None], random_seed: int | None = None,
-                 reuse_prefixes: bool = True, update_timeout: float = 300.0):
+                 reuse_prefixes: bool = True, update_timeout: float = 300.0, adapters: Adapters | None = None):
         self.model = model
         self.max_running = max_running
         self.context_length = context_length
@@ -117,7 +123,9 @@ class Scheduler:
         self._incoming: collections.deque[Request] = collections.deque()  # submissions, under _cond
         self.running: list[Request] = []  # running[i] owns cache row i
         self.reuse_prefixes = reuse_prefixes
-        self.prefixes: dict[int, list[int]] = {}  # kept row (>= len(running)) -> the tokens whose KV it holds
+        # kept row (>= len(running)) -> the adapter and the tokens whose KV it holds
+        self.prefixes: dict[int, tuple[str | None, list[int]]] = {}
+        self.adapters = adapters  # with --enable-lora
         self.paused: str | None = None
         self.updating = False  # inside /begin_weight_update ... /end_weight_update: nothing steps
         self.update_timeout = update_timeout
@@ -286,6 +294,36 @@ class Scheduler:
             self.cache.reserve(KVCache.GROW)
         self.memory_released = False
 
+    def add_adapter(self, adapter: Adapter) -> None:
+        """Load a checked LoRA adapter (a command: between steps, so no step sees half of it)."""
+        self._lora().add(adapter)
+        self.forget_prefixes()  # a prefix cached under an earlier adapter of this name must not be reused
+        self.stats["lora_loads"] += 1
+
+    def remove_adapter(self, name: str) -> None:
+        """Unload an adapter. Never waits on its requests (an engine paused in place would deadlock):
+        a request that would step without its adapter is aborted then, unless one of its name is loaded
+        again first, as a weight sync does (unload, load, continue)."""
+        self._lora().remove(name)
+        self.forget_prefixes()
+
+    def _lora(self) -> Adapters:
+        if self.adapters is None:
+            raise InvalidRequest("LoRA is not enabled on this server: start it with --enable-lora")
+        return self.adapters
+
+    def _adapter(self, req: Request) -> Adapter | None:
+        return None if req.lora is None else self._lora().loaded[req.lora]
+
+    def _abort_orphans(self) -> None:
+        """Finish the running requests whose adapter has been unloaded."""
+        if self.adapters is None:
+            return
+        orphans = [i for i, r in enumerate(self.running) if r.lora is not None and r.lora not in self.adapters.loaded]
+        for i in orphans:
+            self._finish(self.running[i], _unloaded(self.running[i].lora))
+        self._release_rows(orphans, keep=False)
+
     # ---- the loop ------------------------------------------------------------------------
 
     def run(self) -> None:
@@ -331,6 +369,7 @@ class Scheduler:
         return bool(self.running) or (queued and not self._barrier_pending())
 
     def _step(self) -> None:
+        self._abort_orphans()
         if not self._barrier_pending():
             started = time.perf_counter()
             self._admit()
@@ -352,9 +391,19 @@ class Scheduler:
         budget = self.max_prefill_tokens
         first: list[Request] = []
         second: list[Request] = []
+        loras = {r.lora for r in self.running} - {None}
         while self.waiting and len(self.running) + len(second) < self.max_running and (budget > 0 or not first):
-            req = self.waiting.popleft()
-            shared = max((common_prefix(f.input_ids, req.input_ids) for f in first), default=0) if self._reuses(req) else 0
+            req = self.waiting[0]
+            if req.lora is not None:
+                if req.lora not in self._lora().loaded:
+                    self._finish(self.waiting.popleft(), _unloaded(req.lora))
+                    continue
+                if req.lora not in loras and len(loras) >= self.adapters.max_per_batch:
+                    break  # --max-loras-per-batch: it waits (first in line) for a running adapter to finish
+                loras.add(req.lora)
+            self.waiting.popleft()
+            shared = max((common_prefix(f.input_ids, req.input_ids) for f in first if f.lora == req.lora),
+                         default=0) if self._reuses(req) else 0
             if shared >= SHARED_PREFIX_MIN:
                 second.append(req)
                 budget -= len(req.input_ids) - shared
@@ -380,7 +429,9 @@ class Scheduler:
         tokens = [(r.input_ids + r.output_ids)[:-1] if r.output_ids else r.input_ids for r in batch]
         rows = list(range(len(self.running) - len(batch), len(self.running)))  # admitted last, so at the end
         starts = [r.cached_tokens for r in batch]
-        hidden = self.model.prefill(self.cache, rows, [ids[start:] for ids, start in zip(tokens, starts)], starts)
+        fresh_ids = [ids[start:] for ids, start in zip(tokens, starts)]
+        lora = LoRABatch.of([self._adapter(r) for r in batch], [len(t) for t in fresh_ids], self.model.device)
+        hidden = self.model.prefill(self.cache, rows, fresh_ids, starts, lora)
         fresh: list[tuple[Request, torch.Tensor]] = []
         for req, ids, states in zip(batch, tokens, hidden):
             req.computed = len(ids)
@@ -414,7 +465,8 @@ class Scheduler:
     def _decode(self) -> None:
         tokens = [r.output_ids[-1] for r in self.running]
         positions = [r.computed for r in self.running]
-        hidden = self.model.decode(self.cache, tokens, positions)
+        lora = LoRABatch.of([self._adapter(r) for r in self.running], None, self.model.device)
+        hidden = self.model.decode(self.cache, tokens, positions, lora)
         for req in self.running:
             req.computed += 1
         self._sample_and_check(self.running, self.model.logits(hidden))
@@ -480,8 +532,8 @@ class Scheduler:
         row = len(self.running)
         source, length = None, 0
         if self._reuses(req):
-            held = [(kept, tokens, len(tokens)) for kept, tokens in self.prefixes.items()]
-            held += [(i, r.input_ids, r.computed) for i, r in enumerate(self.running) if r.lends_kv]
+            held = [(kept, tokens, len(tokens)) for kept, (lora, tokens) in self.prefixes.items() if lora == req.lora]
+            held += [(i, r.input_ids, r.computed) for i, r in enumerate(self.running) if r.lends_kv and r.lora == req.lora]
             for kept, tokens, valid in held:
                 shared = min(common_prefix(tokens, req.input_ids), valid)
                 if shared > length:
@@ -516,7 +568,11 @@ class Scheduler:
                 self.running[row] = moved
             self.running.pop()
             if keep and done.computed and done.lends_kv:
-                self.prefixes[last] = (done.input_ids + done.output_ids)[: done.computed]
+                self.prefixes[last] = (done.lora, (done.input_ids + done.output_ids)[: done.computed])
+
+
+def _unloaded(name: str | None) -> dict[str, Any]:
+    return {"type": "abort", "message": f"LoRA adapter {name!r} was unloaded", "status_code": None, "err_type": None}
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -9,6 +9,10 @@ are 400 in the route's shape (``protocol.refusal``); malformed or mistyped contr
 ``400 {"object": "error", ...}``. Anything else is our bug: 500, with the traceback logged by the
 server. A failing request never disturbs the others.
 
+LoRA (``--enable-lora``): ``/load_lora_adapter``, ``/load_lora_adapter_from_tensors`` and
+``/unload_lora_adapter`` answer SGLang's ``{success, error_message, loaded_adapters}`` (400 on a
+refusal), and ``/generate`` takes ``lora_path`` per item (``engine.lora``).
+
 ``/health`` answers from the scheduler's liveness (a paused engine stays healthy, so the router
 does not evict it during a weight update); ``/health_generate`` runs SGLang's 1-token probe.
 ``/metrics`` adds ``inverted:*`` counters to SGLang's: time spent in prefill and decode, and for
@@ -43,10 +47,12 @@ from inverted.engine.model import load_model
 from inverted.engine.sampling import SamplingParams
 from inverted.engine.scheduler import Request as EngineRequest
 from inverted.engine.scheduler import Scheduler, WeightLoad, new_rid
-from inverted.engine.weights import RecentBuckets, UpdateGroups, decode_tensor_payloads, read_checkpoint
+from inverted.engine.lora import startup_adapters
+from inverted.engine.weights import RecentBuckets, UpdateGroups, decode_payloads, decode_tensor_payloads, read_checkpoint
 from inverted.errors import EngineError, InvalidRequest, ModelError, SchemaError, Unauthorized
 from inverted.hf_checkpoint import ARCHITECTURES
 from inverted.limits import BodyLimit, cannot_fit, max_token_chars, parse_json
+from inverted.peft_adapter import read_adapter
 from inverted.processes import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
@@ -80,6 +86,7 @@ class Engine:
         self.inflight: dict[str, EngineRequest] = {}
         self.groups = UpdateGroups(timeout=config.weight_update_timeout)
         self.recent_buckets = RecentBuckets()
+        self.scheduler.adapters = startup_adapters(config, model) if config.enable_lora else None
 
     def grammar_matcher(self, params: SamplingParams) -> Any | None:
         """The matcher of a request's ``json_schema`` or ``regex`` (None without one)."""
@@ -180,6 +187,8 @@ def _refusal(request: Request, message: str) -> Response:
     body = P.refusal(request.url.path, message)
     if isinstance(body, str):
         return PlainTextResponse(body, status_code=400)
+    if request.url.path in P.LORA_ROUTES:
+        body["loaded_adapters"] = _loaded_adapters(request.app.state.engine)
     return JSONResponse(body, status_code=400)
 
 
@@ -199,6 +208,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ModelError)
     async def weights_do_not_fit(request: Request, exc: ModelError) -> Response:
+        if request.url.path in P.LORA_ROUTES:
+            return _refusal(request, f"Failed to load the LoRA adapter: {exc}. Nothing was changed.")
         return _refusal(request, f"Failed to update weights: {exc}. Rolled back to the previous weights.")
 
     @app.exception_handler(Exception)
@@ -277,6 +288,10 @@ def _add_generate_routes(app: FastAPI) -> None:
             prompts = [_prepare(engine, item) for item in items]  # validate all before submitting any
         if len({i.rid for i in items}) != len(items):
             raise InvalidRequest("Duplicate request ID detected within the batch.")
+        if any(item.lora is not None for item in items):
+            if engine.scheduler.adapters is None:
+                raise InvalidRequest("lora_path needs a server started with --enable-lora")
+            engine.scheduler.adapters.check_requested([item.lora for item in items])
         matchers = [engine.grammar_matcher(item.params) for item in items]  # a bad constraint: 400, nothing runs
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
@@ -287,7 +302,8 @@ def _add_generate_routes(app: FastAPI) -> None:
 
             req = EngineRequest(rid=item.rid, input_ids=ids, params=item.params, notify=notify,
                                 return_logprob=item.return_logprob, logprob_start_len=item.logprob_start_len,
-                                top_logprobs_num=item.top_logprobs_num, matcher=matcher, stream=stream)
+                                top_logprobs_num=item.top_logprobs_num, matcher=matcher, stream=stream,
+                                lora=item.lora)
             reqs.append(req)
             engine.inflight[item.rid] = req
         for req in reqs:
@@ -460,6 +476,8 @@ def _add_control_routes(app: FastAPI) -> None:
         await asyncio.to_thread(engine.groups.destroy, body.group_name)
         return _success("Succeeded to destroy custom process group.")
 
+    _add_lora_routes(app, admin)
+
     @app.api_route("/get_weights_by_name", methods=["GET", "POST"], dependencies=admin)
     async def get_weights_by_name(body: P.GetWeightsByNameRequest, engine: EngineDep) -> JSONResponse:
         view = engine.scheduler.model.hf_views.get(body.name)
@@ -477,6 +495,49 @@ def _add_control_routes(app: FastAPI) -> None:
     async def resume_memory_occupation(body: P.MemoryOccupationRequest, engine: EngineDep) -> JSONResponse:
         await engine.run(lambda: engine.scheduler.resume_memory(body.tags or ["weights", "kv_cache", "cuda_graph"]))
         return JSONResponse(None)
+
+
+def _loaded_adapters(engine: Engine) -> dict[str, str | None]:
+    return engine.scheduler.adapters.names() if engine.scheduler.adapters is not None else {}
+
+
+def _add_lora_routes(app: FastAPI, admin: list) -> None:
+    """SGLang's LoRA routes. They change what the server runs, so they need the admin key (SGLang
+    served them without one and got a remote-code-execution CVE for it). An adapter is read and
+    checked whole on a worker thread, then added between steps: a bad one changes nothing."""
+
+    def lora_of(engine: Engine):
+        if engine.scheduler.adapters is None:
+            raise InvalidRequest("LoRA is not enabled on this server: start it with --enable-lora")
+        return engine.scheduler.adapters
+
+    async def add(engine: Engine, build: Callable[[], Any]) -> JSONResponse:
+        adapters = lora_of(engine)
+        adapter = await asyncio.to_thread(build)
+        await engine.run(lambda: engine.scheduler.add_adapter(adapter))
+        return JSONResponse({"success": True, "error_message": None, "loaded_adapters": adapters.names()})
+
+    @app.post("/load_lora_adapter", dependencies=admin)
+    async def load_lora_adapter(body: P.LoadLoRAAdapterRequest, engine: EngineDep) -> JSONResponse:
+        def build():
+            config, tensors = read_adapter(body.lora_path)
+            return lora_of(engine).build(body.lora_name, config, tensors, path=body.lora_path, pinned=body.pinned)
+
+        return await add(engine, build)
+
+    @app.post("/load_lora_adapter_from_tensors", dependencies=admin)
+    async def load_lora_adapter_from_tensors(body: P.LoadLoRAAdapterFromTensorsRequest, engine: EngineDep) -> JSONResponse:
+        def build():
+            named, _ = decode_payloads(body.payloads(), body.load_format, engine.scheduler.model.device)
+            return lora_of(engine).build(body.lora_name, body.config_dict, dict(named), pinned=body.pinned)
+
+        return await add(engine, build)
+
+    @app.post("/unload_lora_adapter", dependencies=admin)
+    async def unload_lora_adapter(body: P.UnloadLoRAAdapterRequest, engine: EngineDep) -> JSONResponse:
+        adapters = lora_of(engine)
+        await engine.run(lambda: engine.scheduler.remove_adapter(body.lora_name))
+        return JSONResponse({"success": True, "error_message": None, "loaded_adapters": adapters.names()})
 
 
 def _model_info(engine: Engine) -> dict[str, Any]:
@@ -504,7 +565,17 @@ def _server_info(engine: Engine) -> dict[str, Any]:
         "max_req_input_len": engine.context_length - 1, "startup_time": engine.started,
         "internal_states": [{**engine.scheduler.load(), **engine.scheduler.stats}],
         "version": "0.5.23", "frontend": "python", "engine": "inverted-embedded",
+        **_lora_info(engine),
     }
+
+
+def _lora_info(engine: Engine) -> dict[str, Any]:
+    adapters = engine.scheduler.adapters
+    if adapters is None:
+        return {"enable_lora": False}
+    return {"enable_lora": True, "max_lora_rank": adapters.max_rank, "lora_target_modules": list(adapters.modules),
+            "max_loras_per_batch": adapters.max_per_batch, "max_loaded_loras": adapters.max_loaded,
+            "loaded_lora_adapters": adapters.names()}
 
 
 def _add_info_routes(app: FastAPI) -> None:

@@ -95,13 +95,24 @@ class RecentBuckets:
 
 def decode_tensor_payloads(model, payloads: list[str], load_format: str | None, recent: RecentBuckets | None = None) -> Named:
     """The named tensors of an ``/update_weights_from_tensor`` request for TP rank 0, checked."""
+    if load_format == "flattened_bucket" and recent is not None and len(payloads) == TP_SIZE and (
+            named := recent.get(payloads[0])) is not None:
+        return named
+    named, flat = decode_payloads(payloads, load_format, model.device)
+    check_fits(model, named)
+    if recent is not None and flat is not None and flat.device.type == "cpu" and flat.is_shared():
+        recent.keep(payloads[0], flat, named)  # CUDA-IPC memory is not held on to
+    return named
+
+
+def decode_payloads(payloads: list[str], load_format: str | None, device: torch.device) -> tuple[Named, torch.Tensor | None]:
+    """TP rank 0's named tensors of a tensor request (weights or a LoRA adapter), unchecked, and the
+    flat buffer they view (a flattened bucket's; None otherwise)."""
     if load_format not in LOAD_FORMATS:
         raise InvalidRequest(f"load_format must be one of {list(LOAD_FORMATS)} on this engine, got {load_format!r}")
     if len(payloads) != TP_SIZE:
         raise InvalidRequest(f"serialized_named_tensors has {len(payloads)} entries: one per server TP rank "
                              f"is needed, and this server has {TP_SIZE}")
-    if load_format == "flattened_bucket" and recent is not None and (named := recent.get(payloads[0])) is not None:
-        return named
     obj = deserialize(payloads[0])
     flat = None
     if load_format == "flattened_bucket":
@@ -111,16 +122,15 @@ def decode_tensor_payloads(model, payloads: list[str], load_format: str | None, 
         named = unflatten(obj["flattened_tensor"], obj["metadata"])
         flat = obj["flattened_tensor"]
     else:
+        if isinstance(obj, dict):  # a LoRA adapter's tensors, as SGLang's senders pickle them
+            obj = list(obj.items())
         if not isinstance(obj, list) or not all(isinstance(e, tuple) and len(e) == 2 for e in obj):
             raise InvalidRequest("a payload must decode to a list of (name, tensor) pairs")
         named = [(name, value.get(0) if isinstance(value, LocalSerializedTensor) else value) for name, value in obj]
         if not all(isinstance(name, str) and isinstance(t, torch.Tensor) for name, t in named):
             raise InvalidRequest("a payload must decode to a list of (name, tensor) pairs")
-        named = [(name, t.to(model.device)) for name, t in named]
-    check_fits(model, named)
-    if recent is not None and flat is not None and flat.device.type == "cpu" and flat.is_shared():
-        recent.keep(payloads[0], flat, named)  # CUDA-IPC memory is not held on to
-    return named
+        named = [(name, t.to(device)) for name, t in named]
+    return named, flat
 
 
 class UpdateGroups:

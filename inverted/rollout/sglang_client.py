@@ -28,7 +28,7 @@ def _check_success(reply: Reply, body: Any) -> dict[str, Any]:
     if not isinstance(body, dict) or "success" not in body:
         raise ProtocolError("expected {success, message}", url=reply.url, status=reply.status_code, body=reply.text)
     if not body["success"]:
-        raise ProtocolError(body.get("message", "failed"), url=reply.url, status=reply.status_code, body=reply.text)
+        raise ProtocolError(body.get("message") or body.get("error_message") or "failed", url=reply.url, status=reply.status_code, body=reply.text)
     return body
 
 
@@ -129,7 +129,8 @@ class SGLangClient(HTTPService):
             response = await self._post(path, body, timeout=self.timeouts.weights, idempotent=False)
         except ProtocolError as exc:
             try:
-                message = orjson.loads(exc.body).get("message", "")
+                body = orjson.loads(exc.body)
+                message = body.get("message") or body.get("error_message") or ""
             except (ValueError, AttributeError):
                 message = ""
             raise ProtocolError(f"POST {path} failed: {message or 'rejected'}", url=exc.url, status=exc.status,
@@ -173,6 +174,24 @@ class SGLangClient(HTTPService):
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
         await self._update("/destroy_weights_update_group", {"group_name": group_name})
+
+    async def load_lora_adapter(self, name: str, path: str, *, pinned: bool = False) -> dict[str, Any]:
+        """``{success, error_message, loaded_adapters}``; a refusal raises ProtocolError with its message."""
+        return await self._update("/load_lora_adapter", {"lora_name": name, "lora_path": path, "pinned": pinned})
+
+    async def load_lora_adapter_from_tensors(self, name: str, config: dict[str, Any], payloads: list[str], *,
+                                             load_format: str | None = "flattened_bucket") -> dict[str, Any]:
+        """``config``: PEFT's adapter_config; ``payloads``: one serialized entry per server TP rank."""
+        return await self._update("/load_lora_adapter_from_tensors", {
+            "lora_name": name, "config_dict": config, "serialized_named_tensors": payloads, "load_format": load_format})
+
+    async def unload_lora_adapter(self, name: str, *, missing_ok: bool = False) -> dict[str, Any] | None:
+        try:
+            return await self._update("/unload_lora_adapter", {"lora_name": name})
+        except ProtocolError as exc:
+            if missing_ok and exc.status == 400 and "not loaded" in str(exc):
+                return None
+            raise
 
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         response = await self._post("/get_weights_by_name", {"name": name, "truncate_size": truncate_size})

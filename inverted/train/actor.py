@@ -76,7 +76,7 @@ class TrainActor:
 
         if self.sync is None:
             self.sync = make_weight_sync(self.cfg.sync, self.cfg.hf_checkpoint, self.cfg.output_dir, urls,
-                                         api_key=api_key)
+                                         api_key=api_key, adapter=self.trainer.adapter_config())
         # A changed server set (a replaced server, or one new server getting the current weights)
         # reuses this sync and its buckets: the servers may still map the buckets' shared memory.
         self.sync.urls = list(urls)

@@ -7,7 +7,9 @@ parallel layout, the counters), ``SAVE/hf_config/`` (the HF config and tokenizer
 ``SAVE/latest`` (the last complete iteration, written after every rank has finished, so a crash
 mid-save leaves the previous one in force). Resuming
 restores everything the next step depends on, so it reproduces the uninterrupted run; it
-requires the same parallel layout (``export-hf`` turns any checkpoint into HF tensors).
+requires the same parallel layout (``export-hf`` turns any checkpoint into HF tensors). A LoRA run
+saves its adapter only (the base weights are the ``--hf-checkpoint``'s, frozen) and its PEFT
+config in ``meta.json``; resuming needs the same adapter config.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 import torch
 
 from inverted.errors import ModelError
+from inverted.train.lora import is_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -90,14 +93,18 @@ def save_checkpoint(trainer, root: str | Path) -> Path:
     """Write this rank's part of the checkpoint; rank 0 marks it latest once all ranks are done."""
     directory = Path(root) / f"iter_{trainer.rollout_id:07d}"
     directory.mkdir(parents=True, exist_ok=True)
-    torch.save({"model": trainer.model.module.state_dict(), "optimizer": trainer.optimizer.state_dict(),
+    model = trainer.model.module.state_dict()
+    if trainer.lora is not None:  # the base weights are the --hf-checkpoint's, unchanged: only the adapter is saved
+        model = {name: value for name, value in model.items() if is_adapter(name)}
+    torch.save({"model": model, "optimizer": trainer.optimizer.state_dict(),
                 "optimizer_shards": _shard_states(trainer), "rng": _rng_state()}, directory / _rank_name())
     rank = torch.distributed.get_rank()
     if rank == 0:
         _copy_hf_files(trainer.cfg.hf_checkpoint, Path(root) / HF_FILES_DIR)
         meta = {"spec": dataclasses.asdict(trainer.spec), "parallel": dataclasses.asdict(trainer.parallel),
                 "world_size": torch.distributed.get_world_size(), "rollout_id": trainer.rollout_id,
-                "optimizer_steps": trainer.optimizer_steps}
+                "optimizer_steps": trainer.optimizer_steps,
+                "lora": trainer.lora.to_peft(str(Path(trainer.cfg.hf_checkpoint).resolve())) if trainer.lora else None}
         (directory / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     torch.distributed.barrier()
     if rank == 0:
@@ -137,8 +144,13 @@ def load_checkpoint(trainer, root: str | Path) -> Path:
     if meta["parallel"] != dataclasses.asdict(trainer.parallel) or meta["world_size"] != torch.distributed.get_world_size():
         raise ModelError(f"--load {directory}: saved with parallel layout {meta['parallel']} on {meta['world_size']} "
                          f"ranks; this run has {dataclasses.asdict(trainer.parallel)} on {torch.distributed.get_world_size()}")
+    saved, ours = meta.get("lora"), trainer.lora.to_peft() if trainer.lora else None
+    if (saved and {**saved, "base_model_name_or_path": ""}) != ours:
+        raise ModelError(f"--load {directory}: saved with LoRA {saved}; this run has LoRA {ours}")
     state = torch.load(directory / _rank_name(), weights_only=True)
-    trainer.model.module.load_state_dict(state["model"])
+    missing, unexpected = trainer.model.module.load_state_dict(state["model"], strict=ours is None)
+    if unexpected or any(is_adapter(name) for name in missing):
+        raise ModelError(f"--load {directory}: its adapter does not fit this model ({(unexpected or missing)[:3]})")
     trainer.optimizer.load_state_dict(state["optimizer"])
     _load_shard_states(trainer, state.get("optimizer_shards", []))
     _set_rng_state(state["rng"])

@@ -29,6 +29,7 @@ import torch
 
 from inverted.errors import ModelError
 from inverted.hf_checkpoint import ModelSpec
+from inverted.train.lora import is_adapter
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +135,11 @@ def check_compatible(spec: ModelSpec, tp_size: int, pp_size: int = 1) -> None:
         raise ModelError(f"--pipeline-model-parallel-size {pp_size} does not divide the model's {spec.num_layers} layers")
 
 
+def base_parameters(model) -> dict[str, torch.nn.Parameter]:
+    """The model's own parameters by name: LoRA adapters (``train/lora.py``) are not in the name table."""
+    return {name: p for name, p in model.named_parameters() if not is_adapter(name)}
+
+
 def _layer_offset(model) -> int:
     layers = getattr(getattr(model, "decoder", None), "layers", None)
     return layers[0].layer_number - 1 if layers is not None and len(layers) else 0
@@ -148,7 +154,7 @@ def mark_tensor_parallel(model) -> None:
     """
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
-    params = dict(model.named_parameters())
+    params = base_parameters(model)
     for name, (row, _) in rows_for(list(params), _layer_offset(model), model.share_embeddings_and_output_weights).items():
         for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):  # biases already have them
             if hasattr(params[name], attr):
@@ -165,7 +171,7 @@ def load_hf_weights(model, spec: ModelSpec, tensors: dict[str, torch.Tensor]) ->
     from megatron.core import parallel_state
 
     tp_size, tp_rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
-    params = dict(model.named_parameters())
+    params = base_parameters(model)
     with torch.no_grad():
         for name, (row, prefix) in rows_for(list(params), _layer_offset(model), spec.tie_word_embeddings).items():
             missing = [prefix + n for n in row.hf if prefix + n not in tensors]
@@ -193,7 +199,7 @@ def _stage_hf_weights(model, spec: ModelSpec) -> Iterator[tuple[str, torch.Tenso
 
     group = parallel_state.get_tensor_model_parallel_group()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    params = dict(model.named_parameters())
+    params = base_parameters(model)
 
     def shards_of(name: str, row: Row) -> list[torch.Tensor]:
         local = params[name].detach()
@@ -220,10 +226,10 @@ def iter_hf_weights(model, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]
     local = _stage_hf_weights(model, spec)
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
         return local
-    return _over_pipeline(local, next(model.parameters()).device)
+    return over_pipeline(local, next(model.parameters()).device)
 
 
-def _over_pipeline(local: Iterator[tuple[str, torch.Tensor]], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+def over_pipeline(local: Iterator[tuple[str, torch.Tensor]], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
     """``local`` on the first stage, then each later stage's tensors as its TP rank 0 sends them (name, then tensor)."""
     from megatron.core import parallel_state
 

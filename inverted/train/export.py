@@ -5,6 +5,10 @@ per pipeline stage, its tensor-parallel shards are merged with the name table of
 (a stage's local layer numbers shifted by the layers of the stages before it). It writes
 ``model.safetensors`` next to the config and tokenizer the checkpoint was trained from, so
 ``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` loads the trained policy.
+
+A LoRA checkpoint exports as a PEFT adapter directory (``adapter_config.json``,
+``adapter_model.safetensors``) that ``peft.PeftModel.from_pretrained(base, DIR)`` loads; with
+``--merge-lora`` the adapter is folded into the base weights it was trained on, as a full model.
 """
 
 from __future__ import annotations
@@ -17,29 +21,43 @@ import torch
 from safetensors.torch import save_file
 
 from inverted.errors import ModelError
-from inverted.hf_checkpoint import ModelSpec
+from inverted.hf_checkpoint import ModelSpec, checkpoint_tensors
+from inverted.peft_adapter import LoRAConfig, write_adapter
 from inverted.train.checkpoint import HF_FILES_DIR, latest_iteration, rank_file, read_meta
 from inverted.train.convert import assembled_hf, layer_param
+from inverted.train.lora import adapter_from_shards, merged
 
 logger = logging.getLogger(__name__)
 
 
-def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
+def export_hf(checkpoint: str | Path, out: str | Path, merge_lora: bool = False) -> Path:
     root = Path(checkpoint)
     directory = latest_iteration(root) or root
     meta = read_meta(directory)
     spec = ModelSpec(**{**meta["spec"], "eos_token_ids": tuple(meta["spec"]["eos_token_ids"])})
+    lora = meta.get("lora")
     tensors: dict[str, torch.Tensor] = {}
     layers_before = 0
     for stage in range(meta["parallel"]["pipeline"]):
         shards = [torch.load(directory / rank_file(tp, stage, 0), weights_only=True)["model"]
                   for tp in range(meta["parallel"]["tensor"])]
         names = [name for name in shards[0] if not name.endswith("_extra_state")]
-        tensors.update(assembled_hf(spec, names, lambda name, row: [shard[name] for shard in shards], layers_before))
+        if lora:
+            tensors.update(adapter_from_shards(shards, layers_before))
+        else:
+            tensors.update(assembled_hf(spec, names, lambda name, row: [shard[name] for shard in shards], layers_before))
         layers_before += len({layer[0] for layer in map(layer_param, names) if layer is not None})
     if layers_before != spec.num_layers:
         raise ModelError(f"{directory}: its stages hold {layers_before} layers, the model has {spec.num_layers}")
     out = Path(out)
+    if lora and not merge_lora:
+        write_adapter(out, LoRAConfig.from_peft(lora), tensors, lora["base_model_name_or_path"])
+        logger.info("exported the LoRA adapter of %s (%d tensors) to %s", directory, len(tensors), out)
+        return out
+    if lora:
+        tensors = merged(checkpoint_tensors(lora["base_model_name_or_path"]), LoRAConfig.from_peft(lora), tensors)
+    elif merge_lora:
+        raise ModelError(f"--merge-lora: {directory} was not trained with LoRA")
     out.mkdir(parents=True, exist_ok=True)
     for item in (root / HF_FILES_DIR).iterdir():
         shutil.copy(item, out / item.name)

@@ -66,10 +66,10 @@ def transformer_config(spec: ModelSpec, parallel: Parallelism, dtype: torch.dtyp
     )
 
 
-def layer_spec(spec: ModelSpec):
+def layer_spec(spec: ModelSpec, te: bool):
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if use_transformer_engine():
+    if te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
     from inverted.train.attention import PackedAttention
 
@@ -78,15 +78,19 @@ def layer_spec(spec: ModelSpec):
     return layer
 
 
-def build_model(spec: ModelSpec, parallel: Parallelism, dtype: torch.dtype = torch.float32):
-    """This rank's stage of the policy (pre/post-processing only on the first/last pipeline stage)."""
+def build_model(spec: ModelSpec, parallel: Parallelism, dtype: torch.dtype = torch.float32, te: bool | None = None):
+    """This rank's stage of the policy (pre/post-processing only on the first/last pipeline stage).
+
+    ``te``: Transformer Engine's layer spec (default: where TE can run). LoRA asks for the local spec:
+    TE fuses the input LayerNorm into ``linear_qkv``, which hides the normalised input an adapter needs.
+    """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
     config = transformer_config(spec, parallel, dtype)
-    te = use_transformer_engine()
+    te = use_transformer_engine() if te is None else te
     model = GPTModel(
-        config=config, transformer_layer_spec=layer_spec(spec), vocab_size=spec.vocab_size,
+        config=config, transformer_layer_spec=layer_spec(spec, te), vocab_size=spec.vocab_size,
         max_sequence_length=spec.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
         # Without TE, PackedAttention rotates queries and keys itself (train/attention.py).

@@ -32,7 +32,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -42,8 +42,9 @@ from inverted.config import TrainConfig, to_flags
 from inverted.errors import SampleError
 from inverted.hf_checkpoint import ModelSpec, checkpoint_tensors
 from inverted.plugins import LossPlugins
-from inverted.train import losses, slime_loss
-from inverted.train.convert import check_compatible, gather_hf_weights, iter_hf_weights, load_hf_weights
+from inverted.peft_adapter import read_adapter
+from inverted.train import lora, losses, slime_loss
+from inverted.train.convert import check_compatible, gather_hf_weights, iter_hf_weights, load_hf_weights, over_pipeline
 from inverted.train.logprobs import token_logprobs_and_entropy
 from inverted.train.model import Parallelism, build_model, use_transformer_engine
 from inverted.train.optimizer import build_optimizer
@@ -135,19 +136,27 @@ class Trainer:
                                     layout.context_parallel_size, layout.expert_model_parallel_size)
         self.dtype = torch.bfloat16 if cfg.bf16 else torch.float32
         # Our PyTorch attention (not TE's) takes segments whose responses share their prompt.
-        self.packed_attention = not use_transformer_engine()
+        self.te = use_transformer_engine() and not cfg.lora.enabled  # see build_model
+        self.packed_attention = not self.te
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         hf_weights = checkpoint_tensors(cfg.hf_checkpoint)
-        model = build_model(self.spec, self.parallel, self.dtype)
+        model = build_model(self.spec, self.parallel, self.dtype, self.te)
         load_hf_weights(model, self.spec, hf_weights)
+        a = cfg.lora
+        self.lora = lora.lora_config(a.lora_rank, a.lora_alpha, a.lora_dropout, a.target_modules, a.lora_adapter_path)
+        if self.lora is not None:
+            lora.attach(model, self.spec, self.lora, cfg.seed)
+            if a.lora_adapter_path:
+                lora.load_adapter(model, self.spec, self.lora, read_adapter(a.lora_adapter_path)[1])
         self.distributed_optimizer = torch.cuda.is_available() and cfg.optim.use_distributed_optimizer
         self.model = DistributedDataParallel(
             model.config, DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=self.distributed_optimizer),
             model)
         self.optimizer = build_optimizer(cfg.optim, self.model, bf16=cfg.bf16)
-        self.reference = self._build_reference(hf_weights) if cfg.loss.needs_reference else None
+        # With LoRA the reference is the base model: the policy with its adapters off, no second copy.
+        self.reference = self._build_reference(hf_weights) if cfg.loss.needs_reference and self.lora is None else None
         self.rollout_id = 0  # rollouts trained on so far
         self.optimizer_steps = 0
         self.plugins = LossPlugins.load(cfg.loss)  # slime's loss plug-ins (train/slime_loss.py)
@@ -155,7 +164,7 @@ class Trainer:
 
     def _build_reference(self, hf_weights: dict[str, torch.Tensor]):
         """The frozen policy at its starting point: no gradients, no optimizer state, eval mode."""
-        reference = build_model(self.spec, self.parallel, self.dtype)
+        reference = build_model(self.spec, self.parallel, self.dtype, self.te)
         load_hf_weights(reference, self.spec, hf_weights)
         reference.requires_grad_(False).eval()
         return reference
@@ -221,6 +230,12 @@ class Trainer:
         self._schedule(model, mbs, keep, forward_only=True)
         return self._from_last_stage(out)
 
+    def _reference_logprobs(self, mbs: list[MicroBatch]) -> dict[int, torch.Tensor]:
+        if self.reference is not None:
+            return self._no_grad_logprobs(self.reference, mbs)
+        with lora.disabled(self.model.module):
+            return self._no_grad_logprobs(self.model, mbs)
+
     def _from_last_stage(self, value):
         """``value`` as the last pipeline stage holds it, on every stage (losses and log-probs are computed there)."""
         from megatron.core import parallel_state
@@ -279,7 +294,7 @@ class Trainer:
             rewards = torch.tensor([float(r) for r in processed], dtype=torch.float32)
 
         old_logp = self._no_grad_logprobs(self.model, all_mbs) if len(plan) > 1 else {}
-        ref_logp = self._no_grad_logprobs(self.reference, all_mbs) if self.reference is not None else {}
+        ref_logp = self._reference_logprobs(all_mbs) if loss.needs_reference else {}
         kl_reward = None
         if loss.kl_coef:
             # KL as reward uses the policy that sampled (the rollout log-probs) against the reference.
@@ -416,8 +431,18 @@ class Trainer:
     # -- weights and checkpoints -------------------------------------------------------------
 
     def hf_weights(self) -> dict[str, torch.Tensor]:
-        """The current policy as full Hugging Face tensors (gathered over tensor parallelism)."""
+        """The current policy as full Hugging Face tensors (gathered over tensor parallelism); with
+        LoRA, the base weights (the adapter is ``adapter_weights``)."""
         return gather_hf_weights(self.model.module, self.spec)
+
+    def adapter_config(self) -> dict | None:
+        """A LoRA run's PEFT adapter_config (what the servers load its adapter with); None without LoRA."""
+        return self.lora.to_peft(self.cfg.hf_checkpoint) if self.lora is not None else None
+
+    def adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The LoRA adapter as full tensors with PEFT's names, on the first pipeline stage (every rank iterates)."""
+        local = lora.adapter_tensors(self.model.module)
+        return local if self.parallel.pipeline == 1 else over_pipeline(local, self.device)
 
     def sync_weights(self, sync: WeightSync, version: str) -> SyncReport | None:
         """Push the current policy into the rollout servers; every rank calls this.
@@ -427,7 +452,7 @@ class Trainer:
         """
         from megatron.core import parallel_state
 
-        weights = iter_hf_weights(self.model.module, self.spec)
+        weights = self.adapter_weights() if self.lora is not None else iter_hf_weights(self.model.module, self.spec)
         if torch.distributed.get_rank() == 0:
             return asyncio.run(sync.update(weights, version))
         if parallel_state.get_data_parallel_rank() == 0:

@@ -63,7 +63,8 @@ def step_and_sync(cfg: TrainConfig, samples, urls: list[str], probe: list[int], 
     try:
         trainer = Trainer(cfg)
         trainer.train(samples)
-        report = trainer.sync_weights(make_weight_sync(cfg.sync, cfg.hf_checkpoint, cfg.output_dir, urls), "1")
+        sync = make_weight_sync(cfg.sync, cfg.hf_checkpoint, cfg.output_dir, urls, adapter=trainer.adapter_config())
+        report = trainer.sync_weights(sync, "1")
         tokens = torch.tensor(probe)
         logits = full_logits(trainer, pack([probe], [len(probe) - 1], [0], len(probe))[0])
         logprobs = torch.log_softmax(logits.float(), dim=-1)[:-1].gather(1, tokens[1:, None])[:, 0]
@@ -197,5 +198,30 @@ def straight_and_resumed(cfg: TrainConfig, batches, save: str, out: str) -> None
         weights["resumed"] = resumed.hf_weights()
         if torch.distributed.get_rank() == 0:
             torch.save({k: {n: t.float().cpu() for n, t in w.items()} for k, w in weights.items()}, out)
+    finally:
+        shutdown_parallel()
+
+
+def lora_step(cfg: TrainConfig, out: str) -> None:
+    """A LoRA trainer's logits of a packed batch, then one step: what changed, the adapter, new logits."""
+    from inverted.train.parallel import init_parallel, shutdown_parallel
+    from inverted.train.trainer import Trainer
+
+    init_parallel(cfg.parallel, cfg.seed)
+    try:
+        trainer = Trainer(cfg)
+        samples = make_samples(seed=7)
+        mb = trainer._plan(samples)[0].micro_batches[0]
+        def state() -> dict:  # copies: gathered tensors may be the live parameters themselves
+            return {"logits": full_logits(trainer, mb), "base": {k: v.clone() for k, v in trainer.hf_weights().items()},
+                    "adapter": {k: v.clone() for k, v in trainer.adapter_weights()}}
+
+        before = state()
+        metrics = trainer.train(samples)
+        after = state()
+        trainable = sorted(n for n, p in trainer.model.module.named_parameters() if p.requires_grad)
+        if torch.distributed.get_rank() == 0:
+            rows = dict(zip(mb.indices, mb.sequence_positions()))
+            torch.save({"before": before, "after": after, "metrics": metrics, "rows": rows, "trainable": trainable}, out)
     finally:
         shutdown_parallel()

@@ -30,13 +30,15 @@ __all__ = ["Bucket", "BucketPacker", "DiskTransport", "DistributedTransport", "S
 
 
 def make_weight_sync(cfg: WeightSyncConfig, hf_checkpoint: str, output_dir: str, urls: list[str], *,
-                     api_key: str | None = None) -> WeightSync:
-    """``--update-weight-transport auto``: tensor when every server is on this host, else distributed.
+                     api_key: str | None = None, adapter: dict | None = None) -> WeightSync:
+    """``--update-weight-transport auto``: tensor when every server is on this host, else distributed
+    (a LoRA adapter, ``adapter`` its PEFT config: else disk, as SGLang loads adapters by tensor or path).
     The disk transport writes under ``output_dir`` unless told where, beside ``hf_checkpoint``'s config."""
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     kind = cfg.update_weight_transport
     if kind == "auto":
-        kind = "tensor" if all(address_towards(url) == "127.0.0.1" for url in urls) else "distributed"
+        local = all(address_towards(url) == "127.0.0.1" for url in urls)
+        kind = "tensor" if local else "disk" if adapter is not None else "distributed"
     if kind == "tensor":
         transport: Transport = TensorTransport(device)
     elif kind == "distributed":
@@ -45,4 +47,4 @@ def make_weight_sync(cfg: WeightSyncConfig, hf_checkpoint: str, output_dir: str,
         transport = DiskTransport(device, cfg.update_weight_disk_dir or f"{output_dir}/weight_updates", hf_checkpoint)
     checkpoint_dtype = json.loads((Path(hf_checkpoint) / "config.json").read_text()).get("torch_dtype")
     return WeightSync(transport, urls, buffer_size=cfg.update_weight_buffer_size, pause_mode=cfg.pause_mode,
-                      api_key=api_key, checkpoint_dtype=checkpoint_dtype)
+                      api_key=api_key, checkpoint_dtype=checkpoint_dtype, adapter=adapter)

@@ -20,6 +20,9 @@ live parameters, one at a time). The phases, each timed into the ``SyncReport``:
    cache anyway).
 8. ``continue``: ``/continue_generation``.
 
+A LoRA run replaces steps 3-5 with ``adapter``: its adapter, packed whole into one bucket, is
+unloaded and loaded again under ``POLICY_ADAPTER`` on every server (``Transport.load_adapter``).
+
 If anything fails after the pause, the session is ended and generation continued before the
 error propagates, so a failed update never leaves servers frozen.
 """
@@ -39,7 +42,7 @@ from inverted.errors import ConfigError
 from inverted.rollout.sglang_client import SGLangClient
 from inverted.train.weight_sync.buckets import Bucket, BucketPacker
 from inverted.train.weight_sync.transports import Transport, all_servers
-from inverted.types import PAUSE_MODES, PauseMode
+from inverted.types import PAUSE_MODES, POLICY_ADAPTER, PauseMode
 
 logger = logging.getLogger(__name__)
 
@@ -91,12 +94,15 @@ class WeightSync:
     """Pushes the trainer's weights into every rollout server (the URLs of their SGLang endpoints)."""
 
     def __init__(self, transport: Transport, urls: list[str], *, buffer_size: int, pause_mode: PauseMode = "retract",
-                 api_key: str | None = None, checkpoint_dtype: str | None = None):
+                 api_key: str | None = None, checkpoint_dtype: str | None = None, adapter: dict | None = None):
+        """``adapter``: a LoRA run's PEFT adapter_config; the weights streamed are then that adapter's,
+        loaded whole as ``POLICY_ADAPTER``."""
         if pause_mode not in PAUSE_MODES:
             raise ConfigError(f"--pause-mode must be one of {list(PAUSE_MODES)}, got {pause_mode!r}")
         self.transport, self.urls, self.api_key = transport, list(urls), api_key
         self.buffer_size, self.pause_mode, self.checkpoint_dtype = buffer_size, pause_mode, checkpoint_dtype
         self.packer: BucketPacker | None = None
+        self.adapter = adapter
         self.connected: list[tuple[str, float | None]] = []
 
     def release(self) -> None:
@@ -115,17 +121,21 @@ class WeightSync:
                 await all_servers(s.pause_generation(self.pause_mode) for s in servers)
             began = done = False
             try:
-                if self.transport.needs_session:
-                    with report.timed("begin"):
-                        await all_servers(s.begin_weight_update() for s in servers)
-                    began = True
-                with report.timed("buckets"):
-                    await self._stream(servers, iter(weights), report)
-                with report.timed("finish"):
-                    await self.transport.finish(servers, version)
-                if began:
-                    with report.timed("end"):
-                        await all_servers(s.end_weight_update() for s in servers)
+                if self.adapter is not None:
+                    with report.timed("adapter"):
+                        await self._load_adapter(servers, weights, report)
+                else:
+                    if self.transport.needs_session:
+                        with report.timed("begin"):
+                            await all_servers(s.begin_weight_update() for s in servers)
+                        began = True
+                    with report.timed("buckets"):
+                        await self._stream(servers, iter(weights), report)
+                    with report.timed("finish"):
+                        await self.transport.finish(servers, version)
+                    if began:
+                        with report.timed("end"):
+                            await all_servers(s.end_weight_update() for s in servers)
                 with report.timed("version"):
                     await all_servers(s.update_weight_version(version, abort_all_requests=False) for s in servers)
                 if self.pause_mode != "in_place":
@@ -166,6 +176,18 @@ class WeightSync:
             self.packer = BucketPacker(self.buffer_size, self.transport.allocate, dtype)
         await self.transport.connect(servers, [int(info.get("tp_size", 1)) for info in infos])
         self.connected = identity
+
+    async def _load_adapter(self, servers: list[SGLangClient], weights: Iterable[tuple[str, torch.Tensor]],
+                            report: SyncReport) -> None:
+        """The whole adapter in one bucket (SGLang loads an adapter in one request), replacing the servers' own."""
+        assert self.packer is not None and self.adapter is not None
+        named = list(weights)
+        self.packer.capacity = sum(t.numel() for _, t in named) * self.packer.dtype.itemsize  # the buffer: this size
+        with report.timed("pack"):
+            (bucket,) = self.packer.pack(named)
+        with report.timed("send"):
+            await self.transport.load_adapter(servers, POLICY_ADAPTER, self.adapter, bucket)
+        report.buckets, report.bytes = 1, bucket.nbytes
 
     async def _stream(self, servers: list[SGLangClient], weights: Iterator, report: SyncReport) -> None:
         """Pack bucket k+1 in a worker thread while bucket k is being sent (bucket 0 inline)."""

@@ -12,6 +12,9 @@
   data section: bytes back to back with byte offsets, so the buffer is written as is), then every
   server loads the directory with ``/update_weights_from_disk``.
 
+A LoRA run sends only its adapter, whole, in one bucket (``load_adapter``): by tensor as
+``/load_lora_adapter_from_tensors``, or on disk as a PEFT directory for ``/load_lora_adapter``.
+
 Every method that talks to servers takes the ``SGLangClient`` s of this update; all servers are
 addressed concurrently.
 """
@@ -28,6 +31,8 @@ from urllib.parse import urlparse
 
 import torch
 
+from inverted.errors import ConfigError
+from inverted.peft_adapter import CONFIG_FILE, WEIGHTS_FILE
 from inverted.rollout.sglang_client import SGLangClient
 from inverted.train.weight_sync.buckets import Bucket
 from inverted.weight_wire import UpdateGroup, bucket_payload, join_update_group, route_address
@@ -62,6 +67,11 @@ class Transport(ABC):
 
     async def finish(self, servers: list[SGLangClient], version: str) -> None:
         """After the last bucket."""
+
+    async def load_adapter(self, servers: list[SGLangClient], name: str, config: dict, bucket: Bucket) -> None:
+        """Replace LoRA adapter ``name`` on every server with the one in ``bucket`` (the whole adapter):
+        unload, then load, while generation is paused (``config``: PEFT's adapter_config)."""
+        raise ConfigError(f"the {self.name} transport cannot send a LoRA adapter: use tensor or disk")
 
     async def close(self, servers: list[SGLangClient]) -> None:
         """Release what ``connect`` set up (servers may be gone)."""
@@ -138,6 +148,13 @@ class TensorTransport(Transport):
         await all_servers(server.update_weights_from_tensor([self.payload(bucket) for _ in range(tp)],
                                                             load_format="flattened_bucket")
                           for server, tp in zip(servers, self.tp_sizes))
+
+    async def load_adapter(self, servers: list[SGLangClient], name: str, config: dict, bucket: Bucket) -> None:
+        async def replace(server: SGLangClient, tp: int) -> None:
+            await server.unload_lora_adapter(name, missing_ok=True)
+            await server.load_lora_adapter_from_tensors(name, config, [self.payload(bucket) for _ in range(tp)])
+
+        await all_servers(replace(server, tp) for server, tp in zip(servers, self.tp_sizes))
 
 
 def address_towards(url: str) -> str:
@@ -225,6 +242,23 @@ class DiskTransport(Transport):
         assert self.current is not None, "no bucket was sent"
         shutil.copy(self.config_dir / "config.json", self.current / "config.json")
         await all_servers(server.update_weights_from_disk(str(self.current), flush_cache=False) for server in servers)
+        self._rotate()
+
+    def _rotate(self) -> None:
         if self.previous is not None:  # the servers no longer need it
             shutil.rmtree(self.previous, ignore_errors=True)
         self.previous, self.current = self.current, None
+
+    async def load_adapter(self, servers: list[SGLangClient], name: str, config: dict, bucket: Bucket) -> None:
+        """The adapter as a PEFT directory (its weights file is the bucket), loaded by every server."""
+        self.current = self.root / f"adapter-{uuid.uuid4().hex[:8]}"
+        self.current.mkdir(parents=True)
+        await asyncio.to_thread(write_safetensors_shard, self.current / WEIGHTS_FILE, bucket)
+        (self.current / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+
+        async def replace(server: SGLangClient) -> None:
+            await server.unload_lora_adapter(name, missing_ok=True)
+            await server.load_lora_adapter(name, str(self.current))
+
+        await all_servers(replace(server) for server in servers)
+        self._rotate()

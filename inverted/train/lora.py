@@ -1,0 +1,239 @@
+"""LoRA on Megatron's parallel linears: frozen base weights, trainable low-rank adapters, TP-correct.
+
+Megatron-core has no LoRA, so each adapted linear of a decoder layer gets a ``LoRA`` module
+(``linear.lora``) and a forward hook that adds ``scaling * B(A(dropout(x)))`` to its output.
+The base weights keep their names, so the name table of ``convert.py`` is untouched, and they
+are frozen (``requires_grad=False``): Megatron's DDP gives them no gradient buffer and the
+optimizer never sees them.
+
+Adapters follow PEFT's per-module form (``q_proj``, ``k_proj``, ... each with its own ``A``/``B``),
+also on Megatron's fused linears, and are placed for tensor parallelism as the layer is split:
+
+- column-parallel (``linear_qkv``, ``linear_fc1``): ``A`` replicated, ``B`` split by output rows.
+  The low-rank activations pass ``copy_to_tensor_model_parallel_region`` (identity forward,
+  all-reduce backward), so ``A``'s gradient is the whole one on every rank. The parts' outputs
+  are laid out as the fused weight is: q/k/v per query group, gate then up per rank.
+- row-parallel (``linear_proj``, ``linear_fc2``): ``A`` split by input columns, ``B`` replicated;
+  the low-rank activations are summed over TP (``reduce_from_tensor_model_parallel_region``).
+
+Every rank initialises the *whole* ``A`` from a generator seeded by (seed, layer, module) and
+keeps its shard, so TP=2 starts (and stays) where TP=1 does. ``B`` starts at zero, as in PEFT:
+the untrained adapter is the base model. ``adapter_tensors`` gathers the adapter back into PEFT's
+names and full shapes (export, weight sync); ``load_adapter`` shards a PEFT adapter in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import zlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from inverted.errors import ConfigError, ModelError
+from inverted.hf_checkpoint import ModelSpec
+from inverted.peft_adapter import (
+    MODULES,
+    LoRAConfig,
+    check_tensors,
+    module_shapes,
+    parse_name,
+    read_adapter,
+    target_modules,
+    tensor_name,
+)
+
+# Megatron linear of a TransformerLayer -> (its TP layout, the HF modules fused into it)
+LINEARS = {
+    "self_attention.linear_qkv": ("qkv", ("q_proj", "k_proj", "v_proj")),
+    "self_attention.linear_proj": ("row", ("o_proj",)),
+    "mlp.linear_fc1": ("gate_up", ("gate_proj", "up_proj")),
+    "mlp.linear_fc2": ("row", ("down_proj",)),
+}
+MARK = ".lora."  # in the name of every adapter parameter
+
+
+def is_adapter(name: str) -> bool:
+    return MARK in name
+
+
+def split_dim(layout: str, which: str) -> int | None:
+    """The dim along which TP splits ``A`` or ``B`` of a linear with ``layout`` (None: replicated)."""
+    if layout == "row":
+        return 1 if which == "A" else None
+    return 0 if which == "B" else None
+
+
+class LoRA(torch.nn.Module):
+    """The adapters of one Megatron linear: ``A.<module>`` and ``B.<module>`` per adapted HF module."""
+
+    def __init__(self, spec: ModelSpec, layout: str, modules: tuple[str, ...], config: LoRAConfig, layer: int,
+                 seed: int, dtype: torch.dtype, device: torch.device):
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        super().__init__()
+        self.spec, self.layout, self.modules, self.config = spec, layout, modules, config
+        self.tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.enabled = True
+        self.A, self.B = torch.nn.ParameterDict(), torch.nn.ParameterDict()
+        shapes = module_shapes(spec)
+        for module in modules:
+            out, inp = shapes[module]
+            gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{layer}/{module}".encode()))
+            a = (torch.rand(config.rank, inp, generator=gen, dtype=torch.float64) * 2 - 1) / math.sqrt(inp)  # PEFT's kaiming
+            self.A[module] = torch.nn.Parameter(self.shard(a, "A").to(device, dtype))
+            self.B[module] = torch.nn.Parameter(self.shard(torch.zeros(out, config.rank), "B").to(device, dtype))
+            for which, params in (("A", self.A), ("B", self.B)):
+                if (dim := split_dim(layout, which)) is not None:
+                    set_tensor_model_parallel_attributes(params[module], True, dim, 1)
+
+    def shard(self, full: torch.Tensor, which: str) -> torch.Tensor:
+        """This rank's part of a full (PEFT-shaped) ``A`` or ``B``."""
+        dim = split_dim(self.layout, which)
+        return full if dim is None else full.chunk(self.tp, dim=dim)[self.tp_rank].contiguous()
+
+    def gather(self, module: str, which: str) -> torch.Tensor:
+        """The full (PEFT-shaped) ``A`` or ``B`` of ``module``, from every TP rank (a collective when split)."""
+        from megatron.core import parallel_state
+
+        local = (self.A if which == "A" else self.B)[module].detach()
+        dim = split_dim(self.layout, which)
+        if dim is None or self.tp == 1:
+            return local
+        shards = [torch.empty_like(local) for _ in range(self.tp)]
+        torch.distributed.all_gather(shards, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+        return torch.cat(shards, dim=dim)
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        """``scaling * B(A(dropout(x)))`` in the layout of the linear's (local) output."""
+        from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
+
+        x = F.dropout(x, self.config.dropout, self.training) if self.config.dropout else x
+        a = torch.cat([self.A[m] for m in self.modules]) if len(self.modules) > 1 else self.A[self.modules[0]]
+        low = x @ a.t()
+        if self.layout == "row":
+            low = reduce_from_tensor_model_parallel_region(low)
+            return (low @ self.B[self.modules[0]].t()) * self.config.scaling
+        low = copy_to_tensor_model_parallel_region(low)
+        r = self.config.rank
+        parts = {m: low[..., k * r : (k + 1) * r] @ self.B[m].t() for k, m in enumerate(self.modules)}
+        return self.fuse(parts, low.shape[:-1], low) * self.config.scaling
+
+    def fuse(self, parts: dict[str, torch.Tensor], lead: torch.Size, like: torch.Tensor) -> torch.Tensor:
+        """The parts' outputs in the fused weight's local layout (zeros for parts not adapted)."""
+        shapes = module_shapes(self.spec)
+        names = LINEARS["self_attention.linear_qkv" if self.layout == "qkv" else "mlp.linear_fc1"][1]
+        full = [parts.get(m, like.new_zeros(*lead, shapes[m][0] // self.tp)) for m in names]
+        if self.layout == "gate_up":
+            return torch.cat(full, dim=-1)
+        groups = self.spec.num_kv_heads // self.tp
+        return torch.cat([p.reshape(*lead, groups, -1) for p in full], dim=-1).reshape(*lead, -1)
+
+
+def _add_delta(linear, inputs, output):
+    lora = linear.lora
+    if not lora.enabled:
+        return output
+    out, bias = output
+    return out + lora.delta(inputs[0]).to(out.dtype), bias
+
+
+def lora_config(rank: int, alpha: float, dropout: float, modules: list[str], adapter_path: str | None) -> LoRAConfig | None:
+    """The adapter a run trains: from the flags, or from ``--lora-adapter-path``'s own config."""
+    if adapter_path:
+        from_file = LoRAConfig.from_peft(read_adapter(adapter_path)[0])
+        if rank and rank != from_file.rank:
+            raise ConfigError(f"--lora-rank {rank} differs from the rank {from_file.rank} of --lora-adapter-path {adapter_path}")
+        return from_file
+    if not rank:
+        return None
+    return LoRAConfig(rank=rank, alpha=alpha, modules=target_modules(modules), dropout=dropout)
+
+
+def attach(model, spec: ModelSpec, config: LoRAConfig, seed: int) -> None:
+    """Freeze ``model`` (a ``GPTModel`` stage) and give each targeted linear of its layers an adapter."""
+    model.requires_grad_(False)
+    param = next(model.parameters())
+    for layer in model.decoder.layers:
+        for path, (layout, fused) in LINEARS.items():
+            modules = tuple(m for m in fused if m in config.modules)
+            if not modules:
+                continue
+            linear = layer.get_submodule(path)
+            linear.lora = LoRA(spec, layout, modules, config, layer.layer_number - 1, seed, param.dtype, param.device)
+            linear.register_forward_hook(_add_delta)
+
+
+def adapters(model) -> Iterator[tuple[int, LoRA]]:
+    """``(global layer index, LoRA)`` of every adapted linear of this stage."""
+    for layer in model.decoder.layers:
+        for path in LINEARS:
+            linear = layer.get_submodule(path)
+            if hasattr(linear, "lora"):
+                yield layer.layer_number - 1, linear.lora
+
+
+@contextlib.contextmanager
+def disabled(model) -> Iterator[None]:
+    """The base model: every adapter off (the KL reference of a LoRA run, with no second model)."""
+    found = [lora for _, lora in adapters(model)]
+    for lora in found:
+        lora.enabled = False
+    try:
+        yield
+    finally:
+        for lora in found:
+            lora.enabled = True
+
+
+def adapter_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """This stage's adapter as full tensors with PEFT's names (every TP rank must iterate: gathers)."""
+    for layer, lora in adapters(model):
+        for module in lora.modules:
+            for which in ("A", "B"):
+                yield tensor_name(layer, module, which), lora.gather(module, which).contiguous()
+
+
+def load_adapter(model, spec: ModelSpec, config: LoRAConfig, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy a PEFT adapter's full tensors into this stage's shards (every pair this stage adapts must be there)."""
+    pairs = check_tensors(config, tensors, spec)
+    with torch.no_grad():
+        for layer, lora in adapters(model):
+            for module in lora.modules:
+                if (layer, module) not in pairs:
+                    raise ModelError(f"--lora-adapter-path lacks layer {layer} {module}")
+                a, b = pairs[layer, module]
+                lora.A[module].copy_(lora.shard(a, "A"))
+                lora.B[module].copy_(lora.shard(b, "B"))
+
+
+def adapter_from_shards(shards: list[dict[str, torch.Tensor]], layer_offset: int) -> dict[str, torch.Tensor]:
+    """One pipeline stage's adapter in PEFT's names and full shapes, from its TP ranks' saved state dicts."""
+    full: dict[str, torch.Tensor] = {}
+    for name in shards[0]:
+        if not is_adapter(name):
+            continue
+        layer_path, _, rest = name.partition(MARK)
+        which, module = rest.split(".")
+        local, _, path = layer_path.removeprefix("decoder.layers.").partition(".")
+        dim = split_dim(LINEARS[path][0], which)
+        tensor = shards[0][name] if dim is None else torch.cat([s[name] for s in shards], dim=dim)
+        full[tensor_name(int(local) + layer_offset, module, which)] = tensor
+    return full
+
+
+def merged(base: dict[str, torch.Tensor], config: LoRAConfig, adapter: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF weights with the adapter folded in: ``W + scaling * B @ A`` for each adapted module (in fp32)."""
+    out = dict(base)
+    for name, a in adapter.items():
+        layer, module, which = parse_name(name)
+        if which != "A":
+            continue
+        weight = f"model.layers.{layer}.{MODULES[module]}.{module}.weight"
+        b = adapter[tensor_name(layer, module, "B")]
+        out[weight] = (base[weight].float() + config.scaling * (b.float() @ a.float())).to(base[weight].dtype)
+    return out

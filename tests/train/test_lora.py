@@ -1,0 +1,162 @@
+"""LoRA in the Megatron trainer against ``peft``: logits, tensor parallelism, what a step changes, export."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from peft import LoraConfig, PeftModel, get_peft_model
+
+from inverted.config import TrainConfig, from_flags
+from inverted.peft_adapter import LoRAConfig, write_adapter
+from inverted.train.parallel import spawn
+from tests.train.samples import make_samples
+from tests.train.workers import check_packed_logits, lora_step
+
+
+def peft_adapter(base, out, rank: int = 4, modules="all-linear", seed: int = 1):
+    """An adapter made by ``peft`` with random A and B (so it changes every adapted layer's output)."""
+    torch.manual_seed(seed)
+    model = get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                           LoraConfig(r=rank, lora_alpha=8, target_modules=modules, init_lora_weights=False))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)
+    model.save_pretrained(out)
+    return out
+
+
+def peft_logits(base, adapter):
+    model = PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter)
+    model.eval()
+    return lambda tokens: model(torch.tensor([tokens])).logits[0]
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tiny_model, tmp_path_factory):
+    """One step from a peft adapter (q/v/down only) at TP=1 and TP=2."""
+    path, root = tiny_model("qwen3"), tmp_path_factory.mktemp("lora")
+    adapter = peft_adapter(path, root / "start", modules=["q_proj", "v_proj", "down_proj"])
+    results = {}
+    for tp in (1, 2):
+        cfg = from_flags(TrainConfig, hf_checkpoint=str(path), lr=1e-2, adam_eps=1.0, tensor_model_parallel_size=tp,
+                         actor_num_gpus_per_node=tp, lora_adapter_path=str(adapter), max_tokens_per_gpu=8192,
+                         use_kl_loss=True, kl_loss_coef=0.1)
+        spawn(lora_step, tp, cfg, str(root / f"tp{tp}.pt"))
+        results[tp] = torch.load(root / f"tp{tp}.pt")
+    return path, adapter, results, root
+
+
+def test_lora_logits_equal_peft_and_a_step_changes_only_the_adapter(lora_runs):
+    path, adapter, results, root = lora_runs
+    one = results[1]
+    check_packed_logits({"logits": one["before"]["logits"], "rows": one["rows"]}, make_samples(seed=7),
+                        peft_logits(path, adapter))
+    assert all(".lora." in name for name in one["trainable"]) and len(one["trainable"]) == 2 * 3 * 2  # A, B x 3 modules x 2 layers
+    for name, tensor in one["before"]["base"].items():
+        assert torch.equal(one["after"]["base"][name], tensor), name
+    assert one["before"]["adapter"].keys() == one["after"]["adapter"].keys()
+    assert all(not torch.equal(one["after"]["adapter"][n], t) for n, t in one["before"]["adapter"].items())
+    assert one["metrics"]["train/kl"] > 0  # the reference is the base model: the adapter already moved away from it
+
+    # The adapter after the step, written as PEFT's directory, loads in peft and gives the trainer's logits.
+    written = write_adapter(root / "after", LoRAConfig(4, 8.0, ("q_proj", "v_proj", "down_proj")), one["after"]["adapter"])
+    check_packed_logits({"logits": one["after"]["logits"], "rows": one["rows"]}, make_samples(seed=7),
+                        peft_logits(path, written))
+
+
+def test_lora_tp2_equals_tp1(lora_runs):
+    _, _, results, _ = lora_runs
+    torch.testing.assert_close(results[2]["before"]["logits"], results[1]["before"]["logits"], rtol=0, atol=1e-5)
+    torch.testing.assert_close(results[2]["after"]["logits"], results[1]["after"]["logits"], rtol=0, atol=1e-5)
+    for name in ("train/loss", "train/pg_loss", "train/kl", "train/grad_norm"):
+        assert results[2]["metrics"][name] == pytest.approx(results[1]["metrics"][name], rel=1e-5, abs=1e-7), name
+    for name, tensor in results[1]["after"]["adapter"].items():
+        torch.testing.assert_close(results[2]["after"]["adapter"][name], tensor, rtol=0, atol=1e-6)
+
+
+def test_lora_resume_equals_the_uninterrupted_run_and_exports_an_adapter_or_a_merged_model(tiny_model, tmp_path):
+    """2 rollouts straight == 1, save (the adapter only), resume, 1 more; the checkpoint exports as a PEFT
+    adapter that peft loads, and merged (--merge-lora) as a model that transformers loads: the same logits."""
+    from tests.train.samples import write_jsonl
+    from tests.train.test_trainer import metrics, train_cli
+
+    base = tiny_model("llama")
+    data = tmp_path / "rollout_{rollout_id}.jsonl"
+    for rollout in range(2):
+        write_jsonl(make_samples(seed=rollout), str(data).format(rollout_id=rollout))
+    common = ["--hf-checkpoint", str(base), "--load-debug-rollout-data", str(data), "--lr", "1e-2",
+              "--global-batch-size", "4", "--max-tokens-per-gpu", "64", "--lora-rank", "4", "--lora-alpha", "8",
+              "--target-modules", "q_proj", "o_proj", "gate_proj"]
+    straight = train_cli(*common, "--num-rollout", "2", "--output-dir", str(tmp_path / "a"))
+    assert straight.returncode == 0, straight.stderr
+    first = train_cli(*common, "--num-rollout", "1", "--output-dir", str(tmp_path / "b"), "--save", str(tmp_path / "ckpt"))
+    assert first.returncode == 0, first.stderr
+    resumed = train_cli(*common, "--num-rollout", "2", "--output-dir", str(tmp_path / "c"), "--load", str(tmp_path / "ckpt"),
+                        "--save", str(tmp_path / "ckpt"))
+    assert resumed.returncode == 0, resumed.stderr
+    a, bc = metrics(tmp_path / "a"), metrics(tmp_path / "b") + metrics(tmp_path / "c")
+    for want, got in zip(a, bc, strict=True):
+        for name, value in want.items():
+            if not name.startswith("perf/"):
+                assert got[name] == value, (want["step"], name)
+    saved = torch.load(next((tmp_path / "ckpt").glob("iter_*2/rank_0_0_0.pt")), weights_only=True)["model"]
+    assert saved and all(".lora." in name for name in saved)  # the frozen base is not saved again
+
+    wrong = train_cli(*common[:-2], "--num-rollout", "3", "--output-dir", str(tmp_path / "d"),
+                      "--load", str(tmp_path / "ckpt"))
+    assert wrong.returncode == 2 and "saved with LoRA" in wrong.stderr
+
+    import subprocess
+    import sys
+
+    def export(*extra: str) -> str:
+        out = tmp_path / ("merged" if extra else "adapter")
+        done = subprocess.run([sys.executable, "-m", "inverted.cli", "export-hf", "--checkpoint", str(tmp_path / "ckpt"),
+                               "--out", str(out), *extra], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return out
+
+    tokens = make_samples(seed=3)[0].tokens
+    with torch.no_grad():
+        with_adapter = peft_logits(base, export())(tokens)
+        plain = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)(torch.tensor([tokens])).logits[0]
+        merged = transformers.AutoModelForCausalLM.from_pretrained(export("--merge-lora"), dtype=torch.float32)
+        torch.testing.assert_close(merged(torch.tensor([tokens])).logits[0], with_adapter, rtol=0, atol=1e-4)
+    assert (with_adapter - plain).abs().max() > 1e-4  # the trained adapter does change the model
+
+
+@pytest.mark.parametrize("transport, tp", [("tensor", 1), ("disk", 1), ("tensor", 2)])
+def test_after_a_step_and_an_adapter_sync_the_engine_scores_tokens_as_the_trainer_does(
+        procs, tiny_model, tmp_path, transport, tp):
+    """The server holds the trained adapter under POLICY_ADAPTER after the sync, which moved the adapter's
+    bytes only; the base model is still served beside it."""
+    import httpx
+
+    from inverted.hf_checkpoint import ModelSpec
+    from inverted.peft_adapter import module_shapes
+    from inverted.types import POLICY_ADAPTER
+    from tests.train.workers import step_and_sync
+
+    path = tiny_model("qwen2")
+    engine = procs.engine(path, "--enable-lora", "--max-lora-rank", "8").url
+    probe = [5, 17, 230, 41, 9, 600, 77, 3, 1000, 12, 64, 8]
+    cfg = from_flags(TrainConfig, hf_checkpoint=str(path), lr=1e-2, update_weight_transport=transport,
+                     tensor_model_parallel_size=tp, actor_num_gpus_per_node=tp, lora_rank=8, lora_alpha=16,
+                     pause_mode="in_place", output_dir=str(tmp_path))
+    spawn(step_and_sync, tp, cfg, make_samples(seed=2), [engine], probe, str(tmp_path / "out.pt"))
+    out = torch.load(tmp_path / "out.pt", weights_only=False)
+    report, spec = out["report"], ModelSpec.from_checkpoint(path)
+    assert report.transport == transport and report.buckets == 1
+    assert report.bytes == spec.num_layers * sum(8 * (o + i) * 4 for o, i in module_shapes(spec).values())  # fp32, r=8
+
+    def logprobs(**extra) -> tuple[torch.Tensor, str]:
+        meta = httpx.post(engine + "/generate", timeout=60, json={
+            "input_ids": probe, "return_logprob": True, "logprob_start_len": 0, "sampling_params": {"max_new_tokens": 1},
+            **extra}).json()["meta_info"]
+        return torch.tensor([entry[0] for entry in meta["input_token_logprobs"][1:]]), meta["weight_version"]
+
+    adapted, version = logprobs(lora_path=POLICY_ADAPTER)
+    assert version == "1" and (adapted - out["logprobs"]).abs().max() <= 1e-4
+    assert (logprobs()[0] - out["logprobs"]).abs().max() > 1e-3, "the step moved the adapter away from the base"
