@@ -119,15 +119,15 @@ class Adapters:
             raise ModelError(f"LoRA adapter {name!r} targets {extra}, outside this server's --lora-target-modules "
                              f"{list(self.modules)}")
         pairs = check_tensors(lora, tensors, self.spec)
+        def cast(t: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+            return (t.to(self.device, torch.float32) * scale).to(self.dtype).contiguous()
+
         adapter = Adapter(name, path, pinned, lora)
         for layer in range(self.spec.num_layers):
             fused: dict[str, FusedLoRA] = {}
             for key, parts in self.parts.items():
                 adapted = [(lo, hi, pairs[layer, m]) for m, lo, hi in parts if (layer, m) in pairs]
                 if adapted:
-                    def cast(t: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-                        return (t.to(self.device, torch.float32) * scale).to(self.dtype).contiguous()
-
                     fused[key] = FusedLoRA(cast(torch.cat([a for _, _, (a, _) in adapted])),
                                            [(lo, hi, cast(b, lora.scaling)) for lo, hi, (_, b) in adapted])
             adapter.layers.append(fused)

@@ -295,8 +295,10 @@ class Scheduler:
         self.memory_released = False
 
     def add_adapter(self, adapter: Adapter) -> None:
-        """Load a checked LoRA adapter (a command: between steps, so no step sees half of it)."""
-        self._lora().add(adapter)
+        """Load a checked LoRA adapter (a command: between steps, so no step sees half of it). The
+        server checks that LoRA is enabled, and that a request's adapter is loaded, before either
+        reaches the scheduler."""
+        self.adapters.add(adapter)
         self.forget_prefixes()  # a prefix cached under an earlier adapter of this name must not be reused
         self.stats["lora_loads"] += 1
 
@@ -304,16 +306,11 @@ class Scheduler:
         """Unload an adapter. Never waits on its requests (an engine paused in place would deadlock):
         a request that would step without its adapter is aborted then, unless one of its name is loaded
         again first, as a weight sync does (unload, load, continue)."""
-        self._lora().remove(name)
+        self.adapters.remove(name)
         self.forget_prefixes()
 
-    def _lora(self) -> Adapters:
-        if self.adapters is None:
-            raise InvalidRequest("LoRA is not enabled on this server: start it with --enable-lora")
-        return self.adapters
-
     def _adapter(self, req: Request) -> Adapter | None:
-        return None if req.lora is None else self._lora().loaded[req.lora]
+        return None if req.lora is None else self.adapters.loaded[req.lora]
 
     def _abort_orphans(self) -> None:
         """Finish the running requests whose adapter has been unloaded."""
@@ -395,7 +392,7 @@ class Scheduler:
         while self.waiting and len(self.running) + len(second) < self.max_running and (budget > 0 or not first):
             req = self.waiting[0]
             if req.lora is not None:
-                if req.lora not in self._lora().loaded:
+                if req.lora not in self.adapters.loaded:
                     self._finish(self.waiting.popleft(), _unloaded(req.lora))
                     continue
                 if req.lora not in loras and len(loras) >= self.adapters.max_per_batch:

@@ -47,7 +47,7 @@ from inverted.engine.model import load_model
 from inverted.engine.sampling import SamplingParams
 from inverted.engine.scheduler import Request as EngineRequest
 from inverted.engine.scheduler import Scheduler, WeightLoad, new_rid
-from inverted.engine.lora import startup_adapters
+from inverted.engine.lora import Adapters, startup_adapters
 from inverted.engine.weights import RecentBuckets, UpdateGroups, decode_payloads, decode_tensor_payloads, read_checkpoint
 from inverted.errors import EngineError, InvalidRequest, ModelError, SchemaError, Unauthorized
 from inverted.hf_checkpoint import ARCHITECTURES
@@ -73,12 +73,14 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         self.max_token_chars = max_token_chars(self.tokenizer)
         model = load_model(config.model, dtype, device)
+        adapters = startup_adapters(config, model) if config.enable_lora else None
         self.context_length = config.context_length or min(model.spec.max_position_embeddings, 4096)
         self.scheduler = Scheduler(
             model, max_running=config.max_running_requests, context_length=self.context_length,
             max_prefill_tokens=config.max_prefill_tokens, weight_version=config.weight_version,
             stop_checker=self._matched_stop, random_seed=config.random_seed,
             reuse_prefixes=not config.disable_radix_cache, update_timeout=config.weight_update_timeout,
+            adapters=adapters,
         )
         self.model_name = config.served_model_name or config.model
         self._grammars: Grammars | None = None  # built on the first constrained request
@@ -86,7 +88,6 @@ class Engine:
         self.inflight: dict[str, EngineRequest] = {}
         self.groups = UpdateGroups(timeout=config.weight_update_timeout)
         self.recent_buckets = RecentBuckets()
-        self.scheduler.adapters = startup_adapters(config, model) if config.enable_lora else None
 
     def grammar_matcher(self, params: SamplingParams) -> Any | None:
         """The matcher of a request's ``json_schema`` or ``regex`` (None without one)."""
@@ -102,6 +103,12 @@ class Engine:
         tail = req.output_ids[-(4 * max(map(len, stops)) + 4):]
         text = self.tokenizer.decode(tail, skip_special_tokens=req.params.skip_special_tokens)
         return min((s for s in stops if s in text), key=text.find, default=None)  # the first in the text
+
+    def adapters(self) -> Adapters:
+        """The LoRA registry; ``InvalidRequest`` on a server started without ``--enable-lora``."""
+        if self.scheduler.adapters is None:
+            raise InvalidRequest("LoRA is not enabled on this server: start it with --enable-lora")
+        return self.scheduler.adapters
 
     async def run(self, fn, *, barrier: bool = False) -> Any:
         return await asyncio.wrap_future(self.scheduler.call(fn, barrier=barrier))
@@ -289,9 +296,7 @@ def _add_generate_routes(app: FastAPI) -> None:
         if len({i.rid for i in items}) != len(items):
             raise InvalidRequest("Duplicate request ID detected within the batch.")
         if any(item.lora is not None for item in items):
-            if engine.scheduler.adapters is None:
-                raise InvalidRequest("lora_path needs a server started with --enable-lora")
-            engine.scheduler.adapters.check_requested([item.lora for item in items])
+            engine.adapters().check_requested([item.lora for item in items])
         matchers = [engine.grammar_matcher(item.params) for item in items]  # a bad constraint: 400, nothing runs
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
@@ -506,13 +511,8 @@ def _add_lora_routes(app: FastAPI, admin: list) -> None:
     served them without one and got a remote-code-execution CVE for it). An adapter is read and
     checked whole on a worker thread, then added between steps: a bad one changes nothing."""
 
-    def lora_of(engine: Engine):
-        if engine.scheduler.adapters is None:
-            raise InvalidRequest("LoRA is not enabled on this server: start it with --enable-lora")
-        return engine.scheduler.adapters
-
     async def add(engine: Engine, build: Callable[[], Any]) -> JSONResponse:
-        adapters = lora_of(engine)
+        adapters = engine.adapters()
         adapter = await asyncio.to_thread(build)
         await engine.run(lambda: engine.scheduler.add_adapter(adapter))
         return JSONResponse({"success": True, "error_message": None, "loaded_adapters": adapters.names()})
@@ -521,7 +521,7 @@ def _add_lora_routes(app: FastAPI, admin: list) -> None:
     async def load_lora_adapter(body: P.LoadLoRAAdapterRequest, engine: EngineDep) -> JSONResponse:
         def build():
             config, tensors = read_adapter(body.lora_path)
-            return lora_of(engine).build(body.lora_name, config, tensors, path=body.lora_path, pinned=body.pinned)
+            return engine.adapters().build(body.lora_name, config, tensors, path=body.lora_path, pinned=body.pinned)
 
         return await add(engine, build)
 
@@ -529,13 +529,13 @@ def _add_lora_routes(app: FastAPI, admin: list) -> None:
     async def load_lora_adapter_from_tensors(body: P.LoadLoRAAdapterFromTensorsRequest, engine: EngineDep) -> JSONResponse:
         def build():
             named, _ = decode_payloads(body.payloads(), body.load_format, engine.scheduler.model.device)
-            return lora_of(engine).build(body.lora_name, body.config_dict, dict(named), pinned=body.pinned)
+            return engine.adapters().build(body.lora_name, body.config_dict, dict(named), pinned=body.pinned)
 
         return await add(engine, build)
 
     @app.post("/unload_lora_adapter", dependencies=admin)
     async def unload_lora_adapter(body: P.UnloadLoRAAdapterRequest, engine: EngineDep) -> JSONResponse:
-        adapters = lora_of(engine)
+        adapters = engine.adapters()
         await engine.run(lambda: engine.scheduler.remove_adapter(body.lora_name))
         return JSONResponse({"success": True, "error_message": None, "loaded_adapters": adapters.names()})
 
