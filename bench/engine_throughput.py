@@ -24,8 +24,13 @@ With ``--device cuda`` both run on the GPU, and the engine's single-request deco
 reported as a fraction of the memory-bandwidth roofline: each decode step must read every weight
 once, so ``steps/s x weight bytes / peak bandwidth`` is how close it comes to the hardware limit.
 
+With ``--lora-rank R`` the engine serves a rank-``R`` adapter on every linear module
+(``--enable-lora``), and each workload runs with every request naming it (``lora_path``) against
+the same workload on the base model, alternating; target: >= 0.8x the base model's tokens/s.
+
     python bench/engine_throughput.py --model models/small-qwen2
     python bench/engine_throughput.py --device cuda --preset base --dtype bfloat16   # on a GPU
+    python bench/engine_throughput.py --model models/smollm2-135m --lora-rank 16 --workloads uniform --concurrency 1 32
 """
 
 from __future__ import annotations
@@ -61,8 +66,10 @@ def workload(name: str, count: int, max_new: int, seed: int) -> list[tuple[list[
     return jobs
 
 
-async def run_engine(url: str, jobs: list[tuple[list[int], int]], concurrency: int, temperature: float) -> float:
+async def run_engine(url: str, jobs: list[tuple[list[int], int]], concurrency: int, temperature: float,
+                     lora_path: str | None = None) -> float:
     queue = list(jobs)
+    lora = {"lora_path": lora_path} if lora_path else {}
     produced = 0
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         async def worker() -> None:
@@ -70,7 +77,7 @@ async def run_engine(url: str, jobs: list[tuple[list[int], int]], concurrency: i
             while queue:
                 prompt, length = queue.pop()
                 r = await client.post("/generate", json={"input_ids": prompt, "sampling_params": {
-                    "max_new_tokens": length, "ignore_eos": True, "temperature": temperature}})
+                    "max_new_tokens": length, "ignore_eos": True, "temperature": temperature}, **lora})
                 produced += len(r.json()["output_ids"])
 
         start = time.perf_counter()
@@ -138,13 +145,45 @@ def roofline(model, device: str, peak_gbs: float | None, single_request_tps: flo
             "peak_gbs": peak, "fraction_of_roofline": round(achieved / peak, 3) if peak else None}
 
 
-def start_engine(model_dir: Path, threads: int, rows: int, dtype: str, device: str = "cpu") -> ManagedProcess:
+def start_engine(model_dir: Path, threads: int, rows: int, dtype: str, device: str = "cpu", *extra: str) -> ManagedProcess:
     port = free_port()
     argv = [sys.executable, "-m", "inverted.cli", "serve-engine", "--model", str(model_dir), "--port", str(port),
-            "--num-threads", str(threads), "--max-running-requests", str(rows), "--dtype", dtype, "--device", device]
+            "--num-threads", str(threads), "--max-running-requests", str(rows), "--dtype", dtype, "--device", device,
+            *extra]
     proc = ManagedProcess.spawn("bench-engine", argv, Path("runs/bench/engine.log"), f"http://127.0.0.1:{port}")
     proc.wait_healthy(180)
     return proc
+
+
+def lora_vs_base(args, model_dir: Path, plan: dict) -> dict:
+    """Each workload with every request on one adapter against the same on the base model, alternating."""
+    from inverted.hf_checkpoint import ModelSpec
+    from inverted.peft_adapter import LoRAConfig, module_shapes, tensor_name, write_adapter
+
+    spec = ModelSpec.from_checkpoint(model_dir)
+    torch.manual_seed(0)
+    tensors = {tensor_name(layer, module, which): torch.randn(*((args.lora_rank, n_in) if which == "A" else
+                                                                  (n_out, args.lora_rank))) * 0.01
+               for layer in range(spec.num_layers) for module, (n_out, n_in) in module_shapes(spec).items()
+               for which in "AB"}
+    adapter = write_adapter(Path("runs/bench/adapter"), LoRAConfig(rank=args.lora_rank, alpha=32.0,
+                                                                   modules=tuple(module_shapes(spec))), tensors)
+    engine = start_engine(model_dir, args.threads, max(args.concurrency), args.dtype, args.device,
+                          "--lora-paths", f"policy={adapter}")
+    rates: dict = {}
+    try:
+        asyncio.run(run_engine(engine.url, workload("uniform", 4, 8, 0), 4, args.temperature, "policy"))  # warm-up
+        for key, jobs in plan.items():
+            rates[key] = {name: asyncio.run(run_engine(engine.url, jobs, key[1], args.temperature, lora))
+                          for name, lora in (("base", None), ("adapter", "policy"))}
+    finally:
+        engine.terminate()
+    results = [{"workload": w, "concurrency": c, "base_tokens_per_s": round(r["base"], 1),
+                "adapter_tokens_per_s": round(r["adapter"], 1), "ratio": round(r["adapter"] / r["base"], 3)}
+               for (w, c), r in rates.items()]
+    return {"bench": "engine_throughput", "mode": "lora", "model": str(model_dir), "lora_rank": args.lora_rank,
+            "threads": args.threads, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens, "results": results,
+            "target": {"min_ratio": 0.8, "met": all(r["ratio"] >= 0.8 for r in results)}}
 
 
 def main() -> None:
@@ -160,6 +199,7 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=["uniform", "mixed"], choices=["uniform", "mixed"])
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="for both sides")
+    parser.add_argument("--lora-rank", type=int, default=0, help="with an adapter of this rank vs the base model")
     args = parser.parse_args()
 
     model_dir = Path(args.model or f"models/{args.preset}-qwen2")
@@ -167,6 +207,10 @@ def main() -> None:
         make_tiny_model(TinyModelConfig(out=str(model_dir), arch="qwen2", preset=args.preset, seed=0))
     plan = {(w, c): workload(w, c * args.requests_per_slot, args.max_new_tokens, seed=c)
             for w in args.workloads for c in args.concurrency}
+    if args.lora_rank:
+        torch.set_num_threads(args.threads)
+        print(json.dumps(lora_vs_base(args, model_dir, plan), indent=2))
+        return
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -19,8 +19,15 @@ in training tokens per second.
   under ``torch.autocast``). Also reports model FLOPs utilisation: 6 x matmul parameters per
   token plus causal attention, against the GPU's dense bf16 peak.
 
+- ``--lora-rank R``: the trainer with a rank-``R`` LoRA adapter on every linear module against
+  the same trainer fine-tuning every weight, on the same model and batch (target ratio >= 1.3 on
+  CPU). Memory of each, in a process of its own: its training state (weights, gradient buffers,
+  optimizer state, counted tensor by tensor) and the process's peak resident memory (``VmHWM``)
+  over building the trainer and three steps.
+
     python bench/train_step.py [--rounds 5]
     python bench/train_step.py --model models/smollm2-135m --shape grpo [--rounds 3]
+    python bench/train_step.py --model models/smollm2-135m --shape grpo --lora-rank 16
     python bench/train_step.py --device cuda
 """
 
@@ -30,6 +37,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -122,6 +130,56 @@ def timed(fn, device: str) -> float:
     return time.perf_counter() - start
 
 
+def state_mb(trainer) -> dict[str, float]:
+    """MB of a (CPU) trainer's training state: weights, gradient buffers, optimizer state."""
+    params = list(trainer.model.parameters())
+    size = lambda tensors: sum(t.numel() * t.element_size() for t in tensors) / 2**20  # noqa: E731
+    grads = [p.main_grad for p in params if getattr(p, "main_grad", None) is not None]
+    moments = [t for state in trainer.optimizer.optimizer.state.values() for t in state.values()
+               if torch.is_tensor(t) and t.dim()]
+    return {"weights": round(size(params), 1), "grads": round(size(grads), 1), "optimizer": round(size(moments), 1),
+            "trainable_params": sum(p.numel() for p in params if p.requires_grad)}
+
+
+def peak_rss_mb() -> float:
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM:"))
+    return int(line.split()[1]) / 1024
+
+
+def memory_of(args, path: Path, samples: list[Sample], budget: int) -> dict:
+    """This process's peak resident memory over building one trainer (LoRA or not) and three steps."""
+    from inverted.train.trainer import Trainer
+
+    trainer = Trainer(from_flags(TrainConfig, hf_checkpoint=str(path), lr=1e-6, max_tokens_per_gpu=budget,
+                                 lora_rank=args.lora_rank if args.memory_of == "lora" else 0))
+    for _ in range(3):
+        trainer.train(samples)
+    return {"state_mb": state_mb(trainer), "peak_rss_mb": round(peak_rss_mb(), 1)}
+
+
+def lora_vs_full(args, path: Path, samples: list[Sample], budget: int) -> dict:
+    """Our trainer with a LoRA adapter against our trainer fine-tuning every weight, rounds alternating."""
+    from inverted.train.trainer import Trainer
+
+    tokens = sum(len(s.tokens) for s in samples)
+    full = Trainer(from_flags(TrainConfig, hf_checkpoint=str(path), lr=1e-6, max_tokens_per_gpu=budget))
+    lora = Trainer(from_flags(TrainConfig, hf_checkpoint=str(path), lr=1e-6, max_tokens_per_gpu=budget,
+                              lora_rank=args.lora_rank))
+    full.train(samples), lora.train(samples)  # warm-up
+    speed: dict[str, list[float]] = {"full": [], "lora": []}
+    for _ in range(args.rounds):
+        for name, trainer in (("full", full), ("lora", lora)):
+            speed[name].append(tokens / timed(lambda: trainer.train(samples), "cpu"))
+    full_tps, lora_tps = statistics.median(speed["full"]), statistics.median(speed["lora"])
+    return {"model": str(path), "shape": args.shape, "batch_tokens": tokens, "rounds": args.rounds,
+            "threads": torch.get_num_threads(), "lora_rank": args.lora_rank,
+            "full_tokens_per_s": round(full_tps, 1), "lora_tokens_per_s": round(lora_tps, 1),
+            "ratio": round(lora_tps / full_tps, 3), "target_ratio": 1.3,
+            "memory": {mode: json.loads(subprocess.run(
+                [sys.executable, __file__, *sys.argv[1:], "--memory-of", mode], capture_output=True, text=True,
+                check=True).stdout) for mode in ("full", "lora")}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
@@ -129,6 +187,8 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a checkpoint directory (default: a generated preset)")
     parser.add_argument("--shape", choices=["long", "grpo"], default="long",
                         help="long: 16 samples of 192-256 tokens; grpo: groups sharing a prompt, short responses")
+    parser.add_argument("--lora-rank", type=int, default=0, help="compare LoRA of this rank with full fine-tuning")
+    parser.add_argument("--memory-of", choices=["full", "lora"], help=argparse.SUPPRESS)  # the child of --lora-rank
     args = parser.parse_args()
     import transformers
 
@@ -144,6 +204,14 @@ def main() -> None:
             TinyModelConfig(out=f"{tmp}/{preset}", arch="qwen2", preset=preset))
         samples = make_grpo_batch() if args.shape == "grpo" else make_batch(lengths=lengths)
         tokens = sum(len(s.tokens) for s in samples)
+        if args.lora_rank:
+            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(get_free_port()))
+            cfg = from_flags(TrainConfig, hf_checkpoint=str(path))
+            init_parallel(cfg.parallel, cfg.seed)
+            measure = memory_of if args.memory_of else lora_vs_full
+            print(json.dumps(measure(args, path, samples, budget), indent=2))
+            shutdown_parallel()
+            return
         hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(args.device).train()
         hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-6)
 

@@ -29,8 +29,16 @@ each phase on its own; ``engine_s`` the engine's own share of ``send`` from its 
 is the median of ``--rounds`` updates after one warm-up (``engine_s``: the mean). Each update is
 timed right beside its baselines, and each ratio is the median of the rounds' own ratios.
 
+With ``--lora`` (and ``--model``, e.g. SmolLM2) the engine serves LoRA and two updates of the
+same model are timed side by side, each whole (``total_s``: pause to continue): the full weights
+over the tensor transport, and a rank-``--lora-rank`` adapter on every linear module, which a LoRA
+run sends instead (``/load_lora_adapter_from_tensors``, unloading the old one first). Target: the
+adapter's update takes <= 0.05x the full one's time. ``floor_ratio``: the phases every update pays
+whatever it moves (pause, version, continue: HTTP round trips), over the full update's time.
+
     python bench/weight_sync.py [--presets small base] [--rounds 3] [--buffer-size 536870912]
     python bench/weight_sync.py --device cuda --presets large
+    python bench/weight_sync.py --lora --model models/smollm2-135m [--lora-rank 16]
 """
 
 from __future__ import annotations
@@ -58,7 +66,8 @@ spin_briefly()
 import torch  # noqa: E402
 
 from inverted.config import TinyModelConfig  # noqa: E402
-from inverted.hf_checkpoint import checkpoint_tensors  # noqa: E402
+from inverted.hf_checkpoint import ModelSpec, checkpoint_tensors  # noqa: E402
+from inverted.peft_adapter import LoRAConfig, module_shapes, tensor_name  # noqa: E402
 from inverted.processes import ManagedProcess, free_port  # noqa: E402
 from inverted.rollout.sglang_client import SGLangClient  # noqa: E402
 from inverted.tiny_model import make_tiny_model  # noqa: E402
@@ -75,11 +84,11 @@ def model_dir(preset: str) -> Path:
     return out
 
 
-def start_engine(path: Path, device: str) -> ManagedProcess:
+def start_engine(path: Path, device: str, *extra: str) -> ManagedProcess:
     port = free_port()
     argv = [sys.executable, "-m", "inverted.cli", "serve-engine", "--model", str(path), "--port", str(port),
             "--max-running-requests", "4", "--context-length", "256", "--log-level", "warning", "--device", device,
-            "--dtype", "float32" if device == "cpu" else "bfloat16"]
+            "--dtype", "float32" if device == "cpu" else "bfloat16", *extra]
     proc = ManagedProcess.spawn("bench-engine", argv, RUNS / "weight_sync_engine.log", f"http://127.0.0.1:{port}")
     proc.wait_healthy(600)
     return proc
@@ -266,13 +275,58 @@ def bench_model(preset: str, rounds: int, buffer_size: int, device: str) -> dict
     return result
 
 
+def bench_lora(path: Path, rank: int, rounds: int, buffer_size: int) -> dict:
+    """A full update against an adapter-only update of the same model, each timed whole."""
+    spec = ModelSpec.from_checkpoint(path)
+    weights = checkpoint_tensors(path)
+    torch.manual_seed(0)
+    adapter = {tensor_name(layer, module, which): torch.randn(*((rank, n_in) if which == "A" else (n_out, rank))) * 0.01
+               for layer in range(spec.num_layers) for module, (n_out, n_in) in module_shapes(spec).items()
+               for which in "AB"}
+    config = LoRAConfig(rank=rank, alpha=32.0, modules=tuple(module_shapes(spec))).to_peft(str(path))
+    engine = start_engine(path, "cpu", "--enable-lora", "--max-lora-rank", str(rank))
+    syncs = {"full": (WeightSync(TensorTransport(torch.device("cpu")), [engine.url], buffer_size=buffer_size,
+                                 pause_mode="in_place"), weights),
+             "adapter": (WeightSync(TensorTransport(torch.device("cpu")), [engine.url], buffer_size=buffer_size,
+                                    pause_mode="in_place", adapter=config), adapter)}
+    reports: dict[str, list] = {name: [] for name in syncs}
+    try:
+        for i in range(rounds + 1):  # the first round warms up
+            for name, (sync, tensors) in syncs.items():
+                report = asyncio.run(sync.update(tensors.items(), str(i)))
+                if i:
+                    reports[name].append(report)
+    finally:
+        engine.terminate()
+    result = {name: {"bytes": runs[-1].bytes, "total_s": statistics.median(r.seconds["total"] for r in runs),
+                     "phases_s": {k: round(statistics.median(r.seconds.get(k, 0.0) for r in runs), 4)
+                                  for k in runs[-1].seconds}} for name, runs in reports.items()}
+    # The phases any update pays whatever it moves (HTTP round trips to pause, version, continue):
+    # no adapter update can take less, so ``floor_ratio`` bounds ``ratio`` on this machine.
+    fixed = statistics.median(sum(v for k, v in r.seconds.items() if k not in ("pack", "send", "adapter", "total"))
+                              for r in reports["adapter"])
+    return {"model": str(path), "rank": rank, **result, "fixed_s": round(fixed, 4),
+            "floor_ratio": round(fixed / result["full"]["total_s"], 4),
+            "bytes_ratio": result["adapter"]["bytes"] / result["full"]["bytes"],
+            "ratio": statistics.median(a.seconds["total"] / f.seconds["total"]
+                                       for a, f in zip(reports["adapter"], reports["full"]))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--presets", nargs="*", default=["small", "base"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--buffer-size", type=int, default=512 * 1024**2)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--lora", action="store_true", help="adapter-only sync vs full sync of --model")
+    parser.add_argument("--model", type=Path, help="checkpoint for --lora (e.g. models/smollm2-135m)")
+    parser.add_argument("--lora-rank", type=int, default=16)
     args = parser.parse_args()
+    if args.lora:
+        result = bench_lora(args.model or model_dir("small"), args.lora_rank, args.rounds, args.buffer_size)
+        print(json.dumps({"bench": "weight_sync", "mode": "lora", "threads": torch.get_num_threads(),
+                          "targets": {"ratio": 0.05}, **result}, indent=2))
+        return
     targets = {"tensor_ratio": 0.4, "distributed_ratio": 0.5} if args.device == "cpu" else {"tensor_ratio": 0.3}
     out = {"bench": "weight_sync", "device": args.device, "threads": torch.get_num_threads(),
            "buffer_size": args.buffer_size, "targets": targets}

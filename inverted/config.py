@@ -348,6 +348,8 @@ class ProxyConfig:
     proxy_api_key: str | None = option(None, "key required to create sessions and for session admin routes")
     served_model_name: str = option("", "model id in answers and /v1/models (default: the checkpoint's folder name)")
     context_length: int = option(0, "longest prompt + completion (0: the checkpoint's max_position_embeddings)")
+    lora_name: str | None = option(
+        None, "LoRA adapter every call samples from (SGLang's lora_path; inverted train sets it when it trains one)")
     partial_rollout: bool = option(False, "resume a call aborted by a weight update from its sampled tokens "
                                           "(each keeps its version) instead of sampling it again")
     proxy_max_resumes: int = option(8, "aborts one call may survive before it fails with 503")
@@ -670,7 +672,7 @@ class JobConfig:
     SETS: typing.ClassVar[dict[str, dict[str, Any]]] = {
         "buffer": {"db": _SET_BY_JOB, "host": "127.0.0.1", "port": 8600, "api_key": None, "workers": 1},
         "proxy": {"router_url": _SET_BY_JOB, "tokenizer": _SET_BY_JOB, "proxy_host": "127.0.0.1", "proxy_port": 8700,
-                  "proxy_api_key": None},
+                  "proxy_api_key": None, "lora_name": None},
         "servers": {"log_dir": _SET_BY_JOB, "admin_api_key": None},
     }
 
@@ -682,10 +684,10 @@ class JobConfig:
                  "not together with --debug-rollout-only")
         if not train.debug_train_only:
             _require(bool(self.buffer.prompt_data), "--prompt-data", self.buffer.prompt_data, "a .jsonl or .parquet dataset")
-            # The trainer, export and adapter sync run LoRA; the job does not yet start its servers with
-            # --enable-lora nor name the adapter in rollouts, so it would train an adapter nobody samples from.
-            _require(not train.lora.enabled, "--lora-rank", train.lora.lora_rank,
-                     "0 in the full job for now (LoRA runs with --debug-train-only, export-hf and the Trainer API)")
+        # Without a trainer nothing trains the adapter: an untrained one is the base model.
+        _require(not (rollout.debug_rollout_only and train.lora.lora_rank and not train.lora.lora_adapter_path),
+                 "--lora-rank", train.lora.lora_rank, "0 with --debug-rollout-only, unless --lora-adapter-path names "
+                 "the adapter to roll out with")
         _require(not rollout.eval_interval or bool(rollout.eval_prompt_data), "--eval-prompt-data",
                  rollout.eval_prompt_data, "a dataset when --eval-interval is set")
         if rollout.async_mode:

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from inverted.errors import ModelError
+from inverted.errors import ConfigError, ModelError
 from inverted.hf_checkpoint import ModelSpec
 
 # module -> the block it sits in; in a decoder layer's order
@@ -109,6 +109,18 @@ class LoRAConfig:
                 "lora_dropout": self.dropout, "target_modules": list(self.modules), "bias": "none",
                 "use_rslora": self.rslora, "use_dora": False, "fan_in_fan_out": False, "inference_mode": True,
                 "base_model_name_or_path": base_model}
+
+
+def lora_config(rank: int, alpha: float, dropout: float, modules: list[str], adapter_path: str | None) -> LoRAConfig | None:
+    """The adapter a run trains: from the flags, or from ``--lora-adapter-path``'s own config."""
+    if adapter_path:
+        from_file = LoRAConfig.from_peft(read_adapter(adapter_path)[0])
+        if rank and rank != from_file.rank:
+            raise ConfigError(f"--lora-rank {rank} differs from the rank {from_file.rank} of --lora-adapter-path {adapter_path}")
+        return from_file
+    if not rank:
+        return None
+    return LoRAConfig(rank=rank, alpha=alpha, modules=target_modules(modules), dropout=dropout)
 
 
 def read_adapter(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:

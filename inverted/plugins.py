@@ -106,6 +106,7 @@ class RolloutContext:
     generate: Callable[..., Awaitable[Any]] | None = None  # slime's custom generate (--custom-generate-function-path)
     evaluation: bool = False
     slime_args: Any = None  # the flags under slime's names (compat.slime.SlimeArgs), for slime plug-ins
+    lora_path: str | None = None  # the LoRA adapter a LoRA run's policy is: name it in every /generate (None: base)
 
 
 RolloutFunction = Callable[[RolloutContext, list[Task]], Awaitable[list[Sample]]]

@@ -26,7 +26,7 @@ import functools
 from inverted.compat import slime
 from inverted.errors import PluginError
 from inverted.plugins import RolloutContext
-from inverted.rollout.sglang_client import SGLangClient
+from inverted.rollout.sglang_client import SGLangClient, read_output
 from inverted.types import Sample, Task
 
 STATUS = {"stop": Sample.Status.COMPLETED, "length": Sample.Status.TRUNCATED, "abort": Sample.Status.ABORTED}
@@ -52,19 +52,20 @@ async def generate_rollout(ctx: RolloutContext, tasks: list[Task]) -> list[Sampl
               "max_new_tokens": ctx.sampling["max_tokens"]}
     if ctx.sampling.get("seed") is not None:  # as the proxy passes an OpenAI seed on
         params["sampling_seed"] = ctx.sampling["seed"]
+    lora = {"lora_path": ctx.lora_path} if ctx.lora_path else {}  # a LoRA run's policy is its adapter
     limit = asyncio.Semaphore(ctx.config.rollout_concurrency)
 
     async def one(client: SGLangClient, task: Task) -> Sample:
         ids = prompt_ids(ctx.hf_checkpoint, task)
         async with limit:
-            out = await client.generate({"input_ids": ids, "sampling_params": params, "return_logprob": True})
-        meta = out["meta_info"]
+            out = await client.generate({"input_ids": ids, "sampling_params": params, "return_logprob": True, **lora})
+        # each token's version: a call paused across a weight update holds tokens of both
+        output_ids, logprobs, versions, _, finish = read_output(out, ctx.router_url)
         sample = task.new_sample()
-        sample.tokens, sample.response_length = ids + out["output_ids"], len(out["output_ids"])
+        sample.tokens, sample.response_length = ids + output_ids, len(output_ids)
         sample.loss_mask = [1] * sample.response_length
-        sample.rollout_log_probs = [lp for lp, _, _ in meta["output_token_logprobs"]]
-        sample.weight_versions = [str(meta["weight_version"])] * sample.response_length
-        sample.status = STATUS.get(meta["finish_reason"]["type"], Sample.Status.COMPLETED)
+        sample.rollout_log_probs, sample.weight_versions = logprobs, versions
+        sample.status = STATUS.get((finish or {}).get("type"), Sample.Status.COMPLETED)
         return sample
 
     async def custom(task: Task) -> Sample:

@@ -58,7 +58,7 @@ FROZEN_FLAGS = {
               "--served-model-name", "--context-length", "--partial-rollout", "--proxy-max-resumes", "--proxy-max-turns",
               "--proxy-session-timeout", "--proxy-retention", "--proxy-replay-retries", "--proxy-tool-parser-path",
               "--proxy-generate-timeout", "--log-level", "--proxy-max-sessions", "--proxy-max-session-tokens",
-              "--proxy-max-request-bytes"},
+              "--proxy-max-request-bytes", "--lora-name"},
     "servers": {"--config", "--hf-checkpoint", "--num-engines", "--engine-device", "--engine-max-running-requests",
                 "--engine-threads", "--router-host", "--router-port", "--startup-timeout", "--log-dir", "--admin-api-key",
                 "--rollout-backend", "--rollout-num-gpus", "--rollout-num-gpus-per-engine", "--rollout-node-resource"},
@@ -142,8 +142,10 @@ def test_the_job_shares_flags_between_its_sections_and_keeps_its_own_fields():
     for section, fixed in JobConfig.SETS.items():  # ports, keys and paths are the job's, not flags
         assert not {flag_name(name) for name in fixed} & flags, section
     job.validate()
-    with pytest.raises(ConfigError, match="--lora-rank=8: expected 0 in the full job for now"):
-        parse(JobConfig, ["--hf-checkpoint", "/m", "--prompt-data", "p", "--env-path", "e:f", "--lora-rank", "8"])[0].validate()
+    parse(JobConfig, ["--hf-checkpoint", "/m", "--prompt-data", "p", "--env-path", "e:f", "--lora-rank", "8"])[0].validate()
+    with pytest.raises(ConfigError, match="--lora-rank=8: expected 0 with --debug-rollout-only, unless --lora-adapter-path"):
+        parse(JobConfig, ["--hf-checkpoint", "/m", "--prompt-data", "p", "--env-path", "e:f", "--lora-rank", "8",
+                          "--debug-rollout-only"])[0].validate()
     with pytest.raises(ConfigError, match="--global-batch-size=3: expected a divisor of --rollout-batch-size"):
         parse(JobConfig, ["--hf-checkpoint", "/m", "--prompt-data", "p", "--env-path", "e:f",
                           "--global-batch-size", "3"])[0].validate()
@@ -224,6 +226,6 @@ def test_a_random_key_that_looks_like_a_flag_reaches_the_engine():
     from inverted.config import ServersConfig
     from inverted.rollout.servers import engine_argv
 
-    argv = engine_argv(ServersConfig(hf_checkpoint="m", admin_api_key="-dash-first"), "embedded", [], 1, "127.0.0.1", 1234)
+    argv = engine_argv(ServersConfig(hf_checkpoint="m", admin_api_key="-dash-first"), "embedded", [], [], 1, "127.0.0.1", 1234)
     start = argv.index("serve-engine")
     assert build_parser().parse_args(argv[start:]).admin_api_key == "-dash-first"

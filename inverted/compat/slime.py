@@ -12,7 +12,8 @@ four things, and this module is each of them:
 - ``args``: ``SlimeArgs``, the job's flags under slime's attribute names, read-only. A slime flag
   inverted does not have is an ``AttributeError`` that names it and says why.
 - ``post(url, payload, max_retries=60, headers=None)`` and ``get(url)`` (``slime.utils.http_utils``):
-  slime's behaviour (every failure retried once a second, the JSON answer returned).
+  slime's behaviour (every failure retried once a second, the JSON answer returned). In a LoRA
+  run a ``/generate`` that names no adapter is sent with the policy's (``generating_with``).
 - ``GenerateState(args)`` (``slime.rollout.sglang_rollout``): the tokenizer, the sampling
   parameters and the concurrency limit of the default rollout.
 - ``DynamicFilterOutput`` (``slime.rollout.filter_hub.base_types``), and the trainer's
@@ -27,12 +28,14 @@ field name (``from_inverted(..., cls=...)``, ``to_inverted`` reads attributes).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import importlib.util
 import logging
 import sys
 import types
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -229,6 +232,7 @@ class GenerateCall:
 
 
 _calls: contextvars.ContextVar[list[GenerateCall] | None] = contextvars.ContextVar("slime_generate_calls", default=None)
+_lora_path: contextvars.ContextVar[str | None] = contextvars.ContextVar("slime_lora_path", default=None)
 _sessions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -237,6 +241,17 @@ def record_calls() -> list[GenerateCall]:
     calls: list[GenerateCall] = []
     _calls.set(calls)
     return calls
+
+
+@contextlib.contextmanager
+def generating_with(lora_path: str | None) -> Iterator[None]:
+    """Within it, ``post`` names this LoRA adapter in every ``/generate`` that names none: a LoRA
+    run's policy is its adapter, and a slime plug-in written for full fine-tuning would sample the base."""
+    token = _lora_path.set(lora_path)
+    try:
+        yield
+    finally:
+        _lora_path.reset(token)
 
 
 def _session():
@@ -252,6 +267,9 @@ def _session():
 async def post(url: str, payload: Any, max_retries: int = 60, headers: dict[str, str] | None = None) -> Any:
     """POST JSON and return the JSON answer; like slime, any failure is retried once a second,
     ``max_retries`` times, then raised."""
+    lora_path = _lora_path.get()
+    if lora_path and url.endswith("/generate") and isinstance(payload, dict) and not payload.get("lora_path"):
+        payload = {**payload, "lora_path": lora_path}
     for attempt in range(1, max_retries + 1):
         try:
             async with _session().post(url, json=payload, headers=headers) as response:

@@ -9,7 +9,8 @@
 - ``rollouts``: what both loops share: calling the rollout function, its metrics, evaluation.
 
 ``run`` checks everything first (config, plug-ins, datasets, the output directory), then
-``drive`` runs either loop the same way: resume (the servers get the checkpoint's weights), one
+``drive`` runs either loop the same way: resume (the servers get the checkpoint's weights; a LoRA
+run's servers get its adapter before the first rollout, as the policy to name in every call), one
 step per ``--num-rollout``, evaluation before the first step, every ``--eval-interval`` and after
 the last (rows of their own, greedy unless ``--eval-temperature``), a metrics row per step
 (``metrics.jsonl``, TensorBoard, a console line), a checkpoint every ``--save-interval`` and at the
@@ -90,7 +91,7 @@ async def drive(cfg: JobConfig, job: Job, plugins: Plugins, sink: MetricsSink, r
     from tqdm import tqdm
 
     start = job.trainer.rollout_id if job.trainer else 0
-    if start:  # resumed: the servers still hold the starting weights
+    if start or (job.lora and job.trainer):  # resumed: the servers hold the starting weights; LoRA: no adapter yet
         await job.sync_weights(start)
     loop = AsyncLoop(cfg, job, plugins, start) if cfg.rollout.async_mode else SyncLoop(cfg, job, plugins)
     evaluating = bool(cfg.rollout.eval_interval)

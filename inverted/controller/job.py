@@ -12,6 +12,10 @@ server that first gets the current weights and version, then registered. Episode
 the dead server are retried by the router on the others. Deaths and restarts are logged and
 counted (``faults/*`` metrics).
 
+A LoRA run (``--lora-rank``) starts every server with LoRA enabled; the adapter the trainer
+trains is served as ``POLICY_ADAPTER``, which the proxy and the rollout context name in every
+call (``Job.adapter``), and a replacement server gets it before it serves.
+
 Every call into the trainer goes through one lock, so a replacement's weight sync never
 interleaves with a training step or another sync.
 """
@@ -37,9 +41,9 @@ from inverted.errors import ConfigError, PluginError
 from inverted.placement import node_resource, ray_launch, start_ray
 from inverted.plugins import RewardModel, RolloutFunction, load_optional, load_rollout_function, required_flags
 from inverted.processes import ManagedProcess, free_port
-from inverted.rollout.servers import RolloutServers, ServerHandle
+from inverted.rollout.servers import RolloutServers, ServerHandle, lora_argv
 from inverted.rollout.sglang_client import SGLangClient
-from inverted.types import Sample
+from inverted.types import POLICY_ADAPTER, Sample
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +123,8 @@ class Job:
         self.processes: list[ManagedProcess] = []
         self.trainer = None
         self.version = 0  # the weight version the servers hold (the trainer's step at its last sync)
+        self.lora = _lora_config(cfg)  # a LoRA run's adapter: the servers serve it as the policy
+        self.adapter = POLICY_ADAPTER if self.lora else None  # what every policy call names (SGLang's lora_path)
         self._pushed_to: list[str] = []  # the servers of the latest weight update
         self.engine_key = secrets.token_urlsafe(24)  # the rollout servers' admin key
         self.faults: Counter[str] = Counter(engine_deaths=0, engine_restarts=0)  # reported from the first row on
@@ -151,12 +157,15 @@ class Job:
         # can change the weights they serve (SGLang shipped those routes open, and got a CVE for it).
         servers_cfg = dataclasses.replace(cfg.servers, log_dir=str(self.run_dir / "logs"), admin_api_key=self.engine_key)
         gpus = cfg.servers.rollout_num_gpus_per_engine * (0.5 if cfg.rollout.colocate else 1.0)
-        self.servers = RolloutServers(servers_cfg, self.router_args, self.sglang_args,
+        # Without a trainer no sync brings the adapter: the servers load it themselves.
+        lora = lora_argv(self.lora.rank, list(self.lora.modules),
+                         cfg.train.lora.lora_adapter_path if cfg.rollout.debug_rollout_only else None) if self.lora else []
+        self.servers = RolloutServers(servers_cfg, self.router_args, self.sglang_args, lora=lora,
                                       launch=ray_launch(gpus if _has_cuda() else 0, cfg.rollout.ray_address is None,
                                                         cfg.servers.rollout_node_resource, cfg.servers.startup_timeout))
         port, self.proxy_key = free_port(), secrets.token_urlsafe(24)
         proxy_cfg = dataclasses.replace(cfg.proxy, router_url=self.servers.router_url, tokenizer=cfg.train.hf_checkpoint,
-                                        proxy_port=port, proxy_api_key=self.proxy_key)
+                                        proxy_port=port, proxy_api_key=self.proxy_key, lora_name=self.adapter)
         proxy = spawn_service("proxy", proxy_cfg, self.run_dir, f"http://127.0.0.1:{port}")  # needs no router to boot
         self.processes.append(proxy)
         self.proxy_url = proxy.url
@@ -261,7 +270,7 @@ class Job:
         await self.servers.retire(dead)
         engine = await self.servers.start_engine()
         async with self._trainer_lock:  # no update may pass between its weights and its adoption
-            if self.trainer is not None and self.version:
+            if self.trainer is not None and (self.version or self.lora):  # a LoRA policy is never on a fresh server
                 await asyncio.to_thread(self.trainer.sync_weights, [engine.url], self.version, self.engine_key)
             self.servers.adopt(engine)
         await self.servers.register(engine)
@@ -276,6 +285,15 @@ class Job:
             async with SGLangClient(url, api_key=self.engine_key) as client:
                 await getattr(client, method)()
         await asyncio.gather(*(call(url) for url in self.servers.engine_urls))
+
+
+def _lora_config(cfg: JobConfig):
+    """The adapter a LoRA run trains (``peft_adapter.LoRAConfig``), None without LoRA."""
+    from inverted.peft_adapter import lora_config  # torch: only a LoRA run pays for it here
+
+    a = cfg.train.lora
+    return lora_config(a.lora_rank, a.lora_alpha, a.lora_dropout, a.target_modules, a.lora_adapter_path) \
+        if a.enabled else None
 
 
 def _has_cuda() -> bool:

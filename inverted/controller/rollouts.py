@@ -41,7 +41,7 @@ def context(cfg: JobConfig, job: Job, plugins: Plugins, rollout_id: int, evaluat
     return RolloutContext(rollout_id=rollout_id, config=cfg.rollout, proxy_url=job.proxy_url, proxy_api_key=job.proxy_key,
                           router_url=job.servers.router_url, hf_checkpoint=cfg.train.hf_checkpoint, sampling=sampling,
                           env=plugins.env, generate=plugins.generate, evaluation=evaluation,
-                          slime_args=slime_args(cfg, job.servers.router_url))
+                          slime_args=slime_args(cfg, job.servers.router_url), lora_path=job.adapter)
 
 
 def slime_args(cfg: JobConfig, router_url: str | None = None) -> slime.SlimeArgs:
@@ -56,7 +56,8 @@ async def run_rollout(ctx: RolloutContext, plugins: Plugins, tasks: list[Task]) 
     function, where = ((plugins.evaluate, f"--eval-function-path {ctx.config.eval_function_path}")
                        if ctx.evaluation and plugins.evaluate else
                        (plugins.rollout, f"--rollout-function-path {ctx.config.rollout_function_path}"))
-    samples = await function(ctx, tasks)
+    with slime.generating_with(ctx.lora_path):  # slime plug-ins call the router through compat's post
+        samples = await function(ctx, tasks)
     if not isinstance(samples, list) or not all(isinstance(s, Sample) for s in samples):
         raise PluginError(f"{where}: expected a list of Samples, got {type(samples).__name__}")
     by_key = {(s.group_index, s.index): s for s in samples}

@@ -20,7 +20,7 @@ import orjson
 from inverted.errors import ProtocolError
 from inverted.http_client import HTTPService, Reply, Timeouts
 
-__all__ = ["RouterClient", "SGLangClient", "Timeouts"]
+__all__ = ["RouterClient", "SGLangClient", "Timeouts", "read_output"]
 
 
 def _check_success(reply: Reply, body: Any) -> dict[str, Any]:
@@ -30,6 +30,32 @@ def _check_success(reply: Reply, body: Any) -> dict[str, Any]:
     if not body["success"]:
         raise ProtocolError(body.get("message") or body.get("error_message") or "failed", url=reply.url, status=reply.status_code, body=reply.text)
     return body
+
+
+def read_output(body: Any, url: str) -> tuple[list[int], list[float], list[str], list, dict[str, Any] | None]:
+    """ids, logprobs, versions, top logprobs and finish reason of one ``/generate`` answer (or cumulative chunk).
+
+    Each token's weight version: ``meta_info.weight_versions`` spans where the embedded engine
+    reports a mix (a call paused across an update), else ``meta_info.weight_version`` (real SGLang).
+    """
+    try:
+        meta = body["meta_info"]
+        ids = list(body["output_ids"])
+        logprobs = [float(t[0]) for t in meta["output_token_logprobs"]]
+        tops = [[(float(lp), int(tid)) for lp, tid, _ in row] for row in meta.get("output_top_logprobs") or []]
+        spans = meta.get("weight_versions")
+        if spans:
+            versions = [span["version"] for span in spans for _ in range(span["end"] - span["start"])]
+        else:
+            versions = [str(meta["weight_version"])] * len(ids)
+        finish = meta.get("finish_reason")
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise ProtocolError(f"/generate answered without output ids, logprobs or versions ({exc})", url=url,
+                            body=str(body)[:300]) from None
+    if not len(ids) == len(logprobs) == len(versions):
+        raise ProtocolError(f"/generate answered {len(ids)} ids, {len(logprobs)} logprobs, {len(versions)} versions",
+                            url=url, body=str(body)[:300])
+    return ids, logprobs, versions, tops, finish
 
 
 class SGLangClient(HTTPService):

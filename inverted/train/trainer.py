@@ -42,7 +42,7 @@ from inverted.config import TrainConfig, to_flags
 from inverted.errors import SampleError
 from inverted.hf_checkpoint import ModelSpec, checkpoint_tensors
 from inverted.plugins import LossPlugins
-from inverted.peft_adapter import read_adapter
+from inverted.peft_adapter import lora_config, read_adapter
 from inverted.train import lora, losses, slime_loss
 from inverted.train.convert import check_compatible, gather_hf_weights, iter_hf_weights, load_hf_weights, over_pipeline
 from inverted.train.logprobs import token_logprobs_and_entropy
@@ -144,7 +144,7 @@ class Trainer:
         model = build_model(self.spec, self.parallel, self.dtype, self.te)
         load_hf_weights(model, self.spec, hf_weights)
         a = cfg.lora
-        self.lora = lora.lora_config(a.lora_rank, a.lora_alpha, a.lora_dropout, a.target_modules, a.lora_adapter_path)
+        self.lora = lora_config(a.lora_rank, a.lora_alpha, a.lora_dropout, a.target_modules, a.lora_adapter_path)
         if self.lora is not None:
             lora.attach(model, self.spec, self.lora, cfg.seed)
             if a.lora_adapter_path:

@@ -153,3 +153,32 @@ def test_slime_dynamic_sampling_filters_keep_groups_by_their_output():
     assert keep(group)
     group[1].reward = 1.0
     assert not keep(group)
+
+
+def test_in_a_lora_run_slime_post_names_the_policy_adapter_on_generate():
+    """A slime plug-in written for full fine-tuning calls /generate without lora_path: in a LoRA run
+    ``post`` adds the policy's, over real HTTP; a name it gives, and other routes, are left alone."""
+    import asyncio
+
+    from fastapi import FastAPI
+
+    from tests.conftest import serving
+
+    app = FastAPI()
+
+    @app.post("/generate")
+    @app.post("/other")
+    async def echo(body: dict) -> dict:
+        return body
+
+    async def calls(url: str) -> list:
+        plain = {"input_ids": [1, 2]}
+        outside = await slime.post(f"{url}/generate", plain)
+        with slime.generating_with("policy"):
+            inside = await asyncio.gather(slime.post(f"{url}/generate", plain), slime.post(f"{url}/other", plain),
+                                          slime.post(f"{url}/generate", {**plain, "lora_path": "mine"}))
+        return [outside, *inside]
+
+    with serving(app) as url:
+        answers = asyncio.run(calls(url))
+    assert [a.get("lora_path") for a in answers] == [None, "policy", None, "mine"]

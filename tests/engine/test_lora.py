@@ -148,3 +148,54 @@ def test_bad_adapters_get_400_and_change_nothing(engine, adapters, tmp_path):
     assert unknown.status_code == 400 and "not loaded" in unknown.text
     info = httpx.get(engine + "/server_info").json()
     assert info["enable_lora"] and info["max_lora_rank"] == 8 and info["loaded_lora_adapters"] == before
+
+
+def test_the_proxy_names_its_adapter_in_every_call_or_the_one_a_model_names(engine, module_procs, tiny_model, adapters):
+    """``--lora-name`` (what a LoRA job sets) puts the adapter on every call; an OpenAI ``model`` of
+    SGLang's form ``served:adapter`` picks one; any other model name leaves the proxy's default."""
+    base = tiny_model("qwen2")
+    admin = {"Authorization": "Bearer proxy-key"}
+
+    def sampled_gap(proxy, model: str, adapter) -> float:
+        session = httpx.post(proxy.url + "/sessions", json={}, headers=admin).json()
+        reply = httpx.post(f"{proxy.url}/sessions/{session['session_id']}/v1/chat/completions", json={
+            "model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6}, timeout=60)
+        assert reply.status_code == 200, reply.text
+        (sample,) = httpx.post(f"{proxy.url}/sessions/{session['session_id']}/finish", headers=admin).json()["samples"]
+        tokens, n = sample["tokens"], sample["response_length"]
+        ref = reference_logprobs(base, adapter, tokens)
+        want = [ref[i - 1, tokens[i]].item() for i in range(len(tokens) - n, len(tokens))]
+        return (torch.tensor(sample["rollout_log_probs"]) - torch.tensor(want)).abs().max().item()
+
+    named = module_procs.proxy(engine, base, "--proxy-api-key", "proxy-key", "--lora-name", "a")
+    plain = module_procs.proxy(engine, base, "--proxy-api-key", "proxy-key", "--served-model-name", "tiny")
+    assert sampled_gap(named, "policy", adapters["a"]) < 1e-4
+    assert sampled_gap(plain, "tiny:a", adapters["a"]) < 1e-4
+    assert sampled_gap(plain, "other:a", None) < 1e-4  # not the served model's name: the base, as without LoRA
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+async def test_a_request_runs_on_across_an_adapter_replaced_while_paused(procs, tiny_model, adapters, mode):
+    """A LoRA run's weight sync unloads and loads the policy's adapter while generation is paused:
+    a request running on it is neither deadlocked nor aborted, and its tokens carry both versions."""
+    import asyncio
+
+    from inverted.train.weight_sync import TensorTransport, WeightSync
+    from tests.engine.test_control import LONG, started
+
+    url = procs.engine(tiny_model("qwen2"), "--enable-lora", "--max-lora-rank", "8", "--lora-paths",
+                       f"policy={adapters['a']}").url
+    config, tensors = read_adapter(adapters["a"])
+    newer = [(name, t * 2 if "lora_B" in name else t) for name, t in tensors.items()]
+    sync = WeightSync(TensorTransport(torch.device("cpu")), [url], buffer_size=1 << 20, pause_mode=mode, adapter=config)
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        body = {**LONG, "sampling_params": {**LONG["sampling_params"], "max_new_tokens": 300}, "lora_path": "policy"}
+        inflight = await started(client, body, min_tokens=20)
+        report = await sync.update(newer, "step-1")
+        out = await asyncio.wait_for(inflight, 120)
+    assert report.bytes == sum(t.numel() for t in tensors.values()) * 4  # the adapter alone, in float32
+    meta = out["meta_info"]
+    assert meta["finish_reason"]["type"] == "length" and len(out["output_ids"]) == 300
+    spans = meta["weight_versions"]
+    assert [s["version"] for s in spans] == ["default", "step-1"] and spans[0]["end"] >= 20

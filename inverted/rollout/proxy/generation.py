@@ -11,8 +11,8 @@ to the generate timeout); a running call may come back aborted (``finish_reason.
 - otherwise the tokens are dropped and the call is **retried** from its prompt.
 More than ``max_resumes`` aborts in one call raise ``ServiceUnavailable``.
 
-Per-token versions come from the engine: ``meta_info.weight_versions`` spans where the embedded
-engine reports a mix, else ``meta_info.weight_version`` for every token (real SGLang).
+Per-token versions come from the engine (``sglang_client.read_output``). In a LoRA run every call
+names the policy's adapter (``lora_path``).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from inverted.errors import ProtocolError, ServiceUnavailable
-from inverted.rollout.sglang_client import SGLangClient
+from inverted.errors import ServiceUnavailable
+from inverted.rollout.sglang_client import SGLangClient, read_output
 
 
 @dataclass(slots=True)
@@ -39,31 +39,11 @@ class Sampled:
         return (self.finish or {}).get("type", "")
 
 
-def read_output(body: Any, url: str) -> tuple[list[int], list[float], list[str], list, dict[str, Any] | None]:
-    """ids, logprobs, versions, top logprobs and finish reason of one ``/generate`` answer (or cumulative chunk)."""
-    try:
-        meta = body["meta_info"]
-        ids = list(body["output_ids"])
-        logprobs = [float(t[0]) for t in meta["output_token_logprobs"]]
-        tops = [[(float(lp), int(tid)) for lp, tid, _ in row] for row in meta.get("output_top_logprobs") or []]
-        spans = meta.get("weight_versions")
-        if spans:
-            versions = [span["version"] for span in spans for _ in range(span["end"] - span["start"])]
-        else:
-            versions = [str(meta["weight_version"])] * len(ids)
-        finish = meta.get("finish_reason")
-    except (KeyError, TypeError, ValueError, IndexError) as exc:
-        raise ProtocolError(f"/generate answered without output ids, logprobs or versions ({exc})", url=url,
-                            body=str(body)[:300]) from None
-    if not len(ids) == len(logprobs) == len(versions):
-        raise ProtocolError(f"/generate answered {len(ids)} ids, {len(logprobs)} logprobs, {len(versions)} versions",
-                            url=url, body=str(body)[:300])
-    return ids, logprobs, versions, tops, finish
-
-
 async def sample_turn(client: SGLangClient, prompt_ids: list[int], sampling: dict[str, Any], *, stream: bool,
-                      partial_rollout: bool, max_resumes: int, top_logprobs: int = 0) -> AsyncIterator[Sampled]:
-    """Yield the turn's state as it grows; the last state yielded has ``finish`` set."""
+                      partial_rollout: bool, max_resumes: int, top_logprobs: int = 0,
+                      lora_path: str | None = None) -> AsyncIterator[Sampled]:
+    """Yield the turn's state as it grows; the last state yielded has ``finish`` set. ``lora_path``: the
+    LoRA adapter to sample from (None: the base model)."""
     state = Sampled()
     budget = sampling["max_new_tokens"]
     aborts = 0
@@ -74,6 +54,8 @@ async def sample_turn(client: SGLangClient, prompt_ids: list[int], sampling: dic
         payload = {"input_ids": prompt_ids + state.ids, "sampling_params": params, "return_logprob": True}
         if top_logprobs:
             payload["top_logprobs_num"] = top_logprobs
+        if lora_path:
+            payload["lora_path"] = lora_path
         kept = len(state.ids)
         if stream:
             chunks = client.generate_stream(payload)

@@ -93,6 +93,12 @@ class Recorder:
                                  max_turns=config.proxy_max_turns, max_sessions=config.proxy_max_sessions)
         self.metrics = ProxyMetrics(self.sessions)
 
+    def _adapter(self, model: str | None) -> str | None:
+        """The LoRA adapter a call samples from: SGLang's ``model: "base:adapter"`` (``base`` being the
+        served model's name), else ``--lora-name`` (a LoRA run's policy), else none: the base model."""
+        base, _, adapter = (model or "").partition(":")
+        return adapter if adapter and base == self.model_name else self.config.lora_name
+
     # ---- placing and prompting -------------------------------------------------------------
 
     def _incoming(self, req: CallRequest) -> History:
@@ -289,7 +295,7 @@ class Recorder:
         created = time.time()
         sampling = {**req.sampling, "max_new_tokens": req.max_tokens or self.context_length - choice.prompt_len}
         prompt = choice.branch.tokens[:choice.prompt_len]
-        async for state in sample_turn(self.client, prompt, sampling, stream=stream,
+        async for state in sample_turn(self.client, prompt, sampling, stream=stream, lora_path=self._adapter(req.model),
                                        # a constrained call resumed would restart its grammar: sampled again
                                        partial_rollout=self.config.partial_rollout and "json_schema" not in sampling,
                                        max_resumes=self.config.proxy_max_resumes, top_logprobs=req.top_logprobs):
