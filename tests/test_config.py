@@ -229,3 +229,18 @@ def test_a_random_key_that_looks_like_a_flag_reaches_the_engine():
     argv = engine_argv(ServersConfig(hf_checkpoint="m", admin_api_key="-dash-first"), "embedded", [], [], 1, "127.0.0.1", 1234)
     start = argv.index("serve-engine")
     assert build_parser().parse_args(argv[start:]).admin_api_key == "-dash-first"
+
+
+def test_a_lora_run_starts_either_kind_of_server_with_the_same_lora_flags():
+    """SGLang and the embedded engine take the same LoRA flags; the embedded engine's parser reads them."""
+    from inverted.cli import build_parser
+    from inverted.rollout.servers import engine_argv, lora_argv
+
+    lora = lora_argv(16, ["q_proj", "down_proj"], preload="/adapters/a")
+    cfg = ServersConfig(hf_checkpoint="m")
+    sglang = engine_argv(cfg, "sglang", ["--mem-fraction-static", "0.5"], lora, 1, "127.0.0.1", 1234)
+    assert sglang[sglang.index("--enable-lora"):] == [*lora, "--mem-fraction-static", "0.5"]
+    embedded = engine_argv(cfg, "embedded", [], lora, 1, "127.0.0.1", 1234)
+    args = build_parser().parse_args(embedded[embedded.index("serve-engine"):])
+    assert (args.enable_lora, args.max_lora_rank, args.lora_target_modules, args.lora_paths) == \
+        (True, 16, ["q_proj", "down_proj"], ["policy=/adapters/a"])
