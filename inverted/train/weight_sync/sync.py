@@ -61,8 +61,10 @@ class SyncReport:
 
     @property
     def gb_per_s(self) -> float:
-        """Effective bandwidth of the bucket phase (gather + pack + send, overlapped)."""
-        return self.bytes / self.seconds["buckets"] / 1e9 if self.seconds.get("buckets") else 0.0
+        """Effective bandwidth of the bucket phase (gather + pack + send, overlapped), or of a LoRA
+        run's ``adapter`` phase."""
+        seconds = self.seconds.get("buckets") or self.seconds.get("adapter")
+        return self.bytes / seconds / 1e9 if seconds else 0.0
 
     def add(self, phase: str, seconds: float) -> None:
         self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
