@@ -1,6 +1,6 @@
 # The two commands of the README, plus what they are built from.
 #   make run    set up .venv and run the main job: SmolLM2-135M-Instruct learns a reasoning-gym task (examples/smollm2.yaml);
-#               ARGS='--lora-rank 16 --lr 3e-4' adds flags (here: train a LoRA adapter instead of every weight)
+#               ARGS='--lora-rank 16 --lr 1e-3' adds flags (here: train a LoRA adapter instead of every weight)
 #   make test   set up .venv and run the test suite (CPU only, no downloads at run time)
 #   make demo   the one-minute job: the tiny random model learns the letters task (examples/demo.yaml)
 # TORCH is installed first and pinned, so no dependency pulls a multi-GB CUDA build onto a CPU
