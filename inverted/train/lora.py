@@ -20,6 +20,9 @@ Every rank initialises the *whole* ``A`` from a generator seeded by (seed, layer
 keeps its shard, so TP=2 starts (and stays) where TP=1 does. ``B`` starts at zero, as in PEFT:
 the untrained adapter is the base model. ``adapter_tensors`` gathers the adapter back into PEFT's
 names and full shapes (export, weight sync); ``load_adapter`` shards a PEFT adapter in.
+
+A frozen model runs its linears through Megatron's ``LinearWithFrozenWeight``, whose input
+gradient ``attach`` computes on a 2-D view (``_flatten_frozen_dgrad``: twice as fast a LoRA step).
 """
 
 from __future__ import annotations
