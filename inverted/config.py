@@ -191,7 +191,9 @@ class TinyModelConfig:
     """A random-initialized checkpoint in Hugging Face format, made locally (no download)."""
 
     out: str = option("models/tiny", "directory to write the checkpoint into")
-    arch: Literal["qwen2", "qwen3", "llama"] = option("qwen2", "model architecture")
+    arch: Literal["qwen2", "qwen3", "llama", "qwen3_moe"] = option(
+        "qwen2", "model architecture (qwen3_moe: Mixture-of-Experts, which transformers runs; the engine and "
+                 "trainer do not yet)")
     preset: Literal["tiny", "small", "base", "large"] = option(
         "tiny", "size: tiny (~0.2M) for unit tests, small (~14M) for demos and CPU benchmarks, base (~0.5B) and "
                 "large (~1.3B) for GPUs")

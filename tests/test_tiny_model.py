@@ -95,3 +95,31 @@ def test_tokenizer_training_is_deterministic_across_processes():
     digests = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed},
                               capture_output=True, text=True, check=True).stdout.strip() for seed in ("1", "2", "3")}
     assert len(digests) == 1 and len(digests.pop()) == 64
+
+
+def test_a_tiny_qwen3_moe_has_hf_expert_names_and_routes_tokens_to_every_expert(tiny_model):
+    """The first piece of MoE (#31): a sparse checkpoint in Hugging Face's per-expert names, whose
+    random router spreads tokens over all experts; the engine and trainer refuse it clearly for now."""
+    from safetensors import safe_open
+
+    from inverted.errors import ModelError
+    from inverted.hf_checkpoint import ModelSpec
+
+    path = tiny_model("qwen3_moe")
+    config = AutoConfig.from_pretrained(path)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    for layer in range(config.num_hidden_layers):
+        assert f"model.layers.{layer}.mlp.gate.weight" in names
+        assert {f"model.layers.{layer}.mlp.experts.{e}.{p}_proj.weight" for e in range(config.num_experts)
+                for p in ("gate", "up", "down")} <= names
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tokens = torch.randint(3, 1000, (4, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        routers = model(tokens, output_router_logits=True).router_logits
+    for logits in routers:  # per layer: how many tokens each expert receives
+        counts = torch.bincount(logits.topk(config.num_experts_per_tok, dim=-1).indices.flatten(),
+                                minlength=config.num_experts)
+        assert (counts > 0).all() and counts.max() < counts.sum() / 2, counts
+    with pytest.raises(ModelError, match="unsupported architecture"):
+        ModelSpec.from_checkpoint(path)
