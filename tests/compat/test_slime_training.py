@@ -41,6 +41,9 @@ def samples():
 
 
 def test_dr_grpo_reducer_divides_by_its_constant(tiny_model, tmp_path, samples):
+    from inverted.compat import slime
+
+    slime.install()  # as the plug-in loader does: the plug-ins import slime's paths (alone, this test ran first)
     from tests.compat.slime_plugins import DR_GRPO_DIVISOR
 
     metrics = one_step(tiny_model, tmp_path, samples, custom_pg_loss_reducer_function_path=f"{PLUGINS}:get_pg_loss_reducer")

@@ -80,7 +80,7 @@ def test_lora_resume_equals_the_uninterrupted_run_and_exports_an_adapter_or_a_me
     """2 rollouts straight == 1, save (the adapter only), resume, 1 more; the checkpoint exports as a PEFT
     adapter that peft loads, and merged (--merge-lora) as a model that transformers loads: the same logits."""
     from tests.train.samples import write_jsonl
-    from tests.train.test_trainer import metrics, train_cli
+    from tests.train.test_trainer import check_resume_equals_straight, train_cli
 
     base = tiny_model("llama")
     data = tmp_path / "rollout_{rollout_id}.jsonl"
@@ -89,18 +89,7 @@ def test_lora_resume_equals_the_uninterrupted_run_and_exports_an_adapter_or_a_me
     common = ["--hf-checkpoint", str(base), "--load-debug-rollout-data", str(data), "--lr", "1e-2",
               "--global-batch-size", "4", "--max-tokens-per-gpu", "64", "--lora-rank", "4", "--lora-alpha", "8",
               "--target-modules", "q_proj", "o_proj", "gate_proj"]
-    straight = train_cli(*common, "--num-rollout", "2", "--output-dir", str(tmp_path / "a"))
-    assert straight.returncode == 0, straight.stderr
-    first = train_cli(*common, "--num-rollout", "1", "--output-dir", str(tmp_path / "b"), "--save", str(tmp_path / "ckpt"))
-    assert first.returncode == 0, first.stderr
-    resumed = train_cli(*common, "--num-rollout", "2", "--output-dir", str(tmp_path / "c"), "--load", str(tmp_path / "ckpt"),
-                        "--save", str(tmp_path / "ckpt"))
-    assert resumed.returncode == 0, resumed.stderr
-    a, bc = metrics(tmp_path / "a"), metrics(tmp_path / "b") + metrics(tmp_path / "c")
-    for want, got in zip(a, bc, strict=True):
-        for name, value in want.items():
-            if not name.startswith("perf/"):
-                assert got[name] == value, (want["step"], name)
+    check_resume_equals_straight(common, 2, 1, tmp_path)
     saved = torch.load(next((tmp_path / "ckpt").glob("iter_*2/rank_0_0_0.pt")), weights_only=True)["model"]
     assert saved and all(".lora." in name for name in saved)  # the frozen base is not saved again
 

@@ -120,6 +120,24 @@ def metrics(out) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def check_resume_equals_straight(common: list[str], total: int, stop: int, root) -> list[dict]:
+    """``total`` rollouts straight against ``stop``, a save (``root/ckpt``) and a resume to ``total``:
+    every step's metrics are equal (timings aside). The straight run's metrics rows."""
+    ckpt = str(root / "ckpt")
+    for args in (["--num-rollout", str(total), "--output-dir", str(root / "a")],
+                 ["--num-rollout", str(stop), "--output-dir", str(root / "b"), "--save", ckpt],
+                 ["--num-rollout", str(total), "--output-dir", str(root / "c"), "--load", ckpt, "--save", ckpt]):
+        done = train_cli(*common, *args)
+        assert done.returncode == 0, done.stderr
+    a, bc = metrics(root / "a"), metrics(root / "b") + metrics(root / "c")
+    assert [row["step"] for row in bc] == list(range(total))
+    for want, got in zip(a, bc, strict=True):
+        for name, value in want.items():
+            if not name.startswith("perf/"):
+                assert got[name] == value, (want["step"], name)
+    return a
+
+
 def test_resume_reproduces_the_uninterrupted_run_and_exports(tiny_model, tmp_path):
     """3 rollouts, save, resume, 2 more == 5 rollouts straight; the checkpoint exports to HF."""
     data = tmp_path / "rollout_{rollout_id}.jsonl"
@@ -127,19 +145,7 @@ def test_resume_reproduces_the_uninterrupted_run_and_exports(tiny_model, tmp_pat
         write_jsonl(make_samples(seed=rollout), str(data).format(rollout_id=rollout))
     common = ["--hf-checkpoint", str(tiny_model("qwen2")), "--load-debug-rollout-data", str(data), "--lr", "1e-3",
               "--global-batch-size", "4", "--max-tokens-per-gpu", "32"]
-    straight = train_cli(*common, "--num-rollout", "5", "--output-dir", str(tmp_path / "a"))
-    assert straight.returncode == 0, straight.stderr
-    first = train_cli(*common, "--num-rollout", "3", "--output-dir", str(tmp_path / "b"), "--save", str(tmp_path / "ckpt"))
-    assert first.returncode == 0, first.stderr
-    resumed = train_cli(*common, "--num-rollout", "5", "--output-dir", str(tmp_path / "c"), "--load", str(tmp_path / "ckpt"),
-                        "--save", str(tmp_path / "ckpt"))
-    assert resumed.returncode == 0, resumed.stderr
-    a, b, c = metrics(tmp_path / "a"), metrics(tmp_path / "b"), metrics(tmp_path / "c")
-    assert [row["step"] for row in b + c] == [0, 1, 2, 3, 4]
-    for want, got in zip(a, b + c):
-        for name, value in want.items():
-            if not name.startswith("perf/"):
-                assert got[name] == value, (want["step"], name)
+    a = check_resume_equals_straight(common, 5, 3, tmp_path)
     assert a[-1]["train/loss"] != a[0]["train/loss"]
 
     exported = tmp_path / "hf"

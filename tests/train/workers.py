@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from inverted.config import TrainConfig
@@ -9,16 +12,31 @@ from inverted.train.packing import pack
 from tests.train.samples import make_samples
 
 
-def logits_and_step(cfg: TrainConfig, out: str) -> None:
-    """Full-vocabulary logits of a packed batch, then one training step: logits, metrics, new weights."""
+@contextlib.contextmanager
+def parallel_group(cfg: TrainConfig) -> Iterator[None]:
+    """This rank's Megatron parallel state for ``cfg``, torn down whatever the worker did."""
     from inverted.train.parallel import init_parallel, shutdown_parallel
-    from inverted.train.trainer import Trainer
 
     init_parallel(cfg.parallel, cfg.seed)
     try:
-        trainer = Trainer(cfg)
-        samples = make_samples(seed=7)
-        mb = trainer._plan(samples)[0].micro_batches[0]
+        yield
+    finally:
+        shutdown_parallel()
+
+
+def trainer_and_batch(cfg: TrainConfig):
+    """A trainer, the test batch (``make_samples(seed=7)``) and its first packed micro-batch."""
+    from inverted.train.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    samples = make_samples(seed=7)
+    return trainer, samples, trainer._plan(samples)[0].micro_batches[0]
+
+
+def logits_and_step(cfg: TrainConfig, out: str) -> None:
+    """Full-vocabulary logits of a packed batch, then one training step: logits, metrics, new weights."""
+    with parallel_group(cfg):
+        trainer, samples, mb = trainer_and_batch(cfg)
         logits = full_logits(trainer, mb)
         metrics = trainer.train(samples)
         weights = trainer.hf_weights()
@@ -26,8 +44,6 @@ def logits_and_step(cfg: TrainConfig, out: str) -> None:
             # Where each sample's sequence lies in the packed row (a group's prompt is shared).
             rows = dict(zip(mb.indices, mb.sequence_positions()))
             torch.save({"logits": logits, "rows": rows, "metrics": metrics, "weights": weights}, out)
-    finally:
-        shutdown_parallel()
 
 
 def check_packed_logits(result: dict, samples, reference) -> None:
@@ -55,12 +71,10 @@ def full_logits(trainer, mb) -> torch.Tensor:
 
 def step_and_sync(cfg: TrainConfig, samples, urls: list[str], probe: list[int], out: str) -> None:
     """One training step, a weight sync into ``urls``, then the trainer's log-probs of ``probe``."""
-    from inverted.train.parallel import init_parallel, shutdown_parallel
     from inverted.train.trainer import Trainer
     from inverted.train.weight_sync import make_weight_sync
 
-    init_parallel(cfg.parallel, cfg.seed)
-    try:
+    with parallel_group(cfg):
         trainer = Trainer(cfg)
         trainer.train(samples)
         sync = make_weight_sync(cfg.sync, cfg.hf_checkpoint, cfg.output_dir, urls, adapter=trainer.adapter_config())
@@ -70,40 +84,30 @@ def step_and_sync(cfg: TrainConfig, samples, urls: list[str], probe: list[int], 
         logprobs = torch.log_softmax(logits.float(), dim=-1)[:-1].gather(1, tokens[1:, None])[:, 0]
         if torch.distributed.get_rank() == 0:
             torch.save({"logprobs": logprobs, "report": report}, out)
-    finally:
-        shutdown_parallel()
 
 
 def grpo_step(cfg: TrainConfig, samples, out: str) -> None:
     """Log-probs of every sample's response before and after one training step."""
-    from inverted.train.parallel import init_parallel, shutdown_parallel
     from inverted.train.trainer import Trainer
 
-    init_parallel(cfg.parallel, cfg.seed)
-    try:
+    with parallel_group(cfg):
         trainer = Trainer(cfg)
         mbs = [mb for step in trainer._plan(samples) for mb in step.micro_batches]
         before = trainer._no_grad_logprobs(trainer.model, mbs)
         trainer.train(samples)
         after = trainer._no_grad_logprobs(trainer.model, mbs)
         torch.save({"before": before, "after": after}, out)
-    finally:
-        shutdown_parallel()
 
 
 def step_at_version(cfg: TrainConfig, samples, version: int, out: str) -> None:
     """One training step by a trainer whose policy is at ``version``: its metrics and new weights."""
-    from inverted.train.parallel import init_parallel, shutdown_parallel
     from inverted.train.trainer import Trainer
 
-    init_parallel(cfg.parallel, cfg.seed)
-    try:
+    with parallel_group(cfg):
         trainer = Trainer(cfg)
         trainer.rollout_id = version
         metrics = trainer.train(samples)
         torch.save({"metrics": metrics, "weights": trainer.hf_weights()}, out)
-    finally:
-        shutdown_parallel()
 
 
 GOOD_FIRST_TOKENS = frozenset(range(3, 2048, 4))  # a quarter of the vocabulary: a random policy lands here 1 time in 4
@@ -120,13 +124,11 @@ def grpo_loop(cfg: TrainConfig, url: str, steps: int, out: str) -> None:
 
     import httpx
 
-    from inverted.train.parallel import init_parallel, shutdown_parallel
     from inverted.train.trainer import Trainer
     from inverted.train.weight_sync import make_weight_sync
     from inverted.types import Sample
 
-    init_parallel(cfg.parallel, cfg.seed)
-    try:
+    with parallel_group(cfg):
         trainer, sync, rng = Trainer(cfg), make_weight_sync(cfg.sync, cfg.hf_checkpoint, cfg.output_dir, [url]), random.Random(0)
         history = []
         for step in range(steps):
@@ -148,18 +150,14 @@ def grpo_loop(cfg: TrainConfig, url: str, steps: int, out: str) -> None:
                             "versions": sorted({v for s in samples for v in s.weight_versions}),
                             "mismatch": metrics["train/train_rollout_logprob_abs_diff"]})
         torch.save(history, out)
-    finally:
-        shutdown_parallel()
 
 
 def logprobs_step_and_save(cfg: TrainConfig, samples, save: str, out: str) -> None:
     """Response log-probs through the schedule, one training step, a checkpoint in ``save``: what rank 0 sees."""
     from inverted.train.checkpoint import save_checkpoint
-    from inverted.train.parallel import init_parallel, shutdown_parallel
     from inverted.train.trainer import Trainer
 
-    init_parallel(cfg.parallel, cfg.seed)
-    try:
+    with parallel_group(cfg):
         trainer = Trainer(cfg)
         mbs = [mb for step in trainer._plan(samples) for mb in step.micro_batches]
         logprobs = trainer._no_grad_logprobs(trainer.model, mbs)
@@ -168,18 +166,14 @@ def logprobs_step_and_save(cfg: TrainConfig, samples, save: str, out: str) -> No
         save_checkpoint(trainer, save)
         if torch.distributed.get_rank() == 0:
             torch.save({"logprobs": logprobs, "metrics": metrics, "weights": weights}, out)
-    finally:
-        shutdown_parallel()
 
 
 def straight_and_resumed(cfg: TrainConfig, batches, save: str, out: str) -> None:
     """The weights after training on every batch in one go, and after a checkpoint three batches in and a resume."""
     from inverted.train.checkpoint import load_checkpoint, save_checkpoint
-    from inverted.train.parallel import init_parallel, shutdown_parallel
     from inverted.train.trainer import Trainer
 
-    init_parallel(cfg.parallel, cfg.seed)
-    try:
+    with parallel_group(cfg):
         straight = Trainer(cfg)
         start = {name: t.float().cpu() for name, t in straight.hf_weights().items()}
         for batch in batches:
@@ -198,20 +192,13 @@ def straight_and_resumed(cfg: TrainConfig, batches, save: str, out: str) -> None
         weights["resumed"] = resumed.hf_weights()
         if torch.distributed.get_rank() == 0:
             torch.save({k: {n: t.float().cpu() for n, t in w.items()} for k, w in weights.items()}, out)
-    finally:
-        shutdown_parallel()
 
 
 def lora_step(cfg: TrainConfig, out: str) -> None:
     """A LoRA trainer's logits of a packed batch, then one step: what changed, the adapter, new logits."""
-    from inverted.train.parallel import init_parallel, shutdown_parallel
-    from inverted.train.trainer import Trainer
+    with parallel_group(cfg):
+        trainer, samples, mb = trainer_and_batch(cfg)
 
-    init_parallel(cfg.parallel, cfg.seed)
-    try:
-        trainer = Trainer(cfg)
-        samples = make_samples(seed=7)
-        mb = trainer._plan(samples)[0].micro_batches[0]
         def state() -> dict:  # copies: gathered tensors may be the live parameters themselves
             return {"logits": full_logits(trainer, mb), "base": {k: v.clone() for k, v in trainer.hf_weights().items()},
                     "adapter": {k: v.clone() for k, v in trainer.adapter_weights()}}
@@ -223,5 +210,3 @@ def lora_step(cfg: TrainConfig, out: str) -> None:
         if torch.distributed.get_rank() == 0:
             rows = dict(zip(mb.indices, mb.sequence_positions()))
             torch.save({"before": before, "after": after, "metrics": metrics, "rows": rows, "trainable": trainable}, out)
-    finally:
-        shutdown_parallel()
