@@ -22,7 +22,9 @@ The reward is the rubric's. With more than one weighted reward function it is a 
 weighted scores (they sum to the rubric's reward, so ``--reward-key`` picks one); functions of
 weight 0 are the environment's metrics, not reward, and are left out. A rollout that verifiers
 marks as errored (a refused model call, a tool that raised) fails the episode, rather than being
-trained on as a reward of 0. Environments scored by group-level reward functions are refused when
+trained on as a reward of 0, with one exception: when the error is the model's own output (an empty
+or unparseable reply, verifiers' ``InvalidModelResponseError``), that reply is the policy's action
+and the rubric's score of it is the reward, so the model learns not to give it. Environments scored by group-level reward functions are refused when
 loaded: inverted scores each episode on its own.
 
     python -m envs.verifiers --env ID_OR_PATH [--args JSON] --out FILE --count N [--seed S] [--eval]
@@ -38,6 +40,7 @@ import math
 from typing import Any
 
 import verifiers as vf
+from verifiers import errors as vf_errors
 
 from envs.datasets import json_object, write_rows
 
@@ -96,11 +99,17 @@ def reward(loaded: vf.Environment, output: dict[str, Any]) -> float | dict[str, 
     return total
 
 
+def _model_fault(error: dict[str, Any]) -> bool:
+    """Whether verifiers stopped the rollout because of what the model said, not of anything failing."""
+    cls = getattr(vf_errors, str(error.get("error")), None)
+    return isinstance(cls, type) and issubclass(cls, vf_errors.InvalidModelResponseError)
+
+
 async def episode(task, client) -> float | dict[str, float]:
     spec = task.metadata["verifiers"]
     loaded = load(spec["env"], spec.get("args"))
     output = await loaded.run_rollout(spec["input"], vf.OpenAIChatCompletionsClient(client), MODEL, sampling_args={})
-    if output.get("error"):
+    if output.get("error") and not _model_fault(output["error"]):
         raise RuntimeError(f"the verifiers rollout failed: {output['error']}")
     return reward(loaded, output)
 

@@ -63,6 +63,18 @@ def test_the_librarys_reasoning_gym_environment_plays_and_grades_each_row(stack)
         assert sample.reward == graded.rg_dataset.score_answer(answer=answer, entry=entry)
 
 
+def test_an_empty_reply_is_the_models_action_and_is_scored_not_failed(stack):
+    """verifiers aborts a rollout whose reply has no content; that reply is still the policy's to learn from."""
+    rows = env.rows(REASONING_GYM, GYM_ARGS, count=1, seed=0)
+    greedy = {"max_tokens": 1, "top_k": 1}
+    (first,) = play(stack, rows, env.episode, **greedy)
+    token = first.tokens[-1:]
+    # The same greedy token, stopped on at once: the reply's content is empty.
+    stop = AutoTokenizer.from_pretrained(stack[0]).decode(token)
+    (empty,) = play(stack, rows, env.episode, **greedy, stop=[stop])
+    assert empty.tokens == first.tokens and empty.loss_mask == [1] and empty.reward == 0.0
+
+
 def test_a_multi_turn_environment_is_one_branch_and_its_weighted_parts_are_the_reward(stack):
     rows = env.rows(f"{__name__}:load_retry", {}, count=-1, seed=0)
     samples = play(stack, rows, env.episode, max_tokens=3)
