@@ -191,9 +191,9 @@ class TinyModelConfig:
     """A random-initialized checkpoint in Hugging Face format, made locally (no download)."""
 
     out: str = option("models/tiny", "directory to write the checkpoint into")
-    arch: Literal["qwen2", "qwen3", "llama", "qwen3_moe"] = option(
-        "qwen2", "model architecture (qwen3_moe: Mixture-of-Experts, which transformers runs; the engine and "
-                 "trainer do not yet)")
+    arch: Literal["qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe"] = option(
+        "qwen2", "model architecture (qwen3_moe, qwen2_moe: Mixture-of-Experts, 8 experts with 2 per token; "
+                 "qwen2_moe adds a gated shared expert)")
     preset: Literal["tiny", "small", "base", "large"] = option(
         "tiny", "size: tiny (~0.2M) for unit tests, small (~14M) for demos and CPU benchmarks, base (~0.5B) and "
                 "large (~1.3B) for GPUs")
@@ -247,6 +247,8 @@ class EngineConfig:
     max_loras_per_batch: int = option(8, "distinct adapters running at once (more wait their turn)")
     max_loaded_loras: int | None = option(None, "adapters held at once (default: no limit)")
     lora_paths: list[str] = option([], "adapters to load at startup, as NAME=PATH (PEFT directories); implies --enable-lora")
+    enable_return_routed_experts: bool = option(
+        False, "keep each token's routed experts (MoE models) so /generate can return them (return_routed_experts)")
     log_level: Literal["debug", "info", "warning", "error"] = option("info", "log level")
 
     def __post_init__(self) -> None:

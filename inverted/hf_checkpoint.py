@@ -1,7 +1,9 @@
 """What a Hugging Face checkpoint directory holds: its decoder's shape and numerics, and its tensors.
 
 ``ModelSpec`` reads ``config.json`` (and ``generation_config.json`` for end-of-sequence ids) for
-the three families we serve and train (Qwen2, Qwen3, Llama); ``rope_inv_freq`` turns its RoPE
+the families we serve and train: Qwen2, Qwen3 and Llama, and the sparse Qwen3-MoE and Qwen2-MoE
+(whose MLPs are ``num_experts`` experts, ``moe_top_k`` per token, plus a gated shared expert in
+Qwen2-MoE); ``rope_inv_freq`` turns its RoPE
 settings into inverse frequencies exactly as ``transformers`` does, and ``rope_angles`` lays them
 out for any positions (the engine's tables, the trainer's packed rows); ``checkpoint_tensors``
 reads the safetensors files. The embedded engine and the trainer both build their models from these,
@@ -20,7 +22,8 @@ from safetensors import safe_open
 
 from inverted.errors import ModelError
 
-ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
+                 "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +45,17 @@ class ModelSpec:
     max_position_embeddings: int
     rope: dict
     eos_token_ids: tuple[int, ...]
+    # Mixture-of-Experts (0 experts: a dense model). Every layer is sparse; the router's softmax
+    # picks ``moe_top_k`` experts, renormalised to sum to 1 when ``norm_topk_prob``.
+    num_experts: int = 0
+    moe_top_k: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert, scaled by a sigmoid gate
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @classmethod
     def from_checkpoint(cls, path: str | Path) -> ModelSpec:
@@ -54,6 +68,7 @@ class ModelSpec:
         if arch not in ARCHITECTURES.values():
             raise ModelError(f"{path}: unsupported architecture {cfg.get('architectures')}; expected one of {list(ARCHITECTURES)}")
         heads = cfg["num_attention_heads"]
+        moe = _moe_fields(path, arch, cfg)
         # transformers>=5 writes rope_parameters; 4.x and most published checkpoints write rope_theta/rope_scaling.
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         rope.setdefault("rope_theta", cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
@@ -68,13 +83,29 @@ class ModelSpec:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             intermediate_size=cfg["intermediate_size"],
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch == "qwen3",
+            qkv_bias=arch == "qwen2" or bool(cfg.get("qkv_bias" if arch == "qwen2_moe" else "attention_bias",
+                                                     arch == "qwen2_moe")),
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             rope=rope,
             eos_token_ids=_eos_ids(path, cfg),
+            **moe,
         )
+
+
+def _moe_fields(path: Path, arch: str, cfg: dict) -> dict:
+    """The sparse MLP's shape; a model that mixes dense and sparse layers is refused, not served wrong."""
+    if not arch.endswith("_moe"):
+        return {}
+    if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
+        raise ModelError(f"{path}: mixes dense and sparse layers (mlp_only_layers={cfg.get('mlp_only_layers')}, "
+                         f"decoder_sparse_step={cfg.get('decoder_sparse_step')}); only all-sparse MoE models are supported")
+    # Published checkpoints write num_experts; transformers 5 saves it as num_local_experts.
+    return {"num_experts": cfg.get("num_experts") or cfg["num_local_experts"], "moe_top_k": cfg["num_experts_per_tok"],
+            "moe_intermediate_size": cfg["moe_intermediate_size"],
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+            "shared_expert_intermediate_size": cfg.get("shared_expert_intermediate_size", 0) if arch == "qwen2_moe" else 0}
 
 
 def _eos_ids(path: Path, cfg: dict) -> tuple[int, ...]:

@@ -9,8 +9,8 @@ Everything is a pure function of (arch, preset, seed): the tokenizer is a byte-l
 on a corpus built here, and weights are drawn from one seeded generator in sorted-name order, so
 the same seed gives byte-identical files. Norm weights and biases are drawn around their usual
 values rather than left at 1 and 0, so that a forward pass that forgets a norm or a bias
-disagrees with ``transformers``. ``qwen3_moe`` is a sparse model (every layer: 8 experts, 2 per
-token) in Hugging Face's per-expert names, the start of Mixture-of-Experts support.
+disagrees with ``transformers``. ``qwen3_moe`` and ``qwen2_moe`` are sparse (every layer: 8 experts,
+2 per token; Qwen2-MoE adds a gated shared expert), saved in Hugging Face's per-expert names.
 """
 
 from __future__ import annotations
@@ -110,6 +110,12 @@ def _hf_config(arch: str, preset: str, vocab_size: int, eos_id: int, pad_id: int
             tie_word_embeddings=True, head_dim=head_dim, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
             num_experts=8, num_experts_per_tok=2, moe_intermediate_size=shape["intermediate_size"] // 2,
             norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], **common)
+    if arch == "qwen2_moe":  # Qwen1.5-MoE's layout: top-k weights left unnormalised, a shared expert beside them
+        return transformers.Qwen2MoeConfig(
+            tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}, qkv_bias=True,
+            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=shape["intermediate_size"] // 2,
+            shared_expert_intermediate_size=shape["intermediate_size"], norm_topk_prob=False,
+            decoder_sparse_step=1, mlp_only_layers=[], **common)
     rope = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 512}
     return transformers.LlamaConfig(tie_word_embeddings=False, rope_parameters=rope, mlp_bias=False, attention_bias=False, **common)

@@ -21,6 +21,7 @@ from inverted.processes import ManagedProcess, free_port
 from inverted.tiny_model import make_tiny_model
 
 ARCHS = ("qwen2", "qwen3", "llama")
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe")
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from inverted.config import TinyModelConfig
 from inverted.tiny_model import _hf_config, make_tiny_model
-from tests.conftest import ARCHS
+from tests.conftest import ARCHS, MOE_ARCHS
 
 
 def digest(path) -> dict[str, str]:
@@ -97,15 +98,16 @@ def test_tokenizer_training_is_deterministic_across_processes():
     assert len(digests) == 1 and len(digests.pop()) == 64
 
 
-def test_a_tiny_qwen3_moe_has_hf_expert_names_and_routes_tokens_to_every_expert(tiny_model):
-    """The first piece of MoE (#31): a sparse checkpoint in Hugging Face's per-expert names, whose
-    random router spreads tokens over all experts; the engine and trainer refuse it clearly for now."""
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_a_tiny_moe_has_hf_expert_names_and_routes_tokens_to_every_expert(tiny_model, arch, tmp_path):
+    """A sparse checkpoint in Hugging Face's per-expert names, whose random router spreads tokens over
+    all experts; ``ModelSpec`` reads its sparse shape and refuses a mix of dense and sparse layers."""
     from safetensors import safe_open
 
     from inverted.errors import ModelError
     from inverted.hf_checkpoint import ModelSpec
 
-    path = tiny_model("qwen3_moe")
+    path = tiny_model(arch)
     config = AutoConfig.from_pretrained(path)
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         names = set(f.keys())
@@ -121,5 +123,13 @@ def test_a_tiny_qwen3_moe_has_hf_expert_names_and_routes_tokens_to_every_expert(
         counts = torch.bincount(logits.topk(config.num_experts_per_tok, dim=-1).indices.flatten(),
                                 minlength=config.num_experts)
         assert (counts > 0).all() and counts.max() < counts.sum() / 2, counts
-    with pytest.raises(ModelError, match="unsupported architecture"):
-        ModelSpec.from_checkpoint(path)
+    spec = ModelSpec.from_checkpoint(path)
+    assert (spec.arch, spec.num_experts, spec.moe_top_k) == (arch, 8, 2)
+    assert spec.moe_intermediate_size == config.moe_intermediate_size and spec.norm_topk_prob == config.norm_topk_prob
+    assert spec.shared_expert_intermediate_size == (config.shared_expert_intermediate_size if arch == "qwen2_moe" else 0)
+    assert spec.qkv_bias == (arch == "qwen2_moe") and spec.qk_norm == (arch == "qwen3_moe")
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "config.json").write_text(json.dumps({**config.to_dict(), "mlp_only_layers": [0]}))
+    with pytest.raises(ModelError, match="mixes dense and sparse layers"):
+        ModelSpec.from_checkpoint(mixed)

@@ -101,6 +101,8 @@ class Adapters:
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, *, max_rank: int,
                  modules: list[str], max_loaded: int | None, max_per_batch: int):
+        if spec.is_moe:  # the experts would need adapters of their own; attention alone is not what users ask for
+            raise ModelError("LoRA on a Mixture-of-Experts model is not supported by the embedded engine")
         self.spec, self.dtype, self.device = spec, dtype, device
         self.max_rank, self.modules = max_rank, target_modules(modules or ["all"])
         self.max_loaded, self.max_per_batch = max_loaded, max_per_batch

@@ -1,9 +1,13 @@
-"""The embedded engine's own forward pass for Qwen2, Qwen3 and Llama checkpoints in HF format.
+"""The embedded engine's own forward pass for Qwen2, Qwen3, Llama and Qwen-MoE checkpoints in HF format.
 
-One decoder serves the three families; they differ only in flags read from ``config.json``:
+One decoder serves the families; they differ only in flags read from ``config.json``:
 Qwen2 has biases on q/k/v, Qwen3 RMS-normalises q and k per head (and decouples ``head_dim``),
 Llama may scale RoPE (``llama3`` or ``linear``). Q/K/V and gate/up are fused into one matrix
-each so a step runs few, large matmuls. ``hf_views`` is the single declarative name table: every
+each so a step runs few, large matmuls. In a Mixture-of-Experts model (Qwen3-MoE, Qwen2-MoE) the
+MLP is ``num_experts`` such gate/up and down pairs, stacked; a router's softmax picks the top k
+for each token (``_moe``), and Qwen2-MoE adds a shared expert behind a sigmoid gate. The experts
+each token was routed to can be kept in the cache beside its keys and values (``KVCache.routes``)
+for SGLang's ``return_routed_experts``: the rollout's routing, which the trainer can replay. ``hf_views`` is the single declarative name table: every
 Hugging Face parameter name maps to a view into the fused tensors, so loading, weight updates and
 ``get_weights_by_name`` all go through the same names and never through per-layer converters.
 LoRA adapters (``engine.lora``) add their deltas to the fused projections' outputs, per row.
@@ -28,14 +32,21 @@ from inverted.weight_wire import copy_all
 
 
 class KVCache:
-    """Per-row key/value storage, ``[layers, rows, kv_heads, capacity, head_dim]``, grown on demand."""
+    """Per-row key/value storage, ``[layers, rows, kv_heads, capacity, head_dim]``, grown on demand.
+
+    With ``routes`` (a MoE model whose server returns routed experts), each position also holds the
+    experts its token was routed to in every layer, ``[rows, capacity, layers, top_k]``, moved with it.
+    """
 
     GROW = 256
 
-    def __init__(self, spec: ModelSpec, rows: int, max_len: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, spec: ModelSpec, rows: int, max_len: int, dtype: torch.dtype, device: torch.device,
+                 routes: bool = False):
         self.spec, self.rows, self.max_len, self.dtype, self.device = spec, rows, max_len, dtype, device
         self.capacity = 0
         self.k = self.v = torch.empty(0)
+        self.keeps_routes = routes
+        self.routes: torch.Tensor | None = None
         self.reserve(self.GROW)
 
     def reserve(self, length: int) -> None:
@@ -45,25 +56,38 @@ class KVCache:
         new_cap = min(self.max_len, max(length, 2 * self.capacity, self.GROW))
         shape = (self.spec.num_layers, self.rows, self.spec.num_kv_heads, new_cap, self.spec.head_dim)
         k, v = torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.keeps_routes:  # expert ids fit int16 (at most 32767 experts)
+            routes = torch.zeros(self.rows, new_cap, self.spec.num_layers, self.spec.moe_top_k, dtype=torch.int16,
+                                 device=self.device)
         if self.capacity:
             k[..., : self.capacity, :] = self.k
             v[..., : self.capacity, :] = self.v
+            if self.keeps_routes:
+                routes[:, : self.capacity] = self.routes
         self.k, self.v, self.capacity = k, v, new_cap
+        if self.keeps_routes:
+            self.routes = routes
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` positions of row ``src`` into row ``dst`` (keeps rows compact)."""
         self.k[:, dst, :, :length] = self.k[:, src, :, :length]
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+        if self.routes is not None:
+            self.routes[dst, :length] = self.routes[src, :length]
 
     def swap_rows(self, a: int, b: int, length_a: int, length_b: int) -> None:
         """Exchange the first ``length_a`` positions of row ``a`` with the first ``length_b`` of row ``b``."""
         held = self.k[:, a, :, :length_a].clone(), self.v[:, a, :, :length_a].clone()
+        routes = None if self.routes is None else self.routes[a, :length_a].clone()
         self.move_row(b, a, length_b)
         self.k[:, b, :, :length_a], self.v[:, b, :, :length_a] = held
+        if routes is not None:
+            self.routes[b, :length_a] = routes
 
     def release(self) -> None:
         """Free the storage (``/release_memory_occupation``); ``reserve`` allocates it again."""
         self.k = self.v = torch.empty(0)
+        self.routes = None
         self.capacity = 0
 
 
@@ -81,7 +105,7 @@ class CausalLM(torch.nn.Module):
         q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
 
         def param(*shape: int) -> torch.nn.Parameter:
-            kind = dtype if len(shape) == 2 else self.act_dtype  # matrices vs norm weights and biases
+            kind = dtype if len(shape) >= 2 else self.act_dtype  # matrices vs norm weights and biases
             return torch.nn.Parameter(torch.empty(shape, dtype=kind, device=device), requires_grad=False)
 
         self.embed = param(s.vocab_size, s.hidden_size)
@@ -95,8 +119,17 @@ class CausalLM(torch.nn.Module):
             layer.qkv_bias = param(q + 2 * kv) if s.qkv_bias else None
             layer.q_norm, layer.k_norm = (param(s.head_dim), param(s.head_dim)) if s.qk_norm else (None, None)
             layer.o = param(s.hidden_size, q)
-            layer.gate_up = param(2 * s.intermediate_size, s.hidden_size)
-            layer.down = param(s.hidden_size, s.intermediate_size)
+            if s.is_moe:
+                inter, shared = s.moe_intermediate_size, s.shared_expert_intermediate_size
+                layer.router = param(s.num_experts, s.hidden_size)
+                layer.experts_gate_up = param(s.num_experts, 2 * inter, s.hidden_size)
+                layer.experts_down = param(s.num_experts, s.hidden_size, inter)
+                layer.gate_up = param(2 * shared, s.hidden_size) if shared else None
+                layer.down = param(s.hidden_size, shared) if shared else None
+                layer.shared_gate = param(1, s.hidden_size) if shared else None
+            else:
+                layer.gate_up = param(2 * s.intermediate_size, s.hidden_size)
+                layer.down = param(s.hidden_size, s.intermediate_size)
             self.layers.append(layer)
         # cos/sin for every position, once: a step only indexes them.
         angles = rope_angles(spec, torch.arange(spec.max_position_embeddings))
@@ -117,10 +150,15 @@ class CausalLM(torch.nn.Module):
                 p + "self_attn.k_proj.weight": layer.qkv[q : q + kv],
                 p + "self_attn.v_proj.weight": layer.qkv[q + kv :],
                 p + "self_attn.o_proj.weight": layer.o,
-                p + "mlp.gate_proj.weight": layer.gate_up[:inter],
-                p + "mlp.up_proj.weight": layer.gate_up[inter:],
-                p + "mlp.down_proj.weight": layer.down,
             })
+            if s.is_moe:
+                views.update(self._expert_views(p + "mlp.", layer))
+            else:
+                views.update({
+                    p + "mlp.gate_proj.weight": layer.gate_up[:inter],
+                    p + "mlp.up_proj.weight": layer.gate_up[inter:],
+                    p + "mlp.down_proj.weight": layer.down,
+                })
             if layer.qkv_bias is not None:
                 views.update({
                     p + "self_attn.q_proj.bias": layer.qkv_bias[:q],
@@ -129,6 +167,25 @@ class CausalLM(torch.nn.Module):
                 })
             if layer.q_norm is not None:
                 views.update({p + "self_attn.q_norm.weight": layer.q_norm, p + "self_attn.k_norm.weight": layer.k_norm})
+        return views
+
+    def _expert_views(self, p: str, layer: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """A sparse MLP's names: the router, every expert's gate/up/down, and Qwen2-MoE's shared expert."""
+        inter, shared = self.spec.moe_intermediate_size, self.spec.shared_expert_intermediate_size
+        views = {p + "gate.weight": layer.router}
+        for e in range(self.spec.num_experts):
+            views.update({
+                f"{p}experts.{e}.gate_proj.weight": layer.experts_gate_up[e, :inter],
+                f"{p}experts.{e}.up_proj.weight": layer.experts_gate_up[e, inter:],
+                f"{p}experts.{e}.down_proj.weight": layer.experts_down[e],
+            })
+        if shared:
+            views.update({
+                p + "shared_expert.gate_proj.weight": layer.gate_up[:shared],
+                p + "shared_expert.up_proj.weight": layer.gate_up[shared:],
+                p + "shared_expert.down_proj.weight": layer.down,
+                p + "shared_expert_gate.weight": layer.shared_gate,
+            })
         return views
 
     # ---- weights -------------------------------------------------------------------------
@@ -199,12 +256,16 @@ class CausalLM(torch.nn.Module):
         qk = torch.addcmul(qk * cos, rotated, sin)
         return qk[:, : s.num_heads], qk[:, s.num_heads :], v
 
-    def _finish_layer(self, li: int, x_TH: torch.Tensor, attn_TX: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+    def _finish_layer(self, li: int, x_TH: torch.Tensor, attn_TX: torch.Tensor,
+                      lora: LoRABatch | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer's output, and in a MoE model each token's routed experts ``[T, top_k]``."""
         layer = self.layers[li]
         x_TH = self._linear(attn_TX, layer.o, x_TH)
         if lora is not None:
             lora.add(x_TH, attn_TX, li, "o")
         h = self._norm(x_TH, layer.ln2)
+        if self.spec.is_moe:
+            return self._moe(layer, h, x_TH)
         gate_up = self._linear(h, layer.gate_up)
         if lora is not None:
             lora.add(gate_up, h, li, "gate_up")
@@ -213,7 +274,38 @@ class CausalLM(torch.nn.Module):
         out = self._linear(act, layer.down, x_TH)
         if lora is not None:
             lora.add(out, act, li, "down")
-        return out
+        return out, None
+
+    def _moe(self, layer: torch.nn.Module, h_TH: torch.Tensor, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x + MoE(h)`` and the experts each token went to.
+
+        Routing follows ``transformers`` (and SGLang): softmax over all experts in fp32, the top k,
+        renormalised when ``norm_topk_prob``, then cast to the activations' dtype. Tokens are grouped
+        by expert (one sort), so each expert runs one matmul pair over all of its tokens.
+        """
+        s = self.spec
+        probs = torch.softmax(self._linear(h_TH, layer.router).float(), dim=-1)
+        weights, experts = probs.topk(s.moe_top_k, dim=-1)
+        if s.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=s.num_experts).tolist()
+        token = order // s.moe_top_k
+        grouped = h_TH[token]
+        outs, start = [], 0
+        for e, count in enumerate(counts):
+            if count:
+                gate, up = self._linear(grouped[start : start + count], layer.experts_gate_up[e]).chunk(2, dim=-1)
+                outs.append(self._linear(F.silu(gate).mul_(up), layer.experts_down[e]))
+                start += count
+        routed = torch.cat(outs).mul_(weights.flatten()[order].to(h_TH.dtype)[:, None])
+        out = x_TH.index_add(0, token, routed)
+        if layer.gate_up is not None:  # Qwen2-MoE's shared expert, gated per token
+            gate, up = self._linear(h_TH, layer.gate_up).chunk(2, dim=-1)
+            shared = self._linear(F.silu(gate).mul_(up), layer.down)
+            out.addcmul_(torch.sigmoid(self._linear(h_TH, layer.shared_gate)), shared)
+        return out, experts
 
     def logits(self, hidden_TH: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the final hidden states."""
@@ -251,7 +343,10 @@ class CausalLM(torch.nn.Module):
                     q[lo:hi].transpose(0, 1)[None], cache.k[li, row : row + 1, :, :end], cache.v[li, row : row + 1, :, :end],
                     attn_mask=mask, is_causal=mask is None, enable_gqa=True)
                 attn[lo:hi] = out[0].transpose(0, 1).reshape(hi - lo, -1)
-            x = self._finish_layer(li, x, attn, lora)
+            x, experts = self._finish_layer(li, x, attn, lora)
+            if cache.routes is not None:
+                for row, start, end, lo, hi in zip(rows, starts, ends, offsets, offsets[1:]):
+                    cache.routes[row, start:end, li] = experts[lo:hi].to(torch.int16)
         return [x[lo:hi] for lo, hi in zip(offsets, offsets[1:])]
 
     @torch.no_grad()
@@ -281,7 +376,9 @@ class CausalLM(torch.nn.Module):
             scores = torch.baddbmm(bias, q.reshape(b * kv_heads, group, s.head_dim), keys.transpose(1, 2),
                                    alpha=s.head_dim ** -0.5)
             attn = torch.bmm(torch.softmax(scores, dim=-1), values)  # B*Hkv, G, D
-            x = self._finish_layer(li, x, attn.view(b, -1), lora)
+            x, experts = self._finish_layer(li, x, attn.view(b, -1), lora)
+            if cache.routes is not None:
+                cache.routes[rows, pos, li] = experts.to(torch.int16)
         return x
 
 

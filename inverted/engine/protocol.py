@@ -9,10 +9,12 @@ request models keep SGLang's field names and defaults; unknown fields are ignore
 
 from __future__ import annotations
 
+import base64
 import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from pydantic import BaseModel, ConfigDict
 
 from inverted.engine.sampling import SamplingParams
@@ -139,6 +141,7 @@ class GenerateItem:
     index: int
     top_logprobs_num: int = 0
     lora: str | None = None
+    return_routed_experts: bool = False
 
 
 def _per_item(body: dict, key: str, default: Any, size: int, batched: bool) -> list[Any]:
@@ -197,6 +200,7 @@ def parse_generate(body: Any) -> tuple[list[GenerateItem], bool, bool]:
         raise InvalidRequest("top_logprobs_num must be a non-negative integer")
     if body.get("token_ids_logprob"):
         raise InvalidRequest("token_ids_logprob is not supported by the embedded engine")
+    routed = _per_item(body, "return_routed_experts", False, size, batched)
     loras = _per_item(body, "lora_path", None, size, batched)
     if not all(lora is None or isinstance(lora, str) for lora in loras):
         raise SchemaError("invalid type: lora_path must be an adapter name, or a list of them (null: the base model)")
@@ -210,7 +214,7 @@ def parse_generate(body: Any) -> tuple[list[GenerateItem], bool, bool]:
                 input_ids=None if text is not None else list(prompts[i]), params=params[i],
                 return_logprob=bool(logprob[i]), logprob_start_len=int(start[i]), top_logprobs_num=int(top[i]),
                 return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)), index=len(items),
-                lora=loras[i],
+                lora=loras[i], return_routed_experts=bool(routed[i]),
             ))
     return items, not batched and n == 1, bool(body.get("stream", False))
 
@@ -228,6 +232,12 @@ def version_spans(versions: list[str]) -> list[dict[str, Any]]:
         else:
             spans.append({"version": version, "start": i, "end": i + 1})
     return spans
+
+
+def encode_routed_experts(routes: torch.Tensor) -> str:
+    """SGLang's ``meta_info.routed_experts``: ``[prompt + completion - 1, layers, top_k]`` expert ids as
+    little-endian int32, base64-encoded (every token the model ran; the last sampled one never ran)."""
+    return base64.b64encode(routes.to(torch.int32).numpy().astype("<i4").tobytes()).decode("ascii")
 
 
 def generate_response(req: Request, item: GenerateItem, n: int, tokenizer, current_version: str) -> dict[str, Any]:
@@ -266,6 +276,8 @@ def generate_response(req: Request, item: GenerateItem, n: int, tokenizer, curre
 
             meta["output_top_logprobs"] = tops(req.output_top_logprobs[:n])
             meta["input_top_logprobs"] = tops(req.input_top_logprobs)
+    if done and item.return_routed_experts and req.routed_experts is not None:
+        meta["routed_experts"] = encode_routed_experts(req.routed_experts)
     if done and req.finished_at is not None:
         meta["e2e_latency"] = req.finished_at - req.created
         meta["response_sent_to_client_ts"] = time.time()

@@ -30,6 +30,9 @@ admitted in one step that share a prompt (GRPO's n samples) are prefilled in two
 second copies what the first computed. Kept rows are evicted when running rows need the room,
 and dropped on a flush and on every weight load (their KV came from the old weights).
 
+Routed experts (MoE, ``keep_routes``): the cache keeps every position's experts beside its KV, so
+a finished request takes its whole sequence's routing (cached prefixes included) as it leaves.
+
 LoRA: a request may name an adapter (``Request.lora``); each step groups its rows by adapter
 (``engine.lora.LoRABatch``), at most ``--max-loras-per-batch`` adapters run at once, and cached
 prefixes are reused only under the same adapter. Adapters are added and removed by commands.
@@ -78,6 +81,8 @@ class Request:
     generator: torch.Generator | None = None  # only for requests with a sampling_seed
     matcher: Any = None  # only for constrained requests (json_schema, regex): see engine.grammar
     lora: str | None = None  # the LoRA adapter it runs with (SGLang's lora_path); None: the base model
+    return_routed_experts: bool = False
+    routed_experts: torch.Tensor | None = None  # set when it finishes: [positions run, layers, top_k]
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_versions: list[str] = field(default_factory=list)
@@ -111,14 +116,15 @@ class Scheduler:
 
     def __init__(self, model: CausalLM, *, max_running: int, context_length: int, max_prefill_tokens: int,
                  weight_version: str, stop_checker: Callable[[Request], str | None], random_seed: int | None = None,
-                 reuse_prefixes: bool = True, update_timeout: float = 300.0, adapters: Adapters | None = None):
+                 reuse_prefixes: bool = True, update_timeout: float = 300.0, adapters: Adapters | None = None,
+                 keep_routes: bool = False):
         self.model = model
         self.max_running = max_running
         self.context_length = context_length
         self.max_prefill_tokens = max_prefill_tokens
         self.weight_version = weight_version
         self.stop_checker = stop_checker
-        self.cache = KVCache(model.spec, max_running, context_length, model.act_dtype, model.device)
+        self.cache = KVCache(model.spec, max_running, context_length, model.act_dtype, model.device, routes=keep_routes)
         self.waiting: collections.deque[Request] = collections.deque()  # touched by the scheduler thread only
         self._incoming: collections.deque[Request] = collections.deque()  # submissions, under _cond
         self.running: list[Request] = []  # running[i] owns cache row i
@@ -511,6 +517,8 @@ class Scheduler:
         return None
 
     def _finish(self, req: Request, reason: dict[str, Any]) -> None:
+        if req.return_routed_experts and self.cache.routes is not None and req in self.running:
+            req.routed_experts = self.cache.routes[self.running.index(req), : req.computed].clone()
         req.finish_reason = reason
         req.finished_at = time.monotonic()
         req.notify(req, len(req.output_ids))

@@ -73,6 +73,8 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         self.max_token_chars = max_token_chars(self.tokenizer)
         model = load_model(config.model, dtype, device)
+        if config.enable_return_routed_experts and not model.spec.is_moe:
+            raise ModelError(f"--enable-return-routed-experts needs a Mixture-of-Experts model; {config.model} is dense")
         adapters = startup_adapters(config, model) if config.enable_lora else None
         self.context_length = config.context_length or min(model.spec.max_position_embeddings, 4096)
         self.scheduler = Scheduler(
@@ -80,7 +82,7 @@ class Engine:
             max_prefill_tokens=config.max_prefill_tokens, weight_version=config.weight_version,
             stop_checker=self._matched_stop, random_seed=config.random_seed,
             reuse_prefixes=not config.disable_radix_cache, update_timeout=config.weight_update_timeout,
-            adapters=adapters,
+            adapters=adapters, keep_routes=config.enable_return_routed_experts,
         )
         self.model_name = config.served_model_name or config.model
         self._grammars: Grammars | None = None  # built on the first constrained request
@@ -297,6 +299,8 @@ def _add_generate_routes(app: FastAPI) -> None:
             raise InvalidRequest("Duplicate request ID detected within the batch.")
         if any(item.lora is not None for item in items):
             engine.adapters().check_requested([item.lora for item in items])
+        if any(item.return_routed_experts for item in items) and not engine.config.enable_return_routed_experts:
+            raise InvalidRequest("return_routed_experts needs a server started with --enable-return-routed-experts")
         matchers = [engine.grammar_matcher(item.params) for item in items]  # a bad constraint: 400, nothing runs
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
@@ -308,7 +312,7 @@ def _add_generate_routes(app: FastAPI) -> None:
             req = EngineRequest(rid=item.rid, input_ids=ids, params=item.params, notify=notify,
                                 return_logprob=item.return_logprob, logprob_start_len=item.logprob_start_len,
                                 top_logprobs_num=item.top_logprobs_num, matcher=matcher, stream=stream,
-                                lora=item.lora)
+                                lora=item.lora, return_routed_experts=item.return_routed_experts)
             reqs.append(req)
             engine.inflight[item.rid] = req
         for req in reqs:

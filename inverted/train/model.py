@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from inverted.errors import ModelError
 from inverted.hf_checkpoint import ModelSpec, rope_inv_freq
 from inverted.train.convert import mark_tensor_parallel
 
@@ -87,6 +88,8 @@ def build_model(spec: ModelSpec, parallel: Parallelism, dtype: torch.dtype = tor
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
+    if spec.is_moe:
+        raise ModelError(f"the trainer does not build Mixture-of-Experts models ({spec.arch}) yet")
     config = transformer_config(spec, parallel, dtype)
     te = use_transformer_engine() if te is None else te
     model = GPTModel(

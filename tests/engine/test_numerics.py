@@ -1,18 +1,29 @@
-"""The engine's numbers against an independent reference: Hugging Face ``transformers``."""
+"""The engine's numbers against an independent reference: Hugging Face ``transformers``; for MoE
+models, also the experts its router picked for every token."""
 
 from __future__ import annotations
 
+import base64
+
 import httpx
+import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from tests.conftest import ARCHS
+from inverted.config import EngineConfig
+from inverted.engine.server import Engine
+from inverted.errors import ModelError
+from tests.conftest import ARCHS, MOE_ARCHS
+
+ALL = ARCHS + MOE_ARCHS
 
 
 @pytest.fixture(scope="module")
 def engines(module_procs, tiny_model):
-    return {arch: module_procs.engine(tiny_model(arch), name=arch).url for arch in ARCHS}
+    routes = ["--enable-return-routed-experts"]
+    return {arch: module_procs.engine(tiny_model(arch), *(routes if arch in MOE_ARCHS else []), name=arch).url
+            for arch in ALL}
 
 
 def hf_logprobs(model_dir, tokens: list[int], temperature: float = 1.0) -> torch.Tensor:
@@ -23,7 +34,7 @@ def hf_logprobs(model_dir, tokens: list[int], temperature: float = 1.0) -> torch
     return torch.log_softmax(logits / temperature, dim=-1)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ALL)
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sampled_and_prompt_logprobs_equal_transformers(engines, tiny_model, arch, temperature):
     prompt = [5, 17, 300, 42, 999, 7, 64, 128, 256, 11]
@@ -69,7 +80,7 @@ def test_top_logprobs_are_transformers_top_k(engines, tiny_model):
     assert bad.status_code == 400 and "top_logprobs_num" in bad.text
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ALL)
 def test_greedy_equals_transformers_generate(engines, tiny_model, arch):
     model = AutoModelForCausalLM.from_pretrained(tiny_model(arch), dtype=torch.float32).eval()
     for prompt in ([1, 2, 3, 4, 5], [700, 12, 33], list(range(100, 160))):
@@ -83,3 +94,44 @@ def test_greedy_equals_transformers_generate(engines, tiny_model, arch):
             assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": ref[-1]}
         else:
             assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 48}
+
+
+def routed(meta: dict, config) -> np.ndarray:
+    """SGLang's ``routed_experts``: base64 of little-endian int32 ``[tokens - 1, layers, top_k]``."""
+    raw = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype="<i4")
+    return raw.reshape(-1, config.num_hidden_layers, config.num_experts_per_tok)
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_routed_experts_are_the_experts_transformers_routes_each_token_to(engines, tiny_model, arch):
+    config = AutoConfig.from_pretrained(tiny_model(arch))
+    prompt = list(range(40, 90))
+    body = {"input_ids": prompt, "return_routed_experts": True,
+            "sampling_params": {"max_new_tokens": 16, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 5}}
+    first = httpx.post(engines[arch] + "/generate", json=body, timeout=60).json()
+    tokens = prompt + first["output_ids"]
+    got = routed(first["meta_info"], config)
+    assert got.shape == (len(tokens) - 1, config.num_hidden_layers, config.num_experts_per_tok)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model(arch), dtype=torch.float32).eval()
+    with torch.no_grad():  # every token but the last sampled one went through the model
+        routers = model(torch.tensor([tokens[:-1]]), output_router_logits=True).router_logits
+    expected = torch.stack([r.topk(config.num_experts_per_tok, dim=-1).indices for r in routers], dim=1)
+    assert np.array_equal(got, expected.numpy())
+    # A second request continuing the first copies its cached prefix, routing included.
+    again = httpx.post(engines[arch] + "/generate", timeout=60, json={**body, "input_ids": tokens}).json()
+    assert again["meta_info"]["cached_tokens"] > 0
+    assert np.array_equal(routed(again["meta_info"], config)[: len(tokens) - 1], got)
+    # Streaming returns them once, with the last chunk.
+    with httpx.stream("POST", engines[arch] + "/generate", json={**body, "stream": True}, timeout=60) as response:
+        chunks = [line for line in response.iter_lines() if line.startswith("data: {")]
+    assert ["routed_experts" in chunk for chunk in chunks] == [False] * (len(chunks) - 1) + [True]
+
+
+def test_routed_experts_need_the_flag_and_a_moe_model(engines, tiny_model):
+    body = {"input_ids": [1, 2, 3], "return_routed_experts": True, "sampling_params": {"max_new_tokens": 2}}
+    refused = httpx.post(engines["qwen2"] + "/generate", json=body, timeout=60)
+    assert refused.status_code == 400 and "--enable-return-routed-experts" in refused.text
+    plain = httpx.post(engines["qwen3_moe"] + "/generate", json={**body, "return_routed_experts": False}, timeout=60)
+    assert "routed_experts" not in plain.json()["meta_info"]
+    with pytest.raises(ModelError, match="needs a Mixture-of-Experts model"):
+        Engine(EngineConfig(model=str(tiny_model("qwen2")), enable_return_routed_experts=True))
