@@ -19,6 +19,12 @@ against (``_SUPPORTED``): a new release must be checked before it is admitted.
    ``torch.zeros(..., device="cuda")`` is made on the CPU, through a ``torch`` seen only by
    Megatron's ``schedules`` module.
 
+4. Mixture-of-Experts: the all-to-all token dispatcher makes a ``torch.cuda.Stream`` for its
+   device-to-host copies of the split sizes and waits on an event from it. On the CPU there is
+   nothing to copy: its hook turns the split sizes into the numpy arrays the dispatcher expects,
+   with no stream and no event. And ``moe_utils`` names ``te_general_gemm`` only when Transformer
+   Engine imports (never on a CPU), yet tests it for ``None`` in the router's matmul: we define it.
+
 Not patched, but avoided: Megatron's optimizer wrappers and gradient clipping allocate CUDA
 tensors, so on CPU ``train/optimizer.py`` uses AdamW with Megatron's conventions; and Megatron's
 ``DotProductAttention`` does not take packed sequences, so the local spec gets
@@ -101,11 +107,25 @@ def _cpu_rng_tracker():
     return CPURNGStatesTracker()
 
 
+def _dtoh_without_streams(self, point: str, tokens_per_expert=None):
+    """``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`` for CPU tensors: the same values, no streams."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        def host(value, as_numpy: bool = False):
+            return value.numpy() if as_numpy and torch.is_tensor(value) else value
+
+        self.input_splits = host(self.input_splits, True)
+        self.output_splits = host(self.output_splits, True)
+        self.output_splits_tp = host(self.output_splits_tp, True)
+    return tokens_per_expert
+
+
 def apply() -> None:
     """Install the CPU workarounds (idempotent). Call before building any Megatron module."""
     import megatron.core
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
     version = megatron.core.__version__
     if not version.startswith(_SUPPORTED):
@@ -125,4 +145,11 @@ def apply() -> None:
     torch.Tensor.cuda = _on_cpu
     torch.cuda.synchronize = _no_stream
     schedules.torch = _TorchOnCPU()
-    logger.info("megatron-core %s: CPU compatibility applied (current_device, RNG tracker, pipeline schedules)", version)
+
+    # 4. MoE: the all-to-all dispatcher's side stream (made once per class: set it so none is made).
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = False
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _dtoh_without_streams
+    if not moe_utils.HAVE_TE:
+        moe_utils.te_general_gemm = None
+    logger.info("megatron-core %s: CPU compatibility applied (current_device, RNG tracker, pipeline schedules, "
+                "MoE dispatcher)", version)

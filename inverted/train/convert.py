@@ -14,6 +14,11 @@ out when the model is assembled, since the first stage already gives that tensor
   q heads, then its k head, then its v head. TP ranks take whole groups.
 - ``gate_up``: ``linear_fc1`` is ``[gate_r; up_r]``: each rank's slice of gate, then of up.
 
+Mixture-of-Experts layers add the router, Qwen2-MoE's gated shared expert, and one row per expert
+(``EXPERT_TABLE``): Megatron numbers an expert-parallel rank's experts from 0
+(``mlp.experts.local_experts.{e}``), HF numbers them globally, so the HF name is made with
+``e + expert_offset`` (``ep_rank * num_experts / ep_size``).
+
 ``to_megatron`` cuts full HF tensors into one rank's shards; ``to_hf`` puts gathered shards back.
 They are exact inverses (tested bit for bit), and serve loading, weight sync and ``export-hf``.
 ``iter_hf_weights`` assembles the whole model on the first pipeline stage: each stage gathers its
@@ -22,6 +27,7 @@ parameters over tensor parallelism and sends them there, one tensor at a time.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -49,7 +55,19 @@ LAYER_TABLE = (
     Row("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), "replicated"),
     Row("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "gate_up"),
     Row("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), "row"),
+    Row("mlp.router.weight", ("mlp.gate.weight",), "replicated"),
+    Row("mlp.shared_experts.linear_fc1.weight", ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
+        "gate_up"),
+    Row("mlp.shared_experts.linear_fc2.weight", ("mlp.shared_expert.down_proj.weight",), "row"),
+    Row("mlp.shared_experts.gate_weight", ("mlp.shared_expert_gate.weight",), "replicated"),
 )
+# Per expert: ``{}`` is the local index in the Megatron name and the global one in the HF names.
+EXPERT_TABLE = (
+    Row("mlp.experts.local_experts.{}.linear_fc1.weight", ("mlp.experts.{}.gate_proj.weight", "mlp.experts.{}.up_proj.weight"),
+        "gate_up"),
+    Row("mlp.experts.local_experts.{}.linear_fc2.weight", ("mlp.experts.{}.down_proj.weight",), "row"),
+)
+EXPERT_PARAM = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
 MODEL_TABLE = (
     Row("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "column"),
     Row("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"),
@@ -68,17 +86,30 @@ def layer_param(name: str) -> tuple[int, str] | None:
     return int(local), suffix
 
 
-def rows_for(names: list[str], layer_offset: int, tied: bool) -> dict[str, tuple[Row, str]]:
+def expert_row(suffix: str, expert_offset: int) -> Row | None:
+    """The row of a local expert's parameter (``mlp.experts.local_experts.3.linear_fc1.weight``), its HF
+    names numbered globally; None for anything else."""
+    if (match := EXPERT_PARAM.fullmatch(suffix)) is None:
+        return None
+    local, rest = int(match[1]), match[2]
+    template = next((r for r in EXPERT_TABLE if r.megatron == "mlp.experts.local_experts.{}." + rest), None)
+    if template is None:
+        return None
+    return Row(suffix, tuple(n.format(local + expert_offset) for n in template.hf), template.layout)
+
+
+def rows_for(names: list[str], layer_offset: int, tied: bool, expert_offset: int = 0) -> dict[str, tuple[Row, str]]:
     """Each Megatron parameter name → its table row and the HF name prefix (global layer index).
 
     ``tied``: the model ties its embeddings, so an ``output_layer`` is the last stage's copy of them.
+    ``expert_offset``: the global index of this expert-parallel rank's first expert.
     """
     table = {row.megatron: row for row in LAYER_TABLE}
     found: dict[str, tuple[Row, str]] = {}
     for name in names:
         if (layer := layer_param(name)) is not None:
             local, suffix = layer
-            row = table.get(suffix)
+            row = table.get(suffix) or expert_row(suffix, expert_offset)
             prefix = f"model.layers.{local + layer_offset}."
         else:
             row = TIED_OUTPUT if tied and name == TIED_OUTPUT.megatron else next(
@@ -125,14 +156,22 @@ def to_hf(spec: ModelSpec, row: Row, shards: list[torch.Tensor]) -> list[torch.T
     return [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]
 
 
-def check_compatible(spec: ModelSpec, tp_size: int, pp_size: int = 1) -> None:
-    """Raise ``ModelError`` unless ``spec`` can be split ``tp_size`` ways and cut into ``pp_size`` stages."""
+def check_compatible(spec: ModelSpec, tp_size: int, pp_size: int = 1, ep_size: int = 1) -> None:
+    """Raise ``ModelError`` unless ``spec`` can be split ``tp_size`` ways, cut into ``pp_size`` stages, and
+    its experts shared out ``ep_size`` ways."""
     for what, count in (("attention heads", spec.num_heads), ("key/value heads", spec.num_kv_heads),
                         ("vocabulary entries", spec.vocab_size), ("MLP channels", spec.intermediate_size)):
         if count % tp_size:
             raise ModelError(f"--tensor-model-parallel-size {tp_size} does not divide the model's {count} {what}")
     if spec.num_layers % pp_size:
         raise ModelError(f"--pipeline-model-parallel-size {pp_size} does not divide the model's {spec.num_layers} layers")
+    if ep_size > 1 and (not spec.is_moe or spec.num_experts % ep_size):
+        raise ModelError(f"--expert-model-parallel-size {ep_size} does not divide the model's {spec.num_experts} experts")
+    if ep_size > 1 and pp_size > 1:  # gathering experts across stages of other replicas is not written
+        raise ModelError("expert parallelism with pipeline parallelism is not supported yet")
+    if spec.is_moe and tp_size > 1:  # Megatron would split the experts over its expert-TP group too
+        raise ModelError("tensor parallelism of a Mixture-of-Experts model is not supported: use "
+                         "--expert-model-parallel-size to split its experts")
 
 
 def base_parameters(model) -> dict[str, torch.nn.Parameter]:
@@ -162,6 +201,15 @@ def mark_tensor_parallel(model) -> None:
         set_tensor_model_parallel_attributes(params[name], row.layout != "replicated", 1 if row.layout == "row" else 0, 1)
 
 
+def expert_offset(spec: ModelSpec) -> int:
+    """The global index of this expert-parallel rank's first expert (0 in a dense model)."""
+    from megatron.core import parallel_state
+
+    if not spec.is_moe:
+        return 0
+    return parallel_state.get_expert_model_parallel_rank() * (spec.num_experts // parallel_state.get_expert_model_parallel_world_size())
+
+
 def load_hf_weights(model, spec: ModelSpec, tensors: dict[str, torch.Tensor]) -> None:
     """Copy full HF tensors into this rank's shards of ``model`` (a ``GPTModel`` stage).
 
@@ -173,7 +221,8 @@ def load_hf_weights(model, spec: ModelSpec, tensors: dict[str, torch.Tensor]) ->
     tp_size, tp_rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
     params = base_parameters(model)
     with torch.no_grad():
-        for name, (row, prefix) in rows_for(list(params), _layer_offset(model), spec.tie_word_embeddings).items():
+        rows = rows_for(list(params), _layer_offset(model), spec.tie_word_embeddings, expert_offset(spec))
+        for name, (row, prefix) in rows.items():
             missing = [prefix + n for n in row.hf if prefix + n not in tensors]
             if missing:
                 raise ModelError(f"checkpoint lacks {missing} (needed for Megatron parameter {name})")
@@ -184,9 +233,10 @@ def load_hf_weights(model, spec: ModelSpec, tensors: dict[str, torch.Tensor]) ->
             params[name].copy_(shard)
 
 
-def assembled_hf(spec: ModelSpec, names: list[str], shards_of, layer_offset: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+def assembled_hf(spec: ModelSpec, names: list[str], shards_of, layer_offset: int = 0,
+                 expert_offset: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
     """Full HF tensors from Megatron parameters, lazily; ``shards_of(name, row)`` gives a parameter's TP shards."""
-    for name, (row, prefix) in rows_for(names, layer_offset, spec.tie_word_embeddings).items():
+    for name, (row, prefix) in rows_for(names, layer_offset, spec.tie_word_embeddings, expert_offset).items():
         if row is TIED_OUTPUT:
             continue
         for hf_name, tensor in zip(row.hf, to_hf(spec, row, shards_of(name, row))):
@@ -194,12 +244,15 @@ def assembled_hf(spec: ModelSpec, names: list[str], shards_of, layer_offset: int
 
 
 def _stage_hf_weights(model, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
-    """This pipeline stage's parameters as full HF tensors, gathered over tensor parallelism."""
+    """This pipeline stage's parameters as full HF tensors, gathered over tensor parallelism, and each
+    expert's over expert parallelism (every rank of the group holds other experts, under the same names)."""
     from megatron.core import parallel_state
 
     group = parallel_state.get_tensor_model_parallel_group()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    ep_size = parallel_state.get_expert_model_parallel_world_size() if spec.is_moe else 1
     params = base_parameters(model)
+    layer_offset = _layer_offset(model)
 
     def shards_of(name: str, row: Row) -> list[torch.Tensor]:
         local = params[name].detach()
@@ -209,7 +262,17 @@ def _stage_hf_weights(model, spec: ModelSpec) -> Iterator[tuple[str, torch.Tenso
         torch.distributed.all_gather(shards, local.contiguous(), group=group)
         return shards
 
-    return assembled_hf(spec, list(params), shards_of, _layer_offset(model))
+    for name in params:
+        suffix = (layer_param(name) or (0, ""))[1]
+        if ep_size == 1 or EXPERT_PARAM.fullmatch(suffix) is None:
+            yield from assembled_hf(spec, [name], shards_of, layer_offset)
+            continue
+        local = params[name].detach().contiguous()
+        ranks = [torch.empty_like(local) for _ in range(ep_size)]
+        torch.distributed.all_gather(ranks, local, group=parallel_state.get_expert_model_parallel_group())
+        for rank, tensor in enumerate(ranks):
+            offset = rank * (spec.num_experts // ep_size)
+            yield from assembled_hf(spec, [name], lambda _name, _row, tensor=tensor: [tensor], layer_offset, offset)
 
 
 def iter_hf_weights(model, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:

@@ -36,6 +36,8 @@ def export_hf(checkpoint: str | Path, out: str | Path, merge_lora: bool = False)
     meta = read_meta(directory)
     spec = ModelSpec(**{**meta["spec"], "eos_token_ids": tuple(meta["spec"]["eos_token_ids"])})
     lora = meta.get("lora")
+    if meta["parallel"].get("expert", 1) > 1:  # its experts lie in the files of several data-parallel ranks
+        raise ModelError(f"{directory}: export-hf of an expert-parallel checkpoint is not supported yet")
     tensors: dict[str, torch.Tensor] = {}
     layers_before = 0
     for stage in range(meta["parallel"]["pipeline"]):

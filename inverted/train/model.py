@@ -4,6 +4,13 @@ Qwen2, Qwen3 and Llama are one decoder with three switches (see ``hf_checkpoint.
 q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3), and RoPE scaling (Llama 3). Everything else
 is shared: RMSNorm, SwiGLU MLP, grouped-query attention, tied or untied embeddings.
 
+A Mixture-of-Experts model (Qwen3-MoE, Qwen2-MoE) swaps the MLP for Megatron's ``MoELayer``: a
+``TopKRouter`` in fp32 and the experts as a ``SequentialMLP``, dispatched all-to-all across the
+expert-parallel group (gloo on CPU, NCCL on GPU). HF's routing is softmax over all experts, top k,
+then renormalised when ``norm_topk_prob``: Megatron's softmax over the top-k logits is the same
+thing, and without renormalisation its ``moe_router_pre_softmax`` is. Qwen2-MoE's shared expert is
+Megatron's gated shared expert.
+
 Attention takes packed sequences (``thd``: no padding). On CUDA with Transformer Engine installed
 the layer spec is Megatron's TE spec; elsewhere it is Megatron's local spec with
 ``train/attention.PackedAttention`` as its core attention. RoPE inverse frequencies are set from
@@ -18,7 +25,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from inverted.errors import ModelError
 from inverted.hf_checkpoint import ModelSpec, rope_inv_freq
 from inverted.train.convert import mark_tensor_parallel
 
@@ -43,11 +49,25 @@ def use_transformer_engine() -> bool:
     return True
 
 
+def moe_config(spec: ModelSpec) -> dict:
+    """``TransformerConfig``'s Mixture-of-Experts fields for ``spec`` (none for a dense model)."""
+    if not spec.is_moe:
+        return {}
+    shared = spec.shared_expert_intermediate_size
+    return dict(
+        num_moe_experts=spec.num_experts, moe_router_topk=spec.moe_top_k, moe_ffn_hidden_size=spec.moe_intermediate_size,
+        moe_router_score_function="softmax", moe_router_pre_softmax=not spec.norm_topk_prob, moe_router_dtype="fp32",
+        moe_shared_expert_intermediate_size=shared or None, moe_shared_expert_gate=bool(shared),
+        moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_load_balancing_type="none",
+    )
+
+
 def transformer_config(spec: ModelSpec, parallel: Parallelism, dtype: torch.dtype):
     """Megatron's ``TransformerConfig`` for ``spec``: the architecture plus parallel sizes and dtype."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
+        **moe_config(spec),
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.intermediate_size,
         num_attention_heads=spec.num_heads, num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim,
         normalization="RMSNorm", layernorm_epsilon=spec.rms_norm_eps, qk_layernorm=spec.qk_norm,
@@ -71,10 +91,12 @@ def layer_spec(spec: ModelSpec, te: bool):
     from megatron.core.models.gpt import gpt_layer_specs
 
     if te:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=spec.num_experts or None,
+                                                                          qk_layernorm=spec.qk_norm)
     from inverted.train.attention import PackedAttention
 
-    layer = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+    layer = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=spec.num_experts or None, qk_layernorm=spec.qk_norm,
+                                                     normalization="RMSNorm")
     layer.submodules.self_attention.submodules.core_attention = PackedAttention
     return layer
 
@@ -88,8 +110,6 @@ def build_model(spec: ModelSpec, parallel: Parallelism, dtype: torch.dtype = tor
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    if spec.is_moe:
-        raise ModelError(f"the trainer does not build Mixture-of-Experts models ({spec.arch}) yet")
     config = transformer_config(spec, parallel, dtype)
     te = use_transformer_engine() if te is None else te
     model = GPTModel(

@@ -5,7 +5,8 @@ On CUDA, ``get_megatron_optimizer`` builds Megatron's optimizer (its distributed
 tensors on CUDA, so on CPU ``CPUAdamW`` does the same job with the same conventions: gradients
 are read from Megatron DDP's ``main_grad`` buffers; the global norm counts tensor-parallel
 replicas once, leaves out the last pipeline stage's copy of tied embeddings, and is reduced over
-the model-parallel group (as Megatron's ``clip_grad_norm_fp32`` does); biases and 1-D parameters
+the model-parallel group, an expert-parallel rank's experts over the expert-parallel group (as
+Megatron's ``clip_grad_norm_fp32`` and its expert-parallel optimizer do); biases and 1-D parameters
 get no weight decay. ``step()`` returns ``(success, grad_norm, None)`` like Megatron's.
 """
 
@@ -35,12 +36,15 @@ class CPUAdamW:
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
         from megatron.core.transformer.module import param_is_not_shared
 
-        squares = torch.zeros((), dtype=torch.float64)
+        dense, experts = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
         for param in self.params:
             if param.grad is not None and param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param):
-                squares += param.grad.double().square().sum()
-        torch.distributed.all_reduce(squares, group=parallel_state.get_model_parallel_group())
-        return float(squares.sqrt())
+                # Megatron marks an expert-parallel rank's own experts allreduce=False (their DP group is smaller).
+                (dense if getattr(param, "allreduce", True) else experts).add_(param.grad.double().square().sum())
+        torch.distributed.all_reduce(dense, group=parallel_state.get_model_parallel_group())
+        if parallel_state.get_expert_model_parallel_world_size() > 1:
+            torch.distributed.all_reduce(experts, group=parallel_state.get_expert_tensor_model_pipeline_parallel_group())
+        return float((dense + experts).sqrt())
 
     @torch.no_grad()
     def step(self) -> tuple[bool, float, None]:

@@ -131,7 +131,8 @@ class Trainer:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.spec = ModelSpec.from_checkpoint(cfg.hf_checkpoint)
         layout = cfg.parallel
-        check_compatible(self.spec, layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size)
+        check_compatible(self.spec, layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
+                         layout.expert_model_parallel_size)
         self.parallel = Parallelism(layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
                                     layout.context_parallel_size, layout.expert_model_parallel_size)
         self.dtype = torch.bfloat16 if cfg.bf16 else torch.float32
@@ -448,14 +449,17 @@ class Trainer:
         """Push the current policy into the rollout servers; every rank calls this.
 
         Global rank 0 sends; the other ranks of its model replica take part in the TP gathers
-        (collectives) and return None; other data-parallel replicas have nothing to do.
+        (collectives), and so do those of its expert-parallel group (the experts it lacks), and return
+        None; other data-parallel replicas have nothing to do.
         """
         from megatron.core import parallel_state
 
         weights = self.adapter_weights() if self.lora is not None else iter_hf_weights(self.model.module, self.spec)
         if torch.distributed.get_rank() == 0:
             return asyncio.run(sync.update(weights, version))
-        if parallel_state.get_data_parallel_rank() == 0:
+        experts_of_rank_0 = self.spec.is_moe and 0 in torch.distributed.get_process_group_ranks(
+            parallel_state.get_expert_model_parallel_group())
+        if parallel_state.get_data_parallel_rank() == 0 or experts_of_rank_0:
             for _ in weights:
                 pass
         return None

@@ -47,12 +47,12 @@ def logits_and_step(cfg: TrainConfig, out: str) -> None:
 
 
 def check_packed_logits(result: dict, samples, reference) -> None:
-    """Each sample's rows of ``logits_and_step``'s packed logits equal ``reference(tokens)`` (full-vocabulary
+    """Each packed sample's rows of ``logits_and_step``'s logits equal ``reference(tokens)`` (full-vocabulary
     logits of the sequence alone) within 1e-4, and every row belongs to some sample."""
     logits, rows = result["logits"], result["rows"]
     with torch.no_grad():
-        for i, sample in enumerate(samples):
-            assert (logits[rows[i]] - reference(sample.tokens)).abs().max() <= 1e-4, f"sample {i}"
+        for i, positions in rows.items():  # under data parallelism, the samples of rank 0's micro-batch
+            assert (logits[positions] - reference(samples[i].tokens)).abs().max() <= 1e-4, f"sample {i}"
     assert torch.cat(list(rows.values())).unique().numel() == logits.shape[0]
 
 

@@ -1,0 +1,96 @@
+"""The Megatron Mixture-of-Experts policy equals ``transformers``, and expert parallelism changes nothing.
+
+Megatron's ``MoELayer`` (router, experts, all-to-all dispatch over gloo) is built from the HF config
+and loaded through the name table, experts numbered globally; these tests run it against HF's own
+Qwen3-MoE and Qwen2-MoE, and a training step with the experts split over two ranks against one.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+import transformers
+
+from inverted.config import TrainConfig, from_flags
+from inverted.errors import ModelError
+from inverted.hf_checkpoint import ModelSpec, checkpoint_tensors
+from inverted.train.convert import check_compatible
+from inverted.train.parallel import spawn
+from tests.conftest import MOE_ARCHS
+from tests.train.samples import make_samples
+from tests.train.workers import check_packed_logits, logits_and_step, step_and_sync
+
+
+def run(path, tmp_path, ep: int) -> dict:
+    # adam_eps=1 makes the step nearly linear in the gradient, so equal weights mean equal gradients.
+    cfg = from_flags(TrainConfig, hf_checkpoint=str(path), lr=1e-2, adam_eps=1.0, max_tokens_per_gpu=8192,
+                     expert_model_parallel_size=ep, actor_num_gpus_per_node=ep)
+    spawn(logits_and_step, ep, cfg, str(tmp_path / f"ep{ep}.pt"))
+    return torch.load(tmp_path / f"ep{ep}.pt")
+
+
+def hf_reference(path):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return lambda tokens: hf(torch.tensor([tokens])).logits[0]
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_moe_logits_equal_transformers(arch, tiny_model, tmp_path):
+    path = tiny_model(arch)
+    result = run(path, tmp_path, ep=1)
+    check_packed_logits(result, make_samples(seed=7), hf_reference(path))
+    assert result["weights"].keys() == checkpoint_tensors(path).keys()  # every expert, router and norm, in HF names
+
+
+def test_experts_split_over_two_ranks_give_the_same_logits_and_step(tiny_model, tmp_path):
+    """EP=2: each rank holds 4 of the 8 experts and tokens cross ranks all-to-all; the logits equal
+    transformers', and one step gives the weights (every expert, in HF names) that EP=1 gives."""
+    path = tiny_model("qwen2_moe")
+    results = {ep: run(path, tmp_path, ep) for ep in (1, 2)}
+    check_packed_logits(results[2], make_samples(seed=7), hf_reference(path))
+    for name in ("train/loss", "train/pg_loss", "train/entropy", "train/grad_norm"):
+        assert results[2]["metrics"][name] == pytest.approx(results[1]["metrics"][name], rel=1e-5, abs=1e-7), name
+    assert results[2]["weights"].keys() == results[1]["weights"].keys()
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in results[2]["weights"]
+    for name, tensor in results[1]["weights"].items():
+        torch.testing.assert_close(results[2]["weights"][name], tensor, rtol=0, atol=1e-5)
+
+
+def test_expert_parallelism_that_does_not_fit_is_refused(tiny_model):
+    moe, dense = (ModelSpec.from_checkpoint(tiny_model(arch)) for arch in ("qwen3_moe", "qwen2"))
+    with pytest.raises(ModelError, match="--expert-model-parallel-size 3 does not divide the model's 8 experts"):
+        check_compatible(moe, 1, 1, 3)
+    with pytest.raises(ModelError, match="--expert-model-parallel-size 2 does not divide"):
+        check_compatible(dense, 1, 1, 2)
+    with pytest.raises(ModelError, match="tensor parallelism of a Mixture-of-Experts model"):
+        check_compatible(moe, 2)
+    check_compatible(moe, 1, 1, 4)
+
+
+PROBE = [5, 17, 230, 41, 9, 600, 77, 3, 1000, 12, 64, 8]
+
+
+@pytest.mark.parametrize("transport", ["tensor", "distributed"])
+def test_after_a_step_at_ep2_and_a_sync_the_engine_scores_tokens_as_the_trainer_does(transport, module_procs, tiny_model,
+                                                                                      tmp_path):
+    """Every expert of both expert-parallel ranks reaches the engine, checked by name and shape there."""
+    path = tiny_model("qwen3_moe")
+    engine = module_procs.engine(path, name=f"moe-{transport}")
+    cfg = from_flags(TrainConfig, hf_checkpoint=str(path), lr=3e-2, adam_eps=1.0, output_dir=str(tmp_path),
+                     update_weight_transport=transport, update_weight_buffer_size=1 << 20,
+                     expert_model_parallel_size=2, actor_num_gpus_per_node=2)
+    before = engine_logprobs(engine.url)
+    spawn(step_and_sync, 2, cfg, make_samples(seed=3), [engine.url], PROBE, str(tmp_path / "out.pt"))
+    result = torch.load(tmp_path / "out.pt", weights_only=False)
+    assert result["report"].bytes == sum(t.numel() * 4 for t in checkpoint_tensors(path).values())  # every expert
+    after = engine_logprobs(engine.url)
+    assert (after - result["logprobs"]).abs().max() <= 1e-4
+    assert (before - result["logprobs"]).abs().max() > 1e-3, "the step must have changed the policy"
+
+
+def engine_logprobs(url: str) -> torch.Tensor:
+    out = httpx.post(url + "/generate", timeout=60, json={
+        "input_ids": PROBE, "sampling_params": {"max_new_tokens": 1, "temperature": 0}, "return_logprob": True,
+        "logprob_start_len": 0}).json()
+    return torch.tensor([entry[0] for entry in out["meta_info"]["input_token_logprobs"][1:]])
