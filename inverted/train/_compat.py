@@ -5,7 +5,7 @@ Megatron DDP) runs on CPU tensors over gloo once two assumptions are answered. `
 installs the workarounds and is called only when ``torch.cuda.is_available()`` is false, so the
 GPU path never touches this module. It is pinned to the megatron-core versions it was written
 against (``_SUPPORTED``): a new release must be checked before it is admitted.
-``tests/train/test_compat.py`` exercises each workaround.
+``tests/train/test_compat.py`` exercises each workaround (the MoE ones: ``tests/train/test_moe.py``).
 
 1. ``torch.cuda.current_device()`` picks the device of parameters, DDP grad buffers and the
    ``GlobalMemoryBuffer`` scratch space; without CUDA it raises. We answer with the CPU.
