@@ -278,8 +278,8 @@ def _stage_hf_weights(model, spec: ModelSpec) -> Iterator[tuple[str, torch.Tenso
 def iter_hf_weights(model, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
     """The whole policy as full HF tensors on the first pipeline stage, one Megatron parameter at a time.
 
-    Every rank of the model replica must iterate, in step: the tensor-parallel gathers are
-    collectives, and each later stage sends its tensors (from its TP rank 0) to the first stage,
+    Every rank of the model replica (and of a MoE model's expert-parallel group) must iterate, in
+    step: the tensor- and expert-parallel gathers are collectives, and each later stage sends its tensors (from its TP rank 0) to the first stage,
     which yields them after its own. The first stage's other TP ranks and the later stages yield
     nothing of the other stages. At most one parameter's full tensors exist at a time, so weight
     sync never holds a second copy of the model.
