@@ -24,8 +24,8 @@ weight 0 are the environment's metrics, not reward, and are left out. A rollout 
 marks as errored (a refused model call, a tool that raised) fails the episode, rather than being
 trained on as a reward of 0, with one exception: when the error is the model's own output (an empty
 or unparseable reply, verifiers' ``InvalidModelResponseError``), that reply is the policy's action
-and the rubric's score of it is the reward, so the model learns not to give it. Environments scored by group-level reward functions are refused when
-loaded: inverted scores each episode on its own.
+and the rubric's score of it is the reward, so the model learns not to give it. Environments scored
+by group-level reward functions are refused when loaded: inverted scores each episode on its own.
 
     python -m envs.verifiers --env ID_OR_PATH [--args JSON] --out FILE --count N [--seed S] [--eval]
 """

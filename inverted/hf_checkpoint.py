@@ -3,10 +3,9 @@
 ``ModelSpec`` reads ``config.json`` (and ``generation_config.json`` for end-of-sequence ids) for
 the families we serve and train: Qwen2, Qwen3 and Llama, and the sparse Qwen3-MoE and Qwen2-MoE
 (whose MLPs are ``num_experts`` experts, ``moe_top_k`` per token, plus a gated shared expert in
-Qwen2-MoE); ``rope_inv_freq`` turns its RoPE
-settings into inverse frequencies exactly as ``transformers`` does, and ``rope_angles`` lays them
-out for any positions (the engine's tables, the trainer's packed rows); ``checkpoint_tensors``
-reads the safetensors files. The embedded engine and the trainer both build their models from these,
+Qwen2-MoE). ``rope_inv_freq`` turns its RoPE settings into inverse frequencies exactly as
+``transformers`` does, and ``rope_angles`` lays them out for any positions (the engine's tables,
+the trainer's packed rows); ``checkpoint_tensors`` reads the safetensors files. The embedded engine and the trainer both build their models from these,
 so an architecture is understood in one place. It imports only ``errors``.
 """
 

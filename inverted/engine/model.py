@@ -7,9 +7,11 @@ each so a step runs few, large matmuls. In a Mixture-of-Experts model (Qwen3-MoE
 MLP is ``num_experts`` such gate/up and down pairs, stacked; a router's softmax picks the top k
 for each token (``_moe``), and Qwen2-MoE adds a shared expert behind a sigmoid gate. The experts
 each token was routed to can be kept in the cache beside its keys and values (``KVCache.routes``)
-for SGLang's ``return_routed_experts``: the rollout's routing, which the trainer can replay. ``hf_views`` is the single declarative name table: every
-Hugging Face parameter name maps to a view into the fused tensors, so loading, weight updates and
-``get_weights_by_name`` all go through the same names and never through per-layer converters.
+for SGLang's ``return_routed_experts``: the rollout's routing, which the trainer can replay.
+
+``hf_views`` is the single declarative name table: every Hugging Face parameter name maps to a
+view into the fused tensors, so loading, weight updates and ``get_weights_by_name`` all go through
+the same names and never through per-layer converters.
 LoRA adapters (``engine.lora``) add their deltas to the fused projections' outputs, per row.
 
 Two entry points share the layers: ``prefill`` runs newly admitted requests' tokens (packed into
@@ -34,18 +36,18 @@ from inverted.weight_wire import copy_all
 class KVCache:
     """Per-row key/value storage, ``[layers, rows, kv_heads, capacity, head_dim]``, grown on demand.
 
-    With ``routes`` (a MoE model whose server returns routed experts), each position also holds the
+    With ``keep_routes`` (a MoE model whose server returns routed experts), each position also holds the
     experts its token was routed to in every layer, ``[rows, capacity, layers, top_k]``, moved with it.
     """
 
     GROW = 256
 
     def __init__(self, spec: ModelSpec, rows: int, max_len: int, dtype: torch.dtype, device: torch.device,
-                 routes: bool = False):
+                 keep_routes: bool = False):
         self.spec, self.rows, self.max_len, self.dtype, self.device = spec, rows, max_len, dtype, device
         self.capacity = 0
         self.k = self.v = torch.empty(0)
-        self.keeps_routes = routes
+        self.keep_routes = keep_routes
         self.routes: torch.Tensor | None = None
         self.reserve(self.GROW)
 
@@ -56,17 +58,16 @@ class KVCache:
         new_cap = min(self.max_len, max(length, 2 * self.capacity, self.GROW))
         shape = (self.spec.num_layers, self.rows, self.spec.num_kv_heads, new_cap, self.spec.head_dim)
         k, v = torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device)
-        if self.keeps_routes:  # expert ids fit int16 (at most 32767 experts)
-            routes = torch.zeros(self.rows, new_cap, self.spec.num_layers, self.spec.moe_top_k, dtype=torch.int16,
-                                 device=self.device)
         if self.capacity:
             k[..., : self.capacity, :] = self.k
             v[..., : self.capacity, :] = self.v
-            if self.keeps_routes:
+        if self.keep_routes:  # expert ids fit int16 (at most 32767 experts)
+            routes = torch.zeros(self.rows, new_cap, self.spec.num_layers, self.spec.moe_top_k, dtype=torch.int16,
+                                 device=self.device)
+            if self.capacity:
                 routes[:, : self.capacity] = self.routes
-        self.k, self.v, self.capacity = k, v, new_cap
-        if self.keeps_routes:
             self.routes = routes
+        self.k, self.v, self.capacity = k, v, new_cap
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` positions of row ``src`` into row ``dst`` (keeps rows compact)."""

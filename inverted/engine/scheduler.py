@@ -124,7 +124,7 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.weight_version = weight_version
         self.stop_checker = stop_checker
-        self.cache = KVCache(model.spec, max_running, context_length, model.act_dtype, model.device, routes=keep_routes)
+        self.cache = KVCache(model.spec, max_running, context_length, model.act_dtype, model.device, keep_routes=keep_routes)
         self.waiting: collections.deque[Request] = collections.deque()  # touched by the scheduler thread only
         self._incoming: collections.deque[Request] = collections.deque()  # submissions, under _cond
         self.running: list[Request] = []  # running[i] owns cache row i

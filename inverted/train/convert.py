@@ -86,6 +86,12 @@ def layer_param(name: str) -> tuple[int, str] | None:
     return int(local), suffix
 
 
+def is_expert_param(name: str) -> bool:
+    """Whether ``name`` is one expert's parameter (held by one expert-parallel rank only)."""
+    layer = layer_param(name)
+    return layer is not None and EXPERT_PARAM.fullmatch(layer[1]) is not None
+
+
 def expert_row(suffix: str, expert_offset: int) -> Row | None:
     """The row of a local expert's parameter (``mlp.experts.local_experts.3.linear_fc1.weight``), its HF
     names numbered globally; None for anything else."""
@@ -201,13 +207,15 @@ def mark_tensor_parallel(model) -> None:
         set_tensor_model_parallel_attributes(params[name], row.layout != "replicated", 1 if row.layout == "row" else 0, 1)
 
 
-def expert_offset(spec: ModelSpec) -> int:
-    """The global index of this expert-parallel rank's first expert (0 in a dense model)."""
+def expert_offset(spec: ModelSpec, ep_rank: int | None = None) -> int:
+    """The global index of the first expert of expert-parallel rank ``ep_rank`` (default: this rank's);
+    0 in a dense model."""
     from megatron.core import parallel_state
 
     if not spec.is_moe:
         return 0
-    return parallel_state.get_expert_model_parallel_rank() * (spec.num_experts // parallel_state.get_expert_model_parallel_world_size())
+    rank = parallel_state.get_expert_model_parallel_rank() if ep_rank is None else ep_rank
+    return rank * (spec.num_experts // parallel_state.get_expert_model_parallel_world_size())
 
 
 def load_hf_weights(model, spec: ModelSpec, tensors: dict[str, torch.Tensor]) -> None:
@@ -263,24 +271,23 @@ def _stage_hf_weights(model, spec: ModelSpec) -> Iterator[tuple[str, torch.Tenso
         return shards
 
     for name in params:
-        suffix = (layer_param(name) or (0, ""))[1]
-        if ep_size == 1 or EXPERT_PARAM.fullmatch(suffix) is None:
+        if ep_size == 1 or not is_expert_param(name):
             yield from assembled_hf(spec, [name], shards_of, layer_offset)
             continue
         local = params[name].detach().contiguous()
         ranks = [torch.empty_like(local) for _ in range(ep_size)]
         torch.distributed.all_gather(ranks, local, group=parallel_state.get_expert_model_parallel_group())
         for rank, tensor in enumerate(ranks):
-            offset = rank * (spec.num_experts // ep_size)
-            yield from assembled_hf(spec, [name], lambda _name, _row, tensor=tensor: [tensor], layer_offset, offset)
+            yield from assembled_hf(spec, [name], lambda _name, _row, tensor=tensor: [tensor], layer_offset,
+                                    expert_offset(spec, rank))
 
 
 def iter_hf_weights(model, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
     """The whole policy as full HF tensors on the first pipeline stage, one Megatron parameter at a time.
 
     Every rank of the model replica (and of a MoE model's expert-parallel group) must iterate, in
-    step: the tensor- and expert-parallel gathers are collectives, and each later stage sends its tensors (from its TP rank 0) to the first stage,
-    which yields them after its own. The first stage's other TP ranks and the later stages yield
+    step: the tensor- and expert-parallel gathers are collectives, and each later stage sends its
+    tensors (from its TP rank 0) to the first stage, which yields them after its own. The first stage's other TP ranks and the later stages yield
     nothing of the other stages. At most one parameter's full tensors exist at a time, so weight
     sync never holds a second copy of the model.
     """

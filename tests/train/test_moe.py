@@ -7,7 +7,6 @@ Qwen3-MoE and Qwen2-MoE, and a training step with the experts split over two ran
 
 from __future__ import annotations
 
-import httpx
 import pytest
 import torch
 import transformers
@@ -19,6 +18,7 @@ from inverted.train.convert import check_compatible
 from inverted.train.parallel import spawn
 from tests.conftest import MOE_ARCHS
 from tests.train.samples import make_samples
+from tests.train.test_weight_sync import PROBE, engine_logprobs
 from tests.train.workers import check_packed_logits, logits_and_step, step_and_sync
 
 
@@ -68,9 +68,6 @@ def test_expert_parallelism_that_does_not_fit_is_refused(tiny_model):
     check_compatible(moe, 1, 1, 4)
 
 
-PROBE = [5, 17, 230, 41, 9, 600, 77, 3, 1000, 12, 64, 8]
-
-
 @pytest.mark.parametrize("transport", ["tensor", "distributed"])
 def test_after_a_step_at_ep2_and_a_sync_the_engine_scores_tokens_as_the_trainer_does(transport, module_procs, tiny_model,
                                                                                       tmp_path):
@@ -80,17 +77,12 @@ def test_after_a_step_at_ep2_and_a_sync_the_engine_scores_tokens_as_the_trainer_
     cfg = from_flags(TrainConfig, hf_checkpoint=str(path), lr=3e-2, adam_eps=1.0, output_dir=str(tmp_path),
                      update_weight_transport=transport, update_weight_buffer_size=1 << 20,
                      expert_model_parallel_size=2, actor_num_gpus_per_node=2)
-    before = engine_logprobs(engine.url)
+    before, _ = engine_logprobs(engine.url)
     spawn(step_and_sync, 2, cfg, make_samples(seed=3), [engine.url], PROBE, str(tmp_path / "out.pt"))
     result = torch.load(tmp_path / "out.pt", weights_only=False)
     assert result["report"].bytes == sum(t.numel() * 4 for t in checkpoint_tensors(path).values())  # every expert
-    after = engine_logprobs(engine.url)
+    after, version = engine_logprobs(engine.url)
+    assert version == "1"
     assert (after - result["logprobs"]).abs().max() <= 1e-4
     assert (before - result["logprobs"]).abs().max() > 1e-3, "the step must have changed the policy"
 
-
-def engine_logprobs(url: str) -> torch.Tensor:
-    out = httpx.post(url + "/generate", timeout=60, json={
-        "input_ids": PROBE, "sampling_params": {"max_new_tokens": 1, "temperature": 0}, "return_logprob": True,
-        "logprob_start_len": 0}).json()
-    return torch.tensor([entry[0] for entry in out["meta_info"]["input_token_logprobs"][1:]])
