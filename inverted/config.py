@@ -356,6 +356,9 @@ class ProxyConfig:
         None, "LoRA adapter every call samples from (SGLang's lora_path; inverted train sets it when it trains one)")
     partial_rollout: bool = option(False, "resume a call aborted by a weight update from its sampled tokens "
                                           "(each keeps its version) instead of sampling it again")
+    return_routed_experts: bool = option(
+        False, "ask the servers for each token's routed experts (MoE; SGLang's return_routed_experts) and keep them "
+               "in the Samples, for rollout routing replay (inverted train sets it with --use-rollout-routing-replay)")
     proxy_max_resumes: int = option(8, "aborts one call may survive before it fails with 503")
     proxy_max_turns: int = option(0, "turns per session (0: no limit); more get 409")
     proxy_max_sessions: int = option(
@@ -544,6 +547,29 @@ class AdapterConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class MoEConfig:
+    """Mixture-of-Experts training: Megatron's load-balancing loss, and routing replay (slime's flags)."""
+
+    moe_aux_loss_coeff: float = option(
+        0.0, "weight of Megatron's load-balancing loss (aux_loss), added per MoE layer; reported as train/moe_aux_loss")
+    use_rollout_routing_replay: bool = option(
+        False, "R3: the rollout servers return each token's routed experts, the Samples keep them, and the trainer's "
+               "routers send every token to those experts (the gate weights over them are the trainer's own)")
+    use_routing_replay: bool = option(
+        False, "R2: the trainer's forward for the old log-probs records its routing, and every training forward "
+               "of the rollout replays it")
+
+    def __post_init__(self) -> None:
+        _require(self.moe_aux_loss_coeff >= 0, "--moe-aux-loss-coeff", self.moe_aux_loss_coeff, ">= 0")
+        _require(not (self.use_rollout_routing_replay and self.use_routing_replay), "--use-routing-replay", True,
+                 "not together with --use-rollout-routing-replay (which replays the rollout's routing instead)")
+
+    @property
+    def routing_replay(self) -> bool:
+        return self.use_rollout_routing_replay or self.use_routing_replay
+
+
+@dataclass(kw_only=True, slots=True)
 class TrainConfig:
     """The Megatron trainer: model, batching and precision here; loss, optimizer, parallelism, weight
     sync and checkpoints in sections of their own, each handed to its owner (flags stay flat)."""
@@ -565,6 +591,7 @@ class TrainConfig:
     sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
     lora: AdapterConfig = field(default_factory=AdapterConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:
         _require(bool(self.hf_checkpoint), "--hf-checkpoint", self.hf_checkpoint, "a checkpoint directory")
@@ -676,7 +703,7 @@ class JobConfig:
     SETS: typing.ClassVar[dict[str, dict[str, Any]]] = {
         "buffer": {"db": _SET_BY_JOB, "host": "127.0.0.1", "port": 8600, "api_key": None, "workers": 1},
         "proxy": {"router_url": _SET_BY_JOB, "tokenizer": _SET_BY_JOB, "proxy_host": "127.0.0.1", "proxy_port": 8700,
-                  "proxy_api_key": None, "lora_name": None},
+                  "proxy_api_key": None, "lora_name": None, "return_routed_experts": False},
         "servers": {"log_dir": _SET_BY_JOB, "admin_api_key": None},
     }
 

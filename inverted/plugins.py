@@ -107,6 +107,7 @@ class RolloutContext:
     evaluation: bool = False
     slime_args: Any = None  # the flags under slime's names (compat.slime.SlimeArgs), for slime plug-ins
     lora_path: str | None = None  # the LoRA adapter a LoRA run's policy is: name it in every /generate (None: base)
+    routed_experts: bool = False  # ask every /generate for return_routed_experts and keep them (rollout routing replay)
 
 
 RolloutFunction = Callable[[RolloutContext, list[Task]], Awaitable[list[Sample]]]

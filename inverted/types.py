@@ -50,6 +50,9 @@ class Sample:
     whose logprob is 0.0 and whose version is the one of the surrounding turn).
     Two ``metadata`` keys mean something to the trainer: ``remove_sample`` (true: no token of it
     is in the loss; slime's field of that name) and ``siblings`` (see ``with_siblings``).
+    ``rollout_routed_experts`` (MoE, for rollout routing replay): the experts the engine routed each
+    token to, as SGLang's ``meta_info.routed_experts`` gives them for the call that sampled the last
+    token: base64 of int32 ``[len(tokens) - 1, layers, top_k]`` (the last token is never run).
     """
 
     class Status(str, enum.Enum):
@@ -72,6 +75,7 @@ class Sample:
     label: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
     session_id: str | None = None
+    rollout_routed_experts: str | None = None
 
     @property
     def prompt_length(self) -> int:

@@ -26,7 +26,7 @@ import functools
 from inverted.compat import slime
 from inverted.errors import PluginError
 from inverted.plugins import RolloutContext
-from inverted.rollout.sglang_client import SGLangClient, read_output
+from inverted.rollout.sglang_client import SGLangClient, WorkersClient, read_output, read_routed_experts
 from inverted.types import Sample, Task
 
 STATUS = {"stop": Sample.Status.COMPLETED, "length": Sample.Status.TRUNCATED, "abort": Sample.Status.ABORTED}
@@ -53,12 +53,14 @@ async def generate_rollout(ctx: RolloutContext, tasks: list[Task]) -> list[Sampl
     if ctx.sampling.get("seed") is not None:  # as the proxy passes an OpenAI seed on
         params["sampling_seed"] = ctx.sampling["seed"]
     lora = {"lora_path": ctx.lora_path} if ctx.lora_path else {}  # a LoRA run's policy is its adapter
+    routes = {"return_routed_experts": True} if ctx.routed_experts else {}  # for the trainer to replay (R3)
     limit = asyncio.Semaphore(ctx.config.rollout_concurrency)
 
-    async def one(client: SGLangClient, task: Task) -> Sample:
+    async def one(client: SGLangClient | WorkersClient, task: Task) -> Sample:
         ids = prompt_ids(ctx.hf_checkpoint, task)
         async with limit:
-            out = await client.generate({"input_ids": ids, "sampling_params": params, "return_logprob": True, **lora})
+            out = await client.generate({"input_ids": ids, "sampling_params": params, "return_logprob": True, **lora,
+                                         **routes})
         # each token's version: a call paused across a weight update holds tokens of both
         output_ids, logprobs, versions, _, finish = read_output(out, ctx.router_url)
         sample = task.new_sample()
@@ -66,6 +68,7 @@ async def generate_rollout(ctx: RolloutContext, tasks: list[Task]) -> list[Sampl
         sample.loss_mask = [1] * sample.response_length
         sample.rollout_log_probs, sample.weight_versions = logprobs, versions
         sample.status = STATUS.get((finish or {}).get("type"), Sample.Status.COMPLETED)
+        sample.rollout_routed_experts = read_routed_experts(out)
         return sample
 
     async def custom(task: Task) -> Sample:
@@ -94,7 +97,9 @@ async def generate_rollout(ctx: RolloutContext, tasks: list[Task]) -> list[Sampl
 
     if ctx.generate is not None:
         return list(await asyncio.gather(*(custom(task) for task in tasks)))
-    async with SGLangClient(ctx.router_url, max_connections=ctx.config.rollout_concurrency) as client:
+    # sgl-router drops return_routed_experts: then the workers are called directly (WorkersClient)
+    client_type = WorkersClient if ctx.routed_experts else SGLangClient
+    async with client_type(ctx.router_url, max_connections=ctx.config.rollout_concurrency) as client:
         return list(await asyncio.gather(*(one(client, task) for task in tasks)))
 
 

@@ -23,7 +23,8 @@ FROZEN_FLAGS = {
               "--kl-loss-type", "--load", "--load-debug-rollout-data", "--log-level", "--loss-aggregation", "--lr",
               "--max-tokens-per-gpu", "--num-rollout", "--output-dir", "--pipeline-model-parallel-size", "--reward-key",
               "--rollout-temperature", "--save", "--save-interval", "--seed", "--tensor-model-parallel-size", "--tis-clip",
-              "--tis-clip-low", "--use-distributed-optimizer", "--use-kl-loss", "--use-tis", "--weight-decay", "--lora-rank", "--lora-alpha", "--lora-dropout", "--target-modules", "--lora-adapter-path"} | {
+              "--tis-clip-low", "--use-distributed-optimizer", "--use-kl-loss", "--use-tis", "--weight-decay", "--lora-rank", "--lora-alpha", "--lora-dropout", "--target-modules", "--lora-adapter-path",
+              "--moe-aux-loss-coeff", "--use-rollout-routing-replay", "--use-routing-replay"} | {
         # the main job's other sections: rollout, buffer (dataset and groups), proxy knobs, servers
         "--agent-command", "--async-mode", "--max-weight-staleness", "--update-weights-interval",
         "--mask-offpolicy-in-partial-rollout", "--colocate", "--context-length", "--custom-rm-path", "--debug-rollout-only",
@@ -59,7 +60,7 @@ FROZEN_FLAGS = {
               "--served-model-name", "--context-length", "--partial-rollout", "--proxy-max-resumes", "--proxy-max-turns",
               "--proxy-session-timeout", "--proxy-retention", "--proxy-replay-retries", "--proxy-tool-parser-path",
               "--proxy-generate-timeout", "--log-level", "--proxy-max-sessions", "--proxy-max-session-tokens",
-              "--proxy-max-request-bytes", "--lora-name"},
+              "--proxy-max-request-bytes", "--lora-name", "--return-routed-experts"},
     "servers": {"--config", "--hf-checkpoint", "--num-engines", "--engine-device", "--engine-max-running-requests",
                 "--engine-threads", "--router-host", "--router-port", "--startup-timeout", "--log-dir", "--admin-api-key",
                 "--rollout-backend", "--rollout-num-gpus", "--rollout-num-gpus-per-engine", "--rollout-node-resource"},
@@ -232,16 +233,19 @@ def test_a_random_key_that_looks_like_a_flag_reaches_the_engine():
     assert build_parser().parse_args(argv[start:]).admin_api_key == "-dash-first"
 
 
-def test_a_lora_run_starts_either_kind_of_server_with_the_same_lora_flags():
-    """SGLang and the embedded engine take the same LoRA flags; the embedded engine's parser reads them."""
+def test_a_lora_or_replay_run_starts_either_kind_of_server_with_the_same_flags():
+    """SGLang and the embedded engine take the same LoRA and routed-experts flags; the embedded
+    engine's parser reads them, and SGLang's ServerArgs has a field for each (its flags come from them)."""
     from inverted.cli import build_parser
-    from inverted.rollout.servers import engine_argv, lora_argv
+    from inverted.rollout.servers import ROUTED_EXPERTS_ARGV, engine_argv, lora_argv
+    from tests.contract.sglang_code import server_args_fields
 
-    lora = lora_argv(16, ["q_proj", "down_proj"], preload="/adapters/a")
+    flags = lora_argv(16, ["q_proj", "down_proj"], preload="/adapters/a") + ROUTED_EXPERTS_ARGV
     cfg = ServersConfig(hf_checkpoint="m")
-    sglang = engine_argv(cfg, "sglang", ["--mem-fraction-static", "0.5"], lora, 1, "127.0.0.1", 1234)
-    assert sglang[sglang.index("--enable-lora"):] == [*lora, "--mem-fraction-static", "0.5"]
-    embedded = engine_argv(cfg, "embedded", [], lora, 1, "127.0.0.1", 1234)
+    sglang = engine_argv(cfg, "sglang", ["--mem-fraction-static", "0.5"], flags, 1, "127.0.0.1", 1234)
+    assert sglang[sglang.index("--enable-lora"):] == [*flags, "--mem-fraction-static", "0.5"]
+    assert {a[2:].replace("-", "_") for a in flags if a.startswith("--")} <= server_args_fields()
+    embedded = engine_argv(cfg, "embedded", [], flags, 1, "127.0.0.1", 1234)
     args = build_parser().parse_args(embedded[embedded.index("serve-engine"):])
-    assert (args.enable_lora, args.max_lora_rank, args.lora_target_modules, args.lora_paths) == \
-        (True, 16, ["q_proj", "down_proj"], ["policy=/adapters/a"])
+    assert (args.enable_lora, args.max_lora_rank, args.lora_target_modules, args.lora_paths,
+            args.enable_return_routed_experts) == (True, 16, ["q_proj", "down_proj"], ["policy=/adapters/a"], True)

@@ -41,7 +41,7 @@ from inverted.errors import ConfigError, PluginError
 from inverted.placement import node_resource, ray_launch, start_ray
 from inverted.plugins import RewardModel, RolloutFunction, load_optional, load_rollout_function, required_flags
 from inverted.processes import ManagedProcess, free_port
-from inverted.rollout.servers import RolloutServers, ServerHandle, lora_argv
+from inverted.rollout.servers import ROUTED_EXPERTS_ARGV, RolloutServers, ServerHandle, lora_argv
 from inverted.rollout.sglang_client import SGLangClient
 from inverted.types import POLICY_ADAPTER, Sample
 
@@ -160,12 +160,15 @@ class Job:
         # Without a trainer no sync brings the adapter: the servers load it themselves.
         lora = lora_argv(self.lora.rank, list(self.lora.modules),
                          cfg.train.lora.lora_adapter_path if cfg.rollout.debug_rollout_only else None) if self.lora else []
-        self.servers = RolloutServers(servers_cfg, self.router_args, self.sglang_args, lora=lora,
+        replay = cfg.train.moe.use_rollout_routing_replay  # the servers return each token's experts, the proxy keeps them
+        self.servers = RolloutServers(servers_cfg, self.router_args, self.sglang_args,
+                                      flags=lora + (ROUTED_EXPERTS_ARGV if replay else []),
                                       launch=ray_launch(gpus if _has_cuda() else 0, cfg.rollout.ray_address is None,
                                                         cfg.servers.rollout_node_resource, cfg.servers.startup_timeout))
         port, self.proxy_key = free_port(), secrets.token_urlsafe(24)
         proxy_cfg = dataclasses.replace(cfg.proxy, router_url=self.servers.router_url, tokenizer=cfg.train.hf_checkpoint,
-                                        proxy_port=port, proxy_api_key=self.proxy_key, lora_name=self.adapter)
+                                        proxy_port=port, proxy_api_key=self.proxy_key, lora_name=self.adapter,
+                                        return_routed_experts=replay)
         proxy = spawn_service("proxy", proxy_cfg, self.run_dir, f"http://127.0.0.1:{port}")  # needs no router to boot
         self.processes.append(proxy)
         self.proxy_url = proxy.url

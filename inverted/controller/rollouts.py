@@ -41,7 +41,8 @@ def context(cfg: JobConfig, job: Job, plugins: Plugins, rollout_id: int, evaluat
     return RolloutContext(rollout_id=rollout_id, config=cfg.rollout, proxy_url=job.proxy_url, proxy_api_key=job.proxy_key,
                           router_url=job.servers.router_url, hf_checkpoint=cfg.train.hf_checkpoint, sampling=sampling,
                           env=plugins.env, generate=plugins.generate, evaluation=evaluation,
-                          slime_args=slime_args(cfg, job.servers.router_url), lora_path=job.adapter)
+                          slime_args=slime_args(cfg, job.servers.router_url), lora_path=job.adapter,
+                          routed_experts=cfg.train.moe.use_rollout_routing_replay)
 
 
 def slime_args(cfg: JobConfig, router_url: str | None = None) -> slime.SlimeArgs:

@@ -15,7 +15,8 @@ through) or embedded engines (``inverted serve-engine``), per ``--rollout-backen
 SGLang where it can run (the package and CUDA present). Where a server runs is the ``launch``
 function's business: on this machine by default, or in a Ray placement bundle
 (``inverted.placement``), which hands back a handle with the same methods as ``ManagedProcess``.
-In a LoRA run both kinds start with the same LoRA flags (``lora_argv``).
+In a LoRA run both kinds start with the same LoRA flags (``lora_argv``), and with rollout routing
+replay with ``--enable-return-routed-experts`` (``ROUTED_EXPERTS_ARGV``): the job's ``flags``.
 
 The router keeps its cache-aware policy, with tighter load balancing than its defaults (which let
 one server run 64 more requests than another): an RL batch arrives at once, often with one
@@ -96,29 +97,33 @@ def lora_argv(rank: int, modules: list[str], preload: str | None = None) -> list
     return argv + (["--lora-paths", f"{POLICY_ADAPTER}={preload}"] if preload else [])
 
 
-def engine_argv(cfg: ServersConfig, backend: str, sglang_args: list[str], lora: list[str], threads: int, host: str,
+# SGLang's flag (and the embedded engine's) for /generate's return_routed_experts.
+ROUTED_EXPERTS_ARGV = ["--enable-return-routed-experts"]
+
+
+def engine_argv(cfg: ServersConfig, backend: str, sglang_args: list[str], flags: list[str], threads: int, host: str,
                 port: int) -> list[str]:
     """The command line of one rollout server (a plain function, so a Ray actor can receive it)."""
     # one argument: a random key may begin with "-", which argparse would take for a flag
     key = [f"--admin-api-key={cfg.admin_api_key}"] if cfg.admin_api_key else []
     if backend == "sglang":
         return [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.hf_checkpoint, "--host", host,
-                "--port", str(port), "--tp-size", str(cfg.rollout_num_gpus_per_engine), *key, *lora, *sglang_args]
+                "--port", str(port), "--tp-size", str(cfg.rollout_num_gpus_per_engine), *key, *flags, *sglang_args]
     return [sys.executable, "-m", "inverted.cli", "serve-engine", "--model", cfg.hf_checkpoint, "--host", host,
             "--port", str(port), "--device", cfg.engine_device, "--max-running-requests",
-            str(cfg.engine_max_running_requests), "--num-threads", str(threads), *key, *lora]
+            str(cfg.engine_max_running_requests), "--num-threads", str(threads), *key, *flags]
 
 
 class RolloutServers:
     """N rollout servers behind one sgl-router; use as ``async with RolloutServers(cfg) as s``."""
 
     def __init__(self, config: ServersConfig, router_args: list[str] | None = None,
-                 sglang_args: list[str] | None = None, launch: Launch = launch_local, lora: list[str] | None = None):
-        """``lora``: every server's LoRA flags (``lora_argv``), in a LoRA run."""
+                 sglang_args: list[str] | None = None, launch: Launch = launch_local, flags: list[str] | None = None):
+        """``flags``: what the job's mode adds to every server's command line (``lora_argv``, ``ROUTED_EXPERTS_ARGV``)."""
         self.config = config
         self.router_args = list(router_args or [])
         self.sglang_args = list(sglang_args or [])
-        self.lora = list(lora or [])
+        self.flags = list(flags or [])
         self.launch = launch
         self.backend = resolve_backend(config)
         self.log_dir = Path(config.log_dir)
@@ -138,7 +143,7 @@ class RolloutServers:
     def _spawn_engine(self) -> ServerHandle:
         name, self.launched = f"engine-{self.launched}", self.launched + 1
         env = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"} if self.backend == "sglang" else {}
-        argv_for = functools.partial(engine_argv, self.config, self.backend, self.sglang_args, self.lora,
+        argv_for = functools.partial(engine_argv, self.config, self.backend, self.sglang_args, self.flags,
                                      self._engine_threads())
         return self.launch(name, argv_for, self.log_dir / f"{name}.log", env)
 

@@ -4,7 +4,8 @@ The only modules that know SGLang's URLs and JSON shapes. ``SGLangClient`` talks
 (real SGLang or the embedded engine: same code) or, for the routed data plane (``/generate``),
 to the router. ``RouterClient`` registers and removes workers with sgl-router 0.3.2's
 ``/workers`` API. Control and weight routes are never proxied by the router, so callers use one
-``SGLangClient`` per worker URL for them.
+``SGLangClient`` per worker URL for them. ``WorkersClient`` is the data plane for the one field
+the router drops (``return_routed_experts``): it sends ``/generate`` to the router's workers itself.
 
 Retries come from the shared ``HTTPService`` base (``inverted.http_client``): connection errors,
 502/503/504 and timeouts of idempotent calls are retried; a 4xx never is.
@@ -12,15 +13,18 @@ Retries come from the shared ``HTTPService`` base (``inverted.http_client``): co
 
 from __future__ import annotations
 
+import functools
+import time
+import zlib
 from contextlib import aclosing
 from typing import Any, AsyncIterator
 
 import orjson
 
-from inverted.errors import ProtocolError
+from inverted.errors import ProtocolError, ServiceUnavailable
 from inverted.http_client import HTTPService, Reply, Timeouts
 
-__all__ = ["RouterClient", "SGLangClient", "Timeouts", "read_output"]
+__all__ = ["RouterClient", "SGLangClient", "Timeouts", "WorkersClient", "read_output", "read_routed_experts"]
 
 
 def _check_success(reply: Reply, body: Any) -> dict[str, Any]:
@@ -56,6 +60,15 @@ def read_output(body: Any, url: str) -> tuple[list[int], list[float], list[str],
         raise ProtocolError(f"/generate answered {len(ids)} ids, {len(logprobs)} logprobs, {len(versions)} versions",
                             url=url, body=str(body)[:300])
     return ids, logprobs, versions, tops, finish
+
+
+def read_routed_experts(body: Any) -> str | None:
+    """``meta_info.routed_experts`` of a finished ``/generate`` answer that asked for
+    ``return_routed_experts`` (MoE): base64 of int32 ``[prompt + completion - 1, layers, top_k]``, as
+    SGLang sends it (kept so, compact, for the Sample); None where the answer has none."""
+    meta = body.get("meta_info") if isinstance(body, dict) else None
+    routes = meta.get("routed_experts") if isinstance(meta, dict) else None
+    return routes if isinstance(routes, str) else None
 
 
 class SGLangClient(HTTPService):
@@ -252,3 +265,73 @@ class RouterClient(HTTPService):
 
     async def healthy_urls(self) -> set[str]:
         return {w["url"] for w in await self.list_workers() if w.get("is_healthy")}
+
+
+class WorkersClient:
+    """``/generate`` straight to the workers the router lists, for requests the router would change.
+
+    sgl-router 0.3.2 parses ``/generate`` into a typed request that has no ``return_routed_experts``,
+    so through it no server is ever asked for routed experts (slime needs its own router for R3,
+    ``--use-slime-router``, for the same reason). This client keeps the router as the source of truth
+    of which workers serve (re-read every ``refresh_s`` and after a failed call; a URL without
+    ``/workers`` is one server, used as it is) and picks one by the
+    prompt's first tokens, so the calls of one episode and the samples of one group share a server
+    and its prefix cache. It has ``SGLangClient``'s data-plane methods.
+    """
+
+    PREFIX = 64  # prompt tokens that pick the worker: a group's shared prompt, an episode's system prompt
+
+    def __init__(self, router_url: str, *, timeouts: Timeouts = Timeouts(), max_connections: int = 256,
+                 refresh_s: float = 10.0):
+        self.base_url = router_url.rstrip("/")
+        self.router = RouterClient(router_url, timeouts=timeouts)
+        self._client = functools.partial(SGLangClient, timeouts=timeouts, max_connections=max_connections)
+        self.clients: dict[str, SGLangClient] = {}
+        self.refresh_s = refresh_s
+        self._workers: list[str] = []
+        self._read_at = -float("inf")
+
+    async def _pick(self, payload: dict[str, Any]) -> SGLangClient:
+        if not self._workers or time.monotonic() - self._read_at > self.refresh_s:
+            try:
+                workers = sorted(await self.router.healthy_urls())
+            except ProtocolError:  # no /workers: the URL is one server, not a router
+                workers = [self.base_url]
+            self._workers, self._read_at = workers, time.monotonic()
+        if not self._workers:
+            raise ServiceUnavailable("the router lists no healthy worker", url=self.base_url + "/workers")
+        ids = payload.get("input_ids") or []
+        key = zlib.crc32(orjson.dumps(ids[: self.PREFIX] if ids and isinstance(ids[0], int) else ids[:1]))
+        url = self._workers[key % len(self._workers)]
+        if url not in self.clients:
+            self.clients[url] = self._client(url)
+        return self.clients[url]
+
+    async def generate(self, payload: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
+        client = await self._pick(payload)
+        try:
+            return await client.generate(payload)
+        except ServiceUnavailable:
+            self._workers = []  # it may have been replaced: ask the router again next time
+            raise
+
+    async def generate_stream(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        client = await self._pick(payload)
+        try:
+            async with aclosing(client.generate_stream(payload)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        except ServiceUnavailable:
+            self._workers = []
+            raise
+
+    async def close(self) -> None:
+        await self.router.close()
+        for client in self.clients.values():
+            await client.close()
+
+    async def __aenter__(self) -> "WorkersClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -9,7 +9,9 @@ A Mixture-of-Experts model (Qwen3-MoE, Qwen2-MoE) swaps the MLP for Megatron's `
 expert-parallel group (gloo on CPU, NCCL on GPU). HF's routing is softmax over all experts, top k,
 then renormalised when ``norm_topk_prob``: Megatron's softmax over the top-k logits is the same
 thing, and without renormalisation its ``moe_router_pre_softmax`` is. Qwen2-MoE's shared expert is
-Megatron's gated shared expert.
+Megatron's gated shared expert. ``--moe-aux-loss-coeff`` turns on Megatron's load-balancing loss,
+and routing replay (``train/routing_replay.py``) gives the policy's routers Megatron's
+``RouterReplay``.
 
 Attention takes packed sequences (``thd``: no padding). On CUDA with Transformer Engine installed
 the layer spec is Megatron's TE spec; elsewhere it is Megatron's local spec with
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from inverted.config import MoEConfig
 from inverted.hf_checkpoint import ModelSpec, rope_inv_freq
 from inverted.train.convert import mark_tensor_parallel
 
@@ -49,25 +52,30 @@ def use_transformer_engine() -> bool:
     return True
 
 
-def moe_config(spec: ModelSpec) -> dict:
-    """``TransformerConfig``'s Mixture-of-Experts fields for ``spec`` (none for a dense model)."""
+def moe_config(spec: ModelSpec, moe: MoEConfig | None = None, routing_replay: bool = False) -> dict:
+    """``TransformerConfig``'s Mixture-of-Experts fields for ``spec`` (none for a dense model).
+    ``routing_replay``: the routers get a ``RouterReplay`` (the policy's, not the reference's)."""
     if not spec.is_moe:
         return {}
+    moe = moe or MoEConfig()
     shared = spec.shared_expert_intermediate_size
     return dict(
         num_moe_experts=spec.num_experts, moe_router_topk=spec.moe_top_k, moe_ffn_hidden_size=spec.moe_intermediate_size,
         moe_router_score_function="softmax", moe_router_pre_softmax=not spec.norm_topk_prob, moe_router_dtype="fp32",
         moe_shared_expert_intermediate_size=shared or None, moe_shared_expert_gate=bool(shared),
-        moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_load_balancing_type="none",
+        moe_grouped_gemm=False, moe_permute_fusion=False,
+        moe_router_load_balancing_type="aux_loss" if moe.moe_aux_loss_coeff else "none",
+        moe_aux_loss_coeff=moe.moe_aux_loss_coeff, moe_enable_routing_replay=routing_replay,
     )
 
 
-def transformer_config(spec: ModelSpec, parallel: Parallelism, dtype: torch.dtype):
+def transformer_config(spec: ModelSpec, parallel: Parallelism, dtype: torch.dtype, moe: MoEConfig | None = None,
+                       routing_replay: bool = False):
     """Megatron's ``TransformerConfig`` for ``spec``: the architecture plus parallel sizes and dtype."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
-        **moe_config(spec),
+        **moe_config(spec, moe, routing_replay),
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.intermediate_size,
         num_attention_heads=spec.num_heads, num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim,
         normalization="RMSNorm", layernorm_epsilon=spec.rms_norm_eps, qk_layernorm=spec.qk_norm,
@@ -101,16 +109,18 @@ def layer_spec(spec: ModelSpec, te: bool):
     return layer
 
 
-def build_model(spec: ModelSpec, parallel: Parallelism, dtype: torch.dtype = torch.float32, te: bool | None = None):
+def build_model(spec: ModelSpec, parallel: Parallelism, dtype: torch.dtype = torch.float32, te: bool | None = None,
+                moe: MoEConfig | None = None, routing_replay: bool = False):
     """This rank's stage of the policy (pre/post-processing only on the first/last pipeline stage).
 
     ``te``: Transformer Engine's layer spec (default: where TE can run). LoRA asks for the local spec:
     TE fuses the input LayerNorm into ``linear_qkv``, which hides the normalised input an adapter needs.
+    ``moe``: the MoE training options; ``routing_replay``: give the routers Megatron's ``RouterReplay``.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(spec, parallel, dtype)
+    config = transformer_config(spec, parallel, dtype, moe, routing_replay)
     te = use_transformer_engine() if te is None else te
     model = GPTModel(
         config=config, transformer_layer_spec=layer_spec(spec, te), vocab_size=spec.vocab_size,

@@ -13,13 +13,17 @@
    far behind the policy it was sampled (its staleness, reported); with
    ``--mask-offpolicy-in-partial-rollout`` the tokens a sample got from weights older than its
    newest are left out of the loss. TIS (``--use-tis``) reweights every token by its own sampling
-   policy's log-prob, so mixed versions are corrected token by token.
+   policy's log-prob, so mixed versions are corrected token by token. A MoE policy with routing
+   replay (``train/routing_replay.py``) routes these passes by the rollout's experts (R3), or
+   records its routing in the old log-probs' pass for the steps to replay (R2).
 5. Per optimizer step: forward and backward of the micro-batches through Megatron's schedule (1F1B
    across pipeline stages) with the step's global token weights, one gradient all-reduce (a sum:
    the weights already normalise), clip, step. The loss runs where the logits are: each rollout's
    per-token tensors go to the model's device once, and each micro-batch hands its statistics
    back through the schedule (Megatron's loss-reporting dict) as device tensors, reduced once at
-   the end of the rollout, so no micro-batch waits on a device-to-host copy.
+   the end of the rollout, so no micro-batch waits on a device-to-host copy. With
+   ``--moe-aux-loss-coeff`` Megatron's routers add their load-balancing loss, reported as
+   ``train/moe_aux_loss``.
 
 Every rank sees the same list of Samples and takes its data-parallel share itself, so nothing but
 gradients, metric sums and (between pipeline stages) activations and the last stage's results
@@ -39,7 +43,7 @@ import torch
 
 from inverted.compat import slime
 from inverted.config import TrainConfig, to_flags
-from inverted.errors import SampleError
+from inverted.errors import ModelError, SampleError
 from inverted.hf_checkpoint import ModelSpec, checkpoint_tensors
 from inverted.plugins import LossPlugins
 from inverted.peft_adapter import lora_config, read_adapter
@@ -49,6 +53,7 @@ from inverted.train.logprobs import token_logprobs_and_entropy
 from inverted.train.model import Parallelism, build_model, use_transformer_engine
 from inverted.train.optimizer import build_optimizer
 from inverted.train.packing import MicroBatch, balance, pack
+from inverted.train.routing_replay import RoutingReplay
 from inverted.train.weight_sync import SyncReport, WeightSync
 from inverted.types import Sample, version_number, with_siblings
 
@@ -100,6 +105,7 @@ class PerToken:
     staleness: dict[int, torch.Tensor]  # policy version minus the token's sampling version
     weight: dict[int, torch.Tensor] = field(default_factory=dict)  # set per optimizer step
     step_samples: int = 0  # samples in the optimizer step (all ranks), set per step
+    loss_scale: float = 1.0  # what the loss is multiplied by for backward (see ``_scale_aux_loss``)
 
     def take(self, name: str, indices: list[int]) -> torch.Tensor:
         """One micro-batch's values of ``name``, concatenated in packing order."""
@@ -130,6 +136,9 @@ class Trainer:
         self.cfg = cfg
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.spec = ModelSpec.from_checkpoint(cfg.hf_checkpoint)
+        if not self.spec.is_moe and (cfg.moe.routing_replay or cfg.moe.moe_aux_loss_coeff):
+            raise ModelError(f"{cfg.hf_checkpoint} is a dense model: --use-rollout-routing-replay, --use-routing-replay "
+                             "and --moe-aux-loss-coeff are for Mixture-of-Experts models")
         layout = cfg.parallel
         check_compatible(self.spec, layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
                          layout.expert_model_parallel_size)
@@ -142,8 +151,9 @@ class Trainer:
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         hf_weights = checkpoint_tensors(cfg.hf_checkpoint)
-        model = build_model(self.spec, self.parallel, self.dtype, self.te)
+        model = build_model(self.spec, self.parallel, self.dtype, self.te, cfg.moe, routing_replay=cfg.moe.routing_replay)
         load_hf_weights(model, self.spec, hf_weights)
+        self.replay = RoutingReplay(model, self.spec) if cfg.moe.routing_replay else None
         a = cfg.lora
         self.lora = lora_config(a.lora_rank, a.lora_alpha, a.lora_dropout, a.target_modules, a.lora_adapter_path)
         if self.lora is not None:
@@ -165,7 +175,7 @@ class Trainer:
 
     def _build_reference(self, hf_weights: dict[str, torch.Tensor]):
         """The frozen policy at its starting point: no gradients, no optimizer state, eval mode."""
-        reference = build_model(self.spec, self.parallel, self.dtype, self.te)
+        reference = build_model(self.spec, self.parallel, self.dtype, self.te, self.cfg.moe)  # routes on its own
         load_hf_weights(reference, self.spec, hf_weights)
         reference.requires_grad_(False).eval()
         return reference
@@ -174,13 +184,14 @@ class Trainer:
 
     def _schedule(self, model, mbs: list[MicroBatch],
                   on_logits: Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]],
-                  forward_only: bool) -> list[dict[str, torch.Tensor]]:
+                  forward_only: bool, routing: str | None = None) -> list[dict[str, torch.Tensor]]:
         """Run ``mbs`` through Megatron's schedule: 1F1B across pipeline stages, a plain loop without.
 
         Every stage reads the same micro-batches (each needs the packing to place its attention);
         the first embeds the tokens, the others take the previous stage's activations. On the last
         stage ``on_logits(mb, logits)`` turns a micro-batch's logits ``[T, V / tp]`` into its loss
         and a dict of statistics, and the schedule runs the backward passes unless ``forward_only``.
+        ``routing`` (the policy with routing replay): "record" or "replay" each micro-batch's routing.
         Returns the statistics of every micro-batch (on the last stage; elsewhere none).
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -191,8 +202,12 @@ class Trainer:
 
         def forward_step(batches, model):
             mb = next(batches)
+            if routing is not None and self.replay is not None:
+                self.replay.record(mb) if routing == "record" else self.replay.replay(mb)
             output = model(input_ids=mb.tokens_T[None].to(device), position_ids=mb.positions_T[None].to(device),
                            attention_mask=None, packed_seq_params=self.seq_params(mb, device))
+            if routing == "record" and self.replay is not None:
+                self.replay.collect(mb)
             tokens = torch.tensor(sum(mb.response_lengths), dtype=torch.int, device=device)
 
             def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
@@ -218,7 +233,7 @@ class Trainer:
                                           self.cfg.loss.rollout_temperature, with_entropy)
 
     @torch.no_grad()
-    def _no_grad_logprobs(self, model, mbs: list[MicroBatch]) -> dict[int, torch.Tensor]:
+    def _no_grad_logprobs(self, model, mbs: list[MicroBatch], routing: str | None = None) -> dict[int, torch.Tensor]:
         """Each sample's response log-probs under ``model``, by sample index, on every pipeline stage."""
         model.eval()
         out: dict[int, torch.Tensor] = {}
@@ -228,7 +243,7 @@ class Trainer:
             out.update(zip(mb.indices, logp.split(mb.response_lengths)))
             return logp.new_zeros(()), {}
 
-        self._schedule(model, mbs, keep, forward_only=True)
+        self._schedule(model, mbs, keep, forward_only=True, routing=routing)
         return self._from_last_stage(out)
 
     def _reference_logprobs(self, mbs: list[MicroBatch]) -> dict[int, torch.Tensor]:
@@ -294,7 +309,11 @@ class Trainer:
                 self.slime_args, [slime.from_inverted(s) for s in samples])
             rewards = torch.tensor([float(r) for r in processed], dtype=torch.float32)
 
-        old_logp = self._no_grad_logprobs(self.model, all_mbs) if len(plan) > 1 else {}
+        if self.replay is not None and cfg.moe.use_rollout_routing_replay:
+            self.replay.rollout(samples, [i for step in plan for i in step.indices])
+        # R2 records the old policy's routing here; R3 routes by the rollout's (routing_replay.py)
+        old_logp = self._no_grad_logprobs(self.model, all_mbs, "record" if cfg.moe.use_routing_replay else "replay") \
+            if len(plan) > 1 else {}
         ref_logp = self._reference_logprobs(all_mbs) if loss.needs_reference else {}
         kl_reward = None
         if loss.kl_coef:
@@ -320,10 +339,11 @@ class Trainer:
             tokens.weight = {i: w.to(self.device) for i, w in zip(
                 span, losses.token_weights(loss.loss_aggregation, masks[span.start:span.stop]))}
             tokens.step_samples = len(span)
+            tokens.loss_scale = self._scale_aux_loss(step.micro_batches)
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
             reported += self._schedule(self.model, step.micro_batches, functools.partial(self._loss, tokens=tokens),
-                                       forward_only=False)
+                                       forward_only=False, routing="replay")
             # Megatron's own finish: the data-parallel sum, the tensor-parallel sums of grads that each
             # TP rank computes only in part (q/k norms see only that rank's heads), and under PP the sum
             # of the tied embedding's two copies (first and last stage), which keeps them equal.
@@ -332,7 +352,11 @@ class Trainer:
             grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
             self.optimizer_steps += 1
         self.rollout_id += 1
+        if self.replay is not None:
+            self.replay.reset()
         metrics = self._reduce_metrics(reported, steps=len(plan))
+        if cfg.moe.moe_aux_loss_coeff:
+            metrics["train/moe_aux_loss"] = self._aux_loss_metric(sum(len(step.micro_batches) for step in plan))
         metrics.update({
             "train/grad_norm": sum(grad_norms) / len(grad_norms), "train/optimizer_steps": float(len(plan)),
             "train/reward_mean": float(rewards.mean()), "train/lr": cfg.optim.lr,
@@ -397,7 +421,44 @@ class Trainer:
                 stats[name] = value[on].sum()
             if plugins.loss is not None:
                 stats |= custom
-        return loss, stats
+        return loss * tokens.loss_scale, stats
+
+    def _scale_aux_loss(self, mbs: list[MicroBatch]) -> float:
+        """The load-balancing loss's share of the gradient, for one optimizer step; returns the factor
+        the step's loss is multiplied by.
+
+        With per-token losses Megatron's routers weigh each micro-batch's aux loss by its tokens, and
+        expect the gradients to be divided by the step's tokens afterwards; ours arrive normalised.
+        So the backward scale (``grad_scale_func``, which Megatron applies to the loss and hands to
+        the routers) is 1 / the step's tokens on all ranks, and the loss is multiplied back: the aux
+        loss is then a token mean over the step, the policy loss unchanged.
+        """
+        from megatron.core import parallel_state
+
+        if not self.cfg.moe.moe_aux_loss_coeff:
+            return 1.0
+        tokens = torch.tensor([float(sum(len(mb.tokens_T) for mb in mbs))], dtype=torch.float64)
+        if self.dp_size > 1:
+            torch.distributed.all_reduce(tokens, group=parallel_state.get_data_parallel_group())
+        step_tokens = float(tokens)
+        self.model.config.grad_scale_func = lambda loss: loss / step_tokens
+        return step_tokens
+
+    def _aux_loss_metric(self, micro_batches: int) -> float:
+        """The load-balancing loss (without its coefficient), averaged over layers, micro-batches and ranks."""
+        from megatron.core import parallel_state
+        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+
+        tracked = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")  # none if no forward ran here
+        local = tracked["values"].sum() if tracked is not None else 0.0
+        total = torch.tensor([float(local)], dtype=torch.float64) / (self.spec.num_layers * max(micro_batches, 1))
+        if self.parallel.pipeline > 1:  # each stage holds its own layers' values
+            torch.distributed.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
+        if self.dp_size > 1:
+            torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
+            total /= self.dp_size
+        clear_aux_losses_tracker()
+        return float(total)
 
     def _reduce_metrics(self, reported: list[dict[str, torch.Tensor]], steps: int) -> dict[str, float]:
         """Global metrics from every micro-batch's statistics, read off the device once: loss parts

@@ -32,6 +32,15 @@ def sglang_root() -> Path | None:
     return Path(spec.submodule_search_locations[0]) if spec and spec.submodule_search_locations else None
 
 
+def server_args_fields() -> set[str]:
+    """The fields of SGLang's ``ServerArgs``, whose flags are made from them (``--max-lora-rank`` from
+    ``max_lora_rank``), as its ``arg_groups/field_order.py`` lists them."""
+    tree = ast.parse((sglang_root() / "srt" / "arg_groups" / "field_order.py").read_text())
+    order = next(node.value for node in tree.body if isinstance(node, ast.Assign)
+                 and [t.id for t in node.targets] == ["POSITIONAL_FIELD_ORDER"])
+    return set(ast.literal_eval(order))
+
+
 def load() -> types.SimpleNamespace:
     """SGLang's classes: ``FlattenedTensorBucket``, ``FlattenedTensorMetadata``, ``MultiprocessingSerializer``, ..."""
     import binascii

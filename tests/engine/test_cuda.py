@@ -7,11 +7,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.conftest import ARCHS, MOE_ARCHS
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")]
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
+@pytest.mark.parametrize("arch", [*ARCHS, *MOE_ARCHS])
 def test_cuda_engine_logprobs_match_transformers(procs, tiny_model, arch):
     url = procs.engine(tiny_model(arch), "--device", "cuda", "--dtype", "float32").url
     prompt = [5, 17, 300, 42, 999, 7]

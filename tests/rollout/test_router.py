@@ -99,3 +99,23 @@ async def test_servers_report_a_dead_engine_with_its_log(tmp_path, tiny_model):
     with pytest.raises(ServiceUnavailable, match=r"(?s)engine-0 exited with code [1-9].*config.json"):
         async with RolloutServers(cfg):
             pass
+
+
+async def test_the_router_drops_return_routed_experts_so_the_workers_client_calls_the_workers(tiny_model, tmp_path):
+    """sgl-router 0.3.2's typed /generate request has no return_routed_experts: through it no server is
+    asked. ``WorkersClient`` sends each prompt to one of the router's workers, the same prompt to the same one."""
+    from inverted.rollout.sglang_client import WorkersClient, read_routed_experts
+
+    cfg = ServersConfig(hf_checkpoint=str(tiny_model("qwen3_moe")), num_engines=2, engine_threads=1, log_dir=str(tmp_path))
+    async with RolloutServers(cfg, flags=["--enable-return-routed-experts"]) as servers:
+        asked = {**body(0), "return_routed_experts": True}
+        async with SGLangClient(servers.router_url) as through_router, WorkersClient(servers.router_url) as direct:
+            assert read_routed_experts(await through_router.generate(asked)) is None
+            served = [[requests_served(url) for url in servers.engine_urls]]
+            for _ in range(2):  # the same 8 prompts twice: each goes where it went the first time
+                outs = await asyncio.gather(*(direct.generate({**body(i), "return_routed_experts": True})
+                                              for i in range(8)))
+                assert all(read_routed_experts(out) for out in outs)
+                served.append([requests_served(url) for url in servers.engine_urls])
+            first, second = ([b - a for a, b in zip(*pair)] for pair in zip(served, served[1:]))
+            assert first == second and sum(first) == 8 and min(first) > 0, served

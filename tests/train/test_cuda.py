@@ -16,6 +16,7 @@ import transformers
 
 from inverted.config import TrainConfig, from_flags
 from inverted.train.parallel import spawn
+from tests.conftest import ARCHS, MOE_ARCHS
 from tests.train.samples import make_samples
 from tests.train.test_weight_sync import PROBE, engine_logprobs
 from tests.train.workers import check_packed_logits, grpo_step, logits_and_step, step_and_sync, straight_and_resumed
@@ -24,7 +25,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")]
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
+@pytest.mark.parametrize("arch", [*ARCHS, *MOE_ARCHS])
 def test_cuda_logits_equal_transformers(arch, tiny_model, tmp_path):
     path = tiny_model(arch)
     spawn(logits_and_step, 1, from_flags(TrainConfig, hf_checkpoint=str(path)), str(tmp_path / "out.pt"))

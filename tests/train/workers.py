@@ -210,3 +210,13 @@ def lora_step(cfg: TrainConfig, out: str) -> None:
         if torch.distributed.get_rank() == 0:
             rows = dict(zip(mb.indices, mb.sequence_positions()))
             torch.save({"before": before, "after": after, "metrics": metrics, "rows": rows, "trainable": trainable}, out)
+
+
+def train_each(cfgs: list[TrainConfig], samples, out: str) -> None:
+    """One rollout trained under each config in turn, a fresh trainer each from the same weights: their metrics."""
+    from inverted.train.trainer import Trainer
+
+    with parallel_group(cfgs[0]):
+        metrics = [Trainer(cfg).train(samples) for cfg in cfgs]
+        if torch.distributed.get_rank() == 0:
+            torch.save(metrics, out)

@@ -12,7 +12,9 @@ to the generate timeout); a running call may come back aborted (``finish_reason.
 More than ``max_resumes`` aborts in one call raise ``ServiceUnavailable``.
 
 Per-token versions come from the engine (``sglang_client.read_output``). In a LoRA run every call
-names the policy's adapter (``lora_path``).
+names the policy's adapter (``lora_path``). With ``routed_experts`` (a MoE policy trained with
+rollout routing replay) each call asks for ``return_routed_experts``; the last call's answer covers
+the prompt and every token sampled so far, resumed calls included, and is kept as ``routes``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from inverted.errors import ServiceUnavailable
-from inverted.rollout.sglang_client import SGLangClient, read_output
+from inverted.rollout.sglang_client import SGLangClient, WorkersClient, read_output, read_routed_experts
 
 
 @dataclass(slots=True)
@@ -31,6 +33,7 @@ class Sampled:
     versions: list[str] = field(default_factory=list)
     tops: list[list[tuple[float, int]]] = field(default_factory=list)  # per token, when top logprobs were asked for
     finish: dict[str, Any] | None = None  # SGLang's finish_reason once the turn is done
+    routes: str | None = None  # the routed experts of prompt + ids (read_routed_experts), when asked for
     resumes: int = 0
     retries: int = 0
 
@@ -39,11 +42,11 @@ class Sampled:
         return (self.finish or {}).get("type", "")
 
 
-async def sample_turn(client: SGLangClient, prompt_ids: list[int], sampling: dict[str, Any], *, stream: bool,
+async def sample_turn(client: SGLangClient | WorkersClient, prompt_ids: list[int], sampling: dict[str, Any], *, stream: bool,
                       partial_rollout: bool, max_resumes: int, top_logprobs: int = 0,
-                      lora_path: str | None = None) -> AsyncIterator[Sampled]:
+                      lora_path: str | None = None, routed_experts: bool = False) -> AsyncIterator[Sampled]:
     """Yield the turn's state as it grows; the last state yielded has ``finish`` set. ``lora_path``: the
-    LoRA adapter to sample from (None: the base model)."""
+    LoRA adapter to sample from (None: the base model); ``routed_experts``: ask for each token's experts."""
     state = Sampled()
     budget = sampling["max_new_tokens"]
     aborts = 0
@@ -56,6 +59,8 @@ async def sample_turn(client: SGLangClient, prompt_ids: list[int], sampling: dic
             payload["top_logprobs_num"] = top_logprobs
         if lora_path:
             payload["lora_path"] = lora_path
+        if routed_experts:
+            payload["return_routed_experts"] = True
         kept = len(state.ids)
         if stream:
             chunks = client.generate_stream(payload)
@@ -69,6 +74,7 @@ async def sample_turn(client: SGLangClient, prompt_ids: list[int], sampling: dic
             state.versions += versions
             state.tops += tops
             state.finish = finish
+            state.routes = read_routed_experts(body) or state.routes
             if finish is None or finish.get("type") != "abort":
                 yield state
         if state.reason != "abort":

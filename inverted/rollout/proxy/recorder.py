@@ -33,7 +33,7 @@ from inverted.rollout.proxy.apis import call
 from inverted.rollout.proxy.apis.call import Answer, CallRequest, Delta, Event, Output, TokenLogprob
 from inverted.rollout.proxy.generation import Sampled, sample_turn
 from inverted.rollout.proxy.session import Branch, History, Placement, Session, Sessions, Turn, history_size
-from inverted.rollout.sglang_client import SGLangClient
+from inverted.rollout.sglang_client import SGLangClient, WorkersClient
 
 
 class ProxyMetrics:
@@ -79,7 +79,7 @@ class Choice:
 
 
 class Recorder:
-    def __init__(self, config: ProxyConfig, tokenizer: Any, client: SGLangClient, parser: ToolParser,
+    def __init__(self, config: ProxyConfig, tokenizer: Any, client: SGLangClient | WorkersClient, parser: ToolParser,
                  context_length: int, model_name: str):
         self.config = config
         self.tokenizer = tokenizer
@@ -298,7 +298,8 @@ class Recorder:
         async for state in sample_turn(self.client, prompt, sampling, stream=stream, lora_path=self._adapter(req.model),
                                        # a constrained call resumed would restart its grammar: sampled again
                                        partial_rollout=self.config.partial_rollout and "json_schema" not in sampling,
-                                       max_resumes=self.config.proxy_max_resumes, top_logprobs=req.top_logprobs):
+                                       max_resumes=self.config.proxy_max_resumes, top_logprobs=req.top_logprobs,
+                                       routed_experts=self.config.return_routed_experts):
             choice.state = state
             yield state
         state = choice.state
@@ -311,7 +312,8 @@ class Recorder:
         choice.branch.append_sampled(state.ids, state.logprobs, state.versions)
         choice.turn = Turn(start=choice.prompt_len, end=len(choice.branch.tokens),
                            history=self._history_after(req, reply), finish_reason=finish, sampling_params=sampling,
-                           created=created, latency_s=time.time() - created, resumes=state.resumes)
+                           created=created, latency_s=time.time() - created, resumes=state.resumes,
+                           routes=state.routes)
 
     def _settle(self, session: Session, req: CallRequest, answer: Answer, choices: list[Choice],
                 succeeded: bool) -> None:

@@ -62,6 +62,7 @@ class Turn:
     created: float
     latency_s: float
     resumes: int = 0
+    routes: str | None = None  # the routed experts of tokens[:end - 1] (MoE, when asked for)
 
     def record(self) -> dict[str, Any]:
         return {"prompt_tokens": self.start, "completion_tokens": self.end - self.start, "start": self.start,
@@ -116,7 +117,8 @@ class Branch:
                       response_length=end - start, loss_mask=self.mask[start:end],
                       rollout_log_probs=self.logprobs[start:end], weight_versions=versions, reward=base.reward,
                       status=status, label=base.label, session_id=base.session_id,
-                      metadata={**base.metadata, "turns": [t.record() for t in self.turns]})
+                      metadata={**base.metadata, "turns": [t.record() for t in self.turns]},
+                      rollout_routed_experts=self.turns[-1].routes)
 
 
 @dataclass(slots=True)

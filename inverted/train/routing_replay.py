@@ -1,0 +1,124 @@
+"""Routing replay for a Mixture-of-Experts policy: its routers send each token to given experts.
+
+A MoE model's log-probs jump when a token goes to another expert, and the engine and the trainer
+route a few tokens differently (other kernels, bf16 against fp32, weights a step apart), so the
+train/rollout mismatch of a MoE model grows well past a dense model's. Replay removes that
+source; slime's two flags:
+
+- **R3**, ``--use-rollout-routing-replay``: the experts the rollout engine chose. The servers return
+  them per token and layer (SGLang's ``return_routed_experts``), the Sample keeps them
+  (``rollout_routed_experts``), and every forward of the policy over the rollout routes each token
+  as the engine did: the old log-probs and each training step.
+- **R2**, ``--use-routing-replay``: the experts the trainer's own forward for the old log-probs
+  chose (recorded), replayed by every training step of the rollout, so the policy's routing stays
+  put while its weights move. With one optimizer step per rollout there is no such forward, and
+  R2 changes nothing: the training forward *is* the old policy.
+
+Only the expert *ids* are replayed. The gate weights over them are recomputed by the trainer's
+router from its own logits (Megatron's ``RouterReplay`` in ``REPLAY_FORWARD``: the scores
+gathered at the replayed ids, then normalised as the model normalises), so they are the trainer's
+weights, differentiable, and the router still learns. Replaying the engine's weights as well
+would give the router no gradient; miles measured (#2722) that ids alone leave a mismatch in the
+*weights*, which this recomputation is the trainer-side answer to, measured in ``bench/routing_replay.py``.
+
+A packed micro-batch shares each prompt between its responses; a prompt's routing is the same in
+every sample of it (the engine keeps routes with the cached prefix), so any response's record
+serves. The last token of a sample is never run by the engine and has no record: it predicts
+nothing the loss reads, so it gets experts ``0..k-1``.
+"""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import torch
+
+from inverted.errors import SampleError
+from inverted.hf_checkpoint import ModelSpec
+from inverted.train.packing import MicroBatch
+from inverted.types import Sample
+
+
+def decode_routes(sample: Sample, spec: ModelSpec) -> torch.Tensor:
+    """``sample``'s recorded experts as int64 ``[len(tokens) - 1, layers, top_k]``, checked."""
+    where = f"sample {sample.index} (group {sample.group_index})"
+    if not sample.rollout_routed_experts:
+        raise SampleError(f"{where}: no rollout_routed_experts, which --use-rollout-routing-replay needs (the rollout "
+                          "function must ask /generate for return_routed_experts and keep meta_info.routed_experts)")
+    try:
+        flat = np.frombuffer(base64.b64decode(sample.rollout_routed_experts, validate=True), dtype="<i4")
+    except ValueError as exc:
+        raise SampleError(f"{where}: rollout_routed_experts is not base64 of int32 ({exc})") from None
+    shape = (len(sample.tokens) - 1, spec.num_layers, spec.moe_top_k)
+    if flat.size != np.prod(shape):
+        raise SampleError(f"{where}: rollout_routed_experts holds {flat.size} expert ids; {len(sample.tokens)} tokens "
+                          f"need {shape[0]} x {shape[1]} layers x top-{shape[2]} = {np.prod(shape)}")
+    if flat.size and (flat.min() < 0 or flat.max() >= spec.num_experts):
+        raise SampleError(f"{where}: rollout_routed_experts names experts outside 0..{spec.num_experts - 1}")
+    return torch.from_numpy(flat.astype(np.int64)).view(shape)
+
+
+class RoutingReplay:
+    """The policy's routers (Megatron ``TopKRouter``s with a ``RouterReplay``), driven per micro-batch.
+
+    ``rollout(samples)`` takes a rollout's recorded experts (R3); ``record(mb)`` / ``replay(mb)`` set
+    what the next forward of ``mb`` does; ``collect(mb)`` keeps what a recording forward chose (R2);
+    ``reset()`` ends the rollout.
+    """
+
+    def __init__(self, model: torch.nn.Module, spec: ModelSpec) -> None:
+        from megatron.core.transformer.moe.router import TopKRouter
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        # This stage's routers by global layer; Megatron's class-wide list would also hold other
+        # models' (a second Trainer in the process), so it is emptied and never used.
+        self.routers = {m.layer_number - 1: m.router_replay for m in model.modules()
+                        if isinstance(m, TopKRouter) and m.router_replay is not None}
+        RouterReplay.clear_global_router_replay_instances()
+        self.spec = spec
+        self.routes: dict[int, torch.Tensor] = {}  # R3: sample index -> [tokens - 1, layers, k]
+        self.recorded: dict[int, dict[int, torch.Tensor]] = {}  # R2: id(mb) -> layer -> [T, k]
+
+    def rollout(self, samples: list[Sample], indices: list[int]) -> None:
+        self.routes = {i: decode_routes(samples[i], self.spec) for i in indices}
+
+    def record(self, mb: MicroBatch) -> None:
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        for replay in self.routers.values():
+            replay.clear_indices()
+            replay.set_router_replay_action(RouterReplayAction.RECORD)
+
+    def collect(self, mb: MicroBatch) -> None:
+        self.recorded[id(mb)] = {layer: replay.get_recorded_indices() for layer, replay in self.routers.items()}
+
+    def replay(self, mb: MicroBatch) -> bool:
+        """Route ``mb``'s next forward by the rollout's experts (R3) or the recorded ones (R2); False
+        (routers left to route) where there is neither: R2 with a single optimizer step."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        by_layer = self.recorded.get(id(mb)) if not self.routes else self._from_rollout(mb)
+        for layer, replay in self.routers.items():
+            replay.clear_indices()
+            if by_layer is None:
+                replay.clear_router_replay_action()
+                continue
+            replay.set_target_indices(by_layer[layer])
+            replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        return by_layer is not None
+
+    def _from_rollout(self, mb: MicroBatch) -> dict[int, torch.Tensor]:
+        k = self.spec.moe_top_k
+        ids = torch.arange(k).expand(len(mb.tokens_T), self.spec.num_layers, k).clone()
+        for index, positions in zip(mb.indices, mb.sequence_positions()):
+            ids[positions[:-1]] = self.routes[index]
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        ids = ids.to(device)
+        return {layer: ids[:, layer] for layer in self.routers}
+
+    def reset(self) -> None:
+        for replay in self.routers.values():
+            replay.clear_indices()
+            replay.clear_router_replay_action()
+        self.routes, self.recorded = {}, {}
