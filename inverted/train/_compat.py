@@ -2,8 +2,8 @@
 
 Megatron-core is written for CUDA. Its model code (``GPTModel``, the tensor-parallel layers,
 Megatron DDP) runs on CPU tensors over gloo once two assumptions are answered. ``apply()``
-installs the workarounds and is called only when ``torch.cuda.is_available()`` is false, so the
-GPU path never touches this module. It is pinned to the megatron-core versions it was written
+installs the workarounds and is called only when ``torch.cuda.is_available()`` is false; the GPU
+path takes only ``apply_without_te`` (below). It is pinned to the megatron-core versions it was written
 against (``_SUPPORTED``): a new release must be checked before it is admitted.
 ``tests/train/test_compat.py`` exercises each workaround (the MoE ones: ``tests/train/test_moe.py``).
 
@@ -22,8 +22,12 @@ against (``_SUPPORTED``): a new release must be checked before it is admitted.
 4. Mixture-of-Experts: the all-to-all token dispatcher makes a ``torch.cuda.Stream`` for its
    device-to-host copies of the split sizes and waits on an event from it. On the CPU there is
    nothing to copy: its hook turns the split sizes into the numpy arrays the dispatcher expects,
-   with no stream and no event. And ``moe_utils`` names ``te_general_gemm`` only when Transformer
-   Engine imports (never on a CPU), yet tests it for ``None`` in the router's matmul: we define it.
+   with no stream and no event.
+
+One workaround is not about CPUs and is applied on every machine (``apply_without_te``): MoE's
+``moe_utils`` names ``te_general_gemm`` only when Transformer Engine imports, yet tests it for
+``None`` in the router's matmul, so a MoE forward without TE raises ``NameError`` on a GPU as on a
+CPU (found on an H200): we define it as None.
 
 Not patched, but avoided: Megatron's optimizer wrappers and gradient clipping allocate CUDA
 tensors, so on CPU ``train/optimizer.py`` uses AdamW with Megatron's conventions; and Megatron's
@@ -119,12 +123,19 @@ def _dtoh_without_streams(self, point: str, tokens_per_expert=None):
     return tokens_per_expert
 
 
+def apply_without_te() -> None:
+    """Megatron's MoE router without Transformer Engine, on any device: the name it tests must exist."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not moe_utils.HAVE_TE and not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def apply() -> None:
     """Install the CPU workarounds (idempotent). Call before building any Megatron module."""
     import megatron.core
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as mcore_random
-    from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
     version = megatron.core.__version__
@@ -149,7 +160,6 @@ def apply() -> None:
     # 4. MoE: the all-to-all dispatcher's side stream (made once per class: set it so none is made).
     MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = False
     MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _dtoh_without_streams
-    if not moe_utils.HAVE_TE:
-        moe_utils.te_general_gemm = None
+    apply_without_te()
     logger.info("megatron-core %s: CPU compatibility applied (current_device, RNG tracker, pipeline schedules, "
                 "MoE dispatcher)", version)

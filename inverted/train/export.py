@@ -41,7 +41,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, merge_lora: bool = False)
     tensors: dict[str, torch.Tensor] = {}
     layers_before = 0
     for stage in range(meta["parallel"]["pipeline"]):
-        shards = [torch.load(directory / rank_file(tp, stage, 0), weights_only=True)["model"]
+        shards = [torch.load(directory / rank_file(tp, stage, 0), weights_only=True, map_location="cpu")["model"]
                   for tp in range(meta["parallel"]["tensor"])]
         names = [name for name in shards[0] if not name.endswith("_extra_state")]
         if lora:

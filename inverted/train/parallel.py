@@ -26,9 +26,11 @@ def init_parallel(cfg: ParallelConfig, seed: int) -> None:
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed")
     warnings.filterwarnings("ignore", message="full scope is deprecated")
     warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS")
-    if not cuda:
-        from inverted.train import _compat
+    from inverted.train import _compat
 
+    if cuda:
+        _compat.apply_without_te()
+    else:
         _compat.apply()
     if not torch.distributed.is_initialized():
         if cuda:

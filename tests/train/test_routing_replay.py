@@ -86,9 +86,9 @@ def test_replaying_the_routing_the_trainer_would_choose_changes_nothing(procs, t
     plain, r3, plain2, r2 = train(configs(path, tmp_path, {}, {"use_rollout_routing_replay": True}, two_steps,
                                           {**two_steps, "use_routing_replay": True}), samples, tmp_path)
     assert plain[GAP] <= 1e-4
-    for name in ("train/loss", GAP, "train/entropy", "train/grad_norm"):
-        assert r3[name] == pytest.approx(plain[name], rel=1e-5, abs=1e-7), name
-        assert r2[name] == pytest.approx(plain2[name], rel=1e-5, abs=1e-7), name
+    for name in ("train/loss", GAP, "train/entropy", "train/grad_norm"):  # abs: two GPU runs differ by ~1e-7
+        assert r3[name] == pytest.approx(plain[name], rel=1e-5, abs=1e-6), name
+        assert r2[name] == pytest.approx(plain2[name], rel=1e-5, abs=1e-6), name
 
 
 def test_r2_holds_the_routing_of_the_old_policy_through_the_steps(tiny_model, tmp_path):
