@@ -105,17 +105,27 @@ PREFILL_ROWS = 512  # rows of the prefill matmuls in the floor (small model, 2 c
 
 
 def matmul_seconds(model: CausalLM, rows: int, repeats: int = 15) -> float:
-    """Median seconds of one forward's weight matmuls on ``rows`` tokens, and nothing else."""
-    weights = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [model.lm_head]
-    inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype, device=w.device) for w in weights}
+    """Median seconds of one forward's weight matmuls on ``rows`` tokens, and nothing else. A MoE
+    layer's: its router on every row, and the ``rows x top_k`` routed rows spread evenly over as
+    many experts as they can reach (its shared expert, if any, on every row)."""
+    spec = model.spec
+    work = [(w, rows) for layer in model.layers
+            for w in (layer.qkv, layer.o, getattr(layer, "router", None), layer.gate_up, layer.down) if w is not None]
+    if spec.is_moe:
+        routed = rows * spec.moe_top_k
+        active = min(spec.num_experts, routed)
+        work += [(w, -(-routed // active)) for layer in model.layers
+                 for w in (*layer.experts_gate_up[:active], *layer.experts_down[:active])]
+    work.append((model.lm_head, rows))
+    inputs = {(n, w.shape[1]): torch.randn(n, w.shape[1], dtype=w.dtype, device=w.device) for w, n in work}
 
     sync = torch.cuda.synchronize if model.device.type == "cuda" else lambda: None
 
     def forward() -> float:
         sync()
         started = time.perf_counter()
-        for w in weights:
-            inputs[w.shape[1]] @ w.t()
+        for w, n in work:
+            inputs[n, w.shape[1]] @ w.t()
         sync()
         return time.perf_counter() - started
 

@@ -29,6 +29,14 @@ in training tokens per second.
     python bench/train_step.py --model models/smollm2-135m --shape grpo [--rounds 3]
     python bench/train_step.py --model models/smollm2-135m --shape grpo --lora-rank 16
     python bench/train_step.py --device cuda
+
+- ``--arch qwen3_moe`` (or ``qwen2_moe``): the generated model is that Mixture-of-Experts
+  architecture (8 experts, 2 per token), against ``transformers``' own MoE. With ``--ep N``: the
+  trainer with its experts shared out over N processes (expert parallelism, all-to-all over gloo,
+  each process a 1/N share of the threads) against the same trainer in one process with every
+  thread (EP=1), on the same batch; each run in processes of its own.
+
+    python bench/train_step.py --arch qwen3_moe --ep 2 [--rounds 3]
 """
 
 from __future__ import annotations
@@ -180,6 +188,46 @@ def lora_vs_full(args, path: Path, samples: list[Sample], budget: int) -> dict:
                 check=True).stdout) for mode in ("full", "lora")}}
 
 
+def ep_rank(cfg: TrainConfig, samples: list[Sample], rounds: int, threads: int, out: str) -> None:
+    """One rank of an expert-parallel run: a warm-up step, then ``rounds`` timed ones (rank 0 writes them)."""
+    from inverted.train.parallel import init_parallel, shutdown_parallel
+    from inverted.train.trainer import Trainer
+
+    torch.set_num_threads(threads)
+    init_parallel(cfg.parallel, cfg.seed)
+    trainer = Trainer(cfg)
+    trainer.train(samples)
+    seconds = [timed(lambda: trainer.train(samples), "cpu") for _ in range(rounds)]
+    if torch.distributed.get_rank() == 0:
+        Path(out).write_text(json.dumps(seconds))
+    shutdown_parallel()
+
+
+def ep_vs_ep1(args, path: Path, samples: list[Sample], budget: int) -> dict:
+    """The trainer at ``--ep N`` (N processes) against EP=1 (one process, every thread), each in new processes."""
+    import multiprocessing
+
+    from inverted.train.parallel import spawn
+
+    tokens, cores = sum(len(s.tokens) for s in samples), os.cpu_count() or 1
+    speed = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for ep in (1, args.ep):
+            cfg = from_flags(TrainConfig, hf_checkpoint=str(path), lr=1e-6, max_tokens_per_gpu=budget,
+                             expert_model_parallel_size=ep, actor_num_gpus_per_node=ep)
+            out = f"{tmp}/ep{ep}.json"
+            # EP=1 in a process of its own too, so neither run inherits the other's state
+            runner = multiprocessing.get_context("spawn").Process(
+                target=spawn, args=(ep_rank, ep, cfg, samples, args.rounds, max(1, cores // ep), out))
+            runner.start()
+            runner.join()
+            speed[ep] = tokens / statistics.median(json.loads(Path(out).read_text()))
+    return {"model": f"{args.model or args.arch} (small preset)" if not args.model else args.model,
+            "shape": args.shape, "batch_tokens": tokens, "rounds": args.rounds, "cores": cores,
+            "ep1_tokens_per_s": round(speed[1], 1), f"ep{args.ep}_tokens_per_s": round(speed[args.ep], 1),
+            "ratio": round(speed[args.ep] / speed[1], 3)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
@@ -189,6 +237,9 @@ def main() -> None:
                         help="long: 16 samples of 192-256 tokens; grpo: groups sharing a prompt, short responses")
     parser.add_argument("--lora-rank", type=int, default=0, help="compare LoRA of this rank with full fine-tuning")
     parser.add_argument("--memory-of", choices=["full", "lora"], help=argparse.SUPPRESS)  # the child of --lora-rank
+    parser.add_argument("--arch", default="qwen2", choices=["qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe"],
+                        help="architecture of the generated model")
+    parser.add_argument("--ep", type=int, default=0, help="compare expert parallelism of this size with EP=1 (MoE)")
     args = parser.parse_args()
     import transformers
 
@@ -201,9 +252,12 @@ def main() -> None:
     preset, lengths, budget = ("base", (768, 1024), 16384) if cuda else ("small", (192, 256), 4096)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(args.model) if args.model else make_tiny_model(
-            TinyModelConfig(out=f"{tmp}/{preset}", arch="qwen2", preset=preset))
+            TinyModelConfig(out=f"{tmp}/{preset}", arch=args.arch, preset=preset))
         samples = make_grpo_batch() if args.shape == "grpo" else make_batch(lengths=lengths)
         tokens = sum(len(s.tokens) for s in samples)
+        if args.ep:
+            print(json.dumps(ep_vs_ep1(args, path, samples, budget), indent=2))
+            return
         if args.lora_rank:
             os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(get_free_port()))
             cfg = from_flags(TrainConfig, hf_checkpoint=str(path))
@@ -230,7 +284,7 @@ def main() -> None:
     params = sum(p.numel() for p in hf.parameters())
     result = {
         "device": torch.cuda.get_device_name() if cuda else "cpu", "dtype": "bfloat16" if cuda else "float32",
-        "model": f"{args.model or preset} ({params / 1e6:.1f}M params)", "shape": args.shape, "batch_tokens": tokens,
+        "model": f"{args.model or f'{preset} {args.arch}'} ({params / 1e6:.1f}M params)", "shape": args.shape, "batch_tokens": tokens,
         "rounds": args.rounds,
         "threads": torch.get_num_threads(),
         "baseline_transformers_tokens_per_s": round(statistics.median(base), 1),

@@ -6,6 +6,8 @@ four things, and this module is each of them:
 - ``Sample`` (``slime.utils.types``): slime's field names and meanings. ``to_inverted`` and
   ``from_inverted`` convert it exactly to and from our ``Sample``; what ours has no field for
   (``response``, ``rollout_id``, ``remove_sample``) travels in our ``metadata`` under those names.
+  ``rollout_routed_experts`` (R3) goes to slime as our base64 string and comes back from either
+  that or slime's int32 array.
   slime's ``weight_versions`` holds one version per generate call, ours one per response token:
   ``to_inverted`` spreads the calls' versions over the tokens each call sampled (``post`` records
   the router's answers), so every token keeps the version that sampled it.
@@ -28,6 +30,7 @@ field name (``from_inverted(..., cls=...)``, ``to_inverted`` reads attributes).
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import contextvars
 import importlib.util
@@ -76,6 +79,7 @@ class Sample:
     metadata: dict[str, Any] = field(default_factory=dict)
     remove_sample: bool = False
     session_id: str | None = None
+    rollout_routed_experts: Any = None  # slime: int32 ndarray [tokens - 1, layers, top_k]; ours: its base64
 
 
 def from_inverted(sample: _Sample, cls: type | None = None) -> Any:
@@ -87,7 +91,8 @@ def from_inverted(sample: _Sample, cls: type | None = None) -> Any:
                response_length=sample.response_length, label=sample.label, reward=sample.reward,
                loss_mask=list(sample.loss_mask), rollout_log_probs=list(sample.rollout_log_probs),
                weight_versions=_calls_of(sample.weight_versions), status=cls.Status(sample.status.value),
-               metadata=metadata, session_id=sample.session_id, **moved)
+               metadata=metadata, session_id=sample.session_id,
+               rollout_routed_experts=sample.rollout_routed_experts, **moved)
     view._token_versions = list(sample.weight_versions)  # exact per-token versions, for the way back
     return view
 
@@ -110,7 +115,17 @@ def to_inverted(view: Any, calls: list[GenerateCall] | None = None) -> _Sample:
                    response_length=n, loss_mask=mask, rollout_log_probs=list(view.rollout_log_probs or []),
                    weight_versions=token_versions(view, mask, calls or []), reward=view.reward,
                    status=_Sample.Status(getattr(view.status, "value", view.status)), label=view.label,
-                   metadata=metadata, session_id=getattr(view, "session_id", None))
+                   metadata=metadata, session_id=getattr(view, "session_id", None),
+                   rollout_routed_experts=_routes_of(getattr(view, "rollout_routed_experts", None)))
+
+
+def _routes_of(value: Any) -> str | None:
+    """slime's routed experts (an int32 array, as its rollout decodes SGLang's answer) as SGLang's base64."""
+    if value is None or isinstance(value, str):
+        return value
+    import numpy as np
+
+    return base64.b64encode(np.ascontiguousarray(value, dtype="<i4").tobytes()).decode("ascii")
 
 
 def _calls_of(per_token: list[str]) -> list[str]:

@@ -142,6 +142,7 @@ class GenerateItem:
     top_logprobs_num: int = 0
     lora: str | None = None
     return_routed_experts: bool = False
+    routed_experts_start_len: int = 0  # the routes returned cover [this, prompt + completion - 1)
 
 
 def _per_item(body: dict, key: str, default: Any, size: int, batched: bool) -> list[Any]:
@@ -201,6 +202,12 @@ def parse_generate(body: Any) -> tuple[list[GenerateItem], bool, bool]:
     if body.get("token_ids_logprob"):
         raise InvalidRequest("token_ids_logprob is not supported by the embedded engine")
     routed = _per_item(body, "return_routed_experts", False, size, batched)
+    routed_from = _per_item(body, "routed_experts_start_len", 0, size, batched)
+    for i, first in enumerate(routed_from):
+        bound = len(prompts[i]) if text is None else None  # a text prompt's length is known once tokenized
+        if not isinstance(first, int) or isinstance(first, bool) or first < 0 or (bound is not None and first > bound):
+            raise InvalidRequest(f"routed_experts_start_len must be an integer in [0, prompt tokens"
+                                 f"{f' = {bound}' if bound is not None else ''}], got {first!r}")
     loras = _per_item(body, "lora_path", None, size, batched)
     if not all(lora is None or isinstance(lora, str) for lora in loras):
         raise SchemaError("invalid type: lora_path must be an adapter name, or a list of them (null: the base model)")
@@ -214,7 +221,7 @@ def parse_generate(body: Any) -> tuple[list[GenerateItem], bool, bool]:
                 input_ids=None if text is not None else list(prompts[i]), params=params[i],
                 return_logprob=bool(logprob[i]), logprob_start_len=int(start[i]), top_logprobs_num=int(top[i]),
                 return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)), index=len(items),
-                lora=loras[i], return_routed_experts=bool(routed[i]),
+                lora=loras[i], return_routed_experts=bool(routed[i]), routed_experts_start_len=routed_from[i],
             ))
     return items, not batched and n == 1, bool(body.get("stream", False))
 
@@ -277,7 +284,7 @@ def generate_response(req: Request, item: GenerateItem, n: int, tokenizer, curre
             meta["output_top_logprobs"] = tops(req.output_top_logprobs[:n])
             meta["input_top_logprobs"] = tops(req.input_top_logprobs)
     if done and item.return_routed_experts and req.routed_experts is not None:
-        meta["routed_experts"] = encode_routed_experts(req.routed_experts)
+        meta["routed_experts"] = encode_routed_experts(req.routed_experts[item.routed_experts_start_len:])
     if done and req.finished_at is not None:
         meta["e2e_latency"] = req.finished_at - req.created
         meta["response_sent_to_client_ts"] = time.time()

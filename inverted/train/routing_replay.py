@@ -30,6 +30,8 @@ nothing the loss reads, so it gets experts ``0..k-1``.
 from __future__ import annotations
 
 import base64
+import contextlib
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -62,9 +64,10 @@ def decode_routes(sample: Sample, spec: ModelSpec) -> torch.Tensor:
 class RoutingReplay:
     """The policy's routers (Megatron ``TopKRouter``s with a ``RouterReplay``), driven per micro-batch.
 
-    ``rollout(samples)`` takes a rollout's recorded experts (R3); ``record(mb)`` / ``replay(mb)`` set
-    what the next forward of ``mb`` does; ``collect(mb)`` keeps what a recording forward chose (R2);
-    ``reset()`` ends the rollout.
+    ``rollout(samples, indices)`` takes a rollout's recorded experts (R3); ``with forward(mb,
+    "record" | "replay"):`` around a forward of ``mb`` records what its routers choose (R2) or
+    routes it by the rollout's experts (R3) or by those recorded for it; outside such a block the
+    routers route as usual. ``reset()`` ends the rollout.
     """
 
     def __init__(self, model: torch.nn.Module, spec: ModelSpec) -> None:
@@ -83,30 +86,29 @@ class RoutingReplay:
     def rollout(self, samples: list[Sample], indices: list[int]) -> None:
         self.routes = {i: decode_routes(samples[i], self.spec) for i in indices}
 
-    def record(self, mb: MicroBatch) -> None:
+    @contextlib.contextmanager
+    def forward(self, mb: MicroBatch, action: str) -> Iterator[None]:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-        for replay in self.routers.values():
-            replay.clear_indices()
-            replay.set_router_replay_action(RouterReplayAction.RECORD)
-
-    def collect(self, mb: MicroBatch) -> None:
-        self.recorded[id(mb)] = {layer: replay.get_recorded_indices() for layer, replay in self.routers.items()}
-
-    def replay(self, mb: MicroBatch) -> bool:
-        """Route ``mb``'s next forward by the rollout's experts (R3) or the recorded ones (R2); False
-        (routers left to route) where there is neither: R2 with a single optimizer step."""
-        from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
-        by_layer = self.recorded.get(id(mb)) if not self.routes else self._from_rollout(mb)
+        if action == "record":
+            targets, mode = None, RouterReplayAction.RECORD
+        else:  # R3: the rollout's experts; R2: those recorded for mb (none with one optimizer step: route)
+            targets = self._from_rollout(mb) if self.routes else self.recorded.get(id(mb))
+            mode = RouterReplayAction.REPLAY_FORWARD if targets is not None else None
         for layer, replay in self.routers.items():
             replay.clear_indices()
-            if by_layer is None:
+            if targets is not None:
+                replay.set_target_indices(targets[layer])
+            if mode is not None:
+                replay.set_router_replay_action(mode)
+        try:
+            yield
+        finally:
+            if action == "record":
+                self.recorded[id(mb)] = {layer: replay.get_recorded_indices() for layer, replay in self.routers.items()}
+            for replay in self.routers.values():
+                replay.clear_indices()
                 replay.clear_router_replay_action()
-                continue
-            replay.set_target_indices(by_layer[layer])
-            replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-        return by_layer is not None
 
     def _from_rollout(self, mb: MicroBatch) -> dict[int, torch.Tensor]:
         k = self.spec.moe_top_k
@@ -118,7 +120,4 @@ class RoutingReplay:
         return {layer: ids[:, layer] for layer in self.routers}
 
     def reset(self) -> None:
-        for replay in self.routers.values():
-            replay.clear_indices()
-            replay.clear_router_replay_action()
         self.routes, self.recorded = {}, {}

@@ -33,6 +33,7 @@ crosses ranks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -202,12 +203,10 @@ class Trainer:
 
         def forward_step(batches, model):
             mb = next(batches)
-            if routing is not None and self.replay is not None:
-                self.replay.record(mb) if routing == "record" else self.replay.replay(mb)
-            output = model(input_ids=mb.tokens_T[None].to(device), position_ids=mb.positions_T[None].to(device),
-                           attention_mask=None, packed_seq_params=self.seq_params(mb, device))
-            if routing == "record" and self.replay is not None:
-                self.replay.collect(mb)
+            routed = self.replay.forward(mb, routing) if routing and self.replay else contextlib.nullcontext()
+            with routed:
+                output = model(input_ids=mb.tokens_T[None].to(device), position_ids=mb.positions_T[None].to(device),
+                               attention_mask=None, packed_seq_params=self.seq_params(mb, device))
             tokens = torch.tensor(sum(mb.response_lengths), dtype=torch.int, device=device)
 
             def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:

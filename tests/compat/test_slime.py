@@ -3,10 +3,12 @@ resolve here (and stay slime's where slime is installed), and wrong plug-ins are
 
 from __future__ import annotations
 
+import base64
 import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 from inverted.compat import slime
@@ -22,7 +24,8 @@ def full_sample() -> Sample:
                   response_length=4, loss_mask=[1, 0, 1, 1], rollout_log_probs=[-0.5, 0.0, -1.25, -2.0],
                   weight_versions=["4", "4", "5", "5"], reward={"correct": 1.0, "format": 0.5},
                   status=Sample.Status.TRUNCATED, label="4", session_id="s-1",
-                  metadata={"task": "add", "response": "four", "rollout_id": 9, "remove_sample": True})
+                  metadata={"task": "add", "response": "four", "rollout_id": 9, "remove_sample": True},
+                  rollout_routed_experts=base64.b64encode(np.arange(5 * 2 * 2, dtype="<i4").tobytes()).decode())
 
 
 def test_every_field_converts_exactly_both_ways():
@@ -45,6 +48,10 @@ def test_every_field_converts_exactly_both_ways():
     del back._token_versions
     assert back == fresh
     assert slime.to_inverted(fresh).weight_versions == ["3", "3"]
+
+    # slime's rollout keeps routed experts as an int32 array [tokens - 1, layers, top_k]
+    fresh.rollout_routed_experts = np.arange(5 * 2 * 2, dtype=np.int32).reshape(5, 2, 2)
+    assert slime.to_inverted(fresh).rollout_routed_experts == ours.rollout_routed_experts
 
 
 def test_defaults_and_slime_shortcuts():

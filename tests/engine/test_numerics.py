@@ -121,6 +121,10 @@ def test_routed_experts_are_the_experts_transformers_routes_each_token_to(engine
     again = httpx.post(engines[arch] + "/generate", timeout=60, json={**body, "input_ids": tokens}).json()
     assert again["meta_info"]["cached_tokens"] > 0
     assert np.array_equal(routed(again["meta_info"], config)[: len(tokens) - 1], got)
+    # routed_experts_start_len: only [start, tokens - 1), what a later turn adds to an earlier one's record
+    later = httpx.post(engines[arch] + "/generate", timeout=60,
+                       json={**body, "input_ids": tokens, "routed_experts_start_len": len(tokens) - 1}).json()
+    assert np.array_equal(routed(later["meta_info"], config), routed(again["meta_info"], config)[len(tokens) - 1:])
     # Streaming returns them once, with the last chunk.
     with httpx.stream("POST", engines[arch] + "/generate", json={**body, "stream": True}, timeout=60) as response:
         chunks = [line for line in response.iter_lines() if line.startswith("data: {")]
@@ -133,5 +137,7 @@ def test_routed_experts_need_the_flag_and_a_moe_model(engines, tiny_model):
     assert refused.status_code == 400 and "--enable-return-routed-experts" in refused.text
     plain = httpx.post(engines["qwen3_moe"] + "/generate", json={**body, "return_routed_experts": False}, timeout=60)
     assert "routed_experts" not in plain.json()["meta_info"]
+    past = httpx.post(engines["qwen3_moe"] + "/generate", json={**body, "routed_experts_start_len": 4}, timeout=60)
+    assert past.status_code == 400 and "routed_experts_start_len must be an integer in [0, prompt tokens = 3]" in past.text
     with pytest.raises(ModelError, match="needs a Mixture-of-Experts model"):
         Engine(EngineConfig(model=str(tiny_model("qwen2")), enable_return_routed_experts=True))

@@ -147,7 +147,9 @@ def test_async_one_step_off_with_partial_rollouts_survives_a_job_kill(tiny_model
             *RUN]
 
     shared_before = set(Path("/dev/shm").glob("torch_*"))
-    first = start_job(*args, "--num-rollout", "10", log=tmp_path / "first.log")
+    # More rollouts than it will reach: the job is killed at about step 3, and had it run to its
+    # end first (a fast machine can finish 10 in seconds), there would be nothing left to see.
+    first = start_job(*args, "--num-rollout", "40", log=tmp_path / "first.log")
     try:
         # After a checkpoint, at a moment when finished groups wait in the buffer for the trainer:
         # the job is frozen (SIGSTOP) to look, so that what is seen is what the kill leaves.
@@ -157,6 +159,7 @@ def test_async_one_step_off_with_partial_rollouts_survives_a_job_kill(tiny_model
             groups, tasks = durable_states(run_dir, tmp_path / "look")
             if "complete" in groups.values():
                 break
+            assert latest_checkpoint(run_dir) < 8, "no moment with a finished group waiting for the trainer was seen"
             os.killpg(first.pid, signal.SIGCONT)
             time.sleep(0.05)
     finally:

@@ -12,9 +12,11 @@ to the generate timeout); a running call may come back aborted (``finish_reason.
 More than ``max_resumes`` aborts in one call raise ``ServiceUnavailable``.
 
 Per-token versions come from the engine (``sglang_client.read_output``). In a LoRA run every call
-names the policy's adapter (``lora_path``). With ``routed_experts`` (a MoE policy trained with
-rollout routing replay) each call asks for ``return_routed_experts``; the last call's answer covers
-the prompt and every token sampled so far, resumed calls included, and is kept as ``routes``.
+names the policy's adapter (``lora_path``). With ``routes_from`` (a MoE policy trained with rollout
+routing replay) each call asks for ``return_routed_experts`` from that position on
+(``routed_experts_start_len``: what earlier turns recorded is not sent again); the last call's
+answer covers the rest of the prompt and every token sampled so far, resumed calls included, and
+is kept as ``routes``.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class Sampled:
     versions: list[str] = field(default_factory=list)
     tops: list[list[tuple[float, int]]] = field(default_factory=list)  # per token, when top logprobs were asked for
     finish: dict[str, Any] | None = None  # SGLang's finish_reason once the turn is done
-    routes: str | None = None  # the routed experts of prompt + ids (read_routed_experts), when asked for
+    routes: str | None = None  # the routed experts of prompt[routes_from:] + ids (read_routed_experts), when asked for
     resumes: int = 0
     retries: int = 0
 
@@ -44,9 +46,10 @@ class Sampled:
 
 async def sample_turn(client: SGLangClient | WorkersClient, prompt_ids: list[int], sampling: dict[str, Any], *, stream: bool,
                       partial_rollout: bool, max_resumes: int, top_logprobs: int = 0,
-                      lora_path: str | None = None, routed_experts: bool = False) -> AsyncIterator[Sampled]:
+                      lora_path: str | None = None, routes_from: int | None = None) -> AsyncIterator[Sampled]:
     """Yield the turn's state as it grows; the last state yielded has ``finish`` set. ``lora_path``: the
-    LoRA adapter to sample from (None: the base model); ``routed_experts``: ask for each token's experts."""
+    LoRA adapter to sample from (None: the base model); ``routes_from``: ask for the routed experts of
+    the tokens from this position on (None: not at all)."""
     state = Sampled()
     budget = sampling["max_new_tokens"]
     aborts = 0
@@ -59,8 +62,8 @@ async def sample_turn(client: SGLangClient | WorkersClient, prompt_ids: list[int
             payload["top_logprobs_num"] = top_logprobs
         if lora_path:
             payload["lora_path"] = lora_path
-        if routed_experts:
-            payload["return_routed_experts"] = True
+        if routes_from is not None:
+            payload |= {"return_routed_experts": True, "routed_experts_start_len": routes_from}
         kept = len(state.ids)
         if stream:
             chunks = client.generate_stream(payload)

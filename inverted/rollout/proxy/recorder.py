@@ -295,11 +295,14 @@ class Recorder:
         created = time.time()
         sampling = {**req.sampling, "max_new_tokens": req.max_tokens or self.context_length - choice.prompt_len}
         prompt = choice.branch.tokens[:choice.prompt_len]
+        # the routed experts the branch's turns hold already cover tokens[:last turn's end - 1]
+        turns = choice.branch.turns
+        routes_from = (turns[-1].end - 1 if turns else 0) if self.config.return_routed_experts else None
         async for state in sample_turn(self.client, prompt, sampling, stream=stream, lora_path=self._adapter(req.model),
                                        # a constrained call resumed would restart its grammar: sampled again
                                        partial_rollout=self.config.partial_rollout and "json_schema" not in sampling,
                                        max_resumes=self.config.proxy_max_resumes, top_logprobs=req.top_logprobs,
-                                       routed_experts=self.config.return_routed_experts):
+                                       routes_from=routes_from):
             choice.state = state
             yield state
         state = choice.state

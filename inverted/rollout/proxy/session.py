@@ -22,6 +22,7 @@ This module is pure bookkeeping (no I/O, no FastAPI); ``service`` drives it.
 from __future__ import annotations
 
 import asyncio
+import base64
 import collections
 import dataclasses
 import secrets
@@ -50,6 +51,16 @@ def history_size(history: History) -> int:
     return len(history) if isinstance(history, str) else len(history[1])
 
 
+def joined_routes(parts: list[str | None]) -> str | None:
+    """The turns' routed experts (each SGLang's base64 of int32, from where the previous turn's ended)
+    as one record of the whole branch; None unless every turn has its part."""
+    if not parts or any(part is None for part in parts):
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    return base64.b64encode(b"".join(base64.b64decode(part) for part in parts)).decode("ascii")
+
+
 @dataclass(slots=True)
 class Turn:
     """One sampled reply: its span in the branch and what was asked and how it ended."""
@@ -62,7 +73,7 @@ class Turn:
     created: float
     latency_s: float
     resumes: int = 0
-    routes: str | None = None  # the routed experts of tokens[:end - 1] (MoE, when asked for)
+    routes: str | None = None  # routed experts (MoE, when asked for) of tokens[previous turn's end - 1:end - 1]
 
     def record(self) -> dict[str, Any]:
         return {"prompt_tokens": self.start, "completion_tokens": self.end - self.start, "start": self.start,
@@ -118,7 +129,7 @@ class Branch:
                       rollout_log_probs=self.logprobs[start:end], weight_versions=versions, reward=base.reward,
                       status=status, label=base.label, session_id=base.session_id,
                       metadata={**base.metadata, "turns": [t.record() for t in self.turns]},
-                      rollout_routed_experts=self.turns[-1].routes)
+                      rollout_routed_experts=joined_routes([t.routes for t in self.turns]))
 
 
 @dataclass(slots=True)
