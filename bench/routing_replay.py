@@ -21,36 +21,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 import httpx
 import torch
-from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from inverted.config import TinyModelConfig, TrainConfig, from_flags  # noqa: E402
 from inverted.hf_checkpoint import ModelSpec  # noqa: E402
 from inverted.processes import ManagedProcess, free_port  # noqa: E402
-from inverted.tiny_model import make_tiny_model  # noqa: E402
+from inverted.tiny_model import make_tiny_model, perturb_routers  # noqa: E402
 from inverted.train.routing_replay import decode_routes  # noqa: E402
 from inverted.types import Sample  # noqa: E402
 
 GAP = "train/train_rollout_logprob_abs_diff"
-
-
-def perturbed(path: Path, out: Path, noise: float) -> Path:
-    shutil.copytree(path, out)
-    weights = load_file(out / "model.safetensors")
-    g = torch.Generator().manual_seed(0)
-    for name, tensor in weights.items():
-        if name.endswith("mlp.gate.weight"):
-            weights[name] = tensor + noise * tensor.std() * torch.randn(tensor.shape, generator=g)
-    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
-    return out
 
 
 def rollout(model: Path, dtype: str, groups: int, per_group: int, log: Path) -> list[Sample]:
@@ -123,7 +110,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         path = make_tiny_model(TinyModelConfig(out=f"{tmp}/model", arch=args.arch, preset=args.preset))
-        sources = {"bf16": (path, "bfloat16"), "perturbed": (perturbed(path, Path(tmp) / "noisy", args.noise), "float32")}
+        sources = {"bf16": (path, "bfloat16"), "perturbed": (perturb_routers(path, Path(tmp) / "noisy", args.noise), "float32")}
         rollouts = {name: rollout(model, dtype, args.groups, args.per_group, Path(tmp) / f"{name}.log")
                     for name, (model, dtype) in sources.items()}
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(get_free_port()))

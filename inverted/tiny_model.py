@@ -161,3 +161,21 @@ def make_tiny_model(config: TinyModelConfig) -> Path:
     (out / "inverted_tiny_model.json").write_text(json.dumps(
         {"arch": config.arch, "preset": config.preset, "seed": config.seed, "params": params}, indent=2) + "\n")
     return out
+
+
+def perturb_routers(checkpoint: Path, out: Path, scale: float, seed: int = 0) -> Path:
+    """A copy of a MoE ``checkpoint`` whose routers (``mlp.gate.weight``) carry Gaussian noise of
+    ``scale`` x their spread: a server of it routes some tokens to other experts than the original
+    does, the rest of the model unchanged (routing replay's tests and ``bench/routing_replay.py``)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(checkpoint, out)
+    weights = load_file(out / "model.safetensors")
+    noise = torch.Generator().manual_seed(seed)
+    for name, tensor in weights.items():
+        if name.endswith("mlp.gate.weight"):
+            weights[name] = tensor + scale * tensor.std() * torch.randn(tensor.shape, generator=noise)
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    return out

@@ -91,8 +91,8 @@ def from_inverted(sample: _Sample, cls: type | None = None) -> Any:
                response_length=sample.response_length, label=sample.label, reward=sample.reward,
                loss_mask=list(sample.loss_mask), rollout_log_probs=list(sample.rollout_log_probs),
                weight_versions=_calls_of(sample.weight_versions), status=cls.Status(sample.status.value),
-               metadata=metadata, session_id=sample.session_id,
-               rollout_routed_experts=sample.rollout_routed_experts, **moved)
+               metadata=metadata, session_id=sample.session_id, **moved)
+    view.rollout_routed_experts = sample.rollout_routed_experts  # slime's newer field; an attribute on older ones
     view._token_versions = list(sample.weight_versions)  # exact per-token versions, for the way back
     return view
 

@@ -173,8 +173,6 @@ def check_compatible(spec: ModelSpec, tp_size: int, pp_size: int = 1, ep_size: i
         raise ModelError(f"--pipeline-model-parallel-size {pp_size} does not divide the model's {spec.num_layers} layers")
     if ep_size > 1 and (not spec.is_moe or spec.num_experts % ep_size):
         raise ModelError(f"--expert-model-parallel-size {ep_size} does not divide the model's {spec.num_experts} experts")
-    if ep_size > 1 and pp_size > 1:  # gathering experts across stages of other replicas is not written
-        raise ModelError("expert parallelism with pipeline parallelism is not supported yet")
     if spec.is_moe and tp_size > 1:  # Megatron would split the experts over its expert-TP group too
         raise ModelError("tensor parallelism of a Mixture-of-Experts model is not supported: use "
                          "--expert-model-parallel-size to split its experts")

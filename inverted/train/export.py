@@ -2,7 +2,8 @@
 
 Reads the shards of the checkpoint's latest iteration straight from disk (no processes, no GPU):
 per pipeline stage, its tensor-parallel shards are merged with the name table of ``convert.py``
-(a stage's local layer numbers shifted by the layers of the stages before it). It writes
+(a stage's local layer numbers shifted by the layers of the stages before it; with expert
+parallelism each expert-parallel rank's experts shifted to their global numbers). It writes
 ``model.safetensors`` next to the config and tokenizer the checkpoint was trained from, so
 ``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` loads the trained policy.
 
@@ -24,7 +25,7 @@ from inverted.errors import ModelError
 from inverted.hf_checkpoint import ModelSpec, checkpoint_tensors
 from inverted.peft_adapter import LoRAConfig, write_adapter
 from inverted.train.checkpoint import HF_FILES_DIR, latest_iteration, rank_file, read_meta
-from inverted.train.convert import assembled_hf, layer_param
+from inverted.train.convert import assembled_hf, is_expert_param, layer_param
 from inverted.train.lora import adapter_from_shards, merged
 
 logger = logging.getLogger(__name__)
@@ -36,18 +37,23 @@ def export_hf(checkpoint: str | Path, out: str | Path, merge_lora: bool = False)
     meta = read_meta(directory)
     spec = ModelSpec(**{**meta["spec"], "eos_token_ids": tuple(meta["spec"]["eos_token_ids"])})
     lora = meta.get("lora")
-    if meta["parallel"].get("expert", 1) > 1:  # its experts lie in the files of several data-parallel ranks
-        raise ModelError(f"{directory}: export-hf of an expert-parallel checkpoint is not supported yet")
+    # Expert parallelism: data-parallel ranks 0..EP-1 form the first expert-parallel group, each
+    # holding its share of the experts (numbered locally) beside the same dense weights.
+    ep = meta["parallel"].get("expert", 1)
     tensors: dict[str, torch.Tensor] = {}
     layers_before = 0
     for stage in range(meta["parallel"]["pipeline"]):
-        shards = [torch.load(directory / rank_file(tp, stage, 0), weights_only=True, map_location="cpu")["model"]
-                  for tp in range(meta["parallel"]["tensor"])]
+        by_ep_rank = [[torch.load(directory / rank_file(tp, stage, dp), weights_only=True, map_location="cpu")["model"]
+                       for tp in range(meta["parallel"]["tensor"])] for dp in range(ep)]
+        shards = by_ep_rank[0]
         names = [name for name in shards[0] if not name.endswith("_extra_state")]
         if lora:
             tensors.update(adapter_from_shards(shards, layers_before))
         else:
-            tensors.update(assembled_hf(spec, names, lambda name, row: [shard[name] for shard in shards], layers_before))
+            for rank, rank_shards in enumerate(by_ep_rank):  # the dense weights once, from the first
+                wanted = [name for name in names if rank == 0 or is_expert_param(name)]
+                tensors.update(assembled_hf(spec, wanted, lambda name, row, of=rank_shards: [shard[name] for shard in of],
+                                            layers_before, rank * (spec.num_experts // ep)))
         layers_before += len({layer[0] for layer in map(layer_param, names) if layer is not None})
     if layers_before != spec.num_layers:
         raise ModelError(f"{directory}: its stages hold {layers_before} layers, the model has {spec.num_layers}")

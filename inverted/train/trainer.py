@@ -508,18 +508,18 @@ class Trainer:
     def sync_weights(self, sync: WeightSync, version: str) -> SyncReport | None:
         """Push the current policy into the rollout servers; every rank calls this.
 
-        Global rank 0 sends; the other ranks of its model replica take part in the TP gathers
-        (collectives), and so do those of its expert-parallel group (the experts it lacks), and return
-        None; other data-parallel replicas have nothing to do.
+        Global rank 0 sends; the other ranks of its model replica take part in the TP gathers and
+        the pipeline's sends (collectives) and return None. With expert parallelism every rank takes
+        part: each stage of rank 0's replica gathers the experts it lacks from its expert-parallel
+        group, whose other ranks belong to other replicas (which then gather their own, unused).
+        Without it, other data-parallel replicas have nothing to do.
         """
         from megatron.core import parallel_state
 
         weights = self.adapter_weights() if self.lora is not None else iter_hf_weights(self.model.module, self.spec)
         if torch.distributed.get_rank() == 0:
             return asyncio.run(sync.update(weights, version))
-        experts_of_rank_0 = self.spec.is_moe and 0 in torch.distributed.get_process_group_ranks(
-            parallel_state.get_expert_model_parallel_group())
-        if parallel_state.get_data_parallel_rank() == 0 or experts_of_rank_0:
+        if parallel_state.get_data_parallel_rank() == 0 or self.parallel.expert > 1:
             for _ in weights:
                 pass
         return None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import __future__
 import ast
+import importlib.machinery
 import importlib.util
 import io
 import pickle
@@ -28,7 +29,8 @@ PACKAGES = ("sglang", "sglang.srt", "sglang.srt.weight_sync")
 
 
 def sglang_root() -> Path | None:
-    spec = importlib.util.find_spec("sglang")  # finds the package without running its __init__
+    # finds the package without running its __init__, and past the empty stand-in ``load`` registers
+    spec = importlib.machinery.PathFinder.find_spec("sglang")
     return Path(spec.submodule_search_locations[0]) if spec and spec.submodule_search_locations else None
 
 

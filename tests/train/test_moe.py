@@ -57,6 +57,37 @@ def test_experts_split_over_two_ranks_give_the_same_logits_and_step(tiny_model, 
         torch.testing.assert_close(results[2]["weights"][name], tensor, rtol=0, atol=1e-5)
 
 
+def test_two_stages_with_experts_over_two_ranks_equal_one_process_and_export(tiny_model, tmp_path):
+    """PP=2 x EP=2 (four gloo ranks: each stage's experts split 4 + 4, two data-parallel replicas)
+    against one process: log-probs, two optimizer steps, the weights gathered over stages and
+    experts, and the four-rank checkpoint exported to exactly those weights."""
+    from safetensors.torch import load_file
+
+    from inverted.train.export import export_hf
+    from tests.train.workers import logprobs_step_and_save
+
+    path, samples = str(tiny_model("qwen2_moe")), make_samples(seed=7)
+    results = {}
+    for pp, ep in ((1, 1), (2, 2)):
+        cfg = from_flags(TrainConfig, hf_checkpoint=path, lr=1e-2, adam_eps=1.0, pipeline_model_parallel_size=pp,
+                         expert_model_parallel_size=ep, actor_num_gpus_per_node=pp * ep, max_tokens_per_gpu=24,
+                         global_batch_size=4)
+        spawn(logprobs_step_and_save, pp * ep, cfg, samples, str(tmp_path / f"ckpt{pp}"), str(tmp_path / f"{pp}.pt"))
+        results[pp] = torch.load(tmp_path / f"{pp}.pt")
+    one, four = results[1], results[2]
+    for index, logprobs in four["logprobs"].items():  # rank 0's share of the samples
+        torch.testing.assert_close(logprobs, one["logprobs"][index], rtol=0, atol=1e-5)
+    for name in ("train/loss", "train/pg_loss", "train/entropy", "train/grad_norm", "train/loss_tokens"):
+        assert four["metrics"][name] == pytest.approx(one["metrics"][name], rel=1e-5, abs=1e-9), name
+    assert four["weights"].keys() == one["weights"].keys()
+    for name, tensor in one["weights"].items():
+        torch.testing.assert_close(four["weights"][name], tensor, rtol=0, atol=1e-6)
+    exported = load_file(export_hf(tmp_path / "ckpt2", tmp_path / "hf") / "model.safetensors")
+    assert exported.keys() == four["weights"].keys()
+    for name, tensor in four["weights"].items():
+        assert torch.equal(exported[name], tensor), name
+
+
 def test_expert_parallelism_that_does_not_fit_is_refused(tiny_model):
     moe, dense = (ModelSpec.from_checkpoint(tiny_model(arch)) for arch in ("qwen3_moe", "qwen2"))
     with pytest.raises(ModelError, match="--expert-model-parallel-size 3 does not divide the model's 8 experts"):
@@ -68,17 +99,18 @@ def test_expert_parallelism_that_does_not_fit_is_refused(tiny_model):
     check_compatible(moe, 1, 1, 4)
 
 
-@pytest.mark.parametrize("transport", ["tensor", "distributed"])
-def test_after_a_step_at_ep2_and_a_sync_the_engine_scores_tokens_as_the_trainer_does(transport, module_procs, tiny_model,
-                                                                                      tmp_path):
-    """Every expert of both expert-parallel ranks reaches the engine, checked by name and shape there."""
+@pytest.mark.parametrize("transport, pp", [("tensor", 1), ("distributed", 1), ("tensor", 2)])
+def test_after_a_step_at_ep2_and_a_sync_the_engine_scores_tokens_as_the_trainer_does(transport, pp, module_procs,
+                                                                                      tiny_model, tmp_path):
+    """Every expert of both expert-parallel ranks reaches the engine, checked by name and shape there;
+    with two pipeline stages too (four ranks: each stage gathers its experts, the second sends them on)."""
     path = tiny_model("qwen3_moe")
-    engine = module_procs.engine(path, name=f"moe-{transport}")
+    engine = module_procs.engine(path, name=f"moe-{transport}-{pp}")
     cfg = from_flags(TrainConfig, hf_checkpoint=str(path), lr=3e-2, adam_eps=1.0, output_dir=str(tmp_path),
                      update_weight_transport=transport, update_weight_buffer_size=1 << 20,
-                     expert_model_parallel_size=2, actor_num_gpus_per_node=2)
+                     expert_model_parallel_size=2, pipeline_model_parallel_size=pp, actor_num_gpus_per_node=2 * pp)
     before, _ = engine_logprobs(engine.url)
-    spawn(step_and_sync, 2, cfg, make_samples(seed=3), [engine.url], PROBE, str(tmp_path / "out.pt"))
+    spawn(step_and_sync, 2 * pp, cfg, make_samples(seed=3), [engine.url], PROBE, str(tmp_path / "out.pt"))
     result = torch.load(tmp_path / "out.pt", weights_only=False)
     assert result["report"].bytes == sum(t.numel() * 4 for t in checkpoint_tensors(path).values())  # every expert
     after, version = engine_logprobs(engine.url)

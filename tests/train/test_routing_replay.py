@@ -8,16 +8,14 @@ without it, it does not. Replaying a routing that the trainer would choose anywa
 
 from __future__ import annotations
 
-import shutil
-
 import httpx
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from inverted.config import TrainConfig, from_flags
 from inverted.errors import ModelError, SampleError
 from inverted.hf_checkpoint import ModelSpec
+from inverted.tiny_model import perturb_routers
 from inverted.train.parallel import spawn
 from inverted.train.routing_replay import decode_routes
 from inverted.types import Sample
@@ -25,18 +23,6 @@ from tests.train.samples import make_samples
 from tests.train.workers import train_each
 
 GAP = "train/train_rollout_logprob_abs_diff"
-
-
-def perturbed_routers(path, out, scale: float):
-    """A copy of ``path`` whose routers (``mlp.gate.weight``) carry noise of ``scale`` x their spread."""
-    shutil.copytree(path, out)
-    weights = load_file(out / "model.safetensors")
-    noise = torch.Generator().manual_seed(0)
-    for name, tensor in weights.items():
-        if name.endswith("mlp.gate.weight"):
-            weights[name] = tensor + scale * tensor.std() * torch.randn(tensor.shape, generator=noise)
-    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
-    return out
 
 
 def rollout(url: str, groups: int = 4, per_group: int = 4) -> list[Sample]:
@@ -69,7 +55,7 @@ def train(cfgs, samples, tmp_path) -> list[dict]:
 
 def test_r3_routes_as_the_engine_did_and_the_mismatch_falls(procs, tiny_model, tmp_path):
     path = tiny_model("qwen3_moe")
-    served = perturbed_routers(path, tmp_path / "perturbed", scale=0.03)
+    served = perturb_routers(path, tmp_path / "perturbed", scale=0.03)
     samples = rollout(procs.engine(served, "--enable-return-routed-experts").url)
     spec = ModelSpec.from_checkpoint(path)
     assert all(decode_routes(s, spec).shape == (len(s.tokens) - 1, spec.num_layers, 2) for s in samples)

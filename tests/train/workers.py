@@ -79,9 +79,8 @@ def step_and_sync(cfg: TrainConfig, samples, urls: list[str], probe: list[int], 
         trainer.train(samples)
         sync = make_weight_sync(cfg.sync, cfg.hf_checkpoint, cfg.output_dir, urls, adapter=trainer.adapter_config())
         report = trainer.sync_weights(sync, "1")
-        tokens = torch.tensor(probe)
-        logits = full_logits(trainer, pack([probe], [len(probe) - 1], [0], len(probe))[0])
-        logprobs = torch.log_softmax(logits.float(), dim=-1)[:-1].gather(1, tokens[1:, None])[:, 0]
+        # through the schedule, so that pipeline stages hand the activations on
+        logprobs = trainer._no_grad_logprobs(trainer.model, pack([probe], [len(probe) - 1], [0], len(probe)))[0].cpu()
         if torch.distributed.get_rank() == 0:
             torch.save({"logprobs": logprobs, "report": report}, out)
 

@@ -44,8 +44,8 @@ class Sampled:
         return (self.finish or {}).get("type", "")
 
 
-async def sample_turn(client: SGLangClient | WorkersClient, prompt_ids: list[int], sampling: dict[str, Any], *, stream: bool,
-                      partial_rollout: bool, max_resumes: int, top_logprobs: int = 0,
+async def sample_turn(client: SGLangClient | WorkersClient, prompt_ids: list[int], sampling: dict[str, Any], *,
+                      stream: bool, partial_rollout: bool, max_resumes: int, top_logprobs: int = 0,
                       lora_path: str | None = None, routes_from: int | None = None) -> AsyncIterator[Sampled]:
     """Yield the turn's state as it grows; the last state yielded has ``finish`` set. ``lora_path``: the
     LoRA adapter to sample from (None: the base model); ``routes_from``: ask for the routed experts of
@@ -77,7 +77,7 @@ async def sample_turn(client: SGLangClient | WorkersClient, prompt_ids: list[int
             state.versions += versions
             state.tops += tops
             state.finish = finish
-            state.routes = read_routed_experts(body) or state.routes
+            state.routes = read_routed_experts(body)  # the last chunk (or answer) of a call carries them
             if finish is None or finish.get("type") != "abort":
                 yield state
         if state.reason != "abort":
