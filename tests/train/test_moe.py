@@ -19,7 +19,8 @@ from inverted.train.parallel import spawn
 from tests.conftest import MOE_ARCHS
 from tests.train.samples import make_samples
 from tests.train.test_weight_sync import PROBE, engine_logprobs
-from tests.train.workers import check_packed_logits, logits_and_step, step_and_sync
+from tests.train.workers import (check_packed_logits, check_same_training, logits_and_step, logprobs_step_and_save,
+                                 step_and_sync)
 
 
 def run(path, tmp_path, ep: int) -> dict:
@@ -61,11 +62,6 @@ def test_two_stages_with_experts_over_two_ranks_equal_one_process_and_export(tin
     """PP=2 x EP=2 (four gloo ranks: each stage's experts split 4 + 4, two data-parallel replicas)
     against one process: log-probs, two optimizer steps, the weights gathered over stages and
     experts, and the four-rank checkpoint exported to exactly those weights."""
-    from safetensors.torch import load_file
-
-    from inverted.train.export import export_hf
-    from tests.train.workers import logprobs_step_and_save
-
     path, samples = str(tiny_model("qwen2_moe")), make_samples(seed=7)
     results = {}
     for pp, ep in ((1, 1), (2, 2)):
@@ -74,18 +70,8 @@ def test_two_stages_with_experts_over_two_ranks_equal_one_process_and_export(tin
                          global_batch_size=4)
         spawn(logprobs_step_and_save, pp * ep, cfg, samples, str(tmp_path / f"ckpt{pp}"), str(tmp_path / f"{pp}.pt"))
         results[pp] = torch.load(tmp_path / f"{pp}.pt")
-    one, four = results[1], results[2]
-    for index, logprobs in four["logprobs"].items():  # rank 0's share of the samples
-        torch.testing.assert_close(logprobs, one["logprobs"][index], rtol=0, atol=1e-5)
-    for name in ("train/loss", "train/pg_loss", "train/entropy", "train/grad_norm", "train/loss_tokens"):
-        assert four["metrics"][name] == pytest.approx(one["metrics"][name], rel=1e-5, abs=1e-9), name
-    assert four["weights"].keys() == one["weights"].keys()
-    for name, tensor in one["weights"].items():
-        torch.testing.assert_close(four["weights"][name], tensor, rtol=0, atol=1e-6)
-    exported = load_file(export_hf(tmp_path / "ckpt2", tmp_path / "hf") / "model.safetensors")
-    assert exported.keys() == four["weights"].keys()
-    for name, tensor in four["weights"].items():
-        assert torch.equal(exported[name], tensor), name
+    check_same_training(results[1], results[2], tmp_path / "ckpt2", tmp_path / "hf",
+                        ("train/loss", "train/pg_loss", "train/entropy", "train/grad_norm", "train/loss_tokens"))
 
 
 def test_expert_parallelism_that_does_not_fit_is_refused(tiny_model):

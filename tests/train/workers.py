@@ -219,3 +219,25 @@ def train_each(cfgs: list[TrainConfig], samples, out: str) -> None:
         metrics = [Trainer(cfg).train(samples) for cfg in cfgs]
         if torch.distributed.get_rank() == 0:
             torch.save(metrics, out)
+
+
+def check_same_training(one: dict, many: dict, checkpoint, out, metrics: tuple[str, ...]) -> None:
+    """``logprobs_step_and_save`` under a parallel layout (``many``) gave one process's results (``one``):
+    the log-probs of its rank 0's samples, ``metrics``, the weights it gathered; and its checkpoint
+    exports to exactly those weights."""
+    import pytest
+    from safetensors.torch import load_file
+
+    from inverted.train.export import export_hf
+
+    for index, logprobs in many["logprobs"].items():
+        torch.testing.assert_close(logprobs, one["logprobs"][index], rtol=0, atol=1e-5)
+    for name in metrics:
+        assert many["metrics"][name] == pytest.approx(one["metrics"][name], rel=1e-5, abs=1e-9), name
+    assert many["weights"].keys() == one["weights"].keys()
+    for name, tensor in one["weights"].items():
+        torch.testing.assert_close(many["weights"][name], tensor, rtol=0, atol=1e-6)
+    exported = load_file(export_hf(checkpoint, out) / "model.safetensors")
+    assert exported.keys() == many["weights"].keys()
+    for name, tensor in many["weights"].items():
+        assert torch.equal(exported[name], tensor), name
