@@ -17,9 +17,9 @@ source; slime's two flags:
 Only the expert *ids* are replayed. The gate weights over them are recomputed by the trainer's
 router from its own logits (Megatron's ``RouterReplay`` in ``REPLAY_FORWARD``: the scores
 gathered at the replayed ids, then normalised as the model normalises), so they are the trainer's
-weights, differentiable, and the router still learns. Replaying the engine's weights as well
-would give the router no gradient; miles measured (#2722) that ids alone leave a mismatch in the
-*weights*, which this recomputation is the trainer-side answer to, measured in ``bench/routing_replay.py``.
+weights, differentiable, and the router still learns. SGLang returns ids only, so the engine's
+weights are not there to replay; what replay leaves is the gap in those weights (miles measured
+it too, #2722). ``bench/routing_replay.py`` measures the mismatch with and without R3.
 
 A packed micro-batch shares each prompt between its responses; a prompt's routing is the same in
 every sample of it (the engine keeps routes with the cached prefix), so any response's record
