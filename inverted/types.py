@@ -9,6 +9,7 @@ one Sample. It imports only ``errors`` (a leaf), so that ``validate`` raises the
 
 from __future__ import annotations
 
+import base64
 import enum
 import math
 import sys
@@ -51,8 +52,8 @@ class Sample:
     Two ``metadata`` keys mean something to the trainer: ``remove_sample`` (true: no token of it
     is in the loss; slime's field of that name) and ``siblings`` (see ``with_siblings``).
     ``rollout_routed_experts`` (MoE, for rollout routing replay): the experts the engine routed each
-    token to, as SGLang's ``meta_info.routed_experts`` gives them for the call that sampled the last
-    token: base64 of int32 ``[len(tokens) - 1, layers, top_k]`` (the last token is never run).
+    token to, in SGLang's ``meta_info.routed_experts`` form (``encode_routed_experts``), over the
+    whole sequence: ``[len(tokens) - 1, layers, top_k]`` (the last token is never run).
     """
 
     class Status(str, enum.Enum):
@@ -158,6 +159,24 @@ class Sample:
         except msgspec.DecodeError as exc:
             raise SampleError(f"sample: malformed JSON: {exc}") from None
         return cls(**msgspec.structs.asdict(wire))
+
+
+def encode_routed_experts(ids: Any) -> str:
+    """Expert ids (any integer array: numpy, a CPU tensor) as SGLang's ``routed_experts``: base64 of
+    little-endian int32, flattened (``[tokens, layers, top_k]`` in C order)."""
+    import numpy as np
+
+    return base64.b64encode(np.ascontiguousarray(ids, dtype="<i4").tobytes()).decode("ascii")
+
+
+def decode_routed_experts(text: str) -> Any:
+    """The flat int32 numpy array of SGLang's ``routed_experts``; ``ValueError`` if it is not that."""
+    import numpy as np
+
+    raw = base64.b64decode(text, validate=True)
+    if len(raw) % 4:
+        raise ValueError(f"{len(raw)} bytes is not a whole number of int32")
+    return np.frombuffer(raw, dtype="<i4")
 
 
 def with_siblings(samples: list[Sample]) -> list[Sample]:

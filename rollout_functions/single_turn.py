@@ -26,7 +26,7 @@ import functools
 from inverted.compat import slime
 from inverted.errors import PluginError
 from inverted.plugins import RolloutContext
-from inverted.rollout.sglang_client import SGLangClient, WorkersClient, read_output, read_routed_experts
+from inverted.rollout.sglang_client import SGLangClient, WorkersClient, generate_client, read_output, read_routed_experts
 from inverted.types import Sample, Task
 
 STATUS = {"stop": Sample.Status.COMPLETED, "length": Sample.Status.TRUNCATED, "abort": Sample.Status.ABORTED}
@@ -97,9 +97,8 @@ async def generate_rollout(ctx: RolloutContext, tasks: list[Task]) -> list[Sampl
 
     if ctx.generate is not None:
         return list(await asyncio.gather(*(custom(task) for task in tasks)))
-    # sgl-router drops return_routed_experts: then the workers are called directly (WorkersClient)
-    client_type = WorkersClient if ctx.routed_experts else SGLangClient
-    async with client_type(ctx.router_url, max_connections=ctx.config.rollout_concurrency) as client:
+    async with generate_client(ctx.router_url, routed_experts=ctx.routed_experts,
+                               max_connections=ctx.config.rollout_concurrency) as client:
         return list(await asyncio.gather(*(one(client, task) for task in tasks)))
 
 

@@ -30,7 +30,6 @@ field name (``from_inverted(..., cls=...)``, ``to_inverted`` reads attributes).
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import contextvars
 import importlib.util
@@ -44,6 +43,7 @@ from typing import Any
 
 from inverted.errors import SampleError
 from inverted.types import Sample as _Sample
+from inverted.types import encode_routed_experts
 
 logger = logging.getLogger(__name__)
 
@@ -121,11 +121,7 @@ def to_inverted(view: Any, calls: list[GenerateCall] | None = None) -> _Sample:
 
 def _routes_of(value: Any) -> str | None:
     """slime's routed experts (an int32 array, as its rollout decodes SGLang's answer) as SGLang's base64."""
-    if value is None or isinstance(value, str):
-        return value
-    import numpy as np
-
-    return base64.b64encode(np.ascontiguousarray(value, dtype="<i4").tobytes()).decode("ascii")
+    return value if value is None or isinstance(value, str) else encode_routed_experts(value)
 
 
 def _calls_of(per_token: list[str]) -> list[str]:

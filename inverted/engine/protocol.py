@@ -9,17 +9,16 @@ request models keep SGLang's field names and defaults; unknown fields are ignore
 
 from __future__ import annotations
 
-import base64
 import time
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from pydantic import BaseModel, ConfigDict
 
 from inverted.engine.sampling import SamplingParams
 from inverted.engine.scheduler import Request, new_rid
 from inverted.errors import InvalidRequest, SchemaError
+from inverted.types import encode_routed_experts
 
 UNSUPPORTED_GENERATE_FIELDS = ("input_embeds", "image_data", "video_data", "audio_data", "session_params",
                                "custom_logit_processor", "return_hidden_states")
@@ -241,12 +240,6 @@ def version_spans(versions: list[str]) -> list[dict[str, Any]]:
     return spans
 
 
-def encode_routed_experts(routes: torch.Tensor) -> str:
-    """SGLang's ``meta_info.routed_experts``: ``[prompt + completion - 1, layers, top_k]`` expert ids as
-    little-endian int32, base64-encoded (every token the model ran; the last sampled one never ran)."""
-    return base64.b64encode(routes.to(torch.int32).numpy().astype("<i4").tobytes()).decode("ascii")
-
-
 def generate_response(req: Request, item: GenerateItem, n: int, tokenizer, current_version: str) -> dict[str, Any]:
     """SGLang's response object for the first ``n`` output tokens of ``req``."""
     ids = req.output_ids[:n]
@@ -284,6 +277,7 @@ def generate_response(req: Request, item: GenerateItem, n: int, tokenizer, curre
             meta["output_top_logprobs"] = tops(req.output_top_logprobs[:n])
             meta["input_top_logprobs"] = tops(req.input_top_logprobs)
     if done and item.return_routed_experts and req.routed_experts is not None:
+        # [start, prompt + completion - 1): every token the model ran (the last sampled one never ran)
         meta["routed_experts"] = encode_routed_experts(req.routed_experts[item.routed_experts_start_len:])
     if done and req.finished_at is not None:
         meta["e2e_latency"] = req.finished_at - req.created

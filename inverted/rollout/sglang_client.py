@@ -24,7 +24,8 @@ import orjson
 from inverted.errors import ProtocolError, ServiceUnavailable
 from inverted.http_client import HTTPService, Reply, Timeouts
 
-__all__ = ["RouterClient", "SGLangClient", "Timeouts", "WorkersClient", "read_output", "read_routed_experts"]
+__all__ = ["RouterClient", "SGLangClient", "Timeouts", "WorkersClient", "generate_client", "read_output",
+           "read_routed_experts"]
 
 
 def _check_success(reply: Reply, body: Any) -> dict[str, Any]:
@@ -272,11 +273,11 @@ class WorkersClient:
 
     sgl-router 0.3.2 parses ``/generate`` into a typed request that has no ``return_routed_experts``,
     so through it no server is ever asked for routed experts (slime needs its own router for R3,
-    ``--use-slime-router``, for the same reason). This client keeps the router as the source of truth
-    of which workers serve (re-read every ``refresh_s`` and after a failed call; a URL without
-    ``/workers`` is one server, used as it is) and picks one by the
-    prompt's first tokens, so the calls of one episode and the samples of one group share a server
-    and its prefix cache. It has ``SGLangClient``'s data-plane methods.
+    ``--use-slime-router``, for the same reason). This client keeps the router as the source of
+    truth of which workers serve (re-read every ``refresh_s`` and after a failed call; a URL without
+    ``/workers`` is one server, used as it is) and picks one by the prompt's first tokens, so the
+    calls of one episode and the samples of one group share a server and its prefix cache. It has
+    ``SGLangClient``'s data-plane methods.
     """
 
     PREFIX = 64  # prompt tokens that pick the worker: a group's shared prompt, an episode's system prompt
@@ -335,3 +336,9 @@ class WorkersClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def generate_client(router_url: str, *, routed_experts: bool = False, **options: Any) -> SGLangClient | WorkersClient:
+    """The client for ``/generate`` behind ``router_url``: the router itself, or, for calls that ask
+    for routed experts (which the router drops), its workers directly (``WorkersClient``)."""
+    return (WorkersClient if routed_experts else SGLangClient)(router_url, **options)

@@ -29,7 +29,6 @@ nothing the loss reads, so it gets experts ``0..k-1``.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 from collections.abc import Iterator
 
@@ -39,7 +38,7 @@ import torch
 from inverted.errors import SampleError
 from inverted.hf_checkpoint import ModelSpec
 from inverted.train.packing import MicroBatch
-from inverted.types import Sample
+from inverted.types import Sample, decode_routed_experts
 
 
 def decode_routes(sample: Sample, spec: ModelSpec) -> torch.Tensor:
@@ -49,7 +48,7 @@ def decode_routes(sample: Sample, spec: ModelSpec) -> torch.Tensor:
         raise SampleError(f"{where}: no rollout_routed_experts, which --use-rollout-routing-replay needs (the rollout "
                           "function must ask /generate for return_routed_experts and keep meta_info.routed_experts)")
     try:
-        flat = np.frombuffer(base64.b64decode(sample.rollout_routed_experts, validate=True), dtype="<i4")
+        flat = decode_routed_experts(sample.rollout_routed_experts)
     except ValueError as exc:
         raise SampleError(f"{where}: rollout_routed_experts is not base64 of int32 ({exc})") from None
     shape = (len(sample.tokens) - 1, spec.num_layers, spec.moe_top_k)

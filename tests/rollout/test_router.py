@@ -103,13 +103,17 @@ async def test_servers_report_a_dead_engine_with_its_log(tmp_path, tiny_model):
 
 async def test_the_router_drops_return_routed_experts_so_the_workers_client_calls_the_workers(tiny_model, tmp_path):
     """sgl-router 0.3.2's typed /generate request has no return_routed_experts: through it no server is
-    asked. ``WorkersClient`` sends each prompt to one of the router's workers, the same prompt to the same one."""
-    from inverted.rollout.sglang_client import WorkersClient, read_routed_experts
+    asked. ``generate_client`` then gives a ``WorkersClient``: each prompt to one of the router's workers,
+    the same prompt to the same one."""
+    from inverted.rollout.servers import ROUTED_EXPERTS_ARGV
+    from inverted.rollout.sglang_client import WorkersClient, generate_client, read_routed_experts
 
     cfg = ServersConfig(hf_checkpoint=str(tiny_model("qwen3_moe")), num_engines=2, engine_threads=1, log_dir=str(tmp_path))
-    async with RolloutServers(cfg, flags=["--enable-return-routed-experts"]) as servers:
+    async with RolloutServers(cfg, flags=ROUTED_EXPERTS_ARGV) as servers:
         asked = {**body(0), "return_routed_experts": True}
-        async with SGLangClient(servers.router_url) as through_router, WorkersClient(servers.router_url) as direct:
+        async with generate_client(servers.router_url) as through_router, \
+                generate_client(servers.router_url, routed_experts=True) as direct:
+            assert isinstance(through_router, SGLangClient) and isinstance(direct, WorkersClient)
             assert read_routed_experts(await through_router.generate(asked)) is None
             served = [[requests_served(url) for url in servers.engine_urls]]
             for _ in range(2):  # the same 8 prompts twice: each goes where it went the first time

@@ -59,7 +59,7 @@ from inverted.rollout.proxy.apis import call
 from inverted.rollout.proxy.apis.call import Failure
 from inverted.rollout.proxy.recorder import Recorder
 from inverted.rollout.proxy.session import Session
-from inverted.rollout.sglang_client import SGLangClient, Timeouts, WorkersClient
+from inverted.rollout.sglang_client import Timeouts, generate_client
 from inverted.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -234,9 +234,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
         parser = load_plugin(config.proxy_tool_parser_path, flag="--proxy-tool-parser-path", params=[])()
         checkpoint = json.loads((Path(config.tokenizer) / "config.json").read_text())
         context = config.context_length or int(checkpoint.get("max_position_embeddings", 4096))
-        # sgl-router drops return_routed_experts: then the proxy calls the router's workers itself
-        client = (WorkersClient if config.return_routed_experts else SGLangClient)(
-            config.router_url, timeouts=Timeouts(generate=config.proxy_generate_timeout), max_connections=1024)
+        client = generate_client(config.router_url, routed_experts=config.return_routed_experts,
+                                 timeouts=Timeouts(generate=config.proxy_generate_timeout), max_connections=1024)
         app.state.recorder = Recorder(config, tokenizer, client, parser, context,
                                       config.served_model_name or Path(config.tokenizer).resolve().name)
         sweeper = asyncio.create_task(_sweep(app.state.recorder))

@@ -22,7 +22,6 @@ This module is pure bookkeeping (no I/O, no FastAPI); ``service`` drives it.
 from __future__ import annotations
 
 import asyncio
-import base64
 import collections
 import dataclasses
 import secrets
@@ -32,7 +31,7 @@ from typing import Any
 
 from inverted.errors import InvalidRequest
 from inverted.rollout.proxy import rewrites
-from inverted.types import Reward, Sample
+from inverted.types import Reward, Sample, decode_routed_experts, encode_routed_experts
 
 MAX_REFUSALS = 8  # a session keeps its latest refused calls, for the failed episode to report
 History = tuple[str, tuple] | str  # (tools key, message keys) for chat; the text so far for completions
@@ -58,7 +57,9 @@ def joined_routes(parts: list[str | None]) -> str | None:
         return None
     if len(parts) == 1:
         return parts[0]
-    return base64.b64encode(b"".join(base64.b64decode(part) for part in parts)).decode("ascii")
+    import numpy as np
+
+    return encode_routed_experts(np.concatenate([decode_routed_experts(part) for part in parts]))
 
 
 @dataclass(slots=True)
