@@ -147,9 +147,10 @@ def test_async_one_step_off_with_partial_rollouts_survives_a_job_kill(tiny_model
             *RUN]
 
     shared_before = set(Path("/dev/shm").glob("torch_*"))
-    # More rollouts than it will reach: the job is killed at about step 3, and had it run to its
-    # end first (a fast machine can finish 10 in seconds), there would be nothing left to see.
-    first = start_job(*args, "--num-rollout", "40", log=tmp_path / "first.log")
+    # More rollouts than it will reach: it is killed at the first look that finds a finished group
+    # waiting (from step 3 on; on a fast machine that can take a few steps), and the resumed job
+    # then runs 6 steps past the checkpoint. 64 prompts of 2 per rollout last 32 rollouts.
+    first = start_job(*args, "--num-rollout", "32", log=tmp_path / "first.log")
     try:
         # After a checkpoint, at a moment when finished groups wait in the buffer for the trainer:
         # the job is frozen (SIGSTOP) to look, so that what is seen is what the kill leaves.
@@ -159,7 +160,7 @@ def test_async_one_step_off_with_partial_rollouts_survives_a_job_kill(tiny_model
             groups, tasks = durable_states(run_dir, tmp_path / "look")
             if "complete" in groups.values():
                 break
-            assert latest_checkpoint(run_dir) < 8, "no moment with a finished group waiting for the trainer was seen"
+            assert latest_checkpoint(run_dir) < 20, "no moment with a finished group waiting for the trainer was seen"
             os.killpg(first.pid, signal.SIGCONT)
             time.sleep(0.05)
     finally:
@@ -172,17 +173,18 @@ def test_async_one_step_off_with_partial_rollouts_survives_a_job_kill(tiny_model
     for orphan in set(Path("/dev/shm").glob("torch_*")) - shared_before:  # a killed trainer cannot unlink its buckets
         orphan.unlink(missing_ok=True)
     resumed_at = latest_checkpoint(run_dir)
+    end = resumed_at + 6
     waiting = {g for g, state in group_states(run_dir).items() if state == "complete"}
     rows_before = len(metrics_rows(run_dir))
 
-    second = start_job(*args, "--num-rollout", "10", "--load", str(run_dir / "checkpoints"), log=tmp_path / "second.log")
+    second = start_job(*args, "--num-rollout", str(end), "--load", str(run_dir / "checkpoints"), log=tmp_path / "second.log")
     finish(second, tmp_path / "second.log")
 
     resumed = metrics_rows(run_dir)[rows_before:]
-    assert [m["step"] for m in resumed] == list(range(resumed_at, 10))  # on from the step after the checkpoint
+    assert [m["step"] for m in resumed] == list(range(resumed_at, end))  # on from the step after the checkpoint
     trained: dict[tuple[int, int], int] = {}
     mixed = 0
-    for step in range(10):
+    for step in range(end):
         for line in (run_dir / "trained" / f"{step}.jsonl").read_text().splitlines():
             sample = Sample.from_json(json.loads(line))
             key = (sample.group_index, sample.index)
