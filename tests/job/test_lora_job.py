@@ -20,14 +20,15 @@ from envs.letters import rows as letter_rows
 from tests.job.test_train_job import ONE_ENGINE_RUN, check, inverted, metrics_rows, stored_samples
 
 LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lr", "1e-2"]  # a LoRA-sized step: the policy moves at once
-# Rewards that differ within almost every group, so that every step moves the adapter.
+# Rewards that differ within every group (its two samples get 0 and 1), so that every step moves the
+# adapter: a group of equal rewards has no advantage, and a step of such groups alone leaves it as it was.
 TASK = textwrap.dedent("""
     async def episode(task, client):
-        reply = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": task.prompt}])
-        return float(len(reply.choices[0].message.content or ""))
+        await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": task.prompt}])
+        return float(task.index % 2)
 
     def reward(sample):
-        return float(sum(sample.tokens[-sample.response_length:]) % 7)
+        return float(sample.index % 2)
 """)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from envs.datasets import write_dataset
 from envs.letters import rows as letter_rows
+from inverted.hf_checkpoint import ModelSpec
 from tests.job.test_lora_job import task_module
 from tests.job.test_train_job import ONE_ENGINE_RUN, check, inverted, metrics_rows
 
@@ -22,7 +23,9 @@ def test_a_moe_job_trains_and_serves_every_expert(tiny_model, tmp_path):
     rows = [m for m in metrics_rows(run_dir) if "rollout/reward_mean" in m]
     assert [m["weight_version"] for m in rows] == [1, 2]
     assert rows[1]["train/train_rollout_logprob_abs_diff"] < 1e-4  # the engine ran the trainer's experts
-    assert all(1.0 <= m["train/moe_aux_loss"] < 2.0 for m in rows)
+    spec = ModelSpec.from_checkpoint(model)
+    # Reported every step, within the loss's range (its value is checked in tests/train/test_routing_replay.py).
+    assert all(0 < m["train/moe_aux_loss"] <= spec.num_experts / spec.moe_top_k for m in rows)
 
 
 def test_an_async_moe_job_with_the_single_turn_rollout(tiny_model, tmp_path):

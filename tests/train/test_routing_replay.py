@@ -88,13 +88,33 @@ def test_r2_holds_the_routing_of_the_old_policy_through_the_steps(tiny_model, tm
     assert r2["train/loss"] != pytest.approx(plain["train/loss"], rel=1e-4)
 
 
+def switch_loss(path, samples: list[Sample]) -> float:
+    """Megatron's load-balancing loss recomputed from ``transformers``' router logits, for one packed
+    micro-batch (a group's prompt once, then its responses): per layer ``E / (k T²) Σ_i P_i c_i``,
+    with ``P_i`` expert i's summed router probability and ``c_i`` its routed tokens, averaged over layers.
+    About 1 for an even routing (exactly 1 when ``P`` and ``c`` are uncorrelated), E / k when one expert takes all."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    rows, groups = [], set()
+    for s in samples:
+        with torch.no_grad():
+            layers = model(torch.tensor([s.tokens]), output_router_logits=True).router_logits
+        start = s.prompt_length if s.group_index in groups else 0
+        groups.add(s.group_index)
+        rows.append(torch.stack(layers)[:, start:])  # [layers, tokens, experts]
+    probs = torch.cat(rows, dim=1).softmax(-1)
+    k, experts, count = model.config.num_experts_per_tok, probs.shape[-1], probs.shape[1]
+    routed = torch.zeros_like(probs).scatter_(-1, probs.topk(k, dim=-1).indices, 1.0)
+    return float((probs.sum(1) * routed.sum(1)).sum(-1).mean() * experts / (k * count * count))
+
+
 def test_the_load_balancing_loss_is_trained_and_reported(tiny_model, tmp_path):
     path = tiny_model("qwen2_moe")
     samples = make_samples(seed=3)
     plain, balanced = train(configs(path, tmp_path, {}, {"moe_aux_loss_coeff": 0.1}), samples, tmp_path)
     assert "train/moe_aux_loss" not in plain
-    # Switch-style loss: 1.0 when the routing is perfectly even, k (here 2) when one expert takes all.
-    assert 1.0 <= balanced["train/moe_aux_loss"] < 2.0
+    assert balanced["train/moe_aux_loss"] == pytest.approx(switch_loss(path, samples), rel=1e-5)
     assert balanced["train/loss"] == pytest.approx(plain["train/loss"], rel=1e-5)  # the policy loss alone
     assert balanced["train/grad_norm"] != pytest.approx(plain["train/grad_norm"], rel=1e-4)
 
