@@ -471,6 +471,9 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = option(1, "Megatron pipeline parallelism")
     context_parallel_size: int = option(1, "Megatron context parallelism")
     expert_model_parallel_size: int = option(1, "Megatron expert parallelism")
+    sequence_parallel: bool = option(
+        False, "Megatron sequence parallelism: tensor-parallel ranks split the sequence outside attention and the "
+               "MLP (less activation memory; needed to tensor-parallelise a Mixture-of-Experts model)")
     actor_num_nodes: int = option(1, "training nodes")
     actor_num_gpus_per_node: int = option(1, "training processes per node (GPUs; CPU processes without CUDA)")
     actor_node_resource: str | None = option(
@@ -603,6 +606,9 @@ class TrainConfig:
         """Cross-field checks that need the run's mode."""
         _require(not self.debug_train_only or bool(self.load_debug_rollout_data), "--load-debug-rollout-data",
                  self.load_debug_rollout_data, "a jsonl file of Samples with --debug-train-only")
+        # An adapter's product of a sequence-split input would need the gathers Megatron's linears do inside.
+        _require(not (self.lora.enabled and self.parallel.sequence_parallel), "--sequence-parallel", True,
+                 "off with --lora-rank")
         self.parallel.validate()
 
 

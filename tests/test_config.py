@@ -24,7 +24,7 @@ FROZEN_FLAGS = {
               "--max-tokens-per-gpu", "--num-rollout", "--output-dir", "--pipeline-model-parallel-size", "--reward-key",
               "--rollout-temperature", "--save", "--save-interval", "--seed", "--tensor-model-parallel-size", "--tis-clip",
               "--tis-clip-low", "--use-distributed-optimizer", "--use-kl-loss", "--use-tis", "--weight-decay", "--lora-rank", "--lora-alpha", "--lora-dropout", "--target-modules", "--lora-adapter-path",
-              "--moe-aux-loss-coeff", "--use-rollout-routing-replay", "--use-routing-replay"} | {
+              "--moe-aux-loss-coeff", "--use-rollout-routing-replay", "--use-routing-replay", "--sequence-parallel"} | {
         # the main job's other sections: rollout, buffer (dataset and groups), proxy knobs, servers
         "--agent-command", "--async-mode", "--max-weight-staleness", "--update-weights-interval",
         "--mask-offpolicy-in-partial-rollout", "--colocate", "--context-length", "--custom-rm-path", "--debug-rollout-only",
@@ -148,6 +148,9 @@ def test_the_job_shares_flags_between_its_sections_and_keeps_its_own_fields():
     with pytest.raises(ConfigError, match="--lora-rank=8: expected 0 with --debug-rollout-only, unless --lora-adapter-path"):
         parse(JobConfig, ["--hf-checkpoint", "/m", "--prompt-data", "p", "--env-path", "e:f", "--lora-rank", "8",
                           "--debug-rollout-only"])[0].validate()
+    with pytest.raises(ConfigError, match="--sequence-parallel=True: expected off with --lora-rank"):
+        parse(JobConfig, ["--hf-checkpoint", "/m", "--prompt-data", "p", "--env-path", "e:f", "--lora-rank", "8",
+                          "--tensor-model-parallel-size", "2", "--sequence-parallel"])[0].validate()
     with pytest.raises(ConfigError, match="--global-batch-size=3: expected a divisor of --rollout-batch-size"):
         parse(JobConfig, ["--hf-checkpoint", "/m", "--prompt-data", "p", "--env-path", "e:f",
                           "--global-batch-size", "3"])[0].validate()

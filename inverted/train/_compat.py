@@ -24,6 +24,10 @@ against (``_SUPPORTED``): a new release must be checked before it is admitted.
    nothing to copy: its hook turns the split sizes into the numpy arrays the dispatcher expects,
    with no stream and no event.
 
+5. Gloo gathers and reduce-scatters equal shares only. With tensor and expert parallelism
+   together the dispatcher gathers each rank's tokens over the expert-TP group, and scatters their
+   outputs back, in shares as uneven as the routing; our versions pad every share to the largest.
+
 One workaround is not about CPUs and is applied on every machine (``apply_without_te``): MoE's
 ``moe_utils`` names ``te_general_gemm`` only when Transformer Engine imports, yet tests it for
 ``None`` in the router's matmul, so a MoE forward without TE raises ``NameError`` on a GPU as on a
@@ -123,6 +127,37 @@ def _dtoh_without_streams(self, point: str, tokens_per_expert=None):
     return tokens_per_expert
 
 
+def _even_for_gloo(gather, reduce_scatter):
+    """Megatron's ``_gather_along_first_dim`` and ``_reduce_scatter_along_first_dim`` for uneven shares
+    over gloo: each share padded to the largest, the collective run on equal shares, the padding cut."""
+
+    def padded(parts: list[torch.Tensor], most: int) -> torch.Tensor:
+        out = parts[0].new_zeros(most * len(parts), *parts[0].shape[1:])
+        for i, part in enumerate(parts):
+            out[i * most:i * most + len(part)] = part
+        return out
+
+    @functools.wraps(gather)
+    def gather_uneven(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        out = input_.new_empty(max(sizes) * len(sizes), *input_.shape[1:])
+        torch.distributed.all_gather_single(out, padded([input_], max(sizes)), group=group)
+        return torch.cat([share[:n] for share, n in zip(out.chunk(len(sizes)), sizes)])
+
+    @functools.wraps(reduce_scatter)
+    def reduce_scatter_uneven(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in input_split_sizes]
+        out = input_.new_empty(max(sizes), *input_.shape[1:])
+        torch.distributed.reduce_scatter_single(out, padded(list(input_.split(sizes)), max(sizes)), group=group)
+        return out[:sizes[group.rank()]]
+
+    return gather_uneven, reduce_scatter_uneven
+
+
 def apply_without_te() -> None:
     """Megatron's MoE router without Transformer Engine, on any device: the name it tests must exist."""
     from megatron.core.transformer.moe import moe_utils
@@ -135,6 +170,7 @@ def apply() -> None:
     """Install the CPU workarounds (idempotent). Call before building any Megatron module."""
     import megatron.core
     from megatron.core.pipeline_parallel import schedules
+    from megatron.core.tensor_parallel import mappings
     from megatron.core.tensor_parallel import random as mcore_random
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
@@ -160,6 +196,10 @@ def apply() -> None:
     # 4. MoE: the all-to-all dispatcher's side stream (made once per class: set it so none is made).
     MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = False
     MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _dtoh_without_streams
+
+    # 5. Uneven gathers and reduce-scatters (tensor x expert parallelism), looked up by name at each call.
+    mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim = _even_for_gloo(
+        mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim)
     apply_without_te()
     logger.info("megatron-core %s: CPU compatibility applied (current_device, RNG tracker, pipeline schedules, "
-                "MoE dispatcher)", version)
+                "MoE dispatcher, uneven gloo collectives)", version)

@@ -111,7 +111,7 @@ class PackedAttention(MegatronModule):
         outputs = []
         lengths = [s.length for s in packed_seq_params.segments]
         for segment, q, k, v in zip(packed_seq_params.segments, *(x.split(lengths) for x in (query, key, value))):
-            if len(segment.response_lengths) == 1:  # one sequence: causal throughout
+            if len(segment.response_lengths) <= 1:  # one sequence (or padding): causal throughout
                 outputs.append(_sdpa(q, k, v, dropout, self.softmax_scale, causal=True))
                 continue
             parts = [segment.prompt_length, len(q) - segment.prompt_length]

@@ -162,20 +162,24 @@ def to_hf(spec: ModelSpec, row: Row, shards: list[torch.Tensor]) -> list[torch.T
     return [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]
 
 
-def check_compatible(spec: ModelSpec, tp_size: int, pp_size: int = 1, ep_size: int = 1) -> None:
+def check_compatible(spec: ModelSpec, tp_size: int, pp_size: int = 1, ep_size: int = 1,
+                     sequence_parallel: bool = False) -> None:
     """Raise ``ModelError`` unless ``spec`` can be split ``tp_size`` ways, cut into ``pp_size`` stages, and
     its experts shared out ``ep_size`` ways."""
     for what, count in (("attention heads", spec.num_heads), ("key/value heads", spec.num_kv_heads),
-                        ("vocabulary entries", spec.vocab_size), ("MLP channels", spec.intermediate_size)):
+                        ("vocabulary entries", spec.vocab_size), ("MLP channels", spec.intermediate_size),
+                        ("expert MLP channels", spec.moe_intermediate_size),
+                        ("shared expert channels", spec.shared_expert_intermediate_size)):
         if count % tp_size:
             raise ModelError(f"--tensor-model-parallel-size {tp_size} does not divide the model's {count} {what}")
     if spec.num_layers % pp_size:
         raise ModelError(f"--pipeline-model-parallel-size {pp_size} does not divide the model's {spec.num_layers} layers")
     if ep_size > 1 and (not spec.is_moe or spec.num_experts % ep_size):
         raise ModelError(f"--expert-model-parallel-size {ep_size} does not divide the model's {spec.num_experts} experts")
-    if spec.is_moe and tp_size > 1:  # Megatron would split the experts over its expert-TP group too
-        raise ModelError("tensor parallelism of a Mixture-of-Experts model is not supported: use "
-                         "--expert-model-parallel-size to split its experts")
+    # Megatron's MoE layer refuses to train tensor-parallel without it: every TP rank would route
+    # and run every token of the sequence.
+    if spec.is_moe and tp_size > 1 and not sequence_parallel:
+        raise ModelError("tensor parallelism of a Mixture-of-Experts model needs --sequence-parallel")
 
 
 def base_parameters(model) -> dict[str, torch.nn.Parameter]:
@@ -224,7 +228,9 @@ def load_hf_weights(model, spec: ModelSpec, tensors: dict[str, torch.Tensor]) ->
     """
     from megatron.core import parallel_state
 
-    tp_size, tp_rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+    tp = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+    expert_tp = ((parallel_state.get_expert_tensor_parallel_world_size(), parallel_state.get_expert_tensor_parallel_rank())
+                 if spec.is_moe else tp)
     params = base_parameters(model)
     with torch.no_grad():
         rows = rows_for(list(params), _layer_offset(model), spec.tie_word_embeddings, expert_offset(spec))
@@ -232,7 +238,8 @@ def load_hf_weights(model, spec: ModelSpec, tensors: dict[str, torch.Tensor]) ->
             missing = [prefix + n for n in row.hf if prefix + n not in tensors]
             if missing:
                 raise ModelError(f"checkpoint lacks {missing} (needed for Megatron parameter {name})")
-            shard = to_megatron(spec, row, [tensors[prefix + n] for n in row.hf], tp_size, tp_rank)
+            shard = to_megatron(spec, row, [tensors[prefix + n] for n in row.hf],
+                                *(expert_tp if is_expert_param(name) else tp))
             if shard.shape != params[name].shape:
                 raise ModelError(f"{prefix + row.hf[0]}: checkpoint gives {tuple(shard.shape)} for {name}, "
                                  f"the model expects {tuple(params[name].shape)}")
@@ -254,30 +261,33 @@ def _stage_hf_weights(model, spec: ModelSpec) -> Iterator[tuple[str, torch.Tenso
     expert's over expert parallelism (every rank of the group holds other experts, under the same names)."""
     from megatron.core import parallel_state
 
-    group = parallel_state.get_tensor_model_parallel_group()
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    groups = {False: parallel_state.get_tensor_model_parallel_group(),  # an expert's TP group is its own
+              True: parallel_state.get_expert_tensor_parallel_group() if spec.is_moe else None}
     ep_size = parallel_state.get_expert_model_parallel_world_size() if spec.is_moe else 1
     params = base_parameters(model)
     layer_offset = _layer_offset(model)
 
+    def gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+        parts = [torch.empty_like(tensor) for _ in range(group.size())]
+        torch.distributed.all_gather(parts, tensor.contiguous(), group=group)
+        return parts
+
     def shards_of(name: str, row: Row) -> list[torch.Tensor]:
-        local = params[name].detach()
-        if tp_size == 1 or row.layout == "replicated":
-            return [local]
-        shards = [torch.empty_like(local) for _ in range(tp_size)]
-        torch.distributed.all_gather(shards, local.contiguous(), group=group)
-        return shards
+        local, group = params[name].detach(), groups[is_expert_param(name)]
+        return [local] if group.size() == 1 or row.layout == "replicated" else gather(local, group)
 
     for name in params:
         if ep_size == 1 or not is_expert_param(name):
             yield from assembled_hf(spec, [name], shards_of, layer_offset)
             continue
-        local = params[name].detach().contiguous()
-        ranks = [torch.empty_like(local) for _ in range(ep_size)]
-        torch.distributed.all_gather(ranks, local, group=parallel_state.get_expert_model_parallel_group())
-        for rank, tensor in enumerate(ranks):
-            yield from assembled_hf(spec, [name], lambda _name, _row, tensor=tensor: [tensor], layer_offset,
-                                    expert_offset(spec, rank))
+        # Each expert-parallel rank's TP shards of its experts (same names, other experts); every
+        # expert row is split over the expert-TP group.
+        local, group = params[name].detach(), groups[True]
+        shards = [gather(shard, parallel_state.get_expert_model_parallel_group())
+                  for shard in ([local] if group.size() == 1 else gather(local, group))]
+        for rank in range(ep_size):
+            yield from assembled_hf(spec, [name], lambda _name, _row, rank=rank: [s[rank] for s in shards],
+                                    layer_offset, expert_offset(spec, rank))
 
 
 def iter_hf_weights(model, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:

@@ -40,6 +40,7 @@ class Parallelism:
     pipeline: int = 1
     context: int = 1
     expert: int = 1
+    sequence: bool = False  # sequence parallelism (with tensor > 1)
 
 
 def use_transformer_engine() -> bool:
@@ -83,6 +84,7 @@ def transformer_config(spec: ModelSpec, parallel: Parallelism, dtype: torch.dtyp
         hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=parallel.tensor, pipeline_model_parallel_size=parallel.pipeline,
         context_parallel_size=parallel.context, expert_model_parallel_size=parallel.expert,
+        sequence_parallel=parallel.sequence and parallel.tensor > 1,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         pipeline_dtype=dtype, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
         # Weights come from the checkpoint; nothing to initialise, and no CUDA to initialise on.
@@ -95,18 +97,39 @@ def transformer_config(spec: ModelSpec, parallel: Parallelism, dtype: torch.dtyp
     )
 
 
-def layer_spec(spec: ModelSpec, te: bool):
+class RMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm built as Megatron builds a norm, for the local spec.
+
+    Megatron's own torch wrapper refuses sequence parallelism because it does not mark its weight:
+    under it each tensor-parallel rank normalises only its share of the sequence, so the weight's
+    gradient is partial and ``finalize_model_grads`` must sum the ``sequence_parallel`` ones.
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+def layer_spec(spec: ModelSpec, te: bool, config):
+    """The decoder's spec: Megatron's TE layer spec, or its local spec with ``PackedAttention`` and
+    our norms, as the block of this pipeline stage's layers (the final norm is ours too)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=spec.num_experts or None,
                                                                           qk_layernorm=spec.qk_norm)
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
     from inverted.train.attention import PackedAttention
 
     layer = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=spec.num_experts or None, qk_layernorm=spec.qk_norm,
                                                      normalization="RMSNorm")
-    layer.submodules.self_attention.submodules.core_attention = PackedAttention
-    return layer
+    attention = layer.submodules.self_attention.submodules
+    attention.core_attention = PackedAttention
+    layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = RMSNorm
+    if spec.qk_norm:
+        attention.q_layernorm = attention.k_layernorm = RMSNorm
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=RMSNorm)
 
 
 def build_model(spec: ModelSpec, parallel: Parallelism, dtype: torch.dtype = torch.float32, te: bool | None = None,
@@ -123,7 +146,7 @@ def build_model(spec: ModelSpec, parallel: Parallelism, dtype: torch.dtype = tor
     config = transformer_config(spec, parallel, dtype, moe, routing_replay)
     te = use_transformer_engine() if te is None else te
     model = GPTModel(
-        config=config, transformer_layer_spec=layer_spec(spec, te), vocab_size=spec.vocab_size,
+        config=config, transformer_layer_spec=layer_spec(spec, te, config), vocab_size=spec.vocab_size,
         max_sequence_length=spec.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
         # Without TE, PackedAttention rotates queries and keys itself (train/attention.py).

@@ -14,8 +14,11 @@ Logits at position ``t`` predict token ``t + 1``: a response's first token is pr
 prompt's last position (shared by its siblings), the rest from its own positions.
 
 ``pack`` fills micro-batches greedily up to ``max_tokens`` (a segment longer than the budget gets
-a micro-batch of its own); ``balance`` deals sequences to data-parallel ranks so each gets about
-the same number of tokens (longest first, to the lightest rank).
+a micro-batch of its own). Under sequence parallelism a row must split evenly between the
+tensor-parallel ranks: ``multiple_of`` then ends each row with a segment of padding (token 0, no
+responses), which no real token attends to and no loss reads. ``balance`` deals sequences to
+data-parallel ranks so each gets about the same number of tokens (longest first, to the lightest
+rank).
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ class Segment:
 @dataclass(slots=True)
 class MicroBatch:
     """Packed segments: ``tokens_T``, ``positions_T``, ``cu_seqlens`` (segment starts, ``[n + 1]``, int32),
-    the ``segments``, and per response its sample's index in the batch and its length."""
+    the ``segments``, per response its sample's index in the batch and its length, and the ``padding``
+    tokens that end the row (the last segment's, when there are any)."""
 
     tokens_T: torch.Tensor
     positions_T: torch.Tensor
@@ -48,6 +52,7 @@ class MicroBatch:
     segments: list[Segment]
     indices: list[int]
     response_lengths: list[int]
+    padding: int = 0
 
     @property
     def max_seqlen(self) -> int:
@@ -94,8 +99,8 @@ def segments_of(sequences: list[list[int]], response_lengths: list[int], share_p
 
 
 def make_micro_batch(sequences: list[list[int]], response_lengths: list[int], indices: list[int],
-                     groups: list[list[int]]) -> MicroBatch:
-    """The micro-batch of ``groups`` (positions into ``sequences``, each a segment)."""
+                     groups: list[list[int]], multiple_of: int = 1) -> MicroBatch:
+    """The micro-batch of ``groups`` (positions into ``sequences``, each a segment), padded to a multiple."""
     tokens, positions, segments = [], [], []
     for group in groups:
         first = sequences[group[0]]
@@ -106,17 +111,23 @@ def make_micro_batch(sequences: list[list[int]], response_lengths: list[int], in
             tokens += sequences[i][prompt_length:]
             positions.append(torch.arange(prompt_length, len(sequences[i])))
         segments.append(Segment(prompt_length, tuple(response_lengths[i] for i in group)))
+    padding = -len(tokens) % multiple_of
+    if padding:
+        tokens += [0] * padding
+        positions.append(torch.arange(padding))
+        segments.append(Segment(padding, ()))
     cu = torch.zeros(len(segments) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor([s.length for s in segments], dtype=torch.int32).cumsum(0)
     order = [i for group in groups for i in group]
     return MicroBatch(tokens_T=torch.tensor(tokens, dtype=torch.long), positions_T=torch.cat(positions), cu_seqlens=cu,
                       segments=segments, indices=[indices[i] for i in order],
-                      response_lengths=[response_lengths[i] for i in order])
+                      response_lengths=[response_lengths[i] for i in order], padding=padding)
 
 
 def pack(sequences: list[list[int]], response_lengths: list[int], indices: list[int], max_tokens: int,
-         share_prefixes: bool = False) -> list[MicroBatch]:
-    """Greedy first-fit of segments in the given order: each micro-batch holds at most ``max_tokens`` tokens."""
+         share_prefixes: bool = False, multiple_of: int = 1) -> list[MicroBatch]:
+    """Greedy first-fit of segments in the given order: each micro-batch holds at most ``max_tokens`` tokens
+    (and padding up to a multiple of ``multiple_of``)."""
     batches: list[MicroBatch] = []
     current: list[list[int]] = []
     used = 0
@@ -124,12 +135,12 @@ def pack(sequences: list[list[int]], response_lengths: list[int], indices: list[
         prompt = len(sequences[group[0]]) - response_lengths[group[0]]
         size = prompt + sum(response_lengths[i] for i in group)
         if current and used + size > max_tokens:
-            batches.append(make_micro_batch(sequences, response_lengths, indices, current))
+            batches.append(make_micro_batch(sequences, response_lengths, indices, current, multiple_of))
             current, used = [], 0
         current.append(group)
         used += size
     if current:
-        batches.append(make_micro_batch(sequences, response_lengths, indices, current))
+        batches.append(make_micro_batch(sequences, response_lengths, indices, current, multiple_of))
     return batches
 
 

@@ -24,7 +24,8 @@ it too, #2722). ``bench/routing_replay.py`` measures the mismatch with and witho
 A packed micro-batch shares each prompt between its responses; a prompt's routing is the same in
 every sample of it (the engine keeps routes with the cached prefix), so any response's record
 serves. The last token of a sample is never run by the engine and has no record: it predicts
-nothing the loss reads, so it gets experts ``0..k-1``.
+nothing the loss reads, so it gets experts ``0..k-1``, as does padding. Under sequence parallelism
+each router sees only its tensor-parallel rank's share of the row, and replays that share.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class RoutingReplay:
     routers route as usual. ``reset()`` ends the rollout.
     """
 
-    def __init__(self, model: torch.nn.Module, spec: ModelSpec) -> None:
+    def __init__(self, model: torch.nn.Module, spec: ModelSpec, sequence_parallel: bool = False) -> None:
         from megatron.core.transformer.moe.router import TopKRouter
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
@@ -79,6 +80,7 @@ class RoutingReplay:
                         if isinstance(m, TopKRouter) and m.router_replay is not None}
         RouterReplay.clear_global_router_replay_instances()
         self.spec = spec
+        self.sequence_parallel = sequence_parallel  # each router sees its tensor-parallel rank's share of a row
         self.routes: dict[int, torch.Tensor] = {}  # R3: sample index -> [tokens - 1, layers, k]
         self.recorded: dict[int, dict[int, torch.Tensor]] = {}  # R2: id(mb) -> layer -> [T, k]
 
@@ -114,6 +116,11 @@ class RoutingReplay:
         ids = torch.arange(k).expand(len(mb.tokens_T), self.spec.num_layers, k).clone()
         for index, positions in zip(mb.indices, mb.sequence_positions()):
             ids[positions[:-1]] = self.routes[index]
+        if self.sequence_parallel:
+            from megatron.core import parallel_state
+
+            ids = ids.chunk(parallel_state.get_tensor_model_parallel_world_size())[
+                parallel_state.get_tensor_model_parallel_rank()]
         device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
         ids = ids.to(device)
         return {layer: ids[:, layer] for layer in self.routers}

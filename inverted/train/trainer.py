@@ -142,9 +142,12 @@ class Trainer:
                              "and --moe-aux-loss-coeff are for Mixture-of-Experts models")
         layout = cfg.parallel
         check_compatible(self.spec, layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
-                         layout.expert_model_parallel_size)
+                         layout.expert_model_parallel_size, layout.sequence_parallel)
         self.parallel = Parallelism(layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
-                                    layout.context_parallel_size, layout.expert_model_parallel_size)
+                                    layout.context_parallel_size, layout.expert_model_parallel_size,
+                                    layout.sequence_parallel and layout.tensor_model_parallel_size > 1)
+        # Under sequence parallelism each packed row splits evenly between the tensor-parallel ranks.
+        self.pad_to = self.parallel.tensor if self.parallel.sequence else 1
         self.dtype = torch.bfloat16 if cfg.bf16 else torch.float32
         # Our PyTorch attention (not TE's) takes segments whose responses share their prompt.
         self.te = use_transformer_engine() and not cfg.lora.enabled  # see build_model
@@ -154,7 +157,7 @@ class Trainer:
         hf_weights = checkpoint_tensors(cfg.hf_checkpoint)
         model = build_model(self.spec, self.parallel, self.dtype, self.te, cfg.moe, routing_replay=cfg.moe.routing_replay)
         load_hf_weights(model, self.spec, hf_weights)
-        self.replay = RoutingReplay(model, self.spec) if cfg.moe.routing_replay else None
+        self.replay = RoutingReplay(model, self.spec, self.parallel.sequence) if cfg.moe.routing_replay else None
         a = cfg.lora
         self.lora = lora_config(a.lora_rank, a.lora_alpha, a.lora_dropout, a.target_modules, a.lora_adapter_path)
         if self.lora is not None:
@@ -205,8 +208,7 @@ class Trainer:
             mb = next(batches)
             routed = self.replay.forward(mb, routing) if routing and self.replay else contextlib.nullcontext()
             with routed:
-                output = model(input_ids=mb.tokens_T[None].to(device), position_ids=mb.positions_T[None].to(device),
-                               attention_mask=None, packed_seq_params=self.seq_params(mb, device))
+                output = self.forward(model, mb)
             tokens = torch.tensor(sum(mb.response_lengths), dtype=torch.int, device=device)
 
             def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
@@ -218,6 +220,27 @@ class Trainer:
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(mbs), model=model, num_microbatches=len(mbs),
             seq_length=max(len(mb.tokens_T) for mb in mbs), micro_batch_size=1, forward_only=forward_only)
+
+    def forward(self, model, mb: MicroBatch) -> torch.Tensor:
+        """One stage's forward of a packed micro-batch: logits ``[1, T, V / tp]`` on the last stage, else
+        the activations for the next."""
+        device = self.device
+        return model(input_ids=mb.tokens_T[None].to(device), position_ids=mb.positions_T[None].to(device),
+                     attention_mask=None, packed_seq_params=self.seq_params(mb, device),
+                     padding_mask=self._padding_mask(mb))
+
+    def _padding_mask(self, mb: MicroBatch) -> torch.Tensor | None:
+        """True at ``mb``'s padding (``[1, T]``), for the routers: they send it to no expert and leave it out
+        of the load-balancing loss. None without padding or experts."""
+        from megatron.core import parallel_state
+
+        if not (mb.padding and self.spec.is_moe):
+            return None
+        mask = torch.zeros(1, len(mb.tokens_T), dtype=torch.bool)
+        mask[0, -mb.padding:] = True
+        if not parallel_state.is_pipeline_first_stage():  # the first stage's embedding splits it with the sequence
+            mask = mask.chunk(self.parallel.tensor, dim=1)[parallel_state.get_tensor_model_parallel_rank()]
+        return mask.to(self.device)
 
     def seq_params(self, mb: MicroBatch, device: torch.device | str):
         """Megatron's packed-sequence parameters of ``mb``: its segments, and RoPE where our attention applies it."""
@@ -275,7 +298,7 @@ class Trainer:
             step = list(range(start, start + size))
             mine = [step[i] for i in balance([len(samples[i].tokens) for i in step], self.dp_size)[self.dp_rank]]
             mbs = pack([samples[i].tokens for i in mine], [samples[i].response_length for i in mine], mine,
-                       self.cfg.max_tokens_per_gpu, share_prefixes=self.packed_attention)
+                       self.cfg.max_tokens_per_gpu, share_prefixes=self.packed_attention, multiple_of=self.pad_to)
             plan.append(RankBatch(mbs, mine, range(start, start + size)))
         return plan
 
@@ -430,13 +453,14 @@ class Trainer:
         expect the gradients to be divided by the step's tokens afterwards; ours arrive normalised.
         So the backward scale (``grad_scale_func``, which Megatron applies to the loss and hands to
         the routers) is 1 / the step's tokens on all ranks, and the loss is multiplied back: the aux
-        loss is then a token mean over the step, the policy loss unchanged.
+        loss is then a token mean over the step, the policy loss unchanged. Padding is no token
+        (the routers skip it).
         """
         from megatron.core import parallel_state
 
         if not self.cfg.moe.moe_aux_loss_coeff:
             return 1.0
-        tokens = torch.tensor([float(sum(len(mb.tokens_T) for mb in mbs))], dtype=torch.float64)
+        tokens = torch.tensor([float(sum(len(mb.tokens_T) - mb.padding for mb in mbs))], dtype=torch.float64)
         if self.dp_size > 1:
             torch.distributed.all_reduce(tokens, group=parallel_state.get_data_parallel_group())
         step_tokens = float(tokens)
@@ -453,6 +477,8 @@ class Trainer:
         total = torch.tensor([float(local)], dtype=torch.float64) / (self.spec.num_layers * max(micro_batches, 1))
         if self.parallel.pipeline > 1:  # each stage holds its own layers' values
             torch.distributed.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
+        if self.parallel.sequence:  # and each tensor-parallel rank its share of the sequence's
+            torch.distributed.all_reduce(total, group=parallel_state.get_tensor_model_parallel_group())
         if self.dp_size > 1:
             torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
             total /= self.dp_size

@@ -74,29 +74,56 @@ def test_two_stages_with_experts_over_two_ranks_equal_one_process_and_export(tin
                         ("train/loss", "train/pg_loss", "train/entropy", "train/grad_norm", "train/loss_tokens"))
 
 
+@pytest.mark.parametrize("ep", [1, 2])
+def test_tensor_parallel_experts_with_sequence_parallelism_equal_one_process(ep, tiny_model, tmp_path):
+    """TP=2 with sequence parallelism (each rank holds half of every expert and shared expert, and
+    half of each packed row outside attention; rows padded to an even length), alone and with EP=2
+    on four ranks, against one process: log-probs, two optimizer steps, the gathered weights and
+    the exported checkpoint. Alone it trains the load-balancing loss too; with EP=2 there are two
+    data-parallel replicas, and that loss, taken per micro-batch, differs with the split."""
+    path, samples = str(tiny_model("qwen2_moe")), make_samples(seed=7)
+    aux = 0.5 if ep == 1 else 0.0
+    results = {}
+    for tp in (1, 2):
+        cfg = from_flags(TrainConfig, hf_checkpoint=path, lr=1e-2, adam_eps=1.0, tensor_model_parallel_size=tp,
+                         expert_model_parallel_size=ep if tp > 1 else 1, sequence_parallel=tp > 1,
+                         actor_num_gpus_per_node=tp * ep if tp > 1 else 1, max_tokens_per_gpu=25,
+                         global_batch_size=4, moe_aux_loss_coeff=aux)
+        spawn(logprobs_step_and_save, cfg.parallel.world_size, cfg, samples, str(tmp_path / f"ckpt{tp}"),
+              str(tmp_path / f"{tp}.pt"))
+        results[tp] = torch.load(tmp_path / f"{tp}.pt")
+    metrics = ("train/loss", "train/entropy", "train/grad_norm", "train/loss_tokens")
+    check_same_training(results[1], results[2], tmp_path / "ckpt2", tmp_path / "hf",
+                        metrics + (("train/moe_aux_loss",) if aux else ()))
+
+
 def test_expert_parallelism_that_does_not_fit_is_refused(tiny_model):
     moe, dense = (ModelSpec.from_checkpoint(tiny_model(arch)) for arch in ("qwen3_moe", "qwen2"))
     with pytest.raises(ModelError, match="--expert-model-parallel-size 3 does not divide the model's 8 experts"):
         check_compatible(moe, 1, 1, 3)
     with pytest.raises(ModelError, match="--expert-model-parallel-size 2 does not divide"):
         check_compatible(dense, 1, 1, 2)
-    with pytest.raises(ModelError, match="tensor parallelism of a Mixture-of-Experts model"):
+    with pytest.raises(ModelError, match="tensor parallelism of a Mixture-of-Experts model needs --sequence-parallel"):
         check_compatible(moe, 2)
     check_compatible(moe, 1, 1, 4)
+    check_compatible(moe, 2, 1, 2, sequence_parallel=True)
 
 
-@pytest.mark.parametrize("transport, pp", [("tensor", 1), ("distributed", 1), ("tensor", 2)])
-def test_after_a_step_at_ep2_and_a_sync_the_engine_scores_tokens_as_the_trainer_does(transport, pp, module_procs,
+@pytest.mark.parametrize("transport, pp, tp", [("tensor", 1, 1), ("distributed", 1, 1), ("tensor", 2, 1),
+                                               ("distributed", 1, 2)])
+def test_after_a_step_at_ep2_and_a_sync_the_engine_scores_tokens_as_the_trainer_does(transport, pp, tp, module_procs,
                                                                                       tiny_model, tmp_path):
     """Every expert of both expert-parallel ranks reaches the engine, checked by name and shape there;
-    with two pipeline stages too (four ranks: each stage gathers its experts, the second sends them on)."""
+    with two pipeline stages too (four ranks: each stage gathers its experts, the second sends them on),
+    or with TP=2 (four ranks: each expert's halves are gathered over its TP group, then over EP)."""
     path = tiny_model("qwen3_moe")
-    engine = module_procs.engine(path, name=f"moe-{transport}-{pp}")
+    engine = module_procs.engine(path, name=f"moe-{transport}-{pp}-{tp}")
     cfg = from_flags(TrainConfig, hf_checkpoint=str(path), lr=3e-2, adam_eps=1.0, output_dir=str(tmp_path),
                      update_weight_transport=transport, update_weight_buffer_size=1 << 20,
-                     expert_model_parallel_size=2, pipeline_model_parallel_size=pp, actor_num_gpus_per_node=2 * pp)
+                     expert_model_parallel_size=2, pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp,
+                     sequence_parallel=tp > 1, actor_num_gpus_per_node=2 * pp * tp)
     before, _ = engine_logprobs(engine.url)
-    spawn(step_and_sync, 2 * pp, cfg, make_samples(seed=3), [engine.url], PROBE, str(tmp_path / "out.pt"))
+    spawn(step_and_sync, 2 * pp * tp, cfg, make_samples(seed=3), [engine.url], PROBE, str(tmp_path / "out.pt"))
     result = torch.load(tmp_path / "out.pt", weights_only=False)
     assert result["report"].bytes == sum(t.numel() * 4 for t in checkpoint_tensors(path).values())  # every expert
     after, version = engine_logprobs(engine.url)

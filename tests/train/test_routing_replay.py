@@ -48,8 +48,8 @@ def configs(path, tmp_path, *flags: dict) -> list[TrainConfig]:
             for f in flags]
 
 
-def train(cfgs, samples, tmp_path) -> list[dict]:
-    spawn(train_each, 1, cfgs, samples, str(tmp_path / "metrics.pt"))
+def train(cfgs, samples, tmp_path, ranks: int = 1) -> list[dict]:
+    spawn(train_each, ranks, cfgs, samples, str(tmp_path / "metrics.pt"))
     return torch.load(tmp_path / "metrics.pt", weights_only=False)
 
 
@@ -61,6 +61,12 @@ def test_r3_routes_as_the_engine_did_and_the_mismatch_falls(procs, tiny_model, t
     assert all(decode_routes(s, spec).shape == (len(s.tokens) - 1, spec.num_layers, 2) for s in samples)
     plain, r3 = train(configs(path, tmp_path, {}, {"use_rollout_routing_replay": True}), samples, tmp_path)
     assert plain[GAP] > 4 * r3[GAP], (plain[GAP], r3[GAP])  # measured: 0.058 and 0.0086
+    # TP=2 with sequence parallelism: each rank's routers see half of every row, and replay that half.
+    split = {"use_rollout_routing_replay": True, "tensor_model_parallel_size": 2, "sequence_parallel": True,
+             "actor_num_gpus_per_node": 2}
+    [tp2] = train(configs(path, tmp_path, split), samples, tmp_path, ranks=2)
+    for name in (GAP, "train/loss", "train/entropy"):
+        assert tp2[name] == pytest.approx(r3[name], rel=1e-5), name
 
 
 def test_replaying_the_routing_the_trainer_would_choose_changes_nothing(procs, tiny_model, tmp_path):

@@ -30,8 +30,11 @@ def test_dp2_equals_one_process_on_the_whole_batch(tiny_model, tmp_path):
         torch.testing.assert_close(results[2]["weights"][name], tensor, rtol=0, atol=1e-7)
 
 
-def test_tp2_pp2_equals_one_process_and_exports(tiny_model, tmp_path):
-    """Four gloo ranks, two pipeline stages of two tensor-parallel ranks each, give one process's result.
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tp2_pp2_equals_one_process_and_exports(sequence_parallel, tiny_model, tmp_path):
+    """Four gloo ranks, two pipeline stages of two tensor-parallel ranks each, give one process's result,
+    with or without sequence parallelism (the ranks split each row outside attention; their norms'
+    gradients are summed).
 
     Two optimizer steps of several micro-batches each run Megatron's 1F1B schedule (warm-up,
     steady state, cool-down), with a no-grad pass for the old log-probs and one through the frozen
@@ -45,7 +48,8 @@ def test_tp2_pp2_equals_one_process_and_exports(tiny_model, tmp_path):
     for tp, pp in ((1, 1), (2, 2)):
         cfg = from_flags(TrainConfig, hf_checkpoint=path, lr=1e-2, adam_eps=1.0, tensor_model_parallel_size=tp,
                           pipeline_model_parallel_size=pp, actor_num_gpus_per_node=tp * pp, max_tokens_per_gpu=24,
-                          global_batch_size=4, use_kl_loss=True, kl_loss_coef=0.1)
+                          global_batch_size=4, use_kl_loss=True, kl_loss_coef=0.1,
+                          sequence_parallel=sequence_parallel and tp > 1)
         spawn(logprobs_step_and_save, tp * pp, cfg, samples, str(tmp_path / f"ckpt{pp}"), str(tmp_path / f"{pp}.pt"))
         results[pp] = torch.load(tmp_path / f"{pp}.pt")
     one, four = results[1], results[2]

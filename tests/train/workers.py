@@ -37,7 +37,7 @@ def logits_and_step(cfg: TrainConfig, out: str) -> None:
     """Full-vocabulary logits of a packed batch, then one training step: logits, metrics, new weights."""
     with parallel_group(cfg):
         trainer, samples, mb = trainer_and_batch(cfg)
-        logits = full_logits(trainer, mb)
+        logits = full_logits(trainer, mb)[:len(mb.tokens_T) - mb.padding]
         metrics = trainer.train(samples)
         weights = trainer.hf_weights()
         if torch.distributed.get_rank() == 0:
@@ -60,10 +60,8 @@ def full_logits(trainer, mb) -> torch.Tensor:
     """Full-vocabulary logits of a packed micro-batch (gathered over TP; a collective: every rank calls it)."""
     from megatron.core import parallel_state
 
-    device = next(trainer.model.parameters()).device
     with torch.no_grad():
-        local = trainer.model(input_ids=mb.tokens_T[None].to(device), position_ids=mb.positions_T[None].to(device),
-                              attention_mask=None, packed_seq_params=trainer.seq_params(mb, device))[0]
+        local = trainer.forward(trainer.model, mb)[0]
         parts = [torch.empty_like(local) for _ in range(parallel_state.get_tensor_model_parallel_world_size())]
         torch.distributed.all_gather(parts, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
     return torch.cat(parts, dim=-1).cpu()
@@ -80,7 +78,8 @@ def step_and_sync(cfg: TrainConfig, samples, urls: list[str], probe: list[int], 
         sync = make_weight_sync(cfg.sync, cfg.hf_checkpoint, cfg.output_dir, urls, adapter=trainer.adapter_config())
         report = trainer.sync_weights(sync, "1")
         # through the schedule, so that pipeline stages hand the activations on
-        logprobs = trainer._no_grad_logprobs(trainer.model, pack([probe], [len(probe) - 1], [0], len(probe)))[0].cpu()
+        probe_mbs = pack([probe], [len(probe) - 1], [0], len(probe), multiple_of=trainer.pad_to)
+        logprobs = trainer._no_grad_logprobs(trainer.model, probe_mbs)[0].cpu()
         if torch.distributed.get_rank() == 0:
             torch.save({"logprobs": logprobs, "report": report}, out)
 
