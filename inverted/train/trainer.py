@@ -140,6 +140,9 @@ class Trainer:
         if not self.spec.is_moe and (cfg.moe.routing_replay or cfg.moe.moe_aux_loss_coeff):
             raise ModelError(f"{cfg.hf_checkpoint} is a dense model: --use-rollout-routing-replay, --use-routing-replay "
                              "and --moe-aux-loss-coeff are for Mixture-of-Experts models")
+        if self.spec.is_moe and cfg.lora.enabled:
+            raise ModelError(f"{cfg.hf_checkpoint} is a Mixture-of-Experts model: --lora-rank adapts dense models "
+                             "only (its experts would need adapters of their own)")
         layout = cfg.parallel
         check_compatible(self.spec, layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
                          layout.expert_model_parallel_size, layout.sequence_parallel)

@@ -97,7 +97,7 @@ def test_tensor_parallel_experts_with_sequence_parallelism_equal_one_process(ep,
                         metrics + (("train/moe_aux_loss",) if aux else ()))
 
 
-def test_expert_parallelism_that_does_not_fit_is_refused(tiny_model):
+def test_expert_parallelism_that_does_not_fit_and_lora_are_refused(tiny_model):
     moe, dense = (ModelSpec.from_checkpoint(tiny_model(arch)) for arch in ("qwen3_moe", "qwen2"))
     with pytest.raises(ModelError, match="--expert-model-parallel-size 3 does not divide the model's 8 experts"):
         check_compatible(moe, 1, 1, 3)
@@ -107,6 +107,10 @@ def test_expert_parallelism_that_does_not_fit_is_refused(tiny_model):
         check_compatible(moe, 2)
     check_compatible(moe, 1, 1, 4)
     check_compatible(moe, 2, 1, 2, sequence_parallel=True)
+    with pytest.raises(ModelError, match="is a Mixture-of-Experts model: --lora-rank adapts dense models only"):
+        from inverted.train.trainer import Trainer
+
+        Trainer(from_flags(TrainConfig, hf_checkpoint=str(tiny_model("qwen3_moe")), lora_rank=4))
 
 
 @pytest.mark.parametrize("transport, pp, tp", [("tensor", 1, 1), ("distributed", 1, 1), ("tensor", 2, 1),
