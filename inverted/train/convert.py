@@ -209,15 +209,16 @@ def mark_tensor_parallel(model) -> None:
         set_tensor_model_parallel_attributes(params[name], row.layout != "replicated", 1 if row.layout == "row" else 0, 1)
 
 
-def expert_offset(spec: ModelSpec, ep_rank: int | None = None) -> int:
-    """The global index of the first expert of expert-parallel rank ``ep_rank`` (default: this rank's);
-    0 in a dense model."""
+def expert_offset(spec: ModelSpec, ep_rank: int | None = None, ep_size: int | None = None) -> int:
+    """The global index of the first expert of expert-parallel rank ``ep_rank`` of ``ep_size`` (default:
+    this rank's, in this process's groups); 0 in a dense model."""
     from megatron.core import parallel_state
 
     if not spec.is_moe:
         return 0
     rank = parallel_state.get_expert_model_parallel_rank() if ep_rank is None else ep_rank
-    return rank * (spec.num_experts // parallel_state.get_expert_model_parallel_world_size())
+    size = parallel_state.get_expert_model_parallel_world_size() if ep_size is None else ep_size
+    return rank * (spec.num_experts // size)
 
 
 def load_hf_weights(model, spec: ModelSpec, tensors: dict[str, torch.Tensor]) -> None:
@@ -261,8 +262,8 @@ def _stage_hf_weights(model, spec: ModelSpec) -> Iterator[tuple[str, torch.Tenso
     expert's over expert parallelism (every rank of the group holds other experts, under the same names)."""
     from megatron.core import parallel_state
 
-    groups = {False: parallel_state.get_tensor_model_parallel_group(),  # an expert's TP group is its own
-              True: parallel_state.get_expert_tensor_parallel_group() if spec.is_moe else None}
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    expert_tp_group = parallel_state.get_expert_tensor_parallel_group() if spec.is_moe else tp_group
     ep_size = parallel_state.get_expert_model_parallel_world_size() if spec.is_moe else 1
     params = base_parameters(model)
     layer_offset = _layer_offset(model)
@@ -273,18 +274,18 @@ def _stage_hf_weights(model, spec: ModelSpec) -> Iterator[tuple[str, torch.Tenso
         return parts
 
     def shards_of(name: str, row: Row) -> list[torch.Tensor]:
-        local, group = params[name].detach(), groups[is_expert_param(name)]
+        local, group = params[name].detach(), expert_tp_group if is_expert_param(name) else tp_group
         return [local] if group.size() == 1 or row.layout == "replicated" else gather(local, group)
 
     for name in params:
         if ep_size == 1 or not is_expert_param(name):
             yield from assembled_hf(spec, [name], shards_of, layer_offset)
             continue
-        # Each expert-parallel rank's TP shards of its experts (same names, other experts); every
-        # expert row is split over the expert-TP group.
-        local, group = params[name].detach(), groups[True]
+        # Each expert-parallel rank's TP shards of its experts (same names, other experts); no expert
+        # row is replicated, so every one is split over the expert-TP group.
+        local = params[name].detach()
         shards = [gather(shard, parallel_state.get_expert_model_parallel_group())
-                  for shard in ([local] if group.size() == 1 else gather(local, group))]
+                  for shard in ([local] if expert_tp_group.size() == 1 else gather(local, expert_tp_group))]
         for rank in range(ep_size):
             yield from assembled_hf(spec, [name], lambda _name, _row, rank=rank: [s[rank] for s in shards],
                                     layer_offset, expert_offset(spec, rank))

@@ -25,7 +25,7 @@ from inverted.errors import ModelError
 from inverted.hf_checkpoint import ModelSpec, checkpoint_tensors
 from inverted.peft_adapter import LoRAConfig, write_adapter
 from inverted.train.checkpoint import HF_FILES_DIR, latest_iteration, rank_file, read_meta
-from inverted.train.convert import assembled_hf, is_expert_param, layer_param
+from inverted.train.convert import assembled_hf, expert_offset, is_expert_param, layer_param
 from inverted.train.lora import adapter_from_shards, merged
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, merge_lora: bool = False)
             for rank, rank_shards in enumerate(by_ep_rank):  # the dense weights once, from the first
                 wanted = [name for name in names if rank == 0 or is_expert_param(name)]
                 tensors.update(assembled_hf(spec, wanted, lambda name, row, of=rank_shards: [shard[name] for shard in of],
-                                            layers_before, rank * (spec.num_experts // ep)))
+                                            layers_before, expert_offset(spec, rank, ep)))
         layers_before += len({layer[0] for layer in map(layer_param, names) if layer is not None})
     if layers_before != spec.num_layers:
         raise ModelError(f"{directory}: its stages hold {layers_before} layers, the model has {spec.num_layers}")

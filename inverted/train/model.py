@@ -40,7 +40,7 @@ class Parallelism:
     pipeline: int = 1
     context: int = 1
     expert: int = 1
-    sequence: bool = False  # sequence parallelism (with tensor > 1)
+    sequence: bool = False  # sequence parallelism (Megatron's: only with tensor > 1)
 
 
 def use_transformer_engine() -> bool:
@@ -84,7 +84,7 @@ def transformer_config(spec: ModelSpec, parallel: Parallelism, dtype: torch.dtyp
         hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=parallel.tensor, pipeline_model_parallel_size=parallel.pipeline,
         context_parallel_size=parallel.context, expert_model_parallel_size=parallel.expert,
-        sequence_parallel=parallel.sequence and parallel.tensor > 1,
+        sequence_parallel=parallel.sequence,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         pipeline_dtype=dtype, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
         # Weights come from the checkpoint; nothing to initialise, and no CUDA to initialise on.

@@ -84,10 +84,10 @@ def test_tensor_parallel_experts_with_sequence_parallelism_equal_one_process(ep,
     path, samples = str(tiny_model("qwen2_moe")), make_samples(seed=7)
     aux = 0.5 if ep == 1 else 0.0
     results = {}
-    for tp in (1, 2):
+    for tp, experts_over in ((1, 1), (2, ep)):
         cfg = from_flags(TrainConfig, hf_checkpoint=path, lr=1e-2, adam_eps=1.0, tensor_model_parallel_size=tp,
-                         expert_model_parallel_size=ep if tp > 1 else 1, sequence_parallel=tp > 1,
-                         actor_num_gpus_per_node=tp * ep if tp > 1 else 1, max_tokens_per_gpu=25,
+                         expert_model_parallel_size=experts_over, sequence_parallel=tp > 1,
+                         actor_num_gpus_per_node=tp * experts_over, max_tokens_per_gpu=25,
                          global_batch_size=4, moe_aux_loss_coeff=aux)
         spawn(logprobs_step_and_save, cfg.parallel.world_size, cfg, samples, str(tmp_path / f"ckpt{tp}"),
               str(tmp_path / f"{tp}.pt"))
