@@ -109,43 +109,90 @@ class LoRA(torch.nn.Module):
         torch.distributed.all_gather(shards, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
         return torch.cat(shards, dim=dim)
 
-    def delta(self, x: torch.Tensor) -> torch.Tensor:
-        """``scaling * B(A(dropout(x)))`` in the layout of the linear's (local) output."""
+    def low(self, x: torch.Tensor) -> torch.Tensor:
+        """The low-rank activations ``A(dropout(x))`` of every adapted part, side by side (whole over TP)."""
         from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
 
         x = F.dropout(x, self.config.dropout, self.training) if self.config.dropout else x
         a = torch.cat([self.A[m] for m in self.modules]) if len(self.modules) > 1 else self.A[self.modules[0]]
         low = x @ a.t()
         if self.layout == "row":
-            return reduce_from_tensor_model_parallel_region(low) @ (self.B[self.modules[0]] * self.config.scaling).t()
-        return copy_to_tensor_model_parallel_region(low) @ self.fused_b().t()
+            return reduce_from_tensor_model_parallel_region(low)
+        return copy_to_tensor_model_parallel_region(low)
 
-    def fused_b(self) -> torch.Tensor:
-        """The parts' ``B`` (scaled) as one matrix laid out as the fused weight's local rows, each part
-        reading its own ``rank`` columns of the low-rank activations (zeros elsewhere, and for parts
-        not adapted). One small product then yields the whole fused output: no full-size
-        activation is concatenated or scaled (that cost more than the adapter's matmuls)."""
+    def products(self) -> tuple[tuple[tuple[slice, slice], ...], list[torch.Tensor]]:
+        """How the low-rank activations reach the linear's (local) output: per product, the columns of
+        ``low`` it reads, the output columns it adds to, and its scaled ``B`` (``[out cols, low cols]``).
+
+        Gate and up are blocks of columns (per rank), so each has a product of its own. The q/k/v
+        heads interleave per query group, so their parts share one ``B`` laid out as the fused weight
+        (``qkv_b``), each part reading its own ``rank`` columns of ``low``."""
+        r, s = self.config.rank, self.config.scaling
+        if self.layout == "gate_up":
+            n = self.B[self.modules[0]].shape[0]
+            names = LINEARS["mlp.linear_fc1"][1]
+            spans = tuple((slice(j * r, (j + 1) * r), slice(names.index(m) * n, (names.index(m) + 1) * n))
+                          for j, m in enumerate(self.modules))
+            return spans, [self.B[m] * s for m in self.modules]
+        b = self.qkv_b() if self.layout == "qkv" else self.B[self.modules[0]] * s
+        return ((slice(None), slice(None)),), [b]
+
+    def qkv_b(self) -> torch.Tensor:
+        """The q/k/v parts' ``B`` (scaled) as one matrix laid out as the fused weight's local rows, each
+        part reading its own ``rank`` columns of the low-rank activations (zeros elsewhere, and for
+        parts not adapted): one small product yields the whole fused output."""
         r, k, shapes = self.config.rank, len(self.modules), module_shapes(self.spec)
-        names = LINEARS["self_attention.linear_qkv" if self.layout == "qkv" else "mlp.linear_fc1"][1]
         blocks = []
-        for m in names:
+        for m in LINEARS["self_attention.linear_qkv"][1]:
             if m in self.modules:
                 j = self.modules.index(m)
                 blocks.append(F.pad(self.B[m] * self.config.scaling, (j * r, (k - j - 1) * r)))
             else:
                 blocks.append(self.B[self.modules[0]].new_zeros(shapes[m][0] // self.tp, k * r))
-        if self.layout == "gate_up":
-            return torch.cat(blocks)
         groups = self.spec.num_kv_heads // self.tp  # q, k, v rows interleaved per query group
         return torch.cat([b.reshape(groups, -1, k * r) for b in blocks], dim=1).reshape(-1, k * r)
 
 
+class _AddLowRank(torch.autograd.Function):
+    """``out`` plus, for each product, ``low[:, reads] @ B.T`` added to ``out[:, writes]``.
+
+    Each product is written straight into its columns of the result (``addmm`` with ``out=``), so no
+    full-size delta is made and added, and gate/up multiply only their own ``rank`` columns. Columns
+    no product writes (an MLP with only one of gate/up adapted) are copied."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, low: torch.Tensor, spans: tuple[tuple[slice, slice], ...], *bs: torch.Tensor):
+        columns = range(out.shape[-1])
+        covered = sum(len(columns[writes]) for _, writes in spans) == len(columns)  # the spans are disjoint
+        result = torch.empty_like(out) if covered else out.clone()
+        for (reads, writes), b in zip(spans, bs):
+            torch.addmm(out[:, writes], low[:, reads], b.t(), out=result[:, writes])
+        ctx.spans = spans
+        ctx.save_for_backward(low, *bs)
+        return result
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        low, *bs = ctx.saved_tensors
+        grad_low = torch.zeros_like(low)  # small; every column of it is read in practice
+        grad_bs = []
+        for (reads, writes), b in zip(ctx.spans, bs):
+            torch.mm(grad[:, writes], b, out=grad_low[:, reads])
+            grad_bs.append(grad[:, writes].t() @ low[:, reads])
+        return grad, grad_low, None, *grad_bs
+
+
 def _add_delta(linear, inputs, output):
+    """The linear's output plus its adapter's ``scaling * B(A(dropout(x)))``."""
     lora = linear.lora
     if not lora.enabled:
         return output
     out, bias = output
-    return out + lora.delta(inputs[0]).to(out.dtype), bias
+    low = lora.low(inputs[0]).to(out.dtype)
+    spans, bs = lora.products()
+    flat = _AddLowRank.apply(out.reshape(-1, out.shape[-1]), low.reshape(-1, low.shape[-1]), spans,
+                             *(b.to(out.dtype) for b in bs))
+    return flat.view_as(out), bias
 
 
 def _frozen_dgrad(ctx, grad_output: torch.Tensor):

@@ -37,7 +37,7 @@ def peft_logits(base, adapter):
 def lora_runs(tiny_model, tmp_path_factory):
     """One step from a peft adapter (q/v/down only) at TP=1 and TP=2."""
     path, root = tiny_model("qwen3"), tmp_path_factory.mktemp("lora")
-    adapter = peft_adapter(path, root / "start", modules=["q_proj", "v_proj", "down_proj"])
+    adapter = peft_adapter(path, root / "start", modules=["q_proj", "v_proj", "up_proj", "down_proj"])
     results = {}
     for tp in (1, 2):
         cfg = from_flags(TrainConfig, hf_checkpoint=str(path), lr=1e-2, adam_eps=1.0, tensor_model_parallel_size=tp,
@@ -53,7 +53,7 @@ def test_lora_logits_equal_peft_and_a_step_changes_only_the_adapter(lora_runs):
     one = results[1]
     check_packed_logits({"logits": one["before"]["logits"], "rows": one["rows"]}, make_samples(seed=7),
                         peft_logits(path, adapter))
-    assert all(".lora." in name for name in one["trainable"]) and len(one["trainable"]) == 2 * 3 * 2  # A, B x 3 modules x 2 layers
+    assert all(".lora." in name for name in one["trainable"]) and len(one["trainable"]) == 2 * 4 * 2  # A, B x 4 modules x 2 layers
     for name, tensor in one["before"]["base"].items():
         assert torch.equal(one["after"]["base"][name], tensor), name
     assert one["before"]["adapter"].keys() == one["after"]["adapter"].keys()
@@ -61,9 +61,29 @@ def test_lora_logits_equal_peft_and_a_step_changes_only_the_adapter(lora_runs):
     assert one["metrics"]["train/kl"] > 0  # the reference is the base model: the adapter already moved away from it
 
     # The adapter after the step, written as PEFT's directory, loads in peft and gives the trainer's logits.
-    written = write_adapter(root / "after", LoRAConfig(4, 8.0, ("q_proj", "v_proj", "down_proj")), one["after"]["adapter"])
+    written = write_adapter(root / "after", LoRAConfig(4, 8.0, ("q_proj", "v_proj", "up_proj", "down_proj")),
+                            one["after"]["adapter"])
     check_packed_logits({"logits": one["after"]["logits"], "rows": one["rows"]}, make_samples(seed=7),
                         peft_logits(path, written))
+
+
+@pytest.mark.parametrize("spans", [
+    ((slice(None), slice(None)),),  # one product over every column (q/k/v, the row-parallel linears)
+    ((slice(0, 3), slice(0, 5)), (slice(3, 6), slice(5, 10))),  # gate and up, each its own block
+    ((slice(0, 3), slice(5, 10)),),  # up alone: the gate columns pass through unchanged
+])
+def test_the_adapter_product_s_gradients_equal_finite_differences(spans):
+    from inverted.train.lora import _AddLowRank
+
+    g = torch.Generator().manual_seed(0)
+    out, low = torch.randn(4, 10, generator=g, dtype=torch.float64), torch.randn(4, 6, generator=g, dtype=torch.float64)
+    bs = [torch.randn(len(range(10)[w]), len(range(6)[r]), generator=g, dtype=torch.float64) for r, w in spans]
+    inputs = [t.requires_grad_() for t in (out, low, *bs)]
+    expected = out.clone()
+    for (reads, writes), b in zip(spans, bs):
+        expected[:, writes] += low[:, reads] @ b.t()
+    torch.testing.assert_close(_AddLowRank.apply(out, low, spans, *bs), expected)
+    assert torch.autograd.gradcheck(lambda o, l, *b: _AddLowRank.apply(o, l, spans, *b), inputs)
 
 
 def test_lora_tp2_equals_tp1(lora_runs):
