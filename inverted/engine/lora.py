@@ -2,8 +2,8 @@
 
 An ``Adapter`` is a PEFT LoRA adapter (``peft_adapter``) laid out for ``CausalLM``'s fused
 weights. For each layer and fused weight (``qkv``, ``o``, ``gate_up``, ``down``) it keeps the
-``A`` matrices of its adapted parts stacked, ``[parts * r, in]``, and each part's ``B`` with the
-scaling folded in, placed at that part's output columns: one matmul gives every part's low-rank
+``A`` matrices of its adapted parts stacked, ``[parts * r, in]``, with the scaling folded in, and
+each part's ``B``, placed at that part's output columns: one matmul gives every part's low-rank
 input, one more per part its delta. Weights stay untouched, so one batch can mix adapters and
 the base model (SGLang's ``lora_path`` per request).
 
@@ -41,10 +41,10 @@ def fused_parts(spec: ModelSpec) -> dict[str, tuple[tuple[str, int, int], ...]]:
 
 @dataclass(slots=True)
 class FusedLoRA:
-    """One fused weight's adapted parts: their stacked ``A`` and each part's scaled ``B`` and columns."""
+    """One fused weight's adapted parts: their stacked, scaled ``A`` and each part's ``B`` and columns."""
 
-    a: torch.Tensor  # [parts * r, in]
-    parts: list[tuple[int, int, torch.Tensor]]  # (lo, hi, scaling * B [hi - lo, r])
+    a: torch.Tensor  # scaling * [A_1; A_2; ...]: [parts * r, in]
+    parts: list[tuple[int, int, torch.Tensor]]  # (lo, hi, B [hi - lo, r])
 
 
 @dataclass(slots=True)
@@ -121,17 +121,18 @@ class Adapters:
             raise ModelError(f"LoRA adapter {name!r} targets {extra}, outside this server's --lora-target-modules "
                              f"{list(self.modules)}")
         pairs = check_tensors(lora, tensors, self.spec)
-        def cast(t: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-            return (t.to(self.device, torch.float32) * scale).to(self.dtype).contiguous()
-
+        # The tensors may be views of the sender's buffer, which it refills for the next update: every
+        # one is copied (``cat`` always makes a new tensor). One op per tensor where it can be: an
+        # adapter has hundreds, and their overhead, not their bytes, is most of a load's time.
         adapter = Adapter(name, path, pinned, lora)
         for layer in range(self.spec.num_layers):
             fused: dict[str, FusedLoRA] = {}
             for key, parts in self.parts.items():
                 adapted = [(lo, hi, pairs[layer, m]) for m, lo, hi in parts if (layer, m) in pairs]
                 if adapted:
-                    fused[key] = FusedLoRA(cast(torch.cat([a for _, _, (a, _) in adapted])),
-                                           [(lo, hi, cast(b, lora.scaling)) for lo, hi, (_, b) in adapted])
+                    a = torch.cat([a for _, _, (a, _) in adapted]).to(self.device, torch.float32).mul_(lora.scaling)
+                    fused[key] = FusedLoRA(a.to(self.dtype), [(lo, hi, b.to(self.device, self.dtype, copy=True))
+                                                              for lo, hi, (_, b) in adapted])
             adapter.layers.append(fused)
         adapter.nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         return adapter

@@ -48,7 +48,7 @@ from inverted.engine.sampling import SamplingParams
 from inverted.engine.scheduler import Request as EngineRequest
 from inverted.engine.scheduler import Scheduler, WeightLoad, new_rid
 from inverted.engine.lora import Adapters, startup_adapters
-from inverted.engine.weights import RecentBuckets, UpdateGroups, decode_payloads, decode_tensor_payloads, read_checkpoint
+from inverted.engine.weights import RecentBuckets, UpdateGroups, check_fits, read_checkpoint
 from inverted.errors import EngineError, InvalidRequest, ModelError, SchemaError, Unauthorized
 from inverted.hf_checkpoint import ARCHITECTURES
 from inverted.limits import BodyLimit, cannot_fit, max_token_chars, parse_json
@@ -90,6 +90,7 @@ class Engine:
         self.inflight: dict[str, EngineRequest] = {}
         self.groups = UpdateGroups(timeout=config.weight_update_timeout)
         self.recent_buckets = RecentBuckets()
+        self.recent_adapters = RecentBuckets(size=1)  # a LoRA trainer sends its adapter from one buffer
 
     def grammar_matcher(self, params: SamplingParams) -> Any | None:
         """The matcher of a request's ``json_schema`` or ``regex`` (None without one)."""
@@ -462,8 +463,9 @@ def _add_control_routes(app: FastAPI) -> None:
 
     @app.post("/update_weights_from_tensor", dependencies=admin)
     async def update_weights_from_tensor(body: P.UpdateWeightsFromTensorRequest, engine: EngineDep) -> JSONResponse:
-        return await _update_in_session(engine, "update_weights_from_tensor", body, lambda: decode_tensor_payloads(
-            engine.scheduler.model, body.serialized_named_tensors, body.load_format, engine.recent_buckets),
+        model = engine.scheduler.model
+        return await _update_in_session(engine, "update_weights_from_tensor", body, lambda: engine.recent_buckets.decoded(
+            body.serialized_named_tensors, body.load_format, model.device, check=lambda named: check_fits(model, named)),
             waits_on_peers=False)
 
     @app.post("/init_weights_update_group", dependencies=admin)
@@ -532,7 +534,7 @@ def _add_lora_routes(app: FastAPI, admin: list) -> None:
     @app.post("/load_lora_adapter_from_tensors", dependencies=admin)
     async def load_lora_adapter_from_tensors(body: P.LoadLoRAAdapterFromTensorsRequest, engine: EngineDep) -> JSONResponse:
         def build():
-            named, _ = decode_payloads(body.payloads(), body.load_format, engine.scheduler.model.device)
+            named = engine.recent_adapters.decoded(body.payloads(), body.load_format, engine.scheduler.model.device)
             return engine.adapters().build(body.lora_name, body.config_dict, dict(named), pinned=body.pinned)
 
         return await add(engine, build)

@@ -112,6 +112,32 @@ def test_an_adapter_from_tensors_in_a_flattened_bucket_or_a_legacy_payload(engin
         httpx.post(engine + "/unload_lora_adapter", headers=ADMIN, json={"lora_name": body["lora_name"]})
 
 
+def test_a_repeated_adapter_payload_loads_what_its_shared_memory_holds_now(engine, tiny_model, adapters):
+    """A LoRA trainer refills one shared buffer for every update and sends the same payload string: the
+    engine may reuse what it decoded, but loads the bytes the memory holds now, and copies them (the
+    sender's next refill, here NaN, does not reach a loaded adapter)."""
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    config, tensors = read_adapter(adapters["b"])
+    layout = bucket_layout([(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()])
+    flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors.values()]).share_memory_()
+    body = {"lora_name": "refilled", "config_dict": config, "load_format": "flattened_bucket",
+            "serialized_named_tensors": [bucket_payload(flat, layout)]}
+    trained, base = flat.clone(), flat.clone()
+    for meta in layout:
+        if "lora_B" in meta.name:
+            base[meta.start_idx : meta.end_idx] = 0  # B = 0: the adapter is the base model
+    for contents, reference in ((trained, adapters["b"]), (base, None), (trained, adapters["b"])):
+        flat.copy_(contents)
+        out = httpx.post(engine + "/load_lora_adapter_from_tensors", headers=ADMIN, json=body, timeout=60)
+        assert out.status_code == 200, out.text
+        flat.view(torch.float32).fill_(float("nan"))
+        gen = httpx.post(engine + "/generate", timeout=60, json={
+            "input_ids": PROMPTS[0], "lora_path": "refilled", "return_logprob": True, "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}).json()
+        assert check(tiny_model("qwen2"), reference, PROMPTS[0], gen) <= 1e-4
+        httpx.post(engine + "/unload_lora_adapter", headers=ADMIN, json={"lora_name": "refilled"})
+
+
 def test_bad_adapters_get_400_and_change_nothing(engine, adapters, tmp_path):
     config, tensors = read_adapter(adapters["b"])
     name = next(n for n in tensors if "q_proj.lora_A" in n)
