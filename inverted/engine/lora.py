@@ -121,9 +121,8 @@ class Adapters:
             raise ModelError(f"LoRA adapter {name!r} targets {extra}, outside this server's --lora-target-modules "
                              f"{list(self.modules)}")
         pairs = check_tensors(lora, tensors, self.spec)
-        # The tensors may be views of the sender's buffer, which it refills for the next update: every
-        # one is copied (``cat`` always makes a new tensor). One op per tensor where it can be: an
-        # adapter has hundreds, and their overhead, not their bytes, is most of a load's time.
+        # The tensors may be views of the sender's buffer, which it refills for the next update: each
+        # is copied once (``cat`` always makes a new tensor), and the scaling goes on the stacked A.
         adapter = Adapter(name, path, pinned, lora)
         for layer in range(self.spec.num_layers):
             fused: dict[str, FusedLoRA] = {}
