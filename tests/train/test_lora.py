@@ -96,6 +96,30 @@ def test_lora_tp2_equals_tp1(lora_runs):
         torch.testing.assert_close(results[2]["after"]["adapter"][name], tensor, rtol=0, atol=1e-6)
 
 
+def test_lora_pp2_dp2_equals_one_process_and_exports(tiny_model, tmp_path):
+    """Four gloo ranks, two pipeline stages of two data-parallel replicas, train the adapter as one
+    process does: two optimizer steps through the 1F1B schedule, from a PEFT adapter, with the KL to
+    the base model (the adapters off). Log-probs, metrics, the untouched base and the adapter (assembled on the first
+    stage) must match, and the four-rank checkpoint must export as exactly that adapter."""
+    from tests.train.workers import check_same_training, logprobs_step_and_save
+
+    path = str(tiny_model("qwen3"))
+    adapter = peft_adapter(path, tmp_path / "start")  # every module, B random: the KL is well above roundoff
+    samples = make_samples(seed=7)
+    results = {}
+    for pp, dp in ((1, 1), (2, 2)):
+        cfg = from_flags(TrainConfig, hf_checkpoint=path, lr=1e-2, adam_eps=1.0, pipeline_model_parallel_size=pp,
+                         actor_num_gpus_per_node=pp * dp, max_tokens_per_gpu=24, global_batch_size=4,
+                         lora_adapter_path=str(adapter), use_kl_loss=True, kl_loss_coef=0.1)
+        spawn(logprobs_step_and_save, pp * dp, cfg, samples, str(tmp_path / f"ckpt{pp}"), str(tmp_path / f"{pp}.pt"))
+        results[pp] = torch.load(tmp_path / f"{pp}.pt")
+    one, four = results[1], results[2]
+    assert one["metrics"]["train/optimizer_steps"] == 2 and one["metrics"]["train/kl"] > 0
+    assert len(one["adapter"]) == 2 * 7 * 2  # A and B of all seven modules in both layers
+    check_same_training(one, four, tmp_path / "ckpt2", tmp_path / "peft", ("train/loss", "train/pg_loss", "train/kl",
+                                                                         "train/entropy", "train/grad_norm", "train/loss_tokens"))
+
+
 def test_lora_resume_equals_the_uninterrupted_run_and_exports_an_adapter_or_a_merged_model(tiny_model, tmp_path):
     """2 rollouts straight == 1, save (the adapter only), resume, 1 more; the checkpoint exports as a PEFT
     adapter that peft loads, and merged (--merge-lora) as a model that transformers loads: the same logits."""

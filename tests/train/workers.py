@@ -161,9 +161,10 @@ def logprobs_step_and_save(cfg: TrainConfig, samples, save: str, out: str) -> No
         logprobs = trainer._no_grad_logprobs(trainer.model, mbs)
         metrics = trainer.train(samples)
         weights = trainer.hf_weights()
+        adapter = dict(trainer.adapter_weights()) if trainer.lora is not None else {}
         save_checkpoint(trainer, save)
         if torch.distributed.get_rank() == 0:
-            torch.save({"logprobs": logprobs, "metrics": metrics, "weights": weights}, out)
+            torch.save({"logprobs": logprobs, "metrics": metrics, "weights": weights, "adapter": adapter}, out)
 
 
 def straight_and_resumed(cfg: TrainConfig, batches, save: str, out: str) -> None:
@@ -222,21 +223,24 @@ def train_each(cfgs: list[TrainConfig], samples, out: str) -> None:
 
 def check_same_training(one: dict, many: dict, checkpoint, out, metrics: tuple[str, ...]) -> None:
     """``logprobs_step_and_save`` under a parallel layout (``many``) gave one process's results (``one``):
-    the log-probs of its rank 0's samples, ``metrics``, the weights it gathered; and its checkpoint
-    exports to exactly those weights."""
+    the log-probs of its rank 0's samples, ``metrics``, the weights it gathered (and a LoRA run's
+    adapter); and its checkpoint exports to exactly those weights (a LoRA run's: that adapter)."""
     import pytest
     from safetensors.torch import load_file
 
+    from inverted.peft_adapter import WEIGHTS_FILE
     from inverted.train.export import export_hf
 
     for index, logprobs in many["logprobs"].items():
         torch.testing.assert_close(logprobs, one["logprobs"][index], rtol=0, atol=1e-5)
     for name in metrics:
         assert many["metrics"][name] == pytest.approx(one["metrics"][name], rel=1e-5, abs=1e-9), name
-    assert many["weights"].keys() == one["weights"].keys()
-    for name, tensor in one["weights"].items():
-        torch.testing.assert_close(many["weights"][name], tensor, rtol=0, atol=1e-6)
-    exported = load_file(export_hf(checkpoint, out) / "model.safetensors")
-    assert exported.keys() == many["weights"].keys()
-    for name, tensor in many["weights"].items():
+    trained = "adapter" if one["adapter"] else "weights"
+    for part in ("weights", "adapter"):
+        assert many[part].keys() == one[part].keys()
+        for name, tensor in one[part].items():
+            torch.testing.assert_close(many[part][name], tensor, rtol=0, atol=1e-6)
+    exported = load_file(export_hf(checkpoint, out) / (WEIGHTS_FILE if one["adapter"] else "model.safetensors"))
+    assert exported.keys() == many[trained].keys()
+    for name, tensor in many[trained].items():
         assert torch.equal(exported[name], tensor), name
