@@ -35,7 +35,7 @@ def peft_logits(base, adapter):
 
 @pytest.fixture(scope="module")
 def lora_runs(tiny_model, tmp_path_factory):
-    """One step from a peft adapter (q/v/down only) at TP=1 and TP=2."""
+    """One step from a peft adapter (q/v/up/down only: parts of both fused linears) at TP=1 and TP=2."""
     path, root = tiny_model("qwen3"), tmp_path_factory.mktemp("lora")
     adapter = peft_adapter(path, root / "start", modules=["q_proj", "v_proj", "up_proj", "down_proj"])
     results = {}
@@ -99,8 +99,9 @@ def test_lora_tp2_equals_tp1(lora_runs):
 def test_lora_pp2_dp2_equals_one_process_and_exports(tiny_model, tmp_path):
     """Four gloo ranks, two pipeline stages of two data-parallel replicas, train the adapter as one
     process does: two optimizer steps through the 1F1B schedule, from a PEFT adapter, with the KL to
-    the base model (the adapters off). Log-probs, metrics, the untouched base and the adapter (assembled on the first
-    stage) must match, and the four-rank checkpoint must export as exactly that adapter."""
+    the base model (the adapters off). Log-probs, metrics, the untouched base and the adapter
+    (assembled on the first stage) must match, and the four-rank checkpoint must export as exactly
+    that adapter."""
     from tests.train.workers import check_same_training, logprobs_step_and_save
 
     path = str(tiny_model("qwen3"))
