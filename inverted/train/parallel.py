@@ -5,6 +5,7 @@
 the CPU compatibility layer when there is no CUDA, creates Megatron's TP/PP/CP/EP/DP groups, and
 seeds every generator (Megatron's tracker gives TP ranks distinct model-parallel streams).
 ``spawn`` starts ``n`` such processes on this machine; a failure in any of them is raised here.
+``sequence_share`` is a tensor-parallel rank's share of a packed row under sequence parallelism.
 """
 
 from __future__ import annotations
@@ -49,6 +50,15 @@ def init_parallel(cfg: ParallelConfig, seed: int) -> None:
         )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
+
+
+def sequence_share(tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """This tensor-parallel rank's share of a packed row (split evenly along ``dim``), as Megatron's
+    sequence parallelism hands each rank its part of the sequence outside attention."""
+    from megatron.core import parallel_state
+
+    shares = tensor.chunk(parallel_state.get_tensor_model_parallel_world_size(), dim=dim)
+    return shares[parallel_state.get_tensor_model_parallel_rank()]
 
 
 def shutdown_parallel() -> None:

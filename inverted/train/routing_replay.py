@@ -39,6 +39,7 @@ import torch
 from inverted.errors import SampleError
 from inverted.hf_checkpoint import ModelSpec
 from inverted.train.packing import MicroBatch
+from inverted.train.parallel import sequence_share
 from inverted.types import Sample, decode_routed_experts
 
 
@@ -117,10 +118,7 @@ class RoutingReplay:
         for index, positions in zip(mb.indices, mb.sequence_positions()):
             ids[positions[:-1]] = self.routes[index]
         if self.sequence_parallel:
-            from megatron.core import parallel_state
-
-            ids = ids.chunk(parallel_state.get_tensor_model_parallel_world_size())[
-                parallel_state.get_tensor_model_parallel_rank()]
+            ids = sequence_share(ids)
         device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
         ids = ids.to(device)
         return {layer: ids[:, layer] for layer in self.routers}

@@ -54,6 +54,7 @@ from inverted.train.logprobs import token_logprobs_and_entropy
 from inverted.train.model import Parallelism, build_model, use_transformer_engine
 from inverted.train.optimizer import build_optimizer
 from inverted.train.packing import MicroBatch, balance, pack
+from inverted.train.parallel import sequence_share
 from inverted.train.routing_replay import RoutingReplay
 from inverted.train.weight_sync import SyncReport, WeightSync
 from inverted.types import Sample, version_number, with_siblings
@@ -242,7 +243,7 @@ class Trainer:
         mask = torch.zeros(1, len(mb.tokens_T), dtype=torch.bool)
         mask[0, -mb.padding:] = True
         if not parallel_state.is_pipeline_first_stage():  # the first stage's embedding splits it with the sequence
-            mask = mask.chunk(self.parallel.tensor, dim=1)[parallel_state.get_tensor_model_parallel_rank()]
+            mask = sequence_share(mask, dim=1)
         return mask.to(self.device)
 
     def seq_params(self, mb: MicroBatch, device: torch.device | str):
