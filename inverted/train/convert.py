@@ -36,6 +36,7 @@ import torch
 from inverted.errors import ModelError
 from inverted.hf_checkpoint import ModelSpec
 from inverted.train.lora import is_adapter
+from inverted.train.parallel import all_gathered
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,14 +269,9 @@ def _stage_hf_weights(model, spec: ModelSpec) -> Iterator[tuple[str, torch.Tenso
     params = base_parameters(model)
     layer_offset = _layer_offset(model)
 
-    def gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
-        parts = [torch.empty_like(tensor) for _ in range(group.size())]
-        torch.distributed.all_gather(parts, tensor.contiguous(), group=group)
-        return parts
-
     def shards_of(name: str, row: Row) -> list[torch.Tensor]:
         local, group = params[name].detach(), expert_tp_group if is_expert_param(name) else tp_group
-        return [local] if group.size() == 1 or row.layout == "replicated" else gather(local, group)
+        return [local] if row.layout == "replicated" else all_gathered(local, group)
 
     for name in params:
         if ep_size == 1 or not is_expert_param(name):
@@ -283,9 +279,8 @@ def _stage_hf_weights(model, spec: ModelSpec) -> Iterator[tuple[str, torch.Tenso
             continue
         # Each expert-parallel rank's TP shards of its experts (same names, other experts); no expert
         # row is replicated, so every one is split over the expert-TP group.
-        local = params[name].detach()
-        shards = [gather(shard, parallel_state.get_expert_model_parallel_group())
-                  for shard in ([local] if expert_tp_group.size() == 1 else gather(local, expert_tp_group))]
+        shards = [all_gathered(shard, parallel_state.get_expert_model_parallel_group())
+                  for shard in all_gathered(params[name].detach(), expert_tp_group)]
         for rank in range(ep_size):
             yield from assembled_hf(spec, [name], lambda _name, _row, rank=rank: [s[rank] for s in shards],
                                     layer_offset, expert_offset(spec, rank))

@@ -45,6 +45,7 @@ from inverted.peft_adapter import (
     parse_name,
     tensor_name,
 )
+from inverted.train.parallel import all_gathered
 
 # Megatron linear of a TransformerLayer -> (its TP layout, the HF modules fused into it)
 LINEARS = {
@@ -105,9 +106,7 @@ class LoRA(torch.nn.Module):
         dim = split_dim(self.layout, which)
         if dim is None or self.tp == 1:
             return local
-        shards = [torch.empty_like(local) for _ in range(self.tp)]
-        torch.distributed.all_gather(shards, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
-        return torch.cat(shards, dim=dim)
+        return torch.cat(all_gathered(local, parallel_state.get_tensor_model_parallel_group()), dim=dim)
 
     def low(self, x: torch.Tensor) -> torch.Tensor:
         """The low-rank activations ``A(dropout(x))`` of every adapted part, side by side (whole over TP)."""

@@ -5,7 +5,8 @@
 the CPU compatibility layer when there is no CUDA, creates Megatron's TP/PP/CP/EP/DP groups, and
 seeds every generator (Megatron's tracker gives TP ranks distinct model-parallel streams).
 ``spawn`` starts ``n`` such processes on this machine; a failure in any of them is raised here.
-``sequence_share`` is a tensor-parallel rank's share of a packed row under sequence parallelism.
+``sequence_share`` is a tensor-parallel rank's share of a packed row under sequence parallelism;
+``all_gathered`` every rank's tensor of a group (shards of one parameter, or of one adapter).
 """
 
 from __future__ import annotations
@@ -59,6 +60,15 @@ def sequence_share(tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
 
     shares = tensor.chunk(parallel_state.get_tensor_model_parallel_world_size(), dim=dim)
     return shares[parallel_state.get_tensor_model_parallel_rank()]
+
+
+def all_gathered(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` (same shape on each), in rank order; ``[tensor]`` itself in a group of one."""
+    if group.size() == 1:
+        return [tensor]
+    parts = [torch.empty_like(tensor) for _ in range(group.size())]
+    torch.distributed.all_gather(parts, tensor.contiguous(), group=group)
+    return parts
 
 
 def shutdown_parallel() -> None:
