@@ -128,9 +128,9 @@ class LoRA(torch.nn.Module):
         (``qkv_b``), each part reading its own ``rank`` columns of ``low``."""
         r, s = self.config.rank, self.config.scaling
         if self.layout == "gate_up":
-            n = self.B[self.modules[0]].shape[0]
-            names = LINEARS["mlp.linear_fc1"][1]
-            spans = tuple((slice(j * r, (j + 1) * r), slice(names.index(m) * n, (names.index(m) + 1) * n))
+            n = self.B[self.modules[0]].shape[0]  # gate's local rows, then up's
+            block = {m: i for i, m in enumerate(LINEARS["mlp.linear_fc1"][1])}
+            spans = tuple((slice(j * r, (j + 1) * r), slice(block[m] * n, (block[m] + 1) * n))
                           for j, m in enumerate(self.modules))
             return spans, [self.B[m] * s for m in self.modules]
         b = self.qkv_b() if self.layout == "qkv" else self.B[self.modules[0]] * s
