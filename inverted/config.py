@@ -127,6 +127,7 @@ def add_flags(parser: argparse.ArgumentParser, section: type, exclude: frozenset
             continue
         meta = dict(f.metadata)
         help_text = meta.pop("help", "")
+        meta.pop("path", None)
         # A positional field (import-gguf's SRC) is still optional to argparse, so --config can supply it.
         names = ((f.name,), {"metavar": f.name.upper(), "nargs": "?"}) if meta.pop("positional", False) else \
             ((flag_name(f.name),), {"dest": f.name})
@@ -181,6 +182,19 @@ def split_passthrough(argv: list[str], prefix: str, own: set[str] = frozenset())
     return rest, passed
 
 
+def resolve_paths(config: Any, base: Path | None = None) -> None:
+    """Make every path field (``option(..., path=True)``) of ``config`` absolute against ``base`` (the
+    working directory), nested sections too: once, at start-up, so that a process started elsewhere
+    (a Ray actor, a service in its own directory) reads the file the user named."""
+    base = base or Path.cwd()
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            resolve_paths(value, base)
+        elif f.metadata.get("path") and value and value != _SET_BY_JOB:
+            setattr(config, f.name, str(base / Path(value).expanduser()))
+
+
 def _require(condition: bool, flag: str, value: Any, expected: str) -> None:
     if not condition:
         raise ConfigError(f"{flag}={value!r}: expected {expected}")
@@ -190,7 +204,7 @@ def _require(condition: bool, flag: str, value: Any, expected: str) -> None:
 class TinyModelConfig:
     """A random-initialized checkpoint in Hugging Face format, made locally (no download)."""
 
-    out: str = option("models/tiny", "directory to write the checkpoint into")
+    out: str = option("models/tiny", "directory to write the checkpoint into", path=True)
     arch: Literal["qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe"] = option(
         "qwen2", "model architecture (qwen3_moe, qwen2_moe: Mixture-of-Experts, 8 experts with 2 per token; "
                  "qwen2_moe adds a gated shared expert)")
@@ -205,7 +219,7 @@ class ImportGGUFConfig:
     """A GGUF file (llama.cpp's format) as a Hugging Face checkpoint directory, checked against transformers."""
 
     src: str = option("", "a .gguf file, or pkg:NAME for the GGUF file an installed package ships", positional=True)
-    out: str = option("", "directory to write the checkpoint into (must not exist or be empty)")
+    out: str = option("", "directory to write the checkpoint into (must not exist or be empty)", path=True)
     dtype: Literal["float32", "bfloat16"] = option("float32", "dtype of the written weights")
 
     def __post_init__(self) -> None:
@@ -217,7 +231,7 @@ class ImportGGUFConfig:
 class EngineConfig:
     """The embedded engine: an SGLang-protocol inference server in PyTorch."""
 
-    model: str = option("", "Hugging Face checkpoint directory (config.json, safetensors, tokenizer)")
+    model: str = option("", "Hugging Face checkpoint directory (config.json, safetensors, tokenizer)", path=True)
     host: str = option("127.0.0.1", "address to bind")
     port: int = option(30000, "port to bind")
     device: Literal["cpu", "cuda"] = option("cpu", "device to run on")
@@ -271,7 +285,7 @@ class EngineConfig:
 class ServersConfig:
     """Rollout servers behind the real sgl-router; ``--router-*`` (and ``--sglang-*``) pass through."""
 
-    hf_checkpoint: str = option("", "Hugging Face checkpoint the engines serve")
+    hf_checkpoint: str = option("", "Hugging Face checkpoint the engines serve", path=True)
     rollout_backend: Literal["auto", "sglang", "embedded"] = option(
         "auto", "real SGLang servers (needs the sglang package and CUDA) or embedded engines (auto: SGLang when it can run)")
     num_engines: int = option(2, "rollout servers to start")
@@ -285,7 +299,7 @@ class ServersConfig:
     router_host: str = option("127.0.0.1", "address the router binds")
     router_port: int = option(0, "router port (0: a free port)")
     startup_timeout: float = option(180.0, "seconds to wait for every process to become healthy")
-    log_dir: str = option("runs/servers", "directory for the engines' and the router's logs")
+    log_dir: str = option("runs/servers", "directory for the engines' and the router's logs", path=True)
     admin_api_key: str | None = option(
         None, "key every rollout server requires on its weight and control routes (inverted train sets a random one)")
 
@@ -305,11 +319,11 @@ class ServersConfig:
 class BufferConfig:
     """The Data Buffer service: durable tasks and trajectories (SQLite), leases, groups, staleness."""
 
-    db: str = option("runs/buffer.db", "SQLite database file (created if missing; reopened on restart)")
+    db: str = option("runs/buffer.db", "SQLite database file (created if missing; reopened on restart)", path=True)
     host: str = option("127.0.0.1", "address to bind")
     port: int = option(8600, "port to bind")
     api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on every route but /health")
-    prompt_data: str | None = option(None, "prompt dataset (.jsonl or .parquet), loaded into the database once")
+    prompt_data: str | None = option(None, "prompt dataset (.jsonl or .parquet), loaded into the database once", path=True)
     input_key: str = option("input", "row key of the prompt (text or chat messages)")
     label_key: str | None = option("label", "row key of the label")
     metadata_key: str | None = option("metadata", "row key of per-prompt metadata")
@@ -346,7 +360,7 @@ class ProxyConfig:
     """The token-recording OpenAI-compatible proxy: sessions in front of the router's /generate."""
 
     router_url: str = option("", "sgl-router (or one SGLang server) whose /generate the proxy calls")
-    tokenizer: str = option("", "checkpoint directory whose tokenizer and chat template the proxy renders with")
+    tokenizer: str = option("", "checkpoint directory whose tokenizer and chat template the proxy renders with", path=True)
     proxy_host: str = option("127.0.0.1", "address to bind")
     proxy_port: int = option(8700, "port to bind")
     proxy_api_key: str | None = option(None, "key required to create sessions and for session admin routes")
@@ -360,6 +374,8 @@ class ProxyConfig:
         False, "ask the servers for each token's routed experts (MoE; SGLang's return_routed_experts) and keep them "
                "in the Samples, for rollout routing replay (inverted train sets it with --use-rollout-routing-replay)")
     proxy_max_resumes: int = option(8, "aborts one call may survive before it fails with 503")
+    proxy_server_loss_wait: float = option(
+        180.0, "seconds a call goes on trying after its server died or none answered (the job replaces dead ones)")
     proxy_max_turns: int = option(0, "turns per session (0: no limit); more get 409")
     proxy_max_sessions: int = option(
         16384, "sessions held at once, open or finished and kept for --proxy-retention; when full, the oldest "
@@ -383,6 +399,7 @@ class ProxyConfig:
         _require(1 <= self.proxy_port <= 65535, "--proxy-port", self.proxy_port, "1..65535")
         _require(self.context_length >= 0, "--context-length", self.context_length, ">= 0")
         _require(self.proxy_max_resumes >= 0, "--proxy-max-resumes", self.proxy_max_resumes, ">= 0")
+        _require(self.proxy_server_loss_wait >= 0, "--proxy-server-loss-wait", self.proxy_server_loss_wait, ">= 0")
         _require(self.proxy_max_turns >= 0, "--proxy-max-turns", self.proxy_max_turns, ">= 0")
         for name in ("proxy_max_sessions", "proxy_max_session_tokens", "proxy_max_request_bytes"):
             _require(getattr(self, name) >= 1, flag_name(name), getattr(self, name), ">= 1")
@@ -503,7 +520,7 @@ class WeightSyncConfig:
         "auto", "how new weights reach the rollout servers (auto: tensor when they are on this node, else distributed)")
     update_weight_buffer_size: int = option(512 * 1024**2, "bytes per flattened weight bucket")
     update_weight_disk_dir: str | None = option(
-        None, "where the disk transport writes weights (default: OUTPUT_DIR/weight_updates; shared storage across nodes)")
+        None, "where the disk transport writes weights (default: OUTPUT_DIR/weight_updates; shared storage across nodes)", path=True)
     update_weight_timeout: float = option(300.0, "seconds to wait for the servers to join a weight-update group")
     pause_mode: PauseMode = option(
         "retract", "how generation pauses for a weight update: abort in-flight requests, retract them (resumed on "
@@ -519,8 +536,8 @@ class WeightSyncConfig:
 class CheckpointConfig:
     """Training checkpoints: where to resume from, where and how often to save."""
 
-    load: str | None = option(None, "checkpoint directory to resume from (its latest step); overrides the HF weights")
-    save: str | None = option(None, "directory to write checkpoints into")
+    load: str | None = option(None, "checkpoint directory to resume from (its latest step); overrides the HF weights", path=True)
+    save: str | None = option(None, "directory to write checkpoints into", path=True)
     save_interval: int = option(0, "save every N rollouts (0: only at the end, when --save is set)")
 
     def __post_init__(self) -> None:
@@ -537,7 +554,7 @@ class AdapterConfig:
     target_modules: list[str] = option(
         ["all"], "modules to adapt: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, or all")
     lora_adapter_path: str | None = option(
-        None, "PEFT adapter directory to start from (its own rank, alpha and modules are used)")
+        None, "PEFT adapter directory to start from (its own rank, alpha and modules are used)", path=True)
 
     def __post_init__(self) -> None:
         _require(self.lora_rank >= 0, "--lora-rank", self.lora_rank, ">= 0")
@@ -577,12 +594,12 @@ class TrainConfig:
     """The Megatron trainer: model, batching and precision here; loss, optimizer, parallelism, weight
     sync and checkpoints in sections of their own, each handed to its owner (flags stay flat)."""
 
-    hf_checkpoint: str = option("", "Hugging Face checkpoint the policy (and the KL reference) starts from")
-    output_dir: str = option("runs/train", "run directory: metrics.jsonl, TensorBoard events, the resolved config")
+    hf_checkpoint: str = option("", "Hugging Face checkpoint the policy (and the KL reference) starts from", path=True)
+    output_dir: str = option("runs/train", "run directory: metrics.jsonl, TensorBoard events, the resolved config", path=True)
     num_rollout: int = option(1, "rollouts to train on")
     debug_train_only: bool = option(False, "train from --load-debug-rollout-data with no rollout servers")
     load_debug_rollout_data: str | None = option(
-        None, "jsonl of Samples to train on (one per line); '{rollout_id}' in the path picks a file per rollout")
+        None, "jsonl of Samples to train on (one per line); '{rollout_id}' in the path picks a file per rollout", path=True)
     global_batch_size: int = option(0, "samples per optimizer step (0: the whole rollout batch in one step)")
     max_tokens_per_gpu: int = option(4096, "token budget of one packed micro-batch")
     seed: int = option(1234, "random seed")
@@ -616,8 +633,8 @@ class TrainConfig:
 class ExportConfig:
     """Turn a training checkpoint into a Hugging Face model directory."""
 
-    checkpoint: str = option("", "checkpoint directory (written by --save)")
-    out: str = option("", "directory to write the Hugging Face model into")
+    checkpoint: str = option("", "checkpoint directory (written by --save)", path=True)
+    out: str = option("", "directory to write the Hugging Face model into", path=True)
     merge_lora: bool = option(False, "a LoRA checkpoint: fold the adapter into its base model (default: a PEFT adapter)")
 
     def __post_init__(self) -> None:
@@ -659,12 +676,12 @@ class RolloutConfig:
     rollout_concurrency: int = option(64, "episodes run at the same time")
     rollout_episode_timeout: float = option(600.0, "seconds one episode may take; then it is a failed Sample")
     eval_interval: int = option(0, "evaluate every N rollouts on --eval-prompt-data (0: never)")
-    eval_prompt_data: str | None = option(None, "prompt dataset for evaluation (same keys as --prompt-data)")
+    eval_prompt_data: str | None = option(None, "prompt dataset for evaluation (same keys as --prompt-data)", path=True)
     n_samples_per_eval_prompt: int = option(1, "samples per evaluation prompt")
     eval_temperature: float = option(0.0, "sampling temperature of evaluation (0: greedy)")
     debug_rollout_only: bool = option(False, "rollouts only, no trainer: report throughput and save the Samples")
     save_debug_rollout_data: str | None = option(
-        None, "write each rollout's Samples as jsonl here; '{rollout_id}' in the path makes one file per rollout")
+        None, "write each rollout's Samples as jsonl here; '{rollout_id}' in the path makes one file per rollout", path=True)
     ray_address: str | None = option(None, "Ray cluster to join ('auto' or HOST:PORT; default: start a local one)")
     colocate: bool = option(False, "training and rollout share the devices: servers release memory while training")
     async_mode: bool = option(

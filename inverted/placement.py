@@ -1,7 +1,8 @@
 """Ray at the edge: start or join a cluster, and run rollout servers where Ray places them.
 
 ``start_ray`` joins ``--ray-address`` or starts a local Ray sized to this machine (no dashboard;
-its workers at the job's priority, not Ray's default nice 15).
+its workers at the job's priority, not Ray's default nice 15); a join the cluster refuses for its
+token says where the token goes (``cli.ray_token_auth`` turns Ray's token mode on before Ray loads).
 ``ray_launch`` is a ``Launch`` for ``RolloutServers``: each server process is started by a
 ``ServerActor`` on the node Ray picks, with the GPUs it needs reserved (``CUDA_VISIBLE_DEVICES``
 set by Ray), and the ``RayServer`` handle forwards ``check_alive`` / ``tail`` / ``wait_healthy`` /
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import ray
 
-from inverted.errors import ServiceUnavailable
+from inverted.errors import ConfigError, ServiceUnavailable
 from inverted.processes import ManagedProcess, free_port
 from inverted.rollout.servers import ArgvFor, Launch
 
@@ -30,7 +31,11 @@ def start_ray(address: str | None) -> None:
     if ray.is_initialized():
         return
     if address:
-        ray.init(address=address, logging_level="WARNING")
+        try:
+            ray.init(address=address, logging_level="WARNING")
+        except ray.exceptions.AuthenticationError as exc:
+            raise ConfigError(f"--ray-address {address}: the cluster refused this job's Ray token ({exc}). Give the "
+                              "head's token as RAY_AUTH_TOKEN, or in ~/.ray/auth_token (docs/deployment.md)") from None
     else:
         # A local instance: all cores (fractional requests below keep small jobs schedulable). Ray
         # starts its workers at nice 15, and ours are the engines and the trainer, the job's
@@ -109,7 +114,10 @@ def _launch(num_gpus: float, loopback: bool, resource: str | None, timeout: floa
     while (left := deadline - time.monotonic()) > 0:
         # No CPU reservation: servers mostly wait on I/O or a GPU, and a whole core each would make
         # small machines unschedulable.
-        actor = ray.remote(ServerActor).options(num_cpus=0, num_gpus=num_gpus, resources=node_resource(resource)).remote()
+        # SPREAD: over every node that can take one (Ray's default packs them onto the head), so
+        # that losing a node loses a share of the servers, not all of them.
+        actor = ray.remote(ServerActor).options(num_cpus=0, num_gpus=num_gpus, resources=node_resource(resource),
+                                                scheduling_strategy="SPREAD").remote()
         try:
             url = ray.get(actor.start.remote(name, argv_for, str(log_path), env, loopback), timeout=left)
             return RayServer(actor, name, url)

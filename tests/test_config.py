@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
+from pathlib import Path
 
 import pytest
 
@@ -32,6 +33,7 @@ FROZEN_FLAGS = {
         "--env-path", "--eval-interval", "--eval-prompt-data", "--eval-temperature", "--input-key", "--label-key", "--lease-seconds",
         "--metadata-key", "--n-samples-per-eval-prompt", "--n-samples-per-prompt", "--num-engines", "--num-epoch",
         "--partial-rollout", "--prompt-data", "--proxy-generate-timeout", "--proxy-max-resumes", "--proxy-max-turns",
+        "--proxy-server-loss-wait",
         "--proxy-replay-retries", "--proxy-retention", "--proxy-session-timeout", "--proxy-tool-parser-path",
         "--ray-address", "--rollout-backend", "--rollout-batch-size", "--rollout-concurrency",
         "--rollout-episode-timeout", "--rollout-function-path", "--rollout-max-response-len", "--rollout-num-gpus",
@@ -60,7 +62,7 @@ FROZEN_FLAGS = {
               "--served-model-name", "--context-length", "--partial-rollout", "--proxy-max-resumes", "--proxy-max-turns",
               "--proxy-session-timeout", "--proxy-retention", "--proxy-replay-retries", "--proxy-tool-parser-path",
               "--proxy-generate-timeout", "--log-level", "--proxy-max-sessions", "--proxy-max-session-tokens",
-              "--proxy-max-request-bytes", "--lora-name", "--return-routed-experts"},
+              "--proxy-max-request-bytes", "--lora-name", "--return-routed-experts", "--proxy-server-loss-wait"},
     "servers": {"--config", "--hf-checkpoint", "--num-engines", "--engine-device", "--engine-max-running-requests",
                 "--engine-threads", "--router-host", "--router-port", "--startup-timeout", "--log-dir", "--admin-api-key",
                 "--rollout-backend", "--rollout-num-gpus", "--rollout-num-gpus-per-engine", "--rollout-node-resource"},
@@ -252,3 +254,38 @@ def test_a_lora_or_replay_run_starts_either_kind_of_server_with_the_same_flags()
     args = build_parser().parse_args(embedded[embedded.index("serve-engine"):])
     assert (args.enable_lora, args.max_lora_rank, args.lora_target_modules, args.lora_paths,
             args.enable_return_routed_experts) == (True, 16, ["q_proj", "down_proj"], ["policy=/adapters/a"], True)
+
+
+def test_every_path_is_resolved_against_the_working_directory_once_at_start_up(tmp_path, monkeypatch):
+    """A relative path means the user's directory, not a Ray actor's: every path field of the job
+    (nested sections too) is absolute after start-up, and the unmarked ones are not paths."""
+    from inverted.config import resolve_paths
+
+    monkeypatch.chdir(tmp_path)
+    train = build_parser()._subparsers._group_actions[0].choices["train"]
+    args = train.parse_args(["--hf-checkpoint", "models/m", "--prompt-data", "data/p.jsonl", "--output-dir", "runs/x",
+                             "--load", "~/ckpt", "--save-debug-rollout-data", "out/{rollout_id}.jsonl",
+                             "--env-path", "envs.letters:episode"])
+    job = build_section(JobConfig, args)
+    resolve_paths(job)
+    assert job.train.hf_checkpoint == job.servers.hf_checkpoint == str(tmp_path / "models/m")
+    assert job.buffer.prompt_data == str(tmp_path / "data/p.jsonl")
+    assert job.train.output_dir == str(tmp_path / "runs/x")
+    assert job.train.ckpt.load == str(Path.home() / "ckpt")
+    assert job.rollout.save_debug_rollout_data == str(tmp_path / "out/{rollout_id}.jsonl")
+    assert job.rollout.env_path == "envs.letters:episode"  # a module path, not a file
+    assert job.buffer.db == "(set by inverted train)"  # the job sets it under --output-dir
+
+
+def test_a_checkpoint_that_is_not_there_is_named_before_anything_starts(tmp_path, monkeypatch, capsys):
+    """Never taken for a hub id (nothing downloads at run time): the error names the resolved path."""
+    from inverted.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hi", "label": "x"}\n')
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--hf-checkpoint", "models/tiny-qwen2", "--prompt-data", "p.jsonl", "--env-path",
+              "envs.letters:episode", "--output-dir", "run"])
+    assert info.value.code == 2
+    assert f"--hf-checkpoint {tmp_path}/models/tiny-qwen2: not a Hugging Face checkpoint directory" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

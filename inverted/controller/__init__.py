@@ -43,6 +43,9 @@ logger = logging.getLogger(__name__)
 def run(cfg: JobConfig, router_args: list[str], sglang_args: list[str], log_setup: Callable[[str], None]) -> None:
     """``inverted train``: check everything, then run the loop with every part started."""
     cfg.validate()
+    checkpoint = Path(cfg.train.hf_checkpoint)
+    if not (checkpoint / "config.json").is_file():  # never taken for a hub id: nothing is downloaded
+        raise ConfigError(f"--hf-checkpoint {checkpoint}: not a Hugging Face checkpoint directory (no config.json)")
     plugins = Plugins.load(cfg.rollout)
     LossPlugins.load(cfg.train.loss)  # the trainer's and the buffer's plug-ins load in their own processes:
     load_group_filter(cfg.buffer), load_group_chooser(cfg.buffer)  # check them here, before any starts

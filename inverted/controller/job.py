@@ -8,8 +8,9 @@ an unguessable key; on exit it stops them all, whatever happened.
 Supervision (``supervise``, a background task beside the loop): every second the buffer, the
 proxy and the router must be alive (if one is not, the job stops with its name, exit code and log
 tail); a rollout server that died is *healed*: taken out of the router, replaced by a fresh
-server that first gets the current weights and version, then registered. Episodes that were on
-the dead server are retried by the router on the others. Deaths and restarts are logged and
+server that first gets the current weights and version, then registered; the servers of a lost
+node are replaced side by side. A call that was on a dead server is sampled again by the proxy on
+whichever server answers (``--proxy-server-loss-wait``), so its episode goes on. Deaths and restarts are logged and
 counted (``faults/*`` metrics).
 
 A LoRA run (``--lora-rank``) starts every server with LoRA enabled; the adapter the trainer
@@ -261,10 +262,13 @@ class Job:
             await asyncio.sleep(SUPERVISE_EVERY_S)
 
     async def heal(self) -> None:
-        """Replace every rollout server that died."""
+        """Replace every rollout server that died, all at once (a lost node takes several)."""
         async with self._heal_lock:
-            for engine in await asyncio.to_thread(self.servers.dead):
-                await self._replace(engine)
+            dead = await asyncio.to_thread(self.servers.dead)
+            results = await asyncio.gather(*(self._replace(engine) for engine in dead), return_exceptions=True)
+            for error in results:
+                if isinstance(error, BaseException):
+                    raise error
 
     async def _replace(self, dead: ServerHandle) -> None:
         self.faults["engine_deaths"] += 1

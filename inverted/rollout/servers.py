@@ -140,18 +140,26 @@ class RolloutServers:
     def _engine_threads(self) -> int:
         return self.config.engine_threads or max(1, (os.cpu_count() or 1) // self.config.num_engines)
 
-    def _spawn_engine(self) -> ServerHandle:
-        name, self.launched = f"engine-{self.launched}", self.launched + 1
+    def _spawn_engine(self, name: str | None = None) -> ServerHandle:
+        """Launch a server (``name``: one that ``_next_name`` gave, when launched from another thread)."""
+        name = name or self._next_name()
         env = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"} if self.backend == "sglang" else {}
         argv_for = functools.partial(engine_argv, self.config, self.backend, self.sglang_args, self.flags,
                                      self._engine_threads())
         return self.launch(name, argv_for, self.log_dir / f"{name}.log", env)
 
+    def _next_name(self) -> str:
+        name, self.launched = f"engine-{self.launched}", self.launched + 1
+        return name
+
     def _spawn_router(self) -> ManagedProcess:
         port = self.router_url.rsplit(":", 1)[1]
         given = {arg.split("=", 1)[0] for arg in self.router_args if arg.startswith("--")}
         argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", self.config.router_host, "--port", port]
-        defaults = {**ROUTER_DEFAULTS, "--prometheus-port": str(free_port())}  # 29000 would clash between routers
+        # Its metrics bind where it does (sgl-router's default is 0.0.0.0, and the page lists the
+        # servers' URLs), on a port of their own: 29000 would clash between routers.
+        host = self.config.router_host
+        defaults = {**ROUTER_DEFAULTS, "--prometheus-host": host, "--prometheus-port": str(free_port(host))}
         for flag, value in defaults.items():
             if flag not in given:
                 argv += [flag, value]
@@ -193,8 +201,9 @@ class RolloutServers:
         raise ServiceUnavailable(f"router did not activate {engine.url}; log tail:\n{self.router.tail()}", url=self.router_url)
 
     async def start_engine(self) -> ServerHandle:
-        """Start one more server and wait until it is healthy; it serves nothing until ``adopt``/``register``."""
-        engine = self._spawn_engine()
+        """Start one more server and wait until it is healthy; it serves nothing until ``adopt``/``register``.
+        Placing it may wait for a node (Ray), so it happens off the event loop: several start at once."""
+        engine = await asyncio.to_thread(self._spawn_engine, self._next_name())
         try:
             await asyncio.to_thread(engine.wait_healthy, self.config.startup_timeout)
         except BaseException:

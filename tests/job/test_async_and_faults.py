@@ -44,12 +44,12 @@ def long_tail_data(path: Path, count: int, short_s: float, long_s: float) -> Pat
     return path
 
 
-def start_job(*args: str, log: Path) -> subprocess.Popen:
+def start_job(*args: str, log: Path, cwd: Path = ROOT) -> subprocess.Popen:
     """``inverted train`` in its own session, so that the whole job can be killed at once."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with log.open("w") as out:
         return subprocess.Popen([sys.executable, "-m", "inverted.cli", "train", *args], stdout=out,
-                                stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
+                                stderr=subprocess.STDOUT, cwd=cwd, env=env, start_new_session=True)
 
 
 def wait_for(condition, job: subprocess.Popen, log: Path, timeout: float = 240.0) -> None:

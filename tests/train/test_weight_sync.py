@@ -92,3 +92,23 @@ def test_a_grpo_loop_through_weight_sync_learns_and_stays_exactly_on_policy(proc
     assert [h["versions"] for h in history] == [["default"]] + [[str(step)] for step in range(1, 14)]
     assert max(h["mismatch"] for h in history) <= 1e-5, [h["mismatch"] for h in history]
     assert history[0]["reward"] <= 0.4 and min(h["reward"] for h in history[-3:]) >= 0.8, [h["reward"] for h in history]
+
+
+def test_auto_transport_is_tensor_exactly_when_every_server_is_on_this_host():
+    """Under ``--ray-address`` a server binds its node's address, not loopback: one on the trainer's
+    node is still reached by tensor (CUDA IPC on a GPU); any server elsewhere makes it distributed."""
+    import socket
+
+    import psutil
+
+    from inverted.train.weight_sync import choose_transport
+
+    ours = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+            if a.family == socket.AF_INET and not a.address.startswith("127.")]
+    if not ours:
+        pytest.skip("this machine has no address but loopback")
+    elsewhere = "http://203.0.113.7:30000"  # TEST-NET-3: never an address of this host
+    assert choose_transport("auto", ["http://127.0.0.1:30000", f"http://{ours[0]}:30001"]) == "tensor"
+    assert choose_transport("auto", [f"http://{ours[0]}:30001", elsewhere]) == "distributed"
+    assert choose_transport("auto", [elsewhere], lora=True) == "disk"  # SGLang loads adapters by tensor or path
+    assert choose_transport("disk", ["http://127.0.0.1:30000"]) == "disk"  # a chosen transport stays chosen

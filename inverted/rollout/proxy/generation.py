@@ -11,6 +11,11 @@ to the generate timeout); a running call may come back aborted (``finish_reason.
 - otherwise the tokens are dropped and the call is **retried** from its prompt.
 More than ``max_resumes`` aborts in one call raise ``ServiceUnavailable``.
 
+A call whose server died under it (or that found no live server: the router's 503 while the job
+replaces them) is handled the same way, resumed or sampled again, on whichever server is live,
+for up to ``server_loss_wait`` seconds with a short backoff: a node lost mid-rollout costs the
+episodes on it the time until a server answers again, not the episodes themselves.
+
 Per-token versions come from the engine (``sglang_client.read_output``). In a LoRA run every call
 names the policy's adapter (``lora_path``). With ``routes_from`` (a MoE policy trained with rollout
 routing replay) each call asks for ``return_routed_experts`` from that position on
@@ -21,11 +26,18 @@ is kept as ``routes``.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from inverted.errors import ServiceUnavailable
 from inverted.rollout.sglang_client import SGLangClient, WorkersClient, read_output, read_routed_experts
+
+logger = logging.getLogger(__name__)
+
+LOST_SERVER_BACKOFF_S = (0.25, 2.0)  # first and longest wait between tries after a lost server
 
 
 @dataclass(slots=True)
@@ -38,6 +50,7 @@ class Sampled:
     routes: str | None = None  # the routed experts of prompt[routes_from:] + ids (read_routed_experts), when asked for
     resumes: int = 0
     retries: int = 0
+    lost: int = 0  # tries that lost their server
 
     @property
     def reason(self) -> str:
@@ -46,13 +59,16 @@ class Sampled:
 
 async def sample_turn(client: SGLangClient | WorkersClient, prompt_ids: list[int], sampling: dict[str, Any], *,
                       stream: bool, partial_rollout: bool, max_resumes: int, top_logprobs: int = 0,
-                      lora_path: str | None = None, routes_from: int | None = None) -> AsyncIterator[Sampled]:
+                      lora_path: str | None = None, routes_from: int | None = None,
+                      server_loss_wait: float = 0.0) -> AsyncIterator[Sampled]:
     """Yield the turn's state as it grows; the last state yielded has ``finish`` set. ``lora_path``: the
     LoRA adapter to sample from (None: the base model); ``routes_from``: ask for the routed experts of
-    the tokens from this position on (None: not at all)."""
+    the tokens from this position on (None: not at all); ``server_loss_wait``: seconds to go on trying
+    after the servers fail the call."""
     state = Sampled()
     budget = sampling["max_new_tokens"]
     aborts = 0
+    lost_since: float | None = None
     while True:
         params = {**sampling, "max_new_tokens": budget - len(state.ids)}
         if "min_new_tokens" in params:  # a resumed call owes only what is still missing
@@ -69,23 +85,37 @@ async def sample_turn(client: SGLangClient | WorkersClient, prompt_ids: list[int
             chunks = client.generate_stream(payload)
         else:
             chunks = _single(client.generate(payload))
-        async for body in chunks:
-            ids, logprobs, versions, tops, finish = read_output(body, client.base_url)
-            del state.ids[kept:], state.logprobs[kept:], state.versions[kept:], state.tops[kept:]
-            state.ids += ids
-            state.logprobs += logprobs
-            state.versions += versions
-            state.tops += tops
-            state.finish = finish
-            state.routes = read_routed_experts(body)  # the last chunk (or answer) of a call carries them
-            if finish is None or finish.get("type") != "abort":
-                yield state
-        if state.reason != "abort":
-            return
-        aborts += 1
-        if aborts > max_resumes:
-            raise ServiceUnavailable(f"generation was aborted {aborts} times (weight updates or aborts); giving up",
-                                     url=client.base_url + "/generate")
+        try:
+            async for body in chunks:
+                ids, logprobs, versions, tops, finish = read_output(body, client.base_url)
+                del state.ids[kept:], state.logprobs[kept:], state.versions[kept:], state.tops[kept:]
+                state.ids += ids
+                state.logprobs += logprobs
+                state.versions += versions
+                state.tops += tops
+                state.finish = finish
+                state.routes = read_routed_experts(body)  # the last chunk (or answer) of a call carries them
+                if finish is None or finish.get("type") != "abort":
+                    yield state
+        except ServiceUnavailable as error:
+            lost_since = lost_since or time.monotonic()
+            if time.monotonic() - lost_since >= server_loss_wait:
+                raise
+            state.lost += 1
+            delay = min(LOST_SERVER_BACKOFF_S[0] * 2 ** (state.lost - 1), LOST_SERVER_BACKOFF_S[1])
+            logger.warning("a call lost its server (%s); trying again in %.2fs", error, delay)
+            await asyncio.sleep(delay)
+            if len(state.ids) == kept:
+                continue  # nothing of this try reached anyone: send it again as it was
+            state.finish = {"type": "abort"}  # what it had streamed is kept, as an abort's
+        else:
+            lost_since = None
+            if state.reason != "abort":
+                return
+            aborts += 1
+            if aborts > max_resumes:
+                raise ServiceUnavailable(f"generation was aborted {aborts} times (weight updates or aborts); giving up",
+                                         url=client.base_url + "/generate")
         if partial_rollout or (stream and state.ids):
             state.resumes += 1
             if len(state.ids) >= budget:

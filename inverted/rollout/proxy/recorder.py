@@ -302,7 +302,7 @@ class Recorder:
                                        # a constrained call resumed would restart its grammar: sampled again
                                        partial_rollout=self.config.partial_rollout and "json_schema" not in sampling,
                                        max_resumes=self.config.proxy_max_resumes, top_logprobs=req.top_logprobs,
-                                       routes_from=routes_from):
+                                       routes_from=routes_from, server_loss_wait=self.config.proxy_server_loss_wait):
             choice.state = state
             yield state
         state = choice.state

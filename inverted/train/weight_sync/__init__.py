@@ -22,23 +22,28 @@ from inverted.train.weight_sync.transports import (
     DistributedTransport,
     TensorTransport,
     Transport,
-    address_towards,
+    on_this_host,
 )
 
 __all__ = ["Bucket", "BucketPacker", "DiskTransport", "DistributedTransport", "SyncReport", "TensorTransport",
-           "Transport", "WeightSync", "make_weight_sync"]
+           "Transport", "WeightSync", "choose_transport", "make_weight_sync"]
+
+
+def choose_transport(kind: str, urls: list[str], *, lora: bool = False) -> str:
+    """``--update-weight-transport``; ``auto``: tensor (CUDA IPC on a GPU, shared memory on CPU) when every
+    server is on this host, whatever address it binds, else distributed (a LoRA adapter: else disk, as
+    SGLang loads adapters by tensor or by path)."""
+    if kind != "auto":
+        return kind
+    return "tensor" if all(on_this_host(url) for url in urls) else "disk" if lora else "distributed"
 
 
 def make_weight_sync(cfg: WeightSyncConfig, hf_checkpoint: str, output_dir: str, urls: list[str], *,
                      api_key: str | None = None, adapter: dict | None = None) -> WeightSync:
-    """``--update-weight-transport auto``: tensor when every server is on this host, else distributed
-    (a LoRA adapter, ``adapter`` its PEFT config: else disk, as SGLang loads adapters by tensor or path).
-    The disk transport writes under ``output_dir`` unless told where, beside ``hf_checkpoint``'s config."""
+    """A weight sync by ``choose_transport``'s transport. The disk transport writes under ``output_dir``
+    unless told where, beside ``hf_checkpoint``'s config."""
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    kind = cfg.update_weight_transport
-    if kind == "auto":
-        local = all(address_towards(url) == "127.0.0.1" for url in urls)
-        kind = "tensor" if local else "disk" if adapter is not None else "distributed"
+    kind = choose_transport(cfg.update_weight_transport, urls, lora=adapter is not None)
     if kind == "tensor":
         transport: Transport = TensorTransport(device)
     elif kind == "distributed":

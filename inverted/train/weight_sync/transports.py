@@ -22,8 +22,10 @@ addressed concurrently.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import shutil
+import socket
 import uuid
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -160,6 +162,18 @@ class TensorTransport(Transport):
 def address_towards(url: str) -> str:
     """This host's address on the route to ``url``'s host (loopback for a local server)."""
     return route_address(urlparse(url).hostname or "127.0.0.1")
+
+
+def on_this_host(url: str) -> bool:
+    """Whether ``url``'s server runs on this host: at a loopback address, or at one of this host's own
+    (a server on a cluster binds its node's address, and the route to an address of ours starts from it)."""
+    host = socket.gethostbyname(urlparse(url).hostname or "127.0.0.1")
+    if ipaddress.ip_address(host).is_loopback:
+        return True
+    try:
+        return route_address(host) == host
+    except OSError:  # no route to it: not an address of ours
+        return False
 
 
 class DistributedTransport(Transport):

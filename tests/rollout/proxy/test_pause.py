@@ -11,6 +11,7 @@ import pytest
 
 from inverted.rollout.sglang_client import SGLangClient
 from inverted.types import Sample
+from tests.rollout.proxy.conftest import Stack
 from tests.rollout.proxy.test_recording import check_exact
 
 pytestmark = pytest.mark.anyio
@@ -78,3 +79,40 @@ async def test_calls_wait_while_servers_are_paused(stack):
         response = await call
         # It completes once the server continues (the sampled reply may end early at the stop token).
         assert response.status_code == 200 and 1 <= response.json()["usage"]["completion_tokens"] <= 4
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_call_whose_server_dies_is_finished_on_the_server_that_replaces_it(procs, taught_model, stream):
+    """The server is killed mid-call and, as the job heals, another takes its place in the router: the
+    call still answers 200 with every token, sampled again (or resumed, once streamed tokens reached
+    the client), and the Sample is exact against what the servers produced."""
+    import os
+    import signal
+
+    from inverted.rollout.sglang_client import RouterClient
+
+    first = procs.engine(taught_model, "--log-requests", name="first")
+    router = procs.routed(first)
+    proxy = procs.proxy(router.url, taught_model, "--proxy-server-loss-wait", "60")
+    async with httpx.AsyncClient(timeout=120) as http, RouterClient(router.url) as workers:
+        session = (await http.post(proxy.url + "/sessions", json={})).json()
+        call = asyncio.create_task(http.post(session["base_url"] + "/chat/completions", json={**LONG, "stream": stream}))
+        while Stack(first, router, proxy, taught_model).engine_metric("sglang:generation_tokens_total") < 20:
+            assert not call.done(), (await call).text
+            await asyncio.sleep(0.02)
+        os.kill(first.popen.pid, signal.SIGKILL)
+        await workers.remove_worker(first.url)
+        second = procs.engine(taught_model, "--log-requests", name="second")
+        await workers.add_worker(second.url)
+        response = await call
+        assert response.status_code == 200, response.text
+        samples = (await http.post(f"{proxy.url}/sessions/{session['session_id']}/finish")).json()["samples"]
+    (sample,) = [Sample.from_json(s) for s in samples]
+    assert sample.response_length == N and sample.metadata["turns"][0]["finish_reason"] == "length"
+    replaced = Stack(second, router, proxy, taught_model).engine_requests()
+    assert len(replaced) == 1
+    if stream and replaced[0]["input_ids"] != sample.tokens[:len(sample.tokens) - N]:  # resumed after streamed tokens
+        assert sample.tokens[-len(replaced[0]["output_ids"]):] == replaced[0]["output_ids"]
+        assert sample.metadata["turns"][0]["resumes"] == 1
+    else:
+        check_exact(sample, replaced)
