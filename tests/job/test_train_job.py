@@ -7,6 +7,7 @@ its per-token weight versions), the saved rollout data, checkpoints and the Hugg
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -251,3 +252,59 @@ def test_a_broken_rollout_function_stops_the_job_and_leaves_no_process(tiny_mode
     assert result.returncode == 2
     assert "--rollout-function-path broken:generate_rollout: expected one Sample per task (4), got 0" in result.stderr
     assert leftover_processes(str(model)) == [] and leftover_processes(str(tmp_path / "run")) == []
+
+
+RAY_DAEMONS = ("gcs_server", "raylet")
+
+
+def is_rays(process) -> bool:
+    """Ray's own processes: its binaries, its Python daemons and its workers (``ray::…``)."""
+    name = process.name()
+    return name in RAY_DAEMONS or name.startswith("ray::") or "/site-packages/ray/" in " ".join(process.cmdline())
+
+
+def test_every_socket_a_job_opens_is_deliberate(tiny_model, tmp_path):
+    """Every listening socket of a running job, found in its process tree from start-up to shut-down:
+    the job's own services (buffer, proxy, router and its metrics, engines, the trainer's store)
+    listen on loopback only, and refuse a caller without the job's key; what listens on other
+    addresses is Ray's, run in token mode (docs/deployment.md, "Network and keys")."""
+    import time
+
+    import httpx
+    import psutil
+
+    from tests.job.test_async_and_faults import start_job
+
+    log, run_dir = tmp_path / "job.log", tmp_path / "run"
+    data = write_dataset(calculator_rows, tmp_path / "calculator.jsonl", count=8)
+    job = start_job("--hf-checkpoint", str(tiny_model()), "--prompt-data", str(data), "--env-path",
+                    "envs.calculator:episode", "--output-dir", str(run_dir), "--num-rollout", "3", *ONE_ENGINE_RUN,
+                    log=log)
+    seen: dict[tuple[str, int], tuple[str, bool]] = {}  # address -> (command line, Ray's)
+    refused: dict[str, int] = {}  # our services' keyed routes, called without the key
+    ray_token_mode = []
+    routes = {"inverted.cli buffer": "/tasks/lease", "inverted.cli proxy": "/sessions", "serve-engine": "/update_weights_from_disk"}
+    root = psutil.Process(job.pid)
+    while job.poll() is None:
+        for process in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error, httpx.HTTPError):
+                for conn in process.net_connections(kind="inet"):
+                    address = (conn.laddr.ip, conn.laddr.port)
+                    if conn.status != psutil.CONN_LISTEN or address in seen:
+                        continue
+                    # the controller opens no socket itself: what its process listens on is Ray's driver
+                    cmdline, rays = " ".join(process.cmdline()), is_rays(process) or process.pid == job.pid
+                    seen[address] = (cmdline, rays)
+                    if process.name() == "gcs_server":
+                        ray_token_mode.append(process.environ().get("RAY_AUTH_MODE"))
+                    for role, route in routes.items():
+                        if role in cmdline and not rays:
+                            refused[role] = httpx.post(f"http://{address[0]}:{address[1]}{route}", json={}).status_code
+        time.sleep(0.1)
+    check(subprocess.CompletedProcess(job.args, job.returncode, "", log.read_text()))
+    ours = {address: cmdline for address, (cmdline, rays) in seen.items() if not rays}
+    assert {ip for ip, _ in ours} == {"127.0.0.1"}, [(a, c[:80]) for a, c in ours.items() if a[0] != "127.0.0.1"]
+    assert len([a for a, cmdline in ours.items() if "sglang::router" in cmdline]) == 2  # its API and its metrics
+    assert refused == {role: 401 for role in routes}, refused
+    beyond = {cmdline.split()[0] for (ip, _), (cmdline, rays) in seen.items() if not ip.startswith("127.")}
+    assert beyond and ray_token_mode == ["token"], (beyond, ray_token_mode)  # Ray's, with its token on
