@@ -8,7 +8,9 @@ turns a section into argparse flags (``max_running_requests`` becomes
 owns it; their flags stay flat (``--lr``, not ``--optim-lr``), so ``from_flags`` builds any
 section from flag names and ``to_flags`` flattens one back (for YAML and slime's ``args``). ``--config FILE.yaml`` supplies the same keys; flags
 override it. Flags that start with a pass-through prefix (``--sglang-``, ``--router-``) are not
-modelled: ``split_passthrough`` hands them verbatim to the process they belong to.
+modelled: ``split_passthrough`` hands them verbatim to the process they belong to. Fields that
+name files (``option(..., path=True)``) are made absolute by ``resolve_paths`` once, at start-up,
+against the user's working directory.
 
 This module imports only ``errors``.
 """

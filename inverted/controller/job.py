@@ -10,8 +10,8 @@ proxy and the router must be alive (if one is not, the job stops with its name, 
 tail); a rollout server that died is *healed*: taken out of the router, replaced by a fresh
 server that first gets the current weights and version, then registered; the servers of a lost
 node are replaced side by side. A call that was on a dead server is sampled again by the proxy on
-whichever server answers (``--proxy-server-loss-wait``), so its episode goes on. Deaths and restarts are logged and
-counted (``faults/*`` metrics).
+whichever server answers (``--proxy-server-loss-wait``), so its episode goes on. Deaths and
+restarts are logged and counted (``faults/*`` metrics).
 
 A LoRA run (``--lora-rank``) starts every server with LoRA enabled; the adapter the trainer
 trains is served as ``POLICY_ADAPTER``, which the proxy and the rollout context name in every

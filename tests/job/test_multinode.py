@@ -104,9 +104,10 @@ def cluster(monkeypatch, tmp_path):
     """Head (offering ``train_node`` and ``rollout_node``) and a second node (``rollout_node`` and
     ``second_node``), each joined by docs/deployment.md's commands; stopped after.
 
-    The head has a token of its own (its own home); the worker's home holds a stale token file, as
-    one that ran a local job before would: the documented command joins all the same. The job
-    gets the token as ``RAY_AUTH_TOKEN`` alone, and turns Ray's token mode on itself.
+    The head has a token of its own (its own home). A plain ``ray start --address`` is refused;
+    the documented command joins the worker, whose home holds no token file. The job's home holds a
+    stale token file, as one that ran a local job before would: it gets the head's token as
+    ``RAY_AUTH_TOKEN`` alone, and turns Ray's token mode on itself.
     """
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
@@ -118,16 +119,21 @@ def cluster(monkeypatch, tmp_path):
     ns, head_ip, node_ip = namespace or (None, "127.0.0.1", "127.0.0.1")
     inside = ["ip", "netns", "exec", ns] if ns else []
     port = free_port(head_ip)
-    (tmp_path / "head").mkdir()
-    (tmp_path / "worker" / ".ray").mkdir(parents=True)
-    (tmp_path / "worker" / ".ray" / "auth_token").write_text(secrets.token_hex(32))  # stale
+    for home in ("head", "worker", "job/.ray"):
+        (tmp_path / home).mkdir(parents=True)
+    (tmp_path / "job" / ".ray" / "auth_token").write_text(secrets.token_hex(32))  # stale
     try:
         token = start_head(tmp_path / "head", port, head_ip, temp, {"train_node": 1, "rollout_node": 1})
         _, worker_env = join_commands(token)
-        ray("start", "--address", f"{head_ip}:{port}", "--node-ip-address", node_ip, "--num-cpus", "2",
-            "--resources", json.dumps({"rollout_node": 1, "second_node": 1}), "--temp-dir", temp,
-            env=worker_env | {"HOME": str(tmp_path / "worker")}, prefix=inside)
+        join = ["start", "--address", f"{head_ip}:{port}", "--node-ip-address", node_ip, "--num-cpus", "2",
+                "--resources", json.dumps({"rollout_node": 1, "second_node": 1}), "--temp-dir", temp]
+        plain = {k: v for k, v in worker_env.items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
+        with pytest.raises(subprocess.CalledProcessError) as refused:  # Ray's worker join: no token mode of its own
+            ray(*join, env=plain | {"HOME": str(tmp_path / "worker")}, prefix=inside)
+        assert b"AuthenticationError" in refused.value.stderr + refused.value.stdout
+        ray(*join, env=worker_env | {"HOME": str(tmp_path / "worker")}, prefix=inside)
         monkeypatch.setenv("RAY_AUTH_TOKEN", token)
+        monkeypatch.setenv("HOME", str(tmp_path / "job"))
         yield Cluster(f"{head_ip}:{port}", ns, head_ip, node_ip, temp)
     finally:
         for pid in processes_with(temp):
@@ -149,37 +155,18 @@ def raylet_offering(cluster: Cluster, resource: str) -> int:
     return pid
 
 
-def test_a_worker_joins_a_head_with_a_token_by_the_documented_command(tmp_path, monkeypatch):
-    """Ray's ``ray start --address`` does not turn token mode on by itself, so a plain join of a head
-    with a token is refused; the documented one (``RAY_AUTH_MODE=token``, ``RAY_AUTH_TOKEN``) joins
-    whether the worker has no token file or a stale one."""
-    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
-    port = free_port()
-    homes = {name: tmp_path / name for name in ("head", "empty", "stale")}
-    for home in homes.values():
-        home.mkdir()
-    (homes["stale"] / ".ray").mkdir()
-    (homes["stale"] / ".ray" / "auth_token").write_text(secrets.token_hex(32))
-    try:
-        token = start_head(homes["head"], port, "127.0.0.1", temp, {"head": 1})
-        plain, documented = join_commands(token)
-        plain.pop("RAY_AUTH_MODE")
-        address = ["start", "--address", f"127.0.0.1:{port}", "--num-cpus", "1", "--temp-dir", temp]
-        with pytest.raises(subprocess.CalledProcessError) as refused:
-            ray(*address, env=plain | {"HOME": str(homes["empty"])})
-        assert b"AuthenticationError" in refused.value.stderr + refused.value.stdout
-        for name in ("empty", "stale"):
-            ray(*address, "--resources", json.dumps({name: 1}), env=documented | {"HOME": str(homes[name])})
-        joined = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address='127.0.0.1:{port}', "
-                                 "logging_level='ERROR'); print(sorted(k for n in ray.nodes() if n['Alive'] "
-                                 "for k in n['Resources'] if k in ('head', 'empty', 'stale')))"],
-                                env=documented, capture_output=True, text=True, timeout=120)
-        assert joined.stdout.split("\n")[-2] == "['empty', 'head', 'stale']", joined.stderr[-2000:]
-    finally:
-        for pid in processes_with(temp):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(temp, ignore_errors=True)
+NO_NODE = """
+import sys
+from inverted.cli import ray_token_auth
+ray_token_auth()  # as inverted train does, before Ray loads
+from inverted.errors import ServiceUnavailable
+from inverted.placement import ray_launch, start_ray
+start_ray(sys.argv[1])
+try:
+    ray_launch(0, False, "nowhere_node", timeout=5)("engine-9", lambda host, port: ["true"], sys.argv[2], {})
+except ServiceUnavailable as error:
+    print(error)
+"""
 
 
 def test_servers_spread_over_the_nodes_and_losing_one_node_loses_no_episode(cluster, tiny_model, tmp_path):
@@ -187,7 +174,7 @@ def test_servers_spread_over_the_nodes_and_losing_one_node_loses_no_episode(clus
     its trainer goes to the node offering ``train_node``, its two servers spread over the two
     nodes offering ``rollout_node``. The second node's raylet is killed mid-rollout: its server is
     replaced on the head, the calls it held are sampled again on the live one, no episode is lost,
-    and the job finishes."""
+    and the job finishes. Then a server that no node can take stops with what it needed."""
     model, run_dir = own_model(tiny_model, tmp_path), tmp_path / "run"
     data = long_tail_data(tmp_path / "long_tail.jsonl", count=64, short_s=1.0, long_s=1.0)
     log = tmp_path / "job.log"
@@ -234,25 +221,11 @@ def test_servers_spread_over_the_nodes_and_losing_one_node_loses_no_episode(clus
     print("node loss:", json.dumps(report))
     assert hit["time/rollout_s"] < max(calm) + 60, report  # the in-flight episodes' time, not the rollout
 
-
-NO_NODE = """
-import sys
-from inverted.cli import ray_token_auth
-ray_token_auth()  # as inverted train does, before Ray loads
-from inverted.errors import ServiceUnavailable
-from inverted.placement import ray_launch, start_ray
-start_ray(sys.argv[1])
-try:
-    ray_launch(0, False, "nowhere_node", timeout=5)("engine-9", lambda host, port: ["true"], sys.argv[2], {})
-except ServiceUnavailable as error:
-    print(error)
-"""
-
-
-def test_a_server_no_node_takes_stops_with_what_it_needed(cluster, tmp_path):
-    """Joined as the job joins (the token from ``RAY_AUTH_TOKEN`` alone), a server that no node can
-    take fails within its deadline, naming the resource it needed and what the cluster has free."""
+    # A server that no node can take fails within its deadline, naming the resource it needed and
+    # what the cluster has free (joined as the job joins: the token from RAY_AUTH_TOKEN alone).
     out = subprocess.run([sys.executable, "-c", NO_NODE, cluster.address, str(tmp_path / "engine-9.log")],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert ("no Ray node took rollout server engine-9 within 5s: it needs 0 GPUs and the resource 'nowhere_node' "
             "(--rollout-node-resource)") in out.stdout, out.stderr[-3000:]
+
+
