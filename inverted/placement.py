@@ -33,9 +33,10 @@ def start_ray(address: str | None) -> None:
     if address:
         try:
             ray.init(address=address, logging_level="WARNING")
-        except ray.exceptions.AuthenticationError as exc:
-            raise ConfigError(f"--ray-address {address}: the cluster refused this job's Ray token ({exc}). Give the "
-                              "head's token as RAY_AUTH_TOKEN, or in ~/.ray/auth_token (docs/deployment.md)") from None
+        except (ray.exceptions.AuthenticationError, ConnectionError) as exc:  # without a token Ray says the latter
+            raise ConfigError(f"--ray-address {address}: cannot join the cluster ({exc}). If it uses token "
+                              "authentication, give the head's token as RAY_AUTH_TOKEN, or in ~/.ray/auth_token "
+                              "(docs/deployment.md, 'Ray and its token')") from None
     else:
         # A local instance: all cores (fractional requests below keep small jobs schedulable). Ray
         # starts its workers at nice 15, and ours are the engines and the trainer, the job's
