@@ -92,9 +92,9 @@ def ray_token_auth() -> None:
     and ``RAY_AUTH_MODE=disabled`` turns it off. Ray enables it itself for a new local cluster and for
     ``ray start --head`` beside a token file, but not when joining one by address, which then fails
     against a head with a token. Set before Ray loads (it reads the mode once); its children inherit it."""
-    token = os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH") or \
+    available = bool(os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")) or \
         (Path.home() / ".ray" / "auth_token").is_file()
-    if token and "RAY_AUTH_MODE" not in os.environ:
+    if available and "RAY_AUTH_MODE" not in os.environ:
         os.environ["RAY_AUTH_MODE"] = "token"
 
 

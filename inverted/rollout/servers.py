@@ -140,9 +140,8 @@ class RolloutServers:
     def _engine_threads(self) -> int:
         return self.config.engine_threads or max(1, (os.cpu_count() or 1) // self.config.num_engines)
 
-    def _spawn_engine(self, name: str | None = None) -> ServerHandle:
-        """Launch a server (``name``: one that ``_next_name`` gave, when launched from another thread)."""
-        name = name or self._next_name()
+    def _spawn_engine(self, name: str) -> ServerHandle:
+        """Launch a server named by ``_next_name`` (which runs on the event loop; this may not)."""
         env = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"} if self.backend == "sglang" else {}
         argv_for = functools.partial(engine_argv, self.config, self.backend, self.sglang_args, self.flags,
                                      self._engine_threads())
@@ -180,7 +179,7 @@ class RolloutServers:
     async def start(self) -> None:
         deadline = time.monotonic() + self.config.startup_timeout
         self.router = self._spawn_router()
-        engines = [self._spawn_engine() for _ in range(self.config.num_engines)]
+        engines = [self._spawn_engine(self._next_name()) for _ in range(self.config.num_engines)]
         self.engines += engines
         await asyncio.gather(*(asyncio.to_thread(e.wait_healthy, deadline - time.monotonic()) for e in engines))
         await asyncio.to_thread(self.router.wait_healthy, deadline - time.monotonic(), "/workers")
