@@ -28,6 +28,16 @@ def evaluate(expression: str, max_length: int = 200) -> Fraction:
     return _walk(tree.body)
 
 
+def calculate(expression: str) -> str:
+    """What a calculator tool answers: the exact value (a fraction as 6 significant digits), or, for
+    a bad expression, an error message, as a real tool gives."""
+    try:
+        value = evaluate(expression)
+    except BadExpression as exc:
+        return f"error: {exc}"
+    return str(value.numerator) if value.denominator == 1 else f"{float(value):.6g}"
+
+
 def numbers_in(expression: str) -> list[int]:
     """The integer literals of an expression, in no particular order (for "use each number once" checks)."""
     tree = ast.parse(expression.strip(), mode="eval")

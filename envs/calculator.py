@@ -16,7 +16,7 @@ import json
 import random
 import re
 
-from envs.arithmetic import BadExpression, evaluate
+from envs.arithmetic import calculate, evaluate
 from envs.datasets import main
 
 MAX_TURNS = 3
@@ -33,10 +33,9 @@ def run_tool(name: str, arguments: str) -> str:
         return f"error: unknown tool {name!r}"
     try:
         expression = json.loads(arguments)["expression"]
-        value = evaluate(str(expression))
-    except (ValueError, KeyError, TypeError, BadExpression) as exc:
+    except (ValueError, KeyError, TypeError) as exc:
         return f"error: {exc}"
-    return str(value.numerator) if value.denominator == 1 else f"{float(value):.6g}"
+    return calculate(str(expression))
 
 
 def is_correct(text: str, label: int) -> bool:

@@ -283,6 +283,11 @@ class EngineConfig:
         _require(self.max_request_bytes >= 1, "--max-request-bytes", self.max_request_bytes, ">= 1")
 
 
+CHAT_TEMPLATE_HELP = ("a Jinja chat template file rendered instead of the checkpoint's own wherever chats are rendered "
+                      "(SGLang's --chat-template): e.g. inverted/chat_template.jinja, ChatML with Hermes-style tool "
+                      "calls, for SmolLM2, whose own template has no tools")
+
+
 @dataclass(kw_only=True, slots=True)
 class ServersConfig:
     """Rollout servers behind the real sgl-router; ``--router-*`` (and ``--sglang-*``) pass through."""
@@ -290,6 +295,7 @@ class ServersConfig:
     hf_checkpoint: str = option("", "Hugging Face checkpoint the engines serve", path=True)
     rollout_backend: Literal["auto", "sglang", "embedded"] = option(
         "auto", "real SGLang servers (needs the sglang package and CUDA) or embedded engines (auto: SGLang when it can run)")
+    chat_template: str | None = option(None, CHAT_TEMPLATE_HELP, path=True)
     num_engines: int = option(2, "rollout servers to start")
     rollout_num_gpus: int = option(0, "GPUs for real SGLang servers (0: --num-engines x --rollout-num-gpus-per-engine)")
     rollout_num_gpus_per_engine: int = option(1, "GPUs per real SGLang server (its tensor parallelism)")
@@ -307,6 +313,8 @@ class ServersConfig:
 
     def __post_init__(self) -> None:
         _require(bool(self.hf_checkpoint), "--hf-checkpoint", self.hf_checkpoint, "a checkpoint directory")
+        _require(not self.chat_template or Path(self.chat_template).is_file(), "--chat-template", self.chat_template,
+                 "a Jinja template file")
         _require(self.num_engines >= 1, "--num-engines", self.num_engines, ">= 1")
         _require(self.rollout_num_gpus_per_engine >= 1, "--rollout-num-gpus-per-engine", self.rollout_num_gpus_per_engine, ">= 1")
         _require(self.rollout_num_gpus % self.rollout_num_gpus_per_engine == 0, "--rollout-num-gpus", self.rollout_num_gpus,
@@ -363,6 +371,7 @@ class ProxyConfig:
 
     router_url: str = option("", "sgl-router (or one SGLang server) whose /generate the proxy calls")
     tokenizer: str = option("", "checkpoint directory whose tokenizer and chat template the proxy renders with", path=True)
+    chat_template: str | None = option(None, CHAT_TEMPLATE_HELP, path=True)
     proxy_host: str = option("127.0.0.1", "address to bind")
     proxy_port: int = option(8700, "port to bind")
     proxy_api_key: str | None = option(None, "key required to create sessions and for session admin routes")

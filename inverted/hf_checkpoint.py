@@ -5,7 +5,9 @@ the families we serve and train: Qwen2, Qwen3 and Llama, and the sparse Qwen3-Mo
 (whose MLPs are ``num_experts`` experts, ``moe_top_k`` per token, plus a gated shared expert in
 Qwen2-MoE). ``rope_inv_freq`` turns its RoPE settings into inverse frequencies exactly as
 ``transformers`` does, and ``rope_angles`` lays them out for any positions (the engine's tables,
-the trainer's packed rows); ``checkpoint_tensors`` reads the safetensors files. The embedded engine and the trainer both build their models from these,
+the trainer's packed rows); ``checkpoint_tensors`` reads the safetensors files; ``load_tokenizer``
+gives its tokenizer, with the chat template of ``--chat-template`` in place of its own where one is
+given (SGLang's flag), so the proxy, the rollouts and slime's plug-ins render chats one way. The embedded engine and the trainer both build their models from these,
 so an architecture is understood in one place. It imports only ``errors``.
 """
 
@@ -15,6 +17,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -165,3 +168,20 @@ def checkpoint_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     except Exception as exc:  # safetensors raises its own SafetensorError and OSError for bad files
         raise ModelError(f"{path}: cannot read safetensors: {exc}") from None
     return tensors
+
+
+def load_tokenizer(path: str | Path, chat_template: str | Path | None = None) -> Any:
+    """The checkpoint's tokenizer; ``chat_template`` (a Jinja file) replaces the template it ships.
+
+    A model whose own template cannot render tools (SmolLM2's) is served with one that can this way,
+    without editing the checkpoint.
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if chat_template:
+        try:
+            tokenizer.chat_template = Path(chat_template).read_text()
+        except OSError as exc:
+            raise ModelError(f"--chat-template {chat_template}: cannot read it ({exc.strerror})") from None
+    return tokenizer

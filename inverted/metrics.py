@@ -78,7 +78,8 @@ def build_metrics_sink(output_dir: str | Path) -> FanOut:
     return FanOut(sinks)
 
 
-def plot_rewards(metrics_path: str | Path, out: str | Path, keys: tuple[str, ...] = ("rollout/reward_mean", "eval/reward_mean", "eval/pass_rate")) -> Path | None:
+def plot_rewards(metrics_path: str | Path, out: str | Path, keys: tuple[str, ...] = ("rollout/reward_mean", "eval/reward_mean", "eval/pass_rate",
+                                                                      "eval/tool_call_rate")) -> Path | None:
     """Plot the reward curves of a run's ``metrics.jsonl`` into a PNG; None when there is nothing to plot."""
     import matplotlib
 
@@ -94,7 +95,7 @@ def plot_rewards(metrics_path: str | Path, out: str | Path, keys: tuple[str, ...
     for name, points in curves.items():
         axis.plot(*zip(*points), marker="o", markersize=3, label=name)
     axis.set_xlabel("rollout (an evaluation at N: the policy after N updates)")
-    axis.set_ylabel("reward (pass rate: share fully correct)")
+    axis.set_ylabel("reward; pass rate and tool-call rate: shares")
     axis.grid(alpha=0.3)
     axis.legend()
     figure.tight_layout()

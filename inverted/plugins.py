@@ -108,6 +108,7 @@ class RolloutContext:
     slime_args: Any = None  # the flags under slime's names (compat.slime.SlimeArgs), for slime plug-ins
     lora_path: str | None = None  # the LoRA adapter a LoRA run's policy is: name it in every /generate (None: base)
     routed_experts: bool = False  # ask every /generate for return_routed_experts and keep them (rollout routing replay)
+    chat_template: str | None = None  # --chat-template: the Jinja file rendered instead of the checkpoint's own
 
 
 RolloutFunction = Callable[[RolloutContext, list[Task]], Awaitable[list[Sample]]]

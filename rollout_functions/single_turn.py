@@ -33,14 +33,14 @@ STATUS = {"stop": Sample.Status.COMPLETED, "length": Sample.Status.TRUNCATED, "a
 
 
 @functools.lru_cache(maxsize=4)
-def tokenizer_of(checkpoint: str):
-    from transformers import AutoTokenizer
+def tokenizer_of(checkpoint: str, chat_template: str | None):
+    from inverted.hf_checkpoint import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(checkpoint)
+    return load_tokenizer(checkpoint, chat_template)
 
 
-def prompt_ids(checkpoint: str, task: Task) -> list[int]:
-    tokenizer = tokenizer_of(checkpoint)
+def prompt_ids(ctx: RolloutContext, task: Task) -> list[int]:
+    tokenizer = tokenizer_of(ctx.hf_checkpoint, ctx.chat_template)
     if isinstance(task.prompt, list):
         return tokenizer.apply_chat_template(task.prompt, tools=task.tools, add_generation_prompt=True, tokenize=True,
                                              return_dict=False)
@@ -57,7 +57,7 @@ async def generate_rollout(ctx: RolloutContext, tasks: list[Task]) -> list[Sampl
     limit = asyncio.Semaphore(ctx.config.rollout_concurrency)
 
     async def one(client: SGLangClient | WorkersClient, task: Task) -> Sample:
-        ids = prompt_ids(ctx.hf_checkpoint, task)
+        ids = prompt_ids(ctx, task)
         async with limit:
             out = await client.generate({"input_ids": ids, "sampling_params": params, "return_logprob": True, **lora,
                                          **routes})

@@ -33,7 +33,7 @@ FROZEN_FLAGS = {
         "--env-path", "--eval-interval", "--eval-prompt-data", "--eval-temperature", "--input-key", "--label-key", "--lease-seconds",
         "--metadata-key", "--n-samples-per-eval-prompt", "--n-samples-per-prompt", "--num-engines", "--num-epoch",
         "--partial-rollout", "--prompt-data", "--proxy-generate-timeout", "--proxy-max-resumes", "--proxy-max-turns",
-        "--proxy-server-loss-wait",
+        "--proxy-server-loss-wait", "--chat-template",
         "--proxy-replay-retries", "--proxy-retention", "--proxy-session-timeout", "--proxy-tool-parser-path",
         "--ray-address", "--rollout-backend", "--rollout-batch-size", "--rollout-concurrency",
         "--rollout-episode-timeout", "--rollout-function-path", "--rollout-max-response-len", "--rollout-num-gpus",
@@ -62,10 +62,12 @@ FROZEN_FLAGS = {
               "--served-model-name", "--context-length", "--partial-rollout", "--proxy-max-resumes", "--proxy-max-turns",
               "--proxy-session-timeout", "--proxy-retention", "--proxy-replay-retries", "--proxy-tool-parser-path",
               "--proxy-generate-timeout", "--log-level", "--proxy-max-sessions", "--proxy-max-session-tokens",
-              "--proxy-max-request-bytes", "--lora-name", "--return-routed-experts", "--proxy-server-loss-wait"},
+              "--proxy-max-request-bytes", "--lora-name", "--return-routed-experts", "--proxy-server-loss-wait",
+              "--chat-template"},
     "servers": {"--config", "--hf-checkpoint", "--num-engines", "--engine-device", "--engine-max-running-requests",
                 "--engine-threads", "--router-host", "--router-port", "--startup-timeout", "--log-dir", "--admin-api-key",
-                "--rollout-backend", "--rollout-num-gpus", "--rollout-num-gpus-per-engine", "--rollout-node-resource"},
+                "--rollout-backend", "--rollout-num-gpus", "--rollout-num-gpus-per-engine", "--rollout-node-resource",
+                "--chat-template"},
 }
 
 
@@ -262,12 +264,16 @@ def test_every_path_is_resolved_against_the_working_directory_once_at_start_up(t
     from inverted.config import resolve_paths
 
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "templates").mkdir()
+    (tmp_path / "templates/t.jinja").write_text("{{ messages }}")
     train = build_parser()._subparsers._group_actions[0].choices["train"]
     args = train.parse_args(["--hf-checkpoint", "models/m", "--prompt-data", "data/p.jsonl", "--output-dir", "runs/x",
                              "--load", "~/ckpt", "--save-debug-rollout-data", "out/{rollout_id}.jsonl",
-                             "--env-path", "envs.letters:episode"])
+                             "--env-path", "envs.letters:episode", "--chat-template", "templates/t.jinja"])
     job = build_section(JobConfig, args)
     resolve_paths(job)
+    # one flag, rendered by the proxy and passed to the servers (SGLang renders its own chat routes with it)
+    assert job.proxy.chat_template == job.servers.chat_template == str(tmp_path / "templates/t.jinja")
     assert job.train.hf_checkpoint == job.servers.hf_checkpoint == str(tmp_path / "models/m")
     assert job.buffer.prompt_data == str(tmp_path / "data/p.jsonl")
     assert job.train.output_dir == str(tmp_path / "runs/x")
@@ -289,3 +295,27 @@ def test_a_checkpoint_that_is_not_there_is_named_before_anything_starts(tmp_path
     assert info.value.code == 2
     assert f"--hf-checkpoint {tmp_path}/models/tiny-qwen2: not a Hugging Face checkpoint directory" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_chat_template_that_is_not_there_is_named_before_anything_starts(tmp_path, monkeypatch, capsys):
+    from inverted.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hi", "label": "x"}\n')
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--hf-checkpoint", "m", "--prompt-data", "p.jsonl", "--env-path", "envs.letters:episode",
+              "--output-dir", "run", "--chat-template", "tools.jinja"])
+    assert info.value.code == 2
+    assert "--chat-template" in capsys.readouterr().err and not (tmp_path / "run").exists()
+
+
+def test_the_chat_template_goes_to_sglang_servers(tmp_path):
+    """SGLang's own OpenAI routes render chats: its servers get the job's template under its own flag name."""
+    from inverted.rollout.servers import engine_argv
+
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages }}")
+    cfg = ServersConfig(hf_checkpoint="/m", chat_template=str(template))
+    argv = engine_argv(cfg, "sglang", [], [], 1, "127.0.0.1", 1234)
+    assert argv[argv.index("--chat-template") + 1] == str(template)
+    assert "--chat-template" not in engine_argv(cfg, "embedded", [], [], 1, "127.0.0.1", 1234)  # it renders no chats

@@ -14,7 +14,8 @@ rule, compared in constant time) and ``limits`` (what one request may cost: body
 cannot fit a context) count as shared, so the engine, the proxy and the buffer check keys and
 bound requests one way; and ``peft_adapter`` (PEFT's LoRA adapter format: config, names,
 directory) counts as shared, so the trainer's writer and the engine's reader use one definition;
-and ``plugins`` may read ``config`` (the rollout function's context carries its config section) and
+and ``compat`` may read ``hf_checkpoint`` (slime's ``GenerateState`` holds the checkpoint's
+tokenizer, with ``--chat-template`` applied as everywhere else); and ``plugins`` may read ``config`` (the rollout function's context carries its config section) and
 ``compat`` (slime's plug-in API, whose module paths it installs before importing a plug-in; a
 shared leaf beside ``types``), and the controller checks the buffer's plug-ins (``buffer.filters``)
 before starting it;
@@ -42,7 +43,7 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("inverted.types", ("inverted.errors",)),
     ("inverted.config", ("inverted.types", "inverted.errors")),
     ("inverted.plugins", ("inverted.types", "inverted.errors", "inverted.config", "inverted.compat")),
-    ("inverted.compat", ("inverted.types", "inverted.errors")),
+    ("inverted.compat", ("inverted.types", "inverted.errors", "inverted.hf_checkpoint")),
     ("inverted.metrics", ("inverted.errors",)),
     ("inverted.http_client", ("inverted.errors",)),
     ("inverted.hf_checkpoint", ("inverted.errors",)),
@@ -117,7 +118,8 @@ USER_SIDE = {  # top-level packages of user-side code -> the inverted modules th
     "envs": (),  # an environment does not know it is trained
     "rollout_functions": ("inverted.types", "inverted.errors", "inverted.plugins", "inverted.compat",
                           "inverted.rollout.proxy.client",
-                          "inverted.rollout.sglang_client"),  # the services only through their clients
+                          "inverted.rollout.sglang_client",  # the services only through their clients
+                          "inverted.hf_checkpoint"),  # load_tokenizer: the tokenizer with --chat-template, as the proxy renders
 }
 
 

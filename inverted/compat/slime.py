@@ -314,11 +314,11 @@ class GenerateState:
 
     def __new__(cls, args: Any) -> "GenerateState":
         if cls._instance is None or cls._instance.args is not args:
-            from transformers import AutoTokenizer
+            from inverted.hf_checkpoint import load_tokenizer
 
             state = super().__new__(cls)
             state.args = args
-            state.tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
+            state.tokenizer = load_tokenizer(args.hf_checkpoint, args.chat_template)
             state.processor = None
             state.semaphore = asyncio.Semaphore(args.rollout_concurrency)
             state.sampling_params = {

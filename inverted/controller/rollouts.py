@@ -39,7 +39,8 @@ def context(cfg: JobConfig, job: Job, plugins: Plugins, rollout_id: int, evaluat
     sampling = {"temperature": temperature, "top_p": cfg.rollout.rollout_top_p if temperature else 1.0,
                 "max_tokens": cfg.rollout.rollout_max_response_len}
     return RolloutContext(rollout_id=rollout_id, config=cfg.rollout, proxy_url=job.proxy_url, proxy_api_key=job.proxy_key,
-                          router_url=job.servers.router_url, hf_checkpoint=cfg.train.hf_checkpoint, sampling=sampling,
+                          router_url=job.servers.router_url, hf_checkpoint=cfg.train.hf_checkpoint,
+                          chat_template=cfg.proxy.chat_template, sampling=sampling,
                           env=plugins.env, generate=plugins.generate, evaluation=evaluation,
                           slime_args=slime_args(cfg, job.servers.router_url), lora_path=job.adapter,
                           routed_experts=cfg.train.moe.use_rollout_routing_replay)
@@ -119,6 +120,17 @@ def phase_times(clock: dict[str, float]) -> dict[str, float]:
     return times
 
 
+def episode_metrics(prefix: str, samples: list[Sample]) -> dict[str, float]:
+    """The shape of proxy-recorded episodes (``metadata.turns``): model calls per episode, and the
+    share of episodes with at least one well-formed tool call (a turn the tool parser turned into
+    ``tool_calls``). Nothing for rollouts that record no turns (single_turn, slime's)."""
+    turns = [s.metadata["turns"] for s in samples if s.metadata.get("turns")]
+    if not turns:
+        return {}
+    return {f"{prefix}/turns_mean": sum(map(len, turns)) / len(turns),
+            f"{prefix}/tool_call_rate": sum(any(t["finish_reason"] == "tool_calls" for t in ts) for ts in turns) / len(turns)}
+
+
 def rollout_metrics(reward_key: str | None, samples: list[Sample], trained: list[Sample]) -> dict[str, float]:
     usable = [s for s in samples if s.status in USABLE]
     rewards = [s.scalar_reward(reward_key) for s in usable]
@@ -134,7 +146,7 @@ def rollout_metrics(reward_key: str | None, samples: list[Sample], trained: list
         # tokens, and the samples whose tokens therefore carry more than one weight version.
         "rollout/resumed_calls": float(sum(t.get("resumes", 0) for s in usable for t in s.metadata.get("turns", []))),
         "rollout/mixed_version_samples": float(sum(len(set(s.weight_versions)) > 1 for s in usable)),
-    }
+    } | episode_metrics("rollout", usable)
 
 
 async def sync_when_due(interval: int, job: Job, rollout_id: int, clock: dict[str, float]) -> dict[str, float]:
@@ -189,6 +201,7 @@ async def evaluate(cfg: JobConfig, job: Job, plugins: Plugins, rollout_id: int) 
     mean = (lambda values: sum(values) / len(values) if values else float("nan"))
     metrics = {"eval/reward_mean": mean(rewards), "eval/pass_rate": mean([float(r >= 1.0) for r in rewards]),
                "eval/failed": float(len(samples) - len(rewards))}
+    metrics |= episode_metrics("eval", [s for s in samples if s.status != Sample.Status.FAILED])
     if plugins.eval_log is not None:  # slime's data: {dataset: {rewards, truncated, samples}}
         usable = [s for s in samples if s.status != Sample.Status.FAILED]
         data = {Path(cfg.rollout.eval_prompt_data).stem: {
@@ -201,6 +214,7 @@ async def evaluate(cfg: JobConfig, job: Job, plugins: Plugins, rollout_id: int) 
 
 def summary(metrics: dict[str, float]) -> str:
     shown = {"reward": "rollout/reward_mean", "loss": "train/loss", "eval": "eval/reward_mean", "pass": "eval/pass_rate",
+             "tool_calls": "eval/tool_call_rate",
              "version": "weight_version", "staleness": "async/staleness_mean", "step_s": "time/step_s",
              "rollout_s": "time/rollout_s", "wait_s": "time/wait_s", "train_s": "time/train_s", "sync_s": "time/sync_s"}
     return ", ".join(f"{name} {metrics[key]:.4g}" for name, key in shown.items() if key in metrics)

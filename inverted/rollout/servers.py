@@ -106,9 +106,11 @@ def engine_argv(cfg: ServersConfig, backend: str, sglang_args: list[str], flags:
     """The command line of one rollout server (a plain function, so a Ray actor can receive it)."""
     # one argument: a random key may begin with "-", which argparse would take for a flag
     key = [f"--admin-api-key={cfg.admin_api_key}"] if cfg.admin_api_key else []
-    if backend == "sglang":
+    if backend == "sglang":  # its OpenAI routes render chats: with the job's template (the embedded engine has none)
+        template = ["--chat-template", cfg.chat_template] if cfg.chat_template else []
         return [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.hf_checkpoint, "--host", host,
-                "--port", str(port), "--tp-size", str(cfg.rollout_num_gpus_per_engine), *key, *flags, *sglang_args]
+                "--port", str(port), "--tp-size", str(cfg.rollout_num_gpus_per_engine), *key, *template, *flags,
+                *sglang_args]
     return [sys.executable, "-m", "inverted.cli", "serve-engine", "--model", cfg.hf_checkpoint, "--host", host,
             "--port", str(port), "--device", cfg.engine_device, "--max-running-requests",
             str(cfg.engine_max_running_requests), "--num-threads", str(threads), *key, *flags]
@@ -251,9 +253,9 @@ async def run_demo(config: ServersConfig, router_args: list[str], sglang_args: l
     """Start engines behind the router, send chat prompts through it, print what came back."""
     from rich.console import Console
     from rich.table import Table
-    from transformers import AutoTokenizer
+    from inverted.hf_checkpoint import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(config.hf_checkpoint)
+    tokenizer = load_tokenizer(config.hf_checkpoint, config.chat_template)
     prompts = ["What is 17 + 25?", "Name three colors.", "Count from one to five.", "Say hello to the world.",
                "What is 6 times 7?", "Write a short question.", "List two numbers.", "Solve 9 - 4."]
     console = Console()

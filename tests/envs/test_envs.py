@@ -9,7 +9,7 @@ from fractions import Fraction
 import pytest
 
 from envs import calculator, countdown, letters, long_tail
-from envs.arithmetic import BadExpression, evaluate, numbers_in
+from envs.arithmetic import BadExpression, calculate, evaluate, numbers_in
 from envs.datasets import write_dataset
 
 
@@ -37,6 +37,13 @@ def test_long_tail_latencies_are_long_tailed():
     slow = latencies.count(long_tail.SHORT_S * long_tail.LONG_FACTOR) / len(rows)
     assert 0.07 < slow < 0.13  # about one prompt in ten, twenty times slower
     assert [r["label"] for r in rows] == [r["label"] for r in letters.rows(1000, random.Random(0))]  # letters' task
+
+
+def test_the_calculator_parses_and_never_evals():
+    """The agent's tool (envs.calculator_agent) and the calculator env answer with ``calculate``."""
+    assert calculate("12 * (3 + 4)") == "84" and calculate("-701 * 202") == "-141602" and calculate("7 / 2") == "3.5"
+    for hostile in ("__import__('os').system('touch /tmp/x')", "9 ** 9 ** 9", "open('/etc/passwd').read()", "1" * 300):
+        assert calculate(hostile).startswith("error: ")
 
 
 def test_calculator_tool_and_answer_check():

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from inverted.errors import InvalidRequest
+from inverted.errors import InvalidRequest, ModelError
+from inverted.hf_checkpoint import load_tokenizer
+from inverted.rollout.proxy.apis.call import forced_call
 from inverted.rollout.chat import ChatRenderer, HermesToolParser, Message, TemplateBreak, parse_messages
 from tests.rollout.proxy.scripted import CONVERSATION, TOOLS
 
@@ -69,6 +71,26 @@ def test_hermes_tool_calls_are_parsed_and_malformed_ones_stay_text():
     assert len({c.id for c in reply.tool_calls}) == 2
     assert parser.parse("<tool_call>\n{not json}\n</tool_call>").tool_calls == []
     assert parser.parse("plain").content == "plain"
+
+
+def test_a_required_tool_choice_with_one_tool_names_it():
+    """"required" with one tool offered can only mean that tool: its name is forced too (the model
+    samples the arguments alone); with several, only the call's opening is."""
+    two = TOOLS + [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    assert forced_call("required", None, TOOLS) == "get_weather" == forced_call("named", "get_weather", two)
+    assert forced_call("required", None, two) == ""
+    assert forced_call("auto", None, TOOLS) is None
+
+
+def test_a_chat_template_file_replaces_the_checkpoints_own(tiny_model, tmp_path):
+    """--chat-template: a model whose own template renders no tools (SmolLM2's) gets one that does."""
+    plain = tmp_path / "plain.jinja"
+    plain.write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    assert ChatRenderer(AutoTokenizer.from_pretrained(tiny_model())).renders_tools
+    assert not ChatRenderer(load_tokenizer(tiny_model(), plain)).renders_tools
+    with pytest.raises(ModelError, match="--chat-template .*missing.jinja: cannot read it"):
+        load_tokenizer(tiny_model(), tmp_path / "missing.jinja")
 
 
 def test_messages_are_checked_where_they_enter():

@@ -228,9 +228,9 @@ def _samples(session: Session, samples: list[Sample]) -> SamplesResponse:
 def create_app(config: ProxyConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        from transformers import AutoTokenizer
+        from inverted.hf_checkpoint import load_tokenizer  # transformers, torch: in the service, not on import
 
-        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
+        tokenizer = load_tokenizer(config.tokenizer, config.chat_template)
         parser = load_plugin(config.proxy_tool_parser_path, flag="--proxy-tool-parser-path", params=[])()
         checkpoint = json.loads((Path(config.tokenizer) / "config.json").read_text())
         context = config.context_length or int(checkpoint.get("max_position_embeddings", 4096))

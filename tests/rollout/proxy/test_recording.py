@@ -183,8 +183,9 @@ async def test_four_turn_tool_conversation_is_recorded_token_for_token(stack, mo
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_named_or_required_tool_choice_opens_the_call_for_the_model(stack, stream):
     """smolagents sends tool_choice "required". The proxy writes the call's opening after the
-    generation prompt (masked out: the model did not sample it) and the model completes it. (This
-    taught model completes a call only where it learned one; a real model completes it anywhere.)"""
+    generation prompt (masked out: the model did not sample it) and the model completes it. With one
+    tool offered, "required" is that tool named: the opening holds its name too. (This taught model
+    completes a call only where it learned one; a real model completes it anywhere.)"""
     session = new_session(stack)
     logged_before = len(stack.engine_requests())
     history = copy.deepcopy(CONVERSATION[:2])
@@ -202,7 +203,8 @@ async def test_a_named_or_required_tool_choice_opens_the_call_for_the_model(stac
             assert json.loads(call["function"]["arguments"]) == {"city": "Paris"} and not message.get("content")
     samples = finish(stack, session)
     tokenizer = AutoTokenizer.from_pretrained(stack.model)
-    for sample, opening in zip(samples, ['<tool_call>\n{"name": "get_weather", "arguments":', "<tool_call>"]):
+    for sample in samples:
+        opening = '<tool_call>\n{"name": "get_weather", "arguments":'
         check_exact(sample, stack.engine_requests()[logged_before:])
         start = sample.metadata["turns"][0]["start"]
         forced_ids = tokenizer.encode(opening, add_special_tokens=False)

@@ -180,7 +180,10 @@ def first_stop(text: str, stop_strings: list[str]) -> str | None:
 
 def forced_call(mode: str, name: str | None, tools: list[dict[str, Any]] | None,
                 param: str = "tool_choice") -> str | None:
-    """A tool choice (``none``, ``auto``, ``required`` or ``named``) as ``CallRequest.force_call``."""
+    """A tool choice (``none``, ``auto``, ``required`` or ``named``) as ``CallRequest.force_call``.
+
+    ``required`` with a single tool is that tool named: the only call the model may make, so its
+    name is written too, as for a named choice, and the model samples the arguments alone."""
     if mode in ("none", "auto"):
         return None
     names = [t["function"]["name"] for t in tools or []]
@@ -190,6 +193,8 @@ def forced_call(mode: str, name: str | None, tools: list[dict[str, Any]] | None,
     if mode == "named" and name not in names:
         raise InvalidRequest(f"Invalid value for '{param}': no tool named {name!r} in 'tools' ({names})", param=param,
                              code="invalid_value")
+    if mode == "required" and len(names) == 1:
+        return names[0]
     return name if mode == "named" else ""
 
 
