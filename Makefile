@@ -1,5 +1,7 @@
 # The two commands of the README, plus what they are built from.
-#   make run    set up .venv and run the main job: SmolLM2-135M-Instruct learns a reasoning-gym task (examples/smollm2.yaml);
+#   make agent  set up .venv and run the main job: an unchanged openai-agents agent with a calculator tool teaches
+#               SmolLM2-135M-Instruct to use the tool on reasoning-gym arithmetic (examples/agent.yaml)
+#   make run    the single-turn job: SmolLM2-135M-Instruct learns a reasoning-gym task (examples/smollm2.yaml);
 #               ARGS='--lora-rank 16 --lr 1e-3' adds flags (here: train a LoRA adapter instead of every weight)
 #   make test   set up .venv and run the test suite (CPU only, no downloads at run time)
 #   make demo   the one-minute job: the tiny random model learns the letters task (examples/demo.yaml)

@@ -606,6 +606,7 @@ class TrainConfig:
     sync and checkpoints in sections of their own, each handed to its owner (flags stay flat)."""
 
     hf_checkpoint: str = option("", "Hugging Face checkpoint the policy (and the KL reference) starts from", path=True)
+    chat_template: str | None = option(None, CHAT_TEMPLATE_HELP, path=True)  # checkpoints keep it: export-hf ships it
     output_dir: str = option("runs/train", "run directory: metrics.jsonl, TensorBoard events, the resolved config", path=True)
     num_rollout: int = option(1, "rollouts to train on")
     debug_train_only: bool = option(False, "train from --load-debug-rollout-data with no rollout servers")

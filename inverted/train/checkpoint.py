@@ -100,7 +100,7 @@ def save_checkpoint(trainer, root: str | Path) -> Path:
                 "optimizer_shards": _shard_states(trainer), "rng": _rng_state()}, directory / _rank_name())
     rank = torch.distributed.get_rank()
     if rank == 0:
-        _copy_hf_files(trainer.cfg.hf_checkpoint, Path(root) / HF_FILES_DIR)
+        _copy_hf_files(trainer.cfg.hf_checkpoint, Path(root) / HF_FILES_DIR, trainer.cfg.chat_template)
         meta = {"spec": dataclasses.asdict(trainer.spec), "parallel": dataclasses.asdict(trainer.parallel),
                 "world_size": torch.distributed.get_world_size(), "rollout_id": trainer.rollout_id,
                 "optimizer_steps": trainer.optimizer_steps,
@@ -115,12 +115,16 @@ def save_checkpoint(trainer, root: str | Path) -> Path:
     return directory
 
 
-def _copy_hf_files(source: str, target: Path) -> None:
-    """Everything of the HF checkpoint but its weights (config, generation config, tokenizer)."""
+def _copy_hf_files(source: str, target: Path, chat_template: str | None) -> None:
+    """Everything of the HF checkpoint but its weights (config, generation config, tokenizer), with
+    the run's ``--chat-template`` as its chat template: the policy learned that format, so the
+    exported model is served with it."""
     target.mkdir(parents=True, exist_ok=True)
     for item in Path(source).iterdir():
         if item.is_file() and not item.name.endswith((".safetensors", ".bin")) and item.name != "model.safetensors.index.json":
             shutil.copy(item, target / item.name)
+    if chat_template:  # transformers reads chat_template.jinja before a template in tokenizer_config.json
+        shutil.copy(chat_template, target / "chat_template.jinja")
 
 
 def read_meta(directory: Path) -> dict:

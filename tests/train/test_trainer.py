@@ -134,8 +134,10 @@ def test_resume_reproduces_the_uninterrupted_run_and_exports(tiny_model, tmp_pat
     data = tmp_path / "rollout_{rollout_id}.jsonl"
     for rollout in range(5):
         write_jsonl(make_samples(seed=rollout), str(data).format(rollout_id=rollout))
+    template = tmp_path / "run.jinja"  # the run's --chat-template travels with its checkpoints
+    template.write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}")
     common = ["--hf-checkpoint", str(tiny_model("qwen2")), "--load-debug-rollout-data", str(data), "--lr", "1e-3",
-              "--global-batch-size", "4", "--max-tokens-per-gpu", "32"]
+              "--global-batch-size", "4", "--max-tokens-per-gpu", "32", "--chat-template", str(template)]
     a = check_resume_equals_straight(common, 5, 3, tmp_path)
     assert a[-1]["train/loss"] != a[0]["train/loss"]
 
@@ -148,7 +150,8 @@ def test_resume_reproduces_the_uninterrupted_run_and_exports(tiny_model, tmp_pat
     trained_sd, original_sd = trained.state_dict(), original.state_dict()
     assert trained_sd.keys() == original_sd.keys()
     assert any(not torch.equal(trained_sd[k], original_sd[k]) for k in original_sd)
-    transformers.AutoTokenizer.from_pretrained(exported)  # the tokenizer travels with the checkpoint
+    # the tokenizer travels with the checkpoint, with the template the run rendered with
+    assert transformers.AutoTokenizer.from_pretrained(exported).chat_template == template.read_text()
 
     other = train_cli("--hf-checkpoint", str(tiny_model("llama")), "--load-debug-rollout-data", str(data),
                       "--num-rollout", "6", "--output-dir", str(tmp_path / "d"), "--load", str(tmp_path / "ckpt"))
