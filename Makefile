@@ -59,14 +59,19 @@ $(REAL)/config.json: $(VENV)/.installed
 $(DEMO_DATA): $(VENV)/.installed
 	$(BIN)/python -m envs.letters --out $(DEMO_DATA)
 
+# A job's reasoning-gym sets, from the variables $(1)TASK, $(1)TASK_CONFIG, $(1)TASK_DATA and
+# $(1)TASK_EVAL: the held-out set first, each question once, and a training set that excludes it.
 # reasoning-gym seeds entry i with seed + i: the held-out set's distant seed keeps the two apart.
-$(TASK_EVAL): $(VENV)/.installed
-	$(BIN)/python -m envs.reasoning_gym --task $(TASK) --config '$(TASK_CONFIG)' --out $@ --count 48 \
-		--seed 1000000 --unique
+define task_sets
+$$($(1)TASK_EVAL): $$(VENV)/.installed
+	$$(BIN)/python -m envs.reasoning_gym --task $$($(1)TASK) --config '$$($(1)TASK_CONFIG)' --out $$@ \
+		--count 48 --seed 1000000 --unique
 
-$(TASK_DATA): $(TASK_EVAL)
-	$(BIN)/python -m envs.reasoning_gym --task $(TASK) --config '$(TASK_CONFIG)' --out $@ --count 2048 \
-		--seed 0 --exclude $(TASK_EVAL)
+$$($(1)TASK_DATA): $$($(1)TASK_EVAL)
+	$$(BIN)/python -m envs.reasoning_gym --task $$($(1)TASK) --config '$$($(1)TASK_CONFIG)' --out $$@ \
+		--count 2048 --seed 0 --exclude $$($(1)TASK_EVAL)
+endef
+$(eval $(call task_sets,))
 
 run: setup $(REAL)/config.json $(TASK_DATA) $(TASK_EVAL)
 	rm -rf runs/main  # the main job starts fresh each time (a real run resumes with --load)
@@ -74,20 +79,13 @@ run: setup $(REAL)/config.json $(TASK_DATA) $(TASK_EVAL)
 
 # make agent: an unchanged openai-agents agent with a calculator tool, on arithmetic SmolLM2 cannot
 # do in its head (examples/agent.yaml, envs/calculator_agent.py); held out as for the main job.
-AGENT_TASK   := basic_arithmetic
-AGENT_CONFIG := {"min_terms": 2, "max_terms": 3, "min_digits": 2, "max_digits": 3, "operators": ["+", "-", "*"]}
-AGENT_DATA   := data/agent.jsonl
-AGENT_EVAL   := data/agent-eval.jsonl
+AGENT_TASK        := basic_arithmetic
+AGENT_TASK_CONFIG := {"min_terms": 2, "max_terms": 3, "min_digits": 2, "max_digits": 3, "operators": ["+", "-", "*"]}
+AGENT_TASK_DATA   := data/agent.jsonl
+AGENT_TASK_EVAL   := data/agent-eval.jsonl
+$(eval $(call task_sets,AGENT_))
 
-$(AGENT_EVAL): $(VENV)/.installed
-	$(BIN)/python -m envs.reasoning_gym --task $(AGENT_TASK) --config '$(AGENT_CONFIG)' --out $@ --count 48 \
-		--seed 1000000 --unique
-
-$(AGENT_DATA): $(AGENT_EVAL)
-	$(BIN)/python -m envs.reasoning_gym --task $(AGENT_TASK) --config '$(AGENT_CONFIG)' --out $@ --count 2048 \
-		--seed 0 --exclude $(AGENT_EVAL)
-
-agent: setup $(REAL)/config.json $(AGENT_DATA) $(AGENT_EVAL)
+agent: setup $(REAL)/config.json $(AGENT_TASK_DATA) $(AGENT_TASK_EVAL)
 	rm -rf runs/agent
 	$(BIN)/inverted train --config examples/agent.yaml $(ARGS)
 

@@ -318,7 +318,8 @@ class GenerateState:
 
             state = super().__new__(cls)
             state.args = args
-            state.tokenizer = load_tokenizer(args.hf_checkpoint, args.chat_template)
+            # slime's own args have no --chat-template (nor has an args built from a few sections)
+            state.tokenizer = load_tokenizer(args.hf_checkpoint, getattr(args, "chat_template", None))
             state.processor = None
             state.semaphore = asyncio.Semaphore(args.rollout_concurrency)
             state.sampling_params = {

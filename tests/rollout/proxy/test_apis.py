@@ -88,7 +88,8 @@ def test_each_api_maps_tool_choice_structured_output_and_sampling_alike():
     messages = anthropic_messages.parse({"max_tokens": 9, "messages": [{"role": "user", "content": "u"}],
                                          "tools": [{"name": "get_weather", "input_schema": WEATHER}],
                                          "tool_choice": {"type": "any"}, "top_k": 5, "stop_sequences": ["x"]})
-    assert messages.force_call == "" and messages.sampling == {"top_k": 5, "stop": ["x"]}
+    # "any" with one tool offered can only mean that tool: its name is forced too
+    assert messages.force_call == "get_weather" and messages.sampling == {"top_k": 5, "stop": ["x"]}
     none = anthropic_messages.parse({"max_tokens": 9, "messages": [{"role": "user", "content": "u"}],
                                      "tools": [{"name": "get_weather", "input_schema": WEATHER}],
                                      "tool_choice": {"type": "none"}})
