@@ -34,7 +34,7 @@ from envs.arithmetic import calculate
 from envs.reasoning_gym import score
 
 # The SDK logs every reply cut off by max_tokens as an error before raising it; the episode grades
-# that as 0, so at 128 episodes a step the log line is noise.
+# that as 0, so at 64 episodes a step the log line is noise.
 logging.getLogger("openai.agents").setLevel(logging.CRITICAL)
 MAX_TURNS = 4  # model calls per episode: the call, the answer, and room for a retried call
 INSTRUCTIONS = """You are a calculator assistant. Always use the calculator tool. Example:
