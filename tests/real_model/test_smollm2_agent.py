@@ -11,6 +11,7 @@ rewarded one.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from pathlib import Path
 
@@ -117,10 +118,11 @@ def test_a_tool_calling_episode_is_recorded_as_the_template_renders_it(episodes,
 def test_one_grpo_step_on_agent_episodes_moves_the_policy_toward_the_rewarded_one(episodes, smollm2, tmp_path):
     """Two recorded multi-turn episodes as one group, the first rewarded: after one step its sampled
     tokens are likelier and the other's less likely (the trainer is under test, so the rewards are set)."""
-    two = [sample for _, result, sample in episodes if result is not None][:2]
-    assert len(two) == 2
-    for index, (sample, reward) in enumerate(zip(two, (1.0, 0.0))):
-        sample.group_index, sample.index, sample.reward = 0, index, reward
+    recorded = [sample for _, result, sample in episodes if result is not None][:2]
+    assert len(recorded) == 2
+    # copies: the module's episodes stay as recorded for the other tests
+    two = [dataclasses.replace(sample, group_index=0, index=index, reward=reward)
+           for index, (sample, reward) in enumerate(zip(recorded, (1.0, 0.0)))]
     cfg = from_flags(TrainConfig, hf_checkpoint=str(smollm2), lr=1e-5, output_dir=str(tmp_path))
     spawn(grpo_step, 1, cfg, two, str(tmp_path / "grpo.pt"))
     result = torch.load(tmp_path / "grpo.pt")
