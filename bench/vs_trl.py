@@ -1,0 +1,324 @@
+"""The main job against TRL's ``GRPOTrainer``, side by side in one invocation. Prints JSON.
+
+A user who wants GRPO on a small model without a GPU would otherwise pick TRL. Both frameworks
+get the same work, one after the other on the same machine:
+
+- the model: SmolLM2-135M-Instruct as ``make run`` imports it (``models/smollm2-135m``);
+- the task: reasoning-gym ``chain_sum`` from ``make run``'s files, the same system prompt
+  (``envs.reasoning_gym.SYSTEM_PROMPT``) and the same grade (``envs.reasoning_gym.score``; a reply
+  the token limit cut off scores 0);
+- the GRPO shape, read from ``examples/smollm2.yaml`` and our config's defaults: prompts per
+  step, samples per prompt, reply budget, temperature, top-p, learning rate, AdamW's betas,
+  epsilon and weight decay, gradient clipping, PPO clip range, KL (none), entropy bonus, group
+  std normalisation, token-mean loss, one optimizer step per rollout;
+- the held-out set, evaluated greedily before the first update and every ``--eval-interval``.
+
+TRL runs as its documentation shows (``GRPOConfig`` + ``GRPOTrainer`` with a reward function),
+on CPU, with its defaults wherever the mapping does not decide. What could not be matched is
+listed under ``unmatched`` in the output, with why.
+
+Per framework: wall time per step, rollout / train / sync time (TRL: generation and scoring is
+timed inside its trainer; it has no sync, its sampler is the trained model), sampled tokens per
+second over the training loop, peak memory of the whole process tree (PSS, so pages shared by
+Ray's processes count once; RSS beside it), held-out ``pass_rate`` at each evaluation, and the
+loop time until the pass rate first reaches ``--threshold``. Loop time is the sum of step times:
+start-up and evaluations are left out of both (and reported apart).
+
+The headline: ``ours_over_trl.loop_tokens_per_s`` (target >= 2) and
+``ours_over_trl.time_to_threshold`` (target <= 0.5).
+
+    python bench/vs_trl.py [--updates 40] [--eval-interval 5] [--threshold 0.5] [--only ours|trl]
+
+Needs ``trl`` (``pip install -e '.[bench]'``) and ``make run``'s model and data (made if missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from inverted.config import LossConfig, OptimConfig, RolloutConfig, from_flags  # noqa: E402
+
+MODEL = ROOT / "models/smollm2-135m"
+DATA = ROOT / "data/chain_sum.jsonl"
+EVAL = ROOT / "data/chain_sum-eval.jsonl"
+JOB = ROOT / "examples/smollm2.yaml"
+
+
+def job_settings() -> dict[str, Any]:
+    """The main job's GRPO settings: its config file over our defaults."""
+    given = {key.replace("-", "_"): value for key, value in yaml.safe_load(JOB.read_text()).items()}
+    rollout, loss, optim = (from_flags(section, {k: v for k, v in given.items() if k in {
+        f.name for f in section.__dataclass_fields__.values()}}) for section in (RolloutConfig, LossConfig, OptimConfig))
+    return {"prompts": rollout.rollout_batch_size, "n": given["n_samples_per_prompt"],
+            "max_tokens": rollout.rollout_max_response_len, "temperature": rollout.rollout_temperature,
+            "top_p": rollout.rollout_top_p, "lr": optim.lr, "adam_beta1": optim.adam_beta1, "adam_beta2": optim.adam_beta2,
+            "adam_eps": optim.adam_eps, "weight_decay": optim.weight_decay, "clip_grad": optim.clip_grad,
+            "eps_clip": loss.eps_clip, "eps_clip_high": loss.eps_clip_high or loss.eps_clip, "kl_coef": loss.kl_coef,
+            "entropy_coef": loss.entropy_coef, "std_normalization": not loss.disable_grpo_std_normalization,
+            "loss_aggregation": loss.loss_aggregation, "estimator": loss.advantage_estimator,
+            "filter": given.get("dynamic_sampling_filter_path")}
+
+
+# What TRL cannot be told to do as we do, and why; written into the output beside the figures.
+UNMATCHED = {
+    "dynamic sampling": "the job drops groups whose samples all scored the same (DAPO's filter); TRL keeps them "
+                        "(their advantage is 0, so they add no gradient, but they count in the token-mean's denominator "
+                        "and cost a forward and backward pass)",
+    "data order": "both shuffle the same file, each with its own sampler (ours: --rollout-seed 42; TRL: seed 42)",
+    "sampler": "ours: the embedded engine (paged KV cache, a group's prompt prefilled once); TRL: transformers' "
+               "generate on the trained model, no vLLM on CPU",
+    "weight sync": "ours pushes weights to the engine each step (time/sync_s); TRL samples from the model it trains",
+    "precision": "both fp32 on CPU (TRL's bf16 needs a GPU or use_cpu with bf16=False)",
+    "learning-rate schedule": "ours is constant; TRL's default linear decay is set to constant",
+    "evaluation": "ours through the proxy and engine at temperature 0; TRL's with generate(do_sample=False), "
+                  "both with the job's reply budget",
+}
+
+
+class MemoryProbe:
+    """Peak PSS and RSS of a process and all its descendants, sampled every half second."""
+
+    def __init__(self, pid: int) -> None:
+        self.root = psutil.Process(pid)
+        self.peak_pss = self.peak_rss = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            pss = rss = 0
+            try:
+                processes = [self.root, *self.root.children(recursive=True)]
+            except psutil.Error:
+                continue
+            for process in processes:
+                try:
+                    info = process.memory_full_info()
+                except psutil.Error:
+                    continue
+                pss, rss = pss + info.pss, rss + info.rss
+            self.peak_pss, self.peak_rss = max(self.peak_pss, pss), max(self.peak_rss, rss)
+
+    def stop(self) -> dict[str, float]:
+        self._stop.set()
+        self._thread.join()
+        return {"peak_pss_gb": round(self.peak_pss / 2**30, 3), "peak_rss_gb": round(self.peak_rss / 2**30, 3)}
+
+
+def run_measured(command: list[str], log: Path) -> dict[str, float]:
+    started = time.perf_counter()
+    with log.open("w") as out:
+        process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        probe = MemoryProbe(process.pid)
+        code = process.wait()
+    memory = probe.stop()
+    if code:
+        raise SystemExit(f"{command[:4]} exited {code}; its log: {log}")
+    return {"process_wall_s": round(time.perf_counter() - started, 1), **memory}
+
+
+def run_ours(args, out: Path) -> dict[str, Any]:
+    command = [sys.executable, "-m", "inverted.cli", "train", "--config", str(JOB), "--prompt-data", str(DATA),
+               "--eval-prompt-data", str(EVAL), "--num-rollout", str(args.updates), "--eval-interval",
+               str(args.eval_interval), "--output-dir", str(out), "--log-level", "warning"]
+    measured = run_measured(command, out.with_suffix(".log"))
+    return {**measured, "rows": read_rows(out / "metrics.jsonl")}
+
+
+def run_trl(args, out: Path) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--trl-worker", "--updates", str(args.updates), "--eval-interval",
+               str(args.eval_interval), "--out", str(out)]
+    measured = run_measured(command, out.with_suffix(".log"))
+    return {**measured, "rows": read_rows(out / "metrics.jsonl")}
+
+
+def read_rows(path: Path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def summarize(rows: list[dict[str, float]], threshold: float) -> dict[str, Any]:
+    """One framework's figures from its metrics rows (the job's ``metrics.jsonl`` schema)."""
+    steps = sorted((r for r in rows if "time/step_s" in r), key=lambda r: r["step"])
+    evals = sorted((r for r in rows if "eval/pass_rate" in r), key=lambda r: r["step"])
+    loop_s = sum(r["time/step_s"] for r in steps)
+    tokens = sum(r["rollout/response_tokens"] for r in steps)
+    reached = None
+    for row in evals:  # an evaluation's step counts the updates before it
+        if row["eval/pass_rate"] >= threshold:
+            before = sum(r["time/step_s"] for r in steps if r["step"] < row["step"])
+            reached = {"updates": int(row["step"]), "loop_s": round(before, 1)}
+            break
+    phase = (lambda key: round(statistics.median(r[key] for r in steps), 3) if steps and key in steps[0] else None)
+    return {"updates": len(steps), "loop_s": round(loop_s, 1), "step_s_median": phase("time/step_s"),
+            "step_s_mean": round(loop_s / len(steps), 3) if steps else None,
+            "rollout_s_median": phase("time/rollout_s"), "train_s_median": phase("time/train_s"),
+            "sync_s_median": phase("time/sync_s"), "sampled_tokens": int(tokens),
+            "loop_tokens_per_s": round(tokens / loop_s, 1) if loop_s else None,
+            "eval_s_total": round(sum(r.get("time/eval_s", 0.0) for r in evals), 1),
+            "pass_rate": {int(r["step"]): round(r["eval/pass_rate"], 3) for r in evals},
+            "time_to_threshold": reached}
+
+
+def compare(ours: dict[str, Any], trl: dict[str, Any]) -> dict[str, Any]:
+    ratio = (lambda a, b: round(a / b, 3) if a and b else None)
+    reach = [side["time_to_threshold"] and side["time_to_threshold"]["loop_s"] for side in (ours, trl)]
+    common = sorted(set(ours["pass_rate"]) & set(trl["pass_rate"]))
+    return {"loop_tokens_per_s": ratio(ours["loop_tokens_per_s"], trl["loop_tokens_per_s"]),
+            "step_s_mean": ratio(ours["step_s_mean"], trl["step_s_mean"]),
+            "time_to_threshold": ratio(*reach),
+            "pass_rate_minus_trl": {step: round(ours["pass_rate"][step] - trl["pass_rate"][step], 3) for step in common},
+            "peak_pss": ratio(ours["peak_pss_gb"], trl["peak_pss_gb"])}
+
+
+# --- TRL's side, in its own process so that its memory and threads are its own --------------------
+
+
+def trl_worker(args) -> None:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from envs.reasoning_gym import SYSTEM_PROMPT, score
+
+    job = job_settings()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    metrics = (out / "metrics.jsonl").open("w")
+
+    def log(row: dict[str, float]) -> None:
+        metrics.write(json.dumps(row) + "\n")
+        metrics.flush()
+
+    def conversation(row):
+        return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": row["input"]}]
+
+    train_rows = read_rows(DATA)
+    dataset = Dataset.from_list([{"prompt": conversation(r), "metadata": json.dumps(r["metadata"])} for r in train_rows])
+    held_out = read_rows(EVAL)
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    eos = {tokenizer.eos_token_id}
+    step = {"generation_s": 0.0, "tokens": 0, "rewards": []}
+
+    def graded(text: str, ids: list[int], metadata: str) -> float:
+        return 0.0 if not ids or ids[-1] not in eos else score(text, json.loads(metadata))  # cut off: never answered
+
+    def chain_sum_reward(prompts, completions, completion_ids, metadata, **_) -> list[float]:
+        rewards = [graded(c[0]["content"], ids, m) for c, ids, m in zip(completions, completion_ids, metadata)]
+        step["tokens"] += sum(len(ids) for ids in completion_ids)
+        step["rewards"] += rewards
+        return rewards
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        """TRL's trainer, its rollout phase (generate and score) timed."""
+
+        def _generate_and_score_completions(self, inputs):
+            started = time.perf_counter()
+            try:
+                return super()._generate_and_score_completions(inputs)
+            finally:
+                step["generation_s"] += time.perf_counter() - started
+
+    @torch.no_grad()
+    def evaluate(model, updates: int) -> None:
+        started = time.perf_counter()
+        model.eval()
+        tokenizer.padding_side = "left"
+        rewards = []
+        for first in range(0, len(held_out), 16):
+            rows = held_out[first:first + 16]
+            texts = [tokenizer.apply_chat_template(conversation(r), tokenize=False, add_generation_prompt=True) for r in rows]
+            batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+            output = model.generate(**batch, max_new_tokens=job["max_tokens"], do_sample=False,
+                                    pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+            for row, ids in zip(rows, output[:, batch["input_ids"].shape[1]:].tolist()):
+                ids = ids[:ids.index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in ids else ids
+                rewards.append(graded(tokenizer.decode(ids, skip_special_tokens=True), ids, json.dumps(row["metadata"])))
+        model.train()
+        log({"step": updates, "eval/reward_mean": sum(rewards) / len(rewards),
+             "eval/pass_rate": sum(r >= 1.0 for r in rewards) / len(rewards), "time/eval_s": time.perf_counter() - started})
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, _args, state, control, model=None, **_):
+            evaluate(model, 0)
+
+        def on_step_begin(self, _args, state, control, **_):
+            step.update(started=time.perf_counter(), generation_s=0.0, tokens=0, rewards=[])
+
+        def on_step_end(self, _args, state, control, model=None, **_):
+            took = time.perf_counter() - step["started"]
+            log({"step": state.global_step - 1, "time/step_s": took, "time/rollout_s": step["generation_s"],
+                 "time/train_s": took - step["generation_s"], "rollout/response_tokens": step["tokens"],
+                 "rollout/reward_mean": sum(step["rewards"]) / max(len(step["rewards"]), 1)})
+            if state.global_step % args.eval_interval == 0 or state.global_step == state.max_steps:
+                evaluate(model, state.global_step)
+
+    batch = job["prompts"] * job["n"]
+    config = GRPOConfig(
+        output_dir=str(out / "trainer"), use_cpu=True, bf16=False, report_to=[], save_strategy="no",
+        logging_steps=1, disable_tqdm=True, seed=42, max_steps=args.updates,
+        # one optimizer step per rollout of prompts x n completions, as the job's, in micro-batches of n
+        num_generations=job["n"], per_device_train_batch_size=job["n"], gradient_accumulation_steps=job["prompts"],
+        generation_batch_size=batch, max_completion_length=job["max_tokens"],
+        temperature=job["temperature"], top_p=job["top_p"],
+        learning_rate=job["lr"], lr_scheduler_type="constant", adam_beta1=job["adam_beta1"],
+        adam_beta2=job["adam_beta2"], adam_epsilon=job["adam_eps"], weight_decay=job["weight_decay"],
+        max_grad_norm=job["clip_grad"], epsilon=job["eps_clip"], epsilon_high=job["eps_clip_high"],
+        beta=job["kl_coef"], entropy_coef=job["entropy_coef"], num_iterations=1,
+        scale_rewards="group" if job["std_normalization"] else "none",
+        loss_type={"token_mean": "dapo", "seq_mean_token_mean": "grpo", "seq_mean_token_sum": "dr_grpo"}[job["loss_aggregation"]])
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
+    trainer = TimedGRPOTrainer(model=model, reward_funcs=chain_sum_reward, args=config, train_dataset=dataset,
+                               processing_class=tokenizer, callbacks=[Clock()])
+    trainer.train()
+    metrics.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser.add_argument("--updates", type=int, default=40, help="optimizer steps for each framework (the job's 40)")
+    parser.add_argument("--eval-interval", type=int, default=5, help="evaluate the held-out set every N updates")
+    parser.add_argument("--threshold", type=float, default=0.5, help="held-out pass rate for time-to-threshold")
+    parser.add_argument("--only", choices=["ours", "trl"], default=None, help="run one side (no ratios)")
+    parser.add_argument("--out", default=str(ROOT / "runs/bench/vs_trl"), help="where both runs write")
+    parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.trl_worker:
+        return trl_worker(args)
+    missing = [str(p.relative_to(ROOT)) for p in (MODEL / "config.json", DATA, EVAL) if not p.exists()]
+    if missing:  # make run's own targets: the imported model and the held-out split
+        subprocess.run(["make", *missing], cwd=ROOT, check=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    job = job_settings()
+    if job["estimator"] != "grpo":
+        raise SystemExit(f"{JOB} trains with {job['estimator']}; this comparison maps GRPO only")
+    report: dict[str, Any] = {"job": job, "updates": args.updates, "threshold": args.threshold,
+                              "cpu": psutil.cpu_count(), "unmatched": UNMATCHED}
+    for name, run in (("ours", run_ours), ("trl", run_trl)):
+        if args.only in (None, name):
+            result = run(args, out / name)
+            report[name] = {**summarize(result.pop("rows"), args.threshold), **result}
+            print(json.dumps({name: report[name]}), file=sys.stderr, flush=True)
+    if args.only is None:
+        report["ours_over_trl"] = compare(report["ours"], report["trl"])
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
