@@ -8,12 +8,18 @@ the policy replies through the session's client, the driver reads the reply as a
 server steps. The conversation only grows, so the episode is one branch of its session. The
 reward is the sum of the step rewards.
 
-The server is named by the row:
+The server and the driver are chosen on the command line, never by a dataset row (a row that
+named a module would have it imported): ``--env-args '{"driver": ..., "app": ...}'`` (or ``"url"``;
+``"max_turns"``, 16 by default; ``"max_sessions"``, the sessions the server allows, 1 by default as
+OpenEnv's) beside ``--env-path envs.openenv:episode``. The server is
 
 - ``url``: one already running (a container, a Space, a process of your own);
 - ``app``: ``module:attr`` of the environment's ASGI app (what ``create_app`` returns), served as
   OpenEnv documents it, ``uvicorn module:attr``, on 127.0.0.1 and a free port: started once per
   process on first use, and stopped when the process exits (or dies).
+
+A row carries data only: ``metadata.openenv.reset``, the arguments of the episode's ``reset``,
+checked against OpenEnv's own ``ResetRequest``.
 
 The driver is a module with ``observe(observation: dict) -> str`` and ``act(reply: str) -> dict``,
 and optionally ``SYSTEM_PROMPT``. ``act`` raising ``ValueError`` means the reply is not an action:
@@ -23,6 +29,7 @@ else that goes wrong (the server refusing an action ``act`` let through, say) fa
 
     python -m envs.openenv --driver envs.guess_number (--app envs.guess_number:app | --url URL) \\
         --out FILE --count N [--seed S] [--max-turns T]
+    inverted train ... --env-path envs.openenv:episode --env-args '{"driver": ..., "app": ..., "max_turns": T}'
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import asyncio
 import atexit
 import ctypes
 import importlib
+import json
 import os
 import signal
 import socket
@@ -43,12 +51,18 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pydantic
+from openenv.core.env_server.types import ResetRequest
 from openenv.core.generic_client import GenericEnvClient
+from websockets.exceptions import ConnectionClosed
 
 from envs.datasets import write_rows
 
 MODEL = "policy"  # the proxy serves the one policy whatever the name
 START_TIMEOUT_S = 60.0
+CAPACITY_PAUSE_S = (0.05, 2.0)  # the first and the longest pause before asking a full server again
+
+_sessions: dict[tuple[str, int], asyncio.Semaphore] = {}  # (server, event loop) -> its free sessions
 
 _servers: dict[str, tuple[subprocess.Popen, str, Path]] = {}  # app -> (process, url, log), started here
 _LIBC = ctypes.CDLL("libc.so.6", use_errno=True) if sys.platform == "linux" else None  # looked up before any fork
@@ -102,35 +116,77 @@ async def serve(app: str) -> str:
                        f"(its log: {log})")
 
 
-async def episode(task, client) -> float:
-    spec = task.metadata["openenv"]
-    driver = importlib.import_module(spec["driver"])
-    url = spec.get("url") or await serve(spec["app"])
-    system = getattr(driver, "SYSTEM_PROMPT", None)
+def reset_args(metadata: dict[str, Any]) -> dict[str, Any]:
+    """The row's ``reset`` arguments, checked against OpenEnv's ``ResetRequest``; a row naming code is refused."""
+    spec = metadata.get("openenv")
+    if not isinstance(spec, dict) or not set(spec) <= {"reset"}:
+        named = sorted(set(spec) - {"reset"}) if isinstance(spec, dict) else type(spec).__name__
+        raise ValueError(f"a row's metadata.openenv holds only its 'reset' arguments (got {named}): the server and "
+                         "the driver are chosen by --env-args, never by a row")
+    try:
+        return ResetRequest.model_validate(spec.get("reset") or {}).model_dump(exclude_unset=True)
+    except pydantic.ValidationError as exc:
+        raise ValueError(f"a row's metadata.openenv.reset is not an OpenEnv ResetRequest: {exc}") from None
+
+
+async def episode(task, client, *, driver: str, app: str | None = None, url: str | None = None,
+                  max_turns: int = 16, max_sessions: int = 1) -> float:
+    """One episode on the server ``url`` (or ``app``'s), played by ``driver``; all from ``--env-args``.
+
+    At most ``max_sessions`` episodes of this process hold a session on one server (OpenEnv's
+    servers allow one unless built with ``max_concurrent_envs``; they do not publish it): the rest
+    wait their turn. A server that still says it is full (another process holds its sessions) is
+    tried again, with a growing pause: a refusal is no episode.
+    """
+    reset = reset_args(task.metadata)
+    player = importlib.import_module(driver)
+    if (app is None) == (url is None):
+        raise ValueError(f"--env-args names the OpenEnv server by 'app' or by 'url', one of them (got app={app!r}, "
+                         f"url={url!r})")
+    url = url or await serve(app)
+    pause = CAPACITY_PAUSE_S[0]
+    async with _turns(url, max_sessions):
+        while True:
+            async with GenericEnvClient(base_url=url) as env:
+                try:
+                    result = await env.reset(**reset)
+                except (RuntimeError, ConnectionClosed) as exc:
+                    if isinstance(exc, RuntimeError) and "CAPACITY_REACHED" not in str(exc):
+                        raise
+                else:
+                    return await _play(env, result, player, client, max_turns)
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, CAPACITY_PAUSE_S[1])
+
+
+def _turns(url: str, max_sessions: int) -> asyncio.Semaphore:
+    """The episodes of this event loop that may hold a session on ``url`` at once."""
+    key = (url, id(asyncio.get_running_loop()))
+    return _sessions.setdefault(key, asyncio.Semaphore(max_sessions))
+
+
+async def _play(env: GenericEnvClient, result: Any, player: Any, client: Any, max_turns: int) -> float:
+    system = getattr(player, "SYSTEM_PROMPT", None)
     messages = [{"role": "system", "content": system}] if system else []
     total = 0.0
-    async with GenericEnvClient(base_url=url) as env:
-        result = await env.reset(**spec.get("reset", {}))
-        for _ in range(spec["max_turns"]):
-            if result.done:
-                break
-            messages.append({"role": "user", "content": driver.observe(result.observation)})
-            reply = await client.chat.completions.create(model=MODEL, messages=messages)
-            text = reply.choices[0].message.content or ""
-            messages.append({"role": "assistant", "content": text})
-            try:
-                action = driver.act(text)
-            except ValueError:  # not an action: the policy's mistake, and its episode's end
-                break
-            result = await env.step(action)
-            total += float(result.reward or 0.0)
+    for _ in range(max_turns):
+        if result.done:
+            break
+        messages.append({"role": "user", "content": player.observe(result.observation)})
+        reply = await client.chat.completions.create(model=MODEL, messages=messages)
+        text = reply.choices[0].message.content or ""
+        messages.append({"role": "assistant", "content": text})
+        try:
+            action = player.act(text)
+        except ValueError:  # not an action: the policy's mistake, and its episode's end
+            break
+        result = await env.step(action)
+        total += float(result.reward or 0.0)
     return total
 
 
-def rows(driver: str, server: dict[str, str], count: int, seed: int, max_turns: int) -> list[dict[str, Any]]:
-    importlib.import_module(driver)  # a wrong name fails here, not in every episode
-    return [{"input": f"{driver} episode, seed {seed + i}",
-             "metadata": {"openenv": {**server, "driver": driver, "reset": {"seed": seed + i}, "max_turns": max_turns}}}
+def rows(count: int, seed: int) -> list[dict[str, Any]]:
+    return [{"input": f"episode, seed {seed + i}", "metadata": {"openenv": {"reset": {"seed": seed + i}}}}
             for i in range(count)]
 
 
@@ -144,14 +200,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--count", type=int, default=256, help="episodes to write")
     parser.add_argument("--seed", type=int, default=0, help="row i resets with seed + i")
     parser.add_argument("--max-turns", type=int, default=16, help="model turns per episode at most")
+    parser.add_argument("--max-sessions", type=int, default=1,
+                        help="episodes a process plays on the server at once (its max_concurrent_envs)")
     args = parser.parse_args(argv)
     try:
-        written = rows(args.driver, {"app": args.app} if args.app else {"url": args.url}, args.count, args.seed,
-                       args.max_turns)
+        importlib.import_module(args.driver)  # a wrong name fails here, not in every episode
     except ImportError as exc:
         parser.error(f"--driver {args.driver!r}: {exc}")
-    print(write_rows(written, args.out))
-
+    print(write_rows(rows(args.count, args.seed), args.out))
+    server = {"app": args.app} if args.app else {"url": args.url}
+    env_args = json.dumps({"driver": args.driver, **server, "max_turns": args.max_turns,
+                           "max_sessions": args.max_sessions})
+    print(f"train on it with: --env-path envs.openenv:episode --env-args '{env_args}'")
 
 if __name__ == "__main__":
     main()

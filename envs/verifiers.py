@@ -5,7 +5,9 @@ its rubric. ``episode`` hands it the session's client, wrapped in the library's 
 ``OpenAIChatCompletionsClient``, and lets ``Environment.run_rollout`` play and score the task;
 every token the environment's model calls produce is recorded by the proxy as usual.
 
-The environment is named as verifiers names them, or by a path:
+The environment is chosen on the command line, never by a dataset row (datasets come from the
+internet, and a row that named code would run it): ``--env-args '{"env": ..., "args": {...}}'``
+beside ``--env-path envs.verifiers:episode``. ``env`` is named as verifiers names them, or by a path:
 
 - an environment id (``vf-eval``'s): ``verifiers.load_environment(id, **args)`` imports the
   installed module ``id`` (dashes as underscores) and calls its ``load_environment(**args)``;
@@ -14,9 +16,9 @@ The environment is named as verifiers names them, or by a path:
   ``verifiers.envs.integrations.reasoninggym_env:ReasoningGymEnv`` with ``{"gym": "chain_sum"}``.
 
 Rows are the environment's own dataset: ``input`` is its prompt (chat messages), ``label`` its
-answer, and ``metadata.verifiers`` holds ``env``, ``args`` and the dataset row (``input``), so the
-episode rebuilds the same environment and plays that row. Environments are built once per process
-and reused.
+answer, and ``metadata.verifiers.input`` the dataset row, data only: it is checked against
+verifiers' own ``RolloutInput`` before the environment sees it, and a row that carries anything
+else is refused. Environments are built once per process and reused.
 
 The reward is the rubric's. With more than one weighted reward function it is a dict of their
 weighted scores (they sum to the rubric's reward, so ``--reward-key`` picks one); functions of
@@ -28,6 +30,7 @@ and the rubric's score of it is the reward, so the model learns not to give it. 
 by group-level reward functions are refused when loaded: inverted scores each episode on its own.
 
     python -m envs.verifiers --env ID_OR_PATH [--args JSON] --out FILE --count N [--seed S] [--eval]
+    inverted train ... --env-path envs.verifiers:episode --env-args '{"env": ID_OR_PATH, "args": {...}}'
 """
 
 from __future__ import annotations
@@ -39,12 +42,15 @@ import json
 import math
 from typing import Any
 
+import pydantic
 import verifiers as vf
 from verifiers import errors as vf_errors
+from verifiers.types import RolloutInput
 
 from envs.datasets import json_object, write_rows
 
 MODEL = "policy"  # the proxy serves the one policy whatever the name
+_ROLLOUT_INPUT = pydantic.TypeAdapter(RolloutInput)
 
 
 class EnvError(ValueError):
@@ -77,8 +83,22 @@ def load(env: str, args: dict[str, Any] | None = None) -> vf.Environment:
 def rows(env: str, args: dict[str, Any], count: int, seed: int, evaluation: bool = False) -> list[dict[str, Any]]:
     loaded = load(env, args)
     dataset = (loaded.get_eval_dataset if evaluation else loaded.get_dataset)(n=count, seed=seed)
-    return [{"input": row["prompt"], "label": row.get("answer"),
-             "metadata": {"verifiers": {"env": env, "args": args, "input": row}}} for row in dataset]
+    return [{"input": row["prompt"], "label": row.get("answer"), "metadata": {"verifiers": {"input": row}}}
+            for row in dataset]
+
+
+def row_input(metadata: dict[str, Any]) -> dict[str, Any]:
+    """The row's verifiers input, checked against the library's ``RolloutInput``; a row naming code is refused."""
+    spec = metadata.get("verifiers")
+    if not isinstance(spec, dict) or set(spec) != {"input"}:
+        named = sorted(set(spec) - {"input"}) if isinstance(spec, dict) else type(spec).__name__
+        raise EnvError(f"a row's metadata.verifiers holds its dataset row as 'input' and nothing else (got {named}): "
+                       "the environment is chosen by --env-args, never by a row")
+    try:
+        _ROLLOUT_INPUT.validate_python(spec["input"])
+    except pydantic.ValidationError as exc:
+        raise EnvError(f"a row's metadata.verifiers.input is not a verifiers RolloutInput: {exc}") from None
+    return spec["input"]
 
 
 def _weighted_parts(rubric: Any, metrics: dict[str, float]) -> dict[str, float]:
@@ -105,10 +125,11 @@ def _model_fault(error: dict[str, Any]) -> bool:
     return isinstance(cls, type) and issubclass(cls, vf_errors.InvalidModelResponseError)
 
 
-async def episode(task, client) -> float | dict[str, float]:
-    spec = task.metadata["verifiers"]
-    loaded = load(spec["env"], spec.get("args"))
-    output = await loaded.run_rollout(spec["input"], vf.OpenAIChatCompletionsClient(client), MODEL, sampling_args={})
+async def episode(task, client, *, env: str, args: dict[str, Any] | None = None) -> float | dict[str, float]:
+    """One row played by the environment ``env`` built with ``args`` (both from ``--env-args``)."""
+    loaded = load(env, args)
+    output = await loaded.run_rollout(row_input(task.metadata), vf.OpenAIChatCompletionsClient(client), MODEL,
+                                      sampling_args={})
     if output.get("error") and not _model_fault(output["error"]):
         raise RuntimeError(f"the verifiers rollout failed: {output['error']}")
     return reward(loaded, output)
@@ -128,6 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     except EnvError as exc:
         parser.error(str(exc))
     print(write_rows(written, args.out))
+    print(f"train on it with: --env-path envs.verifiers:episode --env-args '{json.dumps({'env': args.env, 'args': args.args})}'")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import types
 import typing
 from dataclasses import dataclass, field
@@ -195,6 +196,14 @@ def resolve_paths(config: Any, base: Path | None = None) -> None:
             resolve_paths(value, base)
         elif f.metadata.get("path") and value and value != _SET_BY_JOB:
             setattr(config, f.name, str(base / Path(value).expanduser()))
+
+
+def _json_object(text: str) -> dict[str, Any] | None:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _require(condition: bool, flag: str, value: Any, expected: str) -> None:
@@ -663,6 +672,9 @@ class RolloutConfig:
         "module:function turning leased tasks into Samples (built-in: rollout_functions.agent | single_turn | "
         "subprocess_agent); slime's generate_rollout(args, rollout_id, data_buffer, evaluation) works too")
     env_path: str | None = option(None, "module:function(task, client) -> reward: the environment the agent rollout runs")
+    env_args: str | None = option(
+        None, "JSON object of keyword arguments --env-path is called with besides (task, client), e.g. envs.verifiers' "
+              "{\"env\": ID, \"args\": {...}}: which code runs is the command line's choice, never a dataset row's")
     custom_rm_path: str | None = option(
         None, "module:function(sample) -> reward (or slime's async (args, sample)) for every Sample the rollout "
               "function left without one")
@@ -706,6 +718,10 @@ class RolloutConfig:
     update_weights_interval: int = option(1, "push new weights into the rollout servers every N training steps")
 
     def __post_init__(self) -> None:
+        if isinstance(self.env_args, dict):  # a YAML config's mapping
+            self.env_args = json.dumps(self.env_args)
+        _require(self.env_args is None or _json_object(self.env_args) is not None, "--env-args", self.env_args,
+                 "a JSON object")
         for name in ("rollout_batch_size", "rollout_max_response_len", "rollout_concurrency", "n_samples_per_eval_prompt"):
             _require(getattr(self, name) >= 1, flag_name(name), getattr(self, name), ">= 1")
         _require(0 < self.rollout_top_p <= 1, "--rollout-top-p", self.rollout_top_p, "in (0, 1]")

@@ -26,6 +26,7 @@ usable Sample it left without a reward: ours ``(sample)``, slime's ``async (args
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import inspect
 from dataclasses import dataclass
@@ -66,18 +67,29 @@ def _signature(params: list[str], name: str = "fn") -> str:
     return f"def {name}({', '.join(params)})"
 
 
-def load_plugin(path: str, *, flag: str, params: list[str]) -> Callable[..., Any]:
+@dataclass(frozen=True, slots=True)
+class Keywords:
+    """Keyword arguments a plug-in is called with, given on the command line by ``flag``."""
+
+    values: dict[str, Any]
+    flag: str
+
+
+def load_plugin(path: str, *, flag: str, params: list[str], keywords: Keywords | None = None) -> Callable[..., Any]:
     """Import ``path`` and check that it accepts ``params`` positionally (extra defaults are fine)."""
-    return load_forms(path, flag=flag, forms={"": params})[1]
+    return load_forms(path, flag=flag, forms={"": params}, keywords=keywords)[1]
 
 
-def load_optional(path: str | None, *, flag: str, params: list[str]) -> Callable[..., Any] | None:
+def load_optional(path: str | None, *, flag: str, params: list[str],
+                  keywords: Keywords | None = None) -> Callable[..., Any] | None:
     """``load_plugin`` for a flag that may be unset (None then)."""
-    return load_plugin(path, flag=flag, params=params) if path else None
+    return load_plugin(path, flag=flag, params=params, keywords=keywords) if path else None
 
 
-def load_forms(path: str, *, flag: str, forms: dict[str, list[str]]) -> tuple[str, Callable[..., Any]]:
-    """Import ``path`` and name the first of ``forms`` (name -> parameters) its signature accepts."""
+def load_forms(path: str, *, flag: str, forms: dict[str, list[str]],
+               keywords: Keywords | None = None) -> tuple[str, Callable[..., Any]]:
+    """Import ``path`` and name the first of ``forms`` (name -> parameters) its signature accepts;
+    with ``keywords``, the function returned has them bound."""
     attr = path.replace(":", ".").rpartition(".")[2] or "fn"
     expected = " or ".join(_signature(params, attr) for params in forms.values())
     fn = _import(path, flag=flag, expected=expected)
@@ -85,9 +97,17 @@ def load_forms(path: str, *, flag: str, forms: dict[str, list[str]]) -> tuple[st
         signature = inspect.signature(fn)
     except ValueError:  # builtins and some extension types publish no signature
         raise PluginError(f"{flag}={path!r}: its signature cannot be read; expected {expected}") from None
+    if keywords is not None and keywords.values:
+        try:
+            signature.bind_partial(**keywords.values)
+        except TypeError as exc:
+            raise PluginError(f"{keywords.flag}: {flag}={path!r} {signature} refuses them: {exc}") from None
+        fn = functools.partial(fn, **keywords.values)
     for name, params in forms.items():
         if _fits(fn, params):
             return name, fn
+    if any(p.kind is p.KEYWORD_ONLY and p.default is p.empty for p in inspect.signature(fn).parameters.values()):
+        expected += f" (its keyword-only arguments come from {keywords.flag if keywords else 'the command line'})"
     raise PluginError(f"{flag}={path!r}: signature {signature} does not match {expected}")
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from inverted.buffer.service import build_store
 from inverted.config import BufferConfig
-from inverted.errors import PluginError
+from inverted.errors import ConfigError, PluginError
 from inverted.plugins import load_plugin, load_rollout_function, required_flags
 from inverted.types import Sample
 
@@ -104,3 +104,21 @@ def test_a_rollout_function_with_the_wrong_shape_is_refused_at_load():
         load_rollout_function(f"{__name__}:sync_rollout")
     with pytest.raises(PluginError, match=r"does not match def first_character\(ctx, tasks\)"):
         load_rollout_function("envs.letters:first_character")
+
+
+def test_env_args_are_bound_to_the_environment_and_checked_before_anything_starts():
+    from inverted.config import RolloutConfig
+    from inverted.controller.job import Plugins
+
+    args = '{"env": "verifiers.envs.integrations.reasoninggym_env:ReasoningGymEnv", "args": {"gym": "chain_sum"}}'
+    env = Plugins.load(RolloutConfig(env_path="envs.verifiers:episode", env_args=args)).env
+    assert env.keywords == {"env": "verifiers.envs.integrations.reasoninggym_env:ReasoningGymEnv",
+                            "args": {"gym": "chain_sum"}}
+    with pytest.raises(PluginError, match="keyword-only arguments come from --env-args"):
+        Plugins.load(RolloutConfig(env_path="envs.verifiers:episode"))
+    with pytest.raises(PluginError, match="--env-args: --env-path='envs.letters:episode'.*refuses them"):
+        Plugins.load(RolloutConfig(env_path="envs.letters:episode", env_args='{"env": "os:system"}'))
+    with pytest.raises(ConfigError, match="--env-args='\\[1\\]': expected a JSON object"):
+        RolloutConfig(env_path="envs.verifiers:episode", env_args="[1]")
+    # A YAML config's mapping is the same JSON object.
+    assert RolloutConfig(env_args={"driver": "envs.guess_number"}).env_args == '{"driver": "envs.guess_number"}'

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect
+import json
 import logging
 import secrets
 import sys
@@ -40,7 +41,7 @@ from inverted.buffer.client import BufferClient
 from inverted.config import JobConfig, RolloutConfig, flag_name, to_flags
 from inverted.errors import ConfigError, PluginError
 from inverted.placement import node_resource, ray_launch, start_ray
-from inverted.plugins import RewardModel, RolloutFunction, load_optional, load_rollout_function, required_flags
+from inverted.plugins import Keywords, RewardModel, RolloutFunction, load_optional, load_rollout_function, required_flags
 from inverted.processes import ManagedProcess, free_port
 from inverted.rollout.servers import ROUTED_EXPERTS_ARGV, RolloutServers, ServerHandle, lora_argv
 from inverted.rollout.sglang_client import SGLangClient
@@ -71,9 +72,11 @@ class Plugins:
 
     @classmethod
     def load(cls, cfg: RolloutConfig) -> "Plugins":
-        env = load_optional(cfg.env_path, flag="--env-path", params=["task", "client"])
+        env = load_optional(cfg.env_path, flag="--env-path", params=["task", "client"],
+                            keywords=Keywords(json.loads(cfg.env_args or "{}"), "--env-args"))
         if env is not None and not inspect.iscoroutinefunction(env):
-            raise PluginError(f"--env-path={cfg.env_path!r}: expected 'async def {env.__name__}(task, client) -> reward'")
+            raise PluginError(f"--env-path={cfg.env_path!r}: expected 'async def {getattr(env, '__name__', 'episode')}"
+                              "(task, client) -> reward'")
         generate = load_optional(cfg.custom_generate_function_path, flag="--custom-generate-function-path",
                                  params=["args", "sample", "sampling_params"])
         if generate is not None and not inspect.iscoroutinefunction(generate):

@@ -5,9 +5,12 @@ replies against the environment gives back the recorded feedback and the reward.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import sys
 
 import pytest
+from openenv.core.env_server import create_app
 from transformers import AutoTokenizer
 
 from envs import guess_number, openenv
@@ -17,6 +20,14 @@ from tests.job.test_train_job import ONE_ENGINE_RUN, check, inverted
 
 APP = "envs.guess_number:app"
 observe = guess_number.observe  # this module is also a driver: every reply is a guess
+# The game as OpenEnv's own servers are by default: one session at a time.
+ONE_SESSION = create_app(guess_number.GuessNumberEnvironment, guess_number.GuessAction, guess_number.GuessObservation,
+                         env_name="guess_number", max_concurrent_envs=1)
+
+
+def episode(**env_args):
+    """The episode as ``--env-args`` binds it."""
+    return functools.partial(openenv.episode, **{"driver": __name__, "app": APP, "max_sessions": 8, **env_args})
 
 
 def act(reply: str) -> dict:
@@ -42,8 +53,8 @@ def replay(sample: Sample, seed: int, tokenizer, driver_act=act) -> tuple[list[s
 
 
 def test_episodes_are_played_on_the_environment_server_and_recorded_as_one_branch(stack):
-    rows = openenv.rows(__name__, {"app": APP}, count=6, seed=40, max_turns=guess_number.GUESSES)
-    samples = play(stack, rows, openenv.episode, max_tokens=4)
+    rows = openenv.rows(count=6, seed=40)
+    samples = play(stack, rows, episode(max_turns=guess_number.GUESSES), max_tokens=4)
     tokenizer = AutoTokenizer.from_pretrained(stack[0])
     played = []
     for row, sample in zip(rows, samples):
@@ -56,8 +67,7 @@ def test_episodes_are_played_on_the_environment_server_and_recorded_as_one_branc
     assert max(played) > 1  # multi-turn: some episodes needed several guesses
     # The same server again, by URL this time: no second one is started.
     url = asyncio.run(openenv.serve(APP))
-    by_url = openenv.rows(__name__, {"url": url}, count=1, seed=40, max_turns=guess_number.GUESSES)
-    (again,) = play(stack, by_url, openenv.episode, max_tokens=4)
+    (again,) = play(stack, rows[:1], episode(app=None, url=url, max_turns=guess_number.GUESSES), max_tokens=4)
     assert again.metadata["turns"] and len(openenv._servers) == 1
 
 
@@ -66,10 +76,10 @@ def test_a_reply_that_is_no_action_ends_the_episode_and_is_trained_on(stack):
     for reply in ("no idea", "99"):
         with pytest.raises(ValueError):
             guess_number.act(reply)
-    rows = openenv.rows("envs.guess_number", {"app": APP}, count=4, seed=0, max_turns=3)
+    rows = openenv.rows(count=4, seed=0)
     tokenizer = AutoTokenizer.from_pretrained(stack[0])
     ended = []
-    for row, sample in zip(rows, play(stack, rows, openenv.episode, max_tokens=4)):
+    for row, sample in zip(rows, play(stack, rows, episode(driver="envs.guess_number", max_turns=3), max_tokens=4)):
         _, reward, no_action = replay(sample, row["metadata"]["openenv"]["reset"]["seed"], tokenizer, guess_number.act)
         assert sample.reward == reward
         ended.append(no_action)
@@ -82,14 +92,45 @@ def test_a_server_that_cannot_start_and_a_driver_that_does_not_exist_get_clear_e
     with pytest.raises(SystemExit):
         openenv.main(["--driver", "envs.no_such_driver", "--app", APP, "--out", str(tmp_path / "x.jsonl")])
     assert "--driver 'envs.no_such_driver'" in capsys.readouterr().err and not (tmp_path / "x.jsonl").exists()
+    task = type("Task", (), {"metadata": {"openenv": {}}})()
+    with pytest.raises(ValueError, match="by 'app' or by 'url', one of them"):
+        asyncio.run(openenv.episode(task, None, driver="envs.guess_number"))
 
 
-def test_a_debug_rollout_only_job_plays_an_openenv_environment(tiny_model, tmp_path):
+def test_a_debug_rollout_only_job_plays_the_environment_the_command_line_names(tiny_model, tmp_path, capsys):
     prompts, data = tmp_path / "p.jsonl", tmp_path / "rollout.jsonl"
-    openenv.main(["--driver", "tests.envs.test_openenv", "--app", APP, "--out", str(prompts), "--count", "2"])
+    openenv.main(["--driver", "tests.envs.test_openenv", "--app", APP, "--out", str(prompts), "--count", "2",
+                  "--max-sessions", "4"])
+    env_args = json.dumps({"driver": "tests.envs.test_openenv", "app": APP, "max_turns": 16, "max_sessions": 4})
+    assert f"--env-path envs.openenv:episode --env-args '{env_args}'" in capsys.readouterr().out
     check(inverted("train", "--debug-rollout-only", "--hf-checkpoint", str(tiny_model()), "--prompt-data", str(prompts),
-                   "--env-path", "envs.openenv:episode", "--save-debug-rollout-data", str(data),
+                   "--env-path", "envs.openenv:episode", "--env-args", env_args, "--save-debug-rollout-data", str(data),
                    "--output-dir", str(tmp_path / "run"), "--num-rollout", "1", *ONE_ENGINE_RUN))
     saved = [Sample.from_json(json.loads(line)) for line in data.read_text().splitlines()]
     assert len(saved) == 4 and all(s.status != Sample.Status.FAILED and s.reward in (0.0, 1.0) for s in saved)
     assert max(len(s.metadata["turns"]) for s in saved) > 1
+
+
+@pytest.mark.parametrize("max_sessions", [1, 4])
+def test_a_server_with_one_session_plays_every_episode_in_turn(stack, max_sessions):
+    """OpenEnv's default server takes one session: episodes queue (max_sessions 1), or a refused one is
+    asked again (4, more than it takes), and no refusal counts as an episode (play fails on any)."""
+    rows = openenv.rows(count=4, seed=7)
+    one = episode(app="tests.envs.test_openenv:ONE_SESSION", max_turns=2, max_sessions=max_sessions)
+    samples = play(stack, rows, one, max_tokens=4)
+    tokenizer = AutoTokenizer.from_pretrained(stack[0])
+    for row, sample in zip(rows, samples):
+        assert sample.reward == replay(sample, row["metadata"]["openenv"]["reset"]["seed"], tokenizer)[1]
+
+
+def test_a_row_that_names_code_imports_nothing_and_fails_its_episode_with_the_reason(stack):
+    """The audit's row: before, envs.openenv imported whatever module a row named as its driver."""
+    assert "this" not in sys.modules  # the Zen of Python prints itself when imported
+    hostile = {"input": "x", "metadata": {"openenv": {"driver": "this", "app": APP, "reset": {"seed": 1},
+                                                      "max_turns": 1}}}
+    with pytest.raises(AssertionError, match="chosen by --env-args, never by a row"):
+        play(stack, [hostile], episode(), max_tokens=1)
+    malformed = {"input": "x", "metadata": {"openenv": {"reset": {"seed": -3}}}}
+    with pytest.raises(AssertionError, match="not an OpenEnv ResetRequest"):
+        play(stack, [malformed], episode(), max_tokens=1)
+    assert "this" not in sys.modules

@@ -3,6 +3,7 @@ scores each episode, and every turn it asked for is recorded token for token."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -17,6 +18,7 @@ from tests.job.test_train_job import ONE_ENGINE_RUN, check, inverted
 
 REASONING_GYM = "verifiers.envs.integrations.reasoninggym_env:ReasoningGymEnv"
 GYM_ARGS = {"gym": "chain_sum", "num_train_examples": 6, "num_eval_examples": 2, "seed": 3}
+GYM_EPISODE = functools.partial(env.episode, env=REASONING_GYM, args=GYM_ARGS)  # what --env-args binds
 FEEDBACK = "Once more, shorter."
 
 
@@ -48,7 +50,7 @@ def load_retry() -> vf.Environment:
 def test_the_librarys_reasoning_gym_environment_plays_and_grades_each_row(stack):
     rows = env.rows(REASONING_GYM, GYM_ARGS, count=4, seed=0)
     assert [m["role"] for m in rows[0]["input"]] == ["system", "user"]
-    samples = play(stack, rows, env.episode, max_tokens=3)
+    samples = play(stack, rows, GYM_EPISODE, max_tokens=3)
     tokenizer = AutoTokenizer.from_pretrained(stack[0])
     graded = env.load(REASONING_GYM, GYM_ARGS)
     for row, sample in zip(rows, samples):
@@ -67,17 +69,17 @@ def test_an_empty_reply_is_the_models_action_and_is_scored_not_failed(stack):
     """verifiers aborts a rollout whose reply has no content; that reply is still the policy's to learn from."""
     rows = env.rows(REASONING_GYM, GYM_ARGS, count=1, seed=0)
     greedy = {"max_tokens": 1, "top_k": 1}
-    (first,) = play(stack, rows, env.episode, **greedy)
+    (first,) = play(stack, rows, GYM_EPISODE, **greedy)
     token = first.tokens[-1:]
     # The same greedy token, stopped on at once: the reply's content is empty.
     stop = AutoTokenizer.from_pretrained(stack[0]).decode(token)
-    (empty,) = play(stack, rows, env.episode, **greedy, stop=[stop])
+    (empty,) = play(stack, rows, GYM_EPISODE, **greedy, stop=[stop])
     assert empty.tokens == first.tokens and empty.loss_mask == [1] and empty.reward == 0.0
 
 
 def test_a_multi_turn_environment_is_one_branch_and_its_weighted_parts_are_the_reward(stack):
     rows = env.rows(f"{__name__}:load_retry", {}, count=-1, seed=0)
-    samples = play(stack, rows, env.episode, max_tokens=3)
+    samples = play(stack, rows, functools.partial(env.episode, env=f"{__name__}:load_retry"), max_tokens=3)
     tokenizer = AutoTokenizer.from_pretrained(stack[0])
     for sample in samples:
         turns_ = sample.metadata["turns"]
@@ -99,12 +101,32 @@ def test_environments_it_cannot_run_get_clear_errors(tmp_path, capsys):
     assert "argument --args: must be a JSON object" in capsys.readouterr().err and not (tmp_path / "x.jsonl").exists()
 
 
-def test_a_debug_rollout_only_job_plays_a_verifiers_environment(tiny_model, tmp_path):
+def test_a_debug_rollout_only_job_plays_the_environment_the_command_line_names(tiny_model, tmp_path, capsys):
     prompts, data = tmp_path / "p.jsonl", tmp_path / "rollout.jsonl"
     env.main(["--env", REASONING_GYM, "--args", json.dumps(GYM_ARGS), "--out", str(prompts), "--count", "2"])
+    said = capsys.readouterr().out
+    env_args = json.dumps({"env": REASONING_GYM, "args": GYM_ARGS})
+    assert f"--env-path envs.verifiers:episode --env-args '{env_args}'" in said  # the command to train on it
     check(inverted("train", "--debug-rollout-only", "--hf-checkpoint", str(tiny_model()), "--prompt-data", str(prompts),
-                   "--env-path", "envs.verifiers:episode", "--save-debug-rollout-data", str(data),
-                   "--output-dir", str(tmp_path / "run"), "--num-rollout", "1", *ONE_ENGINE_RUN))
+                   "--env-path", "envs.verifiers:episode", "--env-args", env_args,
+                   "--save-debug-rollout-data", str(data), "--output-dir", str(tmp_path / "run"), "--num-rollout", "1",
+                   *ONE_ENGINE_RUN))
     saved = [Sample.from_json(json.loads(line)) for line in data.read_text().splitlines()]
     assert len(saved) == 4 and all(s.status != Sample.Status.FAILED and s.reward in (0.0, 1.0) for s in saved)
-    assert {s.metadata["verifiers"]["env"] for s in saved} == {REASONING_GYM}
+    assert all(set(s.metadata["verifiers"]) == {"input"} for s in saved)
+
+
+def test_a_row_that_names_code_runs_nothing_and_fails_its_episode_with_the_reason(stack, tmp_path):
+    """The audit's row: before, envs.verifiers called os.system with the row's command."""
+    witness = tmp_path / "ran"
+    hostile = {"input": "hi", "metadata": {"verifiers": {"env": "os:system",
+                                                          "args": {"command": f"touch {witness}"}}}}
+    malformed = {"input": "hi", "metadata": {"verifiers": {"input": {"prompt": "not a list"}}}}
+    with pytest.raises(AssertionError) as failed:
+        play(stack, [hostile], GYM_EPISODE, max_tokens=1)
+    assert "chosen by --env-args, never by a row" in str(failed.value) and not witness.exists()
+    with pytest.raises(AssertionError, match="not a verifiers RolloutInput"):
+        play(stack, [malformed], GYM_EPISODE, max_tokens=1)
+    with pytest.raises(env.EnvError, match=r"got \['args', 'env'\]"):
+        env.row_input(hostile["metadata"])
+    assert not witness.exists()
