@@ -27,7 +27,7 @@ start-up and evaluations are left out of both (and reported apart).
 The headline: ``ours_over_trl.loop_tokens_per_s`` (target >= 2) and
 ``ours_over_trl.time_to_threshold`` (target <= 0.5).
 
-    python bench/vs_trl.py [--updates 40] [--eval-interval 5] [--threshold 0.5] [--only ours|trl]
+    python bench/vs_trl.py [--updates 40] [--eval-interval 5] [--threshold 0.5] [--only ours|trl] [--report-only]
 
 Needs ``trl`` (``pip install -e '.[bench]'``) and ``make run``'s model and data (made if missing).
 """
@@ -120,31 +120,29 @@ class MemoryProbe:
         return {"peak_pss_gb": round(self.peak_pss / 2**30, 3), "peak_rss_gb": round(self.peak_rss / 2**30, 3)}
 
 
-def run_measured(command: list[str], log: Path) -> dict[str, float]:
+def run_measured(command: list[str], out: Path) -> None:
+    """Run ``command`` (which writes ``out/metrics.jsonl``); its wall time and peak memory go to ``out/measured.json``."""
+    out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    with log.open("w") as out:
-        process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    with out.with_suffix(".log").open("w") as log:
+        process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         probe = MemoryProbe(process.pid)
         code = process.wait()
     memory = probe.stop()
     if code:
-        raise SystemExit(f"{command[:4]} exited {code}; its log: {log}")
-    return {"process_wall_s": round(time.perf_counter() - started, 1), **memory}
+        raise SystemExit(f"{command[:4]} exited {code}; its log: {out.with_suffix('.log')}")
+    (out / "measured.json").write_text(json.dumps({"process_wall_s": round(time.perf_counter() - started, 1), **memory}))
 
 
-def run_ours(args, out: Path) -> dict[str, Any]:
-    command = [sys.executable, "-m", "inverted.cli", "train", "--config", str(JOB), "--prompt-data", str(DATA),
-               "--eval-prompt-data", str(EVAL), "--num-rollout", str(args.updates), "--eval-interval",
-               str(args.eval_interval), "--output-dir", str(out), "--log-level", "warning"]
-    measured = run_measured(command, out.with_suffix(".log"))
-    return {**measured, "rows": read_rows(out / "metrics.jsonl")}
+def run_ours(args, out: Path) -> None:
+    run_measured([sys.executable, "-m", "inverted.cli", "train", "--config", str(JOB), "--prompt-data", str(DATA),
+                  "--eval-prompt-data", str(EVAL), "--num-rollout", str(args.updates), "--eval-interval",
+                  str(args.eval_interval), "--output-dir", str(out), "--log-level", "warning"], out)
 
 
-def run_trl(args, out: Path) -> dict[str, Any]:
-    command = [sys.executable, __file__, "--trl-worker", "--updates", str(args.updates), "--eval-interval",
-               str(args.eval_interval), "--out", str(out)]
-    measured = run_measured(command, out.with_suffix(".log"))
-    return {**measured, "rows": read_rows(out / "metrics.jsonl")}
+def run_trl(args, out: Path) -> None:
+    run_measured([sys.executable, __file__, "--trl-worker", "--updates", str(args.updates), "--eval-interval",
+                  str(args.eval_interval), "--out", str(out)], out)
 
 
 def read_rows(path: Path) -> list[dict[str, float]]:
@@ -163,7 +161,10 @@ def summarize(rows: list[dict[str, float]], threshold: float) -> dict[str, Any]:
             before = sum(r["time/step_s"] for r in steps if r["step"] < row["step"])
             reached = {"updates": int(row["step"]), "loop_s": round(before, 1)}
             break
-    phase = (lambda key: round(statistics.median(r[key] for r in steps), 3) if steps and key in steps[0] else None)
+    def phase(key: str) -> float | None:  # a step that had no group to train on has no train time
+        values = [r[key] for r in steps if key in r]
+        return round(statistics.median(values), 3) if values else None
+
     return {"updates": len(steps), "loop_s": round(loop_s, 1), "step_s_median": phase("time/step_s"),
             "step_s_mean": round(loop_s / len(steps), 3) if steps else None,
             "rollout_s_median": phase("time/rollout_s"), "train_s_median": phase("time/train_s"),
@@ -296,6 +297,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threshold", type=float, default=0.5, help="held-out pass rate for time-to-threshold")
     parser.add_argument("--only", choices=["ours", "trl"], default=None, help="run one side (no ratios)")
     parser.add_argument("--out", default=str(ROOT / "runs/bench/vs_trl"), help="where both runs write")
+    parser.add_argument("--report-only", action="store_true", help="report the runs already in --out again")
     parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.trl_worker:
@@ -312,8 +314,10 @@ def main(argv: list[str] | None = None) -> None:
                               "cpu": psutil.cpu_count(), "unmatched": UNMATCHED}
     for name, run in (("ours", run_ours), ("trl", run_trl)):
         if args.only in (None, name):
-            result = run(args, out / name)
-            report[name] = {**summarize(result.pop("rows"), args.threshold), **result}
+            if not args.report_only:
+                run(args, out / name)
+            report[name] = {**summarize(read_rows(out / name / "metrics.jsonl"), args.threshold),
+                            **json.loads((out / name / "measured.json").read_text())}
             print(json.dumps({name: report[name]}), file=sys.stderr, flush=True)
     if args.only is None:
         report["ours_over_trl"] = compare(report["ours"], report["trl"])

@@ -318,7 +318,11 @@ class ServersConfig:
     startup_timeout: float = option(180.0, "seconds to wait for every process to become healthy")
     log_dir: str = option("runs/servers", "directory for the engines' and the router's logs", path=True)
     admin_api_key: str | None = option(
-        None, "key every rollout server requires on its weight and control routes (inverted train sets a random one)")
+        None, "key every rollout server requires on its weight and control routes, and the router on its worker "
+              "routes (sgl-router's control plane): inverted train sets a random one")
+    router_api_key: str | None = option(
+        None, "key the router requires on /generate and sends on to the rollout servers, which require it too "
+              "(sgl-router's and SGLang's --api-key): inverted train sets a random one")
 
     def __post_init__(self) -> None:
         _require(bool(self.hf_checkpoint), "--hf-checkpoint", self.hf_checkpoint, "a checkpoint directory")
@@ -384,6 +388,9 @@ class ProxyConfig:
     proxy_host: str = option("127.0.0.1", "address to bind")
     proxy_port: int = option(8700, "port to bind")
     proxy_api_key: str | None = option(None, "key required to create sessions and for session admin routes")
+    router_api_key: str | None = option(None, "key the router requires on /generate (its --api-key)")
+    router_admin_api_key: str | None = option(
+        None, "key of the router's worker list (its control plane), needed only with --return-routed-experts")
     served_model_name: str = option("", "model id in answers and /v1/models (default: the checkpoint's folder name)")
     context_length: int = option(0, "longest prompt + completion (0: the checkpoint's max_position_embeddings)")
     lora_name: str | None = option(
@@ -754,8 +761,9 @@ class JobConfig:
     SETS: typing.ClassVar[dict[str, dict[str, Any]]] = {
         "buffer": {"db": _SET_BY_JOB, "host": "127.0.0.1", "port": 8600, "api_key": None, "workers": 1},
         "proxy": {"router_url": _SET_BY_JOB, "tokenizer": _SET_BY_JOB, "proxy_host": "127.0.0.1", "proxy_port": 8700,
-                  "proxy_api_key": None, "lora_name": None, "return_routed_experts": False},
-        "servers": {"log_dir": _SET_BY_JOB, "admin_api_key": None},
+                  "proxy_api_key": None, "router_api_key": None, "router_admin_api_key": None, "lora_name": None,
+                  "return_routed_experts": False},
+        "servers": {"log_dir": _SET_BY_JOB, "admin_api_key": None, "router_api_key": None},
     }
 
     def validate(self) -> None:

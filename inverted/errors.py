@@ -112,3 +112,7 @@ class ServiceUnavailable(ServiceError):
 
 class ProtocolError(ServiceError):
     """The service answered with a client error (4xx) or a body of an unexpected shape."""
+
+
+class UnknownWorker(ServiceError):
+    """The router served a worker the job did not start: what it generated must not be trained on."""

@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from inverted.errors import ConfigError, ModelError
 from inverted.hf_checkpoint import ModelSpec
+from inverted.weight_wire import non_finite
 
 # module -> the block it sits in; in a decoder layer's order
 MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
@@ -167,6 +168,8 @@ def check_tensors(config: LoRAConfig, tensors: dict[str, torch.Tensor],
         if not tensor.is_floating_point():
             raise ModelError(f"{name}: expected a floating-point tensor, got {tensor.dtype}")
         halves.setdefault((layer, module), {})[which] = tensor
+    if bad := non_finite(tensors):
+        raise ModelError(f"LoRA tensors with NaN or inf values: {bad[:5]}{' ...' if len(bad) > 5 else ''}")
     unpaired = sorted(f"layer {k[0]} {k[1]}" for k, v in halves.items() if len(v) != 2)
     if unpaired:
         raise ModelError(f"lora_A and lora_B must come in pairs; unpaired: {unpaired[:5]}")

@@ -129,6 +129,8 @@ class RolloutContext:
     lora_path: str | None = None  # the LoRA adapter a LoRA run's policy is: name it in every /generate (None: base)
     routed_experts: bool = False  # ask every /generate for return_routed_experts and keep them (rollout routing replay)
     chat_template: str | None = None  # --chat-template: the Jinja file rendered instead of the checkpoint's own
+    router_api_key: str | None = None  # the router's /generate key ('Authorization: Bearer KEY')
+    router_admin_api_key: str | None = None  # its worker list's (routed experts go to the workers directly)
 
 
 RolloutFunction = Callable[[RolloutContext, list[Task]], Awaitable[list[Sample]]]

@@ -158,6 +158,8 @@ class Sample:
             raise SampleError(f"{path.strip('.`') or 'sample'}: {problem or exc}") from None
         except msgspec.DecodeError as exc:
             raise SampleError(f"sample: malformed JSON: {exc}") from None
+        except RecursionError:
+            raise SampleError("sample: malformed JSON: nested too deeply") from None
         return cls(**msgspec.structs.asdict(wire))
 
 

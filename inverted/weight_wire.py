@@ -17,6 +17,7 @@ so each format is written once:
   since only the buffer's handle changes between updates. ``deserialize`` never runs plain
   pickle: an allowlist resolves SGLang's class names to ours, the torch rebuild functions, and
   the builtin containers; every other global is refused.
+- ``non_finite``: the tensors holding a NaN or an infinity, which neither end lets through.
 - **The update group** (``/init_weights_update_group``): ``join_update_group`` builds the process
   group the way SGLang's ``init_custom_process_group`` builds it (a TCP rendezvous, then torch's
   store prefixes for a named group), so a trainer and a real SGLang server meet in it.
@@ -127,6 +128,19 @@ def copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
 
 
 # ---- payloads -------------------------------------------------------------------------------
+
+
+def non_finite(named: list[tuple[str, torch.Tensor]] | dict[str, torch.Tensor]) -> list[str]:
+    """The names of floating-point tensors holding a NaN or an infinity.
+
+    One reduction per tensor (no mask is allocated): NaN and inf survive a sum, and finite
+    weights do not overflow one summed in fp32 (fp16's own range would: 65504). Both ends ask: a
+    trainer must not send such weights, and a server must not serve them (it would answer
+    garbage, and its health probe cannot tell).
+    """
+    items = named.items() if isinstance(named, dict) else named
+    return [name for name, tensor in items if tensor.is_floating_point()
+            and not torch.isfinite(tensor.sum(dtype=torch.promote_types(tensor.dtype, torch.float32)))]
 
 
 def _rebuild_cuda_tensor_by_uuid(*args: Any) -> torch.Tensor:

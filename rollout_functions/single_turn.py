@@ -97,8 +97,8 @@ async def generate_rollout(ctx: RolloutContext, tasks: list[Task]) -> list[Sampl
 
     if ctx.generate is not None:
         return list(await asyncio.gather(*(custom(task) for task in tasks)))
-    async with generate_client(ctx.router_url, routed_experts=ctx.routed_experts,
-                               max_connections=ctx.config.rollout_concurrency) as client:
+    async with generate_client(ctx.router_url, routed_experts=ctx.routed_experts, api_key=ctx.router_api_key,
+                               admin_api_key=ctx.router_admin_api_key, max_connections=ctx.config.rollout_concurrency) as client:
         return list(await asyncio.gather(*(one(client, task) for task in tasks)))
 
 

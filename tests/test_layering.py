@@ -13,7 +13,8 @@ job's services and the buffer's workers start and watch children one way; and ``
 rule, compared in constant time) and ``limits`` (what one request may cost: body size, text that
 cannot fit a context) count as shared, so the engine, the proxy and the buffer check keys and
 bound requests one way; and ``peft_adapter`` (PEFT's LoRA adapter format: config, names,
-directory) counts as shared, so the trainer's writer and the engine's reader use one definition;
+directory) counts as shared, so the trainer's writer and the engine's reader use one definition,
+and checks tensors as ``weight_wire`` does (``non_finite``);
 and ``compat`` may read ``hf_checkpoint`` (slime's ``GenerateState`` holds the checkpoint's
 tokenizer, with ``--chat-template`` applied as everywhere else); and ``plugins`` may read ``config`` (the rollout function's context carries its config section) and
 ``compat`` (slime's plug-in API, whose module paths it installs before importing a plug-in; a
@@ -48,7 +49,7 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("inverted.http_client", ("inverted.errors",)),
     ("inverted.hf_checkpoint", ("inverted.errors",)),
     ("inverted.weight_wire", ("inverted.errors",)),
-    ("inverted.peft_adapter", ("inverted.errors", "inverted.hf_checkpoint")),
+    ("inverted.peft_adapter", ("inverted.errors", "inverted.hf_checkpoint", "inverted.weight_wire")),
     ("inverted.processes", ("inverted.errors",)),
     ("inverted.auth", ("inverted.errors",)),
     ("inverted.limits", ()),

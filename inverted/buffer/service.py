@@ -213,6 +213,8 @@ def _samples(raw: bytes) -> tuple[list[tuple[str, Sample]], list[bytes]]:
         raise RequestValidationError([{"loc": ("body",), "msg": str(exc)}]) from None
     except msgspec.DecodeError as exc:
         raise RequestValidationError([{"loc": ("body",), "msg": f"malformed JSON: {exc}"}]) from None
+    except RecursionError:  # msgspec has no depth limit of its own
+        raise RequestValidationError([{"loc": ("body",), "msg": "malformed JSON: nested too deeply"}]) from None
     if not body.samples:
         raise RequestValidationError([{"loc": ("samples",), "msg": "at least one sample is required"}])
     items, blobs = [], []

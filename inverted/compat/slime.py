@@ -15,7 +15,8 @@ four things, and this module is each of them:
   inverted does not have is an ``AttributeError`` that names it and says why.
 - ``post(url, payload, max_retries=60, headers=None)`` and ``get(url)`` (``slime.utils.http_utils``):
   slime's behaviour (every failure retried once a second, the JSON answer returned). In a LoRA
-  run a ``/generate`` that names no adapter is sent with the policy's (``generating_with``).
+  run a ``/generate`` that names no adapter is sent with the policy's, and every call to the job's
+  router carries its key (``generating_with``).
 - ``GenerateState(args)`` (``slime.rollout.sglang_rollout``): the tokenizer, the sampling
   parameters and the concurrency limit of the default rollout.
 - ``DynamicFilterOutput`` (``slime.rollout.filter_hub.base_types``), and the trainer's
@@ -244,6 +245,7 @@ class GenerateCall:
 
 _calls: contextvars.ContextVar[list[GenerateCall] | None] = contextvars.ContextVar("slime_generate_calls", default=None)
 _lora_path: contextvars.ContextVar[str | None] = contextvars.ContextVar("slime_lora_path", default=None)
+_router: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("slime_router", default=None)
 _sessions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -255,14 +257,18 @@ def record_calls() -> list[GenerateCall]:
 
 
 @contextlib.contextmanager
-def generating_with(lora_path: str | None) -> Iterator[None]:
-    """Within it, ``post`` names this LoRA adapter in every ``/generate`` that names none: a LoRA
-    run's policy is its adapter, and a slime plug-in written for full fine-tuning would sample the base."""
-    token = _lora_path.set(lora_path)
+def generating_with(lora_path: str | None, router_url: str | None = None,
+                    router_api_key: str | None = None) -> Iterator[None]:
+    """Within it, ``post`` names this LoRA adapter in every ``/generate`` that names none (a LoRA
+    run's policy is its adapter, and a slime plug-in written for full fine-tuning would sample the
+    base), and sends the router's key with every call to ``router_url`` (slime's router takes none)."""
+    tokens = _lora_path.set(lora_path), _router.set((router_url.rstrip("/") + "/", router_api_key)
+                                                    if router_url and router_api_key else None)
     try:
         yield
     finally:
-        _lora_path.reset(token)
+        _lora_path.reset(tokens[0])
+        _router.reset(tokens[1])
 
 
 def _session():
@@ -275,12 +281,20 @@ def _session():
     return _sessions[loop]
 
 
+def _with_router_key(url: str, headers: dict[str, str] | None) -> dict[str, str] | None:
+    router = _router.get()
+    if router and url.startswith(router[0]) and "Authorization" not in (headers or {}):
+        return {**(headers or {}), "Authorization": f"Bearer {router[1]}"}
+    return headers
+
+
 async def post(url: str, payload: Any, max_retries: int = 60, headers: dict[str, str] | None = None) -> Any:
     """POST JSON and return the JSON answer; like slime, any failure is retried once a second,
     ``max_retries`` times, then raised."""
     lora_path = _lora_path.get()
     if lora_path and url.endswith("/generate") and isinstance(payload, dict) and not payload.get("lora_path"):
         payload = {**payload, "lora_path": lora_path}
+    headers = _with_router_key(url, headers)
     for attempt in range(1, max_retries + 1):
         try:
             async with _session().post(url, json=payload, headers=headers) as response:
@@ -299,7 +313,7 @@ async def post(url: str, payload: Any, max_retries: int = 60, headers: dict[str,
 
 
 async def get(url: str) -> Any:
-    async with _session().get(url) as response:
+    async with _session().get(url, headers=_with_router_key(url, None)) as response:
         response.raise_for_status()
         return await response.json(content_type=None)
 

@@ -130,7 +130,8 @@ class Job:
         self.lora = _lora_config(cfg)  # a LoRA run's adapter: the servers serve it as the policy
         self.adapter = POLICY_ADAPTER if self.lora else None  # what every policy call names (SGLang's lora_path)
         self._pushed_to: list[str] = []  # the servers of the latest weight update
-        self.engine_key = secrets.token_urlsafe(24)  # the rollout servers' admin key
+        self.engine_key = secrets.token_urlsafe(24)  # the rollout servers' admin key, and the router's
+        self.router_key = secrets.token_urlsafe(24)  # /generate's, at the router and at the servers
         self.faults: Counter[str] = Counter(engine_deaths=0, engine_restarts=0)  # reported from the first row on
         self._trainer_lock = asyncio.Lock()
         self._heal_lock = asyncio.Lock()
@@ -159,7 +160,10 @@ class Job:
 
         # The servers' weight and control routes take only this key: nobody else on the network
         # can change the weights they serve (SGLang shipped those routes open, and got a CVE for it).
-        servers_cfg = dataclasses.replace(cfg.servers, log_dir=str(self.run_dir / "logs"), admin_api_key=self.engine_key)
+        # The router's worker routes take the admin key too, and its /generate (and the servers') the
+        # router key: no one else can add a worker of their own to the job, or generate through it.
+        servers_cfg = dataclasses.replace(cfg.servers, log_dir=str(self.run_dir / "logs"), admin_api_key=self.engine_key,
+                                          router_api_key=self.router_key)
         gpus = cfg.servers.rollout_num_gpus_per_engine * (0.5 if cfg.rollout.colocate else 1.0)
         # Without a trainer no sync brings the adapter: the servers load it themselves.
         lora = lora_argv(self.lora.rank, list(self.lora.modules),
@@ -172,7 +176,8 @@ class Job:
         port, self.proxy_key = free_port(), secrets.token_urlsafe(24)
         proxy_cfg = dataclasses.replace(cfg.proxy, router_url=self.servers.router_url, tokenizer=cfg.train.hf_checkpoint,
                                         proxy_port=port, proxy_api_key=self.proxy_key, lora_name=self.adapter,
-                                        return_routed_experts=replay)
+                                        return_routed_experts=replay, router_api_key=self.router_key,
+                                        router_admin_api_key=self.engine_key if replay else None)
         proxy = spawn_service("proxy", proxy_cfg, self.run_dir, f"http://127.0.0.1:{port}")  # needs no router to boot
         self.processes.append(proxy)
         self.proxy_url = proxy.url
@@ -211,6 +216,8 @@ class Job:
             return await asyncio.to_thread(getattr(self.trainer, method), *args)
 
     async def train(self, samples: list[Sample]) -> dict[str, float]:
+        """One training step on ``samples``, once the router is known to have served only the job's servers."""
+        await self.servers.verify_workers()
         return await self.trainer_call("train", samples)
 
     async def sync_weights(self, version: int) -> dict[str, float]:

@@ -43,7 +43,9 @@ def context(cfg: JobConfig, job: Job, plugins: Plugins, rollout_id: int, evaluat
                           chat_template=cfg.proxy.chat_template, sampling=sampling,
                           env=plugins.env, generate=plugins.generate, evaluation=evaluation,
                           slime_args=slime_args(cfg, job.servers.router_url), lora_path=job.adapter,
-                          routed_experts=cfg.train.moe.use_rollout_routing_replay)
+                          routed_experts=cfg.train.moe.use_rollout_routing_replay,
+                          router_api_key=job.servers.config.router_api_key,
+                          router_admin_api_key=job.servers.config.admin_api_key)
 
 
 def slime_args(cfg: JobConfig, router_url: str | None = None) -> slime.SlimeArgs:
@@ -58,7 +60,7 @@ async def run_rollout(ctx: RolloutContext, plugins: Plugins, tasks: list[Task]) 
     function, where = ((plugins.evaluate, f"--eval-function-path {ctx.config.eval_function_path}")
                        if ctx.evaluation and plugins.evaluate else
                        (plugins.rollout, f"--rollout-function-path {ctx.config.rollout_function_path}"))
-    with slime.generating_with(ctx.lora_path):  # slime plug-ins call the router through compat's post
+    with slime.generating_with(ctx.lora_path, ctx.router_url, ctx.router_api_key):  # slime plug-ins call the router through compat's post
         samples = await function(ctx, tasks)
     if not isinstance(samples, list) or not all(isinstance(s, Sample) for s in samples):
         raise PluginError(f"{where}: expected a list of Samples, got {type(samples).__name__}")

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from inverted.engine.lora import LoRABatch
 from inverted.errors import ModelError
 from inverted.hf_checkpoint import ModelSpec, checkpoint_tensors, rope_angles
-from inverted.weight_wire import copy_all
+from inverted.weight_wire import copy_all, non_finite
 
 
 class KVCache:
@@ -216,6 +216,9 @@ class CausalLM(torch.nn.Module):
         """Check everything first, then copy (together, and waited for on a GPU, where the sender
         refills a CUDA-IPC bucket as soon as we answer): a bad set of weights changes nothing."""
         self.check_weights(named, complete=complete, strict_dtype=strict_dtype)
+        if bad := non_finite(named):
+            raise ModelError(f"weights with NaN or inf values refused (the served weights are unchanged): "
+                             f"{bad[:5]}{' ...' if len(bad) > 5 else ''}")
         copy_all([self.hf_views[name] for name in named], list(named.values()))
 
     # ---- forward -------------------------------------------------------------------------

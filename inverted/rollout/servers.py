@@ -23,6 +23,11 @@ one server run 64 more requests than another): an RL batch arrives at once, ofte
 system prompt in every request, and cache-aware routing alone then sends all of it to one server
 (measured on the demo: one engine did 84% of the work). ``--router-*`` flags override each default.
 
+With keys set (``inverted train`` sets random ones) the router runs with its own authentication:
+``/workers`` takes only the admin key (sgl-router's control plane), ``/generate`` only the router
+key, which it sends on to the servers, which require it too. ``verify_workers`` checks that the
+router serves no worker these servers do not include (the job calls it before each training step).
+
 Workers are registered with a failure threshold well above the router's default, and real SGLang
 servers run with ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0``: a server paused for a weight
 update answers its health probe late, and must not be evicted for it.
@@ -31,16 +36,18 @@ update answers its health probe late, and must not be evicted for it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import os
+import secrets
 import sys
 import time
 from pathlib import Path
 from typing import Callable, Protocol
 
 from inverted.config import ServersConfig
-from inverted.errors import ServiceUnavailable
+from inverted.errors import ServiceUnavailable, UnknownWorker
 from inverted.processes import ManagedProcess, free_port
 from inverted.rollout.sglang_client import RouterClient, SGLangClient
 from inverted.types import POLICY_ADAPTER
@@ -106,6 +113,7 @@ def engine_argv(cfg: ServersConfig, backend: str, sglang_args: list[str], flags:
     """The command line of one rollout server (a plain function, so a Ray actor can receive it)."""
     # one argument: a random key may begin with "-", which argparse would take for a flag
     key = [f"--admin-api-key={cfg.admin_api_key}"] if cfg.admin_api_key else []
+    key += [f"--api-key={cfg.router_api_key}"] if cfg.router_api_key else []  # what the router sends on
     if backend == "sglang":  # its OpenAI routes render chats: with the job's template (the embedded engine has none)
         template = ["--chat-template", cfg.chat_template] if cfg.chat_template else []
         return [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.hf_checkpoint, "--host", host,
@@ -131,6 +139,7 @@ class RolloutServers:
         self.log_dir = Path(config.log_dir)
         self.engines: list[ServerHandle] = []
         self.launched = 0  # servers started so far, replacements included (names their logs)
+        self.started: set[str] = set()  # their URLs: the only workers the router may serve
         self.router: ManagedProcess | None = None
         # Known before ``start``, so that a client of the router (the proxy) can boot alongside it.
         self.router_url = f"http://{config.router_host}:{config.router_port or free_port(config.router_host)}"
@@ -147,7 +156,9 @@ class RolloutServers:
         env = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"} if self.backend == "sglang" else {}
         argv_for = functools.partial(engine_argv, self.config, self.backend, self.sglang_args, self.flags,
                                      self._engine_threads())
-        return self.launch(name, argv_for, self.log_dir / f"{name}.log", env)
+        handle = self.launch(name, argv_for, self.log_dir / f"{name}.log", env)
+        self.started.add(handle.url)
+        return handle
 
     def _next_name(self) -> str:
         name, self.launched = f"engine-{self.launched}", self.launched + 1
@@ -164,8 +175,30 @@ class RolloutServers:
         for flag, value in defaults.items():
             if flag not in given:
                 argv += [flag, value]
+        # sgl-router's own authentication: /generate takes the data key (which it sends on to the
+        # servers), /workers only the job's admin key ('id:name:role:key'), so nobody else on the
+        # machine can add a worker of their own or generate through the job's servers.
+        if self.config.router_api_key:
+            argv.append(f"--api-key={self.config.router_api_key}")
+        if self.config.admin_api_key:
+            argv.append(f"--control-plane-api-keys=inverted:job:admin:{self.config.admin_api_key}")
         argv += self.router_args
         return ManagedProcess.spawn("router", argv, self.log_dir / "router.log", self.router_url)
+
+    def control(self) -> RouterClient:
+        """A client of the router's worker API, with the job's admin key."""
+        return RouterClient(self.router_url, api_key=self.config.admin_api_key)
+
+    async def verify_workers(self) -> None:
+        """Raise ``UnknownWorker`` if the router serves a worker this object did not start (and take it
+        out): its samples must not be trained on."""
+        async with self.control() as router:
+            strangers = sorted(set(url for url in await router.urls()) - self.started)
+            for url in strangers:
+                await router.remove_worker(url)
+        if strangers:
+            raise UnknownWorker(f"the router served {strangers}, which this job did not start; they are removed, "
+                                "and what they generated is not trained on", url=self.router_url)
 
     async def __aenter__(self) -> "RolloutServers":
         try:
@@ -184,7 +217,7 @@ class RolloutServers:
         engines = [self._spawn_engine(self._next_name()) for _ in range(self.config.num_engines)]
         self.engines += engines
         await asyncio.gather(*(asyncio.to_thread(e.wait_healthy, deadline - time.monotonic()) for e in engines))
-        await asyncio.to_thread(self.router.wait_healthy, deadline - time.monotonic(), "/workers")
+        await asyncio.to_thread(self.router.wait_healthy, deadline - time.monotonic())
         for engine in engines:
             await self.register(engine, deadline)
         logger.info("router %s serving %d %s servers", self.router_url, len(self.engines), self.backend)
@@ -192,7 +225,7 @@ class RolloutServers:
     async def register(self, engine: ServerHandle, deadline: float | None = None) -> None:
         """``POST /workers`` and wait until the router marks the worker healthy."""
         deadline = deadline or time.monotonic() + self.config.startup_timeout
-        async with RouterClient(self.router_url) as router:
+        async with self.control() as router:
             await router.add_worker(engine.url, health_failure_threshold=HEALTH_FAILURE_THRESHOLD)
             while time.monotonic() < deadline:
                 self.router.check_alive()
@@ -238,7 +271,7 @@ class RolloutServers:
     async def retire(self, engine: ServerHandle) -> None:
         """Take a (dead) server out of the router and of the server list, and clean up after it."""
         self.engines.remove(engine)
-        async with RouterClient(self.router_url) as router:
+        async with self.control() as router:
             await router.remove_worker(engine.url)
         await asyncio.to_thread(engine.terminate)
 
@@ -256,12 +289,14 @@ async def run_demo(config: ServersConfig, router_args: list[str], sglang_args: l
     from inverted.hf_checkpoint import load_tokenizer
 
     tokenizer = load_tokenizer(config.hf_checkpoint, config.chat_template)
+    config = dataclasses.replace(config, admin_api_key=config.admin_api_key or secrets.token_urlsafe(24),
+                                 router_api_key=config.router_api_key or secrets.token_urlsafe(24))
     prompts = ["What is 17 + 25?", "Name three colors.", "Count from one to five.", "Say hello to the world.",
                "What is 6 times 7?", "Write a short question.", "List two numbers.", "Solve 9 - 4."]
     console = Console()
     async with RolloutServers(config, router_args, sglang_args) as servers:
         console.print(f"router {servers.router_url} -> engines {', '.join(servers.engine_urls)}")
-        async with SGLangClient(servers.router_url) as client:
+        async with SGLangClient(servers.router_url, api_key=config.router_api_key) as client:
             async def ask(question: str) -> dict:
                 text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
                                                     tokenize=False)

@@ -267,6 +267,9 @@ class RouterClient(HTTPService):
     async def healthy_urls(self) -> set[str]:
         return {w["url"] for w in await self.list_workers() if w.get("is_healthy")}
 
+    async def urls(self) -> set[str]:
+        return {w["url"] for w in await self.list_workers()}
+
 
 class WorkersClient:
     """``/generate`` straight to the workers the router lists, for requests the router would change.
@@ -282,11 +285,13 @@ class WorkersClient:
 
     PREFIX = 64  # prompt tokens that pick the worker: a group's shared prompt, an episode's system prompt
 
-    def __init__(self, router_url: str, *, timeouts: Timeouts = Timeouts(), max_connections: int = 256,
-                 refresh_s: float = 10.0):
+    def __init__(self, router_url: str, *, api_key: str | None = None, admin_api_key: str | None = None,
+                 timeouts: Timeouts = Timeouts(), max_connections: int = 256, refresh_s: float = 10.0):
+        """``api_key``: the router's (and so its workers') /generate key; ``admin_api_key``: its worker list's."""
         self.base_url = router_url.rstrip("/")
-        self.router = RouterClient(router_url, timeouts=timeouts)
-        self._client = functools.partial(SGLangClient, timeouts=timeouts, max_connections=max_connections)
+        self.router = RouterClient(router_url, api_key=admin_api_key, timeouts=timeouts)
+        self._client = functools.partial(SGLangClient, api_key=api_key, timeouts=timeouts,
+                                         max_connections=max_connections)
         self.clients: dict[str, SGLangClient] = {}
         self.refresh_s = refresh_s
         self._workers: list[str] = []
@@ -338,7 +343,11 @@ class WorkersClient:
         await self.close()
 
 
-def generate_client(router_url: str, *, routed_experts: bool = False, **options: Any) -> SGLangClient | WorkersClient:
-    """The client for ``/generate`` behind ``router_url``: the router itself, or, for calls that ask
-    for routed experts (which the router drops), its workers directly (``WorkersClient``)."""
-    return (WorkersClient if routed_experts else SGLangClient)(router_url, **options)
+def generate_client(router_url: str, *, routed_experts: bool = False, api_key: str | None = None,
+                    admin_api_key: str | None = None, **options: Any) -> SGLangClient | WorkersClient:
+    """The client for ``/generate`` behind ``router_url`` (``api_key``: its key): the router itself,
+    or, for calls that ask for routed experts (which the router drops), its workers directly
+    (``WorkersClient``, which lists them with ``admin_api_key``)."""
+    if routed_experts:
+        return WorkersClient(router_url, api_key=api_key, admin_api_key=admin_api_key, **options)
+    return SGLangClient(router_url, api_key=api_key, **options)

@@ -164,3 +164,47 @@ def test_slow_clients_holding_connections_do_not_starve_health(services):
         finally:
             for sock in held:
                 sock.close()
+
+
+LONE = "\ud800"  # a UTF-16 surrogate without its pair: valid JSON escape, not Unicode text
+
+
+def post_raw(url: str, body, headers: dict | None = None) -> httpx.Response:
+    """``body`` as json.dumps writes it (escaping the surrogate), which httpx's own encoder cannot."""
+    return httpx.post(url, content=json.dumps(body), headers={"content-type": "application/json", **(headers or {})},
+                      timeout=10)
+
+
+def test_lone_surrogates_and_deep_nesting_are_400s_naming_the_field_and_lose_nothing(services):
+    """The audit: each was a 500, and a surrogate in a message's name let the call through and lost
+    its session's Sample (every later /finish answered 500)."""
+    for body, field in (({"text": f"hi {LONE}"}, "text"), ({"text": "hi", "rid": LONE}, "rid")):
+        response = post_raw(services.engine.url + "/generate", body)
+        refused(response, engine_shape)
+        assert f"{field} is not valid Unicode text" in response.text, response.text
+    admin = {"Authorization": f"Bearer {PROXY_KEY}"}
+    session = httpx.post(services.proxy.url + "/sessions", json={}, headers=admin).json()
+    calls = {"/chat/completions": ({"model": "m", "max_tokens": 2, "messages": [
+                 {"role": "user", "content": "hi", "name": LONE}]}, "messages[0].name"),
+             "/responses": ({"model": "m", "max_output_tokens": 2, "input": [
+                 {"role": "user", "content": f"hi {LONE}"}]}, "input[0].content"),
+             "/messages": ({"model": "m", "max_tokens": 2, "messages": [
+                 {"role": "user", "content": [{"type": "text", "text": LONE}]}]}, "messages[0].content[0].text")}
+    for route, (body, field) in calls.items():
+        response = post_raw(session["base_url"] + route, body)
+        refused(response, openai_shape if route != "/messages" else (lambda b: b["type"] == "error"))
+        assert f"{field} is not valid Unicode text" in response.text, (route, response.text)
+    fine = httpx.post(session["base_url"] + "/chat/completions", timeout=30,
+                      json={"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+    assert fine.status_code == 200
+    finished = httpx.post(f"{services.proxy.url}/sessions/{session['session_id']}/finish", headers=admin)
+    assert finished.status_code == 200 and len(finished.json()["samples"]) == 1, finished.text[:300]
+    # 100k levels of nesting in a Sample's metadata, in the buffer's /samples: a 400, nothing stored.
+    before = buffer_state(services)
+    deep = b'{"samples": [{"lease_id": "x", "sample": {"metadata": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}]}"
+    response = httpx.post(services.buffer.url + "/samples", content=deep, timeout=10,
+                          headers={"Authorization": f"Bearer {BUFFER_KEY}", "content-type": "application/json"})
+    refused(response, buffer_shape)
+    assert "nested too deeply" in response.text and buffer_state(services) == before
+    for service in (services.engine, services.proxy, services.buffer):
+        assert health_latency(service.url) < 1.0

@@ -16,7 +16,7 @@ from inverted.processes import free_port
 from inverted.rollout.sglang_client import SGLangClient
 from inverted.train.weight_sync import Bucket, BucketPacker, DiskTransport, TensorTransport, WeightSync
 from inverted.train.weight_sync.transports import dtype_name
-from inverted.weight_wire import bucket_payload, join_update_group
+from inverted.weight_wire import bucket_layout, bucket_payload, join_update_group
 from tests.engine.test_control import LONG, started
 
 pytestmark = pytest.mark.anyio
@@ -80,7 +80,14 @@ def test_bad_payloads_change_nothing(engine, tiny_model):
         "whole": packed([(NAME, good[NAME])]),
     }
     whole = payload_of(buckets.pop("whole"))
+    # NaN and inf, packed by hand: the trainer's packer refuses to pack them (test_buckets).
+    poisoned = good[NAME].clone()
+    poisoned[0, 0], poisoned[1, 1] = float("nan"), float("inf")
+    layout = bucket_layout([(NAME, torch.float32, tuple(poisoned.shape)), ("model.norm.weight", torch.float32,
+                                                                        tuple(good["model.norm.weight"].shape))])
+    flat = torch.cat([poisoned.reshape(-1), good["model.norm.weight"]]).view(torch.uint8).share_memory_()
     bad = {
+        "NaN or inf values refused": bucket_payload(flat, layout),
         **{reason: payload_of(bucket) for reason, bucket in buckets.items()},
         "not valid base64": whole[:-13],
         "cannot decode the payload": whole[:-12],  # whole base64 groups, but the pickle stops early

@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 from inverted.config import ServersConfig
+from inverted.errors import UnknownWorker
 from inverted.rollout.servers import ROUTER_DEFAULTS, RolloutServers
 from inverted.rollout.sglang_client import RouterClient, SGLangClient
 
@@ -123,3 +124,43 @@ async def test_the_router_drops_return_routed_experts_so_the_workers_client_call
                 served.append([requests_served(url) for url in servers.engine_urls])
             first, second = ([b - a for a, b in zip(*pair)] for pair in zip(served, served[1:]))
             assert first == second and sum(first) == 8 and min(first) > 0, served
+
+
+async def test_with_keys_only_the_job_changes_the_routers_workers_or_generates_through_it(tiny_model, tmp_path,
+                                                                                         module_procs):
+    """The audit's attack: anyone on the machine POSTed a worker of their own to the job's router
+    and 2,525 of 3,072 stored Samples came from it. Now sgl-router's own authentication refuses it."""
+    cfg = ServersConfig(hf_checkpoint=str(tiny_model("qwen2")), num_engines=1, engine_threads=1, log_dir=str(tmp_path),
+                        admin_api_key="admin-key", router_api_key="router-key")
+    async with RolloutServers(cfg) as servers:
+        (ours,) = servers.engine_urls
+        async with httpx.AsyncClient(timeout=10) as http:
+            for key in (None, "router-key", "wrong"):  # the control plane takes the admin key alone
+                headers = {"Authorization": f"Bearer {key}"} if key else {}
+                added = await http.post(servers.router_url + "/workers", json={"url": "http://127.0.0.1:9"},
+                                        headers=headers)
+                removed = await http.delete(servers.router_url + "/workers/anything", headers=headers)
+                assert added.status_code == removed.status_code == 401
+            for url in (servers.router_url, ours):  # nor can anyone generate through the router or at the server
+                refused = await http.post(url + "/generate", json=body(0))
+                assert refused.status_code == 401
+            assert (await http.get(ours + "/health")).status_code == 200
+        async with SGLangClient(servers.router_url, api_key="router-key") as client:
+            assert len((await client.generate(body(0)))["output_ids"]) == 6
+        await servers.verify_workers()  # only ours
+        async with servers.control() as router:
+            assert await router.urls() == {ours}
+            # A worker the job did not start (added with the key, as an insider could): found, taken out.
+            stranger = module_procs.engine(tiny_model("qwen2")).url
+            await router.add_worker(stranger)
+            for _ in range(100):
+                if stranger in await router.urls():
+                    break
+                await asyncio.sleep(0.1)
+            with pytest.raises(UnknownWorker, match=f"served \\['{stranger}'\\], which this job did not start"):
+                await servers.verify_workers()
+            for _ in range(50):
+                if await router.urls() == {ours}:
+                    break
+                await asyncio.sleep(0.1)
+            assert await router.urls() == {ours}

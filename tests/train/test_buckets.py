@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from inverted.errors import ModelError
 from inverted.train.weight_sync import BucketPacker, TensorTransport
 from inverted.train.weight_sync.sync import served_dtype
-from inverted.weight_wire import unflatten
+from inverted.weight_wire import non_finite, unflatten
 
 
 def test_buckets_split_at_capacity_cast_while_packing_and_alternate_two_buffers():
@@ -62,3 +64,20 @@ def test_the_update_dtype_follows_the_server():
     assert served_dtype({"dtype": "float32"}, "bfloat16") is torch.float32  # the engine states what it holds
     assert served_dtype({"dtype": "auto"}, "float16") is torch.float16  # SGLang's auto: the checkpoint's half dtype
     assert served_dtype({"dtype": "auto"}, "float32") is torch.bfloat16  # ... and bf16 for an fp32 checkpoint
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_a_trainer_whose_weights_hold_nan_or_inf_sends_none_of_them(value):
+    """The audit sent NaN weights and the engine took them (greedy output collapsed to one token)."""
+    named = [("fine", torch.randn(4, 4)), ("poisoned", torch.randn(4, 4)), ("after", torch.randn(4))]
+    named[1][1][2, 3] = value
+    packer = BucketPacker(capacity=1 << 20, allocate=lambda n: torch.empty(n, dtype=torch.uint8), dtype=torch.bfloat16)
+    with pytest.raises(ModelError, match=r"NaN or inf values, which no server is sent: \['poisoned'\]"):
+        list(packer.pack(named))
+    named[1][1][2, 3] = 1e38  # large but finite: sent
+    assert [b.names for b in packer.pack(named)] == [["fine", "poisoned", "after"]]
+
+
+def test_finite_half_precision_weights_whose_sum_exceeds_fp16s_range_are_finite():
+    assert non_finite([("embed", torch.ones(100_000, dtype=torch.float16))]) == []
+    assert non_finite({"x": torch.tensor([1.0, float("nan")], dtype=torch.bfloat16), "ids": torch.arange(3)}) == ["x"]

@@ -235,7 +235,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
         checkpoint = json.loads((Path(config.tokenizer) / "config.json").read_text())
         context = config.context_length or int(checkpoint.get("max_position_embeddings", 4096))
         client = generate_client(config.router_url, routed_experts=config.return_routed_experts,
-                                 timeouts=Timeouts(generate=config.proxy_generate_timeout), max_connections=1024)
+                                 api_key=config.router_api_key, admin_api_key=config.router_admin_api_key, timeouts=Timeouts(generate=config.proxy_generate_timeout), max_connections=1024)
         app.state.recorder = Recorder(config, tokenizer, client, parser, context,
                                       config.served_model_name or Path(config.tokenizer).resolve().name)
         sweeper = asyncio.create_task(_sweep(app.state.recorder))

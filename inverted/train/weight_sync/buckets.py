@@ -10,6 +10,8 @@ packed into the other. The caller (``sync.WeightSync``) waits for bucket ``k``'s
 asks for bucket ``k+2``, which reuses that buffer. A tensor larger than the buffer size grows
 that buffer once.
 
+A bucket whose tensors hold a NaN or an infinity is a ``ModelError``: no server is sent it.
+
 A bucket's copies are issued together when it is full (``weight_wire.copy_all``, which also
 waits for them on a GPU before the bucket is handed out), so its source tensors are held until
 then: at most one bucket's worth.
@@ -27,7 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from inverted.weight_wire import FlattenedTensorMetadata, copy_all
+from inverted.errors import ModelError
+from inverted.weight_wire import FlattenedTensorMetadata, copy_all, non_finite
 
 
 @dataclass(slots=True)
@@ -91,6 +94,9 @@ class BucketPacker:
 
         def filled() -> Bucket:
             copy_all(targets, sources)  # casting to the bucket's dtype on the way
+            if bad := non_finite([(m.name, t) for m, t in zip(metadata, targets)]):
+                raise ModelError(f"the trainer's weights hold NaN or inf values, which no server is sent: "
+                                 f"{bad[:5]}{' ...' if len(bad) > 5 else ''}")
             targets.clear()
             sources.clear()
             return Bucket(buffer, metadata, index)
