@@ -206,6 +206,11 @@ def _json_object(text: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
+CONTEXT_LENGTH_HELP = ("longest prompt + completion of one request, the same for the rollout servers and the proxy "
+                       "(0: the model's max_position_embeddings, capped at 4096); a call without max_tokens gets "
+                       "the room its prompt leaves")
+
+
 def _require(condition: bool, flag: str, value: Any, expected: str) -> None:
     if not condition:
         raise ConfigError(f"{flag}={value!r}: expected {expected}")
@@ -250,7 +255,7 @@ class EngineConfig:
         "auto", "weight and activation dtype (auto: float32 on CPU, bfloat16 on CUDA)"
     )
     max_running_requests: int = option(64, "requests decoded together in one batch")
-    context_length: int = option(0, "longest prompt + output (0: the model's max_position_embeddings, capped at 4096)")
+    context_length: int = option(0, CONTEXT_LENGTH_HELP)
     max_prefill_tokens: int = option(2048, "prompt tokens prefilled per scheduler step before decoding again")
     disable_radix_cache: bool = option(False, "do not reuse the KV of earlier requests that share a prompt prefix")
     weight_version: str = option("default", "initial weight version, echoed in meta_info")
@@ -312,6 +317,7 @@ class ServersConfig:
         None, "a Ray custom resource (ray start --resources) that only the rollout nodes offer: the servers go there")
     engine_device: Literal["cpu", "cuda"] = option("cpu", "device of the embedded engines")
     engine_max_running_requests: int = option(64, "--max-running-requests of each engine")
+    context_length: int = option(0, CONTEXT_LENGTH_HELP)
     engine_threads: int = option(0, "torch threads per engine (0: cores divided among the engines)")
     router_host: str = option("127.0.0.1", "address the router binds")
     router_port: int = option(0, "router port (0: a free port)")
@@ -392,7 +398,7 @@ class ProxyConfig:
     router_admin_api_key: str | None = option(
         None, "key of the router's worker list (its control plane), needed only with --return-routed-experts")
     served_model_name: str = option("", "model id in answers and /v1/models (default: the checkpoint's folder name)")
-    context_length: int = option(0, "longest prompt + completion (0: the checkpoint's max_position_embeddings)")
+    context_length: int = option(0, CONTEXT_LENGTH_HELP)
     lora_name: str | None = option(
         None, "LoRA adapter every call samples from (SGLang's lora_path; inverted train sets it when it trains one)")
     partial_rollout: bool = option(False, "resume a call aborted by a weight update from its sampled tokens "

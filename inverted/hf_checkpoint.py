@@ -5,7 +5,8 @@ the families we serve and train: Qwen2, Qwen3 and Llama, and the sparse Qwen3-Mo
 (whose MLPs are ``num_experts`` experts, ``moe_top_k`` per token, plus a gated shared expert in
 Qwen2-MoE). ``rope_inv_freq`` turns its RoPE settings into inverse frequencies exactly as
 ``transformers`` does, and ``rope_angles`` lays them out for any positions (the engine's tables,
-the trainer's packed rows); ``checkpoint_tensors`` reads the safetensors files; ``load_tokenizer``
+the trainer's packed rows); ``checkpoint_tensors`` reads the safetensors files; ``context_length`` is the one rule of how long
+a request may be, which the servers and the proxy share; ``load_tokenizer``
 gives its tokenizer, with the chat template of ``--chat-template`` in place of its own where one is
 given (SGLang's flag), so the proxy, the rollouts and slime's plug-ins render chats one way. The embedded engine and the trainer both build their models from these,
 so an architecture is understood in one place. It imports only ``errors``.
@@ -152,6 +153,19 @@ def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, smoothed, scaled)
     raise ModelError(f"unsupported rope_type {kind!r}; supported: default, linear, llama3")
+
+
+DEFAULT_CONTEXT_CAP = 4096  # a server holds KV room for this many tokens per request unless told otherwise
+
+
+def context_length(path: str | Path, requested: int = 0) -> int:
+    """The longest prompt + completion a request may have, decided once for the rollout servers and
+    the proxy: ``requested`` (``--context-length``), else the model's ``max_position_embeddings``
+    capped at ``DEFAULT_CONTEXT_CAP`` (the KV cache is sized by it)."""
+    if requested:
+        return requested
+    config = json.loads((Path(path) / "config.json").read_text())
+    return min(int(config.get("max_position_embeddings", DEFAULT_CONTEXT_CAP)), DEFAULT_CONTEXT_CAP)
 
 
 def checkpoint_tensors(path: str | Path) -> dict[str, torch.Tensor]:

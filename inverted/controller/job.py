@@ -175,6 +175,7 @@ class Job:
                                                         cfg.servers.rollout_node_resource, cfg.servers.startup_timeout))
         port, self.proxy_key = free_port(), secrets.token_urlsafe(24)
         proxy_cfg = dataclasses.replace(cfg.proxy, router_url=self.servers.router_url, tokenizer=cfg.train.hf_checkpoint,
+                                        context_length=self.servers.config.context_length,
                                         proxy_port=port, proxy_api_key=self.proxy_key, lora_name=self.adapter,
                                         return_routed_experts=replay, router_api_key=self.router_key,
                                         router_admin_api_key=self.engine_key if replay else None)

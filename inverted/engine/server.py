@@ -48,6 +48,7 @@ from inverted.engine.sampling import SamplingParams
 from inverted.engine.scheduler import Request as EngineRequest
 from inverted.engine.scheduler import Scheduler, WeightLoad, new_rid
 from inverted.engine.lora import Adapters, startup_adapters
+from inverted.hf_checkpoint import context_length
 from inverted.engine.weights import RecentBuckets, UpdateGroups, check_fits, read_checkpoint
 from inverted.errors import EngineError, InvalidRequest, ModelError, SchemaError, Unauthorized
 from inverted.hf_checkpoint import ARCHITECTURES
@@ -76,7 +77,7 @@ class Engine:
         if config.enable_return_routed_experts and not model.spec.is_moe:
             raise ModelError(f"--enable-return-routed-experts needs a Mixture-of-Experts model; {config.model} is dense")
         adapters = startup_adapters(config, model) if config.enable_lora else None
-        self.context_length = config.context_length or min(model.spec.max_position_embeddings, 4096)
+        self.context_length = context_length(config.model, config.context_length)
         self.scheduler = Scheduler(
             model, max_running=config.max_running_requests, context_length=self.context_length,
             max_prefill_tokens=config.max_prefill_tokens, weight_version=config.weight_version,

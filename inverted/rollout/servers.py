@@ -48,6 +48,7 @@ from typing import Callable, Protocol
 
 from inverted.config import ServersConfig
 from inverted.errors import ServiceUnavailable, UnknownWorker
+from inverted.hf_checkpoint import context_length
 from inverted.processes import ManagedProcess, free_port
 from inverted.rollout.sglang_client import RouterClient, SGLangClient
 from inverted.types import POLICY_ADAPTER
@@ -111,17 +112,18 @@ ROUTED_EXPERTS_ARGV = ["--enable-return-routed-experts"]
 def engine_argv(cfg: ServersConfig, backend: str, sglang_args: list[str], flags: list[str], threads: int, host: str,
                 port: int) -> list[str]:
     """The command line of one rollout server (a plain function, so a Ray actor can receive it)."""
-    # one argument: a random key may begin with "-", which argparse would take for a flag
-    key = [f"--admin-api-key={cfg.admin_api_key}"] if cfg.admin_api_key else []
-    key += [f"--api-key={cfg.router_api_key}"] if cfg.router_api_key else []  # what the router sends on
+    # one argument each: a random key may begin with "-", which argparse would take for a flag
+    keys = [f"--admin-api-key={cfg.admin_api_key}"] if cfg.admin_api_key else []
+    keys += [f"--api-key={cfg.router_api_key}"] if cfg.router_api_key else []  # what the router sends on
+    length = ["--context-length", str(cfg.context_length)] if cfg.context_length else []
     if backend == "sglang":  # its OpenAI routes render chats: with the job's template (the embedded engine has none)
         template = ["--chat-template", cfg.chat_template] if cfg.chat_template else []
         return [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.hf_checkpoint, "--host", host,
-                "--port", str(port), "--tp-size", str(cfg.rollout_num_gpus_per_engine), *key, *template, *flags,
-                *sglang_args]
+                "--port", str(port), "--tp-size", str(cfg.rollout_num_gpus_per_engine), *keys, *length, *template,
+                *flags, *sglang_args]
     return [sys.executable, "-m", "inverted.cli", "serve-engine", "--model", cfg.hf_checkpoint, "--host", host,
             "--port", str(port), "--device", cfg.engine_device, "--max-running-requests",
-            str(cfg.engine_max_running_requests), "--num-threads", str(threads), *key, *flags]
+            str(cfg.engine_max_running_requests), "--num-threads", str(threads), *keys, *length, *flags]
 
 
 class RolloutServers:
@@ -130,7 +132,10 @@ class RolloutServers:
     def __init__(self, config: ServersConfig, router_args: list[str] | None = None,
                  sglang_args: list[str] | None = None, launch: Launch = launch_local, flags: list[str] | None = None):
         """``flags``: what the job's mode adds to every server's command line (``lora_argv``, ``ROUTED_EXPERTS_ARGV``)."""
-        self.config = config
+        # Every server, and the proxy in front of them, holds requests to one length, decided here
+        # (SGLang's own default would be the model's whole max_position_embeddings).
+        self.config = config = dataclasses.replace(
+            config, context_length=context_length(config.hf_checkpoint, config.context_length))
         self.router_args = list(router_args or [])
         self.sglang_args = list(sglang_args or [])
         self.flags = list(flags or [])

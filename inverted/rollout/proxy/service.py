@@ -228,12 +228,11 @@ def _samples(session: Session, samples: list[Sample]) -> SamplesResponse:
 def create_app(config: ProxyConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        from inverted.hf_checkpoint import load_tokenizer  # transformers, torch: in the service, not on import
+        from inverted.hf_checkpoint import context_length, load_tokenizer  # torch: in the service, not on import
 
         tokenizer = load_tokenizer(config.tokenizer, config.chat_template)
         parser = load_plugin(config.proxy_tool_parser_path, flag="--proxy-tool-parser-path", params=[])()
-        checkpoint = json.loads((Path(config.tokenizer) / "config.json").read_text())
-        context = config.context_length or int(checkpoint.get("max_position_embeddings", 4096))
+        context = context_length(config.tokenizer, config.context_length)  # the servers' own rule
         client = generate_client(config.router_url, routed_experts=config.return_routed_experts,
                                  api_key=config.router_api_key, admin_api_key=config.router_admin_api_key, timeouts=Timeouts(generate=config.proxy_generate_timeout), max_connections=1024)
         app.state.recorder = Recorder(config, tokenizer, client, parser, context,
