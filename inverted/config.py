@@ -255,6 +255,9 @@ class EngineConfig:
         "auto", "weight and activation dtype (auto: float32 on CPU, bfloat16 on CUDA)"
     )
     max_running_requests: int = option(64, "requests decoded together in one batch")
+    max_queued_requests: int = option(
+        4096, "requests waiting beyond --max-running-requests (SGLang's flag): a request that would queue more gets "
+              "503, one that asks for more sequences (prompts x n) than running + queued gets 400")
     context_length: int = option(0, CONTEXT_LENGTH_HELP)
     max_prefill_tokens: int = option(2048, "prompt tokens prefilled per scheduler step before decoding again")
     disable_radix_cache: bool = option(False, "do not reuse the KV of earlier requests that share a prompt prefix")
@@ -291,6 +294,7 @@ class EngineConfig:
         _require(self.weight_update_timeout > 0, "--weight-update-timeout", self.weight_update_timeout, "> 0")
         _require(1 <= self.port <= 65535, "--port", self.port, "1..65535")
         _require(self.max_running_requests >= 1, "--max-running-requests", self.max_running_requests, ">= 1")
+        _require(self.max_queued_requests >= 0, "--max-queued-requests", self.max_queued_requests, ">= 0")
         _require(self.context_length >= 0, "--context-length", self.context_length, ">= 0")
         _require(self.max_prefill_tokens >= 1, "--max-prefill-tokens", self.max_prefill_tokens, ">= 1")
         _require(self.num_threads >= 0, "--num-threads", self.num_threads, ">= 0")

@@ -82,6 +82,10 @@ class UpdateGroupError(EngineError):
     """Joining a weight-update process group, or one of its broadcasts, failed: a peer is gone or late."""
 
 
+class Overloaded(InvertedError):
+    """A service has no room for the request now (503): it was refused before any work, try again later."""
+
+
 class LeaseConflict(InvertedError):
     """A buffer submission names a lease that is not (or no longer) the task's current lease."""
 

@@ -11,8 +11,11 @@ staleness bound and those the filter rejects, and marks what it serves *consumed
 Every state change is one transaction (``BEGIN IMMEDIATE`` … ``COMMIT``) in WAL mode with
 ``synchronous=FULL``: a call that returned has reached the disk, and a killed process loses only
 calls that had not returned. Lease and batch calls may carry a ``request_id``; a repeated id
-replays the recorded answer, so a client's retry never leases or consumes twice. Submissions are
-idempotent by (group_index, index).
+replays the recorded answer, so a client's retry never leases or consumes twice. A lease's
+``request_id`` is its worker's: another worker naming it is a new lease, never a replay of the
+first worker's lease ids. A worker id is the worker's credential among the holders of the
+buffer's key (``release`` gives back what the named worker holds), so it should be unguessable.
+Submissions are idempotent by (group_index, index).
 
 Weight versions are the trainer's step as a decimal string (``types.version_number``).
 
@@ -195,6 +198,7 @@ class SQLiteStore:
 
     def lease(self, count: int, worker_id: str, lease_seconds: float, request_id: str | None = None) -> list[dict]:
         """Up to ``count`` tasks: re-queued ones first, then new groups from the dataset."""
+        request_id = None if request_id is None else f"{worker_id}\x00{request_id}"  # the worker's own
         with self._tx() as db:
             replay = self._replay(request_id, "lease")
             if replay is not None:

@@ -29,7 +29,7 @@ import logging
 import time
 
 from inverted.config import JobConfig
-from inverted.controller.job import WORKER_ID, Job, Plugins
+from inverted.controller.job import Job, Plugins
 from inverted.controller.rollouts import context, run_rollout, step_row, sync_when_due, take_batch
 from inverted.errors import ServiceUnavailable
 from inverted.types import Sample, Task
@@ -74,7 +74,7 @@ class AsyncLoop:
         while True:
             self.wake.clear()
             while len(self.running) < self.max_groups_running and not self.exhausted and await self._room():
-                tasks = await self.job.buffer.lease(self.group_size, WORKER_ID, self.cfg.buffer.lease_seconds)
+                tasks = await self.job.buffer.lease(self.group_size, self.job.worker_id, self.cfg.buffer.lease_seconds)
                 if not tasks:
                     self.exhausted = True
                     break

@@ -49,7 +49,6 @@ from inverted.types import POLICY_ADAPTER, Sample
 
 logger = logging.getLogger(__name__)
 
-WORKER_ID = "controller"  # the buffer worker id of the job's leases (given back on exit and on resume)
 SUPERVISE_EVERY_S = 1.0
 T = TypeVar("T")
 
@@ -107,6 +106,17 @@ class Plugins:
                                    params=["rollout_id", "args", "data", "extra_metrics"]))
 
 
+def _worker_id(run_dir: Path) -> str:
+    """The buffer worker id of the job's leases: unguessable (it is the credential that gives them
+    back), and kept in the run directory, so a resumed run gives back what a killed one held."""
+    path = run_dir / "services" / "worker_id"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch(mode=0o600)
+        path.write_text(f"controller-{secrets.token_urlsafe(18)}")
+    return path.read_text().strip()
+
+
 def spawn_service(command: str, section: Any, run_dir: Path, url: str) -> ManagedProcess:
     """``inverted COMMAND --config run_dir/services/COMMAND.yaml`` (owner-only: it holds the key);
     the caller waits until it is healthy."""
@@ -155,7 +165,8 @@ class Job:
         start_ray(cfg.rollout.ray_address)  # while the buffer boots
         await asyncio.to_thread(buffer.wait_healthy, timeout)
         self.buffer = await self._stack.enter_async_context(BufferClient(buffer.url, api_key=key))
-        if released := await self.buffer.release(WORKER_ID):  # tasks an earlier, killed run of this job held
+        self.worker_id = _worker_id(self.run_dir)
+        if released := await self.buffer.release(self.worker_id):  # tasks an earlier, killed run of this job held
             logger.info("gave %d tasks leased by an earlier run back to the buffer", released)
 
         # The servers' weight and control routes take only this key: nobody else on the network
@@ -196,7 +207,7 @@ class Job:
 
         if hasattr(self, "buffer"):
             try:  # episodes cut short by the end of the run: their tasks go back to the queue now
-                await self.buffer.release(WORKER_ID)
+                await self.buffer.release(self.worker_id)
             except Exception as error:  # noqa: BLE001 - stopping goes on regardless
                 logger.warning("could not give the job's leased tasks back to the buffer: %s", error)
         await self._stack.aclose()

@@ -20,7 +20,7 @@ import logging
 import time
 
 from inverted.config import JobConfig
-from inverted.controller.job import WORKER_ID, Job, Plugins
+from inverted.controller.job import Job, Plugins
 from inverted.controller.rollouts import context, run_rollout, step_row, sync_when_due, take_batch
 from inverted.errors import ServiceUnavailable
 from inverted.types import Sample
@@ -42,7 +42,7 @@ class SyncLoop:
         """One turn of the sync loop; its metrics row."""
         cfg, job = self.cfg, self.job
         clock = {"started": time.perf_counter()}
-        tasks = await job.buffer.lease(cfg.rollout.rollout_batch_size * cfg.buffer.n_samples_per_prompt, WORKER_ID,
+        tasks = await job.buffer.lease(cfg.rollout.rollout_batch_size * cfg.buffer.n_samples_per_prompt, job.worker_id,
                                        cfg.buffer.lease_seconds)
         if not tasks:
             raise ServiceUnavailable("the buffer has no more tasks to lease (the dataset is exhausted: see --num-epoch)",

@@ -155,8 +155,17 @@ def _per_item(body: dict, key: str, default: Any, size: int, batched: bool) -> l
     return [value] * size
 
 
-def parse_generate(body: Any) -> tuple[list[GenerateItem], bool, bool]:
-    """Normalise a ``/generate`` body; return (items, is_single, stream)."""
+MAX_TOP_LOGPROBS_NUM = 100  # alternatives per token: each costs a row of the answer for every token
+
+
+def parse_generate(body: Any, max_items: int, max_prompt_tokens: int) -> tuple[list[GenerateItem], bool, bool]:
+    """Normalise a ``/generate`` body; return (items, is_single, stream).
+
+    What the request would cost is bounded before it is paid for: more than ``max_items``
+    sequences (prompts x n), a prompt of more than ``max_prompt_tokens`` ids, or more than
+    ``MAX_TOP_LOGPROBS_NUM`` alternatives per token is refused, each checked before anything is
+    looked at element by element.
+    """
     if not isinstance(body, dict):
         raise SchemaError("invalid type: expected a JSON object")
     for key in UNSUPPORTED_GENERATE_FIELDS:
@@ -168,21 +177,31 @@ def parse_generate(body: Any) -> tuple[list[GenerateItem], bool, bool]:
     if text is not None:
         prompts = [text] if isinstance(text, str) else text
         batched = not isinstance(text, str)
-        if not all(isinstance(t, str) for t in prompts):
-            raise SchemaError("invalid type: text must be a string or a list of strings")
     else:
         batched = isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
         prompts = input_ids if batched else [input_ids]
-        for ids in prompts:
-            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise SchemaError("invalid type: input_ids must be a list of ints or a list of lists of ints")
+    if not isinstance(prompts, list):
+        raise SchemaError("invalid type: text or input_ids must be a prompt or a list of them")
     size = len(prompts)
     if size == 0:
         raise InvalidRequest("The input is empty: give at least one prompt.")
+    n = _n_of(body)
+    if size * n > max_items:
+        raise InvalidRequest(f"This request asks for {size * n} sequences ({size} prompts x n={n}); this server runs "
+                             f"and queues at most {max_items} (--max-running-requests + --max-queued-requests).")
+    if text is not None:
+        if not all(isinstance(t, str) for t in prompts):
+            raise SchemaError("invalid type: text must be a string or a list of strings")
+    else:
+        for ids in prompts:
+            if isinstance(ids, list) and len(ids) > max_prompt_tokens:  # by its length, before any id is read
+                raise InvalidRequest(f"The input ({len(ids)} tokens) is longer than the model's context length "
+                                     f"({max_prompt_tokens} tokens).")
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise SchemaError("invalid type: input_ids must be a list of ints or a list of lists of ints")
     params = [SamplingParams.parse(p) for p in _per_item(body, "sampling_params", {}, size, batched)]
     if len({p.n for p in params}) > 1:
         raise InvalidRequest("Every item of a batch must have the same n.")
-    n = params[0].n
     rids = body.get("rid")
     if isinstance(rids, list):
         if len(rids) != size:
@@ -196,8 +215,8 @@ def parse_generate(body: Any) -> tuple[list[GenerateItem], bool, bool]:
     logprob = _per_item(body, "return_logprob", False, size, batched)
     start = _per_item(body, "logprob_start_len", -1, size, batched)
     top = _per_item(body, "top_logprobs_num", 0, size, batched)
-    if not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in top):
-        raise InvalidRequest("top_logprobs_num must be a non-negative integer")
+    if not all(isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= MAX_TOP_LOGPROBS_NUM for k in top):
+        raise InvalidRequest(f"top_logprobs_num must be an integer in [0, {MAX_TOP_LOGPROBS_NUM}]")
     if body.get("token_ids_logprob"):
         raise InvalidRequest("token_ids_logprob is not supported by the embedded engine")
     routed = _per_item(body, "return_routed_experts", False, size, batched)
@@ -223,6 +242,16 @@ def parse_generate(body: Any) -> tuple[list[GenerateItem], bool, bool]:
                 lora=loras[i], return_routed_experts=bool(routed[i]), routed_experts_start_len=routed_from[i],
             ))
     return items, not batched and n == 1, bool(body.get("stream", False))
+
+
+def _n_of(body: dict) -> int:
+    """The ``n`` a request asks for, read before its sampling parameters are parsed (a batch has one n)."""
+    params = body.get("sampling_params")
+    first = params[0] if isinstance(params, list) and params else params
+    n = first.get("n", 1) if isinstance(first, dict) else 1
+    if not isinstance(n, int) or isinstance(n, bool):
+        raise InvalidRequest(f"n must be an integer, got {n!r}")
+    return max(n, 1)
 
 
 def _triples(logprobs: list, ids: list[int], texts: list[str | None]) -> list[list]:

@@ -7,6 +7,7 @@ two minutes and 9 GB, ``/health`` unanswered; a 20 MB chat message held the prox
 
 from __future__ import annotations
 
+import time
 from urllib.parse import urlsplit
 
 import httpx
@@ -93,3 +94,50 @@ def test_a_session_s_recorded_tokens_are_capped(services):
     assert refused is not None and refused.status_code == 400
     assert refused.json()["error"]["code"] == "session_too_large"
     httpx.post(f"{url}/sessions/{session['session_id']}/finish", headers=admin)
+
+
+def _running(url: str) -> int:
+    lines = httpx.get(url + "/metrics").text.splitlines()
+    return int(float(next(line.split()[1] for line in lines if line.startswith("sglang:num_running_reqs "))))
+
+
+def test_an_engine_requests_cost_is_bounded_before_it_is_paid(module_procs, tiny_model):
+    """The audit: n=1000000 and a batch of a million prompts queued that many requests (and 1.9-3 GB),
+    top_logprobs_num=1e9 answered 82 MB after 72 s, 50 MB of input_ids were refused after 29 s, and
+    a client that hung up left its requests running. Each is now answered at once."""
+    url = module_procs.engine(tiny_model("qwen2"), "--max-running-requests", "2", "--max-queued-requests", "2").url
+    long = {"max_new_tokens": 3000, "ignore_eos": True}
+    cases = {
+        "This request asks for 1000000 sequences (1 prompts x n=1000000)": {
+            "input_ids": [1, 2], "sampling_params": {"n": 1_000_000}},
+        "This request asks for 1000000 sequences (1000000 prompts x n=1)": {"text": ["a"] * 1_000_000},
+        "top_logprobs_num must be an integer in [0, 100]": {
+            "input_ids": [1, 2], "return_logprob": True, "top_logprobs_num": 10**9},
+        "The input (5000000 tokens) is longer than the model's context length (4096 tokens)": {
+            "input_ids": [1] * 5_000_000},
+    }
+    for message, body in cases.items():
+        started = time.perf_counter()
+        response = httpx.post(url + "/generate", json=body, timeout=30)
+        assert response.status_code == 400 and message in response.text, (message, response.text[:300])
+        assert time.perf_counter() - started < 1.0, message
+        assert health_latency(url) < 1.0
+    # Four sequences run or wait; a fifth is told to come back later (503), not queued.
+    hung = Beside(lambda: httpx.post(url + "/generate", json={"input_ids": [1, 2], "sampling_params": {**long, "n": 4}},
+                                     timeout=1.0))
+    for _ in range(100):
+        if _running(url) == 2:
+            break
+        time.sleep(0.05)
+    busy = httpx.post(url + "/generate", json={"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 1}})
+    assert busy.status_code == 503 and "The request queue is full" in busy.text, busy.text
+    # The client gives up after a second: its four requests stop with it, long before 3000 tokens.
+    hung.thread.join(5)
+    assert isinstance(hung.result, httpx.TimeoutException)
+    for _ in range(40):
+        if _running(url) == 0:
+            break
+        time.sleep(0.05)
+    assert _running(url) == 0
+    fine = httpx.post(url + "/generate", json={"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 1}})
+    assert fine.status_code == 200

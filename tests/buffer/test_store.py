@@ -105,6 +105,25 @@ def test_a_worker_gives_its_leases_back_at_once(tmp_path):
     assert store.stats()["counters"]["leases_released"] == 2
 
 
+def test_a_lease_request_id_is_its_workers_own(tmp_path):
+    """The audit: replaying another worker's request_id returned that worker's lease ids."""
+    store = make(tmp_path)
+    first = store.lease(2, "worker-a", 600, request_id="r1")
+    assert store.lease(2, "worker-a", 600, request_id="r1") == first  # a's retry: the same leases
+    other = store.lease(2, "worker-b", 600, request_id="r1")  # b naming a's id: leases of its own
+    assert {t["lease_id"] for t in other}.isdisjoint(t["lease_id"] for t in first)
+    store.submit([finished(t) for t in first + other])
+
+
+def test_the_jobs_worker_id_is_unguessable_and_survives_a_restart(tmp_path):
+    from inverted.controller.job import _worker_id
+
+    first = _worker_id(tmp_path)
+    assert first.startswith("controller-") and len(first) > 30 and _worker_id(tmp_path) == first
+    assert (tmp_path / "services" / "worker_id").stat().st_mode & 0o077 == 0
+    assert _worker_id(tmp_path / "another") != first
+
+
 def test_a_submission_is_all_or_nothing(tmp_path):
     store = make(tmp_path)
     tasks = store.lease(2, "w", 60)
