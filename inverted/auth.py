@@ -9,7 +9,8 @@ The engine, the proxy and the buffer all read keys here, so they agree on the ru
 - a service without a key configured lets every caller in (127.0.0.1 is the default bind).
 
 ``require_key`` makes the FastAPI dependency a route declares; each service's exception handler
-renders ``Unauthorized`` in its API's error shape.
+renders ``Unauthorized`` in its API's error shape. ``NO_DOCS``: no service serves FastAPI's
+``/docs``, ``/redoc`` or ``/openapi.json``, which would map every route for whoever asks, key or not.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from collections.abc import Awaitable, Callable
 from starlette.requests import Request
 
 from inverted.errors import Unauthorized
+
+
+NO_DOCS = {"docs_url": None, "redoc_url": None, "openapi_url": None}
 
 
 def presented_key(request: Request) -> str | None:

@@ -263,7 +263,9 @@ class EngineConfig:
     disable_radix_cache: bool = option(False, "do not reuse the KV of earlier requests that share a prompt prefix")
     weight_version: str = option("default", "initial weight version, echoed in meta_info")
     served_model_name: str = option("", "model id reported to clients (default: the model path)")
-    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on every route but health")
+    api_key: str | None = option(
+        None, "require 'Authorization: Bearer KEY' on every route but the probes (/health, /health_generate, "
+              "/ready) and /metrics, which stay open as SGLang leaves them, for load balancers and scrapers")
     admin_api_key: str | None = option(None, "key for control and weight routes (then api_key is not accepted there)")
     num_threads: int = option(0, "torch CPU threads (0: all cores)")
     random_seed: int | None = option(None, "seed for requests without sampling_seed (default: fresh per process, so engines differ)")

@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.exceptions import HTTPException
 
-from inverted.auth import require_key
+from inverted.auth import NO_DOCS, require_key
 from inverted.buffer.datasets import load_prompts
 from inverted.buffer.filters import load_group_chooser, load_group_filter
 from inverted.buffer.store import SQLiteStore
@@ -164,7 +164,7 @@ def create_app(config: BufferConfig) -> FastAPI:
             app.state.buffer.executor.shutdown(wait=True)
             store.close()
 
-    app = FastAPI(title="inverted Data Buffer", lifespan=lifespan)
+    app = FastAPI(title="inverted Data Buffer", lifespan=lifespan, **NO_DOCS)
     app.add_middleware(BodyLimit, max_bytes=config.buffer_max_request_bytes)
 
     @app.exception_handler(HTTPException)

@@ -39,7 +39,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from inverted.auth import require_key
+from inverted.auth import NO_DOCS, require_key
 from inverted.config import EngineConfig
 from inverted.engine import protocol as P
 from inverted.engine.grammar import Grammars
@@ -185,7 +185,7 @@ def create_app(config: EngineConfig) -> FastAPI:
             engine.scheduler.stop()
             engine.groups.close()
 
-    app = FastAPI(title="inverted embedded engine (SGLang protocol)", lifespan=lifespan)
+    app = FastAPI(title="inverted embedded engine (SGLang protocol)", lifespan=lifespan, **NO_DOCS)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     _add_error_handlers(app)
     _add_generate_routes(app)

@@ -147,6 +147,13 @@ def test_wrong_keys_and_other_sessions_tokens_are_refused(services, session):
         assert method(url, headers=headers).status_code == status, url
 
 
+def test_no_service_serves_its_api_map(services):
+    """The audit found /docs and /openapi.json open on all three services, without a key."""
+    for service in (services.engine, services.proxy, services.buffer):
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert httpx.get(service.url + path).status_code == 404, (service.name, path)
+
+
 def test_slow_clients_holding_connections_do_not_starve_health(services):
     """64 connections that send half a request and hold it for 3 s (slowloris, bounded)."""
     for proc in (services.engine, services.proxy, services.buffer):

@@ -48,7 +48,7 @@ from prometheus_client import generate_latest
 from pydantic import BaseModel, ConfigDict, Field, FiniteFloat
 from starlette.exceptions import HTTPException
 
-from inverted.auth import key_matches, presented_key, require_key
+from inverted.auth import NO_DOCS, key_matches, presented_key, require_key
 from inverted.config import ProxyConfig
 from inverted.errors import InvalidRequest, SampleError, ServiceError, Unauthorized
 from inverted.limits import BodyLimit, parse_json
@@ -246,7 +246,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
             sweeper.cancel()
             await client.close()
 
-    app = FastAPI(title="inverted proxy", lifespan=lifespan)
+    app = FastAPI(title="inverted proxy", lifespan=lifespan, **NO_DOCS)
     app.add_middleware(BodyLimit, max_bytes=config.proxy_max_request_bytes)
     app.state.config = config
     _add_error_handlers(app)
