@@ -422,6 +422,9 @@ class ProxyConfig:
     proxy_max_session_tokens: int = option(
         1 << 20, "tokens one session may record over all its branches; a call past it gets 400")
     proxy_max_request_bytes: int = option(32 * 1024**2, "largest request body accepted (larger ones get 413 unread)")
+    proxy_max_session_metadata_bytes: int = option(
+        1024**2, "largest metadata (with its sample template) a session may be opened with, as JSON: a session "
+                 "keeps it in every Sample it makes")
     proxy_session_timeout: float = option(1800.0, "seconds idle before a session is finished (its samples are kept)")
     proxy_retention: float = option(3600.0, "seconds a finished session's samples stay readable")
     proxy_replay_retries: Literal["off", "header", "always"] = option(
@@ -440,7 +443,8 @@ class ProxyConfig:
         _require(self.proxy_max_resumes >= 0, "--proxy-max-resumes", self.proxy_max_resumes, ">= 0")
         _require(self.proxy_server_loss_wait >= 0, "--proxy-server-loss-wait", self.proxy_server_loss_wait, ">= 0")
         _require(self.proxy_max_turns >= 0, "--proxy-max-turns", self.proxy_max_turns, ">= 0")
-        for name in ("proxy_max_sessions", "proxy_max_session_tokens", "proxy_max_request_bytes"):
+        for name in ("proxy_max_sessions", "proxy_max_session_tokens", "proxy_max_request_bytes",
+                     "proxy_max_session_metadata_bytes"):
             _require(getattr(self, name) >= 1, flag_name(name), getattr(self, name), ">= 1")
         _require(self.proxy_session_timeout > 0, "--proxy-session-timeout", self.proxy_session_timeout, "> 0")
         _require(self.proxy_generate_timeout > 0, "--proxy-generate-timeout", self.proxy_generate_timeout, "> 0")

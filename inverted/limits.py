@@ -113,6 +113,13 @@ async def parse_json(raw: bytes) -> Any:
     return await asyncio.to_thread(loads, raw)
 
 
+def brief(value: Any, limit: int = 200) -> str:
+    """``repr(value)`` for an error message, cut to ``limit`` characters: an answer never echoes a
+    large input back (a 2.5 MB ``logit_bias`` was)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def max_token_chars(tokenizer: Any) -> int:
     """The most characters any one token of ``tokenizer`` decodes to (its vocabulary's longest entry).
 

@@ -39,7 +39,7 @@ FROZEN_FLAGS = {
         "--rollout-episode-timeout", "--rollout-function-path", "--rollout-max-response-len", "--rollout-num-gpus",
         "--rollout-num-gpus-per-engine", "--rollout-seed", "--rollout-shuffle", "--rollout-top-p", "--router-host",
         "--router-port", "--save-debug-rollout-data", "--served-model-name", "--stale-policy", "--startup-timeout",
-        "--tool-key", "--proxy-max-sessions", "--proxy-max-session-tokens", "--proxy-max-request-bytes",
+        "--tool-key", "--proxy-max-sessions", "--proxy-max-session-tokens", "--proxy-max-request-bytes", "--proxy-max-session-metadata-bytes",
         "--buffer-max-request-bytes", "--actor-node-resource", "--rollout-node-resource",
         # slime's plug-in points (inverted/compat/slime.py)
         "--custom-generate-function-path", "--group-rm", "--rollout-sample-filter-path", "--eval-function-path",
@@ -53,7 +53,7 @@ FROZEN_FLAGS = {
                      "--context-length", "--max-prefill-tokens", "--disable-radix-cache", "--weight-version", "--served-model-name", "--api-key",
                      "--admin-api-key", "--num-threads", "--random-seed", "--log-requests", "--weight-update-timeout", "--log-level",
                      "--max-request-bytes", "--enable-lora", "--max-lora-rank", "--lora-target-modules", "--max-loras-per-batch", "--max-loaded-loras", "--lora-paths",
-                     "--enable-return-routed-experts"},
+                     "--enable-return-routed-experts", "--max-queued-requests"},
     "buffer": {"--config", "--db", "--host", "--port", "--api-key", "--prompt-data", "--input-key", "--label-key",
                "--metadata-key", "--tool-key", "--n-samples-per-prompt", "--rollout-shuffle", "--rollout-seed",
                "--num-epoch", "--workers", "--lease-seconds", "--partial-rollout", "--stale-policy",
@@ -63,11 +63,11 @@ FROZEN_FLAGS = {
               "--proxy-session-timeout", "--proxy-retention", "--proxy-replay-retries", "--proxy-tool-parser-path",
               "--proxy-generate-timeout", "--log-level", "--proxy-max-sessions", "--proxy-max-session-tokens",
               "--proxy-max-request-bytes", "--lora-name", "--return-routed-experts", "--proxy-server-loss-wait",
-              "--chat-template"},
+              "--chat-template", "--router-api-key", "--router-admin-api-key", "--proxy-max-session-metadata-bytes"},
     "servers": {"--config", "--hf-checkpoint", "--num-engines", "--engine-device", "--engine-max-running-requests",
                 "--engine-threads", "--router-host", "--router-port", "--startup-timeout", "--log-dir", "--admin-api-key",
                 "--rollout-backend", "--rollout-num-gpus", "--rollout-num-gpus-per-engine", "--rollout-node-resource",
-                "--chat-template"},
+                "--chat-template", "--router-api-key", "--context-length"},
 }
 
 

@@ -141,3 +141,36 @@ def test_an_engine_requests_cost_is_bounded_before_it_is_paid(module_procs, tiny
     assert _running(url) == 0
     fine = httpx.post(url + "/generate", json={"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 1}})
     assert fine.status_code == 200
+
+
+def test_the_proxy_bounds_the_bytes_a_call_adds_and_a_session_holds(services):
+    """The audit: 10,000 tools of 2 kB were refused only after 23-27 s (memory 0.49 -> 3.0 GB), a
+    20 MB message name was accepted (and every later /finish answered 200 MB), 30 MB of session
+    metadata was kept, and a 2.5 MB logit_bias came back whole in the error."""
+    admin = {"Authorization": f"Bearer {PROXY_KEY}"}
+    session = httpx.post(services.proxy.url + "/sessions", json={}, headers=admin).json()
+    tool = {"type": "function", "function": {"name": "f", "description": "x" * 2000, "parameters": {"type": "object"}}}
+    hi = [{"role": "user", "content": "hi"}]
+    calls = {
+        "/chat/completions": {"model": "m", "max_tokens": 2, "messages": hi, "tools": [tool] * 10_000},
+        "/responses": {"model": "m", "max_output_tokens": 2, "input": hi,
+                       "tools": [{"type": "function", **tool["function"]}] * 10_000},
+        "/messages": {"model": "m", "max_tokens": 2, "messages": hi, "tools": [
+            {"name": "f", "description": "x" * 2000, "input_schema": {"type": "object"}}] * 10_000},
+    }
+    named = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi", "name": "n" * 20_000_000}]}
+    for route, body in [*calls.items(), ("/chat/completions", named)]:
+        started = time.perf_counter()
+        response = httpx.post(session["base_url"] + route, json=body, timeout=60)
+        assert response.status_code == 400 and "maximum context length" in response.text, (route, response.text[:300])
+        assert time.perf_counter() - started < 3.0, route  # a 20 MB body's parse, then the refusal by length
+        assert health_latency(services.proxy.url) < 1.0
+    heavy = httpx.post(services.proxy.url + "/sessions", json={"metadata": {"blob": "m" * 30_000_000}}, headers=admin)
+    assert heavy.status_code == 400 and "--proxy-max-session-metadata-bytes" in heavy.text
+    bias = httpx.post(session["base_url"] + "/chat/completions", json={
+        "model": "m", "max_tokens": 2, "messages": hi, "logit_bias": {str(i): 1 for i in range(200_000)}})
+    assert bias.status_code == 400 and len(bias.content) < 2000 and "characters)" in bias.text
+    fine = httpx.post(session["base_url"] + "/chat/completions", json={"model": "m", "max_tokens": 2, "messages": hi})
+    assert fine.status_code == 200
+    finished = httpx.post(f"{services.proxy.url}/sessions/{session['session_id']}/finish", headers=admin)
+    assert finished.status_code == 200 and len(finished.content) < 100_000

@@ -18,6 +18,7 @@ No FastAPI here, nor any API's shapes: ``service`` owns HTTP, ``apis`` the shape
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -121,18 +122,22 @@ class Recorder:
         return self.renderer.bridge(req.messages[:size], req.messages[size:], req.tools, sampled)
 
     def _check_length(self, req: CallRequest) -> None:
-        """Refuse, by its length alone, text that cannot fit the context: tokenizing 20 MB took 30 s."""
+        """Refuse, by its length alone, text that cannot fit the context: tokenizing 20 MB took 30 s
+        (and rendering 10,000 tools 25 s). Names and tools count as text: a template that renders
+        them writes at least that much, and a session keeps them in its Samples either way."""
         if req.kind == "text":
             chars = len(req.prompt)
         else:
-            chars = sum(len(m.content) + sum(len(c.arguments) for c in m.tool_calls) for m in req.messages)
+            chars = sum(len(m.content) + len(m.name or "") + sum(len(c.name) + len(c.arguments) for c in m.tool_calls)
+                        for m in req.messages)
+            chars += sum(len(json.dumps(tool, separators=(",", ":"))) for tool in req.tools or [])
         room = self.context_length - (req.max_tokens or 1)
         if cannot_fit(chars, room, self.max_token_chars):
             raise InvalidRequest(
-                f"This model's maximum context length is {self.context_length} tokens. However, your messages hold "
-                f"{chars} characters, more than the {room} tokens left for them can hold (one token covers at most "
-                f"{self.max_token_chars} characters). Please reduce the length of the messages or completion.",
-                param="messages", code="context_length_exceeded")
+                f"This model's maximum context length is {self.context_length} tokens. However, your messages and "
+                f"tools hold {chars} characters, more than the {room} tokens left for them can hold (one token "
+                f"covers at most {self.max_token_chars} characters). Please reduce the length of the messages, "
+                "tools or completion.", param="messages", code="context_length_exceeded")
 
     async def _open(self, session: Session, req: CallRequest) -> list[Choice]:
         """Place every choice, append its prompt ids, and check the context; nothing is kept on error.

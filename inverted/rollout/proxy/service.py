@@ -41,6 +41,7 @@ from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
 from typing import Annotated, Any, AsyncIterator, Awaitable, Callable
 
+import orjson
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -148,8 +149,12 @@ def _open_sessions(recorder: Recorder, bodies: list[CreateSessionRequest], reque
     """Every body checked first, then every session created: a bad one opens none. ``where`` names
     body ``i`` in an error's message and ``param``."""
     templates = []
+    limit = recorder.config.proxy_max_session_metadata_bytes
     for i, body in enumerate(bodies):
         at = where.format(i=i)
+        if (size := len(orjson.dumps([body.metadata, body.sample]))) > limit:
+            raise InvalidRequest(f"{at}metadata: {size} bytes of metadata and sample template, over this proxy's "
+                                 f"limit of {limit} (--proxy-max-session-metadata-bytes)", param=f"{at}metadata")
         try:  # checked now, so that no call of this session fails on them
             call.check_overrides(body.sampling_params)
         except InvalidRequest as exc:

@@ -281,3 +281,19 @@ def test_anthropic_errors_have_anthropics_shape(stack):
     # a bad session's 404 is Anthropic-shaped too
     missing = httpx.post(stack.proxy.url + "/sessions/sess_nope/v1/messages", json=copy.deepcopy(cases[0][0]))
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+
+
+def test_a_strict_tool_renders_the_same_prompt_through_all_three_apis(stack):
+    """The audit: Chat kept a tool's "strict": true, Responses and Anthropic dropped it, so one tool
+    gave three different prompts. ``strict`` is a directive to the server, not text for the model."""
+    session = new_session(stack)
+    ask = [{"role": "user", "content": user_turns()[0]}]
+    chat = openai.OpenAI(base_url=session["base_url"], api_key="x")
+    chat.chat.completions.create(model="m", messages=ask, max_tokens=1, tools=[
+        {"type": "function", "function": {**FUNCTION, "strict": True}}])
+    chat.chat.completions.create(model="m", messages=ask, max_tokens=1, tools=TOOLS)  # no strict at all
+    chat.responses.create(model="m", input=ask, max_output_tokens=1, tools=[{**RESPONSES_TOOLS[0], "strict": True}])
+    anthropic.Anthropic(base_url=session["base_url"].removesuffix("/v1"), api_key="x").messages.create(
+        model="m", max_tokens=1, messages=ask, tools=[{**ANTHROPIC_TOOLS[0], "strict": True}])
+    prompts = {tuple(s.tokens[:s.prompt_length]) for s in finish(stack, session)}
+    assert len(prompts) == 1

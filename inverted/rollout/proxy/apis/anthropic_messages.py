@@ -154,7 +154,8 @@ def _tool(tool: Any, where: str) -> dict[str, Any]:
     if not isinstance(tool, dict) or tool.get("type", "custom") != "custom" or "input_schema" not in tool:
         raise InvalidRequest(f"{where}: only client tools ({{name, description, input_schema}}) are supported: the "
                              "agent runs them", param=where)
-    return call.function_tool(tool.get("name"), tool.get("description"), tool["input_schema"], where)
+    return call.function_tool(tool.get("name"), tool.get("description"), tool["input_schema"], where,
+                              tool.get("strict"))
 
 
 def _tool_choice(choice: Any) -> tuple[str, str | None]:

@@ -207,12 +207,17 @@ def constrain(req: CallRequest, schema: dict[str, Any] | None, param: str) -> No
     req.sampling["json_schema"] = json.dumps(schema)
 
 
-def function_tool(name: Any, description: Any, parameters: Any, where: str) -> dict[str, Any]:
-    """A tool in Chat Completions' form, the one the chat template renders, whatever API declared it."""
+def function_tool(name: Any, description: Any, parameters: Any, where: str, strict: Any = None) -> dict[str, Any]:
+    """A tool in Chat Completions' form, the one the chat template renders, whatever API declared it,
+    so that one tool renders the same tokens from every API. ``strict`` is checked and not rendered
+    from any of them: it asks the server to hold the arguments to the schema, it is not something
+    the model reads (and the proxy does not constrain tool arguments)."""
     if not isinstance(name, str) or not name:
         raise InvalidRequest("a function tool needs a 'name'", param=f"{where}.name")
     if parameters is not None and not isinstance(parameters, dict):
         raise InvalidRequest("a tool's parameters must be a JSON schema object", param=f"{where}.parameters")
+    if strict is not None and not isinstance(strict, bool):
+        raise InvalidRequest("a tool's 'strict' must be true or false", param=f"{where}.strict")
     function: dict[str, Any] = {"name": name}
     if isinstance(description, str):
         function["description"] = description

@@ -45,6 +45,8 @@ def parse(body: Any, session: Any = None) -> CallRequest:
             isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
             for t in tools)):
         raise InvalidRequest("'tools' must be an array of {type: 'function', function: {name, ...}}", param="tools")
+    tools = [call.function_tool(t["function"]["name"], t["function"].get("description"), t["function"].get("parameters"),
+                                f"tools[{i}].function", t["function"].get("strict")) for i, t in enumerate(tools or [])]
     choice = body.get("tool_choice")
     req = CallRequest(kind="chat", model=openai_shared.model_name(body), messages=parse_messages(body["messages"]),
                       prompt=None, tools=tools or None, parse_tools=bool(tools) and choice != "none",

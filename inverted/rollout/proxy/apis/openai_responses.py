@@ -169,7 +169,8 @@ def _tool(tool: Any, where: str) -> dict[str, Any]:
         kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
         raise InvalidRequest(f"tools of type {kind!r} are not supported: only function tools, which the agent runs",
                              param=f"{where}.type", code="invalid_value")
-    return call.function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"), where)
+    return call.function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"), where,
+                              tool.get("strict"))
 
 
 def _tool_choice(choice: Any) -> tuple[str, str | None]:

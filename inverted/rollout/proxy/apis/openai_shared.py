@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from inverted.errors import InvalidRequest
+from inverted.limits import brief
 from inverted.rollout.proxy.apis.call import Failure, TokenLogprob
 
 IGNORED = {"model", "user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
@@ -33,11 +34,11 @@ def check_fields(body: Any, allowed: set[str], neutral: dict[str, tuple]) -> dic
             continue
         if key in neutral:
             if value not in neutral[key]:
-                raise InvalidRequest(f"'{key}' = {value!r} is not supported by this server: it would change what is "
+                raise InvalidRequest(f"'{key}' = {brief(value)} is not supported by this server: it would change what is "
                                      f"sampled (accepted values: {list(neutral[key])})", param=key,
                                      code="unsupported_parameter")
             continue
-        raise InvalidRequest(f"Unrecognized request argument supplied: {key}", param=key,
+        raise InvalidRequest(f"Unrecognized request argument supplied: {brief(key)}", param=key[:200],
                              code="unrecognized_argument")
     if body.get("stream") not in (None, True, False):
         raise InvalidRequest("Invalid type for 'stream': expected a boolean", param="stream", code="invalid_type")
