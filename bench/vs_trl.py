@@ -27,7 +27,8 @@ start-up and evaluations are left out of both (and reported apart).
 The headline: ``ours_over_trl.loop_tokens_per_s`` (target >= 2) and
 ``ours_over_trl.time_to_threshold`` (target <= 0.5).
 
-    python bench/vs_trl.py [--updates 40] [--eval-interval 5] [--threshold 0.5] [--only ours|trl] [--report-only]
+    python bench/vs_trl.py [--updates 40] [--eval-interval 5] [--threshold 0.5] [--seed 42] [--only ours|trl]
+                           [--report-only]
 
 Needs ``trl`` (``pip install -e '.[bench]'``) and ``make run``'s model and data (made if missing).
 """
@@ -61,11 +62,14 @@ JOB = ROOT / "examples/smollm2.yaml"
 def job_settings() -> dict[str, Any]:
     """The main job's GRPO settings: its config file over our defaults."""
     given = {key.replace("-", "_"): value for key, value in yaml.safe_load(JOB.read_text()).items()}
-    rollout, loss, optim = (from_flags(section, {k: v for k, v in given.items() if k in {
-        f.name for f in section.__dataclass_fields__.values()}}) for section in (RolloutConfig, LossConfig, OptimConfig))
+    def section(kind: type) -> Any:
+        return from_flags(kind, {k: v for k, v in given.items() if k in kind.__dataclass_fields__})
+
+    rollout, loss, optim = section(RolloutConfig), section(LossConfig), section(OptimConfig)
     return {"prompts": rollout.rollout_batch_size, "n": given["n_samples_per_prompt"],
             "max_tokens": rollout.rollout_max_response_len, "temperature": rollout.rollout_temperature,
-            "top_p": rollout.rollout_top_p, "lr": optim.lr, "adam_beta1": optim.adam_beta1, "adam_beta2": optim.adam_beta2,
+            "top_p": rollout.rollout_top_p, "lr": optim.lr, "adam_beta1": optim.adam_beta1,
+            "adam_beta2": optim.adam_beta2,
             "adam_eps": optim.adam_eps, "weight_decay": optim.weight_decay, "clip_grad": optim.clip_grad,
             "eps_clip": loss.eps_clip, "eps_clip_high": loss.eps_clip_high or loss.eps_clip, "kl_coef": loss.kl_coef,
             "entropy_coef": loss.entropy_coef, "std_normalization": not loss.disable_grpo_std_normalization,
@@ -73,12 +77,16 @@ def job_settings() -> dict[str, Any]:
             "filter": given.get("dynamic_sampling_filter_path")}
 
 
+# Our loss aggregations as TRL names them: "dapo" normalises by the batch's tokens, as token_mean does.
+TRL_LOSS = {"token_mean": "dapo", "seq_mean_token_mean": "grpo", "seq_mean_token_sum": "dr_grpo"}
+
 # What TRL cannot be told to do as we do, and why; written into the output beside the figures.
 UNMATCHED = {
     "dynamic sampling": "the job drops groups whose samples all scored the same (DAPO's filter); TRL keeps them "
-                        "(their advantage is 0, so they add no gradient, but they count in the token-mean's denominator "
-                        "and cost a forward and backward pass)",
-    "data order": "both shuffle the same file, each with its own sampler (ours: --rollout-seed 42; TRL: seed 42)",
+                        "(their advantage is 0, so they add no gradient, but they count in the token-mean's "
+                        "denominator and cost a forward and backward pass)",
+    "data order": "both shuffle the same file with --seed, each with its own sampler (ours: --rollout-seed; TRL: "
+                  "its seed), so they see the prompts in different orders",
     "sampler": "ours: the embedded engine (paged KV cache, a group's prompt prefilled once); TRL: transformers' "
                "generate on the trained model, no vLLM on CPU",
     "weight sync": "ours pushes weights to the engine each step (time/sync_s); TRL samples from the model it trains",
@@ -121,7 +129,8 @@ class MemoryProbe:
 
 
 def run_measured(command: list[str], out: Path) -> None:
-    """Run ``command`` (which writes ``out/metrics.jsonl``); its wall time and peak memory go to ``out/measured.json``."""
+    """Run ``command`` (which writes ``out/metrics.jsonl``); its wall time and peak memory go to
+    ``out/measured.json``."""
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     with out.with_suffix(".log").open("w") as log:
@@ -131,18 +140,20 @@ def run_measured(command: list[str], out: Path) -> None:
     memory = probe.stop()
     if code:
         raise SystemExit(f"{command[:4]} exited {code}; its log: {out.with_suffix('.log')}")
-    (out / "measured.json").write_text(json.dumps({"process_wall_s": round(time.perf_counter() - started, 1), **memory}))
+    wall = round(time.perf_counter() - started, 1)
+    (out / "measured.json").write_text(json.dumps({"process_wall_s": wall, **memory}))
 
 
 def run_ours(args, out: Path) -> None:
     run_measured([sys.executable, "-m", "inverted.cli", "train", "--config", str(JOB), "--prompt-data", str(DATA),
                   "--eval-prompt-data", str(EVAL), "--num-rollout", str(args.updates), "--eval-interval",
-                  str(args.eval_interval), "--output-dir", str(out), "--log-level", "warning"], out)
+                  str(args.eval_interval), "--output-dir", str(out), "--log-level", "warning",
+                  "--rollout-seed", str(args.seed), "--seed", str(args.seed)], out)
 
 
 def run_trl(args, out: Path) -> None:
     run_measured([sys.executable, __file__, "--trl-worker", "--updates", str(args.updates), "--eval-interval",
-                  str(args.eval_interval), "--out", str(out)], out)
+                  str(args.eval_interval), "--out", str(out), "--seed", str(args.seed)], out)
 
 
 def read_rows(path: Path) -> list[dict[str, float]]:
@@ -182,7 +193,8 @@ def compare(ours: dict[str, Any], trl: dict[str, Any]) -> dict[str, Any]:
     return {"loop_tokens_per_s": ratio(ours["loop_tokens_per_s"], trl["loop_tokens_per_s"]),
             "step_s_mean": ratio(ours["step_s_mean"], trl["step_s_mean"]),
             "time_to_threshold": ratio(*reach),
-            "pass_rate_minus_trl": {step: round(ours["pass_rate"][step] - trl["pass_rate"][step], 3) for step in common},
+            "pass_rate_minus_trl": {step: round(ours["pass_rate"][step] - trl["pass_rate"][step], 3)
+                                    for step in common},
             "peak_pss": ratio(ours["peak_pss_gb"], trl["peak_pss_gb"])}
 
 
@@ -210,7 +222,8 @@ def trl_worker(args) -> None:
         return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": row["input"]}]
 
     train_rows = read_rows(DATA)
-    dataset = Dataset.from_list([{"prompt": conversation(r), "metadata": json.dumps(r["metadata"])} for r in train_rows])
+    dataset = Dataset.from_list([{"prompt": conversation(r), "metadata": json.dumps(r["metadata"])}
+                                 for r in train_rows])
     held_out = read_rows(EVAL)
     tokenizer = AutoTokenizer.from_pretrained(MODEL)
     eos = {tokenizer.eos_token_id}
@@ -243,16 +256,19 @@ def trl_worker(args) -> None:
         rewards = []
         for first in range(0, len(held_out), 16):
             rows = held_out[first:first + 16]
-            texts = [tokenizer.apply_chat_template(conversation(r), tokenize=False, add_generation_prompt=True) for r in rows]
+            texts = [tokenizer.apply_chat_template(conversation(r), tokenize=False, add_generation_prompt=True)
+                     for r in rows]
             batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
             output = model.generate(**batch, max_new_tokens=job["max_tokens"], do_sample=False,
                                     pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
             for row, ids in zip(rows, output[:, batch["input_ids"].shape[1]:].tolist()):
                 ids = ids[:ids.index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in ids else ids
-                rewards.append(graded(tokenizer.decode(ids, skip_special_tokens=True), ids, json.dumps(row["metadata"])))
+                text = tokenizer.decode(ids, skip_special_tokens=True)
+                rewards.append(graded(text, ids, json.dumps(row["metadata"])))
         model.train()
         log({"step": updates, "eval/reward_mean": sum(rewards) / len(rewards),
-             "eval/pass_rate": sum(r >= 1.0 for r in rewards) / len(rewards), "time/eval_s": time.perf_counter() - started})
+             "eval/pass_rate": sum(r >= 1.0 for r in rewards) / len(rewards),
+             "time/eval_s": time.perf_counter() - started})
 
     class Clock(TrainerCallback):
         def on_train_begin(self, _args, state, control, model=None, **_):
@@ -272,7 +288,7 @@ def trl_worker(args) -> None:
     batch = job["prompts"] * job["n"]
     config = GRPOConfig(
         output_dir=str(out / "trainer"), use_cpu=True, bf16=False, report_to=[], save_strategy="no",
-        logging_steps=1, disable_tqdm=True, seed=42, max_steps=args.updates,
+        logging_steps=1, disable_tqdm=True, seed=args.seed, max_steps=args.updates,
         # one optimizer step per rollout of prompts x n completions, as the job's, in micro-batches of n
         num_generations=job["n"], per_device_train_batch_size=job["n"], gradient_accumulation_steps=job["prompts"],
         generation_batch_size=batch, max_completion_length=job["max_tokens"],
@@ -282,7 +298,7 @@ def trl_worker(args) -> None:
         max_grad_norm=job["clip_grad"], epsilon=job["eps_clip"], epsilon_high=job["eps_clip_high"],
         beta=job["kl_coef"], entropy_coef=job["entropy_coef"], num_iterations=1,
         scale_rewards="group" if job["std_normalization"] else "none",
-        loss_type={"token_mean": "dapo", "seq_mean_token_mean": "grpo", "seq_mean_token_sum": "dr_grpo"}[job["loss_aggregation"]])
+        loss_type=TRL_LOSS[job["loss_aggregation"]])
     model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
     trainer = TimedGRPOTrainer(model=model, reward_funcs=chain_sum_reward, args=config, train_dataset=dataset,
                                processing_class=tokenizer, callbacks=[Clock()])
@@ -297,6 +313,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threshold", type=float, default=0.5, help="held-out pass rate for time-to-threshold")
     parser.add_argument("--only", choices=["ours", "trl"], default=None, help="run one side (no ratios)")
     parser.add_argument("--out", default=str(ROOT / "runs/bench/vs_trl"), help="where both runs write")
+    parser.add_argument("--seed", type=int, default=42, help="both frameworks' data order and sampling seed")
     parser.add_argument("--report-only", action="store_true", help="report the runs already in --out again")
     parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -311,6 +328,7 @@ def main(argv: list[str] | None = None) -> None:
     if job["estimator"] != "grpo":
         raise SystemExit(f"{JOB} trains with {job['estimator']}; this comparison maps GRPO only")
     report: dict[str, Any] = {"job": job, "updates": args.updates, "threshold": args.threshold,
+                              "seed": args.seed,
                               "cpu": psutil.cpu_count(), "unmatched": UNMATCHED}
     for name, run in (("ours", run_ours), ("trl", run_trl)):
         if args.only in (None, name):

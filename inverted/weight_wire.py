@@ -138,9 +138,11 @@ def non_finite(named: list[tuple[str, torch.Tensor]] | dict[str, torch.Tensor]) 
     trainer must not send such weights, and a server must not serve them (it would answer
     garbage, and its health probe cannot tell).
     """
-    items = named.items() if isinstance(named, dict) else named
-    return [name for name, tensor in items if tensor.is_floating_point()
-            and not torch.isfinite(tensor.sum(dtype=torch.promote_types(tensor.dtype, torch.float32)))]
+    floats = [(name, t) for name, t in (named.items() if isinstance(named, dict) else named) if t.is_floating_point()]
+    sums = [t.sum(dtype=torch.promote_types(t.dtype, torch.float32)).to(torch.float64) for _, t in floats]
+    if not sums or (len({s.device for s in sums}) == 1 and bool(torch.isfinite(torch.stack(sums)).all())):
+        return []  # the usual answer, with one wait for a GPU (not one per tensor)
+    return [name for (name, _), total in zip(floats, sums) if not torch.isfinite(total)]
 
 
 def _rebuild_cuda_tensor_by_uuid(*args: Any) -> torch.Tensor:
