@@ -103,21 +103,23 @@ class HTTPService:
         return aiohttp.ClientTimeout(total=None, connect=seconds, sock_connect=self.timeouts.connect, sock_read=seconds)
 
     def _send(self, method: str, path: str, *, json_body: Any = None, content: bytes | None = None,
-              timeout: float, params: dict | None = None):
-        """One attempt's request context (``async with`` it); what ``request`` and streaming share."""
-        headers = {"content-type": "application/json"} if content is not None else None
+              timeout: float, params: dict | None = None, headers: dict[str, str] | None = None):
+        """One attempt's request context (``async with`` it); what ``request`` and streaming share.
+        ``headers`` add to (or replace) the session's own, e.g. another key for one route."""
+        headers = {**({"content-type": "application/json"} if content is not None else {}), **(headers or {})} or None
         return self._http.request(method, self.base_url + path, json=json_body, data=content, headers=headers,
                                   params=params, timeout=self._timeout(timeout))
 
     async def request(self, method: str, path: str, *, json_body: Any = None, content: bytes | None = None,
-                      timeout: float, idempotent: bool, params: dict | None = None) -> Reply:
+                      timeout: float, idempotent: bool, params: dict | None = None,
+                      headers: dict[str, str] | None = None) -> Reply:
         """Send with retries; return a 2xx reply or raise ProtocolError / ServiceUnavailable."""
         url = self.base_url + path
 
         async def attempt() -> Reply:
             try:
                 async with self._send(method, path, json_body=json_body, content=content, timeout=timeout,
-                                      params=params) as response:
+                                      params=params, headers=headers) as response:
                     reply = Reply(response.status, url, await response.read())
             except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
                 raise _Retryable(exc) from exc  # the request never reached the server: always safe to resend

@@ -201,8 +201,11 @@ class SlimeArgs:
         object.__setattr__(self, "_values", dict(values))
 
     @classmethod
-    def of(cls, *flag_dicts: dict[str, Any], router_url: str | None = None) -> "SlimeArgs":
-        """From our sections' flags (``config.to_flags``); slime's names for the knobs we name otherwise."""
+    def of(cls, *flag_dicts: dict[str, Any], router_url: str | None = None,
+           router_api_key: str | None = None) -> "SlimeArgs":
+        """From our sections' flags (``config.to_flags``); slime's names for the knobs we name otherwise.
+        ``router_api_key``: the key the job's router takes on /generate, as ``args.router_api_key``
+        (``post`` sends it; a plug-in with an HTTP client of its own sends it as a bearer token)."""
         values: dict[str, Any] = {}
         for flags in flag_dicts:
             values.update(flags)
@@ -211,6 +214,8 @@ class SlimeArgs:
         if router_url:
             host, _, port = router_url.split("//")[-1].rpartition(":")
             values.update(sglang_router_ip=host, sglang_router_port=int(port))
+        if router_api_key:
+            values["router_api_key"] = router_api_key
         return cls(values)
 
     def __getattr__(self, name: str) -> Any:

@@ -44,7 +44,7 @@ from inverted.placement import node_resource, ray_launch, start_ray
 from inverted.plugins import Keywords, RewardModel, RolloutFunction, load_optional, load_rollout_function, required_flags
 from inverted.processes import ManagedProcess, free_port
 from inverted.rollout.servers import ROUTED_EXPERTS_ARGV, RolloutServers, ServerHandle, lora_argv
-from inverted.rollout.sglang_client import SGLangClient
+from inverted.rollout.sglang_client import SGLangClient, ServerKeys
 from inverted.types import POLICY_ADAPTER, Sample
 
 logger = logging.getLogger(__name__)
@@ -142,6 +142,7 @@ class Job:
         self._pushed_to: list[str] = []  # the servers of the latest weight update
         self.engine_key = secrets.token_urlsafe(24)  # the rollout servers' admin key, and the router's
         self.router_key = secrets.token_urlsafe(24)  # /generate's, at the router and at the servers
+        self.server_keys = ServerKeys(api=self.router_key, admin=self.engine_key)
         self.faults: Counter[str] = Counter(engine_deaths=0, engine_restarts=0)  # reported from the first row on
         self._trainer_lock = asyncio.Lock()
         self._heal_lock = asyncio.Lock()
@@ -256,7 +257,7 @@ class Job:
             # The servers are read under the lock: a replacement adopted while this update waited
             # for it (with the previous version's weights) must get this one too.
             self._pushed_to = self.servers.engine_urls
-            report = await asyncio.to_thread(self.trainer.sync_weights, self._pushed_to, version, self.engine_key)
+            report = await asyncio.to_thread(self.trainer.sync_weights, self._pushed_to, version, self.server_keys)
             self.version = version
         return report
 
@@ -300,7 +301,7 @@ class Job:
         engine = await self.servers.start_engine()
         async with self._trainer_lock:  # no update may pass between its weights and its adoption
             if self.trainer is not None and (self.version or self.lora):  # a LoRA policy is never on a fresh server
-                await asyncio.to_thread(self.trainer.sync_weights, [engine.url], self.version, self.engine_key)
+                await asyncio.to_thread(self.trainer.sync_weights, [engine.url], self.version, self.server_keys)
             self.servers.adopt(engine)
         await self.servers.register(engine)
         self.faults["engine_restarts"] += 1
@@ -311,7 +312,7 @@ class Job:
 
     async def all_servers(self, method: str) -> None:
         async def call(url: str) -> None:
-            async with SGLangClient(url, api_key=self.engine_key) as client:
+            async with SGLangClient.keyed(url, self.server_keys) as client:
                 await getattr(client, method)()
         await asyncio.gather(*(call(url) for url in self.servers.engine_urls))
 

@@ -42,16 +42,17 @@ def context(cfg: JobConfig, job: Job, plugins: Plugins, rollout_id: int, evaluat
                           router_url=job.servers.router_url, hf_checkpoint=cfg.train.hf_checkpoint,
                           chat_template=cfg.proxy.chat_template, sampling=sampling,
                           env=plugins.env, generate=plugins.generate, evaluation=evaluation,
-                          slime_args=slime_args(cfg, job.servers.router_url), lora_path=job.adapter,
+                          slime_args=slime_args(cfg, job.servers.router_url, job.servers.config.router_api_key),
+                          lora_path=job.adapter,
                           routed_experts=cfg.train.moe.use_rollout_routing_replay,
                           router_api_key=job.servers.config.router_api_key,
                           router_admin_api_key=job.servers.config.admin_api_key)
 
 
-def slime_args(cfg: JobConfig, router_url: str | None = None) -> slime.SlimeArgs:
-    """Every flag of the job under slime's names (slime plug-ins' ``args``)."""
+def slime_args(cfg: JobConfig, router_url: str | None = None, router_api_key: str | None = None) -> slime.SlimeArgs:
+    """Every flag of the job under slime's names (slime plug-ins' ``args``), with the router's address and key."""
     return slime.SlimeArgs.of(*(to_flags(part) for part in (cfg.train, cfg.rollout, cfg.buffer, cfg.servers)),
-                              router_url=router_url)
+                              router_url=router_url, router_api_key=router_api_key)
 
 
 async def run_rollout(ctx: RolloutContext, plugins: Plugins, tasks: list[Task]) -> list[Sample]:

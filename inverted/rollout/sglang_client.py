@@ -17,6 +17,7 @@ import functools
 import time
 import zlib
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import orjson
@@ -24,7 +25,7 @@ import orjson
 from inverted.errors import ProtocolError, ServiceUnavailable
 from inverted.http_client import HTTPService, Reply, Timeouts
 
-__all__ = ["RouterClient", "SGLangClient", "Timeouts", "WorkersClient", "generate_client", "read_output",
+__all__ = ["RouterClient", "SGLangClient", "ServerKeys", "Timeouts", "WorkersClient", "generate_client", "read_output",
            "read_routed_experts"]
 
 
@@ -72,8 +73,31 @@ def read_routed_experts(body: Any) -> str | None:
     return routes if isinstance(routes, str) else None
 
 
+@dataclass(frozen=True, slots=True)
+class ServerKeys:
+    """The keys of a job's rollout servers: ``api`` on generation and info routes (the router's
+    key, which it sends on), ``admin`` on weight and control routes."""
+
+    api: str | None = None
+    admin: str | None = None
+
+
 class SGLangClient(HTTPService):
-    """One SGLang-protocol server (or, for ``generate``, the router in front of several)."""
+    """One SGLang-protocol server (or, for ``generate``, the router in front of several).
+
+    ``api_key`` goes with every call; ``admin_api_key``, where given, with the weight and control
+    calls instead: SGLang takes the admin key alone on those routes and the plain key alone on the
+    others (``/generate``, ``/server_info``), once a server has both.
+    """
+
+    def __init__(self, base_url: str, *, api_key: str | None = None, admin_api_key: str | None = None,
+                 **options: Any):
+        super().__init__(base_url, api_key=api_key, **options)
+        self._admin = {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else None
+
+    @classmethod
+    def keyed(cls, base_url: str, keys: ServerKeys, **options: Any) -> "SGLangClient":
+        return cls(base_url, api_key=keys.api, admin_api_key=keys.admin, **options)
 
     # ---- data plane ----------------------------------------------------------------------
 
@@ -135,7 +159,8 @@ class SGLangClient(HTTPService):
     # ---- control -------------------------------------------------------------------------
 
     async def _post(self, path: str, body: dict[str, Any], *, timeout: float | None = None, idempotent: bool = True) -> Reply:
-        return await self.request("POST", path, json_body=body, timeout=timeout or self.timeouts.control, idempotent=idempotent)
+        return await self.request("POST", path, json_body=body, timeout=timeout or self.timeouts.control,
+                                  idempotent=idempotent, headers=self._admin)
 
     async def pause_generation(self, mode: str = "abort") -> None:
         await self._post("/pause_generation", {"mode": mode})

@@ -21,6 +21,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from inverted.config import TrainConfig
+from inverted.rollout.sglang_client import ServerKeys
 from inverted.errors import ServiceUnavailable
 from inverted.processes import freeze_startup_heap
 from inverted.types import Sample
@@ -68,15 +69,15 @@ class TrainActor:
         """A rollout with nothing to train on still counts, so checkpoints and resumes stay in step."""
         self.trainer.rollout_id = rollout_id + 1
 
-    def sync_weights(self, urls: list[str], version: str, api_key: str | None = None) -> dict[str, Any] | None:
-        """``api_key``: the servers' admin key (their weight routes need it)."""
+    def sync_weights(self, urls: list[str], version: str, keys: ServerKeys | None = None) -> dict[str, Any] | None:
+        """``keys``: the servers' keys (their weight routes need the admin key, their info routes the other)."""
         import dataclasses
 
         from inverted.train.weight_sync import make_weight_sync
 
         if self.sync is None:
             self.sync = make_weight_sync(self.cfg.sync, self.cfg.hf_checkpoint, self.cfg.output_dir, urls,
-                                         api_key=api_key, adapter=self.trainer.adapter_config())
+                                         keys=keys or ServerKeys(), adapter=self.trainer.adapter_config())
         # A changed server set (a replaced server, or one new server getting the current weights)
         # reuses this sync and its buckets: the servers may still map the buckets' shared memory.
         self.sync.urls = list(urls)
@@ -138,8 +139,8 @@ class TrainGroup:
     def skip(self, rollout_id: int) -> None:
         self._all("skip", rollout_id)
 
-    def sync_weights(self, urls: list[str], version: int, api_key: str | None = None) -> dict[str, Any] | None:
-        return self._all("sync_weights", urls, str(version), api_key)
+    def sync_weights(self, urls: list[str], version: int, keys: ServerKeys | None = None) -> dict[str, Any] | None:
+        return self._all("sync_weights", urls, str(version), keys)
 
     def save(self, root: str) -> str:
         return self._all("save", root)

@@ -185,9 +185,12 @@ def generate_rollout(args, rollout_id, data_buffer, evaluation=False):
     for group in groups:
         for sample in group:
             prompt = [5, 6, 7]
-            out = httpx.post(url, json={"input_ids": prompt, "return_logprob": True,
-                                        "sampling_params": {"max_new_tokens": 3, "temperature": 1.0,
-                                                            "ignore_eos": True}}).json()
+            # the job's router takes its key alone (slime's own plug-ins call it through http_utils.post,
+            # which sends it): an HTTP client of the plug-in's own sends it itself
+            out = httpx.post(url, headers={"Authorization": f"Bearer {args.router_api_key}"},
+                             json={"input_ids": prompt, "return_logprob": True,
+                                   "sampling_params": {"max_new_tokens": 3, "temperature": 1.0,
+                                                       "ignore_eos": True}}).json()
             meta = out["meta_info"]
             sample.tokens = prompt + out["output_ids"]
             sample.response_length = len(out["output_ids"])

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from inverted.config import WeightSyncConfig
+from inverted.rollout.sglang_client import ServerKeys
 from inverted.train.weight_sync.buckets import Bucket, BucketPacker
 from inverted.train.weight_sync.sync import SyncReport, WeightSync
 from inverted.train.weight_sync.transports import (
@@ -39,7 +40,7 @@ def choose_transport(kind: str, urls: list[str], *, lora: bool = False) -> str:
 
 
 def make_weight_sync(cfg: WeightSyncConfig, hf_checkpoint: str, output_dir: str, urls: list[str], *,
-                     api_key: str | None = None, adapter: dict | None = None) -> WeightSync:
+                     keys: ServerKeys = ServerKeys(), adapter: dict | None = None) -> WeightSync:
     """A weight sync by ``choose_transport``'s transport. The disk transport writes under ``output_dir``
     unless told where, beside ``hf_checkpoint``'s config."""
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -52,4 +53,4 @@ def make_weight_sync(cfg: WeightSyncConfig, hf_checkpoint: str, output_dir: str,
         transport = DiskTransport(device, cfg.update_weight_disk_dir or f"{output_dir}/weight_updates", hf_checkpoint)
     checkpoint_dtype = json.loads((Path(hf_checkpoint) / "config.json").read_text()).get("torch_dtype")
     return WeightSync(transport, urls, buffer_size=cfg.update_weight_buffer_size, pause_mode=cfg.pause_mode,
-                      api_key=api_key, checkpoint_dtype=checkpoint_dtype, adapter=adapter)
+                      keys=keys, checkpoint_dtype=checkpoint_dtype, adapter=adapter)

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from inverted.errors import ConfigError
-from inverted.rollout.sglang_client import SGLangClient
+from inverted.rollout.sglang_client import SGLangClient, ServerKeys
 from inverted.train.weight_sync.buckets import Bucket, BucketPacker
 from inverted.train.weight_sync.transports import Transport, all_servers
 from inverted.types import PAUSE_MODES, POLICY_ADAPTER, PauseMode
@@ -96,12 +96,12 @@ class WeightSync:
     """Pushes the trainer's weights into every rollout server (the URLs of their SGLang endpoints)."""
 
     def __init__(self, transport: Transport, urls: list[str], *, buffer_size: int, pause_mode: PauseMode = "retract",
-                 api_key: str | None = None, checkpoint_dtype: str | None = None, adapter: dict | None = None):
+                 keys: ServerKeys = ServerKeys(), checkpoint_dtype: str | None = None, adapter: dict | None = None):
         """``adapter``: a LoRA run's PEFT adapter_config; the weights streamed are then that adapter's,
         loaded whole as ``POLICY_ADAPTER``."""
         if pause_mode not in PAUSE_MODES:
             raise ConfigError(f"--pause-mode must be one of {list(PAUSE_MODES)}, got {pause_mode!r}")
-        self.transport, self.urls, self.api_key = transport, list(urls), api_key
+        self.transport, self.urls, self.keys = transport, list(urls), keys
         self.buffer_size, self.pause_mode, self.checkpoint_dtype = buffer_size, pause_mode, checkpoint_dtype
         self.packer: BucketPacker | None = None
         self.adapter = adapter
@@ -115,7 +115,7 @@ class WeightSync:
     async def update(self, weights: Iterable[tuple[str, torch.Tensor]], version: str) -> SyncReport:
         started = time.perf_counter()
         async with AsyncExitStack() as stack:
-            servers = [await stack.enter_async_context(SGLangClient(url, api_key=self.api_key)) for url in self.urls]
+            servers = [await stack.enter_async_context(SGLangClient.keyed(url, self.keys)) for url in self.urls]
             report = SyncReport(version=version, transport=self.transport.name, servers=len(servers))
             with report.timed("connect"):
                 await self._connect(servers)
@@ -167,7 +167,7 @@ class WeightSync:
             return
         if self.connected:
             async with AsyncExitStack() as stack:
-                old = [await stack.enter_async_context(SGLangClient(u, api_key=self.api_key)) for u, _ in self.connected]
+                old = [await stack.enter_async_context(SGLangClient.keyed(u, self.keys)) for u, _ in self.connected]
                 await self.transport.close(old)
             self.connected = []
         dtypes = {served_dtype(info, self.checkpoint_dtype) for info in infos}
