@@ -164,7 +164,10 @@ def context_length(path: str | Path, requested: int = 0) -> int:
     capped at ``DEFAULT_CONTEXT_CAP`` (the KV cache is sized by it)."""
     if requested:
         return requested
-    config = json.loads((Path(path) / "config.json").read_text())
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot read {Path(path) / 'config.json'}: {exc}") from None
     return min(int(config.get("max_position_embeddings", DEFAULT_CONTEXT_CAP)), DEFAULT_CONTEXT_CAP)
 
 

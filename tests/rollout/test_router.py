@@ -87,19 +87,23 @@ async def test_round_robin_cache_aware_and_worker_registration(tiny_model, tmp_p
 
 
 async def test_servers_report_a_dead_engine_with_its_log(tmp_path, tiny_model):
-    # A checkpoint whose config is unreadable: the engine exits, and startup says why.
+    # A checkpoint whose weights are unreadable: the engine exits, and startup says why.
     broken = tmp_path / "broken"
     broken.mkdir()
     for f in tiny_model("qwen2").iterdir():
         (broken / f.name).write_bytes(f.read_bytes())
-    (broken / "config.json").write_text("{not json")
+    (broken / "model.safetensors").write_bytes(b"not safetensors")
     cfg = ServersConfig(hf_checkpoint=str(broken), num_engines=1, engine_threads=1, log_dir=str(tmp_path / "logs"),
                         startup_timeout=60)
-    from inverted.errors import ServiceUnavailable
+    from inverted.errors import ModelError, ServiceUnavailable
 
-    with pytest.raises(ServiceUnavailable, match=r"(?s)engine-0 exited with code [1-9].*config.json"):
+    with pytest.raises(ServiceUnavailable, match=r"(?s)engine-0 exited with code [1-9].*safetensors"):
         async with RolloutServers(cfg):
             pass
+    # One whose config is unreadable is refused before anything starts (the context length is read there).
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(ModelError, match=r"cannot read .*config.json"):
+        RolloutServers(cfg)
 
 
 async def test_the_router_drops_return_routed_experts_so_the_workers_client_calls_the_workers(tiny_model, tmp_path):
