@@ -198,7 +198,7 @@ class RolloutServers:
         """Raise ``UnknownWorker`` if the router serves a worker this object did not start (and take it
         out): its samples must not be trained on."""
         async with self.control() as router:
-            strangers = sorted(set(url for url in await router.urls()) - self.started)
+            strangers = sorted(await router.urls() - self.started)
             for url in strangers:
                 await router.remove_worker(url)
         if strangers:
