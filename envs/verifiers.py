@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> None:
     except EnvError as exc:
         parser.error(str(exc))
     print(write_rows(written, args.out))
-    print(f"train on it with: --env-path envs.verifiers:episode --env-args '{json.dumps({'env': args.env, 'args': args.args})}'")
+    env_args = json.dumps({"env": args.env, "args": args.args})
+    print(f"train on it with: --env-path envs.verifiers:episode --env-args '{env_args}'")
 
 
 if __name__ == "__main__":

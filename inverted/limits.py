@@ -6,8 +6,9 @@
   received pass the limit: the service never reads or holds more than the limit of any request.
 - ``parse_json``: strict JSON (``loads``: no lone surrogates, no nesting past 1024 levels, each a
   ``ValueError`` the services answer with 400, naming the field), a large body's parsed on a
-  worker thread, so that requests beside it are served meanwhile (measured with a 20 MB body refused again and again: ``/health`` p50 33 -> 5 ms
-  on the engine, p99 83 -> 45 ms on the proxy; ``bench/hostile_load.py``).
+  worker thread, so that requests beside it are served meanwhile (measured with a 20 MB body
+  refused again and again: ``/health`` p50 33 -> 5 ms on the engine, p99 83 -> 45 ms on the proxy;
+  ``bench/hostile_load.py``).
 - ``max_token_chars``: the most characters one token of a tokenizer stands for. Every character of
   a prompt's text is in some token, so a text of more than ``tokens × max_token_chars`` characters
   cannot fit ``tokens``, whatever it says; services refuse it by its length instead of tokenizing
