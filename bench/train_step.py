@@ -37,6 +37,12 @@ in training tokens per second.
   thread (EP=1), on the same batch; each run in processes of its own.
 
     python bench/train_step.py --arch qwen3_moe --ep 2 [--rounds 3]
+
+- ``--details-cost``: what ``--save-train-details`` costs a step (the trainer's log-probs and
+  advantages of every Sample into ``train_details.db``): one trainer, its steps alternately with
+  and without it, on the same batch.
+
+    python bench/train_step.py --model models/smollm2-135m --shape grpo --details-cost [--rounds 5]
 """
 
 from __future__ import annotations
@@ -228,6 +234,27 @@ def ep_vs_ep1(args, path: Path, samples: list[Sample], budget: int) -> dict:
             "ratio": round(speed[args.ep] / speed[1], 3)}
 
 
+def details_cost(args, path: Path, samples: list[Sample], budget: int) -> dict:
+    from inverted.train.parallel import init_parallel, shutdown_parallel
+    from inverted.train.trainer import Trainer
+
+    with tempfile.TemporaryDirectory() as out:
+        cfg = from_flags(TrainConfig, hf_checkpoint=str(path), lr=1e-6, max_tokens_per_gpu=budget, output_dir=out)
+        init_parallel(cfg.parallel, cfg.seed)
+        trainer = Trainer(cfg)
+        trainer.train(samples)  # warm-up, and the file's creation
+        timings: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(args.rounds):
+            for flag in (True, False):
+                trainer.cfg.save_train_details = flag
+                timings[flag].append(timed(lambda: trainer.train(samples), args.device))
+        shutdown_parallel()
+    with_s, without_s = statistics.median(timings[True]), statistics.median(timings[False])
+    return {"samples": len(samples), "response_tokens": sum(s.response_length for s in samples), "rounds": args.rounds,
+            "step_with_details_s": round(with_s, 4), "step_without_s": round(without_s, 4),
+            "cost": round(with_s / without_s - 1, 4), "target": "measured"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
@@ -240,6 +267,7 @@ def main() -> None:
     parser.add_argument("--arch", default="qwen2", choices=["qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe"],
                         help="architecture of the generated model")
     parser.add_argument("--ep", type=int, default=0, help="compare expert parallelism of this size with EP=1 (MoE)")
+    parser.add_argument("--details-cost", action="store_true", help="a step with --save-train-details against one without")
     args = parser.parse_args()
     import transformers
 
@@ -257,6 +285,10 @@ def main() -> None:
         tokens = sum(len(s.tokens) for s in samples)
         if args.ep:
             print(json.dumps(ep_vs_ep1(args, path, samples, budget), indent=2))
+            return
+        if args.details_cost:
+            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(get_free_port()))
+            print(json.dumps(details_cost(args, path, samples, budget), indent=2))
             return
         if args.lora_rank:
             os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(get_free_port()))

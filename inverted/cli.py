@@ -5,7 +5,7 @@ as GGUF, as a checkpoint), ``serve-engine`` (the embedded SGLang-protocol engine
 Data Buffer service), ``proxy`` (the token-recording OpenAI proxy), ``servers`` (N engines behind
 the real sgl-router, with a short demo generation through it), ``train`` (the main job: the RL
 loop over all of them, or ``--debug-train-only`` from saved rollout data; ``train-async`` is
-``train --async-mode``) and ``export-hf``. Logging is configured here and only here, with the
+``train --async-mode``), ``export-hf`` and ``view`` (a job's run directory in the browser). Logging is configured here and only here, with the
 process role in every line. Heavy imports happen inside each command so ``inverted --help`` is instant.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from inverted.compat.slime import NOT_HERE
 from inverted.config import (BufferConfig, EngineConfig, ExportConfig, ImportGGUFConfig, JobConfig, ProxyConfig,
-                             ServersConfig, TinyModelConfig, add_flags, build_section, load_yaml_defaults, resolve_paths,
+                             ServersConfig, TinyModelConfig, ViewConfig, add_flags, build_section, load_yaml_defaults, resolve_paths,
                              split_passthrough)
 from inverted.errors import InvertedError
 
@@ -117,6 +117,12 @@ def cmd_export_hf(cfg: ExportConfig) -> None:
     print(export_hf(cfg.checkpoint, cfg.out, cfg.merge_lora))
 
 
+def cmd_view(cfg: ViewConfig) -> None:
+    from inverted.view.service import serve
+
+    serve(cfg)
+
+
 COMMANDS = {
     "make-tiny-model": (TinyModelConfig, cmd_make_tiny_model, "write a random-initialized HF checkpoint and tokenizer"),
     "import-gguf": (ImportGGUFConfig, cmd_import_gguf, "convert a GGUF model (a file, or one a package ships) to a HF checkpoint"),
@@ -126,6 +132,7 @@ COMMANDS = {
     "servers": (ServersConfig, cmd_servers, "start embedded engines behind the real sgl-router and generate through it"),
     "train": (JobConfig, cmd_train, "the main job: rollout servers, proxy, buffer and trainer in the RL loop"),
     "export-hf": (ExportConfig, cmd_export_hf, "write a training checkpoint as a Hugging Face model"),
+    "view": (ViewConfig, cmd_view, "browse a run: its curves, its Samples, each trajectory token by token"),
 }
 
 

@@ -648,6 +648,9 @@ class TrainConfig:
     max_tokens_per_gpu: int = option(4096, "token budget of one packed micro-batch")
     seed: int = option(1234, "random seed")
     bf16: bool = option(False, "train in bfloat16 (GPU); fp32 otherwise")
+    save_train_details: bool = option(
+        True, "keep each trained Sample's recomputed log-probs and advantages in OUTPUT_DIR/train_details.db "
+              "(for inverted view)")
     log_level: Literal["debug", "info", "warning", "error"] = option("info", "log level")
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -671,6 +674,25 @@ class TrainConfig:
         _require(not (self.lora.enabled and self.parallel.sequence_parallel), "--sequence-parallel", True,
                  "off with --lora-rank")
         self.parallel.validate()
+
+
+@dataclass(kw_only=True, slots=True)
+class ViewConfig:
+    """``inverted view``: a read-only web app over a job's output directory (runs, Samples, trajectories)."""
+
+    run_dir: str = option("", "a job's output directory (--output-dir: buffer.db, metrics.jsonl)", path=True,
+                          positional=True)
+    host: str = option("127.0.0.1", "address to bind")
+    port: int = option(8787, "port to bind")
+    api_key: str | None = option(
+        None, "require this key (open the printed address once with ?key=KEY; default: the run's own, derived from "
+              "the job's key in RUN_DIR/services)")
+    tokenizer: str | None = option(
+        None, "where the token texts come from (default: the run's checkpoint)", path=True)
+
+    def __post_init__(self) -> None:
+        _require(bool(self.run_dir), "RUN_DIR", self.run_dir, "a job's output directory")
+        _require(1 <= self.port <= 65535, "--port", self.port, "1..65535")
 
 
 @dataclass(kw_only=True, slots=True)

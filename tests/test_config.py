@@ -18,7 +18,7 @@ from inverted.errors import ConfigError
 FROZEN_FLAGS = {
     "train": {"--update-weight-transport", "--update-weight-buffer-size", "--update-weight-disk-dir",
               "--update-weight-timeout", "--pause-mode", "--actor-num-gpus-per-node", "--actor-num-nodes", "--adam-beta1", "--adam-beta2", "--adam-eps", "--advantage-estimator",
-              "--bf16", "--clip-grad", "--config", "--context-parallel-size", "--debug-train-only",
+              "--bf16", "--save-train-details", "--clip-grad", "--config", "--context-parallel-size", "--debug-train-only",
               "--disable-grpo-std-normalization", "--entropy-coef", "--eps-clip", "--eps-clip-c", "--eps-clip-high",
               "--expert-model-parallel-size", "--gamma", "--global-batch-size", "--hf-checkpoint", "--kl-coef", "--kl-loss-coef",
               "--kl-loss-type", "--load", "--load-debug-rollout-data", "--log-level", "--loss-aggregation", "--lr",
@@ -47,6 +47,7 @@ FROZEN_FLAGS = {
         "--loss-type", "--custom-loss-function-path", "--custom-tis-function-path",
         "--custom-pg-loss-reducer-function-path", "--custom-reward-post-process-path"},
     "export-hf": {"--checkpoint", "--config", "--out", "--merge-lora"},
+    "view": {"--config", "--host", "--port", "--api-key", "--tokenizer"},
     "make-tiny-model": {"--config", "--out", "--arch", "--preset", "--seed"},
     "import-gguf": {"--config", "--out", "--dtype"},  # and the positional SRC
     "serve-engine": {"--config", "--model", "--host", "--port", "--device", "--dtype", "--max-running-requests",

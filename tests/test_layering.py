@@ -25,7 +25,11 @@ own modules), which alone uses it, and the controller may read prompt datasets (
 evaluate, before and beside the buffer service; and the embedded engine is a top-level package
 (``inverted.engine``), not a part of ``rollout``: it shares no code with the rollout side, which
 reaches it over HTTP exactly as it reaches SGLang, so the only importer outside it is the CLI that
-serves it (``test_the_engine_is_reached_only_over_http``).
+serves it (``test_the_engine_is_reached_only_over_http``);
+and ``view`` (``inverted view``: a run directory in the browser) reads what the job left behind,
+read-only, through the two modules that own those files' formats, ``buffer.archive`` (the buffer's
+database) and ``train.details`` (the trainer's per-Sample log-probs), never through a service,
+which may be gone.
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("inverted.rollout", SHARED + ("inverted.buffer.client", "inverted.rollout.sglang_client", "inverted.rollout.servers",
                                    "inverted.rollout.proxy", "inverted.rollout.chat")),
     ("inverted.buffer", SHARED + ("inverted.buffer",)),
+    ("inverted.view", SHARED + ("inverted.view", "inverted.buffer.archive", "inverted.train.details")),
     ("inverted.train", SHARED + ("inverted.rollout.sglang_client", "inverted.train")),
     ("inverted", ("inverted",)),
 ]

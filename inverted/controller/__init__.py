@@ -79,6 +79,8 @@ async def run_job(cfg: JobConfig, plugins: Plugins, router_args: list[str], sgla
         sink.close()
         if (run_dir / "metrics.jsonl").exists() and plot_rewards(run_dir / "metrics.jsonl", run_dir / "reward.png"):
             logger.info("reward curve: %s", run_dir / "reward.png")
+        if (run_dir / "buffer.db").exists():  # on stdout, whatever --log-level: the run's last word
+            print(f"browse this run's curves, Samples and trajectories: inverted view {run_dir}", flush=True)
 
 
 async def evaluate_and_log(cfg: JobConfig, job: Job, plugins: Plugins, sink: MetricsSink, updates: int) -> None:

@@ -99,6 +99,7 @@ class TrainActor:
 
         if self.sync is not None:
             self.sync.release()
+        self.trainer.close()
         shutdown_parallel()
 
 

@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from inverted.compat import slime
@@ -48,7 +49,7 @@ from inverted.errors import ModelError, SampleError
 from inverted.hf_checkpoint import ModelSpec, checkpoint_tensors
 from inverted.plugins import LossPlugins
 from inverted.peft_adapter import lora_config, read_adapter
-from inverted.train import lora, losses, slime_loss
+from inverted.train import details, lora, losses, slime_loss
 from inverted.train.convert import check_compatible, gather_hf_weights, iter_hf_weights, load_hf_weights, over_pipeline
 from inverted.train.logprobs import token_logprobs_and_entropy
 from inverted.train.model import Parallelism, build_model, use_transformer_engine
@@ -108,6 +109,7 @@ class PerToken:
     weight: dict[int, torch.Tensor] = field(default_factory=dict)  # set per optimizer step
     step_samples: int = 0  # samples in the optimizer step (all ranks), set per step
     loss_scale: float = 1.0  # what the loss is multiplied by for backward (see ``_scale_aux_loss``)
+    recorded: dict[int, torch.Tensor] | None = None  # the trainer's log-probs, kept for train_details.db
 
     def take(self, name: str, indices: list[int]) -> torch.Tensor:
         """One micro-batch's values of ``name``, concatenated in packing order."""
@@ -119,7 +121,7 @@ class PerToken:
             return {i: t.to(device, non_blocking=True) for i, t in values.items()}
 
         return PerToken(move(self.mask), move(self.advantage), move(self.rollout_logp), move(self.old_logp),
-                        move(self.ref_logp), move(self.staleness))
+                        move(self.ref_logp), move(self.staleness), recorded=self.recorded)
 
 
 # What each micro-batch's loss reports (summed over the rollout; token statistics divided by the
@@ -180,6 +182,7 @@ class Trainer:
         self.optimizer_steps = 0
         self.plugins = LossPlugins.load(cfg.loss)  # slime's loss plug-ins (train/slime_loss.py)
         self.slime_args = slime.SlimeArgs.of(to_flags(cfg))
+        self.details: details.DetailsWriter | None = None  # opened by rank 0 at its first write
 
     def _build_reference(self, hf_weights: dict[str, torch.Tensor]):
         """The frozen policy at its starting point: no gradients, no optimizer state, eval mode."""
@@ -356,6 +359,7 @@ class Trainer:
             mask=dict(enumerate(masks)), advantage=dict(enumerate(advantages)), old_logp=old_logp, ref_logp=ref_logp,
             staleness={i: (self.rollout_id - v).float() for i, v in enumerate(versions)},
             rollout_logp={i: torch.tensor(s.rollout_log_probs, dtype=torch.float32) for i, s in enumerate(samples)},
+            recorded={} if cfg.save_train_details else None,
         ).to(self.device)
         reported: list[dict[str, torch.Tensor]] = []
         grad_norms = []
@@ -377,6 +381,8 @@ class Trainer:
             _, grad_norm, _ = self.optimizer.step()
             grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
             self.optimizer_steps += 1
+        if tokens.recorded is not None:
+            self._save_details(samples, self._gather_over_dp(self._from_last_stage(tokens.recorded)), advantages, masks)
         self.rollout_id += 1
         if self.replay is not None:
             self.replay.reset()
@@ -393,6 +399,29 @@ class Trainer:
         })
         return metrics
 
+    def close(self) -> None:
+        """Release what the trainer holds open outside the process group (``train_details.db``)."""
+        if self.details is not None:
+            self.details.close()
+            self.details = None
+
+    def _save_details(self, samples: list[Sample], log_probs: dict[int, torch.Tensor],
+                      advantages: list[torch.Tensor], masks: list[torch.Tensor]) -> None:
+        """This rollout's rows of ``train_details.db`` (rank 0 writes them all)."""
+        if torch.distributed.get_rank() != 0:
+            return
+        if self.details is None:
+            self.details = details.DetailsWriter(self.cfg.output_dir)
+        rows = []
+        for i, sample in enumerate(samples):
+            logp, adv, mask = log_probs[i].numpy(), advantages[i].float().cpu().numpy(), masks[i].numpy()
+            rollout = np.asarray(sample.rollout_log_probs, dtype=np.float32)
+            mismatch, advantage = details.summarise(logp, rollout, adv, mask)
+            rows.append(details.Detail(
+                -1 if sample.group_index is None else sample.group_index, -1 if sample.index is None else sample.index,
+                int(sample.metadata.get("branch", 0)), self.rollout_id, mismatch, advantage, logp, adv))
+        self.details.write(rows)
+
     def _loss(self, mb: MicroBatch, logits: torch.Tensor, tokens: PerToken) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """One micro-batch's loss from its logits, and its statistics (device tensors, see ``LOSS_PARTS``)."""
         cfg, plugins = self.cfg.loss, self.plugins
@@ -404,6 +433,8 @@ class Trainer:
 
         logp, entropy = self._logprobs(mb, logits, with_entropy=True)
         old = tokens.take("old_logp", mb.indices) if tokens.old_logp else logp.detach()
+        if tokens.recorded is not None:
+            tokens.recorded.update(zip(mb.indices, old.detach().float().cpu().split(mb.response_lengths)))
         ref = tokens.take("ref_logp", mb.indices) if tokens.ref_logp else None
         if plugins.loss is not None:
             named = {"loss_masks": mask, "advantages": adv, "log_probs": old, "rollout_log_probs": rollout}

@@ -87,7 +87,9 @@ def test_train_end_to_end_with_a_multi_turn_tool_env(tiny_model, tmp_path, calcu
     assert refused.returncode == 2 and f"--output-dir {run_dir} holds an earlier run: resume it with --load" in refused.stderr
     # Resume: the trainer continues from its checkpoint, the buffer from its file, the fresh servers get
     # the checkpoint's weights first (rollout 1's tokens must carry version 1).
-    check(inverted(*args, "--num-rollout", "2", "--load", str(run_dir / "checkpoints"), pythonpath=tmp_path))
+    resumed = inverted(*args, "--num-rollout", "2", "--load", str(run_dir / "checkpoints"), pythonpath=tmp_path)
+    check(resumed)
+    assert f"inverted view {run_dir}" in resumed.stdout  # the job says how to browse it
 
     rows = metrics_rows(run_dir)
     metrics = [m for m in rows if "rollout/reward_mean" in m]
@@ -122,12 +124,35 @@ def test_train_end_to_end_with_a_multi_turn_tool_env(tiny_model, tmp_path, calcu
         assert mask[0] == 1 and 0 in mask[mask.index(1):]  # environment tokens inside the response are masked
         assert sum(mask) == sum(t["completion_tokens"] for t in sample.metadata["turns"])
 
+    check_viewable(run_dir, samples)
+
     assert (run_dir / "reward.png").stat().st_size > 0
     assert list((run_dir / "tensorboard").iterdir())
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "iter_0000002"
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(run_dir / "hf")  # the final export loads
+
+
+def check_viewable(run_dir: Path, samples: dict) -> None:
+    """What ``inverted view`` reads of a real job: every stored Sample, the trainer's rows for the trained
+    ones (written by the trainer's two pipeline stages, across the resume), the multi-turn episodes."""
+    from inverted.config import ViewConfig
+    from inverted.view.index import SampleQuery
+    from inverted.view.service import open_run
+
+    index, _ = open_run(ViewConfig(run_dir=str(run_dir)))
+    index.refresh()
+    rows = index.page(SampleQuery(page_size=100))["rows"]
+    assert len(rows) == len(samples)
+    trained = [r for r in rows if r["mismatch"] is not None]
+    assert sorted(r["step"] for r in trained) == [0, 0, 1, 1]  # rollout/trained_samples: 2 each
+    assert all(r["mismatch"] < 1e-4 for r in trained if r["step"] == 1)  # as train/train_rollout_logprob_abs_diff
+    group, sample_index = next(key for key, s in samples.items() if s.status != Sample.Status.FAILED)
+    page = index.trajectory(group, sample_index, 0)
+    assert page["tokens"] == samples[group, sample_index].tokens and len(page["turns"]) >= 2
+    assert "".join(page["text"]) == index.tokenizer.decode(page["tokens"])
+    index.close()
 
 
 AGENT = """

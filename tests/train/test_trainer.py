@@ -49,7 +49,7 @@ def test_tp2_pp2_equals_one_process_and_exports(sequence_parallel, tiny_model, t
         cfg = from_flags(TrainConfig, hf_checkpoint=path, lr=1e-2, adam_eps=1.0, tensor_model_parallel_size=tp,
                           pipeline_model_parallel_size=pp, actor_num_gpus_per_node=tp * pp, max_tokens_per_gpu=24,
                           global_batch_size=4, use_kl_loss=True, kl_loss_coef=0.1,
-                          sequence_parallel=sequence_parallel and tp > 1)
+                          sequence_parallel=sequence_parallel and tp > 1, output_dir=str(tmp_path / f"out{pp}"))
         spawn(logprobs_step_and_save, tp * pp, cfg, samples, str(tmp_path / f"ckpt{pp}"), str(tmp_path / f"{pp}.pt"))
         results[pp] = torch.load(tmp_path / f"{pp}.pt")
     one, four = results[1], results[2]
@@ -57,6 +57,30 @@ def test_tp2_pp2_equals_one_process_and_exports(sequence_parallel, tiny_model, t
     assert one["metrics"]["train/optimizer_steps"] == 2 and one["metrics"]["train/kl"] > 0
     check_same_training(one, four, tmp_path / "ckpt2", tmp_path / "hf", ("train/loss", "train/pg_loss", "train/kl",
                                                                         "train/entropy", "train/grad_norm", "train/loss_tokens"))
+    check_details(samples, one["logprobs"], [tmp_path / "out1", tmp_path / "out2"])
+
+
+def check_details(samples: list[Sample], logprobs: dict[int, torch.Tensor], run_dirs) -> None:
+    """``train_details.db``: per Sample, the log-probs of the policy that took the step (as the
+    schedule's no-grad pass computed them before it), the same from every layout, and advantages
+    that follow the reward against its group's mean."""
+    from inverted.train.details import DetailsReader
+
+    for run_dir in run_dirs:
+        reader = DetailsReader(run_dir)
+        assert len(reader.summaries()) == len(samples)
+        for i, sample in enumerate(samples):
+            detail = reader.get(sample.group_index, sample.index, 0)
+            assert detail.step == 0
+            torch.testing.assert_close(torch.from_numpy(detail.log_probs.copy()), logprobs[i].float(), rtol=0, atol=1e-5)
+            group = [s.reward for s in samples if s.group_index == sample.group_index]
+            centred = sample.reward - sum(group) / len(group)
+            assert (detail.advantages == detail.advantages[0]).all()
+            assert detail.advantages[0] == pytest.approx(0.0, abs=1e-6) if centred == 0 else \
+                (detail.advantages[0] > 0) == (centred > 0)
+            on = torch.tensor(sample.loss_mask, dtype=torch.bool)
+            rollout = torch.tensor(sample.rollout_log_probs)
+            assert detail.mismatch == pytest.approx(float((logprobs[i].float() - rollout)[on].abs().mean()), abs=1e-5)
 
 
 def test_grpo_step_raises_the_rewarded_answer(tiny_model, tmp_path):
@@ -64,9 +88,10 @@ def test_grpo_step_raises_the_rewarded_answer(tiny_model, tmp_path):
     for i, sample in enumerate(samples):
         sample.reward = 1.0 if i == 2 else 0.0
         sample.loss_mask = [1] * sample.response_length
-    cfg = from_flags(TrainConfig, hf_checkpoint=str(tiny_model("qwen2")), lr=1e-3)
+    cfg = from_flags(TrainConfig, hf_checkpoint=str(tiny_model("qwen2")), lr=1e-3, output_dir=str(tmp_path / "out"))
     spawn(grpo_step, 1, cfg, samples, str(tmp_path / "grpo.pt"))
     result = torch.load(tmp_path / "grpo.pt")
+    check_details(samples, result["before"], [tmp_path / "out"])  # one optimizer step: the loss's own log-probs
     gain = {i: float(result["after"][i].sum() - result["before"][i].sum()) for i in range(4)}
     assert gain[2] > 0.01, gain
     assert all(gain[i] < 0 for i in (0, 1, 3)), gain
