@@ -433,6 +433,10 @@ class ProxyConfig:
     proxy_tool_parser_path: str = option("inverted.rollout.chat:HermesToolParser",
                                          "module:Class() -> parser with .start and .parse(text) for tool calls")
     proxy_generate_timeout: float = option(1800.0, "seconds one call may wait for the servers (paused ones included)")
+    proxy_constrained_tokens: Literal["policy", "mask", "constrained"] = option(
+        "policy", "tokens sampled under a json_schema or regex: record the policy's own (unconstrained) logprob, "
+                  "which the embedded engine reports (else they are masked); keep them out of the loss (mask); or "
+                  "record the constrained logprob the servers return (SGLang's; its ratio against the trainer's is off)")
     log_level: Literal["debug", "info", "warning", "error"] = option("info", "log level")
 
     def __post_init__(self) -> None:

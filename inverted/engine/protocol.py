@@ -294,6 +294,8 @@ def generate_response(req: Request, item: GenerateItem, n: int, tokenizer, curre
         out_texts = [tokenizer.decode([t]) if item.return_text_in_logprobs else None for t in ids]
         meta["output_token_logprobs"] = _triples(req.output_logprobs[:n], ids, out_texts)
         meta["output_token_logprobs_length"] = len(ids)
+        if req.matcher is not None:  # our addition to SGLang's answer (engine/grammar.py)
+            meta["output_token_unconstrained_logprobs"] = req.output_unconstrained_logprobs[:n]
         start = max(item.logprob_start_len, 0)
         in_ids = req.input_ids[start:] if item.logprob_start_len >= 0 else []
         in_texts = [tokenizer.decode([t]) if item.return_text_in_logprobs else None for t in in_ids]

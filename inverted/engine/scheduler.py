@@ -85,6 +85,9 @@ class Request:
     routed_experts: torch.Tensor | None = None  # set when it finishes: [positions run, layers, top_k]
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    # constrained requests only: each sampled token's logprob under the policy's own distribution,
+    # before the grammar masked it (``output_logprobs`` are the masked distribution's, as SGLang's)
+    output_unconstrained_logprobs: list[float] = field(default_factory=list)
     output_versions: list[str] = field(default_factory=list)
     input_logprobs: list[float | None] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
@@ -484,10 +487,17 @@ class Scheduler:
         banned = [sorted(self._stop_ids(r)) if len(r.output_ids) < r.params.min_new_tokens else [] for r in reqs]
         top_k = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
         matchers = [r.matcher for r in reqs]
-        if any(m is not None for m in matchers):
+        constrained = [i for i, m in enumerate(matchers) if m is not None]
+        if constrained:
+            unmasked = logits_BV[constrained].float()  # a copy: the policy's own distribution, for the record
             grammar.mask(logits_BV, matchers)
         tokens, logprobs, tops = sample(logits_BV, [r.params for r in reqs], [r.generator for r in reqs], banned,
                                         self._seeds, top_k)
+        if constrained:
+            policy = grammar.unconstrained_logprobs(unmasked, [tokens[i] for i in constrained],
+                                                    [reqs[i].params for i in constrained])
+            for i, logprob in zip(constrained, policy):
+                reqs[i].output_unconstrained_logprobs.append(logprob)
         self.stats["generated_tokens"] += len(reqs)
         for req, token, logprob, top in zip(reqs, tokens, logprobs, tops):
             req.output_ids.append(token)

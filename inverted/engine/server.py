@@ -17,7 +17,8 @@ refusal), and ``/generate`` takes ``lora_path`` per item (``engine.lora``).
 does not evict it during a weight update); ``/health_generate`` runs SGLang's 1-token probe.
 ``/metrics`` adds ``inverted:*`` counters to SGLang's: time spent in prefill and decode, and for
 weight loads the seconds spent receiving broadcasts, decoding payloads and copying into the
-parameters, so a sender can tell this engine's share of an update from the wire's.
+parameters, so a sender can tell this engine's share of an update from the wire's; and the
+grammars compiled for constrained requests (each kept and reused: ``engine/grammar.py``).
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ class Engine:
         )
         self.model_name = config.served_model_name or config.model
         self._grammars: Grammars | None = None  # built on the first constrained request
+        self._grammars_lock = threading.Lock()
         self.started = time.time()
         self.inflight: dict[str, EngineRequest] = {}
         self.groups = UpdateGroups(timeout=config.weight_update_timeout)
@@ -94,11 +96,13 @@ class Engine:
         self.recent_adapters = RecentBuckets(size=1)  # a LoRA trainer sends its adapter from one buffer
 
     def grammar_matcher(self, params: SamplingParams) -> Any | None:
-        """The matcher of a request's ``json_schema`` or ``regex`` (None without one)."""
+        """The matcher of a request's ``json_schema`` or ``regex`` (None without one). CPU work (the
+        first builds the vocabulary's token trie): called off the event loop."""
         if params.json_schema is None and params.regex is None:
             return None
-        if self._grammars is None:
-            self._grammars = Grammars(self.tokenizer, self.scheduler.model.spec.vocab_size)
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer, self.scheduler.model.spec.vocab_size)
         return self._grammars.matcher(params.json_schema, params.regex)
 
     def _matched_stop(self, req: EngineRequest) -> str | None:
@@ -313,7 +317,11 @@ def _add_generate_routes(app: FastAPI) -> None:
             engine.adapters().check_requested([item.lora for item in items])
         if any(item.return_routed_experts for item in items) and not engine.config.enable_return_routed_experts:
             raise InvalidRequest("return_routed_experts needs a server started with --enable-return-routed-experts")
-        matchers = [engine.grammar_matcher(item.params) for item in items]  # a bad constraint: 400, nothing runs
+        # a bad constraint: 400, nothing runs; compiling is CPU work, so it leaves the event loop
+        if any(item.params.json_schema is not None or item.params.regex is not None for item in items):
+            matchers = await asyncio.to_thread(lambda: [engine.grammar_matcher(item.params) for item in items])
+        else:
+            matchers = [None] * len(items)
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
         reqs: list[EngineRequest] = []
@@ -684,5 +692,6 @@ def _add_info_routes(app: FastAPI) -> None:
             f"inverted:weight_receive_seconds_total {stats['weight_receive_seconds']:.6f}",
             f"inverted:weight_decode_seconds_total {stats['weight_decode_seconds']:.6f}",
             f"inverted:weight_copy_seconds_total {stats['weight_copy_seconds']:.6f}",
+            f"inverted:grammars_compiled_total {engine._grammars.compiles if engine._grammars else 0}",
         ]
         return PlainTextResponse("\n".join(lines) + "\n")

@@ -26,7 +26,7 @@ from inverted.errors import ProtocolError, ServiceUnavailable
 from inverted.http_client import HTTPService, Reply, Timeouts
 
 __all__ = ["RouterClient", "SGLangClient", "ServerKeys", "Timeouts", "WorkersClient", "generate_client", "read_output",
-           "read_routed_experts"]
+           "read_routed_experts", "read_unconstrained_logprobs"]
 
 
 def _check_success(reply: Reply, body: Any) -> dict[str, Any]:
@@ -62,6 +62,15 @@ def read_output(body: Any, url: str) -> tuple[list[int], list[float], list[str],
         raise ProtocolError(f"/generate answered {len(ids)} ids, {len(logprobs)} logprobs, {len(versions)} versions",
                             url=url, body=str(body)[:300])
     return ids, logprobs, versions, tops, finish
+
+
+def read_unconstrained_logprobs(body: Any) -> list[float] | None:
+    """``meta_info.output_token_unconstrained_logprobs`` of a constrained call's answer: each token's
+    logprob before the grammar's mask (the embedded engine's addition, ``engine/grammar.py``); None
+    where the server sends none (SGLang)."""
+    meta = body.get("meta_info") if isinstance(body, dict) else None
+    values = meta.get("output_token_unconstrained_logprobs") if isinstance(meta, dict) else None
+    return [float(v) for v in values] if isinstance(values, list) else None
 
 
 def read_routed_experts(body: Any) -> str | None:

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import httpx
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 pytestmark = pytest.mark.anyio
 
@@ -163,6 +166,57 @@ def test_json_schema_and_regex_constrain_what_is_sampled(engine, tiny_model):
                          ({"ebnf": "root ::= 'a'"}, "does not support")]:
         response = httpx.post(engine + "/generate", json={"input_ids": [1], "sampling_params": bad}, timeout=60)
         assert response.status_code == 400 and message in response.text, response.text
+
+
+def test_a_constrained_answer_reports_the_policys_own_logprobs(engine, tiny_model):
+    """Beside SGLang's logprobs (the masked distribution's), a constrained answer reports each token's
+    logprob before the mask, at the request's temperature: ``transformers``' log_softmax of the same
+    sequence. A greedy one reports them at temperature 1, as its logprobs."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model(), dtype=torch.float32)
+    schema = json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
+    for temperature in (0.7, 0.0):
+        out = generate(engine, input_ids=[50, 51, 52], return_logprob=True, sampling_params={
+            "max_new_tokens": 12, "temperature": temperature, "json_schema": schema, "sampling_seed": 1})
+        ids = [50, 51, 52] + out["output_ids"]
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, 2:-1].float() / (temperature or 1.0)
+        expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(out["output_ids"])[:, None])[:, 0]
+        policy = out["meta_info"]["output_token_unconstrained_logprobs"]
+        masked = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+        assert len(policy) == len(out["output_ids"]) == len(masked)
+        assert max(abs(a - b) for a, b in zip(policy, expected.tolist())) < 1e-4
+        assert all(m >= p - 1e-5 for m, p in zip(masked, policy)) and max(m - p for m, p in zip(masked, policy)) > 1
+    plain = generate(engine, input_ids=[50, 51], return_logprob=True, sampling_params={"max_new_tokens": 3})
+    assert "output_token_unconstrained_logprobs" not in plain["meta_info"]  # SGLang's answer, as it is
+
+
+def test_grammars_compile_off_the_event_loop_once_each(engine):
+    """A large schema (337 kB: ~0.6 s to compile here) compiles on a worker thread while /health answers,
+    and once: an ``n=16`` request of it (16 compiles on the event loop before: ~10 s of no answers),
+    then the same again, compile it once in all."""
+    properties = {f"field_{i}": {"type": "object", "properties": {f"x{j}": {"enum": [f"v{k}" for k in range(8)]}
+                                                                  for j in range(12)}} for i in range(400)}
+    schema = json.dumps({"type": "object", "properties": properties, "required": ["field_0"]})
+
+    def compiled() -> float:
+        lines = httpx.get(engine + "/metrics").text.splitlines()
+        return float(next(line.split()[1] for line in lines if line.startswith("inverted:grammars_compiled_total")))
+
+    before = compiled()
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(out=generate(
+        engine, input_ids=[50, 51], sampling_params={"max_new_tokens": 2, "json_schema": schema, "n": 16})))
+    thread.start()
+    probes = []
+    while thread.is_alive():
+        started = time.perf_counter()
+        assert httpx.get(engine + "/health", timeout=5).status_code == 200
+        probes.append(time.perf_counter() - started)
+        time.sleep(0.02)
+    thread.join()
+    assert len(result["out"]) == 16 and max(probes) < 1.0, probes
+    generate(engine, input_ids=[50, 52], sampling_params={"max_new_tokens": 2, "json_schema": schema})
+    assert compiled() - before == 1
 
 
 def test_text_prompt_and_stream_are_cumulative(engine):

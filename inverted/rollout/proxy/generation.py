@@ -16,7 +16,9 @@ replaces them) is handled the same way, resumed or sampled again, on whichever s
 for up to ``server_loss_wait`` seconds with a short backoff: a node lost mid-rollout costs the
 episodes on it the time until a server answers again, not the episodes themselves.
 
-Per-token versions come from the engine (``sglang_client.read_output``). In a LoRA run every call
+Per-token versions come from the engine (``sglang_client.read_output``); so do, for a call
+constrained by a ``json_schema`` or ``regex``, the tokens' logprobs before the grammar's mask
+where the server reports them (the embedded engine does; ``engine/grammar.py``). In a LoRA run every call
 names the policy's adapter (``lora_path``). With ``routes_from`` (a MoE policy trained with rollout
 routing replay) each call asks for ``return_routed_experts`` from that position on
 (``routed_experts_start_len``: what earlier turns recorded is not sent again); the last call's
@@ -33,7 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from inverted.errors import ServiceUnavailable
-from inverted.rollout.sglang_client import SGLangClient, WorkersClient, read_output, read_routed_experts
+from inverted.rollout.sglang_client import (SGLangClient, WorkersClient, read_output, read_routed_experts,
+                                            read_unconstrained_logprobs)
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +51,8 @@ class Sampled:
     tops: list[list[tuple[float, int]]] = field(default_factory=list)  # per token, when top logprobs were asked for
     finish: dict[str, Any] | None = None  # SGLang's finish_reason once the turn is done
     routes: str | None = None  # the routed experts of prompt[routes_from:] + ids (read_routed_experts), when asked for
+    # per token: its logprob before a grammar's mask, where the server reports one (constrained calls), else None
+    unconstrained: list[float | None] = field(default_factory=list)
     resumes: int = 0
     retries: int = 0
     lost: int = 0  # tries that lost their server
@@ -95,6 +100,10 @@ async def sample_turn(client: SGLangClient | WorkersClient, prompt_ids: list[int
                 state.tops += tops
                 state.finish = finish
                 state.routes = read_routed_experts(body)  # the last chunk (or answer) of a call carries them
+                unconstrained = read_unconstrained_logprobs(body)
+                del state.unconstrained[kept:]
+                state.unconstrained += unconstrained if unconstrained and len(unconstrained) == len(ids) \
+                    else [None] * len(ids)
                 if finish is None or finish.get("type") != "abort":
                     yield state
         except ServiceUnavailable as error:
@@ -124,7 +133,7 @@ async def sample_turn(client: SGLangClient | WorkersClient, prompt_ids: list[int
                 return
         else:
             state.retries += 1
-            del state.ids[:], state.logprobs[:], state.versions[:], state.tops[:]
+            del state.ids[:], state.logprobs[:], state.versions[:], state.tops[:], state.unconstrained[:]
         state.finish = None
 
 

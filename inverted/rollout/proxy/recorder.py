@@ -303,9 +303,10 @@ class Recorder:
         # the routed experts the branch's turns hold already cover tokens[:last turn's end - 1]
         turns = choice.branch.turns
         routes_from = (turns[-1].end - 1 if turns else 0) if self.config.return_routed_experts else None
+        constrained = "json_schema" in sampling
         async for state in sample_turn(self.client, prompt, sampling, stream=stream, lora_path=self._adapter(req.model),
                                        # a constrained call resumed would restart its grammar: sampled again
-                                       partial_rollout=self.config.partial_rollout and "json_schema" not in sampling,
+                                       partial_rollout=self.config.partial_rollout and not constrained,
                                        max_resumes=self.config.proxy_max_resumes, top_logprobs=req.top_logprobs,
                                        routes_from=routes_from, server_loss_wait=self.config.proxy_server_loss_wait):
             choice.state = state
@@ -317,11 +318,12 @@ class Recorder:
         finish = call.finish_reason(state.reason, reply)
         choice.output = Output(index=choice.index, text=text, reply=reply, finish=finish, stop=stop,
                                tokens=len(state.ids), logprobs=self._logprobs(state) if req.logprobs else None)
-        choice.branch.append_sampled(state.ids, state.logprobs, state.versions)
+        logprobs, mask, how = recorded_logprobs(state, constrained, self.config.proxy_constrained_tokens)
+        choice.branch.append_sampled(state.ids, logprobs, state.versions, mask)
         choice.turn = Turn(start=choice.prompt_len, end=len(choice.branch.tokens),
                            history=self._history_after(req, reply), finish_reason=finish, sampling_params=sampling,
                            created=created, latency_s=time.time() - created, resumes=state.resumes,
-                           routes=state.routes)
+                           routes=state.routes, constrained=how)
 
     def _settle(self, session: Session, req: CallRequest, answer: Answer, choices: list[Choice],
                 succeeded: bool) -> None:
@@ -390,3 +392,18 @@ class Recorder:
         tops = state.tops or [[] for _ in state.ids]
         return [TokenLogprob(decode([t]), lp, [(decode([tid]), tlp) for tlp, tid in top])
                 for t, lp, top in zip(state.ids, state.logprobs, tops)]
+
+
+def recorded_logprobs(state: Sampled, constrained: bool, mode: str) -> tuple[list[float], list[int], str | None]:
+    """What a turn's sampled tokens are recorded with: their logprobs, their loss mask, and for a call
+    under a grammar (``constrained``) which way ``--proxy-constrained-tokens`` chose: ``"policy"``
+    (the policy's own logprobs, which the server reported), ``"masked"`` (out of the loss: asked
+    for, or the server reported none) or ``"constrained"`` (the masked distribution's, as returned)."""
+    n = len(state.ids)
+    if not constrained:
+        return state.logprobs, [1] * n, None
+    if mode == "constrained":
+        return state.logprobs, [1] * n, "constrained"
+    if mode == "policy" and None not in state.unconstrained:
+        return list(state.unconstrained), [1] * n, "policy"
+    return [0.0] * n, [0] * n, "masked"  # mask-0 tokens carry logprob 0.0, as tool output does

@@ -75,11 +75,13 @@ class Turn:
     latency_s: float
     resumes: int = 0
     routes: str | None = None  # routed experts (MoE, when asked for) of tokens[previous turn's end - 1:end - 1]
+    constrained: str | None = None  # under a grammar: how its logprobs were recorded (recorder.recorded_logprobs)
 
     def record(self) -> dict[str, Any]:
-        return {"prompt_tokens": self.start, "completion_tokens": self.end - self.start, "start": self.start,
-                "end": self.end, "finish_reason": self.finish_reason, "sampling_params": self.sampling_params,
-                "created": self.created, "latency_s": round(self.latency_s, 6), "resumes": self.resumes}
+        record = {"prompt_tokens": self.start, "completion_tokens": self.end - self.start, "start": self.start,
+                  "end": self.end, "finish_reason": self.finish_reason, "sampling_params": self.sampling_params,
+                  "created": self.created, "latency_s": round(self.latency_s, 6), "resumes": self.resumes}
+        return record | ({"constrained": self.constrained} if self.constrained else {})
 
 
 @dataclass(slots=True, eq=False)  # identity, not value: two branches may hold the same tokens
@@ -103,9 +105,10 @@ class Branch:
         self.logprobs += [0.0] * len(ids)
         self.versions += [None] * len(ids)
 
-    def append_sampled(self, ids: list[int], logprobs: list[float], versions: list[str]) -> None:
+    def append_sampled(self, ids: list[int], logprobs: list[float], versions: list[str],
+                       mask: list[int] | None = None) -> None:
         self.tokens += ids
-        self.mask += [1] * len(ids)
+        self.mask += [1] * len(ids) if mask is None else mask
         self.logprobs += logprobs
         self.versions += versions
 

@@ -232,6 +232,61 @@ async def test_response_format_is_served_by_constrained_decoding(stack):
         check_exact(sample, stack.engine_requests()[logged_before:])
 
 
+async def test_constrained_tokens_are_recorded_with_the_policys_own_logprobs(stack, module_procs):
+    """Under a grammar the servers' logprobs are the masked distribution's: a token the grammar forces
+    scores ~0 where the policy may give it -10, an importance ratio of e^10 against the trainer. The
+    proxy records the policy's own (the engine reports them), as ``transformers`` computes them;
+    ``--proxy-constrained-tokens mask`` keeps such tokens out of the loss; ``constrained`` records what
+    the servers return. The same seed samples the same tokens through each proxy."""
+
+    class Weather(pydantic.BaseModel):
+        city: Literal["Paris", "Rome"]
+        sunny: bool
+
+    proxies = {"policy": stack.proxy}
+    for mode in ("mask", "constrained"):
+        proxies[mode] = module_procs.proxy(stack.router.url, stack.model, "--proxy-api-key", "admin-key",
+                                           "--proxy-constrained-tokens", mode)
+    samples = {}
+    for mode, proxy in proxies.items():
+        session = httpx.post(proxy.url + "/sessions", json={}, headers=ADMIN).json()
+        async with openai.AsyncOpenAI(base_url=session["base_url"], api_key="x") as client:
+            reply = await client.chat.completions.parse(model="m", messages=[{"role": "user", "content": "Paris?"}],
+                                                        response_format=Weather, max_tokens=60, seed=5, temperature=1.0)
+            assert isinstance(reply.choices[0].message.parsed, Weather)
+        answer = httpx.post(f"{proxy.url}/sessions/{session['session_id']}/finish", headers=ADMIN).json()
+        (samples[mode],) = [Sample.from_json(s) for s in answer["samples"]]
+    policy, masked, constrained = samples["policy"], samples["mask"], samples["constrained"]
+    assert policy.tokens == masked.tokens == constrained.tokens
+    assert [t["constrained"] for t in policy.metadata["turns"]] == ["policy"]
+    reference = reference_logprobs(stack.model, policy)
+    assert policy.loss_mask == [1] * policy.response_length
+    # what the trainer's mismatch metric (train/train_rollout_logprob_abs_diff) sees, before and after
+    after = sum(abs(a - b) for a, b in zip(policy.rollout_log_probs, reference)) / len(reference)
+    before = sum(abs(a - b) for a, b in zip(constrained.rollout_log_probs, reference)) / len(reference)
+    print(f"constrained tokens: mismatch {before:.4f} recording the servers' logprobs, {after:.2e} the policy's")
+    assert max(abs(a - b) for a, b in zip(policy.rollout_log_probs, reference)) < 1e-4
+    assert before > 0.1 and max(a - b for a, b in zip(constrained.rollout_log_probs, reference)) > 1.0
+    assert all(a >= b - 1e-4 for a, b in zip(constrained.rollout_log_probs, reference))  # the mask only adds mass
+    assert [t["constrained"] for t in masked.metadata["turns"]] == ["masked"]
+    assert masked.loss_mask == [0] * masked.response_length and set(masked.rollout_log_probs) == {0.0}
+
+
+def test_constrained_tokens_without_the_policys_logprobs_stay_out_of_the_loss():
+    """Real SGLang reports only the masked distribution's logprobs (the field is the embedded engine's):
+    read from such an answer, a constrained turn is recorded out of the loss rather than with them."""
+    from inverted.rollout.proxy.generation import Sampled
+    from inverted.rollout.proxy.recorder import recorded_logprobs
+    from inverted.rollout.sglang_client import read_unconstrained_logprobs
+
+    sglang_answer = {"output_ids": [5, 6], "meta_info": {"output_token_logprobs": [[-0.01, 5, None], [0.0, 6, None]]}}
+    assert read_unconstrained_logprobs(sglang_answer) is None
+    state = Sampled(ids=[5, 6], logprobs=[-0.01, 0.0], versions=["0", "0"], unconstrained=[None, None])
+    assert recorded_logprobs(state, True, "policy") == ([0.0, 0.0], [0, 0], "masked")
+    assert recorded_logprobs(state, True, "constrained") == ([-0.01, 0.0], [1, 1], "constrained")
+    assert recorded_logprobs(state, False, "policy") == ([-0.01, 0.0], [1, 1], None)
+
+
 async def test_logprobs_in_the_answer_are_the_recorded_ones_and_top_logprobs_are_transformers_top_k(stack):
     session = new_session(stack)
     async with openai.AsyncOpenAI(base_url=session["base_url"], api_key="x") as client:
