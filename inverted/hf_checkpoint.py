@@ -176,6 +176,9 @@ def checkpoint_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise ModelError(f"{path}: no *.safetensors files")
+    for file in files:  # a FIFO or a device would block its reader until someone writes it: never opened
+        if not file.is_file():
+            raise ModelError(f"{file}: not a regular file")
     tensors: dict[str, torch.Tensor] = {}
     try:
         for file in files:

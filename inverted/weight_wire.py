@@ -255,17 +255,37 @@ class _RefuseFdSharing:
                              "the sender must use torch.multiprocessing.set_sharing_strategy('file_system') or send by value")
 
 
+class _NoAllocationBySize:
+    """An allowlisted class whose constructor would allocate what a number asks (``bytearray(2**30)``,
+    ``torch.UntypedStorage(2**30)``): a 100-byte payload could make the engine allocate gigabytes
+    before any check. No payload SGLang makes calls them so (bytes come as bytes, storages by value
+    through ``_load_from_bytes`` or shared by name), so a number is refused; anything else goes to
+    the class, whose attributes this forwards (torch's rebuild functions call the storage class's)."""
+
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if any(isinstance(a, int) and not isinstance(a, bool) for a in args):
+            raise InvalidRequest(f"a weight payload may not make a {self.cls.__name__} of a given size "
+                                 f"({', '.join(map(repr, args))[:80]})")
+        return self.cls(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.cls, name)
+
+
 _ALLOWED: dict[tuple[str, str], Any] = {
-    **{("builtins", t.__name__): t for t in (bool, bytearray, bytes, complex, dict, float, frozenset, int, list, set,
-                                              slice, str, tuple)},
+    **{("builtins", t.__name__): t for t in (bool, complex, dict, float, frozenset, int, list, set, slice, str, tuple)},
+    **{("builtins", t.__name__): _NoAllocationBySize(t) for t in (bytearray, bytes)},
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("copyreg", "__newobj__"): getattr(__import__("copyreg"), "__newobj__"),
     ("_codecs", "encode"): __import__("codecs").encode,
     ("torch", "Size"): torch.Size,
     ("torch", "device"): torch.device,
     ("torch", "Tensor"): torch.Tensor,
-    ("torch", "UntypedStorage"): torch.UntypedStorage,
-    ("torch.storage", "UntypedStorage"): torch.UntypedStorage,
+    ("torch", "UntypedStorage"): _NoAllocationBySize(torch.UntypedStorage),
+    ("torch.storage", "UntypedStorage"): _NoAllocationBySize(torch.UntypedStorage),
     ("torch.storage", "TypedStorage"): torch.TypedStorage,
     ("torch.storage", "_load_from_bytes"): _load_storage_by_value,
     ("torch.nn.parameter", "Parameter"): torch.nn.Parameter,
@@ -289,7 +309,7 @@ class _AllowlistUnpickler(pickle.Unpickler):
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         if module == "torch" and name.endswith("Storage") and isinstance(getattr(torch, name, None), type):
-            return getattr(torch, name)  # the legacy typed storage classes (FloatStorage, ...)
+            return _NoAllocationBySize(getattr(torch, name))  # the legacy typed storage classes (FloatStorage, ...)
         raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a weight payload")
 
 

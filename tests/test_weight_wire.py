@@ -104,6 +104,25 @@ def test_anything_but_tensors_and_containers_is_refused(payload, message, capsys
     assert "pwned" not in capsys.readouterr().out
 
 
+def reduce_call(module: str, name: str, argument: int) -> bytes:
+    """A pickle of ``module.name(argument)``: a global, one int, one call (what the audit sent, in ~40 bytes)."""
+    return (pickle.PROTO + b"\x02" + pickle.GLOBAL + f"{module}\n{name}\n".encode() + pickle.BININT
+            + argument.to_bytes(4, "little") + pickle.TUPLE1 + pickle.REDUCE + pickle.STOP)
+
+
+@pytest.mark.parametrize("module, name", [("builtins", "bytearray"), ("builtins", "bytes"), ("torch", "UntypedStorage"),
+                                          ("torch.storage", "UntypedStorage"), ("torch", "FloatStorage")])
+def test_a_payload_cannot_allocate_by_size_before_any_check(module, name):
+    """40 bytes asking for a 1 GiB buffer are refused before anything is allocated: the process's peak
+    resident memory does not move."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(InvalidRequest, match="may not make a .* of a given size"):
+        deserialize(reduce_call(module, name, 2**30))
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 100_000  # KiB: far under 1 GiB
+
+
 def test_file_descriptor_sharing_is_refused_with_a_fix():
     from multiprocessing.reduction import ForkingPickler
 
