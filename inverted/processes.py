@@ -8,14 +8,23 @@ on whichever worker woke first (seen with ``ss``: all four of ``bench/buffer_thr
 one of three workers). Here every worker binds the port itself with ``SO_REUSEPORT`` (Linux), and
 the kernel spreads new connections over the workers by a hash of their addresses. And uvicorn's
 workers outlive a supervisor killed with SIGKILL; ours die with it.
+
+A command line is readable by everyone on the machine (``ps``, ``/proc/PID/cmdline``), so a key
+never goes on one. An argument wrapped in ``Secret`` is handed over by ``ManagedProcess.spawn``
+through a pipe instead: the child is ``python -m inverted.processes FD MODULE ARGS...``, which
+reads the secret arguments from the pipe and runs ``MODULE`` as ``__main__`` with all of them, so
+the servers we launch (ours, SGLang's, sgl-router's launcher) take their keys as the flags they
+document, and ``ps`` shows everything but the keys.
 """
 
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import multiprocessing
 import os
+import runpy
 import signal
 import socket
 import subprocess
@@ -124,6 +133,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+class Secret(str):
+    """A command-line argument that must not show in ``ps`` (a key): ``ManagedProcess.spawn`` pipes it."""
+
+
+def run_with_secret_arguments(argv: list[str]) -> None:
+    """``python -m inverted.processes FD MODULE ARGS...``: run ``MODULE`` as ``__main__`` with ``ARGS``
+    and the arguments its parent wrote to the pipe ``FD`` (``ManagedProcess.spawn``)."""
+    fd, module, *args = argv
+    with os.fdopen(int(fd)) as pipe:
+        secret = json.load(pipe)
+    sys.argv = [module, *args, *secret]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
 @dataclass
 class ManagedProcess:
     """A child process with its log file; ``tail`` is what a failure report shows."""
@@ -135,11 +158,25 @@ class ManagedProcess:
 
     @classmethod
     def spawn(cls, name: str, argv: list[str], log_path: Path, url: str, env: dict[str, str] | None = None) -> "ManagedProcess":
+        """Start ``argv`` (its ``Secret`` arguments through a pipe: ``python -m MODULE`` commands only)."""
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "wb") as log:
-            popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-                                     preexec_fn=die_with_parent)
+        secret = [str(a) for a in argv if isinstance(a, Secret)]
+        read_end = None
+        if secret:
+            if argv[1:2] != ["-m"]:
+                raise ValueError(f"{name}: secret arguments go to 'python -m MODULE' commands only, not {argv[:3]}")
+            read_end, write_end = os.pipe()
+            with os.fdopen(write_end, "w") as pipe:  # a few hundred bytes: the pipe's buffer holds them
+                json.dump(secret, pipe)
+            argv = [argv[0], "-m", __name__, str(read_end), *[a for a in argv[2:] if not isinstance(a, Secret)]]
+        try:
+            with open(log_path, "wb") as log:
+                popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                                         preexec_fn=die_with_parent, pass_fds=() if read_end is None else (read_end,))
+        finally:
+            if read_end is not None:
+                os.close(read_end)
         logger.info("started %s (pid %d): %s", name, popen.pid, url)
         return cls(name, popen, log_path, url)
 
@@ -178,3 +215,7 @@ class ManagedProcess:
         except subprocess.TimeoutExpired:
             self.popen.kill()
             self.popen.wait(timeout=grace)
+
+
+if __name__ == "__main__":
+    run_with_secret_arguments(sys.argv[1:])

@@ -49,7 +49,7 @@ from typing import Callable, Protocol
 from inverted.config import ServersConfig
 from inverted.errors import ServiceUnavailable, UnknownWorker
 from inverted.hf_checkpoint import context_length
-from inverted.processes import ManagedProcess, free_port
+from inverted.processes import ManagedProcess, Secret, free_port
 from inverted.rollout.sglang_client import RouterClient, SGLangClient
 from inverted.types import POLICY_ADAPTER
 
@@ -113,8 +113,9 @@ def engine_argv(cfg: ServersConfig, backend: str, sglang_args: list[str], flags:
                 port: int) -> list[str]:
     """The command line of one rollout server (a plain function, so a Ray actor can receive it)."""
     # one argument each: a random key may begin with "-", which argparse would take for a flag
-    keys = [f"--admin-api-key={cfg.admin_api_key}"] if cfg.admin_api_key else []
-    keys += [f"--api-key={cfg.router_api_key}"] if cfg.router_api_key else []  # what the router sends on
+    # through a pipe, never on the command line (processes.Secret)
+    keys = [Secret(f"--admin-api-key={cfg.admin_api_key}")] if cfg.admin_api_key else []
+    keys += [Secret(f"--api-key={cfg.router_api_key}")] if cfg.router_api_key else []  # what the router sends on
     length = ["--context-length", str(cfg.context_length)] if cfg.context_length else []
     if backend == "sglang":  # its OpenAI routes render chats: with the job's template (the embedded engine has none)
         template = ["--chat-template", cfg.chat_template] if cfg.chat_template else []
@@ -182,11 +183,12 @@ class RolloutServers:
                 argv += [flag, value]
         # sgl-router's own authentication: /generate takes the data key (which it sends on to the
         # servers), /workers only the job's admin key ('id:name:role:key'), so nobody else on the
-        # machine can add a worker of their own or generate through the job's servers.
+        # machine can add a worker of their own or generate through the job's servers. The keys go
+        # through a pipe, never on the command line (processes.Secret).
         if self.config.router_api_key:
-            argv.append(f"--api-key={self.config.router_api_key}")
+            argv.append(Secret(f"--api-key={self.config.router_api_key}"))
         if self.config.admin_api_key:
-            argv.append(f"--control-plane-api-keys=inverted:job:admin:{self.config.admin_api_key}")
+            argv.append(Secret(f"--control-plane-api-keys=inverted:job:admin:{self.config.admin_api_key}"))
         argv += self.router_args
         return ManagedProcess.spawn("router", argv, self.log_dir / "router.log", self.router_url)
 

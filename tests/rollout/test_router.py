@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import httpx
 import pytest
@@ -152,6 +153,9 @@ async def test_with_keys_only_the_job_changes_the_routers_workers_or_generates_t
         async with SGLangClient(servers.router_url, api_key="router-key") as client:
             assert len((await client.generate(body(0)))["output_ids"]) == 6
         await servers.verify_workers()  # only ours
+        # and no key is on any command line the job started (anyone on the machine may read those)
+        commands = [(Path(f"/proc/{p.popen.pid}/cmdline").read_bytes(), p.name) for p in [*servers.engines, servers.router]]
+        assert all(b"admin-key" not in c and b"router-key" not in c for c, _ in commands), commands
         async with servers.control() as router:
             assert await router.urls() == {ours}
             # A worker the job did not start (added with the key, as an insider could): found, taken out.
