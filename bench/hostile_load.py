@@ -10,7 +10,13 @@ One embedded engine behind the real sgl-router and a proxy in front, default fla
 * **engine_body** / **proxy_body**: while each is sent ``--body-mb`` MB bodies, over its body limit
   (413 from the declared length, unread);
 * **sessions**: the proxy's RSS empty, then holding ``--max-sessions`` sessions (the cap), then after
-  as many again were refused with 429.
+  as many again were refused with 429;
+* **engine_grammar**: while ``/generate`` is sent a 337 kB ``json_schema`` with ``n=16``, again and
+  again (the audit's: 16 compiles on the event loop per request before; now one, on a worker
+  thread, and kept);
+* **engine_payload**: while ``/update_weights_from_tensor`` is sent a 40-byte pickle asking for a
+  1 GiB ``bytearray`` (allocated before any check before; refused unallocated now), with the
+  engine's peak RSS before and after.
 
 The figure of merit is each arm's p99 ``/health`` latency over the idle one (a ratio: the machine's
 speed cancels out), with the refusals' own latency beside it.
@@ -82,6 +88,32 @@ def health_while(url: str, seconds: float, target: str | None = None, body: byte
     return out
 
 
+def grammar_body() -> bytes:
+    """A 337 kB JSON schema (~0.6 s to compile on 2 cores), asked for 16 times in one request."""
+    properties = {f"field_{i}": {"type": "object", "properties": {f"x{j}": {"enum": [f"v{k}" for k in range(8)]}
+                                                                  for j in range(12)}} for i in range(400)}
+    schema = json.dumps({"type": "object", "properties": properties, "required": ["field_0"]})
+    return json.dumps({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1, "json_schema": schema,
+                                                                 "n": 16}}).encode()
+
+
+def payload_body() -> bytes:
+    """``bytearray(2**30)`` as a weight payload: 40 bytes of pickle (``tests/test_weight_wire.py``)."""
+    import base64
+    import pickle
+
+    gadget = (pickle.PROTO + b"\x02" + pickle.GLOBAL + b"builtins\nbytearray\n" + pickle.BININT
+              + (2**30).to_bytes(4, "little") + pickle.TUPLE1 + pickle.REDUCE + pickle.STOP)
+    return json.dumps({"serialized_named_tensors": [base64.b64encode(gadget).decode()]}).encode()
+
+
+def peak_rss_mb(proc: ManagedProcess) -> float:
+    for line in Path(f"/proc/{proc.popen.pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def rss_mb(proc: ManagedProcess) -> float:
     for line in Path(f"/proc/{proc.popen.pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -134,6 +166,13 @@ def main() -> None:
         for arm, idle in (("engine_text", "idle_engine"), ("engine_body", "idle_engine"), ("proxy_text", "idle_proxy"),
                           ("proxy_body", "idle_proxy")):
             result[arm]["p99_over_idle"] = result[arm]["health_p99_ms"] / result[idle]["health_p99_ms"]
+        result["engine_grammar"] = health_while(engine, args.seconds, engine + "/generate", grammar_body())
+        peak = peak_rss_mb(procs["engine"])
+        result["engine_payload"] = health_while(engine, args.seconds, engine + "/update_weights_from_tensor",
+                                                payload_body())
+        result["engine_payload"] |= {"peak_rss_mb_before": peak, "peak_rss_mb_after": peak_rss_mb(procs["engine"])}
+        for arm in ("engine_grammar", "engine_payload"):
+            result[arm]["p99_over_idle"] = result[arm]["health_p99_ms"] / result["idle_engine"]["health_p99_ms"]
         result["sessions"] = sessions_arm(procs["proxy"], args.max_sessions)
         result["config"] = vars(args)
         print(json.dumps(result, indent=2))

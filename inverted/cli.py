@@ -63,7 +63,9 @@ def cmd_serve_engine(cfg: EngineConfig) -> None:
 
     from inverted.engine.server import create_app
 
-    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning", access_log=False)
+    from inverted.processes import UVICORN_OPTIONS
+
+    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, **UVICORN_OPTIONS)
 
 
 def cmd_buffer(cfg: BufferConfig) -> None:

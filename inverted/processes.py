@@ -15,6 +15,12 @@ through a pipe instead: the child is ``python -m inverted.processes FD MODULE AR
 reads the secret arguments from the pipe and runs ``MODULE`` as ``__main__`` with all of them, so
 the servers we launch (ours, SGLang's, sgl-router's launcher) take their keys as the flags they
 document, and ``ps`` shows everything but the keys.
+
+uvicorn times out a connection only between requests (keep-alive); one that opens and never
+finishes its headers is held forever, so enough of them (20,100 in the audit) leave no room for
+anyone else. Every service is served with ``HeaderDeadline``: a request's headers must arrive
+within ``HEADERS_TIMEOUT_S`` of its first byte (or of the connection, for the first), else the
+connection is closed.
 """
 
 from __future__ import annotations
@@ -33,8 +39,10 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from inverted.errors import ServiceUnavailable
 
@@ -89,11 +97,51 @@ def tcp_sockets(port: int, state: str) -> set[str]:
     return found
 
 
+HEADERS_TIMEOUT_S = 10.0
+
+
+class HeaderDeadline(HttpToolsProtocol):
+    """uvicorn's HTTP protocol (httptools), with a deadline on each request's headers: a client that
+    connects and sends nothing, or its headers a byte at a time, is closed after ``HEADERS_TIMEOUT_S``
+    (bodies have their own bound, each service's body limit; idle keep-alive is uvicorn's 5 s)."""
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self._deadline: Any = self.loop.call_later(HEADERS_TIMEOUT_S, self._too_slow)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._deadline is None:  # the next request on a kept-alive connection
+            self._deadline = self.loop.call_later(HEADERS_TIMEOUT_S, self._too_slow)
+
+    def on_headers_complete(self) -> None:
+        self._cancel()
+        super().on_headers_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel()
+        super().connection_lost(exc)
+
+    def _cancel(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _too_slow(self) -> None:
+        self._deadline = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+
+# How every service is served: quiet (each logs its own events), with the header deadline.
+UVICORN_OPTIONS: dict[str, Any] = {"log_level": "warning", "access_log": False, "http": HeaderDeadline}
+
+
 def _worker(app_factory: str, host: str, port: int, supervisor: int) -> None:
     import uvicorn
 
     die_with_parent(supervisor)
-    config = uvicorn.Config(app_factory, factory=True, log_level="warning", access_log=False)
+    config = uvicorn.Config(app_factory, factory=True, **UVICORN_OPTIONS)
     uvicorn.Server(config).run(sockets=[reuse_port_socket(host, port)])
 
 

@@ -42,7 +42,7 @@ from inverted.buffer.store import SQLiteStore
 from inverted.config import BufferConfig
 from inverted.errors import LeaseConflict, SampleError, Unauthorized
 from inverted.limits import BodyLimit
-from inverted.processes import freeze_startup_heap, serve_workers
+from inverted.processes import UVICORN_OPTIONS, freeze_startup_heap, serve_workers
 from inverted.types import Sample, version_number
 
 logger = logging.getLogger(__name__)
@@ -306,7 +306,7 @@ def serve(config: BufferConfig) -> None:
     import uvicorn
 
     if config.workers == 1:
-        uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="warning", access_log=False)
+        uvicorn.run(create_app(config), host=config.host, port=config.port, **UVICORN_OPTIONS)
         return
     build_store(config).close()  # create the database and load the dataset once, before the workers race
     os.environ[CONFIG_ENV] = json.dumps(dataclasses.asdict(config))

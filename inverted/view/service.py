@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from inverted.auth import NO_DOCS, key_matches, presented_key
 from inverted.config import ViewConfig
 from inverted.hf_checkpoint import ModelSpec, load_tokenizer
+from inverted.processes import UVICORN_OPTIONS
 from inverted.view.index import SORTABLE, STATUSES, RunIndex, SampleQuery
 
 logger = logging.getLogger(__name__)
@@ -210,4 +211,4 @@ def serve(cfg: ViewConfig) -> None:
     url = f"http://{cfg.host}:{cfg.port}/" + (f"?key={api_key}" if api_key else "")
     print(f"inverted view: {cfg.run_dir} at {url}", flush=True)  # the key goes to its owner's console only
     uvicorn.run(create_app(index, api_key=api_key, title=Path(cfg.run_dir).name), host=cfg.host, port=cfg.port,
-                log_level="warning", access_log=False)
+                **UVICORN_OPTIONS)

@@ -7,11 +7,13 @@ two minutes and 9 GB, ``/health`` unanswered; a 20 MB chat message held the prox
 
 from __future__ import annotations
 
+import socket
 import time
 from urllib.parse import urlsplit
 
 import httpx
 
+from inverted.processes import HEADERS_TIMEOUT_S
 from tests.adversarial.conftest import (ADMIN_KEY, BUFFER_KEY, MAX_SESSIONS, PROXY_KEY, Beside,
                                         declared_huge, health_latency, raw_request)
 
@@ -174,3 +176,28 @@ def test_the_proxy_bounds_the_bytes_a_call_adds_and_a_session_holds(services):
     assert fine.status_code == 200
     finished = httpx.post(f"{services.proxy.url}/sessions/{session['session_id']}/finish", headers=admin)
     assert finished.status_code == 200 and len(finished.content) < 100_000
+
+
+def test_connections_that_never_finish_their_headers_are_closed_and_others_are_served(services):
+    """Slow clients (the audit's 20,100 connections that never finished a request): each service closes
+    a connection whose headers have not arrived within the deadline, one silent from the start or one
+    sending its headers a piece at a time, and answers /health meanwhile."""
+    targets = [services.engine.url, services.proxy.url, services.buffer.url]
+    held = []
+    for url in targets:
+        parts = urlsplit(url)
+        for i in range(100):
+            sock = socket.create_connection((parts.hostname, parts.port), timeout=HEADERS_TIMEOUT_S + 10)
+            if i % 2:  # half of them begin a request and stop
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+            held.append(sock)
+    for url in targets:
+        assert max(health_latency(url) for _ in range(5)) < 1.0
+    started = time.monotonic()
+    for sock in held:  # closed by the server: the read ends (an empty read, or a reset)
+        try:
+            assert sock.recv(1024) == b""
+        except ConnectionResetError:
+            pass
+        sock.close()
+    assert time.monotonic() - started < HEADERS_TIMEOUT_S + 5

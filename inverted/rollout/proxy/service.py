@@ -54,7 +54,7 @@ from inverted.config import ProxyConfig
 from inverted.errors import InvalidRequest, SampleError, ServiceError, Unauthorized
 from inverted.limits import BodyLimit, parse_json
 from inverted.plugins import load_plugin
-from inverted.processes import freeze_startup_heap
+from inverted.processes import UVICORN_OPTIONS, freeze_startup_heap
 from inverted.rollout.proxy import apis
 from inverted.rollout.proxy.apis import call
 from inverted.rollout.proxy.apis.call import Failure
@@ -407,5 +407,4 @@ def _endpoints(api: apis.Api) -> tuple[Callable[..., Awaitable[Response]], Calla
 def serve(config: ProxyConfig) -> None:
     import uvicorn
 
-    uvicorn.run(create_app(config), host=config.proxy_host, port=config.proxy_port, log_level="warning",
-                access_log=False)
+    uvicorn.run(create_app(config), host=config.proxy_host, port=config.proxy_port, **UVICORN_OPTIONS)
