@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 import time
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
@@ -201,3 +202,26 @@ def test_connections_that_never_finish_their_headers_are_closed_and_others_are_s
             pass
         sock.close()
     assert time.monotonic() - started < HEADERS_TIMEOUT_S + 5
+
+
+def test_a_weight_payload_that_asks_for_a_gigabyte_is_refused_before_it_is_allocated(services):
+    """40 bytes of pickle calling ``bytearray(2**30)`` (an allowlisted constructor): 1.07 GB allocated
+    before any check, in the audit. Now a 400 naming it, and the engine's peak memory does not move."""
+    import base64
+    import pickle
+
+    def peak_kb() -> int:
+        status = Path(f"/proc/{services.engine.popen.pid}/status").read_text()
+        return int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1])
+
+    gadget = (pickle.PROTO + b"\x02" + pickle.GLOBAL + b"builtins\nbytearray\n" + pickle.BININT
+              + (2**30).to_bytes(4, "little") + pickle.TUPLE1 + pickle.REDUCE + pickle.STOP)
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    before = peak_kb()
+    assert httpx.post(services.engine.url + "/begin_weight_update", json={}, headers=admin, timeout=30).status_code == 200
+    refused = httpx.post(services.engine.url + "/update_weights_from_tensor", timeout=30, headers=admin,
+                         json={"serialized_named_tensors": [base64.b64encode(gadget).decode()]})
+    assert httpx.post(services.engine.url + "/end_weight_update", json={}, headers=admin, timeout=30).status_code == 200
+    assert refused.status_code == 400 and "may not make a bytearray of a given size" in refused.text, refused.text
+    assert peak_kb() - before < 200_000  # KiB
+    assert health_latency(services.engine.url) < 1.0
