@@ -218,7 +218,8 @@ def test_a_weight_payload_that_asks_for_a_gigabyte_is_refused_before_it_is_alloc
               + (2**30).to_bytes(4, "little") + pickle.TUPLE1 + pickle.REDUCE + pickle.STOP)
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
     before = peak_kb()
-    assert httpx.post(services.engine.url + "/begin_weight_update", json={}, headers=admin, timeout=30).status_code == 200
+    engine = services.engine.url
+    assert httpx.post(engine + "/begin_weight_update", json={}, headers=admin, timeout=30).status_code == 200
     refused = httpx.post(services.engine.url + "/update_weights_from_tensor", timeout=30, headers=admin,
                          json={"serialized_named_tensors": [base64.b64encode(gadget).decode()]})
     assert httpx.post(services.engine.url + "/end_weight_update", json={}, headers=admin, timeout=30).status_code == 200
