@@ -22,14 +22,17 @@ A row carries data only: ``metadata.openenv.reset``, the arguments of the episod
 checked against OpenEnv's own ``ResetRequest``.
 
 The driver is a module with ``observe(observation: dict) -> str`` and ``act(reply: str) -> dict``,
-and optionally ``SYSTEM_PROMPT``. ``act`` raising ``ValueError`` means the reply is not an action:
+and optionally ``SYSTEM_PROMPT``. Without one (no ``"driver"`` in ``--env-args``) an environment runs
+as it is, no code written: the policy is shown each observation as JSON and told the server's own
+action schema (OpenEnv's ``GET /schema``), and replies with an action as JSON, constrained to that
+schema (``response_format``; the proxy records the policy's own logprobs of those tokens). ``act`` raising ``ValueError`` means the reply is not an action:
 the episode ends there with the rewards so far, so the policy is trained on its mistake. Anything
 else that goes wrong (the server refusing an action ``act`` let through, say) fails the episode.
 ``envs.guess_number`` is an environment and its driver.
 
-    python -m envs.openenv --driver envs.guess_number (--app envs.guess_number:app | --url URL) \\
+    python -m envs.openenv [--driver envs.guess_number] (--app envs.guess_number:app | --url URL) \\
         --out FILE --count N [--seed S] [--max-turns T]
-    inverted train ... --env-path envs.openenv:episode --env-args '{"driver": ..., "app": ..., "max_turns": T}'
+    inverted train ... --env-path envs.openenv:episode --env-args '{"app": ..., "max_turns": T}'
 """
 
 from __future__ import annotations
@@ -129,9 +132,10 @@ def reset_args(metadata: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"a row's metadata.openenv.reset is not an OpenEnv ResetRequest: {exc}") from None
 
 
-async def episode(task, client, *, driver: str, app: str | None = None, url: str | None = None,
+async def episode(task, client, *, driver: str | None = None, app: str | None = None, url: str | None = None,
                   max_turns: int = 16, max_sessions: int = 1) -> float:
-    """One episode on the server ``url`` (or ``app``'s), played by ``driver``; all from ``--env-args``.
+    """One episode on the server ``url`` (or ``app``'s), played by ``driver`` (None: ``SchemaDriver``);
+    all from ``--env-args``.
 
     At most ``max_sessions`` episodes of this process hold a session on one server (OpenEnv's
     servers allow one unless built with ``max_concurrent_envs``; they do not publish it): the rest
@@ -139,11 +143,11 @@ async def episode(task, client, *, driver: str, app: str | None = None, url: str
     tried again, with a growing pause: a refusal is no episode.
     """
     reset = reset_args(task.metadata)
-    player = importlib.import_module(driver)
     if (app is None) == (url is None):
         raise ValueError(f"--env-args names the OpenEnv server by 'app' or by 'url', one of them (got app={app!r}, "
                          f"url={url!r})")
     url = url or await serve(app)
+    player = importlib.import_module(driver) if driver else await SchemaDriver.of(url)
     pause = CAPACITY_PAUSE_S[0]
     async with _turns(url, max_sessions):
         while True:
@@ -173,7 +177,8 @@ async def _play(env: GenericEnvClient, result: Any, player: Any, client: Any, ma
         if result.done:
             break
         messages.append({"role": "user", "content": player.observe(result.observation)})
-        reply = await client.chat.completions.create(model=MODEL, messages=messages)
+        reply = await client.chat.completions.create(model=MODEL, messages=messages,
+                                                     **getattr(player, "REQUEST", {}))
         text = reply.choices[0].message.content or ""
         messages.append({"role": "assistant", "content": text})
         try:
@@ -185,6 +190,48 @@ async def _play(env: GenericEnvClient, result: Any, player: Any, client: Any, ma
     return total
 
 
+class SchemaDriver:
+    """The driver of an environment that has none: observations as JSON, actions as JSON under the
+    server's own action schema, which constrains the policy's reply (no reply is malformed)."""
+
+    _schemas: dict[str, dict[str, Any]] = {}  # server -> its action schema, asked once per process
+
+    def __init__(self, action_schema: dict[str, Any]) -> None:
+        schema = dict(action_schema)
+        # OpenEnv's Action base class carries a free-form ``metadata`` the environment does not read
+        if "metadata" in schema.get("properties", {}) and "metadata" not in schema.get("required", []):
+            schema["properties"] = {k: v for k, v in schema["properties"].items() if k != "metadata"}
+        self.SYSTEM_PROMPT = ("You act in an environment. Each message is what you observe, as JSON. Reply with "
+                              f"your next action: one JSON object of this schema: {json.dumps(schema)}")
+        # compact JSON: a grammar that allows whitespace anywhere lets a weak policy fill its budget with it
+        # (llguidance's option; JSON Schema validators ignore keywords they do not know)
+        constrained = schema | {"x-guidance": {"whitespace_flexible": False}}
+        self.REQUEST = {"response_format": {"type": "json_schema",
+                                            "json_schema": {"name": "action", "schema": constrained, "strict": True}}}
+
+    @classmethod
+    async def of(cls, url: str) -> "SchemaDriver":
+        if url not in cls._schemas:
+            async with httpx.AsyncClient(timeout=30) as http:
+                reply = await http.get(url.rstrip("/") + "/schema")
+                reply.raise_for_status()
+                cls._schemas[url] = reply.json()["action"]
+        return cls(cls._schemas[url])
+
+    @staticmethod
+    def observe(observation: dict[str, Any]) -> str:
+        """The observation's own fields (not the reward, the end or the framework's metadata)."""
+        shown = {k: v for k, v in observation.items() if v is not None and k not in ("reward", "done", "metadata")}
+        return json.dumps(shown, sort_keys=True)
+
+    @staticmethod
+    def act(reply: str) -> dict[str, Any]:
+        action = json.loads(reply)  # not JSON: a ValueError, the episode's end
+        if not isinstance(action, dict):
+            raise ValueError(f"an action is a JSON object, not {type(action).__name__}")
+        return action
+
+
 def rows(count: int, seed: int) -> list[dict[str, Any]]:
     return [{"input": f"episode, seed {seed + i}", "metadata": {"openenv": {"reset": {"seed": seed + i}}}}
             for i in range(count)]
@@ -192,7 +239,8 @@ def rows(count: int, seed: int) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    parser.add_argument("--driver", required=True, help="module with observe(observation) and act(reply)")
+    parser.add_argument("--driver", help="module with observe(observation) and act(reply) (default: the "
+                                         "observation as JSON, the action as JSON under the server's schema)")
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--app", help="module:attr of the environment's ASGI app, served on first use")
     where.add_argument("--url", help="an environment server already running")
@@ -204,13 +252,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="episodes a process plays on the server at once (its max_concurrent_envs)")
     args = parser.parse_args(argv)
     try:
-        importlib.import_module(args.driver)  # a wrong name fails here, not in every episode
+        if args.driver:
+            importlib.import_module(args.driver)  # a wrong name fails here, not in every episode
     except ImportError as exc:
         parser.error(f"--driver {args.driver!r}: {exc}")
     print(write_rows(rows(args.count, args.seed), args.out))
     server = {"app": args.app} if args.app else {"url": args.url}
-    env_args = json.dumps({"driver": args.driver, **server, "max_turns": args.max_turns,
-                           "max_sessions": args.max_sessions})
+    env_args = json.dumps({**({"driver": args.driver} if args.driver else {}), **server,
+                           "max_turns": args.max_turns, "max_sessions": args.max_sessions})
     print(f"train on it with: --env-path envs.openenv:episode --env-args '{env_args}'")
 
 if __name__ == "__main__":

@@ -71,6 +71,38 @@ def test_episodes_are_played_on_the_environment_server_and_recorded_as_one_branc
     assert again.metadata["turns"] and len(openenv._servers) == 1
 
 
+def test_an_environment_without_a_driver_is_played_by_its_own_action_schema(stack):
+    """No driver module: the policy sees each observation as JSON and writes each action as JSON,
+    constrained by the server's own action schema (OpenEnv's /schema); every action is valid, the
+    replay gives back the reward, and the constrained tokens carry the policy's own logprobs."""
+    rows = openenv.rows(count=4, seed=70)
+    samples = play(stack, rows, functools.partial(openenv.episode, app=APP, max_sessions=8,
+                                                  max_turns=guess_number.GUESSES), max_tokens=48)
+    tokenizer = AutoTokenizer.from_pretrained(stack[0])
+    complete = 0
+    for row, sample in zip(rows, samples):
+        turns = sample.metadata["turns"]
+        actions = []
+        for t in turns:  # every reply is an action, but one the token budget cut off (the episode's end)
+            reply = tokenizer.decode(sample.tokens[t["start"]:t["end"]], skip_special_tokens=True)
+            if t["finish_reason"] == "length":
+                assert t is turns[-1]
+                break
+            actions.append(json.loads(reply))
+        complete += len(actions)
+        assert all(set(a) == {"guess"} and 1 <= a["guess"] <= guess_number.HIGH for a in actions), actions
+        assert all(t["constrained"] == "policy" for t in turns)
+        game, total = guess_number.GuessNumberEnvironment(), 0.0
+        observation = game.reset(seed=row["metadata"]["openenv"]["reset"]["seed"])
+        for action in actions:
+            assert openenv.SchemaDriver.observe(observation.model_dump()) in tokenizer.decode(sample.tokens)
+            observation = game.step(guess_number.GuessAction(**action))
+            total += observation.reward
+        assert sample.reward == total
+    assert complete >= 4  # most replies are whole actions
+    assert '"guess"' in tokenizer.decode(samples[0].tokens[:samples[0].prompt_length])  # the schema, told
+
+
 def test_a_reply_that_is_no_action_ends_the_episode_and_is_trained_on(stack):
     assert guess_number.act("I guess 7, no: 12") == {"guess": 12}
     for reply in ("no idea", "99"):
