@@ -16,7 +16,10 @@ One embedded engine behind the real sgl-router and a proxy in front, default fla
   thread, and kept);
 * **engine_payload**: while ``/update_weights_from_tensor`` is sent a 40-byte pickle asking for a
   1 GiB ``bytearray`` (allocated before any check before; refused unallocated now), with the
-  engine's peak RSS before and after.
+  engine's peak RSS before and after;
+* **slow_clients**: while ``--slow-clients`` connections to the engine hold a request's headers
+  unfinished (never closed by the server before; now after ``HEADERS_TIMEOUT_S``), and how many of
+  them the engine had closed by the end of the arm.
 
 The figure of merit is each arm's p99 ``/health`` latency over the idle one (a ratio: the machine's
 speed cancels out), with the refusals' own latency beside it.
@@ -107,6 +110,34 @@ def payload_body() -> bytes:
     return json.dumps({"serialized_named_tensors": [base64.b64encode(gadget).decode()]}).encode()
 
 
+def slow_clients_arm(url: str, count: int, seconds: float) -> dict[str, float]:
+    """``/health`` while ``count`` connections hold half a request's headers, for ``seconds`` past the
+    header deadline; then how many the server closed."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from inverted.processes import HEADERS_TIMEOUT_S
+
+    parts = urlsplit(url)
+    held = []
+    for _ in range(count):
+        sock = socket.create_connection((parts.hostname, parts.port))
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        held.append(sock)
+    out = health_while(url, HEADERS_TIMEOUT_S + seconds)
+    closed = 0
+    for sock in held:
+        sock.setblocking(False)
+        try:
+            closed += sock.recv(1) == b""
+        except BlockingIOError:  # still open: nothing to read and no end
+            pass
+        except ConnectionResetError:
+            closed += 1
+        sock.close()
+    return out | {"held": count, "closed_by_server": closed}
+
+
 def peak_rss_mb(proc: ManagedProcess) -> float:
     for line in Path(f"/proc/{proc.popen.pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -144,6 +175,7 @@ def main() -> None:
     parser.add_argument("--text-mb", type=float, default=20.0, help="prompt text under the body limits")
     parser.add_argument("--body-mb", type=float, default=100.0, help="a body over every default limit")
     parser.add_argument("--max-sessions", type=int, default=16384)
+    parser.add_argument("--slow-clients", type=int, default=2000, help="connections that never finish a request")
     args = parser.parse_args()
     model = Path(args.model)
     if not (model / "config.json").exists():
@@ -173,6 +205,9 @@ def main() -> None:
         result["engine_payload"] |= {"peak_rss_mb_before": peak, "peak_rss_mb_after": peak_rss_mb(procs["engine"])}
         for arm in ("engine_grammar", "engine_payload"):
             result[arm]["p99_over_idle"] = result[arm]["health_p99_ms"] / result["idle_engine"]["health_p99_ms"]
+        result["slow_clients"] = slow_clients_arm(engine, args.slow_clients, args.seconds)
+        result["slow_clients"]["p99_over_idle"] = (result["slow_clients"]["health_p99_ms"]
+                                                   / result["idle_engine"]["health_p99_ms"])
         result["sessions"] = sessions_arm(procs["proxy"], args.max_sessions)
         result["config"] = vars(args)
         print(json.dumps(result, indent=2))
