@@ -364,6 +364,8 @@ class BufferConfig:
     metadata_key: str | None = option("metadata", "row key of per-prompt metadata")
     tool_key: str | None = option("tools", "row key of the prompt's OpenAI tools list")
     n_samples_per_prompt: int = option(1, "samples per prompt; they form one group")
+    # the same flag as the trainer's: slime's group filters read it (args.reward_key)
+    reward_key: str | None = option(None, "key of a dict reward to train on (default: the sum of its values)")
     rollout_shuffle: bool = option(False, "shuffle the dataset each epoch (deterministic for --rollout-seed)")
     rollout_seed: int = option(42, "seed of the per-epoch shuffle")
     num_epoch: int = option(0, "epochs to serve before leasing stops (0: no limit)")

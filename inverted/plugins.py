@@ -182,6 +182,7 @@ def _adapt_slime(fn: Callable[..., Any]) -> RolloutFunction:
     async def run_slime(ctx: RolloutContext, tasks: list[Task]) -> list[Sample]:
         buffer = SlimeDataBuffer(tasks)
         groups = await asyncio.to_thread(fn, ctx.slime_args, ctx.rollout_id, buffer, evaluation=ctx.evaluation)
+        groups = getattr(groups, "samples", groups)  # slime's RolloutFnTrainOutput, or its groups as they are
         return [as_inverted(s) for group in groups for s in (group if isinstance(group, list) else [group])]
 
     return run_slime

@@ -21,7 +21,9 @@ import msgspec
 
 from inverted.errors import SampleError
 
-Reward = float | dict[str, float]
+# A number, or a dict of any JSON values (slime's reward models return flags and parsed answers beside
+# the score): the number trained on is ``--reward-key``'s entry, or else the sum of the dict's numbers.
+Reward = float | dict[str, Any]
 
 # How an SGLang server pauses generation (``/pause_generation``'s ``mode``): abort in-flight
 # requests, retract them to the queue (KV dropped, tokens kept), or stop stepping and keep everything.
@@ -87,17 +89,25 @@ class Sample:
         return self.tokens[self.prompt_length :]
 
     def scalar_reward(self, key: str | None = None) -> float:
-        """The reward as one number: a float as is; of a dict, ``key``'s value or else the sum."""
+        """The reward as one number: a float as is; of a dict, ``key``'s value (a number or a bool, as
+        slime reads it) or else the sum of its numbers."""
         reward = self.reward
         if reward is None:
             raise SampleError(f"sample {self.index}: reward is missing")
         if not isinstance(reward, dict):
             return float(reward)
         if key is None:
-            return float(sum(reward.values()))
+            numbers = [v for v in reward.values() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+            if not numbers:
+                raise SampleError(f"sample {self.index}: reward {sorted(reward)} holds no number to train on; "
+                                  "name the entry with --reward-key")
+            return float(sum(numbers))
         if key not in reward:
             raise SampleError(f"sample {self.index}: reward has no key {key!r} (--reward-key); has {sorted(reward)}")
-        return float(reward[key])
+        value = reward[key]
+        if not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise SampleError(f"sample {self.index}: reward[{key!r}] (--reward-key) is {value!r}, not a number")
+        return float(value)
 
     def validate(self, *, elements_checked: bool = False) -> None:
         """Raise ``SampleError`` naming the first broken invariant.
@@ -257,10 +267,14 @@ _JSON_DECODER = msgspec.json.Decoder(_JSON_FORM)
 
 
 def check_reward(reward: Reward | None) -> None:
-    """Raise ``SampleError`` unless the reward is None, a finite number, or a dict of finite numbers."""
+    """Raise ``SampleError`` unless the reward is None, a finite number, or a dict whose numbers are
+    finite (its other values are any JSON: a flag, a parsed answer)."""
     if reward is None:
         return
-    items = reward.items() if isinstance(reward, dict) else [("reward", reward)]
-    for name, value in items:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if not isinstance(reward, dict):
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            raise SampleError(f"reward: expected a finite number or a dict, got {reward!r}")
+        return
+    for name, value in reward.items():
+        if isinstance(value, float) and not math.isfinite(value):
             raise SampleError(f"reward[{name!r}]: expected a finite number, got {value!r}")

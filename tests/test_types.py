@@ -37,7 +37,8 @@ def test_json_round_trip_is_exact():
     ({"rollout_log_probs": [-1.0, math.nan, 0.0]}, "rollout_log_probs"),
     ({"rollout_log_probs": [-1.0, 0.5, 0.0]}, "rollout_log_probs"),
     ({"reward": math.inf}, "reward"),
-    ({"reward": {"acc": "high"}}, "reward"),
+    ({"reward": {"acc": math.nan, "parsed": "7"}}, "reward"),
+    ({"reward": "high"}, "reward"),
     ({"weight_versions": [1, 2, 3]}, "weight_versions"),
 ])
 def test_each_broken_invariant_is_named(change, field):

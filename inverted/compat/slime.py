@@ -33,6 +33,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
+import importlib
 import importlib.util
 import logging
 import sys
@@ -53,6 +55,60 @@ META_FIELDS = {"response": "", "rollout_id": None, "remove_sample": False}
 
 
 @dataclass
+class SpecInfo:
+    """slime's ``Sample.SpecInfo``: speculative-decoding counts (none here: no speculative decoding)."""
+
+    spec_accept_token_num: int = 0
+    spec_draft_token_num: int = 0
+    spec_verify_ct: int = 0
+    completion_token_num: int = 0
+
+    @property
+    def spec_accept_rate(self) -> float:
+        return self.spec_accept_token_num / self.spec_draft_token_num if self.spec_draft_token_num > 0 else 0.0
+
+    @property
+    def spec_accept_length(self) -> float:
+        return self.completion_token_num / self.spec_verify_ct if self.spec_verify_ct > 0 else 0.0
+
+    def add(self, meta_info: dict) -> None:
+        self.spec_accept_token_num += meta_info.get("spec_accept_token_num", 0)
+        self.spec_draft_token_num += meta_info.get("spec_draft_token_num", 0)
+        self.spec_verify_ct += meta_info.get("spec_verify_ct", 0)
+        self.completion_token_num += meta_info.get("completion_tokens", 0)
+
+    def to_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+    @staticmethod
+    def from_dict(data: dict) -> "SpecInfo":
+        return SpecInfo(**{k: data.get(k, 0) for k in SpecInfo.__dataclass_fields__})
+
+
+@dataclass
+class PrefixCacheInfo:
+    """slime's ``Sample.PrefixCacheInfo``: the prompt tokens the server found cached."""
+
+    cached_tokens: int = 0
+    total_prompt_tokens: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.cached_tokens / self.total_prompt_tokens if self.total_prompt_tokens > 0 else 0.0
+
+    def add(self, meta_info: dict) -> None:
+        self.cached_tokens += meta_info.get("cached_tokens", 0)
+        self.total_prompt_tokens += meta_info.get("prompt_tokens", 0)
+
+    def to_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+    @staticmethod
+    def from_dict(data: dict) -> "PrefixCacheInfo":
+        return PrefixCacheInfo(data.get("cached_tokens", 0), data.get("total_prompt_tokens", 0))
+
+
+@dataclass
 class Sample:
     """slime's ``Sample`` (``slime.utils.types``), the fields both frameworks have, with slime's meanings.
 
@@ -63,6 +119,8 @@ class Sample:
     """
 
     Status = _Sample.Status
+    SpecInfo = SpecInfo
+    PrefixCacheInfo = PrefixCacheInfo
 
     group_index: int | None = None
     index: int | None = None
@@ -72,7 +130,7 @@ class Sample:
     response: str = ""
     response_length: int = 0
     label: Any = None
-    reward: float | dict[str, float] | None = None
+    reward: float | dict[str, Any] | None = None
     loss_mask: list[int] | None = None
     weight_versions: list[str] = field(default_factory=list)
     rollout_log_probs: list[float] | None = None
@@ -81,6 +139,92 @@ class Sample:
     remove_sample: bool = False
     session_id: str | None = None
     rollout_routed_experts: Any = None  # slime: int32 ndarray [tokens - 1, layers, top_k]; ours: its base64
+    # slime's other fields (August 2026), with its defaults: carried for plug-ins that read or set
+    # them; the multimodal, top-p replay and teacher ones have no effect here (text models, no OPD)
+    multimodal_inputs: dict[str, Any] | None = None
+    multimodal_train_inputs: dict[str, Any] | None = None
+    multimodal_train_input_id: str | None = None
+    apply_chat_template_kwargs: dict = field(default_factory=dict)
+    rollout_top_p_token_ids: Any = None
+    rollout_top_p_token_offsets: Any = None
+    teacher_log_probs: list[float] | None = None
+    generate_function_path: str | None = None
+    custom_rm_path: str | None = None
+    train_metadata: dict | None = None
+    non_generation_time: float = 0.0
+    spec_info: SpecInfo = field(default_factory=lambda: SpecInfo())
+    prefix_cache_info: PrefixCacheInfo = field(default_factory=lambda: PrefixCacheInfo())
+
+    def get_reward_value(self, args: Any) -> Any:
+        """slime's: the reward, or its ``args.reward_key`` entry."""
+        key = getattr(args, "reward_key", None)
+        return self.reward if not key else self.reward[key]
+
+    @property
+    def effective_response_length(self) -> int:
+        return sum(self.loss_mask) if self.loss_mask is not None else self.response_length
+
+    def append_response_tokens(self, args: Any = None, *, tokens: Any = None, log_probs: Any = None,
+                               trainable: bool = True, meta_info: dict | None = None, text: str | None = None,
+                               update_terminal_info: bool = True) -> None:
+        """slime's: append response tokens with their mask and logprobs aligned. The policy's tokens come
+        with their logprobs (and SGLang's ``meta_info``: the status from its finish reason, the weight
+        version, the prefix-cache counts); a tool's or the environment's with ``trainable=False``
+        (mask 0, logprob 0.0)."""
+        tokens = [int(t) for t in (tokens.tolist() if hasattr(tokens, "tolist") else tokens or [])]
+        log_probs = None if log_probs is None else [
+            float(v) for v in (log_probs.tolist() if hasattr(log_probs, "tolist") else log_probs)]
+        if log_probs is not None and len(log_probs) != len(tokens):
+            raise ValueError(f"log_probs length {len(log_probs)} != tokens length {len(tokens)}")
+        if tokens and trainable and log_probs is None:
+            raise ValueError("trainable response tokens require rollout log probabilities.")
+        if tokens and not trainable:
+            if log_probs is not None:
+                raise ValueError("non-trainable response tokens should not pass rollout log probabilities.")
+            log_probs = [0.0] * len(tokens)
+        if text is not None:
+            self.response += text
+        before = self.response_length
+        if tokens:
+            self.tokens = list(self.tokens) + tokens
+            self.response_length += len(tokens)
+            self.loss_mask = (list(self.loss_mask) if self.loss_mask is not None else [1] * before) + \
+                [1 if trainable else 0] * len(tokens)
+        if log_probs is not None:
+            if self.rollout_log_probs is None:
+                if trainable and before:
+                    raise ValueError("Cannot append trainable rollout log probabilities to a sample with existing "
+                                     "response tokens but no existing rollout_log_probs.")
+                self.rollout_log_probs = [0.0] * before
+            self.rollout_log_probs = list(self.rollout_log_probs) + log_probs
+        if meta_info and update_terminal_info and "finish_reason" in meta_info:
+            self.prefix_cache_info.add(meta_info)
+            if "weight_version" in meta_info:
+                self.weight_versions.append(meta_info["weight_version"])
+            status = {"length": _Sample.Status.TRUNCATED, "abort": _Sample.Status.ABORTED,
+                      "stop": _Sample.Status.COMPLETED}.get((meta_info["finish_reason"] or {}).get("type"))
+            self.status = status or self.status
+        if self.loss_mask is not None and len(self.loss_mask) != self.response_length:
+            raise ValueError(f"loss_mask length {len(self.loss_mask)} != response_length {self.response_length}")
+
+    def to_dict(self) -> dict[str, Any]:
+        value = dict(self.__dict__)
+        value |= {"status": self.status.value, "spec_info": self.spec_info.to_dict(),
+                  "prefix_cache_info": self.prefix_cache_info.to_dict()}
+        return value
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> "Sample":
+        data = dict(data)
+        data["status"] = _Sample.Status(data["status"])
+        data["spec_info"] = SpecInfo.from_dict(data.get("spec_info", {}))
+        data["prefix_cache_info"] = PrefixCacheInfo.from_dict(data.get("prefix_cache_info", {}))
+        names = set(Sample.__dataclass_fields__)
+        sample = Sample(**{k: v for k, v in data.items() if k in names})
+        for key, value in data.items():  # slime keeps unknown keys as attributes
+            if key not in names:
+                setattr(sample, key, value)
+        return sample
 
 
 def from_inverted(sample: _Sample, cls: type | None = None) -> Any:
@@ -355,6 +499,80 @@ class DynamicFilterOutput:
 
     keep: bool
     reason: str | None = None
+    keep_when_insufficient: bool = False  # slime: kept when dropping it would leave the batch short
+
+
+def check_reward_nonzero_std(args: Any, samples: list[Any], **kwargs: Any) -> DynamicFilterOutput:
+    """slime's ``dynamic_sampling_filters.check_reward_nonzero_std``: keep a group whose rewards differ."""
+    rewards = [float(s.get_reward_value(args)) for s in samples]
+    mean = sum(rewards) / len(rewards)
+    # slime's torch.std: the sample standard deviation (n - 1), 0 for one sample's NaN
+    std = (sum((r - mean) ** 2 for r in rewards) / (len(rewards) - 1)) ** 0.5 if len(rewards) > 1 else float("nan")
+    keep = std > 1e-6
+    return DynamicFilterOutput(keep=keep, reason=None if keep else f"zero_std_{round(rewards[0], 1)}")
+
+
+def check_reward_nonzero_std_with_fallback(args: Any, samples: list[Any], **kwargs: Any) -> DynamicFilterOutput:
+    """slime's: the same, but a rejected group is kept when the batch would fall short without it."""
+    output = check_reward_nonzero_std(args, samples, **kwargs)
+    output.keep_when_insufficient = True
+    return output
+
+
+# -- slime.rollout.base_types and slime.utils.misc ------------------------------------------------
+
+
+@dataclass
+class RolloutFnTrainOutput:
+    """What slime's rollout functions return for training: the groups, and metrics to log."""
+
+    samples: list[list[Any]]
+    metrics: dict[str, Any] | None = None
+
+
+@dataclass
+class RolloutFnEvalOutput:
+    """What slime's rollout functions return for evaluation: per dataset name, its results."""
+
+    data: dict[str, dict[str, Any]]
+    metrics: dict[str, Any] | None = None
+
+
+def call_rollout_fn(fn: Any, *args: Any, evaluation: bool, **kwargs: Any) -> Any:
+    """slime's: call a rollout function and wrap a legacy return value in its output type."""
+    output = fn(*args, **kwargs, evaluation=evaluation)
+    if not isinstance(output, (RolloutFnTrainOutput, RolloutFnEvalOutput)):
+        output = RolloutFnEvalOutput(data=output) if evaluation else RolloutFnTrainOutput(samples=output)
+    return output
+
+
+@functools.cache
+def load_function(path: str) -> Any:
+    """slime's ``load_function("module.sub.name")``."""
+    module_path, _, attr = path.rpartition(".")
+    return getattr(importlib.import_module(module_path), attr)
+
+
+class SingletonMeta(type):
+    """slime's metaclass of a class with one instance."""
+
+    _instances: dict[type, Any] = {}
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if cls not in cls._instances:
+            cls._instances[cls] = super().__call__(*args, **kwargs)
+        return cls._instances[cls]
+
+    def clear_instances(cls) -> None:
+        cls._instances = {}
+
+
+def group_by(iterable: Any, key: Any = None) -> dict[Any, list[Any]]:
+    """slime's: items by ``key`` (no sorting needed, unlike itertools.groupby)."""
+    groups: dict[Any, list[Any]] = {}
+    for item in iterable:
+        groups.setdefault(key(item) if key is not None else item, []).append(item)
+    return groups
 
 
 # -- slime's module paths -------------------------------------------------------------------------
@@ -370,6 +588,12 @@ MODULES: dict[str, dict[str, Any] | str] = {
     "slime.rollout.sglang_rollout": {"GenerateState": GenerateState},
     "slime.rollout.filter_hub": {},
     "slime.rollout.filter_hub.base_types": {"DynamicFilterOutput": DynamicFilterOutput},
+    "slime.rollout.filter_hub.dynamic_sampling_filters": {
+        "check_reward_nonzero_std": check_reward_nonzero_std,
+        "check_reward_nonzero_std_with_fallback": check_reward_nonzero_std_with_fallback},
+    "slime.rollout.base_types": {"RolloutFnTrainOutput": RolloutFnTrainOutput,
+                                 "RolloutFnEvalOutput": RolloutFnEvalOutput, "call_rollout_fn": call_rollout_fn},
+    "slime.utils.misc": {"load_function": load_function, "SingletonMeta": SingletonMeta, "group_by": group_by},
     "slime.backends": {},
     "slime.backends.megatron_utils": {},
     "slime.backends.megatron_utils.loss": "inverted.train.slime_loss",

@@ -4,6 +4,7 @@ Nothing here knows inverted: the imports are slime's module paths, which the plu
 resolve to ``inverted.compat.slime`` (slime itself is not installed).
 """
 
+import asyncio
 import json
 import os
 import re
@@ -12,9 +13,11 @@ from pathlib import Path
 import torch
 
 from slime.backends.megatron_utils.loss import get_log_probs_and_entropy
+from slime.rollout.base_types import RolloutFnTrainOutput
 from slime.rollout.filter_hub.base_types import DynamicFilterOutput
 from slime.rollout.sglang_rollout import GenerateState
 from slime.utils.http_utils import post
+from slime.utils.misc import load_function
 from slime.utils.types import Sample
 
 from envs import calculator as calc
@@ -211,3 +214,38 @@ def rewards_as_given(args, samples):
     """Reward post-processing that keeps the raw rewards (no group normalisation)."""
     raw = [s.reward for s in samples]
     return raw, raw
+
+
+async def generate_current(args, sample: Sample, sampling_params: dict) -> Sample:
+    """``generate`` as slime's examples write it since August 2026 (search-r1, retool): the response grows
+    through ``Sample.append_response_tokens``, the model's tokens with their logprobs and SGLang's
+    ``meta_info`` (status, weight version), the tool's with ``trainable=False``."""
+    tokenizer = load_function("slime.rollout.sglang_rollout.GenerateState")(args).tokenizer
+    url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
+    messages = [{"role": "user", "content": sample.prompt}] if isinstance(sample.prompt, str) else list(sample.prompt)
+    sample.tokens = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False)
+    for turn in range(2):
+        output = await post(url, {"input_ids": sample.tokens, "sampling_params": sampling_params,
+                                  "return_logprob": True})
+        meta = output["meta_info"]
+        sample.append_response_tokens(args, tokens=output["output_ids"], text=output["text"], meta_info=meta,
+                                      log_probs=[logprob for logprob, _, _ in meta["output_token_logprobs"]])
+        if turn == 0:
+            expression = re.sub(r"[^0-9+\-*/() ]", "", messages[-1]["content"])
+            result = f"\n<tool_response>\n{calculator(expression)}\n</tool_response>\n"
+            sample.append_response_tokens(args, tokens=tokenizer(result, add_special_tokens=False)["input_ids"],
+                                          trainable=False, text=result)
+    sample.reward = {"score": float(len(sample.response) % 2), "parsed": sample.response[:8]}  # a dict, any values
+    return sample
+
+
+def rollout_current(args, rollout_id, data_buffer, evaluation=False):
+    """A rollout function as slime's own are written now: it plays each task with ``generate_current``
+    and answers ``RolloutFnTrainOutput`` (``slime.rollout.base_types``), not a bare list."""
+    groups = data_buffer.get_samples(args.rollout_batch_size)
+    params = {"max_new_tokens": args.rollout_max_response_len, "temperature": 1.0}
+    for group in groups:
+        for i, sample in enumerate(group):
+            group[i] = asyncio.run(generate_current(args, sample, params))
+    return RolloutFnTrainOutput(samples=groups, metrics={"custom/played": len(groups)})

@@ -189,3 +189,65 @@ def test_in_a_lora_run_slime_post_names_the_policy_adapter_on_generate():
     with serving(app) as url:
         answers = asyncio.run(calls(url))
     assert [a.get("lora_path") for a in answers] == [None, "policy", None, "mine"]
+
+
+def test_a_sample_grows_through_append_response_tokens_as_in_slime():
+    """slime's current ``Sample`` API (``slime/utils/types.py``, August 2026): the policy's tokens with
+    their logprobs and SGLang's ``meta_info``; a tool's with ``trainable=False`` (mask 0, logprob 0.0)."""
+    sample = slime.Sample(tokens=[1, 2, 3])
+    meta = {"finish_reason": {"type": "length", "length": 2}, "weight_version": "3", "cached_tokens": 2,
+            "prompt_tokens": 3, "completion_tokens": 2}
+    sample.append_response_tokens(None, tokens=[4, 5], log_probs=[-0.1, -0.2], text="ab", meta_info=meta)
+    sample.append_response_tokens(tokens=[6, 7], trainable=False, text="cd")
+    assert (sample.tokens, sample.response_length, sample.loss_mask) == ([1, 2, 3, 4, 5, 6, 7], 4, [1, 1, 0, 0])
+    assert sample.rollout_log_probs == [-0.1, -0.2, 0.0, 0.0] and sample.response == "abcd"
+    assert sample.status == slime.Sample.Status.TRUNCATED and sample.weight_versions == ["3"]
+    assert sample.prefix_cache_info.prefix_cache_hit_rate == 2 / 3 and sample.effective_response_length == 2
+    for bad, message in [({"tokens": [8]}, "require rollout log probabilities"),
+                         ({"tokens": [8], "trainable": False, "log_probs": [-1.0]}, "should not pass"),
+                         ({"tokens": [8, 9], "log_probs": [-1.0]}, "log_probs length 1 != tokens length 2")]:
+        with pytest.raises(ValueError, match=message):
+            sample.append_response_tokens(None, **bad)
+    # and it travels: our Sample keeps every token's version, slime's response text, the status
+    ours = slime.to_inverted(sample, [slime.GenerateCall((4, 5), "3")])
+    assert ours.weight_versions == ["3"] * 4 and ours.metadata["response"] == "abcd" and ours.loss_mask == [1, 1, 0, 0]
+    copy = slime.Sample.from_dict(sample.to_dict() | {"extra_key": 1})
+    assert copy.tokens == sample.tokens and copy.prefix_cache_info == sample.prefix_cache_info and copy.extra_key == 1
+
+
+def test_slime_reward_values_and_its_nonzero_std_filters():
+    args = slime.SlimeArgs.of(to_flags(BufferConfig(reward_key="score")))
+    from slime.rollout.filter_hub.dynamic_sampling_filters import (check_reward_nonzero_std,  # noqa: F401
+                                                                   check_reward_nonzero_std_with_fallback)
+
+    group = [slime.Sample(reward={"score": 1.0, "parsed": "4", "ok": True}), slime.Sample(reward={"score": 0.0})]
+    assert [s.get_reward_value(args) for s in group] == [1.0, 0.0]
+    assert check_reward_nonzero_std(args, group).keep
+    group[1].reward = {"score": 1.0, "parsed": None}
+    refused = check_reward_nonzero_std_with_fallback(args, group)
+    assert not refused.keep and refused.reason == "zero_std_1.0" and refused.keep_when_insufficient
+    # a reward dict with any JSON values is a valid Sample; the trainer reads --reward-key's number
+    sample = full_sample()
+    sample.reward = {"score": 0.5, "parsed": "4", "ok": True, "trace": [1, 2]}
+    sample.validate()
+    assert sample.scalar_reward("score") == 0.5 and sample.scalar_reward() == 0.5  # the sum of its numbers
+    with pytest.raises(SampleError, match="reward\\['parsed'\\] \\(--reward-key\\) is '4', not a number"):
+        sample.scalar_reward("parsed")
+
+
+def test_slime_rollout_outputs_and_misc_helpers():
+    from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput, call_rollout_fn
+    from slime.utils.misc import SingletonMeta, group_by, load_function
+
+    def legacy(args, rollout_id, data_buffer, evaluation=False):
+        return {"set": {"rewards": [1.0]}} if evaluation else [[slime.Sample()]]
+
+    assert isinstance(call_rollout_fn(legacy, None, 0, None, evaluation=False), RolloutFnTrainOutput)
+    assert call_rollout_fn(legacy, None, 0, None, evaluation=True) == RolloutFnEvalOutput(data={"set": {"rewards": [1.0]}})
+    assert load_function("inverted.compat.slime.group_by") is group_by
+    assert group_by([1, 2, 3, 4], key=lambda x: x % 2) == {1: [1, 3], 0: [2, 4]}
+
+    class One(metaclass=SingletonMeta):
+        pass
+
+    assert One() is One()

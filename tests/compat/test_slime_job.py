@@ -80,3 +80,29 @@ def test_slime_flags_we_do_not_have_and_wrong_plugins_fail_before_anything_start
         result = inverted(*base, *args, timeout=120)
         assert result.returncode == 2 and message in result.stderr, (args, result.stderr[-3000:])
         assert not (tmp_path / "run" / "buffer.db").exists()
+
+
+def test_plugins_in_slimes_current_style_run_unchanged(tiny_model, tmp_path):
+    """August 2026's slime: a rollout function answering ``RolloutFnTrainOutput``, whose generate
+    function grows each Sample with ``append_response_tokens`` and rewards it with a dict of any JSON
+    values; slime's own ``check_reward_nonzero_std`` filter, by its module path, reading ``--reward-key``."""
+    prompts = write_dataset(calculator_rows, tmp_path / "calc.jsonl", 8)
+    data = tmp_path / "rollout_{rollout_id}.jsonl"
+    check(inverted(
+        "train", "--debug-rollout-only", "--hf-checkpoint", str(tiny_model()), "--prompt-data", str(prompts),
+        "--rollout-function-path", f"{PLUGINS}.rollout_current", "--reward-key", "score",
+        "--dynamic-sampling-filter-path", "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std",
+        "--save-debug-rollout-data", str(data), "--output-dir", str(tmp_path / "run"), "--num-rollout", "1",
+        *SMALL_RUN))
+    saved = [Sample.from_json(json.loads(line)) for line in (tmp_path / "rollout_0.jsonl").read_text().splitlines()]
+    assert saved
+    for sample in saved:
+        sample.validate()
+        mask = sample.loss_mask
+        assert mask[0] == 1 and 0 in mask and mask[-1] == 1  # sampled, the tool's answer (trainable=False), sampled
+        assert all(lp == 0.0 for lp, m in zip(sample.rollout_log_probs, mask) if not m)
+        assert sample.weight_versions == ["default"] * sample.response_length  # from each call's meta_info
+        assert set(sample.reward) == {"score", "parsed"} and isinstance(sample.reward["parsed"], str)
+        assert sample.status in (Sample.Status.COMPLETED, Sample.Status.TRUNCATED)
+    for group in {s.group_index for s in saved}:  # the filter let through only groups whose scores differ
+        assert len({s.reward["score"] for s in saved if s.group_index == group}) > 1

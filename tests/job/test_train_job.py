@@ -114,7 +114,7 @@ def test_train_end_to_end_with_a_multi_turn_tool_env(tiny_model, tmp_path, calcu
     # Rollout 0 ran on the starting weights; rollout 1 on the weights synced after step 0.
     for (group, _), sample in samples.items():
         if sample.status == Sample.Status.FAILED:
-            expected = {1: "SampleError: reward['reward']: expected a finite number, got nan",
+            expected = {1: "SampleError: reward: expected a finite number or a dict, got nan",
                         2: "RuntimeError: the environment broke"}[group]
             assert sample.metadata["error"].startswith(expected)
             continue

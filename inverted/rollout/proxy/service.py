@@ -46,7 +46,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
-from pydantic import BaseModel, ConfigDict, Field, FiniteFloat
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, JsonValue
 from starlette.exceptions import HTTPException
 
 from inverted.auth import NO_DOCS, key_matches, presented_key, require_key
@@ -92,7 +92,7 @@ class CreateSessionsResponse(BaseModel):
 
 class RewardRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    reward: FiniteFloat | dict[str, FiniteFloat]
+    reward: FiniteFloat | dict[str, JsonValue]  # a dict: any JSON beside the numbers (types.Reward)
     finished: bool = True
 
 
@@ -100,7 +100,7 @@ class FinishRequest(BaseModel):
     """The episode's reward may come with the finish, saving the rollout a round trip."""
 
     model_config = ConfigDict(extra="forbid")
-    reward: FiniteFloat | dict[str, FiniteFloat] | None = None
+    reward: FiniteFloat | dict[str, JsonValue] | None = None
     only_last: bool = False  # answer with the last branch's Sample only (every branch is still kept)
 
 
