@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import queue
 import statistics
 import sys
 import time
@@ -78,8 +79,13 @@ def health_while(url: str, seconds: float, target: str | None = None, body: byte
             time.sleep(0.01)
     stop.set()
     refusals = []
-    if attacker:
-        attacker.join(300)
+    if attacker:  # drained while it ends: a child with unread results in its queue cannot exit
+        deadline = time.monotonic() + 300
+        while attacker.is_alive() and time.monotonic() < deadline:
+            try:
+                refusals.append(results.get(timeout=0.1))
+            except queue.Empty:
+                pass
         while not results.empty():
             refusals.append(results.get())
     latencies.sort()
@@ -200,8 +206,10 @@ def main() -> None:
             result[arm]["p99_over_idle"] = result[arm]["health_p99_ms"] / result[idle]["health_p99_ms"]
         result["engine_grammar"] = health_while(engine, args.seconds, engine + "/generate", grammar_body())
         peak = peak_rss_mb(procs["engine"])
+        httpx.post(engine + "/begin_weight_update", json={}).raise_for_status()  # where payloads are decoded
         result["engine_payload"] = health_while(engine, args.seconds, engine + "/update_weights_from_tensor",
                                                 payload_body())
+        httpx.post(engine + "/end_weight_update", json={}).raise_for_status()
         result["engine_payload"] |= {"peak_rss_mb_before": peak, "peak_rss_mb_after": peak_rss_mb(procs["engine"])}
         for arm in ("engine_grammar", "engine_payload"):
             result[arm]["p99_over_idle"] = result[arm]["health_p99_ms"] / result["idle_engine"]["health_p99_ms"]
