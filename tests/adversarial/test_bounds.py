@@ -7,6 +7,8 @@ two minutes and 9 GB, ``/health`` unanswered; a 20 MB chat message held the prox
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 import time
 from pathlib import Path
@@ -226,3 +228,44 @@ def test_a_weight_payload_that_asks_for_a_gigabyte_is_refused_before_it_is_alloc
     assert refused.status_code == 400 and "may not make a bytearray of a given size" in refused.text, refused.text
     assert peak_kb() - before < 200_000  # KiB
     assert health_latency(services.engine.url) < 1.0
+
+
+def test_a_large_schema_compiles_off_the_event_loop_once_and_others_are_served(services):
+    """A large schema (337 kB: ~0.6 s to compile here) compiles on a worker thread while /health answers,
+    and once: an ``n=16`` request of it (16 compiles on the event loop before: ~10 s of no answers),
+    then the same again, compile it once in all."""
+    engine = services.engine.url
+    properties = {f"field_{i}": {"type": "object", "properties": {f"x{j}": {"enum": [f"v{k}" for k in range(8)]}
+                                                                  for j in range(12)}} for i in range(400)}
+    schema = json.dumps({"type": "object", "properties": properties, "required": ["field_0"]})
+
+    def compiled() -> float:
+        lines = httpx.get(engine + "/metrics").text.splitlines()
+        return float(next(line.split()[1] for line in lines if line.startswith("inverted:grammars_compiled_total")))
+
+    before = compiled()
+    call = Beside(lambda: post_generate(engine, input_ids=[50, 51],
+                                        sampling_params={"max_new_tokens": 2, "json_schema": schema, "n": 16}))
+    latencies = call.health_while_running(engine, timeout=60)
+    assert len(call.result) == 16 and max(latencies) < 1.0, latencies
+    post_generate(engine, input_ids=[50, 52], sampling_params={"max_new_tokens": 2, "json_schema": schema})
+    assert compiled() - before == 1
+
+
+def post_generate(url: str, **body) -> list | dict:
+    response = httpx.post(url + "/generate", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_a_checkpoint_file_that_is_a_fifo_is_refused_unopened(services, tmp_path):
+    """A weight path whose safetensors file is a FIFO froze the engine until a writer came: now a 400 at
+    once, nothing loaded, and /health answered meanwhile."""
+    (tmp_path / "model.safetensors").unlink(missing_ok=True)
+    os.mkfifo(tmp_path / "model.safetensors")
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    call = Beside(lambda: httpx.post(services.engine.url + "/update_weights_from_disk", headers=admin, timeout=30,
+                                     json={"model_path": str(tmp_path), "weight_version": "fifo"}))
+    latencies = call.health_while_running(services.engine.url, timeout=10)
+    assert call.result.status_code == 400 and "not a regular file" in call.result.text, call.result.text
+    assert max(latencies, default=0.0) < 1.0

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 
 import httpx
@@ -188,35 +187,6 @@ def test_a_constrained_answer_reports_the_policys_own_logprobs(engine, tiny_mode
         assert all(m >= p - 1e-5 for m, p in zip(masked, policy)) and max(m - p for m, p in zip(masked, policy)) > 1
     plain = generate(engine, input_ids=[50, 51], return_logprob=True, sampling_params={"max_new_tokens": 3})
     assert "output_token_unconstrained_logprobs" not in plain["meta_info"]  # SGLang's answer, as it is
-
-
-def test_grammars_compile_off_the_event_loop_once_each(engine):
-    """A large schema (337 kB: ~0.6 s to compile here) compiles on a worker thread while /health answers,
-    and once: an ``n=16`` request of it (16 compiles on the event loop before: ~10 s of no answers),
-    then the same again, compile it once in all."""
-    properties = {f"field_{i}": {"type": "object", "properties": {f"x{j}": {"enum": [f"v{k}" for k in range(8)]}
-                                                                  for j in range(12)}} for i in range(400)}
-    schema = json.dumps({"type": "object", "properties": properties, "required": ["field_0"]})
-
-    def compiled() -> float:
-        lines = httpx.get(engine + "/metrics").text.splitlines()
-        return float(next(line.split()[1] for line in lines if line.startswith("inverted:grammars_compiled_total")))
-
-    before = compiled()
-    result: dict = {}
-    thread = threading.Thread(target=lambda: result.update(out=generate(
-        engine, input_ids=[50, 51], sampling_params={"max_new_tokens": 2, "json_schema": schema, "n": 16})))
-    thread.start()
-    probes = []
-    while thread.is_alive():
-        started = time.perf_counter()
-        assert httpx.get(engine + "/health", timeout=5).status_code == 200
-        probes.append(time.perf_counter() - started)
-        time.sleep(0.02)
-    thread.join()
-    assert len(result["out"]) == 16 and max(probes) < 1.0, probes
-    generate(engine, input_ids=[50, 52], sampling_params={"max_new_tokens": 2, "json_schema": schema})
-    assert compiled() - before == 1
 
 
 def test_text_prompt_and_stream_are_cumulative(engine):

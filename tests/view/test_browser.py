@@ -178,3 +178,20 @@ def test_filters_and_presets_change_the_table(served, page):
         page.locator("#samples td.link a").first.click()
     page.wait_for_selector("body[data-ready]")
     assert page.locator("#tokens .tok").count() > 0
+
+
+def test_the_run_page_follows_a_running_job(served, page):
+    """A row the job appends to metrics.jsonl appears on an open run page without a reload."""
+    import json
+
+    url, written, index = served
+    open_page(page, url + "/")
+    shown = int(page.get_attribute("body", "data-rows"))
+    row = {"step": len(written.metrics), "rollout/reward_mean": 0.75}
+    with open(index.run_dir / "metrics.jsonl", "a") as file:
+        file.write(json.dumps(row) + "\n")
+    written.metrics.append(row)
+    page.wait_for_function(f"Number(document.body.dataset.rows) === {shown + 1}", timeout=15_000)
+    x, y = page.evaluate("(() => { const t = document.getElementById('reward').data"
+                         ".find(t => t.name === 'rollout reward'); return [t.x, t.y]; })()")
+    assert x[-1] == row["step"] and y[-1] == 0.75
