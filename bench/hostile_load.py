@@ -217,10 +217,9 @@ def main() -> None:
             result[arm]["p99_over_idle"] = result[arm]["health_p99_ms"] / result["idle_engine"]["health_p99_ms"]
         many = json.dumps({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 8, "n": 100_000}}).encode()
         result["engine_n"] = health_while(engine, args.seconds, engine + "/generate", many)
-        result["engine_n"]["p99_over_idle"] = result["engine_n"]["health_p99_ms"] / result["idle_engine"]["health_p99_ms"]
         result["slow_clients"] = slow_clients_arm(engine, args.slow_clients, args.seconds)
-        result["slow_clients"]["p99_over_idle"] = (result["slow_clients"]["health_p99_ms"]
-                                                   / result["idle_engine"]["health_p99_ms"])
+        for arm in ("engine_n", "slow_clients"):
+            result[arm]["p99_over_idle"] = result[arm]["health_p99_ms"] / result["idle_engine"]["health_p99_ms"]
         result["sessions"] = sessions_arm(procs["proxy"], args.max_sessions)
         result["config"] = vars(args)
         print(json.dumps(result, indent=2))
