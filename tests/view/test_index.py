@@ -13,6 +13,7 @@ import time
 
 import httpx
 import numpy as np
+import orjson
 import pytest
 from fastapi.testclient import TestClient
 
@@ -202,3 +203,22 @@ def test_inverted_view_serves_a_run_on_loopback_behind_the_runs_own_key(run):
     finally:
         process.terminate()
         process.wait(10)
+
+
+def test_routed_experts_are_shown_per_token_when_the_model_has_them(run):
+    """A Mixture-of-Experts run's Samples carry SGLang's routed experts (``[tokens - 1, layers, top_k]``,
+    base64 of int32): the trajectory gives each token its experts per layer."""
+    from inverted.types import encode_routed_experts
+
+    path, written, index = run
+    sample = next(s for s in written.samples if not s.metadata)
+    routes = np.arange((len(sample.tokens) - 1) * 2 * 3).reshape(len(sample.tokens) - 1, 2, 3)
+    store = SQLiteStore(str(path / "buffer.db"), n_samples_per_prompt=N)
+    with store._tx() as db:  # as the proxy would have recorded it (a test of the reader, not the writer)
+        data = dict(sample.to_json(), rollout_routed_experts=encode_routed_experts(routes))
+        db.execute("UPDATE samples SET sample = ? WHERE group_index = ? AND sample_index = ?",
+                   (orjson.dumps(data), sample.group_index, sample.index))
+    store.close()
+    index.experts_shape = (2, 3)
+    got = index.trajectory(sample.group_index, sample.index, 0)
+    assert got["routed_experts"] == routes.tolist()
