@@ -37,8 +37,9 @@ from inverted.train.packing import MicroBatch
 
 def get_log_probs_and_entropy(logits: torch.Tensor, *, args: Any, unconcat_tokens: list[torch.Tensor],
                               total_lengths: list[int], response_lengths: list[int], with_entropy: bool = False,
-                              **_: Any) -> dict[str, list[torch.Tensor]]:
-    """Per sample, the response tokens' log-probs (and entropies) from slime-layout logits ``[1, T, V / tp]``."""
+                              **_: Any) -> tuple[torch.Tensor, dict[str, list[torch.Tensor]]]:
+    """Per sample, the response tokens' log-probs (and entropies) from slime-layout logits ``[1, T, V / tp]``,
+    as slime returns them: an empty tensor (its non-loss-data slot) and ``{"log_probs", "entropy"}``."""
     rows, targets, offset = [], [], 0
     for tokens, total, response in zip(unconcat_tokens, total_lengths, response_lengths):
         rows.append(torch.arange(offset + total - response - 1, offset + total - 1))
@@ -50,7 +51,7 @@ def get_log_probs_and_entropy(logits: torch.Tensor, *, args: Any, unconcat_token
     out = {"log_probs": list(logp.split(response_lengths))}
     if with_entropy:
         out["entropy"] = list(entropy.split(response_lengths))
-    return out
+    return torch.empty((0,), device=logits.device), out
 
 
 def sequences(mb: MicroBatch) -> tuple[list[torch.Tensor], list[int]]:

@@ -203,9 +203,9 @@ def half_and_reject_first(args, *, pg_loss, train_log_probs, rollout_log_probs, 
 
 def nll_loss(args, batch, logits, sum_of_sample_mean):
     """A custom loss: the negative log-likelihood of the response tokens (SFT), slime's way."""
-    log_probs = get_log_probs_and_entropy(logits, args=args, unconcat_tokens=batch["unconcat_tokens"],
-                                          total_lengths=batch["total_lengths"],
-                                          response_lengths=batch["response_lengths"])["log_probs"]
+    _, out = get_log_probs_and_entropy(logits, args=args, unconcat_tokens=batch["unconcat_tokens"],
+                                       total_lengths=batch["total_lengths"], response_lengths=batch["response_lengths"])
+    log_probs = out["log_probs"]
     loss = -sum_of_sample_mean(torch.cat(log_probs))
     return loss, {"nll": loss.detach()}
 
