@@ -236,7 +236,9 @@ async def generate_current(args, sample: Sample, sampling_params: dict) -> Sampl
             result = f"\n<tool_response>\n{calculator(expression)}\n</tool_response>\n"
             sample.append_response_tokens(args, tokens=tokenizer(result, add_special_tokens=False)["input_ids"],
                                           trainable=False, text=result)
-    sample.reward = {"score": float(len(sample.response) % 2), "parsed": sample.response[:8]}  # a dict, any values
+    # a dict of any values; the scores differ within odd groups only, so the filter has groups to drop
+    score = float(sample.index % 2) if sample.group_index % 2 else 0.0
+    sample.reward = {"score": score, "parsed": sample.response[:8]}
     return sample
 
 
