@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from inverted.engine.sampling import temperatures
 from inverted.errors import InvalidRequest
 
 CACHE_SIZE = 64  # compiled grammars kept per engine
@@ -92,7 +93,7 @@ class Grammars:
 def unconstrained_logprobs(logits_RV: torch.Tensor, tokens: list[int], params: list[Any]) -> list[float]:
     """Each row's token's logprob under its unmasked logits, at its temperature (as ``sampling.sample``
     scales them: greedy rows at 1)."""
-    temps = torch.tensor([1.0 if p.greedy else float(p.temperature) for p in params], device=logits_RV.device)
+    temps = temperatures(params, logits_RV.device)
     logprobs_RV = torch.log_softmax(logits_RV / temps[:, None], dim=-1)
     return logprobs_RV.gather(1, torch.tensor(tokens, device=logits_RV.device)[:, None])[:, 0].tolist()
 

@@ -130,6 +130,11 @@ def top_logprobs(logprobs_TV: torch.Tensor, ks: list[int]) -> list[TopLogprobs |
     return [list(zip(values[i][:k], ids[i][:k])) if k else None for i, k in enumerate(ks)]
 
 
+def temperatures(params: list[SamplingParams], device: torch.device | str) -> torch.Tensor:
+    """Each row's temperature, as its logprobs are scaled: a greedy row's at 1."""
+    return torch.tensor([1.0 if p.greedy else float(p.temperature) for p in params], device=device)
+
+
 def sample(
     logits_BV: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
     banned: list[list[int]], shared: torch.Generator, top_k_logprobs: list[int] | None = None,
@@ -143,7 +148,7 @@ def sample(
     for row, ids in enumerate(banned):
         if ids:
             logits_BV[row, ids] = float("-inf")
-    temps = torch.tensor([1.0 if p.greedy else float(p.temperature) for p in params], device=logits_BV.device)
+    temps = temperatures(params, logits_BV.device)
     logprobs_BV = torch.log_softmax(logits_BV / temps[:, None], dim=-1)
     chosen = logprobs_BV.argmax(dim=-1)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
