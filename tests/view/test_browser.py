@@ -32,15 +32,9 @@ PARTS = {"prompt": (232, 232, 232), "sampled": (186, 218, 255), "masked": (255, 
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, models_dir):
-    from inverted.config import TinyModelConfig
-    from inverted.tiny_model import make_tiny_model
-
-    checkpoint = models_dir / "qwen2-tiny-0"
-    if not (checkpoint / "config.json").exists():
-        make_tiny_model(TinyModelConfig(out=str(checkpoint), arch="qwen2", preset="tiny", seed=0))
+def served(tmp_path_factory, tiny_model):
     run = tmp_path_factory.mktemp("view") / "run"
-    written = write_run(run, checkpoint)
+    written = write_run(run, tiny_model("qwen2"))
     index, _ = open_run(ViewConfig(run_dir=str(run)))
     import uvicorn
 
