@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-from inverted.compat.slime import NOT_HERE
+from inverted.compat import slime_flags
 from inverted.config import (BufferConfig, EngineConfig, ExportConfig, ImportGGUFConfig, JobConfig, ProxyConfig,
                              ServersConfig, TinyModelConfig, ViewConfig, add_flags, build_section, load_yaml_defaults, resolve_paths,
                              split_passthrough)
@@ -100,17 +100,20 @@ def ray_token_auth() -> None:
         os.environ["RAY_AUTH_MODE"] = "token"
 
 
-def cmd_train(cfg: JobConfig, router_args: list[str], sglang_args: list[str]) -> None:
+def cmd_train(cfg: JobConfig, router_args: list[str], sglang_args: list[str],
+              slime: slime_flags.SlimeFlags | None = None) -> None:
     if cfg.train.debug_train_only:  # no servers: straight from saved rollout data
+        from inverted.controller.slime_args import apply
         from inverted.train.offline import run_offline
 
+        apply(cfg, slime, sglang_args, "embedded")
         run_offline(cfg.train)
         return
     spin_briefly()  # inherited by the engines and the trainer
     ray_token_auth()
     from inverted.controller import run
 
-    run(cfg, router_args, sglang_args, functools.partial(setup_logging, level=cfg.train.log_level))
+    run(cfg, router_args, sglang_args, functools.partial(setup_logging, level=cfg.train.log_level), slime)
 
 
 def cmd_export_hf(cfg: ExportConfig) -> None:
@@ -145,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="inverted", description="RL post-training where the environment drives the loop.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (section, _, help_text) in COMMANDS.items():
-        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        cmd = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         cmd.add_argument("--config", default=None, help="YAML file with the same keys as the flags (flags override it)")
         add_flags(cmd, section)
     return parser
@@ -162,22 +165,23 @@ def main(argv: list[str] | None = None) -> None:
         argv, router_args = split_passthrough(argv, "router", {"--router-host", "--router-port"})
         argv, sglang_args = split_passthrough(argv, "sglang")
     parser = build_parser()
-    for arg in argv:  # a slime flag we do not have: say so, and why, rather than "unrecognized"
-        name = arg.split("=", 1)[0][2:].replace("-", "_") if arg.startswith("--") else ""
-        if name in NOT_HERE:
-            parser.exit(2, f"inverted: error: --{name.replace('_', '-')} is a slime flag inverted does not have: "
-                           f"{NOT_HERE[name]} (docs/migrating-from-slime.md)\n")
     try:
-        args = parser.parse_args(argv)
+        if launches_servers:
+            argv = slime_flags.slime_forms(argv)
+        args, rest = parser.parse_known_args(argv)
         if args.config:
             load_yaml_defaults(parser._subparsers._group_actions[0].choices[args.command], args.config)
-            args = parser.parse_args(argv)
+            args, rest = parser.parse_known_args(argv)
+        if rest and args.command != "train":
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        # slime's train.py flags beyond inverted's: each implemented, accepted without effect, or refused with why
+        extra = [slime_flags.parse(rest, set(vars(args)))] if args.command == "train" else []
         section, run, _ = COMMANDS[args.command]
         cfg = build_section(section, args)
         resolve_paths(cfg)  # against this working directory, before any process starts elsewhere
         setup_logging(args.command, vars(args).get("log_level", "info"))  # commands without --log-level: info
         if launches_servers:
-            run(cfg, router_args, sglang_args)
+            run(cfg, router_args, sglang_args, *extra)
         else:
             run(cfg)
     except InvertedError as exc:

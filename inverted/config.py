@@ -350,6 +350,8 @@ class ServersConfig:
         _require(self.startup_timeout > 0, "--startup-timeout", self.startup_timeout, "> 0")
 
 
+SLIME_ARGS_HELP = "slime plug-ins' args, as a JSON object (inverted train sets it: the same in every process)"
+
 @dataclass(kw_only=True, slots=True)
 class BufferConfig:
     """The Data Buffer service: durable tasks and trajectories (SQLite), leases, groups, staleness."""
@@ -381,6 +383,7 @@ class BufferConfig:
     buffer_filter_path: str | None = option(
         None, "module:function(args, rollout_id, buffer, num_samples) -> groups: which waiting complete groups a batch "
               "takes (default: the oldest first)")
+    slime_args: str | None = option(None, SLIME_ARGS_HELP)
     log_level: Literal["debug", "info", "warning", "error"] = option("info", "log level")
 
     def __post_init__(self) -> None:
@@ -657,6 +660,7 @@ class TrainConfig:
     save_train_details: bool = option(
         True, "keep each trained Sample's recomputed log-probs and advantages in OUTPUT_DIR/train_details.db "
               "(for inverted view)")
+    slime_args: str | None = option(None, SLIME_ARGS_HELP)
     log_level: Literal["debug", "info", "warning", "error"] = option("info", "log level")
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -803,7 +807,9 @@ class JobConfig:
     # --output-dir), so they are not flags of ``inverted train``; these values only pass the
     # sections' checks until the controller replaces them.
     SETS: typing.ClassVar[dict[str, dict[str, Any]]] = {
-        "buffer": {"db": _SET_BY_JOB, "host": "127.0.0.1", "port": 8600, "api_key": None, "workers": 1},
+        "train": {"slime_args": None},
+        "buffer": {"db": _SET_BY_JOB, "host": "127.0.0.1", "port": 8600, "api_key": None, "workers": 1,
+                   "slime_args": None},
         "proxy": {"router_url": _SET_BY_JOB, "tokenizer": _SET_BY_JOB, "proxy_host": "127.0.0.1", "proxy_port": 8700,
                   "proxy_api_key": None, "router_api_key": None, "router_admin_api_key": None, "lora_name": None,
                   "return_routed_experts": False},

@@ -3,6 +3,7 @@
     InvertedError
     ├── ConfigError          a flag or config value is wrong (names the flag and the value)
     ├── PluginError          a ``module:function`` path cannot be loaded or has the wrong signature
+    │   └── PluginFailed         a plug-in raised while it ran (names it, holds its traceback)
     ├── SampleError          a Sample breaks an invariant (names the field)
     ├── ModelError           a checkpoint cannot be read or does not fit the model it is loaded into
     ├── InvalidRequest       a client's request breaks the contract (carries the status, OpenAI's ``param`` and ``code``)
@@ -35,6 +36,11 @@ class ConfigError(InvertedError):
 
 class PluginError(InvertedError):
     """A plug-in path could not be loaded or does not match its expected signature."""
+
+
+class PluginFailed(PluginError):
+    """A user plug-in raised while it ran. The message names its flag and path and holds its
+    traceback, wherever it ran (the buffer service passes it on to the job's console)."""
 
 
 class SampleError(InvertedError):

@@ -29,12 +29,13 @@ import asyncio
 import functools
 import importlib
 import inspect
+import traceback
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 from inverted.compat import slime
 from inverted.config import LossConfig, RolloutConfig
-from inverted.errors import PluginError
+from inverted.errors import PluginError, PluginFailed
 from inverted.types import Reward, Sample, Task
 
 
@@ -75,21 +76,52 @@ class Keywords:
     flag: str
 
 
-def load_plugin(path: str, *, flag: str, params: list[str], keywords: Keywords | None = None) -> Callable[..., Any]:
+def load_plugin(path: str, *, flag: str, params: list[str], keywords: Keywords | None = None,
+                guard: bool = True) -> Callable[..., Any]:
     """Import ``path`` and check that it accepts ``params`` positionally (extra defaults are fine)."""
-    return load_forms(path, flag=flag, forms={"": params}, keywords=keywords)[1]
+    return load_forms(path, flag=flag, forms={"": params}, keywords=keywords, guard=guard)[1]
 
 
-def load_optional(path: str | None, *, flag: str, params: list[str],
-                  keywords: Keywords | None = None) -> Callable[..., Any] | None:
+def load_optional(path: str | None, *, flag: str, params: list[str], keywords: Keywords | None = None,
+                  guard: bool = True) -> Callable[..., Any] | None:
     """``load_plugin`` for a flag that may be unset (None then)."""
-    return load_plugin(path, flag=flag, params=params, keywords=keywords) if path else None
+    return load_plugin(path, flag=flag, params=params, keywords=keywords, guard=guard) if path else None
+
+
+def guarded(fn: Callable[..., Any], flag: str, path: str) -> Callable[..., Any]:
+    """``fn`` whose exceptions become ``PluginFailed``: the flag, the path and the plug-in's traceback,
+    which then reach the job's console from whichever process ran it."""
+    def failed(exc: Exception) -> PluginFailed:
+        trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next))  # less this frame
+        return PluginFailed(f"{flag}={path!r} raised {type(exc).__name__}: {exc}\n{trace.rstrip()}")
+
+    if inspect.iscoroutinefunction(fn):
+        @functools.wraps(fn)
+        async def call_async(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return await fn(*args, **kwargs)
+            except PluginFailed:
+                raise
+            except Exception as exc:  # noqa: BLE001 - whatever user code raises
+                raise failed(exc) from exc
+        return call_async
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except PluginFailed:
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever user code raises
+            raise failed(exc) from exc
+    return call
 
 
 def load_forms(path: str, *, flag: str, forms: dict[str, list[str]],
-               keywords: Keywords | None = None) -> tuple[str, Callable[..., Any]]:
+               keywords: Keywords | None = None, guard: bool = True) -> tuple[str, Callable[..., Any]]:
     """Import ``path`` and name the first of ``forms`` (name -> parameters) its signature accepts;
-    with ``keywords``, the function returned has them bound."""
+    with ``keywords``, the function returned has them bound. ``guard``: its exceptions become
+    ``PluginFailed`` (``guarded``); an environment's are left as they are (they fail one episode)."""
     attr = path.replace(":", ".").rpartition(".")[2] or "fn"
     expected = " or ".join(_signature(params, attr) for params in forms.values())
     fn = _import(path, flag=flag, expected=expected)
@@ -105,7 +137,7 @@ def load_forms(path: str, *, flag: str, forms: dict[str, list[str]],
         fn = functools.partial(fn, **keywords.values)
     for name, params in forms.items():
         if _fits(fn, params):
-            return name, fn
+            return name, guarded(fn, flag, path) if guard else fn
     if any(p.kind is p.KEYWORD_ONLY and p.default is p.empty for p in inspect.signature(fn).parameters.values()):
         expected += f" (its keyword-only arguments come from {keywords.flag if keywords else 'the command line'})"
     raise PluginError(f"{flag}={path!r}: signature {signature} does not match {expected}")
@@ -140,10 +172,10 @@ SLIME_PARAMS = ["args", "rollout_id", "data_buffer"]
 class SlimeDataBuffer:
     """What slime's ``generate_rollout`` expects as ``data_buffer``: leased tasks as groups of slime Samples."""
 
-    def __init__(self, tasks: list[Task]) -> None:
+    def __init__(self, tasks: list[Task], args: Any = None) -> None:
         groups: dict[int, list[Any]] = {}
         for task in tasks:
-            sample = slime.from_inverted(task.new_sample())
+            sample = slime.from_inverted(task.new_sample(), args=args)
             sample.metadata.setdefault("tools", task.tools)
             groups.setdefault(task.group_index, []).append(sample)
         self._groups = list(groups.values())
@@ -180,9 +212,13 @@ def required_flags(fn: RolloutFunction) -> tuple[str, ...]:
 
 def _adapt_slime(fn: Callable[..., Any]) -> RolloutFunction:
     async def run_slime(ctx: RolloutContext, tasks: list[Task]) -> list[Sample]:
-        buffer = SlimeDataBuffer(tasks)
-        groups = await asyncio.to_thread(fn, ctx.slime_args, ctx.rollout_id, buffer, evaluation=ctx.evaluation)
-        groups = getattr(groups, "samples", groups)  # slime's RolloutFnTrainOutput, or its groups as they are
+        buffer = SlimeDataBuffer(tasks, ctx.slime_args)
+        output = await asyncio.to_thread(fn, ctx.slime_args, ctx.rollout_id, buffer, evaluation=ctx.evaluation)
+        # slime's RolloutFnTrainOutput / RolloutFnEvalOutput, or what they wrap: groups, or for evaluation
+        # {dataset: {"rewards", "truncated", "samples"}}
+        groups = output.samples if hasattr(output, "samples") else getattr(output, "data", output)
+        if isinstance(groups, dict):
+            groups = [result["samples"] for result in groups.values()]
         return [as_inverted(s) for group in groups for s in (group if isinstance(group, list) else [group])]
 
     return run_slime
@@ -213,7 +249,7 @@ class RewardModel:
             groups: dict[Any, list[Sample]] = {}
             for sample in todo:
                 groups.setdefault(sample.group_index, []).append(sample)
-            answers = await asyncio.gather(*(_call(self.fn, args, [slime.from_inverted(s) for s in group])
+            answers = await asyncio.gather(*(_call(self.fn, args, [slime.from_inverted(s, args=args) for s in group])
                                              for group in groups.values()))
             for group, rewards in zip(groups.values(), answers):
                 if len(rewards) != len(group):
@@ -221,7 +257,7 @@ class RewardModel:
                 for sample, reward in zip(group, rewards):
                     sample.reward = reward
             return
-        calls = [_call(self.fn, s) if self.form == "ours" else _call(self.fn, args, slime.from_inverted(s))
+        calls = [_call(self.fn, s) if self.form == "ours" else _call(self.fn, args, slime.from_inverted(s, args=args))
                  for s in todo]
         for sample, reward in zip(todo, await asyncio.gather(*calls)):
             sample.reward = reward
@@ -254,6 +290,7 @@ class LossPlugins:
                                             total_lengths=0, response_lengths=0)
             except (TypeError, ValueError) as exc:
                 raise PluginError(f"--custom-tis-function-path={path!r}: expected {expected} ({exc})") from None
+            tis = guarded(tis, "--custom-tis-function-path", path)
         return cls(
             loss=(load_optional(cfg.custom_loss_function_path, flag="--custom-loss-function-path",
                                 params=["args", "batch", "logits", "sum_of_sample_mean"])

@@ -73,7 +73,7 @@ async def generate_rollout(ctx: RolloutContext, tasks: list[Task]) -> list[Sampl
 
     async def custom(task: Task) -> Sample:
         start = task.partial if task.partial is not None else task.new_sample()
-        view = slime.from_inverted(start)
+        view = slime.from_inverted(start, args=ctx.slime_args)
         if task.tools:
             view.metadata.setdefault("tools", task.tools)
         calls = slime.record_calls()  # this task's router answers (each gather task has its own context)

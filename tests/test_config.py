@@ -55,7 +55,7 @@ FROZEN_FLAGS = {
                      "--admin-api-key", "--num-threads", "--random-seed", "--log-requests", "--weight-update-timeout", "--log-level",
                      "--max-request-bytes", "--enable-lora", "--max-lora-rank", "--lora-target-modules", "--max-loras-per-batch", "--max-loaded-loras", "--lora-paths",
                      "--enable-return-routed-experts", "--max-queued-requests"},
-    "buffer": {"--config", "--db", "--host", "--port", "--api-key", "--reward-key", "--prompt-data", "--input-key", "--label-key",
+    "buffer": {"--slime-args", "--config", "--db", "--host", "--port", "--api-key", "--reward-key", "--prompt-data", "--input-key", "--label-key",
                "--metadata-key", "--tool-key", "--n-samples-per-prompt", "--rollout-shuffle", "--rollout-seed",
                "--num-epoch", "--workers", "--lease-seconds", "--partial-rollout", "--stale-policy",
                "--dynamic-sampling-filter-path", "--log-level", "--buffer-max-request-bytes", "--buffer-filter-path"},

@@ -48,7 +48,7 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("inverted.types", ("inverted.errors",)),
     ("inverted.config", ("inverted.types", "inverted.errors")),
     ("inverted.plugins", ("inverted.types", "inverted.errors", "inverted.config", "inverted.compat")),
-    ("inverted.compat", ("inverted.types", "inverted.errors", "inverted.hf_checkpoint")),
+    ("inverted.compat", ("inverted.compat", "inverted.types", "inverted.errors", "inverted.hf_checkpoint")),
     ("inverted.metrics", ("inverted.errors",)),
     ("inverted.http_client", ("inverted.errors",)),
     ("inverted.hf_checkpoint", ("inverted.errors",)),

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 
 from inverted.buffer.service import build_store
 from inverted.config import BufferConfig
-from inverted.errors import ConfigError, PluginError
+from inverted.errors import ConfigError, PluginError, PluginFailed
 from inverted.plugins import load_plugin, load_rollout_function, required_flags
 from inverted.types import Sample
 
@@ -65,8 +67,19 @@ def test_the_built_in_rollout_functions_load_through_their_paths(path, needs):
 
     module, _, name = path.partition(":")
     fn = load_rollout_function(path)
-    assert fn is getattr(importlib.import_module(module), name)
+    assert fn.__wrapped__ is getattr(importlib.import_module(module), name)  # guarded: its errors name it
     assert required_flags(fn) == needs  # the job refuses to start without them
+
+
+def test_a_plugins_exception_names_the_plugin_and_keeps_its_traceback():
+    fn = load_plugin("tests.compat.slime_plugins:broken_filter", flag="--dynamic-sampling-filter-path",
+                     params=["args", "samples"])
+    with pytest.raises(PluginFailed) as failed:
+        fn(None, [types.SimpleNamespace(reward=None)])
+    message = str(failed.value)
+    assert message.startswith("--dynamic-sampling-filter-path='tests.compat.slime_plugins:broken_filter' raised "
+                              "TypeError: 'NoneType' object is not subscriptable\nTraceback (most recent call last):")
+    assert 'slime_plugins.py", line' in message and "guarded" not in message  # its frames, not the wrapper's
 
 
 def slime_rollout(args, rollout_id, data_buffer, evaluation=False):
@@ -93,7 +106,8 @@ def test_slime_rollout_functions_are_adapted_to_the_contract():
     tasks = [Task(lease_id="l", group_index=g, index=2 * g + i, prompt_index=g, prompt="p", tools=[{"t": g}])
              for g in range(3) for i in range(2)]
     ctx = RolloutContext(rollout_id=7, config=RolloutConfig(), proxy_url="", proxy_api_key=None, router_url="",
-                         hf_checkpoint="", sampling={}, evaluation=True, slime_args=argparse.Namespace(rollout_batch_size=3))
+                         hf_checkpoint="", sampling={}, evaluation=True,
+                         slime_args=argparse.Namespace(rollout_batch_size=3, n_samples_per_prompt=2, apply_chat_template=False))
     samples = asyncio.run(fn(ctx, tasks))
     assert [(s.group_index, s.index, s.reward) for s in samples] == [(t.group_index, t.index, 7.0) for t in tasks]
     assert samples[2].metadata["seen"] == (True, [{"t": 1}])

@@ -14,7 +14,8 @@ from typing import Any
 
 import orjson
 
-from inverted.http_client import HTTPService
+from inverted.errors import PluginFailed, ProtocolError
+from inverted.http_client import HTTPService, Reply
 from inverted.types import Sample, Task
 
 
@@ -30,6 +31,20 @@ class Batch:
 
 
 class BufferClient(HTTPService):
+    async def request(self, *args: Any, **kwargs: Any) -> Reply:
+        """``HTTPService.request``; a plug-in's failure inside the service is raised here as the
+        ``PluginFailed`` it was there (its flag, path and traceback), not as a bare status 500."""
+        try:
+            return await super().request(*args, **kwargs)
+        except ProtocolError as exc:
+            try:
+                error = orjson.loads(exc.body)["error"]
+            except (orjson.JSONDecodeError, KeyError, TypeError):
+                raise exc from None
+            if error.get("type") == "plugin_error":
+                raise PluginFailed(f"in the Data Buffer service: {error['message']}") from None
+            raise
+
     async def health(self) -> bool:
         return await self.probe("/health", self.timeouts.health)
 

@@ -39,7 +39,7 @@ def load_group_filter(config: BufferConfig) -> GroupFilter | None:
     if form == "ours":
         return fn
     args = slime.SlimeArgs.of(to_flags(config))
-    return lambda samples: bool(fn(args, [slime.from_inverted(s) for s in samples]).keep)
+    return lambda samples: bool(fn(args, [slime.from_inverted(s, args=args) for s in samples]).keep)
 
 
 def load_group_chooser(config: BufferConfig) -> GroupChooser | None:
@@ -52,7 +52,7 @@ def load_group_chooser(config: BufferConfig) -> GroupChooser | None:
     args = slime.SlimeArgs.of(to_flags(config))
 
     def choose(groups: list[list[Sample]], wanted: int, version: int | None) -> list[int]:
-        views = [[slime.from_inverted(s) for s in group] for group in groups]
+        views = [[slime.from_inverted(s, args=args) for s in group] for group in groups]
         position = {id(group): i for i, group in enumerate(views)}
         chosen = fn(args, version or 0, list(views), wanted)
         if any(id(group) not in position for group in chosen):

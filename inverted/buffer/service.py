@@ -40,7 +40,7 @@ from inverted.buffer.datasets import load_prompts
 from inverted.buffer.filters import load_group_chooser, load_group_filter
 from inverted.buffer.store import SQLiteStore
 from inverted.config import BufferConfig
-from inverted.errors import LeaseConflict, SampleError, Unauthorized
+from inverted.errors import LeaseConflict, PluginFailed, SampleError, Unauthorized
 from inverted.limits import BodyLimit
 from inverted.processes import UVICORN_OPTIONS, freeze_startup_heap, serve_workers
 from inverted.types import Sample, version_number
@@ -175,6 +175,10 @@ def create_app(config: BufferConfig) -> FastAPI:
     @app.exception_handler(SampleError)
     async def sample_error(_: Request, exc: SampleError) -> JSONResponse:
         return _error(422, str(exc), "invalid_sample", str(exc).split(":", 1)[0])
+
+    @app.exception_handler(PluginFailed)
+    async def plugin_failed(_: Request, exc: PluginFailed) -> JSONResponse:  # the job shows it, traceback and all
+        return _error(500, str(exc), "plugin_error")
 
     @app.exception_handler(LeaseConflict)
     async def lease_conflict(_: Request, exc: LeaseConflict) -> JSONResponse:

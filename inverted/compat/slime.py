@@ -11,8 +11,8 @@ four things, and this module is each of them:
   slime's ``weight_versions`` holds one version per generate call, ours one per response token:
   ``to_inverted`` spreads the calls' versions over the tokens each call sampled (``post`` records
   the router's answers), so every token keeps the version that sampled it.
-- ``args``: ``SlimeArgs``, the job's flags under slime's attribute names, read-only. A slime flag
-  inverted does not have is an ``AttributeError`` that names it and says why.
+- ``args``: ``SlimeArgs``, slime's namespace: the job's flags under slime's attribute names, the
+  slime flags given, slime's default for every other (``compat.slime_flags``).
 - ``post(url, payload, max_retries=60, headers=None)`` and ``get(url)`` (``slime.utils.http_utils``):
   slime's behaviour (every failure retried once a second, the JSON answer returned). In a LoRA
   run a ``/generate`` that names no adapter is sent with the policy's, and every call to the job's
@@ -36,6 +36,7 @@ import contextvars
 import functools
 import importlib
 import importlib.util
+import json
 import logging
 import sys
 import types
@@ -44,6 +45,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from inverted.compat import slime_flags
 from inverted.errors import SampleError
 from inverted.types import Sample as _Sample
 from inverted.types import encode_routed_experts
@@ -227,19 +229,47 @@ class Sample:
         return sample
 
 
-def from_inverted(sample: _Sample, cls: type | None = None) -> Any:
-    """Our Sample as slime's: the class plug-ins import (``sample_class``), unless ``cls`` is given."""
+def from_inverted(sample: _Sample, cls: type | None = None, args: Any = None) -> Any:
+    """Our Sample as slime's: the class plug-ins import (``sample_class``), unless ``cls`` is given.
+
+    With the job's ``args``, as slime's rollout would have it: ``index`` counts across the dataset
+    (slime numbers every sample it hands out; ours is the place in the group, kept for the way
+    back), ``response`` is the response tokens' text where no rollout set it, and with
+    ``--apply-chat-template`` a chat prompt is the template's text (slime renders it when it reads
+    the dataset).
+    """
     cls = cls or sample_class()
     metadata = dict(sample.metadata)
     moved = {name: metadata.pop(name, default) for name, default in META_FIELDS.items()}
-    view = cls(group_index=sample.group_index, index=sample.index, prompt=sample.prompt, tokens=list(sample.tokens),
+    index, prompt = sample.index, sample.prompt
+    if args is not None:
+        index = sample.group_index * args.n_samples_per_prompt + sample.index
+        if not moved["response"] and sample.response_length:
+            moved["response"] = _tokenizer_of(args).decode(sample.tokens[-sample.response_length:])
+        if args.apply_chat_template and isinstance(prompt, list):
+            prompt = _tokenizer_of(args).apply_chat_template(
+                prompt, tools=metadata.get("tools"), tokenize=False, add_generation_prompt=True,
+                **(args.apply_chat_template_kwargs or {}))
+    view = cls(group_index=sample.group_index, index=index, prompt=prompt, tokens=list(sample.tokens),
                response_length=sample.response_length, label=sample.label, reward=sample.reward,
                loss_mask=list(sample.loss_mask), rollout_log_probs=list(sample.rollout_log_probs),
                weight_versions=_calls_of(sample.weight_versions), status=cls.Status(sample.status.value),
                metadata=metadata, session_id=sample.session_id, **moved)
     view.rollout_routed_experts = sample.rollout_routed_experts  # slime's newer field; an attribute on older ones
     view._token_versions = list(sample.weight_versions)  # exact per-token versions, for the way back
+    view._index = sample.index  # our index (the place in the group), for the way back
     return view
+
+
+def _tokenizer_of(args: Any) -> Any:
+    return _tokenizer(args.hf_checkpoint, getattr(args, "chat_template", None))
+
+
+@functools.cache
+def _tokenizer(path: str, chat_template: str | None) -> Any:
+    from inverted.hf_checkpoint import load_tokenizer
+
+    return load_tokenizer(path, chat_template)
 
 
 def to_inverted(view: Any, calls: list[GenerateCall] | None = None) -> _Sample:
@@ -256,7 +286,8 @@ def to_inverted(view: Any, calls: list[GenerateCall] | None = None) -> _Sample:
         value = getattr(view, name, default)
         if value != default:
             metadata[name] = value
-    return _Sample(group_index=view.group_index, index=view.index, prompt=view.prompt, tokens=list(view.tokens),
+    return _Sample(group_index=view.group_index, index=getattr(view, "_index", view.index), prompt=view.prompt,
+                   tokens=list(view.tokens),
                    response_length=n, loss_mask=mask, rollout_log_probs=list(view.rollout_log_probs or []),
                    weight_versions=token_versions(view, mask, calls or []), reward=view.reward,
                    status=_Sample.Status(getattr(view.status, "value", view.status)), label=view.label,
@@ -318,28 +349,10 @@ def token_versions(view: Any, mask: list[int], calls: list[GenerateCall]) -> lis
 
 # -- args ------------------------------------------------------------------------------------------
 
-# slime flags that have no counterpart here, and why (the rest of slime's flags are simply absent).
-NOT_HERE: dict[str, str] = {
-    "data_source_path": "inverted's Data Buffer is a durable service (SQLite, leases, restarts); prompts come "
-                        "from --prompt-data, and --buffer-filter-path chooses which complete groups are trained",
-    "rollout_all_samples_process_path": "Samples are stored in the Data Buffer as they finish; read them there "
-                                        "(--save-debug-rollout-data) or in --custom-rollout-log-function-path",
-    "rollout_data_postprocess_path": "the trainer computes log-probs inside its own step; change Samples before "
-                                     "training with --rollout-sample-filter-path",
-    "custom_convert_samples_to_train_data_path": "Samples are the training data itself: the trainer packs them "
-                                                 "(prefix sharing, balancing) and no dict of lists exists",
-    "custom_megatron_init_path": "the trainer builds Megatron itself inside a Ray actor; not a plug-in point",
-    "custom_megatron_before_log_prob_hook_path": "not a plug-in point of inverted's trainer",
-    "custom_megatron_before_train_step_hook_path": "not a plug-in point of inverted's trainer",
-    "rm_type": "the rule-based reward models are libraries here (reasoning-gym, math-verify): wrap one in "
-               "--custom-rm-path",
-    "use_rollout_logprobs": "inverted recomputes the old log-probs (or uses the live ones with one optimizer "
-                            "step); TIS (--use-tis) corrects against the rollout's",
-}
-
-
 class SlimeArgs:
-    """The job's flags under slime's attribute names (``args.rollout_max_response_len``), read-only."""
+    """slime's ``args``: the job's flags under slime's names (``args.rollout_max_response_len``), the slime
+    flags given beyond inverted's, and slime's default for every other flag of its ``train.py``
+    (``compat.slime_flags``). A plug-in may set attributes on its copy, as slime's do."""
 
     def __init__(self, values: dict[str, Any]) -> None:
         object.__setattr__(self, "_values", dict(values))
@@ -347,14 +360,15 @@ class SlimeArgs:
     @classmethod
     def of(cls, *flag_dicts: dict[str, Any], router_url: str | None = None,
            router_api_key: str | None = None) -> "SlimeArgs":
-        """From our sections' flags (``config.to_flags``); slime's names for the knobs we name otherwise.
-        ``router_api_key``: the key the job's router takes on /generate, as ``args.router_api_key``
-        (``post`` sends it; a plug-in with an HTTP client of its own sends it as a bearer token)."""
+        """From our sections' flags (``config.to_flags``), over the job's whole namespace where a section
+        carries it (``slime_args``, set by ``inverted train``). ``router_api_key``: the key the job's
+        router takes on /generate, as ``args.router_api_key`` (``post`` sends it; a plug-in with an HTTP
+        client of its own sends it as a bearer token)."""
         values: dict[str, Any] = {}
         for flags in flag_dicts:
-            values.update(flags)
-        if "loss_aggregation" in values:
-            values["calculate_per_token_loss"] = values["loss_aggregation"] == "token_mean"
+            values |= json.loads(flags.get("slime_args") or "{}")
+        for flags in flag_dicts:
+            values |= {k: v for k, v in flags.items() if k != "slime_args" and k not in values}
         if router_url:
             host, _, port = router_url.split("//")[-1].rpartition(":")
             values.update(sglang_router_ip=host, sglang_router_port=int(port))
@@ -363,22 +377,27 @@ class SlimeArgs:
         return cls(values)
 
     def __getattr__(self, name: str) -> Any:
-        try:
-            return self._values[name]
-        except KeyError:
-            flag = "--" + name.replace("_", "-")
-            why = NOT_HERE.get(name, "it has no counterpart among inverted's flags")
-            raise AttributeError(f"args.{name}: slime's {flag} is not in inverted ({why}); see "
-                                 "docs/migrating-from-slime.md") from None
+        values = object.__getattribute__(self, "_values")
+        if name in values:
+            return values[name]
+        flag = slime_flags.table().get(name)
+        if flag is not None:
+            return flag.default
+        raise AttributeError(f"args.{name}: not a flag of slime's train.py nor of inverted; see "
+                             "docs/migrating-from-slime.md") from None
 
     def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(f"args.{name}: args is read-only in inverted (the job's flags, fixed at start-up)")
+        self._values[name] = value
 
     def __contains__(self, name: str) -> bool:
+        return name in self._values or name in slime_flags.table()
+
+    def is_set(self, name: str) -> bool:
+        """Whether the job set ``name`` (a flag of inverted's, or a slime flag given), not slime's default."""
         return name in self._values
 
     def __repr__(self) -> str:
-        return f"SlimeArgs({len(self._values)} flags)"
+        return f"SlimeArgs({len(self._values)} flags given, slime's defaults for the rest)"
 
 
 # -- the router helpers ---------------------------------------------------------------------------
@@ -477,14 +496,16 @@ class GenerateState:
 
     def __new__(cls, args: Any) -> "GenerateState":
         if cls._instance is None or cls._instance.args is not args:
-            from inverted.hf_checkpoint import load_tokenizer
-
             state = super().__new__(cls)
             state.args = args
             # slime's own args have no --chat-template (nor has an args built from a few sections)
-            state.tokenizer = load_tokenizer(args.hf_checkpoint, getattr(args, "chat_template", None))
+            state.tokenizer = _tokenizer_of(args)
             state.processor = None
-            state.semaphore = asyncio.Semaphore(args.rollout_concurrency)
+            # slime's --sglang-server-concurrency is per server; without it, our --rollout-concurrency
+            concurrency = args.rollout_concurrency
+            if isinstance(args, SlimeArgs) and args.is_set("sglang_server_concurrency"):
+                concurrency = args.sglang_server_concurrency * max(1, args.rollout_num_gpus // args.rollout_num_gpus_per_engine)
+            state.semaphore = asyncio.Semaphore(concurrency)
             state.sampling_params = {
                 "temperature": args.rollout_temperature, "top_p": args.rollout_top_p, "top_k": -1,
                 "max_new_tokens": args.rollout_max_response_len, "skip_special_tokens": False,
@@ -611,7 +632,16 @@ def install() -> bool:
     """Make slime's module paths import from here, unless the real slime is installed; True if they do."""
     if slime_installed():
         return False
-    for name, names in MODULES.items():
+    from inverted.compat import slime_rollout  # slime's rollout-side modules (they import this one)
+
+    modules = dict(MODULES)
+    for name, names in slime_rollout.MODULES.items():
+        modules[name] = {**modules.get(name, {}), **names}
+    for name in sorted(modules):  # parents first
+        parent = name.rpartition(".")[0]
+        if parent and parent not in modules:
+            modules[parent] = {}
+    for name, names in sorted(modules.items()):
         if name not in sys.modules:
             module = types.ModuleType(name, f"slime's {name} as provided by inverted.compat.slime")
             module.__inverted__ = True

@@ -27,6 +27,8 @@ from typing import Callable
 import yaml
 
 from inverted.buffer.filters import load_group_chooser, load_group_filter
+from inverted.compat.slime_flags import SlimeFlags
+from inverted.controller import slime_args
 from inverted.config import JobConfig, to_flags
 from inverted.controller.async_loop import AsyncLoop
 from inverted.controller.job import Job, Plugins
@@ -36,12 +38,16 @@ from inverted.errors import ConfigError
 from inverted.metrics import MetricsSink, build_metrics_sink, plot_rewards
 from inverted.plugins import LossPlugins
 from inverted.processes import freeze_startup_heap
+from inverted.rollout.servers import resolve_backend
 
 logger = logging.getLogger(__name__)
 
 
-def run(cfg: JobConfig, router_args: list[str], sglang_args: list[str], log_setup: Callable[[str], None]) -> None:
-    """``inverted train``: check everything, then run the loop with every part started."""
+def run(cfg: JobConfig, router_args: list[str], sglang_args: list[str], log_setup: Callable[[str], None],
+        slime: SlimeFlags | None = None) -> None:
+    """``inverted train``: check everything, then run the loop with every part started. ``slime``: the
+    flags of slime's train.py given beyond inverted's (``controller.slime_args``)."""
+    sglang_args = slime_args.apply(cfg, slime, sglang_args, resolve_backend(cfg.servers))
     cfg.validate()
     checkpoint = Path(cfg.train.hf_checkpoint)
     if not (checkpoint / "config.json").is_file():  # never taken for a hub id: nothing is downloaded

@@ -72,7 +72,8 @@ class Plugins:
     @classmethod
     def load(cls, cfg: RolloutConfig) -> "Plugins":
         env = load_optional(cfg.env_path, flag="--env-path", params=["task", "client"],
-                            keywords=Keywords(json.loads(cfg.env_args or "{}"), "--env-args"))
+                            keywords=Keywords(json.loads(cfg.env_args or "{}"), "--env-args"),
+                            guard=False)  # an environment's exception fails its episode only
         if env is not None and not inspect.iscoroutinefunction(env):
             raise PluginError(f"--env-path={cfg.env_path!r}: expected 'async def {getattr(env, '__name__', 'episode')}"
                               "(task, client) -> reward'")

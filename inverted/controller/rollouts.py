@@ -94,7 +94,7 @@ def filter_samples(plugins: Plugins, args: Any, samples: list[Sample]) -> None:
         return
     groups: dict[Any, list[tuple[Sample, Any]]] = {}
     for sample in samples:
-        groups.setdefault(sample.group_index, []).append((sample, slime.from_inverted(sample)))
+        groups.setdefault(sample.group_index, []).append((sample, slime.from_inverted(sample, args=args)))
     plugins.sample_filter(args, [[view for _, view in group] for group in groups.values()])
     for sample, view in (pair for group in groups.values() for pair in group):
         if view.remove_sample:
@@ -107,7 +107,7 @@ def log_rollout(plugins: Plugins, args: Any, rollout_id: int, samples: list[Samp
     ``rollout/*`` metrics are left out of the row (slime: it did the logging itself)."""
     if plugins.rollout_log is None:
         return metrics
-    views = [slime.from_inverted(s) for s in samples]
+    views = [slime.from_inverted(s, args=args) for s in samples]
     if plugins.rollout_log(rollout_id, args, views, dict(metrics), seconds):
         return {k: v for k, v in metrics.items() if not k.startswith("rollout/")}
     return metrics
@@ -209,7 +209,7 @@ async def evaluate(cfg: JobConfig, job: Job, plugins: Plugins, rollout_id: int) 
         usable = [s for s in samples if s.status != Sample.Status.FAILED]
         data = {Path(cfg.rollout.eval_prompt_data).stem: {
             "rewards": rewards, "truncated": [s.status == Sample.Status.TRUNCATED for s in usable],
-            "samples": [slime.from_inverted(s) for s in usable]}}
+            "samples": [slime.from_inverted(s, args=ctx.slime_args) for s in usable]}}
         if plugins.eval_log(rollout_id, ctx.slime_args, data, dict(metrics)):
             return {}
     return metrics

@@ -10,7 +10,9 @@ these adapters translate, one micro-batch at a time:
   ``seq_mean_token_mean``).
 - ``--custom-pg-loss-reducer-function-path``: the reducer's value for the micro-batch, divided by
   the samples of the optimizer step (slime divides by ``--global-batch-size``), is the
-  policy-gradient term; KL and entropy keep the aggregation.
+  policy-gradient term; KL and entropy keep the aggregation. The reducer is told
+  ``calculate_per_token_loss`` as slime's ``args`` has it (False unless the flag is given); when
+  True, the division is by the step's trained tokens, as Megatron's per-token loss.
 - ``--custom-tis-function-path``: gets the policy-gradient loss per token and the per-sample
   log-probs and masks, returns the reweighted loss and masks. A token whose mask it zeroes leaves
   the loss; with ``seq_mean_token_mean`` its sample's other tokens are renormalised, as slime
@@ -75,11 +77,12 @@ def custom_loss(fn: Callable[..., Any], args: Any, mb: MicroBatch, logits: torch
 
 
 def reduce_pg(reducer_of: Callable[..., Any], mb: MicroBatch, pg: torch.Tensor, mask: torch.Tensor,
-              step_samples: int, per_token_loss: bool) -> torch.Tensor:
-    """The policy-gradient term of one micro-batch through slime's reducer (divided as slime divides)."""
+              divisor: int, per_token_loss: bool) -> torch.Tensor:
+    """The policy-gradient term of one micro-batch through slime's reducer, divided as slime divides:
+    by the optimizer step's samples, or with ``--calculate-per-token-loss`` by its trained tokens."""
     _, totals = sequences(mb)
     reducer = reducer_of(totals, list(mb.response_lengths), list(mask.split(mb.response_lengths)), per_token_loss)
-    return reducer(pg) / step_samples
+    return reducer(pg) / divisor
 
 
 def custom_tis(fn: Callable[..., Any], args: Any, mb: MicroBatch, pg: torch.Tensor, old: torch.Tensor,

@@ -108,6 +108,7 @@ class PerToken:
     staleness: dict[int, torch.Tensor]  # policy version minus the token's sampling version
     weight: dict[int, torch.Tensor] = field(default_factory=dict)  # set per optimizer step
     step_samples: int = 0  # samples in the optimizer step (all ranks), set per step
+    step_tokens: int = 0  # their trained tokens, set per step (slime's per-token loss divides by them)
     loss_scale: float = 1.0  # what the loss is multiplied by for backward (see ``_scale_aux_loss``)
     recorded: dict[int, torch.Tensor] | None = None  # the trainer's log-probs, kept for train_details.db
 
@@ -335,7 +336,7 @@ class Trainer:
         rewards = torch.tensor([s.scalar_reward(loss.reward_key) for s in samples], dtype=torch.float32)
         if self.plugins.reward_post_process is not None:  # slime's: these rewards are the normalised ones
             _, processed = self.plugins.reward_post_process(
-                self.slime_args, [slime.from_inverted(s) for s in samples])
+                self.slime_args, [slime.from_inverted(s, args=self.slime_args) for s in samples])
             rewards = torch.tensor([float(r) for r in processed], dtype=torch.float32)
 
         if self.replay is not None and cfg.moe.use_rollout_routing_replay:
@@ -353,7 +354,7 @@ class Trainer:
         advantages = losses.compute_advantages(
             loss.advantage_estimator, rewards, [s.group_index for s in samples], masks, kl_reward, loss.kl_coef,
             loss.gamma, std_normalize=not loss.disable_grpo_std_normalization,
-            baseline=self.plugins.reward_post_process is None)
+            baseline=self.plugins.reward_post_process is None and self.slime_args.rewards_normalization)
 
         tokens = PerToken(
             mask=dict(enumerate(masks)), advantage=dict(enumerate(advantages)), old_logp=old_logp, ref_logp=ref_logp,
@@ -369,6 +370,7 @@ class Trainer:
             tokens.weight = {i: w.to(self.device) for i, w in zip(
                 span, losses.token_weights(loss.loss_aggregation, masks[span.start:span.stop]))}
             tokens.step_samples = len(span)
+            tokens.step_tokens = int(sum(masks[i].sum() for i in span))
             tokens.loss_scale = self._scale_aux_loss(step.micro_batches)
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
@@ -451,8 +453,9 @@ class Trainer:
             tis = losses.tis_weights(old, rollout, cfg.tis_clip_low, cfg.tis_clip) if cfg.use_tis else torch.ones_like(pg)
             pg = pg * tis
         kl = losses.kl_penalty(logp, ref, cfg.kl_loss_type) if ref is not None else torch.zeros_like(pg)
-        pg_term = (slime_loss.reduce_pg(plugins.reducer, mb, pg, mask, tokens.step_samples,
-                                        cfg.loss_aggregation == "token_mean")
+        per_token = self.slime_args.calculate_per_token_loss  # slime's default: False, a per-sample mean
+        pg_term = (slime_loss.reduce_pg(plugins.reducer, mb, pg, mask,
+                                        tokens.step_tokens if per_token else tokens.step_samples, per_token)
                    if plugins.reducer is not None else (weight * pg).sum())
         if plugins.loss is None:
             loss = pg_term - cfg.entropy_coef * (weight * entropy).sum()

@@ -165,14 +165,18 @@ def log_rollout(rollout_id, args, samples, rollout_extra_metrics, rollout_time) 
 
 
 def eval_rollout(args, rollout_id, data_buffer, evaluation=False):
-    """A slime rollout function for evaluation only (--eval-function-path): scores every task 0.5."""
+    """A slime rollout function for evaluation only (--eval-function-path): scores every task 0.5, and
+    answers as slime's eval functions did before ``RolloutFnEvalOutput``: a dict of datasets."""
     groups = data_buffer.get_samples(len(data_buffer._groups))
     for group in groups:
         for sample in group:
             sample.tokens, sample.response_length = [1, 2], 1
             sample.loss_mask, sample.rollout_log_probs, sample.weight_versions = [1], [-0.1], ["0"]
             sample.reward, sample.status = (0.5 if evaluation else 0.0), Sample.Status.COMPLETED
-    return groups
+    if not evaluation:
+        return groups
+    samples = [sample for group in groups for sample in group]  # slime's (legacy) evaluation answer
+    return {"calc": {"rewards": [s.reward for s in samples], "truncated": [False] * len(samples), "samples": samples}}
 
 
 def log_eval(rollout_id, args, data, extra_metrics) -> bool:
@@ -190,6 +194,17 @@ def get_pg_loss_reducer(total_lengths, response_lengths, loss_masks, calculate_p
     """Dr. GRPO: each sample's token sum divided by one constant, not by its own length."""
     def reducer(x: torch.Tensor) -> torch.Tensor:
         return sum((part * mask).sum() for part, mask in zip(x.split(response_lengths), loss_masks)) / DR_GRPO_DIVISOR
+    return reducer
+
+
+def sum_of_sample_mean(total_lengths, response_lengths, loss_masks, calculate_per_token_loss=False):
+    """slime's own reducer (``cp_utils.get_sum_of_sample_mean`` without context parallelism): each
+    sample's mean over its tokens, summed; with ``calculate_per_token_loss``, the plain token sum."""
+    def reducer(x: torch.Tensor) -> torch.Tensor:
+        parts = zip(x.split(response_lengths), loss_masks)
+        if calculate_per_token_loss:
+            return sum((part * mask).sum() for part, mask in parts)
+        return sum((part * mask).sum() / torch.clamp_min(mask.sum(), 1) for part, mask in parts)
     return reducer
 
 
@@ -251,3 +266,41 @@ def rollout_current(args, rollout_id, data_buffer, evaluation=False):
         for i, sample in enumerate(group):
             group[i] = asyncio.run(generate_current(args, sample, params))
     return RolloutFnTrainOutput(samples=groups, metrics={"custom/played": len(groups)})
+
+
+NOTED_ARGS = ("num_layers", "use_wandb", "wandb_project", "sglang_mem_fraction_static", "max_turns", "reward_key",
+              "rollout_batch_size", "calculate_per_token_loss", "use_rollout_logprobs", "rm_type")
+
+
+def note_args(args, where: str) -> None:
+    """Write what this process's ``args`` holds (``args.args_log``, set by ``--custom-config-path``)."""
+    Path(f"{args.args_log}.{where}").write_text(json.dumps({name: getattr(args, name) for name in NOTED_ARGS}))
+
+
+def oldest_first_noting_args(args, rollout_id, buffer: list[list[Sample]], num_samples: int) -> list[list[Sample]]:
+    """A buffer filter (it runs in the buffer service) that notes its ``args`` and takes the oldest groups."""
+    note_args(args, "buffer")
+    return buffer[:num_samples]
+
+
+def rollout_noting_args(args, rollout_id, data_buffer, evaluation=False):
+    note_args(args, "rollout")
+    return rollout_current(args, rollout_id, data_buffer, evaluation)
+
+
+def broken_filter(args, samples, **kwargs) -> DynamicFilterOutput:
+    """A dynamic-sampling filter with a bug (it runs in the buffer service)."""
+    return DynamicFilterOutput(keep=samples[0].reward["no_such_key"] > 0)
+
+
+def rollout_by_slimes_default_path(args, rollout_id, data_buffer, evaluation=False):
+    """A rollout function that hands each group to slime's own ``generate_and_rm_group``."""
+    from slime.rollout.sglang_rollout import generate_and_rm_group
+
+    params = {"max_new_tokens": args.rollout_max_response_len, "temperature": args.rollout_temperature,
+              "top_p": args.rollout_top_p}
+
+    async def play(groups):
+        return await asyncio.gather(*(generate_and_rm_group(args, group, params, evaluation) for group in groups))
+
+    return RolloutFnTrainOutput(samples=list(asyncio.run(play(data_buffer.get_samples(args.rollout_batch_size)))))

@@ -76,17 +76,19 @@ def test_each_token_gets_the_version_of_the_call_that_sampled_it():
         slime.to_inverted(view)
 
 
-def test_args_are_slime_names_read_only_and_missing_flags_say_why():
+def test_args_are_slimes_namespace_with_slimes_defaults():
     args = slime.SlimeArgs.of(to_flags(RolloutConfig(rollout_max_response_len=77)), to_flags(BufferConfig()),
                               {"loss_aggregation": "token_mean"}, router_url="http://127.0.0.1:4321")
     assert (args.rollout_max_response_len, args.n_samples_per_prompt, args.rollout_temperature) == (77, 1, 1.0)
-    assert (args.sglang_router_ip, args.sglang_router_port, args.calculate_per_token_loss) == ("127.0.0.1", 4321, True)
-    with pytest.raises(AttributeError, match=r"--data-source-path is not in inverted \(inverted's Data Buffer"):
-        args.data_source_path
-    with pytest.raises(AttributeError, match="--use-wandb is not in inverted"):
-        args.use_wandb
-    with pytest.raises(AttributeError, match="read-only"):
-        args.rollout_max_response_len = 1
+    assert (args.sglang_router_ip, args.sglang_router_port) == ("127.0.0.1", 4321)
+    # slime's flags that were not given, at slime's defaults: our token_mean is no per-token loss in slime's terms
+    assert (args.calculate_per_token_loss, args.use_wandb, args.rm_type, args.use_rollout_logprobs) == \
+        (False, False, None, False)
+    assert "rm_type" in args and hasattr(args, "num_layers")
+    with pytest.raises(AttributeError, match="args.no_such_flag: not a flag of slime's train.py nor of inverted"):
+        args.no_such_flag
+    args.rollout_max_response_len = 1  # a plug-in may set attributes on its copy, as slime's do
+    assert args.rollout_max_response_len == 1
 
 
 def test_slime_module_paths_resolve_here():
@@ -251,3 +253,25 @@ def test_slime_rollout_outputs_and_misc_helpers():
         pass
 
     assert One() is One()
+
+
+def test_with_the_jobs_args_a_sample_reads_as_slimes_rollout_gives_it(tiny_model):
+    """``index`` counts across the dataset, ``response`` is the response's text (a reward function that
+    reads it graded nothing before), ``--apply-chat-template`` renders a chat prompt; back, our place
+    in the group returns."""
+    from transformers import AutoTokenizer
+
+    model = str(tiny_model("qwen2"))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    chat = [{"role": "user", "content": "What is 2 + 3?"}]
+    reply = tokenizer("It is 5.", add_special_tokens=False)["input_ids"]
+    ours = Sample(group_index=3, index=1, prompt=chat, tokens=[7, 8, *reply], response_length=len(reply),
+                  loss_mask=[1] * len(reply), rollout_log_probs=[-0.5] * len(reply), weight_versions=["1"] * len(reply))
+    args = slime.SlimeArgs({"hf_checkpoint": model, "n_samples_per_prompt": 4})
+    view = slime.from_inverted(ours, args=args)
+    assert (view.index, view.response, view.prompt) == (3 * 4 + 1, "It is 5.", chat)
+    assert slime.to_inverted(view).index == 1
+    args.apply_chat_template = True
+    assert slime.from_inverted(ours, args=args).prompt == tokenizer.apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=True)
+    assert slime.from_inverted(ours).response == "" and slime.from_inverted(ours).index == 1  # no args: as stored

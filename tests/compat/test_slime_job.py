@@ -62,7 +62,9 @@ def test_slime_flags_we_do_not_have_and_wrong_plugins_fail_before_anything_start
     prompts = write_dataset(calculator_rows, tmp_path / "calc.jsonl", 2)
     base = ["train", "--hf-checkpoint", str(tiny_model()), "--prompt-data", str(prompts), "--output-dir", str(tmp_path / "run")]
     for args, message in [
-        (["--data-source-path", "x:y"], "--data-source-path is a slime flag inverted does not have: inverted's Data Buffer"),
+        (["--data-source-path", "x:y"], "--data-source-path='x:y' is a slime flag inverted does not have: inverted's Data Buffer"),
+        (["--num-layers", "5"], "slime's model flags do not describe --hf-checkpoint: --num-layers 5 != 2"),
+        (["--sglang-config", "/nonexistent.yaml"], "--sglang-config='/nonexistent.yaml': inverted starts --num-engines"),
         (["--custom-generate-function-path", f"{PLUGINS}:group_rm"], "does not match def group_rm(args, sample, sampling_params)"),
         (["--custom-generate-function-path", f"{PLUGINS}:generate", "--rollout-function-path",
           "rollout_functions.subprocess_agent:generate_rollout"],
@@ -88,12 +90,27 @@ def test_plugins_in_slimes_current_style_run_unchanged(tiny_model, tmp_path):
     values; slime's own ``check_reward_nonzero_std`` filter, by its module path, reading ``--reward-key``."""
     prompts = write_dataset(calculator_rows, tmp_path / "calc.jsonl", 8)
     data = tmp_path / "rollout_{rollout_id}.jsonl"
-    check(inverted(
+    custom = tmp_path / "custom.yaml"
+    custom.write_text(f"args_log: {tmp_path / 'args'}\nmax_turns: 2\n")
+    slime_launch = ["--num-layers", "2", "--hidden-size", "64", "--swiglu", "--use-wandb", "--wandb-project", "p",
+                    "--sglang-mem-fraction-static", "0.7", "--custom-config-path", str(custom)]
+    result = inverted(
         "train", "--debug-rollout-only", "--hf-checkpoint", str(tiny_model()), "--prompt-data", str(prompts),
-        "--rollout-function-path", f"{PLUGINS}.rollout_current", "--reward-key", "score",
+        "--rollout-function-path", f"{PLUGINS}.rollout_noting_args", "--reward-key", "score",
         "--dynamic-sampling-filter-path", "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std",
+        "--buffer-filter-path", f"{PLUGINS}:oldest_first_noting_args",
         "--save-debug-rollout-data", str(data), "--output-dir", str(tmp_path / "run"), "--num-rollout", "1",
-        *SMALL_RUN))
+        *SMALL_RUN, *slime_launch)
+    check(result)
+    # slime's args is one namespace, the same in the rollout function's process and the buffer service's
+    noted = json.loads((tmp_path / "args.rollout").read_text())
+    assert noted == json.loads((tmp_path / "args.buffer").read_text())
+    assert noted == {"num_layers": 2, "use_wandb": True, "wandb_project": "p", "sglang_mem_fraction_static": 0.7,
+                     "max_turns": 2, "reward_key": "score", "rollout_batch_size": 2, "calculate_per_token_loss": False,
+                     "use_rollout_logprobs": False, "rm_type": None}
+    for line in ("slime flags accepted with no effect here", "--use-wandb=True: metrics go to",
+                 "--sglang-mem-fraction-static=0.7: a setting of real SGLang"):
+        assert line in result.stderr
     saved = [Sample.from_json(json.loads(line)) for line in (tmp_path / "rollout_0.jsonl").read_text().splitlines()]
     assert saved
     for sample in saved:
@@ -106,3 +123,17 @@ def test_plugins_in_slimes_current_style_run_unchanged(tiny_model, tmp_path):
         assert sample.status in (Sample.Status.COMPLETED, Sample.Status.TRUNCATED)
     for group in {s.group_index for s in saved}:  # the filter let through only groups whose scores differ
         assert group % 2 and len({s.reward["score"] for s in saved if s.group_index == group}) > 1
+
+
+def test_a_plugins_exception_in_the_buffer_reaches_the_console_with_its_traceback(tiny_model, tmp_path):
+    """It was a bare ``status=500`` in the job, the traceback only in the buffer service's log."""
+    prompts = write_dataset(calculator_rows, tmp_path / "calc.jsonl", 4)
+    result = inverted("train", "--debug-rollout-only", "--hf-checkpoint", str(tiny_model()), "--prompt-data",
+                      str(prompts), "--custom-generate-function-path", f"{PLUGINS}:generate",
+                      "--dynamic-sampling-filter-path", f"{PLUGINS}:broken_filter", "--output-dir", str(tmp_path / "run"),
+                      "--num-rollout", "1", *SMALL_RUN)
+    assert result.returncode == 2, result.stderr[-3000:]
+    error = result.stderr[result.stderr.index("inverted train: error:"):]
+    assert ("in the Data Buffer service: --dynamic-sampling-filter-path='tests.compat.slime_plugins:broken_filter' "
+            "raised TypeError: 'NoneType' object is not subscriptable") in error, error
+    assert 'slime_plugins.py", line' in error and "in broken_filter" in error and "no_such_key" in error

@@ -52,6 +52,33 @@ def test_dr_grpo_reducer_divides_by_its_constant(tiny_model, tmp_path, samples):
     assert metrics["train/pg_loss"] == pytest.approx(expected, rel=1e-5)
 
 
+@pytest.mark.parametrize("per_token", [False, True])
+def test_slimes_reducer_is_told_slimes_calculate_per_token_loss(tiny_model, tmp_path, samples, per_token):
+    """slime's default is a per-sample mean (``calculate_per_token_loss`` False, whatever our
+    ``--loss-aggregation``), divided by the step's samples; with ``--calculate-per-token-loss`` the
+    token sum, divided by the step's tokens. Told True by default, the reducer's loss was ~length x off."""
+    import json
+
+    metrics = one_step(tiny_model, tmp_path, samples, custom_pg_loss_reducer_function_path=f"{PLUGINS}:sum_of_sample_mean",
+                       slime_args=json.dumps({"calculate_per_token_loss": True}) if per_token else None)
+    advantages = grpo_advantages(samples)
+    if per_token:
+        expected = sum(-a * s.loss_mask.count(1) for a, s in zip(advantages, samples)) / \
+            sum(s.loss_mask.count(1) for s in samples)
+    else:
+        expected = sum(-a for a in advantages) / len(samples)
+    assert metrics["train/pg_loss"] == pytest.approx(expected, rel=1e-5, abs=1e-7)
+
+
+def test_disable_rewards_normalization_trains_on_the_raw_rewards(tiny_model, tmp_path, samples):
+    import json
+
+    metrics = one_step(tiny_model, tmp_path, samples, slime_args=json.dumps({"rewards_normalization": False}))
+    tokens = sum(s.loss_mask.count(1) for s in samples)
+    expected = sum(-s.reward * s.loss_mask.count(1) for s in samples) / tokens
+    assert metrics["train/pg_loss"] == pytest.approx(expected, rel=1e-5)
+
+
 def test_custom_tis_reweights_and_rejects(tiny_model, tmp_path, samples):
     metrics = one_step(tiny_model, tmp_path, samples, custom_tis_function_path=f"{PLUGINS}:half_and_reject_first")
     tokens = sum(s.loss_mask.count(1) for s in samples)  # token_mean: the denominators stay the original ones

@@ -1,0 +1,94 @@
+"""slime's flags on the job: what ``inverted train`` does with the slime flags it was given.
+
+``compat.slime_flags`` knows every flag of slime's ``train.py`` and what each does here; ``apply``
+acts on the ones given, before any process starts:
+
+- the ones inverted implements through its own config set it (``--num-steps-per-rollout`` the
+  global batch, ``--rollout-max-context-len`` the context length, ``--sglang-max-running-requests``
+  the embedded engines', ``--rm-type`` the reward model: slime's ``rm_hub.async_rm``), and
+  ``--custom-config-path``'s YAML keys join ``args`` as in slime;
+- Megatron's model-shape flags are checked against the checkpoint;
+- ``--sglang-*`` are planned for the backend the servers will run (``slime_flags.plan_sglang``);
+- the ones that change nothing here are listed once, in the log, with why.
+
+slime plug-ins see one ``args`` in every process: the job's flags under slime's names, the slime
+flags given, and slime's defaults for the rest. ``cfg.train.slime_args`` and
+``cfg.buffer.slime_args`` carry it to the trainer and the buffer service as JSON; no key is in it
+(the buffer's travels on a command line).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from inverted.compat import slime_flags
+from inverted.config import JobConfig, to_flags
+from inverted.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+SECTIONS = ("train", "rollout", "buffer", "proxy", "servers")
+
+
+def apply(cfg: JobConfig, flags: slime_flags.SlimeFlags | None, sglang_args: list[str], backend: str) -> list[str]:
+    """Act on the given slime flags (see the module docstring); returns the ``--sglang-*`` flags
+    (without the prefix) that real SGLang servers get."""
+    given = dict(flags.given if flags else {})
+    ours = {name for section in SECTIONS for name in to_flags(getattr(cfg, section))}
+    if path := given.get("custom_config_path"):
+        given |= _custom_config(path, ours)
+    plan = slime_flags.plan_sglang(sglang_args, backend)
+    for name, value in plan.settings.items():  # the embedded engines' own flags
+        _set_once(cfg, ("servers",), name, value, f"--sglang-{name.replace('_', '-')}")
+    given |= plan.slime
+    if steps := given.get("num_steps_per_rollout"):
+        samples = cfg.rollout.rollout_batch_size * cfg.buffer.n_samples_per_prompt
+        if samples % steps:
+            raise ConfigError(f"--num-steps-per-rollout {steps}: must divide --rollout-batch-size x "
+                              f"--n-samples-per-prompt = {samples}")
+        _set_once(cfg, ("train",), "global_batch_size", samples // steps, "--num-steps-per-rollout")
+    if length := given.get("rollout_max_context_len"):
+        _set_once(cfg, ("servers", "proxy"), "context_length", length, "--rollout-max-context-len")
+    if given.get("rm_type") and not cfg.rollout.custom_rm_path:  # slime's default reward path
+        cfg.rollout.custom_rm_path = "slime.rollout.rm_hub.async_rm"
+    slime_flags.check_model(given, cfg.train.hf_checkpoint)
+    ignored = [*slime_flags.SlimeFlags(given).listing(), *plan.ignored]
+    if ignored:
+        logger.warning("slime flags accepted with no effect here:\n  %s", "\n  ".join(ignored))
+    namespace: dict[str, Any] = {}
+    for section in SECTIONS:
+        namespace |= {k: v for k, v in to_flags(getattr(cfg, section)).items()
+                      if not k.endswith("api_key") and k != "slime_args"}
+    cfg.train.slime_args = cfg.buffer.slime_args = json.dumps(namespace | given)
+    return plan.forward
+
+
+def _custom_config(path: str, ours: set[str]) -> dict[str, Any]:
+    """slime's ``--custom-config-path``: a YAML mapping whose keys are set on ``args``."""
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"--custom-config-path {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--custom-config-path {path}: expected a YAML mapping of args names to values")
+    mine = sorted(set(data) & ours)
+    if mine:  # slime's args is its whole config; here inverted reads its own flags only from the command line
+        raise ConfigError(f"--custom-config-path {path}: {mine} are inverted's flags: give them on the command line "
+                          "(or in --config)")
+    return {str(k): v for k, v in data.items()}
+
+
+def _set_once(cfg: JobConfig, sections: tuple[str, ...], name: str, value: Any, flag: str) -> None:
+    """Set ``name`` in ``sections`` from a slime flag, unless inverted's own flag set it otherwise."""
+    for section in sections:
+        part = getattr(cfg, section)
+        default = type(part).__dataclass_fields__[name].default
+        current = getattr(part, name)
+        if current not in (default, value):
+            raise ConfigError(f"{flag} {value!r} disagrees with --{name.replace('_', '-')} {current!r}")
+        setattr(part, name, value)
