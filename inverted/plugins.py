@@ -45,6 +45,8 @@ def _import(path: str, *, flag: str, expected: str) -> Callable[..., Any]:
         module_name, _, attr = path.rpartition(".")
     if not module_name or not attr:
         raise PluginError(f"{flag}={path!r}: expected 'module:function' with signature {expected}")
+    if why := slime.PLUGINS_NOT_HERE.get(f"{module_name}.{attr}"):
+        raise PluginError(f"{flag}={path!r}: slime's plug-in, which inverted does not run: {why}")
     slime.install()
     try:
         fn = getattr(importlib.import_module(module_name), attr)

@@ -22,8 +22,11 @@ four things, and this module is each of them:
 - ``DynamicFilterOutput`` (``slime.rollout.filter_hub.base_types``), and the trainer's
   ``get_log_probs_and_entropy`` (``slime.backends.megatron_utils.loss``, from ``train.slime_loss``).
 
-``install()`` makes ``import slime.utils.types`` (and the other paths above) resolve here when the
-real slime is not installed, so a plug-in changes not one line. Where slime *is* installed, its
+``install()`` makes ``import slime.utils.types`` (and the other paths above, and those of
+``compat.slime_rollout``) resolve here when the real slime is not installed, so a plug-in changes
+not one line. With ``INVERTED_SLIME_SOURCE`` set to a slime checkout, a module of slime's that
+inverted does not provide (an in-tree plug-in such as ``slime.rollout.fully_async_rollout``)
+imports from slime's own file, over inverted's modules. Where slime *is* installed, its
 modules are left alone: the plug-in gets slime's own classes, and the conversions work on them by
 field name (``from_inverted(..., cls=...)``, ``to_inverted`` reads attributes).
 """
@@ -38,11 +41,13 @@ import importlib
 import importlib.util
 import json
 import logging
+import os
 import sys
 import types
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from inverted.compat import slime_flags
@@ -187,18 +192,20 @@ class Sample:
         if text is not None:
             self.response += text
         before = self.response_length
+        # in place, as slime's: plug-ins keep references to these lists (retool's loss_masks)
         if tokens:
-            self.tokens = list(self.tokens) + tokens
+            self.tokens += tokens
             self.response_length += len(tokens)
-            self.loss_mask = (list(self.loss_mask) if self.loss_mask is not None else [1] * before) + \
-                [1 if trainable else 0] * len(tokens)
+            if self.loss_mask is None:
+                self.loss_mask = [1] * before
+            self.loss_mask += [1 if trainable else 0] * len(tokens)
         if log_probs is not None:
             if self.rollout_log_probs is None:
                 if trainable and before:
                     raise ValueError("Cannot append trainable rollout log probabilities to a sample with existing "
                                      "response tokens but no existing rollout_log_probs.")
                 self.rollout_log_probs = [0.0] * before
-            self.rollout_log_probs = list(self.rollout_log_probs) + log_probs
+            self.rollout_log_probs += log_probs
         if meta_info and update_terminal_info and "finish_reason" in meta_info:
             self.prefix_cache_info.add(meta_info)
             if "weight_version" in meta_info:
@@ -414,7 +421,7 @@ class GenerateCall:
 _calls: contextvars.ContextVar[list[GenerateCall] | None] = contextvars.ContextVar("slime_generate_calls", default=None)
 _lora_path: contextvars.ContextVar[str | None] = contextvars.ContextVar("slime_lora_path", default=None)
 _router: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("slime_router", default=None)
-_sessions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_httpx_clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def record_calls() -> list[GenerateCall]:
@@ -440,13 +447,12 @@ def generating_with(lora_path: str | None, router_url: str | None = None,
 
 
 def _session():
+    """A session for one call, no timeout (slime's client). Not pooled: slime's plug-ins run their
+    calls under ``asyncio.run`` in threads of their own, whose loops end with no chance to close a
+    pooled one (aiohttp then logs unclosed sessions); a loopback connection costs little."""
     import aiohttp
 
-    loop = asyncio.get_running_loop()
-    if loop not in _sessions:  # one pooled session per event loop, no timeout (slime's client)
-        _sessions[loop] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None), trust_env=False,
-                                                connector=aiohttp.TCPConnector(limit=0))
-    return _sessions[loop]
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None), trust_env=False)
 
 
 def _with_router_key(url: str, headers: dict[str, str] | None) -> dict[str, str] | None:
@@ -465,7 +471,7 @@ async def post(url: str, payload: Any, max_retries: int = 60, headers: dict[str,
     headers = _with_router_key(url, headers)
     for attempt in range(1, max_retries + 1):
         try:
-            async with _session().post(url, json=payload, headers=headers) as response:
+            async with _session() as session, session.post(url, json=payload, headers=headers) as response:
                 response.raise_for_status()
                 output = await response.json(content_type=None)
             break
@@ -480,19 +486,42 @@ async def post(url: str, payload: Any, max_retries: int = 60, headers: dict[str,
     return output
 
 
+def _http_utils_attr(name: str) -> Any:
+    """``slime.utils.http_utils._http_client``: slime's shared httpx client (plug-ins that stream use it),
+    one per event loop, sending the router's key like ``post``."""
+    if name != "_http_client":
+        raise AttributeError(f"module 'slime.utils.http_utils' has no attribute {name!r}")
+    import httpx
+
+    loop = asyncio.get_running_loop()
+    if loop not in _httpx_clients:
+        async def add_router_key(request: httpx.Request) -> None:
+            for key, value in (_with_router_key(str(request.url), dict(request.headers)) or {}).items():
+                request.headers[key] = value
+
+        _httpx_clients[loop] = httpx.AsyncClient(timeout=None, trust_env=False,
+                                                 event_hooks={"request": [add_router_key]})
+    return _httpx_clients[loop]
+
+
 async def get(url: str) -> Any:
-    async with _session().get(url, headers=_with_router_key(url, None)) as response:
+    async with _session() as session, session.get(url, headers=_with_router_key(url, None)) as response:
         response.raise_for_status()
         return await response.json(content_type=None)
 
 
 class GenerateState:
-    """The default rollout's state (``slime.rollout.sglang_rollout``): tokenizer, sampling, concurrency.
+    """The default rollout's state (``slime.rollout.sglang_rollout``): tokenizer, sampling, concurrency
+    (``aborted``, ``dp_rank`` and ``dp_rank_context`` as slime's, with nothing to abort or balance).
 
     One per process, as in slime (``GenerateState(args)`` returns the same object every time).
     """
 
     _instance: GenerateState | None = None
+
+    @contextlib.contextmanager
+    def dp_rank_context(self) -> Iterator[int]:
+        yield 0
 
     def __new__(cls, args: Any) -> "GenerateState":
         if cls._instance is None or cls._instance.args is not args:
@@ -506,6 +535,9 @@ class GenerateState:
             if isinstance(args, SlimeArgs) and args.is_set("sglang_server_concurrency"):
                 concurrency = args.sglang_server_concurrency * max(1, args.rollout_num_gpus // args.rollout_num_gpus_per_engine)
             state.semaphore = asyncio.Semaphore(concurrency)
+            state.aborted = False  # slime aborts a rollout's leftovers; here the buffer's leases do
+            state.dp_rank = 0
+            state.group_sampling_seeds = [args.rollout_seed + i for i in range(args.n_samples_per_prompt)]
             state.sampling_params = {
                 "temperature": args.rollout_temperature, "top_p": args.rollout_top_p, "top_k": -1,
                 "max_new_tokens": args.rollout_max_response_len, "skip_special_tokens": False,
@@ -598,13 +630,24 @@ def group_by(iterable: Any, key: Any = None) -> dict[Any, list[Any]]:
 
 # -- slime's module paths -------------------------------------------------------------------------
 
+# slime's in-tree plug-ins whose job inverted does otherwise, and how: refused by the plug-in loader.
+PLUGINS_NOT_HERE = {
+    "slime.rollout.fully_async_rollout.generate_rollout_fully_async":
+        "inverted's --async-mode (inverted train-async) is the fully asynchronous rollout: episodes run on while "
+        "the trainer takes each batch as the Data Buffer completes it",
+    "slime.rollout.sleep_rollout.sleep": "it sleeps forever, to keep slime's trainer alone; use --debug-train-only",
+    "slime.rollout.on_policy_distillation.reward_func": "no on-policy distillation here",
+    "slime.rollout.on_policy_distillation.post_process_rewards": "no on-policy distillation here",
+}
+
+
 # Each module's names, or the module that provides them (read when a plug-in first asks: the
 # trainer's loss helpers need torch and Megatron, which no other process should import for them).
 MODULES: dict[str, dict[str, Any] | str] = {
     "slime": {},
     "slime.utils": {},
     "slime.utils.types": {"Sample": Sample},
-    "slime.utils.http_utils": {"post": post, "get": get},
+    "slime.utils.http_utils": {"post": post, "get": get, "__getattr__": lambda name: _http_utils_attr(name)},
     "slime.rollout": {},
     "slime.rollout.sglang_rollout": {"GenerateState": GenerateState},
     "slime.rollout.filter_hub": {},
@@ -622,10 +665,16 @@ MODULES: dict[str, dict[str, Any] | str] = {
 
 
 def slime_installed() -> bool:
+    """Whether the real slime is importable (a checkout named by ``INVERTED_SLIME_SOURCE`` is not: its
+    files serve only the modules inverted does not provide)."""
     module = sys.modules.get("slime")
     if module is not None:
         return not getattr(module, "__inverted__", False)
-    return importlib.util.find_spec("slime") is not None
+    spec = importlib.util.find_spec("slime")
+    source = os.environ.get("INVERTED_SLIME_SOURCE")
+    if spec is not None and source and spec.origin:
+        return not Path(spec.origin).resolve().is_relative_to(Path(source).resolve())
+    return spec is not None
 
 
 def install() -> bool:
@@ -633,6 +682,8 @@ def install() -> bool:
     if slime_installed():
         return False
     from inverted.compat import slime_rollout  # slime's rollout-side modules (they import this one)
+
+    source = os.environ.get("INVERTED_SLIME_SOURCE")
 
     modules = dict(MODULES)
     for name, names in slime_rollout.MODULES.items():
@@ -645,7 +696,10 @@ def install() -> bool:
         if name not in sys.modules:
             module = types.ModuleType(name, f"slime's {name} as provided by inverted.compat.slime")
             module.__inverted__ = True
-            module.__path__ = []  # a package, so its submodules import
+            # a package, so its submodules import; with INVERTED_SLIME_SOURCE (a slime checkout), the
+            # modules inverted does not provide (slime's in-tree plug-ins) import from slime's own files
+            own = Path(source, *name.split(".")) if source else None
+            module.__path__ = [str(own)] if own is not None and own.is_dir() else []
             if isinstance(names, str):
                 module.__getattr__ = (lambda attr, provider=names: getattr(importlib.import_module(provider), attr))
             else:

@@ -96,6 +96,7 @@ SAME: dict[str, str] = {
     "rewards_normalization": "--disable-rewards-normalization: advantages are the raw rewards, no group mean or std",
     "sglang_server_concurrency": "slime's GenerateState semaphore (x rollout GPUs / GPUs per engine)",
     "loss_mask_type": "read by slime.utils.mask_utils",
+    "load_forge_rollout_data": "read by slime.rollout.forge_load",
     "rm_type": "slime's rule-based reward models (slime.rollout.rm_hub.async_rm) score the Samples, unless "
                "--custom-rm-path is given",
     "rm_url": "where the remote_rm reward model posts {prompt, response, label}",

@@ -19,18 +19,25 @@ signatures and behaviour, written here (``compat.slime.install`` puts them under
   are refused with that reason.)
 - ``slime.utils.processing_utils``: ``load_tokenizer``, ``load_processor`` (None: text models
   only), ``build_processor_kwargs``.
+- ``slime.utils.async_utils.run``, ``slime.utils.http_utils.get_rollout_num_engines``, and
+  ``slime.observability.trace_utils``'s tracing, which has no effect here (the proxy and the Data
+  Buffer record every call and Sample).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import inspect
 import logging
 import random
 import re
 import string
+import threading
 import uuid
 from collections import Counter
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from inverted.compat import slime
@@ -354,9 +361,81 @@ def sft_generate_rollout(args: Any, rollout_id: int, data_buffer: Any, evaluatio
     return groups
 
 
+def encode_image_for_rollout_engine(image: Any) -> str:
+    raise NotImplementedError("images: inverted trains text models only")
+
+
+def _prepare_prompt_ids(sample: Any, tokenizer: Any, processor: Any) -> list[int]:
+    """slime's: the tokens a Sample already has, else its (text) prompt's."""
+    return list(sample.tokens) if sample.tokens else tokenizer.encode(sample.prompt, add_special_tokens=False)
+
+
+# -- slime.utils.async_utils, slime.utils.http_utils' engine count, slime.observability.trace_utils ----
+
+
+class _LoopThread:
+    """One event loop on a daemon thread, for synchronous code that runs coroutines (slime's ``run``)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True, name="slime-async-loop").start()
+
+    def run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+
+@functools.cache
+def get_async_loop() -> _LoopThread:
+    return _LoopThread()
+
+
+def run(coro: Any) -> Any:
+    """slime's ``async_utils.run``: run a coroutine on the background loop and wait for it."""
+    return get_async_loop().run(coro)
+
+
+def get_rollout_num_engines(args: Any) -> int:
+    """slime's: the rollout servers behind the router (``--num-engines`` here, where servers need no GPU)."""
+    if getattr(args, "rollout_num_engines", None) is not None:
+        return int(args.rollout_num_engines)
+    gpus = getattr(args, "rollout_num_gpus", 0) or 0
+    if gpus > 0:
+        return max(1, gpus // (getattr(args, "rollout_num_gpus_per_engine", 1) or 1))
+    return int(getattr(args, "num_engines", 0) or 0)
+
+
+class _Span:
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def trace_span(*args: Any, **kwargs: Any) -> Iterator[_Span]:
+    """slime's rollout tracing: no effect here (the proxy and the Data Buffer record each call)."""
+    yield _Span()
+
+
+def trace_function(*args: Any, **kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    return lambda fn: fn
+
+
+def trace_event(*args: Any, **kwargs: Any) -> None:
+    pass
+
+
+def build_sglang_meta_trace_attrs(meta: dict[str, Any]) -> dict[str, Any]:
+    return {k: meta[k] for k in ("prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason") if k in meta}
+
+
 MODULES: dict[str, dict[str, Any]] = {
     "slime.rollout.sglang_rollout": {"generate": generate, "generate_and_rm": generate_and_rm,
-                                     "generate_and_rm_group": generate_and_rm_group},
+                                     "generate_and_rm_group": generate_and_rm_group,
+                                     "_prepare_prompt_ids": _prepare_prompt_ids},
+    "slime.utils.async_utils": {"run": run, "get_async_loop": get_async_loop},
+    "slime.utils.http_utils": {"get_rollout_num_engines": get_rollout_num_engines},
+    "slime.observability.trace_utils": {"trace_span": trace_span, "trace_function": trace_function,
+                                        "trace_event": trace_event,
+                                        "build_sglang_meta_trace_attrs": build_sglang_meta_trace_attrs},
     "slime.rollout.rm_hub": {"async_rm": async_rm, "batched_async_rm": batched_async_rm, "remote_rm": remote_rm,
                              "get_deepscaler_rule_based_reward": get_deepscaler_rule_based_reward,
                              "f1_score": f1_score, "compute_gpqa_reward": compute_gpqa_reward,
@@ -371,5 +450,6 @@ MODULES: dict[str, dict[str, Any]] = {
                                "get_response_lengths": get_response_lengths},
     "slime.rollout.sft_rollout": {"generate_rollout": sft_generate_rollout},
     "slime.utils.processing_utils": {"load_tokenizer": load_tokenizer, "load_processor": load_processor,
-                                     "build_processor_kwargs": build_processor_kwargs},
+                                     "build_processor_kwargs": build_processor_kwargs,
+                                     "encode_image_for_rollout_engine": encode_image_for_rollout_engine},
 }

@@ -6,7 +6,8 @@ acts on the ones given, before any process starts:
 - the ones inverted implements through its own config set it (``--num-steps-per-rollout`` the
   global batch, ``--rollout-max-context-len`` the context length, ``--sglang-max-running-requests``
   the embedded engines', ``--rm-type`` the reward model: slime's ``rm_hub.async_rm``), and
-  ``--custom-config-path``'s YAML keys join ``args`` as in slime;
+  ``--custom-config-path``'s YAML keys join ``args`` as in slime (keys that are inverted's flags
+  set those, over the command line's, as slime's config overrides its args);
 - Megatron's model-shape flags are checked against the checkpoint;
 - ``--sglang-*`` are planned for the backend the servers will run (``slime_flags.plan_sglang``);
 - the ones that change nothing here are listed once, in the log, with why.
@@ -27,7 +28,7 @@ from typing import Any
 import yaml
 
 from inverted.compat import slime_flags
-from inverted.config import JobConfig, to_flags
+from inverted.config import JobConfig, from_flags, to_flags
 from inverted.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,9 @@ def apply(cfg: JobConfig, flags: slime_flags.SlimeFlags | None, sglang_args: lis
     given = dict(flags.given if flags else {})
     ours = {name for section in SECTIONS for name in to_flags(getattr(cfg, section))}
     if path := given.get("custom_config_path"):
-        given |= _custom_config(path, ours)
+        keys = _custom_config(path)
+        _set_flags(cfg, {k: v for k, v in keys.items() if k in ours}, f"--custom-config-path {path}")
+        given |= {k: v for k, v in keys.items() if k not in ours}
     plan = slime_flags.plan_sglang(sglang_args, backend)
     for name, value in plan.settings.items():  # the embedded engines' own flags
         _set_once(cfg, ("servers",), name, value, f"--sglang-{name.replace('_', '-')}")
@@ -68,7 +71,7 @@ def apply(cfg: JobConfig, flags: slime_flags.SlimeFlags | None, sglang_args: lis
     return plan.forward
 
 
-def _custom_config(path: str, ours: set[str]) -> dict[str, Any]:
+def _custom_config(path: str) -> dict[str, Any]:
     """slime's ``--custom-config-path``: a YAML mapping whose keys are set on ``args``."""
     try:
         data = yaml.safe_load(Path(path).read_text()) or {}
@@ -76,11 +79,20 @@ def _custom_config(path: str, ours: set[str]) -> dict[str, Any]:
         raise ConfigError(f"--custom-config-path {path}: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"--custom-config-path {path}: expected a YAML mapping of args names to values")
-    mine = sorted(set(data) & ours)
-    if mine:  # slime's args is its whole config; here inverted reads its own flags only from the command line
-        raise ConfigError(f"--custom-config-path {path}: {mine} are inverted's flags: give them on the command line "
-                          "(or in --config)")
     return {str(k): v for k, v in data.items()}
+
+
+def _set_flags(cfg: JobConfig, values: dict[str, Any], where: str) -> None:
+    """Set inverted's own flags from slime's custom config, as slime sets its args (over the command
+    line's, with a warning); each section is built again, so its checks run on the new values."""
+    if not values:
+        return
+    logger.warning("%s sets inverted's flags %s", where, ", ".join(f"{k}={v!r}" for k, v in values.items()))
+    for section in SECTIONS:
+        part = getattr(cfg, section)
+        flags = to_flags(part)
+        if mine := {k: v for k, v in values.items() if k in flags}:
+            setattr(cfg, section, from_flags(type(part), {**flags, **mine}))
 
 
 def _set_once(cfg: JobConfig, sections: tuple[str, ...], name: str, value: Any, flag: str) -> None:

@@ -275,3 +275,13 @@ def test_with_the_jobs_args_a_sample_reads_as_slimes_rollout_gives_it(tiny_model
     assert slime.from_inverted(ours, args=args).prompt == tokenizer.apply_chat_template(
         chat, tokenize=False, add_generation_prompt=True)
     assert slime.from_inverted(ours).response == "" and slime.from_inverted(ours).index == 1  # no args: as stored
+
+
+def test_append_response_tokens_grows_the_lists_in_place():
+    """slime's ``+=``: retool keeps ``loss_masks = sample.loss_mask`` and assigns it back at the end."""
+    sample = slime.Sample(tokens=[1, 2], loss_mask=[], rollout_log_probs=None)
+    masks = sample.loss_mask
+    sample.append_response_tokens(None, tokens=[3, 4], log_probs=[-0.1, -0.2])
+    sample.append_response_tokens(None, tokens=[5], trainable=False)
+    sample.loss_mask = masks
+    assert masks == [1, 1, 0] and sample.rollout_log_probs == [-0.1, -0.2, 0.0] and sample.tokens == [1, 2, 3, 4, 5]

@@ -152,8 +152,12 @@ def test_custom_config_sets_args_as_slime_does(monkeypatch, tiny_model, tmp_path
     slime_args.apply(cfg, slime, sglang, "embedded")
     args = SlimeArgs.of(to_flags(cfg.train))
     assert (args.search_backend, args.max_turns) == ("local", 3)
-    config.write_text("rollout_batch_size: 64\n")
-    with pytest.raises(ConfigError, match=r"\['rollout_batch_size'\] are inverted's flags"):
+    config.write_text("use_tis: true\ntis_clip: 3.0\ntis_mode: truncate\n")  # slime's mis.yaml sets use_tis
+    slime_args.apply(cfg, slime, sglang, "embedded")
+    assert (cfg.train.loss.use_tis, cfg.train.loss.tis_clip) == (True, 3.0)  # inverted's flags, set as slime sets args
+    assert SlimeArgs.of(to_flags(cfg.train)).tis_mode == "truncate"
+    config.write_text("tis_clip: -1.0\n")
+    with pytest.raises(ConfigError, match="--tis-clip-low"):  # the section's own checks run on the new values
         slime_args.apply(cfg, slime, sglang, "embedded")
 
 

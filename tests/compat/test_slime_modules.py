@@ -9,6 +9,8 @@ import asyncio
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -138,3 +140,56 @@ def test_slimes_generate_and_rm_group_in_a_job(tiny_model, tmp_path):
         sample.validate()
         assert sample.reward in (0, 1) and sample.response_length > 0 and all(sample.loss_mask)
         assert sample.metadata["response"]  # slime's response text, from the router's answers
+
+
+def test_slimes_in_tree_plugins_import_from_a_checkout(tmp_path):
+    """With ``INVERTED_SLIME_SOURCE``, a module of slime's that inverted does not provide (an in-tree
+    plug-in) imports from the checkout's file, and it gets inverted's modules for slime's others."""
+    plugin = tmp_path / "slime" / "rollout" / "my_rollout.py"
+    plugin.parent.mkdir(parents=True)
+    plugin.write_text("from slime.rollout.sglang_rollout import generate_and_rm_group\n"
+                      "def generate_rollout(args, rollout_id, data_buffer, evaluation=False):\n    return []\n")
+    code = ("from inverted.plugins import load_rollout_function\n"
+            "from inverted.compat import slime_rollout\n"
+            "load_rollout_function('slime.rollout.my_rollout.generate_rollout')\n"
+            "import slime.rollout.my_rollout as m\n"
+            "assert m.generate_and_rm_group is slime_rollout.generate_and_rm_group\nprint('ok')")
+    env = {**os.environ, "INVERTED_SLIME_SOURCE": str(tmp_path), "PYTHONPATH": str(Path(__file__).parents[2])}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "ok", result.stderr[-2000:]
+    without = subprocess.run([sys.executable, "-c", code], env={**env, "INVERTED_SLIME_SOURCE": ""},
+                             capture_output=True, text=True, timeout=120)
+    assert "cannot load it (No module named 'slime.rollout.my_rollout')" in without.stderr
+
+
+def test_slimes_plugins_that_inverted_does_otherwise_are_refused_with_how():
+    from inverted.errors import PluginError
+    from inverted.plugins import load_rollout_function
+
+    with pytest.raises(PluginError, match="inverted's --async-mode .* is the fully asynchronous rollout"):
+        load_rollout_function("slime.rollout.fully_async_rollout.generate_rollout_fully_async")
+
+
+def test_slimes_small_helpers_behave_as_slimes(tiny_model):
+    from slime.observability.trace_utils import build_sglang_meta_trace_attrs, trace_function, trace_span
+    from slime.utils.async_utils import run
+    from slime.utils.http_utils import get_rollout_num_engines
+    from slime.utils.processing_utils import build_processor_kwargs, load_processor, load_tokenizer
+
+    assert load_tokenizer(str(tiny_model("qwen2"))).encode("hi") == \
+        AutoTokenizer.from_pretrained(tiny_model("qwen2")).encode("hi")
+    assert load_processor(str(tiny_model("qwen2"))) is None  # text models only
+    assert build_processor_kwargs() == {"text_kwargs": {"return_tensors": None, "return_mm_token_type_ids": False},
+                                        "audio_kwargs": {"return_tensors": "pt"}, "images_kwargs": {"return_tensors": "pt"},
+                                        "videos_kwargs": {"return_tensors": "pt"}}
+
+    async def twice(x):
+        return 2 * x
+
+    assert run(twice(21)) == 42 and run(twice(1)) == 2  # one background loop, reused
+    assert get_rollout_num_engines(slime.SlimeArgs({"rollout_num_gpus": 0, "num_engines": 3})) == 3
+    assert get_rollout_num_engines(slime.SlimeArgs({"rollout_num_gpus": 8, "rollout_num_gpus_per_engine": 2})) == 4
+    with trace_span(None, "x") as span:  # tracing: no effect here
+        span.update({"a": 1})
+    assert trace_function("x")(twice) is twice
+    assert build_sglang_meta_trace_attrs({"prompt_tokens": 3, "weight_version": "1"}) == {"prompt_tokens": 3}
