@@ -146,16 +146,22 @@ def build_section(section: type, namespace: argparse.Namespace) -> Any:
     return from_flags(section, namespace)
 
 
+def read_yaml_mapping(path: str, flag: str) -> dict[str, Any]:
+    """The YAML mapping in ``path`` (given by ``flag``), its keys as strings; a ``ConfigError`` otherwise."""
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{flag} {path}: cannot read YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{flag} {path}: expected a mapping of flag names to values")
+    return {str(k): v for k, v in data.items()}
+
+
 def load_yaml_defaults(parser: argparse.ArgumentParser, path: str | None) -> None:
     """Make the keys of a YAML file the parser's defaults, so that explicit flags override it."""
     if not path:
         return
-    try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"--config {path}: cannot read YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"--config {path}: expected a mapping of flag names to values")
+    data = read_yaml_mapping(path, "--config")
     known = {a.dest for a in parser._actions}
     values = {str(k).replace("-", "_"): v for k, v in data.items()}
     unknown = sorted(set(values) - known)

@@ -60,17 +60,25 @@ class Flag:
 
 
 @functools.cache
-def table() -> dict[str, Flag]:
-    """slime's flags by destination."""
-    data = json.loads(TABLE.read_text())
-    flags = {}
+def flags() -> tuple[Flag, ...]:
+    """slime's flags, in its parsers' order (two may share a destination: ``--x`` and ``--no-x``)."""
     convert = {"int": int, "float": float, "json": json.loads}
-    for row in data["flags"]:
+    out = []
+    for row in json.loads(TABLE.read_text())["flags"]:
         row = dict(row, options=tuple(row["options"]), choices=tuple(row["choices"]) if "choices" in row else None)
         if isinstance(row["default"], str) and row.get("type") in convert:  # argparse converts a string default
             row["default"] = convert[row["type"]](row["default"])
-        flags.setdefault(row["dest"], Flag(**row))
-    return flags
+        out.append(Flag(**row))
+    return tuple(out)
+
+
+@functools.cache
+def table() -> dict[str, Flag]:
+    """slime's flags by destination (the first, where two share one)."""
+    by_dest: dict[str, Flag] = {}
+    for flag in flags():
+        by_dest.setdefault(flag.dest, flag)
+    return by_dest
 
 
 def read_from() -> dict[str, str]:
@@ -263,9 +271,10 @@ def parser(ours: set[str]) -> argparse.ArgumentParser:
     slime = argparse.ArgumentParser(prog="inverted train", add_help=False, allow_abbrev=False,
                                     argument_default=argparse.SUPPRESS)
     taken = set()
-    for flag in table().values():
+    for flag in flags():
         options = [o for o in flag.options if o not in taken]
-        if flag.dest in ours or flag.source == "sglang" or not options:
+        options = [o for o in options if not o.startswith(("--sglang-", "--router-"))]  # split off before
+        if flag.dest in ours or not options:
             continue
         taken.update(options)
         slime.add_argument(*options, dest=flag.dest, **_argparse_kwargs(flag))
@@ -350,13 +359,17 @@ class SGLangPlan:
 def plan_sglang(passed: list[str], backend: str) -> SGLangPlan:
     """``passed``: what ``split_passthrough`` took from ``--sglang-*`` (``--x v``); ``backend``: "sglang"
     (real SGLang 0.5.23 gets its own flags) or "embedded"."""
-    sglang = {f.dest[len("sglang_"):] if f.dest.startswith("sglang_") else f.dest: f
-              for f in table().values() if f.source == "sglang"}
     plan = SGLangPlan()
     parsed = argparse.ArgumentParser(add_help=False, allow_abbrev=False, argument_default=argparse.SUPPRESS)
-    for name, flag in sglang.items():
-        options = [o.replace("--sglang-", "--", 1) if o.startswith("--sglang-") else o for o in flag.options]
-        parsed.add_argument(*options, dest=name, **_argparse_kwargs(flag))
+    taken: set[str] = set()
+    for flag in flags():  # SGLang's under --sglang-, and slime's own (the router's are --router-*, apart)
+        options = [o.replace("--sglang-", "--", 1) for o in flag.options if o.startswith("--sglang-") or
+                   flag.dest in SLIME_SGLANG]
+        options = [o for o in options if o not in taken]
+        if flag.source == "sglang" and options:
+            taken.update(options)
+            name = flag.dest[len("sglang_"):] if flag.dest.startswith("sglang_") else flag.dest
+            parsed.add_argument(*options, dest=name, **_argparse_kwargs(flag))
     values, unknown = parsed.parse_known_args(passed)
     if unknown:
         words = " ".join(a if not a.startswith("--") else "--sglang-" + a[2:] for a in unknown)
@@ -405,7 +418,7 @@ def describe(option_string: str) -> tuple[str, str]:
     """What ``inverted train`` does with slime's flag ``option_string`` given with a value other than
     slime's default (the migration table, and ``tools/slime_scripts.py``'s report)."""
     if option_string.startswith("--sglang-") or option_string == "--prefill-num-servers":
-        flag = next((f for f in table().values() if option_string in f.options), None)
+        flag = next((f for f in flags() if option_string in f.options), None)
         if flag is not None and flag.dest in SLIME_SGLANG:
             return status(flag.dest, _OTHER)
         name = option_string[len("--sglang-"):].replace("-", "_")
@@ -415,7 +428,7 @@ def describe(option_string: str) -> tuple[str, str]:
         if name in EMBEDDED:
             return "same", f"real SGLang's; the embedded engine's --{EMBEDDED[name].replace('_', '-')}"
         return "no effect", "forwarded to real SGLang; the embedded engine has no such setting and says so"
-    dest = next((f.dest for f in table().values() if option_string in f.options),
+    dest = next((f.dest for f in flags() if option_string in f.options),
                 option_string[2:].replace("-", "_") if option_string[2:].replace("-", "_") in MODEL_FLAGS else None)
     if dest is None:
         return "unrecognized", "not a flag of slime's train.py"

@@ -7,6 +7,7 @@
 - ``async_loop`` (``--async-mode`` or ``inverted train-async``): rollout never stops; each step
   trains on the next batch within ``--max-weight-staleness`` while episodes run on.
 - ``rollouts``: what both loops share: calling the rollout function, its metrics, evaluation.
+- ``slime_args``: the flags of slime's ``train.py`` given beyond inverted's, acted on before anything starts.
 
 ``run`` checks everything first (config, plug-ins, datasets, the output directory), then
 ``drive`` runs either loop the same way: resume (the servers get the checkpoint's weights; a LoRA
@@ -28,8 +29,8 @@ import yaml
 
 from inverted.buffer.filters import load_group_chooser, load_group_filter
 from inverted.compat.slime_flags import SlimeFlags
-from inverted.controller import slime_args
 from inverted.config import JobConfig, to_flags
+from inverted.controller import slime_args
 from inverted.controller.async_loop import AsyncLoop
 from inverted.controller.job import Job, Plugins
 from inverted.controller.rollouts import checkpoint_dir, evaluate, read_prompts, summary

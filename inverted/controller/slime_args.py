@@ -22,13 +22,10 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 from typing import Any
 
-import yaml
-
 from inverted.compat import slime_flags
-from inverted.config import JobConfig, from_flags, to_flags
+from inverted.config import JobConfig, from_flags, read_yaml_mapping, to_flags
 from inverted.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -42,7 +39,7 @@ def apply(cfg: JobConfig, flags: slime_flags.SlimeFlags | None, sglang_args: lis
     given = dict(flags.given if flags else {})
     ours = {name for section in SECTIONS for name in to_flags(getattr(cfg, section))}
     if path := given.get("custom_config_path"):
-        keys = _custom_config(path)
+        keys = read_yaml_mapping(path, "--custom-config-path")  # slime sets each key on args
         _set_flags(cfg, {k: v for k, v in keys.items() if k in ours}, f"--custom-config-path {path}")
         given |= {k: v for k, v in keys.items() if k not in ours}
     plan = slime_flags.plan_sglang(sglang_args, backend)
@@ -69,17 +66,6 @@ def apply(cfg: JobConfig, flags: slime_flags.SlimeFlags | None, sglang_args: lis
                       if not k.endswith("api_key") and k != "slime_args"}
     cfg.train.slime_args = cfg.buffer.slime_args = json.dumps(namespace | given)
     return plan.forward
-
-
-def _custom_config(path: str) -> dict[str, Any]:
-    """slime's ``--custom-config-path``: a YAML mapping whose keys are set on ``args``."""
-    try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"--custom-config-path {path}: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"--custom-config-path {path}: expected a YAML mapping of args names to values")
-    return {str(k): v for k, v in data.items()}
 
 
 def _set_flags(cfg: JobConfig, values: dict[str, Any], where: str) -> None:

@@ -124,6 +124,7 @@ def test_model_flags_that_do_not_describe_the_checkpoint_stop_the_job(monkeypatc
                                       "nor slime's train.py's)"),
     (["--data-source-path", "x:y"], "--data-source-path='x:y' is a slime flag inverted does not have: inverted's Data "
                                     "Buffer"),
+    (["--prefill-num-servers", "2"], "--prefill-num-servers=2 is a slime flag inverted does not have: no prefill/decode"),
 ])
 def test_slime_flags_whose_behaviour_inverted_lacks_are_refused_with_the_reason(monkeypatch, capsys, flags, message):
     with pytest.raises(SystemExit) as exit_:
@@ -168,3 +169,17 @@ def test_slimes_named_evaluation_set_is_taken(monkeypatch):
     with pytest.raises(SystemExit):
         captured_train(monkeypatch, "--hf-checkpoint", "m", "--prompt-data", "p.jsonl",
                        "--eval-prompt-data", "aime", "a.jsonl", "gpqa", "g.jsonl")
+
+
+def test_the_sglang_flags_forwarded_are_sglangs_own_fields():
+    """What ``plan_sglang`` forwards to real SGLang is a field of SGLang 0.5.23's ``ServerArgs``, as SGLang's
+    own ``arg_groups/field_order.py`` lists them (the installed wheel), and slime's flags are not."""
+    from tests.contract.sglang_code import server_args_fields
+
+    fields = server_args_fields()
+    forwarded = [f.dest[len("sglang_"):] for f in slime_flags.flags()
+                 if f.source == "sglang" and f.dest.startswith("sglang_") and f.dest not in slime_flags.SLIME_SGLANG
+                 and any(o.startswith("--sglang-") for o in f.options)]
+    assert len(forwarded) > 400
+    assert not [name for name in forwarded if name not in fields]
+    assert "server_concurrency" not in fields  # slime's own --sglang-server-concurrency: never forwarded
