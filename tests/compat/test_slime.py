@@ -4,9 +4,11 @@ resolve here (and stay slime's where slime is installed), and wrong plug-ins are
 from __future__ import annotations
 
 import base64
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -285,3 +287,52 @@ def test_append_response_tokens_grows_the_lists_in_place():
     sample.append_response_tokens(None, tokens=[5], trainable=False)
     sample.loss_mask = masks
     assert masks == [1, 1, 0] and sample.rollout_log_probs == [-0.1, -0.2, 0.0] and sample.tokens == [1, 2, 3, 4, 5]
+
+
+SAME_AS_SLIMES = '''
+import dataclasses, json
+from slime.utils.types import Sample as Theirs
+from slime.rollout.filter_hub.dynamic_sampling_filters import check_reward_nonzero_std as their_filter
+from inverted.compat import slime as ours
+
+fields = lambda cls: {f.name for f in dataclasses.fields(cls)}
+assert fields(Theirs) <= fields(ours.Sample), sorted(fields(Theirs) - fields(ours.Sample))
+
+def script(cls):
+    s = cls(tokens=[1, 2], prompt="p")
+    s.append_response_tokens(None, tokens=[3, 4], log_probs=[-0.5, -0.25], text="ab",
+                             meta_info={"finish_reason": {"type": "stop"}, "weight_version": "7", "cached_tokens": 1,
+                                        "prompt_tokens": 2})
+    s.append_response_tokens(None, tokens=[5], trainable=False, text="c")
+    s.reward = {"score": 1.0, "ok": True}
+    return s
+
+class Args:
+    reward_key = "score"
+
+a, b = script(Theirs), script(ours.Sample)
+for name in ("tokens", "response", "response_length", "loss_mask", "rollout_log_probs", "weight_versions"):
+    assert getattr(a, name) == getattr(b, name), name
+assert a.status.value == b.status.value and a.effective_response_length == b.effective_response_length
+assert a.get_reward_value(Args) == b.get_reward_value(Args) == 1.0
+assert a.prefix_cache_info.prefix_cache_hit_rate == b.prefix_cache_info.prefix_cache_hit_rate
+assert json.dumps(a.to_dict(), sort_keys=True, default=str) == json.dumps(
+    {k: v for k, v in b.to_dict().items() if k in a.to_dict()}, sort_keys=True, default=str)
+group = [script(Theirs), script(Theirs)]
+group[1].reward = {"score": 0.0}
+for reward in ({"score": 0.0}, {"score": 1.0}):
+    mine = [script(ours.Sample), script(ours.Sample)]
+    mine[1].reward = group[1].reward = reward
+    theirs, mine = their_filter(Args, group), ours.check_reward_nonzero_std(Args, mine)
+    assert (theirs.keep, theirs.reason) == (mine.keep, mine.reason), (theirs, mine)
+print("same")
+'''
+
+
+@pytest.mark.skipif(not os.environ.get("SLIME_SOURCE"), reason="slime's source is not at hand (SLIME_SOURCE=checkout)")
+def test_our_sample_and_filter_behave_as_slimes_own():
+    """Against slime's own ``Sample`` and ``check_reward_nonzero_std``, imported from its source (they
+    need only torch): the same fields, the same ``append_response_tokens``, rewards and filter."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.environ["SLIME_SOURCE"], str(Path(__file__).parents[2])])}
+    result = subprocess.run([sys.executable, "-c", SAME_AS_SLIMES], env=env, capture_output=True, text=True, timeout=300)
+    assert result.stdout.strip() == "same", result.stderr[-3000:]
