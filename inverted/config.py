@@ -491,8 +491,10 @@ class LossConfig:
                "update (a partial rollout trains only on its newest policy's tokens)")
     rollout_temperature: float = option(1.0, "sampling temperature; training log-probs use the same")
     reward_key: str | None = option(None, "key of a dict reward to train on (default: the sum of its values)")
-    loss_type: Literal["policy_loss", "custom_loss"] = option(
-        "policy_loss", "the RL surrogate above, or --custom-loss-function-path's loss (slime's custom_loss)")
+    loss_type: Literal["policy_loss", "custom_loss", "sft_loss"] = option(
+        "policy_loss", "the RL surrogate above, --custom-loss-function-path's loss (slime's custom_loss), or the "
+                       "negative log-likelihood of the trained tokens (slime's sft_loss, e.g. with "
+                       "slime.rollout.sft_rollout)")
     custom_loss_function_path: str | None = option(
         None, "module:function(args, batch, logits, sum_of_sample_mean) -> (loss, metrics), with --loss-type custom_loss")
     custom_tis_function_path: str | None = option(

@@ -191,9 +191,9 @@ class SlimeDataBuffer:
         self._groups.extend(samples)
 
 
-def as_inverted(item: Any) -> Sample:
+def as_inverted(item: Any, args: Any = None) -> Sample:
     """A Sample a slime plug-in returned (slime's, or ours) as ours."""
-    return item if isinstance(item, Sample) else slime.to_inverted(item)
+    return item if isinstance(item, Sample) else slime.to_inverted(item, args=args)
 
 
 def load_rollout_function(path: str, flag: str = "--rollout-function-path") -> RolloutFunction:
@@ -221,7 +221,8 @@ def _adapt_slime(fn: Callable[..., Any]) -> RolloutFunction:
         groups = output.samples if hasattr(output, "samples") else getattr(output, "data", output)
         if isinstance(groups, dict):
             groups = [result["samples"] for result in groups.values()]
-        return [as_inverted(s) for group in groups for s in (group if isinstance(group, list) else [group])]
+        return [as_inverted(s, ctx.slime_args) for group in groups
+                for s in (group if isinstance(group, list) else [group])]
 
     return run_slime
 

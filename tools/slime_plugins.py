@@ -83,7 +83,8 @@ RUN_WITH = {
     "slime.rollout.sleep_rollout.sleep": None,  # sleeps forever by design: not run
     "slime.rollout.rm_hub.async_rm": ["--rollout-function-path", "rollout_functions.single_turn:generate_rollout",
                                       "--rm-type", "random"],
-    "slime.rollout.sft_rollout.generate_rollout": ["--loss-mask-type", "qwen", "--n-samples-per-prompt", "1"],
+    "slime.rollout.sft_rollout.generate_rollout": ["--loss-mask-type", "qwen", "--n-samples-per-prompt", "1",
+                                                   "--loss-type", "sft_loss"],
     "mis.compute_mis_weights_with_cp": [*SINGLE_TURN, "--custom-config-path",
                                         "examples/train_infer_mismatch_helper/mis.yaml"],
     "generate_with_search.reward_func": ["--custom-generate-function-path", "generate_with_search.generate"],

@@ -279,15 +279,19 @@ def _tokenizer(path: str, chat_template: str | None) -> Any:
     return load_tokenizer(path, chat_template)
 
 
-def to_inverted(view: Any, calls: list[GenerateCall] | None = None) -> _Sample:
+def to_inverted(view: Any, calls: list[GenerateCall] | None = None, args: Any = None) -> _Sample:
     """A slime Sample (ours or the installed slime's) as ours; ``calls``: the router answers its
-    generate function received (``post`` records them), which give each token its version."""
+    generate function received (``post`` records them), which give each token its version. With
+    ``--loss-type sft_loss`` (``args``) a Sample may come with no logprobs (SFT data: nothing sampled it)."""
     n = view.response_length
     where = f"slime Sample (group {view.group_index}, index {view.index})"
-    if n and view.rollout_log_probs is None:
+    sft = getattr(args, "loss_type", None) == "sft_loss" and not view.rollout_log_probs
+    if n and view.rollout_log_probs is None and not sft:
         raise SampleError(f"{where}: rollout_log_probs is None; inverted trains on the sampled tokens' "
-                          "logprobs (ask /generate for return_logprob: true and keep them)")
+                          "logprobs (ask /generate for return_logprob: true and keep them, or train it with "
+                          "--loss-type sft_loss)")
     mask = list(view.loss_mask) if view.loss_mask is not None else [1] * n
+    status = _Sample.Status(getattr(view.status, "value", view.status))  # an SFT Sample is complete as it is
     metadata = dict(view.metadata or {})
     for name, default in META_FIELDS.items():
         value = getattr(view, name, default)
@@ -295,9 +299,12 @@ def to_inverted(view: Any, calls: list[GenerateCall] | None = None) -> _Sample:
             metadata[name] = value
     return _Sample(group_index=view.group_index, index=getattr(view, "_index", view.index), prompt=view.prompt,
                    tokens=list(view.tokens),
-                   response_length=n, loss_mask=mask, rollout_log_probs=list(view.rollout_log_probs or []),
-                   weight_versions=token_versions(view, mask, calls or []), reward=view.reward,
-                   status=_Sample.Status(getattr(view.status, "value", view.status)), label=view.label,
+                   response_length=n, loss_mask=mask,
+                   rollout_log_probs=[0.0] * n if sft else list(view.rollout_log_probs or []),
+                   weight_versions=["default"] * n if sft else token_versions(view, mask, calls or []),
+                   reward=view.reward,
+                   status=_Sample.Status.COMPLETED if sft and status == _Sample.Status.PENDING else status,
+                   label=view.label,
                    metadata=metadata, session_id=getattr(view, "session_id", None),
                    rollout_routed_experts=_routes_of(getattr(view, "rollout_routed_experts", None)))
 

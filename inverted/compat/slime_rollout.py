@@ -14,9 +14,8 @@ signatures and behaviour, written here (``compat.slime.install`` puts them under
   grade differently; ``ifbench`` needs IFBench's instruction registry and is refused.
 - ``slime.utils.mask_utils``: ``MultiTurnLossMaskGenerator`` and ``get_response_lengths``: a
   conversation's chat-template tokens, with 1 on what each assistant message says.
-- ``slime.rollout.sft_rollout``: ``generate_rollout`` fills Samples from conversations. (Training on
-  them needs slime's ``sft_loss``, which inverted lacks: such Samples have no rollout log-probs and
-  are refused with that reason.)
+- ``slime.rollout.sft_rollout``: ``generate_rollout`` fills Samples from conversations, which
+  ``--loss-type sft_loss`` trains on (``compat.slime.to_inverted`` takes them without logprobs).
 - ``slime.utils.processing_utils``: ``load_tokenizer``, ``load_processor`` (None: text models
   only), ``build_processor_kwargs``.
 - ``slime.utils.async_utils.run``, ``slime.utils.http_utils.get_rollout_num_engines``, and

@@ -457,7 +457,9 @@ class Trainer:
         pg_term = (slime_loss.reduce_pg(plugins.reducer, mb, pg, mask,
                                         tokens.step_tokens if per_token else tokens.step_samples, per_token)
                    if plugins.reducer is not None else (weight * pg).sum())
-        if plugins.loss is None:
+        if cfg.loss_type == "sft_loss":  # slime's: -sum_of_sample_mean(log_probs), i.e. our aggregation of the NLL
+            loss = -(weight * logp).sum()
+        elif plugins.loss is None:
             loss = pg_term - cfg.entropy_coef * (weight * entropy).sum()
             if cfg.use_kl_loss:
                 loss = loss + cfg.kl_loss_coef * (weight * kl).sum()

@@ -193,3 +193,20 @@ def test_slimes_small_helpers_behave_as_slimes(tiny_model):
         span.update({"a": 1})
     assert trace_function("x")(twice) is twice
     assert build_sglang_meta_trace_attrs({"prompt_tokens": 3, "weight_version": "1"}) == {"prompt_tokens": 3}
+
+
+def test_slimes_sft_rollout_trains_with_sft_loss_in_a_job(tiny_model, tmp_path):
+    """slime's SFT recipe, unchanged: its ``sft_rollout`` turns conversations into Samples with no
+    logprobs, and ``--loss-type sft_loss`` trains on them; the NLL falls."""
+    rows = [{"input": [{"role": "user", "content": f"What is {i} + {i}?"},
+                       {"role": "assistant", "content": str(2 * i)}]} for i in range(8)]
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    check(inverted("train", "--hf-checkpoint", str(tiny_model()), "--prompt-data", str(tmp_path / "sft.jsonl"),
+                   "--rollout-function-path", "slime.rollout.sft_rollout.generate_rollout", "--loss-type", "sft_loss",
+                   "--loss-mask-type", "qwen", "--n-samples-per-prompt", "1", "--rollout-batch-size", "4",
+                   "--num-rollout", "4", "--num-engines", "1", "--lr", "1e-2", "--output-dir", str(tmp_path / "run"),
+                   "--log-level", "warning"))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [row["train/loss"] for row in rows if "train/loss" in row]
+    assert len(losses) == 4 and losses[-1] < 0.6 * losses[0], losses
+    assert all(row["rollout/trained_samples"] == 4 for row in rows if "rollout/trained_samples" in row)

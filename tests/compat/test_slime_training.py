@@ -111,6 +111,20 @@ def test_a_custom_loss_is_the_loss(tiny_model, tmp_path, samples):
     assert metrics["train/custom/nll"] == pytest.approx(metrics["train/loss"], rel=1e-6)
 
 
+def test_sft_loss_is_the_nll_of_the_trained_tokens(tiny_model, tmp_path, samples):
+    """slime's ``sft_loss``: ``-sum_of_sample_mean(log_probs)``, here our aggregation (token_mean) of the
+    NLL of each trained token, against ``transformers``."""
+    metrics = one_step(tiny_model, tmp_path, samples, loss_type="sft_loss")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model("qwen2"), torch_dtype=torch.float32)
+    total, tokens = 0.0, sum(s.loss_mask.count(1) for s in samples)
+    with torch.no_grad():
+        for s in samples:
+            logp = model(torch.tensor([s.tokens])).logits[0].log_softmax(-1)
+            picked = logp[s.prompt_length - 1:len(s.tokens) - 1].gather(-1, torch.tensor(s.tokens[s.prompt_length:])[:, None])
+            total += -float((picked[:, 0] * torch.tensor(s.loss_mask, dtype=torch.float32)).sum())
+    assert metrics["train/loss"] == pytest.approx(total / tokens, rel=1e-4)
+
+
 def test_remove_sample_keeps_a_sample_out_of_the_loss(tiny_model, tmp_path, samples):
     for s in samples[1::2]:
         s.metadata["remove_sample"] = True
