@@ -30,6 +30,7 @@ import argparse
 import functools
 import itertools
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -283,6 +284,10 @@ def parser(ours: set[str]) -> argparse.ArgumentParser:
     return slime
 
 
+# Flags whose values are secrets (slime's --wandb-key): never logged, never on a command line.
+SECRET = re.compile(r"(api_key|wandb_key|token|secret|password)$")
+
+
 @dataclass(slots=True)
 class SlimeFlags:
     """slime flags given on the command line that are not inverted's own, by destination."""
@@ -295,7 +300,7 @@ class SlimeFlags:
         for dest, value in sorted(self.given.items()):
             state, why = status(dest, value)
             if state in ("no effect", "default"):
-                lines.append(f"{option(dest)}={value!r}: {why}")
+                lines.append(f"{option(dest)}={'(hidden)' if SECRET.search(dest) else repr(value)}: {why}")
         return lines
 
 

@@ -14,8 +14,8 @@ acts on the ones given, before any process starts:
 
 slime plug-ins see one ``args`` in every process: the job's flags under slime's names, the slime
 flags given, and slime's defaults for the rest. ``cfg.train.slime_args`` and
-``cfg.buffer.slime_args`` carry it to the trainer and the buffer service as JSON; no key is in it
-(the buffer's travels on a command line).
+``cfg.buffer.slime_args`` carry it to the trainer and the buffer service as JSON; no key or token
+is in it (the buffer's travels on a command line), slime's ``--wandb-key`` neither.
 """
 
 from __future__ import annotations
@@ -62,9 +62,9 @@ def apply(cfg: JobConfig, flags: slime_flags.SlimeFlags | None, sglang_args: lis
         logger.warning("slime flags accepted with no effect here:\n  %s", "\n  ".join(ignored))
     namespace: dict[str, Any] = {}
     for section in SECTIONS:
-        namespace |= {k: v for k, v in to_flags(getattr(cfg, section)).items()
-                      if not k.endswith("api_key") and k != "slime_args"}
-    cfg.train.slime_args = cfg.buffer.slime_args = json.dumps(namespace | given)
+        namespace |= {k: v for k, v in to_flags(getattr(cfg, section)).items() if k != "slime_args"}
+    namespace = {k: v for k, v in (namespace | given).items() if not slime_flags.SECRET.search(k)}
+    cfg.train.slime_args = cfg.buffer.slime_args = json.dumps(namespace)
     return plan.forward
 
 

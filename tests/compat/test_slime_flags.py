@@ -68,7 +68,7 @@ QWEN2_SCRIPT = [  # from slime's scripts/models/qwen2.5-*.sh and run-*.sh, for t
     "--ref-load", "/root/Qwen2.5-0.5B_torch_dist", "--use-wandb", "--wandb-project", "slime-dev",
     "--num-steps-per-rollout", "2", "--rollout-max-context-len", "1024", "--calculate-per-token-loss",
     "--sglang-mem-fraction-static", "0.7", "--sglang-server-concurrency", "64", "--sglang-max-running-requests", "16",
-    "--sglang-cuda-graph-bs", "1", "2", "4",
+    "--sglang-cuda-graph-bs", "1", "2", "4", "--wandb-key", "wandb-secret-1234",
 ]
 
 
@@ -89,12 +89,13 @@ def test_a_slime_launch_line_parses_and_acts_as_slime_would(monkeypatch, tiny_mo
                  "slime passes to SGLang 0.5.23; the embedded engine ignores it", "--ref-load='/root/Qwen2.5-0.5B_torch_dist': the KL"):
         assert line in listed
     assert "--num-layers" not in listed and "--calculate-per-token-loss" not in listed  # checked / implemented
+    assert "--wandb-key=(hidden): metrics go to" in listed and "wandb-secret-1234" not in listed
     args = SlimeArgs.of(to_flags(cfg.buffer))  # the buffer's args, from what the job hands it
     assert (args.calculate_per_token_loss, args.wandb_project, args.sglang_server_concurrency, args.num_layers,
             args.rollout_batch_size, args.n_samples_per_prompt) == (True, "slime-dev", 64, 2, 4, 4)
     assert (args.use_rollout_logprobs, args.rollout_max_context_len, args.sglang_router_request_timeout_secs) == \
         (False, 1024, 14400)  # slime's defaults for the flags not given
-    assert "api_key" not in cfg.buffer.slime_args
+    assert "api_key" not in cfg.buffer.slime_args and "wandb-secret-1234" not in cfg.buffer.slime_args  # cmdline
     args.rollout_id_seen = 3  # a plug-in sets attributes on its copy, as slime's do
     assert args.rollout_id_seen == 3 and "rollout_id_seen" not in json.loads(cfg.train.slime_args)
 
