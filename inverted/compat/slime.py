@@ -25,7 +25,7 @@ four things, and this module is each of them:
 ``install()`` makes ``import slime.utils.types`` (and the other paths above, and those of
 ``compat.slime_rollout``) resolve here when the real slime is not installed, so a plug-in changes
 not one line. With ``INVERTED_SLIME_SOURCE`` set to a slime checkout, a module of slime's that
-inverted does not provide (an in-tree plug-in such as ``slime.rollout.fully_async_rollout``)
+inverted does not provide (an in-tree plug-in such as ``slime.rollout.sglang_streaming_rollout``)
 imports from slime's own file, over inverted's modules. Where slime *is* installed, its
 modules are left alone: the plug-in gets slime's own classes, and the conversions work on them by
 field name (``from_inverted(..., cls=...)``, ``to_inverted`` reads attributes).
