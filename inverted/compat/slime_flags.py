@@ -21,7 +21,7 @@ has the flag, mapped to the embedded engine's own where it has one, listed as ig
 embedded engine otherwise; slime's own (``--sglang-config``, ``--sglang-server-concurrency``, ...)
 are handled like the rest.
 
-Every flag, given or not, is in slime plug-ins' ``args`` with slime's default (``defaults``).
+Every flag, given or not, is in slime plug-ins' ``args`` with slime's default (``compat.slime.SlimeArgs``).
 """
 
 from __future__ import annotations
@@ -85,11 +85,6 @@ def table() -> dict[str, Flag]:
 def read_from() -> dict[str, str]:
     """The commits and versions the table was read from."""
     return json.loads(TABLE.read_text())["read_from"]
-
-
-def defaults() -> dict[str, Any]:
-    """Every slime flag's default, by destination (slime's ``args`` before any flag is given)."""
-    return {dest: flag.default for dest, flag in table().items()}
 
 
 # -- what each flag does here ----------------------------------------------------------------------

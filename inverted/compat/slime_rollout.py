@@ -113,8 +113,9 @@ async def async_rm(args: Any, sample: Any, **kwargs: Any) -> Any:
     """slime's reward dispatch: the Sample's or the job's ``--custom-rm-path``, else ``--rm-type``
     (the Sample's ``metadata["rm_type"]`` first)."""
     path = getattr(sample, "custom_rm_path", None) or args.custom_rm_path
-    if path and path.replace(":", ".") != f"{__name__}.async_rm" and path != "slime.rollout.rm_hub.async_rm":
-        return await slime.load_function(path.replace(":", "."))(args, sample, **kwargs)
+    custom = slime.load_function(path.replace(":", ".")) if path else None
+    if custom is not None and custom is not async_rm:  # --rm-type makes async_rm itself the job's reward model
+        return await custom(args, sample, **kwargs)
     metadata = sample.metadata if isinstance(sample.metadata, dict) else {}
     rm_type = (metadata.get("rm_type") or args.rm_type or "").strip()
     response, label = sample.response, sample.label
