@@ -81,8 +81,7 @@ SINGLE_TURN = ["--rollout-function-path", "rollout_functions.single_turn:generat
 # what each needs besides itself to run: slime's default rollout and reward model, its own config
 RUN_WITH = {
     "slime.rollout.sleep_rollout.sleep": None,  # sleeps forever by design: not run
-    "slime.rollout.rm_hub.async_rm": ["--rollout-function-path", "rollout_functions.single_turn:generate_rollout",
-                                      "--rm-type", "random"],
+    "slime.rollout.rm_hub.async_rm": SINGLE_TURN,
     "slime.rollout.sft_rollout.generate_rollout": ["--loss-mask-type", "qwen", "--n-samples-per-prompt", "1",
                                                    "--loss-type", "sft_loss"],
     "mis.compute_mis_weights_with_cp": [*SINGLE_TURN, "--custom-config-path",
@@ -92,16 +91,14 @@ RUN_WITH = {
                                                              "1024"],  # as its script
     "generate_with_retool.reward_func": ["--custom-generate-function-path", "generate_with_retool.generate"],
 }
+# otherwise, by the plug-in's kind: a generate function runs inside slime's default rollout and
+# needs a reward model; a rollout function or a reward model needs nothing; the rest run beside both
+BY_FLAG = {"--rollout-function-path": [], "--custom-rm-path": [], "--custom-generate-function-path": ["--rm-type", "random"]}
 TRAINER_SIDE = ("--custom-tis-function-path", "--custom-reward-post-process-path")
 
 
 def run_job(tree: Path, flag: str, path: str, where: str | None, model: str, prompts: str) -> str:
-    extra = RUN_WITH.get(path, [] if flag == "--rollout-function-path" else SINGLE_TURN)
-    if flag == "--custom-generate-function-path" or path.endswith("reward_func"):
-        extra = [e for e in extra if e not in SINGLE_TURN[:2]]
-        extra = ["--rm-type", "random", *extra] if "--rm-type" not in extra and flag != "--custom-rm-path" else extra
-    if flag == "--custom-rm-path" and path != "slime.rollout.rm_hub.async_rm":
-        extra = [e for e in extra if e not in ("--rm-type", "random")]
+    extra = RUN_WITH.get(path, BY_FLAG.get(flag, SINGLE_TURN))
     extra = [str(tree / e) if e.endswith(".yaml") else e for e in extra]
     if path == "slime.rollout.sft_rollout.generate_rollout":  # conversations to learn, as slime's SFT data
         prompts = str(Path(prompts).with_name("sft.jsonl"))
