@@ -660,7 +660,8 @@ class TrainConfig:
     num_rollout: int = option(1, "rollouts to train on")
     debug_train_only: bool = option(False, "train from --load-debug-rollout-data with no rollout servers")
     load_debug_rollout_data: str | None = option(
-        None, "jsonl of Samples to train on (one per line); '{rollout_id}' in the path picks a file per rollout", path=True)
+        None, "jsonl of Samples to train on (one per line), or slime's .pt dump; '{rollout_id}' in the path picks a "
+              "file per rollout", path=True)
     global_batch_size: int = option(0, "samples per optimizer step (0: the whole rollout batch in one step)")
     max_tokens_per_gpu: int = option(4096, "token budget of one packed micro-batch")
     seed: int = option(1234, "random seed")
@@ -768,7 +769,8 @@ class RolloutConfig:
     eval_temperature: float = option(0.0, "sampling temperature of evaluation (0: greedy)")
     debug_rollout_only: bool = option(False, "rollouts only, no trainer: report throughput and save the Samples")
     save_debug_rollout_data: str | None = option(
-        None, "write each rollout's Samples as jsonl here; '{rollout_id}' in the path makes one file per rollout", path=True)
+        None, "write each rollout's Samples as jsonl here (a .pt path: slime's dump); '{rollout_id}' in the path "
+              "makes one file per rollout", path=True)
     ray_address: str | None = option(None, "Ray cluster to join ('auto' or HOST:PORT; default: start a local one)")
     colocate: bool = option(False, "training and rollout share the devices: servers release memory while training")
     async_mode: bool = option(

@@ -26,10 +26,14 @@ usable Sample it left without a reward: ours ``(sample)``, slime's ``async (args
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import functools
 import importlib
 import inspect
+import threading
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
@@ -45,8 +49,6 @@ def _import(path: str, *, flag: str, expected: str) -> Callable[..., Any]:
         module_name, _, attr = path.rpartition(".")
     if not module_name or not attr:
         raise PluginError(f"{flag}={path!r}: expected 'module:function' with signature {expected}")
-    if why := slime.PLUGINS_NOT_HERE.get(f"{module_name}.{attr}"):
-        raise PluginError(f"{flag}={path!r}: slime's plug-in, which inverted does not run: {why}")
     slime.install()
     try:
         fn = getattr(importlib.import_module(module_name), attr)
@@ -171,24 +173,58 @@ RolloutFunction = Callable[[RolloutContext, list[Task]], Awaitable[list[Sample]]
 SLIME_PARAMS = ["args", "rollout_id", "data_buffer"]
 
 
-class SlimeDataBuffer:
-    """What slime's ``generate_rollout`` expects as ``data_buffer``: leased tasks as groups of slime Samples."""
+# The rollout a slime rollout function is running for (its context: the thread it runs on, and the
+# coroutines it runs through slime's ``run``); unset on threads the plug-in starts itself.
+_rollout: contextvars.ContextVar[object | None] = contextvars.ContextVar("slime_rollout", default=None)
 
-    def __init__(self, tasks: list[Task], args: Any = None) -> None:
+
+class SlimeDataBuffer:
+    """What slime's rollout functions get as ``data_buffer`` (its data source): the leased tasks as
+    groups of slime Samples. One per rollout function for the whole run, as slime's data source is:
+    each rollout's groups join it, so a plug-in that keeps it across rollouts (slime's fully-async
+    worker, on a thread of its own) keeps being fed. A rollout function's own calls get its
+    rollout's groups only (rollouts may run side by side: ``--async-mode``); calls from a thread the
+    plug-in started take whichever come first."""
+
+    def __init__(self) -> None:
+        self._groups: list[tuple[object | None, list[Any]]] = []  # (the rollout it belongs to, the group)
+        self._lock = threading.Lock()
+
+    def add_tasks(self, tasks: list[Task], args: Any = None) -> None:
         groups: dict[int, list[Any]] = {}
         for task in tasks:
             sample = slime.from_inverted(task.new_sample(), args=args)
             sample.metadata.setdefault("tools", task.tools)
             groups.setdefault(task.group_index, []).append(sample)
-        self._groups = list(groups.values())
+        self.add_samples(list(groups.values()))
 
     def get_samples(self, num_samples: int) -> list[list[Any]]:
-        taken, self._groups = self._groups[:num_samples], self._groups[num_samples:]
+        rollout = _rollout.get()
+        with self._lock:
+            mine = [i for i, (owner, _) in enumerate(self._groups) if rollout is None or owner is rollout][:num_samples]
+            taken = [self._groups[i][1] for i in mine]
+            for i in reversed(mine):
+                del self._groups[i]
         return taken
 
     def add_samples(self, samples: list[list[Any]]) -> None:
         """slime returns unfinished groups this way; they go back to be handed out again."""
-        self._groups.extend(samples)
+        rollout = _rollout.get()
+        with self._lock:
+            self._groups.extend((rollout, group) for group in samples)
+
+    @contextlib.contextmanager
+    def serving(self, tasks: list[Task], args: Any) -> Iterator[None]:
+        """Within it, this rollout's groups are in the buffer, and its rollout function's calls get them."""
+        token = _rollout.set(object())
+        try:
+            self.add_tasks(tasks, args)
+            yield
+        finally:
+            rollout = _rollout.get()
+            _rollout.reset(token)
+            with self._lock:  # what this rollout left untaken goes with it
+                self._groups = [entry for entry in self._groups if entry[0] is not rollout]
 
 
 def as_inverted(item: Any, args: Any = None) -> Sample:
@@ -212,19 +248,74 @@ def required_flags(fn: RolloutFunction) -> tuple[str, ...]:
     return tuple(getattr(fn, "requires", ()))
 
 
+async def in_daemon_thread(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """``asyncio.to_thread`` on a daemon thread of its own: a plug-in that never returns (slime's
+    ``sleep_rollout``, or one stuck on a socket) cannot keep the job from stopping, as a thread of
+    the loop's executor would (the loop and the interpreter wait for those at exit)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+    context = contextvars.copy_context()
+
+    def settle(method: str, value: Any) -> None:
+        if not future.done():
+            getattr(future, method)(value)
+
+    def work() -> None:
+        try:
+            result = context.run(fn, *args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
+            loop.call_soon_threadsafe(settle, "set_exception", exc)
+        else:
+            loop.call_soon_threadsafe(settle, "set_result", result)
+
+    threading.Thread(target=work, name=f"plugin-{getattr(fn, '__name__', 'fn')}", daemon=True).start()
+    return await future
+
+
 def _adapt_slime(fn: Callable[..., Any]) -> RolloutFunction:
+    buffers = {False: SlimeDataBuffer(), True: SlimeDataBuffer()}  # training's, evaluation's
+
     async def run_slime(ctx: RolloutContext, tasks: list[Task]) -> list[Sample]:
-        buffer = SlimeDataBuffer(tasks, ctx.slime_args)
-        output = await asyncio.to_thread(fn, ctx.slime_args, ctx.rollout_id, buffer, evaluation=ctx.evaluation)
+        buffer = buffers[ctx.evaluation]
+        with buffer.serving(tasks, ctx.slime_args):
+            output = await in_daemon_thread(fn, ctx.slime_args, ctx.rollout_id, buffer, evaluation=ctx.evaluation)
         # slime's RolloutFnTrainOutput / RolloutFnEvalOutput, or what they wrap: groups, or for evaluation
         # {dataset: {"rewards", "truncated", "samples"}}
         groups = output.samples if hasattr(output, "samples") else getattr(output, "data", output)
         if isinstance(groups, dict):
             groups = [result["samples"] for result in groups.values()]
-        return [as_inverted(s, ctx.slime_args) for group in groups
-                for s in (group if isinstance(group, list) else [group])]
+        samples = [as_inverted(s, ctx.slime_args) for group in groups
+                   for s in (group if isinstance(group, list) else [group])]
+        return place_strays(samples, tasks)
 
     return run_slime
+
+
+def place_strays(samples: list[Sample], tasks: list[Task]) -> list[Sample]:
+    """slime trains on whatever its rollout function returns; here each Sample answers a leased task.
+    Samples that answer no task of this rollout (a rollout replayed from a dump: slime's
+    ``forge_load``) take the places of the unanswered tasks, group for group in order, where the
+    groups' sizes agree (their own keys stay in ``metadata["replayed_from"]``); otherwise they are
+    left for the caller to report."""
+    keys = {(t.group_index, t.index) for t in tasks}
+    strays = [s for s in samples if (s.group_index, s.index) not in keys]
+    if not strays:
+        return samples
+    answered = {(s.group_index, s.index) for s in samples} & keys
+    open_groups: dict[int, list[Task]] = {}
+    for task in tasks:
+        if (task.group_index, task.index) not in answered:
+            open_groups.setdefault(task.group_index, []).append(task)
+    stray_groups: dict[Any, list[Sample]] = {}
+    for sample in strays:
+        stray_groups.setdefault(sample.group_index, []).append(sample)
+    if [len(g) for g in open_groups.values()] != [len(g) for g in stray_groups.values()]:
+        return samples
+    for group, stray_group in zip(open_groups.values(), stray_groups.values()):
+        for task, sample in zip(group, stray_group):
+            sample.metadata["replayed_from"] = {"group_index": sample.group_index, "index": sample.index}
+            sample.group_index, sample.index = task.group_index, task.index
+    return samples
 
 
 REWARD_FORMS = {"ours": ["sample"], "slime": ["args", "sample"]}

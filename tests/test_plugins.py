@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import types
 
 import pytest
@@ -9,8 +11,8 @@ import pytest
 from inverted.buffer.service import build_store
 from inverted.config import BufferConfig
 from inverted.errors import ConfigError, PluginError, PluginFailed
-from inverted.plugins import load_plugin, load_rollout_function, required_flags
-from inverted.types import Sample
+from inverted.plugins import SlimeDataBuffer, in_daemon_thread, load_plugin, load_rollout_function, required_flags
+from inverted.types import Sample, Task
 
 FILTER = "inverted.buffer.filters:drop_all_equal_rewards"
 
@@ -136,3 +138,50 @@ def test_env_args_are_bound_to_the_environment_and_checked_before_anything_start
         RolloutConfig(env_path="envs.verifiers:episode", env_args="[1]")
     # A YAML config's mapping is the same JSON object.
     assert RolloutConfig(env_args={"driver": "envs.guess_number"}).env_args == '{"driver": "envs.guess_number"}'
+
+
+def test_slimes_data_buffer_keeps_each_rollouts_groups_apart():
+    """One ``data_buffer`` for the run: a rollout function's calls get only their rollout's groups (two
+    rollouts may run side by side), a thread the plug-in started itself gets whichever are waiting,
+    and what a rollout left untaken goes when it ends."""
+    buffer = SlimeDataBuffer()
+
+    def tasks(groups):
+        return [Task(lease_id="l", group_index=g, index=i, prompt_index=g, prompt=f"p{g}") for g in groups for i in (0, 1)]
+
+    def keys(groups):
+        return [[(s.group_index, s.index) for s in group] for group in groups]
+
+    async def main():
+        with buffer.serving(tasks([2, 3]), None):
+            async def other_rollout():
+                with buffer.serving(tasks([0, 1]), None):
+                    return await in_daemon_thread(buffer.get_samples, 10)
+
+            assert keys(await asyncio.create_task(other_rollout())) == [[(0, 0), (0, 1)], [(1, 0), (1, 1)]]
+            assert keys(await in_daemon_thread(buffer.get_samples, 1)) == [[(2, 0), (2, 1)]]
+            free = []
+
+            def work():  # a thread the plug-in started: takes what waits, and puts it back (anyone's now)
+                free.extend(buffer.get_samples(10))
+                buffer.add_samples(free)
+
+            worker = threading.Thread(target=work)
+            worker.start()
+            worker.join()
+            assert keys(free) == [[(3, 0), (3, 1)]]
+        assert keys(buffer.get_samples(10)) == [[(3, 0), (3, 1)]]
+        with buffer.serving(tasks([4]), None):
+            pass
+        assert buffer.get_samples(10) == []  # untaken: gone with its rollout
+
+    asyncio.run(main())
+
+
+def test_plugin_code_runs_on_a_daemon_thread_and_its_errors_reach_the_caller():
+    async def main():
+        assert await in_daemon_thread(lambda x: threading.current_thread().daemon and x, 7) == 7
+        with pytest.raises(ZeroDivisionError):
+            await in_daemon_thread(lambda: 1 / 0)
+
+    asyncio.run(main())

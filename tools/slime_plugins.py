@@ -7,11 +7,14 @@ an in-tree plug-in module is loaded from its file under its own name, an example
 directory. Each line says whether inverted's loader takes it for its flag, or why not.
 
 With ``--run``, each is then run unchanged in a real job (``inverted train`` on a tiny random model,
-one rollout; ``--debug-rollout-only`` unless the plug-in is the trainer's), beside slime's
-rule-based reward model where it needs one; ``INVERTED_SLIME_SOURCE`` lets slime's in-tree plug-in
-modules import from the checkout. Each line then says whether the job ran, or its error.
+one rollout, two where a plug-in lives across rollouts; ``--debug-rollout-only`` unless the plug-in is the trainer's), beside slime's
+rule-based reward model where it needs one, a served teacher model for on-policy distillation, a
+rollout dump in slime's format (written by a job here) for ``forge_load``; ``sleep_rollout``, which
+never returns by design, must reach the rollout, stay there and stop on Ctrl-C.
+``INVERTED_SLIME_SOURCE`` lets slime's in-tree plug-in modules import from the checkout. Each line
+then says whether the job ran, or its error.
 
-    python tools/slime_plugins.py SLIME_CHECKOUT [--run]
+    python tools/slime_plugins.py SLIME_CHECKOUT [--run [--only PATH_PART]]
 """
 
 from __future__ import annotations
@@ -20,9 +23,12 @@ import argparse
 import importlib.util
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -78,41 +84,68 @@ def load(flag: str, path: str):
 
 ROOT = Path(__file__).resolve().parent.parent
 SINGLE_TURN = ["--rollout-function-path", "rollout_functions.single_turn:generate_rollout", "--rm-type", "random"]
-# what each needs besides itself to run: slime's default rollout and reward model, its own config
+# what each needs besides itself to run: slime's default rollout and reward model, its own config;
+# {tree}: the checkout, {dump}: a rollout dump in slime's format (written by a job here first),
+# {teacher}: a served teacher model's /generate (on-policy distillation)
+OPD = ["--use-opd", "--opd-type", "sglang", "--rm-url", "{teacher}"]
 RUN_WITH = {
-    "slime.rollout.sleep_rollout.sleep": None,  # sleeps forever by design: not run
+    "slime.rollout.sleep_rollout.sleep": [],  # sleeps forever by design: see SLEEPS
     "slime.rollout.rm_hub.async_rm": SINGLE_TURN,
     "slime.rollout.sft_rollout.generate_rollout": ["--loss-mask-type", "qwen", "--n-samples-per-prompt", "1",
                                                    "--loss-type", "sft_loss"],
     "mis.compute_mis_weights_with_cp": [*SINGLE_TURN, "--custom-config-path",
-                                        "examples/train_infer_mismatch_helper/mis.yaml"],
+                                        "{tree}/examples/train_infer_mismatch_helper/mis.yaml"],
     "generate_with_search.reward_func": ["--custom-generate-function-path", "generate_with_search.generate"],
     "rollout_with_multi_agents.generate_with_multi_agents": ["--rm-type", "deepscaler", "--rollout-max-context-len",
                                                              "1024"],  # as its script
     "generate_with_retool.reward_func": ["--custom-generate-function-path", "generate_with_retool.generate"],
+    # slime's default generate-and-reward path on a worker thread: it needs a reward model, over two
+    # rollouts (the worker outlives the first)
+    "slime.rollout.fully_async_rollout.generate_rollout_fully_async": ["--rm-type", "random", "--num-rollout", "2"],
+    # over two rollouts: the second replays the same dump (slime's fallback to 0.pt)
+    "slime.rollout.forge_load.generate_rollout": ["--load-forge-rollout-data", "{dump}", "--num-rollout", "2"],
+    # the pair, as slime's OPD scripts give them; the post-process trains
+    "slime.rollout.on_policy_distillation.reward_func": [*OPD, "--rollout-function-path",
+                                                         "rollout_functions.single_turn:generate_rollout"],
+    "slime.rollout.on_policy_distillation.post_process_rewards": [
+        *OPD, *SINGLE_TURN[:2], "--custom-rm-path", "slime.rollout.on_policy_distillation.reward_func"],
 }
+# runs until stopped, by design: it must reach the rollout, stay in it, and stop on Ctrl-C
+SLEEPS = {"slime.rollout.sleep_rollout.sleep"}
 # otherwise, by the plug-in's kind: a generate function runs inside slime's default rollout and
 # needs a reward model; a rollout function or a reward model needs nothing; the rest run beside both
 BY_FLAG = {"--rollout-function-path": [], "--custom-rm-path": [], "--custom-generate-function-path": ["--rm-type", "random"]}
 TRAINER_SIDE = ("--custom-tis-function-path", "--custom-reward-post-process-path")
 
 
-def run_job(tree: Path, flag: str, path: str, where: str | None, model: str, prompts: str) -> str:
-    extra = RUN_WITH.get(path, BY_FLAG.get(flag, SINGLE_TURN))
-    extra = [str(tree / e) if e.endswith(".yaml") else e for e in extra]
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def job_argv(flag: str, path: str, extra: list[str], model: str, prompts: str, out: str) -> list[str]:
+    return [sys.executable, "-m", "inverted.cli", "train", "--hf-checkpoint", model, "--prompt-data", prompts,
+            "--num-rollout", "1", "--num-engines", "1", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+            "--rollout-max-response-len", "16", "--output-dir", out, "--log-level", "warning",
+            *([] if flag in TRAINER_SIDE else ["--debug-rollout-only"]), flag, path, *extra]
+
+
+def run_job(tree: Path, flag: str, path: str, where: str | None, model: str, prompts: str,
+            places: dict[str, str]) -> str:
+    extra = [e.format(tree=tree, **places) for e in RUN_WITH.get(path, BY_FLAG.get(flag, SINGLE_TURN))]
     if path == "slime.rollout.sft_rollout.generate_rollout":  # conversations to learn, as slime's SFT data
         prompts = str(Path(prompts).with_name("sft.jsonl"))
     if path.startswith("generate_with_search."):  # search-r1's rows: a question, its answers as slime's data has them
         prompts = str(Path(prompts).with_name("search.jsonl"))
     out = tempfile.mkdtemp(prefix="slime-plugin-")
-    argv = [sys.executable, "-m", "inverted.cli", "train", "--hf-checkpoint", model, "--prompt-data", prompts,
-            "--num-rollout", "1", "--num-engines", "1", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-            "--rollout-max-response-len", "16", "--output-dir", out, "--log-level", "warning",
-            *([] if flag in TRAINER_SIDE else ["--debug-rollout-only"]), flag, path, *extra]
+    argv = job_argv(flag, path, extra, model, prompts, out)
     # the checkout's root too: examples import their siblings as examples.NAME.module (its slime
     # package then serves only what inverted does not provide: INVERTED_SLIME_SOURCE)
     paths = [str(ROOT), *(str(tree / w) for _, _, w in PLUGINS if w and not w.endswith(".py")), str(tree)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "INVERTED_SLIME_SOURCE": str(tree)}
+    if path in SLEEPS:
+        return run_until_stopped(argv, env, out)
     try:
         result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, cwd=out)
     except subprocess.TimeoutExpired:
@@ -123,10 +156,43 @@ def run_job(tree: Path, flag: str, path: str, where: str | None, model: str, pro
     return (lines[-1] if lines else result.stderr.strip().splitlines()[-1])[:300]
 
 
+def run_until_stopped(argv: list[str], env: dict[str, str], out: str, stay: float = 30.0) -> str:
+    """A rollout function that never returns: the job reaches the rollout and stays in it, then
+    stops on Ctrl-C (SIGINT) without waiting for it."""
+    log = Path(out) / "job.log"
+    with log.open("w") as sink:
+        job = subprocess.Popen(argv, env=env, stdout=sink, stderr=subprocess.STDOUT, cwd=out)
+        deadline = time.monotonic() + 180
+        while "rollout:" not in log.read_text() and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(1)
+        time.sleep(stay)
+        if job.poll() is not None:
+            return f"returned (exit {job.returncode}) instead of sleeping: {log.read_text()[-300:]}"
+        if "rollout:" not in log.read_text():
+            job.kill()
+            return "did not reach the rollout in 180 s"
+        job.send_signal(signal.SIGINT)
+        try:
+            job.wait(60)
+        except subprocess.TimeoutExpired:
+            job.kill()
+            return "slept, but did not stop within 60 s of Ctrl-C"
+    return ""
+
+
+def write_dump(model: str, prompts: str, work: Path) -> str:
+    """A rollout dump in slime's format, from a job here (--save-debug-rollout-data DIR/{rollout_id}.pt)."""
+    template = str(work / "dump" / "{rollout_id}.pt")
+    argv = job_argv("--save-debug-rollout-data", template, SINGLE_TURN, model, prompts, str(work / "dump-run"))
+    subprocess.run(argv, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True, capture_output=True, timeout=300)
+    return template.format(rollout_id=0)
+
+
 def main() -> None:
     cli = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     cli.add_argument("slime", type=Path)
     cli.add_argument("--run", action="store_true")
+    cli.add_argument("--only", default="", help="run only the plug-ins whose path contains this")
     options = cli.parse_args()
     tree = _work_tree(options.slime, "slime/utils/arguments.py")
     from inverted.compat import slime
@@ -170,14 +236,22 @@ def main() -> None:
     (work / "search.jsonl").write_text("".join(
         json.dumps({"input": f"Who wrote book {i}?", "label": {"ground_truth": {"target": [f"author {i}"]}}}) + "\n"
         for i in range(8)))
+    model = str(work / "model")
+    make_tiny_model(TinyModelConfig(out=str(work / "teacher"), seed=1))
+    teacher = subprocess.Popen([sys.executable, "-m", "inverted.cli", "serve-engine", "--model", str(work / "teacher"),
+                                "--port", str(port := free_port())], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    places = {"dump": write_dump(model, prompts, work), "teacher": f"http://127.0.0.1:{port}/generate"}
     ran = 0
-    for flag, path, where in PLUGINS:
-        if RUN_WITH.get(path, []) is None:
-            print(f"skip {path}: {'sleeps forever by design'}")
-            continue
-        error = run_job(tree, flag, path, where, str(work / "model"), prompts)
-        ran += not error
-        print(f"{'ran ' if not error else 'FAIL'} {flag} {path}{': ' + error if error else ''}", flush=True)
+    try:
+        for flag, path, where in PLUGINS:
+            if options.only not in path:
+                continue
+            error = run_job(tree, flag, path, where, model, prompts, places)
+            ran += not error
+            print(f"{'ran ' if not error else 'FAIL'} {flag} {path}{': ' + error if error else ''}", flush=True)
+    finally:
+        teacher.terminate()
     print(f"{ran} of {len(PLUGINS)} run unchanged")
 
 

@@ -43,6 +43,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import types
 import weakref
 from collections.abc import Iterator
@@ -58,7 +59,9 @@ from inverted.types import encode_routed_experts
 logger = logging.getLogger(__name__)
 
 # Our Sample keeps these slime fields in its metadata (it has no field of its own for them).
-META_FIELDS = {"response": "", "rollout_id": None, "remove_sample": False}
+# slime fields ours lacks, carried in metadata (teacher_log_probs: on-policy distillation's, which a
+# rollout-side plug-in may set, read by the trainer)
+META_FIELDS = {"response": "", "rollout_id": None, "remove_sample": False, "teacher_log_probs": None}
 
 
 @dataclass
@@ -147,7 +150,7 @@ class Sample:
     session_id: str | None = None
     rollout_routed_experts: Any = None  # slime: int32 ndarray [tokens - 1, layers, top_k]; ours: its base64
     # slime's other fields (August 2026), with its defaults: carried for plug-ins that read or set
-    # them; the multimodal, top-p replay and teacher ones have no effect here (text models, no OPD)
+    # them; the multimodal and top-p replay ones have no effect here (text models)
     multimodal_inputs: dict[str, Any] | None = None
     multimodal_train_inputs: dict[str, Any] | None = None
     multimodal_train_input_id: str | None = None
@@ -257,19 +260,28 @@ def from_inverted(sample: _Sample, cls: type | None = None, args: Any = None) ->
             prompt = _tokenizer_of(args).apply_chat_template(
                 prompt, tools=metadata.get("tools"), tokenize=False, add_generation_prompt=True,
                 **(args.apply_chat_template_kwargs or {}))
+    known = getattr(cls, "__dataclass_fields__", moved)  # an older slime's Sample lacks the newer fields
     view = cls(group_index=sample.group_index, index=index, prompt=prompt, tokens=list(sample.tokens),
                response_length=sample.response_length, label=sample.label, reward=sample.reward,
                loss_mask=list(sample.loss_mask), rollout_log_probs=list(sample.rollout_log_probs),
                weight_versions=_calls_of(sample.weight_versions), status=cls.Status(sample.status.value),
-               metadata=metadata, session_id=sample.session_id, **moved)
+               metadata=metadata, session_id=sample.session_id, **{k: v for k, v in moved.items() if k in known})
+    for name in moved.keys() - known:
+        setattr(view, name, moved[name])
     view.rollout_routed_experts = sample.rollout_routed_experts  # slime's newer field; an attribute on older ones
     view._token_versions = list(sample.weight_versions)  # exact per-token versions, for the way back
     view._index = sample.index  # our index (the place in the group), for the way back
     return view
 
 
+# Rollouts side by side (--async-mode) run slime's rollout functions on threads at once; the first
+# tokenizer load imports transformers, whose lazy modules fail when two threads import them together.
+_tokenizer_lock = threading.Lock()
+
+
 def _tokenizer_of(args: Any) -> Any:
-    return _tokenizer(args.hf_checkpoint, getattr(args, "chat_template", None))
+    with _tokenizer_lock:
+        return _tokenizer(args.hf_checkpoint, getattr(args, "chat_template", None))
 
 
 @functools.cache
@@ -295,8 +307,8 @@ def to_inverted(view: Any, calls: list[GenerateCall] | None = None, args: Any = 
     metadata = dict(view.metadata or {})
     for name, default in META_FIELDS.items():
         value = getattr(view, name, default)
-        if value != default:
-            metadata[name] = value
+        if (value is not None) if default is None else value != default:
+            metadata[name] = value.tolist() if hasattr(value, "tolist") else value  # a tensor, as JSON
     return _Sample(group_index=view.group_index, index=getattr(view, "_index", view.index), prompt=view.prompt,
                    tokens=list(view.tokens),
                    response_length=n, loss_mask=mask,
@@ -426,9 +438,25 @@ class GenerateCall:
 
 
 _calls: contextvars.ContextVar[list[GenerateCall] | None] = contextvars.ContextVar("slime_generate_calls", default=None)
-_lora_path: contextvars.ContextVar[str | None] = contextvars.ContextVar("slime_lora_path", default=None)
-_router: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("slime_router", default=None)
 _httpx_clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True, slots=True)
+class _Generating:
+    """What ``post`` adds to the calls of a rollout: the LoRA adapter, and the router's address and key."""
+
+    lora_path: str | None
+    router: tuple[str, str] | None
+
+
+_generating: contextvars.ContextVar[_Generating | None] = contextvars.ContextVar("slime_generating", default=None)
+# The same for threads a plug-in starts itself (slime's fully-async worker): a new thread begins with
+# an empty context, so there ``post`` takes what the rollouts running in this process set.
+_in_process: list[_Generating] = []
+
+
+def _current() -> _Generating | None:
+    return _generating.get() or (_in_process[-1] if _in_process else None)
 
 
 def record_calls() -> list[GenerateCall]:
@@ -444,13 +472,15 @@ def generating_with(lora_path: str | None, router_url: str | None = None,
     """Within it, ``post`` names this LoRA adapter in every ``/generate`` that names none (a LoRA
     run's policy is its adapter, and a slime plug-in written for full fine-tuning would sample the
     base), and sends the router's key with every call to ``router_url`` (slime's router takes none)."""
-    tokens = _lora_path.set(lora_path), _router.set((router_url.rstrip("/") + "/", router_api_key)
-                                                    if router_url and router_api_key else None)
+    setting = _Generating(lora_path, (router_url.rstrip("/") + "/", router_api_key)
+                          if router_url and router_api_key else None)
+    token = _generating.set(setting)
+    _in_process.append(setting)
     try:
         yield
     finally:
-        _lora_path.reset(tokens[0])
-        _router.reset(tokens[1])
+        _generating.reset(token)
+        _in_process.remove(setting)
 
 
 def _session():
@@ -463,7 +493,7 @@ def _session():
 
 
 def _with_router_key(url: str, headers: dict[str, str] | None) -> dict[str, str] | None:
-    router = _router.get()
+    router = (_current() or _Generating(None, None)).router
     if router and url.startswith(router[0]) and "Authorization" not in (headers or {}):
         return {**(headers or {}), "Authorization": f"Bearer {router[1]}"}
     return headers
@@ -472,7 +502,7 @@ def _with_router_key(url: str, headers: dict[str, str] | None) -> dict[str, str]
 async def post(url: str, payload: Any, max_retries: int = 60, headers: dict[str, str] | None = None) -> Any:
     """POST JSON and return the JSON answer; like slime, any failure is retried once a second,
     ``max_retries`` times, then raised."""
-    lora_path = _lora_path.get()
+    lora_path = (_current() or _Generating(None, None)).lora_path
     if lora_path and url.endswith("/generate") and isinstance(payload, dict) and not payload.get("lora_path"):
         payload = {**payload, "lora_path": lora_path}
     headers = _with_router_key(url, headers)
@@ -636,17 +666,6 @@ def group_by(iterable: Any, key: Any = None) -> dict[Any, list[Any]]:
 
 
 # -- slime's module paths -------------------------------------------------------------------------
-
-# slime's in-tree plug-ins whose job inverted does otherwise, and how: refused by the plug-in loader.
-PLUGINS_NOT_HERE = {
-    "slime.rollout.fully_async_rollout.generate_rollout_fully_async":
-        "inverted's --async-mode (inverted train-async) is the fully asynchronous rollout: episodes run on while "
-        "the trainer takes each batch as the Data Buffer completes it",
-    "slime.rollout.sleep_rollout.sleep": "it sleeps forever, to keep slime's trainer alone; use --debug-train-only",
-    "slime.rollout.on_policy_distillation.reward_func": "no on-policy distillation here",
-    "slime.rollout.on_policy_distillation.post_process_rewards": "no on-policy distillation here",
-}
-
 
 # Each module's names, or the module that provides them (read when a plug-in first asks: the
 # trainer's loss helpers need torch and Megatron, which no other process should import for them).

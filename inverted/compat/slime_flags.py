@@ -104,6 +104,12 @@ SAME: dict[str, str] = {
     "rm_type": "slime's rule-based reward models (slime.rollout.rm_hub.async_rm) score the Samples, unless "
                "--custom-rm-path is given",
     "rm_url": "where the remote_rm reward model posts {prompt, response, label}",
+    "use_opd": "on-policy distillation: each token's advantage minus --opd-kl-coef x (the trainer's log-prob - "
+               "the teacher's), the teacher's from sample.teacher_log_probs",
+    "opd_kl_coef": "the weight of on-policy distillation's reverse KL in the advantages",
+    "opd_type": "where the teacher's log-probs come from: sglang, with the Samples (slime's on_policy_distillation "
+                "plug-ins ask a teacher server); megatron, the trainer runs the teacher (--opd-teacher-load)",
+    "opd_teacher_load": "the teacher's HF checkpoint (slime's: its Megatron conversion), of the policy's architecture",
     "train_backend": "Megatron-core is the only backend, as slime's default",
     "use_dynamic_batch_size": "micro-batches are always packed by token budget (--max-tokens-per-gpu)",
     "balance_data": "micro-batches are always balanced by tokens across data-parallel ranks",
@@ -195,8 +201,6 @@ REFUSED: dict[str, str] = {
     "compute_advantages_and_returns": "the trainer always computes the advantages (--advantage-estimator); "
                                        "give its rewards with --custom-reward-post-process-path",
     "enable_mtp_training": "no multi-token-prediction training here",
-    "use_opd": "no on-policy distillation here", "opd_type": "no on-policy distillation here",
-    "opd_kl_coef": "no on-policy distillation here", "opd_teacher_load": "no on-policy distillation here",
     "multimodal_keys": "text models only: no multimodal inputs",
     "rollout_buffer_url": "rollouts go through inverted's own Data Buffer (its URL is the job's)",
     "eval_config": "evaluation reads --eval-prompt-data with the rollout's keys; no per-dataset YAML",

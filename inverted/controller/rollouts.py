@@ -16,7 +16,7 @@ from inverted.buffer.datasets import load_prompts
 from inverted.compat import slime
 from inverted.config import BufferConfig, JobConfig, TrainConfig, to_flags
 from inverted.controller.job import Job, Plugins
-from inverted.errors import PluginError
+from inverted.errors import PluginError, SampleError
 from inverted.plugins import RolloutContext
 from inverted.types import Sample, Task
 
@@ -82,7 +82,7 @@ def take_batch(cfg: JobConfig, plugins: Plugins, rollout_id: int, samples: list[
     metrics (and a slime rollout log function's say over them)."""
     args = slime_args(cfg)
     filter_samples(plugins, args, trained)
-    save_rollout_data(cfg.rollout.save_debug_rollout_data, rollout_id, trained)
+    save_rollout_data(cfg.rollout.save_debug_rollout_data, rollout_id, trained, args)
     return log_rollout(plugins, args, rollout_id, trained, rollout_metrics(cfg.train.loss.reward_key, samples, trained),
                        seconds)
 
@@ -134,9 +134,19 @@ def episode_metrics(prefix: str, samples: list[Sample]) -> dict[str, float]:
             f"{prefix}/tool_call_rate": sum(any(t["finish_reason"] == "tool_calls" for t in ts) for ts in turns) / len(turns)}
 
 
+def readable_reward(sample: Sample, key: str | None) -> float | None:
+    """The reward as a number, or None where it holds none: a raw reward that slime's reward
+    post-process turns into one in the trainer (on-policy distillation's is the teacher's answer)
+    is not the rollout's to average; the trainer refuses one it cannot read."""
+    try:
+        return sample.scalar_reward(key)
+    except SampleError:
+        return None
+
+
 def rollout_metrics(reward_key: str | None, samples: list[Sample], trained: list[Sample]) -> dict[str, float]:
     usable = [s for s in samples if s.status in USABLE]
-    rewards = [s.scalar_reward(reward_key) for s in usable]
+    rewards = [r for r in (readable_reward(s, reward_key) for s in usable) if r is not None]
     lengths = [s.response_length for s in usable]
     return {
         "rollout/reward_mean": sum(rewards) / len(rewards) if rewards else float("nan"),
@@ -177,15 +187,23 @@ async def buffer_metrics(job: Job) -> dict[str, float]:
         "buffer/groups_waiting": float(stats["groups"]["complete"])}
 
 
-def save_rollout_data(template: str | None, rollout_id: int, samples: list[Sample]) -> None:
-    """``--save-debug-rollout-data TEMPLATE``: what this rollout trains on, one Sample per line (the
-    format ``--load-debug-rollout-data`` reads)."""
+def save_rollout_data(template: str | None, rollout_id: int, samples: list[Sample], args: Any = None) -> None:
+    """``--save-debug-rollout-data TEMPLATE``: what this rollout trains on, in the form
+    ``--load-debug-rollout-data`` reads: one Sample per line (jsonl), or, for a ``.pt`` path, slime's
+    dump (``torch.save`` of ``{"rollout_id", "samples": [slime Sample.to_dict()]}``, which slime's
+    ``--load-debug-rollout-data`` and ``forge_load`` read)."""
     import orjson
 
     if not template:
         return
     path = Path(template.format(rollout_id=rollout_id))
     path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".pt":
+        import torch
+
+        torch.save({"rollout_id": rollout_id,
+                    "samples": [slime.from_inverted(s, cls=slime.Sample, args=args).to_dict() for s in samples]}, path)
+        return
     mode = "wb" if "{rollout_id}" in template or rollout_id == 0 else "ab"
     with path.open(mode) as out:
         out.writelines(orjson.dumps(s.to_json()) + b"\n" for s in samples)

@@ -31,6 +31,11 @@ between the engine that sampled and the trainer. **KL loss** (``--use-kl-loss``)
 ``k3 = exp(ref - logp) - (ref - logp) - 1`` (``low_var_kl`` is k3 clamped to [-10, 10]).
 ``--entropy-coef`` subtracts the entropy bonus.
 
+**On-policy distillation** (slime's ``--use-opd``): after the estimator, each token's advantage
+loses ``opd_kl_coef * (logp_old - logp_teacher)``, the teacher's log-probs coming with the Samples
+(``--opd-type sglang``: slime's reward post-process reads them from a teacher server) or from a
+teacher the trainer runs (``--opd-type megatron``).
+
 **Aggregation** (``--loss-aggregation``) turns per-token values into one number through weights
 fixed per optimizer step over the whole global batch (all micro-batches, all data-parallel
 ranks), so summing ``weight * value`` anywhere and summing gradients over ranks gives exactly
@@ -102,6 +107,20 @@ def compute_advantages(estimator: str, rewards_N: torch.Tensor, groups: Sequence
         return whiten([torch.full((len(m),), float(a)) for a, m in zip(centered, masks)], masks)
     centered = group_baseline(shaped, groups, std_normalize) if baseline else shaped
     return [torch.full((len(m),), float(a)) for a, m in zip(centered, masks)]
+
+
+def distillation_penalty(advantages: list[torch.Tensor], student: list[torch.Tensor], teacher: list[torch.Tensor],
+                         coef: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """On-policy distillation (slime's ``--use-opd``): each token's advantage minus ``coef`` times the
+    reverse KL's sample ``logp_student - logp_teacher`` at that token; also returns that KL."""
+    reverse_kl = [s.float() - t.float() for s, t in zip(student, teacher)]
+    return [a - coef * kl for a, kl in zip(advantages, reverse_kl)], reverse_kl
+
+
+def masked_mean(values: list[torch.Tensor], masks: list[torch.Tensor]) -> float:
+    """The mean over every masked token of the batch (0.0 with none)."""
+    total, count = sum(float((v * m).sum()) for v, m in zip(values, masks)), sum(float(m.sum()) for m in masks)
+    return total / count if count else 0.0
 
 
 def token_weights(aggregation: str, masks: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -1,7 +1,8 @@
 """``inverted train --debug-train-only``: learn from saved rollout data, with no rollout servers.
 
 The data is jsonl, one Sample per line in its JSON form (``types.py``): exactly what
-``--save-debug-rollout-data`` writes on the rollout side. A ``{rollout_id}`` in the path picks
+``--save-debug-rollout-data`` writes on the rollout side; or, for a ``.pt`` path, slime's rollout
+dump (slime's own runs write it, and ours for a ``.pt`` path). A ``{rollout_id}`` in the path picks
 one file per rollout; without it every rollout trains on the same file. Rank 0 writes one JSON
 object per rollout to ``OUT/metrics.jsonl`` (and TensorBoard), and checkpoints follow
 ``--save`` / ``--save-interval``; ``--load`` resumes where a run stopped.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 from pathlib import Path
 
 import torch
@@ -25,6 +27,8 @@ logger = logging.getLogger(__name__)
 
 def read_rollout_data(template: str, rollout_id: int) -> list[Sample]:
     path = Path(template.format(rollout_id=rollout_id))
+    if path.suffix == ".pt":
+        return read_slime_dump(path)
     try:
         lines = path.read_bytes().splitlines()
     except OSError as exc:
@@ -40,6 +44,28 @@ def read_rollout_data(template: str, rollout_id: int) -> list[Sample]:
                 raise SampleError(f"{path}:{number}: {exc}") from None
             except ValueError as exc:
                 raise SampleError(f"{path}:{number}: malformed JSON: {exc}") from None
+    return samples
+
+
+def read_slime_dump(path: Path) -> list[Sample]:
+    """slime's rollout dump (its ``--save-debug-rollout-data`` with a ``.pt`` path, or ours): read
+    with ``weights_only``, so a dump cannot run code."""
+    from inverted.compat import slime
+
+    try:
+        dump = torch.load(path, weights_only=True)
+        views = [slime.Sample.from_dict(data) for data in dump["samples"]]
+    except (OSError, RuntimeError, pickle.UnpicklingError, KeyError, TypeError, ValueError) as exc:
+        raise SampleError(f"--load-debug-rollout-data {path}: not a slime rollout dump "
+                          f"({{'rollout_id', 'samples': [...]}}): {exc}") from None
+    samples = []
+    for number, view in enumerate(views):
+        try:
+            sample = slime.to_inverted(view)
+            sample.validate()
+        except SampleError as exc:
+            raise SampleError(f"{path}: sample {number}: {exc}") from None
+        samples.append(sample)
     return samples
 
 

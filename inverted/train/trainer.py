@@ -1,4 +1,4 @@
-"""The learner on one rank: Megatron policy (+ frozen reference), RL loss, optimizer, checkpoints.
+"""The learner on one rank: Megatron policy (+ frozen reference, teacher), RL loss, optimizer, checkpoints.
 
 ``Trainer.train(samples)`` is one rollout's worth of learning, read top to bottom:
 
@@ -7,9 +7,10 @@
    samples are dealt to data-parallel ranks by length and packed into micro-batches of at most
    ``--max-tokens-per-gpu`` tokens.
 3. A no-grad pass computes what the update needs from the *unchanged* policy: old log-probs (only
-   when there is more than one optimizer step; with one, ``logp.detach()`` is exactly the old
-   policy) and the reference log-probs for KL.
-4. Advantages for the whole batch, identical on every rank. Each token's weight version says how
+   when there is more than one optimizer step or distillation needs them; with one,
+   ``logp.detach()`` is exactly the old policy) and the reference log-probs for KL.
+4. Advantages for the whole batch, identical on every rank; under slime's on-policy distillation
+   each token's loses the reverse KL to a teacher (``losses.distillation_penalty``). Each token's weight version says how
    far behind the policy it was sampled (its staleness, reported); with
    ``--mask-offpolicy-in-partial-rollout`` the tokens a sample got from weights older than its
    newest are left out of the loss. TIS (``--use-tis``) reweights every token by its own sampling
@@ -178,19 +179,23 @@ class Trainer:
             model)
         self.optimizer = build_optimizer(cfg.optim, self.model, bf16=cfg.bf16)
         # With LoRA the reference is the base model: the policy with its adapters off, no second copy.
-        self.reference = self._build_reference(hf_weights) if cfg.loss.needs_reference and self.lora is None else None
+        self.reference = self._frozen(hf_weights) if cfg.loss.needs_reference and self.lora is None else None
         self.rollout_id = 0  # rollouts trained on so far
         self.optimizer_steps = 0
         self.plugins = LossPlugins.load(cfg.loss)  # slime's loss plug-ins (train/slime_loss.py)
         self.slime_args = slime.SlimeArgs.of(to_flags(cfg))
+        # slime's on-policy distillation with the teacher in the trainer (--opd-type megatron)
+        self.teacher = self._frozen(checkpoint_tensors(self.slime_args.opd_teacher_load)) \
+            if self.slime_args.use_opd and self.slime_args.opd_type == "megatron" else None
         self.details: details.DetailsWriter | None = None  # opened by rank 0 at its first write
 
-    def _build_reference(self, hf_weights: dict[str, torch.Tensor]):
-        """The frozen policy at its starting point: no gradients, no optimizer state, eval mode."""
-        reference = build_model(self.spec, self.parallel, self.dtype, self.te, self.cfg.moe)  # routes on its own
-        load_hf_weights(reference, self.spec, hf_weights)
-        reference.requires_grad_(False).eval()
-        return reference
+    def _frozen(self, hf_weights: dict[str, torch.Tensor]):
+        """A frozen model of the policy's architecture (the KL reference: the policy's starting weights;
+        the distillation teacher): no gradients, no optimizer state, eval mode."""
+        frozen = build_model(self.spec, self.parallel, self.dtype, self.te, self.cfg.moe)  # routes on its own
+        load_hf_weights(frozen, self.spec, hf_weights)
+        frozen.requires_grad_(False).eval()
+        return frozen
 
     # -- forward -----------------------------------------------------------------------------
 
@@ -319,6 +324,11 @@ class Trainer:
         torch.distributed.all_gather_object(parts, values, group=parallel_state.get_data_parallel_group())
         return {k: v for part in parts for k, v in part.items()}
 
+    def _all_samples(self, values: dict[int, torch.Tensor], count: int) -> list[torch.Tensor]:
+        """Per-sample values this rank holds, gathered from every data-parallel rank, in sample order."""
+        gathered = self._gather_over_dp({i: v.cpu() for i, v in values.items()})
+        return [gathered[i] for i in range(count)]
+
     def train(self, samples: list[Sample]) -> dict[str, float]:
         """Learn from one rollout's samples; returns this rollout's metrics (identical on every rank)."""
         from megatron.core.distributed import finalize_model_grads
@@ -333,28 +343,31 @@ class Trainer:
         masks = [torch.tensor(s.loss_mask, dtype=torch.float32) * (not s.metadata.get("remove_sample")) for s in samples]
         if loss.mask_offpolicy_in_partial_rollout:
             masks = [m * (v == v.max()) if len(v) else m for m, v in zip(masks, versions)]
-        rewards = torch.tensor([s.scalar_reward(loss.reward_key) for s in samples], dtype=torch.float32)
-        if self.plugins.reward_post_process is not None:  # slime's: these rewards are the normalised ones
-            _, processed = self.plugins.reward_post_process(
-                self.slime_args, [slime.from_inverted(s, args=self.slime_args) for s in samples])
-            rewards = torch.tensor([float(r) for r in processed], dtype=torch.float32)
+        rewards, teacher_logp = self._rewards(samples)
+        distill = self.slime_args.use_opd
 
         if self.replay is not None and cfg.moe.use_rollout_routing_replay:
             self.replay.rollout(samples, [i for step in plan for i in step.indices])
-        # R2 records the old policy's routing here; R3 routes by the rollout's (routing_replay.py)
+        # R2 records the old policy's routing here; R3 routes by the rollout's (routing_replay.py).
+        # One optimizer step trains on the live log-probs, unless distillation needs them beforehand.
         old_logp = self._no_grad_logprobs(self.model, all_mbs, "record" if cfg.moe.use_routing_replay else "replay") \
-            if len(plan) > 1 else {}
+            if len(plan) > 1 or distill else {}
         ref_logp = self._reference_logprobs(all_mbs) if loss.needs_reference else {}
         kl_reward = None
         if loss.kl_coef:
             # KL as reward uses the policy that sampled (the rollout log-probs) against the reference.
-            mine = {i: torch.tensor(samples[i].rollout_log_probs) - ref_logp[i].cpu() for i in ref_logp}
-            gathered = self._gather_over_dp(mine)
-            kl_reward = [gathered[i] for i in range(len(samples))]
+            kl_reward = self._all_samples(
+                {i: torch.tensor(samples[i].rollout_log_probs) - ref_logp[i].cpu() for i in ref_logp}, len(samples))
         advantages = losses.compute_advantages(
             loss.advantage_estimator, rewards, [s.group_index for s in samples], masks, kl_reward, loss.kl_coef,
             loss.gamma, std_normalize=not loss.disable_grpo_std_normalization,
             baseline=self.plugins.reward_post_process is None and self.slime_args.rewards_normalization)
+        reverse_kl = None
+        if distill:
+            if self.teacher is not None:
+                teacher_logp = self._all_samples(self._no_grad_logprobs(self.teacher, all_mbs), len(samples))
+            advantages, reverse_kl = losses.distillation_penalty(
+                advantages, self._all_samples(old_logp, len(samples)), teacher_logp, self.slime_args.opd_kl_coef)
 
         tokens = PerToken(
             mask=dict(enumerate(masks)), advantage=dict(enumerate(advantages)), old_logp=old_logp, ref_logp=ref_logp,
@@ -396,10 +409,40 @@ class Trainer:
             "train/reward_mean": float(rewards.mean()), "train/lr": cfg.optim.lr,
             "train/offpolicy_masked_tokens": float(sum(s.loss_mask.count(1) for s in samples) - sum(m.sum() for m in masks)),
             "train/advantage_mean": float(torch.cat(advantages).mean()) if advantages else 0.0,
+            **({"train/opd_reverse_kl": losses.masked_mean(reverse_kl, masks)} if reverse_kl is not None else {}),
             "perf/train_tokens_per_s": sum(len(s.tokens) for s in samples) / (time.perf_counter() - started),
             "perf/train_step_s": time.perf_counter() - started,
         })
         return metrics
+
+    def _rewards(self, samples: list[Sample]) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """The rewards trained on, and under slime's on-policy distillation with a teacher server
+        (``--use-opd --opd-type sglang``) the teacher's log-probs of each response token, which slime's
+        reward post-process puts on its Samples (``teacher_log_probs``). With a post-process the rewards are its normalised ones, read by it
+        from the raw ones (which need not be numbers: OPD's are the teacher's answer)."""
+        distill = self.slime_args.use_opd
+        views = [slime.from_inverted(s, args=self.slime_args) for s in samples] \
+            if self.plugins.reward_post_process is not None or distill else None
+        if self.plugins.reward_post_process is None:
+            rewards = [s.scalar_reward(self.cfg.loss.reward_key) for s in samples]
+        else:
+            _, rewards = self.plugins.reward_post_process(self.slime_args, views)
+        rewards_N = torch.tensor([float(r) for r in rewards], dtype=torch.float32)
+        if not distill or self.teacher is not None:  # the trainer's teacher gives them (--opd-type megatron)
+            return rewards_N, None
+        teacher = []
+        for sample, view in zip(samples, views):
+            values = view.teacher_log_probs
+            if values is None:
+                raise SampleError(f"sample {sample.index} of group {sample.group_index}: --use-opd needs the teacher's "
+                                  "log-probs (sample.teacher_log_probs), which --custom-reward-post-process-path sets "
+                                  "(slime.rollout.on_policy_distillation.post_process_rewards)")
+            values = torch.as_tensor(values, dtype=torch.float32).flatten()
+            if len(values) != sample.response_length:
+                raise SampleError(f"sample {sample.index} of group {sample.group_index}: {len(values)} teacher "
+                                  f"log-probs for {sample.response_length} response tokens")
+            teacher.append(values)
+        return rewards_N, teacher
 
     def close(self) -> None:
         """Release what the trainer holds open outside the process group (``train_details.db``)."""

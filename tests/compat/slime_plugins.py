@@ -7,7 +7,10 @@ resolve to ``inverted.compat.slime`` (slime itself is not installed).
 import asyncio
 import json
 import os
+import queue
 import re
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -15,7 +18,7 @@ import torch
 from slime.backends.megatron_utils.loss import get_log_probs_and_entropy
 from slime.rollout.base_types import RolloutFnTrainOutput
 from slime.rollout.filter_hub.base_types import DynamicFilterOutput
-from slime.rollout.sglang_rollout import GenerateState
+from slime.rollout.sglang_rollout import GenerateState, generate_and_rm_group
 from slime.utils.http_utils import post
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
@@ -304,3 +307,72 @@ def rollout_by_slimes_default_path(args, rollout_id, data_buffer, evaluation=Fal
         return await asyncio.gather(*(generate_and_rm_group(args, group, params, evaluation) for group in groups))
 
     return RolloutFnTrainOutput(samples=list(asyncio.run(play(data_buffer.get_samples(args.rollout_batch_size)))))
+
+
+async def teacher_answer(args, sample: Sample, **kwargs) -> dict:
+    """On-policy distillation's reward model, as slime's: the teacher server scores the whole sequence
+    (no new token) and its answer, with every input token's log-prob, is the reward."""
+    payload = {"input_ids": sample.tokens, "return_logprob": True, "logprob_start_len": 0,
+               "sampling_params": {"temperature": args.rollout_temperature, "max_new_tokens": 0,
+                                   "skip_special_tokens": False}}
+    return await post(args.rm_url, payload)
+
+
+def teacher_log_probs(args, samples: list[Sample], **kwargs):
+    """On-policy distillation's reward post-process, as slime's: the teacher's log-probs of each
+    response token onto the Sample, and a task reward of 0 (the KL term is the whole signal)."""
+    for sample in samples:
+        answer = sample.get_reward_value(args)
+        logprobs = torch.tensor([lp for lp, *_ in answer["meta_info"]["input_token_logprobs"][1:]])
+        sample.teacher_log_probs = logprobs[-sample.response_length:]
+    zeros = [0.0] * len(samples)
+    return zeros, zeros
+
+
+class _Worker:
+    """A generation worker that outlives the rollout that started it, as slime's fully-async one: its
+    own thread and event loop, fed from the ``data_buffer`` it was first handed."""
+
+    def __init__(self, args, data_buffer) -> None:
+        self.args, self.data_buffer, self.done = args, data_buffer, queue.Queue()
+        self.calls = 0
+        threading.Thread(target=asyncio.run, args=(self._loop(),), daemon=True).start()
+
+    async def _loop(self) -> None:
+        state = GenerateState(self.args)
+        while True:
+            groups = self.data_buffer.get_samples(1)
+            if not groups:
+                await asyncio.sleep(0.05)
+                continue
+            self.done.put(await generate_and_rm_group(self.args, groups[0], state.sampling_params.copy()))
+
+
+_worker: _Worker | None = None
+
+
+def rollout_with_a_lasting_worker(args, rollout_id, data_buffer, evaluation=False):
+    global _worker
+    if _worker is None:
+        _worker = _Worker(args, data_buffer)
+    _worker.calls += 1
+    groups = [_worker.done.get(timeout=60) for _ in range(args.rollout_batch_size)]  # fails, not hangs, unfed
+    with LOG.open("a") as log:
+        log.write(json.dumps({"rollout_id": rollout_id, "same_buffer": data_buffer is _worker.data_buffer}) + "\n")
+    return RolloutFnTrainOutput(samples=sorted(groups, key=lambda group: group[0].index))
+
+
+def replay_dump(args, rollout_id, data_buffer, evaluation=False):
+    """A rollout replayed from a dump (slime's forge_load): its template's file, else rollout 0's."""
+    path = args.load_forge_rollout_data.format(rollout_id=rollout_id)
+    if not os.path.exists(path):
+        path = args.load_forge_rollout_data.format(rollout_id=0)
+    blob = torch.load(path, weights_only=False)
+    return RolloutFnTrainOutput(samples=[Sample.from_dict(s) for s in blob["samples"]])
+
+
+def sleep_forever(args, rollout_id, data_buffer, evaluation=False):
+    """slime's sleep_rollout: never returns (the test is told it started)."""
+    LOG.write_text("sleeping\n")
+    while True:
+        time.sleep(3600)

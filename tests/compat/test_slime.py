@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from inverted.compat import slime
 from inverted.config import BufferConfig, RolloutConfig, to_flags
@@ -336,3 +337,26 @@ def test_our_sample_and_filter_behave_as_slimes_own():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.environ["SLIME_SOURCE"], str(Path(__file__).parents[2])])}
     result = subprocess.run([sys.executable, "-c", SAME_AS_SLIMES], env=env, capture_output=True, text=True, timeout=300)
     assert result.stdout.strip() == "same", result.stderr[-3000:]
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("echo ran > ran.txt",))
+
+
+def test_a_slime_dump_is_read_without_running_code(tmp_path, monkeypatch):
+    """``--load-debug-rollout-data X.pt`` reads slime's dump with ``weights_only``: a pickle that would
+    run code, or a file that is no dump, is a clear error."""
+    from inverted.train.offline import read_rollout_data
+
+    monkeypatch.chdir(tmp_path)
+    torch.save({"rollout_id": 0, "samples": [_RunsCode()]}, tmp_path / "0.pt")
+    with pytest.raises(SampleError, match="not a slime rollout dump"):
+        read_rollout_data(str(tmp_path / "{rollout_id}.pt"), 0)
+    assert not (tmp_path / "ran.txt").exists()
+    torch.save([1, 2], tmp_path / "1.pt")
+    with pytest.raises(SampleError, match="not a slime rollout dump"):
+        read_rollout_data(str(tmp_path / "{rollout_id}.pt"), 1)
+    view = slime.from_inverted(full_sample(), cls=slime.Sample)
+    torch.save({"rollout_id": 2, "samples": [view.to_dict()]}, tmp_path / "2.pt")
+    assert read_rollout_data(str(tmp_path / "{rollout_id}.pt"), 2) == [full_sample()]

@@ -116,7 +116,6 @@ def test_model_flags_that_do_not_describe_the_checkpoint_stop_the_job(monkeypatc
 @pytest.mark.parametrize("flags, message", [
     (["--lr-decay-style", "cosine"], "--lr-decay-style='cosine' is a slime flag inverted does not have: the learning "
                                      "rate is constant here"),
-    (["--use-opd"], "--use-opd=True is a slime flag inverted does not have: no on-policy distillation"),
     (["--min-lr", "1e-7", "--lr-warmup-iters", "5"], "--lr-warmup-iters=5 is a slime flag inverted does not have: "
                                                      "Megatron-LM's flag, which inverted does not implement; only its "
                                                      "default 0 is accepted"),
@@ -131,6 +130,30 @@ def test_slime_flags_whose_behaviour_inverted_lacks_are_refused_with_the_reason(
     with pytest.raises(SystemExit) as exit_:
         captured_train(monkeypatch, "--hf-checkpoint", "m", "--prompt-data", "p.jsonl", *flags)
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--use-opd"], "--use-opd needs --opd-type"),
+    (["--opd-teacher-load", "t"], "--opd-teacher-load is set but --use-opd is not"),
+    (["--use-opd", "--opd-type", "sglang", "--opd-teacher-load", "t"], "--opd-teacher-load is for --opd-type megatron"),
+    (["--use-opd", "--opd-type", "megatron"], "--opd-type megatron needs --opd-teacher-load"),
+    (["--use-opd", "--opd-type", "megatron", "--opd-teacher-load", "LLAMA"],
+     r"the teacher must have the policy's architecture \(slime's requirement\): arch 'llama' != 'qwen2'"),
+])
+def test_on_policy_distillation_flags_are_checked_as_in_slime(monkeypatch, tiny_model, flags, message):
+    flags = [str(tiny_model("llama")) if f == "LLAMA" else f for f in flags]
+    cfg, _, sglang, slime = captured_train(monkeypatch, "--hf-checkpoint", str(tiny_model("qwen2")),
+                                           "--prompt-data", "p.jsonl", *flags)
+    with pytest.raises(ConfigError, match=message):
+        slime_args.apply(cfg, slime, sglang, "embedded")
+
+
+def test_on_policy_distillation_flags_reach_args(monkeypatch):
+    cfg, _, sglang, slime = captured_train(monkeypatch, "--hf-checkpoint", "m", "--prompt-data", "p.jsonl", "--use-opd",
+                                           "--opd-type", "sglang", "--opd-kl-coef", "0.5")
+    slime_args.apply(cfg, slime, sglang, "embedded")
+    args = json.loads(cfg.train.slime_args)
+    assert (args["use_opd"], args["opd_type"], args["opd_kl_coef"]) == (True, "sglang", 0.5)
 
 
 def test_sglang_flags_go_to_real_sglang_only_where_it_has_them(monkeypatch, tiny_model):

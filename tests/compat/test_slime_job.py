@@ -5,11 +5,21 @@ sample filter, evaluation by another rollout function, and slime's logging hooks
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
 
 from envs.calculator import rows as calculator_rows
 from envs.datasets import write_dataset
+from inverted.train.details import DetailsReader
 from inverted.types import Sample
-from tests.job.test_train_job import SMALL_RUN, check, inverted, metrics_rows
+from tests.job.test_train_job import ONE_ENGINE_RUN, SMALL_RUN, check, inverted, metrics_rows, stored_samples
 
 PLUGINS = "tests.compat.slime_plugins"
 
@@ -137,3 +147,147 @@ def test_a_plugins_exception_in_the_buffer_reaches_the_console_with_its_tracebac
     assert ("in the Data Buffer service: --dynamic-sampling-filter-path='tests.compat.slime_plugins:broken_filter' "
             "raised TypeError: 'NoneType' object is not subscriptable") in error, error
     assert 'slime_plugins.py", line' in error and "in broken_filter" in error and "no_such_key" in error
+
+
+def check_distilled(run_dir: Path, teacher: Path, coef: float, task_reward: bool) -> None:
+    """Each trained token's advantage is its task advantage (the raw reward, or none) minus ``coef`` x
+    (the trainer's log-prob - the teacher's), the teacher's from ``transformers``."""
+    model = AutoModelForCausalLM.from_pretrained(teacher, torch_dtype=torch.float32)
+    reader = DetailsReader(run_dir)
+    checked = 0
+    for (group, index), sample in stored_samples(run_dir).items():
+        detail = reader.get(group, index, 0)
+        if detail is None:
+            continue
+        with torch.no_grad():
+            logits = model(torch.tensor([sample.tokens])).logits[0].float()
+        logp = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(sample.tokens[1:])[:, None])[:, 0]
+        reference = logp[-sample.response_length:]
+        base = sample.reward if task_reward else 0.0
+        expected = base - coef * (torch.from_numpy(detail.log_probs.copy()) - reference)
+        assert torch.allclose(torch.from_numpy(detail.advantages.copy()), expected, atol=2e-3), (group, index)
+        checked += 1
+    assert checked == 4
+
+
+def test_on_policy_distillation_from_a_teacher_server(tiny_model, procs, tmp_path):
+    """slime's OPD with ``--opd-type sglang``: the reward model asks a teacher server for the
+    sequence's log-probs and the post-process puts them on the Samples (plug-ins in the shape of
+    slime's ``on_policy_distillation``); the trainer's advantages follow them exactly."""
+    student, teacher = tiny_model("qwen2"), tiny_model("qwen2", seed=1)
+    server = procs.engine(teacher, name="teacher")
+    prompts = write_dataset(calculator_rows, tmp_path / "calc.jsonl", 4)
+    run_dir, coef = tmp_path / "run", 0.5
+    check(inverted("train", "--hf-checkpoint", str(student), "--prompt-data", str(prompts), "--output-dir", str(run_dir),
+                   "--num-rollout", "1", "--save-train-details", "--rollout-function-path",
+                   "rollout_functions.single_turn:generate_rollout", "--custom-rm-path", f"{PLUGINS}.teacher_answer",
+                   "--custom-reward-post-process-path", f"{PLUGINS}.teacher_log_probs", "--use-opd",
+                   "--opd-type", "sglang", "--opd-kl-coef", str(coef), "--rm-url", f"{server.url}/generate",
+                   *SMALL_RUN))
+    check_distilled(run_dir, teacher, coef, task_reward=False)
+    assert "train/opd_reverse_kl" in metrics_rows(run_dir)[0]
+
+
+def test_on_policy_distillation_with_the_teacher_in_the_trainer(tiny_model, tmp_path):
+    """``--opd-type megatron``: the trainer runs the teacher (``--opd-teacher-load``) on the batch; on
+    top of the task's advantages (raw rewards here, through a post-process that keeps them)."""
+    student, teacher = tiny_model("qwen2"), tiny_model("qwen2", seed=1)
+    prompts = write_dataset(calculator_rows, tmp_path / "calc.jsonl", 4)
+    run_dir, coef = tmp_path / "run", 0.25
+    check(inverted("train", "--hf-checkpoint", str(student), "--prompt-data", str(prompts), "--output-dir", str(run_dir),
+                   "--num-rollout", "1", "--save-train-details", "--rollout-function-path",
+                   "rollout_functions.single_turn:generate_rollout", "--rm-type", "random",
+                   "--custom-reward-post-process-path", f"{PLUGINS}.rewards_as_given", "--use-opd",
+                   "--opd-type", "megatron", "--opd-teacher-load", str(teacher), "--opd-kl-coef", str(coef),
+                   *SMALL_RUN))
+    check_distilled(run_dir, teacher, coef, task_reward=True)
+
+
+def test_a_rollout_worker_that_outlives_its_rollout(tiny_model, tmp_path, monkeypatch):
+    """slime's fully-async shape: the first rollout starts a worker thread with its own event loop that
+    keeps the ``data_buffer`` it was handed and generates through slime's default path; the next
+    rollout's groups must reach that same buffer, and the worker's router calls carry the job's key."""
+    log = tmp_path / "slime_log.jsonl"
+    monkeypatch.setenv("SLIME_PLUGIN_LOG", str(log))
+    prompts = write_dataset(calculator_rows, tmp_path / "calc.jsonl", 8)
+    check(inverted("train", "--debug-rollout-only", "--hf-checkpoint", str(tiny_model()), "--prompt-data", str(prompts),
+                   "--rollout-function-path", f"{PLUGINS}.rollout_with_a_lasting_worker", "--rm-type", "random",
+                   "--save-debug-rollout-data", str(tmp_path / "rollout_{rollout_id}.jsonl"),
+                   "--output-dir", str(tmp_path / "run"), "--num-rollout", "2", *SMALL_RUN))
+    assert [json.loads(line) for line in log.read_text().splitlines()] == [
+        {"rollout_id": 0, "same_buffer": True}, {"rollout_id": 1, "same_buffer": True}]
+    for rollout_id in range(2):
+        saved = [Sample.from_json(json.loads(line)) for line in
+                 (tmp_path / f"rollout_{rollout_id}.jsonl").read_text().splitlines()]
+        assert sorted(s.group_index for s in saved) == [2 * rollout_id] * 2 + [2 * rollout_id + 1] * 2
+        for sample in saved:
+            sample.validate()
+            assert sample.response_length > 0 and sample.reward in (0, 1)
+
+
+def test_a_rollout_replayed_from_a_dump_in_slimes_format(tiny_model, tmp_path):
+    """``--save-debug-rollout-data DIR/{rollout_id}.pt`` writes slime's dump; a slime rollout function
+    that replays it (slime's forge_load) trains on it in a later job, rollout after rollout (the
+    second replays the first's file in the places of its own tasks); ``--load-debug-rollout-data``
+    trains on it with no servers."""
+    prompts = write_dataset(calculator_rows, tmp_path / "calc.jsonl", 8)
+    dump = tmp_path / "dump" / "{rollout_id}.pt"
+    check(inverted("train", "--debug-rollout-only", "--hf-checkpoint", str(tiny_model()), "--prompt-data", str(prompts),
+                   "--rollout-function-path", "rollout_functions.single_turn:generate_rollout", "--rm-type", "random",
+                   "--save-debug-rollout-data", str(dump), "--output-dir", str(tmp_path / "first"), "--num-rollout", "1",
+                   *SMALL_RUN))
+    saved = torch.load(tmp_path / "dump" / "0.pt", weights_only=True)
+    assert saved["rollout_id"] == 0 and len(saved["samples"]) == 4
+    assert {"tokens", "response", "response_length", "rollout_log_probs", "loss_mask", "status", "reward", "index",
+            "group_index", "teacher_log_probs", "spec_info", "prefix_cache_info"} <= set(saved["samples"][0])
+    dumped = {(s["group_index"], s["_index"]): s["tokens"] for s in saved["samples"]}
+
+    run_dir = tmp_path / "replayed"
+    check(inverted("train", "--hf-checkpoint", str(tiny_model()), "--prompt-data", str(prompts),
+                   "--rollout-function-path", f"{PLUGINS}.replay_dump", "--load-forge-rollout-data", str(dump),
+                   "--output-dir", str(run_dir), "--num-rollout", "2", *SMALL_RUN))
+    stored = stored_samples(run_dir)
+    assert len(stored) == 8
+    for (group, index), sample in stored.items():
+        source = sample.metadata.get("replayed_from")
+        assert (group < 2) == (source is None)  # rollout 0's tasks are the dump's own
+        assert sample.tokens == dumped[(group, index) if source is None else (source["group_index"], source["index"])]
+    assert len(metrics_rows(run_dir)) == 2
+
+    check(inverted("train", "--debug-train-only", "--load-debug-rollout-data", str(dump), "--hf-checkpoint",
+                   str(tiny_model()), "--output-dir", str(tmp_path / "offline"), "--num-rollout", "1",
+                   "--lr", "1e-3", "--log-level", "warning"))
+    assert metrics_rows(tmp_path / "offline")[0]["train/loss_tokens"] == sum(sum(s["loss_mask"]) for s in saved["samples"])
+
+
+def test_a_rollout_function_that_never_returns_does_not_keep_the_job_from_stopping(tiny_model, tmp_path):
+    """slime's sleep_rollout never returns, by design; Ctrl-C still stops the job."""
+    log = tmp_path / "slime_log.jsonl"
+    prompts = write_dataset(calculator_rows, tmp_path / "calc.jsonl", 4)
+    argv = [sys.executable, "-m", "inverted.cli", "train", "--debug-rollout-only", "--hf-checkpoint", str(tiny_model()),
+            "--prompt-data", str(prompts), "--rollout-function-path", f"{PLUGINS}.sleep_forever",
+            "--output-dir", str(tmp_path / "run"), "--num-rollout", "1", *ONE_ENGINE_RUN]
+    env = {**os.environ, "SLIME_PLUGIN_LOG": str(log), "PYTHONPATH": str(Path(__file__).parents[2])}
+    job = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not log.exists() and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert log.exists() and job.poll() is None, "the rollout function was not reached"
+        job.send_signal(signal.SIGINT)
+        job.wait(60)  # a plug-in thread the job waited for would hang here
+    finally:
+        job.kill()
+    assert job.returncode != 0
+
+
+def test_slime_rollout_functions_side_by_side_in_async_mode(tiny_model, tmp_path):
+    """``--async-mode`` runs a rollout per group, side by side, on threads: each call of a slime rollout
+    function gets its own group from the one ``data_buffer``."""
+    prompts = write_dataset(calculator_rows, tmp_path / "calc.jsonl", 8)
+    run_dir = tmp_path / "run"
+    check(inverted("train", "--async-mode", "--hf-checkpoint", str(tiny_model()), "--prompt-data", str(prompts),
+                   "--rollout-function-path", f"{PLUGINS}.rollout_by_slimes_default_path", "--rm-type", "random",
+                   "--output-dir", str(run_dir), "--num-rollout", "2", *SMALL_RUN))
+    assert len(metrics_rows(run_dir)) == 2
+    assert all(sample.response_length > 0 for sample in stored_samples(run_dir).values())
