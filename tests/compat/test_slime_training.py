@@ -130,4 +130,3 @@ def test_remove_sample_keeps_a_sample_out_of_the_loss(tiny_model, tmp_path, samp
         s.metadata["remove_sample"] = True
     metrics = one_step(tiny_model, tmp_path, samples)
     assert metrics["train/loss_tokens"] == sum(s.loss_mask.count(1) for s in samples[0::2])
-
