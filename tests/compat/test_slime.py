@@ -326,14 +326,32 @@ for reward in ({"score": 0.0}, {"score": 1.0}):
     mine[1].reward = group[1].reward = reward
     theirs, mine = their_filter(Args, group), ours.check_reward_nonzero_std(Args, mine)
     assert (theirs.keep, theirs.reason) == (mine.keep, mine.reason), (theirs, mine)
+
+# rollout dumps: ours read by slime's own reader (its --load-debug-rollout-data, forge_load), and its writer's read here
+import tempfile
+from slime.observability.rollout_data_utils import load_debug_rollout_data, save_debug_rollout_data
+from inverted.controller.rollouts import save_rollout_data
+from inverted.train.offline import read_rollout_data
+from inverted.types import Sample as Mine
+
+work = tempfile.mkdtemp()
+sample = Mine(group_index=0, index=1, prompt="p", tokens=[1, 2, 3, 4], response_length=2, loss_mask=[1, 0],
+              rollout_log_probs=[-0.5, 0.0], weight_versions=["3", "3"], reward=1.0, status=Mine.Status.COMPLETED)
+save_rollout_data(work + "/ours_{rollout_id}.pt", 0, [sample])
+theirs = load_debug_rollout_data(work + "/ours_{rollout_id}.pt", rollout_id=0)
+assert isinstance(theirs[0], Theirs) and (theirs[0].tokens, theirs[0].loss_mask, theirs[0].rollout_log_probs,
+                                          theirs[0].reward) == ([1, 2, 3, 4], [1, 0], [-0.5, 0.0], 1.0)
+save_debug_rollout_data(work + "/theirs_{rollout_id}.pt", theirs, rollout_id=0, evaluation=False)
+assert read_rollout_data(work + "/theirs_{rollout_id}.pt", 0) == [sample]
 print("same")
 '''
 
 
 @pytest.mark.skipif(not os.environ.get("SLIME_SOURCE"), reason="slime's source is not at hand (SLIME_SOURCE=checkout)")
 def test_our_sample_and_filter_behave_as_slimes_own():
-    """Against slime's own ``Sample`` and ``check_reward_nonzero_std``, imported from its source (they
-    need only torch): the same fields, the same ``append_response_tokens``, rewards and filter."""
+    """Against slime's own ``Sample``, ``check_reward_nonzero_std`` and rollout-dump reader and writer,
+    imported from its source (they need only torch): the same fields, the same
+    ``append_response_tokens``, rewards and filter, and dumps each side reads."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.environ["SLIME_SOURCE"], str(Path(__file__).parents[2])])}
     result = subprocess.run([sys.executable, "-c", SAME_AS_SLIMES], env=env, capture_output=True, text=True, timeout=300)
     assert result.stdout.strip() == "same", result.stderr[-3000:]
