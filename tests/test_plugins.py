@@ -147,7 +147,8 @@ def test_slimes_data_buffer_keeps_each_rollouts_groups_apart():
     buffer = SlimeDataBuffer()
 
     def tasks(groups):
-        return [Task(lease_id="l", group_index=g, index=i, prompt_index=g, prompt=f"p{g}") for g in groups for i in (0, 1)]
+        return [Task(lease_id="l", group_index=g, index=i, prompt_index=g, prompt=f"p{g}")
+                for g in groups for i in (0, 1)]
 
     def keys(groups):
         return [[(s.group_index, s.index) for s in group] for group in groups]

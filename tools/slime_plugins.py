@@ -7,12 +7,12 @@ an in-tree plug-in module is loaded from its file under its own name, an example
 directory. Each line says whether inverted's loader takes it for its flag, or why not.
 
 With ``--run``, each is then run unchanged in a real job (``inverted train`` on a tiny random model,
-one rollout, two where a plug-in lives across rollouts; ``--debug-rollout-only`` unless the plug-in is the trainer's), beside slime's
-rule-based reward model where it needs one, a served teacher model for on-policy distillation, a
-rollout dump in slime's format (written by a job here) for ``forge_load``; ``sleep_rollout``, which
-never returns by design, must reach the rollout, stay there and stop on Ctrl-C.
-``INVERTED_SLIME_SOURCE`` lets slime's in-tree plug-in modules import from the checkout. Each line
-then says whether the job ran, or its error.
+one rollout, two where a plug-in lives across rollouts; ``--debug-rollout-only`` unless the plug-in
+is the trainer's), beside slime's rule-based reward model where it needs one, a served teacher model
+for on-policy distillation, a rollout dump in slime's format (written by a job here) for
+``forge_load``; ``sleep_rollout``, which never returns by design, must reach the rollout, stay
+there and stop on Ctrl-C. ``INVERTED_SLIME_SOURCE`` lets slime's in-tree plug-in modules import
+from the checkout. Each line then says whether the job ran, or its error.
 
     python tools/slime_plugins.py SLIME_CHECKOUT [--run [--only PATH_PART]]
 """

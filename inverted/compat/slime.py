@@ -58,9 +58,8 @@ from inverted.types import encode_routed_experts
 
 logger = logging.getLogger(__name__)
 
-# Our Sample keeps these slime fields in its metadata (it has no field of its own for them).
-# slime fields ours lacks, carried in metadata (teacher_log_probs: on-policy distillation's, which a
-# rollout-side plug-in may set, read by the trainer)
+# Our Sample keeps these slime fields in its metadata (it has no field of its own for them);
+# teacher_log_probs: on-policy distillation's, which a rollout-side plug-in may set for the trainer.
 META_FIELDS = {"response": "", "rollout_id": None, "remove_sample": False, "teacher_log_probs": None}
 
 
@@ -455,8 +454,8 @@ _generating: contextvars.ContextVar[_Generating | None] = contextvars.ContextVar
 _in_process: list[_Generating] = []
 
 
-def _current() -> _Generating | None:
-    return _generating.get() or (_in_process[-1] if _in_process else None)
+def _current() -> _Generating:
+    return _generating.get() or (_in_process[-1] if _in_process else _Generating(None, None))
 
 
 def record_calls() -> list[GenerateCall]:
@@ -493,7 +492,7 @@ def _session():
 
 
 def _with_router_key(url: str, headers: dict[str, str] | None) -> dict[str, str] | None:
-    router = (_current() or _Generating(None, None)).router
+    router = _current().router
     if router and url.startswith(router[0]) and "Authorization" not in (headers or {}):
         return {**(headers or {}), "Authorization": f"Bearer {router[1]}"}
     return headers
@@ -502,7 +501,7 @@ def _with_router_key(url: str, headers: dict[str, str] | None) -> dict[str, str]
 async def post(url: str, payload: Any, max_retries: int = 60, headers: dict[str, str] | None = None) -> Any:
     """POST JSON and return the JSON answer; like slime, any failure is retried once a second,
     ``max_retries`` times, then raised."""
-    lora_path = (_current() or _Generating(None, None)).lora_path
+    lora_path = _current().lora_path
     if lora_path and url.endswith("/generate") and isinstance(payload, dict) and not payload.get("lora_path"):
         payload = {**payload, "lora_path": lora_path}
     headers = _with_router_key(url, headers)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from inverted.compat import slime
 from inverted.config import TrainConfig, to_flags
 from inverted.errors import SampleError
 from inverted.types import Sample
@@ -50,12 +51,12 @@ def read_rollout_data(template: str, rollout_id: int) -> list[Sample]:
 def read_slime_dump(path: Path) -> list[Sample]:
     """slime's rollout dump (its ``--save-debug-rollout-data`` with a ``.pt`` path, or ours): read
     with ``weights_only``, so a dump cannot run code."""
-    from inverted.compat import slime
-
     try:
         dump = torch.load(path, weights_only=True)
         views = [slime.Sample.from_dict(data) for data in dump["samples"]]
-    except (OSError, RuntimeError, pickle.UnpicklingError, KeyError, TypeError, ValueError) as exc:
+    except OSError as exc:
+        raise SampleError(f"--load-debug-rollout-data {path}: cannot read: {exc}") from None
+    except (RuntimeError, pickle.UnpicklingError, KeyError, TypeError, ValueError) as exc:
         raise SampleError(f"--load-debug-rollout-data {path}: not a slime rollout dump "
                           f"({{'rollout_id', 'samples': [...]}}): {exc}") from None
     samples = []

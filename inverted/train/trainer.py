@@ -10,8 +10,8 @@
    when there is more than one optimizer step or distillation needs them; with one,
    ``logp.detach()`` is exactly the old policy) and the reference log-probs for KL.
 4. Advantages for the whole batch, identical on every rank; under slime's on-policy distillation
-   each token's loses the reverse KL to a teacher (``losses.distillation_penalty``). Each token's weight version says how
-   far behind the policy it was sampled (its staleness, reported); with
+   each token's loses the reverse KL to a teacher (``losses.distillation_penalty``). Each token's
+   weight version says how far behind the policy it was sampled (its staleness, reported); with
    ``--mask-offpolicy-in-partial-rollout`` the tokens a sample got from weights older than its
    newest are left out of the loss. TIS (``--use-tis``) reweights every token by its own sampling
    policy's log-prob, so mixed versions are corrected token by token. A MoE policy with routing
@@ -417,9 +417,10 @@ class Trainer:
 
     def _rewards(self, samples: list[Sample]) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         """The rewards trained on, and under slime's on-policy distillation with a teacher server
-        (``--use-opd --opd-type sglang``) the teacher's log-probs of each response token, which slime's
-        reward post-process puts on its Samples (``teacher_log_probs``). With a post-process the rewards are its normalised ones, read by it
-        from the raw ones (which need not be numbers: OPD's are the teacher's answer)."""
+        (``--use-opd --opd-type sglang``) the teacher's log-probs of each response token, which
+        slime's reward post-process puts on its Samples (``teacher_log_probs``). With a post-process
+        the rewards are its normalised ones, read by it from the raw ones (which need not be
+        numbers: OPD's are the teacher's answer)."""
         distill = self.slime_args.use_opd
         views = [slime.from_inverted(s, args=self.slime_args) for s in samples] \
             if self.plugins.reward_post_process is not None or distill else None
