@@ -97,9 +97,9 @@ $(VENV)/.sglang-wire: $(VENV)/.installed
 	$(BIN)/python -m pip install -q $(PIP_BINARY) --no-deps "$(SGLANG_WIRE)"
 	touch $@
 
+# Two workers: the job tests wait on processes starting as much as they compute (1,152 s against
+# 1,596 s in one, on 2 cores); --durations lists the slowest, to keep the suite within its time.
 test: setup $(VENV)/.sglang-wire
-	# two workers: the job tests wait on processes starting as much as they compute (1,152 s vs 1,596 s
-	# in one, on 2 cores); --durations lists the slowest, to keep the suite within its time
 	$(BIN)/python -m pytest -q -n 2 --durations=15
 
 bench: setup $(MODEL)/config.json
