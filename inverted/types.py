@@ -43,6 +43,19 @@ def version_number(version: str) -> int:
         return 0
 
 
+def reward_number(reward: Reward | None, key: str | None = None) -> float | None:
+    """The number a reward trains on: a number as is; of a dict, ``key``'s value (a number or a bool,
+    as slime reads it) or else the sum of its numbers. None where it holds none (absent, or a raw
+    reward that slime's reward post-process turns into a number: on-policy distillation's)."""
+    if reward is None or not isinstance(reward, dict):
+        return None if reward is None else float(reward)
+    if key is None:
+        numbers = [v for v in reward.values() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        return float(sum(numbers)) if numbers else None
+    value = reward.get(key)
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
 @dataclass(kw_only=True, slots=True)
 class Sample:
     """One trajectory: prompt + response tokens, with what the policy sampled and under which weights.
@@ -89,25 +102,18 @@ class Sample:
         return self.tokens[self.prompt_length :]
 
     def scalar_reward(self, key: str | None = None) -> float:
-        """The reward as one number: a float as is; of a dict, ``key``'s value (a number or a bool, as
-        slime reads it) or else the sum of its numbers."""
-        reward = self.reward
+        """The reward as one number (``reward_number``), or a ``SampleError`` saying why there is none."""
+        reward, number = self.reward, reward_number(self.reward, key)
+        if number is not None:
+            return number
         if reward is None:
             raise SampleError(f"sample {self.index}: reward is missing")
-        if not isinstance(reward, dict):
-            return float(reward)
         if key is None:
-            numbers = [v for v in reward.values() if isinstance(v, (int, float)) and not isinstance(v, bool)]
-            if not numbers:
-                raise SampleError(f"sample {self.index}: reward {sorted(reward)} holds no number to train on; "
-                                  "name the entry with --reward-key")
-            return float(sum(numbers))
+            raise SampleError(f"sample {self.index}: reward {sorted(reward)} holds no number to train on; "
+                              "name the entry with --reward-key")
         if key not in reward:
             raise SampleError(f"sample {self.index}: reward has no key {key!r} (--reward-key); has {sorted(reward)}")
-        value = reward[key]
-        if not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise SampleError(f"sample {self.index}: reward[{key!r}] (--reward-key) is {value!r}, not a number")
-        return float(value)
+        raise SampleError(f"sample {self.index}: reward[{key!r}] (--reward-key) is {reward[key]!r}, not a number")
 
     def validate(self, *, elements_checked: bool = False) -> None:
         """Raise ``SampleError`` naming the first broken invariant.

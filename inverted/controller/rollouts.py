@@ -16,9 +16,9 @@ from inverted.buffer.datasets import load_prompts
 from inverted.compat import slime
 from inverted.config import BufferConfig, JobConfig, TrainConfig, to_flags
 from inverted.controller.job import Job, Plugins
-from inverted.errors import PluginError, SampleError
+from inverted.errors import PluginError
 from inverted.plugins import RolloutContext
-from inverted.types import Sample, Task
+from inverted.types import Sample, Task, reward_number
 
 USABLE = (Sample.Status.COMPLETED, Sample.Status.TRUNCATED)
 
@@ -134,19 +134,11 @@ def episode_metrics(prefix: str, samples: list[Sample]) -> dict[str, float]:
             f"{prefix}/tool_call_rate": sum(any(t["finish_reason"] == "tool_calls" for t in ts) for ts in turns) / len(turns)}
 
 
-def readable_reward(sample: Sample, key: str | None) -> float | None:
-    """The reward as a number, or None where it holds none: a raw reward that slime's reward
-    post-process turns into one in the trainer (on-policy distillation's is the teacher's answer)
-    is not the rollout's to average; the trainer refuses one it cannot read."""
-    try:
-        return sample.scalar_reward(key)
-    except SampleError:
-        return None
-
-
 def rollout_metrics(reward_key: str | None, samples: list[Sample], trained: list[Sample]) -> dict[str, float]:
     usable = [s for s in samples if s.status in USABLE]
-    rewards = [r for r in (readable_reward(s, reward_key) for s in usable) if r is not None]
+    # a raw reward slime's post-process makes a number in the trainer (OPD's: the teacher's answer) is not
+    # averaged here; the trainer refuses one it cannot read
+    rewards = [r for r in (reward_number(s.reward, reward_key) for s in usable) if r is not None]
     lengths = [s.response_length for s in usable]
     return {
         "rollout/reward_mean": sum(rewards) / len(rewards) if rewards else float("nan"),

@@ -20,7 +20,6 @@ is its group's when served (the buffer's: policy version minus the oldest token'
 
 from __future__ import annotations
 
-import math
 import sqlite3
 import threading
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from typing import Any
 import orjson
 
 from inverted.buffer.archive import BufferArchive
-from inverted.types import decode_routed_experts, version_number
+from inverted.types import decode_routed_experts, reward_number, version_number
 from inverted.train.details import DetailsReader
 
 COLUMNS = ("group_index", "sample_index", "branch", "step", "reward", "response_length", "prompt_length", "status",
@@ -90,15 +89,6 @@ class SampleQuery:
         return (" WHERE " + " AND ".join(where)) if where else "", args
 
 
-def scalar_reward(reward: Any, key: str | None) -> float | None:
-    """As the trainer reads it (``Sample.scalar_reward``): a number, a dict's ``key`` or its sum; None if absent."""
-    if isinstance(reward, dict):
-        value = reward.get(key) if key else sum(v for v in reward.values() if isinstance(v, (int, float)))
-    else:
-        value = reward
-    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
-
-
 class RunIndex:
     """The viewer's picture of one run directory; thread-safe (calls are serialised)."""
 
@@ -150,7 +140,7 @@ class RunIndex:
         versions = [version_number(v) for v in data.get("weight_versions") or []]
         response = data.get("response_length", 0)
         return (data.get("group_index"), data.get("index"), int(metadata.get("branch", 0)), sibling,
-                scalar_reward(data.get("reward"), self.reward_key), response, len(data.get("tokens") or []) - response,
+                reward_number(data.get("reward"), self.reward_key), response, len(data.get("tokens") or []) - response,
                 data.get("status", "pending"), len(metadata.get("turns") or []) or 1, int(metadata.get("branches", 1)),
                 min(versions, default=None), max(versions, default=None))
 
