@@ -31,7 +31,7 @@ import functools
 import itertools
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -340,6 +340,35 @@ def check_model(given: dict[str, Any], hf_checkpoint: str) -> None:
             errors.append(f"{option(dest)} {value!r} != {expected!r} ({name} in {config_file})")
     if errors:
         raise ConfigError("slime's model flags do not describe --hf-checkpoint: " + "; ".join(errors))
+
+
+def check_distillation(given: dict[str, Any], hf_checkpoint: str) -> None:
+    """slime's checks of on-policy distillation's flags; a Megatron-side teacher must have the policy's
+    architecture (the trainer runs it on the policy's packed batches)."""
+    teacher, kind = given.get("opd_teacher_load"), given.get("opd_type")
+    if not given.get("use_opd"):
+        if teacher is not None:
+            raise ConfigError("--opd-teacher-load is set but --use-opd is not (slime's check)")
+        return
+    if kind is None:
+        raise ConfigError("--use-opd needs --opd-type: sglang (the teacher's log-probs come from a server during "
+                          "the rollout) or megatron (the trainer runs the teacher, --opd-teacher-load)")
+    if kind == "sglang" and teacher is not None:
+        raise ConfigError("--opd-teacher-load is for --opd-type megatron; with sglang the teacher is a server "
+                          "(--rm-url)")
+    if kind == "megatron":
+        if teacher is None or not (Path(teacher) / "config.json").exists():
+            raise ConfigError(f"--opd-type megatron needs --opd-teacher-load: the teacher's HF checkpoint directory "
+                              f"(got {teacher!r})")
+        from inverted.hf_checkpoint import ModelSpec  # torch: not for every command line
+
+        ours, theirs = ModelSpec.from_checkpoint(hf_checkpoint), ModelSpec.from_checkpoint(teacher)
+        differ = [f"{f.name} {getattr(theirs, f.name)!r} != {getattr(ours, f.name)!r}" for f in fields(ours)
+                  if f.name not in ("eos_token_ids", "max_position_embeddings")
+                  and getattr(ours, f.name) != getattr(theirs, f.name)]
+        if differ:
+            raise ConfigError(f"--opd-teacher-load {teacher}: the teacher must have the policy's architecture "
+                              f"(slime's requirement): {'; '.join(differ)}")
 
 
 # -- --sglang-* -------------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ acts on the ones given, before any process starts:
   the embedded engines', ``--rm-type`` the reward model: slime's ``rm_hub.async_rm``), and
   ``--custom-config-path``'s YAML keys join ``args`` as in slime (keys that are inverted's flags
   set those, over the command line's, as slime's config overrides its args);
-- Megatron's model-shape flags are checked against the checkpoint;
+- Megatron's model-shape flags are checked against the checkpoint, and on-policy distillation's
+  as slime checks them;
 - ``--sglang-*`` are planned for the backend the servers will run (``slime_flags.plan_sglang``);
 - the ones that change nothing here are listed once, in the log, with why.
 
@@ -20,16 +21,13 @@ is in it (the buffer's travels on a command line), slime's ``--wandb-key`` neith
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
-from pathlib import Path
 from typing import Any
 
 from inverted.compat import slime_flags
 from inverted.config import JobConfig, from_flags, read_yaml_mapping, to_flags
 from inverted.errors import ConfigError
-from inverted.hf_checkpoint import ModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +55,7 @@ def apply(cfg: JobConfig, flags: slime_flags.SlimeFlags | None, sglang_args: lis
         _set_once(cfg, ("train",), "global_batch_size", samples // steps, "--num-steps-per-rollout")
     if length := given.get("rollout_max_context_len"):
         _set_once(cfg, ("servers", "proxy"), "context_length", length, "--rollout-max-context-len")
-    check_distillation(given, cfg.train.hf_checkpoint)
+    slime_flags.check_distillation(given, cfg.train.hf_checkpoint)
     if given.get("rm_type") and not cfg.rollout.custom_rm_path:  # slime's default reward path
         cfg.rollout.custom_rm_path = "slime.rollout.rm_hub.async_rm"
     slime_flags.check_model(given, cfg.train.hf_checkpoint)
@@ -70,33 +68,6 @@ def apply(cfg: JobConfig, flags: slime_flags.SlimeFlags | None, sglang_args: lis
     namespace = {k: v for k, v in (namespace | given).items() if not slime_flags.SECRET.search(k)}
     cfg.train.slime_args = cfg.buffer.slime_args = json.dumps(namespace)
     return plan.forward
-
-
-def check_distillation(given: dict[str, Any], hf_checkpoint: str) -> None:
-    """slime's checks of on-policy distillation's flags; a Megatron-side teacher must have the policy's
-    architecture (the trainer runs it on the policy's packed batches)."""
-    teacher, kind = given.get("opd_teacher_load"), given.get("opd_type")
-    if not given.get("use_opd"):
-        if teacher is not None:
-            raise ConfigError("--opd-teacher-load is set but --use-opd is not (slime's check)")
-        return
-    if kind is None:
-        raise ConfigError("--use-opd needs --opd-type: sglang (the teacher's log-probs come from a server during "
-                          "the rollout) or megatron (the trainer runs the teacher, --opd-teacher-load)")
-    if kind == "sglang" and teacher is not None:
-        raise ConfigError("--opd-teacher-load is for --opd-type megatron; with sglang the teacher is a server "
-                          "(--rm-url)")
-    if kind == "megatron":
-        if teacher is None or not (Path(teacher) / "config.json").exists():
-            raise ConfigError(f"--opd-type megatron needs --opd-teacher-load: the teacher's HF checkpoint directory "
-                              f"(got {teacher!r})")
-        ours, theirs = ModelSpec.from_checkpoint(hf_checkpoint), ModelSpec.from_checkpoint(teacher)
-        differ = [f"{f.name} {getattr(theirs, f.name)!r} != {getattr(ours, f.name)!r}" for f in dataclasses.fields(ours)
-                  if f.name not in ("eos_token_ids", "max_position_embeddings")
-                  and getattr(ours, f.name) != getattr(theirs, f.name)]
-        if differ:
-            raise ConfigError(f"--opd-teacher-load {teacher}: the teacher must have the policy's architecture "
-                              f"(slime's requirement): {'; '.join(differ)}")
 
 
 def _set_flags(cfg: JobConfig, values: dict[str, Any], where: str) -> None:
