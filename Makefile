@@ -97,10 +97,8 @@ $(VENV)/.sglang-wire: $(VENV)/.installed
 	$(BIN)/python -m pip install -q $(PIP_BINARY) --no-deps "$(SGLANG_WIRE)"
 	touch $@
 
-# Two workers: the job tests wait on processes starting as much as they compute (1,152 s against
-# 1,596 s in one, on 2 cores); --durations lists the slowest, to keep the suite within its time.
 test: setup $(VENV)/.sglang-wire
-	$(BIN)/python -m pytest -q -n 2 --durations=15
+	$(BIN)/python -m pytest -q --durations=15  # the slowest tests, to keep the suite within its time
 
 bench: setup $(MODEL)/config.json
 	$(BIN)/python bench/engine_throughput.py --model $(MODEL)
