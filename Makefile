@@ -35,7 +35,7 @@ PIP_BINARY  := --only-binary=:all: --no-binary=$(SOURCE_ONLY)
 SGLANG_WIRE ?= sglang==0.5.23
 BIN    := $(VENV)/bin
 
-.PHONY: setup run agent demo test bench clean
+.PHONY: setup run agent demo test bench clean harnesses
 
 setup: $(VENV)/.installed
 
@@ -97,11 +97,25 @@ $(VENV)/.sglang-wire: $(VENV)/.installed
 	$(BIN)/python -m pip install -q $(PIP_BINARY) --no-deps "$(SGLANG_WIRE)"
 	touch $@
 
-test: setup $(VENV)/.sglang-wire
+# The coding-agent harnesses the proxy is tested against, unchanged and pinned: Codex CLI and Claude Code
+# from npm (native binaries inside the packages) into $(HARNESSES), mini-swe-agent (litellm) and the
+# Claude Agent SDK from PyPI into the venv. tests/harnesses runs them.
+HARNESSES      := .harnesses
+HARNESS_NPM    ?= @openai/codex@0.169.0 @anthropic-ai/claude-code@2.1.328
+HARNESS_PYPI   ?= mini-swe-agent==2.4.6 litellm==1.110.2 claude-agent-sdk==0.2.189
+harnesses: $(HARNESSES)/.installed
+
+$(HARNESSES)/.installed: $(VENV)/.installed
+	mkdir -p $(HARNESSES)
+	npm install --prefix $(HARNESSES) --no-audit --no-fund --loglevel=error $(HARNESS_NPM)
+	$(BIN)/python -m pip install -q $(PIP_BINARY) $(HARNESS_PYPI)
+	touch $@
+
+test: setup $(VENV)/.sglang-wire harnesses
 	$(BIN)/python -m pytest -q --durations=15  # the slowest tests, to keep the suite within its time
 
 bench: setup $(MODEL)/config.json
 	$(BIN)/python bench/engine_throughput.py --model $(MODEL)
 
 clean:
-	rm -rf $(VENV) models runs data .pytest_cache
+	rm -rf $(VENV) $(HARNESSES) models runs data .pytest_cache

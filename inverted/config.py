@@ -234,6 +234,12 @@ class TinyModelConfig:
         "tiny", "size: tiny (~0.2M) for unit tests, small (~14M) for demos and CPU benchmarks, base (~0.5B) and "
                 "large (~1.3B) for GPUs")
     seed: int = option(0, "random seed: the same seed gives byte-identical files")
+    max_positions: int = option(
+        0, "context length (max_position_embeddings); 0 keeps the preset's 4,096. Coding-agent harnesses open with "
+           "prompts of 10,000 to 30,000 tokens: 65536 serves them")
+
+    def __post_init__(self) -> None:
+        _require(self.max_positions >= 0, "--max-positions", self.max_positions, ">= 0")
 
 
 @dataclass(kw_only=True, slots=True)

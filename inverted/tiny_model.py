@@ -71,7 +71,7 @@ def _training_corpus() -> list[str]:
     return lines
 
 
-def build_tokenizer(chat_template: str):
+def build_tokenizer(chat_template: str, max_length: int = PRESETS["tiny"]["max_position_embeddings"]):
     """A byte-level BPE fast tokenizer with ChatML special tokens and the given chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -87,16 +87,18 @@ def build_tokenizer(chat_template: str):
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
         additional_special_tokens=["<|im_start|>", "<|im_end|>"], chat_template=chat_template,
-        model_max_length=PRESETS["tiny"]["max_position_embeddings"],
+        model_max_length=max_length,
     )
     tokenizer.add_tokens(TOOL_TOKENS)
     return tokenizer
 
 
-def _hf_config(arch: str, preset: str, vocab_size: int, eos_id: int, pad_id: int):
+def _hf_config(arch: str, preset: str, vocab_size: int, eos_id: int, pad_id: int, max_positions: int = 0):
     import transformers
 
     shape = dict(PRESETS[preset])
+    if max_positions:
+        shape["max_position_embeddings"] = max_positions
     common = dict(vocab_size=vocab_size, eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None,
                   rms_norm_eps=1e-6, torch_dtype="float32", **shape)
     if arch == "qwen2":
@@ -144,12 +146,13 @@ def make_tiny_model(config: TinyModelConfig) -> Path:
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     template = resources.files("inverted").joinpath("chat_template.jinja").read_text()
-    tokenizer = build_tokenizer(template)
+    hf_positions = config.max_positions or PRESETS[config.preset]["max_position_embeddings"]
+    tokenizer = build_tokenizer(template, hf_positions)
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     vocab_size = -(-len(tokenizer) // 128) * 128  # padded like real checkpoints; TP-divisible
 
-    hf_config = _hf_config(config.arch, config.preset, vocab_size, eos_id, pad_id)
+    hf_config = _hf_config(config.arch, config.preset, vocab_size, eos_id, pad_id, config.max_positions)
     model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     _init_weights(model, config.seed)
     model.save_pretrained(out, safe_serialization=True)

@@ -169,28 +169,34 @@ class ChatRenderer:
         self.tokenizer = tokenizer
         self.turn_end = self._assistant_turn_end()
         self.renders_tools = self._renders_tools()
+        self.thinking_switch = self._has_thinking_switch()
 
-    def render(self, messages: list[Message], tools: list[dict] | None, *, generation_prompt: bool) -> str:
+    def render(self, messages: list[Message], tools: list[dict] | None, *, generation_prompt: bool,
+               thinking: bool | None = None) -> str:
+        """``thinking``: the template's ``enable_thinking`` (Qwen3's switch), where it has one; None leaves
+        the template's default."""
         if tools and not self.renders_tools:
             # Rendered anyway, the tools would silently vanish: the model would answer without them.
             raise InvalidRequest(f"the chat template of {self.tokenizer.name_or_path or 'this model'} cannot render "
                                  "tools (SmolLM2's, for one, has no tool support); send the request without "
                                  "'tools', or serve a model whose template renders them", param="tools")
+        switch = {"enable_thinking": thinking} if thinking is not None and self.thinking_switch else {}
         return self.tokenizer.apply_chat_template([m.to_template() for m in messages], tools=tools or None,
-                                                  tokenize=False, add_generation_prompt=generation_prompt)
+                                                  tokenize=False, add_generation_prompt=generation_prompt, **switch)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def prompt_ids(self, messages: list[Message], tools: list[dict] | None) -> list[int]:
+    def prompt_ids(self, messages: list[Message], tools: list[dict] | None, *,
+                   thinking: bool | None = None) -> list[int]:
         """A branch's first prompt: the whole conversation, rendered and tokenized once."""
-        return self.encode(self.render(messages, tools, generation_prompt=True))
+        return self.encode(self.render(messages, tools, generation_prompt=True, thinking=thinking))
 
     def bridge(self, history: list[Message], new: list[Message], tools: list[dict] | None,
-               sampled_ids: list[int]) -> list[int]:
+               sampled_ids: list[int], *, thinking: bool | None = None) -> list[int]:
         """Ids to append after ``sampled_ids`` (the last assistant turn) for the ``new`` messages."""
-        before = self.render(history, tools, generation_prompt=False)
-        after = self.render(history + new, tools, generation_prompt=True)
+        before = self.render(history, tools, generation_prompt=False, thinking=thinking)
+        after = self.render(history + new, tools, generation_prompt=True, thinking=thinking)
         if not after.startswith(before) or not before.endswith(self.turn_end):
             raise TemplateBreak("the rendered history is not a prefix of the next render")
         junction = self.turn_end
@@ -206,6 +212,13 @@ class ChatRenderer:
         text = self.tokenizer.apply_chat_template([{"role": "user", "content": "u"}], tools=[tool], tokenize=False,
                                                   add_generation_prompt=True)
         return "inverted_probe_tool" in text
+
+    def _has_thinking_switch(self) -> bool:
+        """Whether the template reads ``enable_thinking`` (Qwen3's): its generation prompt differs by it."""
+        probe = [{"role": "user", "content": "u"}]
+        on, off = (self.tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True,
+                                                      enable_thinking=flag) for flag in (True, False))
+        return on != off
 
     def _assistant_turn_end(self) -> str:
         """The text the template writes after an assistant message's content (ChatML: ``<|im_end|>\\n``)."""

@@ -31,7 +31,7 @@ from inverted.errors import InvalidRequest
 from inverted.limits import cannot_fit, max_token_chars
 from inverted.rollout.chat import ChatRenderer, Message, ParsedReply, TemplateBreak, ToolParser, tools_key
 from inverted.rollout.proxy.apis import call
-from inverted.rollout.proxy.apis.call import Answer, CallRequest, Delta, Event, Output, TokenLogprob
+from inverted.rollout.proxy.apis.call import MAX_TOKENS_REASON, Answer, CallRequest, Delta, Event, Output, TokenLogprob
 from inverted.rollout.proxy.generation import Sampled, sample_turn
 from inverted.rollout.proxy.session import Branch, History, Placement, Session, Sessions, Turn, history_size
 from inverted.rollout.sglang_client import SGLangClient, WorkersClient
@@ -110,7 +110,7 @@ class Recorder:
     def _fresh_prompt(self, req: CallRequest) -> list[int]:
         if req.kind == "text":
             return self.renderer.encode(req.prompt)
-        return self.renderer.prompt_ids(req.messages, req.tools)
+        return self.renderer.prompt_ids(req.messages, req.tools, thinking=self._thinking(req))
 
     def _bridge(self, placement: Placement, req: CallRequest) -> list[int]:
         branch = placement.branch
@@ -119,7 +119,20 @@ class Recorder:
         size = history_size(turn.history)
         if req.kind == "text":
             return self.renderer.encode(req.prompt[size:])
-        return self.renderer.bridge(req.messages[:size], req.messages[size:], req.tools, sampled)
+        return self.renderer.bridge(req.messages[:size], req.messages[size:], req.tools, sampled,
+                                    thinking=self._thinking(req))
+
+    def _thinking(self, req: CallRequest) -> bool | None:
+        """The template's thinking switch for this call, where it has one and the call asked; a call that
+        asked of a template without one has its field accepted, with the reason."""
+        if req.thinking is None:
+            return None
+        param, on = req.thinking
+        if self.renderer.thinking_switch:
+            return on
+        req.accepted[param] = ("the chat template has no thinking mode: the model answers as it does at effort "
+                               "'none'" + ("" if on else ", which is what was asked"))
+        return None
 
     def _check_length(self, req: CallRequest) -> None:
         """Refuse, by its length alone, text that cannot fit the context: tokenizing 20 MB took 30 s
@@ -131,7 +144,7 @@ class Recorder:
             chars = sum(len(m.content) + len(m.name or "") + sum(len(c.name) + len(c.arguments) for c in m.tool_calls)
                         for m in req.messages)
             chars += sum(len(json.dumps(tool, separators=(",", ":"))) for tool in req.tools or [])
-        room = self.context_length - (req.max_tokens or 1)
+        room = self.context_length - (1 if req.clamp_max_tokens else req.max_tokens or 1)
         if cannot_fit(chars, room, self.max_token_chars):
             raise InvalidRequest(
                 f"This model's maximum context length is {self.context_length} tokens. However, your messages and "
@@ -191,11 +204,20 @@ class Recorder:
     def _check_context(self, prompt_len: int, req: CallRequest) -> None:
         limit = self.context_length
         wanted = req.max_tokens or 1
+        if req.clamp_max_tokens and prompt_len < limit < prompt_len + wanted:
+            req.max_tokens = limit - prompt_len
+            req.accepted["max_tokens"] = f"{MAX_TOKENS_REASON} ({req.max_tokens} tokens)"
+            return
         if prompt_len + wanted > limit:
             raise InvalidRequest(
                 f"This model's maximum context length is {limit} tokens. However, you requested {prompt_len + wanted} "
                 f"tokens ({prompt_len} in the messages, {wanted} in the completion). Please reduce the length of the "
                 "messages or completion.", param="messages", code="context_length_exceeded")
+
+    async def count(self, req: CallRequest) -> int:
+        """The prompt tokens a call would start a new branch with (its template render), recording nothing."""
+        self._check_length(req)
+        return len(await asyncio.to_thread(self._fresh_prompt, req))
 
     # ---- one call ------------------------------------------------------------------------------
 
@@ -323,7 +345,7 @@ class Recorder:
         choice.turn = Turn(start=choice.prompt_len, end=len(choice.branch.tokens),
                            history=self._history_after(req, reply), finish_reason=finish, sampling_params=sampling,
                            created=created, latency_s=time.time() - created, resumes=state.resumes,
-                           routes=state.routes, constrained=how)
+                           routes=state.routes, constrained=how, accepted=dict(req.accepted), model=req.model)
 
     def _settle(self, session: Session, req: CallRequest, answer: Answer, choices: list[Choice],
                 succeeded: bool) -> None:

@@ -214,6 +214,13 @@ async def _call(request: Request, session: Session, api: apis.Api) -> Response:
     return JSONResponse(api.answer(req, await recorder.complete(session, req, key, replay)))
 
 
+async def _count(request: Request, session: Session, api: apis.Api) -> Response:
+    """How many tokens a request's prompt renders to, as its API answers a count (nothing is recorded)."""
+    parse, answer = api.count
+    body, _ = await _json(request)
+    return JSONResponse(answer(await request.app.state.recorder.count(parse(body))))
+
+
 async def _prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
     async with aclosing(rest):  # closing this closes the call's own stream too
         yield first
@@ -379,9 +386,13 @@ def _add_api_routes(app: FastAPI) -> None:
     """Every API's route twice: under the session's path (its id is the capability) and under ``/v1``
     with the session's token as the key."""
     for api in apis.APIS:
-        in_session, with_token = _endpoints(api)
+        in_session, with_token = _endpoints(api, _call)
         app.add_api_route("/sessions/{session_id}/v1" + api.route, in_session, methods=["POST"])
         app.add_api_route("/v1" + api.route, with_token, methods=["POST"])
+        if api.count is not None:
+            in_session, with_token = _endpoints(api, _count)
+            app.add_api_route("/sessions/{session_id}/v1" + api.route + "/count_tokens", in_session, methods=["POST"])
+            app.add_api_route("/v1" + api.route + "/count_tokens", with_token, methods=["POST"])
 
     @app.get("/sessions/{session_id}/v1/models")
     async def session_models(session_id: str, request: Request, recorder: RecorderDep) -> dict[str, Any]:
@@ -394,12 +405,16 @@ def _add_api_routes(app: FastAPI) -> None:
         return _models(recorder)
 
 
-def _endpoints(api: apis.Api) -> tuple[Callable[..., Awaitable[Response]], Callable[..., Awaitable[Response]]]:
+Handler = Callable[[Request, Session, apis.Api], Awaitable[Response]]
+
+
+def _endpoints(api: apis.Api, handler: Handler) -> tuple[Callable[..., Awaitable[Response]],
+                                                          Callable[..., Awaitable[Response]]]:
     async def in_session(session_id: str, request: Request) -> Response:
-        return await _call(request, _session(request, session_id, admin=False), api)
+        return await handler(request, _session(request, session_id, admin=False), api)
 
     async def with_token(request: Request) -> Response:
-        return await _call(request, _token_session(request), api)
+        return await handler(request, _token_session(request), api)
 
     return in_session, with_token
 

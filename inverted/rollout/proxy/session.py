@@ -76,12 +76,16 @@ class Turn:
     resumes: int = 0
     routes: str | None = None  # routed experts (MoE, when asked for) of tokens[previous turn's end - 1:end - 1]
     constrained: str | None = None  # under a grammar: how its logprobs were recorded (recorder.recorded_logprobs)
+    accepted: dict[str, str] = field(default_factory=dict)  # request fields taken without effect, and why
+    model: str | None = None  # the model name the call asked for (any is served)
 
     def record(self) -> dict[str, Any]:
         record = {"prompt_tokens": self.start, "completion_tokens": self.end - self.start, "start": self.start,
                   "end": self.end, "finish_reason": self.finish_reason, "sampling_params": self.sampling_params,
-                  "created": self.created, "latency_s": round(self.latency_s, 6), "resumes": self.resumes}
-        return record | ({"constrained": self.constrained} if self.constrained else {})
+                  "created": self.created, "latency_s": round(self.latency_s, 6), "resumes": self.resumes,
+                  "model": self.model}
+        return record | ({"constrained": self.constrained} if self.constrained else {}) | \
+            ({"accepted": self.accepted} if self.accepted else {})
 
 
 @dataclass(slots=True, eq=False)  # identity, not value: two branches may hold the same tokens

@@ -4,9 +4,11 @@ conversation recorded identically whichever of the three APIs carried it."""
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import json
+import os
+import subprocess
+import sys
 
 import anthropic
 import httpx
@@ -190,7 +192,7 @@ def test_responses_refuse_what_they_cannot_honour_in_openais_shape(stack):
             "input[0].content[0]"),
            ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "input[0].call_id"),
            ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
-           ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning"),
+           ({"input": "x", "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
            ({"input": "x", "text": {"format": {"type": "grammar"}}}, "text.format"),
            ({"input": "x", "tool_choice": "required"}, "tool_choice")]
     for body, param in bad:
@@ -201,35 +203,32 @@ def test_responses_refuse_what_they_cannot_honour_in_openais_shape(stack):
         "Authorization": "Bearer admin-key"}).json()["refused"][-1]["route"] == "POST /sessions/{session_id}/v1/responses"
 
 
-def test_an_openai_agents_agent_on_its_default_responses_model_runs_unchanged(stack, monkeypatch):
-    """The SDK's default model speaks Responses; the agent runs its tool loop through the proxy."""
-    monkeypatch.setenv("OPENAI_AGENTS_DISABLE_TRACING", "1")
-    import agents
-
-    session = new_session(stack)
+@pytest.mark.parametrize("api", ["responses", "chat"])
+@pytest.mark.parametrize("model", ["gpt-5", "gpt-5.2"])
+def test_an_openai_agents_agent_at_the_sdks_defaults_runs_unchanged(stack, api, model):
+    """The agent as the SDK's documentation writes one: no model, no ``ModelSettings``; base URL, key
+    and default model from the environment. The SDK then sends its default settings for the model
+    (``reasoning`` effort ``low`` or ``none``, ``verbosity: low``), which the proxy accepts with a
+    reason on the turn, and which change nothing: the Sample is the engine's, token for token."""
+    session = new_session(stack, sampling_params={"temperature": 0})  # the session's setting, not the agent's
     logged_before = len(stack.engine_requests())
-
-    async def get_weather(context, arguments: str) -> str:
-        return RESULTS[json.loads(arguments)["city"]]
-
-    tool = agents.FunctionTool(name=FUNCTION["name"], description=FUNCTION["description"],
-                               params_json_schema=FUNCTION["parameters"], on_invoke_tool=get_weather,
-                               strict_json_schema=False)
-
-    async def run() -> agents.RunResult:
-        # closed in its own loop: an async client collected later would close itself on another test's loop
-        async with openai.AsyncOpenAI(base_url=session["base_url"], api_key="x") as client:
-            agent = agents.Agent(name="weather", instructions=SYSTEM, tools=[tool],
-                                 model=agents.OpenAIResponsesModel(model="m", openai_client=client),
-                                 model_settings=agents.ModelSettings(temperature=0, max_tokens=64))
-            return await agents.Runner.run(agent, user_turns()[0])
-
-    result = asyncio.run(run())
-    assert result.final_output == EXPECTED[2][1]
+    env = {**os.environ, "OPENAI_BASE_URL": session["base_url"], "OPENAI_API_KEY": "x",
+           "OPENAI_DEFAULT_MODEL": model, "OPENAI_AGENTS_DISABLE_TRACING": "1"}
+    done = subprocess.run([sys.executable, "-m", "tests.rollout.proxy.agents.openai_agents_default",
+                           *(["chat"] if api == "chat" else [])], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == EXPECTED[2][1]
     (sample,) = finish(stack, session)
     log = stack.engine_requests()[logged_before:]
     assert len(log) == 3 and sample.tokens == log[-1]["input_ids"] + log[-1]["output_ids"]
     check_exact(sample, log)
+    effort = "reasoning.effort" if api == "responses" else "reasoning_effort"
+    verbosity = "text.verbosity" if api == "responses" else "verbosity"
+    for turn in sample.metadata["turns"]:
+        assert turn["model"] == model
+        assert set(turn["accepted"]) >= {effort, verbosity}, turn["accepted"]
+        assert "no thinking mode" in turn["accepted"][effort]
 
 
 # ---- Anthropic Messages --------------------------------------------------------------------------

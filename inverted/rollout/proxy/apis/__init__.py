@@ -28,6 +28,8 @@ class Api:
     error_body: Callable[[Failure], dict[str, Any]]
     stream_error: Callable[[Failure, int], tuple[str | None, dict[str, Any]]]  # (failure, events sent)
     done: bytes = b""  # what ends a stream after its last event
+    # ``POST {route}/count_tokens``, where the API has it (Anthropic's): a request to count, and its answer
+    count: tuple[Callable[[Any], CallRequest], Callable[[int], dict[str, Any]]] | None = None
 
 
 CHAT = Api("chat", openai_chat.ROUTE, openai_chat.parse, openai_chat.answer, openai_chat.events,
@@ -39,10 +41,11 @@ APIS = [
     Api("responses", openai_responses.ROUTE, openai_responses.parse, openai_responses.answer, openai_responses.events,
         openai_shared.error_body, openai_responses.stream_error),
     Api("messages", anthropic_messages.ROUTE, anthropic_messages.parse, anthropic_messages.answer,
-        anthropic_messages.events, anthropic_messages.error_body, anthropic_messages.stream_error),
+        anthropic_messages.events, anthropic_messages.error_body, anthropic_messages.stream_error,
+        count=(anthropic_messages.parse_count, anthropic_messages.counted)),
 ]
 
 
 def for_path(path: str) -> Api:
-    """The API whose errors a path gets: its own for an API's route, OpenAI's for everything else."""
-    return next((api for api in APIS if path.endswith("/v1" + api.route)), CHAT)
+    """The API whose errors a path gets: its own for an API's routes, OpenAI's for everything else."""
+    return next((api for api in APIS if path.removesuffix("/count_tokens").endswith("/v1" + api.route)), CHAT)

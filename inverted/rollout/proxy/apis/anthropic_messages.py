@@ -26,9 +26,30 @@ from inverted.rollout.proxy.apis.call import Answer, CallRequest, Delta, Event, 
 
 ROUTE = "/messages"
 FIELDS = {"model", "max_tokens", "messages", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k",
-          "tools", "tool_choice", "output_config"}
-IGNORED = {"metadata", "service_tier", "cache_control", "inference_geo", "speed", "diagnostics"}  # never change tokens
-NEUTRAL: dict[str, tuple] = {"thinking": (None, {"type": "disabled"}), "container": (None,)}
+          "tools", "tool_choice", "output_config", "thinking"}
+# Accepted without effect, each with why (recorded on the turn, metadata.turns[].accepted).
+REASONS = {
+    "metadata": "the caller's own tags (a user id) for the hosted service; nothing is sampled from them",
+    "service_tier": "a hosted service's capacity tier; these servers have one",
+    "inference_geo": "where a hosted service runs the model; these servers run here",
+    "speed": "a hosted service's serving speed; what is sampled is the same",
+    "diagnostics": "the hosted service's own diagnostics; nothing is sampled from them",
+    "cache_control": "prefix caching here is automatic (the servers' radix cache), with or without breakpoints",
+    "context_management": "the hosted service's edits of a long conversation (clearing old tool results or "
+                          "thinking); here the conversation is rendered as sent, and one past the context is refused",
+}
+BLOCK_REASONS = {  # fields of a block or a tool
+    "cache_control": REASONS["cache_control"],
+    "defer_loading": "a deferred tool is left out of the prompt, as the hosted API leaves it until a tool search "
+                     "loads it",
+}
+THINKING_REASONS = {
+    "budget_tokens": "a thinking budget is not enforced: max_tokens bounds the whole reply, thinking included",
+    "display": "thinking is not sent back apart from the text: a template's thinking, if any, is in the reply",
+}
+EFFORT_REASON = ("effort tunes how many tokens a hosted model spends; this policy samples from the prompt as sent, "
+                 "and max_tokens bounds the reply")
+NEUTRAL: dict[str, tuple] = {"container": (None,)}
 BOUNDS = {"temperature": (float, 0.0, 1.0), "top_p": (float, 0.0, 1.0), "top_k": (int, 1, None),
           "max_tokens": (int, 1, None)}
 STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}
@@ -41,7 +62,7 @@ def parse(body: Any, session: Any = None) -> CallRequest:
         if key in NEUTRAL and value not in NEUTRAL[key]:
             raise InvalidRequest(f"{key}: {value!r} is not supported by this server: it would change what is "
                                  f"sampled (accepted: {list(NEUTRAL[key])})", param=key)
-        if key not in FIELDS | IGNORED | set(NEUTRAL):
+        if key not in FIELDS | set(REASONS) | set(NEUTRAL):
             raise InvalidRequest(f"{key}: Extra inputs are not permitted", param=key)
     for name in ("max_tokens", "messages"):
         if name not in body:
@@ -51,7 +72,9 @@ def parse(body: Any, session: Any = None) -> CallRequest:
     for name, bounds in BOUNDS.items():
         if body.get(name) is not None:
             call.number(name, body[name], bounds)
-    tools = [_tool(t, f"tools.{i}") for i, t in enumerate(_list(body.get("tools"), "tools"))]
+    declared = _list(body.get("tools"), "tools")
+    tools = [_tool(t, f"tools.{i}") for i, t in enumerate(declared)
+             if not (isinstance(t, dict) and t.get("defer_loading"))]
     messages = _system(body.get("system")) + _messages(body["messages"])
     mode, name = _tool_choice(body.get("tool_choice"))
     sampling = call.sampling({name: body.get(name) for name in ("temperature", "top_p", "top_k")})
@@ -61,9 +84,41 @@ def parse(body: Any, session: Any = None) -> CallRequest:
     req = CallRequest(kind="chat", model=body.get("model") if isinstance(body.get("model"), str) else None,
                       messages=messages, prompt=None, tools=tools or None, parse_tools=bool(tools) and mode != "none",
                       stream=bool(body.get("stream")), max_tokens=body["max_tokens"], sampling=sampling,
-                      force_call=call.forced_call(mode, name, tools))
+                      force_call=call.forced_call(mode, name, tools), clamp_max_tokens=True)
     call.constrain(req, _output_schema(body.get("output_config")), "output_config.format")
+    _accept(req, body, declared)
     return req
+
+
+def parse_count(body: Any) -> CallRequest:
+    """A ``/v1/messages/count_tokens`` body (a Messages request without ``max_tokens``), checked as one."""
+    if isinstance(body, dict) and "max_tokens" in body:
+        raise InvalidRequest("max_tokens: Extra inputs are not permitted", param="max_tokens")
+    return parse({**body, "max_tokens": 1} if isinstance(body, dict) else body)
+
+
+def counted(tokens: int) -> dict[str, Any]:
+    return {"input_tokens": tokens}
+
+
+def _accept(req: CallRequest, body: dict[str, Any], tools: list) -> None:
+    """The fields taken without effect, with why; ``thinking`` as a thinking mode."""
+    call.accept(req.accepted, body, REASONS)
+    blocks = [b for m in body["messages"] if isinstance(m, dict) and isinstance(m.get("content"), list)
+              for b in m["content"]] + (body["system"] if isinstance(body.get("system"), list) else []) + tools
+    for key, reason in BLOCK_REASONS.items():
+        if any(isinstance(b, dict) and b.get(key) for b in blocks):
+            req.accepted[key] = reason
+    thinking = body.get("thinking")
+    if thinking is not None:
+        kind = thinking.get("type") if isinstance(thinking, dict) else None
+        if kind not in ("enabled", "adaptive", "disabled"):
+            raise InvalidRequest("thinking: expected {type: 'enabled', budget_tokens}, {type: 'adaptive'} or "
+                                 "{type: 'disabled'}", param="thinking")
+        req.thinking = ("thinking", kind != "disabled")
+        call.accept(req.accepted, thinking, THINKING_REASONS, "thinking.")
+    if isinstance(body.get("output_config"), dict) and body["output_config"].get("effort") is not None:
+        req.accepted["output_config.effort"] = EFFORT_REASON
 
 
 def _list(value: Any, name: str) -> list:
@@ -103,8 +158,9 @@ def _messages(raw: Any) -> list[Message]:
     for i, item in enumerate(raw):
         where = f"messages.{i}"
         role = item.get("role") if isinstance(item, dict) else None
-        if role not in ("user", "assistant"):
-            raise InvalidRequest(f"{where}.role: Input should be 'user' or 'assistant'", param=f"{where}.role")
+        if role not in ("user", "assistant", "system"):  # system: a mid-conversation instruction (Claude Code's)
+            raise InvalidRequest(f"{where}.role: Input should be 'user', 'assistant' or 'system'",
+                                 param=f"{where}.role")
         content = item.get("content")
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else _list(content, f"{where}.content")
         pending: list[str | ToolCall] = []  # the blocks of the message being built
@@ -176,9 +232,9 @@ def _output_schema(config: Any) -> dict[str, Any] | None:
     if config is None:
         return None
     spec = config.get("format") if isinstance(config, dict) else "?"
-    if isinstance(config, dict) and config.get("effort") is not None:
-        raise InvalidRequest("output_config.effort is not supported by this server: it would change what is sampled",
-                             param="output_config.effort")
+    if isinstance(config, dict) and config.get("effort") not in (None, "low", "medium", "high", "xhigh", "max"):
+        raise InvalidRequest(f"output_config.effort: {config['effort']!r} is not one of 'low', 'medium', 'high', "
+                             "'xhigh', 'max'", param="output_config.effort")
     if spec is None:
         return None
     if isinstance(spec, dict) and spec.get("type") == "json_schema" and isinstance(spec.get("schema"), dict):

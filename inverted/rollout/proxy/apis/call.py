@@ -52,6 +52,12 @@ class CallRequest:
     force_call: str | None = None  # tool_choice: "" = some tool (required), a name = that tool, None = free
     include_usage: bool = False
     echo: dict[str, Any] = field(default_factory=dict)  # the API's own request fields its answer repeats
+    # Fields taken without effect, each with why (``field: reason``); every turn of the call records them.
+    accepted: dict[str, str] = field(default_factory=dict)
+    # A thinking mode asked for, as (field, on): on a template with a switch (Qwen3's ``enable_thinking``)
+    # it sets it; on one without, the field joins ``accepted`` (``Recorder._thinking``).
+    thinking: tuple[str, bool] | None = None
+    clamp_max_tokens: bool = False  # a max_tokens past the context left is cut to it (and said), not refused
     on_recorded: Callable[[Answer], None] | None = None  # run once the call is recorded (Responses' store)
 
 
@@ -133,6 +139,24 @@ def failure(exc: Exception) -> Failure:
 
 
 # ---- checks every API shares ----------------------------------------------------------------
+
+MAX_TOKENS_REASON = "the reply's limit is past the context left after the prompt: it may use what is left"
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
+def effort(value: Any, param: str) -> bool:
+    """Whether a reasoning effort asks for thinking: ``none`` is off, any other level on."""
+    if value not in EFFORTS:
+        raise InvalidRequest(f"Invalid value for '{param}': {value!r}; expected one of {list(EFFORTS)}", param=param,
+                             code="invalid_value")
+    return value != "none"
+
+
+def accept(req_accepted: dict[str, str], body: dict[str, Any], reasons: dict[str, str], prefix: str = "") -> None:
+    """Note each field of ``body`` that ``reasons`` accepts without effect (a null one is absent)."""
+    for name, reason in reasons.items():
+        if body.get(name) is not None:
+            req_accepted[prefix + name] = reason
 
 
 def number(name: str, value: Any, bounds: tuple[type, float | None, float | None] | None = None) -> Any:

@@ -19,17 +19,24 @@ from inverted.rollout.proxy.apis import call, openai_shared
 from inverted.rollout.proxy.apis.call import Answer, CallRequest, Delta, Event, Output
 
 ROUTE = "/chat/completions"
-FIELDS = {"messages", "tools", "tool_choice", "stream", "logprobs", "stop", "response_format"} | \
-    set(call.NUMERIC) - {"max_output_tokens"}
+FIELDS = {"messages", "tools", "tool_choice", "stream", "stream_options", "logprobs", "stop", "response_format",
+          "reasoning_effort", "verbosity"} | set(call.NUMERIC) - {"max_output_tokens"}
+REASONS = openai_shared.REASONS | {
+    "store": "stored completions are the hosted service's (for its evals and distillation); this server records "
+             "every call of the session itself",
+}
+VERBOSITY = ("low", "medium", "high")
+VERBOSITY_REASON = ("a length hint that hosted models follow through their own system prompt; this policy samples "
+                    "from the prompt as sent, and max_tokens bounds the reply")
 NEUTRAL: dict[str, tuple] = {
-    "logit_bias": ({}, None), "reasoning_effort": (None,), "prediction": (None,), "modalities": (["text"], None),
+    "logit_bias": ({}, None), "prediction": (None,), "modalities": (["text"], None),
     "audio": (None,), "functions": (None, []), "function_call": (None, "none", "auto"), "web_search_options": (None,),
-    "verbosity": (None,), "frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0, None),
+    "frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0, None),
 }
 
 
 def parse(body: Any, session: Any = None) -> CallRequest:
-    body = openai_shared.check_fields(body, FIELDS, NEUTRAL)
+    body = openai_shared.check_fields(body, FIELDS, NEUTRAL, REASONS)
     if body.get("logprobs") not in (None, True, False):
         raise InvalidRequest("Invalid type for 'logprobs': expected a boolean", param="logprobs", code="invalid_type")
     if "messages" not in body:
@@ -56,6 +63,14 @@ def parse(body: Any, session: Any = None) -> CallRequest:
                       top_logprobs=body.get("top_logprobs") or 0, include_usage=openai_shared.include_usage(body),
                       force_call=call.forced_call(*_tool_choice(choice), tools))
     call.constrain(req, _response_schema(body.get("response_format")), "response_format")
+    call.accept(req.accepted, body, REASONS)
+    if body.get("reasoning_effort") is not None:
+        req.thinking = ("reasoning_effort", call.effort(body["reasoning_effort"], "reasoning_effort"))
+    if body.get("verbosity") is not None:
+        if body["verbosity"] not in VERBOSITY:
+            raise InvalidRequest(f"Invalid value for 'verbosity': {body['verbosity']!r}; expected one of "
+                                 f"{list(VERBOSITY)}", param="verbosity", code="invalid_value")
+        req.accepted["verbosity"] = VERBOSITY_REASON
     return req
 
 

@@ -16,8 +16,8 @@ from inverted.rollout.proxy.apis.call import Answer, CallRequest, Delta, Event, 
 from inverted.rollout.proxy.apis.openai_chat import envelope
 
 ROUTE = "/completions"
-FIELDS = {"prompt", "stream", "logprobs", "stop", "temperature", "top_p", "n", "seed", "max_tokens", "top_k", "min_p",
-          "repetition_penalty", "min_tokens"}
+FIELDS = {"prompt", "stream", "stream_options", "logprobs", "stop", "temperature", "top_p", "n", "seed", "max_tokens",
+          "top_k", "min_p", "repetition_penalty", "min_tokens"}
 NEUTRAL: dict[str, tuple] = {"logit_bias": ({}, None), "frequency_penalty": (0, 0.0, None),
                              "presence_penalty": (0, 0.0, None), "suffix": (None,), "echo": (False, None),
                              "best_of": (1, None)}
@@ -37,11 +37,12 @@ def parse(body: Any, session: Any = None) -> CallRequest:
     for name in ("n", "max_tokens"):
         if body.get(name) is not None:
             call.number(name, body[name])
-    return CallRequest(kind="text", model=openai_shared.model_name(body), messages=None, prompt=prompt, tools=None,
-                       parse_tools=False, stream=bool(body.get("stream")), max_tokens=body.get("max_tokens"),
-                       sampling=call.sampling(body), n=body.get("n") or 1, logprobs=top is not None,
-                       top_logprobs=top or 0,
-                       include_usage=openai_shared.include_usage(body))
+    req = CallRequest(kind="text", model=openai_shared.model_name(body), messages=None, prompt=prompt, tools=None,
+                      parse_tools=False, stream=bool(body.get("stream")), max_tokens=body.get("max_tokens"),
+                      sampling=call.sampling(body), n=body.get("n") or 1, logprobs=top is not None,
+                      top_logprobs=top or 0, include_usage=openai_shared.include_usage(body))
+    call.accept(req.accepted, body, openai_shared.REASONS)
+    return req
 
 
 def answer(req: CallRequest, answer: Answer) -> dict[str, Any]:

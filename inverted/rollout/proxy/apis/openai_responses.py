@@ -19,6 +19,7 @@ documented events (``response.created``, ``response.output_item.added``,
 from __future__ import annotations
 
 import itertools
+import json
 from typing import Any, AsyncIterator
 
 from inverted.errors import InvalidRequest
@@ -28,26 +29,58 @@ from inverted.rollout.proxy.apis.call import Answer, CallRequest, Delta, Event, 
 
 ROUTE = "/responses"
 FIELDS = {"input", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature", "top_p", "stream",
-          "text", "previous_response_id", "top_logprobs", "include", "truncation"}
-NEUTRAL: dict[str, tuple] = {"reasoning": (None, {}), "background": (False, None), "conversation": (None,),
-                             "max_tool_calls": (None,), "prompt": (None,), "context_management": (None,),
-                             "prompt_cache_options": (None,)}
+          "text", "previous_response_id", "top_logprobs", "include", "truncation", "store", "reasoning"}
+REASONS = openai_shared.REASONS | {
+    "stream_options": "its one option pads stream events against length side channels; these events are not "
+                      "padded, and what is sampled is the same",
+    "context_management": "the hosted service's compaction of a long conversation; here the conversation is "
+                          "rendered as sent, and one past the context is refused with context_length_exceeded",
+    "prompt_cache_options": "prefix caching here is automatic (the servers' radix cache)",
+}
+NEUTRAL: dict[str, tuple] = {"background": (False, None), "conversation": (None,), "max_tool_calls": (None,),
+                             "prompt": (None,)}
 LOGPROBS = "message.output_text.logprobs"
+INCLUDE_REASONS = {  # include entries asking for what this server never produces
+    "reasoning.encrypted_content": "no reasoning item is produced (a template's reasoning, if any, is in the "
+                                   "message text): there is none to include",
+    "message.input_image.image_url": "no images are read here",
+    "file_search_call.results": "no hosted tools run here",
+    "web_search_call.results": "no hosted tools run here",
+    "web_search_call.action.sources": "no hosted tools run here",
+    "code_interpreter_call.outputs": "no hosted tools run here",
+    "computer_call_output.output.image_url": "no hosted tools run here",
+}
+REASONING_REASONS = {
+    "summary": "no reasoning summary is produced: a template's reasoning, if any, is in the message text",
+    "generate_summary": "no reasoning summary is produced: a template's reasoning, if any, is in the message text",
+    "context": "reasoning is not kept apart from the conversation here: the template renders the history as sent",
+}
+VERBOSITY_REASON = ("a length hint that hosted models follow through their own system prompt; this policy samples "
+                    "from the prompt as sent, and max_output_tokens bounds the reply")
+CUSTOM_REASON = ("custom tools are shown to the model as functions with one string argument, 'input', which is "
+                 "returned as the custom_tool_call's input; a grammar in its 'format' is not enforced")
 MAX_STORED = 256  # responses a session keeps for previous_response_id (the oldest go first)
 
 
 def parse(body: Any, session: Any) -> CallRequest:
-    body = openai_shared.check_fields(body, FIELDS, NEUTRAL)
+    body = openai_shared.check_fields(body, FIELDS, NEUTRAL, REASONS)
     prior = _previous(body.get("previous_response_id"), session)
     if body.get("input") is None and not prior:
         raise InvalidRequest("Missing required parameter: 'input'.", param="input", code="missing_required_parameter")
-    conversation = _conversation(body.get("input"), prior)
+    declared = Tools()
+    for i, t in enumerate(_list(body.get("tools"), "tools")):
+        declared.add(t, f"tools[{i}]")
+    conversation = _conversation(body.get("input"), prior, declared)
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise InvalidRequest("'instructions' must be a string", param="instructions", code="invalid_type")
     messages = ([Message(role="system", content=instructions)] if instructions else []) + conversation
-    tools = [_tool(t, f"tools[{i}]") for i, t in enumerate(_list(body.get("tools"), "tools"))]
+    tools = declared.functions
     include = _list(body.get("include"), "include")
+    for j, entry in enumerate(include):
+        if entry != LOGPROBS and entry not in INCLUDE_REASONS:
+            raise InvalidRequest(f"Invalid value for 'include[{j}]': {entry!r}; supported values are "
+                                 f"{[LOGPROBS, *INCLUDE_REASONS]}", param=f"include[{j}]", code="invalid_value")
     for name in ("max_output_tokens", "top_logprobs"):
         if body.get(name) is not None:
             call.number(name, body[name])
@@ -60,13 +93,14 @@ def parse(body: Any, session: Any) -> CallRequest:
                       logprobs=LOGPROBS in include, top_logprobs=body.get("top_logprobs") or 0,
                       force_call=call.forced_call(*_tool_choice(choice), tools))
     call.constrain(req, _text_schema(body.get("text")), "text.format")
+    _accept(req, body, include, declared)
     req.echo = {"instructions": instructions, "max_output_tokens": body.get("max_output_tokens"),
                 "parallel_tool_calls": body.get("parallel_tool_calls", True),
                 "previous_response_id": body.get("previous_response_id"), "store": body.get("store", True) is not False,
                 "temperature": body.get("temperature", 1.0), "text": body.get("text") or {"format": {"type": "text"}},
                 "tool_choice": choice or "auto", "tools": body.get("tools") or [], "top_p": body.get("top_p", 1.0),
                 "metadata": body.get("metadata") or {}, "user": body.get("user"),
-                "top_logprobs": body.get("top_logprobs") or 0}
+                "top_logprobs": body.get("top_logprobs") or 0, "custom": declared.custom}
     if req.echo["store"]:
         kept = conversation  # OpenAI does not carry instructions over to the next response
 
@@ -79,6 +113,36 @@ def parse(body: Any, session: Any) -> CallRequest:
 
         req.on_recorded = store
     return req
+
+
+def _accept(req: CallRequest, body: dict[str, Any], include: list, declared: "Tools") -> None:
+    """The fields taken without effect, with why; ``reasoning.effort`` as a thinking mode."""
+    call.accept(req.accepted, body, REASONS)
+    for entry in include:
+        if entry in INCLUDE_REASONS:
+            req.accepted[f"include.{entry}"] = INCLUDE_REASONS[entry]
+    reasoning = body.get("reasoning")
+    if reasoning is not None:
+        if not isinstance(reasoning, dict):
+            raise InvalidRequest("'reasoning' must be an object", param="reasoning", code="invalid_type")
+        unknown = sorted(set(reasoning) - {"effort"} - set(REASONING_REASONS))
+        if unknown:
+            raise InvalidRequest(f"Unrecognized request argument supplied: reasoning.{unknown[0]}",
+                                 param=f"reasoning.{unknown[0]}", code="unrecognized_argument")
+        if reasoning.get("effort") is not None:
+            req.thinking = ("reasoning.effort", call.effort(reasoning["effort"], "reasoning.effort"))
+        call.accept(req.accepted, reasoning, REASONING_REASONS, "reasoning.")
+    text = body.get("text")
+    if isinstance(text, dict) and text.get("verbosity") is not None:
+        if text["verbosity"] not in ("low", "medium", "high"):
+            raise InvalidRequest(f"Invalid value for 'text.verbosity': {text['verbosity']!r}; expected 'low', "
+                                 "'medium' or 'high'", param="text.verbosity", code="invalid_value")
+        req.accepted["text.verbosity"] = VERBOSITY_REASON
+    if declared.custom:
+        req.accepted["tools[].format"] = CUSTOM_REASON
+    if declared.namespaced:
+        req.accepted["tools[].namespace"] = ("a namespace's tools are shown to the model by their own names, "
+                                             "each as a function")
 
 
 def _previous(response_id: Any, session: Any) -> list[Message]:
@@ -100,8 +164,9 @@ def _list(value: Any, name: str) -> list:
     return value
 
 
-def _conversation(raw: Any, prior: list[Message]) -> list[Message]:
-    """``input`` as chat messages, after the ``prior`` conversation (a previous response's)."""
+def _conversation(raw: Any, prior: list[Message], declared: "Tools") -> list[Message]:
+    """``input`` as chat messages, after the ``prior`` conversation (a previous response's); its
+    ``additional_tools`` items join ``declared`` (Codex's "responses lite" declares its tools there)."""
     messages = list(prior)
     if raw is None:
         return messages
@@ -115,27 +180,39 @@ def _conversation(raw: Any, prior: list[Message]) -> list[Message]:
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
             messages.append(_message(item, where))
-        elif kind == "function_call":
-            if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
-                raise InvalidRequest("a function_call item needs string 'call_id', 'name' and 'arguments'", param=where)
-            made = ToolCall(id=item["call_id"], name=item["name"], arguments=item["arguments"])
+        elif kind in ("function_call", "custom_tool_call"):
+            made = _call_item(item, where)
             called.add(made.id)
             last = messages[-1] if messages else None
             if last is not None and last.role == "assistant":  # the same turn as the message before it
                 messages[-1] = Message(role="assistant", content=last.content, tool_calls=last.tool_calls + (made,))
             else:
                 messages.append(Message(role="assistant", tool_calls=(made,)))
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             if item.get("call_id") not in called:
-                raise InvalidRequest("a function_call_output must answer a function_call made earlier in the "
-                                     f"conversation; no call has call_id {item.get('call_id')!r}",
-                                     param=f"{where}.call_id")
+                raise InvalidRequest(f"a {kind} must answer a call made earlier in the conversation; no call has "
+                                     f"call_id {item.get('call_id')!r}", param=f"{where}.call_id")
             messages.append(Message(role="tool", content=_text(item.get("output"), f"{where}.output"),
                                     tool_call_id=item["call_id"]))
+        elif kind == "additional_tools":
+            for j, tool in enumerate(_list(item.get("tools"), f"{where}.tools")):
+                declared.add(tool, f"{where}.tools[{j}]")
         else:
-            raise InvalidRequest(f"input items of type {kind!r} are not supported: send message, function_call and "
-                                 "function_call_output items", param=f"{where}.type", code="invalid_value")
+            raise InvalidRequest(f"input items of type {kind!r} are not supported: send message, function_call, "
+                                 "custom_tool_call, their outputs and additional_tools items", param=f"{where}.type",
+                                 code="invalid_value")
     return messages
+
+
+def _call_item(item: dict[str, Any], where: str) -> ToolCall:
+    """A ``function_call`` item, or a ``custom_tool_call`` as the function call the model wrote for it."""
+    if item["type"] == "custom_tool_call":
+        if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "input")):
+            raise InvalidRequest("a custom_tool_call item needs string 'call_id', 'name' and 'input'", param=where)
+        return ToolCall(id=item["call_id"], name=item["name"], arguments=json.dumps({"input": item["input"]}))
+    if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
+        raise InvalidRequest("a function_call item needs string 'call_id', 'name' and 'arguments'", param=where)
+    return ToolCall(id=item["call_id"], name=item["name"], arguments=item["arguments"])
 
 
 def _message(item: dict[str, Any], where: str) -> Message:
@@ -164,13 +241,35 @@ def _text(content: Any, where: str) -> str:
     return "".join(texts)
 
 
-def _tool(tool: Any, where: str) -> dict[str, Any]:
-    if not isinstance(tool, dict) or tool.get("type") != "function":
+class Tools:
+    """The tools a request declares, in the order the model is shown them: ``tools``, then each
+    ``additional_tools`` item's. Function tools as they are; a ``namespace``'s tools each by its own
+    name; a ``custom`` (freeform) tool as a function of one string, ``input`` (``CUSTOM_REASON``)."""
+
+    def __init__(self) -> None:
+        self.functions: list[dict[str, Any]] = []
+        self.custom: set[str] = set()  # names whose calls are answered as custom_tool_call items
+        self.namespaced = False
+
+    def add(self, tool: Any, where: str) -> None:
         kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
-        raise InvalidRequest(f"tools of type {kind!r} are not supported: only function tools, which the agent runs",
-                             param=f"{where}.type", code="invalid_value")
-    return call.function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"), where,
-                              tool.get("strict"))
+        if kind == "function":
+            self.functions.append(call.function_tool(tool.get("name"), tool.get("description"),
+                                                     tool.get("parameters"), where, tool.get("strict")))
+        elif kind == "custom":
+            self.functions.append(call.function_tool(tool.get("name"), tool.get("description"), CUSTOM_PARAMETERS,
+                                                     where))
+            self.custom.add(tool["name"])
+        elif kind == "namespace":
+            self.namespaced = True
+            for j, child in enumerate(_list(tool.get("tools"), f"{where}.tools")):
+                self.add(child, f"{where}.tools[{j}]")
+        else:
+            raise InvalidRequest(f"tools of type {kind!r} are not supported: function, custom and namespace tools, "
+                                 "which the agent runs", param=f"{where}.type", code="invalid_value")
+
+
+CUSTOM_PARAMETERS = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
 
 
 def _tool_choice(choice: Any) -> tuple[str, str | None]:
@@ -212,8 +311,9 @@ def _message_id(answer: Answer) -> str:
     return "msg_" + answer.id
 
 
-def output_items(answer: Answer, output: Output, with_message: bool | None = None) -> list[dict[str, Any]]:
-    """The message (when there is text, or nothing else) and each function call, completed."""
+def output_items(answer: Answer, output: Output, custom: set[str],
+                 with_message: bool | None = None) -> list[dict[str, Any]]:
+    """The message (when there is text, or nothing else) and each tool call, completed."""
     content = output.reply.content or ""
     items = []
     if with_message or (with_message is None and (content or not output.reply.tool_calls)):
@@ -221,9 +321,22 @@ def output_items(answer: Answer, output: Output, with_message: bool | None = Non
         items.append({"id": _message_id(answer), "type": "message", "status": status, "role": "assistant",
                       "content": [_text_part(content, output)]})
     for i, made in enumerate(output.reply.tool_calls):
-        items.append({"id": f"fc_{answer.id}_{i}", "type": "function_call", "status": "completed",
-                      "call_id": made.id, "name": made.name, "arguments": made.arguments})
+        items.append(_call_output(f"fc_{answer.id}_{i}", made, custom))
     return items
+
+
+def _call_output(item_id: str, made: ToolCall, custom: set[str]) -> dict[str, Any]:
+    """A call as its output item: a custom tool's is a ``custom_tool_call`` with the ``input`` the model wrote."""
+    if made.name in custom:
+        try:
+            written = json.loads(made.arguments)
+        except ValueError:
+            written = None
+        text = written.get("input") if isinstance(written, dict) else None
+        return {"id": item_id, "type": "custom_tool_call", "status": "completed", "call_id": made.id,
+                "name": made.name, "input": text if isinstance(text, str) else made.arguments}
+    return {"id": item_id, "type": "function_call", "status": "completed", "call_id": made.id, "name": made.name,
+            "arguments": made.arguments}
 
 
 def _text_part(text: str, output: Output | None) -> dict[str, Any]:
@@ -251,7 +364,7 @@ def response(req: CallRequest, answer: Answer, output: list[dict[str, Any]], don
 
 
 def answer(req: CallRequest, answer: Answer) -> dict[str, Any]:
-    return response(req, answer, output_items(answer, answer.outputs[0]), done=True)
+    return response(req, answer, output_items(answer, answer.outputs[0], req.echo["custom"]), done=True)
 
 
 async def events(req: CallRequest, stream: AsyncIterator[Event]) -> AsyncIterator[tuple[str | None, dict]]:
@@ -278,7 +391,7 @@ async def events(req: CallRequest, stream: AsyncIterator[Event]) -> AsyncIterato
             yield event("response.output_text.delta", item_id=_message_id(opened), output_index=0, content_index=0,
                         delta=item.text, logprobs=[])
         elif isinstance(item, Output):
-            items = output_items(opened, item, with_message=texting or None)
+            items = output_items(opened, item, req.echo["custom"], with_message=texting or None)
             for index, done in enumerate(items):
                 if done["type"] == "message":
                     if not texting:
@@ -289,12 +402,14 @@ async def events(req: CallRequest, stream: AsyncIterator[Event]) -> AsyncIterato
                     yield event("response.output_text.done", **at, text=part["text"], logprobs=part["logprobs"])
                     yield event("response.content_part.done", **at, part=part)
                 else:
+                    field = "input" if done["type"] == "custom_tool_call" else "arguments"
+                    prefix = "response." + ("custom_tool_call_input" if field == "input" else "function_call_arguments")
                     yield event("response.output_item.added", output_index=index,
-                                item={**done, "arguments": "", "status": "in_progress"})
+                                item={**done, field: "", "status": "in_progress"})
                     at = {"item_id": done["id"], "output_index": index}
-                    yield event("response.function_call_arguments.delta", **at, delta=done["arguments"])
-                    yield event("response.function_call_arguments.done", **at, name=done["name"],
-                                arguments=done["arguments"])
+                    yield event(prefix + ".delta", **at, delta=done[field])
+                    yield event(prefix + ".done", **at, **({"name": done["name"]} if field == "arguments" else {}),
+                                **{field: done[field]})
                 yield event("response.output_item.done", output_index=index, item=done)
     final = response(req, opened, items, done=True)
     yield event("response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final)

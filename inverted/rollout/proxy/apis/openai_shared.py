@@ -5,10 +5,17 @@ Agents built with any SDK must work unchanged, and nothing may silently change w
 So every request field falls in one of four classes, declared by each API module:
 
 - **implemented**: mapped onto SGLang sampling parameters or served by the proxy;
-- **ignored**, because they never change the tokens (``model``, ``user``, ``metadata``, ...);
-- **neutral only**: accepted at their neutral value (``logit_bias: {}``, ``reasoning: null``,
-  ...), else a 400 naming the parameter;
+- **accepted with a reason** (``REASONS``): the field asks something of the hosted service that
+  does not change what this policy samples (``user``, ``service_tier``, ``prompt_cache_key``,
+  a verbosity hint, ...), or that this server cannot do and whose absence is what happens anyway;
+  the reason is recorded on the turn (``metadata.turns[].accepted``), so nothing is silent;
+- **neutral only**: accepted at their neutral value (``logit_bias: {}``, penalties 0, ...), else a
+  400 naming the parameter: honouring them is impossible here and ignoring them would change what
+  is sampled against what the client asked;
 - anything else: 400 ``Unrecognized request argument supplied: X``, as OpenAI answers.
+
+Any ``model`` name is served (the answer repeats it): harnesses name the hosted model they were
+built for, and the proxy's session decides what samples.
 
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``.
 """
@@ -21,16 +28,28 @@ from inverted.errors import InvalidRequest
 from inverted.limits import brief
 from inverted.rollout.proxy.apis.call import Failure, TokenLogprob
 
-IGNORED = {"model", "user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
-           "prompt_cache_retention", "safety_identifier", "stream_options", "echo_usage"}
+# Fields every OpenAI API accepts without effect, and why; each one present is recorded on the turn.
+REASONS = {
+    "user": "names the end user for the hosted service's abuse checks; nothing is sampled from it",
+    "safety_identifier": "names the end user for the hosted service's abuse checks; nothing is sampled from it",
+    "metadata": "the caller's own tags for the hosted service to store; nothing is sampled from them",
+    "client_metadata": "the client's own telemetry tags; nothing is sampled from them",
+    "service_tier": "a hosted service's billing and latency tier; these servers have one",
+    "prompt_cache_key": "prefix caching here is automatic (the servers' radix cache), whatever the key",
+    "prompt_cache_retention": "prefix caching here is automatic (the servers' radix cache); entries live while "
+                              "memory allows",
+    "parallel_tool_calls": "every call the model writes is returned; the sampled text is not constrained to one "
+                           "call or several",
+}
 
 
-def check_fields(body: Any, allowed: set[str], neutral: dict[str, tuple]) -> dict[str, Any]:
-    """``body`` itself, once it is an object whose every field is allowed, ignored or neutral."""
+def check_fields(body: Any, allowed: set[str], neutral: dict[str, tuple],
+                 reasons: dict[str, str] = REASONS) -> dict[str, Any]:
+    """``body`` itself, once it is an object whose every field is allowed, accepted with a reason, or neutral."""
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object", code="invalid_body")
     for key, value in body.items():
-        if key in allowed or key in IGNORED:
+        if key in allowed or key in reasons or key == "model":
             continue
         if key in neutral:
             if value not in neutral[key]:
