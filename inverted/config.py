@@ -769,6 +769,10 @@ class RolloutConfig:
     rollout_top_p: float = option(1.0, "nucleus sampling")
     rollout_concurrency: int = option(64, "episodes run at the same time")
     rollout_episode_timeout: float = option(600.0, "seconds one episode may take; then it is a failed Sample")
+    rollout_side_calls: Literal["leave-out", "train"] = option(
+        "leave-out", "an episode's calls that named another model than its main one (a harness's title, quota probe "
+                     "or second model) are recorded as their own branches and left out of the episode's Sample "
+                     "(leave-out), or may be it like any branch (train)")
     eval_interval: int = option(0, "evaluate every N rollouts on --eval-prompt-data (0: never)")
     eval_prompt_data: str | None = option(None, "prompt dataset for evaluation (same keys as --prompt-data)", path=True)
     n_samples_per_eval_prompt: int = option(1, "samples per evaluation prompt")

@@ -11,7 +11,9 @@ the calls the proxy refused in that session (``metadata.proxy_refused``): an age
 Each session is opened with the Sample its task made (``Task.new_sample``), and the proxy returns
 it whole. A session that branched (the agent rewrote its history) holds several Samples; the
 episode's Sample is the last branch, the one whose final turn the reward judged (the proxy sends
-that one alone), and its ``metadata.branches`` counts them.
+that one alone), and its ``metadata.branches`` counts them. Calls that named another model than
+the session's main one (a harness's title or quota probe, a second model) are side branches,
+left out of the episode's Sample unless ``--rollout-side-calls train``.
 """
 
 from __future__ import annotations
@@ -81,7 +83,8 @@ async def run_session(ctx: RolloutContext, proxy: ProxyClient, task: Task, play:
     if reason:
         return await fail(proxy, session, task, reason)
     try:
-        samples = await proxy.finish(session.session_id, reward, only_last=True)
+        samples = await proxy.finish(session.session_id, reward, only_last=True,
+                                     side_calls=ctx.config.rollout_side_calls == "train")
     except ProtocolError as exc:  # e.g. the session expired (--proxy-session-timeout) while the episode ran
         return await fail(proxy, session, task, f"the proxy refused to finish the session: {exc}")
     if not samples:

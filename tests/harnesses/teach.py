@@ -49,7 +49,7 @@ def teach(base: Path, out: Path, examples: list[tuple[list[int], list[int]]], st
         loss = torch.zeros(())
         for (prompt, reply), cache in zip(examples, caches):
             ids = torch.tensor([prompt[-1:] + reply[:-1]])
-            logits = model(ids, past_key_values=copy.deepcopy(cache), use_cache=True).logits[0]
+            logits = model(ids, cache=copy.deepcopy(cache), use_cache=True).logits[0]
             loss = loss + torch.nn.functional.cross_entropy(logits, torch.tensor(reply))
         optimizer.zero_grad()
         loss.backward()

@@ -59,10 +59,12 @@ class ProxyClient(HTTPService):
         await self.request("POST", f"/sessions/{session_id}/reward", json_body={"reward": reward, "finished": finished},
                            timeout=self.timeouts.control, idempotent=True)
 
-    async def finish(self, session_id: str, reward: Reward | None = None, *, only_last: bool = False) -> list[Sample]:
+    async def finish(self, session_id: str, reward: Reward | None = None, *, only_last: bool = False,
+                     side_calls: bool = False) -> list[Sample]:
         """End the session (with its reward, when given) and return its Samples (``only_last``: the
-        last branch's alone, the one the reward judged)."""
-        body = {"reward": reward, "only_last": only_last}
+        episode's alone, the last branch of the main model, the one the reward judged; ``side_calls``:
+        the last branch of any model)."""
+        body = {"reward": reward, "only_last": only_last, "side_calls": side_calls}
         data = self.json_of(await self.request("POST", f"/sessions/{session_id}/finish", json_body=body,
                                                timeout=self.timeouts.control, idempotent=True))
         return [Sample.from_json(s) for s in data["samples"]]

@@ -18,8 +18,9 @@ Routes (``create_app(config)``):
   only its base URL set; the same under ``/v1/...`` with the session's token as the key
   (``Authorization: Bearer <token>`` or ``x-api-key: <token>``).
 - ``POST /sessions/{id}/reward`` ``{reward, finished}``, ``POST /sessions/{id}/finish``
-  ``{reward?, only_last?}`` → ``{samples}`` (``only_last``: the episode's Sample alone, the last
-  branch, whose final turn the reward judged), ``GET /sessions/{id}/samples``, ``GET /sessions/{id}``: allowed with the
+  ``{reward?, only_last?, side_calls?}`` → ``{samples}`` (``only_last``: the episode's Sample alone,
+  the last branch of the session's main model, whose final turn the reward judged; ``side_calls``:
+  of any model), ``GET /sessions/{id}/samples``, ``GET /sessions/{id}``: allowed with the
   session's own token or the API key (or, with no API key configured, with no token at all).
 - ``GET /health``, ``GET /metrics`` (Prometheus text).
 
@@ -59,7 +60,7 @@ from inverted.rollout.proxy import apis
 from inverted.rollout.proxy.apis import call
 from inverted.rollout.proxy.apis.call import Failure
 from inverted.rollout.proxy.recorder import Recorder
-from inverted.rollout.proxy.session import Session
+from inverted.rollout.proxy.session import Session, Sessions
 from inverted.rollout.sglang_client import Timeouts, generate_client
 from inverted.types import Sample
 
@@ -101,7 +102,8 @@ class FinishRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     reward: FiniteFloat | dict[str, JsonValue] | None = None
-    only_last: bool = False  # answer with the last branch's Sample only (every branch is still kept)
+    only_last: bool = False  # answer with the episode's Sample only: the last main branch's (all are kept)
+    side_calls: bool = False  # with only_last: a side call's branch may be the episode's Sample too
 
 
 class SamplesResponse(BaseModel):
@@ -374,7 +376,9 @@ def _add_session_routes(app: FastAPI) -> None:
         if body is not None and body.reward is not None and not session.finished:
             session.set_reward(body.reward, True)
         samples = recorder.sessions.finish(session)
-        return _samples(session, samples[-1:] if body is not None and body.only_last else samples)
+        if body is not None and body.only_last:
+            samples = Sessions.episode(samples, body.side_calls)
+        return _samples(session, samples)
 
     @app.get("/sessions/{session_id}/samples")
     async def samples(session_id: str, request: Request) -> SamplesResponse:

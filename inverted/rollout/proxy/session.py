@@ -255,17 +255,29 @@ class Session:
             self.samples = self.build_samples()
         return self.samples
 
+    def main_model(self) -> str | None:
+        """The model name most of the session's calls asked for (ties: the first call's)."""
+        names = [turn.model for branch in self.branches for turn in branch.turns]
+        counts = collections.Counter(names)
+        return max(dict.fromkeys(names), key=lambda name: counts[name], default=None)
+
     def build_samples(self) -> list[Sample]:
         """One validated Sample per branch with at least one recorded turn, each whole: the template's
-        fields, the recorded tokens, and ``metadata.branch`` of ``metadata.branches``."""
+        fields, the recorded tokens, ``metadata.branch`` of ``metadata.branches``, the ``model`` its
+        calls named, and ``side_call``: a branch whose calls named another model than the session's
+        main one (a harness's title, quota probe or second model), which the episode's Sample skips
+        (``Sessions.episode``)."""
         meta = {**self.template.metadata, **self.metadata, "expired": self.expired}
         truncated = self.finished_by_agent is False or self.expired
         base = dataclasses.replace(self.template, reward=self.reward, session_id=self.id,
                                    status=Sample.Status.TRUNCATED if truncated else Sample.Status.COMPLETED)
         recorded = [(i, branch) for i, branch in enumerate(self.branches) if branch.turns]
+        main = self.main_model()
         samples = []
         for i, branch in recorded:
-            base.metadata = {**meta, "branch": i, "branches": len(recorded)}
+            model = branch.turns[0].model
+            base.metadata = {**meta, "branch": i, "branches": len(recorded), "model": model,
+                             "side_call": model != main}
             sample = branch.to_sample(base)
             sample.validate()
             samples.append(sample)
@@ -328,6 +340,13 @@ class Sessions:
                 self.finish(session, expired=True)
             elif session.finished and idle > self.retention:
                 del self.by_id[session.id], self.by_token[session.token]
+
+    @staticmethod
+    def episode(samples: list[Sample], side_calls: bool = False) -> list[Sample]:
+        """The episode's Sample: the last branch, whose final turn the reward judged, of the main model's
+        (``side_calls``: of any model's)."""
+        main = [s for s in samples if side_calls or not s.metadata.get("side_call")]
+        return main[-1:]
 
     @property
     def active(self) -> int:

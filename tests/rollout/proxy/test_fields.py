@@ -211,3 +211,27 @@ def test_effort_sets_a_templates_thinking_switch(stack, module_procs, tmp_path):
         assert "reasoning.effort" not in sample["metadata"]["turns"][0].get("accepted", {})
     assert prompts["none"].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert prompts["high"].endswith("<|im_start|>assistant\n") and prompts["high"] == prompts[None]
+
+
+def test_side_calls_are_their_own_branches_and_not_the_episode(stack):
+    """A harness's call to another model (a title, a quota probe) in the same session is recorded as its
+    own branch with the model it named; the episode's Sample is the main model's last branch."""
+    def session_with_a_side_call() -> dict:
+        session = greedy(stack)
+        client = openai.OpenAI(base_url=session["base_url"], api_key="x")
+        first = client.chat.completions.create(model="main-model", messages=ASK, tools=TOOLS)
+        client.chat.completions.create(model="small-model", messages=[{"role": "user", "content": "Title?"}])
+        reply = first.choices[0].message.model_dump(exclude_none=True, exclude={"refusal", "annotations", "audio"})
+        client.chat.completions.create(model="main-model", tools=TOOLS, messages=ASK + [
+            reply, {"role": "user", "content": "Thanks!"}])
+        return session
+
+    session = session_with_a_side_call()
+    everything = finish(stack, session)
+    assert [(s.metadata["model"], s.metadata["side_call"], len(s.metadata["turns"])) for s in everything] == [
+        ("main-model", False, 2), ("small-model", True, 1)]
+    for only_last, side_calls, expected in [(True, False, "main-model"), (True, True, "small-model")]:
+        session = session_with_a_side_call()
+        answer = httpx.post(f"{stack.proxy.url}/sessions/{session['session_id']}/finish", headers=ADMIN,
+                            json={"only_last": only_last, "side_calls": side_calls}).json()
+        assert [s["metadata"]["model"] for s in answer["samples"]] == [expected]

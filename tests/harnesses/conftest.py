@@ -1,0 +1,134 @@
+"""The real stack for the harnesses: a tiny checkpoint with a 64k context (their first prompts run to
+30,000 tokens) in the embedded engine, the real sgl-router, the proxy; and the harnesses themselves,
+installed pinned by ``make harnesses``.
+
+``taught_episode`` runs a harness unchanged, stage by stage: each stage's run shows what the harness
+sent at the next turn (captured on the way in by ``tap``), and the model is taught to answer it
+(``teach``) before the next run. The last run, with every reply taught, is the episode the tests
+check: at least two model calls with a tool call between, recorded exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from inverted.config import TinyModelConfig
+from inverted.tiny_model import make_tiny_model
+from inverted.types import Sample
+from tests.harnesses.tap import tap
+from tests.harnesses.teach import teach
+
+ROOT = Path(__file__).resolve().parents[2]
+HARNESSES = ROOT / ".harnesses" / "node_modules" / ".bin"
+CONTEXT = 65536
+ADMIN = {"Authorization": "Bearer admin-key"}
+
+
+def harness_binary(name: str) -> Path:
+    path = HARNESSES / name
+    if not path.exists():
+        pytest.fail(f"{path} is missing: `make harnesses` installs the coding-agent harnesses (make test does)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def long_model(models_dir) -> Path:
+    out = models_dir / "qwen2-tiny-64k"
+    if not (out / "config.json").exists():
+        make_tiny_model(TinyModelConfig(out=str(out), max_positions=CONTEXT))
+    return out
+
+
+@dataclass
+class Played:
+    """A harness run: its process's result, the requests it sent, the session's Samples and the engine's log."""
+
+    done: Any
+    requests: list[dict[str, Any]]
+    samples: list[Sample]
+    engine_log: list[dict[str, Any]]
+
+    @property
+    def episode(self) -> Sample:
+        main = [s for s in self.samples if not s.metadata.get("side_call")]
+        assert main, f"no main branch among {[s.metadata.get('model') for s in self.samples]}"
+        return main[-1]
+
+
+@dataclass
+class HarnessStack:
+    engine: Any
+    proxy: Any
+    model: Path
+    work: Path
+    loaded: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.loaded = self.model
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model)
+
+    def load(self, model: Path) -> None:
+        """The engine's weights from ``model`` (SGLang's update_weights_from_disk); its cache is flushed."""
+        answer = httpx.post(self.engine.url + "/update_weights_from_disk", json={"model_path": str(model)},
+                            timeout=120)
+        assert answer.status_code == 200 and answer.json()["success"], answer.text
+        self.loaded = model
+
+    def engine_requests(self) -> list[dict]:
+        lines = self.engine.log_path.read_text().splitlines()
+        return [json.loads(line.split(" request ", 1)[1]) for line in lines if " request {" in line]
+
+    def play(self, run: Callable[[str, Path], Any], **sampling) -> Played:
+        """One harness run in a fresh session: greedy, each reply at most 128 tokens (the session's
+        settings, not the harness's: an untaught model would otherwise write to the end of the context)."""
+        session = httpx.post(self.proxy.url + "/sessions", headers=ADMIN,
+                             json={"sampling_params": {"temperature": 0, "max_tokens": 128, **sampling}}).json()
+        before = len(self.engine_requests())
+        path = session["base_url"].removeprefix(self.proxy.url)
+        with tap(self.proxy.url) as (url, requests):
+            done = run(url + path, self.work)
+        answer = httpx.post(f"{self.proxy.url}/sessions/{session['session_id']}/finish", headers=ADMIN)
+        assert answer.status_code == 200, answer.text
+        samples = [Sample.from_json(s) for s in answer.json()["samples"]]
+        return Played(done, requests, samples, self.engine_requests()[before:])
+
+    def taught_episode(self, run: Callable[[str, Path], Any], replies: list[str], tmp: Path,
+                       **sampling) -> Played:
+        """Teach the model ``replies``, one per turn of the harness's main trajectory, at the prompts the
+        harness really sends (each captured by the run before), then play the whole episode."""
+        examples: list[tuple[list[int], list[int]]] = []
+        self.load(self.model)
+        for k, reply in enumerate(replies):
+            played = self.play(run, **sampling)
+            turns = played.episode.metadata["turns"]
+            assert len(turns) > k, f"stage {k}: the harness made {len(turns)} calls: {played.done}"
+            examples.append((played.episode.tokens[:turns[k]["start"]],
+                             self.tokenizer.encode(reply, add_special_tokens=False)))
+            taught = teach(self.model, tmp / f"taught-{k}", examples)
+            self.load(taught)
+        return self.play(run, **sampling)
+
+
+@pytest.fixture(scope="module")
+def harness_stack(module_procs, long_model, tmp_path_factory) -> HarnessStack:
+    engine = module_procs.engine(long_model, "--log-requests", "--random-seed", "0", "--context-length", str(CONTEXT))
+    router = module_procs.routed(engine)
+    proxy = module_procs.proxy(router.url, long_model, "--proxy-api-key", "admin-key", "--context-length",
+                               str(CONTEXT))
+    return HarnessStack(engine, proxy, long_model, tmp_path_factory.mktemp("work"))
+
+
+def fresh_repo(work: Path) -> Path:
+    """The harness's working directory: a throw-away copy with one file, made anew for every run."""
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    (work / "notes.txt").write_text("the answer is 42\n")
+    return work
