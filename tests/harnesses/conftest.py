@@ -58,9 +58,20 @@ class Played:
 
     @property
     def episode(self) -> Sample:
+        """The episode's Sample, as the rollout takes it: the main model's last branch."""
+        return self.main[-1]
+
+    @property
+    def longest(self) -> Sample:
+        """The main branch that got furthest (the first of them): a harness that drops a reply it cannot
+        use (mini-swe-agent does) starts a branch per call until a taught reply is kept."""
+        return max(self.main, key=lambda s: len(s.metadata["turns"]))
+
+    @property
+    def main(self) -> list[Sample]:
         main = [s for s in self.samples if not s.metadata.get("side_call")]
         assert main, f"no main branch among {[s.metadata.get('model') for s in self.samples]}"
-        return main[-1]
+        return main
 
 
 @dataclass
@@ -108,9 +119,9 @@ class HarnessStack:
         self.load(self.model)
         for k, reply in enumerate(replies):
             played = self.play(run, **sampling)
-            turns = played.episode.metadata["turns"]
+            turns = played.longest.metadata["turns"]
             assert len(turns) > k, f"stage {k}: the harness made {len(turns)} calls: {played.done}"
-            examples.append((played.episode.tokens[:turns[k]["start"]],
+            examples.append((played.longest.tokens[:turns[k]["start"]],
                              self.tokenizer.encode(reply, add_special_tokens=False)))
             taught = teach(self.model, tmp / f"taught-{k}", examples)
             self.load(taught)
