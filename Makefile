@@ -103,7 +103,27 @@ $(VENV)/.sglang-wire: $(VENV)/.installed
 HARNESSES      := .harnesses
 HARNESS_NPM    ?= @openai/codex@0.169.0 @anthropic-ai/claude-code@2.1.328
 HARNESS_PYPI   ?= mini-swe-agent==2.4.6 litellm==1.110.2 claude-agent-sdk==0.2.189
+# The agent SDKs, each in an environment of its own, as its users install it (their pins conflict with
+# one another's and with ours); tests/harnesses/sdk_agents runs each one's quick-start agent on its own
+# Python. smolagents and openai-agents are in the test extra already.
+SDK_ENVS          := langgraph pydantic_ai adk strands llama_index autogen
+SDK_langgraph     := langgraph==1.2.24 langchain-openai==1.7.4
+SDK_pydantic_ai   := pydantic-ai-slim[openai]==2.68.0
+SDK_adk           := google-adk==2.13.0 litellm==1.110.2
+SDK_strands       := strands-agents[openai]==1.62.0
+SDK_llama_index   := llama-index-core==0.14.25 llama-index-llms-openai==0.8.3
+SDK_autogen       := autogen-agentchat==0.7.5 autogen-ext[openai]==0.7.5
+SDK_INSTALLED     := $(foreach sdk,$(SDK_ENVS),$(HARNESSES)/sdk/$(sdk)/.installed)
+define sdk_env
+$(HARNESSES)/sdk/$(1)/.installed:
+	rm -rf $(HARNESSES)/sdk/$(1) && $(PYTHON) -m venv $(HARNESSES)/sdk/$(1)
+	$(HARNESSES)/sdk/$(1)/bin/python -m pip install -q $(PIP_BINARY) $(foreach p,$(SDK_$(1)),'$(p)')
+	touch $$@
+endef
+$(foreach sdk,$(SDK_ENVS),$(eval $(call sdk_env,$(sdk))))
+
 harnesses: $(HARNESSES)/.installed
+	$(MAKE) -j $(words $(SDK_ENVS)) $(SDK_INSTALLED)  # side by side: each is mostly downloads
 
 $(HARNESSES)/.installed: $(VENV)/.installed
 	mkdir -p $(HARNESSES)

@@ -10,22 +10,48 @@ from tests.harnesses.conftest import HarnessStack, Played
 from tests.rollout.proxy.test_recording import check_exact, reference_logprobs
 
 
-def check_episode(stack: HarnessStack, played: Played, last_render: str) -> None:
-    """``last_render``: the template's render of the harness's last main request (with the generation prompt)."""
+def check_episode(stack: HarnessStack, played: Played, messages: list[dict], tools: list[dict],
+                  replies: list[str]) -> None:
+    """``messages`` and ``tools``: the harness's last main request, read independently of the proxy;
+    ``replies``: what the model was taught to write, in order."""
     refused = [(r["path"], r.get("status")) for r in played.requests if r.get("status", 200) >= 400]
     assert not refused, refused
-    sample = played.episode
-    turns = sample.metadata["turns"]
-    assert len(turns) >= 2 and turns[0]["finish_reason"] == "tool_calls", turns
-    check_exact(sample, [r for r in played.engine_log])
-    prompt = stack.tokenizer.decode(sample.tokens[:turns[-1]["start"]])
-    assert prompt == last_render
-    expected = reference_logprobs(stack.loaded, sample)
-    sampled = [(got, ref) for got, ref, m in zip(sample.rollout_log_probs, expected, sample.loss_mask) if m]
-    assert len(sampled) == sum(t["end"] - t["start"] for t in turns)
-    assert max(abs(got - ref) for got, ref in sampled) <= 1e-3
+    calls = [turn for _, turn in played.calls]
+    assert len(calls) >= 2 and calls[0]["finish_reason"] == "tool_calls", calls
+    for sample in played.main:  # each branch exact: what the engine saw and sampled, the mask, the logprobs
+        check_exact(sample, played.engine_log)
+        expected = reference_logprobs(stack.loaded, sample)
+        turns = sample.metadata["turns"]
+        sampled = [(got, ref) for got, ref, m in zip(sample.rollout_log_probs, expected, sample.loss_mask) if m]
+        assert len(sampled) == sum(t["end"] - t["start"] for t in turns)
+        assert max(abs(got - ref) for got, ref in sampled) <= 1e-3
+    episode = played.episode
+    prompt = stack.tokenizer.decode(episode.tokens[:episode.metadata["turns"][-1]["start"]])
+    rendered = render(stack, as_sampled(messages, replies), tools)
+    assert prompt[:len(rendered)] == rendered, (prompt[-400:], rendered[-400:])
+    # past the render, only a call's opening the proxy wrote for tool_choice required or named
+    assert prompt[len(rendered):] in ("", "<tool_call>") or prompt[len(rendered):].startswith(
+        '<tool_call>\n{"name": '), prompt[len(rendered):]
+
+
+def as_sampled(messages: list[dict], replies: list[str]) -> list[dict]:
+    """The conversation with each assistant message as the model wrote it (the replies, in order): the
+    proxy keeps the sampled tokens, where a harness sends a reply back re-serialized (pydantic-ai's
+    compact JSON arguments) or rewritten (smolagents' "Calling tools:" text)."""
+    written = iter(replies)
+    return [{"role": "assistant", "content": next(written).removesuffix("<|im_end|>")} if m["role"] == "assistant"
+            else m for m in messages]
 
 
 def render(stack: HarnessStack, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
     return stack.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                                add_generation_prompt=True)
+
+
+def chat_request(body: dict[str, Any]) -> tuple[list[dict], list[dict]]:
+    """A Chat Completions request as the template reads it: ``developer`` is a system message, and a tool's
+    ``strict`` (a directive to the server, not text for the model) is not rendered."""
+    messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in body["messages"]]
+    tools = [{"type": "function", "function": {k: t["function"][k] for k in ("name", "description", "parameters")
+                                               if k in t["function"]}} for t in body.get("tools") or []]
+    return messages, tools

@@ -62,10 +62,15 @@ class Played:
         return self.main[-1]
 
     @property
-    def longest(self) -> Sample:
-        """The main branch that got furthest (the first of them): a harness that drops a reply it cannot
-        use (mini-swe-agent does) starts a branch per call until a taught reply is kept."""
-        return max(self.main, key=lambda s: len(s.metadata["turns"]))
+    def calls(self) -> list[tuple[list[int], dict[str, Any]]]:
+        """The main model's calls in the order they were made, each as (its prompt ids, its turn). A harness
+        may start a new branch for a call: mini-swe-agent drops a reply it cannot use, AutoGen reflects on
+        a tool's result without the tools (another system prompt)."""
+        seen: dict[tuple, tuple[list[int], dict[str, Any]]] = {}
+        for sample in self.main:
+            for turn in sample.metadata["turns"]:  # a forked branch repeats the turns it shares
+                seen.setdefault((turn["created"], turn["start"]), (sample.tokens[:turn["start"]], turn))
+        return [seen[key] for key in sorted(seen)]
 
     @property
     def main(self) -> list[Sample]:
@@ -111,18 +116,27 @@ class HarnessStack:
         samples = [Sample.from_json(s) for s in answer.json()["samples"]]
         return Played(done, requests, samples, self.engine_requests()[before:])
 
+    def _after_forced(self, prompt: list[int], reply: str) -> list[int]:
+        """The reply's ids after what the proxy already wrote past the generation prompt: a harness that
+        sets ``tool_choice: required`` (smolagents) has the call's opening written for it."""
+        ids = self.tokenizer.encode(reply, add_special_tokens=False)
+        if self.tokenizer.decode(prompt).endswith("<|im_start|>assistant\n"):
+            return ids
+        overlap = next(n for n in range(min(len(ids), len(prompt)), -1, -1) if prompt[len(prompt) - n:] == ids[:n])
+        assert overlap, "the prompt ends past the generation prompt with none of the reply"
+        return ids[overlap:]
+
     def taught_episode(self, run: Callable[[str, Path], Any], replies: list[str], tmp: Path,
                        **sampling) -> Played:
-        """Teach the model ``replies``, one per turn of the harness's main trajectory, at the prompts the
-        harness really sends (each captured by the run before), then play the whole episode."""
+        """Teach the model ``replies``, one per call of the harness's main model, at the prompts the harness
+        really sends (each captured by the run before), then play the whole episode."""
         examples: list[tuple[list[int], list[int]]] = []
         self.load(self.model)
         for k, reply in enumerate(replies):
             played = self.play(run, **sampling)
-            turns = played.longest.metadata["turns"]
-            assert len(turns) > k, f"stage {k}: the harness made {len(turns)} calls: {played.done}"
-            examples.append((played.longest.tokens[:turns[k]["start"]],
-                             self.tokenizer.encode(reply, add_special_tokens=False)))
+            calls = played.calls
+            assert len(calls) > k, f"stage {k}: the harness made {len(calls)} calls: {played.done}"
+            examples.append((calls[k][0], self._after_forced(calls[k][0], reply)))
             taught = teach(self.model, tmp / f"taught-{k}", examples)
             self.load(taught)
         return self.play(run, **sampling)

@@ -13,7 +13,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from tests.harnesses.checks import check_episode, render
+from tests.harnesses.checks import check_episode
 from tests.harnesses.conftest import fresh_repo, harness_binary
 
 QUESTION = "What does notes.txt say?"
@@ -71,4 +71,4 @@ def test_claude_code_runs_an_episode_unchanged_recorded_exactly(harness_stack, t
     assert first["max_tokens"] >= 32000 and first.get("thinking") and first.get("tools")
     accepted = played.episode.metadata["turns"][0]["accepted"]
     assert {"thinking", "metadata", "context_management", "cache_control"} <= set(accepted), accepted
-    check_episode(harness_stack, played, render(harness_stack, *as_chat(last)))
+    check_episode(harness_stack, played, *as_chat(last), replies)

@@ -17,7 +17,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from tests.harnesses.checks import check_episode, render
+from tests.harnesses.checks import check_episode
 from tests.harnesses.conftest import fresh_repo, harness_binary
 
 COMMAND = 'text(await tools.exec_command({cmd: "cat notes.txt"}))'
@@ -95,4 +95,4 @@ def test_codex_runs_an_episode_unchanged_recorded_exactly(harness_stack, tmp_pat
     # the exec call went back as a custom_tool_call, and its output as a custom_tool_call_output
     kinds = [item.get("type") for item in last["input"]]
     assert "custom_tool_call" in kinds and "custom_tool_call_output" in kinds, kinds
-    check_episode(harness_stack, played, render(harness_stack, *as_chat(last)))
+    check_episode(harness_stack, played, *as_chat(last), replies)

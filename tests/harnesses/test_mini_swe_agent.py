@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.harnesses.checks import check_episode, render
+from tests.harnesses.checks import chat_request, check_episode
 from tests.harnesses.conftest import fresh_repo
 
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
@@ -37,11 +37,12 @@ def bash(command: str) -> str:
 
 
 def test_mini_swe_agent_runs_an_episode_unchanged_recorded_exactly(harness_stack, tmp_path):
-    played = harness_stack.taught_episode(mini(tmp_path / "home"), [bash("cat notes.txt"), bash(SUBMIT)], tmp_path)
+    replies = [bash("cat notes.txt"), bash(SUBMIT)]
+    played = harness_stack.taught_episode(mini(tmp_path / "home"), replies, tmp_path)
     assert played.done.returncode == 0, (played.done.stdout[-2000:], played.done.stderr[-2000:])
     trajectory = json.loads((tmp_path / "home" / "run.traj.json").read_text())
     assert trajectory["info"]["exit_status"] == "Submitted", trajectory["info"]
     outputs = [m["content"] for m in trajectory["messages"] if m["role"] == "tool"]
     assert "the answer is 42" in outputs[0]
     last = [r for r in played.requests if r["path"].endswith("/chat/completions")][-1]["body"]
-    check_episode(harness_stack, played, render(harness_stack, last["messages"], last["tools"]))
+    check_episode(harness_stack, played, *chat_request(last), replies)
