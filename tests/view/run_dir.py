@@ -62,7 +62,8 @@ def multi_turn(base: Sample, tokenizer) -> Sample:
                       metadata={"branch": index, "branches": 2, "turns": turns, "grader": {"parsed": "42", "right": index == 0}})
 
     start = len(prompt)
-    first = {"start": start, "end": start + len(call), "finish_reason": "tool_calls", "latency_s": 0.1}
+    first = {"start": start, "end": start + len(call), "finish_reason": "tool_calls", "latency_s": 0.1,
+             "model": "gpt-5.2", "accepted": {"reasoning_effort": "the chat template has no thinking mode"}}
     main = branch(0, result + answer, [0] * len(result) + [1] * len(answer),
                   [first, {"start": start + len(call) + len(result), "end": start + len(call) + len(result) + len(answer),
                            "finish_reason": "stop", "latency_s": 0.2}])

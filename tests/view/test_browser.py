@@ -116,6 +116,8 @@ def test_the_trajectory_page_shows_the_sample_token_by_token(served, page):
     assert "reward\t1" in facts and f"prompt {sample.prompt_length}" in facts
     assert page.locator("#turns tr").count() == 3  # a header and two turns
     assert "tool_calls" in page.inner_text("#turns") and "<tool_response>42</tool_response>" in page.inner_text("#turns")
+    assert "gpt-5.2" in page.inner_text("#turns")  # the model the call asked for, and what it took without effect
+    assert "reasoning_effort: the chat template has no thinking mode" in page.inner_text("#turns")
     branches = page.inner_text("#branches")
     assert "branch 1" in branches and "no tool needed" in branches
     assert page.locator("#group tr").count() == 1 + sum(1 for s in written.samples if s.group_index == 1)
