@@ -18,15 +18,29 @@ per-call latency at p50 and p99 (proxy call latency minus direct).
 
     python bench/proxy_overhead.py                       # small model, 32 concurrent sessions
     python bench/proxy_overhead.py --api responses       # the same through /v1/responses (or messages)
+    python bench/proxy_overhead.py --harness claude      # one coding harness's real first request
+
+With ``--harness claude`` (or ``codex``), the request is the harness's own first one, captured from
+its real process (``make harnesses``) by a stand-in endpoint that answers nothing: Claude Code's
+system prompt and tools run to ~29,000 tokens of the tiny tokenizer (Codex's to ~31,000). It is sent
+``--rounds`` times, each in a fresh session (a full render and tokenization every time), against a
+direct ``/generate`` of the same ids, alternating, on a tiny model with a 64k context; each call
+samples ``--tokens`` tokens. Both arms find the prompt in the engine's prefix cache after the first
+call, so the difference is the proxy's own work: reading the body, rendering, tokenizing, recording.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import http.server
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -169,6 +183,99 @@ def start_stack(model: Path, log_dir: Path, *, engine_args: tuple[str, ...] = ()
     return {"engine": engine, "router": router, "proxy": proxy}
 
 
+# ---- one harness request ---------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+HARNESSES = {  # name: (its binary, its command line, the API route its first call takes)
+    "claude": ("claude", ["-p", "List the files here."], "/messages"),
+    "codex": ("codex", ["exec", "--skip-git-repo-check", "--sandbox", "danger-full-access", "List the files here."],
+              "/responses"),
+}
+
+
+def capture_first_request(name: str) -> dict:
+    """The harness's first model request, as its real process sends it to an endpoint that refuses it."""
+    seen: list[dict] = []
+
+    class Stand(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            seen.append(json.loads(self.rfile.read(int(self.headers["content-length"]))))
+            self.send_response(400)
+            self.send_header("content-type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"type": "error", "error": {"type": "invalid_request_error", "message": "captured"}}')
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Stand)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    binary, argv, _ = HARNESSES[name]
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    with tempfile.TemporaryDirectory() as home:
+        env = {"PATH": os.environ["PATH"], "HOME": home, "CODEX_HOME": home, "ANTHROPIC_BASE_URL": url,
+               "ANTHROPIC_API_KEY": "x", "INVERTED_KEY": "x", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+               "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1"}
+        Path(home, "config.toml").write_text(f'model_provider = "bench"\n[model_providers.bench]\nname = "bench"\n'
+                                             f'base_url = "{url}/v1"\nenv_key = "INVERTED_KEY"\n')
+        path = ROOT / ".harnesses" / "node_modules" / ".bin" / binary
+        if not path.exists():
+            raise SystemExit(f"{path} is missing: make harnesses")
+        subprocess.run([str(path), *argv], cwd=home, env=env, capture_output=True, timeout=120,
+                       stdin=subprocess.DEVNULL)
+    server.shutdown()
+    if not seen:
+        raise SystemExit(f"{name} sent no request")
+    return seen[0]
+
+
+async def harness_rounds(urls: dict[str, str], body: dict, route: str, args) -> dict:
+    sampling = {"max_tokens": args.tokens, "min_tokens": args.tokens, "temperature": 0}
+    latency: dict[str, list[float]] = {"proxy": [], "direct": []}
+    ids: list[int] = []
+    async with httpx.AsyncClient(timeout=600) as http:
+        for round_ in range(args.rounds + 1):  # the first round warms the prefix cache: not counted
+            session = (await http.post(urls["proxy"] + "/sessions", json={"sampling_params": sampling})).json()
+            started = time.perf_counter()
+            answer = await http.post(session["base_url"] + route, json={**body, "stream": False})
+            took = time.perf_counter() - started
+            assert answer.status_code == 200, answer.text[:500]
+            (sample,) = (await http.post(f"{urls['proxy']}/sessions/{session['session_id']}/finish")).json()["samples"]
+            ids = sample["tokens"][:len(sample["tokens"]) - sample["response_length"]]
+            started = time.perf_counter()
+            direct = await http.post(urls["router"] + "/generate", json={
+                "input_ids": ids, "return_logprob": True,
+                "sampling_params": {"max_new_tokens": args.tokens, "min_new_tokens": args.tokens, "temperature": 0}})
+            direct_took = time.perf_counter() - started
+            assert direct.status_code == 200, direct.text[:500]
+            if round_:
+                latency["proxy"].append(took)
+                latency["direct"].append(direct_took)
+    p50 = {arm: statistics.median(values) for arm, values in latency.items()}
+    return {"prompt_tokens": len(ids), "request_bytes": len(json.dumps(body)), "rounds": args.rounds,
+            "proxy_p50_ms": round(p50["proxy"] * 1000, 1), "direct_p50_ms": round(p50["direct"] * 1000, 1),
+            "overhead_p50_ms": round((p50["proxy"] - p50["direct"]) * 1000, 1),
+            "ratio_proxy_over_direct_latency": round(p50["proxy"] / p50["direct"], 3)}
+
+
+def harness_overhead(args) -> None:
+    body = capture_first_request(args.harness)
+    model = Path(args.model if args.model != "models/small-qwen2" else "models/tiny-qwen2-64k")
+    if not (model / "config.json").exists():
+        make_tiny_model(TinyModelConfig(out=str(model), preset="tiny", max_positions=65536))
+    context = ("--context-length", "65536")
+    procs = start_stack(model, Path(args.log_dir), engine_args=("--num-threads", str(args.threads), *context),
+                        proxy_args=context)
+    try:
+        report = asyncio.run(harness_rounds({name: p.url for name, p in procs.items()}, body,
+                                            HARNESSES[args.harness][2], args))
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+    print(json.dumps({"harness": args.harness, "model": str(model), "tokens_per_call": args.tokens, **report},
+                     indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="models/small-qwen2", help="checkpoint (made if missing)")
@@ -183,7 +290,11 @@ def main() -> None:
     parser.add_argument("--client", default="httpx", choices=["httpx", "openai"],
                         help="how the proxy arm calls it: raw HTTP (the proxy's own cost) or the openai SDK (chat)")
     parser.add_argument("--log-dir", default="runs/bench-proxy")
+    parser.add_argument("--harness", choices=sorted(HARNESSES),
+                        help="measure one coding harness's real first request instead (see above)")
     args = parser.parse_args()
+    if args.harness:
+        return harness_overhead(args)
     if args.client == "openai" and args.api != "chat":
         parser.error("--client openai drives the chat API only")
     model = Path(args.model)
