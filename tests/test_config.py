@@ -37,6 +37,7 @@ FROZEN_FLAGS = {
         "--proxy-replay-retries", "--proxy-retention", "--proxy-session-timeout", "--proxy-tool-parser-path",
         "--ray-address", "--rollout-backend", "--rollout-batch-size", "--rollout-concurrency",
         "--rollout-episode-timeout", "--rollout-function-path", "--rollout-max-response-len", "--rollout-num-gpus",
+        "--rollout-side-calls",
         "--rollout-num-gpus-per-engine", "--rollout-seed", "--rollout-shuffle", "--rollout-top-p", "--router-host",
         "--router-port", "--save-debug-rollout-data", "--served-model-name", "--stale-policy", "--startup-timeout",
         "--tool-key", "--proxy-max-sessions", "--proxy-max-session-tokens", "--proxy-max-request-bytes", "--proxy-max-session-metadata-bytes",
@@ -48,7 +49,7 @@ FROZEN_FLAGS = {
         "--custom-pg-loss-reducer-function-path", "--custom-reward-post-process-path"},
     "export-hf": {"--checkpoint", "--config", "--out", "--merge-lora"},
     "view": {"--config", "--host", "--port", "--api-key", "--tokenizer"},
-    "make-tiny-model": {"--config", "--out", "--arch", "--preset", "--seed"},
+    "make-tiny-model": {"--config", "--out", "--arch", "--preset", "--seed", "--max-positions"},
     "import-gguf": {"--config", "--out", "--dtype"},  # and the positional SRC
     "serve-engine": {"--config", "--model", "--host", "--port", "--device", "--dtype", "--max-running-requests",
                      "--context-length", "--max-prefill-tokens", "--disable-radix-cache", "--weight-version", "--served-model-name", "--api-key",
