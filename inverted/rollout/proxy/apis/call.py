@@ -152,11 +152,11 @@ def effort(value: Any, param: str) -> bool:
     return value != "none"
 
 
-def accept(req_accepted: dict[str, str], body: dict[str, Any], reasons: dict[str, str], prefix: str = "") -> None:
+def accept(accepted: dict[str, str], body: dict[str, Any], reasons: dict[str, str], prefix: str = "") -> None:
     """Note each field of ``body`` that ``reasons`` accepts without effect (a null one is absent)."""
     for name, reason in reasons.items():
         if body.get(name) is not None:
-            req_accepted[prefix + name] = reason
+            accepted[prefix + name] = reason
 
 
 def number(name: str, value: Any, bounds: tuple[type, float | None, float | None] | None = None) -> Any:
