@@ -12,6 +12,13 @@ them was. Implemented: ``tools`` (``input_schema`` is the function's parameters)
 constrained decoding), and ``stream`` with Anthropic's events (``message_start``,
 ``content_block_start``/``delta``/``stop``, ``message_delta``, ``message_stop``). Errors have
 Anthropic's body ``{"type": "error", "error": {"type", "message"}}``.
+
+What Claude Code sends besides: ``role: system`` messages among the others (rendered where they
+stand), ``thinking`` (a template's thinking switch, ``Recorder._thinking``), tools with
+``defer_loading`` (left out of the prompt until a tool search would load them), a ``max_tokens``
+past the context (cut to what is left), and ``POST /v1/messages/count_tokens`` (``parse_count``).
+The fields in ``REASONS`` and ``BLOCK_REASONS`` are accepted without effect, each with its reason
+on the turn.
 """
 
 from __future__ import annotations

@@ -14,6 +14,13 @@ not carry over either. Implemented besides: function ``tools``, ``tool_choice``,
 documented events (``response.created``, ``response.output_item.added``,
 ``response.output_text.delta``, ``response.function_call_arguments.delta``,
 ``response.completed``, ...). A reply cut by ``max_output_tokens`` is ``incomplete``, as OpenAI's.
+
+Codex's "responses lite" declares its tools in ``additional_tools`` input items, in namespaces,
+the main one a freeform ``custom`` tool: ``Tools`` shows the model each as a function (a custom
+tool's one string, ``input``), and a custom tool's call is answered, and echoed back, as a
+``custom_tool_call``. ``reasoning.effort`` sets a template's thinking switch; the other fields in
+``REASONS``, ``REASONING_REASONS`` and ``INCLUDE_REASONS`` are accepted without effect, each with
+its reason on the turn.
 """
 
 from __future__ import annotations
