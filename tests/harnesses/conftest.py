@@ -102,11 +102,11 @@ class HarnessStack:
         lines = self.engine.log_path.read_text().splitlines()
         return [json.loads(line.split(" request ", 1)[1]) for line in lines if " request {" in line]
 
-    def play(self, run: Callable[[str, Path], Any], **sampling) -> Played:
+    def play(self, run: Callable[[str, Path], Any]) -> Played:
         """One harness run in a fresh session: greedy, each reply at most 128 tokens (the session's
         settings, not the harness's: an untaught model would otherwise write to the end of the context)."""
         session = httpx.post(self.proxy.url + "/sessions", headers=ADMIN,
-                             json={"sampling_params": {"temperature": 0, "max_tokens": 128, **sampling}}).json()
+                             json={"sampling_params": {"temperature": 0, "max_tokens": 128}}).json()
         before = len(self.engine_requests())
         path = session["base_url"].removeprefix(self.proxy.url)
         with tap(self.proxy.url) as (url, requests):
@@ -126,20 +126,19 @@ class HarnessStack:
         assert overlap, "the prompt ends past the generation prompt with none of the reply"
         return ids[overlap:]
 
-    def taught_episode(self, run: Callable[[str, Path], Any], replies: list[str], tmp: Path,
-                       **sampling) -> Played:
+    def taught_episode(self, run: Callable[[str, Path], Any], replies: list[str], tmp: Path) -> Played:
         """Teach the model ``replies``, one per call of the harness's main model, at the prompts the harness
         really sends (each captured by the run before), then play the whole episode."""
         examples: list[tuple[list[int], list[int]]] = []
         self.load(self.model)
         for k, reply in enumerate(replies):
-            played = self.play(run, **sampling)
+            played = self.play(run)
             calls = played.calls
             assert len(calls) > k, f"stage {k}: the harness made {len(calls)} calls: {played.done}"
             examples.append((calls[k][0], self._after_forced(calls[k][0], reply)))
             taught = teach(self.model, tmp / f"taught-{k}", examples)
             self.load(taught)
-        return self.play(run, **sampling)
+        return self.play(run)
 
 
 @pytest.fixture(scope="module")
