@@ -14,7 +14,7 @@ import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import httpx
 import pytest
@@ -23,6 +23,7 @@ from transformers import AutoTokenizer
 from inverted.config import TinyModelConfig
 from inverted.tiny_model import make_tiny_model
 from inverted.types import Sample
+from tests.conftest import ProcessPool
 from tests.harnesses.tap import tap
 from tests.harnesses.teach import teach
 
@@ -141,13 +142,16 @@ class HarnessStack:
         return self.play(run)
 
 
-@pytest.fixture(scope="module")
-def harness_stack(module_procs, long_model, tmp_path_factory) -> HarnessStack:
-    engine = module_procs.engine(long_model, "--log-requests", "--random-seed", "0", "--context-length", str(CONTEXT))
-    router = module_procs.routed(engine)
-    proxy = module_procs.proxy(router.url, long_model, "--proxy-api-key", "admin-key", "--context-length",
-                               str(CONTEXT))
-    return HarnessStack(engine, proxy, long_model, tmp_path_factory.mktemp("work"))
+@pytest.fixture(scope="session")
+def harness_stack(request, long_model, tmp_path_factory) -> Iterator[HarnessStack]:
+    """One stack for every harness test (each test loads the weights it teaches, and plays fresh sessions)."""
+    pool = ProcessPool(tmp_path_factory.mktemp("harness-logs"))
+    failures_before = request.session.testsfailed
+    engine = pool.engine(long_model, "--log-requests", "--random-seed", "0", "--context-length", str(CONTEXT))
+    router = pool.routed(engine)
+    proxy = pool.proxy(router.url, long_model, "--proxy-api-key", "admin-key", "--context-length", str(CONTEXT))
+    yield HarnessStack(engine, proxy, long_model, tmp_path_factory.mktemp("work"))
+    pool.close(request.session.testsfailed > failures_before)
 
 
 def fresh_repo(work: Path) -> Path:
