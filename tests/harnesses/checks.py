@@ -7,13 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 from tests.harnesses.conftest import HarnessStack, Played
+from tests.harnesses.sent import conversation
 from tests.rollout.proxy.test_recording import check_exact, reference_logprobs
 
 
-def check_episode(stack: HarnessStack, played: Played, messages: list[dict], tools: list[dict],
-                  replies: list[str]) -> None:
-    """``messages`` and ``tools``: the harness's last main request, read independently of the proxy;
-    ``replies``: what the model was taught to write, in order."""
+def check_episode(stack: HarnessStack, played: Played, request: dict[str, Any], replies: list[str]) -> None:
+    """``request``: the harness's last main request, as the tap recorded it; ``replies``: what the model
+    was taught to write, in order."""
     refused = [(r["path"], r.get("status")) for r in played.requests if r.get("status", 200) >= 400]
     assert not refused, refused
     calls = [turn for _, turn in played.calls]
@@ -27,6 +27,7 @@ def check_episode(stack: HarnessStack, played: Played, messages: list[dict], too
         assert max(abs(got - ref) for got, ref in sampled) <= 1e-3
     episode = played.episode
     prompt = stack.tokenizer.decode(episode.tokens[:episode.metadata["turns"][-1]["start"]])
+    messages, tools = conversation(request)
     rendered = render(stack, as_sampled(messages, replies), tools)
     assert prompt[:len(rendered)] == rendered, (prompt[-400:], rendered[-400:])
     # past the render, only a call's opening the proxy wrote for tool_choice required or named
@@ -46,12 +47,3 @@ def as_sampled(messages: list[dict], replies: list[str]) -> list[dict]:
 def render(stack: HarnessStack, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
     return stack.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                                add_generation_prompt=True)
-
-
-def chat_request(body: dict[str, Any]) -> tuple[list[dict], list[dict]]:
-    """A Chat Completions request as the template reads it: ``developer`` is a system message, and a tool's
-    ``strict`` (a directive to the server, not text for the model) is not rendered."""
-    messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in body["messages"]]
-    tools = [{"type": "function", "function": {k: t["function"][k] for k in ("name", "description", "parameters")
-                                               if k in t["function"]}} for t in body.get("tools") or []]
-    return messages, tools

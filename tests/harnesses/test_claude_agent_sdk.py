@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tests.harnesses.checks import check_episode
 from tests.harnesses.conftest import fresh_repo
-from tests.harnesses.test_claude_code import QUESTION, as_chat
+from tests.harnesses.test_claude_code import QUESTION
 
 
 def sdk_agent(home: Path):
@@ -36,4 +36,4 @@ def test_claude_agent_sdk_runs_an_episode_unchanged_recorded_exactly(harness_sta
     main = [r for r in played.requests if r["path"].endswith("/v1/messages")
             and r["body"]["model"] == played.episode.metadata["model"]]
     assert "sdk-py" in main[0]["headers"].get("user-agent", "") + json.dumps(main[0]["body"]["system"])
-    check_episode(harness_stack, played, *as_chat(main[-1]["body"]), replies)
+    check_episode(harness_stack, played, main[-1], replies)

@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 from pathlib import Path
-from typing import Any
 
 from tests.harnesses.checks import check_episode
 from tests.harnesses.conftest import fresh_repo, harness_binary
@@ -30,32 +29,6 @@ def claude_code(home: Path):
     return run
 
 
-def as_chat(body: dict[str, Any]) -> tuple[list[dict], list[dict]]:
-    """A Messages request as chat messages and tools, read from Anthropic's documented shapes."""
-    def text(content: Any) -> str:
-        return content if isinstance(content, str) else "".join(b["text"] for b in content if b["type"] == "text")
-
-    system = body.get("system")
-    messages = [{"role": "system", "content": text(system)}] if system else []
-    for message in body["messages"]:
-        content = message["content"]
-        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
-        results = [b for b in blocks if b["type"] == "tool_result"]
-        for block in results:
-            messages.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text(block["content"])})
-        rest = [b for b in blocks if b["type"] != "tool_result"]
-        if not rest:
-            continue
-        calls = [{"id": b["id"], "type": "function", "function": {"name": b["name"], "arguments": json.dumps(b["input"])}}
-                 for b in rest if b["type"] == "tool_use"]
-        messages.append({"role": message["role"], "content": text([b for b in rest if b["type"] == "text"]),
-                         **({"tool_calls": calls} if calls else {})})
-    tools = [{"type": "function", "function": {"name": t["name"], "description": t["description"],
-                                               "parameters": t["input_schema"]}}
-             for t in body.get("tools", []) if not t.get("defer_loading")]
-    return messages, tools
-
-
 def test_claude_code_runs_an_episode_unchanged_recorded_exactly(harness_stack, tmp_path):
     run = claude_code(tmp_path / "home")
     notes = harness_stack.work / "notes.txt"
@@ -66,9 +39,9 @@ def test_claude_code_runs_an_episode_unchanged_recorded_exactly(harness_stack, t
     assert "the answer is 42" in played.done.stdout
     main = [r for r in played.requests if r["path"].endswith("/v1/messages")
             and r["body"]["model"] == played.episode.metadata["model"]]
-    first, last = main[0]["body"], main[-1]["body"]
+    first = main[0]["body"]
     # the defaults it sends, every one accepted: what the turn recorded for them
     assert first["max_tokens"] >= 32000 and first.get("thinking") and first.get("tools")
     accepted = played.episode.metadata["turns"][0]["accepted"]
     assert {"thinking", "metadata", "context_management", "cache_control"} <= set(accepted), accepted
-    check_episode(harness_stack, played, *as_chat(last), replies)
+    check_episode(harness_stack, played, main[-1], replies)

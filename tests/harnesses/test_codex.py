@@ -15,13 +15,11 @@ import json
 import os
 import subprocess
 from pathlib import Path
-from typing import Any
 
 from tests.harnesses.checks import check_episode
 from tests.harnesses.conftest import fresh_repo, harness_binary
 
 COMMAND = 'text(await tools.exec_command({cmd: "cat notes.txt"}))'
-CUSTOM_INPUT = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
 
 
 def codex(home: Path):
@@ -39,47 +37,6 @@ def codex(home: Path):
     return run
 
 
-def tools_of(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Responses tools as the functions a chat template renders: a custom tool takes one string, ``input``."""
-    found = []
-    for tool in items:
-        if tool["type"] == "namespace":
-            found += tools_of(tool["tools"])
-        elif tool["type"] in ("function", "custom"):
-            parameters = tool["parameters"] if tool["type"] == "function" else CUSTOM_INPUT
-            found.append({"type": "function", "function": {"name": tool["name"], "description": tool["description"],
-                                                           "parameters": parameters}})
-    return found
-
-
-def as_chat(body: dict[str, Any]) -> tuple[list[dict], list[dict]]:
-    """A Responses request as chat messages and tools, read from OpenAI's documented item shapes."""
-    def text(content: Any) -> str:
-        return content if isinstance(content, str) else "".join(part["text"] for part in content)
-
-    messages: list[dict] = [{"role": "system", "content": body["instructions"]}] if body.get("instructions") else []
-    tools = tools_of(body.get("tools", []))
-    for item in body["input"]:
-        kind = item.get("type", "message")
-        if kind == "additional_tools":
-            tools += tools_of(item["tools"])
-        elif kind == "message":
-            role = "system" if item["role"] == "developer" else item["role"]
-            messages.append({"role": role, "content": text(item["content"])})
-        elif kind in ("function_call", "custom_tool_call"):
-            arguments = item["arguments"] if kind == "function_call" else json.dumps({"input": item["input"]})
-            made = {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": arguments}}
-            if messages and messages[-1]["role"] == "assistant":
-                messages[-1].setdefault("tool_calls", []).append(made)
-            else:
-                messages.append({"role": "assistant", "content": "", "tool_calls": [made]})
-        elif kind in ("function_call_output", "custom_tool_call_output"):
-            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": text(item["output"])})
-        else:
-            raise AssertionError(f"an input item this test does not know: {kind}")
-    return messages, tools
-
-
 def test_codex_runs_an_episode_unchanged_recorded_exactly(harness_stack, tmp_path):
     run = codex(tmp_path / "codex-home")
     replies = ['<tool_call>\n{"name": "exec", "arguments": ' + json.dumps({"input": COMMAND}) +
@@ -95,4 +52,4 @@ def test_codex_runs_an_episode_unchanged_recorded_exactly(harness_stack, tmp_pat
     # the exec call went back as a custom_tool_call, and its output as a custom_tool_call_output
     kinds = [item.get("type") for item in last["input"]]
     assert "custom_tool_call" in kinds and "custom_tool_call_output" in kinds, kinds
-    check_episode(harness_stack, played, *as_chat(last), replies)
+    check_episode(harness_stack, played, main[-1], replies)

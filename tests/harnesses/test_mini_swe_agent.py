@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.harnesses.checks import chat_request, check_episode
+from tests.harnesses.checks import check_episode
 from tests.harnesses.conftest import fresh_repo
 
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
@@ -44,5 +44,5 @@ def test_mini_swe_agent_runs_an_episode_unchanged_recorded_exactly(harness_stack
     assert trajectory["info"]["exit_status"] == "Submitted", trajectory["info"]
     outputs = [m["content"] for m in trajectory["messages"] if m["role"] == "tool"]
     assert "the answer is 42" in outputs[0]
-    last = [r for r in played.requests if r["path"].endswith("/chat/completions")][-1]["body"]
-    check_episode(harness_stack, played, *chat_request(last), replies)
+    last = [r for r in played.requests if r["path"].endswith("/chat/completions")][-1]
+    check_episode(harness_stack, played, last, replies)

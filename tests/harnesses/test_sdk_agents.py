@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.harnesses.checks import chat_request, check_episode
+from tests.harnesses.checks import check_episode
 from tests.harnesses.conftest import ROOT
-from tests.harnesses.test_codex import as_chat as responses_as_chat
 
 AGENTS = Path(__file__).parent / "sdk_agents"
 SDK_ENVS = ROOT / ".harnesses" / "sdk"
@@ -62,8 +61,5 @@ def test_an_sdks_quick_start_agent_runs_an_episode_unchanged_recorded_exactly(ha
     assert played.done.returncode == 0, (played.done.stdout[-2000:], played.done.stderr[-3000:])
     assert "sunny, 24C" in played.done.stdout
     calls = [r for r in played.requests if r["path"].endswith(("/chat/completions", "/responses"))]
-    last = calls[-1]
-    conversation = responses_as_chat(last["body"]) if last["path"].endswith("/responses") \
-        else chat_request(last["body"])
-    check_episode(harness_stack, played, *conversation, SDKS[sdk][1])
+    check_episode(harness_stack, played, calls[-1], SDKS[sdk][1])
     assert json.dumps(played.episode.metadata["turns"])  # every turn recorded, with what it accepted

@@ -162,7 +162,9 @@ def test_codex_tools_in_input_items_render_as_the_same_functions(stack):
                         "tools": [custom, RESPONSES_TOOLS[0]]}]}]
     flat = [{"type": "function", "name": "exec", "description": "Run code",
              "parameters": openai_responses.CUSTOM_PARAMETERS}, RESPONSES_TOOLS[0]]
-    client = lambda s: openai.OpenAI(base_url=s["base_url"], api_key="x", max_retries=0)  # noqa: E731
+    def client(session: dict) -> openai.OpenAI:
+        return openai.OpenAI(base_url=session["base_url"], api_key="x", max_retries=0)
+
     one = greedy(stack)
     client(one).responses.create(model="m", input=lite + ASK)
     two = greedy(stack)
