@@ -8,6 +8,7 @@ its per-token weight versions), the saved rollout data, checkpoints and the Hugg
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -154,10 +155,12 @@ def check_viewable(run_dir: Path, samples: dict) -> None:
     tokenizer = index.tokenizer
     # each token's own text; an id the tokenizer has no token for (a random model's, past its vocabulary) as <id>
     assert page["text"] == [tokenizer.decode([t]) if t < len(tokenizer) else f"<{t}>" for t in page["tokens"]]
-    # together, the sequence's: but where a random model split a character over tokens, which no
-    # token's text can show (each half decodes to a replacement mark)
+    # together, the sequence's (the runs between ids past the vocabulary decoded whole): but where a random
+    # model split a character over tokens, which no token's text can show (each half decodes to a replacement mark)
     if not any("\ufffd" in text for text in page["text"]):
-        assert "".join(page["text"]) == tokenizer.decode(page["tokens"])
+        runs = itertools.groupby(page["tokens"], key=lambda t: t < len(tokenizer))
+        assert "".join(page["text"]) == "".join(
+            tokenizer.decode(list(run)) if known else "".join(f"<{t}>" for t in run) for known, run in runs)
     index.close()
 
 
