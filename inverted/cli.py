@@ -7,6 +7,11 @@ the real sgl-router, with a short demo generation through it), ``train`` (the ma
 loop over all of them, or ``--debug-train-only`` from saved rollout data; ``train-async`` is
 ``train --async-mode``), ``export-hf`` and ``view`` (a job's run directory in the browser). Logging is configured here and only here, with the
 process role in every line. Heavy imports happen inside each command so ``inverted --help`` is instant.
+
+It is also where other frameworks' plug-ins become loadable: before a command runs, and first thing
+in the trainer's workers (``setup_process``), ``compat.register()`` fills the plug-in loader's
+registry with their forms (slime's), and slime's ``train.py`` flags given to ``train`` are parsed
+and acted on here (``compat.slime_flags``, ``compat.slime_config``).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import os
 import sys
 from pathlib import Path
 
+from inverted import compat
 from inverted.compat import slime_flags
 from inverted.config import (BufferConfig, EngineConfig, ExportConfig, ImportGGUFConfig, JobConfig, ProxyConfig,
                              ServersConfig, TinyModelConfig, ViewConfig, add_flags, build_section, load_yaml_defaults, resolve_paths,
@@ -31,6 +37,13 @@ def setup_logging(role: str, level: str = "info") -> None:
     for name in ("httpx", "httpx2"):  # they log every request at INFO (httpx2: the openai SDK's copy)
         logging.getLogger(name).setLevel(logging.WARNING)
     logging.getLogger("megatron").setLevel(logging.WARNING)  # it lists every parameter of every bucket at INFO
+
+
+def setup_process(role: str, level: str = "info") -> None:
+    """A process the job starts beyond the command line's own (the trainer's Ray workers), set up as
+    this one is: its logging, and the plug-in adapters."""
+    setup_logging(role, level)
+    compat.register()
 
 
 def spin_briefly() -> None:
@@ -71,7 +84,7 @@ def cmd_serve_engine(cfg: EngineConfig) -> None:
 def cmd_buffer(cfg: BufferConfig) -> None:
     from inverted.buffer.service import serve
 
-    serve(cfg)
+    serve(cfg, compat.register)  # its worker processes load the filters too
 
 
 def cmd_proxy(cfg: ProxyConfig) -> None:
@@ -102,18 +115,21 @@ def ray_token_auth() -> None:
 
 def cmd_train(cfg: JobConfig, router_args: list[str], sglang_args: list[str],
               slime: slime_flags.SlimeFlags | None = None) -> None:
+    from inverted.compat.slime_config import apply
+
     if cfg.train.debug_train_only:  # no servers: straight from saved rollout data
-        from inverted.controller.slime_args import apply
         from inverted.train.offline import run_offline
 
         apply(cfg, slime, sglang_args, "embedded")
-        run_offline(cfg.train)
+        run_offline(cfg.train, compat.register)
         return
     spin_briefly()  # inherited by the engines and the trainer
     ray_token_auth()
     from inverted.controller import run
+    from inverted.rollout.servers import resolve_backend
 
-    run(cfg, router_args, sglang_args, functools.partial(setup_logging, level=cfg.train.log_level), slime)
+    sglang_args = apply(cfg, slime, sglang_args, resolve_backend(cfg.servers))
+    run(cfg, router_args, sglang_args, functools.partial(setup_process, level=cfg.train.log_level))
 
 
 def cmd_export_hf(cfg: ExportConfig) -> None:
@@ -180,6 +196,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg = build_section(section, args)
         resolve_paths(cfg)  # against this working directory, before any process starts elsewhere
         setup_logging(args.command, vars(args).get("log_level", "info"))  # commands without --log-level: info
+        compat.register()  # before any plug-in loads, in this process and the services it runs as
         if launches_servers:
             run(cfg, router_args, sglang_args, *extra)
         else:

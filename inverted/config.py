@@ -98,6 +98,18 @@ def to_flags(config: Any) -> dict[str, Any]:
     return out
 
 
+def plugin_flags(*sections: Any) -> dict[str, Any]:
+    """Every flag of the job by name, as adapters of other frameworks' plug-ins read them (their
+    ``args``): the job's whole namespace where a section carries it (``plugin_args``, which
+    ``inverted train`` sets), then the sections' own flags for what it lacks."""
+    values: dict[str, Any] = {}
+    for section in sections:
+        values |= json.loads(getattr(section, "plugin_args", None) or "{}")
+    for section in sections:
+        values |= {k: v for k, v in to_flags(section).items() if k != "plugin_args" and k not in values}
+    return values
+
+
 def _parts(composite: type) -> dict[str, type]:
     """The sections of a composite config (a dataclass whose fields are sections), by field name."""
     hints = typing.get_type_hints(composite)
@@ -362,7 +374,8 @@ class ServersConfig:
         _require(self.startup_timeout > 0, "--startup-timeout", self.startup_timeout, "> 0")
 
 
-SLIME_ARGS_HELP = "slime plug-ins' args, as a JSON object (inverted train sets it: the same in every process)"
+PLUGIN_ARGS_HELP = ("every flag of the job as one JSON object, from which adapters build the args of plug-ins written "
+                    "for other frameworks (inverted train sets it: the same in every process)")
 
 @dataclass(kw_only=True, slots=True)
 class BufferConfig:
@@ -393,9 +406,9 @@ class BufferConfig:
         None, "module:function(samples) -> bool keeping a complete group (built-in: "
               "inverted.buffer.filters:drop_all_equal_rewards); slime's (args, samples, **kw) -> DynamicFilterOutput too")
     buffer_filter_path: str | None = option(
-        None, "module:function(args, rollout_id, buffer, num_samples) -> groups: which waiting complete groups a batch "
-              "takes (default: the oldest first)")
-    slime_args: str | None = option(None, SLIME_ARGS_HELP)
+        None, "module:function(groups, wanted, version) -> positions: which waiting complete groups a batch takes "
+              "(default: the oldest first); slime's (args, rollout_id, buffer, num_samples) -> groups too")
+    plugin_args: str | None = option(None, PLUGIN_ARGS_HELP)
     log_level: Literal["debug", "info", "warning", "error"] = option("info", "log level")
 
     def __post_init__(self) -> None:
@@ -510,8 +523,20 @@ class LossConfig:
         None, "module:get_pg_loss_reducer(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) -> "
               "reducer: how the policy-gradient term is reduced (e.g. Dr. GRPO's constant divisor)")
     custom_reward_post_process_path: str | None = option(
-        None, "module:function(args, samples) -> (raw_rewards, rewards): the rewards that become advantages, "
-              "in place of the group normalisation")
+        None, "module:function(samples) -> rewards (slime's (args, samples) -> (raw_rewards, rewards)): the rewards "
+              "that become advantages, in place of the group normalisation")
+    raw_rewards: bool = option(False, "advantages from the rewards as they are, with no group baseline (slime's "
+                                      "--disable-rewards-normalization)")
+    per_token_loss: bool = option(False, "a custom pg-loss reducer's value is divided by the step's trained tokens "
+                                         "instead of its samples, as Megatron's per-token loss (slime's "
+                                         "--calculate-per-token-loss)")
+    distill: Literal["none", "samples", "teacher"] = option(
+        "none", "on-policy distillation: each token's advantage loses --distill-kl-coef x (its old log-prob - the "
+                "teacher's); the teacher's log-probs come with the Samples (teacher_log_probs, which a reward "
+                "post-process sets), or from --distill-teacher, which the trainer runs (slime's --use-opd)")
+    distill_teacher: str | None = option(None, "the teacher's HF checkpoint for --distill teacher, of the policy's "
+                                               "architecture", path=True)
+    distill_kl_coef: float = option(1.0, "the weight of on-policy distillation's reverse KL in the advantages")
 
     def __post_init__(self) -> None:
         _require(self.loss_type != "custom_loss" or bool(self.custom_loss_function_path), "--custom-loss-function-path",
@@ -523,6 +548,8 @@ class LossConfig:
         _require(0 <= self.tis_clip_low <= self.tis_clip, "--tis-clip-low", self.tis_clip_low, "0 <= it <= --tis-clip")
         _require(not (self.kl_coef and self.use_kl_loss and self.kl_loss_coef), "--kl-coef", self.kl_coef,
                  "0 when --use-kl-loss has a non-zero --kl-loss-coef (KL as reward or as loss, not both)")
+        _require((self.distill == "teacher") == bool(self.distill_teacher), "--distill-teacher", self.distill_teacher,
+                 "a checkpoint exactly when --distill teacher")
 
     @property
     def needs_reference(self) -> bool:
@@ -675,7 +702,7 @@ class TrainConfig:
     save_train_details: bool = option(
         True, "keep each trained Sample's recomputed log-probs and advantages in OUTPUT_DIR/train_details.db "
               "(for inverted view)")
-    slime_args: str | None = option(None, SLIME_ARGS_HELP)
+    plugin_args: str | None = option(None, PLUGIN_ARGS_HELP)
     log_level: Literal["debug", "info", "warning", "error"] = option("info", "log level")
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -748,18 +775,21 @@ class RolloutConfig:
     custom_rm_path: str | None = option(
         None, "module:function(sample) -> reward (or slime's async (args, sample)) for every Sample the rollout "
               "function left without one")
-    group_rm: bool = option(False, "--custom-rm-path scores a whole group at once: (args, samples) -> rewards")
+    group_rm: bool = option(False, "--custom-rm-path scores a whole group at once: (samples) -> rewards, or slime's "
+                                   "(args, samples)")
     custom_generate_function_path: str | None = option(
         None, "slime's async generate(args, sample, sampling_params) -> Sample | list[Sample], run for every task "
               "inside the single_turn rollout (it calls the router itself)")
     rollout_sample_filter_path: str | None = option(
-        None, "module:function(args, groups) -> None setting remove_sample on Samples to keep out of the loss")
+        None, "module:function(groups) -> None setting remove_sample on Samples to keep out of the loss (slime's "
+              "(args, groups) too)")
     eval_function_path: str | None = option(None, "rollout function for evaluation (default: --rollout-function-path)")
     custom_rollout_log_function_path: str | None = option(
-        None, "module:function(rollout_id, args, samples, rollout_extra_metrics, rollout_time) -> bool (True: skip "
-              "the default rollout metrics)")
+        None, "module:function(rollout_id, samples, metrics, seconds) -> bool (True: skip the default rollout "
+              "metrics); slime's (rollout_id, args, samples, rollout_extra_metrics, rollout_time) too")
     custom_eval_rollout_log_function_path: str | None = option(
-        None, "module:function(rollout_id, args, data, extra_metrics) -> bool (True: skip the default eval metrics)")
+        None, "module:function(rollout_id, data, metrics) -> bool (True: skip the default eval metrics); slime's "
+              "(rollout_id, args, data, extra_metrics) too")
     agent_command: str | None = option(
         None, "shell command of an existing agent for the subprocess_agent rollout (gets OPENAI_BASE_URL, "
               "OPENAI_API_KEY, INVERTED_TASK and INVERTED_REWARD_FILE)")
@@ -781,16 +811,6 @@ class RolloutConfig:
     save_debug_rollout_data: str | None = option(
         None, "write each rollout's Samples as jsonl here (a .pt path: slime's dump); '{rollout_id}' in the path "
               "makes one file per rollout", path=True)
-    ray_address: str | None = option(None, "Ray cluster to join ('auto' or HOST:PORT; default: start a local one)")
-    colocate: bool = option(False, "training and rollout share the devices: servers release memory while training")
-    async_mode: bool = option(
-        False, "rollout never stops: training takes each batch as soon as the buffer holds it, and new weights are "
-               "pushed while episodes run (see --max-weight-staleness, --update-weights-interval, --pause-mode)")
-    max_weight_staleness: int | None = option(
-        None, "train only on groups whose oldest token is at most this many weight versions behind the policy "
-              "(older ones: --stale-policy); async mode also starts no episode that would exceed it (default: no "
-              "bound in sync mode, 1 in async mode, which is one-step-off-policy training)")
-    update_weights_interval: int = option(1, "push new weights into the rollout servers every N training steps")
 
     def __post_init__(self) -> None:
         if isinstance(self.env_args, dict):  # a YAML config's mapping
@@ -803,6 +823,26 @@ class RolloutConfig:
         _require(self.rollout_temperature > 0, "--rollout-temperature", self.rollout_temperature, "> 0")
         _require(self.rollout_episode_timeout > 0, "--rollout-episode-timeout", self.rollout_episode_timeout, "> 0")
         _require(self.eval_interval >= 0, "--eval-interval", self.eval_interval, ">= 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class LoopConfig:
+    """How ``inverted train`` runs its parts together (the controller's section): where Ray places them,
+    whether training and rollout share the devices, and whether they overlap (the loop, how stale a
+    trained token may be, how often weights are pushed)."""
+
+    ray_address: str | None = option(None, "Ray cluster to join ('auto' or HOST:PORT; default: start a local one)")
+    colocate: bool = option(False, "training and rollout share the devices: servers release memory while training")
+    async_mode: bool = option(
+        False, "rollout never stops: training takes each batch as soon as the buffer holds it, and new weights are "
+               "pushed while episodes run (see --max-weight-staleness, --update-weights-interval, --pause-mode)")
+    max_weight_staleness: int | None = option(
+        None, "train only on groups whose oldest token is at most this many weight versions behind the policy "
+              "(older ones: --stale-policy); async mode also starts no episode that would exceed it (default: no "
+              "bound in sync mode, 1 in async mode, which is one-step-off-policy training)")
+    update_weights_interval: int = option(1, "push new weights into the rollout servers every N training steps")
+
+    def __post_init__(self) -> None:
         _require(self.update_weights_interval >= 1, "--update-weights-interval", self.update_weights_interval, ">= 1")
         if self.max_weight_staleness is None and self.async_mode:
             self.max_weight_staleness = 1
@@ -822,14 +862,15 @@ class JobConfig:
     buffer: BufferConfig
     proxy: ProxyConfig
     servers: ServersConfig
+    loop: LoopConfig
 
     # Fields the job sets itself when it starts each service (addresses, ports, keys, and files in
     # --output-dir), so they are not flags of ``inverted train``; these values only pass the
     # sections' checks until the controller replaces them.
     SETS: typing.ClassVar[dict[str, dict[str, Any]]] = {
-        "train": {"slime_args": None},
+        "train": {"plugin_args": None},
         "buffer": {"db": _SET_BY_JOB, "host": "127.0.0.1", "port": 8600, "api_key": None, "workers": 1,
-                   "slime_args": None},
+                   "plugin_args": None},
         "proxy": {"router_url": _SET_BY_JOB, "tokenizer": _SET_BY_JOB, "proxy_host": "127.0.0.1", "proxy_port": 8700,
                   "proxy_api_key": None, "router_api_key": None, "router_admin_api_key": None, "lora_name": None,
                   "return_routed_experts": False},
@@ -850,12 +891,13 @@ class JobConfig:
                  "the adapter to roll out with")
         _require(not rollout.eval_interval or bool(rollout.eval_prompt_data), "--eval-prompt-data",
                  rollout.eval_prompt_data, "a dataset when --eval-interval is set")
-        if rollout.async_mode:
-            _require(not (rollout.colocate or rollout.debug_rollout_only or train.debug_train_only), "--async-mode", True,
+        loop = self.loop
+        if loop.async_mode:
+            _require(not (loop.colocate or rollout.debug_rollout_only or train.debug_train_only), "--async-mode", True,
                      "not with --colocate, --debug-rollout-only or --debug-train-only (rollout and training overlap)")
-        if rollout.max_weight_staleness is not None:  # the servers lag the trainer by up to interval - 1 versions
-            _require(rollout.max_weight_staleness >= rollout.update_weights_interval - 1, "--max-weight-staleness",
-                     rollout.max_weight_staleness, f">= --update-weights-interval - 1 = {rollout.update_weights_interval - 1}")
+        if loop.max_weight_staleness is not None:  # the servers lag the trainer by up to interval - 1 versions
+            _require(loop.max_weight_staleness >= loop.update_weights_interval - 1, "--max-weight-staleness",
+                     loop.max_weight_staleness, f">= --update-weights-interval - 1 = {loop.update_weights_interval - 1}")
         samples = rollout.rollout_batch_size * self.buffer.n_samples_per_prompt
         _require(not train.global_batch_size or samples % train.global_batch_size == 0, "--global-batch-size",
                  train.global_batch_size, f"a divisor of --rollout-batch-size x --n-samples-per-prompt = {samples}")

@@ -1,46 +1,83 @@
-"""Loading user plug-ins by path: ``module:function`` (slime's dotted ``module.function`` too).
+"""Loading user plug-ins by path: ``module:function`` (``module.function`` too).
 
-Each plug-in point has a flag ending in ``-path`` and an expected signature. ``load_plugin``
-imports once at startup and checks the callable's parameters against the expected names, so a
-wrong path or signature fails before any process starts, with the flag, the path and the
-signature in the message. Where a point takes both our signature and slime's, ``load_forms``
-recognises which one a function has. Before importing, ``compat.slime.install`` makes slime's
-module paths (``slime.utils.types``, ...) resolve to inverted's, so a slime plug-in loads unchanged.
+Each plug-in point has a flag ending in ``-path``, a hook type in inverted's own terms, and the
+signature a function must have to be that hook. ``load_plugin`` imports once at startup and checks
+the callable's parameters against the expected names, so a wrong path or signature fails before
+any process starts, with the flag, the path and the signature in the message.
 
-It also holds the contract of the biggest plug-in point, the rollout function (``--rollout-function-path``):
+A point may also take functions written for another framework (slime's plug-ins). The core does
+not know those frameworks: an adapter package registers, per point, a ``Form`` (the foreign
+signature, and how a function written to it becomes the point's hook), and ``load_forms`` tries the
+point's own signature first, then the registered forms. The entry point fills the registry before
+anything loads: the command line (``inverted.cli``, which every service runs under), and the set-up
+it hands to the processes those start afresh (the trainer's Ray workers, the buffer's workers).
 
-    async def generate_rollout(ctx: RolloutContext, tasks: list[Task]) -> list[Sample]
+The points and their hooks (each point's name is what an adapter registers a form for):
 
-one Sample per task (``task.new_sample()`` gives one with the task's group and index; match is by
-``(group_index, index)``, order does not matter). A rollout function names the flags it cannot run
-without in a ``requires`` attribute (``RolloutConfig`` field names, e.g. ``("env_path",)``); the job
-checks them before anything starts. slime's ``generate_rollout(args, rollout_id,
-data_buffer, evaluation=False) -> list[list[Sample]]`` is accepted too: it runs in a thread with a
-``data_buffer`` whose ``get_samples(n)`` hands out the leased tasks as groups of slime Samples to fill.
-
-The reward model (``--custom-rm-path``) is applied here too, after any rollout function, to every
-usable Sample it left without a reward: ours ``(sample)``, slime's ``async (args, sample)``, or with
-``--group-rm`` slime's ``async (args, samples) -> rewards`` once per group.
+- ``rollout_function`` (``--rollout-function-path``): ``async def generate_rollout(ctx, tasks) ->
+  list[Sample]``, one Sample per task (``task.new_sample()`` gives one with the task's group and
+  index; match is by ``(group_index, index)``). It names the flags it cannot run without in a
+  ``requires`` attribute (``RolloutConfig`` field names); the job checks them before anything starts.
+- ``reward`` (``--custom-rm-path``): ``(sample) -> reward``, sync or async; with ``--group-rm``
+  ``group_reward``: ``(samples) -> rewards``, once per group. Applied after any rollout function,
+  to every usable Sample it left without a reward.
+- ``generate`` (``--custom-generate-function-path``, run inside the default rollout): no form of
+  ours; the hook is ``async (ctx, sample, sampling_params) -> list[Sample]``.
+- ``sample_filter``: ``(groups) -> None``, setting ``Sample.remove_sample``; ``rollout_log``:
+  ``(rollout_id, samples, metrics, seconds) -> bool``; ``eval_log``: ``(rollout_id, data, metrics) ->
+  bool`` (True: it logged them, leave the defaults out).
+- ``group_filter``, ``group_chooser``: the buffer's (``inverted.buffer.filters``).
+- ``reward_post_process``, ``loss``, ``tis``, ``pg_reducer``: the trainer's (``LossPlugins``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import contextvars
 import functools
 import importlib
 import inspect
 import threading
 import traceback
-from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
-from inverted.compat import slime
 from inverted.config import LossConfig, RolloutConfig
 from inverted.errors import PluginError, PluginFailed
 from inverted.types import Reward, Sample, Task
+
+
+# -- the registry of foreign forms ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Form:
+    """A signature a plug-in point takes besides its own, and how a function written to it becomes
+    the point's hook: ``adapt(fn, flags)``, ``flags`` being every flag of the job by name (what a
+    foreign framework's ``args`` is built from)."""
+
+    params: list[str]
+    adapt: Callable[[Callable[..., Any], dict[str, Any]], Callable[..., Any]]
+    fits: Callable[[Callable[..., Any]], bool] | None = None  # a check of its own, where positions do not say
+
+
+FORMS: dict[str, dict[str, Form]] = {}  # point -> form name -> Form, filled by adapter packages
+
+
+def register_form(point: str, name: str, form: Form) -> None:
+    """Let ``point`` take functions written to ``form`` (an adapter package calls it at start-up)."""
+    FORMS.setdefault(point, {})[name] = form
+
+
+@dataclass(frozen=True, slots=True)
+class DumpFormat:
+    """Another framework's rollout dump, by file suffix: ``--save-debug-rollout-data`` writes it,
+    ``--load-debug-rollout-data`` reads it (``read(path) -> Samples``, ``write(path, rollout_id, samples, flags)``)."""
+
+    read: Callable[..., list[Sample]]
+    write: Callable[..., None]
+
+
+DUMP_FORMATS: dict[str, DumpFormat] = {}  # ".pt" -> slime's, registered by its adapter
 
 
 def _import(path: str, *, flag: str, expected: str) -> Callable[..., Any]:
@@ -49,7 +86,6 @@ def _import(path: str, *, flag: str, expected: str) -> Callable[..., Any]:
         module_name, _, attr = path.rpartition(".")
     if not module_name or not attr:
         raise PluginError(f"{flag}={path!r}: expected 'module:function' with signature {expected}")
-    slime.install()
     try:
         fn = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
@@ -121,14 +157,19 @@ def guarded(fn: Callable[..., Any], flag: str, path: str) -> Callable[..., Any]:
     return call
 
 
-def load_forms(path: str, *, flag: str, forms: dict[str, list[str]],
-               keywords: Keywords | None = None, guard: bool = True) -> tuple[str, Callable[..., Any]]:
-    """Import ``path`` and name the first of ``forms`` (name -> parameters) its signature accepts;
-    with ``keywords``, the function returned has them bound. ``guard``: its exceptions become
-    ``PluginFailed`` (``guarded``); an environment's are left as they are (they fail one episode)."""
+def load_forms(path: str, *, flag: str, forms: dict[str, list[str]], point: str | None = None,
+               flags: dict[str, Any] | None = None, keywords: Keywords | None = None,
+               guard: bool = True) -> tuple[str, Callable[..., Any]]:
+    """Import ``path`` and name the first of ``forms`` (name -> parameters) its signature accepts, then
+    of the forms registered for ``point``; a registered form's function comes back adapted to the
+    point's hook (``Form.adapt`` with the job's ``flags``). With ``keywords``, the function returned
+    has them bound. ``guard``: its exceptions become ``PluginFailed`` (``guarded``); an
+    environment's are left as they are (they fail one episode)."""
     attr = path.replace(":", ".").rpartition(".")[2] or "fn"
-    expected = " or ".join(_signature(params, attr) for params in forms.values())
-    fn = _import(path, flag=flag, expected=expected)
+    foreign = FORMS.get(point, {}) if point else {}
+    expected = " or ".join([*(_signature(params, attr) for params in forms.values()),
+                            *(f"{name}'s {_signature(form.params, attr)}" for name, form in foreign.items())])
+    fn = _import(path, flag=flag, expected=expected or "a function")
     try:
         signature = inspect.signature(fn)
     except ValueError:  # builtins and some extension types publish no signature
@@ -142,9 +183,22 @@ def load_forms(path: str, *, flag: str, forms: dict[str, list[str]],
     for name, params in forms.items():
         if _fits(fn, params):
             return name, guarded(fn, flag, path) if guard else fn
+    for name, form in foreign.items():
+        if (form.fits or functools.partial(_fits, params=form.params))(fn):
+            return name, form.adapt(guarded(fn, flag, path) if guard else fn, dict(flags or {}))
+    if not expected:
+        raise PluginError(f"{flag}={path!r}: no plug-in form is registered for it (the command line registers "
+                          "the adapters, e.g. slime's: run it through `inverted`, or call inverted.compat.register())")
     if any(p.kind is p.KEYWORD_ONLY and p.default is p.empty for p in inspect.signature(fn).parameters.values()):
         expected += f" (its keyword-only arguments come from {keywords.flag if keywords else 'the command line'})"
     raise PluginError(f"{flag}={path!r}: signature {signature} does not match {expected}")
+
+
+def load_hook(path: str | None, *, point: str, flag: str, forms: dict[str, list[str]] | None = None,
+              flags: dict[str, Any] | None = None) -> Callable[..., Any] | None:
+    """The hook of an optional plug-in point (None where its flag is unset): a function in the point's
+    own form (``forms``) as it is, one in a registered form adapted."""
+    return load_forms(path, flag=flag, forms=forms or {}, point=point, flags=flags)[1] if path else None
 
 
 @dataclass(slots=True)
@@ -159,9 +213,11 @@ class RolloutContext:
     hf_checkpoint: str  # the tokenizer and chat template the policy uses
     sampling: dict[str, Any]  # OpenAI request fields every episode samples with (temperature, top_p, max_tokens)
     env: Callable[[Task, Any], Awaitable[Reward]] | None = None  # from --env-path
-    generate: Callable[..., Awaitable[Any]] | None = None  # slime's custom generate (--custom-generate-function-path)
+    generate: Callable[..., Awaitable[list[Sample]]] | None = None  # GenerateHook (--custom-generate-function-path)
     evaluation: bool = False
-    slime_args: Any = None  # the flags under slime's names (compat.slime.SlimeArgs), for slime plug-ins
+    flags: dict[str, Any] = field(default_factory=dict)  # every flag of the job by name (adapters build foreign args from it)
+    weight_version: str = "default"  # the version the servers held when this rollout started
+    async_mode: bool = False  # rollouts overlap training, so a version may change under a rollout
     lora_path: str | None = None  # the LoRA adapter a LoRA run's policy is: name it in every /generate (None: base)
     routed_experts: bool = False  # ask every /generate for return_routed_experts and keep them (rollout routing replay)
     chat_template: str | None = None  # --chat-template: the Jinja file rendered instead of the checkpoint's own
@@ -170,76 +226,14 @@ class RolloutContext:
 
 
 RolloutFunction = Callable[[RolloutContext, list[Task]], Awaitable[list[Sample]]]
-SLIME_PARAMS = ["args", "rollout_id", "data_buffer"]
 
 
-# The rollout a slime rollout function is running for (its context: the thread it runs on, and the
-# coroutines it runs through slime's ``run``); unset on threads the plug-in starts itself.
-_rollout: contextvars.ContextVar[object | None] = contextvars.ContextVar("slime_rollout", default=None)
-
-
-class SlimeDataBuffer:
-    """What slime's rollout functions get as ``data_buffer`` (its data source): the leased tasks as
-    groups of slime Samples. One per rollout function for the whole run, as slime's data source is:
-    each rollout's groups join it, so a plug-in that keeps it across rollouts (slime's fully-async
-    worker, on a thread of its own) keeps being fed. A rollout function's own calls get its
-    rollout's groups only (rollouts may run side by side: ``--async-mode``); calls from a thread the
-    plug-in started take whichever come first."""
-
-    def __init__(self) -> None:
-        self._groups: list[tuple[object | None, list[Any]]] = []  # (the rollout it belongs to, the group)
-        self._lock = threading.Lock()
-
-    def add_tasks(self, tasks: list[Task], args: Any = None) -> None:
-        groups: dict[int, list[Any]] = {}
-        for task in tasks:
-            sample = slime.from_inverted(task.new_sample(), args=args)
-            sample.metadata.setdefault("tools", task.tools)
-            groups.setdefault(task.group_index, []).append(sample)
-        self.add_samples(list(groups.values()))
-
-    def get_samples(self, num_samples: int) -> list[list[Any]]:
-        rollout = _rollout.get()
-        with self._lock:
-            mine = [i for i, (owner, _) in enumerate(self._groups) if rollout is None or owner is rollout][:num_samples]
-            taken = [self._groups[i][1] for i in mine]
-            for i in reversed(mine):
-                del self._groups[i]
-        return taken
-
-    def add_samples(self, samples: list[list[Any]]) -> None:
-        """slime returns unfinished groups this way; they go back to be handed out again."""
-        rollout = _rollout.get()
-        with self._lock:
-            self._groups.extend((rollout, group) for group in samples)
-
-    @contextlib.contextmanager
-    def serving(self, tasks: list[Task], args: Any) -> Iterator[None]:
-        """Within it, this rollout's groups are in the buffer, and its rollout function's calls get them."""
-        token = _rollout.set(object())
-        try:
-            self.add_tasks(tasks, args)
-            yield
-        finally:
-            rollout = _rollout.get()
-            _rollout.reset(token)
-            with self._lock:  # what this rollout left untaken goes with it
-                self._groups = [entry for entry in self._groups if entry[0] is not rollout]
-
-
-def as_inverted(item: Any, args: Any = None) -> Sample:
-    """A Sample a slime plug-in returned (slime's, or ours) as ours."""
-    return item if isinstance(item, Sample) else slime.to_inverted(item, args=args)
-
-
-def load_rollout_function(path: str, flag: str = "--rollout-function-path") -> RolloutFunction:
-    """Load a rollout function: our async contract as is, slime's signature adapted to it."""
-    form, fn = load_forms(path, flag=flag, forms={"ours": ["ctx", "tasks"], "slime": SLIME_PARAMS})
-    if form == "slime":
-        return _adapt_slime(fn)
-    if not inspect.iscoroutinefunction(fn):
-        raise PluginError(f"{flag}={path!r}: expected 'async def {fn.__name__}(ctx, tasks) -> list[Sample]' "
-                          "(or slime's generate_rollout(args, rollout_id, data_buffer, evaluation=False))")
+def load_rollout_function(path: str, flag: str = "--rollout-function-path",
+                          flags: dict[str, Any] | None = None) -> RolloutFunction:
+    """Load a rollout function: our async contract as is, a registered form (slime's) adapted to it."""
+    form, fn = load_forms(path, flag=flag, forms={"ours": ["ctx", "tasks"]}, point="rollout_function", flags=flags)
+    if form == "ours" and not inspect.iscoroutinefunction(fn):
+        raise PluginError(f"{flag}={path!r}: expected 'async def {fn.__name__}(ctx, tasks) -> list[Sample]'")
     return fn
 
 
@@ -249,9 +243,11 @@ def required_flags(fn: RolloutFunction) -> tuple[str, ...]:
 
 
 async def in_daemon_thread(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
-    """``asyncio.to_thread`` on a daemon thread of its own: a plug-in that never returns (slime's
-    ``sleep_rollout``, or one stuck on a socket) cannot keep the job from stopping, as a thread of
-    the loop's executor would (the loop and the interpreter wait for those at exit)."""
+    """``asyncio.to_thread`` on a daemon thread of its own: a plug-in that never returns (one stuck on
+    a socket) cannot keep the job from stopping, as a thread of the loop's executor would (the loop
+    and the interpreter wait for those at exit)."""
+    import contextvars
+
     loop = asyncio.get_running_loop()
     future = loop.create_future()
     context = contextvars.copy_context()
@@ -272,125 +268,85 @@ async def in_daemon_thread(fn: Callable[..., Any], /, *args: Any, **kwargs: Any)
     return await future
 
 
-def _adapt_slime(fn: Callable[..., Any]) -> RolloutFunction:
-    buffers = {False: SlimeDataBuffer(), True: SlimeDataBuffer()}  # training's, evaluation's
-
-    async def run_slime(ctx: RolloutContext, tasks: list[Task]) -> list[Sample]:
-        buffer = buffers[ctx.evaluation]
-        with buffer.serving(tasks, ctx.slime_args):
-            output = await in_daemon_thread(fn, ctx.slime_args, ctx.rollout_id, buffer, evaluation=ctx.evaluation)
-        # slime's RolloutFnTrainOutput / RolloutFnEvalOutput, or what they wrap: groups, or for evaluation
-        # {dataset: {"rewards", "truncated", "samples"}}
-        groups = output.samples if hasattr(output, "samples") else getattr(output, "data", output)
-        if isinstance(groups, dict):
-            groups = [result["samples"] for result in groups.values()]
-        samples = [as_inverted(s, ctx.slime_args) for group in groups
-                   for s in (group if isinstance(group, list) else [group])]
-        return place_strays(samples, tasks)
-
-    return run_slime
+async def call(fn: Callable[..., Any], *args: Any) -> Any:
+    """Call a plug-in that may be sync or async."""
+    result = fn(*args)
+    return await result if inspect.isawaitable(result) else result
 
 
-def place_strays(samples: list[Sample], tasks: list[Task]) -> list[Sample]:
-    """slime trains on whatever its rollout function returns; here each Sample answers a leased task.
-    Samples that answer no task of this rollout (a rollout replayed from a dump: slime's
-    ``forge_load``) take the places of the unanswered tasks, group for group in order, where the
-    groups' sizes agree (their own keys stay in ``metadata["replayed_from"]``); otherwise they are
-    left for the caller to report."""
-    keys = {(t.group_index, t.index) for t in tasks}
-    strays = [s for s in samples if (s.group_index, s.index) not in keys]
-    if not strays:
-        return samples
-    answered = {(s.group_index, s.index) for s in samples} & keys
-    open_groups: dict[int, list[Task]] = {}
-    for task in tasks:
-        if (task.group_index, task.index) not in answered:
-            open_groups.setdefault(task.group_index, []).append(task)
-    stray_groups: dict[Any, list[Sample]] = {}
-    for sample in strays:
-        stray_groups.setdefault(sample.group_index, []).append(sample)
-    if [len(g) for g in open_groups.values()] != [len(g) for g in stray_groups.values()]:
-        return samples
-    for group, stray_group in zip(open_groups.values(), stray_groups.values()):
-        for task, sample in zip(group, stray_group):
-            sample.metadata["replayed_from"] = {"group_index": sample.group_index, "index": sample.index}
-            sample.group_index, sample.index = task.group_index, task.index
-    return samples
-
-
-REWARD_FORMS = {"ours": ["sample"], "slime": ["args", "sample"]}
+# The hooks of the points beyond the rollout function, in inverted's terms. The trainer's take its
+# micro-batch (``train.packing.MicroBatch``) and tensors, which this shared module does not import.
+RewardHook = Callable[[RolloutContext, Sample], Awaitable[Reward]]
+GroupRewardHook = Callable[[RolloutContext, list[Sample]], Awaitable[list[Reward]]]
+GenerateHook = Callable[[RolloutContext, Sample, dict[str, Any]], Awaitable[list[Sample]]]
+RewardPostProcess = Callable[[list[Sample]], list[float]]
+LossHook = Callable[..., tuple[Any, dict[str, Any]]]  # (mb, logits, per_token, weight) -> (loss, metrics)
+TISHook = Callable[..., tuple[Any, Any, Any]]  # (mb, pg, old, rollout, mask, weight, aggregation) -> (pg, weight, tis)
+ReducerHook = Callable[..., Any]  # (mb, pg, mask, divisor, per_token) -> the policy-gradient term
 
 
 @dataclass(slots=True)
 class RewardModel:
-    """``--custom-rm-path``, in whichever form it was written; ``score`` fills the missing rewards."""
+    """``--custom-rm-path`` as a hook: ``one(ctx, sample) -> reward``, or with ``--group-rm``
+    ``group(ctx, samples) -> rewards``; ``score`` fills the rewards a rollout left missing."""
 
-    fn: Callable[..., Any]
-    form: str  # "ours" (sample), "slime" (args, sample), "group" (args, samples) -> rewards
+    one: RewardHook | None = None
+    group: GroupRewardHook | None = None
 
     @classmethod
-    def load(cls, path: str, group: bool) -> "RewardModel":
+    def load(cls, path: str, group: bool, flags: dict[str, Any] | None = None) -> "RewardModel":
         if group:
-            fn = load_plugin(path, flag="--custom-rm-path", params=["args", "samples"])
-            return cls(fn, "group")
-        form, fn = load_forms(path, flag="--custom-rm-path", forms=REWARD_FORMS)
-        return cls(fn, form)
+            form, fn = load_forms(path, flag="--custom-rm-path", forms={"ours": ["samples"]}, point="group_reward",
+                                  flags=flags)
+            return cls(group=(lambda ctx, samples: call(fn, samples)) if form == "ours" else fn)
+        form, fn = load_forms(path, flag="--custom-rm-path", forms={"ours": ["sample"]}, point="reward", flags=flags)
+        return cls(one=(lambda ctx, sample: call(fn, sample)) if form == "ours" else fn)
 
-    async def score(self, samples: list[Sample], args: Any) -> None:
+    async def score(self, ctx: RolloutContext, samples: list[Sample]) -> None:
         """Reward every usable Sample that has none (a rollout or generate function may score its own)."""
         todo = [s for s in samples if s.reward is None and s.status in (Sample.Status.COMPLETED, Sample.Status.TRUNCATED)]
-        if self.form == "group":
+        if self.group is not None:
             groups: dict[Any, list[Sample]] = {}
             for sample in todo:
                 groups.setdefault(sample.group_index, []).append(sample)
-            answers = await asyncio.gather(*(_call(self.fn, args, [slime.from_inverted(s, args=args) for s in group])
-                                             for group in groups.values()))
+            answers = await asyncio.gather(*(self.group(ctx, group) for group in groups.values()))
             for group, rewards in zip(groups.values(), answers):
                 if len(rewards) != len(group):
                     raise PluginError(f"--custom-rm-path (--group-rm): {len(rewards)} rewards for a group of {len(group)}")
                 for sample, reward in zip(group, rewards):
                     sample.reward = reward
             return
-        calls = [_call(self.fn, s) if self.form == "ours" else _call(self.fn, args, slime.from_inverted(s, args=args))
-                 for s in todo]
-        for sample, reward in zip(todo, await asyncio.gather(*calls)):
+        for sample, reward in zip(todo, await asyncio.gather(*(self.one(ctx, s) for s in todo))):
             sample.reward = reward
-
-
-async def _call(fn: Callable[..., Any], *args: Any) -> Any:
-    result = fn(*args)
-    return await result if inspect.isawaitable(result) else result
 
 
 @dataclass(slots=True)
 class LossPlugins:
-    """The trainer's plug-ins, in slime's signatures (see ``inverted.train.slime_loss``), loaded on
-    every rank and, to fail before anything starts, once by the job."""
+    """The trainer's hooks, loaded on every rank and, to fail before anything starts, once by the job.
+    None has a form of ours yet; each comes from a registered form (slime's: ``compat.slime_loss``):
 
-    loss: Callable[..., Any] | None = None
-    tis: Callable[..., Any] | None = None
-    reducer: Callable[..., Any] | None = None
-    reward_post_process: Callable[..., Any] | None = None
+    - ``loss(mb, logits, per_token, weight) -> (loss, metrics)``: the loss of one micro-batch
+      (``--loss-type custom_loss``), ``per_token`` its flat tensors by name, ``weight`` each token's
+      weight in the step;
+    - ``tis(mb, pg, old, rollout, mask, weight, aggregation) -> (pg, weight, tis)``: importance weights;
+    - ``reducer(mb, pg, mask, divisor, per_token) -> pg_term``: the policy-gradient term's reduction;
+    - ``reward_post_process(samples) -> rewards``: the numbers trained on, from the Samples' rewards
+      (it may set ``Sample.teacher_log_probs``).
+    """
+
+    loss: LossHook | None = None
+    tis: TISHook | None = None
+    reducer: ReducerHook | None = None
+    reward_post_process: RewardPostProcess | None = None
 
     @classmethod
-    def load(cls, cfg: LossConfig) -> "LossPlugins":
-        tis = None
-        if path := cfg.custom_tis_function_path:  # slime passes everything but args by keyword
-            expected = ("def fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, **kwargs) -> "
-                        "(pg_loss, loss_masks, metrics)")
-            tis = _import(path, flag="--custom-tis-function-path", expected=expected)
-            try:
-                inspect.signature(tis).bind("args", pg_loss=0, train_log_probs=0, rollout_log_probs=0, loss_masks=0,
-                                            total_lengths=0, response_lengths=0)
-            except (TypeError, ValueError) as exc:
-                raise PluginError(f"--custom-tis-function-path={path!r}: expected {expected} ({exc})") from None
-            tis = guarded(tis, "--custom-tis-function-path", path)
+    def load(cls, cfg: LossConfig, flags: dict[str, Any] | None = None) -> "LossPlugins":
         return cls(
-            loss=(load_optional(cfg.custom_loss_function_path, flag="--custom-loss-function-path",
-                                params=["args", "batch", "logits", "sum_of_sample_mean"])
+            loss=(load_hook(cfg.custom_loss_function_path, point="loss", flag="--custom-loss-function-path", flags=flags)
                   if cfg.loss_type == "custom_loss" else None),
-            tis=tis,
-            reducer=load_optional(cfg.custom_pg_loss_reducer_function_path, flag="--custom-pg-loss-reducer-function-path",
-                                  params=["total_lengths", "response_lengths", "loss_masks"]),
-            reward_post_process=load_optional(cfg.custom_reward_post_process_path,
-                                              flag="--custom-reward-post-process-path", params=["args", "samples"]))
+            tis=load_hook(cfg.custom_tis_function_path, point="tis", flag="--custom-tis-function-path", flags=flags),
+            reducer=load_hook(cfg.custom_pg_loss_reducer_function_path, point="pg_reducer",
+                              flag="--custom-pg-loss-reducer-function-path", flags=flags),
+            reward_post_process=load_hook(cfg.custom_reward_post_process_path, point="reward_post_process",
+                                          flag="--custom-reward-post-process-path", forms={"ours": ["samples"]},
+                                          flags=flags))

@@ -39,7 +39,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -137,17 +137,21 @@ class HeaderDeadline(HttpToolsProtocol):
 UVICORN_OPTIONS: dict[str, Any] = {"log_level": "warning", "access_log": False, "http": HeaderDeadline}
 
 
-def _worker(app_factory: str, host: str, port: int, supervisor: int) -> None:
+def _worker(app_factory: str, host: str, port: int, supervisor: int, setup: Callable[[], None] | None) -> None:
     import uvicorn
 
     die_with_parent(supervisor)
+    if setup is not None:
+        setup()
     config = uvicorn.Config(app_factory, factory=True, **UVICORN_OPTIONS)
     uvicorn.Server(config).run(sockets=[reuse_port_socket(host, port)])
 
 
-def serve_workers(app_factory: str, host: str, port: int, workers: int, name: str) -> None:
+def serve_workers(app_factory: str, host: str, port: int, workers: int, name: str,
+                  setup: Callable[[], None] | None = None) -> None:
     """Serve ``app_factory`` (``"module:function"``, called in each worker) from ``workers`` processes
-    until SIGTERM or SIGINT; a worker that dies is replaced. The environment reaches the workers."""
+    until SIGTERM or SIGINT; a worker that dies is replaced. The environment reaches the workers, and
+    each runs ``setup`` first (the entry point's: a fresh interpreter has none of its set-up)."""
     holder = reuse_port_socket(host, port)  # never listens: keeps the port ours while workers come and go
     spawn = multiprocessing.get_context("spawn")
     stop = threading.Event()
@@ -155,7 +159,7 @@ def serve_workers(app_factory: str, host: str, port: int, workers: int, name: st
         signal.signal(sig, lambda *_: stop.set())
 
     def start() -> multiprocessing.process.BaseProcess:
-        process = spawn.Process(target=_worker, args=(app_factory, host, port, os.getpid()), name=name)
+        process = spawn.Process(target=_worker, args=(app_factory, host, port, os.getpid(), setup), name=name)
         process.start()
         return process
 

@@ -34,6 +34,10 @@ PAUSE_MODES: tuple[str, ...] = typing.get_args(PauseMode)
 POLICY_ADAPTER = "policy"
 
 
+# Per-response-token lists a Sample may leave out (None): log-probs not every sampler records.
+OPTIONAL_PER_TOKEN = ("rollout_log_probs", "teacher_log_probs")
+
+
 def version_number(version: str) -> int:
     """A weight version as a number: the trainer's step; SGLang's initial ``"default"`` (or anything
     else that is not an integer) counts as 0."""
@@ -64,8 +68,13 @@ class Sample:
     ``loss_mask``, ``rollout_log_probs`` and ``weight_versions`` have one entry per response token:
     the mask is 1 exactly where the policy sampled the token (0 on tool output and template glue,
     whose logprob is 0.0 and whose version is the one of the surrounding turn).
-    Two ``metadata`` keys mean something to the trainer: ``remove_sample`` (true: no token of it
-    is in the loss; slime's field of that name) and ``siblings`` (see ``with_siblings``).
+    ``rollout_log_probs`` may be None: the sampler recorded none (a plug-in that calls its server
+    its own way, SFT data). The trainer then trains on its own old log-probs, and what compares the
+    two (importance weights, the mismatch metric, KL-as-reward) leaves the Sample out and counts it.
+    ``remove_sample``: no token of it is in the loss (a sample filter's verdict; it still counts in
+    its group). ``teacher_log_probs``: a teacher's log-prob of each response token, for on-policy
+    distillation (a reward post-process sets them). One ``metadata`` key means something to the
+    trainer: ``siblings`` (see ``with_siblings``).
     ``rollout_routed_experts`` (MoE, for rollout routing replay): the experts the engine routed each
     token to, in SGLang's ``meta_info.routed_experts`` form (``encode_routed_experts``), over the
     whole sequence: ``[len(tokens) - 1, layers, top_k]`` (the last token is never run).
@@ -84,7 +93,7 @@ class Sample:
     tokens: list[int] = field(default_factory=list)
     response_length: int = 0
     loss_mask: list[int] = field(default_factory=list)
-    rollout_log_probs: list[float] = field(default_factory=list)
+    rollout_log_probs: list[float] | None = None
     weight_versions: list[str] = field(default_factory=list)
     reward: Reward | None = None
     status: Status = Status.PENDING
@@ -92,6 +101,8 @@ class Sample:
     metadata: dict[str, Any] = field(default_factory=dict)
     session_id: str | None = None
     rollout_routed_experts: str | None = None
+    remove_sample: bool = False
+    teacher_log_probs: list[float] | None = None
 
     @property
     def prompt_length(self) -> int:
@@ -133,8 +144,10 @@ class Sample:
                 f"response_length: expected 0 <= response_length <= len(tokens)={len(self.tokens)}, "
                 f"got {self.response_length!r}"
             )
-        for name in ("loss_mask", "rollout_log_probs", "weight_versions"):
+        for name in ("loss_mask", "rollout_log_probs", "weight_versions", "teacher_log_probs"):
             value = getattr(self, name)
+            if value is None and name in OPTIONAL_PER_TOKEN:
+                continue
             if not isinstance(value, list) or len(value) != self.response_length:
                 raise SampleError(
                     f"{name}: expected a list of {self.response_length} entries (response_length), "
@@ -142,11 +155,14 @@ class Sample:
                 )
         if full and (not set(map(type, self.loss_mask)) <= {int} or not set(self.loss_mask) <= {0, 1}):
             raise SampleError("loss_mask: expected only 0 and 1")
-        logprobs = self.rollout_log_probs
-        # A NaN or an infinity makes the sum non-finite; one sum is far cheaper than a check per value.
-        if full and (not set(map(type, logprobs)) <= {float, int} or not math.isfinite(sum(logprobs))
-                     or (logprobs and max(logprobs) > 0)):
-            raise SampleError("rollout_log_probs: expected finite floats <= 0")
+        for name in OPTIONAL_PER_TOKEN:
+            logprobs = getattr(self, name) or []
+            # A NaN or an infinity makes the sum non-finite; one sum is far cheaper than a check per value.
+            if full and (not set(map(type, logprobs)) <= {float, int} or not math.isfinite(sum(logprobs))
+                         or (logprobs and max(logprobs) > 0)):
+                raise SampleError(f"{name}: expected finite floats <= 0")
+        if full and type(self.remove_sample) is not bool:
+            raise SampleError(f"remove_sample: expected true or false, got {self.remove_sample!r}")
         if full and not set(map(type, self.weight_versions)) <= {str}:
             raise SampleError("weight_versions: expected strings")
         check_reward(self.reward)
@@ -251,11 +267,13 @@ class Task:
 
 
 # The element rules of ``Sample.validate``, as msgspec constraints that the JSON decoder enforces.
+# The lower bound of a log-prob refuses -inf and NaN (no comparison holds for it): finite and <= 0.
+_LOGPROB = typing.Annotated[float, msgspec.Meta(ge=-sys.float_info.max, le=0.0)]
 _ELEMENT_RULES: dict[str, Any] = {
     "tokens": list[typing.Annotated[int, msgspec.Meta(ge=0)]],
     "loss_mask": list[typing.Annotated[int, msgspec.Meta(ge=0, le=1)]],
-    # The lower bound refuses -inf and NaN (no comparison holds for it): finite and <= 0.
-    "rollout_log_probs": list[typing.Annotated[float, msgspec.Meta(ge=-sys.float_info.max, le=0.0)]],
+    "rollout_log_probs": list[_LOGPROB] | None,
+    "teacher_log_probs": list[_LOGPROB] | None,
 }
 
 

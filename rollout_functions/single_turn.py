@@ -9,7 +9,8 @@ With ``--custom-generate-function-path`` the function replaces that one call, as
 
     async def generate(args, sample: Sample, sampling_params: dict) -> Sample | list[Sample]
 
-it gets slime's ``Sample`` for the task and calls the router itself (``slime.utils.http_utils.post``
+(the generate hook: its adapter, ``compat.slime_forms``, converts the Samples both ways) it gets
+slime's ``Sample`` for the task and calls the router itself (``slime.utils.http_utils.post``
 records each answer's weight version, so every sampled token keeps the version that sampled it).
 Several Samples from one task (fan-out) must share ``rollout_id``: the first is the task's, the
 others travel with it as ``metadata["siblings"]`` and are trained beside it.
@@ -23,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import functools
 
-from inverted.compat import slime
 from inverted.errors import PluginError
 from inverted.plugins import RolloutContext
 from inverted.rollout.sglang_client import SGLangClient, WorkersClient, generate_client, read_output, read_routed_experts
@@ -73,21 +73,14 @@ async def generate_rollout(ctx: RolloutContext, tasks: list[Task]) -> list[Sampl
 
     async def custom(task: Task) -> Sample:
         start = task.partial if task.partial is not None else task.new_sample()
-        view = slime.from_inverted(start, args=ctx.slime_args)
         if task.tools:
-            view.metadata.setdefault("tools", task.tools)
-        calls = slime.record_calls()  # this task's router answers (each gather task has its own context)
+            start.metadata.setdefault("tools", task.tools)
         sampling = {**params, "top_k": -1, "skip_special_tokens": False, "no_stop_trim": True,
                     "spaces_between_special_tokens": False}
         async with limit:
-            out = await ctx.generate(ctx.slime_args, view, sampling)
-        views = out if isinstance(out, list) else [out]
-        if not views:
+            samples = await ctx.generate(ctx, start, sampling)
+        if not samples:
             raise PluginError(f"--custom-generate-function-path: no Sample for task {(task.group_index, task.index)}")
-        if len(views) > 1 and (views[0].rollout_id is None or len({v.rollout_id for v in views}) > 1):
-            raise PluginError("--custom-generate-function-path: the Samples one task fans out into must share a "
-                              f"rollout_id (got {[v.rollout_id for v in views]})")
-        samples = [slime.to_inverted(v, calls) for v in views]
         for sample in samples:
             sample.group_index, sample.index = task.group_index, task.index
         first = samples[0]

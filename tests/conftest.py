@@ -3,6 +3,9 @@
 Every service under test runs as a real process on 127.0.0.1 with a free port; fixtures wait on
 ``/health`` with a deadline, yield the URL, terminate (then kill) on teardown, and print the
 process log when a test using them fails.
+
+Plug-ins load here as under the command line: ``compat.register()`` first (slime's forms and module
+paths), as ``inverted`` does in every process before anything loads one.
 """
 
 from __future__ import annotations
@@ -16,9 +19,12 @@ from pathlib import Path
 
 import pytest
 
+from inverted import compat
 from inverted.config import TinyModelConfig
 from inverted.processes import ManagedProcess, free_port
 from inverted.tiny_model import make_tiny_model
+
+compat.register()
 
 ARCHS = ("qwen2", "qwen3", "llama")
 MOE_ARCHS = ("qwen3_moe", "qwen2_moe")

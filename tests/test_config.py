@@ -42,7 +42,8 @@ FROZEN_FLAGS = {
         "--router-port", "--save-debug-rollout-data", "--served-model-name", "--stale-policy", "--startup-timeout",
         "--tool-key", "--proxy-max-sessions", "--proxy-max-session-tokens", "--proxy-max-request-bytes", "--proxy-max-session-metadata-bytes",
         "--buffer-max-request-bytes", "--actor-node-resource", "--rollout-node-resource",
-        # slime's plug-in points (inverted/compat/slime.py)
+        # plug-in points with slime's forms (inverted/compat/slime_forms.py); the loss settings slime's flags set
+        "--raw-rewards", "--per-token-loss", "--distill", "--distill-teacher", "--distill-kl-coef",
         "--custom-generate-function-path", "--group-rm", "--rollout-sample-filter-path", "--eval-function-path",
         "--custom-rollout-log-function-path", "--custom-eval-rollout-log-function-path", "--buffer-filter-path",
         "--loss-type", "--custom-loss-function-path", "--custom-tis-function-path",
@@ -56,7 +57,7 @@ FROZEN_FLAGS = {
                      "--admin-api-key", "--num-threads", "--random-seed", "--log-requests", "--weight-update-timeout", "--log-level",
                      "--max-request-bytes", "--enable-lora", "--max-lora-rank", "--lora-target-modules", "--max-loras-per-batch", "--max-loaded-loras", "--lora-paths",
                      "--enable-return-routed-experts", "--max-queued-requests"},
-    "buffer": {"--slime-args", "--config", "--db", "--host", "--port", "--api-key", "--reward-key", "--prompt-data", "--input-key", "--label-key",
+    "buffer": {"--plugin-args", "--config", "--db", "--host", "--port", "--api-key", "--reward-key", "--prompt-data", "--input-key", "--label-key",
                "--metadata-key", "--tool-key", "--n-samples-per-prompt", "--rollout-shuffle", "--rollout-seed",
                "--num-epoch", "--workers", "--lease-seconds", "--partial-rollout", "--stale-policy",
                "--dynamic-sampling-filter-path", "--log-level", "--buffer-max-request-bytes", "--buffer-filter-path"},
@@ -169,8 +170,8 @@ def test_the_job_shares_flags_between_its_sections_and_keeps_its_own_fields():
 def test_async_mode_defaults_to_one_step_off_and_refuses_what_cannot_overlap():
     base = ["--hf-checkpoint", "/m", "--prompt-data", "p", "--env-path", "e:f"]
     job = parse(JobConfig, [*base, "--async-mode"])[0]
-    assert job.rollout.max_weight_staleness == 1  # one-step-off unless told otherwise
-    assert parse(JobConfig, base)[0].rollout.max_weight_staleness is None  # sync mode: no bound by default
+    assert job.loop.max_weight_staleness == 1  # one-step-off unless told otherwise
+    assert parse(JobConfig, base)[0].loop.max_weight_staleness is None  # sync mode: no bound by default
     for extra, message in ((["--colocate"], "--async-mode=True: expected not with --colocate"),
                            (["--update-weights-interval", "3"], "--max-weight-staleness=1: expected >= "
                                                                   "--update-weights-interval - 1 = 2"),

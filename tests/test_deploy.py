@@ -97,7 +97,7 @@ def test_kuberay_rayjob_pods_are_valid_kubernetes_and_its_job_a_valid_config(tmp
     job = config_map["data"]["job.yaml"]
     assert job == (ROOT / "examples" / "cluster.yaml").read_text()  # one job, two recipes
     parsed = job_config(job, tmp_path)
-    assert parsed.rollout.async_mode and parsed.servers.rollout_backend == "sglang"
+    assert parsed.loop.async_mode and parsed.servers.rollout_backend == "sglang"
     gpus = int(cluster["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
     workers = cluster["workerGroupSpecs"][0]["replicas"]
     assert parsed.train.parallel.world_size + parsed.servers.rollout_num_gpus <= gpus * workers  # the job fits the pods

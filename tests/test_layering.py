@@ -15,11 +15,12 @@ cannot fit a context) count as shared, so the engine, the proxy and the buffer c
 bound requests one way; and ``peft_adapter`` (PEFT's LoRA adapter format: config, names,
 directory) counts as shared, so the trainer's writer and the engine's reader use one definition,
 and checks tensors as ``weight_wire`` does (``non_finite``);
-and ``compat`` may read ``hf_checkpoint`` (slime's ``GenerateState`` holds the checkpoint's
-tokenizer, with ``--chat-template`` applied as everywhere else); and ``plugins`` may read ``config`` (the rollout function's context carries its config section) and
-``compat`` (slime's plug-in API, whose module paths it installs before importing a plug-in; a
-shared leaf beside ``types``), and the controller checks the buffer's plug-ins (``buffer.filters``)
-before starting it;
+and ``plugins`` (the loader, with its registry of other frameworks' forms) may read ``config`` (the
+rollout function's context carries its config section), and the controller checks the buffer's
+plug-ins (``buffer.filters``) before starting it;
+and ``compat`` (other frameworks' plug-in APIs) is an adapter at the edge: it sits above every layer
+it adapts (it may import any of them), and nothing imports it but the entry point, ``cli``, which
+fills the loader's registry with its forms in every process (``test_only_the_entry_point_imports_compat``);
 and ``placement`` (Ray's side of starting servers) sits beside the controller (a package of its
 own modules), which alone uses it, and the controller may read prompt datasets (``buffer.datasets``) to check them and to
 evaluate, before and beside the buffer service; and the embedded engine is a top-level package
@@ -38,7 +39,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "inverted"
-SHARED = ("inverted.types", "inverted.errors", "inverted.config", "inverted.plugins", "inverted.compat", "inverted.metrics",
+SHARED = ("inverted.types", "inverted.errors", "inverted.config", "inverted.plugins", "inverted.metrics",
           "inverted.http_client", "inverted.hf_checkpoint", "inverted.weight_wire", "inverted.processes",
           "inverted.auth", "inverted.limits", "inverted.peft_adapter")
 
@@ -47,8 +48,9 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("inverted.errors", ()),
     ("inverted.types", ("inverted.errors",)),
     ("inverted.config", ("inverted.types", "inverted.errors")),
-    ("inverted.plugins", ("inverted.types", "inverted.errors", "inverted.config", "inverted.compat")),
-    ("inverted.compat", ("inverted.compat", "inverted.types", "inverted.errors", "inverted.hf_checkpoint")),
+    ("inverted.plugins", ("inverted.types", "inverted.errors", "inverted.config")),
+    ("inverted.compat", tuple(f"inverted.{p.stem}" for p in PACKAGE.iterdir()
+                              if p.stem not in ("cli", "__init__", "__pycache__") and (p.suffix == ".py" or p.is_dir()))),
     ("inverted.metrics", ("inverted.errors",)),
     ("inverted.http_client", ("inverted.errors",)),
     ("inverted.hf_checkpoint", ("inverted.errors",)),
@@ -73,6 +75,9 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("inverted.train", SHARED + ("inverted.rollout.sglang_client", "inverted.train")),
     ("inverted", ("inverted",)),
 ]
+
+
+USER_PACKAGES = ("rollout_functions", "envs")  # user-side code shipped beside the package
 
 
 def module_name(path: Path) -> str:
@@ -122,7 +127,7 @@ def test_the_checker_catches_a_forbidden_import():
 
 USER_SIDE = {  # top-level packages of user-side code -> the inverted modules they may use
     "envs": (),  # an environment does not know it is trained
-    "rollout_functions": ("inverted.types", "inverted.errors", "inverted.plugins", "inverted.compat",
+    "rollout_functions": ("inverted.types", "inverted.errors", "inverted.plugins",
                           "inverted.rollout.proxy.client",
                           "inverted.rollout.sglang_client",  # the services only through their clients
                           "inverted.hf_checkpoint"),  # load_tokenizer: the tokenizer with --chat-template, as the proxy renders
@@ -137,3 +142,84 @@ def test_environments_and_rollout_functions_use_only_the_public_surface():
                 if not any(target == a or target.startswith(a + ".") for a in allowed_prefixes):
                     violations.append(f"{package}/{path.name} imports {target}")
     assert not violations, "\n".join(violations)
+
+
+def all_modules() -> dict[str, Path]:
+    """Every module of the package and of the user-side packages beside it, by name."""
+    paths = [*PACKAGE.rglob("*.py"), *(p for package in USER_PACKAGES for p in (PACKAGE.parent / package).rglob("*.py"))]
+    return {module_name(p): p for p in sorted(paths)}
+
+
+def test_only_the_entry_point_imports_compat():
+    """No core module (nor a rollout function or an environment) imports ``compat``, statically or lazily."""
+    importers = {name for name, path in all_modules().items()
+                 if not name.startswith("inverted.compat") and any(t.startswith("inverted.compat") for t in inverted_imports(path))}
+    assert importers <= {"inverted.cli"}, sorted(importers)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the modules it imports (lazily too), among ``all_modules``: an imported name that is
+    not a module counts as its module; a package's ``__init__`` is the package."""
+    modules = all_modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        edges = set()
+        for target in inverted_imports(path) | _user_imports(path):
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                edges.add(target)
+        graph[name] = edges
+    return graph
+
+
+def _user_imports(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in USER_PACKAGES:
+            found |= {f"{node.module}.{a.name}" for a in node.names}
+    return found
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_import_graph_has_no_cycle():
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_finder_finds_one():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []

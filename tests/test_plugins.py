@@ -11,7 +11,8 @@ import pytest
 from inverted.buffer.service import build_store
 from inverted.config import BufferConfig
 from inverted.errors import ConfigError, PluginError, PluginFailed
-from inverted.plugins import SlimeDataBuffer, in_daemon_thread, load_plugin, load_rollout_function, required_flags
+from inverted.compat.slime_forms import SlimeDataBuffer
+from inverted.plugins import in_daemon_thread, load_plugin, load_rollout_function, required_flags
 from inverted.types import Sample, Task
 
 FILTER = "inverted.buffer.filters:drop_all_equal_rewards"
@@ -97,7 +98,6 @@ def sync_rollout(ctx, tasks):
 
 
 def test_slime_rollout_functions_are_adapted_to_the_contract():
-    import argparse
     import asyncio
 
     from inverted.config import RolloutConfig
@@ -109,7 +109,7 @@ def test_slime_rollout_functions_are_adapted_to_the_contract():
              for g in range(3) for i in range(2)]
     ctx = RolloutContext(rollout_id=7, config=RolloutConfig(), proxy_url="", proxy_api_key=None, router_url="",
                          hf_checkpoint="", sampling={}, evaluation=True,
-                         slime_args=argparse.Namespace(rollout_batch_size=3, n_samples_per_prompt=2, apply_chat_template=False))
+                         flags={"rollout_batch_size": 3, "n_samples_per_prompt": 2, "apply_chat_template": False})
     samples = asyncio.run(fn(ctx, tasks))
     assert [(s.group_index, s.index, s.reward) for s in samples] == [(t.group_index, t.index, 7.0) for t in tasks]
     assert samples[2].metadata["seen"] == (True, [{"t": 1}])

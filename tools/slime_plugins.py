@@ -64,21 +64,22 @@ PLUGINS = [
 
 
 def load(flag: str, path: str):
-    from inverted.config import LossConfig
-    from inverted.plugins import LossPlugins, RewardModel, load_forms, load_plugin, load_rollout_function
+    from inverted.config import BufferConfig, LossConfig
+    from inverted.buffer.filters import load_group_filter
+    from inverted.plugins import LossPlugins, RewardModel, load_hook, load_rollout_function
 
     if flag == "--rollout-function-path":
         return load_rollout_function(path)
     if flag == "--custom-rm-path":
         return RewardModel.load(path, group=False)
     if flag == "--dynamic-sampling-filter-path":
-        return load_forms(path, flag=flag, forms={"ours": ["samples"], "slime": ["args", "samples"]})
+        return load_group_filter(BufferConfig(dynamic_sampling_filter_path=path))
     if flag == "--custom-generate-function-path":
-        return load_plugin(path, flag=flag, params=["args", "sample", "sampling_params"])
+        return load_hook(path, point="generate", flag=flag)
     if flag == "--custom-tis-function-path":
         return LossPlugins.load(LossConfig(custom_tis_function_path=path))
     if flag == "--custom-reward-post-process-path":
-        return load_plugin(path, flag=flag, params=["args", "samples"])
+        return LossPlugins.load(LossConfig(custom_reward_post_process_path=path))
     raise ValueError(flag)
 
 
@@ -195,9 +196,9 @@ def main() -> None:
     cli.add_argument("--only", default="", help="run only the plug-ins whose path contains this")
     options = cli.parse_args()
     tree = _work_tree(options.slime, "slime/utils/arguments.py")
-    from inverted.compat import slime
+    from inverted import compat
 
-    slime.install()
+    compat.register()  # as the command line does
     ok = 0
     for flag, path, where in PLUGINS:
         if where and where.endswith(".py"):  # an in-tree module, under its own name

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from inverted.compat import slime
-from inverted.config import BufferConfig, to_flags
-from inverted.errors import PluginError
-from inverted.plugins import load_forms, load_plugin
+from inverted.config import BufferConfig, plugin_flags
+from inverted.plugins import load_hook
 from inverted.types import Sample
 
 GroupFilter = Callable[[list[Sample]], bool]
@@ -30,34 +28,15 @@ def drop_all_equal_rewards(samples: list[Sample]) -> bool:
 
 
 def load_group_filter(config: BufferConfig) -> GroupFilter | None:
-    """``--dynamic-sampling-filter-path``: ours ``(samples) -> bool``, or slime's ``(args, samples, **kw) ->
-    DynamicFilterOutput`` (its ``keep``)."""
-    if not config.dynamic_sampling_filter_path:
-        return None
-    form, fn = load_forms(config.dynamic_sampling_filter_path, flag="--dynamic-sampling-filter-path",
-                          forms={"ours": ["samples"], "slime": ["args", "samples"]})
-    if form == "ours":
-        return fn
-    args = slime.SlimeArgs.of(to_flags(config))
-    return lambda samples: bool(fn(args, [slime.from_inverted(s, args=args) for s in samples]).keep)
+    """``--dynamic-sampling-filter-path``: ``(samples) -> bool``, or a registered form (slime's
+    ``(args, samples, **kw) -> DynamicFilterOutput``, its ``keep``)."""
+    return load_hook(config.dynamic_sampling_filter_path, point="group_filter", flag="--dynamic-sampling-filter-path",
+                     forms={"ours": ["samples"]}, flags=plugin_flags(config))
 
 
 def load_group_chooser(config: BufferConfig) -> GroupChooser | None:
-    """``--buffer-filter-path``, slime's ``(args, rollout_id, buffer, num_samples) -> groups``: which of
-    the waiting complete groups a batch takes (the groups it returns, by identity)."""
-    if not config.buffer_filter_path:
-        return None
-    fn = load_plugin(config.buffer_filter_path, flag="--buffer-filter-path",
-                     params=["args", "rollout_id", "buffer", "num_samples"])
-    args = slime.SlimeArgs.of(to_flags(config))
-
-    def choose(groups: list[list[Sample]], wanted: int, version: int | None) -> list[int]:
-        views = [[slime.from_inverted(s, args=args) for s in group] for group in groups]
-        position = {id(group): i for i, group in enumerate(views)}
-        chosen = fn(args, version or 0, list(views), wanted)
-        if any(id(group) not in position for group in chosen):
-            raise PluginError(f"--buffer-filter-path {config.buffer_filter_path}: return groups of the buffer it was "
-                              "given (the lists themselves), not copies")
-        return [position[id(group)] for group in chosen]
-
-    return choose
+    """``--buffer-filter-path``: which of the waiting complete groups a batch takes, ``(groups, wanted,
+    version) -> positions``, or a registered form (slime's ``(args, rollout_id, buffer, num_samples) ->
+    groups``)."""
+    return load_hook(config.buffer_filter_path, point="group_chooser", flag="--buffer-filter-path",
+                     forms={"ours": ["groups", "wanted", "version"]}, flags=plugin_flags(config))

@@ -305,8 +305,9 @@ def app_from_env() -> FastAPI:
     return create_app(BufferConfig(**json.loads(os.environ[CONFIG_ENV])))
 
 
-def serve(config: BufferConfig) -> None:
-    """Run the service: in this process, or in ``config.workers`` processes on one port."""
+def serve(config: BufferConfig, setup: Callable[[], None] | None = None) -> None:
+    """Run the service: in this process, or in ``config.workers`` processes on one port, each running
+    ``setup`` first (the entry point's: the plug-in adapters its filters may need)."""
     import uvicorn
 
     if config.workers == 1:
@@ -314,4 +315,4 @@ def serve(config: BufferConfig) -> None:
         return
     build_store(config).close()  # create the database and load the dataset once, before the workers race
     os.environ[CONFIG_ENV] = json.dumps(dataclasses.asdict(config))
-    serve_workers("inverted.buffer.service:app_from_env", config.host, config.port, config.workers, "buffer")
+    serve_workers("inverted.buffer.service:app_from_env", config.host, config.port, config.workers, "buffer", setup)

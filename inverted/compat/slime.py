@@ -1,16 +1,18 @@
-"""slime's plug-in API on inverted: its ``Sample``, its ``args``, its router helpers, under its own module paths.
+"""slime's plug-in API on inverted: its ``Sample``, its ``args``, its router helpers.
 
 A slime plug-in (a custom generate function, reward model, filter, loss, ...) is written against
-four things, and this module is each of them:
+four things, and this module is each of them (``compat.modules`` puts them under slime's paths):
 
 - ``Sample`` (``slime.utils.types``): slime's field names and meanings. ``to_inverted`` and
-  ``from_inverted`` convert it exactly to and from our ``Sample``; what ours has no field for
-  (``response``, ``rollout_id``, ``remove_sample``) travels in our ``metadata`` under those names.
+  ``from_inverted`` convert it exactly to and from our ``Sample``, purely (no side effects): both
+  have ``remove_sample`` and ``teacher_log_probs``, and ``rollout_log_probs`` may be None on both
+  sides; slime's ``response`` is the decoded response, its ``rollout_id`` a fan-out's own.
   ``rollout_routed_experts`` (R3) goes to slime as our base64 string and comes back from either
   that or slime's int32 array.
   slime's ``weight_versions`` holds one version per generate call, ours one per response token:
   ``to_inverted`` spreads the calls' versions over the tokens each call sampled (``post`` records
-  the router's answers), so every token keeps the version that sampled it.
+  the router's answers), so every token keeps the version that sampled it; where a plug-in
+  recorded none, the version serving when its rollout started (``Serving``).
 - ``args``: ``SlimeArgs``, slime's namespace: the job's flags under slime's attribute names, the
   slime flags given, slime's default for every other (``compat.slime_flags``).
 - ``post(url, payload, max_retries=60, headers=None)`` and ``get(url)`` (``slime.utils.http_utils``):
@@ -19,16 +21,11 @@ four things, and this module is each of them:
   router carries its key (``generating_with``).
 - ``GenerateState(args)`` (``slime.rollout.sglang_rollout``): the tokenizer, the sampling
   parameters and the concurrency limit of the default rollout.
-- ``DynamicFilterOutput`` (``slime.rollout.filter_hub.base_types``), and the trainer's
-  ``get_log_probs_and_entropy`` (``slime.backends.megatron_utils.loss``, from ``train.slime_loss``).
+- ``DynamicFilterOutput`` and the nonzero-std filters (``slime.rollout.filter_hub``), the rollout
+  output types (``slime.rollout.base_types``) and ``slime.utils.misc``'s helpers.
 
-``install()`` makes ``import slime.utils.types`` (and the other paths above, and those of
-``compat.slime_rollout``) resolve here when the real slime is not installed, so a plug-in changes
-not one line. With ``INVERTED_SLIME_SOURCE`` set to a slime checkout, a module of slime's that
-inverted does not provide (an in-tree plug-in such as ``slime.rollout.sglang_streaming_rollout``)
-imports from slime's own file, over inverted's modules. Where slime *is* installed, its
-modules are left alone: the plug-in gets slime's own classes, and the conversions work on them by
-field name (``from_inverted(..., cls=...)``, ``to_inverted`` reads attributes).
+Where slime *is* installed, the plug-in gets slime's own classes, and the conversions work on them
+by field name (``from_inverted(..., cls=...)``, ``to_inverted`` reads attributes).
 """
 
 from __future__ import annotations
@@ -38,17 +35,12 @@ import contextlib
 import contextvars
 import functools
 import importlib
-import importlib.util
-import json
 import logging
-import os
 import sys
 import threading
-import types
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from inverted.compat import slime_flags
@@ -57,11 +49,6 @@ from inverted.types import Sample as _Sample
 from inverted.types import encode_routed_experts
 
 logger = logging.getLogger(__name__)
-
-# Our Sample keeps these slime fields in its metadata (it has no field of its own for them);
-# teacher_log_probs: on-policy distillation's, which a rollout-side plug-in may set for the trainer.
-META_FIELDS = {"response": "", "rollout_id": None, "remove_sample": False, "teacher_log_probs": None}
-
 
 @dataclass
 class SpecInfo:
@@ -239,34 +226,38 @@ class Sample:
 
 
 def from_inverted(sample: _Sample, cls: type | None = None, args: Any = None) -> Any:
-    """Our Sample as slime's: the class plug-ins import (``sample_class``), unless ``cls`` is given.
+    """Our Sample as slime's: the class plug-ins import (the installed slime's, else ours), unless
+    ``cls`` is given. Pure: it reads the Sample and, with ``args``, the tokenizer.
 
     With the job's ``args``, as slime's rollout would have it: ``index`` counts across the dataset
     (slime numbers every sample it hands out; ours is the place in the group, kept for the way
-    back), ``response`` is the response tokens' text where no rollout set it, and with
+    back), ``response`` is the response tokens' text (the job's tokenizer decodes them), and with
     ``--apply-chat-template`` a chat prompt is the template's text (slime renders it when it reads
     the dataset).
     """
-    cls = cls or sample_class()
+    types_module = sys.modules.get("slime.utils.types")
+    cls = cls or (types_module.Sample if types_module is not None else Sample)
     metadata = dict(sample.metadata)
-    moved = {name: metadata.pop(name, default) for name, default in META_FIELDS.items()}
-    index, prompt = sample.index, sample.prompt
+    index, prompt, response = sample.index, sample.prompt, ""
     if args is not None:
         index = sample.group_index * args.n_samples_per_prompt + sample.index
-        if not moved["response"] and sample.response_length:
-            moved["response"] = _tokenizer_of(args).decode(sample.tokens[-sample.response_length:])
+        if sample.response_length and getattr(args, "hf_checkpoint", None):
+            response = _tokenizer_of(args).decode(sample.tokens[-sample.response_length:])
         if args.apply_chat_template and isinstance(prompt, list):
             prompt = _tokenizer_of(args).apply_chat_template(
                 prompt, tools=metadata.get("tools"), tokenize=False, add_generation_prompt=True,
                 **(args.apply_chat_template_kwargs or {}))
-    known = getattr(cls, "__dataclass_fields__", moved)  # an older slime's Sample lacks the newer fields
+    extra = {"response": response, "remove_sample": sample.remove_sample,
+             "teacher_log_probs": None if sample.teacher_log_probs is None else list(sample.teacher_log_probs)}
+    known = getattr(cls, "__dataclass_fields__", extra)  # an older slime's Sample lacks the newer fields
     view = cls(group_index=sample.group_index, index=index, prompt=prompt, tokens=list(sample.tokens),
                response_length=sample.response_length, label=sample.label, reward=sample.reward,
-               loss_mask=list(sample.loss_mask), rollout_log_probs=list(sample.rollout_log_probs),
+               loss_mask=list(sample.loss_mask) if sample.response_length else None,  # slime's: None until a response
+               rollout_log_probs=None if sample.rollout_log_probs is None else list(sample.rollout_log_probs),
                weight_versions=_calls_of(sample.weight_versions), status=cls.Status(sample.status.value),
-               metadata=metadata, session_id=sample.session_id, **{k: v for k, v in moved.items() if k in known})
-    for name in moved.keys() - known:
-        setattr(view, name, moved[name])
+               metadata=metadata, session_id=sample.session_id, **{k: v for k, v in extra.items() if k in known})
+    for name in extra.keys() - known:
+        setattr(view, name, extra[name])
     view.rollout_routed_experts = sample.rollout_routed_experts  # slime's newer field; an attribute on older ones
     view._token_versions = list(sample.weight_versions)  # exact per-token versions, for the way back
     view._index = sample.index  # our index (the place in the group), for the way back
@@ -290,34 +281,48 @@ def _tokenizer(path: str, chat_template: str | None) -> Any:
     return load_tokenizer(path, chat_template)
 
 
-def to_inverted(view: Any, calls: list[GenerateCall] | None = None, args: Any = None) -> _Sample:
-    """A slime Sample (ours or the installed slime's) as ours; ``calls``: the router answers its
-    generate function received (``post`` records them), which give each token its version. With
-    ``--loss-type sft_loss`` (``args``) a Sample may come with no logprobs (SFT data: nothing sampled it)."""
+@dataclass(frozen=True, slots=True)
+class Serving:
+    """The weight version serving when a rollout started, for Samples whose generate function recorded
+    none: exact when training waits for rollouts, ``inferred`` (marked in the Sample) under ``--async-mode``."""
+
+    version: str
+    inferred: bool = False
+
+
+def to_inverted(view: Any, calls: list[GenerateCall] | None = None, serving: Serving | None = None) -> _Sample:
+    """A slime Sample (ours or the installed slime's) as ours. ``calls``: the router answers its
+    generate function received (``post`` records them), which give each token its version; where
+    it recorded none, each token has ``serving``'s. Rollout log-probs are optional, as in slime:
+    without them the trainer's own old log-probs stand in."""
     n = view.response_length
-    where = f"slime Sample (group {view.group_index}, index {view.index})"
-    sft = getattr(args, "loss_type", None) == "sft_loss" and not view.rollout_log_probs
-    if n and view.rollout_log_probs is None and not sft:
-        raise SampleError(f"{where}: rollout_log_probs is None; inverted trains on the sampled tokens' "
-                          "logprobs (ask /generate for return_logprob: true and keep them, or train it with "
-                          "--loss-type sft_loss)")
+    logprobs = None if view.rollout_log_probs is None else [
+        float(v) for v in (view.rollout_log_probs.tolist() if hasattr(view.rollout_log_probs, "tolist")
+                           else view.rollout_log_probs)]
+    if logprobs is not None and not logprobs and n:  # slime's empty list: none recorded
+        logprobs = None
     mask = list(view.loss_mask) if view.loss_mask is not None else [1] * n
-    status = _Sample.Status(getattr(view.status, "value", view.status))  # an SFT Sample is complete as it is
+    status = _Sample.Status(getattr(view.status, "value", view.status))
+    if status == _Sample.Status.PENDING and n:  # slime trains what its plug-ins return: a response left pending
+        status = _Sample.Status.COMPLETED       # (SFT data, never generated) is complete as it is
     metadata = dict(view.metadata or {})
-    for name, default in META_FIELDS.items():
-        value = getattr(view, name, default)
-        if (value is not None) if default is None else value != default:
-            metadata[name] = value.tolist() if hasattr(value, "tolist") else value  # a tensor, as JSON
+    try:
+        versions = token_versions(view, mask, calls or [])
+    except SampleError:
+        if serving is None:
+            raise
+        versions = [serving.version] * n
+        if serving.inferred:
+            metadata["weight_versions_inferred"] = True
+    teacher = getattr(view, "teacher_log_probs", None)
     return _Sample(group_index=view.group_index, index=getattr(view, "_index", view.index), prompt=view.prompt,
-                   tokens=list(view.tokens),
-                   response_length=n, loss_mask=mask,
-                   rollout_log_probs=[0.0] * n if sft else list(view.rollout_log_probs or []),
-                   weight_versions=["default"] * n if sft else token_versions(view, mask, calls or []),
-                   reward=view.reward,
-                   status=_Sample.Status.COMPLETED if sft and status == _Sample.Status.PENDING else status,
-                   label=view.label,
+                   tokens=list(view.tokens), response_length=n, loss_mask=mask, rollout_log_probs=logprobs,
+                   weight_versions=versions, reward=view.reward, status=status, label=view.label,
                    metadata=metadata, session_id=getattr(view, "session_id", None),
-                   rollout_routed_experts=_routes_of(getattr(view, "rollout_routed_experts", None)))
+                   rollout_routed_experts=_routes_of(getattr(view, "rollout_routed_experts", None)),
+                   remove_sample=bool(getattr(view, "remove_sample", False)),
+                   teacher_log_probs=None if teacher is None else [
+                       float(v) for v in (teacher.tolist() if hasattr(teacher, "tolist") else teacher)])
 
 
 def _routes_of(value: Any) -> str | None:
@@ -383,17 +388,12 @@ class SlimeArgs:
         object.__setattr__(self, "_values", dict(values))
 
     @classmethod
-    def of(cls, *flag_dicts: dict[str, Any], router_url: str | None = None,
-           router_api_key: str | None = None) -> "SlimeArgs":
-        """From our sections' flags (``config.to_flags``), over the job's whole namespace where a section
-        carries it (``slime_args``, set by ``inverted train``). ``router_api_key``: the key the job's
-        router takes on /generate, as ``args.router_api_key`` (``post`` sends it; a plug-in with an HTTP
-        client of its own sends it as a bearer token)."""
-        values: dict[str, Any] = {}
-        for flags in flag_dicts:
-            values |= json.loads(flags.get("slime_args") or "{}")
-        for flags in flag_dicts:
-            values |= {k: v for k, v in flags.items() if k != "slime_args" and k not in values}
+    def of(cls, flags: dict[str, Any], router_url: str | None = None, router_api_key: str | None = None) -> "SlimeArgs":
+        """From the job's flags by name (``config.plugin_flags``). ``router_url``, ``router_api_key``: the
+        job's router and the key it takes on /generate, as ``args.sglang_router_ip``/``_port`` and
+        ``args.router_api_key`` (``post`` sends it; a plug-in with an HTTP client of its own sends it
+        as a bearer token)."""
+        values = dict(flags)
         if router_url:
             host, _, port = router_url.split("//")[-1].rpartition(":")
             values.update(sglang_router_ip=host, sglang_router_port=int(port))
@@ -522,7 +522,7 @@ async def post(url: str, payload: Any, max_retries: int = 60, headers: dict[str,
     return output
 
 
-def _http_utils_attr(name: str) -> Any:
+def http_utils_attr(name: str) -> Any:
     """``slime.utils.http_utils._http_client``: slime's shared httpx client (plug-ins that stream use it),
     one per event loop, sending the router's key like ``post``."""
     if name != "_http_client":
@@ -662,81 +662,3 @@ def group_by(iterable: Any, key: Any = None) -> dict[Any, list[Any]]:
     for item in iterable:
         groups.setdefault(key(item) if key is not None else item, []).append(item)
     return groups
-
-
-# -- slime's module paths -------------------------------------------------------------------------
-
-# Each module's names, or the module that provides them (read when a plug-in first asks: the
-# trainer's loss helpers need torch and Megatron, which no other process should import for them).
-MODULES: dict[str, dict[str, Any] | str] = {
-    "slime": {},
-    "slime.utils": {},
-    "slime.utils.types": {"Sample": Sample},
-    "slime.utils.http_utils": {"post": post, "get": get, "__getattr__": lambda name: _http_utils_attr(name)},
-    "slime.rollout": {},
-    "slime.rollout.sglang_rollout": {"GenerateState": GenerateState},
-    "slime.rollout.filter_hub": {},
-    "slime.rollout.filter_hub.base_types": {"DynamicFilterOutput": DynamicFilterOutput},
-    "slime.rollout.filter_hub.dynamic_sampling_filters": {
-        "check_reward_nonzero_std": check_reward_nonzero_std,
-        "check_reward_nonzero_std_with_fallback": check_reward_nonzero_std_with_fallback},
-    "slime.rollout.base_types": {"RolloutFnTrainOutput": RolloutFnTrainOutput,
-                                 "RolloutFnEvalOutput": RolloutFnEvalOutput, "call_rollout_fn": call_rollout_fn},
-    "slime.utils.misc": {"load_function": load_function, "SingletonMeta": SingletonMeta, "group_by": group_by},
-    "slime.backends": {},
-    "slime.backends.megatron_utils": {},
-    "slime.backends.megatron_utils.loss": "inverted.train.slime_loss",
-}
-
-
-def slime_installed() -> bool:
-    """Whether the real slime is importable (a checkout named by ``INVERTED_SLIME_SOURCE`` is not: its
-    files serve only the modules inverted does not provide)."""
-    module = sys.modules.get("slime")
-    if module is not None:
-        return not getattr(module, "__inverted__", False)
-    spec = importlib.util.find_spec("slime")
-    source = os.environ.get("INVERTED_SLIME_SOURCE")
-    if spec is not None and source and spec.origin:
-        return not Path(spec.origin).resolve().is_relative_to(Path(source).resolve())
-    return spec is not None
-
-
-def install() -> bool:
-    """Make slime's module paths import from here, unless the real slime is installed; True if they do."""
-    if slime_installed():
-        return False
-    from inverted.compat import slime_rollout  # slime's rollout-side modules (they import this one)
-
-    source = os.environ.get("INVERTED_SLIME_SOURCE")
-
-    modules = dict(MODULES)
-    for name, names in slime_rollout.MODULES.items():
-        modules[name] = {**modules.get(name, {}), **names}
-    for name in sorted(modules):  # parents first
-        parent = name.rpartition(".")[0]
-        if parent and parent not in modules:
-            modules[parent] = {}
-    for name, names in sorted(modules.items()):
-        if name not in sys.modules:
-            module = types.ModuleType(name, f"slime's {name} as provided by inverted.compat.slime")
-            module.__inverted__ = True
-            # a package, so its submodules import; with INVERTED_SLIME_SOURCE (a slime checkout), the
-            # modules inverted does not provide (slime's in-tree plug-ins) import from slime's own files
-            own = Path(source, *name.split(".")) if source else None
-            module.__path__ = [str(own)] if own is not None and own.is_dir() else []
-            if isinstance(names, str):
-                module.__getattr__ = (lambda attr, provider=names: getattr(importlib.import_module(provider), attr))
-            else:
-                module.__dict__.update(names)
-            sys.modules[name] = module
-            parent, _, child = name.rpartition(".")
-            if parent:
-                setattr(sys.modules[parent], child, module)
-    return True
-
-
-def sample_class() -> type:
-    """The Sample class plug-ins see: the installed slime's, else ours."""
-    install()
-    return sys.modules["slime.utils.types"].Sample

@@ -215,7 +215,7 @@ def compute_score_dapo(solution_str: str, ground_truth: str, strict_box_verify: 
     return {"score": 1.0 if correct else -1.0, "acc": correct, "pred": pred}
 
 
-def _normalize(text: str) -> str:
+def normalize(text: str) -> str:
     text = "".join(ch for ch in text.lower() if ch not in set(string.punctuation))
     return " ".join(re.sub(r"\b(a|an|the)\b", " ", text).split())
 
@@ -224,7 +224,7 @@ def f1_score(prediction: str | None, ground_truth: str) -> tuple[float, float, f
     """slime's ``f1`` grader (SQuAD's): token F1 after normalising; ``(f1, precision, recall)``."""
     if prediction is None:
         return (0, 0, 0)
-    pred, truth = _normalize(prediction), _normalize(ground_truth)
+    pred, truth = normalize(prediction), normalize(ground_truth)
     if {pred, truth} & {"yes", "no", "noanswer"} and pred != truth:
         return (0, 0, 0)
     common = sum((Counter(pred.split()) & Counter(truth.split())).values())
@@ -245,8 +245,8 @@ def compute_gpqa_reward(response: str, label: Any, metadata: dict | None = None)
     truth = str(label).strip()
     if truth.upper() in letters:
         return 1.0 if letter == truth.upper() else 0.0
-    texts = [_normalize(str(c)) for c in choices]
-    return 1.0 if letter is not None and _normalize(truth) in texts and letters[texts.index(_normalize(truth))] == letter \
+    texts = [normalize(str(c)) for c in choices]
+    return 1.0 if letter is not None and normalize(truth) in texts and letters[texts.index(normalize(truth))] == letter \
         else 0.0
 
 
@@ -365,7 +365,7 @@ def encode_image_for_rollout_engine(image: Any) -> str:
     raise NotImplementedError("images: inverted trains text models only")
 
 
-def _prepare_prompt_ids(sample: Any, tokenizer: Any, processor: Any) -> list[int]:
+def prepare_prompt_ids(sample: Any, tokenizer: Any, processor: Any) -> list[int]:
     """slime's: the tokens a Sample already has, else its (text) prompt's."""
     return list(sample.tokens) if sample.tokens else tokenizer.encode(sample.prompt, add_special_tokens=False)
 
@@ -425,31 +425,3 @@ def trace_event(*args: Any, **kwargs: Any) -> None:
 
 def build_sglang_meta_trace_attrs(meta: dict[str, Any]) -> dict[str, Any]:
     return {k: meta[k] for k in ("prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason") if k in meta}
-
-
-MODULES: dict[str, dict[str, Any]] = {
-    "slime.rollout.sglang_rollout": {"generate": generate, "generate_and_rm": generate_and_rm,
-                                     "generate_and_rm_group": generate_and_rm_group,
-                                     "_prepare_prompt_ids": _prepare_prompt_ids},
-    "slime.utils.async_utils": {"run": run, "get_async_loop": get_async_loop},
-    "slime.utils.http_utils": {"get_rollout_num_engines": get_rollout_num_engines},
-    "slime.observability.trace_utils": {"trace_span": trace_span, "trace_function": trace_function,
-                                        "trace_event": trace_event,
-                                        "build_sglang_meta_trace_attrs": build_sglang_meta_trace_attrs},
-    "slime.rollout.rm_hub": {"async_rm": async_rm, "batched_async_rm": batched_async_rm, "remote_rm": remote_rm,
-                             "get_deepscaler_rule_based_reward": get_deepscaler_rule_based_reward,
-                             "f1_score": f1_score, "compute_gpqa_reward": compute_gpqa_reward,
-                             "compute_score_dapo": compute_score_dapo, "extract_boxed_answer": extract_boxed_answer,
-                             "grade_answer_verl": grade_answer_verl},
-    "slime.rollout.rm_hub.math_utils": {"extract_answer": extract_boxed_answer, "grade_answer_verl": grade_answer_verl},
-    "slime.rollout.rm_hub.math_dapo_utils": {"compute_score": compute_score_dapo},
-    "slime.rollout.rm_hub.deepscaler": {"get_deepscaler_rule_based_reward": get_deepscaler_rule_based_reward},
-    "slime.rollout.rm_hub.f1": {"f1_score": f1_score, "normalize_answer": _normalize},
-    "slime.rollout.rm_hub.gpqa": {"compute_gpqa_reward": compute_gpqa_reward},
-    "slime.utils.mask_utils": {"MultiTurnLossMaskGenerator": MultiTurnLossMaskGenerator,
-                               "get_response_lengths": get_response_lengths},
-    "slime.rollout.sft_rollout": {"generate_rollout": sft_generate_rollout},
-    "slime.utils.processing_utils": {"load_tokenizer": load_tokenizer, "load_processor": load_processor,
-                                     "build_processor_kwargs": build_processor_kwargs,
-                                     "encode_image_for_rollout_engine": encode_image_for_rollout_engine},
-}

@@ -7,7 +7,6 @@
 - ``async_loop`` (``--async-mode`` or ``inverted train-async``): rollout never stops; each step
   trains on the next batch within ``--max-weight-staleness`` while episodes run on.
 - ``rollouts``: what both loops share: calling the rollout function, its metrics, evaluation.
-- ``slime_args``: the flags of slime's ``train.py`` given beyond inverted's, acted on before anything starts.
 
 ``run`` checks everything first (config, plug-ins, datasets, the output directory), then
 ``drive`` runs either loop the same way: resume (the servers get the checkpoint's weights; a LoRA
@@ -21,6 +20,7 @@ end, then a Hugging Face export (``OUTPUT_DIR/hf``) and ``reward.png``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Callable
@@ -28,33 +28,29 @@ from typing import Callable
 import yaml
 
 from inverted.buffer.filters import load_group_chooser, load_group_filter
-from inverted.compat.slime_flags import SlimeFlags
-from inverted.config import JobConfig, to_flags
-from inverted.controller import slime_args
+from inverted.config import JobConfig, plugin_flags, to_flags
 from inverted.controller.async_loop import AsyncLoop
 from inverted.controller.job import Job, Plugins
-from inverted.controller.rollouts import checkpoint_dir, evaluate, read_prompts, summary
+from inverted.controller.rollouts import checkpoint_dir, evaluate, job_flags, read_prompts, summary
 from inverted.controller.sync_loop import SyncLoop
 from inverted.errors import ConfigError
 from inverted.metrics import MetricsSink, build_metrics_sink, plot_rewards
 from inverted.plugins import LossPlugins
 from inverted.processes import freeze_startup_heap
-from inverted.rollout.servers import resolve_backend
 
 logger = logging.getLogger(__name__)
 
 
-def run(cfg: JobConfig, router_args: list[str], sglang_args: list[str], log_setup: Callable[[str], None],
-        slime: SlimeFlags | None = None) -> None:
-    """``inverted train``: check everything, then run the loop with every part started. ``slime``: the
-    flags of slime's train.py given beyond inverted's (``controller.slime_args``)."""
-    sglang_args = slime_args.apply(cfg, slime, sglang_args, resolve_backend(cfg.servers))
+def run(cfg: JobConfig, router_args: list[str], sglang_args: list[str], process_setup: Callable[[str], None]) -> None:
+    """``inverted train``: check everything, then run the loop with every part started.
+    ``process_setup(role)``: what each process the job starts on Ray runs first (the entry point's
+    logging and plug-in adapters)."""
     cfg.validate()
     checkpoint = Path(cfg.train.hf_checkpoint)
     if not (checkpoint / "config.json").is_file():  # never taken for a hub id: nothing is downloaded
         raise ConfigError(f"--hf-checkpoint {checkpoint}: not a Hugging Face checkpoint directory (no config.json)")
-    plugins = Plugins.load(cfg.rollout)
-    LossPlugins.load(cfg.train.loss)  # the trainer's and the buffer's plug-ins load in their own processes:
+    plugins = Plugins.load(cfg.rollout, job_flags(cfg))
+    LossPlugins.load(cfg.train.loss, plugin_flags(cfg.train))  # the trainer's and the buffer's load in their own processes:
     load_group_filter(cfg.buffer), load_group_chooser(cfg.buffer)  # check them here, before any starts
     for data in (cfg.buffer.prompt_data, cfg.rollout.eval_prompt_data if cfg.rollout.eval_interval else None):
         if data:  # a dataset the buffer would refuse fails here, before any process starts
@@ -65,13 +61,13 @@ def run(cfg: JobConfig, router_args: list[str], sglang_args: list[str], log_setu
                           f"{checkpoint_dir(cfg.train)}, or choose another --output-dir")
     run_dir.mkdir(parents=True, exist_ok=True)
     # The resolved flags, by section: each section's keys are a --config file of its command.
-    resolved = {name: to_flags(getattr(cfg, name)) for name in ("train", "rollout", "buffer", "proxy", "servers")}
+    resolved = {f.name: to_flags(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
     (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
-    asyncio.run(run_job(cfg, plugins, router_args, sglang_args, log_setup))
+    asyncio.run(run_job(cfg, plugins, router_args, sglang_args, process_setup))
 
 
 async def run_job(cfg: JobConfig, plugins: Plugins, router_args: list[str], sglang_args: list[str],
-                  log_setup: Callable[[str], None]) -> None:
+                  process_setup: Callable[[str], None]) -> None:
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     sink = build_metrics_sink(cfg.train.output_dir)
@@ -79,7 +75,7 @@ async def run_job(cfg: JobConfig, plugins: Plugins, router_args: list[str], sgla
     try:
         # Log lines go above the progress bar instead of through it.
         with logging_redirect_tqdm():
-            async with Job(cfg, router_args, sglang_args, log_setup) as job:
+            async with Job(cfg, router_args, sglang_args, process_setup) as job:
                 freeze_startup_heap()
                 await job.run_supervised(drive(cfg, job, plugins, sink, run_dir))
     finally:
@@ -105,7 +101,7 @@ async def drive(cfg: JobConfig, job: Job, plugins: Plugins, sink: MetricsSink, r
     start = job.trainer.rollout_id if job.trainer else 0
     if start or (job.lora and job.trainer):  # resumed: the servers hold the starting weights; LoRA: no adapter yet
         await job.sync_weights(start)
-    loop = AsyncLoop(cfg, job, plugins, start) if cfg.rollout.async_mode else SyncLoop(cfg, job, plugins)
+    loop = AsyncLoop(cfg, job, plugins, start) if cfg.loop.async_mode else SyncLoop(cfg, job, plugins)
     evaluating = bool(cfg.rollout.eval_interval)
     if evaluating and start == 0:  # the starting policy, so that every later figure has its baseline
         await evaluate_and_log(cfg, job, plugins, sink, 0)

@@ -45,7 +45,7 @@ class AsyncLoop:
         rollout = cfg.rollout
         self.group_size = cfg.buffer.n_samples_per_prompt
         self.batch_groups = rollout.rollout_batch_size
-        self.staleness = rollout.max_weight_staleness
+        self.staleness = cfg.loop.max_weight_staleness
         self.max_groups_running = max(1, rollout.rollout_concurrency // self.group_size)
         self.first_version = job.version
         self.step_id = start
@@ -141,6 +141,6 @@ class AsyncLoop:
             "async/staleness_max": float(max(batch.staleness)), "async/groups_running": float(len(self.running))}
         metrics |= await job.train(batch.samples)
         clock["trained"] = time.perf_counter()
-        metrics |= await sync_when_due(cfg.rollout.update_weights_interval, job, rollout_id, clock)
+        metrics |= await sync_when_due(cfg.loop.update_weights_interval, job, rollout_id, clock)
         self.wake.set()  # a step taken and (maybe) a new version: room for more groups
         return await step_row(job, metrics, clock)

@@ -41,7 +41,8 @@ from inverted.buffer.client import BufferClient
 from inverted.config import JobConfig, RolloutConfig, flag_name, to_flags
 from inverted.errors import ConfigError, PluginError
 from inverted.placement import node_resource, ray_launch, start_ray
-from inverted.plugins import Keywords, RewardModel, RolloutFunction, load_optional, load_rollout_function, required_flags
+from inverted.plugins import (Keywords, RewardModel, RolloutFunction, load_hook, load_optional, load_rollout_function,
+                              required_flags)
 from inverted.processes import ManagedProcess, free_port
 from inverted.rollout.servers import ROUTED_EXPERTS_ARGV, RolloutServers, ServerHandle, lora_argv
 from inverted.rollout.sglang_client import SGLangClient, ServerKeys
@@ -58,30 +59,29 @@ SINGLE_TURN = "rollout_functions.single_turn:generate_rollout"
 
 @dataclasses.dataclass(slots=True)
 class Plugins:
-    """The user code the job's controller runs, loaded (and checked) before any process starts."""
+    """The user code the job's controller runs, loaded (and checked) before any process starts, each
+    as its hook (``inverted.plugins``; slime's forms come adapted)."""
 
     rollout: RolloutFunction
     env: Callable | None = None
     reward: RewardModel | None = None
-    generate: Callable | None = None  # slime's custom generate, run inside single_turn
+    generate: Callable | None = None  # (ctx, sample, sampling_params) -> Samples, run inside single_turn
     evaluate: RolloutFunction | None = None  # --eval-function-path (else the rollout function)
-    sample_filter: Callable | None = None  # slime's (args, groups) -> None, setting remove_sample
-    rollout_log: Callable | None = None  # slime's (rollout_id, args, samples, extra_metrics, time) -> bool
-    eval_log: Callable | None = None  # slime's (rollout_id, args, data, extra_metrics) -> bool
+    sample_filter: Callable | None = None  # (groups) -> None, setting Sample.remove_sample
+    rollout_log: Callable | None = None  # (rollout_id, samples, metrics, seconds) -> bool
+    eval_log: Callable | None = None  # (rollout_id, data, metrics) -> bool
 
     @classmethod
-    def load(cls, cfg: RolloutConfig) -> "Plugins":
+    def load(cls, cfg: RolloutConfig, flags: dict[str, Any] | None = None) -> "Plugins":
+        """``flags``: every flag of the job by name, for the adapters of other frameworks' plug-ins."""
         env = load_optional(cfg.env_path, flag="--env-path", params=["task", "client"],
                             keywords=Keywords(json.loads(cfg.env_args or "{}"), "--env-args"),
                             guard=False)  # an environment's exception fails its episode only
         if env is not None and not inspect.iscoroutinefunction(env):
             raise PluginError(f"--env-path={cfg.env_path!r}: expected 'async def {getattr(env, '__name__', 'episode')}"
                               "(task, client) -> reward'")
-        generate = load_optional(cfg.custom_generate_function_path, flag="--custom-generate-function-path",
-                                 params=["args", "sample", "sampling_params"])
-        if generate is not None and not inspect.iscoroutinefunction(generate):
-            raise PluginError(f"--custom-generate-function-path={cfg.custom_generate_function_path!r}: expected "
-                              f"'async def {generate.__name__}(args, sample, sampling_params) -> Sample | list[Sample]'")
+        generate = load_hook(cfg.custom_generate_function_path, point="generate",
+                             flag="--custom-generate-function-path", flags=flags)
         path = cfg.rollout_function_path
         if generate is not None:  # as in slime, a custom generate runs inside the default rollout
             default = RolloutConfig.__dataclass_fields__["rollout_function_path"].default
@@ -89,22 +89,23 @@ class Plugins:
                 raise ConfigError(f"--custom-generate-function-path runs inside {SINGLE_TURN} (slime's default "
                                   f"rollout), not inside --rollout-function-path {path}")
             path = SINGLE_TURN
-        rollout = load_rollout_function(path)
+        rollout = load_rollout_function(path, flags=flags)
         for name in required_flags(rollout):
             if not getattr(cfg, name) and not (name == "custom_rm_path" and generate is not None):
                 raise ConfigError(f"--rollout-function-path {path} needs {flag_name(name)}")
         return cls(
             rollout, env, generate=generate,
-            reward=RewardModel.load(cfg.custom_rm_path, cfg.group_rm) if cfg.custom_rm_path else None,
-            evaluate=(load_rollout_function(cfg.eval_function_path, "--eval-function-path")
+            reward=RewardModel.load(cfg.custom_rm_path, cfg.group_rm, flags) if cfg.custom_rm_path else None,
+            evaluate=(load_rollout_function(cfg.eval_function_path, "--eval-function-path", flags)
                       if cfg.eval_function_path else None),
-            sample_filter=load_optional(cfg.rollout_sample_filter_path, flag="--rollout-sample-filter-path",
-                                        params=["args", "groups"]),
-            rollout_log=load_optional(cfg.custom_rollout_log_function_path, flag="--custom-rollout-log-function-path",
-                                      params=["rollout_id", "args", "samples", "rollout_extra_metrics", "rollout_time"]),
-            eval_log=load_optional(cfg.custom_eval_rollout_log_function_path,
-                                   flag="--custom-eval-rollout-log-function-path",
-                                   params=["rollout_id", "args", "data", "extra_metrics"]))
+            sample_filter=load_hook(cfg.rollout_sample_filter_path, point="sample_filter",
+                                    flag="--rollout-sample-filter-path", forms={"ours": ["groups"]}, flags=flags),
+            rollout_log=load_hook(cfg.custom_rollout_log_function_path, point="rollout_log",
+                                  flag="--custom-rollout-log-function-path",
+                                  forms={"ours": ["rollout_id", "samples", "metrics", "seconds"]}, flags=flags),
+            eval_log=load_hook(cfg.custom_eval_rollout_log_function_path, point="eval_log",
+                               flag="--custom-eval-rollout-log-function-path",
+                               forms={"ours": ["rollout_id", "data", "metrics"]}, flags=flags))
 
 
 def _worker_id(run_dir: Path) -> str:
@@ -132,12 +133,13 @@ def spawn_service(command: str, section: Any, run_dir: Path, url: str) -> Manage
 class Job:
     """Every running part of one ``inverted train``; ``async with Job(...)`` starts and stops them."""
 
-    def __init__(self, cfg: JobConfig, router_args: list[str], sglang_args: list[str], log_setup: Callable[[str], None]):
-        self.cfg, self.router_args, self.sglang_args, self.log_setup = cfg, router_args, sglang_args, log_setup
+    def __init__(self, cfg: JobConfig, router_args: list[str], sglang_args: list[str], process_setup: Callable[[str], None]):
+        self.cfg, self.router_args, self.sglang_args, self.process_setup = cfg, router_args, sglang_args, process_setup
         self.run_dir = Path(cfg.train.output_dir)
         self.processes: list[ManagedProcess] = []
         self.trainer = None
         self.version = 0  # the weight version the servers hold (the trainer's step at its last sync)
+        self.weight_version = "default"  # the same as the servers name it (SGLang's before any update)
         self.lora = _lora_config(cfg)  # a LoRA run's adapter: the servers serve it as the policy
         self.adapter = POLICY_ADAPTER if self.lora else None  # what every policy call names (SGLang's lora_path)
         self._pushed_to: list[str] = []  # the servers of the latest weight update
@@ -164,7 +166,7 @@ class Job:
         buffer_cfg = dataclasses.replace(cfg.buffer, db=str(self.run_dir / "buffer.db"), port=port, api_key=key)
         buffer = spawn_service("buffer", buffer_cfg, self.run_dir, f"http://127.0.0.1:{port}")
         self.processes.append(buffer)
-        start_ray(cfg.rollout.ray_address)  # while the buffer boots
+        start_ray(cfg.loop.ray_address)  # while the buffer boots
         await asyncio.to_thread(buffer.wait_healthy, timeout)
         self.buffer = await self._stack.enter_async_context(BufferClient(buffer.url, api_key=key))
         self.worker_id = _worker_id(self.run_dir)
@@ -177,14 +179,14 @@ class Job:
         # router key: no one else can add a worker of their own to the job, or generate through it.
         servers_cfg = dataclasses.replace(cfg.servers, log_dir=str(self.run_dir / "logs"), admin_api_key=self.engine_key,
                                           router_api_key=self.router_key)
-        gpus = cfg.servers.rollout_num_gpus_per_engine * (0.5 if cfg.rollout.colocate else 1.0)
+        gpus = cfg.servers.rollout_num_gpus_per_engine * (0.5 if cfg.loop.colocate else 1.0)
         # Without a trainer no sync brings the adapter: the servers load it themselves.
         lora = lora_argv(self.lora.rank, list(self.lora.modules),
                          cfg.train.lora.lora_adapter_path if cfg.rollout.debug_rollout_only else None) if self.lora else []
         replay = cfg.train.moe.use_rollout_routing_replay  # the servers return each token's experts, the proxy keeps them
         self.servers = RolloutServers(servers_cfg, self.router_args, self.sglang_args,
                                       flags=lora + (ROUTED_EXPERTS_ARGV if replay else []),
-                                      launch=ray_launch(gpus if _has_cuda() else 0, cfg.rollout.ray_address is None,
+                                      launch=ray_launch(gpus if _has_cuda() else 0, cfg.loop.ray_address is None,
                                                         cfg.servers.rollout_node_resource, cfg.servers.startup_timeout))
         port, self.proxy_key = free_port(), secrets.token_urlsafe(24)
         proxy_cfg = dataclasses.replace(cfg.proxy, router_url=self.servers.router_url, tokenizer=cfg.train.hf_checkpoint,
@@ -201,7 +203,7 @@ class Job:
     def _start_trainer(self) -> None:
         from inverted.train.actor import TrainGroup
 
-        self.trainer = TrainGroup(self.cfg.train, self.log_setup, gpu_fraction=0.5 if self.cfg.rollout.colocate else 1.0,
+        self.trainer = TrainGroup(self.cfg.train, self.process_setup, gpu_fraction=0.5 if self.cfg.loop.colocate else 1.0,
                                   node=node_resource(self.cfg.train.parallel.actor_node_resource))
 
     async def __aexit__(self, *exc: object) -> None:
@@ -219,7 +221,7 @@ class Job:
             self.servers.stop()
         for process in reversed(self.processes):
             process.terminate()
-        if self.cfg.rollout.ray_address is None:
+        if self.cfg.loop.ray_address is None:
             ray.shutdown()
 
     # -- the trainer -----------------------------------------------------------------------
@@ -259,7 +261,7 @@ class Job:
             # for it (with the previous version's weights) must get this one too.
             self._pushed_to = self.servers.engine_urls
             report = await asyncio.to_thread(self.trainer.sync_weights, self._pushed_to, version, self.server_keys)
-            self.version = version
+            self.version, self.weight_version = version, str(version)
         return report
 
     # -- supervision -----------------------------------------------------------------------

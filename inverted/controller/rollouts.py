@@ -8,16 +8,16 @@ step: ``sync_when_due`` (every ``--update-weights-interval`` steps) and ``step_r
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
 
 from inverted.buffer.datasets import load_prompts
-from inverted.compat import slime
-from inverted.config import BufferConfig, JobConfig, TrainConfig, to_flags
+from inverted.config import BufferConfig, JobConfig, TrainConfig, plugin_flags
 from inverted.controller.job import Job, Plugins
 from inverted.errors import PluginError
-from inverted.plugins import RolloutContext
+from inverted.plugins import DUMP_FORMATS, RolloutContext
 from inverted.types import Sample, Task, reward_number
 
 USABLE = (Sample.Status.COMPLETED, Sample.Status.TRUNCATED)
@@ -33,8 +33,8 @@ def checkpoint_dir(train: TrainConfig) -> str:
 
 
 def context(cfg: JobConfig, job: Job, plugins: Plugins, rollout_id: int, evaluation: bool = False) -> RolloutContext:
-    """What a rollout function gets: its section, the services' addresses, sampling, and slime's ``args``
-    (every flag of the job, by name)."""
+    """What a rollout function gets: its section, the services' addresses, sampling, the version serving,
+    and every flag of the job by name (from which adapters build other frameworks' ``args``)."""
     temperature = cfg.rollout.eval_temperature if evaluation else cfg.rollout.rollout_temperature
     sampling = {"temperature": temperature, "top_p": cfg.rollout.rollout_top_p if temperature else 1.0,
                 "max_tokens": cfg.rollout.rollout_max_response_len}
@@ -42,17 +42,16 @@ def context(cfg: JobConfig, job: Job, plugins: Plugins, rollout_id: int, evaluat
                           router_url=job.servers.router_url, hf_checkpoint=cfg.train.hf_checkpoint,
                           chat_template=cfg.proxy.chat_template, sampling=sampling,
                           env=plugins.env, generate=plugins.generate, evaluation=evaluation,
-                          slime_args=slime_args(cfg, job.servers.router_url, job.servers.config.router_api_key),
+                          flags=job_flags(cfg), weight_version=job.weight_version, async_mode=cfg.loop.async_mode,
                           lora_path=job.adapter,
                           routed_experts=cfg.train.moe.use_rollout_routing_replay,
                           router_api_key=job.servers.config.router_api_key,
                           router_admin_api_key=job.servers.config.admin_api_key)
 
 
-def slime_args(cfg: JobConfig, router_url: str | None = None, router_api_key: str | None = None) -> slime.SlimeArgs:
-    """Every flag of the job under slime's names (slime plug-ins' ``args``), with the router's address and key."""
-    return slime.SlimeArgs.of(*(to_flags(part) for part in (cfg.train, cfg.rollout, cfg.buffer, cfg.servers)),
-                              router_url=router_url, router_api_key=router_api_key)
+def job_flags(cfg: JobConfig) -> dict[str, Any]:
+    """Every flag of the job by name (``config.plugin_flags``)."""
+    return plugin_flags(*(getattr(cfg, f.name) for f in dataclasses.fields(cfg)))
 
 
 async def run_rollout(ctx: RolloutContext, plugins: Plugins, tasks: list[Task]) -> list[Sample]:
@@ -61,8 +60,7 @@ async def run_rollout(ctx: RolloutContext, plugins: Plugins, tasks: list[Task]) 
     function, where = ((plugins.evaluate, f"--eval-function-path {ctx.config.eval_function_path}")
                        if ctx.evaluation and plugins.evaluate else
                        (plugins.rollout, f"--rollout-function-path {ctx.config.rollout_function_path}"))
-    with slime.generating_with(ctx.lora_path, ctx.router_url, ctx.router_api_key):  # slime plug-ins call the router through compat's post
-        samples = await function(ctx, tasks)
+    samples = await function(ctx, tasks)
     if not isinstance(samples, list) or not all(isinstance(s, Sample) for s in samples):
         raise PluginError(f"{where}: expected a list of Samples, got {type(samples).__name__}")
     by_key = {(s.group_index, s.index): s for s in samples}
@@ -72,7 +70,7 @@ async def run_rollout(ctx: RolloutContext, plugins: Plugins, tasks: list[Task]) 
                           f"{len(samples)}; tasks without one (group_index, index): {missing[:5]}")
     ordered = [by_key[(t.group_index, t.index)] for t in tasks]
     if plugins.reward is not None:
-        await plugins.reward.score(ordered, ctx.slime_args)
+        await plugins.reward.score(ctx, ordered)
     return ordered
 
 
@@ -80,35 +78,30 @@ def take_batch(cfg: JobConfig, plugins: Plugins, rollout_id: int, samples: list[
                seconds: float) -> dict[str, float]:
     """What both loops do with a batch before training: the sample filter, the debug dump, the
     metrics (and a slime rollout log function's say over them)."""
-    args = slime_args(cfg)
-    filter_samples(plugins, args, trained)
-    save_rollout_data(cfg.rollout.save_debug_rollout_data, rollout_id, trained, args)
-    return log_rollout(plugins, args, rollout_id, trained, rollout_metrics(cfg.train.loss.reward_key, samples, trained),
+    filter_samples(plugins, trained)
+    save_rollout_data(cfg.rollout.save_debug_rollout_data, rollout_id, trained, job_flags(cfg))
+    return log_rollout(plugins, rollout_id, trained, rollout_metrics(cfg.train.loss.reward_key, samples, trained),
                        seconds)
 
 
-def filter_samples(plugins: Plugins, args: Any, samples: list[Sample]) -> None:
-    """``--rollout-sample-filter-path``: slime's ``(args, groups)`` marks Samples ``remove_sample``;
-    the mark travels in their metadata, and the trainer leaves them out of the loss."""
+def filter_samples(plugins: Plugins, samples: list[Sample]) -> None:
+    """``--rollout-sample-filter-path`` sees the batch by group and sets ``remove_sample`` on the Samples
+    the trainer is to leave out of the loss."""
     if plugins.sample_filter is None:
         return
-    groups: dict[Any, list[tuple[Sample, Any]]] = {}
+    groups: dict[Any, list[Sample]] = {}
     for sample in samples:
-        groups.setdefault(sample.group_index, []).append((sample, slime.from_inverted(sample, args=args)))
-    plugins.sample_filter(args, [[view for _, view in group] for group in groups.values()])
-    for sample, view in (pair for group in groups.values() for pair in group):
-        if view.remove_sample:
-            sample.metadata["remove_sample"] = True
+        groups.setdefault(sample.group_index, []).append(sample)
+    plugins.sample_filter(list(groups.values()))
 
 
-def log_rollout(plugins: Plugins, args: Any, rollout_id: int, samples: list[Sample], metrics: dict[str, float],
+def log_rollout(plugins: Plugins, rollout_id: int, samples: list[Sample], metrics: dict[str, float],
                 seconds: float) -> dict[str, float]:
     """``--custom-rollout-log-function-path`` sees the rollout; if it returns True, the default
     ``rollout/*`` metrics are left out of the row (slime: it did the logging itself)."""
     if plugins.rollout_log is None:
         return metrics
-    views = [slime.from_inverted(s, args=args) for s in samples]
-    if plugins.rollout_log(rollout_id, args, views, dict(metrics), seconds):
+    if plugins.rollout_log(rollout_id, samples, dict(metrics), seconds):
         return {k: v for k, v in metrics.items() if not k.startswith("rollout/")}
     return metrics
 
@@ -179,22 +172,18 @@ async def buffer_metrics(job: Job) -> dict[str, float]:
         "buffer/groups_waiting": float(stats["groups"]["complete"])}
 
 
-def save_rollout_data(template: str | None, rollout_id: int, samples: list[Sample], args: Any = None) -> None:
+def save_rollout_data(template: str | None, rollout_id: int, samples: list[Sample], flags: dict[str, Any]) -> None:
     """``--save-debug-rollout-data TEMPLATE``: what this rollout trains on, in the form
-    ``--load-debug-rollout-data`` reads: one Sample per line (jsonl), or, for a ``.pt`` path, slime's
-    dump (``torch.save`` of ``{"rollout_id", "samples": [slime Sample.to_dict()]}``, which slime's
-    ``--load-debug-rollout-data`` and ``forge_load`` read)."""
+    ``--load-debug-rollout-data`` reads: one Sample per line (jsonl), or another framework's dump by
+    the path's suffix (``plugins.DUMP_FORMATS``: ``.pt``, slime's)."""
     import orjson
 
     if not template:
         return
     path = Path(template.format(rollout_id=rollout_id))
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix == ".pt":
-        import torch
-
-        torch.save({"rollout_id": rollout_id,
-                    "samples": [slime.from_inverted(s, cls=slime.Sample, args=args).to_dict() for s in samples]}, path)
+    if path.suffix in DUMP_FORMATS:
+        DUMP_FORMATS[path.suffix].write(path, rollout_id, samples, flags)
         return
     mode = "wb" if "{rollout_id}" in template or rollout_id == 0 else "ab"
     with path.open(mode) as out:
@@ -215,12 +204,11 @@ async def evaluate(cfg: JobConfig, job: Job, plugins: Plugins, rollout_id: int) 
     metrics = {"eval/reward_mean": mean(rewards), "eval/pass_rate": mean([float(r >= 1.0) for r in rewards]),
                "eval/failed": float(len(samples) - len(rewards))}
     metrics |= episode_metrics("eval", [s for s in samples if s.status != Sample.Status.FAILED])
-    if plugins.eval_log is not None:  # slime's data: {dataset: {rewards, truncated, samples}}
+    if plugins.eval_log is not None:  # {dataset: {rewards, truncated, samples}}, as slime's
         usable = [s for s in samples if s.status != Sample.Status.FAILED]
         data = {Path(cfg.rollout.eval_prompt_data).stem: {
-            "rewards": rewards, "truncated": [s.status == Sample.Status.TRUNCATED for s in usable],
-            "samples": [slime.from_inverted(s, args=ctx.slime_args) for s in usable]}}
-        if plugins.eval_log(rollout_id, ctx.slime_args, data, dict(metrics)):
+            "rewards": rewards, "truncated": [s.status == Sample.Status.TRUNCATED for s in usable], "samples": usable}}
+        if plugins.eval_log(rollout_id, data, dict(metrics)):
             return {}
     return metrics
 

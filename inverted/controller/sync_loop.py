@@ -52,7 +52,7 @@ class SyncLoop:
         clock["rolled_out"] = time.perf_counter()
         await job.buffer.submit(list(zip(tasks, samples)))
         batch = await job.buffer.next_batch(num_groups=cfg.rollout.rollout_batch_size, current_weight_version=rollout_id,
-                                            max_weight_staleness=cfg.rollout.max_weight_staleness, allow_partial=True)
+                                            max_weight_staleness=cfg.loop.max_weight_staleness, allow_partial=True)
         clock["batched"] = time.perf_counter()
         metrics = take_batch(cfg, self.plugins, rollout_id, samples, batch.samples, clock["rolled_out"] - clock["leased"])
         failed = [s for s in samples if s.status == Sample.Status.FAILED]
@@ -60,13 +60,13 @@ class SyncLoop:
             logger.warning("rollout %d: %d of %d episodes failed (never trained on); the first: %s", rollout_id,
                            len(failed), len(samples), failed[0].metadata.get("error", "?"))
         if job.trainer is not None and batch.samples:
-            if cfg.rollout.colocate:
+            if cfg.loop.colocate:
                 await job.all_servers("release_memory_occupation")
             metrics |= await job.train(batch.samples)
-            if cfg.rollout.colocate:
+            if cfg.loop.colocate:
                 await job.all_servers("resume_memory_occupation")
             clock["trained"] = time.perf_counter()
-            metrics |= await sync_when_due(cfg.rollout.update_weights_interval, job, rollout_id, clock)
+            metrics |= await sync_when_due(cfg.loop.update_weights_interval, job, rollout_id, clock)
         elif job.trainer is not None:  # every group failed or was filtered: nothing to learn, the weights stay
             logger.info("rollout %d: no group to train on; the policy stays at version %d", rollout_id, job.version)
             await job.trainer_call("skip", rollout_id)

@@ -41,14 +41,14 @@ class TrainActor:
 
         return ray.util.get_node_ip_address(), get_free_port()
 
-    def setup(self, cfg: TrainConfig, rank: int, address: tuple[str, int], log_setup: Callable[[str], None]) -> int:
+    def setup(self, cfg: TrainConfig, rank: int, address: tuple[str, int], process_setup: Callable[[str], None]) -> int:
         import torch
 
         from inverted.train.checkpoint import load_checkpoint
         from inverted.train.parallel import init_parallel
         from inverted.train.trainer import Trainer
 
-        log_setup(f"train r{rank}")
+        process_setup(f"train r{rank}")
         local = ray.get_gpu_ids()
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(cfg.parallel.world_size), MASTER_ADDR=address[0],
                           MASTER_PORT=str(address[1]), LOCAL_RANK="0" if local else str(rank))
@@ -106,7 +106,7 @@ class TrainActor:
 class TrainGroup:
     """``cfg.parallel.world_size`` ``TrainActor``s in one placement group; call like a single trainer."""
 
-    def __init__(self, cfg: TrainConfig, log_setup: Callable[[str], None], gpu_fraction: float = 1.0,
+    def __init__(self, cfg: TrainConfig, process_setup: Callable[[str], None], gpu_fraction: float = 1.0,
                  node: dict[str, float] | None = None) -> None:
         """``node``: custom resources each rank's node must offer (``placement.node_resource``)."""
         import torch
@@ -127,7 +127,7 @@ class TrainGroup:
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=rank),
         ).remote() for rank in range(cfg.parallel.world_size)]
         address = ray.get(self.actors[0].rendezvous.remote())
-        self.rollout_id: int = ray.get([actor.setup.remote(cfg, rank, address, log_setup)
+        self.rollout_id: int = ray.get([actor.setup.remote(cfg, rank, address, process_setup)
                                         for rank, actor in enumerate(self.actors)])[0]
 
     def _all(self, method: str, *args: Any) -> Any:

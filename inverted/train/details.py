@@ -50,13 +50,15 @@ class Detail:
                 self.log_probs.astype("<f4").tobytes(), self.advantages.astype("<f4").tobytes())
 
 
-def summarise(log_probs: np.ndarray, rollout: np.ndarray, advantages: np.ndarray,
+def summarise(log_probs: np.ndarray, rollout: np.ndarray | None, advantages: np.ndarray,
               mask: np.ndarray) -> tuple[float | None, float | None]:
-    """(mismatch, mean advantage) over the tokens in the loss; None where no token is."""
+    """(mismatch, mean advantage) over the tokens in the loss; None where no token is, and no
+    mismatch where the sampler recorded no log-probs (``rollout`` None)."""
     on = mask.astype(bool)
     if not on.any():
         return None, None
-    return float(np.abs(log_probs[on] - rollout[on]).mean()), float(advantages[on].mean())
+    mismatch = None if rollout is None else float(np.abs(log_probs[on] - rollout[on]).mean())
+    return mismatch, float(advantages[on].mean())
 
 
 class DetailsWriter:

@@ -1,8 +1,8 @@
 """``inverted train --debug-train-only``: learn from saved rollout data, with no rollout servers.
 
 The data is jsonl, one Sample per line in its JSON form (``types.py``): exactly what
-``--save-debug-rollout-data`` writes on the rollout side; or, for a ``.pt`` path, slime's rollout
-dump (slime's own runs write it, and ours for a ``.pt`` path). A ``{rollout_id}`` in the path picks
+``--save-debug-rollout-data`` writes on the rollout side; or another framework's dump, by the
+suffix an adapter registered (``plugins.DUMP_FORMATS``: ``.pt``, slime's). A ``{rollout_id}`` in the path picks
 one file per rollout; without it every rollout trains on the same file. Rank 0 writes one JSON
 object per rollout to ``OUT/metrics.jsonl`` (and TensorBoard), and checkpoints follow
 ``--save`` / ``--save-interval``; ``--load`` resumes where a run stopped.
@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import json
 import logging
-import pickle
 from pathlib import Path
+from typing import Callable
 
 import torch
 import yaml
 
-from inverted.compat import slime
 from inverted.config import TrainConfig, to_flags
 from inverted.errors import SampleError
+from inverted.plugins import DUMP_FORMATS
 from inverted.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -28,8 +28,8 @@ logger = logging.getLogger(__name__)
 
 def read_rollout_data(template: str, rollout_id: int) -> list[Sample]:
     path = Path(template.format(rollout_id=rollout_id))
-    if path.suffix == ".pt":
-        return read_slime_dump(path)
+    if path.suffix in DUMP_FORMATS:
+        return DUMP_FORMATS[path.suffix].read(path)
     try:
         lines = path.read_bytes().splitlines()
     except OSError as exc:
@@ -48,30 +48,9 @@ def read_rollout_data(template: str, rollout_id: int) -> list[Sample]:
     return samples
 
 
-def read_slime_dump(path: Path) -> list[Sample]:
-    """slime's rollout dump (its ``--save-debug-rollout-data`` with a ``.pt`` path, or ours): read
-    with ``weights_only``, so a dump cannot run code."""
-    try:
-        dump = torch.load(path, weights_only=True)
-        views = [slime.Sample.from_dict(data) for data in dump["samples"]]
-    except OSError as exc:
-        raise SampleError(f"--load-debug-rollout-data {path}: cannot read: {exc}") from None
-    except (RuntimeError, pickle.UnpicklingError, KeyError, TypeError, ValueError) as exc:
-        raise SampleError(f"--load-debug-rollout-data {path}: not a slime rollout dump "
-                          f"({{'rollout_id', 'samples': [...]}}): {exc}") from None
-    samples = []
-    for number, view in enumerate(views):
-        try:
-            sample = slime.to_inverted(view)
-            sample.validate()
-        except SampleError as exc:
-            raise SampleError(f"{path}: sample {number}: {exc}") from None
-        samples.append(sample)
-    return samples
-
-
-def run_offline(cfg: TrainConfig) -> None:
-    """Train ``--num-rollout`` rollouts from files, in ``--actor-num-gpus-per-node`` local processes."""
+def run_offline(cfg: TrainConfig, setup: Callable[[], None]) -> None:
+    """Train ``--num-rollout`` rollouts from files, in ``--actor-num-gpus-per-node`` local processes,
+    each first running ``setup`` (the entry point's: the adapters it registers)."""
     from inverted.train.parallel import spawn
 
     cfg.validate()
@@ -79,10 +58,10 @@ def run_offline(cfg: TrainConfig) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(to_flags(cfg), sort_keys=False))  # a --config file
     read_rollout_data(cfg.load_debug_rollout_data, 0)  # fail on unreadable data before any process starts
-    spawn(train_worker, cfg.parallel.world_size, cfg)
+    spawn(train_worker, cfg.parallel.world_size, cfg, setup)
 
 
-def train_worker(cfg: TrainConfig) -> None:
+def train_worker(cfg: TrainConfig, setup: Callable[[], None]) -> None:
     from tqdm import tqdm
 
     from inverted.metrics import build_metrics_sink
@@ -90,6 +69,7 @@ def train_worker(cfg: TrainConfig) -> None:
     from inverted.train.parallel import init_parallel, shutdown_parallel
     from inverted.train.trainer import Trainer
 
+    setup()
     init_parallel(cfg.parallel, cfg.seed)
     rank = torch.distributed.get_rank()
     sink = build_metrics_sink(cfg.output_dir) if rank == 0 else None

@@ -9,7 +9,7 @@
 3. A no-grad pass computes what the update needs from the *unchanged* policy: old log-probs (only
    when there is more than one optimizer step or distillation needs them; with one,
    ``logp.detach()`` is exactly the old policy) and the reference log-probs for KL.
-4. Advantages for the whole batch, identical on every rank; under slime's on-policy distillation
+4. Advantages for the whole batch, identical on every rank; under on-policy distillation (``--distill``)
    each token's loses the reverse KL to a teacher (``losses.distillation_penalty``). Each token's
    weight version says how far behind the policy it was sampled (its staleness, reported); with
    ``--mask-offpolicy-in-partial-rollout`` the tokens a sample got from weights older than its
@@ -44,13 +44,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from inverted.compat import slime
-from inverted.config import TrainConfig, to_flags
+from inverted.config import TrainConfig, plugin_flags
 from inverted.errors import ModelError, SampleError
 from inverted.hf_checkpoint import ModelSpec, checkpoint_tensors
 from inverted.plugins import LossPlugins
 from inverted.peft_adapter import lora_config, read_adapter
-from inverted.train import details, lora, losses, slime_loss
+from inverted.train import details, lora, losses
 from inverted.train.convert import check_compatible, gather_hf_weights, iter_hf_weights, load_hf_weights, over_pipeline
 from inverted.train.logprobs import token_logprobs_and_entropy
 from inverted.train.model import Parallelism, build_model, use_transformer_engine
@@ -129,8 +128,9 @@ class PerToken:
 # What each micro-batch's loss reports (summed over the rollout; token statistics divided by the
 # loss tokens in the end), and the extremes (maxima; a minimum travels negated).
 LOSS_PARTS = ("loss", "pg_loss", "kl_loss", "entropy_loss")
-TOKEN_STATS = ("clipfrac", "ratio_mean", "tis_mean", "train_rollout_logprob_abs_diff", "kl", "entropy", "token_staleness")
-COUNTS = ("tokens", "fresh_logprob_abs_diff", "fresh_tokens")
+TOKEN_STATS = ("clipfrac", "ratio_mean", "tis_mean", "kl", "entropy", "token_staleness")
+# sums over the tokens of Samples with rollout log-probs (the mismatch metrics), and those tokens
+COUNTS = ("tokens", "fresh_logprob_abs_diff", "fresh_tokens", "train_rollout_logprob_abs_diff", "recorded_tokens")
 MAXIMA = ("ratio_max", "neg_ratio_min", "token_staleness_max")
 
 
@@ -182,11 +182,9 @@ class Trainer:
         self.reference = self._frozen(hf_weights) if cfg.loss.needs_reference and self.lora is None else None
         self.rollout_id = 0  # rollouts trained on so far
         self.optimizer_steps = 0
-        self.plugins = LossPlugins.load(cfg.loss)  # slime's loss plug-ins (train/slime_loss.py)
-        self.slime_args = slime.SlimeArgs.of(to_flags(cfg))
-        # slime's on-policy distillation with the teacher in the trainer (--opd-type megatron)
-        self.teacher = self._frozen(checkpoint_tensors(self.slime_args.opd_teacher_load)) \
-            if self.slime_args.use_opd and self.slime_args.opd_type == "megatron" else None
+        self.plugins = LossPlugins.load(cfg.loss, plugin_flags(cfg))  # the loss hooks (plugins.LossPlugins)
+        # on-policy distillation with the teacher in the trainer (--distill teacher)
+        self.teacher = self._frozen(checkpoint_tensors(cfg.loss.distill_teacher)) if cfg.loss.distill == "teacher" else None
         self.details: details.DetailsWriter | None = None  # opened by rank 0 at its first write
 
     def _frozen(self, hf_weights: dict[str, torch.Tensor]):
@@ -340,11 +338,14 @@ class Trainer:
         plan = self._plan(samples)
         all_mbs = [mb for step in plan for mb in step.micro_batches]
         versions = [torch.tensor([version_number(v) for v in s.weight_versions], dtype=torch.int64) for s in samples]
-        masks = [torch.tensor(s.loss_mask, dtype=torch.float32) * (not s.metadata.get("remove_sample")) for s in samples]
+        masks = [torch.tensor(s.loss_mask, dtype=torch.float32) * (not s.remove_sample) for s in samples]
         if loss.mask_offpolicy_in_partial_rollout:
             masks = [m * (v == v.max()) if len(v) else m for m, v in zip(masks, versions)]
         rewards, teacher_logp = self._rewards(samples)
-        distill = self.slime_args.use_opd
+        distill = loss.distill != "none"
+        # Samples whose sampler recorded no log-probs: the trainer's old log-probs stand in for them, and
+        # what compares the two (TIS, the mismatch metric, KL as reward) leaves them out.
+        unrecorded = [i for i, s in enumerate(samples) if s.rollout_log_probs is None]
 
         if self.replay is not None and cfg.moe.use_rollout_routing_replay:
             self.replay.rollout(samples, [i for step in plan for i in step.indices])
@@ -357,22 +358,24 @@ class Trainer:
         if loss.kl_coef:
             # KL as reward uses the policy that sampled (the rollout log-probs) against the reference.
             kl_reward = self._all_samples(
-                {i: torch.tensor(samples[i].rollout_log_probs) - ref_logp[i].cpu() for i in ref_logp}, len(samples))
+                {i: (torch.tensor(samples[i].rollout_log_probs) - ref_logp[i].cpu() if samples[i].rollout_log_probs
+                     is not None else torch.zeros_like(ref_logp[i].cpu())) for i in ref_logp}, len(samples))
         advantages = losses.compute_advantages(
             loss.advantage_estimator, rewards, [s.group_index for s in samples], masks, kl_reward, loss.kl_coef,
             loss.gamma, std_normalize=not loss.disable_grpo_std_normalization,
-            baseline=self.plugins.reward_post_process is None and self.slime_args.rewards_normalization)
+            baseline=self.plugins.reward_post_process is None and not loss.raw_rewards)
         reverse_kl = None
         if distill:
             if self.teacher is not None:
                 teacher_logp = self._all_samples(self._no_grad_logprobs(self.teacher, all_mbs), len(samples))
             advantages, reverse_kl = losses.distillation_penalty(
-                advantages, self._all_samples(old_logp, len(samples)), teacher_logp, self.slime_args.opd_kl_coef)
+                advantages, self._all_samples(old_logp, len(samples)), teacher_logp, loss.distill_kl_coef)
 
         tokens = PerToken(
             mask=dict(enumerate(masks)), advantage=dict(enumerate(advantages)), old_logp=old_logp, ref_logp=ref_logp,
             staleness={i: (self.rollout_id - v).float() for i, v in enumerate(versions)},
-            rollout_logp={i: torch.tensor(s.rollout_log_probs, dtype=torch.float32) for i, s in enumerate(samples)},
+            rollout_logp={i: torch.tensor(s.rollout_log_probs, dtype=torch.float32) if s.rollout_log_probs is not None
+                          else torch.full((s.response_length,), torch.nan) for i, s in enumerate(samples)},
             recorded={} if cfg.save_train_details else None,
         ).to(self.device)
         reported: list[dict[str, torch.Tensor]] = []
@@ -409,6 +412,7 @@ class Trainer:
             "train/reward_mean": float(rewards.mean()), "train/lr": cfg.optim.lr,
             "train/offpolicy_masked_tokens": float(sum(s.loss_mask.count(1) for s in samples) - sum(m.sum() for m in masks)),
             "train/advantage_mean": float(torch.cat(advantages).mean()) if advantages else 0.0,
+            "train/samples_without_rollout_logprobs": float(len(unrecorded)),
             **({"train/opd_reverse_kl": losses.masked_mean(reverse_kl, masks)} if reverse_kl is not None else {}),
             "perf/train_tokens_per_s": sum(len(s.tokens) for s in samples) / (time.perf_counter() - started),
             "perf/train_step_s": time.perf_counter() - started,
@@ -416,33 +420,24 @@ class Trainer:
         return metrics
 
     def _rewards(self, samples: list[Sample]) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-        """The rewards trained on, and under slime's on-policy distillation with a teacher server
-        (``--use-opd --opd-type sglang``) the teacher's log-probs of each response token, which
-        slime's reward post-process puts on its Samples (``teacher_log_probs``). With a post-process
-        the rewards are its normalised ones, read by it from the raw ones (which need not be
-        numbers: OPD's are the teacher's answer)."""
-        distill = self.slime_args.use_opd
-        views = [slime.from_inverted(s, args=self.slime_args) for s in samples] \
-            if self.plugins.reward_post_process is not None or distill else None
+        """The rewards trained on, and under on-policy distillation from the Samples (``--distill
+        samples``) the teacher's log-prob of each response token (``Sample.teacher_log_probs``, which
+        a reward post-process may set). With a post-process the rewards are its own, read by it from
+        the raw ones (which need not be numbers: distillation's are the teacher's answer)."""
         if self.plugins.reward_post_process is None:
             rewards = [s.scalar_reward(self.cfg.loss.reward_key) for s in samples]
         else:
-            _, rewards = self.plugins.reward_post_process(self.slime_args, views)
+            rewards = self.plugins.reward_post_process(samples)
         rewards_N = torch.tensor([float(r) for r in rewards], dtype=torch.float32)
-        if not distill or self.teacher is not None:  # the trainer's teacher gives them (--opd-type megatron)
+        if self.cfg.loss.distill != "samples":
             return rewards_N, None
         teacher = []
-        for sample, view in zip(samples, views):
-            values = view.teacher_log_probs
-            if values is None:
-                raise SampleError(f"sample {sample.index} of group {sample.group_index}: --use-opd needs the teacher's "
-                                  "log-probs (sample.teacher_log_probs), which --custom-reward-post-process-path sets "
-                                  "(slime.rollout.on_policy_distillation.post_process_rewards)")
-            values = torch.as_tensor(values, dtype=torch.float32).flatten()
-            if len(values) != sample.response_length:
-                raise SampleError(f"sample {sample.index} of group {sample.group_index}: {len(values)} teacher "
-                                  f"log-probs for {sample.response_length} response tokens")
-            teacher.append(values)
+        for sample in samples:
+            if sample.teacher_log_probs is None:
+                raise SampleError(f"sample {sample.index} of group {sample.group_index}: --distill samples needs the "
+                                  "teacher's log-probs (sample.teacher_log_probs), which --custom-reward-post-process-path "
+                                  "sets (slime.rollout.on_policy_distillation.post_process_rewards)")
+            teacher.append(torch.as_tensor(sample.teacher_log_probs, dtype=torch.float32))
         return rewards_N, teacher
 
     def close(self) -> None:
@@ -461,7 +456,7 @@ class Trainer:
         rows = []
         for i, sample in enumerate(samples):
             logp, adv, mask = log_probs[i].numpy(), advantages[i].float().cpu().numpy(), masks[i].numpy()
-            rollout = np.asarray(sample.rollout_log_probs, dtype=np.float32)
+            rollout = None if sample.rollout_log_probs is None else np.asarray(sample.rollout_log_probs, np.float32)
             mismatch, advantage = details.summarise(logp, rollout, adv, mask)
             rows.append(details.Detail(
                 -1 if sample.group_index is None else sample.group_index, -1 if sample.index is None else sample.index,
@@ -479,27 +474,26 @@ class Trainer:
 
         logp, entropy = self._logprobs(mb, logits, with_entropy=True)
         old = tokens.take("old_logp", mb.indices) if tokens.old_logp else logp.detach()
+        recorded = ~rollout.isnan()  # tokens whose sampler recorded a log-prob; the old one stands in elsewhere
+        rollout = torch.where(recorded, rollout, old.detach())
         if tokens.recorded is not None:
             tokens.recorded.update(zip(mb.indices, old.detach().float().cpu().split(mb.response_lengths)))
         ref = tokens.take("ref_logp", mb.indices) if tokens.ref_logp else None
         if plugins.loss is not None:
             named = {"loss_masks": mask, "advantages": adv, "log_probs": old, "rollout_log_probs": rollout}
-            loss, custom = slime_loss.custom_loss(plugins.loss, self.slime_args, mb, logits,
-                                                  named | ({"ref_log_probs": ref} if ref is not None else {}), weight)
+            loss, custom = plugins.loss(mb, logits, named | ({"ref_log_probs": ref} if ref is not None else {}), weight)
             custom = {f"custom/{name}": value for name, value in custom.items()}
         pg, info = losses.policy_loss(cfg.advantage_estimator, logp, old, adv, mask, seq_ids, len(mb.indices),
                                       cfg.eps_clip, cfg.eps_clip_high or cfg.eps_clip, cfg.eps_clip_c)
         if plugins.tis is not None:
-            pg, weight, tis = slime_loss.custom_tis(plugins.tis, self.slime_args, mb, pg, old, rollout, mask, weight,
-                                                    cfg.loss_aggregation)
+            pg, weight, tis = plugins.tis(mb, pg, old, rollout, mask, weight, cfg.loss_aggregation)
             tis = tis if tis is not None else torch.ones_like(pg)
         else:
             tis = losses.tis_weights(old, rollout, cfg.tis_clip_low, cfg.tis_clip) if cfg.use_tis else torch.ones_like(pg)
             pg = pg * tis
         kl = losses.kl_penalty(logp, ref, cfg.kl_loss_type) if ref is not None else torch.zeros_like(pg)
-        per_token = self.slime_args.calculate_per_token_loss  # slime's default: False, a per-sample mean
-        pg_term = (slime_loss.reduce_pg(plugins.reducer, mb, pg, mask,
-                                        tokens.step_tokens if per_token else tokens.step_samples, per_token)
+        per_token = cfg.per_token_loss
+        pg_term = (plugins.reducer(mb, pg, mask, tokens.step_tokens if per_token else tokens.step_samples, per_token)
                    if plugins.reducer is not None else (weight * pg).sum())
         if cfg.loss_type == "sft_loss":  # slime's: -sum_of_sample_mean(log_probs), i.e. our aggregation of the NLL
             loss = -(weight * logp).sum()
@@ -512,17 +506,18 @@ class Trainer:
             on = mask.bool()
             # The same gap on the tokens sampled by the very weights being trained: ~0 when every
             # token's recorded version is the one that sampled it.
-            fresh = on & (staleness == 0)
+            fresh = on & (staleness == 0) & recorded
             gap = (old - rollout).abs()
             ratio = info["ratio"]
             stats = {"loss": loss.detach(), "pg_loss": pg_term.detach(), "kl_loss": (weight * kl).sum(),
                      "entropy_loss": (weight * entropy).sum(), "tokens": on.sum(),
                      "fresh_logprob_abs_diff": gap[fresh].sum(), "fresh_tokens": fresh.sum(),
+                     "train_rollout_logprob_abs_diff": gap[on & recorded].sum(), "recorded_tokens": (on & recorded).sum(),
                      "ratio_max": torch.where(on, ratio, -torch.inf).max(),
                      "neg_ratio_min": -torch.where(on, ratio, torch.inf).min(),
                      "token_staleness_max": torch.where(on, staleness, 0.0).max()}
             for name, value in (("clipfrac", info["clipped"]), ("ratio_mean", ratio), ("tis_mean", tis),
-                                ("train_rollout_logprob_abs_diff", gap), ("kl", kl), ("entropy", entropy),
+                                ("kl", kl), ("entropy", entropy),
                                 ("token_staleness", staleness)):
                 stats[name] = value[on].sum()
             if plugins.loss is not None:
@@ -596,6 +591,9 @@ class Trainer:
         metrics["train/token_staleness_max"] = highs["token_staleness_max"]
         if totals["fresh_tokens"]:
             metrics["train/fresh_logprob_abs_diff"] = totals["fresh_logprob_abs_diff"] / totals["fresh_tokens"]
+        if totals["recorded_tokens"]:  # absent where no trained Sample recorded its rollout log-probs
+            metrics["train/train_rollout_logprob_abs_diff"] = (totals["train_rollout_logprob_abs_diff"]
+                                                               / totals["recorded_tokens"])
         metrics["train/loss_tokens"] = totals["tokens"]
         return self._from_last_stage(metrics)
 

@@ -247,3 +247,20 @@ async def test_client_errors_name_the_problem(procs, tmp_path, dataset):
         with pytest.raises(ProtocolError) as info:
             await client.submit([(task, broken)])
         assert info.value.status == 422 and "loss_mask" in info.value.body
+
+
+async def test_every_worker_process_loads_a_slime_filter(procs, tmp_path, dataset):
+    """Each of ``--workers 2``'s processes runs the command line's set-up first, so a filter written in
+    slime's form (adapted by ``compat``) loads there too: groups whose rewards all agree are filtered."""
+    buffer = procs.buffer(tmp_path / "b.db", "--prompt-data", dataset(8), "--n-samples-per-prompt", "2",
+                          "--workers", "2", "--dynamic-sampling-filter-path",
+                          "tests.compat.slime_plugins:keep_differing_rewards")
+    async with BufferClient(buffer.url) as client:
+        tasks = await client.lease(16, "w")
+        # odd groups' rewards agree (filtered), even groups' differ (kept); each submission to any worker
+        await asyncio.gather(*(client.submit([(t, fill(t, reward=-t.index if t.group_index % 2 else 0.0))])
+                               for t in tasks))
+        batch = await client.next_batch(num_groups=8, timeout_s=1, allow_partial=True)
+        stats = await client.stats()
+    assert sorted(g[0].group_index % 2 for g in batch.groups) == [0, 0, 0, 0]
+    assert stats["groups"]["filtered"] == 4 and stats["groups"]["consumed"] == 4

@@ -376,3 +376,24 @@ def sleep_forever(args, rollout_id, data_buffer, evaluation=False):
     LOG.write_text("sleeping\n")
     while True:
         time.sleep(3600)
+
+
+async def generate_its_own_way(args, sample: Sample, sampling_params: dict) -> Sample:
+    """A generate function that calls its server its own way (its own HTTP client, no log-probs asked
+    for), as slime allows: the Sample comes back with no rollout log-probs and no weight versions."""
+    import httpx
+
+    tokenizer = GenerateState(args).tokenizer
+    messages = [{"role": "user", "content": sample.prompt}] if isinstance(sample.prompt, str) else list(sample.prompt)
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    headers = {"Authorization": f"Bearer {args.router_api_key}"} if getattr(args, "router_api_key", None) else {}
+    async with httpx.AsyncClient(timeout=None, trust_env=False) as client:
+        response = await client.post(f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate",
+                                     json={"input_ids": prompt, "sampling_params": sampling_params}, headers=headers)
+    output = response.raise_for_status().json()
+    sample.tokens, sample.response_length = prompt + output["output_ids"], len(output["output_ids"])
+    sample.response = output["text"]
+    sample.status = Sample.Status.TRUNCATED if output["meta_info"]["finish_reason"]["type"] == "length" \
+        else Sample.Status.COMPLETED
+    sample.reward = float(len(sample.response) % 2)  # differs within groups, so there is something to learn
+    return sample

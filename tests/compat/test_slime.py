@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from inverted.compat import slime
-from inverted.config import BufferConfig, RolloutConfig, to_flags
+from inverted.config import BufferConfig, RolloutConfig, plugin_flags, to_flags
 from inverted.errors import PluginError, SampleError
 from inverted.plugins import load_forms, load_plugin
 from inverted.types import Sample
@@ -26,9 +26,9 @@ def full_sample() -> Sample:
     return Sample(group_index=3, index=7, prompt=[{"role": "user", "content": "2+2?"}], tokens=[1, 2, 3, 4, 5, 6],
                   response_length=4, loss_mask=[1, 0, 1, 1], rollout_log_probs=[-0.5, 0.0, -1.25, -2.0],
                   weight_versions=["4", "4", "5", "5"], reward={"correct": 1.0, "format": 0.5},
-                  status=Sample.Status.TRUNCATED, label="4", session_id="s-1",
-                  metadata={"task": "add", "response": "four", "rollout_id": 9, "remove_sample": True},
-                  rollout_routed_experts=base64.b64encode(np.arange(5 * 2 * 2, dtype="<i4").tobytes()).decode())
+                  status=Sample.Status.TRUNCATED, label="4", session_id="s-1", metadata={"task": "add"},
+                  rollout_routed_experts=base64.b64encode(np.arange(5 * 2 * 2, dtype="<i4").tobytes()).decode(),
+                  remove_sample=True, teacher_log_probs=[-0.25, -1.0, -0.5, -0.75])
 
 
 def test_every_field_converts_exactly_both_ways():
@@ -36,7 +36,8 @@ def test_every_field_converts_exactly_both_ways():
     view = slime.from_inverted(ours)
     assert (view.group_index, view.index, view.prompt, view.tokens, view.response_length, view.label) == \
         (3, 7, ours.prompt, [1, 2, 3, 4, 5, 6], 4, "4")
-    assert (view.response, view.rollout_id, view.remove_sample) == ("four", 9, True)  # slime fields of their own
+    assert (view.remove_sample, view.teacher_log_probs) == (True, [-0.25, -1.0, -0.5, -0.75])  # typed on both sides
+    assert (view.response, view.rollout_id) == ("", None)  # the response's text needs the tokenizer (args)
     assert view.metadata == {"task": "add"} and view.session_id == "s-1"
     assert view.status is slime.Sample.Status.TRUNCATED and view.reward == {"correct": 1.0, "format": 0.5}
     assert view.weight_versions == ["4", "5"]  # slime's meaning: one per generate call
@@ -48,7 +49,7 @@ def test_every_field_converts_exactly_both_ways():
                          rollout_log_probs=[-1.0, -2.0], status=slime.Sample.Status.COMPLETED,
                          metadata={"k": "v"}, remove_sample=True, session_id="s")
     back = slime.from_inverted(slime.to_inverted(fresh))
-    del back._token_versions
+    back.response, back.rollout_id = "xy", 5  # slime's own: the text, the fan-out's id, which ours has no use for
     assert back == fresh
     assert slime.to_inverted(fresh).weight_versions == ["3", "3"]
 
@@ -62,8 +63,17 @@ def test_defaults_and_slime_shortcuts():
     ours = slime.to_inverted(view)
     assert ours.loss_mask == [1, 1] and ours.metadata == {} and ours.weight_versions == ["2", "2"]  # None mask: all trained
     ours.validate()
-    with pytest.raises(SampleError, match="rollout_log_probs is None"):
-        slime.to_inverted(slime.Sample(tokens=[1, 2], response_length=1))
+    # no log-probs, no versions (a generate function that calls its server its own way): valid slime; the
+    # versions are the rollout's serving one, marked inferred where rollouts overlap training
+    plain = slime.Sample(tokens=[1, 2, 3], response_length=2, status=slime.Sample.Status.COMPLETED)
+    with pytest.raises(SampleError, match="cannot tell which"):
+        slime.to_inverted(plain)
+    exact = slime.to_inverted(plain, serving=slime.Serving("3"))
+    assert (exact.rollout_log_probs, exact.weight_versions, exact.metadata) == (None, ["3", "3"], {})
+    exact.validate()
+    inferred = slime.to_inverted(plain, serving=slime.Serving("3", inferred=True))
+    assert inferred.weight_versions == ["3", "3"] and inferred.metadata == {"weight_versions_inferred": True}
+    assert Sample.from_json(inferred.to_json()) == inferred  # and it travels as JSON
 
 
 def test_each_token_gets_the_version_of_the_call_that_sampled_it():
@@ -80,8 +90,8 @@ def test_each_token_gets_the_version_of_the_call_that_sampled_it():
 
 
 def test_args_are_slimes_namespace_with_slimes_defaults():
-    args = slime.SlimeArgs.of(to_flags(RolloutConfig(rollout_max_response_len=77)), to_flags(BufferConfig()),
-                              {"loss_aggregation": "token_mean"}, router_url="http://127.0.0.1:4321")
+    args = slime.SlimeArgs.of(plugin_flags(RolloutConfig(rollout_max_response_len=77), BufferConfig())
+                              | {"loss_aggregation": "token_mean"}, router_url="http://127.0.0.1:4321")
     assert (args.rollout_max_response_len, args.n_samples_per_prompt, args.rollout_temperature) == (77, 1, 1.0)
     assert (args.sglang_router_ip, args.sglang_router_port) == ("127.0.0.1", 4321)
     # slime's flags that were not given, at slime's defaults: our token_mean is no per-token loss in slime's terms
@@ -95,7 +105,9 @@ def test_args_are_slimes_namespace_with_slimes_defaults():
 
 
 def test_slime_module_paths_resolve_here():
-    assert slime.install()
+    from inverted.compat import modules
+
+    assert modules.install()
     from slime.rollout.filter_hub.base_types import DynamicFilterOutput
     from slime.rollout.sglang_rollout import GenerateState
     from slime.utils.http_utils import post
@@ -104,7 +116,7 @@ def test_slime_module_paths_resolve_here():
     assert (SlimeSample, post, GenerateState, DynamicFilterOutput) == \
         (slime.Sample, slime.post, slime.GenerateState, slime.DynamicFilterOutput)
     from slime.backends.megatron_utils.loss import get_log_probs_and_entropy  # lazily, from the trainer
-    from inverted.train.slime_loss import get_log_probs_and_entropy as ours
+    from inverted.compat.slime_loss import get_log_probs_and_entropy as ours
 
     assert get_log_probs_and_entropy is ours
 
@@ -130,12 +142,12 @@ def test_an_installed_slime_is_left_alone(tmp_path):
             remove_sample: bool = False; session_id: str = None; train_metadata: dict = None
     '''))
     script = textwrap.dedent('''
-        from inverted.compat import slime
+        from inverted.compat import modules, slime
         from tests.compat.test_slime import full_sample
-        assert not slime.install()
+        assert not modules.install()
         import slime.utils.types as real
         assert not getattr(real, "__inverted__", False)
-        assert slime.sample_class() is real.Sample
+        assert type(slime.from_inverted(full_sample())) is real.Sample
         view = slime.from_inverted(full_sample(), real.Sample)
         assert isinstance(view, real.Sample) and view.status is real.Sample.Status.TRUNCATED
         assert slime.to_inverted(view) == full_sample()
@@ -215,7 +227,7 @@ def test_a_sample_grows_through_append_response_tokens_as_in_slime():
             sample.append_response_tokens(None, **bad)
     # and it travels: our Sample keeps every token's version, slime's response text, the status
     ours = slime.to_inverted(sample, [slime.GenerateCall((4, 5), "3")])
-    assert ours.weight_versions == ["3"] * 4 and ours.metadata["response"] == "abcd" and ours.loss_mask == [1, 1, 0, 0]
+    assert ours.weight_versions == ["3"] * 4 and ours.loss_mask == [1, 1, 0, 0]
     copy = slime.Sample.from_dict(sample.to_dict() | {"extra_key": 1})
     assert copy.tokens == sample.tokens and copy.prefix_cache_info == sample.prefix_cache_info and copy.extra_key == 1
 
@@ -294,7 +306,9 @@ SAME_AS_SLIMES = '''
 import dataclasses, json
 from slime.utils.types import Sample as Theirs
 from slime.rollout.filter_hub.dynamic_sampling_filters import check_reward_nonzero_std as their_filter
+from inverted import compat
 from inverted.compat import slime as ours
+compat.register()
 
 fields = lambda cls: {f.name for f in dataclasses.fields(cls)}
 assert fields(Theirs) <= fields(ours.Sample), sorted(fields(Theirs) - fields(ours.Sample))
@@ -337,7 +351,7 @@ from inverted.types import Sample as Mine
 work = tempfile.mkdtemp()
 sample = Mine(group_index=0, index=1, prompt="p", tokens=[1, 2, 3, 4], response_length=2, loss_mask=[1, 0],
               rollout_log_probs=[-0.5, 0.0], weight_versions=["3", "3"], reward=1.0, status=Mine.Status.COMPLETED)
-save_rollout_data(work + "/ours_{rollout_id}.pt", 0, [sample])
+save_rollout_data(work + "/ours_{rollout_id}.pt", 0, [sample], {})
 theirs = load_debug_rollout_data(work + "/ours_{rollout_id}.pt", rollout_id=0)
 assert isinstance(theirs[0], Theirs) and (theirs[0].tokens, theirs[0].loss_mask, theirs[0].rollout_log_probs,
                                           theirs[0].reward) == ([1, 2, 3, 4], [1, 0], [-0.5, 0.0], 1.0)
@@ -378,3 +392,34 @@ def test_a_slime_dump_is_read_without_running_code(tmp_path, monkeypatch):
     view = slime.from_inverted(full_sample(), cls=slime.Sample)
     torch.save({"rollout_id": 2, "samples": [view.to_dict()]}, tmp_path / "2.pt")
     assert read_rollout_data(str(tmp_path / "{rollout_id}.pt"), 2) == [full_sample()]
+
+
+def fill_without_versions(args, rollout_id, data_buffer, evaluation=False):
+    """A slime rollout function that samples nothing itself (its tokens come from elsewhere): no
+    log-probs, no versions."""
+    groups = data_buffer.get_samples(args.rollout_batch_size)
+    for group in groups:
+        for sample in group:
+            sample.tokens, sample.response_length, sample.reward = [5, 6, 7, 8], 2, 1.0
+            sample.status = Sample.Status.COMPLETED
+    return groups
+
+
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_where_a_plugin_records_no_versions_the_serving_one_is_taken(async_mode):
+    """Each token's version is the one serving when the rollout started: exact when training waits for
+    the rollout, marked as inferred in the Sample where rollouts overlap training (``--async-mode``)."""
+    import asyncio
+
+    from inverted.plugins import RolloutContext, load_rollout_function
+    from inverted.types import Task
+
+    fn = load_rollout_function(f"{__name__}:fill_without_versions")
+    tasks = [Task(lease_id="l", group_index=g, index=g, prompt_index=g, prompt="p") for g in range(2)]
+    ctx = RolloutContext(rollout_id=4, config=RolloutConfig(), proxy_url="", proxy_api_key=None, router_url="",
+                         hf_checkpoint="", sampling={}, flags={"rollout_batch_size": 2}, weight_version="4",
+                         async_mode=async_mode)
+    for sample in asyncio.run(fn(ctx, tasks)):
+        sample.validate()
+        assert (sample.rollout_log_probs, sample.weight_versions) == (None, ["4", "4"])
+        assert sample.metadata.get("weight_versions_inferred", False) is async_mode

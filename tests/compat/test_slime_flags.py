@@ -16,8 +16,8 @@ import pytest
 from inverted import cli
 from inverted.compat import slime_flags
 from inverted.compat.slime import SlimeArgs
-from inverted.config import to_flags
-from inverted.controller import slime_args
+from inverted.config import plugin_flags
+from inverted.compat import slime_config
 from inverted.errors import ConfigError
 
 SCRIPT_FLAGS = [line for line in (Path(__file__).with_name("slime_script_flags.txt")).read_text().split()
@@ -79,7 +79,7 @@ def test_a_slime_launch_line_parses_and_acts_as_slime_would(monkeypatch, tiny_mo
         "--n-samples-per-prompt", "4", *QWEN2_SCRIPT)
     assert slime.given["num_layers"] == 2 and slime.given["layernorm_epsilon"] == 1e-6
     with caplog.at_level(logging.INFO):
-        forwarded = slime_args.apply(cfg, slime, sglang, "embedded")
+        forwarded = slime_config.apply(cfg, slime, sglang, "embedded")
     assert forwarded == []  # the embedded engine is no SGLang: nothing is forwarded
     assert cfg.train.global_batch_size == 8 and cfg.servers.context_length == cfg.proxy.context_length == 1024
     assert cfg.servers.engine_max_running_requests == 16
@@ -90,14 +90,14 @@ def test_a_slime_launch_line_parses_and_acts_as_slime_would(monkeypatch, tiny_mo
         assert line in listed
     assert "--num-layers" not in listed and "--calculate-per-token-loss" not in listed  # checked / implemented
     assert "--wandb-key=(hidden): metrics go to" in listed and "wandb-secret-1234" not in listed
-    args = SlimeArgs.of(to_flags(cfg.buffer))  # the buffer's args, from what the job hands it
+    args = SlimeArgs.of(plugin_flags(cfg.buffer))  # the buffer's args, from what the job hands it
     assert (args.calculate_per_token_loss, args.wandb_project, args.sglang_server_concurrency, args.num_layers,
             args.rollout_batch_size, args.n_samples_per_prompt) == (True, "slime-dev", 64, 2, 4, 4)
     assert (args.use_rollout_logprobs, args.rollout_max_context_len, args.sglang_router_request_timeout_secs) == \
         (False, 1024, 14400)  # slime's defaults for the flags not given
-    assert "api_key" not in cfg.buffer.slime_args and "wandb-secret-1234" not in cfg.buffer.slime_args  # cmdline
+    assert "api_key" not in cfg.buffer.plugin_args and "wandb-secret-1234" not in cfg.buffer.plugin_args  # cmdline
     args.rollout_id_seen = 3  # a plug-in sets attributes on its copy, as slime's do
-    assert args.rollout_id_seen == 3 and "rollout_id_seen" not in json.loads(cfg.train.slime_args)
+    assert args.rollout_id_seen == 3 and "rollout_id_seen" not in json.loads(cfg.train.plugin_args)
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -109,7 +109,7 @@ def test_model_flags_that_do_not_describe_the_checkpoint_stop_the_job(monkeypatc
     cfg, _, sglang, slime = captured_train(monkeypatch, "--hf-checkpoint", str(tiny_model("qwen2")),
                                            "--prompt-data", "p.jsonl", *flags)
     with pytest.raises(ConfigError, match="slime's model flags do not describe --hf-checkpoint") as error:
-        slime_args.apply(cfg, slime, sglang, "embedded")
+        slime_config.apply(cfg, slime, sglang, "embedded")
     assert message in str(error.value)
 
 
@@ -145,15 +145,28 @@ def test_on_policy_distillation_flags_are_checked_as_in_slime(monkeypatch, tiny_
     cfg, _, sglang, slime = captured_train(monkeypatch, "--hf-checkpoint", str(tiny_model("qwen2")),
                                            "--prompt-data", "p.jsonl", *flags)
     with pytest.raises(ConfigError, match=message):
-        slime_args.apply(cfg, slime, sglang, "embedded")
+        slime_config.apply(cfg, slime, sglang, "embedded")
 
 
 def test_on_policy_distillation_flags_reach_args(monkeypatch):
     cfg, _, sglang, slime = captured_train(monkeypatch, "--hf-checkpoint", "m", "--prompt-data", "p.jsonl", "--use-opd",
                                            "--opd-type", "sglang", "--opd-kl-coef", "0.5")
-    slime_args.apply(cfg, slime, sglang, "embedded")
-    args = json.loads(cfg.train.slime_args)
+    slime_config.apply(cfg, slime, sglang, "embedded")
+    args = json.loads(cfg.train.plugin_args)
     assert (args["use_opd"], args["opd_type"], args["opd_kl_coef"]) == (True, "sglang", 0.5)
+    # and the trainer's typed settings, which it acts on
+    assert (cfg.train.loss.distill, cfg.train.loss.distill_teacher, cfg.train.loss.distill_kl_coef) == ("samples", None, 0.5)
+
+
+def test_the_flags_the_trainer_acts_on_set_its_typed_settings(monkeypatch, tiny_model):
+    teacher = str(tiny_model("qwen2"))
+    cfg, _, sglang, slime = captured_train(monkeypatch, "--hf-checkpoint", teacher, "--prompt-data", "p.jsonl",
+                                           "--use-opd", "--opd-type", "megatron", "--opd-teacher-load", teacher,
+                                           "--disable-rewards-normalization", "--calculate-per-token-loss")
+    loss = cfg.train.loss
+    assert (loss.distill, loss.raw_rewards, loss.per_token_loss) == ("none", False, False)
+    slime_config.apply(cfg, slime, sglang, "embedded")
+    assert (loss.distill, loss.distill_teacher, loss.raw_rewards, loss.per_token_loss) == ("teacher", teacher, True, True)
 
 
 def test_sglang_flags_go_to_real_sglang_only_where_it_has_them(monkeypatch, tiny_model):
@@ -174,16 +187,16 @@ def test_custom_config_sets_args_as_slime_does(monkeypatch, tiny_model, tmp_path
     config.write_text("search_backend: local\nmax_turns: 3\n")
     cfg, _, sglang, slime = captured_train(monkeypatch, "--hf-checkpoint", str(tiny_model("qwen2")), "--prompt-data",
                                            "p.jsonl", "--custom-config-path", str(config))
-    slime_args.apply(cfg, slime, sglang, "embedded")
-    args = SlimeArgs.of(to_flags(cfg.train))
+    slime_config.apply(cfg, slime, sglang, "embedded")
+    args = SlimeArgs.of(plugin_flags(cfg.train))
     assert (args.search_backend, args.max_turns) == ("local", 3)
     config.write_text("use_tis: true\ntis_clip: 3.0\ntis_mode: truncate\n")  # slime's mis.yaml sets use_tis
-    slime_args.apply(cfg, slime, sglang, "embedded")
+    slime_config.apply(cfg, slime, sglang, "embedded")
     assert (cfg.train.loss.use_tis, cfg.train.loss.tis_clip) == (True, 3.0)  # inverted's flags, set as slime sets args
-    assert SlimeArgs.of(to_flags(cfg.train)).tis_mode == "truncate"
+    assert SlimeArgs.of(plugin_flags(cfg.train)).tis_mode == "truncate"
     config.write_text("tis_clip: -1.0\n")
     with pytest.raises(ConfigError, match="--tis-clip-low"):  # the section's own checks run on the new values
-        slime_args.apply(cfg, slime, sglang, "embedded")
+        slime_config.apply(cfg, slime, sglang, "embedded")
 
 
 def test_slimes_named_evaluation_set_is_taken(monkeypatch):

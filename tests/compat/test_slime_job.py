@@ -52,8 +52,7 @@ def test_a_slime_custom_generate_job(tiny_model, tmp_path, monkeypatch):
             assert all(lp == 0.0 for lp, m in zip(sample.rollout_log_probs, mask) if not m)
             # every token, from the router's answers (the servers' initial version in a rollout-only job)
             assert sample.weight_versions == ["default"] * sample.response_length
-            assert sample.metadata["response"]  # slime's response text, which our Sample keeps in its metadata
-            assert sample.metadata.get("remove_sample", False) == (sample.index % 2 == 1)
+            assert sample.remove_sample == (sample.index % 2 == 1)
         for group in {s.group_index for s in saved}:
             members = [s for s in saved if s.group_index == group]
             longest = max(s.response_length for s in members)
@@ -75,19 +74,20 @@ def test_slime_flags_we_do_not_have_and_wrong_plugins_fail_before_anything_start
         (["--data-source-path", "x:y"], "--data-source-path='x:y' is a slime flag inverted does not have: inverted's Data Buffer"),
         (["--num-layers", "5"], "slime's model flags do not describe --hf-checkpoint: --num-layers 5 != 2"),
         (["--sglang-config", "/nonexistent.yaml"], "--sglang-config='/nonexistent.yaml': inverted starts --num-engines"),
-        (["--custom-generate-function-path", f"{PLUGINS}:group_rm"], "does not match def group_rm(args, sample, sampling_params)"),
+        (["--custom-generate-function-path", f"{PLUGINS}:group_rm"], "does not match slime's def group_rm(args, sample, sampling_params)"),
         (["--custom-generate-function-path", f"{PLUGINS}:generate", "--rollout-function-path",
           "rollout_functions.subprocess_agent:generate_rollout"],
          "runs inside rollout_functions.single_turn:generate_rollout (slime's default rollout), not inside"),
         (["--custom-generate-function-path", f"{PLUGINS}:generate", "--loss-type", "custom_loss",
           "--custom-loss-function-path", f"{PLUGINS}:log_rollout"],
-         "does not match def log_rollout(args, batch, logits, sum_of_sample_mean)"),
+         "does not match slime's def log_rollout(args, batch, logits, sum_of_sample_mean)"),
         (["--custom-generate-function-path", f"{PLUGINS}:generate", "--loss-type", "custom_loss"],
          "--custom-loss-function-path=None: expected a module:function with --loss-type custom_loss"),
         (["--custom-generate-function-path", f"{PLUGINS}:generate", "--buffer-filter-path", f"{PLUGINS}:no_such"],
          "--buffer-filter-path='tests.compat.slime_plugins:no_such': cannot load it"),
         (["--custom-generate-function-path", f"{PLUGINS}:generate", "--custom-tis-function-path", f"{PLUGINS}:group_rm"],
-         "--custom-tis-function-path='tests.compat.slime_plugins:group_rm': expected def fn(args, *, pg_loss"),
+         "--custom-tis-function-path='tests.compat.slime_plugins:group_rm': signature (args, samples: "
+         "list[inverted.compat.slime.Sample]) -> list[float] does not match slime's def group_rm(args, *, pg_loss"),
     ]:
         result = inverted(*base, *args, timeout=120)
         assert result.returncode == 2 and message in result.stderr, (args, result.stderr[-3000:])
@@ -292,3 +292,32 @@ def test_slime_rollout_functions_side_by_side_in_async_mode(tiny_model, tmp_path
                    "--output-dir", str(run_dir), "--num-rollout", "2", *SMALL_RUN))
     assert len(metrics_rows(run_dir)) == 2
     assert all(sample.response_length > 0 for sample in stored_samples(run_dir).values())
+
+
+def test_a_generate_function_that_records_neither_logprobs_nor_versions_trains(tiny_model, tmp_path):
+    """slime's contract: a generate function may call its server its own way. Its Samples come with no
+    rollout log-probs (the trainer's own old log-probs stand in; TIS and the mismatch metric leave them
+    out, and count them) and no versions (each token's is the version serving when its rollout started:
+    exact here, where training waits for the rollout). Evaluation Samples, never trained, alike."""
+    prompts = write_dataset(calculator_rows, tmp_path / "calc.jsonl", 8)
+    data, run_dir = tmp_path / "rollout_{rollout_id}.jsonl", tmp_path / "run"
+    check(inverted("train", "--hf-checkpoint", str(tiny_model()), "--prompt-data", str(prompts),
+                   "--custom-generate-function-path", f"{PLUGINS}:generate_its_own_way", "--use-tis",
+                   "--eval-interval", "2", "--eval-prompt-data", str(prompts), "--save-debug-rollout-data", str(data),
+                   "--output-dir", str(run_dir), "--num-rollout", "2", *ONE_ENGINE_RUN))
+    rows = metrics_rows(run_dir)
+    trained = [m for m in rows if "train/loss" in m]
+    assert [m["train/samples_without_rollout_logprobs"] for m in trained] == [4.0, 4.0]
+    assert all("train/train_rollout_logprob_abs_diff" not in m for m in trained)  # nothing to compare with
+    assert all(m["train/tis_mean"] == 1.0 for m in trained)  # no importance weight without the sampler's log-probs
+    evaluations = [m for m in rows if "eval/pass_rate" in m]
+    assert [m["weight_version"] for m in evaluations] == [0, 2] and all(m["eval/failed"] == 0 for m in evaluations)
+    for rollout_id, version in ((0, "default"), (1, "1")):  # the servers' version when each rollout started
+        saved = [Sample.from_json(json.loads(line)) for line in
+                 (tmp_path / f"rollout_{rollout_id}.jsonl").read_text().splitlines()]
+        assert len(saved) == 4
+        for sample in saved:
+            sample.validate()
+            assert sample.rollout_log_probs is None and sample.response_length > 0
+            assert sample.weight_versions == [version] * sample.response_length
+            assert "weight_versions_inferred" not in sample.metadata

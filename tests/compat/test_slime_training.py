@@ -29,6 +29,25 @@ def grpo_advantages(samples) -> list[float]:
             for s in samples]
 
 
+def token_logprobs(tiny_model, samples) -> list[torch.Tensor]:
+    """Each Sample's response tokens' log-probs under the starting policy, by ``transformers``."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model("qwen2"), torch_dtype=torch.float32)
+    out = []
+    with torch.no_grad():
+        for s in samples:
+            logp = model(torch.tensor([s.tokens])).logits[0].log_softmax(-1)
+            out.append(logp[s.prompt_length - 1:len(s.tokens) - 1].gather(
+                -1, torch.tensor(s.tokens[s.prompt_length:])[:, None])[:, 0])
+    return out
+
+
+def nll_token_mean(tiny_model, samples) -> float:
+    """The negative log-likelihood of the trained tokens, per token (our default aggregation)."""
+    mask = [torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples]
+    return -sum(float((lp * m).sum()) for lp, m in zip(token_logprobs(tiny_model, samples), mask)) / \
+        sum(float(m.sum()) for m in mask)
+
+
 def one_step(tiny_model, tmp_path, samples, **flags) -> dict[str, float]:
     cfg = from_flags(TrainConfig, hf_checkpoint=str(tiny_model("qwen2")), lr=1e-3, **flags)
     spawn(step_at_version, 1, cfg, samples, 0, str(tmp_path / "step.pt"))
@@ -41,9 +60,6 @@ def samples():
 
 
 def test_dr_grpo_reducer_divides_by_its_constant(tiny_model, tmp_path, samples):
-    from inverted.compat import slime
-
-    slime.install()  # as the plug-in loader does: the plug-ins import slime's paths (alone, this test ran first)
     from tests.compat.slime_plugins import DR_GRPO_DIVISOR
 
     metrics = one_step(tiny_model, tmp_path, samples, custom_pg_loss_reducer_function_path=f"{PLUGINS}:get_pg_loss_reducer")
@@ -55,12 +71,11 @@ def test_dr_grpo_reducer_divides_by_its_constant(tiny_model, tmp_path, samples):
 @pytest.mark.parametrize("per_token", [False, True])
 def test_slimes_reducer_is_told_slimes_calculate_per_token_loss(tiny_model, tmp_path, samples, per_token):
     """slime's default is a per-sample mean (``calculate_per_token_loss`` False, whatever our
-    ``--loss-aggregation``), divided by the step's samples; with ``--calculate-per-token-loss`` the
-    token sum, divided by the step's tokens. Told True by default, the reducer's loss was ~length x off."""
-    import json
-
+    ``--loss-aggregation``), divided by the step's samples; with ``--calculate-per-token-loss`` (our
+    ``--per-token-loss``) the token sum, divided by the step's tokens. Told True by default, the
+    reducer's loss was ~length x off."""
     metrics = one_step(tiny_model, tmp_path, samples, custom_pg_loss_reducer_function_path=f"{PLUGINS}:sum_of_sample_mean",
-                       slime_args=json.dumps({"calculate_per_token_loss": True}) if per_token else None)
+                       per_token_loss=per_token)
     advantages = grpo_advantages(samples)
     if per_token:
         expected = sum(-a * s.loss_mask.count(1) for a, s in zip(advantages, samples)) / \
@@ -71,9 +86,7 @@ def test_slimes_reducer_is_told_slimes_calculate_per_token_loss(tiny_model, tmp_
 
 
 def test_disable_rewards_normalization_trains_on_the_raw_rewards(tiny_model, tmp_path, samples):
-    import json
-
-    metrics = one_step(tiny_model, tmp_path, samples, slime_args=json.dumps({"rewards_normalization": False}))
+    metrics = one_step(tiny_model, tmp_path, samples, raw_rewards=True)  # slime's --disable-rewards-normalization
     tokens = sum(s.loss_mask.count(1) for s in samples)
     expected = sum(-s.reward * s.loss_mask.count(1) for s in samples) / tokens
     assert metrics["train/pg_loss"] == pytest.approx(expected, rel=1e-5)
@@ -99,15 +112,7 @@ def test_a_custom_loss_is_the_loss(tiny_model, tmp_path, samples):
     """slime's custom loss (an NLL through slime's get_log_probs_and_entropy) equals transformers' NLL."""
     metrics = one_step(tiny_model, tmp_path, samples, loss_type="custom_loss",
                        custom_loss_function_path=f"{PLUGINS}:nll_loss")
-    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model("qwen2"), torch_dtype=torch.float32)
-    total, tokens = 0.0, sum(s.loss_mask.count(1) for s in samples)
-    with torch.no_grad():
-        for s in samples:
-            logp = model(torch.tensor([s.tokens])).logits[0].log_softmax(-1)
-            start = s.prompt_length
-            picked = logp[start - 1:len(s.tokens) - 1].gather(-1, torch.tensor(s.tokens[start:])[:, None])[:, 0]
-            total += -float((picked * torch.tensor(s.loss_mask, dtype=torch.float32)).sum())
-    assert metrics["train/loss"] == pytest.approx(total / tokens, rel=1e-4)
+    assert metrics["train/loss"] == pytest.approx(nll_token_mean(tiny_model, samples), rel=1e-4)
     assert metrics["train/custom/nll"] == pytest.approx(metrics["train/loss"], rel=1e-6)
 
 
@@ -115,18 +120,47 @@ def test_sft_loss_is_the_nll_of_the_trained_tokens(tiny_model, tmp_path, samples
     """slime's ``sft_loss``: ``-sum_of_sample_mean(log_probs)``, here our aggregation (token_mean) of the
     NLL of each trained token, against ``transformers``."""
     metrics = one_step(tiny_model, tmp_path, samples, loss_type="sft_loss")
-    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model("qwen2"), torch_dtype=torch.float32)
-    total, tokens = 0.0, sum(s.loss_mask.count(1) for s in samples)
-    with torch.no_grad():
-        for s in samples:
-            logp = model(torch.tensor([s.tokens])).logits[0].log_softmax(-1)
-            picked = logp[s.prompt_length - 1:len(s.tokens) - 1].gather(-1, torch.tensor(s.tokens[s.prompt_length:])[:, None])
-            total += -float((picked[:, 0] * torch.tensor(s.loss_mask, dtype=torch.float32)).sum())
-    assert metrics["train/loss"] == pytest.approx(total / tokens, rel=1e-4)
+    assert metrics["train/loss"] == pytest.approx(nll_token_mean(tiny_model, samples), rel=1e-4)
+
+
+def test_slimes_own_sft_loss_function_is_the_loss(tiny_model, tmp_path, samples):
+    """``--custom-loss-function-path slime.backends.megatron_utils.loss.sft_loss_function``, as slime's
+    loss.py has it: ``-sum_of_sample_mean(log_probs)`` through its ``get_log_probs_and_entropy``; its
+    ``loss`` metric beside it."""
+    metrics = one_step(tiny_model, tmp_path, samples, loss_type="custom_loss",
+                       custom_loss_function_path="slime.backends.megatron_utils.loss.sft_loss_function")
+    assert metrics["train/loss"] == pytest.approx(nll_token_mean(tiny_model, samples), rel=1e-4)
+    assert metrics["train/custom/loss"] == pytest.approx(metrics["train/loss"], rel=1e-6)
+
+
+def test_samples_without_rollout_logprobs_train_on_the_trainers_own(tiny_model, tmp_path, samples):
+    """Rollout log-probs are optional, as in slime. Without them a Sample's tokens are weighted 1 by TIS
+    (the trainer's old log-probs stand in: ratio 1) and left out of the mismatch metric; the others'
+    are weighted and measured as usual, recomputed here with ``transformers``."""
+    for s in samples[1::2]:
+        s.rollout_log_probs = None
+    metrics = one_step(tiny_model, tmp_path, samples, use_tis=True, tis_clip=1.5, tis_clip_low=0.5)
+    logps, advantages = token_logprobs(tiny_model, samples), grpo_advantages(samples)
+    recorded = [(lp, s) for lp, s in zip(logps, samples) if s.rollout_log_probs is not None]
+    weights = [(lp - torch.tensor(s.rollout_log_probs)).exp().clamp(0.5, 1.5) if s.rollout_log_probs is not None
+               else torch.ones_like(lp) for lp, s in zip(logps, samples)]
+    masks = [torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples]
+    tokens = sum(float(m.sum()) for m in masks)
+    expected_pg = sum(float((-a * w * m).sum()) for a, w, m in zip(advantages, weights, masks)) / tokens
+    assert metrics["train/samples_without_rollout_logprobs"] == len(samples) // 2
+    assert metrics["train/pg_loss"] == pytest.approx(expected_pg, rel=1e-4)
+    assert metrics["train/tis_mean"] == pytest.approx(sum(float((w * m).sum()) for w, m in zip(weights, masks)) / tokens,
+                                                      rel=1e-4)
+    gaps = [((lp - torch.tensor(s.rollout_log_probs)).abs(), torch.tensor(s.loss_mask, dtype=torch.float32))
+            for lp, s in recorded]
+    assert metrics["train/train_rollout_logprob_abs_diff"] == pytest.approx(
+        sum(float((g * m).sum()) for g, m in gaps) / sum(float(m.sum()) for _, m in gaps), rel=1e-4)
+    # KL as reward (the sampler's log-probs against the reference) leaves them out too
+    assert one_step(tiny_model, tmp_path, samples, kl_coef=0.1)["train/samples_without_rollout_logprobs"] == 4
 
 
 def test_remove_sample_keeps_a_sample_out_of_the_loss(tiny_model, tmp_path, samples):
     for s in samples[1::2]:
-        s.metadata["remove_sample"] = True
+        s.remove_sample = True  # what a sample filter sets (slime's field of that name)
     metrics = one_step(tiny_model, tmp_path, samples)
     assert metrics["train/loss_tokens"] == sum(s.loss_mask.count(1) for s in samples[0::2])

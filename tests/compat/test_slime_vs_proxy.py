@@ -15,9 +15,8 @@ import httpx
 import pytest
 
 from envs import calculator as calc
-from inverted.compat import slime
 from inverted.config import RolloutConfig, to_flags
-from inverted.plugins import RolloutContext, load_plugin
+from inverted.plugins import RolloutContext, load_hook
 from inverted.types import Sample, Task
 from rollout_functions import agent, single_turn
 from tests.rollout.proxy.scripted import teach
@@ -61,10 +60,10 @@ def test_the_agent_rollout_and_a_slime_generate_function_record_the_same_tokens(
     model, _, router, _ = stack
     sampling = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 40, "seed": seed}
     ours = run(stack, agent, sampling, env=calc.episode)
-    args = slime.SlimeArgs.of(to_flags(RolloutConfig()), {"hf_checkpoint": str(model)}, router_url=router.url)
-    generate = load_plugin("tests.compat.slime_plugins:calculator_episode", flag="--custom-generate-function-path",
-                           params=["args", "sample", "sampling_params"])
-    theirs = run(stack, single_turn, sampling, generate=generate, slime_args=args)
+    flags = to_flags(RolloutConfig()) | {"hf_checkpoint": str(model)}
+    generate = load_hook("tests.compat.slime_plugins:calculator_episode", point="generate",
+                         flag="--custom-generate-function-path", flags=flags)  # slime's form, adapted
+    theirs = run(stack, single_turn, sampling, generate=generate, flags=flags)
 
     for a, b in zip(ours, theirs, strict=True):
         a.validate()

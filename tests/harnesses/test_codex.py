@@ -43,7 +43,12 @@ def test_codex_runs_an_episode_unchanged_recorded_exactly(harness_stack, tmp_pat
                '}\n</tool_call><|im_end|>', "The file says: the answer is 42.<|im_end|>"]
     played = harness_stack.taught_episode(run, replies, tmp_path)
     assert played.done.returncode == 0, (played.done.stdout[-2000:], played.done.stderr[-2000:])
-    assert "the answer is 42" in played.done.stdout
+    # Codex shows the model's last words. Its tool's output holds a random chunk id and wall times, so the
+    # last prompt is never quite the taught one: what the model says there may stray from what it was
+    # taught (under load it has), but it is what Codex must show.
+    turn = played.episode.metadata["turns"][-1]
+    said = harness_stack.tokenizer.decode(played.episode.tokens[turn["start"]:turn["end"]], skip_special_tokens=True)
+    assert said.strip() and said.strip() in played.done.stdout, (said, played.done.stdout[-2000:])
     main = [r for r in played.requests if r["path"].endswith("/v1/responses")]
     first, last = main[0]["body"], main[-1]["body"]
     assert first["input"][0]["type"] == "additional_tools" and first["stream"] is True

@@ -28,7 +28,7 @@ def test_single_turn_records_what_the_engine_sampled(tiny_model, procs):
                          sampling={"temperature": 1.0, "top_p": 1.0, "max_tokens": 5})
     samples = asyncio.run(generate_rollout(ctx, tasks))
     assert {s.reward for s in samples} == {None}  # the job scores them, for every rollout function alike
-    asyncio.run(RewardModel(reward_by_length, "ours").score(samples, args=None))
+    asyncio.run(RewardModel(one=lambda ctx, sample: reward_by_length(sample)).score(ctx, samples))
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     chat_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)

@@ -8,14 +8,17 @@ acts on the ones given, before any process starts:
   the embedded engines', ``--rm-type`` the reward model: slime's ``rm_hub.async_rm``), and
   ``--custom-config-path``'s YAML keys join ``args`` as in slime (keys that are inverted's flags
   set those, over the command line's, as slime's config overrides its args);
-- Megatron's model-shape flags are checked against the checkpoint, and on-policy distillation's
-  as slime checks them;
+- the ones the trainer acts on set its typed loss settings: ``--use-opd`` with ``--opd-type`` and
+  ``--opd-teacher-load`` on-policy distillation (``--distill``), ``--opd-kl-coef``,
+  ``--disable-rewards-normalization`` (``--raw-rewards``), ``--calculate-per-token-loss``
+  (``--per-token-loss``); on-policy distillation's are checked first as slime checks them, and
+  Megatron's model-shape flags against the checkpoint;
 - ``--sglang-*`` are planned for the backend the servers will run (``slime_flags.plan_sglang``);
 - the ones that change nothing here are listed once, in the log, with why.
 
 slime plug-ins see one ``args`` in every process: the job's flags under slime's names, the slime
-flags given, and slime's defaults for the rest. ``cfg.train.slime_args`` and
-``cfg.buffer.slime_args`` carry it to the trainer and the buffer service as JSON; no key or token
+flags given, and slime's defaults for the rest. ``cfg.train.plugin_args`` and
+``cfg.buffer.plugin_args`` carry the flags to the trainer and the buffer service as JSON; no key or token
 is in it (the buffer's travels on a command line), slime's ``--wandb-key`` neither.
 """
 
@@ -31,7 +34,7 @@ from inverted.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-SECTIONS = ("train", "rollout", "buffer", "proxy", "servers")
+SECTIONS = ("train", "rollout", "buffer", "proxy", "servers", "loop")
 
 
 def apply(cfg: JobConfig, flags: slime_flags.SlimeFlags | None, sglang_args: list[str], backend: str) -> list[str]:
@@ -56,6 +59,7 @@ def apply(cfg: JobConfig, flags: slime_flags.SlimeFlags | None, sglang_args: lis
     if length := given.get("rollout_max_context_len"):
         _set_once(cfg, ("servers", "proxy"), "context_length", length, "--rollout-max-context-len")
     slime_flags.check_distillation(given, cfg.train.hf_checkpoint)
+    _set_loss(cfg, given)
     if given.get("rm_type") and not cfg.rollout.custom_rm_path:  # slime's default reward path
         cfg.rollout.custom_rm_path = "slime.rollout.rm_hub.async_rm"
     slime_flags.check_model(given, cfg.train.hf_checkpoint)
@@ -64,10 +68,24 @@ def apply(cfg: JobConfig, flags: slime_flags.SlimeFlags | None, sglang_args: lis
         logger.warning("slime flags accepted with no effect here:\n  %s", "\n  ".join(ignored))
     namespace: dict[str, Any] = {}
     for section in SECTIONS:
-        namespace |= {k: v for k, v in to_flags(getattr(cfg, section)).items() if k != "slime_args"}
+        namespace |= {k: v for k, v in to_flags(getattr(cfg, section)).items() if k != "plugin_args"}
     namespace = {k: v for k, v in (namespace | given).items() if not slime_flags.SECRET.search(k)}
-    cfg.train.slime_args = cfg.buffer.slime_args = json.dumps(namespace)
+    cfg.train.plugin_args = cfg.buffer.plugin_args = json.dumps(namespace)
     return plan.forward
+
+
+def _set_loss(cfg: JobConfig, given: dict[str, Any]) -> None:
+    """The trainer's typed settings from the slime flags it acts on."""
+    loss = cfg.train.loss
+    if given.get("use_opd"):
+        loss.distill = "teacher" if given.get("opd_type") == "megatron" else "samples"
+        loss.distill_teacher = given.get("opd_teacher_load") if loss.distill == "teacher" else None
+    if "opd_kl_coef" in given:
+        loss.distill_kl_coef = float(given["opd_kl_coef"])
+    if given.get("rewards_normalization") is False:  # --disable-rewards-normalization
+        loss.raw_rewards = True
+    if given.get("calculate_per_token_loss"):
+        loss.per_token_loss = True
 
 
 def _set_flags(cfg: JobConfig, values: dict[str, Any], where: str) -> None:

@@ -1,4 +1,5 @@
-"""slime's training-side plug-ins on our trainer: a custom loss, importance weights, the pg-loss reducer.
+"""slime's training-side plug-ins on our trainer: a custom loss, importance weights, the pg-loss reducer,
+and what they import from ``slime.backends.megatron_utils.loss``.
 
 Our loss is a weighted sum: each token's weight in an optimizer step is fixed before the step
 (``losses.token_weights``, the ``--loss-aggregation`` over the whole global batch), so
@@ -23,8 +24,12 @@ these adapters translate, one micro-batch at a time:
   ``log_probs`` (the old policy's), ``rollout_log_probs``, ``ref_log_probs`` when there is a
   reference) and ``logits`` are in slime's layout, ``[1, sum(total_lengths), V / tp]`` with the
   samples back to back (our packing shares a group's prompt; the rows are copied out for the
-  plug-in). ``get_log_probs_and_entropy`` (also importable as slime's
-  ``slime.backends.megatron_utils.loss``) reads log-probs from them, tensor-parallel-correct.
+  plug-in). ``get_log_probs_and_entropy`` reads log-probs from them, tensor-parallel-correct, and
+  ``sft_loss_function`` is slime's SFT loss on it (both under ``slime.backends.megatron_utils.loss``).
+
+``custom_loss``, ``custom_tis`` and ``reduce_pg`` take the plug-in and slime's ``args`` first: bound
+to them (``compat.slime_forms``), each is the trainer's hook of that name (``plugins.LossPlugins``).
+A Sample without rollout log-probs reaches them with the trainer's old log-probs in their place.
 """
 
 from __future__ import annotations
@@ -54,6 +59,19 @@ def get_log_probs_and_entropy(logits: torch.Tensor, *, args: Any, unconcat_token
     if with_entropy:
         out["entropy"] = list(entropy.split(response_lengths))
     return torch.empty((0,), device=logits.device), out
+
+
+def sft_loss_function(args: Any, batch: dict[str, Any], logits: torch.Tensor,
+                      sum_of_sample_mean: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """slime's SFT loss: the negative log-likelihood of the response tokens, aggregated by
+    ``sum_of_sample_mean``; ``{"loss"}`` detached as its metric."""
+    _, out = get_log_probs_and_entropy(logits, args=args, unconcat_tokens=batch["unconcat_tokens"],
+                                       total_lengths=batch["total_lengths"], response_lengths=batch["response_lengths"])
+    log_probs = torch.cat(out["log_probs"], dim=0)
+    loss = -sum_of_sample_mean(log_probs)
+    if log_probs.numel() == 0:  # keep the graph connected, as slime does
+        loss = loss + 0 * logits.sum()
+    return loss, {"loss": loss.clone().detach()}
 
 
 def sequences(mb: MicroBatch) -> tuple[list[torch.Tensor], list[int]]:
