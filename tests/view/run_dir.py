@@ -3,7 +3,8 @@ writer, a metrics.jsonl, and a config.yaml that names a real tokenizer.
 
 Its Samples are made to be told apart: rewards, lengths and statuses vary, some groups have equal
 rewards, one episode is multi-turn (a tool result inside the response, mask 0) and branched (a
-second branch forked after its first turn, stored as the first one's sibling). ``EXPECTED`` keeps
+second branch forked after its first turn, stored as the first one's sibling), and one came with
+no rollout log-probs. ``EXPECTED`` keeps
 what was written, for the tests to recompute every answer from.
 """
 
@@ -23,6 +24,7 @@ from inverted.train.details import Detail, DetailsWriter
 from inverted.types import Sample
 
 N = 4  # samples per prompt
+UNRECORDED = (11, 2)  # the Sample whose sampler recorded no log-probs (never trained here)
 
 
 @dataclass
@@ -92,6 +94,8 @@ def write_run(run: Path, tokenizer_dir: Path, *, groups: int = 12, trained_steps
         sample = episode(task, rng, version=0, tokenizer=tokenizer)
         if (task["group_index"], task["index"]) == (1, 1):
             sample = multi_turn(sample, tokenizer)
+        if (task["group_index"], task["index"]) == UNRECORDED:
+            sample.rollout_log_probs = None  # a sampler that recorded none (a plug-in calling its server its own way)
         submitted.append((task["lease_id"], sample))
         written.samples.append(sample)
         for sibling in sample.metadata.get("siblings", []):

@@ -19,7 +19,7 @@ import pytest
 from inverted.config import ViewConfig
 from inverted.processes import free_port
 from inverted.view.service import create_app, open_run
-from tests.view.run_dir import write_run
+from tests.view.run_dir import UNRECORDED, write_run
 
 playwright = pytest.importorskip("playwright.sync_api", reason="playwright is a test dependency (pip install -e '.[test]')")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -126,6 +126,21 @@ def test_the_trajectory_page_shows_the_sample_token_by_token(served, page):
     page.locator(f"#tokens .tok[data-i='{sample.prompt_length + j}']").hover()
     tip = page.inner_text("#tooltip")
     assert f"rollout log-prob {sample.rollout_log_probs[j]:.4f}" in tip and "trainer log-prob" in tip
+
+
+def test_a_sample_without_rollout_logprobs_says_so(served, page):
+    """A Sample whose sampler recorded no log-probs: nothing to colour or compare, and the page says why."""
+    url, written, _ = served
+    sample = next(s for s in written.samples if (s.group_index, s.index) == UNRECORDED)
+    assert sample.rollout_log_probs is None
+    open_page(page, url + f"/trajectory?group={sample.group_index}&index={sample.index}&branch=0")
+    assert page.locator("#tokens .tok").count() == len(sample.tokens)
+    page.locator(f"#tokens .tok[data-i='{sample.prompt_length}']").hover()
+    assert "rollout log-prob not recorded" in page.inner_text("#tooltip")
+    for mode in ("logprob", "mismatch"):
+        page.select_option("#mode", mode)
+        assert page.inner_text("#legend") == "the sampler recorded no log-probs for this Sample"
+        assert page.locator("#tokens .tok[style]").count() == 0  # no token coloured
 
 
 def test_screenshots_show_the_colours_the_data_gives_each_token(served, page):
