@@ -38,6 +38,17 @@ in training tokens per second.
 
     python bench/train_step.py --arch qwen3_moe --ep 2 [--rounds 3]
 
+- ``--memory``: the trainer's peak resident memory (``VmHWM``) and step time against the hand-written
+  ``transformers`` step's, each in a process of its own (building it and ``--rounds`` steps; the
+  step time is the median after the first). The hand-written step goes over padded micro-batches of
+  the trainer's token budget, accumulating gradients: the whole batch at once does not fit in 24 GiB. ``--shape agent`` is ``make agent``'s batch: 8 groups
+  of 8 two-turn episodes of about 340 tokens (a ~250-token prompt of instructions and tools
+  shared by each group, a call, a tool result masked out, an answer); ``--shape context`` one
+  Sample of the model's whole context (8,192 tokens for SmolLM2), half of it response.
+
+    python bench/train_step.py --model models/smollm2-135m --shape agent --memory [--rounds 3]
+    python bench/train_step.py --model models/smollm2-135m --shape context --memory --rounds 2
+
 - ``--details-cost``: what ``--save-train-details`` costs a step (the trainer's log-probs and
   advantages of every Sample into ``train_details.db``): one trainer, its steps alternately with
   and without it, on the same batch.
@@ -94,24 +105,62 @@ def make_grpo_batch(seed: int = 0, groups: int = 4, per_group: int = 16, prompt:
     return samples
 
 
-def baseline_step(model, optimizer, samples: list[Sample]) -> None:
+def make_agent_batch(seed: int = 0, groups: int = 8, per_group: int = 8, prompt: int = 250) -> list[Sample]:
+    """``make agent``'s shape: per episode a call (mask 1), the tool's result (mask 0), an answer (mask 1)."""
+    g = torch.Generator().manual_seed(seed)
+    draw = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))  # noqa: E731
+    samples = []
+    for group in range(groups):
+        shared = torch.randint(3, 1200, (prompt + draw(-20, 20),), generator=g).tolist()
+        for i in range(per_group):
+            call, result, answer = draw(16, 28), draw(10, 16), draw(40, 80)
+            n = call + result + answer
+            mask = [1] * call + [0] * result + [1] * answer
+            samples.append(Sample(group_index=group, index=group * per_group + i,
+                                  tokens=shared + torch.randint(3, 1200, (n,), generator=g).tolist(), response_length=n,
+                                  loss_mask=mask, rollout_log_probs=[-1.0 * m for m in mask], weight_versions=["0"] * n,
+                                  reward=float(i % 2), status=Sample.Status.COMPLETED))
+    return samples
+
+
+def make_context_batch(path: Path, seed: int = 0) -> list[Sample]:
+    """One Sample of the model's whole context, its second half the response."""
+    length = json.loads((path / "config.json").read_text())["max_position_embeddings"]
+    tokens = torch.randint(3, 1200, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+    n = length // 2
+    return [Sample(group_index=0, index=0, tokens=tokens, response_length=n, loss_mask=[1] * n,
+                   rollout_log_probs=[-1.0] * n, weight_versions=["0"] * n, reward=1.0, status=Sample.Status.COMPLETED)]
+
+
+def baseline_step(model, optimizer, samples: list[Sample], budget: int | None = None) -> None:
+    """One step as one writes it by hand; with a token ``budget``, over padded micro-batches of at most
+    that many tokens, gradients accumulated (what it takes to fit a large batch)."""
     device = model.device
-    width = max(len(s.tokens) for s in samples)
-    ids = torch.zeros(len(samples), width, dtype=torch.long)
-    attention = torch.zeros(len(samples), width, dtype=torch.long)
-    response = torch.zeros(len(samples), width - 1)
-    for row, s in enumerate(samples):
-        ids[row, :len(s.tokens)] = torch.tensor(s.tokens)
-        attention[row, :len(s.tokens)] = 1
-        response[row, s.prompt_length - 1:len(s.tokens) - 1] = 1
-    ids, attention, response = ids.to(device), attention.to(device), response.to(device)
-    advantages = torch.tensor([s.reward - 0.5 for s in samples], device=device)[:, None]
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
-    logp = logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    loss = -(advantages * logp * response).sum() / response.sum()
+    chunks, chunk = [], []
+    for s in sorted(samples, key=lambda s: len(s.tokens)):
+        if chunk and budget and (len(chunk) + 1) * len(s.tokens) > budget:
+            chunks.append(chunk)
+            chunk = []
+        chunk.append(s)
+    chunks.append(chunk)
+    total = sum(len(s.loss_mask) for s in samples)
     optimizer.zero_grad()
-    loss.backward()
+    for chunk in chunks:
+        width = max(len(s.tokens) for s in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        attention = torch.zeros(len(chunk), width, dtype=torch.long)
+        response = torch.zeros(len(chunk), width - 1)
+        for row, s in enumerate(chunk):
+            ids[row, :len(s.tokens)] = torch.tensor(s.tokens)
+            attention[row, :len(s.tokens)] = 1
+            response[row, s.prompt_length - 1:len(s.tokens) - 1] = 1
+        ids, attention, response = ids.to(device), attention.to(device), response.to(device)
+        advantages = torch.tensor([s.reward - 0.5 for s in chunk], device=device)[:, None]
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
+        logp = logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        (-(advantages * logp * response).sum() / total).backward()
+        del logits, logp
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
 
@@ -161,14 +210,48 @@ def peak_rss_mb() -> float:
 
 
 def memory_of(args, path: Path, samples: list[Sample], budget: int) -> dict:
-    """This process's peak resident memory over building one trainer (LoRA or not) and three steps."""
+    """This process's peak resident memory over building one trainer (LoRA or not), or the hand-written
+    ``transformers`` step, and its steps (three, or ``--rounds`` with ``--memory``); the median step
+    time after the first."""
+    steps = args.rounds if args.memory else 3
+    if args.memory_of == "transformers":
+        import transformers
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+        seconds = [timed(lambda: baseline_step(model, optimizer, samples, budget), "cpu") for _ in range(steps)]
+        return {"peak_rss_mb": round(peak_rss_mb(), 1), "step_s": round(statistics.median(seconds[1:] or seconds), 3)}
     from inverted.train.trainer import Trainer
 
     trainer = Trainer(from_flags(TrainConfig, hf_checkpoint=str(path), lr=1e-6, max_tokens_per_gpu=budget,
                                  lora_rank=args.lora_rank if args.memory_of == "lora" else 0))
-    for _ in range(3):
-        trainer.train(samples)
-    return {"state_mb": state_mb(trainer), "peak_rss_mb": round(peak_rss_mb(), 1)}
+    seconds = [timed(lambda: trainer.train(samples), "cpu") for _ in range(steps)]
+    return {"state_mb": state_mb(trainer), "peak_rss_mb": round(peak_rss_mb(), 1),
+            "step_s": round(statistics.median(seconds[1:] or seconds), 3)}
+
+
+def child(mode: str) -> dict:
+    """``memory_of`` in a process of its own (this script, ``--memory-of mode``); one the kernel killed
+    for memory says so, with the machine's."""
+    done = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--memory-of", mode], capture_output=True, text=True)
+    if done.returncode == -9:
+        total = next(x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemTotal:"))
+        return {"peak_rss_mb": None, "killed": f"out of memory (SIGKILL; the machine's {total.split()[1]} kB)"}
+    if done.returncode:
+        raise RuntimeError(f"--memory-of {mode}: exit {done.returncode}\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout)
+
+
+def memory_vs_transformers(args, path: Path, samples: list[Sample]) -> dict:
+    """The trainer's peak memory and step time against the hand-written ``transformers`` step's."""
+    ours, base = child("full"), child("transformers")
+    return {"model": str(path), "shape": args.shape, "samples": len(samples),
+            "batch_tokens": sum(len(s.tokens) for s in samples),
+            "trained_tokens": sum(sum(s.loss_mask) for s in samples), "steps": args.rounds,
+            "threads": torch.get_num_threads(), "trainer": ours, "transformers": base,
+            **({"peak_rss_ratio": round(ours["peak_rss_mb"] / base["peak_rss_mb"], 3),
+                "step_time_ratio": round(ours["step_s"] / base["step_s"], 3)}
+               if ours["peak_rss_mb"] and base["peak_rss_mb"] else {})}
 
 
 def lora_vs_full(args, path: Path, samples: list[Sample], budget: int) -> dict:
@@ -189,9 +272,7 @@ def lora_vs_full(args, path: Path, samples: list[Sample], budget: int) -> dict:
             "threads": torch.get_num_threads(), "lora_rank": args.lora_rank,
             "full_tokens_per_s": round(full_tps, 1), "lora_tokens_per_s": round(lora_tps, 1),
             "ratio": round(lora_tps / full_tps, 3), "target_ratio": 1.3,
-            "memory": {mode: json.loads(subprocess.run(
-                [sys.executable, __file__, *sys.argv[1:], "--memory-of", mode], capture_output=True, text=True,
-                check=True).stdout) for mode in ("full", "lora")}}
+            "memory": {mode: child(mode) for mode in ("full", "lora")}}
 
 
 def ep_rank(cfg: TrainConfig, samples: list[Sample], rounds: int, threads: int, out: str) -> None:
@@ -260,10 +341,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--model", default=None, help="a checkpoint directory (default: a generated preset)")
-    parser.add_argument("--shape", choices=["long", "grpo"], default="long",
-                        help="long: 16 samples of 192-256 tokens; grpo: groups sharing a prompt, short responses")
+    parser.add_argument("--shape", choices=["long", "grpo", "agent", "context"], default="long",
+                        help="long: 16 samples of 192-256 tokens; grpo: groups sharing a prompt, short responses; "
+                             "agent: make agent's two-turn episodes; context: one Sample of the model's whole context")
     parser.add_argument("--lora-rank", type=int, default=0, help="compare LoRA of this rank with full fine-tuning")
-    parser.add_argument("--memory-of", choices=["full", "lora"], help=argparse.SUPPRESS)  # the child of --lora-rank
+    parser.add_argument("--memory", action="store_true",
+                        help="the trainer's peak resident memory and step time against the transformers step's")
+    parser.add_argument("--memory-of", choices=["full", "lora", "transformers"],
+                        help=argparse.SUPPRESS)  # a child of --lora-rank or --memory
     parser.add_argument("--arch", default="qwen2", choices=["qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe"],
                         help="architecture of the generated model")
     parser.add_argument("--ep", type=int, default=0, help="compare expert parallelism of this size with EP=1 (MoE)")
@@ -281,7 +366,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(args.model) if args.model else make_tiny_model(
             TinyModelConfig(out=f"{tmp}/{preset}", arch=args.arch, preset=preset))
-        samples = make_grpo_batch() if args.shape == "grpo" else make_batch(lengths=lengths)
+        samples = {"grpo": make_grpo_batch, "agent": make_agent_batch,
+                   "context": lambda: make_context_batch(path)}.get(args.shape, lambda: make_batch(lengths=lengths))()
         tokens = sum(len(s.tokens) for s in samples)
         if args.ep:
             print(json.dumps(ep_vs_ep1(args, path, samples, budget), indent=2))
@@ -290,7 +376,10 @@ def main() -> None:
             os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(get_free_port()))
             print(json.dumps(details_cost(args, path, samples, budget), indent=2))
             return
-        if args.lora_rank:
+        if args.memory and not args.memory_of:
+            print(json.dumps(memory_vs_transformers(args, path, samples), indent=2))
+            return
+        if args.lora_rank or args.memory_of:
             os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(get_free_port()))
             cfg = from_flags(TrainConfig, hf_checkpoint=str(path))
             init_parallel(cfg.parallel, cfg.seed)
