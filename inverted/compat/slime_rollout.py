@@ -2,7 +2,7 @@
 reward models, its SFT rollout, loss masks and tokenizer helpers, under its own module paths.
 
 What slime's own plug-ins and examples import from these pure-Python modules, with slime's
-signatures and behaviour, written here (``compat.slime.install`` puts them under slime's paths):
+signatures and behaviour, written here (``compat.modules`` puts them under slime's paths):
 
 - ``slime.rollout.sglang_rollout``: ``generate`` (one ``/generate`` call through the job's router,
   the answer appended with ``Sample.append_response_tokens``), ``generate_and_rm`` (the custom
