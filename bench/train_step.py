@@ -39,9 +39,11 @@ in training tokens per second.
     python bench/train_step.py --arch qwen3_moe --ep 2 [--rounds 3]
 
 - ``--memory``: the trainer's peak resident memory (``VmHWM``) and step time against the hand-written
-  ``transformers`` step's, each in a process of its own (building it and ``--rounds`` steps; the
-  step time is the median after the first). The hand-written step goes over padded micro-batches of
-  the trainer's token budget, accumulating gradients: the whole batch at once does not fit in 24 GiB. ``--shape agent`` is ``make agent``'s batch: 8 groups
+  ``transformers`` step's, and against the same trainer with the whole micro-batch's logits and no
+  recomputation (``--logprob-chunk-size 0 --recompute-granularity none``: the trainer before #60),
+  each in a process of its own (building it and ``--rounds`` steps; the step time is the median
+  after the first). The hand-written step goes over padded micro-batches of the trainer's token
+  budget, accumulating gradients: the whole batch at once does not fit in 24 GiB. ``--shape agent`` is ``make agent``'s batch: 8 groups
   of 8 two-turn episodes of about 340 tokens (a ~250-token prompt of instructions and tools
   shared by each group, a call, a tool result masked out, an answer); ``--shape context`` one
   Sample of the model's whole context (8,192 tokens for SmolLM2), half of it response.
@@ -223,8 +225,10 @@ def memory_of(args, path: Path, samples: list[Sample], budget: int) -> dict:
         return {"peak_rss_mb": round(peak_rss_mb(), 1), "step_s": round(statistics.median(seconds[1:] or seconds), 3)}
     from inverted.train.trainer import Trainer
 
+    # "logits": the trainer as it was before #60, with the whole micro-batch's logits and no recomputation
+    before = dict(logprob_chunk_size=0, recompute_granularity="none") if args.memory_of == "logits" else {}
     trainer = Trainer(from_flags(TrainConfig, hf_checkpoint=str(path), lr=1e-6, max_tokens_per_gpu=budget,
-                                 lora_rank=args.lora_rank if args.memory_of == "lora" else 0))
+                                 lora_rank=args.lora_rank if args.memory_of == "lora" else 0, **before))
     seconds = [timed(lambda: trainer.train(samples), "cpu") for _ in range(steps)]
     return {"state_mb": state_mb(trainer), "peak_rss_mb": round(peak_rss_mb(), 1),
             "step_s": round(statistics.median(seconds[1:] or seconds), 3)}
@@ -243,15 +247,22 @@ def child(mode: str) -> dict:
 
 
 def memory_vs_transformers(args, path: Path, samples: list[Sample]) -> dict:
-    """The trainer's peak memory and step time against the hand-written ``transformers`` step's."""
-    ours, base = child("full"), child("transformers")
+    """The trainer's peak memory and step time against the hand-written ``transformers`` step's, and
+    against the trainer with whole logits and no recomputation (``--logprob-chunk-size 0
+    --recompute-granularity none``, as it was before #60)."""
+    ours, logits, base = child("full"), child("logits"), child("transformers")
+
+    def ratios(other: dict) -> dict:
+        if not (ours["peak_rss_mb"] and other["peak_rss_mb"]):
+            return {}
+        return {"peak_rss_ratio": round(ours["peak_rss_mb"] / other["peak_rss_mb"], 3),
+                "step_time_ratio": round(ours["step_s"] / other["step_s"], 3)}
+
     return {"model": str(path), "shape": args.shape, "samples": len(samples),
             "batch_tokens": sum(len(s.tokens) for s in samples),
             "trained_tokens": sum(sum(s.loss_mask) for s in samples), "steps": args.rounds,
-            "threads": torch.get_num_threads(), "trainer": ours, "transformers": base,
-            **({"peak_rss_ratio": round(ours["peak_rss_mb"] / base["peak_rss_mb"], 3),
-                "step_time_ratio": round(ours["step_s"] / base["step_s"], 3)}
-               if ours["peak_rss_mb"] and base["peak_rss_mb"] else {})}
+            "threads": torch.get_num_threads(), "trainer": ours, "trainer_whole_logits": logits, "transformers": base,
+            "vs_whole_logits": ratios(logits), "vs_transformers": ratios(base)}
 
 
 def lora_vs_full(args, path: Path, samples: list[Sample], budget: int) -> dict:
@@ -347,7 +358,7 @@ def main() -> None:
     parser.add_argument("--lora-rank", type=int, default=0, help="compare LoRA of this rank with full fine-tuning")
     parser.add_argument("--memory", action="store_true",
                         help="the trainer's peak resident memory and step time against the transformers step's")
-    parser.add_argument("--memory-of", choices=["full", "lora", "transformers"],
+    parser.add_argument("--memory-of", choices=["full", "lora", "logits", "transformers"],
                         help=argparse.SUPPRESS)  # a child of --lora-rank or --memory
     parser.add_argument("--arch", default="qwen2", choices=["qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe"],
                         help="architecture of the generated model")

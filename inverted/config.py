@@ -697,6 +697,18 @@ class TrainConfig:
               "file per rollout", path=True)
     global_batch_size: int = option(0, "samples per optimizer step (0: the whole rollout batch in one step)")
     max_tokens_per_gpu: int = option(4096, "token budget of one packed micro-batch")
+    logprob_chunk_size: int = option(
+        1024, "tokens whose logits exist at once when the loss takes log-probs: the output layer and the softmax run "
+              "chunk by chunk, recomputed in backward (0: the whole micro-batch's logits at once; a --custom-loss-"
+              "function-path plug-in, which reads them, always gets them)")
+    recompute_granularity: Literal["auto", "none", "full", "selective"] = option(
+        "auto", "activation recomputation (Megatron's): 'full' keeps only each recomputed layer's input for backward, "
+                "'selective' recomputes its core attention; 'auto': 'full' for a dense model trained on the CPU (where "
+                "it costs no measurable step time), else 'none'")
+    recompute_method: Literal["uniform", "block"] = option(
+        "uniform", "with 'full': 'uniform' recomputes every layer in groups of --recompute-num-layers, 'block' only "
+                   "the first --recompute-num-layers layers of each pipeline stage (less memory saved, less time spent)")
+    recompute_num_layers: int = option(1, "layers per recomputed group ('uniform') or recomputed layers ('block')")
     seed: int = option(1234, "random seed")
     bf16: bool = option(False, "train in bfloat16 (GPU); fp32 otherwise")
     save_train_details: bool = option(
@@ -714,8 +726,9 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _require(bool(self.hf_checkpoint), "--hf-checkpoint", self.hf_checkpoint, "a checkpoint directory")
-        for name in ("num_rollout", "max_tokens_per_gpu"):
+        for name in ("num_rollout", "max_tokens_per_gpu", "recompute_num_layers"):
             _require(getattr(self, name) >= 1, flag_name(name), getattr(self, name), ">= 1")
+        _require(self.logprob_chunk_size >= 0, "--logprob-chunk-size", self.logprob_chunk_size, ">= 0")
         _require(self.global_batch_size >= 0, "--global-batch-size", self.global_batch_size, ">= 0")
 
     def validate(self) -> None:

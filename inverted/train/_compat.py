@@ -28,6 +28,11 @@ against (``_SUPPORTED``): a new release must be checked before it is admitted.
    together the dispatcher gathers each rank's tokens over the expert-TP group, and scatters their
    outputs back, in shares as uneven as the routing; our versions pad every share to the largest.
 
+6. Activation recomputation (``--recompute-granularity``): Megatron's checkpoint function saves
+   the CUDA generator's state beside the CPU one's and the tracker's, and restores all three
+   before it recomputes. There is no CUDA generator: its state is nothing, and restoring nothing
+   does nothing (the CPU generator and our tracker's states are still saved and restored).
+
 One workaround is not about CPUs and is applied on every machine (``apply_without_te``): MoE's
 ``moe_utils`` names ``te_general_gemm`` only when Transformer Engine imports, yet tests it for
 ``None`` in the router's matmul, so a MoE forward without TE raises ``NameError`` on a GPU as on a
@@ -77,6 +82,10 @@ class _TorchOnCPU(types.ModuleType):
     @staticmethod
     def zeros(*size, device=None, **kwargs) -> torch.Tensor:
         return torch.zeros(*size, device="cpu" if device == "cuda" else device, **kwargs)
+
+
+def _no_cuda_rng_state(*args, **kwargs) -> None:
+    return None
 
 
 def _cpu_rng_tracker():
@@ -200,6 +209,9 @@ def apply() -> None:
     # 5. Uneven gathers and reduce-scatters (tensor x expert parallelism), looked up by name at each call.
     mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim = _even_for_gloo(
         mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim)
+    # 6. Recomputation: no CUDA generator state to save or restore, looked up by name at each call.
+    mcore_random._get_cuda_rng_state = _no_cuda_rng_state
+    mcore_random._set_cuda_rng_state = _no_cuda_rng_state
     apply_without_te()
     logger.info("megatron-core %s: CPU compatibility applied (current_device, RNG tracker, pipeline schedules, "
-                "MoE dispatcher, uneven gloo collectives)", version)
+                "MoE dispatcher, uneven gloo collectives, recomputation)", version)

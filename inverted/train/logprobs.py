@@ -1,43 +1,168 @@
-"""Per-token log-probabilities and entropies from (vocab-parallel) logits, in fp32, at a temperature.
+"""Per-token log-probabilities and entropies of the trained tokens, in fp32, at a temperature.
 
-Under tensor parallelism each rank holds a slice of the vocabulary (``[T, V / tp]``), so a
-softmax needs the maximum and the normaliser of the whole row: both are all-reduced over the
-tensor-parallel group. The reductions that carry gradients use Megatron's
-``reduce_from_tensor_model_parallel_region`` (all-reduce forward, identity backward), because
-every TP rank computes the same loss from the reduced values; the detached maximum only shifts
-for stability. Logits are divided by the rollout temperature first, so the training log-probs
-are those of the distribution the engine sampled from.
+Two ways to the same numbers:
+
+- ``token_logprobs_and_entropy(logits, ...)`` from the model's logits ``[T, V / tp]``: what a loss
+  plug-in that reads the logits themselves needs (slime's custom losses).
+- ``fused_logprobs_and_entropy(hidden, weight, ...)`` from the final hidden states and the output
+  layer's weight, chunked over tokens: each chunk's logits are made, reduced to a few numbers per
+  row and dropped, and backward makes them again (the technique of Liger's fused linear
+  cross-entropy and of Megatron's vocab-parallel cross-entropy). A micro-batch of ``T`` tokens
+  then never holds ``[T x V]`` fp32 tensors: only ``[chunk x V]`` ones, one at a time. At
+  SmolLM2's 49,152-token vocabulary a 4,096-token micro-batch's logits are 0.8 GB a tensor,
+  and the logits path keeps several of them for backward.
+
+Under tensor parallelism each rank holds a slice of the vocabulary, so a softmax needs the maximum
+and the normaliser of the whole row: both are all-reduced over the tensor-parallel group. Every TP
+rank computes the same loss from the reduced values, so the logits path reduces with Megatron's
+``reduce_from_tensor_model_parallel_region`` (all-reduce forward, identity backward), and the fused
+path's backward gives each rank the gradient of its own slice; the gradients of the hidden states
+are summed over the group by the mapping that ``output_hidden_states`` puts where the output layer
+was (what Megatron's ``ColumnParallelLinear`` does for its input). The detached maximum only shifts
+for stability. Logits are divided by the rollout temperature first, so the training log-probs are
+those of the distribution the engine sampled from.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
+
+
+def _tensor_parallel() -> tuple[int, int, object]:
+    from megatron.core import parallel_state
+
+    return (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_group())
+
+
+def _row_sums(scaled: torch.Tensor, targets: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's maximum (over the whole vocabulary) and, over this rank's slice, ``[sum exp(z - max),
+    z_target - max (0 off the slice), sum exp(z - max) (z - max)]`` (``[2 or 3, N]``, not yet summed over TP)."""
+    size, rank, group = _tensor_parallel()
+    width = scaled.shape[-1]
+    start = rank * width
+    row_max = scaled.detach().max(dim=-1).values
+    if size > 1:
+        torch.distributed.all_reduce(row_max, op=torch.distributed.ReduceOp.MAX, group=group)
+    shifted = scaled - row_max[:, None]
+    exp = shifted.exp()
+    local = (targets >= start) & (targets < start + width)
+    picked = shifted.gather(-1, (targets - start).clamp(0, width - 1)[:, None]).squeeze(-1) * local
+    return row_max, torch.stack([exp.sum(-1), picked] + ([(exp * shifted).sum(-1)] if with_entropy else []))
+
+
+def _from_sums(sums: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    log_z = sums[0].log()
+    # H = log Z - E_p[shifted]:  -sum p log p with log p = shifted - log Z.
+    return sums[1] - log_z, (log_z - sums[2] / sums[0] if with_entropy else None)
 
 
 def token_logprobs_and_entropy(logits_TV: torch.Tensor, targets_T: torch.Tensor, temperature: float = 1.0,
                                with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``log p(target_t)`` and the entropy of each row's distribution, ``[T]`` each (fp32)."""
-    from megatron.core import parallel_state
+    """``log p(target_t)`` and the entropy of each row's distribution, ``[T]`` each (fp32), from the logits."""
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    logits = logits_TV.float() / temperature
-    width = logits.shape[-1]
-    start = parallel_state.get_tensor_model_parallel_rank() * width
-
-    row_max = logits.detach().max(dim=-1).values
-    if tp_size > 1:
-        torch.distributed.all_reduce(row_max, op=torch.distributed.ReduceOp.MAX,
-                                     group=parallel_state.get_tensor_model_parallel_group())
-    shifted = logits - row_max[:, None]
-    exp = shifted.exp()
-    local = (targets_T >= start) & (targets_T < start + width)
-    picked = shifted.gather(-1, (targets_T - start).clamp(0, width - 1)[:, None]).squeeze(-1) * local
-    sums = torch.stack([exp.sum(-1), picked] + ([(exp * shifted).sum(-1)] if with_entropy else []))
-    if tp_size > 1:
+    _, sums = _row_sums(logits_TV.float() / temperature, targets_T, with_entropy)
+    if _tensor_parallel()[0] > 1:
         sums = reduce_from_tensor_model_parallel_region(sums)
-    log_z = sums[0].log()
-    logprobs = sums[1] - log_z
-    # H = log Z - E_p[shifted]:  -sum p log p with log p = shifted - log Z.
-    entropy = log_z - sums[2] / sums[0] if with_entropy else None
-    return logprobs, entropy
+    return _from_sums(sums, with_entropy)
+
+
+def _scaled_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    # The output layer's matmul in the model's dtype, then fp32: as the logits path computes them.
+    return (hidden @ weight.t()).float() / temperature
+
+
+class _FusedHead(torch.autograd.Function):
+    """Log-probs and entropies of ``hidden @ weight.T / temperature`` chunk by chunk; backward recomputes."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
+                chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        size, _, group = _tensor_parallel()
+        rows = len(hidden)
+        logprobs, entropy = (hidden.new_empty(rows, dtype=torch.float32) for _ in range(2))
+        # Per row, what backward needs to rebuild the softmax without a second reduction:
+        # log Z (the maximum included) and E_p[z].
+        log_z, mean_z = (hidden.new_empty(rows, dtype=torch.float32) for _ in range(2))
+        for start in range(0, rows, chunk):
+            part = slice(start, start + chunk)
+            row_max, sums = _row_sums(_scaled_logits(hidden[part], weight, temperature), targets[part], True)
+            if size > 1:
+                torch.distributed.all_reduce(sums, group=group)
+            logprobs[part], entropy[part] = _from_sums(sums, True)
+            log_z[part] = row_max + sums[0].log()
+            mean_z[part] = row_max + sums[2] / sums[0]
+        ctx.save_for_backward(hidden, weight, targets, log_z, mean_z)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor):
+        hidden, weight, targets, log_z, mean_z = ctx.saved_tensors
+        temperature = ctx.temperature
+        _, rank, _ = _tensor_parallel()
+        width = weight.shape[0]
+        want_hidden, want_weight = ctx.needs_input_grad[:2]
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
+        for start in range(0, len(hidden), ctx.chunk):
+            part = slice(start, start + ctx.chunk)
+            z = _scaled_logits(hidden[part], weight, temperature)
+            # d log p_t / dz_j = [j = t] - p_j;  dH / dz_j = -p_j (z_j - E_p[z]).
+            g_logp, g_ent = grad_logprobs[part, None], grad_entropy[part, None]
+            grad_z = (z - log_z[part, None]).exp_().mul_(g_ent * (z - mean_z[part, None]) + g_logp).neg_()
+            local = targets[part] - rank * width
+            on_slice = ((local >= 0) & (local < width)).nonzero().squeeze(-1)
+            grad_z[on_slice, local[on_slice]] += g_logp[on_slice, 0]
+            grad_logits = (grad_z / temperature).to(hidden.dtype)
+            del z, grad_z
+            if want_hidden:
+                grad_hidden[part] = grad_logits @ weight
+            if want_weight:
+                grad_weight += (grad_logits.t() @ hidden[part]).float()
+        return grad_hidden, grad_weight.to(weight.dtype) if want_weight else None, None, None, None
+
+
+def fused_logprobs_and_entropy(hidden_TH: torch.Tensor, weight_VH: torch.Tensor, targets_T: torch.Tensor,
+                               temperature: float = 1.0, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log p(target_t)`` and entropies (``[T]`` each, fp32) of ``hidden_TH @ weight_VH.T``, this rank's
+    vocabulary slice of the output layer, ``chunk`` tokens at a time; equal to
+    ``token_logprobs_and_entropy`` of those logits."""
+    return _FusedHead.apply(hidden_TH, weight_VH, targets_T, temperature, max(1, chunk))
+
+
+def output_weight(model) -> torch.Tensor:
+    """The output layer's weight of a (DDP-wrapped) ``GPTModel``'s last stage: with tied embeddings, the
+    embedding (or the last stage's copy of it), as Megatron's own forward passes it."""
+    gpt = getattr(model, "module", model)
+    return gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else gpt.output_layer.weight
+
+
+@contextlib.contextmanager
+def output_hidden_states(model) -> Iterator[None]:
+    """Inside, the (DDP-wrapped) ``GPTModel`` returns its final hidden states ``[1, T, H]`` where it
+    returned logits: its output layer is skipped, keeping only what that layer does to its input across
+    tensor-parallel ranks (sequence parallelism's all-gather, whose backward reduce-scatters; else
+    Megatron's copy, whose backward sums the ranks' partial gradients)."""
+    from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                        gather_from_sequence_parallel_region)
+
+    layer = getattr(getattr(model, "module", model), "output_layer", None)
+    if layer is None:  # not the last pipeline stage: it returns hidden states anyway
+        yield
+        return
+
+    def hidden(input_, weight=None, runtime_gather_output=None):
+        if layer.sequence_parallel:
+            return gather_from_sequence_parallel_region(input_, group=layer.tp_group), None
+        return copy_to_tensor_model_parallel_region(input_, group=layer.tp_group), None
+
+    layer.forward = hidden  # an instance attribute: the module, its weights and their names are untouched
+    try:
+        yield
+    finally:
+        del layer.forward

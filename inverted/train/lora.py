@@ -227,6 +227,11 @@ def attach(model, spec: ModelSpec, config: LoRAConfig, seed: int) -> None:
             linear = layer.get_submodule(path)
             linear.lora = LoRA(spec, layout, modules, config, layer.layer_number - 1, seed, param.dtype, param.device)
             linear.register_forward_hook(_add_delta)
+    if model.pre_process:
+        # The frozen embedding's output needs no gradient, but a recomputed layer (Megatron's checkpoint
+        # is reentrant) runs its backward only when an input requires one: without it the adapters
+        # inside would get none. (PEFT's ``enable_input_require_grads``, for the same reason.)
+        model.embedding.register_forward_hook(lambda module, args, output: output.requires_grad_(True))
 
 
 def adapters(model) -> Iterator[tuple[int, LoRA]]:

@@ -43,6 +43,34 @@ class Parallelism:
     sequence: bool = False  # sequence parallelism (Megatron's: only with tensor > 1)
 
 
+@dataclass(frozen=True, slots=True)
+class Recompute:
+    """Megatron's activation recomputation: ``full`` saves only a recomputed layer's input for backward
+    and runs the layer again there (one more forward of it: memory for time); ``selective``
+    recomputes the core attention only."""
+
+    granularity: str = "none"  # "none" | "full" | "selective"
+    method: str = "uniform"  # "uniform" | "block"
+    num_layers: int = 1
+
+    @classmethod
+    def of(cls, granularity: str, method: str, num_layers: int, spec: ModelSpec) -> "Recompute":
+        """``auto``: every layer for a dense model on the CPU, where a step's time goes to memory traffic
+        more than to arithmetic (measured: the same step time at a third of the peak memory,
+        ``bench/train_step.py --memory``); none on a GPU, where it is a third more compute, nor for a
+        Mixture-of-Experts model, whose routing replay records each forward's routing."""
+        if granularity == "auto":
+            granularity = "none" if torch.cuda.is_available() or spec.is_moe else "full"
+        return cls(granularity, method, num_layers)
+
+    def megatron(self) -> dict:
+        if self.granularity == "none":
+            return {}
+        if self.granularity == "selective":
+            return dict(recompute_granularity="selective")
+        return dict(recompute_granularity="full", recompute_method=self.method, recompute_num_layers=self.num_layers)
+
+
 def use_transformer_engine() -> bool:
     if not torch.cuda.is_available():
         return False
@@ -71,12 +99,12 @@ def moe_config(spec: ModelSpec, moe: MoEConfig | None = None, routing_replay: bo
 
 
 def transformer_config(spec: ModelSpec, parallel: Parallelism, dtype: torch.dtype, moe: MoEConfig | None = None,
-                       routing_replay: bool = False):
-    """Megatron's ``TransformerConfig`` for ``spec``: the architecture plus parallel sizes and dtype."""
+                       routing_replay: bool = False, recompute: Recompute = Recompute()):
+    """Megatron's ``TransformerConfig`` for ``spec``: the architecture plus parallel sizes, dtype and recomputation."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
-        **moe_config(spec, moe, routing_replay),
+        **moe_config(spec, moe, routing_replay), **recompute.megatron(),
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.intermediate_size,
         num_attention_heads=spec.num_heads, num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim,
         normalization="RMSNorm", layernorm_epsilon=spec.rms_norm_eps, qk_layernorm=spec.qk_norm,
@@ -133,17 +161,18 @@ def layer_spec(spec: ModelSpec, te: bool, config):
 
 
 def build_model(spec: ModelSpec, parallel: Parallelism, dtype: torch.dtype = torch.float32, te: bool | None = None,
-                moe: MoEConfig | None = None, routing_replay: bool = False):
+                moe: MoEConfig | None = None, routing_replay: bool = False, recompute: Recompute = Recompute()):
     """This rank's stage of the policy (pre/post-processing only on the first/last pipeline stage).
 
     ``te``: Transformer Engine's layer spec (default: where TE can run). LoRA asks for the local spec:
     TE fuses the input LayerNorm into ``linear_qkv``, which hides the normalised input an adapter needs.
-    ``moe``: the MoE training options; ``routing_replay``: give the routers Megatron's ``RouterReplay``.
+    ``moe``: the MoE training options; ``routing_replay``: give the routers Megatron's ``RouterReplay``;
+    ``recompute``: which activations backward recomputes instead of keeping.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(spec, parallel, dtype, moe, routing_replay)
+    config = transformer_config(spec, parallel, dtype, moe, routing_replay, recompute)
     te = use_transformer_engine() if te is None else te
     model = GPTModel(
         config=config, transformer_layer_spec=layer_spec(spec, te, config), vocab_size=spec.vocab_size,

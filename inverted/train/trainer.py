@@ -19,7 +19,11 @@
    records its routing in the old log-probs' pass for the steps to replay (R2).
 5. Per optimizer step: forward and backward of the micro-batches through Megatron's schedule (1F1B
    across pipeline stages) with the step's global token weights, one gradient all-reduce (a sum:
-   the weights already normalise), clip, step. The loss runs where the logits are: each rollout's
+   the weights already normalise), clip, step. The log-probs come from the final hidden states
+   through the output layer chunk by chunk (``train/logprobs.py``: no ``[tokens x vocab]`` tensor
+   is kept; ``--logprob-chunk-size``), or from the whole logits where a loss plug-in reads them;
+   ``--recompute-granularity`` trades the layers' kept activations for a second forward in
+   backward. The loss runs on the model's device: each rollout's
    per-token tensors go to the model's device once, and each micro-batch hands its statistics
    back through the schedule (Megatron's loss-reporting dict) as device tensors, reduced once at
    the end of the rollout, so no micro-batch waits on a device-to-host copy. With
@@ -51,8 +55,9 @@ from inverted.plugins import LossPlugins
 from inverted.peft_adapter import lora_config, read_adapter
 from inverted.train import details, lora, losses
 from inverted.train.convert import check_compatible, gather_hf_weights, iter_hf_weights, load_hf_weights, over_pipeline
-from inverted.train.logprobs import token_logprobs_and_entropy
-from inverted.train.model import Parallelism, build_model, use_transformer_engine
+from inverted.train.logprobs import (fused_logprobs_and_entropy, output_hidden_states, output_weight,
+                                     token_logprobs_and_entropy)
+from inverted.train.model import Parallelism, Recompute, build_model, use_transformer_engine
 from inverted.train.optimizer import build_optimizer
 from inverted.train.packing import MicroBatch, balance, pack
 from inverted.train.parallel import sequence_share
@@ -163,7 +168,9 @@ class Trainer:
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         hf_weights = checkpoint_tensors(cfg.hf_checkpoint)
-        model = build_model(self.spec, self.parallel, self.dtype, self.te, cfg.moe, routing_replay=cfg.moe.routing_replay)
+        recompute = Recompute.of(cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers, self.spec)
+        model = build_model(self.spec, self.parallel, self.dtype, self.te, cfg.moe, routing_replay=cfg.moe.routing_replay,
+                            recompute=recompute)
         load_hf_weights(model, self.spec, hf_weights)
         self.replay = RoutingReplay(model, self.spec, self.parallel.sequence) if cfg.moe.routing_replay else None
         a = cfg.lora
@@ -183,6 +190,9 @@ class Trainer:
         self.rollout_id = 0  # rollouts trained on so far
         self.optimizer_steps = 0
         self.plugins = LossPlugins.load(cfg.loss, plugin_flags(cfg))  # the loss hooks (plugins.LossPlugins)
+        # Log-probs straight from the final hidden states, chunk by chunk (train/logprobs.py), unless a
+        # loss plug-in reads the logits themselves.
+        self.fused_head = cfg.logprob_chunk_size > 0 and self.plugins.loss is None
         # on-policy distillation with the teacher in the trainer (--distill teacher)
         self.teacher = self._frozen(checkpoint_tensors(cfg.loss.distill_teacher)) if cfg.loss.distill == "teacher" else None
         self.details: details.DetailsWriter | None = None  # opened by rank 0 at its first write
@@ -198,14 +208,15 @@ class Trainer:
     # -- forward -----------------------------------------------------------------------------
 
     def _schedule(self, model, mbs: list[MicroBatch],
-                  on_logits: Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+                  on_output: Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]],
                   forward_only: bool, routing: str | None = None) -> list[dict[str, torch.Tensor]]:
         """Run ``mbs`` through Megatron's schedule: 1F1B across pipeline stages, a plain loop without.
 
         Every stage reads the same micro-batches (each needs the packing to place its attention);
         the first embeds the tokens, the others take the previous stage's activations. On the last
-        stage ``on_logits(mb, logits)`` turns a micro-batch's logits ``[T, V / tp]`` into its loss
-        and a dict of statistics, and the schedule runs the backward passes unless ``forward_only``.
+        stage ``on_output(mb, output)`` turns a micro-batch's output (its final hidden states ``[T, H]``
+        with the fused head, else its logits ``[T, V / tp]``; see ``_logprobs``) into its loss and a
+        dict of statistics, and the schedule runs the backward passes unless ``forward_only``.
         ``routing`` (the policy with routing replay): "record" or "replay" each micro-batch's routing.
         Returns the statistics of every micro-batch (on the last stage; elsewhere none).
         """
@@ -218,12 +229,13 @@ class Trainer:
         def forward_step(batches, model):
             mb = next(batches)
             routed = self.replay.forward(mb, routing) if routing and self.replay else contextlib.nullcontext()
-            with routed:
+            head = output_hidden_states(model) if self.fused_head else contextlib.nullcontext()
+            with routed, head:
                 output = self.forward(model, mb)
             tokens = torch.tensor(sum(mb.response_lengths), dtype=torch.int, device=device)
 
-            def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-                loss, stats = on_logits(mb, logits[0])
+            def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+                loss, stats = on_output(mb, output[0])
                 return loss, tokens, stats  # Megatron collects each ``stats`` and returns them all
 
             return output, loss_func
@@ -259,11 +271,17 @@ class Trainer:
 
         return packed_seq_params(mb, device, self.spec if self.packed_attention else None)
 
-    def _logprobs(self, mb: MicroBatch, logits: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Response-token log-probs (and entropies) of one packed micro-batch from its logits, fp32, ``[R]``."""
-        positions = mb.response_positions().to(logits.device)
-        return token_logprobs_and_entropy(logits[positions], mb.response_targets().to(logits.device),
-                                          self.cfg.loss.rollout_temperature, with_entropy)
+    def _logprobs(self, model, mb: MicroBatch, output: torch.Tensor,
+                  with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Response-token log-probs (and entropies) of one packed micro-batch, fp32, ``[R]``, from ``model``'s
+        output: its final hidden states through the fused head, or its logits."""
+        positions, targets = mb.response_positions().to(output.device), mb.response_targets().to(output.device)
+        temperature = self.cfg.loss.rollout_temperature
+        if not self.fused_head:
+            return token_logprobs_and_entropy(output[positions], targets, temperature, with_entropy)
+        logp, entropy = fused_logprobs_and_entropy(output[positions], output_weight(model), targets, temperature,
+                                                   self.cfg.logprob_chunk_size)
+        return logp, entropy if with_entropy else None
 
     @torch.no_grad()
     def _no_grad_logprobs(self, model, mbs: list[MicroBatch], routing: str | None = None) -> dict[int, torch.Tensor]:
@@ -271,8 +289,8 @@ class Trainer:
         model.eval()
         out: dict[int, torch.Tensor] = {}
 
-        def keep(mb: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            logp, _ = self._logprobs(mb, logits, with_entropy=False)
+        def keep(mb: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            logp, _ = self._logprobs(model, mb, output, with_entropy=False)
             out.update(zip(mb.indices, logp.split(mb.response_lengths)))
             return logp.new_zeros(()), {}
 
@@ -463,8 +481,8 @@ class Trainer:
                 int(sample.metadata.get("branch", 0)), self.rollout_id, mismatch, advantage, logp, adv))
         self.details.write(rows)
 
-    def _loss(self, mb: MicroBatch, logits: torch.Tensor, tokens: PerToken) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """One micro-batch's loss from its logits, and its statistics (device tensors, see ``LOSS_PARTS``)."""
+    def _loss(self, mb: MicroBatch, output: torch.Tensor, tokens: PerToken) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """One micro-batch's loss from the policy's output, and its statistics (device tensors, see ``LOSS_PARTS``)."""
         cfg, plugins = self.cfg.loss, self.plugins
         mask, weight = tokens.take("mask", mb.indices), tokens.take("weight", mb.indices)
         adv, rollout = tokens.take("advantage", mb.indices), tokens.take("rollout_logp", mb.indices)
@@ -472,7 +490,7 @@ class Trainer:
         seq_ids = torch.repeat_interleave(torch.arange(len(mb.indices), device=mask.device),
                                           torch.tensor(mb.response_lengths, device=mask.device))
 
-        logp, entropy = self._logprobs(mb, logits, with_entropy=True)
+        logp, entropy = self._logprobs(self.model, mb, output, with_entropy=True)
         old = tokens.take("old_logp", mb.indices) if tokens.old_logp else logp.detach()
         recorded = ~rollout.isnan()  # tokens whose sampler recorded a log-prob; the old one stands in elsewhere
         rollout = torch.where(recorded, rollout, old.detach())
@@ -481,7 +499,7 @@ class Trainer:
         ref = tokens.take("ref_logp", mb.indices) if tokens.ref_logp else None
         if plugins.loss is not None:
             named = {"loss_masks": mask, "advantages": adv, "log_probs": old, "rollout_log_probs": rollout}
-            loss, custom = plugins.loss(mb, logits, named | ({"ref_log_probs": ref} if ref is not None else {}), weight)
+            loss, custom = plugins.loss(mb, output, named | ({"ref_log_probs": ref} if ref is not None else {}), weight)
             custom = {f"custom/{name}": value for name, value in custom.items()}
         pg, info = losses.policy_loss(cfg.advantage_estimator, logp, old, adv, mask, seq_ids, len(mb.indices),
                                       cfg.eps_clip, cfg.eps_clip_high or cfg.eps_clip, cfg.eps_clip_c)

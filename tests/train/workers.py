@@ -244,3 +244,50 @@ def check_same_training(one: dict, many: dict, checkpoint, out, metrics: tuple[s
     assert exported.keys() == many[trained].keys()
     for name, tensor in many[trained].items():
         assert torch.equal(exported[name], tensor), name
+
+
+def head_paths(cfg: TrainConfig, out: str) -> None:
+    """Log-probs, entropies and their gradients (a random upstream gradient of each) at temperature 0.7
+    through the fused head (chunks of 8 tokens) and through the logits path, on this rank's vocabulary
+    slice of one random output layer; the weight's gradient gathered over TP. What rank 0 sees."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+    from inverted.train.logprobs import fused_logprobs_and_entropy, token_logprobs_and_entropy
+
+    with parallel_group(cfg):
+        g = torch.Generator().manual_seed(0)
+        hidden, weight = torch.randn(37, 16, generator=g), torch.randn(96, 16, generator=g)
+        targets = torch.randint(0, 96, (37,), generator=g)
+        upstream = torch.randn(2, 37, generator=g)
+        size, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+        group = parallel_state.get_tensor_model_parallel_group()
+        results = {"inputs": (hidden, weight, targets, upstream)}
+        for path in ("fused", "logits"):
+            h, w = hidden.clone().requires_grad_(), weight.chunk(size)[rank].clone().requires_grad_()
+            shared = copy_to_tensor_model_parallel_region(h, group=group)
+            logp, entropy = (fused_logprobs_and_entropy(shared, w, targets, 0.7, chunk=8) if path == "fused"
+                             else token_logprobs_and_entropy(shared @ w.t(), targets, 0.7))
+            (logp * upstream[0] + entropy * upstream[1]).sum().backward()
+            parts = [torch.empty_like(w.grad) for _ in range(size)]
+            torch.distributed.all_gather(parts, w.grad.contiguous(), group=group)
+            results[path] = (logp.detach(), entropy.detach(), h.grad, torch.cat(parts))
+        if torch.distributed.get_rank() == 0:
+            torch.save(results, out)
+
+
+def heads_and_steps(cfgs: list[TrainConfig], samples, out: str) -> None:
+    """Under each config in turn, a fresh trainer from the same weights: its no-grad log-probs of
+    ``samples``, then one training step's metrics and weights."""
+    from inverted.train.trainer import Trainer
+
+    with parallel_group(cfgs[0]):
+        results = []
+        for cfg in cfgs:
+            trainer = Trainer(cfg)
+            mbs = [mb for step in trainer._plan(samples) for mb in step.micro_batches]
+            logprobs = trainer._no_grad_logprobs(trainer.model, mbs)
+            results.append({"fused": trainer.fused_head, "logprobs": logprobs, "metrics": trainer.train(samples),
+                            "weights": trainer.hf_weights()})
+            del trainer
+        torch.save(results, out)
