@@ -4,7 +4,8 @@
 acts on the ones given, before any process starts:
 
 - the ones inverted implements through its own config set it (``--num-steps-per-rollout`` the
-  global batch, ``--rollout-max-context-len`` the context length, ``--sglang-max-running-requests``
+  global batch, ``--rollout-max-context-len`` the context length, ``--log-probs-chunk-size`` the
+  trainer's log-prob chunks, ``--sglang-max-running-requests``
   the embedded engines', ``--rm-type`` the reward model: slime's ``rm_hub.async_rm``), and
   ``--custom-config-path``'s YAML keys join ``args`` as in slime (keys that are inverted's flags
   set those, over the command line's, as slime's config overrides its args);
@@ -56,6 +57,8 @@ def apply(cfg: JobConfig, flags: slime_flags.SlimeFlags | None, sglang_args: lis
             raise ConfigError(f"--num-steps-per-rollout {steps}: must divide --rollout-batch-size x "
                               f"--n-samples-per-prompt = {samples}")
         _set_once(cfg, ("train",), "global_batch_size", samples // steps, "--num-steps-per-rollout")
+    if (chunk := given.get("log_probs_chunk_size", -1)) > 0:
+        _set_once(cfg, ("train",), "logprob_chunk_size", chunk, "--log-probs-chunk-size")
     if length := given.get("rollout_max_context_len"):
         _set_once(cfg, ("servers", "proxy"), "context_length", length, "--rollout-max-context-len")
     slime_flags.check_distillation(given, cfg.train.hf_checkpoint)

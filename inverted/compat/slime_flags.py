@@ -116,6 +116,8 @@ SAME: dict[str, str] = {
     "use_tensorboard": "TensorBoard events are always written (OUTPUT_DIR), beside metrics.jsonl",
     "log_passrate": "the pass rate is always logged (rollout/pass_rate, eval/pass_rate)",
     "accumulate_allreduce_grads_in_fp32": "gradients are always reduced in fp32",
+    "log_probs_chunk_size": "sets --logprob-chunk-size (tokens whose logits exist at once); slime's -1, whole "
+                            "logits, is --logprob-chunk-size 0, but the chunked path gives the same log-probs",
 }
 
 # Megatron's model-shape flags: checked against the HF config (attribute names; the first found).
@@ -155,12 +157,11 @@ NO_EFFECT: dict[str, str] = {
         "moe_router_load_balancing_type", "moe_token_drop_policy", "moe_router_dtype", "model_name",
         "padded_vocab_size"), _SHAPE),
     **dict.fromkeys((
-        "attention_backend", "attention_softmax_in_fp32", "recompute_granularity", "recompute_method",
-        "recompute_num_layers", "moe_enable_deepep", "moe_grouped_gemm", "moe_permute_fusion",
+        "attention_backend", "attention_softmax_in_fp32", "moe_enable_deepep", "moe_grouped_gemm", "moe_permute_fusion",
         "moe_token_dispatcher_type", "gradient_accumulation_fusion", "masked_softmax_fusion", "apply_rope_fusion",
         "bias_swiglu_fusion", "bias_dropout_fusion", "transformer_impl", "overlap_cpu_optimizer_d2h_h2d",
         "optimizer_cpu_offload", "use_precision_aware_optimizer", "expert_tensor_parallel_size", "micro_batch_size",
-        "data_pad_size_multiplier", "log_probs_chunk_size", "deterministic_mode", "offload_train", "offload_rollout",
+        "data_pad_size_multiplier", "deterministic_mode", "offload_train", "offload_rollout",
         "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "allgather_cp",
         "fp8", "fp8_recipe", "fp8_param_gather", "overlap_grad_reduce", "overlap_param_gather",
         "num_gpus_per_node", "distributed_backend", "distributed_timeout_minutes", "train_env_vars",

@@ -84,11 +84,14 @@ def test_a_slime_launch_line_parses_and_acts_as_slime_would(monkeypatch, tiny_mo
     assert cfg.train.global_batch_size == 8 and cfg.servers.context_length == cfg.proxy.context_length == 1024
     assert cfg.servers.engine_max_running_requests == 16
     listed = caplog.text
-    for line in ("--use-wandb=True: metrics go to", "--recompute-granularity='full': a GPU kernel",
+    for line in ("--use-wandb=True: metrics go to", "--attention-backend='flash': a GPU kernel",
                  "--sglang-mem-fraction-static=0.7: a setting of real SGLang", "--sglang-cuda-graph-bs 1 2 4: not a flag "
                  "slime passes to SGLang 0.5.23; the embedded engine ignores it", "--ref-load='/root/Qwen2.5-0.5B_torch_dist': the KL"):
         assert line in listed
     assert "--num-layers" not in listed and "--calculate-per-token-loss" not in listed  # checked / implemented
+    # Megatron's recomputation flags are the trainer's own
+    assert (cfg.train.recompute_granularity, cfg.train.recompute_method, cfg.train.recompute_num_layers) == \
+        ("full", "uniform", 1) and "--recompute" not in listed
     assert "--wandb-key=(hidden): metrics go to" in listed and "wandb-secret-1234" not in listed
     args = SlimeArgs.of(plugin_flags(cfg.buffer))  # the buffer's args, from what the job hands it
     assert (args.calculate_per_token_loss, args.wandb_project, args.sglang_server_concurrency, args.num_layers,
@@ -162,11 +165,14 @@ def test_the_flags_the_trainer_acts_on_set_its_typed_settings(monkeypatch, tiny_
     teacher = str(tiny_model("qwen2"))
     cfg, _, sglang, slime = captured_train(monkeypatch, "--hf-checkpoint", teacher, "--prompt-data", "p.jsonl",
                                            "--use-opd", "--opd-type", "megatron", "--opd-teacher-load", teacher,
-                                           "--disable-rewards-normalization", "--calculate-per-token-loss")
+                                           "--disable-rewards-normalization", "--calculate-per-token-loss",
+                                           "--log-probs-chunk-size", "256")
     loss = cfg.train.loss
-    assert (loss.distill, loss.raw_rewards, loss.per_token_loss) == ("none", False, False)
+    assert (loss.distill, loss.raw_rewards, loss.per_token_loss, cfg.train.logprob_chunk_size) == \
+        ("none", False, False, 1024)
     slime_config.apply(cfg, slime, sglang, "embedded")
     assert (loss.distill, loss.distill_teacher, loss.raw_rewards, loss.per_token_loss) == ("teacher", teacher, True, True)
+    assert cfg.train.logprob_chunk_size == 256 and SlimeArgs.of(plugin_flags(cfg.train)).log_probs_chunk_size == 256
 
 
 def test_sglang_flags_go_to_real_sglang_only_where_it_has_them(monkeypatch, tiny_model):

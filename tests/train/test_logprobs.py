@@ -41,14 +41,15 @@ def test_fused_head_equals_the_logits_path_and_an_exact_recomputation(tp, tiny_m
 
 
 def test_the_trainer_without_full_logits_equals_the_logits_path_on_the_real_model(smollm2, tmp_path):
-    """SmolLM2-135M: the trainer's log-probs through the fused head (one chunk, and chunks of 5 tokens with
-    every layer recomputed) equal the logits path's within 1e-6 and ``transformers``' within 1e-4; one step
-    of each gives the same metrics and weights."""
+    """SmolLM2-135M: the trainer's log-probs through the fused head (one chunk; chunks of 5 tokens with every
+    layer recomputed, or their attention) equal the logits path's within 1e-6 and ``transformers``' within
+    1e-4; one step of each gives the same metrics and weights."""
     samples = make_samples(seed=7)
     common = dict(hf_checkpoint=str(smollm2), lr=1e-2, adam_eps=1.0)
     cfgs = [from_flags(TrainConfig, **common, logprob_chunk_size=0, recompute_granularity="none"),
             from_flags(TrainConfig, **common, logprob_chunk_size=1024, recompute_granularity="none"),
-            from_flags(TrainConfig, **common, logprob_chunk_size=5, recompute_granularity="full")]
+            from_flags(TrainConfig, **common, logprob_chunk_size=5, recompute_granularity="full"),
+            from_flags(TrainConfig, **common, logprob_chunk_size=5, recompute_granularity="selective")]
     spawn(heads_and_steps, 1, cfgs, samples, str(tmp_path / "runs.pt"))
     logits_path, *fused = torch.load(tmp_path / "runs.pt")
     assert not logits_path["fused"] and all(run["fused"] for run in fused)
