@@ -22,7 +22,8 @@ FROZEN_FLAGS = {
               "--disable-grpo-std-normalization", "--entropy-coef", "--eps-clip", "--eps-clip-c", "--eps-clip-high",
               "--expert-model-parallel-size", "--gamma", "--global-batch-size", "--hf-checkpoint", "--kl-coef", "--kl-loss-coef",
               "--kl-loss-type", "--load", "--load-debug-rollout-data", "--log-level", "--loss-aggregation", "--lr",
-              "--max-tokens-per-gpu", "--num-rollout", "--output-dir", "--pipeline-model-parallel-size", "--reward-key",
+              "--max-tokens-per-gpu", "--logprob-chunk-size", "--recompute-granularity",
+              "--recompute-method", "--recompute-num-layers", "--num-rollout", "--output-dir", "--pipeline-model-parallel-size", "--reward-key",
               "--rollout-temperature", "--save", "--save-interval", "--seed", "--tensor-model-parallel-size", "--tis-clip",
               "--tis-clip-low", "--use-distributed-optimizer", "--use-kl-loss", "--use-tis", "--weight-decay", "--lora-rank", "--lora-alpha", "--lora-dropout", "--target-modules", "--lora-adapter-path",
               "--moe-aux-loss-coeff", "--use-rollout-routing-replay", "--use-routing-replay", "--sequence-parallel"} | {
