@@ -19,6 +19,7 @@ per-call latency at p50 and p99 (proxy call latency minus direct).
     python bench/proxy_overhead.py                       # small model, 32 concurrent sessions
     python bench/proxy_overhead.py --api responses       # the same through /v1/responses (or messages)
     python bench/proxy_overhead.py --harness claude      # one coding harness's real first request
+    python bench/proxy_overhead.py --session-turns 200 --tokens 16   # one long session: linear?
 
 With ``--harness claude`` (or ``codex``), the request is the harness's own first one, captured from
 its real process (``make harnesses``) by a stand-in endpoint that answers nothing: Claude Code's
@@ -27,6 +28,20 @@ system prompt and tools run to ~29,000 tokens of the tiny tokenizer (Codex's to 
 direct ``/generate`` of the same ids, alternating, on a tiny model with a 64k context; each call
 samples ``--tokens`` tokens. Both arms find the prompt in the engine's prefix cache after the first
 call, so the difference is the proxy's own work: reading the body, rendering, tokenizing, recording.
+
+With ``--session-turns 200`` it measures whether a long session stays linear. One session of 200
+turns with tool calls runs through the proxy at concurrency 1 on the 64k tiny model: each turn sends
+the whole history with ``tools``, and the reply comes back as a call of ``lookup`` (a random model
+writes no calls, so ``--proxy-tool-parser-path`` here reads each reply as one, with the reply as its
+argument), answered by a tool message. Then the engine's cache is flushed and the same prompts go
+to ``/generate`` directly, in order, each finding the previous one's prefix cached as the proxy's
+did: a turn's **overhead** is the proxy's wall time minus the direct call's (median over
+``--rounds``). The API is stateless, so every turn resends the whole history: each turn's body
+is also sent with a field the proxy refuses before it reads the messages, which is what receiving
+and decoding the resent history costs (the **reading floor**), and the overhead beyond it is the
+proxy's own work (placing, parsing, rendering, bridging, tokenizing, recording). Then 8 such sessions run at once, and each later turn's ``cached_tokens`` (the
+engine's prefix reuse, as the proxy reports it in ``usage``) is compared with the history it
+resent (the previous turn's prompt and reply).
 """
 
 from __future__ import annotations
@@ -52,7 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from transformers import AutoTokenizer  # noqa: E402
 
 from inverted.config import TinyModelConfig  # noqa: E402
-from inverted.rollout.chat import ChatRenderer, Message  # noqa: E402
+from inverted.rollout.chat import ChatRenderer, Message, ParsedReply, ToolCall, new_call_id  # noqa: E402
 from inverted.processes import ManagedProcess, free_port  # noqa: E402
 from inverted.tiny_model import make_tiny_model  # noqa: E402
 
@@ -276,6 +291,134 @@ def harness_overhead(args) -> None:
                      indent=2))
 
 
+# ---- one long session -------------------------------------------------------------------------
+
+LOOKUP = [{"type": "function", "function": {"name": "lookup", "description": "Look a note up.",
+                                            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+
+
+class EveryReplyCalls:
+    """A ``--proxy-tool-parser-path`` plug-in for this bench: every reply is one call of ``lookup``."""
+
+    start = "\x00"  # nothing to hold back: this bench does not stream
+
+    def parse(self, text: str) -> ParsedReply:
+        return ParsedReply(content=None, tool_calls=[ToolCall(new_call_id(), "lookup", json.dumps({"q": text}))])
+
+
+async def long_session(http: httpx.AsyncClient, proxy_url: str, episode: int, args) -> tuple[list[float], dict, list]:
+    """One session of ``--session-turns`` tool-calling turns: each turn's latency, its Sample, and
+    each turn's request body."""
+    sampling = {"max_tokens": args.tokens, "min_tokens": args.tokens, "temperature": 0}
+    session = (await http.post(proxy_url + "/sessions", json={"sampling_params": sampling})).json()
+    messages = [{"role": "system", "content": f"You are agent {episode}. Look notes up until you are done."},
+                {"role": "user", "content": f"Find everything on item {episode}."}]
+    latencies, bodies = [], []
+    for turn in range(args.session_turns):
+        bodies.append({"model": "m", "messages": list(messages), "tools": LOOKUP})
+        started = time.perf_counter()
+        reply = await http.post(session["base_url"] + "/chat/completions", json=bodies[-1])
+        latencies.append(time.perf_counter() - started)
+        assert reply.status_code == 200, reply.text[:500]
+        message = reply.json()["choices"][0]["message"]
+        (call,) = message["tool_calls"]
+        messages += [{"role": "assistant", "content": message["content"], "tool_calls": message["tool_calls"]},
+                     {"role": "tool", "tool_call_id": call["id"], "content": f"note {turn}: item {episode} is fine."}]
+    (sample,) = (await http.post(f"{proxy_url}/sessions/{session['session_id']}/finish")).json()["samples"]
+    return latencies, sample, bodies
+
+
+async def reading_floor(http: httpx.AsyncClient, proxy_url: str, bodies: list[dict]) -> list[float]:
+    """Each turn's body sent to the proxy with a field it refuses before reading the messages: what
+    sending, receiving and decoding the resent history costs, the least any proxy of this stateless
+    API pays per turn."""
+    session = (await http.post(proxy_url + "/sessions", json={})).json()
+    latencies = []
+    for body in bodies:
+        started = time.perf_counter()
+        refused = await http.post(session["base_url"] + "/chat/completions", json={**body, "bench_floor": 1})
+        latencies.append(time.perf_counter() - started)
+        assert refused.status_code == 400, refused.text[:300]
+    return latencies
+
+
+async def direct_replay(http: httpx.AsyncClient, router_url: str, sample: dict, args) -> tuple[list[float], int]:
+    """The session's prompts straight to ``/generate``, in order: each turn's latency, and how many
+    turns sampled other tokens than the proxy recorded (greedy on both sides: 0 expected)."""
+    latencies, differ = [], 0
+    for turn in sample["metadata"]["turns"]:
+        started = time.perf_counter()
+        out = (await http.post(router_url + "/generate", json={
+            "input_ids": sample["tokens"][:turn["start"]], "return_logprob": True,
+            "sampling_params": {"max_new_tokens": args.tokens, "min_new_tokens": args.tokens, "temperature": 0}})).json()
+        latencies.append(time.perf_counter() - started)
+        differ += out["output_ids"] != sample["tokens"][turn["start"]:turn["end"]]
+    return latencies, differ
+
+
+def reuse(sample: dict) -> list[float]:
+    """Each later turn's ``cached_tokens`` over the history it resent (the previous turn's prompt and reply)."""
+    turns = sample["metadata"]["turns"]
+    return [turn["cached_tokens"] / before["end"] for before, turn in zip(turns, turns[1:])]
+
+
+async def session_rounds(urls: dict[str, str], args) -> dict:
+    overheads: list[list[float]] = []
+    floors: list[list[float]] = []
+    differ = 0
+    async with httpx.AsyncClient(timeout=600) as http:
+        await long_session(http, urls["proxy"], -1, argparse.Namespace(**{**vars(args), "session_turns": 8}))  # warm-up
+        for round_ in range(args.rounds):
+            assert (await http.post(urls["engine"] + "/flush_cache")).status_code == 200  # both passes start cold
+            proxy, sample, bodies = await long_session(http, urls["proxy"], round_, args)
+            assert (await http.post(urls["engine"] + "/flush_cache")).status_code == 200
+            direct, differs = await direct_replay(http, urls["router"], sample, args)
+            differ += differs
+            overheads.append([p - d for p, d in zip(proxy, direct)])
+            floors.append(await reading_floor(http, urls["proxy"], bodies))
+        concurrent = await asyncio.gather(*(long_session(http, urls["proxy"], 100 + i, args)
+                                            for i in range(args.sessions)))
+    per_turn = [statistics.median(values) for values in zip(*overheads)]
+    floor = [statistics.median(values) for values in zip(*floors)]
+    own = [o - f for o, f in zip(per_turn, floor)]  # the proxy's work beyond reading the request
+    shares = [share for _, sample, _ in concurrent for share in reuse(sample)] or [float("nan")]
+    early, late = statistics.median(per_turn[:10]), statistics.median(per_turn[-10:])
+    own_early, own_late = statistics.median(own[:10]), statistics.median(own[-10:])
+    return {
+        "turns": args.session_turns, "rounds": args.rounds, "prompt_tokens_last_turn": sample["metadata"]["turns"][-1]["start"],
+        "replies_differing_from_the_record": differ,
+        "overhead_ms_turn_1": round(per_turn[0] * 1000, 2), f"overhead_ms_turn_{args.session_turns}": round(per_turn[-1] * 1000, 2),
+        "overhead_ms_turns_1_10_p50": round(early * 1000, 2),
+        f"overhead_ms_turns_{args.session_turns - 9}_{args.session_turns}_p50": round(late * 1000, 2),
+        "ratio_last_10_over_first_10": round(late / early, 3), "target_ratio": 1.5,
+        "reading_floor_ms_turns_1_10_p50": round(statistics.median(floor[:10]) * 1000, 2),
+        f"reading_floor_ms_turns_{args.session_turns - 9}_{args.session_turns}_p50": round(
+            statistics.median(floor[-10:]) * 1000, 2),
+        "beyond_floor_ms_turns_1_10_p50": round(own_early * 1000, 2),
+        f"beyond_floor_ms_turns_{args.session_turns - 9}_{args.session_turns}_p50": round(own_late * 1000, 2),
+        "beyond_floor_ratio_last_10_over_first_10": round(own_late / own_early, 3),
+        "overhead_ms_per_turn": [round(o * 1000, 2) for o in per_turn],
+        "sessions_at_once": args.sessions, "cached_share_of_history_mean": round(statistics.mean(shares), 4),
+        "cached_share_of_history_min": round(min(shares), 4), "target_cached_share": 0.95,
+        "later_turns_at_target": round(sum(share >= 0.95 for share in shares) / len(shares), 4),
+    }
+
+
+def session_overhead(args) -> None:
+    model = Path(args.model if args.model != "models/small-qwen2" else "models/tiny-qwen2-64k")
+    if not (model / "config.json").exists():
+        make_tiny_model(TinyModelConfig(out=str(model), preset="tiny", max_positions=65536))
+    context = ("--context-length", "65536")
+    procs = start_stack(model, Path(args.log_dir), engine_args=("--num-threads", str(args.threads), *context),
+                        proxy_args=(*context, "--proxy-tool-parser-path", "bench.proxy_overhead:EveryReplyCalls"))
+    try:
+        report = asyncio.run(session_rounds({name: p.url for name, p in procs.items()}, args))
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+    print(json.dumps({"model": str(model), "tokens_per_call": args.tokens, **report}, indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="models/small-qwen2", help="checkpoint (made if missing)")
@@ -292,9 +435,15 @@ def main() -> None:
     parser.add_argument("--log-dir", default="runs/bench-proxy")
     parser.add_argument("--harness", choices=sorted(HARNESSES),
                         help="measure one coding harness's real first request instead (see above)")
+    parser.add_argument("--session-turns", type=int, default=0,
+                        help="measure one session of this many tool-calling turns instead (see above)")
+    parser.add_argument("--sessions", type=int, default=8, help="with --session-turns: sessions at once for the "
+                        "prefix-reuse figure")
     args = parser.parse_args()
     if args.harness:
         return harness_overhead(args)
+    if args.session_turns:
+        return session_overhead(args)
     if args.client == "openai" and args.api != "chat":
         parser.error("--client openai drives the chat API only")
     model = Path(args.model)

@@ -27,8 +27,10 @@ holds, and a new request whose prompt starts with some of them copies that much 
 only the rest (``cached_tokens``). Multi-turn agents resend their whole history each turn, so
 this is most of their prompt. A running request's prompt is offered the same way, and requests
 admitted in one step that share a prompt (GRPO's n samples) are prefilled in two passes, so the
-second copies what the first computed. Kept rows are evicted when running rows need the room,
-and dropped on a flush and on every weight load (their KV came from the old weights).
+second copies what the first computed. Running requests take the lowest rows; a kept row that a
+new request needs moves to a free row, and once every row is taken the least recently used kept
+row goes first (so 8 agents taking turns each find their own history, not 4 of them). Kept rows
+are dropped on a flush and on every weight load (their KV came from the old weights).
 
 Routed experts (MoE, ``keep_routes``): the cache keeps every position's experts beside its KV, so
 a finished request takes its whole sequence's routing (cached prefixes included) as it leaves.
@@ -554,8 +556,9 @@ class Scheduler:
                 if shared > length:
                     source, length = kept, shared
             length = min(length, len(req.input_ids) - 1)
+        if row in self.prefixes and not (source == row and length > 0):
+            self._move_kept(row, source)  # the row this request takes holds another prefix
         if source is not None and length > 0 and source != row:
-            self.prefixes.pop(row, None)  # the row this request takes was holding another prefix
             self.cache.move_row(source, row, length)
             if source in self.prefixes:
                 self.prefixes[source] = self.prefixes.pop(source)  # most recently used last
@@ -563,6 +566,21 @@ class Scheduler:
             self.prefixes.pop(row, None)
         req.cached_tokens = length if source is not None and length > 0 else 0
         self.running.append(req)
+
+    def _move_kept(self, row: int, source: int | None) -> None:
+        """Make ``row`` free for a running request: its kept prefix moves to a free row, or over the
+        least recently used kept row when none is free (never over ``source``, the request's own),
+        or, the least recently used itself, goes."""
+        taken = set(self.prefixes) | set(range(row + 1))
+        free = next((r for r in range(self.cache.rows - 1, row, -1) if r not in taken), None)
+        if free is None:
+            free = next((kept for kept in self.prefixes if kept != source), row)
+            if free == row:
+                del self.prefixes[row]
+                return
+            del self.prefixes[free]
+        self.cache.move_row(row, free, len(self.prefixes[row][1]))
+        self.prefixes = {(free if kept == row else kept): value for kept, value in self.prefixes.items()}
 
     def _release_rows(self, rows: list[int], keep: bool = True) -> None:
         """Drop the given rows, moving the last running request into each hole (rows stay compact).

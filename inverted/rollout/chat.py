@@ -15,6 +15,12 @@ The proxy owns each session's token history (token-in, token-out). Three jobs li
   ``max_tokens``). Only that bridge text is tokenized; earlier ids are reused as they are. A
   request with ``tools`` to a template that does not render tools (SmolLM2's) is refused with a
   400 naming the model, rather than shown to the model without them.
+  The two renders cover a **window** of the history, not all of it, so a turn costs the same at
+  turn 200 as at turn 2: the leading system messages (the tools render there), the last user
+  message before the last assistant turn (templates such as Qwen3's look for the latest query),
+  and that turn on. A template whose appended text depends on more (a counter over the whole
+  conversation, say) is found by ``window_is_exact``, which bridges probe conversations both ways
+  when the renderer is made; such a template keeps the whole-history render.
 - ``HermesToolParser``: Qwen/Hermes ``<tool_call>{"name", "arguments"}</tool_call>`` blocks in the
   sampled text become OpenAI ``tool_calls``. Parsers are plug-ins (``--proxy-tool-parser-path``):
   a class with a ``start`` marker (so streaming can hold tool-call text back) and ``parse``.
@@ -24,11 +30,14 @@ Nothing here does I/O; the proxy's service calls it.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import secrets
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+import jinja2
 
 from inverted.errors import InvalidRequest
 
@@ -45,10 +54,7 @@ class ToolCall:
     @property
     def canonical_arguments(self) -> str:
         """Key order and spacing do not matter when a client echoes a call back."""
-        try:
-            return json.dumps(json.loads(self.arguments), sort_keys=True, separators=(",", ":"))
-        except ValueError:
-            return self.arguments
+        return _canonical_json(self.arguments)
 
     def to_openai(self) -> dict[str, Any]:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
@@ -61,11 +67,13 @@ class Message:
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
     name: str | None = None
+    # What must match for a client's message to be the one recorded (ids excluded: some SDKs remint
+    # them). Made once: every later request of the session compares it again.
+    key: tuple = field(init=False, repr=False, compare=False)
 
-    @property
-    def key(self) -> tuple:
-        """What must match for a client's message to be the one recorded (ids excluded: some SDKs remint them)."""
-        return (self.role, self.content, tuple((c.name, c.canonical_arguments) for c in self.tool_calls), self.name)
+    def __post_init__(self) -> None:
+        calls = tuple((c.name, c.canonical_arguments) for c in self.tool_calls)
+        object.__setattr__(self, "key", (self.role, self.content, calls, self.name))
 
     def to_template(self) -> dict[str, Any]:
         data: dict[str, Any] = {"role": self.role, "content": self.content}
@@ -78,6 +86,15 @@ class Message:
         if self.name is not None:
             data["name"] = self.name
         return data
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _canonical_json(text: str) -> str:
+    """Memoised: every turn's request resends every earlier call, which must not cost a parse each."""
+    try:
+        return json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"))
+    except ValueError:
+        return text
 
 
 def _json_or_text(text: str) -> Any:
@@ -122,14 +139,31 @@ def _tool_calls(raw: Any, where: str) -> tuple[ToolCall, ...]:
     return tuple(calls)
 
 
-def parse_messages(raw: Any) -> list[Message]:
-    """Validate an OpenAI ``messages`` array; raise ``InvalidRequest`` naming the first bad field."""
+class ParsedMessages:
+    """The messages array a session sent last, as sent and as parsed. The API is stateless, so the
+    next request resends all of it: with this, ``parse_messages`` reads only what was appended."""
+
+    __slots__ = ("raw", "messages", "called")
+
+    def __init__(self) -> None:
+        self.raw: list[Any] = []
+        self.messages: list[Message] = []
+        self.called: set[str] = set()  # the tool-call ids the messages made, which tool messages answer
+
+
+def parse_messages(raw: Any, last: ParsedMessages | None = None) -> list[Message]:
+    """Validate an OpenAI ``messages`` array; raise ``InvalidRequest`` naming the first bad field.
+    With ``last``, a request that begins with exactly the array ``last`` holds parses only the rest,
+    and ``last`` then holds this one."""
     if not isinstance(raw, list) or not raw:
         raise InvalidRequest("'messages' must be a non-empty array", param="messages")
     messages: list[Message] = []
     called: set[str] = set()
-    for i, item in enumerate(raw):
-        where = f"messages.[{i}]"
+    start = 0
+    if last is not None and last.raw and len(raw) >= len(last.raw) and raw[:len(last.raw)] == last.raw:
+        start, messages, called = len(last.raw), list(last.messages), set(last.called)
+    for i in range(start, len(raw)):
+        item, where = raw[i], f"messages.[{i}]"
         if not isinstance(item, dict):
             raise InvalidRequest(f"expected an object, got {type(item).__name__}", param=where)
         role = item.get("role")
@@ -151,6 +185,8 @@ def parse_messages(raw: Any) -> list[Message]:
         # OpenAI's newer 'developer' role is the system role for every open chat template.
         messages.append(Message(role="system" if role == "developer" else role, content=text, tool_calls=calls,
                                 tool_call_id=tool_call_id if role == "tool" else None, name=name))
+    if last is not None:
+        last.raw, last.messages, last.called = raw, messages, called
     return messages
 
 
@@ -170,6 +206,10 @@ class ChatRenderer:
         self.turn_end = self._assistant_turn_end()
         self.renders_tools = self._renders_tools()
         self.thinking_switch = self._has_thinking_switch()
+        template = getattr(tokenizer, "chat_template", None)
+        if template not in _WINDOW_VERDICTS:
+            _WINDOW_VERDICTS[template] = self.window_is_exact()
+        self.windowed = _WINDOW_VERDICTS[template]
 
     def render(self, messages: list[Message], tools: list[dict] | None, *, generation_prompt: bool,
                thinking: bool | None = None) -> str:
@@ -195,6 +235,15 @@ class ChatRenderer:
     def bridge(self, history: list[Message], new: list[Message], tools: list[dict] | None,
                sampled_ids: list[int], *, thinking: bool | None = None) -> list[int]:
         """Ids to append after ``sampled_ids`` (the last assistant turn) for the ``new`` messages."""
+        if self.windowed:
+            try:
+                return self._bridge(window(history), new, tools, sampled_ids, thinking)
+            except (TemplateBreak, jinja2.TemplateError):
+                pass  # the whole history decides: a break there is real, a window's may not be
+        return self._bridge(history, new, tools, sampled_ids, thinking)
+
+    def _bridge(self, history: list[Message], new: list[Message], tools: list[dict] | None,
+                sampled_ids: list[int], thinking: bool | None) -> list[int]:
         before = self.render(history, tools, generation_prompt=False, thinking=thinking)
         after = self.render(history + new, tools, generation_prompt=True, thinking=thinking)
         if not after.startswith(before) or not before.endswith(self.turn_end):
@@ -204,6 +253,33 @@ class ChatRenderer:
         if last and junction.startswith(last):
             junction = junction[len(last):]
         return self.encode(junction + after[len(before):])
+
+    def window_is_exact(self) -> bool:
+        """Whether bridging over ``window(history)``, where it gives ids, gives what bridging over the
+        whole history does, on probe conversations that exercise what templates keep state for: tool
+        loops, parallel calls, several queries, reasoning in the content, with and without a system
+        message. (Where the window breaks or raises, ``bridge`` renders the whole history anyway.)"""
+        self.windowed = False
+        tools = PROBE_TOOLS if self.renders_tools else None
+        for conversation in PROBE_CONVERSATIONS:
+            messages = parse_messages(conversation)
+            turns = [i for i, m in enumerate(messages) if m.role == "assistant"]
+            for i, j in zip(turns, turns[1:]):
+                history, new = messages[: i + 1], messages[i + 1: j]
+                sampled = self.encode(messages[i].content + self.turn_end)
+                try:
+                    part = self._bridge(window(history), new, tools, sampled, None)
+                except (TemplateBreak, jinja2.TemplateError):
+                    continue  # ``bridge`` goes on to the whole history, whatever it says
+                try:
+                    whole = self._bridge(history, new, tools, sampled, None)
+                except jinja2.TemplateError:
+                    continue  # the template refuses this history (its earlier turn was refused already)
+                except TemplateBreak:
+                    return False
+                if part != whole:
+                    return False
+        return True
 
     def _renders_tools(self) -> bool:
         """Whether the template writes a tool's definition into the prompt at all."""
@@ -227,6 +303,47 @@ class ChatRenderer:
         if _SENTINEL not in text:
             raise ValueError("the chat template does not render assistant content verbatim")
         return text[text.index(_SENTINEL) + len(_SENTINEL):]
+
+
+def window(history: list[Message]) -> list[Message]:
+    """What a bridge after ``history`` renders: the leading system messages, the last user message
+    before the last assistant turn, and that turn on (see the module docstring)."""
+    head = next((i for i, m in enumerate(history) if m.role != "system"), len(history))
+    last = next((i for i in range(len(history) - 1, head - 1, -1) if history[i].role == "assistant"), head)
+    query = next((i for i in range(last - 1, head - 1, -1) if history[i].role == "user"), None)
+    return history[:head] + ([history[query]] if query is not None else []) + history[last:]
+
+
+_WINDOW_VERDICTS: dict[str | None, bool] = {}  # chat template -> window_is_exact (a property of the template)
+
+PROBE_TOOLS = [{"type": "function", "function": {
+    "name": "lookup", "description": "Look a word up.",
+    "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}}]
+
+
+def _call(i: int) -> dict[str, Any]:
+    return {"id": f"call_{i}", "type": "function", "function": {"name": "lookup", "arguments": f'{{"q": "w{i}"}}'}}
+
+
+def _probe(system: bool, parallel: bool) -> list[dict[str, Any]]:
+    calls = [_call(2), _call(3)] if parallel else [_call(2)]
+    return ([{"role": "system", "content": "You help."}] if system else []) + [
+        {"role": "user", "content": "Find w1."},
+        {"role": "assistant", "content": "", "tool_calls": [_call(1)]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "r1"},
+        {"role": "assistant", "content": "<think>\nmore\n</think>\n\nNext.", "tool_calls": calls},
+        *({"role": "tool", "tool_call_id": c["id"], "content": "r" + c["id"][-1]} for c in calls),
+        {"role": "assistant", "content": "<think>\ndone\n</think>\n\nFound."},
+        {"role": "user", "content": "And w4?"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [_call(4)]},
+        {"role": "tool", "tool_call_id": "call_4", "content": "r4"},
+        {"role": "assistant", "content": "Found it."},
+        {"role": "user", "content": "Thanks."},
+        {"role": "assistant", "content": "You are welcome."},
+    ]
+
+
+PROBE_CONVERSATIONS = [_probe(system, parallel) for system in (True, False) for parallel in (True, False)]
 
 
 # ---- tool calls -------------------------------------------------------------------------

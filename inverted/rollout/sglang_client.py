@@ -64,6 +64,14 @@ def read_output(body: Any, url: str) -> tuple[list[int], list[float], list[str],
     return ids, logprobs, versions, tops, finish
 
 
+def read_cached_tokens(body: Any) -> int:
+    """``meta_info.cached_tokens``: how much of the prompt the server's prefix cache served (SGLang's
+    radix cache, the embedded engine's kept rows); 0 where it says nothing."""
+    meta = body.get("meta_info") if isinstance(body, dict) else None
+    cached = meta.get("cached_tokens") if isinstance(meta, dict) else None
+    return cached if isinstance(cached, int) else 0
+
+
 def read_unconstrained_logprobs(body: Any) -> list[float] | None:
     """``meta_info.output_token_unconstrained_logprobs`` of a constrained call's answer: each token's
     logprob before the grammar's mask (the embedded engine's addition, ``engine/grammar.py``); None

@@ -43,6 +43,21 @@ def test_multi_turn_reuses_the_history_and_computes_the_same(engines):
         previous = len(history) - 3
 
 
+def test_agents_taking_turns_each_find_their_own_history(engines):
+    """Eight sessions take turns (each turn a new request that resends the session's history): every
+    later turn finds its whole history cached, though the others' requests ran in between."""
+    reuse, plain = engines
+    histories = [list(range(700 + 60 * i, 740 + 60 * i)) for i in range(8)]
+    held = [0] * 8
+    for turn in range(3):
+        for i, history in enumerate(histories):
+            got = generate(reuse, history, 4)
+            assert got["meta_info"]["cached_tokens"] == (held[i] - 1 if turn else 0), (turn, i)
+            histories[i] = history + got["output_ids"] + [5, 6]
+            held[i] = len(histories[i]) - 2
+    assert_same(generate(reuse, histories[3], 4), generate(plain, histories[3], 4))
+
+
 def test_a_shared_prompt_is_reused_and_weights_or_flush_clear_it(procs, tiny_model):
     reuse = procs.engine(tiny_model("qwen3")).url  # its own engine: this test loads other weights
     prompt = list(range(200, 260))

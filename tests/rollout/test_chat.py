@@ -1,15 +1,21 @@
-"""Chat rendering and tool parsing: the bridge equals a full render, junctions are exact, and a
-template that is not append-only is refused instead of spliced."""
+"""Chat rendering and tool parsing: the bridge equals a full render, junctions are exact, a
+template that is not append-only is refused instead of spliced, and the bridge renders a window
+of the history that is exact for the templates models ship with."""
 
 from __future__ import annotations
 
+import random
+from pathlib import Path
+
+import jinja2
 import pytest
 from transformers import AutoTokenizer
 
 from inverted.errors import InvalidRequest, ModelError
 from inverted.hf_checkpoint import load_tokenizer
 from inverted.rollout.proxy.apis.call import forced_call
-from inverted.rollout.chat import ChatRenderer, HermesToolParser, Message, TemplateBreak, parse_messages
+from inverted.rollout.chat import (ChatRenderer, HermesToolParser, Message, ParsedMessages, TemplateBreak,
+                                   parse_messages, window)
 from tests.rollout.proxy.scripted import CONVERSATION, TOOLS
 
 
@@ -108,3 +114,113 @@ def test_messages_are_checked_where_they_enter():
         with pytest.raises(InvalidRequest) as info:
             parse_messages(bad)
         assert info.value.param == param
+
+
+# ---- the bridge's window ----------------------------------------------------------------
+
+TEMPLATES = Path(__file__).parent / "templates"  # as their authors ship them (templates/README.md)
+COUNTING = ("{% if tools %}{{ tools | tojson }}{% endif %}{% set ns = namespace(n=0) %}{% for m in messages %}<|im_start|>{{ m.role }}\n"
+            "{% if m.role == 'tool' %}{% set ns.n = ns.n + 1 %}result {{ ns.n }}: {% endif %}"
+            "{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def random_conversation(rng: random.Random, turns: int) -> list[Message]:
+    """A system prompt or not, then assistant turns: single or parallel tool calls answered by tool
+    messages, or text (with reasoning, sometimes) answered by a new query; one tool, ``get_weather``."""
+    messages = [{"role": "system", "content": "Be brief."}] if rng.random() < 0.7 else []
+    messages.append({"role": "user", "content": "Weather?"})
+    for k in range(turns):
+        if rng.random() < 0.6:
+            calls = [{"id": f"c{k}_{j}", "type": "function",
+                      "function": {"name": "get_weather", "arguments": f'{{"city": "c{k}"}}'}}
+                     for j in range(rng.choice((1, 1, 2)))]
+            messages.append({"role": "assistant", "content": rng.choice(("", "Checking.", "<think>\nhm\n</think>\n\nOne sec.")),
+                             "tool_calls": calls})
+            messages += [{"role": "tool", "tool_call_id": c["id"], "content": f"{k} degrees"} for c in calls]
+        else:
+            messages.append({"role": "assistant", "content": rng.choice(("Sunny.", "<think>\nok\n</think>\n\nRain."))})
+            messages.append({"role": "user", "content": f"And on day {k}?"})
+    return parse_messages(messages + [{"role": "assistant", "content": "Done."}])
+
+
+def whole_history_bridge(renderer: ChatRenderer, history, new, sampled):
+    try:
+        return renderer._bridge(history, new, TOOLS, sampled, None)
+    except TemplateBreak:
+        return TemplateBreak
+
+
+@pytest.fixture(params=["checkpoint", "qwen3", "llama3.1_json", "deepseek_v3", "counting"])
+def template(request, tiny_model):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model())
+    if request.param == "counting":
+        tokenizer.chat_template = COUNTING
+    elif request.param != "checkpoint":
+        tokenizer.chat_template = (TEMPLATES / f"{request.param}.jinja").read_text()
+    return request.param, ChatRenderer(tokenizer)
+
+
+def test_the_bridge_over_a_window_equals_the_one_over_the_whole_history(template):
+    """On random tool-using conversations, every bridge is what the whole history's renders give
+    (ids, or a break). The shipped templates bridge over the window; one that numbers tool results
+    across the conversation is found out by the probes and renders the whole history."""
+    name, renderer = template
+    assert renderer.windowed == (name != "counting")
+    rng, compared = random.Random(0), 0
+    for _ in range(12):
+        messages = random_conversation(rng, 14)
+        turns = [i for i, m in enumerate(messages) if m.role == "assistant"]
+        for i, j in zip(turns, turns[1:]):
+            history, new = messages[: i + 1], messages[i + 1: j]
+            sampled = renderer.encode(messages[i].content + renderer.turn_end)
+            try:
+                whole = whole_history_bridge(renderer, history, new, sampled)
+            except jinja2.TemplateError:
+                continue  # Llama 3.1 refuses parallel calls: no bridge either way
+            try:
+                got = renderer.bridge(history, new, TOOLS, sampled)
+            except TemplateBreak:
+                got = TemplateBreak
+            assert got == whole, (name, [m.role for m in history], [m.role for m in new])
+            compared += 1
+    assert compared >= 40
+
+
+def test_a_bridge_renders_as_much_at_turn_200_as_at_turn_2(tiny_model):
+    """The cost of a turn does not grow with the session: the bridge renders a window of the
+    history (counted in messages handed to the template), not the history."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model())
+    renderer = ChatRenderer(tokenizer)
+    rendered: list[int] = []
+    apply = tokenizer.apply_chat_template
+    tokenizer.apply_chat_template = lambda messages, **kw: rendered.append(len(messages)) or apply(messages, **kw)
+    messages = parse_messages([{"role": "system", "content": "s"}, {"role": "user", "content": "q"}] + [
+        m for k in range(200) for m in (
+            {"role": "assistant", "content": "", "tool_calls": [{"id": f"c{k}", "type": "function", "function": {
+                "name": "get_weather", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": f"c{k}", "content": "ok"})])
+    per_turn = []
+    for turn in (2, 200):
+        last = 2 * turn  # the turn's assistant message
+        rendered.clear()
+        renderer.bridge(messages[: last + 1], messages[last + 1: last + 2], TOOLS,
+                        renderer.encode(messages[last].content + renderer.turn_end))
+        per_turn.append(sum(rendered))
+    assert per_turn[0] == per_turn[1] <= 2 * len(window(messages[:5])) + 1
+
+
+def test_a_session_parses_only_what_its_next_request_appends():
+    """Each request resends the whole history; what the last one sent is reused as parsed, and an
+    edited history is parsed (and checked) whole."""
+    last = ParsedMessages()
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    sent = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    first = parse_messages(sent, last)
+    resent = [dict(m) for m in sent] + [{"role": "tool", "tool_call_id": "c1", "content": "ok"}]  # new dicts, same values
+    second = parse_messages(resent, last)
+    assert all(a is b for a, b in zip(first, second)) and second[2].tool_call_id == "c1"  # its call was among the reused
+    with pytest.raises(InvalidRequest) as info:
+        parse_messages([{"role": "wizard", "content": "hi"}] + resent[1:], last)
+    assert info.value.param == "messages.[0].role" and last.raw is resent  # kept as it was
+    with pytest.raises(InvalidRequest):  # a tool message whose call an edited history no longer holds
+        parse_messages([sent[0], {"role": "assistant", "content": "no call"}, resent[2]], last)

@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from inverted.errors import ServiceUnavailable
-from inverted.rollout.sglang_client import (SGLangClient, WorkersClient, read_output, read_routed_experts,
-                                            read_unconstrained_logprobs)
+from inverted.rollout.sglang_client import (SGLangClient, WorkersClient, read_cached_tokens, read_output,
+                                            read_routed_experts, read_unconstrained_logprobs)
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,7 @@ class Sampled:
     routes: str | None = None  # the routed experts of prompt[routes_from:] + ids (read_routed_experts), when asked for
     # per token: its logprob before a grammar's mask, where the server reports one (constrained calls), else None
     unconstrained: list[float | None] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens the server reused from its prefix cache (the call's first try)
     resumes: int = 0
     retries: int = 0
     lost: int = 0  # tries that lost their server
@@ -99,6 +100,8 @@ async def sample_turn(client: SGLangClient | WorkersClient, prompt_ids: list[int
                 state.versions += versions
                 state.tops += tops
                 state.finish = finish
+                if not kept:  # the first try's: a resumed one finds its own sampled tokens cached too
+                    state.cached_tokens = read_cached_tokens(body)
                 state.routes = read_routed_experts(body)  # the last chunk (or answer) of a call carries them
                 unconstrained = read_unconstrained_logprobs(body)
                 del state.unconstrained[kept:]

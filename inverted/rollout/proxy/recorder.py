@@ -73,6 +73,7 @@ class Choice:
     branch: Branch
     placement: Placement
     prompt_len: int
+    incoming: History  # the request's history, which the turn's extends by its reply
     forced: str = ""  # the start of a tool call written after the prompt (tool_choice required or named)
     state: Sampled | None = None
     output: Output | None = None  # set when sampled
@@ -134,22 +135,30 @@ class Recorder:
                                "'none'" + ("" if on else ", which is what was asked"))
         return None
 
-    def _check_length(self, req: CallRequest) -> None:
+    def _check_length(self, req: CallRequest, placement: Placement | None = None) -> None:
         """Refuse, by its length alone, text that cannot fit the context: tokenizing 20 MB took 30 s
         (and rendering 10,000 tools 25 s). Names and tools count as text: a template that renders
-        them writes at least that much, and a session keeps them in its Samples either way."""
+        them writes at least that much, and a session keeps them in its Samples either way. On a
+        recorded turn's branch (``placement``) only what the request appends is rendered, so only
+        that counts, against the room the branch's tokens leave: a long session's turn costs no
+        more to check than its first."""
+        skip = held = 0
+        if placement is not None and placement.base_turn is not None:
+            turn = placement.branch.turns[placement.base_turn]
+            skip, held = history_size(turn.history), turn.end
         if req.kind == "text":
-            chars = len(req.prompt)
+            chars = len(req.prompt) - skip
         else:
             chars = sum(len(m.content) + len(m.name or "") + sum(len(c.name) + len(c.arguments) for c in m.tool_calls)
-                        for m in req.messages)
-            chars += sum(len(json.dumps(tool, separators=(",", ":"))) for tool in req.tools or [])
-        room = self.context_length - (1 if req.clamp_max_tokens else req.max_tokens or 1)
+                        for m in req.messages[skip:])
+            chars += 0 if skip else sum(len(json.dumps(tool, separators=(",", ":"))) for tool in req.tools or [])
+        room = self.context_length - held - (1 if req.clamp_max_tokens else req.max_tokens or 1)
         if cannot_fit(chars, room, self.max_token_chars):
+            after = f" after the {held} tokens of the session's history" if held else ""
             raise InvalidRequest(
                 f"This model's maximum context length is {self.context_length} tokens. However, your messages and "
-                f"tools hold {chars} characters, more than the {room} tokens left for them can hold (one token "
-                f"covers at most {self.max_token_chars} characters). Please reduce the length of the messages, "
+                f"tools hold {chars} characters{after}, more than the {room} tokens left for them can hold (one "
+                f"token covers at most {self.max_token_chars} characters). Please reduce the length of the messages, "
                 "tools or completion.", param="messages", code="context_length_exceeded")
 
     async def _open(self, session: Session, req: CallRequest) -> list[Choice]:
@@ -161,6 +170,7 @@ class Recorder:
         """
         incoming = self._incoming(req)
         first = session.place(incoming)
+        self._check_length(req, first)
         if first.base_turn is None:
             delta = await asyncio.to_thread(self._fresh_prompt, req)
         else:
@@ -178,7 +188,9 @@ class Recorder:
         prompt_len = base_len + len(delta)
         self._check_context(prompt_len, req)
         session.check_tokens(len(delta) + (0 if first.in_place else base_len), self.config.proxy_max_session_tokens)
-        prompt = [m.to_template() for m in req.messages] if req.kind == "chat" else req.prompt
+        # the Sample's prompt, for a branch that starts here (a whole history's worth: not on every turn)
+        prompt = None if first.base_turn is not None else \
+            [m.to_template() for m in req.messages] if req.kind == "chat" else req.prompt
         choices: list[Choice] = []
         for index in range(req.n):
             placement = first if index == 0 else (
@@ -187,7 +199,7 @@ class Recorder:
                 self.metrics.branches.inc()
             branch = session.open(placement, prompt)
             branch.append_prompt(delta)
-            choices.append(Choice(index, branch, placement, prompt_len, forced))
+            choices.append(Choice(index, branch, placement, prompt_len, incoming, forced))
         return choices
 
     def _forced(self, req: CallRequest) -> str:
@@ -312,7 +324,6 @@ class Recorder:
     async def _start(self, session: Session, req: CallRequest) -> list[Choice]:
         session.check_open()
         session.touch()
-        self._check_length(req)
         async with session.opening:
             return await self._open(session, req)
 
@@ -339,13 +350,15 @@ class Recorder:
         reply = self.parser.parse(text) if req.parse_tools else ParsedReply(content=text)
         finish = call.finish_reason(state.reason, reply)
         choice.output = Output(index=choice.index, text=text, reply=reply, finish=finish, stop=stop,
-                               tokens=len(state.ids), logprobs=self._logprobs(state) if req.logprobs else None)
+                               tokens=len(state.ids), logprobs=self._logprobs(state) if req.logprobs else None,
+                               cached_tokens=state.cached_tokens)
         logprobs, mask, how = recorded_logprobs(state, constrained, self.config.proxy_constrained_tokens)
         choice.branch.append_sampled(state.ids, logprobs, state.versions, mask)
         choice.turn = Turn(start=choice.prompt_len, end=len(choice.branch.tokens),
-                           history=self._history_after(req, reply), finish_reason=finish, sampling_params=sampling,
-                           created=created, latency_s=time.time() - created, resumes=state.resumes,
-                           routes=state.routes, constrained=how, accepted=dict(req.accepted), model=req.model)
+                           history=self._history_after(req, choice.incoming, reply), finish_reason=finish,
+                           sampling_params=sampling, created=created, latency_s=time.time() - created,
+                           resumes=state.resumes, routes=state.routes, constrained=how, accepted=dict(req.accepted),
+                           model=req.model, cached_tokens=state.cached_tokens)
 
     def _settle(self, session: Session, req: CallRequest, answer: Answer, choices: list[Choice],
                 succeeded: bool) -> None:
@@ -402,11 +415,11 @@ class Recorder:
             return call.before_stop(text, stops), stop
         return text, None
 
-    def _history_after(self, req: CallRequest, reply: ParsedReply) -> History:
+    def _history_after(self, req: CallRequest, incoming: History, reply: ParsedReply) -> History:
         if req.kind == "text":
-            return req.prompt + reply.content
+            return incoming + reply.content
         message = Message(role="assistant", content=reply.content or "", tool_calls=tuple(reply.tool_calls))
-        tools, keys = self._incoming(req)
+        tools, keys = incoming
         return (tools, keys + (message.key,))
 
     def _logprobs(self, state: Sampled) -> list[TokenLogprob]:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inverted.errors import InvalidRequest
+from inverted.rollout.chat import ParsedMessages
 from inverted.rollout.proxy import rewrites
 from inverted.types import Reward, Sample, decode_routed_experts, encode_routed_experts
 
@@ -78,12 +79,13 @@ class Turn:
     constrained: str | None = None  # under a grammar: how its logprobs were recorded (recorder.recorded_logprobs)
     accepted: dict[str, str] = field(default_factory=dict)  # request fields taken without effect, and why
     model: str | None = None  # the model name the call asked for (any is served)
+    cached_tokens: int = 0  # of the prompt, served from the server's prefix cache
 
     def record(self) -> dict[str, Any]:
         record = {"prompt_tokens": self.start, "completion_tokens": self.end - self.start, "start": self.start,
                   "end": self.end, "finish_reason": self.finish_reason, "sampling_params": self.sampling_params,
                   "created": self.created, "latency_s": round(self.latency_s, 6), "resumes": self.resumes,
-                  "model": self.model}
+                  "model": self.model, "cached_tokens": self.cached_tokens}
         return record | ({"constrained": self.constrained} if self.constrained else {}) | \
             ({"accepted": self.accepted} if self.accepted else {})
 
@@ -175,6 +177,7 @@ class Session:
         self.turns = 0
         self.replays: dict[str, Any] = {}
         self.stored: dict[str, Any] = {}  # what an API keeps for later calls (Responses' previous_response_id)
+        self.parsed = ParsedMessages()  # the chat messages it sent last, so that the next call parses only its new ones
         self.refused: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_REFUSALS)  # its latest 4xx
         self.opening = asyncio.Lock()  # one call of this session at a time finds its place and tokenizes
 
@@ -253,6 +256,7 @@ class Session:
         if self.samples is None:
             self.expired = expired
             self.samples = self.build_samples()
+            self.parsed = ParsedMessages()  # no call follows
         return self.samples
 
     def main_model(self) -> str | None:

@@ -65,6 +65,12 @@ def test_the_openai_sdk_works_with_only_the_token(stack):
     assert [m.id for m in client.models.list()] == ["taught-qwen2"]
     reply = client.chat.completions.create(model="x", messages=USER, max_tokens=3)
     assert reply.usage.completion_tokens == 3 and turns_of(stack, session) == 1
+    # The next turn resends the history: the engine's prefix cache serves it, and usage says how much.
+    history = USER + [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+    again = client.chat.completions.create(model="x", messages=history, max_tokens=3)
+    assert reply.usage.prompt_tokens <= again.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens
+    turns = finish(stack, session)[0].metadata["turns"]
+    assert [t["cached_tokens"] for t in turns] == [r.usage.prompt_tokens_details.cached_tokens for r in (reply, again)]
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=stack.proxy.url + "/v1", api_key="sk-wrong", max_retries=0).models.list()
 

@@ -79,6 +79,7 @@ class Output:
     stop: str | None  # the stop string that ended it
     tokens: int  # how many were sampled
     logprobs: list[TokenLogprob] | None  # when asked for
+    cached_tokens: int = 0  # prompt tokens the server found in its prefix cache
 
 
 @dataclass(slots=True)
@@ -94,6 +95,11 @@ class Answer:
     @property
     def completion_tokens(self) -> int:
         return sum(o.tokens for o in self.outputs)
+
+    @property
+    def cached_tokens(self) -> int:
+        """The prompt tokens the server reused (the first choice's: the others share its prompt)."""
+        return min((o.index, o.cached_tokens) for o in self.outputs)[1] if self.outputs else 0
 
 
 @dataclass(slots=True)

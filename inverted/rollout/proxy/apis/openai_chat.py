@@ -55,7 +55,7 @@ def parse(body: Any, session: Any = None) -> CallRequest:
     tools = [call.function_tool(t["function"]["name"], t["function"].get("description"), t["function"].get("parameters"),
                                 f"tools[{i}].function", t["function"].get("strict")) for i, t in enumerate(tools or [])]
     choice = body.get("tool_choice")
-    req = CallRequest(kind="chat", model=openai_shared.model_name(body), messages=parse_messages(body["messages"]),
+    req = CallRequest(kind="chat", model=openai_shared.model_name(body), messages=parse_messages(body["messages"], session and session.parsed),
                       prompt=None, tools=tools or None, parse_tools=bool(tools) and choice != "none",
                       stream=bool(body.get("stream")),
                       max_tokens=body.get("max_completion_tokens") or body.get("max_tokens"),
@@ -108,7 +108,7 @@ def answer(req: CallRequest, answer: Answer) -> dict[str, Any]:
     choices = [{"index": o.index, "message": message(o), "logprobs": logprobs(o), "finish_reason": o.finish}
                for o in answer.outputs]
     return envelope(answer, "chat.completion", choices,
-                    openai_shared.usage(answer.prompt_tokens, answer.completion_tokens))
+                    openai_shared.usage(answer))
 
 
 def message(output: Output) -> dict[str, Any]:
@@ -153,7 +153,7 @@ async def events(req: CallRequest, stream: AsyncIterator[Event]) -> AsyncIterato
             yield None, last
     if req.include_usage:
         yield None, envelope(opened, "chat.completion.chunk", [],
-                             openai_shared.usage(opened.prompt_tokens, opened.completion_tokens), chunk=True)
+                             openai_shared.usage(opened), chunk=True)
 
 
 def _chunk(answer: Answer, index: int, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:

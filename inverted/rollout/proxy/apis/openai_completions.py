@@ -48,7 +48,7 @@ def parse(body: Any, session: Any = None) -> CallRequest:
 def answer(req: CallRequest, answer: Answer) -> dict[str, Any]:
     choices = [{"index": o.index, "text": o.text, "logprobs": logprobs(req, o), "finish_reason": o.finish}
                for o in answer.outputs]
-    usage = openai_shared.usage(answer.prompt_tokens, answer.completion_tokens)
+    usage = openai_shared.usage(answer)
     return envelope(answer, "text_completion", choices, usage, prefix="cmpl-")
 
 
@@ -73,7 +73,7 @@ async def events(req: CallRequest, stream: AsyncIterator[Event]) -> AsyncIterato
             yield None, _chunk(opened, event.index, "", finish=event.finish, logprobs=logprobs(req, event))
     if req.include_usage:
         yield None, envelope(opened, "text_completion", [],
-                             openai_shared.usage(opened.prompt_tokens, opened.completion_tokens), prefix="cmpl-",
+                             openai_shared.usage(opened), prefix="cmpl-",
                              chunk=True)
 
 

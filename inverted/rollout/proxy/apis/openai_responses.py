@@ -355,7 +355,7 @@ def response(req: CallRequest, answer: Answer, output: list[dict[str, Any]], don
     """The response object; ``done``: with its status and usage (else ``in_progress``)."""
     cut = done and any(o.finish == "length" for o in answer.outputs)
     status = ("incomplete" if cut else "completed") if done else "in_progress"
-    usage = {"input_tokens": answer.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+    usage = {"input_tokens": answer.prompt_tokens, "input_tokens_details": {"cached_tokens": answer.cached_tokens},
              "output_tokens": answer.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
              "total_tokens": answer.prompt_tokens + answer.completion_tokens} if done else None
     echo = req.echo

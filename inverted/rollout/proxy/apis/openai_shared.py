@@ -26,7 +26,7 @@ from typing import Any
 
 from inverted.errors import InvalidRequest
 from inverted.limits import brief
-from inverted.rollout.proxy.apis.call import Failure, TokenLogprob
+from inverted.rollout.proxy.apis.call import Answer, Failure, TokenLogprob
 
 # Fields every OpenAI API accepts without effect, and why; each one present is recorded on the turn.
 REASONS = {
@@ -93,9 +93,11 @@ def token_logprobs(logprobs: list[TokenLogprob]) -> list[dict[str, Any]]:
             for t in logprobs]
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(answer: Answer) -> dict[str, Any]:
+    """OpenAI's usage, with the prompt tokens the server's prefix cache served (``cached_tokens``)."""
+    return {"prompt_tokens": answer.prompt_tokens, "completion_tokens": answer.completion_tokens,
+            "total_tokens": answer.prompt_tokens + answer.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": answer.cached_tokens}}
 
 
 DONE = b"data: [DONE]\n\n"  # how Chat Completions and Completions streams end
