@@ -20,7 +20,7 @@ listed under ``unmatched`` in the output, with why.
 Per framework: wall time per step, rollout / train / sync time (TRL: generation and scoring is
 timed inside its trainer; it has no sync, its sampler is the trained model), sampled tokens per
 second over the training loop, peak memory of the whole process tree (PSS, so pages shared by
-Ray's processes count once; RSS beside it), held-out ``pass_rate`` at each evaluation, and the
+Ray's processes count once; RSS beside it; each process's share at the peak, and its own peak), held-out ``pass_rate`` at each evaluation, and the
 loop time until the pass rate first reaches ``--threshold``. Loop time is the sum of step times:
 start-up and evaluations are left out of both (and reported apart).
 
@@ -97,12 +97,28 @@ UNMATCHED = {
 }
 
 
+def label(process: psutil.Process) -> str:
+    """A process as one reads it in the breakdown: Ray's titles (``ray::TrainerActor``, ``raylet``) as
+    they are; our services by their subcommand; anything else by its name."""
+    name = process.name()
+    try:
+        argv = process.cmdline()
+    except psutil.Error:
+        return name
+    if "inverted.cli" in argv:
+        return "inverted " + argv[argv.index("inverted.cli") + 1]
+    return argv[0].rsplit("/", 1)[-1][:40] if argv and not name.startswith("ray::") else name
+
+
 class MemoryProbe:
-    """Peak PSS and RSS of a process and all its descendants, sampled every half second."""
+    """Peak PSS and RSS of a process and all its descendants, sampled every half second, with each
+    process's PSS at the peak."""
 
     def __init__(self, pid: int) -> None:
         self.root = psutil.Process(pid)
         self.peak_pss = self.peak_rss = 0
+        self.at_peak: dict[str, float] = {}
+        self.each_peak: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -110,22 +126,32 @@ class MemoryProbe:
     def _run(self) -> None:
         while not self._stop.wait(0.5):
             pss = rss = 0
+            each: dict[str, float] = {}
             try:
                 processes = [self.root, *self.root.children(recursive=True)]
             except psutil.Error:
                 continue
             for process in processes:
                 try:
-                    info = process.memory_full_info()
+                    info, name = process.memory_full_info(), label(process)
                 except psutil.Error:
                     continue
                 pss, rss = pss + info.pss, rss + info.rss
+                each[name] = each.get(name, 0) + info.pss
+            if pss > self.peak_pss:
+                self.at_peak = each
+            for name, value in each.items():
+                self.each_peak[name] = max(self.each_peak.get(name, 0), value)
             self.peak_pss, self.peak_rss = max(self.peak_pss, pss), max(self.peak_rss, rss)
 
     def stop(self) -> dict[str, float]:
         self._stop.set()
         self._thread.join()
-        return {"peak_pss_gb": round(self.peak_pss / 2**30, 3), "peak_rss_gb": round(self.peak_rss / 2**30, 3)}
+        def top(by_name: dict[str, float]) -> dict[str, float]:
+            return {name: round(pss / 2**30, 3) for name, pss in sorted(by_name.items(), key=lambda kv: -kv[1])[:12]}
+
+        return {"peak_pss_gb": round(self.peak_pss / 2**30, 3), "peak_rss_gb": round(self.peak_rss / 2**30, 3),
+                "peak_pss_gb_by_process": top(self.at_peak), "each_process_peak_pss_gb": top(self.each_peak)}
 
 
 def run_measured(command: list[str], out: Path) -> None:
