@@ -568,9 +568,9 @@ class Scheduler:
         self.running.append(req)
 
     def _move_kept(self, row: int, source: int | None) -> None:
-        """Make ``row`` free for a running request: its kept prefix moves to a free row, or over the
-        least recently used kept row when none is free (never over ``source``, the request's own),
-        or, the least recently used itself, goes."""
+        """Make ``row`` free for a running request. Its kept prefix moves to a free row; with none
+        free, it takes the place of the least recently used kept prefix (never ``source``, the one
+        this request copies from), or is dropped if it is the least recently used itself."""
         taken = set(self.prefixes) | set(range(row + 1))
         free = next((r for r in range(self.cache.rows - 1, row, -1) if r not in taken), None)
         if free is None:

@@ -259,7 +259,6 @@ class ChatRenderer:
         whole history does, on probe conversations that exercise what templates keep state for: tool
         loops, parallel calls, several queries, reasoning in the content, with and without a system
         message. (Where the window breaks or raises, ``bridge`` renders the whole history anyway.)"""
-        self.windowed = False
         tools = PROBE_TOOLS if self.renders_tools else None
         for conversation in PROBE_CONVERSATIONS:
             messages = parse_messages(conversation)
