@@ -1,6 +1,8 @@
 # The two commands of the README, plus what they are built from.
 #   make agent  set up .venv and run the main job: an unchanged openai-agents agent with a calculator tool teaches
-#               SmolLM2-135M-Instruct to use the tool on reasoning-gym arithmetic (examples/agent.yaml)
+#               SmolLM2-135M-Instruct to use the tool on reasoning-gym arithmetic, by RL with the call forced
+#               (examples/agent.yaml), then from its own successes with the choice left to the model
+#               (examples/agent-bootstrap.yaml)
 #   make run    the single-turn job: SmolLM2-135M-Instruct learns a reasoning-gym task (examples/smollm2.yaml);
 #               ARGS='--lora-rank 16 --lr 1e-3' adds flags (here: train a LoRA adapter instead of every weight)
 #   make test   set up .venv and run the test suite (CPU only, no downloads at run time)
@@ -85,9 +87,13 @@ AGENT_TASK_DATA   := data/agent.jsonl
 AGENT_TASK_EVAL   := data/agent-eval.jsonl
 $(eval $(call task_sets,AGENT_))
 
+# Two stages: RL on the coached agent (the call forced, one example shown), then the agent as its users
+# write it (tool_choice auto) fine-tuned on stage 1's successes played again through it
+# (examples/agent-bootstrap.yaml). ARGS go to stage 1, BOOTSTRAP_ARGS to stage 2.
 agent: setup $(REAL)/config.json $(AGENT_TASK_DATA) $(AGENT_TASK_EVAL)
-	rm -rf runs/agent
+	rm -rf runs/agent runs/agent-bootstrap
 	$(BIN)/inverted train --config examples/agent.yaml $(ARGS)
+	$(BIN)/inverted train --config examples/agent-bootstrap.yaml $(BOOTSTRAP_ARGS)
 
 demo: setup $(TINY)/config.json $(DEMO_DATA)
 	rm -rf runs/demo

@@ -820,18 +820,35 @@ class RolloutConfig:
     eval_prompt_data: str | None = option(None, "prompt dataset for evaluation (same keys as --prompt-data)", path=True)
     n_samples_per_eval_prompt: int = option(1, "samples per evaluation prompt")
     eval_temperature: float = option(0.0, "sampling temperature of evaluation (0: greedy)")
+    eval_max_response_len: int | None = option(None, "most tokens sampled in one model call of evaluation "
+                                                     "(default: --rollout-max-response-len)")
+    eval_env_args: str | None = option(
+        None, "JSON object of keyword arguments --env-path is called with in evaluation (default: --env-args), e.g. "
+              "the agent as its users run it where training runs it coached")
+    eval_variants: str | None = option(
+        None, "JSON object {name: keyword arguments}: --env-path evaluated again with each, beside the main "
+              "evaluation, its figures as eval/NAME/*")
     debug_rollout_only: bool = option(False, "rollouts only, no trainer: report throughput and save the Samples")
+    bootstrap_from: str | None = option(
+        None, "a run directory (or its buffer.db) whose successful episodes rollout_functions.bootstrap plays again "
+              "through --env-path, as SFT data", path=True)
     save_debug_rollout_data: str | None = option(
         None, "write each rollout's Samples as jsonl here (a .pt path: slime's dump); '{rollout_id}' in the path "
               "makes one file per rollout", path=True)
 
     def __post_init__(self) -> None:
-        if isinstance(self.env_args, dict):  # a YAML config's mapping
-            self.env_args = json.dumps(self.env_args)
-        _require(self.env_args is None or _json_object(self.env_args) is not None, "--env-args", self.env_args,
-                 "a JSON object")
+        for name in ("env_args", "eval_env_args", "eval_variants"):
+            if isinstance(getattr(self, name), dict):  # a YAML config's mapping
+                setattr(self, name, json.dumps(getattr(self, name)))
+            value = getattr(self, name)
+            _require(value is None or _json_object(value) is not None, flag_name(name), value, "a JSON object")
+        _require(all(isinstance(v, dict) and name and "/" not in name
+                     for name, v in json.loads(self.eval_variants or "{}").items()), "--eval-variants",
+                 self.eval_variants, "{name: {keyword: value}} with names without '/'")
         for name in ("rollout_batch_size", "rollout_max_response_len", "rollout_concurrency", "n_samples_per_eval_prompt"):
             _require(getattr(self, name) >= 1, flag_name(name), getattr(self, name), ">= 1")
+        _require(self.eval_max_response_len is None or self.eval_max_response_len >= 1, "--eval-max-response-len",
+                 self.eval_max_response_len, ">= 1")
         _require(0 < self.rollout_top_p <= 1, "--rollout-top-p", self.rollout_top_p, "in (0, 1]")
         _require(self.rollout_temperature > 0, "--rollout-temperature", self.rollout_temperature, "> 0")
         _require(self.rollout_episode_timeout > 0, "--rollout-episode-timeout", self.rollout_episode_timeout, "> 0")

@@ -18,6 +18,11 @@ from rollout_functions.episodes import run_all
 
 
 async def generate_rollout(ctx: RolloutContext, tasks: list[Task]) -> list[Sample]:
+    return await play_envs(ctx, tasks)
+
+
+async def play_envs(ctx: RolloutContext, tasks: list[Task], scripts: list[list[list[int]]] | None = None) -> list[Sample]:
+    """Each task's episode of ``ctx.env`` (``scripts``: each session answers from its own, ``run_all``)."""
     env = ctx.env
     async with openai_pool() as pool:
         def play_for(task: Task):
@@ -28,7 +33,7 @@ async def generate_rollout(ctx: RolloutContext, tasks: list[Task]) -> list[Sampl
                 return await env(task, client)
             return play
 
-        return await run_all(ctx, tasks, play_for)
+        return await run_all(ctx, tasks, play_for, scripts)
 
 
 generate_rollout.requires = ("env_path",)  # checked by the job before anything starts

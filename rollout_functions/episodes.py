@@ -95,8 +95,10 @@ async def run_session(ctx: RolloutContext, proxy: ProxyClient, task: Task, play:
     return sample
 
 
-async def run_all(ctx: RolloutContext, tasks: list[Task], play_for: Callable[[Task], Play]) -> list[Sample]:
-    """Every task's episode, at most ``--rollout-concurrency`` at a time.
+async def run_all(ctx: RolloutContext, tasks: list[Task], play_for: Callable[[Task], Play],
+                  scripts: list[list[list[int]]] | None = None) -> list[Sample]:
+    """Every task's episode, at most ``--rollout-concurrency`` at a time (``scripts``: each task's
+    session answers from its script instead of sampling, ``Session.script``).
 
     The first ``--rollout-concurrency`` sessions are opened in one request, so that those episodes
     start, and their first calls reach the servers, together: opened one by one, 32 sessions took
@@ -106,13 +108,16 @@ async def run_all(ctx: RolloutContext, tasks: list[Task], play_for: Callable[[Ta
     concurrency = ctx.config.rollout_concurrency
     limit = asyncio.Semaphore(concurrency)
 
-    async def one(proxy: ProxyClient, task: Task, session: SessionHandle | None) -> Sample:
+    script = (lambda i: None) if scripts is None else scripts.__getitem__
+
+    async def one(proxy: ProxyClient, i: int, task: Task, session: SessionHandle | None) -> Sample:
         async with limit:
-            session = session or await proxy.create_session(_episode_sample(ctx, task), ctx.sampling)
+            session = session or await proxy.create_session(_episode_sample(ctx, task), ctx.sampling, script(i))
             return await run_session(ctx, proxy, task, play_for(task), session)
 
     async with ProxyClient(ctx.proxy_url, api_key=ctx.proxy_api_key, max_connections=SESSION_CONNECTIONS) as proxy:
         first = tasks[:concurrency]
-        opened = await proxy.create_sessions([_episode_sample(ctx, t) for t in first], ctx.sampling) if first else []
-        return list(await asyncio.gather(*(one(proxy, task, session)
-                                           for task, session in itertools.zip_longest(tasks, opened))))
+        opened = await proxy.create_sessions([_episode_sample(ctx, t) for t in first], ctx.sampling,
+                                             None if scripts is None else scripts[:concurrency]) if first else []
+        return list(await asyncio.gather(*(one(proxy, i, task, session) for i, (task, session)
+                                           in enumerate(itertools.zip_longest(tasks, opened)))))

@@ -31,7 +31,7 @@ FROZEN_FLAGS = {
         "--agent-command", "--async-mode", "--max-weight-staleness", "--update-weights-interval",
         "--mask-offpolicy-in-partial-rollout", "--colocate", "--context-length", "--custom-rm-path", "--debug-rollout-only",
         "--dynamic-sampling-filter-path", "--engine-device", "--engine-max-running-requests", "--engine-threads",
-        "--env-args", "--env-path", "--eval-interval", "--eval-prompt-data", "--eval-temperature", "--input-key", "--label-key", "--lease-seconds",
+        "--env-args", "--env-path", "--eval-interval", "--eval-prompt-data", "--eval-temperature", "--eval-env-args", "--eval-variants", "--eval-max-response-len", "--bootstrap-from", "--input-key", "--label-key", "--lease-seconds",
         "--metadata-key", "--n-samples-per-eval-prompt", "--n-samples-per-prompt", "--num-engines", "--num-epoch",
         "--partial-rollout", "--prompt-data", "--proxy-generate-timeout", "--proxy-constrained-tokens", "--proxy-max-resumes", "--proxy-max-turns",
         "--proxy-server-loss-wait", "--chat-template",

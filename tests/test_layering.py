@@ -130,7 +130,8 @@ USER_SIDE = {  # top-level packages of user-side code -> the inverted modules th
     "rollout_functions": ("inverted.types", "inverted.errors", "inverted.plugins",
                           "inverted.rollout.proxy.client",
                           "inverted.rollout.sglang_client",  # the services only through their clients
-                          "inverted.hf_checkpoint"),  # load_tokenizer: the tokenizer with --chat-template, as the proxy renders
+                          "inverted.hf_checkpoint",  # load_tokenizer: the tokenizer with --chat-template, as the proxy renders
+                          "inverted.buffer.archive"),  # a finished run's buffer, read-only (bootstrap learns from it)
 }
 
 

@@ -58,5 +58,10 @@ class BufferArchive:
         row = self._db.execute("SELECT record FROM prompts WHERE prompt_index = ?", (prompt_index,)).fetchone()
         return row[0] if row else None
 
+    def episodes(self) -> list[tuple[bytes, bytes]]:
+        """``(prompt record JSON, sample JSON)`` of every stored Sample that did not fail, in the order stored."""
+        return self._db.execute("SELECT p.record, s.sample FROM samples s JOIN groups g USING (group_index) "
+                                "JOIN prompts p USING (prompt_index) WHERE NOT s.failed ORDER BY s.rowid").fetchall()
+
     def close(self) -> None:
         self._db.close()

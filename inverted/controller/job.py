@@ -70,16 +70,17 @@ class Plugins:
     sample_filter: Callable | None = None  # (groups) -> None, setting Sample.remove_sample
     rollout_log: Callable | None = None  # (rollout_id, samples, metrics, seconds) -> bool
     eval_log: Callable | None = None  # (rollout_id, data, metrics) -> bool
+    # the environment of each evaluation, by name: "" the main one (--eval-env-args), then --eval-variants
+    eval_envs: dict[str, Callable | None] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def load(cls, cfg: RolloutConfig, flags: dict[str, Any] | None = None) -> "Plugins":
         """``flags``: every flag of the job by name, for the adapters of other frameworks' plug-ins."""
-        env = load_optional(cfg.env_path, flag="--env-path", params=["task", "client"],
-                            keywords=Keywords(json.loads(cfg.env_args or "{}"), "--env-args"),
-                            guard=False)  # an environment's exception fails its episode only
-        if env is not None and not inspect.iscoroutinefunction(env):
-            raise PluginError(f"--env-path={cfg.env_path!r}: expected 'async def {getattr(env, '__name__', 'episode')}"
-                              "(task, client) -> reward'")
+        env = load_env(cfg.env_path, cfg.env_args, "--env-args")
+        eval_envs = {"": env if cfg.eval_env_args is None else load_env(cfg.env_path, cfg.eval_env_args,
+                                                                         "--eval-env-args")}
+        for name, args in json.loads(cfg.eval_variants or "{}").items():
+            eval_envs[name] = load_env(cfg.env_path, json.dumps(args), f"--eval-variants {name}")
         generate = load_hook(cfg.custom_generate_function_path, point="generate",
                              flag="--custom-generate-function-path", flags=flags)
         path = cfg.rollout_function_path
@@ -105,7 +106,18 @@ class Plugins:
                                   forms={"ours": ["rollout_id", "samples", "metrics", "seconds"]}, flags=flags),
             eval_log=load_hook(cfg.custom_eval_rollout_log_function_path, point="eval_log",
                                flag="--custom-eval-rollout-log-function-path",
-                               forms={"ours": ["rollout_id", "data", "metrics"]}, flags=flags))
+                               forms={"ours": ["rollout_id", "data", "metrics"]}, flags=flags),
+            eval_envs=eval_envs)
+
+
+def load_env(path: str | None, args: str | None, flag: str) -> Callable | None:
+    """``--env-path`` called with ``args`` (a JSON object of keyword arguments, ``flag`` naming where they came from)."""
+    env = load_optional(path, flag="--env-path", params=["task", "client"], keywords=Keywords(json.loads(args or "{}"), flag),
+                        guard=False)  # an environment's exception fails its episode only
+    if env is not None and not inspect.iscoroutinefunction(env):
+        raise PluginError(f"--env-path={path!r}: expected 'async def {getattr(env, '__name__', 'episode')}"
+                          "(task, client) -> reward'")
+    return env
 
 
 def _worker_id(run_dir: Path) -> str:

@@ -32,16 +32,23 @@ def checkpoint_dir(train: TrainConfig) -> str:
     return train.ckpt.save or str(Path(train.output_dir) / "checkpoints")
 
 
-def context(cfg: JobConfig, job: Job, plugins: Plugins, rollout_id: int, evaluation: bool = False) -> RolloutContext:
+def context(cfg: JobConfig, job: Job, plugins: Plugins, rollout_id: int, evaluation: bool = False,
+            variant: str = "") -> RolloutContext:
     """What a rollout function gets: its section, the services' addresses, sampling, the version serving,
-    and every flag of the job by name (from which adapters build other frameworks' ``args``)."""
-    temperature = cfg.rollout.eval_temperature if evaluation else cfg.rollout.rollout_temperature
-    sampling = {"temperature": temperature, "top_p": cfg.rollout.rollout_top_p if temperature else 1.0,
-                "max_tokens": cfg.rollout.rollout_max_response_len}
+    and every flag of the job by name (from which adapters build other frameworks' ``args``). An
+    evaluation's environment is its ``variant``'s (``Plugins.eval_envs``)."""
+    rollout = cfg.rollout
+    temperature = rollout.eval_temperature if evaluation else rollout.rollout_temperature
+    longest = rollout.rollout_max_response_len
+    if evaluation and rollout.eval_max_response_len is not None:
+        longest = rollout.eval_max_response_len
+    sampling = {"temperature": temperature, "top_p": rollout.rollout_top_p if temperature else 1.0,
+                "max_tokens": longest}
     return RolloutContext(rollout_id=rollout_id, config=cfg.rollout, proxy_url=job.proxy_url, proxy_api_key=job.proxy_key,
                           router_url=job.servers.router_url, hf_checkpoint=cfg.train.hf_checkpoint,
                           chat_template=cfg.proxy.chat_template, sampling=sampling,
-                          env=plugins.env, generate=plugins.generate, evaluation=evaluation,
+                          env=plugins.eval_envs.get(variant, plugins.env) if evaluation else plugins.env,
+                          generate=plugins.generate, evaluation=evaluation,
                           flags=job_flags(cfg), weight_version=job.weight_version, async_mode=cfg.loop.async_mode,
                           lora_path=job.adapter,
                           routed_experts=cfg.train.moe.use_rollout_routing_replay,
@@ -192,20 +199,36 @@ def save_rollout_data(template: str | None, rollout_id: int, samples: list[Sampl
 
 async def evaluate(cfg: JobConfig, job: Job, plugins: Plugins, rollout_id: int) -> dict[str, float]:
     """The rollout function on ``--eval-prompt-data`` at ``--eval-temperature`` (through no buffer:
-    nothing here is trained on). A pass is a sample whose reward reaches 1, the graders' "correct"."""
+    nothing here is trained on), once for the main evaluation (``eval/*``) and once per
+    ``--eval-variants`` entry (``eval/NAME/*``). A pass is a sample whose reward reaches 1, the
+    graders' "correct"."""
     records = read_prompts(cfg.buffer, cfg.rollout.eval_prompt_data)
     n = cfg.rollout.n_samples_per_eval_prompt
     tasks = [Task(lease_id="eval", group_index=i, index=i * n + j, prompt_index=i, prompt=r.prompt, label=r.label,
                   metadata=r.metadata, tools=r.tools) for i, r in enumerate(records) for j in range(n)]
-    ctx = context(cfg, job, plugins, rollout_id, evaluation=True)
-    samples = await run_rollout(ctx, plugins, tasks)
-    rewards = [s.scalar_reward(cfg.train.loss.reward_key) for s in samples if s.status != Sample.Status.FAILED]
+    played = {variant: await run_rollout(context(cfg, job, plugins, rollout_id, evaluation=True, variant=variant),
+                                         plugins, tasks) for variant in plugins.eval_envs or [""]}
+    metrics = {key: value for variant, samples in played.items()
+               for key, value in eval_metrics(f"eval/{variant}" if variant else "eval", cfg.train.loss.reward_key,
+                                              samples).items()}
+    return log_evaluation(cfg, plugins, rollout_id, played[""], metrics)
+
+
+def eval_metrics(prefix: str, reward_key: str | None, samples: list[Sample]) -> dict[str, float]:
+    usable = [s for s in samples if s.status != Sample.Status.FAILED]
+    rewards = [s.scalar_reward(reward_key) for s in usable]
     mean = (lambda values: sum(values) / len(values) if values else float("nan"))
-    metrics = {"eval/reward_mean": mean(rewards), "eval/pass_rate": mean([float(r >= 1.0) for r in rewards]),
-               "eval/failed": float(len(samples) - len(rewards))}
-    metrics |= episode_metrics("eval", [s for s in samples if s.status != Sample.Status.FAILED])
+    return {f"{prefix}/reward_mean": mean(rewards), f"{prefix}/pass_rate": mean([float(r >= 1.0) for r in rewards]),
+            f"{prefix}/failed": float(len(samples) - len(rewards))} | episode_metrics(prefix, usable)
+
+
+def log_evaluation(cfg: JobConfig, plugins: Plugins, rollout_id: int, samples: list[Sample],
+                   metrics: dict[str, float]) -> dict[str, float]:
+    """``--custom-eval-rollout-log-function-path`` sees the main evaluation; if it returns True, the
+    default ``eval/*`` metrics are left out of the row (slime: it did the logging itself)."""
     if plugins.eval_log is not None:  # {dataset: {rewards, truncated, samples}}, as slime's
         usable = [s for s in samples if s.status != Sample.Status.FAILED]
+        rewards = [s.scalar_reward(cfg.train.loss.reward_key) for s in usable]
         data = {Path(cfg.rollout.eval_prompt_data).stem: {
             "rewards": rewards, "truncated": [s.status == Sample.Status.TRUNCATED for s in usable], "samples": usable}}
         if plugins.eval_log(rollout_id, data, dict(metrics)):
@@ -218,4 +241,6 @@ def summary(metrics: dict[str, float]) -> str:
              "tool_calls": "eval/tool_call_rate",
              "version": "weight_version", "staleness": "async/staleness_mean", "step_s": "time/step_s",
              "rollout_s": "time/rollout_s", "wait_s": "time/wait_s", "train_s": "time/train_s", "sync_s": "time/sync_s"}
-    return ", ".join(f"{name} {metrics[key]:.4g}" for name, key in shown.items() if key in metrics)
+    variants = {f"{key.split('/')[1]} {what}": key for key in metrics if key.count("/") == 2
+                for what, end in (("pass", "/pass_rate"), ("tool_calls", "/tool_call_rate")) if key.endswith(end)}
+    return ", ".join(f"{name} {metrics[key]:.4g}" for name, key in (shown | variants).items() if key in metrics)

@@ -1,6 +1,6 @@
 """The agent path on the real model: SmolLM2 with ``--chat-template``, driven by an unchanged openai-agents agent.
 
-``make agent``'s agent (``envs/calculator_agent.py``) plays greedily through the real proxy and
+``make agent``'s stage-1 agent (``envs/calculator_agent.py``'s coached one) plays greedily through the real proxy and
 engine, as the job plays it. The recorded Sample of each episode must be the shipped template's
 render of the conversation the SDK holds (``RunResult.to_input_list``), token for token, with the
 model's sampled tokens, and only those, in the loss, each with the log-prob ``transformers`` gives
@@ -48,7 +48,7 @@ def episodes(module_procs, smollm2):
     async def play(row: dict, proxy_client: ProxyClient):
         session = await proxy_client.create_session(Sample(), {"temperature": 0, "max_tokens": 32})
         async with openai.AsyncOpenAI(base_url=session.base_url, api_key=session.token) as client:
-            result = await calculator_agent.run(row["input"], client)
+            result = await calculator_agent.run(row["input"], client, calculator_agent.coached_agent)
         (sample,) = await proxy_client.finish(session.session_id, 0.0)
         return row, result, sample
 
@@ -61,7 +61,8 @@ def episodes(module_procs, smollm2):
 
 def as_chat(question: str, items: list[dict]) -> list[dict]:
     """The SDK's record of a run (Responses input items) as the Chat Completions messages a template renders."""
-    messages = [{"role": "system", "content": calculator_agent.INSTRUCTIONS}, {"role": "user", "content": question}]
+    messages = [{"role": "system", "content": calculator_agent.COACHED_INSTRUCTIONS},
+                {"role": "user", "content": question}]
     for item in items[1:]:
         kind = item.get("type")
         if kind == "function_call":
@@ -87,6 +88,7 @@ def test_a_tool_calling_episode_is_recorded_as_the_template_renders_it(episodes,
         (call,) = messages[2]["tool_calls"]
         assert messages[3]["content"] == calculate(call["function"]["arguments"]["expression"])
         call_turn = sample.metadata["turns"][0]
+        assert call_turn["forced"] == HermesToolParser().forced("calculator")  # what the proxy wrote, said
         written = tokenizer.decode(sample.tokens[call_turn["start"]:call_turn["end"]], skip_special_tokens=True)
         if not written.endswith("</tool_call>"):
             # The model wrote on after its call (untrained SmolLM2 does, until max_tokens): the parser

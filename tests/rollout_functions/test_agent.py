@@ -27,9 +27,9 @@ def test_the_first_wave_of_sessions_opens_in_one_request(tiny_model, procs, monk
     opened = []  # sessions asked for, per request
     real = ProxyClient.create_sessions
 
-    async def counted(self, metadata, sampling_params=None):
+    async def counted(self, metadata, sampling_params=None, scripts=None):
         opened.append(len(metadata))
-        return await real(self, metadata, sampling_params)
+        return await real(self, metadata, sampling_params, scripts)
 
     monkeypatch.setattr(ProxyClient, "create_sessions", counted)
     tasks = [Task(lease_id="l", group_index=i // 3, index=i % 3, prompt_index=i // 3, prompt="p", label=f"label {i}")

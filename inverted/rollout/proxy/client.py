@@ -42,15 +42,19 @@ def openai_pool() -> openai.DefaultAioHttpClient:
 
 
 class ProxyClient(HTTPService):
-    async def create_session(self, sample: Sample | None = None,
-                             sampling_params: dict[str, Any] | None = None) -> SessionHandle:
-        """A session whose branches become copies of ``sample`` (``task.new_sample()``) with their tokens."""
-        return (await self.create_sessions([sample or Sample()], sampling_params))[0]
+    async def create_session(self, sample: Sample | None = None, sampling_params: dict[str, Any] | None = None,
+                             script: list[list[int]] | None = None) -> SessionHandle:
+        """A session whose branches become copies of ``sample`` (``task.new_sample()``) with their tokens;
+        ``script``: the replies (token ids) its calls answer with instead of sampling."""
+        return (await self.create_sessions([sample or Sample()], sampling_params,
+                                           None if script is None else [script]))[0]
 
-    async def create_sessions(self, samples: list[Sample],
-                              sampling_params: dict[str, Any] | None = None) -> list[SessionHandle]:
-        """One session per Sample to record, all sampling with ``sampling_params``, in one request."""
-        body = {"sessions": [{"sample": s.to_json(), "sampling_params": sampling_params or {}} for s in samples]}
+    async def create_sessions(self, samples: list[Sample], sampling_params: dict[str, Any] | None = None,
+                              scripts: list[list[list[int]]] | None = None) -> list[SessionHandle]:
+        """One session per Sample to record, all sampling with ``sampling_params`` (or answering from its
+        entry of ``scripts``), in one request."""
+        body = {"sessions": [{"sample": s.to_json(), "sampling_params": sampling_params or {}}
+                             | ({} if scripts is None else {"script": scripts[i]}) for i, s in enumerate(samples)]}
         data = self.json_of(await self.request("POST", "/sessions/batch", json_body=body,
                                                timeout=self.timeouts.control, idempotent=False))
         return [SessionHandle(s["session_id"], s["token"], s["base_url"]) for s in data["sessions"]]

@@ -24,6 +24,9 @@ routing replay) each call asks for ``return_routed_experts`` from that position 
 (``routed_experts_start_len``: what earlier turns recorded is not sent again); the last call's
 answer covers the rest of the prompt and every token sampled so far, resumed calls included, and
 is kept as ``routes``.
+
+``scripted_turn`` answers a scripted session's call (``Session.script``) with its given reply
+instead: the same state, as a server would have ended it, with no server involved.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from inverted.rollout.sglang_client import (SGLangClient, WorkersClient, read_ca
 logger = logging.getLogger(__name__)
 
 LOST_SERVER_BACKOFF_S = (0.25, 2.0)  # first and longest wait between tries after a lost server
+SCRIPT_VERSION = "script"  # the weight version of a scripted reply's tokens: none sampled them (counts as 0)
 
 
 @dataclass(slots=True)
@@ -138,6 +142,15 @@ async def sample_turn(client: SGLangClient | WorkersClient, prompt_ids: list[int
             state.retries += 1
             del state.ids[:], state.logprobs[:], state.versions[:], state.tops[:], state.unconstrained[:]
         state.finish = None
+
+
+async def scripted_turn(ids: list[int], budget: int) -> AsyncIterator[Sampled]:
+    """A given reply as a finished turn: its ids cut at ``budget`` (``max_new_tokens``), as a server cuts
+    a reply, and log-probs of 0.0 that the session's Samples leave out."""
+    kept = ids[:budget]
+    finish = {"type": "stop", "matched": kept[-1]} if len(ids) <= budget else {"type": "length", "length": budget}
+    yield Sampled(ids=list(kept), logprobs=[0.0] * len(kept), versions=[SCRIPT_VERSION] * len(kept), finish=finish,
+                  unconstrained=[None] * len(kept))
 
 
 async def _single(call) -> AsyncIterator[Any]:

@@ -32,7 +32,7 @@ from inverted.limits import cannot_fit, max_token_chars
 from inverted.rollout.chat import ChatRenderer, Message, ParsedReply, TemplateBreak, ToolParser, tools_key
 from inverted.rollout.proxy.apis import call
 from inverted.rollout.proxy.apis.call import MAX_TOKENS_REASON, Answer, CallRequest, Delta, Event, Output, TokenLogprob
-from inverted.rollout.proxy.generation import Sampled, sample_turn
+from inverted.rollout.proxy.generation import Sampled, sample_turn, scripted_turn
 from inverted.rollout.proxy.session import Branch, History, Placement, Session, Sessions, Turn, history_size
 from inverted.rollout.sglang_client import SGLangClient, WorkersClient
 
@@ -75,6 +75,7 @@ class Choice:
     prompt_len: int
     incoming: History  # the request's history, which the turn's extends by its reply
     forced: str = ""  # the start of a tool call written after the prompt (tool_choice required or named)
+    script: list[int] | None = None  # a scripted session's reply for this call, answered instead of sampling
     state: Sampled | None = None
     output: Output | None = None  # set when sampled
     turn: Turn | None = None  # set when sampled; recorded only once every choice of the call succeeded
@@ -199,8 +200,22 @@ class Recorder:
                 self.metrics.branches.inc()
             branch = session.open(placement, prompt)
             branch.append_prompt(delta)
-            choices.append(Choice(index, branch, placement, prompt_len, incoming, forced))
+            choices.append(Choice(index, branch, placement, prompt_len, incoming, forced, self._scripted(session, req)))
         return choices
+
+    @staticmethod
+    def _scripted(session: Session, req: CallRequest) -> list[int] | None:
+        """A scripted session's next reply (taken for good once the call is recorded, ``_settle``)."""
+        if session.script is None:
+            return None
+        if req.n != 1:
+            raise InvalidRequest(f"session {session.id} answers from a script, one reply per call; this call asked "
+                                 f"for n={req.n}", param="n", code="unsupported_parameter")
+        if session.turns >= len(session.script):
+            raise InvalidRequest(f"session {session.id} answers from a script of {len(session.script)} replies, and "
+                                 "this call would need one more: the agent made more calls than the recorded episode",
+                                 code="script_exhausted", status=409)
+        return session.script[session.turns]
 
     def _forced(self, req: CallRequest) -> str:
         """``tool_choice`` required or named: the call's opening text, which the model then completes."""
@@ -337,11 +352,13 @@ class Recorder:
         turns = choice.branch.turns
         routes_from = (turns[-1].end - 1 if turns else 0) if self.config.return_routed_experts else None
         constrained = "json_schema" in sampling
-        async for state in sample_turn(self.client, prompt, sampling, stream=stream, lora_path=self._adapter(req.model),
+        replies = scripted_turn(choice.script, sampling["max_new_tokens"]) if choice.script is not None else \
+            sample_turn(self.client, prompt, sampling, stream=stream, lora_path=self._adapter(req.model),
                                        # a constrained call resumed would restart its grammar: sampled again
                                        partial_rollout=self.config.partial_rollout and not constrained,
                                        max_resumes=self.config.proxy_max_resumes, top_logprobs=req.top_logprobs,
-                                       routes_from=routes_from, server_loss_wait=self.config.proxy_server_loss_wait):
+                        routes_from=routes_from, server_loss_wait=self.config.proxy_server_loss_wait)
+        async for state in replies:
             choice.state = state
             yield state
         state = choice.state
@@ -358,7 +375,7 @@ class Recorder:
                            history=self._history_after(req, choice.incoming, reply), finish_reason=finish,
                            sampling_params=sampling, created=created, latency_s=time.time() - created,
                            resumes=state.resumes, routes=state.routes, constrained=how, accepted=dict(req.accepted),
-                           model=req.model, cached_tokens=state.cached_tokens)
+                           model=req.model, cached_tokens=state.cached_tokens, forced=choice.forced)
 
     def _settle(self, session: Session, req: CallRequest, answer: Answer, choices: list[Choice],
                 succeeded: bool) -> None:

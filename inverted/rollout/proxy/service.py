@@ -8,7 +8,9 @@ Routes (``create_app(config)``):
   ``metadata``): every branch becomes a whole copy of it with the recorded tokens. ``metadata`` is
   added to the Samples' metadata. ``sampling_params`` (``temperature``, ``top_p``, ``max_tokens``, ``seed``,
   ``stop``, ...: ``apis.call.OVERRIDES``) override the agent's on every call, whatever its API, e.g.
-  the rollout temperature.
+  the rollout temperature. ``script`` (token ids per reply) makes every call of the session answer
+  with the next reply instead of sampling: a recorded episode played again through another agent
+  (``rollout_functions.bootstrap``); its Samples carry no rollout log-probs.
 - ``POST /sessions/batch`` ``{sessions: [{sample?, metadata?, sampling_params?}, ...]}`` → ``{sessions:
   [...]}``, the same answers in order: all of them or, on any bad entry, none. A rollout opens
   its sessions this way, so that its episodes' first calls reach the servers together.
@@ -74,6 +76,8 @@ class CreateSessionRequest(BaseModel):
     sample: dict[str, Any] | None = None  # the episode's Sample as its task made it (JSON form)
     metadata: dict[str, Any] = Field(default_factory=dict)
     sampling_params: dict[str, Any] = Field(default_factory=dict)
+    # replies to answer the session's calls with, in order, instead of sampling (token ids each)
+    script: list[list[int]] | None = None
 
 
 class CreateSessionResponse(BaseModel):
@@ -161,16 +165,34 @@ def _open_sessions(recorder: Recorder, bodies: list[CreateSessionRequest], reque
             call.check_overrides(body.sampling_params)
         except InvalidRequest as exc:
             raise InvalidRequest(f"{at}sampling_params: {exc}", param=f"{at}sampling_params.{exc.param}") from None
+        if body.script is not None:
+            _check_script(recorder, body.script, at)
         try:
             templates.append(Sample.from_json(body.sample) if body.sample is not None else None)
         except SampleError as exc:
             raise InvalidRequest(f"{at}sample: {exc}", param=f"{at}sample") from None
     recorder.sessions.make_room(len(bodies))
     base = str(request.base_url).rstrip("/")
-    sessions = [recorder.sessions.create(body.metadata, body.sampling_params, template)
+    sessions = [recorder.sessions.create(body.metadata, body.sampling_params, template, body.script)
                 for body, template in zip(bodies, templates)]
     return [CreateSessionResponse(session_id=s.id, token=s.token, base_url=f"{base}/sessions/{s.id}/v1")
             for s in sessions]
+
+
+def _check_script(recorder: Recorder, script: list[list[int]], at: str) -> None:
+    """A script's replies are token ids of this tokenizer, none empty, no more of them than a session
+    may take turns, none longer than the context."""
+    vocab = len(recorder.tokenizer)
+    limit = recorder.config.proxy_max_turns
+    if limit and len(script) > limit:
+        raise InvalidRequest(f"{at}script: {len(script)} replies, more than the {limit} turns a session may take "
+                             "(--proxy-max-turns)", param=f"{at}script")
+    for i, reply in enumerate(script):
+        if not reply or len(reply) > recorder.context_length:
+            raise InvalidRequest(f"{at}script[{i}]: a reply holds 1 to {recorder.context_length} tokens, not "
+                                 f"{len(reply)}", param=f"{at}script[{i}]")
+        if not all(0 <= t < vocab for t in reply):
+            raise InvalidRequest(f"{at}script[{i}]: token ids lie in [0, {vocab})", param=f"{at}script[{i}]")
 
 
 async def _json(request: Request) -> tuple[Any, bytes]:

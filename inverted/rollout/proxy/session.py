@@ -80,6 +80,7 @@ class Turn:
     accepted: dict[str, str] = field(default_factory=dict)  # request fields taken without effect, and why
     model: str | None = None  # the model name the call asked for (any is served)
     cached_tokens: int = 0  # of the prompt, served from the server's prefix cache
+    forced: str = ""  # the call's opening the proxy wrote before the reply (tool_choice), ending the prompt
 
     def record(self) -> dict[str, Any]:
         record = {"prompt_tokens": self.start, "completion_tokens": self.end - self.start, "start": self.start,
@@ -87,7 +88,7 @@ class Turn:
                   "created": self.created, "latency_s": round(self.latency_s, 6), "resumes": self.resumes,
                   "model": self.model, "cached_tokens": self.cached_tokens}
         return record | ({"constrained": self.constrained} if self.constrained else {}) | \
-            ({"accepted": self.accepted} if self.accepted else {})
+            ({"accepted": self.accepted} if self.accepted else {}) | ({"forced": self.forced} if self.forced else {})
 
 
 @dataclass(slots=True, eq=False)  # identity, not value: two branches may hold the same tokens
@@ -160,13 +161,17 @@ class Session:
     """
 
     def __init__(self, metadata: dict[str, Any], overrides: dict[str, Any] | None = None, max_turns: int = 0,
-                 template: Sample | None = None):
+                 template: Sample | None = None, script: list[list[int]] | None = None):
         self.id = "sess_" + secrets.token_urlsafe(18)
         self.token = "sk-sess-" + secrets.token_urlsafe(32)
         self.metadata = metadata
         self.template = template or Sample()
         self.overrides = overrides or {}  # sampling fields that replace the agent's on every call
         self.max_turns = max_turns
+        # Replies given in advance (token ids, in call order) that its calls answer with instead of
+        # sampling: a recorded episode played again through another agent. Its Samples carry no
+        # rollout log-probs, since no policy sampled them.
+        self.script = script
         self.created = self.last_active = time.time()
         self.branches: list[Branch] = []
         self.reward: Reward | None = None
@@ -283,6 +288,9 @@ class Session:
             base.metadata = {**meta, "branch": i, "branches": len(recorded), "model": model,
                              "side_call": model != main}
             sample = branch.to_sample(base)
+            if self.script is not None:
+                sample.rollout_log_probs = None
+                sample.metadata["scripted"] = True
             sample.validate()
             samples.append(sample)
         return samples
@@ -315,8 +323,8 @@ class Sessions:
             del self.by_id[session.id], self.by_token[session.token]
 
     def create(self, metadata: dict[str, Any], overrides: dict[str, Any] | None = None,
-               template: Sample | None = None) -> Session:
-        session = Session(metadata, overrides, self.max_turns, template)
+               template: Sample | None = None, script: list[list[int]] | None = None) -> Session:
+        session = Session(metadata, overrides, self.max_turns, template, script)
         self.by_id[session.id] = session
         self.by_token[session.token] = session
         self.counts["created"] += 1
