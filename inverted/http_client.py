@@ -21,7 +21,8 @@ from typing import Any, AsyncIterator
 
 import aiohttp
 import orjson
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_random_exponential
+from tenacity import (AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, stop_after_delay,
+                      wait_random_exponential)
 
 from inverted.errors import ProtocolError, ServiceUnavailable
 
@@ -71,10 +72,13 @@ class HTTPService:
     """One ``aiohttp.ClientSession`` per service, with the retry policy above."""
 
     def __init__(self, base_url: str, *, api_key: str | None = None, timeouts: Timeouts = Timeouts(),
-                 max_attempts: int = 4, max_connections: int = 256):
+                 max_attempts: int = 4, max_connections: int = 256, outage_s: float = 0.0):
+        """``outage_s``: retry for that long, however many attempts it takes (a service that is
+        restarted at its address comes back within it)."""
         self.base_url = base_url.rstrip("/")
         self.timeouts = timeouts
         self.max_attempts = max_attempts
+        self.outage_s = outage_s
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
@@ -137,11 +141,12 @@ class HTTPService:
 
         def log_retry(state: RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
-            logger.warning("%s %s: attempt %d/%d failed (%s); retrying", method, url, state.attempt_number,
-                           self.max_attempts, getattr(exc, "error", exc))
+            logger.warning("%s %s: attempt %d failed (%s); retrying", method, url, state.attempt_number,
+                           getattr(exc, "error", exc))
 
+        stop = stop_after_delay(self.outage_s) if self.outage_s else stop_after_attempt(self.max_attempts)
         retrying = AsyncRetrying(
-            retry=retry_if_exception(lambda e: isinstance(e, _Retryable)), stop=stop_after_attempt(self.max_attempts),
+            retry=retry_if_exception(lambda e: isinstance(e, _Retryable)), stop=stop,
             wait=wait_random_exponential(multiplier=0.2, max=5.0), before_sleep=log_retry, reraise=True,
         )
         try:

@@ -209,8 +209,10 @@ class ManagedProcess:
     url: str
 
     @classmethod
-    def spawn(cls, name: str, argv: list[str], log_path: Path, url: str, env: dict[str, str] | None = None) -> "ManagedProcess":
-        """Start ``argv`` (its ``Secret`` arguments through a pipe: ``python -m MODULE`` commands only)."""
+    def spawn(cls, name: str, argv: list[str], log_path: Path, url: str, env: dict[str, str] | None = None,
+              append: bool = False) -> "ManagedProcess":
+        """Start ``argv`` (its ``Secret`` arguments through a pipe: ``python -m MODULE`` commands only);
+        ``append``: after what the log holds (a restart keeps its predecessor's last words)."""
         log_path.parent.mkdir(parents=True, exist_ok=True)
         secret = [str(a) for a in argv if isinstance(a, Secret)]
         read_end = None
@@ -222,7 +224,7 @@ class ManagedProcess:
                 json.dump(secret, pipe)
             argv = [argv[0], "-m", __name__, str(read_end), *[a for a in argv[2:] if not isinstance(a, Secret)]]
         try:
-            with open(log_path, "wb") as log:
+            with open(log_path, "ab" if append else "wb") as log:
                 popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
                                          preexec_fn=die_with_parent, pass_fds=() if read_end is None else (read_end,))
@@ -237,6 +239,10 @@ class ManagedProcess:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
+
+    @property
+    def exited(self) -> bool:
+        return self.popen.poll() is not None
 
     def check_alive(self) -> None:
         code = self.popen.poll()

@@ -14,6 +14,11 @@ episode's Sample is the last branch, the one whose final turn the reward judged 
 that one alone), and its ``metadata.branches`` counts them. Calls that named another model than
 the session's main one (a harness's title or quota probe, a second model) are side branches,
 left out of the episode's Sample unless ``--rollout-side-calls train``.
+
+An episode whose session the proxy no longer knows (the proxy died and the job started it again,
+``inverted.controller.job``) comes back **aborted**, not failed: the buffer queues its task again
+and it is played from the start, and nothing of the lost session is trained. The proxy's client
+waits out such a restart (``PROXY_OUTAGE_S``).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from inverted.types import Reward, Sample, Task, check_reward
 logger = logging.getLogger(__name__)
 
 SESSION_CONNECTIONS = 8  # to the proxy, for opening, rewarding and finishing sessions (the model calls have their own pool)
+PROXY_OUTAGE_S = 60.0  # how long calls to the proxy retry a refused connection: a restart takes seconds
 Play = Callable[[SessionHandle, ProxyClient], Awaitable[Reward | None]]  # (session, proxy) -> reward
 
 
@@ -46,12 +52,23 @@ def failed_sample(task: Task, reason: str, refused: list[dict] | None = None) ->
     return sample
 
 
+def lost_sample(task: Task, reason: str) -> Sample:
+    """An aborted Sample: its session died with the proxy, so the buffer queues the task again."""
+    sample = task.new_sample()
+    sample.status = Sample.Status.ABORTED
+    sample.metadata["error"] = f"{reason} (its proxy session was lost: the task is played again)"
+    return sample
+
+
 async def fail(proxy: ProxyClient, session: SessionHandle, task: Task, reason: str) -> Sample:
     """A failed Sample with the calls the proxy refused; the session is freed now, or, with a call
-    still running, left to expire (``--proxy-session-timeout``)."""
+    still running, left to expire (``--proxy-session-timeout``). A session the proxy does not know
+    (a restarted proxy forgot it) makes an aborted Sample instead (``lost_sample``)."""
     try:
         refused = await proxy.refused(session.session_id)
-    except ProtocolError:  # e.g. the session expired long ago
+    except ProtocolError as error:
+        if error.status == 404:
+            return lost_sample(task, reason)
         refused = []
     try:
         await proxy.finish(session.session_id)
@@ -115,7 +132,8 @@ async def run_all(ctx: RolloutContext, tasks: list[Task], play_for: Callable[[Ta
             session = session or await proxy.create_session(_episode_sample(ctx, task), ctx.sampling, script(i))
             return await run_session(ctx, proxy, task, play_for(task), session)
 
-    async with ProxyClient(ctx.proxy_url, api_key=ctx.proxy_api_key, max_connections=SESSION_CONNECTIONS) as proxy:
+    async with ProxyClient(ctx.proxy_url, api_key=ctx.proxy_api_key, max_connections=SESSION_CONNECTIONS,
+                           outage_s=PROXY_OUTAGE_S) as proxy:
         first = tasks[:concurrency]
         opened = await proxy.create_sessions([_episode_sample(ctx, t) for t in first], ctx.sampling,
                                              None if scripts is None else scripts[:concurrency]) if first else []

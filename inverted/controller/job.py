@@ -5,13 +5,18 @@
 actor), the trainer (a Ray actor group) and the proxy, each service on a free loopback port with
 an unguessable key; on exit it stops them all, whatever happened.
 
-Supervision (``supervise``, a background task beside the loop): every second the buffer, the
-proxy and the router must be alive (if one is not, the job stops with its name, exit code and log
-tail); a rollout server that died is *healed*: taken out of the router, replaced by a fresh
-server that first gets the current weights and version, then registered; the servers of a lost
-node are replaced side by side. A call that was on a dead server is sampled again by the proxy on
-whichever server answers (``--proxy-server-loss-wait``), so its episode goes on. Deaths and
-restarts are logged and counted (``faults/*`` metrics).
+Supervision (``supervise``, a background task beside the loop) heals, every second, whatever died:
+- the buffer, the proxy and the router are started again **at their address** (the same port and
+  key), so no client is re-pointed. The buffer's state is its SQLite file, and the job's client
+  waits out the restart (``RESTART_WAIT_S``). The router gets every live server back. The
+  proxy's sessions die with it: their episodes come back aborted, and the buffer queues their tasks
+  again (``rollout_functions.episodes``), so they are played again and nothing partial is trained;
+- a rollout server is taken out of the router, replaced by a fresh server that first gets the
+  current weights and version, then registered; the servers of a lost node are replaced side by
+  side. A call that was on a dead server (or went through a dead router) is sampled again by the
+  proxy on whichever server answers (``--proxy-server-loss-wait``), so its episode goes on.
+Deaths and restarts are logged and counted (``faults/*`` metrics). A service that dies again
+during its restart stops the job with its name, exit code and log tail.
 
 A LoRA run (``--lora-rank``) starts every server with LoRA enabled; the adapter the trainer
 trains is served as ``POLICY_ADAPTER``, which the proxy and the rollout context name in every
@@ -51,6 +56,9 @@ from inverted.types import POLICY_ADAPTER, Sample
 logger = logging.getLogger(__name__)
 
 SUPERVISE_EVERY_S = 1.0
+# How long the job's own clients of a restartable service go on retrying a refused connection: a
+# restart (detection, a Python start, the imports) takes a few seconds on 2 cores.
+RESTART_WAIT_S = 60.0
 T = TypeVar("T")
 
 
@@ -138,8 +146,13 @@ def spawn_service(command: str, section: Any, run_dir: Path, url: str) -> Manage
     config.parent.mkdir(parents=True, exist_ok=True)
     config.touch(mode=0o600)
     config.write_text(yaml.safe_dump(to_flags(section), sort_keys=False))
-    argv = [sys.executable, "-m", "inverted.cli", command, "--config", str(config)]
-    return ManagedProcess.spawn(command, argv, run_dir / "logs" / f"{command}.log", url)
+    return start_service(command, run_dir, url)
+
+
+def start_service(command: str, run_dir: Path, url: str, *, again: bool = False) -> ManagedProcess:
+    """The service as its config file says (``again``: a restart, appending to its predecessor's log)."""
+    argv = [sys.executable, "-m", "inverted.cli", command, "--config", str(run_dir / "services" / f"{command}.yaml")]
+    return ManagedProcess.spawn(command, argv, run_dir / "logs" / f"{command}.log", url, append=again)
 
 
 class Job:
@@ -158,7 +171,8 @@ class Job:
         self.engine_key = secrets.token_urlsafe(24)  # the rollout servers' admin key, and the router's
         self.router_key = secrets.token_urlsafe(24)  # /generate's, at the router and at the servers
         self.server_keys = ServerKeys(api=self.router_key, admin=self.engine_key)
-        self.faults: Counter[str] = Counter(engine_deaths=0, engine_restarts=0)  # reported from the first row on
+        # reported from the first row on
+        self.faults: Counter[str] = Counter(engine_deaths=0, engine_restarts=0, service_restarts=0)
         self._trainer_lock = asyncio.Lock()
         self._heal_lock = asyncio.Lock()
         self._stack = AsyncExitStack()
@@ -180,7 +194,8 @@ class Job:
         self.processes.append(buffer)
         start_ray(cfg.loop.ray_address)  # while the buffer boots
         await asyncio.to_thread(buffer.wait_healthy, timeout)
-        self.buffer = await self._stack.enter_async_context(BufferClient(buffer.url, api_key=key))
+        self.buffer = await self._stack.enter_async_context(BufferClient(buffer.url, api_key=key,
+                                                                         outage_s=RESTART_WAIT_S))
         self.worker_id = _worker_id(self.run_dir)
         if released := await self.buffer.release(self.worker_id):  # tasks an earlier, killed run of this job held
             logger.info("gave %d tasks leased by an earlier run back to the buffer", released)
@@ -292,21 +307,38 @@ class Job:
             await asyncio.gather(watch, work, return_exceptions=True)
 
     async def supervise(self) -> None:
-        """Forever: services alive (else raise), dead rollout servers replaced."""
+        """Forever: whatever died is healed (a failure to heal stops the job)."""
         while True:
-            for process in self.processes:
-                process.check_alive()
             await self.heal()
             await asyncio.sleep(SUPERVISE_EVERY_S)
 
     async def heal(self) -> None:
-        """Replace every rollout server that died, all at once (a lost node takes several)."""
+        """Start a dead service again at its address, the router first; then replace every rollout
+        server that died, all at once (a lost node takes several)."""
         async with self._heal_lock:
+            for i, process in enumerate(self.processes):
+                if process.exited:
+                    self.processes[i] = await self._restart(process)
+            if self.servers.router_exited:
+                router = self.servers.router
+                logger.warning("the router died; starting it again at %s. Log tail:\n%s", router.url, router.tail(10))
+                await self.servers.restart_router()
+                self.faults["service_restarts"] += 1
+                logger.warning("the router is back at %s, serving %d servers", router.url, len(self.servers.engines))
             dead = await asyncio.to_thread(self.servers.dead)
             results = await asyncio.gather(*(self._replace(engine) for engine in dead), return_exceptions=True)
             for error in results:
                 if isinstance(error, BaseException):
                     raise error
+
+    async def _restart(self, dead: ManagedProcess) -> ManagedProcess:
+        logger.warning("the %s died (exit code %s); starting it again at %s. Log tail:\n%s", dead.name,
+                       dead.popen.returncode, dead.url, dead.tail(10))
+        process = start_service(dead.name, self.run_dir, dead.url, again=True)
+        await asyncio.to_thread(process.wait_healthy, self.cfg.servers.startup_timeout)
+        self.faults["service_restarts"] += 1
+        logger.warning("the %s is back at %s", dead.name, dead.url)
+        return process
 
     async def _replace(self, dead: ServerHandle) -> None:
         self.faults["engine_deaths"] += 1

@@ -144,6 +144,8 @@ def rollout_metrics(reward_key: str | None, samples: list[Sample], trained: list
         "rollout/reward_mean": sum(rewards) / len(rewards) if rewards else float("nan"),
         "rollout/samples": float(len(samples)), "rollout/trained_samples": float(len(trained)),
         "rollout/failed": float(sum(s.status == Sample.Status.FAILED for s in samples)),
+        # episodes whose proxy session was lost (a restarted proxy): their tasks are played again
+        "rollout/aborted": float(sum(s.status == Sample.Status.ABORTED for s in samples)),
         "rollout/truncated": float(sum(s.status == Sample.Status.TRUNCATED for s in samples)),
         "rollout/response_len_mean": sum(lengths) / len(lengths) if lengths else 0.0,
         "rollout/response_tokens": float(sum(sum(s.loss_mask) for s in usable)),
@@ -215,7 +217,7 @@ async def evaluate(cfg: JobConfig, job: Job, plugins: Plugins, rollout_id: int) 
 
 
 def eval_metrics(prefix: str, reward_key: str | None, samples: list[Sample]) -> dict[str, float]:
-    usable = [s for s in samples if s.status != Sample.Status.FAILED]
+    usable = [s for s in samples if s.status in USABLE]
     rewards = [s.scalar_reward(reward_key) for s in usable]
     mean = (lambda values: sum(values) / len(values) if values else float("nan"))
     return {f"{prefix}/reward_mean": mean(rewards), f"{prefix}/pass_rate": mean([float(r >= 1.0) for r in rewards]),
@@ -227,7 +229,7 @@ def log_evaluation(cfg: JobConfig, plugins: Plugins, rollout_id: int, samples: l
     """``--custom-eval-rollout-log-function-path`` sees the main evaluation; if it returns True, the
     default ``eval/*`` metrics are left out of the row (slime: it did the logging itself)."""
     if plugins.eval_log is not None:  # {dataset: {rewards, truncated, samples}}, as slime's
-        usable = [s for s in samples if s.status != Sample.Status.FAILED]
+        usable = [s for s in samples if s.status in USABLE]
         rewards = [s.scalar_reward(cfg.train.loss.reward_key) for s in usable]
         data = {Path(cfg.rollout.eval_prompt_data).stem: {
             "rewards": rewards, "truncated": [s.status == Sample.Status.TRUNCATED for s in usable], "samples": usable}}

@@ -59,6 +59,9 @@ class SyncLoop:
         if failed:
             logger.warning("rollout %d: %d of %d episodes failed (never trained on); the first: %s", rollout_id,
                            len(failed), len(samples), failed[0].metadata.get("error", "?"))
+        if lost := sum(s.status == Sample.Status.ABORTED for s in samples):
+            logger.warning("rollout %d: %d episodes lost their proxy session; their tasks are played again", rollout_id,
+                           lost)
         if job.trainer is not None and batch.samples:
             if cfg.loop.colocate:
                 await job.all_servers("release_memory_occupation")

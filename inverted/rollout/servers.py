@@ -170,7 +170,7 @@ class RolloutServers:
         name, self.launched = f"engine-{self.launched}", self.launched + 1
         return name
 
-    def _spawn_router(self) -> ManagedProcess:
+    def _spawn_router(self, append: bool = False) -> ManagedProcess:
         port = self.router_url.rsplit(":", 1)[1]
         given = {arg.split("=", 1)[0] for arg in self.router_args if arg.startswith("--")}
         argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", self.config.router_host, "--port", port]
@@ -190,7 +190,7 @@ class RolloutServers:
         if self.config.admin_api_key:
             argv.append(Secret(f"--control-plane-api-keys=inverted:job:admin:{self.config.admin_api_key}"))
         argv += self.router_args
-        return ManagedProcess.spawn("router", argv, self.log_dir / "router.log", self.router_url)
+        return ManagedProcess.spawn("router", argv, self.log_dir / "router.log", self.router_url, append=append)
 
     def control(self) -> RouterClient:
         """A client of the router's worker API, with the job's admin key."""
@@ -263,10 +263,20 @@ class RolloutServers:
         await self.register(engine)
         return engine.url
 
+    @property
+    def router_exited(self) -> bool:
+        return self.router is not None and self.router.exited
+
+    async def restart_router(self) -> None:
+        """A new router at the dead one's address, serving every live server again (its state, the
+        workers it served, died with it; the proxy's calls meanwhile wait, ``server_loss_wait``)."""
+        self.router = self._spawn_router(append=True)
+        await asyncio.to_thread(self.router.wait_healthy, self.config.startup_timeout)
+        dead = self.dead()
+        await asyncio.gather(*(self.register(engine) for engine in self.engines if engine not in dead))
+
     def dead(self) -> list[ServerHandle]:
-        """The servers whose process has exited; raises ``ServiceUnavailable`` if the router has."""
-        if self.router is not None:
-            self.router.check_alive()
+        """The servers whose process has exited."""
         gone = []
         for engine in self.engines:
             try:

@@ -8,6 +8,8 @@
 - A rollout server killed mid-run is replaced: the run finishes, the replacement serves the
   current weights under the current version, and every task ends as exactly one trained,
   filtered or failed group.
+- The proxy, the buffer service and the router killed mid-run start again at their addresses; the
+  episodes the proxy took down are played again from their tasks, and nothing is trained twice.
 """
 
 from __future__ import annotations
@@ -263,4 +265,49 @@ def test_killed_engines_are_replaced_side_by_side_with_the_current_weights(tiny_
     assert len(states) == 28 and set(states.values()) <= {"consumed", "filtered", "failed"}
     with sqlite3.connect(run_dir / "buffer.db") as db:
         assert db.execute("SELECT DISTINCT state FROM tasks").fetchall() == [("done",)]
+    assert sum(m["rollout/trained_samples"] for m in rows) == 2 * list(states.values()).count("consumed")
+
+
+def test_killed_services_start_again_at_their_address_and_lost_episodes_are_played_again(tiny_model, tmp_path):
+    """SIGKILL the proxy, the buffer service and the router of a running job, one after the other:
+    each is started again at its own address, the episodes the proxy took down come back aborted and
+    their tasks are played again, and every task still ends as exactly one trained, filtered or
+    failed group."""
+    model, run_dir = own_model(tiny_model, tmp_path), tmp_path / "run"
+    data = long_tail_data(tmp_path / "long_tail.jsonl", count=64, short_s=1.0, long_s=1.0)
+    log = tmp_path / "job.log"
+    job = start_job("--hf-checkpoint", str(model), "--prompt-data", str(data), "--output-dir", str(run_dir),
+                    "--num-rollout", "16", "--rollout-max-response-len", "8", *RUN, log=log)
+    commands = {"proxy": f"inverted.cli proxy --config {run_dir}/services/proxy.yaml",
+                "buffer": f"inverted.cli buffer --config {run_dir}/services/buffer.yaml",
+                "router": "sglang::router"}  # sgl-router names its process so
+    try:
+        wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics_rows(run_dir)) >= 1, job, log)
+        for restarts, (name, command) in enumerate(commands.items(), 1):
+            (pid,) = [p for p in processes_with(command) if os.getsid(p) == job.pid]  # the job's own
+            if name == "proxy":  # mid-rollout: episodes are in flight (each takes a second)
+                rows = len(metrics_rows(run_dir))
+                wait_for(lambda: len(metrics_rows(run_dir)) > rows, job, log)
+                time.sleep(0.5)
+            os.kill(pid, signal.SIGKILL)
+            wait_for(lambda: log.read_text().count(" is back at ") >= restarts, job, log, timeout=120)
+            wait_for(lambda: [p for p in processes_with(command) if os.getsid(p) == job.pid and p != pid], job, log)
+        finish(job, log)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+
+    rows = metrics_rows(run_dir)
+    assert rows[-1]["faults/service_restarts"] == 3 and rows[-1]["faults/engine_deaths"] == 0
+    aborted = sum(m["rollout/aborted"] for m in rows)
+    assert aborted >= 1 and sum(m["rollout/failed"] for m in rows) == 0  # lost, not failed: played again
+    assert buffer_query(run_dir, "SELECT name, value FROM counters")["samples_requeued_aborted"] == aborted
+    # Accounting: every group trained or filtered (none failed), and trained exactly once; a task the
+    # proxy lost went back to the queue, so the last steps may leave a group open with queued tasks.
+    states = group_states(run_dir)
+    assert set(states.values()) <= {"consumed", "filtered", "open"}, states
+    tasks = buffer_query(run_dir, "SELECT group_index || '/' || sample_index, state FROM tasks")
+    assert set(tasks.values()) <= {"done", "queued"}
+    assert {int(key.split("/")[0]) for key, state in tasks.items() if state == "queued"} <= {
+        group for group, state in states.items() if state == "open"}
     assert sum(m["rollout/trained_samples"] for m in rows) == 2 * list(states.values()).count("consumed")
