@@ -82,5 +82,16 @@ class BufferClient(HTTPService):
         data = orjson.loads(response.content)
         return Batch(data["batch_id"], [[Sample.from_json(s) for s in g] for g in data["groups"]], data["staleness"])
 
+    async def served_batch(self, request_id: str) -> Batch | None:
+        """The batch served under ``request_id`` before (a step of a job that died), or None; consumes nothing."""
+        try:
+            response = await self.request("GET", f"/batches/{request_id}", timeout=self.timeouts.data, idempotent=True)
+        except ProtocolError as error:
+            if error.status == 404:
+                return None
+            raise
+        data = orjson.loads(response.content)
+        return Batch(data["batch_id"], [[Sample.from_json(s) for s in g] for g in data["groups"]], data["staleness"])
+
     async def stats(self) -> dict[str, Any]:
         return self.json_of(await self.request("GET", "/stats", timeout=self.timeouts.control, idempotent=True))

@@ -9,6 +9,10 @@ Ingest is the hot path (thousands of 1,024-token Samples per second), so ``POST 
 decoded by msgspec rather than pydantic, each sample's JSON handed to ``Sample.from_json`` as
 the client sent it (types checked in C) and stored without re-encoding.
 
+``GET /batches/{request_id}`` answers the batch a ``POST /batches/next`` with that ``request_id``
+was served, consuming nothing (404 if none was): a resumed job's step finds the batch its dead
+predecessor was served for it.
+
 ``POST /batches/next`` long-polls: it waits (up to ``timeout_s``) until enough groups are complete,
 woken at once by submissions to this process, and every ``RECHECK_S`` for those that reached
 another worker process (``--workers``: several processes share the database; every state change
@@ -283,6 +287,14 @@ def _add_routes(app: FastAPI) -> None:
                 await asyncio.wait_for(changed.wait(), min(RECHECK_S, deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 pass
+
+    @app.get("/batches/{request_id}", dependencies=auth)
+    async def served_batch(request_id: str, state: StateDep) -> Response:
+        reply = await state.run(state.store.served_batch, request_id)
+        if reply is None:
+            return JSONResponse({"error": {"message": f"no batch was served under request_id {request_id!r}",
+                                           "type": "not_found"}}, status_code=404)
+        return Response(reply, media_type="application/json")
 
     @app.get("/stats", dependencies=auth)
     async def stats(state: StateDep) -> dict[str, Any]:

@@ -80,6 +80,7 @@ class BufferStore(Protocol):
     def submit(self, items: list[tuple[str, Sample]], encoded: list[bytes] | None = None) -> SubmitResult: ...
     def next_batch(self, num_groups: int, current_version: int | None, max_staleness: int | None,
                    request_id: str | None = None, allow_partial: bool = False) -> bytes | None: ...
+    def served_batch(self, request_id: str) -> bytes | None: ...
     def stats(self) -> dict[str, Any]: ...
     def close(self) -> None: ...
 
@@ -343,6 +344,11 @@ class SQLiteStore:
                                   "staleness": [s for _, s, _ in accepted]})
             self._record(request_id, "batch", reply)
             return reply
+
+    def served_batch(self, request_id: str) -> bytes | None:
+        """The batch ``next_batch`` served under ``request_id``, if it served one (nothing is consumed)."""
+        with self._lock:
+            return self._replay(request_id, "batch")
 
     def _set_aside_stale(self, group: int) -> None:
         if self.stale_policy == "drop":

@@ -101,7 +101,7 @@ async def drive(cfg: JobConfig, job: Job, plugins: Plugins, sink: MetricsSink, r
     start = job.trainer.rollout_id if job.trainer else 0
     if start or (job.lora and job.trainer):  # resumed: the servers hold the starting weights; LoRA: no adapter yet
         await job.sync_weights(start)
-    loop = AsyncLoop(cfg, job, plugins, start) if cfg.loop.async_mode else SyncLoop(cfg, job, plugins)
+    loop = AsyncLoop(cfg, job, plugins, start) if cfg.loop.async_mode else SyncLoop(cfg, job, plugins, start)
     evaluating = bool(cfg.rollout.eval_interval)
     if evaluating and start == 0:  # the starting policy, so that every later figure has its baseline
         await evaluate_and_log(cfg, job, plugins, sink, 0)

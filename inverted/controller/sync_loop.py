@@ -12,6 +12,11 @@ One step (``SyncLoop.step``):
 With ``--colocate`` the servers release their memory while the trainer trains. With
 ``--debug-rollout-only`` there is no trainer: the step ends after the batch (saved with
 ``--save-debug-rollout-data``).
+
+Each step's batch is asked for by its step (``batch:ROLLOUT_ID``). A job killed after the checkpoint
+it resumes from loses the training of the steps it made since, but not their batches: the resumed
+job's steps find the batches the dead one was served for them (``BufferClient.served_batch``) and
+train those, without a rollout, until a step finds none. So a served group is trained exactly once.
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ logger = logging.getLogger(__name__)
 
 
 class SyncLoop:
-    def __init__(self, cfg: JobConfig, job: Job, plugins: Plugins):
+    def __init__(self, cfg: JobConfig, job: Job, plugins: Plugins, start: int = 0):
         self.cfg, self.job, self.plugins = cfg, job, plugins
+        self.replaying = start > 0  # a resumed run: its first steps may have been served before it died
 
     async def __aenter__(self) -> "SyncLoop":
         return self
@@ -42,6 +48,15 @@ class SyncLoop:
         """One turn of the sync loop; its metrics row."""
         cfg, job = self.cfg, self.job
         clock = {"started": time.perf_counter()}
+        if self.replaying:
+            served = await job.buffer.served_batch(f"batch:{rollout_id}")
+            self.replaying = served is not None
+            if served is not None:
+                logger.warning("rollout %d: training the batch the killed run was served for this step (%d groups), "
+                               "whose training the checkpoint does not hold", rollout_id, len(served.groups))
+                clock["batched"] = time.perf_counter()
+                metrics = take_batch(cfg, self.plugins, rollout_id, served.samples, served.samples, 0.0)
+                return await self._train(rollout_id, served.samples, metrics, clock)
         tasks = await job.buffer.lease(cfg.rollout.rollout_batch_size * cfg.buffer.n_samples_per_prompt, job.worker_id,
                                        cfg.buffer.lease_seconds)
         if not tasks:
@@ -52,7 +67,8 @@ class SyncLoop:
         clock["rolled_out"] = time.perf_counter()
         await job.buffer.submit(list(zip(tasks, samples)))
         batch = await job.buffer.next_batch(num_groups=cfg.rollout.rollout_batch_size, current_weight_version=rollout_id,
-                                            max_weight_staleness=cfg.loop.max_weight_staleness, allow_partial=True)
+                                            max_weight_staleness=cfg.loop.max_weight_staleness, allow_partial=True,
+                                            request_id=f"batch:{rollout_id}")
         clock["batched"] = time.perf_counter()
         metrics = take_batch(cfg, self.plugins, rollout_id, samples, batch.samples, clock["rolled_out"] - clock["leased"])
         failed = [s for s in samples if s.status == Sample.Status.FAILED]
@@ -62,10 +78,16 @@ class SyncLoop:
         if lost := sum(s.status == Sample.Status.ABORTED for s in samples):
             logger.warning("rollout %d: %d episodes lost their proxy session; their tasks are played again", rollout_id,
                            lost)
-        if job.trainer is not None and batch.samples:
+        return await self._train(rollout_id, batch.samples, metrics, clock)
+
+    async def _train(self, rollout_id: int, samples: list[Sample], metrics: dict[str, float],
+                     clock: dict[str, float]) -> dict[str, float]:
+        """Train on the batch and sync the weights when due; the step's row."""
+        cfg, job = self.cfg, self.job
+        if job.trainer is not None and samples:
             if cfg.loop.colocate:
                 await job.all_servers("release_memory_occupation")
-            metrics |= await job.train(batch.samples)
+            metrics |= await job.train(samples)
             if cfg.loop.colocate:
                 await job.all_servers("resume_memory_occupation")
             clock["trained"] = time.perf_counter()

@@ -311,3 +311,64 @@ def test_killed_services_start_again_at_their_address_and_lost_episodes_are_play
     assert {int(key.split("/")[0]) for key, state in tasks.items() if state == "queued"} <= {
         group for group, state in states.items() if state == "open"}
     assert sum(m["rollout/trained_samples"] for m in rows) == 2 * list(states.values()).count("consumed")
+
+
+def test_a_sync_job_killed_past_its_checkpoint_trains_each_served_batch_once_after_resume(tiny_model, tmp_path):
+    """A sync job checkpoints every second step and is killed after a step past the checkpoint was
+    served and trained: the resumed job trains the batches the dead one was served for those steps
+    (no rollout), so every consumed group is in exactly one surviving step's training."""
+    model, run_dir = own_model(tiny_model, tmp_path), tmp_path / "run"
+    data = long_tail_data(tmp_path / "long_tail.jsonl", count=64, short_s=0.3, long_s=0.3)
+    trained_at = run_dir / "trained" / "{rollout_id}.jsonl"
+    args = ["--hf-checkpoint", str(model), "--prompt-data", str(data), "--output-dir", str(run_dir),
+            "--rollout-max-response-len", "8", "--save-interval", "2", "--save-debug-rollout-data", str(trained_at), *RUN]
+    first = start_job(*args, "--num-rollout", "32", log=tmp_path / "first.log")
+    try:
+        while True:  # frozen to look: step 2 trained, its checkpoint (after step 3) not yet written
+            wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics_rows(run_dir)) >= 3, first,
+                     tmp_path / "first.log")
+            freeze(first.pid)
+            if latest_checkpoint(run_dir) == 2:
+                break
+            assert latest_checkpoint(run_dir) < 20, "never caught between a trained step and its checkpoint"
+            os.killpg(first.pid, signal.SIGCONT)
+            time.sleep(0.05)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    dead_steps = [m["step"] for m in metrics_rows(run_dir)]
+    served = {step: Path(str(trained_at).format(rollout_id=step)).read_text() for step in dead_steps if step >= 2}
+    assert 2 in served
+
+    second = start_job(*args, "--num-rollout", "6", "--load", str(run_dir / "checkpoints"), log=tmp_path / "second.log")
+    finish(second, tmp_path / "second.log")
+
+    # The steps past the checkpoint trained what the dead job was served for them, nothing else.
+    assert "training the batch the killed run was served for this step" in (tmp_path / "second.log").read_text()
+    for step, text in served.items():
+        assert Path(str(trained_at).format(rollout_id=step)).read_text() == text, step
+    trained: dict[tuple[int, int], int] = {}
+    for step in range(6):
+        for line in Path(str(trained_at).format(rollout_id=step)).read_text().splitlines():
+            sample = Sample.from_json(json.loads(line))
+            key = (sample.group_index, sample.index)
+            assert key not in trained, f"{key} trained at steps {trained[key]} and {step}"
+            trained[key] = step
+    consumed = {g for g, state in group_states(run_dir).items() if state == "consumed"}
+    assert consumed == {g for g, _ in trained}  # every served group trained, once, in a surviving step
+
+
+def test_the_short_chaos_bench_kills_each_kind_and_nothing_is_lost_or_trained_twice(tmp_path):
+    """``bench/chaos.py``'s short version: six random SIGKILLs, one of each kind (engine, router,
+    proxy, buffer, trainer, the whole job), in a job that trains (``make demo``'s task)."""
+    out = tmp_path / "chaos.json"
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "chaos.py"), "--kills", "6", "--rollouts", "30",
+                             "--gap", "3", "--no-baseline", "--seed", "3", "--out", str(out)],
+                            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["exit"] == 0 and report["kinds_killed"] == sorted(["engine", "router", "proxy", "buffer", "trainer",
+                                                                      "job"]), report["recoveries"]
+    assert all(r["recovery_s"] is not None and r["recovery_s"] <= 90 for r in report["recoveries"]), report["recoveries"]
+    assert report["samples_trained_twice"] == report["served_never_trained"] == report["trained_never_served"] == 0
+    assert report["samples_per_task_max"] == 1 and set(report["tasks"]) <= {"done", "queued"}, report

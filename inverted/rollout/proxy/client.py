@@ -55,8 +55,10 @@ class ProxyClient(HTTPService):
         entry of ``scripts``), in one request."""
         body = {"sessions": [{"sample": s.to_json(), "sampling_params": sampling_params or {}}
                              | ({} if scripts is None else {"script": scripts[i]}) for i, s in enumerate(samples)]}
+        # Sent again if the answer is lost: the sessions of a lost answer are never used and expire
+        # (--proxy-session-timeout), and a proxy that died meanwhile took them with it.
         data = self.json_of(await self.request("POST", "/sessions/batch", json_body=body,
-                                               timeout=self.timeouts.control, idempotent=False))
+                                               timeout=self.timeouts.control, idempotent=True))
         return [SessionHandle(s["session_id"], s["token"], s["base_url"]) for s in data["sessions"]]
 
     async def set_reward(self, session_id: str, reward: Reward, finished: bool = True) -> None:

@@ -1,0 +1,228 @@
+"""Kill the processes of a running job at random and count what the run kept. Prints JSON.
+
+The job is ``make demo``'s: the tiny random model learns the letters task, so groups really train
+and their rewards vary. ``--kills`` times, at a random moment (``--gap`` seconds apart at most), the
+bench sends SIGKILL to one of the job's own processes, found by its command line in the job's
+session, of a random kind:
+
+- ``engine``, ``router``, ``proxy``, ``buffer``: the job heals them itself (a replacement server;
+  the service again at its address); the recovery is the time until the job's log says so;
+- ``trainer`` (the Ray actor): the job cannot heal it yet, so it stops; the bench resumes it with
+  ``--load`` (the job checkpoints every step: ``--save-interval 1``);
+- ``job``: the whole process group, then the same resume.
+
+A resume's recovery is the time from the kill until the resumed job logs a step. At the end it
+reads the buffer's file and what each step trained (``--save-debug-rollout-data``, one file per
+step, written again by a resumed step) and reports each task's outcome: its group trained, filtered,
+failed, dropped as stale, or left queued or waiting; the Samples trained in two surviving steps; the
+Samples served to a step but in no surviving step's training (lost); and the aborted episodes
+played again. Then it runs the same
+job undisturbed, with the same seed, and compares the final held-out reward.
+
+    python bench/chaos.py                       # 20 kills of the six kinds
+    python bench/chaos.py --kills 6 --rollouts 16 --no-baseline   # the suite's short version
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import closing
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ROOT = Path(__file__).resolve().parents[1]
+KINDS = ("engine", "router", "proxy", "buffer", "trainer", "job")
+# How each kind shows on a command line (sgl-router names its process ``sglang::router``).
+COMMANDS = {"engine": "serve-engine", "router": "sglang::router", "proxy": "inverted.cli proxy",
+            "buffer": "inverted.cli buffer", "trainer": "ray::TrainActor"}
+# What the job logs once it has healed each kind itself.
+HEALED = {"engine": " replaces ", "router": "the router is back at", "proxy": "the proxy is back at",
+          "buffer": "the buffer is back at"}
+
+
+def session_pids(sid: int, text: str) -> list[int]:
+    """The job's own processes (its session) whose command line holds ``text``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.getsid(int(entry.name)) == sid and text in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode():
+                found.append(int(entry.name))
+        except OSError:
+            pass
+    return found
+
+
+def metrics_rows(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+class Job:
+    """``inverted train`` in its own session; started again with ``--load`` after it died."""
+
+    def __init__(self, args: argparse.Namespace, work: Path, name: str):
+        self.run, self.log, self.args = work / name, work / f"{name}.log", args
+        self.flags = ["--config", str(ROOT / "examples/demo.yaml"), "--hf-checkpoint", str(work / "model"),
+                      "--prompt-data", str(work / "letters.jsonl"), "--eval-prompt-data", str(work / "letters-eval.jsonl"),
+                      "--output-dir", str(self.run), "--num-rollout", str(args.rollouts), "--eval-interval",
+                      str(args.rollouts), "--save-interval", "1", "--seed", str(args.seed), "--log-level", "warning",
+                      # what each step trained, one file per step: a resumed step writes its file again
+                      "--save-debug-rollout-data", str(self.run / "trained" / "{rollout_id}.jsonl")]
+        self.process: subprocess.Popen | None = None
+        self.starts = 0
+
+    def start(self) -> None:
+        resume = ["--load", str(self.run / "checkpoints")] if self.starts else []
+        out = self.log.open("a")
+        self.process = subprocess.Popen([sys.executable, "-m", "inverted.cli", "train", *self.flags, *resume],
+                                        stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+                                        env={**os.environ, "PYTHONPATH": str(ROOT)})
+        self.starts += 1
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def kill(self) -> None:
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+    def steps(self) -> int:
+        return len([r for r in metrics_rows(self.run) if "rollout/samples" in r])
+
+
+def wait(condition, timeout: float) -> float | None:
+    """Seconds until ``condition()``, or None after ``timeout``."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        if condition():
+            return time.monotonic() - started
+        time.sleep(0.2)
+    return None
+
+
+def make_inputs(work: Path) -> None:
+    from envs import letters
+    from envs.datasets import write_dataset
+    from inverted.config import TinyModelConfig
+    from inverted.tiny_model import make_tiny_model
+
+    make_tiny_model(TinyModelConfig(out=str(work / "model"), arch="qwen2", preset="tiny", seed=0))
+    write_dataset(letters.rows, work / "letters.jsonl", count=256, seed=0)
+    write_dataset(letters.rows, work / "letters-eval.jsonl", count=32, seed=1)
+
+
+def chaos(args: argparse.Namespace, work: Path) -> dict:
+    rng = random.Random(args.seed)
+    job = Job(args, work, "chaos")
+    job.start()
+    recoveries: list[dict] = []
+    plan = [KINDS[i % len(KINDS)] for i in range(args.kills)]  # every kind, then again, in a random order
+    rng.shuffle(plan)
+    for kind in plan:
+        if wait(lambda: job.steps() >= 1 and job.running, 600) is None or not job.running:
+            break  # the job ended (or never started): no more kills
+        time.sleep(rng.uniform(0.5, args.gap))
+        if not job.running:
+            break
+        sid, steps, healed = job.process.pid, job.steps(), job.log.read_text().count(HEALED.get(kind, "\0"))
+        pids = [job.process.pid] if kind == "job" else session_pids(sid, COMMANDS[kind])
+        if not pids:
+            continue
+        victim = rng.choice(pids)
+        killed_at = time.monotonic()
+        if kind == "job":
+            job.kill()
+        else:
+            os.kill(victim, signal.SIGKILL)
+        if kind in HEALED:  # the job heals it: until its log says so
+            recovered = wait(lambda: job.log.read_text().count(HEALED[kind]) > healed or not job.running, 300)
+            if not job.running and job.process.returncode == 0:
+                break  # the run ended meanwhile: nothing to heal
+        if kind not in HEALED or not job.running:  # it stopped (the trainer's death stops it): resume it
+            if kind == "trainer" and wait(lambda: not job.running, 120) is None:
+                job.kill()
+            if kind in HEALED:
+                kind += " (stopped the job)"
+            job.start()
+            recovered = wait(lambda: job.steps() > steps, 600)
+        recoveries.append({"kind": kind, "at_step": steps,
+                           "recovery_s": None if recovered is None else round(time.monotonic() - killed_at, 1)})
+    while not job.process.wait() == 0 and job.starts <= args.kills + 3:  # a kill at the very end: resume it
+        job.start()
+    return {"recoveries": recoveries, "exit": job.process.returncode, **outcomes(job.run)}
+
+
+def outcomes(run: Path) -> dict:
+    """Each task's outcome from the buffer's file, and what each step trained from its file (a step
+    a kill undid is written again by the resumed job, so each file holds the training that survived)."""
+    with closing(sqlite3.connect(f"file:{run / 'buffer.db'}?mode=ro", uri=True)) as db:
+        tasks = dict(db.execute("SELECT state, COUNT(*) FROM tasks GROUP BY state"))
+        groups = dict(db.execute("SELECT state, COUNT(*) FROM groups GROUP BY state"))
+        counters = dict(db.execute("SELECT name, value FROM counters"))
+        consumed = {key for key in db.execute("SELECT group_index, sample_index FROM samples JOIN groups "
+                                              "USING (group_index) WHERE state = 'consumed'")}
+        samples_per_task = db.execute("SELECT MAX(n) FROM (SELECT COUNT(*) n FROM samples "
+                                      "GROUP BY group_index, sample_index)").fetchone()[0]
+    trained: dict[tuple[int, int], int] = {}
+    twice = 0
+    for path in sorted((run / "trained").glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            sample = json.loads(line)
+            key = (sample["group_index"], sample["index"])
+            twice += key in trained
+            trained[key] = int(path.stem)
+    rows = [r for r in metrics_rows(run) if "rollout/samples" in r]
+    final_eval = [r for r in metrics_rows(run) if "eval/reward_mean" in r]
+    return {"tasks": tasks, "groups": groups, "samples_per_task_max": samples_per_task,
+            "samples_trained": len(trained), "samples_trained_twice": twice,
+            "served_never_trained": len(consumed - trained.keys()), "trained_never_served": len(trained.keys() - consumed),
+            "steps_written_again": len(rows) - len({r["step"] for r in rows}),
+            "aborted_played_again": counters.get("samples_requeued_aborted", 0),
+            "leases_released": counters.get("leases_released", 0),
+            "final_eval_reward": final_eval[-1]["eval/reward_mean"] if final_eval else None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kills", type=int, default=20)
+    parser.add_argument("--rollouts", type=int, default=60, help="the job's --num-rollout")
+    parser.add_argument("--gap", type=float, default=6.0, help="most seconds from a recovery to the next kill")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-baseline", action="store_true", help="skip the undisturbed run")
+    parser.add_argument("--out", help="write the JSON here too")
+    parser.add_argument("--work", help="keep the runs and their logs here (default: a temporary directory)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(args.work or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        make_inputs(work)
+        started = time.monotonic()
+        report = {"kills": args.kills, "rollouts": args.rollouts, **chaos(args, work)}
+        report["kinds_killed"] = sorted({r["kind"].split()[0] for r in report["recoveries"]})
+        report["chaos_run_s"] = round(time.monotonic() - started, 1)
+        if not args.no_baseline:
+            calm = Job(args, work, "calm")
+            calm.start()
+            calm.process.wait()
+            report["undisturbed_eval_reward"] = outcomes(calm.run)["final_eval_reward"]
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
