@@ -19,7 +19,7 @@ Samples served to a step but in no surviving step's training (lost); and the abo
 played again. Then it runs the same
 job undisturbed, with the same seed, and compares the final held-out reward.
 
-    python bench/chaos.py                       # 20 kills of the six kinds
+    python bench/chaos.py                       # 20 kills of the six kinds, 100 rollouts
     python bench/chaos.py --kills 6 --rollouts 16 --no-baseline   # the suite's short version
 """
 
@@ -132,8 +132,9 @@ def chaos(args: argparse.Namespace, work: Path) -> dict:
     plan = [KINDS[i % len(KINDS)] for i in range(args.kills)]  # every kind, then again, in a random order
     rng.shuffle(plan)
     for kind in plan:
-        if wait(lambda: job.steps() >= 1 and job.running, 600) is None or not job.running:
-            break  # the job ended (or never started): no more kills
+        wait(lambda: job.steps() >= 1 or not job.running, 600)
+        if not job.running:
+            break  # the job ended: no more kills
         time.sleep(rng.uniform(0.5, args.gap))
         if not job.running:
             break
@@ -198,7 +199,7 @@ def outcomes(run: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kills", type=int, default=20)
-    parser.add_argument("--rollouts", type=int, default=60, help="the job's --num-rollout")
+    parser.add_argument("--rollouts", type=int, default=100, help="the job's --num-rollout")
     parser.add_argument("--gap", type=float, default=6.0, help="most seconds from a recovery to the next kill")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-baseline", action="store_true", help="skip the undisturbed run")

@@ -59,6 +59,7 @@ SUPERVISE_EVERY_S = 1.0
 # How long the job's own clients of a restartable service go on retrying a refused connection: a
 # restart (detection, a Python start, the imports) takes a few seconds on 2 cores.
 RESTART_WAIT_S = 60.0
+STOP_WAIT_S = 5.0  # for the buffer's answer when the job stops
 T = TypeVar("T")
 
 
@@ -238,7 +239,8 @@ class Job:
 
         if hasattr(self, "buffer"):
             try:  # episodes cut short by the end of the run: their tasks go back to the queue now
-                await self.buffer.release(self.worker_id)
+                # (briefly: a buffer that is gone, a Ctrl-C took it too, is not waited for; its leases expire)
+                await asyncio.wait_for(self.buffer.release(self.worker_id), STOP_WAIT_S)
             except Exception as error:  # noqa: BLE001 - stopping goes on regardless
                 logger.warning("could not give the job's leased tasks back to the buffer: %s", error)
         await self._stack.aclose()
