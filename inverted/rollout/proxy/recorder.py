@@ -352,12 +352,14 @@ class Recorder:
         turns = choice.branch.turns
         routes_from = (turns[-1].end - 1 if turns else 0) if self.config.return_routed_experts else None
         constrained = "json_schema" in sampling
-        replies = scripted_turn(choice.script, sampling["max_new_tokens"]) if choice.script is not None else \
-            sample_turn(self.client, prompt, sampling, stream=stream, lora_path=self._adapter(req.model),
-                                       # a constrained call resumed would restart its grammar: sampled again
-                                       partial_rollout=self.config.partial_rollout and not constrained,
-                                       max_resumes=self.config.proxy_max_resumes, top_logprobs=req.top_logprobs,
-                        routes_from=routes_from, server_loss_wait=self.config.proxy_server_loss_wait)
+        if choice.script is not None:
+            replies = scripted_turn(choice.script, sampling["max_new_tokens"])
+        else:
+            replies = sample_turn(self.client, prompt, sampling, stream=stream, lora_path=self._adapter(req.model),
+                                  # a constrained call resumed would restart its grammar: sampled again
+                                  partial_rollout=self.config.partial_rollout and not constrained,
+                                  max_resumes=self.config.proxy_max_resumes, top_logprobs=req.top_logprobs,
+                                  routes_from=routes_from, server_loss_wait=self.config.proxy_server_loss_wait)
         async for state in replies:
             choice.state = state
             yield state
