@@ -20,7 +20,7 @@ played again. Then it runs the same
 job undisturbed, with the same seed, and compares the final held-out reward.
 
     python bench/chaos.py                       # 20 kills of the six kinds, 100 rollouts
-    python bench/chaos.py --kills 6 --rollouts 16 --no-baseline   # the suite's short version
+    python bench/chaos.py --kills 6 --rollouts 40 --gap 3 --no-baseline   # the suite's short version
 """
 
 from __future__ import annotations

@@ -362,7 +362,7 @@ def test_the_short_chaos_bench_kills_each_kind_and_nothing_is_lost_or_trained_tw
     """``bench/chaos.py``'s short version: six random SIGKILLs, one of each kind (engine, router,
     proxy, buffer, trainer, the whole job), in a job that trains (``make demo``'s task)."""
     out = tmp_path / "chaos.json"
-    result = subprocess.run([sys.executable, str(ROOT / "bench" / "chaos.py"), "--kills", "6", "--rollouts", "30",
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "chaos.py"), "--kills", "6", "--rollouts", "40",
                              "--gap", "3", "--no-baseline", "--seed", "3", "--out", str(out)],
                             capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-4000:]
