@@ -30,6 +30,12 @@ class Batch:
         return [s for group in self.groups for s in group]
 
 
+def read_batch(content: bytes) -> Batch:
+    """A batch as the service answers one (``POST /batches/next``, ``GET /batches/{request_id}``)."""
+    data = orjson.loads(content)
+    return Batch(data["batch_id"], [[Sample.from_json(s) for s in g] for g in data["groups"]], data["staleness"])
+
+
 class BufferClient(HTTPService):
     async def request(self, *args: Any, **kwargs: Any) -> Reply:
         """``HTTPService.request``; a plug-in's failure inside the service is raised here as the
@@ -79,8 +85,7 @@ class BufferClient(HTTPService):
                 "request_id": request_id or uuid.uuid4().hex}
         response = await self.request("POST", "/batches/next", json_body=body, timeout=timeout_s + self.timeouts.data,
                                       idempotent=True)
-        data = orjson.loads(response.content)
-        return Batch(data["batch_id"], [[Sample.from_json(s) for s in g] for g in data["groups"]], data["staleness"])
+        return read_batch(response.content)
 
     async def served_batch(self, request_id: str) -> Batch | None:
         """The batch served under ``request_id`` before (a step of a job that died), or None; consumes nothing."""
@@ -90,8 +95,7 @@ class BufferClient(HTTPService):
             if error.status == 404:
                 return None
             raise
-        data = orjson.loads(response.content)
-        return Batch(data["batch_id"], [[Sample.from_json(s) for s in g] for g in data["groups"]], data["staleness"])
+        return read_batch(response.content)
 
     async def stats(self) -> dict[str, Any]:
         return self.json_of(await self.request("GET", "/stats", timeout=self.timeouts.control, idempotent=True))
