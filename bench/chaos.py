@@ -15,8 +15,8 @@ A resume's recovery is the time from the kill until the resumed job logs a step.
 reads the buffer's file and what each step trained (``--save-debug-rollout-data``, one file per
 step, written again by a resumed step) and reports each task's outcome: its group trained, filtered,
 failed, dropped as stale, or left queued or waiting; the Samples trained in two surviving steps; the
-Samples served to a step but in no surviving step's training (lost); and the aborted episodes
-played again. Then it runs the same
+Samples served to a step but in no surviving step's training (lost); the aborted episodes played
+again; and the shared memory (RAM) that killed trainers' weight buckets left behind. Then it runs the same
 job undisturbed, with the same seed, and compares the final held-out reward.
 
     python bench/chaos.py                       # 20 kills of the six kinds, 100 rollouts
@@ -41,6 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ROOT = Path(__file__).resolve().parents[1]
+SHARED_MEMORY = Path("/dev/shm")
 KINDS = ("engine", "router", "proxy", "buffer", "trainer", "job")
 # How each kind shows on a command line (sgl-router names its process ``sglang::router``).
 COMMANDS = {"engine": "serve-engine", "router": "sglang::router", "proxy": "inverted.cli proxy",
@@ -210,8 +211,11 @@ def main() -> None:
         work = Path(args.work or tmp)
         work.mkdir(parents=True, exist_ok=True)
         make_inputs(work)
-        started = time.monotonic()
+        started, shared_before = time.monotonic(), set(SHARED_MEMORY.glob("torch_*"))
         report = {"kills": args.kills, "rollouts": args.rollouts, **chaos(args, work)}
+        # A killed trainer's weight buckets are RAM until someone unlinks them: the job must.
+        report["shared_memory_left_mib"] = round(sum(f.stat().st_size for f in set(SHARED_MEMORY.glob("torch_*"))
+                                                     - shared_before) / 2**20)
         report["kinds_killed"] = sorted({r["kind"].split()[0] for r in report["recoveries"]})
         report["chaos_run_s"] = round(time.monotonic() - started, 1)
         if not args.no_baseline:

@@ -7,6 +7,10 @@ same time (the rendezvous needs them all). Its methods call every rank and retur
 answer: all ranks take part in training, in the tensor-parallel gathers of a weight sync and in
 saving; rank 0 alone sends the weights and reports.
 
+A killed rank leaves its shared-memory weight buckets behind (RAM, a whole bucket each): the group
+reaps them when it shuts down, and each rank at start reaps those of the ranks an earlier run of
+the same output directory left on its node (``trainer.pids`` there names them).
+
 Samples cross into the actors as their JSON form (``types.py``).
 """
 
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Any, Callable
 
 import ray
@@ -29,6 +34,8 @@ from inverted.types import Sample
 logger = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 300.0  # for the cluster to offer every rank its bundle (nodes may still be joining)
+RANK_EXIT_WAIT_S = 10.0  # for ranks just killed to exit before their buckets are reaped
+PIDS_FILE = "trainer.pids"  # in the output directory: "<node ip> <pid>" per rank of the latest run
 
 
 class TrainActor:
@@ -41,6 +48,10 @@ class TrainActor:
 
         return ray.util.get_node_ip_address(), get_free_port()
 
+    def where(self) -> tuple[str, int]:
+        """This rank's node and process id."""
+        return ray.util.get_node_ip_address(), os.getpid()
+
     def setup(self, cfg: TrainConfig, rank: int, address: tuple[str, int], process_setup: Callable[[str], None]) -> int:
         import torch
 
@@ -49,6 +60,7 @@ class TrainActor:
         from inverted.train.trainer import Trainer
 
         process_setup(f"train r{rank}")
+        reap_ranks(Path(cfg.output_dir) / PIDS_FILE)
         local = ray.get_gpu_ids()
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(cfg.parallel.world_size), MASTER_ADDR=address[0],
                           MASTER_PORT=str(address[1]), LOCAL_RANK="0" if local else str(rank))
@@ -129,6 +141,10 @@ class TrainGroup:
         address = ray.get(self.actors[0].rendezvous.remote())
         self.rollout_id: int = ray.get([actor.setup.remote(cfg, rank, address, process_setup)
                                         for rank, actor in enumerate(self.actors)])[0]
+        # Named before any bucket exists (the first sync makes them), with the ranks of a killed run
+        # whose processes were still exiting when the ranks reaped.
+        self.pids_file = Path(cfg.output_dir) / PIDS_FILE
+        write_ranks(self.pids_file, reap_ranks(self.pids_file) + ray.get([a.where.remote() for a in self.actors]))
 
     def _all(self, method: str, *args: Any) -> Any:
         """Call ``method`` on every rank at once; rank 0's answer."""
@@ -157,3 +173,23 @@ class TrainGroup:
             for actor in self.actors:
                 ray.kill(actor)
             remove_placement_group(self.group)
+            write_ranks(self.pids_file, reap_ranks(self.pids_file, wait_s=RANK_EXIT_WAIT_S))
+
+
+def reap_ranks(pids_file: Path, wait_s: float = 0.0) -> list[tuple[str, int]]:
+    """Unlink the weight buckets that the dead ranks ``pids_file`` names left on this node; the ranks
+    it names that could not be reaped here (alive after ``wait_s``, or on another node)."""
+    from inverted.train.weight_sync.transports import alive, reap_buckets
+
+    if not pids_file.exists():
+        return []
+    node = ray.util.get_node_ip_address()
+    ranks = [(ip, int(pid)) for ip, pid in (line.split() for line in pids_file.read_text().splitlines())]
+    if reaped := reap_buckets([pid for ip, pid in ranks if ip == node], wait_s):
+        logger.info("unlinked %d shared-memory weight buckets that killed trainer ranks left", reaped)
+    return [(ip, pid) for ip, pid in ranks if ip != node or alive(pid)]
+
+
+def write_ranks(pids_file: Path, ranks: list[tuple[str, int]]) -> None:
+    pids_file.parent.mkdir(parents=True, exist_ok=True)
+    pids_file.write_text("".join(f"{node} {pid}\n" for node, pid in ranks))

@@ -24,8 +24,10 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import os
 import shutil
 import socket
+import time
 import uuid
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -90,6 +92,41 @@ async def all_servers(calls) -> None:
             raise result
 
 
+SHARED_MEMORY = Path("/dev/shm")
+
+
+def reap_buckets(pids: list[int], wait_s: float = 0.0) -> int:
+    """Unlink the shared-memory buckets that processes ``pids`` made and died without unlinking; how many.
+
+    A CPU bucket is a file torch names ``torch_<pid>_<random>_<n>`` after the process that made it.
+    A trainer that is killed (a SIGKILL, Ray ending its actor) never reaches ``release``, and its
+    buckets then outlive it: each is RAM, a whole bucket (512 MiB by default). Files of a process
+    still alive after ``wait_s`` (for one just killed to exit) are left alone; a server that maps
+    one keeps its mapping.
+    """
+    deadline = time.monotonic() + wait_s
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    reaped = 0
+    for pid in pids:
+        if alive(pid):
+            continue
+        for path in SHARED_MEMORY.glob(f"torch_{pid}_*"):
+            path.unlink(missing_ok=True)
+            reaped += 1
+    return reaped
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 class TensorTransport(Transport):
     name = "tensor"
     # The server's copy out of the bucket needs the same cores and memory bandwidth (measured, 2 cores:
@@ -116,10 +153,11 @@ class TensorTransport(Transport):
     def release(self) -> None:
         """Unlink the shared-memory bucket files. torch's shm manager does not remove them when the
         trainer is killed rather than left to exit (Ray kills its actors), and each one is a whole
-        bucket (measured: 512 MiB left in /dev/shm per run). Mapped copies stay valid; Linux only."""
+        bucket (measured: 512 MiB left in /dev/shm per run); a killed trainer's are reaped by
+        ``reap_buckets``. Mapped copies stay valid; Linux only."""
         self.sent.clear()  # first: a buffer freed after its file was unlinked makes torch abort
         for name in self.shared_files:
-            Path("/dev/shm" + name).unlink(missing_ok=True)
+            (SHARED_MEMORY / name.lstrip("/")).unlink(missing_ok=True)
         self.shared_files.clear()
 
     async def connect(self, servers: list[SGLangClient], tp_sizes: list[int]) -> None:
