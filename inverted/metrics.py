@@ -1,6 +1,6 @@
 """Where metrics go: one ``MetricsSink`` interface (``log(metrics, step)``, ``close()``) with backends.
 
-``plot_rewards`` draws a run's reward curves into a PNG at its end.
+``plot_rewards`` draws a run's reward curves (and those of the runs it learned from) into a PNG at its end.
 ``JsonlSink`` (always on) appends one JSON object per step to ``metrics.jsonl``;
 ``TensorBoardSink`` writes event files when TensorBoard is installed; ``FanOut`` sends to several.
 Metric names are ``owner/what_unit`` (``train/loss``, ``perf/tokens_per_s``); the step is the
@@ -78,27 +78,57 @@ def build_metrics_sink(output_dir: str | Path) -> FanOut:
     return FanOut(sinks)
 
 
-def plot_rewards(metrics_path: str | Path, out: str | Path, keys: tuple[str, ...] = ("rollout/reward_mean", "eval/reward_mean", "eval/pass_rate",
-                                                                      "eval/tool_call_rate")) -> Path | None:
-    """Plot the reward curves of a run's ``metrics.jsonl`` into a PNG; None when there is nothing to plot."""
+CURVES = ("rollout/reward_mean", "eval/reward_mean", "eval/pass_rate", "eval/tool_call_rate")
+VARIANT_CURVES = ("pass_rate", "tool_call_rate")  # of each evaluation beside the main one (eval/NAME/...)
+
+
+def plot_rewards(stages: list[str | Path], out: str | Path) -> Path | None:
+    """Plot the reward curves of runs' ``metrics.jsonl`` files into a PNG; None when there is nothing to plot.
+
+    Several files are consecutive stages of one recipe (a run that learns from another run's episodes):
+    each is drawn after the one before it, a dotted line between them. The main evaluation's curves are
+    solid; those of the evaluations beside it (``--eval-variants``) dashed, in their main curve's colour.
+    """
     import matplotlib
 
     matplotlib.use("Agg")  # no display: write the file only
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
-    curves = {k: [(r["step"], r[k]) for r in rows if r.get(k) is not None] for k in keys}
-    curves = {k: v for k, v in curves.items() if v}
+    curves: dict[tuple[str, int], list[tuple[int, float]]] = {}  # (metric, stage) -> points
+    offset, starts = 0, []
+    for index, stage in enumerate(stages):
+        rows = [json.loads(line) for line in Path(stage).read_text().splitlines() if line.strip()]
+        for row in rows:
+            for key, value in row.items():
+                if value is not None and (key in CURVES or _variant(key)):
+                    curves.setdefault((key, index), []).append((offset + row["step"], value))
+        starts.append(offset)
+        offset += max((row["step"] for row in rows), default=0)
     if not curves:
         return None
     figure, axis = plt.subplots(figsize=(7, 4))
-    for name, points in curves.items():
-        axis.plot(*zip(*points), marker="o", markersize=3, label=name)
+    colours = {key: f"C{i}" for i, key in enumerate(CURVES)}
+    labelled: set[str] = set()
+    for name, index in sorted(curves, key=lambda c: (CURVES.index(c[0]) if c[0] in CURVES else len(CURVES), c)):
+        main = name if name in CURVES else f"eval/{name.rsplit('/', 1)[1]}"
+        axis.plot(*zip(*curves[name, index]), marker="o", markersize=3, color=colours[main],
+                  linestyle="-" if name in CURVES else "--", label=None if name in labelled else name)
+        labelled.add(name)
+    if len(stages) > 1:
+        for start, stage in zip(starts, stages):
+            axis.axvline(start, color="grey", linestyle=":")
+            axis.annotate(Path(stage).parent.name, (start, 1.0), xycoords=("data", "axes fraction"),
+                          xytext=(3, -12), textcoords="offset points", color="grey", fontsize="small")
     axis.set_xlabel("rollout (an evaluation at N: the policy after N updates)")
     axis.set_ylabel("reward; pass rate and tool-call rate: shares")
     axis.grid(alpha=0.3)
-    axis.legend()
+    axis.legend(fontsize="small")
     figure.tight_layout()
     figure.savefig(out, dpi=120)
     plt.close(figure)
     return Path(out)
+
+
+def _variant(key: str) -> bool:
+    parts = key.split("/")
+    return len(parts) == 3 and parts[0] == "eval" and parts[2] in VARIANT_CURVES

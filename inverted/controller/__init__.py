@@ -80,10 +80,18 @@ async def run_job(cfg: JobConfig, plugins: Plugins, router_args: list[str], sgla
                 await job.run_supervised(drive(cfg, job, plugins, sink, run_dir))
     finally:
         sink.close()
-        if (run_dir / "metrics.jsonl").exists() and plot_rewards(run_dir / "metrics.jsonl", run_dir / "reward.png"):
+        if (run_dir / "metrics.jsonl").exists() and plot_rewards(stages(cfg), run_dir / "reward.png"):
             logger.info("reward curve: %s", run_dir / "reward.png")
         if (run_dir / "buffer.db").exists():  # on stdout, whatever --log-level: the run's last word
             print(f"browse this run's curves, Samples and trajectories: inverted view {run_dir}", flush=True)
+
+
+def stages(cfg: JobConfig) -> list[Path]:
+    """The metrics of this run, after those of the run whose episodes it learns from (``--bootstrap-from``)."""
+    own = Path(cfg.train.output_dir) / "metrics.jsonl"
+    source = Path(cfg.rollout.bootstrap_from) if cfg.rollout.bootstrap_from else None
+    source = source.parent if source is not None and source.suffix == ".db" else source
+    return [source / "metrics.jsonl", own] if source is not None and (source / "metrics.jsonl").exists() else [own]
 
 
 async def evaluate_and_log(cfg: JobConfig, job: Job, plugins: Plugins, sink: MetricsSink, updates: int) -> None:
