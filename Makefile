@@ -6,6 +6,8 @@
 #   make run    the single-turn job: SmolLM2-135M-Instruct learns a reasoning-gym task (examples/smollm2.yaml);
 #               ARGS='--lora-rank 16 --lr 1e-3' adds flags (here: train a LoRA adapter instead of every weight)
 #   make test   set up .venv and run the test suite (CPU only, no downloads at run time)
+#   make test-fast  the inner loop: the suite without the tests marked slow (whole jobs, browsers, multi-node
+#               runs, harnesses, real-model tests)
 #   make demo   the one-minute job: the tiny random model learns the letters task (examples/demo.yaml)
 # TORCH is installed first and pinned, so no dependency pulls a multi-GB CUDA build onto a CPU
 # machine. On a GPU machine: install your CUDA build of torch into .venv first, then TORCH=skip.
@@ -17,7 +19,7 @@ TINY   ?= models/tiny-qwen2
 MODEL  ?= models/small-qwen2
 REAL   ?= models/smollm2-135m
 DEMO_DATA := data/letters.jsonl
-# The main job's task (README: which, and why). Its held-out set is written first, each question
+# The main job's task (the user guide says which, and why). Its held-out set is written first, each question
 # once, and the training set excludes it: no held-out question is ever trained on.
 TASK        ?= chain_sum
 TASK_CONFIG ?= {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
@@ -37,7 +39,7 @@ PIP_BINARY  := --only-binary=:all: --no-binary=$(SOURCE_ONLY)
 SGLANG_WIRE ?= sglang==0.5.23
 BIN    := $(VENV)/bin
 
-.PHONY: setup run agent demo test bench clean harnesses
+.PHONY: setup run agent demo test test-fast bench clean harnesses
 
 setup: $(VENV)/.installed
 
@@ -139,6 +141,9 @@ $(HARNESSES)/.installed: $(VENV)/.installed
 
 test: setup $(VENV)/.sglang-wire harnesses
 	$(BIN)/python -m pytest -q --durations=15  # the slowest tests, to keep the suite within its time
+
+test-fast: setup $(VENV)/.sglang-wire
+	$(BIN)/python -m pytest -q -m "not slow" --durations=10
 
 bench: setup $(MODEL)/config.json
 	$(BIN)/python bench/engine_throughput.py --model $(MODEL)

@@ -5,7 +5,7 @@ An environment does not know it is trained. It reads the task (``prompt``, ``lab
 given, and returns a reward: a float, or a dict of named floats. Raising, or taking longer than
 ``--rollout-episode-timeout``, makes the episode a ``failed`` Sample, which is never trained on.
 
-- ``letters``: a single-turn task the tiny random model learns in minutes (the README's demo).
+- ``letters``: a single-turn task the tiny random model learns in minutes (``make demo``).
 - ``calculator``: multi-turn tool use with OpenAI ``tools`` (a calculator), with feedback turns.
 - ``countdown``: the countdown arithmetic puzzle with an exact verifier, for real models.
 - ``long_tail``: the letters task behind a slow simulated tool, one prompt in ten twenty times slower

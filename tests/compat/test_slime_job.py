@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -20,6 +21,8 @@ from envs.datasets import write_dataset
 from inverted.train.details import DetailsReader
 from inverted.types import Sample
 from tests.job.test_train_job import ONE_ENGINE_RUN, SMALL_RUN, check, inverted, metrics_rows, stored_samples
+
+pytestmark = pytest.mark.slow  # whole jobs: left out of make test-fast
 
 PLUGINS = "tests.compat.slime_plugins"
 

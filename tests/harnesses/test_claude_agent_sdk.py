@@ -10,9 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.harnesses.checks import check_episode
 from tests.harnesses.conftest import fresh_repo
 from tests.harnesses.test_claude_code import QUESTION
+
+pytestmark = pytest.mark.slow  # coding-agent harnesses and SDKs, each taught a tiny model: left out of make test-fast
 
 
 def sdk_agent(home: Path):

@@ -16,8 +16,12 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.harnesses.checks import check_episode
 from tests.harnesses.conftest import fresh_repo, harness_binary
+
+pytestmark = pytest.mark.slow  # coding-agent harnesses and SDKs, each taught a tiny model: left out of make test-fast
 
 COMMAND = 'text(await tools.exec_command({cmd: "cat notes.txt"}))'
 

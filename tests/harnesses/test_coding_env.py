@@ -12,11 +12,14 @@ import tempfile
 from pathlib import Path
 
 import openai
+import pytest
 
 from envs.coding import PROMPT, REPOS, episode
 from inverted.types import Task
 from tests.harnesses.conftest import ROOT
 from tests.harnesses.test_mini_swe_agent import SUBMIT, bash
+
+pytestmark = pytest.mark.slow  # coding-agent harnesses and SDKs, each taught a tiny model: left out of make test-fast
 
 FIX = "pwd && sed -i 's/numbers\\[1:\\]/numbers/' calc.py"
 

@@ -16,6 +16,8 @@ import pytest
 from tests.harnesses.checks import check_episode
 from tests.harnesses.conftest import ROOT
 
+pytestmark = pytest.mark.slow  # coding-agent harnesses and SDKs, each taught a tiny model: left out of make test-fast
+
 AGENTS = Path(__file__).parent / "sdk_agents"
 SDK_ENVS = ROOT / ".harnesses" / "sdk"
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'

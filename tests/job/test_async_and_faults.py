@@ -27,11 +27,14 @@ from contextlib import closing
 from pathlib import Path
 
 import httpx
+import pytest
 
 from envs import long_tail
 from envs.datasets import write_dataset
 from inverted.types import Sample, version_number
 from tests.job.test_train_job import ROOT, metrics_rows, stored_samples
+
+pytestmark = pytest.mark.slow  # whole jobs: left out of make test-fast
 
 RUN = ["--num-engines", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--lr", "1e-3",
        "--env-path", "envs.long_tail:episode", "--log-level", "warning"]

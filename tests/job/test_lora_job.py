@@ -12,12 +12,15 @@ from __future__ import annotations
 import json
 import textwrap
 
+import pytest
 import torch
 
 from envs.datasets import write_dataset
 from inverted.types import Sample
 from envs.letters import rows as letter_rows
 from tests.job.test_train_job import ONE_ENGINE_RUN, check, inverted, metrics_rows, stored_samples
+
+pytestmark = pytest.mark.slow  # whole jobs: left out of make test-fast
 
 LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lr", "1e-2"]  # a LoRA-sized step: the policy moves at once
 # Rewards that differ within every group (its two samples get 0 and 1), so that every step moves the

@@ -7,11 +7,15 @@ replays them (a Sample without them would stop the job)."""
 
 from __future__ import annotations
 
+import pytest
+
 from envs.datasets import write_dataset
 from envs.letters import rows as letter_rows
 from inverted.hf_checkpoint import ModelSpec
 from tests.job.test_lora_job import task_module
 from tests.job.test_train_job import ONE_ENGINE_RUN, check, inverted, metrics_rows
+
+pytestmark = pytest.mark.slow  # whole jobs: left out of make test-fast
 
 
 def test_a_moe_job_trains_and_serves_every_expert(tiny_model, tmp_path):

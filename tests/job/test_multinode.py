@@ -32,6 +32,8 @@ from inverted.processes import free_port
 from tests.job.test_async_and_faults import ROOT, long_tail_data, own_model, processes_with, start_job, wait_for
 from tests.job.test_train_job import metrics_rows
 
+pytestmark = pytest.mark.slow  # whole jobs: left out of make test-fast
+
 RAY = str(Path(sys.executable).parent / "ray")
 
 

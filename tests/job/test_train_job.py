@@ -24,6 +24,8 @@ from envs.calculator import rows as calculator_rows
 from envs.datasets import write_dataset
 from inverted.types import Sample
 
+pytestmark = pytest.mark.slow  # whole jobs: left out of make test-fast
+
 ROOT = Path(__file__).resolve().parents[2]
 SMALL_RUN = ["--num-engines", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
              "--rollout-max-response-len", "6", "--lr", "1e-3", "--log-level", "warning"]

@@ -12,6 +12,8 @@ from inverted.config import ImportGGUFConfig
 from inverted.errors import ModelError
 from inverted.gguf_import import import_gguf, resolve_source
 
+pytestmark = pytest.mark.slow  # a real model through every part: left out of make test-fast
+
 TEXT = "<|im_start|>user\nHow many legs does a spider have?<|im_end|>\n<|im_start|>assistant\n"
 
 

@@ -25,6 +25,8 @@ from inverted.types import Sample, Task
 from envs import reasoning_gym
 from tests.train.workers import check_packed_logits, logits_and_step, step_and_sync
 
+pytestmark = pytest.mark.slow  # a real model through every part: left out of make test-fast
+
 QUESTION = [{"role": "user", "content": "What is 3 + 4?"}]
 
 

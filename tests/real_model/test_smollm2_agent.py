@@ -31,6 +31,8 @@ from inverted.train.parallel import spawn
 from inverted.types import Sample
 from tests.train.workers import grpo_step
 
+pytestmark = pytest.mark.slow  # a real model through every part: left out of make test-fast
+
 TEMPLATE = Path(__file__).resolve().parents[2] / "inverted" / "chat_template.jinja"
 CONFIG = {"min_terms": 2, "max_terms": 3, "min_digits": 2, "max_digits": 3, "operators": ["+", "-", "*"]}
 # The tool as the proxy renders it from the Responses request the SDK sends.

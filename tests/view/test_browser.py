@@ -23,7 +23,7 @@ from tests.view.run_dir import UNRECORDED, write_run
 
 playwright = pytest.importorskip("playwright.sync_api", reason="playwright is a test dependency (pip install -e '.[test]')")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium: apt-get install chromium (.ci/run installs it)")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(CHROMIUM is None, reason="no Chromium: apt-get install chromium (.ci/run installs it)")]
 # What the machine's closed network needs (no background connections), and root needs (no sandbox).
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
         "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
