@@ -13,11 +13,12 @@ session, of a random kind:
 
 A resume's recovery is the time from the kill until the resumed job logs a step. At the end it
 reads the buffer's file and what each step trained (``--save-debug-rollout-data``, one file per
-step, written again by a resumed step) and reports each task's outcome: its group trained, filtered,
-failed, dropped as stale, or left queued or waiting; the Samples trained in two surviving steps; the
-Samples served to a step but in no surviving step's training (lost); the aborted episodes played
-again; and the shared memory (RAM) that killed trainers' weight buckets left behind. Then it runs the same
-job undisturbed, with the same seed, and compares the final held-out reward.
+step, written again by a resumed step) and reports each task's outcome: its group trained (in the
+step the buffer recorded, checked against the files), filtered, failed, dropped as stale, or left
+queued or waiting; the Samples trained in two surviving steps; the Samples served to a step but in
+no surviving step's training (lost); the aborted episodes played again; and the shared memory (RAM)
+that killed trainers' weight buckets left behind. Then it runs the same job undisturbed, with the
+same seed, and compares the final held-out reward.
 
     python bench/chaos.py                       # 20 kills of the six kinds, 100 rollouts
     python bench/chaos.py --kills 6 --rollouts 40 --gap 3 --no-baseline   # the suite's short version
@@ -178,6 +179,7 @@ def outcomes(run: Path) -> dict:
                                               "USING (group_index) WHERE state = 'consumed'")}
         samples_per_task = db.execute("SELECT MAX(n) FROM (SELECT COUNT(*) n FROM samples "
                                       "GROUP BY group_index, sample_index)").fetchone()[0]
+        trained_steps = dict(db.execute("SELECT group_index, trained_step FROM groups WHERE state = 'consumed'"))
     trained: dict[tuple[int, int], int] = {}
     twice = 0
     for path in sorted((run / "trained").glob("*.jsonl")):
@@ -191,6 +193,9 @@ def outcomes(run: Path) -> dict:
     return {"tasks": tasks, "groups": groups, "samples_per_task_max": samples_per_task,
             "samples_trained": len(trained), "samples_trained_twice": twice,
             "served_never_trained": len(consumed - trained.keys()), "trained_never_served": len(trained.keys() - consumed),
+            # the buffer's own record (each served group's training step) against the surviving training
+            "buffer_disagrees_with_training": sum(trained_steps.get(g) != step for (g, _), step in trained.items())
+            + sum(step is None for step in trained_steps.values()),
             "steps_written_again": len(rows) - len({r["step"] for r in rows}),
             "aborted_played_again": counters.get("samples_requeued_aborted", 0),
             "leases_released": counters.get("leases_released", 0),

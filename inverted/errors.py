@@ -93,7 +93,8 @@ class Overloaded(InvertedError):
 
 
 class LeaseConflict(InvertedError):
-    """A buffer submission names a lease that is not (or no longer) the task's current lease."""
+    """A buffer request contradicts what the buffer holds: a submission names a lease that is not (or no
+    longer) the task's current lease, or a batch trained in one step is said to be trained in another."""
 
 
 class ServiceError(InvertedError):

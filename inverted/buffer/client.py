@@ -97,5 +97,11 @@ class BufferClient(HTTPService):
             raise
         return read_batch(response.content)
 
+    async def trained(self, batch_id: str, step: int) -> int:
+        """Record that training step ``step`` trained the batch; how many groups it held."""
+        response = await self.request("POST", f"/batches/{batch_id}/trained", json_body={"step": step},
+                                      timeout=self.timeouts.data, idempotent=True)
+        return self.json_of(response)["groups"]
+
     async def stats(self) -> dict[str, Any]:
         return self.json_of(await self.request("GET", "/stats", timeout=self.timeouts.control, idempotent=True))

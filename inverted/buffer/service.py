@@ -11,7 +11,9 @@ the client sent it (types checked in C) and stored without re-encoding.
 
 ``GET /batches/{request_id}`` answers the batch a ``POST /batches/next`` with that ``request_id``
 was served, consuming nothing (404 if none was): a resumed job's step finds the batch its dead
-predecessor was served for it.
+predecessor was served for it. ``POST /batches/{batch_id}/trained`` records the training step that
+trained a batch, once (its groups' ``trained_step``; the same step again is a no-op, another is 409):
+with it the buffer holds each task's outcome, trained in which step, filtered, failed or dropped.
 
 ``POST /batches/next`` long-polls: it waits (up to ``timeout_s``) until enough groups are complete,
 woken at once by submissions to this process, and every ``RECHECK_S`` for those that reached
@@ -90,6 +92,11 @@ class SubmitResponse(BaseModel):
     duplicates: int
     requeued: int
     completed_groups: list[int]
+
+
+class TrainedRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    step: int = Field(ge=0)
 
 
 class BatchRequest(BaseModel):
@@ -295,6 +302,13 @@ def _add_routes(app: FastAPI) -> None:
             return JSONResponse({"error": {"message": f"no batch was served under request_id {request_id!r}",
                                            "type": "not_found"}}, status_code=404)
         return Response(reply, media_type="application/json")
+
+    @app.post("/batches/{batch_id}/trained", dependencies=auth)
+    async def trained(batch_id: str, request: Request, state: StateDep) -> dict[str, int]:
+        body: TrainedRequest = await _parse(request, TrainedRequest)
+        if not (groups := await state.run(state.store.trained, batch_id, body.step)):
+            raise HTTPException(404, f"no batch {batch_id!r} was served")
+        return {"groups": groups}
 
     @app.get("/stats", dependencies=auth)
     async def stats(state: StateDep) -> dict[str, Any]:

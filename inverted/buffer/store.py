@@ -46,7 +46,7 @@ CREATE TABLE IF NOT EXISTS prompts (prompt_index INTEGER PRIMARY KEY, record BLO
 CREATE TABLE IF NOT EXISTS groups (
     group_index INTEGER PRIMARY KEY, prompt_index INTEGER NOT NULL, epoch INTEGER NOT NULL,
     state TEXT NOT NULL, min_version INTEGER, staleness INTEGER, batch_id TEXT,
-    created_at REAL NOT NULL, completed_at REAL, consumed_at REAL);
+    created_at REAL NOT NULL, completed_at REAL, consumed_at REAL, trained_step INTEGER);
 CREATE INDEX IF NOT EXISTS groups_by_state ON groups (state, group_index);
 CREATE TABLE IF NOT EXISTS tasks (
     group_index INTEGER NOT NULL, sample_index INTEGER NOT NULL, state TEXT NOT NULL,
@@ -81,6 +81,7 @@ class BufferStore(Protocol):
     def next_batch(self, num_groups: int, current_version: int | None, max_staleness: int | None,
                    request_id: str | None = None, allow_partial: bool = False) -> bytes | None: ...
     def served_batch(self, request_id: str) -> bytes | None: ...
+    def trained(self, batch_id: str, step: int) -> int: ...
     def stats(self) -> dict[str, Any]: ...
     def close(self) -> None: ...
 
@@ -102,6 +103,8 @@ class SQLiteStore:
         for pragma in ("journal_mode=WAL", "synchronous=FULL", "busy_timeout=10000"):
             self._db.execute(f"PRAGMA {pragma}")
         self._db.executescript(SCHEMA)
+        if "trained_step" not in {row[1] for row in self._db.execute("PRAGMA table_info(groups)")}:
+            self._db.execute("ALTER TABLE groups ADD COLUMN trained_step INTEGER")  # a file from before it was kept
         with self._tx():
             self._init_meta(prompts)
         self.num_prompts = self._db.execute("SELECT COUNT(*) FROM prompts").fetchone()[0]
@@ -349,6 +352,25 @@ class SQLiteStore:
         """The batch ``next_batch`` served under ``request_id``, if it served one (nothing is consumed)."""
         with self._lock:
             return self._replay(request_id, "batch")
+
+    def trained(self, batch_id: str, step: int) -> int:
+        """Record that training step ``step`` trained batch ``batch_id``; how many groups it held (0: no
+        such batch was served).
+
+        Said again for the same step (a resumed job trains the step its dead run was served for),
+        it changes nothing. A batch already trained in another step is refused: that would be
+        training it twice.
+        """
+        with self._tx() as db:
+            rows = db.execute("SELECT group_index, trained_step FROM groups WHERE batch_id = ?", (batch_id,)).fetchall()
+            if not rows:
+                return 0
+            if other := sorted({t for _, t in rows if t is not None and t != step}):
+                raise LeaseConflict(f"batch {batch_id!r} was trained in step {other[0]} already, not again in step {step}")
+            fresh = sum(t is None for _, t in rows)
+            db.execute("UPDATE groups SET trained_step = ? WHERE batch_id = ?", (step, batch_id))
+            self._count("groups_trained", fresh)
+            return len(rows)
 
     def _set_aside_stale(self, group: int) -> None:
         if self.stale_policy == "drop":

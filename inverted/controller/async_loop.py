@@ -139,7 +139,7 @@ class AsyncLoop:
         metrics = take_batch(cfg, self.plugins, rollout_id, finished, batch.samples, clock["waited"] - clock["started"]) | {
             "async/staleness_mean": sum(batch.staleness) / len(batch.staleness),
             "async/staleness_max": float(max(batch.staleness)), "async/groups_running": float(len(self.running))}
-        metrics |= await job.train(batch.samples)
+        metrics |= await job.train(batch, rollout_id)
         clock["trained"] = time.perf_counter()
         metrics |= await sync_when_due(cfg.loop.update_weights_interval, job, rollout_id, clock)
         self.wake.set()  # a step taken and (maybe) a new version: room for more groups

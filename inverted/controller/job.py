@@ -42,7 +42,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 import yaml
 
-from inverted.buffer.client import BufferClient
+from inverted.buffer.client import Batch, BufferClient
 from inverted.config import JobConfig, RolloutConfig, flag_name, to_flags
 from inverted.errors import ConfigError, PluginError
 from inverted.placement import node_resource, ray_launch, start_ray
@@ -260,10 +260,13 @@ class Job:
         async with self._trainer_lock:
             return await asyncio.to_thread(getattr(self.trainer, method), *args)
 
-    async def train(self, samples: list[Sample]) -> dict[str, float]:
-        """One training step on ``samples``, once the router is known to have served only the job's servers."""
+    async def train(self, batch: Batch, step: int) -> dict[str, float]:
+        """Training step ``step`` on the batch, once the router is known to have served only the job's
+        servers; then the buffer records that this step trained it (and refuses a second step)."""
         await self.servers.verify_workers()
-        return await self.trainer_call("train", samples)
+        metrics = await self.trainer_call("train", batch.samples)
+        await self.buffer.trained(batch.batch_id, step)
+        return metrics
 
     async def sync_weights(self, version: int) -> dict[str, float]:
         """Push the trainer's weights into every live server as ``version``; its metrics.

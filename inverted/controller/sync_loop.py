@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 
+from inverted.buffer.client import Batch
 from inverted.config import JobConfig
 from inverted.controller.job import Job, Plugins
 from inverted.controller.rollouts import context, run_rollout, step_row, sync_when_due, take_batch
@@ -56,7 +57,7 @@ class SyncLoop:
                                "whose training the checkpoint does not hold", rollout_id, len(served.groups))
                 clock["batched"] = time.perf_counter()
                 metrics = take_batch(cfg, self.plugins, rollout_id, served.samples, served.samples, 0.0)
-                return await self._train(rollout_id, served.samples, metrics, clock)
+                return await self._train(rollout_id, served, metrics, clock)
         tasks = await job.buffer.lease(cfg.rollout.rollout_batch_size * cfg.buffer.n_samples_per_prompt, job.worker_id,
                                        cfg.buffer.lease_seconds)
         if not tasks:
@@ -78,16 +79,16 @@ class SyncLoop:
         if lost := sum(s.status == Sample.Status.ABORTED for s in samples):
             logger.warning("rollout %d: %d episodes lost their proxy session; their tasks are played again", rollout_id,
                            lost)
-        return await self._train(rollout_id, batch.samples, metrics, clock)
+        return await self._train(rollout_id, batch, metrics, clock)
 
-    async def _train(self, rollout_id: int, samples: list[Sample], metrics: dict[str, float],
+    async def _train(self, rollout_id: int, batch: Batch, metrics: dict[str, float],
                      clock: dict[str, float]) -> dict[str, float]:
         """Train on the batch and sync the weights when due; the step's row."""
         cfg, job = self.cfg, self.job
-        if job.trainer is not None and samples:
+        if job.trainer is not None and batch.groups:
             if cfg.loop.colocate:
                 await job.all_servers("release_memory_occupation")
-            metrics |= await job.train(samples)
+            metrics |= await job.train(batch, rollout_id)
             if cfg.loop.colocate:
                 await job.all_servers("resume_memory_occupation")
             clock["trained"] = time.perf_counter()

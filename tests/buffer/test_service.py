@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -95,6 +96,7 @@ async def test_8_submitters_2_consumers_nothing_lost_nothing_served_twice(procs,
     buffer = procs.buffer(tmp_path / "b.db", "--prompt-data", dataset(groups), "--n-samples-per-prompt", str(size),
                           "--num-epoch", "1", "--workers", str(workers))
     served: list[list[Sample]] = []
+    steps = itertools.count()
     done_submitting = asyncio.Event()
 
     async def submitter(name: str) -> None:
@@ -107,6 +109,8 @@ async def test_8_submitters_2_consumers_nothing_lost_nothing_served_twice(procs,
             while True:
                 batch = await client.next_batch(num_groups=8, timeout_s=0.5, allow_partial=done_submitting.is_set())
                 served.extend(batch.groups)
+                if batch.groups:  # trained: the step that did it is recorded, whichever worker process answers
+                    assert await client.trained(batch.batch_id, next(steps)) == len(batch.groups)
                 if done_submitting.is_set() and not batch.groups:
                     return
 
@@ -120,6 +124,7 @@ async def test_8_submitters_2_consumers_nothing_lost_nothing_served_twice(procs,
     assert all(s.tokens == [5, 6, 7, 8, 9] and s.weight_versions == ["0"] * 3 for g in served for s in g)
     stats = httpx.get(buffer.url + "/stats").json()
     assert stats["groups"]["consumed"] == groups and stats["samples"] == groups * size
+    assert stats["counters"]["groups_trained"] == groups
 
 
 def connections_by_process(port: int) -> Counter[int]:
@@ -236,6 +241,16 @@ def test_bad_input_is_422_naming_the_field_and_stores_nothing(procs, tmp_path, d
     assert ok.json() == {"accepted": 1, "duplicates": 0, "requeued": 0, "completed_groups": []}
     metrics = httpx.get(buffer.url + "/metrics", headers=headers).text
     assert 'inverted_buffer_tasks{state="done"} 1' in metrics and "inverted_buffer_samples 1" in metrics
+    httpx.post(buffer.url + "/samples", headers=headers,
+               json={"samples": [{"lease_id": tasks[1]["lease_id"], "sample": {**good, "index": 1}}]})
+    served = httpx.post(buffer.url + "/batches/next", headers=headers, json={"num_groups": 1}).json()["batch_id"]
+    for body, status in (({"step": -1}, 422), ({}, 422), ({"step": 2, "epoch": 1}, 422)):
+        assert httpx.post(f"{buffer.url}/batches/{served}/trained", headers=headers, json=body).status_code == status
+    assert httpx.post(f"{buffer.url}/batches/{served}/trained", json={"step": 2}).status_code == 401
+    assert httpx.post(f"{buffer.url}/batches/unknown/trained", headers=headers, json={"step": 2}).status_code == 404
+    assert httpx.post(f"{buffer.url}/batches/{served}/trained", headers=headers, json={"step": 2}).json() == {"groups": 1}
+    twice = httpx.post(f"{buffer.url}/batches/{served}/trained", headers=headers, json={"step": 3})
+    assert twice.status_code == 409 and "trained in step 2 already" in twice.json()["error"]["message"]
 
 
 async def test_client_errors_name_the_problem(procs, tmp_path, dataset):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 
 import orjson
 import pytest
@@ -10,8 +11,7 @@ import pytest
 from inverted.buffer.datasets import PromptRecord, epoch_order, load_prompts
 from inverted.buffer.filters import drop_all_equal_rewards
 from inverted.buffer.store import SQLiteStore
-from inverted.errors import LeaseConflict
-from inverted.errors import ConfigError, SampleError
+from inverted.errors import ConfigError, LeaseConflict, SampleError
 from inverted.types import Sample
 
 PROMPTS = [PromptRecord(prompt=f"What is {i} + {i}?", label=str(2 * i), metadata={"i": i}) for i in range(10)]
@@ -203,6 +203,34 @@ def test_resume_continues_the_same_order_and_replays_requests(tmp_path):
         make(tmp_path / "b", n_samples_per_prompt=3)
     with pytest.raises(ConfigError, match="differs from the dataset"):
         make(tmp_path / "b", prompts=PROMPTS[:5])
+
+
+def test_a_batch_is_recorded_trained_by_one_step_only(tmp_path):
+    store = make(tmp_path)
+    tasks = store.lease(4, "w", 60)
+    store.submit([finished(t) for t in tasks])
+    served = batch(store, 2)
+    assert store.trained(served["batch_id"], 3) == 2 and store.trained(served["batch_id"], 3) == 2  # said again: moot
+    with pytest.raises(LeaseConflict, match="trained in step 3 already, not again in step 4"):
+        store.trained(served["batch_id"], 4)  # a second step would train its Samples twice
+    assert store.trained("never-served", 3) == 0
+    rows = store._db.execute("SELECT group_index, state, trained_step FROM groups ORDER BY group_index").fetchall()
+    assert rows == [(0, "consumed", 3), (1, "consumed", 3)] and store.stats()["counters"]["groups_trained"] == 2
+    store.close()
+    store = make(tmp_path)  # the record is durable
+    with pytest.raises(LeaseConflict):
+        store.trained(served["batch_id"], 5)
+
+
+def test_a_buffer_file_from_before_trained_steps_opens_and_records_them(tmp_path):
+    store = make(tmp_path)
+    tasks = store.lease(2, "w", 60)
+    store.submit([finished(t) for t in tasks])
+    served = batch(store, 1)
+    store.close()
+    with sqlite3.connect(tmp_path / "buffer.db") as db:  # as the schema was before the column
+        db.execute("ALTER TABLE groups DROP COLUMN trained_step")
+    assert make(tmp_path).trained(served["batch_id"], 0) == 1
 
 
 def test_num_epoch_stops_leasing(tmp_path):

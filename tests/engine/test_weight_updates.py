@@ -31,7 +31,8 @@ def engine(procs, tiny_model):
 def packed(named: list[tuple[str, torch.Tensor]], dtype: torch.dtype = torch.float32, *, shared: bool = True) -> Bucket:
     """One bucket, packed by the trainer's own packer into its own buffer (shared memory, as the tensor transport's)."""
     allocate = TensorTransport(torch.device("cpu")).allocate if shared else (lambda n: torch.empty(n, dtype=torch.uint8))
-    (bucket,) = BucketPacker(1 << 30, allocate, dtype).pack(named)
+    # As large as the tensors: a shared buffer a server still maps outlives the test (RAM, in /dev/shm).
+    (bucket,) = BucketPacker(sum(t.numel() for _, t in named) * dtype.itemsize, allocate, dtype).pack(named)
     return bucket
 
 

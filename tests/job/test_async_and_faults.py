@@ -359,6 +359,9 @@ def test_a_sync_job_killed_past_its_checkpoint_trains_each_served_batch_once_aft
             trained[key] = step
     consumed = {g for g, state in group_states(run_dir).items() if state == "consumed"}
     assert consumed == {g for g, _ in trained}  # every served group trained, once, in a surviving step
+    # ... and the buffer says so itself: each group's recorded step is the surviving step that trained it
+    recorded = buffer_query(run_dir, "SELECT group_index, trained_step FROM groups WHERE state = 'consumed'")
+    assert recorded == {g: step for (g, _), step in trained.items()}
 
 
 def test_the_short_chaos_bench_kills_each_kind_and_nothing_is_lost_or_trained_twice(tmp_path):
@@ -375,4 +378,5 @@ def test_the_short_chaos_bench_kills_each_kind_and_nothing_is_lost_or_trained_tw
     assert all(r["recovery_s"] is not None and r["recovery_s"] <= 90 for r in report["recoveries"]), report["recoveries"]
     assert report["samples_trained_twice"] == report["served_never_trained"] == report["trained_never_served"] == 0
     assert report["samples_per_task_max"] == 1 and set(report["tasks"]) <= {"done", "queued"}, report
+    assert report["buffer_disagrees_with_training"] == 0  # the buffer's trained steps are the surviving training
     assert report["shared_memory_left_mib"] == 0  # a killed trainer's weight buckets are RAM: none is left behind
