@@ -112,3 +112,19 @@ def test_auto_transport_is_tensor_exactly_when_every_server_is_on_this_host():
     assert choose_transport("auto", [f"http://{ours[0]}:30001", elsewhere]) == "distributed"
     assert choose_transport("auto", [elsewhere], lora=True) == "disk"  # SGLang loads adapters by tensor or path
     assert choose_transport("disk", ["http://127.0.0.1:30000"]) == "disk"  # a chosen transport stays chosen
+
+
+def test_a_bucket_is_no_larger_than_the_checkpoint(tiny_model, tmp_path):
+    """A small model's buckets are sized to it, not to ``--update-weight-buffer-size`` (each bucket is
+    RAM in /dev/shm on a CPU); a model larger than the flag is cut into buckets of the flag's size."""
+    from pathlib import Path
+
+    from inverted.train.weight_sync import make_weight_sync
+
+    model = tiny_model("qwen2")
+    stored = sum(f.stat().st_size for f in Path(model).glob("*.safetensors"))
+    cfg = from_flags(TrainConfig, hf_checkpoint=str(model), update_weight_transport="tensor")
+    sync = make_weight_sync(cfg.sync, str(model), str(tmp_path), ["http://127.0.0.1:30000"])
+    assert 0 < sync.buffer_size == stored < cfg.sync.update_weight_buffer_size
+    cfg = from_flags(TrainConfig, hf_checkpoint=str(model), update_weight_buffer_size=2**20)
+    assert make_weight_sync(cfg.sync, str(model), str(tmp_path), ["http://127.0.0.1:30000"]).buffer_size == min(stored, 2**20)

@@ -52,5 +52,8 @@ def make_weight_sync(cfg: WeightSyncConfig, hf_checkpoint: str, output_dir: str,
     else:
         transport = DiskTransport(device, cfg.update_weight_disk_dir or f"{output_dir}/weight_updates", hf_checkpoint)
     checkpoint_dtype = json.loads((Path(hf_checkpoint) / "config.json").read_text()).get("torch_dtype")
-    return WeightSync(transport, urls, buffer_size=cfg.update_weight_buffer_size, pause_mode=cfg.pause_mode,
-                      keys=keys, checkpoint_dtype=checkpoint_dtype, adapter=adapter)
+    # A bucket no larger than the checkpoint: a small model's buckets would otherwise take the whole
+    # --update-weight-buffer-size each (on a CPU, RAM in /dev/shm; the bytes are written to share them).
+    stored = sum(f.stat().st_size for f in Path(hf_checkpoint).glob("*.safetensors"))
+    return WeightSync(transport, urls, buffer_size=min(cfg.update_weight_buffer_size, stored or cfg.update_weight_buffer_size),
+                      pause_mode=cfg.pause_mode, keys=keys, checkpoint_dtype=checkpoint_dtype, adapter=adapter)
