@@ -76,7 +76,10 @@ def step_and_sync(cfg: TrainConfig, samples, urls: list[str], probe: list[int], 
         trainer = Trainer(cfg)
         trainer.train(samples)
         sync = make_weight_sync(cfg.sync, cfg.hf_checkpoint, cfg.output_dir, urls, adapter=trainer.adapter_config())
-        report = trainer.sync_weights(sync, "1")
+        try:
+            report = trainer.sync_weights(sync, "1")
+        finally:
+            sync.release()  # its buckets' shared memory: the servers keep what they mapped
         # through the schedule, so that pipeline stages hand the activations on
         probe_mbs = pack([probe], [len(probe) - 1], [0], len(probe), multiple_of=trainer.pad_to)
         logprobs = trainer._no_grad_logprobs(trainer.model, probe_mbs)[0].cpu()
@@ -128,25 +131,28 @@ def grpo_loop(cfg: TrainConfig, url: str, steps: int, out: str) -> None:
 
     with parallel_group(cfg):
         trainer, sync, rng = Trainer(cfg), make_weight_sync(cfg.sync, cfg.hf_checkpoint, cfg.output_dir, [url]), random.Random(0)
-        history = []
-        for step in range(steps):
-            prompts = [[rng.randrange(3, 1000) for _ in range(4)] for _ in range(16)]
-            answers = httpx.post(url + "/generate", timeout=120, json={
-                "input_ids": prompts, "return_logprob": True,
-                "sampling_params": {"max_new_tokens": 3, "temperature": 1.0, "n": 8, "ignore_eos": True}}).json()
-            samples = []
-            for j, answer in enumerate(answers):
-                ids = answer["output_ids"]
-                samples.append(Sample(
-                    group_index=j // 8, index=j, tokens=prompts[j // 8] + ids, response_length=len(ids),
-                    loss_mask=[1] * len(ids), rollout_log_probs=[t[0] for t in answer["meta_info"]["output_token_logprobs"]],
-                    weight_versions=[answer["meta_info"]["weight_version"]] * len(ids),
-                    reward=float(ids[0] in GOOD_FIRST_TOKENS), status=Sample.Status.COMPLETED))
-            metrics = trainer.train(samples)
-            trainer.sync_weights(sync, str(step + 1))
-            history.append({"reward": sum(s.reward for s in samples) / len(samples),
-                            "versions": sorted({v for s in samples for v in s.weight_versions}),
-                            "mismatch": metrics["train/train_rollout_logprob_abs_diff"]})
+        try:
+            history = []
+            for step in range(steps):
+                prompts = [[rng.randrange(3, 1000) for _ in range(4)] for _ in range(16)]
+                answers = httpx.post(url + "/generate", timeout=120, json={
+                    "input_ids": prompts, "return_logprob": True,
+                    "sampling_params": {"max_new_tokens": 3, "temperature": 1.0, "n": 8, "ignore_eos": True}}).json()
+                samples = []
+                for j, answer in enumerate(answers):
+                    ids = answer["output_ids"]
+                    samples.append(Sample(
+                        group_index=j // 8, index=j, tokens=prompts[j // 8] + ids, response_length=len(ids),
+                        loss_mask=[1] * len(ids), rollout_log_probs=[t[0] for t in answer["meta_info"]["output_token_logprobs"]],
+                        weight_versions=[answer["meta_info"]["weight_version"]] * len(ids),
+                        reward=float(ids[0] in GOOD_FIRST_TOKENS), status=Sample.Status.COMPLETED))
+                metrics = trainer.train(samples)
+                trainer.sync_weights(sync, str(step + 1))
+                history.append({"reward": sum(s.reward for s in samples) / len(samples),
+                                "versions": sorted({v for s in samples for v in s.weight_versions}),
+                                "mismatch": metrics["train/train_rollout_logprob_abs_diff"]})
+        finally:
+            sync.release()  # its buckets' shared memory: the server keeps what it mapped
         torch.save(history, out)
 
 
