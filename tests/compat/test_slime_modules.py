@@ -124,6 +124,7 @@ def test_the_sft_rollout_fills_samples_from_conversations(tokenizer, tiny_model)
             (ids, mask[first:], len(mask) - first, 0)
 
 
+@pytest.mark.slow  # a whole job: left out of make test-fast
 def test_slimes_generate_and_rm_group_in_a_job(tiny_model, tmp_path):
     """A rollout function of slime's shape that leaves generation and reward to slime's own default
     path, ``generate_and_rm_group``, with ``--rm-type``: every Sample is generated through the router
@@ -188,6 +189,7 @@ def test_slimes_small_helpers_behave_as_slimes(tiny_model):
     assert build_sglang_meta_trace_attrs({"prompt_tokens": 3, "weight_version": "1"}) == {"prompt_tokens": 3}
 
 
+@pytest.mark.slow  # a whole job: left out of make test-fast
 def test_slimes_sft_rollout_trains_with_sft_loss_in_a_job(tiny_model, tmp_path):
     """slime's SFT recipe, unchanged: its ``sft_rollout`` turns conversations into Samples with no
     logprobs, and ``--loss-type sft_loss`` trains on them; the NLL falls."""

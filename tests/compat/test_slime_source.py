@@ -47,6 +47,7 @@ def conversations(count: int, rng=None) -> list[dict]:
                        {"role": "assistant", "content": f"It is {i + 1}."}]} for i in range(count)]
 
 
+@pytest.mark.slow  # a whole job: left out of make test-fast
 def test_slimes_sft_rollout_copied_into_a_users_tree_trains(tiny_model, tmp_path):
     tree = tmp_path / "tree"
     tree.mkdir()

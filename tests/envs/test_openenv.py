@@ -129,6 +129,7 @@ def test_a_server_that_cannot_start_and_a_driver_that_does_not_exist_get_clear_e
         asyncio.run(openenv.episode(task, None, driver="envs.guess_number"))
 
 
+@pytest.mark.slow  # a whole job: left out of make test-fast
 def test_a_debug_rollout_only_job_plays_the_environment_the_command_line_names(tiny_model, tmp_path, capsys):
     prompts, data = tmp_path / "p.jsonl", tmp_path / "rollout.jsonl"
     openenv.main(["--driver", "tests.envs.test_openenv", "--app", APP, "--out", str(prompts), "--count", "2",

@@ -101,6 +101,7 @@ def test_environments_it_cannot_run_get_clear_errors(tmp_path, capsys):
     assert "argument --args: must be a JSON object" in capsys.readouterr().err and not (tmp_path / "x.jsonl").exists()
 
 
+@pytest.mark.slow  # a whole job: left out of make test-fast
 def test_a_debug_rollout_only_job_plays_the_environment_the_command_line_names(tiny_model, tmp_path, capsys):
     prompts, data = tmp_path / "p.jsonl", tmp_path / "rollout.jsonl"
     env.main(["--env", REASONING_GYM, "--args", json.dumps(GYM_ARGS), "--out", str(prompts), "--count", "2"])

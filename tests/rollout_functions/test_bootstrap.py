@@ -173,6 +173,7 @@ def test_a_scripted_session_refuses_what_it_cannot_answer_and_says_why(tiny_mode
     asyncio.run(play())
 
 
+@pytest.mark.slow  # a whole job: left out of make test-fast
 def test_stage_2_reads_stage_1s_buffer_trains_the_replays_and_evaluates_both_agents(tiny_model, procs, tmp_path):
     model = tiny_model()
     engine = procs.engine(model)

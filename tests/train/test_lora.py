@@ -121,6 +121,7 @@ def test_lora_pp2_dp2_equals_one_process_and_exports(tiny_model, tmp_path):
                                                                          "train/entropy", "train/grad_norm", "train/loss_tokens"))
 
 
+@pytest.mark.slow  # a whole job: left out of make test-fast
 def test_lora_resume_equals_the_uninterrupted_run_and_exports_an_adapter_or_a_merged_model(tiny_model, tmp_path):
     """2 rollouts straight == 1, save (the adapter only), resume, 1 more; the checkpoint exports as a PEFT
     adapter that peft loads, and merged (--merge-lora) as a model that transformers loads: the same logits."""

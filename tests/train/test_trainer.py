@@ -154,6 +154,7 @@ def check_resume_equals_straight(common: list[str], total: int, stop: int, root)
     return a
 
 
+@pytest.mark.slow  # a whole job: left out of make test-fast
 def test_resume_reproduces_the_uninterrupted_run_and_exports(tiny_model, tmp_path):
     """3 rollouts, save, resume, 2 more == 5 rollouts straight; the checkpoint exports to HF."""
     data = tmp_path / "rollout_{rollout_id}.jsonl"
