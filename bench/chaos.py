@@ -42,7 +42,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED_MEMORY = Path("/dev/shm")
 KINDS = ("engine", "router", "proxy", "buffer", "trainer", "job")
 # How each kind shows on a command line (sgl-router names its process ``sglang::router``).
 COMMANDS = {"engine": "serve-engine", "router": "sglang::router", "proxy": "inverted.cli proxy",
@@ -216,11 +215,12 @@ def main() -> None:
         work = Path(args.work or tmp)
         work.mkdir(parents=True, exist_ok=True)
         make_inputs(work)
-        started, shared_before = time.monotonic(), set(SHARED_MEMORY.glob("torch_*"))
+        from inverted.train.weight_sync.transports import shared_buckets
+
+        started, shared_before = time.monotonic(), shared_buckets()
         report = {"kills": args.kills, "rollouts": args.rollouts, **chaos(args, work)}
         # A killed trainer's weight buckets are RAM until someone unlinks them: the job must.
-        report["shared_memory_left_mib"] = round(sum(f.stat().st_size for f in set(SHARED_MEMORY.glob("torch_*"))
-                                                     - shared_before) / 2**20)
+        report["shared_memory_left_mib"] = round(sum(f.stat().st_size for f in shared_buckets() - shared_before) / 2**20)
         report["kinds_killed"] = sorted({r["kind"].split()[0] for r in report["recoveries"]})
         report["chaos_run_s"] = round(time.monotonic() - started, 1)
         if not args.no_baseline:

@@ -31,6 +31,7 @@ import pytest
 
 from envs import long_tail
 from envs.datasets import write_dataset
+from inverted.train.weight_sync.transports import shared_buckets
 from inverted.types import Sample, version_number
 from tests.job.test_train_job import ROOT, metrics_rows, stored_samples
 
@@ -152,7 +153,7 @@ def test_async_one_step_off_with_partial_rollouts_survives_a_job_kill(tiny_model
             "128", "--save-interval", "1", "--save-debug-rollout-data", str(run_dir / "trained" / "{rollout_id}.jsonl"),
             *RUN]
 
-    shared_before = set(Path("/dev/shm").glob("torch_*"))
+    shared_before = shared_buckets()
     # More rollouts than it will reach: it is killed at the first look that finds a finished group
     # waiting (from step 3 on; on a fast machine that can take a few steps), and the resumed job
     # then runs 6 steps past the checkpoint. 64 prompts of 2 per rollout last 32 rollouts.
@@ -176,7 +177,7 @@ def test_async_one_step_off_with_partial_rollouts_survives_a_job_kill(tiny_model
     while processes_with(str(model)) and time.monotonic() < deadline:  # servers go when their Ray worker does
         time.sleep(0.5)
     assert processes_with(str(model)) == []  # nothing of the killed job lives on
-    left = set(Path("/dev/shm").glob("torch_*")) - shared_before  # a killed trainer cannot unlink its buckets ...
+    left = shared_buckets() - shared_before  # a killed trainer cannot unlink its buckets ...
     resumed_at = latest_checkpoint(run_dir)
     end = resumed_at + 6
     waiting = {g for g, state in group_states(run_dir).items() if state == "complete"}
@@ -184,7 +185,7 @@ def test_async_one_step_off_with_partial_rollouts_survives_a_job_kill(tiny_model
 
     second = start_job(*args, "--num-rollout", str(end), "--load", str(run_dir / "checkpoints"), log=tmp_path / "second.log")
     finish(second, tmp_path / "second.log")
-    assert left and set(Path("/dev/shm").glob("torch_*")) <= shared_before  # ... the resumed job did
+    assert left and shared_buckets() <= shared_before  # ... the resumed job did
 
     resumed = metrics_rows(run_dir)[rows_before:]
     assert [m["step"] for m in resumed] == list(range(resumed_at, end))  # on from the step after the checkpoint

@@ -22,6 +22,7 @@ import pytest
 
 from envs.calculator import rows as calculator_rows
 from envs.datasets import write_dataset
+from inverted.train.weight_sync.transports import shared_buckets
 from inverted.types import Sample
 
 pytestmark = pytest.mark.slow  # whole jobs: left out of make test-fast
@@ -83,9 +84,9 @@ def test_train_end_to_end_with_a_multi_turn_tool_env(tiny_model, tmp_path, calcu
     args = ["train", "--hf-checkpoint", str(tiny_model()), "--prompt-data", str(calculator_data), "--env-path",
             "flaky_env:episode", "--output-dir", str(run_dir), "--eval-interval", "2", "--eval-prompt-data",
             str(eval_data), "--colocate", "--pipeline-model-parallel-size", "2", "--actor-num-gpus-per-node", "2", *SMALL_RUN]
-    shared_before = set(Path("/dev/shm").glob("torch_*"))
+    shared_before = shared_buckets()
     check(inverted(*args, "--num-rollout", "1", pythonpath=tmp_path))
-    assert set(Path("/dev/shm").glob("torch_*")) <= shared_before  # the weight buckets' shared memory is given back
+    assert shared_buckets() <= shared_before  # the weight buckets' shared memory is given back
     refused = inverted(*args, "--num-rollout", "2", pythonpath=tmp_path)  # the same directory, not resumed
     assert refused.returncode == 2 and f"--output-dir {run_dir} holds an earlier run: resume it with --load" in refused.stderr
     # Resume: the trainer continues from its checkpoint, the buffer from its file, the fresh servers get

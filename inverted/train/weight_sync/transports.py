@@ -95,10 +95,15 @@ async def all_servers(calls) -> None:
 SHARED_MEMORY = Path("/dev/shm")
 
 
+def shared_buckets(pid: int | str = "*") -> set[Path]:
+    """The shared-memory bucket files of process ``pid`` (of every process by default) on this node:
+    torch names each ``torch_<pid>_<random>_<n>`` after the process that made it."""
+    return set(SHARED_MEMORY.glob(f"torch_{pid}_*"))
+
+
 def reap_buckets(pids: list[int], wait_s: float = 0.0) -> int:
     """Unlink the shared-memory buckets that processes ``pids`` made and died without unlinking; how many.
 
-    A CPU bucket is a file torch names ``torch_<pid>_<random>_<n>`` after the process that made it.
     A trainer that is killed (a SIGKILL, Ray ending its actor) never reaches ``release``, and its
     buckets then outlive it: each is RAM, a whole bucket (512 MiB by default). Files of a process
     still alive after ``wait_s`` (for one just killed to exit) are left alone; a server that maps
@@ -111,7 +116,7 @@ def reap_buckets(pids: list[int], wait_s: float = 0.0) -> int:
     for pid in pids:
         if alive(pid):
             continue
-        for path in SHARED_MEMORY.glob(f"torch_{pid}_*"):
+        for path in shared_buckets(pid):
             path.unlink(missing_ok=True)
             reaped += 1
     return reaped
