@@ -5,17 +5,20 @@ and their rewards vary. ``--kills`` times, at a random moment (``--gap`` seconds
 bench sends SIGKILL to one of the job's own processes, found by its command line in the job's
 session, of a random kind:
 
-- ``engine``, ``router``, ``proxy``, ``buffer``: the job heals them itself (a replacement server;
-  the service again at its address); the recovery is the time until the job's log says so;
-- ``trainer`` (the Ray actor): the job cannot heal it yet, so it stops; the bench resumes it with
-  ``--load`` (the job checkpoints every step: ``--save-interval 1``);
-- ``job``: the whole process group, then the same resume.
+- ``engine``, ``router``, ``proxy``, ``buffer``, ``trainer`` (a rank, the Ray actor): the job heals
+  them itself (a replacement server; the service again at its address; a new trainer from the
+  latest checkpoint, which trains again the batches served since); the recovery is the time until
+  the job's log says so;
+- ``job``: the whole process group; the bench resumes it with ``--load``.
+
+The job checkpoints every ``--save-interval`` steps (4 by default), so a restarted trainer and a
+resumed job each train again the steps since their checkpoint.
 
 A resume's recovery is the time from the kill until the resumed job logs a step. At the end it
 reads the buffer's file and what each step trained (``--save-debug-rollout-data``, one file per
-step, written again by a resumed step) and reports each task's outcome: its group trained (in the
-step the buffer recorded, checked against the files), filtered, failed, dropped as stale, or left
-queued or waiting; the Samples trained in two surviving steps; the Samples served to a step but in
+step, written again by a resumed step) and reports each task's outcome: the rollout that played it,
+and its group trained (in the step the buffer recorded, checked against the files), filtered,
+failed, dropped as stale, or left queued or waiting; the Samples trained in two surviving steps; the Samples served to a step but in
 no surviving step's training (lost); the aborted episodes played again; and the shared memory (RAM)
 that killed trainers' weight buckets left behind. Then it runs the same job undisturbed, with the
 same seed, and compares the final held-out reward.
@@ -48,7 +51,7 @@ COMMANDS = {"engine": "serve-engine", "router": "sglang::router", "proxy": "inve
             "buffer": "inverted.cli buffer", "trainer": "ray::TrainActor"}
 # What the job logs once it has healed each kind itself.
 HEALED = {"engine": " replaces ", "router": "the router is back at", "proxy": "the proxy is back at",
-          "buffer": "the buffer is back at"}
+          "buffer": "the buffer is back at", "trainer": "the trainer is back at step"}
 
 
 def session_pids(sid: int, text: str) -> list[int]:
@@ -78,7 +81,7 @@ class Job:
         self.flags = ["--config", str(ROOT / "examples/demo.yaml"), "--hf-checkpoint", str(work / "model"),
                       "--prompt-data", str(work / "letters.jsonl"), "--eval-prompt-data", str(work / "letters-eval.jsonl"),
                       "--output-dir", str(self.run), "--num-rollout", str(args.rollouts), "--eval-interval",
-                      str(args.rollouts), "--save-interval", "1", "--seed", str(args.seed), "--log-level", "warning",
+                      str(args.rollouts), "--save-interval", str(args.save_interval), "--seed", str(args.seed), "--log-level", "warning",
                       # what each step trained, one file per step: a resumed step writes its file again
                       "--save-debug-rollout-data", str(self.run / "trained" / "{rollout_id}.jsonl")]
         self.process: subprocess.Popen | None = None
@@ -153,9 +156,7 @@ def chaos(args: argparse.Namespace, work: Path) -> dict:
             recovered = wait(lambda: job.log.read_text().count(HEALED[kind]) > healed or not job.running, 300)
             if not job.running and job.process.returncode == 0:
                 break  # the run ended meanwhile: nothing to heal
-        if kind not in HEALED or not job.running:  # it stopped (the trainer's death stops it): resume it
-            if kind == "trainer" and wait(lambda: not job.running, 120) is None:
-                job.kill()
+        if kind not in HEALED or not job.running:  # it stopped (a kind it could not heal): resume it
             if kind in HEALED:
                 kind += " (stopped the job)"
             job.start()
@@ -179,6 +180,7 @@ def outcomes(run: Path) -> dict:
         samples_per_task = db.execute("SELECT MAX(n) FROM (SELECT COUNT(*) n FROM samples "
                                       "GROUP BY group_index, sample_index)").fetchone()[0]
         trained_steps = dict(db.execute("SELECT group_index, trained_step FROM groups WHERE state = 'consumed'"))
+        unplayed = db.execute("SELECT COUNT(*) FROM samples WHERE rollout_id IS NULL").fetchone()[0]
     trained: dict[tuple[int, int], int] = {}
     twice = 0
     for path in sorted((run / "trained").glob("*.jsonl")):
@@ -195,6 +197,7 @@ def outcomes(run: Path) -> dict:
             # the buffer's own record (each served group's training step) against the surviving training
             "buffer_disagrees_with_training": sum(trained_steps.get(g) != step for (g, _), step in trained.items())
             + sum(step is None for step in trained_steps.values()),
+            "samples_without_their_rollout": unplayed,  # the buffer names the rollout that played each task
             "steps_written_again": len(rows) - len({r["step"] for r in rows}),
             "aborted_played_again": counters.get("samples_requeued_aborted", 0),
             "leases_released": counters.get("leases_released", 0),
@@ -207,6 +210,7 @@ def main() -> None:
     parser.add_argument("--rollouts", type=int, default=100, help="the job's --num-rollout")
     parser.add_argument("--gap", type=float, default=6.0, help="most seconds from a recovery to the next kill")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--save-interval", type=int, default=4, help="the job's --save-interval")
     parser.add_argument("--no-baseline", action="store_true", help="skip the undisturbed run")
     parser.add_argument("--out", help="write the JSON here too")
     parser.add_argument("--work", help="keep the runs and their logs here (default: a temporary directory)")

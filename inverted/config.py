@@ -632,9 +632,14 @@ class CheckpointConfig:
     load: str | None = option(None, "checkpoint directory to resume from (its latest step); overrides the HF weights", path=True)
     save: str | None = option(None, "directory to write checkpoints into", path=True)
     save_interval: int = option(0, "save every N rollouts (0: only at the end, when --save is set)")
+    restart_save_interval: int = option(
+        1, "keep the trainer's own state every N rollouts in OUTPUT_DIR/restart (the latest only, written while "
+        "episodes run), from which a trainer whose rank died restarts; 0: none (it restarts from the last --save "
+        "checkpoint, or the start, and trains again every batch since)")
 
     def __post_init__(self) -> None:
         _require(self.save_interval >= 0, "--save-interval", self.save_interval, ">= 0")
+        _require(self.restart_save_interval >= 0, "--restart-save-interval", self.restart_save_interval, ">= 0")
 
 
 @dataclass(kw_only=True, slots=True)

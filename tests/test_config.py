@@ -24,7 +24,7 @@ FROZEN_FLAGS = {
               "--kl-loss-type", "--load", "--load-debug-rollout-data", "--log-level", "--loss-aggregation", "--lr",
               "--max-tokens-per-gpu", "--logprob-chunk-size", "--recompute-granularity",
               "--recompute-method", "--recompute-num-layers", "--num-rollout", "--output-dir", "--pipeline-model-parallel-size", "--reward-key",
-              "--rollout-temperature", "--save", "--save-interval", "--seed", "--tensor-model-parallel-size", "--tis-clip",
+              "--rollout-temperature", "--restart-save-interval", "--save", "--save-interval", "--seed", "--tensor-model-parallel-size", "--tis-clip",
               "--tis-clip-low", "--use-distributed-optimizer", "--use-kl-loss", "--use-tis", "--weight-decay", "--lora-rank", "--lora-alpha", "--lora-dropout", "--target-modules", "--lora-adapter-path",
               "--moe-aux-loss-coeff", "--use-rollout-routing-replay", "--use-routing-replay", "--sequence-parallel"} | {
         # the main job's other sections: rollout, buffer (dataset and groups), proxy knobs, servers

@@ -55,7 +55,7 @@ CREATE TABLE IF NOT EXISTS tasks (
 CREATE INDEX IF NOT EXISTS tasks_by_state ON tasks (state, lease_expires);
 CREATE TABLE IF NOT EXISTS samples (
     group_index INTEGER NOT NULL, sample_index INTEGER NOT NULL, sample BLOB NOT NULL,
-    min_version INTEGER, failed INTEGER NOT NULL, PRIMARY KEY (group_index, sample_index));
+    min_version INTEGER, failed INTEGER NOT NULL, rollout_id INTEGER, PRIMARY KEY (group_index, sample_index));
 CREATE TABLE IF NOT EXISTS replies (request_id TEXT PRIMARY KEY, kind TEXT NOT NULL, reply BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 """
@@ -103,8 +103,9 @@ class SQLiteStore:
         for pragma in ("journal_mode=WAL", "synchronous=FULL", "busy_timeout=10000"):
             self._db.execute(f"PRAGMA {pragma}")
         self._db.executescript(SCHEMA)
-        if "trained_step" not in {row[1] for row in self._db.execute("PRAGMA table_info(groups)")}:
-            self._db.execute("ALTER TABLE groups ADD COLUMN trained_step INTEGER")  # a file from before it was kept
+        for table, column in (("groups", "trained_step"), ("samples", "rollout_id")):  # a file from before they were kept
+            if column not in {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}:
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} INTEGER")
         with self._tx():
             self._init_meta(prompts)
         self.num_prompts = self._db.execute("SELECT COUNT(*) FROM prompts").fetchone()[0]
@@ -280,10 +281,12 @@ class SQLiteStore:
                     self._count("samples_requeued_partial" if keep else "samples_requeued_aborted")
                     result.requeued += 1
                     continue
-                rows.append((*key, blobs[position], lowest[position], sample.status == Sample.Status.FAILED))
+                rows.append((*key, blobs[position], lowest[position], sample.status == Sample.Status.FAILED,
+                             sample.metadata.get("rollout_id")))
                 done.append(key)
                 touched.add(sample.group_index)
-            db.executemany("INSERT INTO samples (group_index, sample_index, sample, min_version, failed) VALUES (?, ?, ?, ?, ?)", rows)
+            db.executemany("INSERT INTO samples (group_index, sample_index, sample, min_version, failed, rollout_id) "
+                           "VALUES (?, ?, ?, ?, ?, ?)", rows)
             db.executemany("UPDATE tasks SET state = 'done', partial = NULL WHERE group_index = ? AND sample_index = ?", done)
             result.accepted = len(rows)
             for group in sorted(touched):

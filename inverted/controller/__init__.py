@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -30,8 +31,8 @@ import yaml
 from inverted.buffer.filters import load_group_chooser, load_group_filter
 from inverted.config import JobConfig, plugin_flags, to_flags
 from inverted.controller.async_loop import AsyncLoop
-from inverted.controller.job import Job, Plugins
-from inverted.controller.rollouts import checkpoint_dir, evaluate, job_flags, read_prompts, summary
+from inverted.controller.job import Job, Plugins, checkpoint_dir, restart_dir
+from inverted.controller.rollouts import evaluate, job_flags, read_prompts, summary
 from inverted.controller.sync_loop import SyncLoop
 from inverted.errors import ConfigError
 from inverted.metrics import MetricsSink, build_metrics_sink, plot_rewards
@@ -122,9 +123,12 @@ async def drive(cfg: JobConfig, job: Job, plugins: Plugins, sink: MetricsSink, r
             last = rollout_id + 1 == cfg.train.num_rollout
             if evaluating and (last or (rollout_id + 1) % cfg.rollout.eval_interval == 0):
                 await evaluate_and_log(cfg, job, plugins, sink, rollout_id + 1)
-            every = cfg.train.ckpt.save_interval
+            every, restart = cfg.train.ckpt.save_interval, cfg.train.ckpt.restart_save_interval
             if job.trainer and (last or (every and (rollout_id + 1) % every == 0)):
                 await job.trainer_call("save", checkpoint_dir(cfg.train))
+            elif job.trainer and restart and (rollout_id + 1) % restart == 0:  # written during the next rollout
+                await job.trainer_call("save_for_restart", restart_dir(cfg.train))
     if job.trainer and start < cfg.train.num_rollout:
         out = await job.trainer_call("export_hf", checkpoint_dir(cfg.train), str(run_dir / "hf"))
         logger.info("final policy exported to %s", out)
+        shutil.rmtree(restart_dir(cfg.train), ignore_errors=True)  # the final checkpoint holds more

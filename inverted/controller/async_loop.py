@@ -29,7 +29,7 @@ import logging
 import time
 
 from inverted.config import JobConfig
-from inverted.controller.job import Job, Plugins
+from inverted.controller.job import Job, Plugins, batch_name
 from inverted.controller.rollouts import context, run_rollout, step_row, sync_when_due, take_batch
 from inverted.errors import ServiceUnavailable
 from inverted.types import Sample, Task
@@ -121,7 +121,7 @@ class AsyncLoop:
             # earlier checkpoint, trains this step on the same groups instead of losing them.
             batch = await self.job.buffer.next_batch(num_groups=self.batch_groups, current_weight_version=rollout_id,
                                                      max_weight_staleness=self.staleness, timeout_s=POLL_S,
-                                                     request_id=f"batch:{rollout_id}")
+                                                     request_id=batch_name(rollout_id))
             if batch.groups:
                 return batch
             if self.exhausted and not self.running:

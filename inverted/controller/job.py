@@ -15,6 +15,16 @@ Supervision (``supervise``, a background task beside the loop) heals, every seco
   current weights and version, then registered; the servers of a lost node are replaced side by
   side. A call that was on a dead server (or went through a dead router) is sampled again by the
   proxy on whichever server answers (``--proxy-server-loss-wait``), so its episode goes on.
+- a trainer rank: every rank goes (its collectives cannot go on without it) and a new trainer group
+  starts from the latest state saved: the trainer's own, kept every ``--restart-save-interval``
+  steps while episodes run, or a ``--save`` checkpoint, or else the ``--hf-checkpoint``. It trains
+  again, in order, the batches the buffer served to every step since (``batch_name``), so it
+  stands where the dead one stood, and the call it died in is made again. The servers keep their
+  weights meanwhile: the restarted trainer pushes nothing until it has reached the step the dead
+  one reached, so weight versions stay totally ordered. The buffer records each batch's step once
+  (``Job.train``), so a replayed batch is no Sample trained twice: its training is redone, from
+  the checkpoint, in the step it belongs to. Replaying costs a training step per step since the
+  state it started from.
 Deaths and restarts are logged and counted (``faults/*`` metrics). A service that dies again
 during its restart stops the job with its name, exit code and log tail.
 
@@ -23,7 +33,7 @@ trains is served as ``POLICY_ADAPTER``, which the proxy and the rollout context 
 call (``Job.adapter``), and a replacement server gets it before it serves.
 
 Every call into the trainer goes through one lock, so a replacement's weight sync never
-interleaves with a training step or another sync.
+interleaves with a training step or another sync, and a trainer restart with neither.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ import json
 import logging
 import secrets
 import sys
+import time
 from collections import Counter
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -43,7 +54,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 import yaml
 
 from inverted.buffer.client import Batch, BufferClient
-from inverted.config import JobConfig, RolloutConfig, flag_name, to_flags
+from inverted.config import JobConfig, RolloutConfig, TrainConfig, flag_name, to_flags
 from inverted.errors import ConfigError, PluginError
 from inverted.placement import node_resource, ray_launch, start_ray
 from inverted.plugins import (Keywords, RewardModel, RolloutFunction, load_hook, load_optional, load_rollout_function,
@@ -51,7 +62,8 @@ from inverted.plugins import (Keywords, RewardModel, RolloutFunction, load_hook,
 from inverted.processes import ManagedProcess, free_port
 from inverted.rollout.servers import ROUTED_EXPERTS_ARGV, RolloutServers, ServerHandle, lora_argv
 from inverted.rollout.sglang_client import SGLangClient, ServerKeys
-from inverted.types import POLICY_ADAPTER, Sample
+from inverted.train.actor import RankDied, TrainGroup
+from inverted.types import POLICY_ADAPTER
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +76,27 @@ T = TypeVar("T")
 
 
 SINGLE_TURN = "rollout_functions.single_turn:generate_rollout"
+
+
+def batch_name(step: int) -> str:
+    """The request id under which the buffer serves training step ``step`` its batch: a resumed or
+    restarted trainer finds the batches the steps it lost were served (``BufferClient.served_batch``)."""
+    return f"batch:{step}"
+
+
+def checkpoint_dir(train: TrainConfig) -> str:
+    return train.ckpt.save or str(Path(train.output_dir) / "checkpoints")
+
+
+def restart_dir(train: TrainConfig) -> str:
+    """Where the trainer keeps its latest state for a restart (``--restart-save-interval``)."""
+    return str(Path(train.output_dir) / "restart")
+
+
+def latest_step(root: str | None) -> int:
+    """The step a checkpoint directory's latest iteration resumes at (-1: none)."""
+    marker = Path(root) / "latest" if root else None
+    return int(marker.read_text().strip().removeprefix("iter_")) if marker and marker.exists() else -1
 
 
 @dataclasses.dataclass(slots=True)
@@ -163,7 +196,8 @@ class Job:
         self.cfg, self.router_args, self.sglang_args, self.process_setup = cfg, router_args, sglang_args, process_setup
         self.run_dir = Path(cfg.train.output_dir)
         self.processes: list[ManagedProcess] = []
-        self.trainer = None
+        self.trainer: TrainGroup | None = None
+        self.next_step = 0  # the trainer's next step: what a restarted trainer replays up to
         self.version = 0  # the weight version the servers hold (the trainer's step at its last sync)
         self.weight_version = "default"  # the same as the servers name it (SGLang's before any update)
         self.lora = _lora_config(cfg)  # a LoRA run's adapter: the servers serve it as the policy
@@ -173,7 +207,8 @@ class Job:
         self.router_key = secrets.token_urlsafe(24)  # /generate's, at the router and at the servers
         self.server_keys = ServerKeys(api=self.router_key, admin=self.engine_key)
         # reported from the first row on
-        self.faults: Counter[str] = Counter(engine_deaths=0, engine_restarts=0, service_restarts=0)
+        self.faults: Counter[str] = Counter(engine_deaths=0, engine_restarts=0, service_restarts=0,
+                                            trainer_restarts=0)
         self._trainer_lock = asyncio.Lock()
         self._heal_lock = asyncio.Lock()
         self._stack = AsyncExitStack()
@@ -228,11 +263,14 @@ class Job:
         trainer = [] if cfg.rollout.debug_rollout_only else [asyncio.to_thread(self._start_trainer)]
         await asyncio.gather(self.servers.start(), asyncio.to_thread(proxy.wait_healthy, timeout), *trainer)
 
-    def _start_trainer(self) -> None:
-        from inverted.train.actor import TrainGroup
-
-        self.trainer = TrainGroup(self.cfg.train, self.process_setup, gpu_fraction=0.5 if self.cfg.loop.colocate else 1.0,
-                                  node=node_resource(self.cfg.train.parallel.actor_node_resource))
+    def _start_trainer(self, load: str | None = None) -> None:
+        """The trainer group, from ``load`` when given (else ``--load``, else ``--hf-checkpoint``)."""
+        train = self.cfg.train
+        if load is not None:
+            train = dataclasses.replace(train, ckpt=dataclasses.replace(train.ckpt, load=load))
+        self.trainer = TrainGroup(train, self.process_setup, gpu_fraction=0.5 if self.cfg.loop.colocate else 1.0,
+                                  node=node_resource(train.parallel.actor_node_resource))
+        self.next_step = max(self.next_step, self.trainer.rollout_id)
 
     async def __aexit__(self, *exc: object) -> None:
         import ray
@@ -258,15 +296,54 @@ class Job:
     async def trainer_call(self, method: str, *args: Any) -> Any:
         """``trainer.method(*args)`` in a thread, one call at a time."""
         async with self._trainer_lock:
+            return await self._call(method, *args)
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        """(The trainer lock held.) The call; if a rank dies in it, the trainer is restarted and the
+        call made again."""
+        try:
             return await asyncio.to_thread(getattr(self.trainer, method), *args)
+        except RankDied as error:
+            logger.warning("%s", error)
+        await self._restart_trainer()
+        return await asyncio.to_thread(getattr(self.trainer, method), *args)
 
     async def train(self, batch: Batch, step: int) -> dict[str, float]:
         """Training step ``step`` on the batch, once the router is known to have served only the job's
         servers; then the buffer records that this step trained it (and refuses a second step)."""
         await self.servers.verify_workers()
         metrics = await self.trainer_call("train", batch.samples)
+        self.next_step = step + 1
         await self.buffer.trained(batch.batch_id, step)
         return metrics
+
+    async def skip(self, step: int) -> None:
+        """Step ``step`` had nothing to train on: the trainer counts it all the same."""
+        await self.trainer_call("skip", step)
+        self.next_step = step + 1
+
+    async def _restart_trainer(self) -> None:
+        """(The trainer lock held.) A new trainer group in place of one with a dead rank, brought to the
+        dead one's step from the latest checkpoint by training again the batches served since."""
+        started = time.perf_counter()
+        await asyncio.to_thread(self.trainer.kill)
+        train = self.cfg.train
+        load = max((restart_dir(train), checkpoint_dir(train), train.ckpt.load), key=latest_step)
+        load = load if latest_step(load) >= 0 else None
+        logger.warning("restarting the trainer from %s; it trains again the batches served since, up to step %d",
+                       load or self.cfg.train.hf_checkpoint, self.next_step - 1)
+        await asyncio.to_thread(self._start_trainer, load)
+        start, replayed = self.trainer.rollout_id, 0
+        for step in range(start, self.next_step):
+            batch = await self.buffer.served_batch(batch_name(step))
+            if batch is None or not batch.groups:  # a step with nothing to train on
+                await asyncio.to_thread(self.trainer.skip, step)
+            else:
+                await asyncio.to_thread(self.trainer.train, batch.samples)
+                replayed += 1
+        self.faults["trainer_restarts"] += 1
+        logger.warning("the trainer is back at step %d in %.1fs: from step %d, %d batches trained again",
+                       self.next_step, time.perf_counter() - started, start, replayed)
 
     async def sync_weights(self, version: int) -> dict[str, float]:
         """Push the trainer's weights into every live server as ``version``; its metrics.
@@ -292,7 +369,7 @@ class Job:
             # The servers are read under the lock: a replacement adopted while this update waited
             # for it (with the previous version's weights) must get this one too.
             self._pushed_to = self.servers.engine_urls
-            report = await asyncio.to_thread(self.trainer.sync_weights, self._pushed_to, version, self.server_keys)
+            report = await self._call("sync_weights", self._pushed_to, version, self.server_keys)
             self.version, self.weight_version = version, str(version)
         return report
 
@@ -319,7 +396,7 @@ class Job:
 
     async def heal(self) -> None:
         """Start a dead service again at its address, the router first; then replace every rollout
-        server that died, all at once (a lost node takes several)."""
+        server that died, all at once (a lost node takes several); then a trainer with a dead rank."""
         async with self._heal_lock:
             for i, process in enumerate(self.processes):
                 if process.exited:
@@ -335,6 +412,12 @@ class Job:
             for error in results:
                 if isinstance(error, BaseException):
                     raise error
+            if self.trainer is not None and not self._trainer_lock.locked() and self.trainer.dead():
+                # (Under way, a call finds the dead rank itself, and restarts the trainer.)
+                async with self._trainer_lock:
+                    if self.trainer.dead():
+                        logger.warning("a trainer rank died between calls")
+                        await self._restart_trainer()
 
     async def _restart(self, dead: ManagedProcess) -> ManagedProcess:
         logger.warning("the %s died (exit code %s); starting it again at %s. Log tail:\n%s", dead.name,
@@ -353,7 +436,7 @@ class Job:
         engine = await self.servers.start_engine()
         async with self._trainer_lock:  # no update may pass between its weights and its adoption
             if self.trainer is not None and (self.version or self.lora):  # a LoRA policy is never on a fresh server
-                await asyncio.to_thread(self.trainer.sync_weights, [engine.url], self.version, self.server_keys)
+                await self._call("sync_weights", [engine.url], self.version, self.server_keys)
             self.servers.adopt(engine)
         await self.servers.register(engine)
         self.faults["engine_restarts"] += 1

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from inverted.buffer.datasets import load_prompts
-from inverted.config import BufferConfig, JobConfig, TrainConfig, plugin_flags
+from inverted.config import BufferConfig, JobConfig, plugin_flags
 from inverted.controller.job import Job, Plugins
 from inverted.errors import PluginError
 from inverted.plugins import DUMP_FORMATS, RolloutContext
@@ -26,10 +26,6 @@ USABLE = (Sample.Status.COMPLETED, Sample.Status.TRUNCATED)
 def read_prompts(buffer: BufferConfig, path: str):
     return load_prompts(path, input_key=buffer.input_key, label_key=buffer.label_key,
                         metadata_key=buffer.metadata_key, tool_key=buffer.tool_key)
-
-
-def checkpoint_dir(train: TrainConfig) -> str:
-    return train.ckpt.save or str(Path(train.output_dir) / "checkpoints")
 
 
 def context(cfg: JobConfig, job: Job, plugins: Plugins, rollout_id: int, evaluation: bool = False,
@@ -76,6 +72,8 @@ async def run_rollout(ctx: RolloutContext, plugins: Plugins, tasks: list[Task]) 
         raise PluginError(f"{where}: expected one Sample per task ({len(tasks)}), got "
                           f"{len(samples)}; tasks without one (group_index, index): {missing[:5]}")
     ordered = [by_key[(t.group_index, t.index)] for t in tasks]
+    for sample in ordered:  # which rollout played each task: the buffer keeps it beside the Sample
+        sample.metadata.setdefault("rollout_id", ctx.rollout_id)
     if plugins.reward is not None:
         await plugins.reward.score(ctx, ordered)
     return ordered

@@ -13,7 +13,7 @@ With ``--colocate`` the servers release their memory while the trainer trains. W
 ``--debug-rollout-only`` there is no trainer: the step ends after the batch (saved with
 ``--save-debug-rollout-data``).
 
-Each step's batch is asked for by its step (``batch:ROLLOUT_ID``). A job killed after the checkpoint
+Each step's batch is asked for by its step (``job.batch_name``). A job killed after the checkpoint
 it resumes from loses the training of the steps it made since, but not their batches: the resumed
 job's steps find the batches the dead one was served for them (``BufferClient.served_batch``) and
 train those, without a rollout, until a step finds none. So a served group is trained exactly once.
@@ -26,7 +26,7 @@ import time
 
 from inverted.buffer.client import Batch
 from inverted.config import JobConfig
-from inverted.controller.job import Job, Plugins
+from inverted.controller.job import Job, Plugins, batch_name
 from inverted.controller.rollouts import context, run_rollout, step_row, sync_when_due, take_batch
 from inverted.errors import ServiceUnavailable
 from inverted.types import Sample
@@ -50,7 +50,7 @@ class SyncLoop:
         cfg, job = self.cfg, self.job
         clock = {"started": time.perf_counter()}
         if self.replaying:
-            served = await job.buffer.served_batch(f"batch:{rollout_id}")
+            served = await job.buffer.served_batch(batch_name(rollout_id))
             self.replaying = served is not None
             if served is not None:
                 logger.warning("rollout %d: training the batch the killed run was served for this step (%d groups), "
@@ -69,7 +69,7 @@ class SyncLoop:
         await job.buffer.submit(list(zip(tasks, samples)))
         batch = await job.buffer.next_batch(num_groups=cfg.rollout.rollout_batch_size, current_weight_version=rollout_id,
                                             max_weight_staleness=cfg.loop.max_weight_staleness, allow_partial=True,
-                                            request_id=f"batch:{rollout_id}")
+                                            request_id=batch_name(rollout_id))
         clock["batched"] = time.perf_counter()
         metrics = take_batch(cfg, self.plugins, rollout_id, samples, batch.samples, clock["rolled_out"] - clock["leased"])
         failed = [s for s in samples if s.status == Sample.Status.FAILED]
@@ -95,5 +95,5 @@ class SyncLoop:
             metrics |= await sync_when_due(cfg.loop.update_weights_interval, job, rollout_id, clock)
         elif job.trainer is not None:  # every group failed or was filtered: nothing to learn, the weights stay
             logger.info("rollout %d: no group to train on; the policy stays at version %d", rollout_id, job.version)
-            await job.trainer_call("skip", rollout_id)
+            await job.skip(rollout_id)
         return await step_row(job, metrics, clock)

@@ -7,6 +7,10 @@ same time (the rendezvous needs them all). Its methods call every rank and retur
 answer: all ranks take part in training, in the tensor-parallel gathers of a weight sync and in
 saving; rank 0 alone sends the weights and reports.
 
+A call fails the moment any rank dies (``RankDied``), rather than waiting on the ranks blocked in
+a collective with it; ``dead`` tells from the ranks' pids, without a call, whether one on this node
+has died. The job then ``kill``s the group and starts another (``Job``'s supervision).
+
 A killed rank leaves its shared-memory weight buckets behind (RAM, a whole bucket each): the group
 reaps them when it shuts down, and each rank at start reaps those of the ranks an earlier run of
 the same output directory left on its node (``trainer.pids`` there names them).
@@ -16,8 +20,11 @@ Samples cross into the actors as their JSON form (``types.py``).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -38,10 +45,29 @@ RANK_EXIT_WAIT_S = 10.0  # for ranks just killed to exit before their buckets ar
 PIDS_FILE = "trainer.pids"  # in the output directory: "<node ip> <pid>" per rank of the latest run
 
 
+class RankDied(RuntimeError):
+    """A training rank's process died: the group cannot go on (its collectives need every rank)."""
+
+
+def settled(method: Callable) -> Callable:
+    """A rank's method that first waits for its background save (``save_for_restart``) to end: the
+    save reads the weights and optimizer state that every other call may change."""
+
+    @functools.wraps(method)
+    def wrapper(self: "TrainActor", *args: Any) -> Any:
+        if self.saving is not None:
+            saving, self.saving = self.saving, None
+            saving.result()  # raises what the save raised
+        return method(self, *args)
+
+    return wrapper
+
+
 class TrainActor:
     """One training rank: its process group, its ``Trainer`` and its weight sync."""
 
     sync = None  # the weight sync, made on the first push (its servers known then)
+    saving: Future | None = None  # the background save under way
 
     def rendezvous(self) -> tuple[str, int]:
         from torch.distributed.elastic.utils.distributed import get_free_port
@@ -74,13 +100,16 @@ class TrainActor:
         freeze_startup_heap()
         return self.trainer.rollout_id
 
+    @settled
     def train(self, samples: list[dict[str, Any]]) -> dict[str, float]:
         return self.trainer.train([Sample.from_json(s) for s in samples])
 
+    @settled
     def skip(self, rollout_id: int) -> None:
         """A rollout with nothing to train on still counts, so checkpoints and resumes stay in step."""
         self.trainer.rollout_id = rollout_id + 1
 
+    @settled
     def sync_weights(self, urls: list[str], version: str, keys: ServerKeys | None = None) -> dict[str, Any] | None:
         """``keys``: the servers' keys (their weight routes need the admin key, their info routes the other)."""
         import dataclasses
@@ -96,16 +125,37 @@ class TrainActor:
         report = self.trainer.sync_weights(self.sync, version)
         return dataclasses.asdict(report) if report is not None else None
 
+    @settled
     def save(self, root: str) -> str:
         from inverted.train.checkpoint import save_checkpoint
 
         return str(save_checkpoint(self.trainer, root))
 
+    @settled
+    def save_for_restart(self, root: str) -> None:
+        """Start saving the trainer's state into ``root`` in the background, keeping only that
+        iteration there: the job calls it once a step is trained and synced, so it overlaps the next
+        rollout, the rank's idle time."""
+        from inverted.train.checkpoint import save_checkpoint
+
+        def save() -> None:
+            kept = save_checkpoint(self.trainer, root)
+            if self.rank == 0:  # every rank's file of the new iteration is written (the save's barrier)
+                for old in Path(root).glob("iter_*"):
+                    if old != kept:
+                        shutil.rmtree(old, ignore_errors=True)
+
+        pool = ThreadPoolExecutor(1, thread_name_prefix="restart-save")
+        self.saving = pool.submit(save)
+        pool.shutdown(wait=False)  # its thread ends with the save
+
+    @settled
     def export_hf(self, root: str, out: str) -> str | None:
         from inverted.train.export import export_hf
 
         return str(export_hf(root, out)) if self.rank == 0 else None
 
+    @settled
     def shutdown(self) -> None:
         from inverted.train.parallel import shutdown_parallel
 
@@ -144,11 +194,27 @@ class TrainGroup:
         # Named before any bucket exists (the first sync makes them), with the ranks of a killed run
         # whose processes were still exiting when the ranks reaped.
         self.pids_file = Path(cfg.output_dir) / PIDS_FILE
-        write_ranks(self.pids_file, reap_ranks(self.pids_file) + ray.get([a.where.remote() for a in self.actors]))
+        self.ranks: list[tuple[str, int]] = ray.get([a.where.remote() for a in self.actors])
+        write_ranks(self.pids_file, reap_ranks(self.pids_file) + self.ranks)
 
     def _all(self, method: str, *args: Any) -> Any:
-        """Call ``method`` on every rank at once; rank 0's answer."""
-        return ray.get([getattr(actor, method).remote(*args) for actor in self.actors])[0]
+        """Call ``method`` on every rank at once; rank 0's answer. A rank that dies raises ``RankDied``
+        at once: the others may be blocked in a collective with it, and would never answer."""
+        refs = pending = [getattr(actor, method).remote(*args) for actor in self.actors]
+        try:
+            while pending:
+                done, pending = ray.wait(pending, num_returns=1)
+                ray.get(done)
+        except ray.exceptions.RayActorError as error:
+            raise RankDied(f"a training rank died during {method}: {error}") from error
+        return ray.get(refs[0])
+
+    def dead(self) -> bool:
+        """Has a rank on this node died? (Those on other nodes show when a call fails.)"""
+        from inverted.train.weight_sync.transports import alive
+
+        node = ray.util.get_node_ip_address()
+        return any(ip == node and not alive(pid) for ip, pid in self.ranks)
 
     def train(self, samples: list[Sample]) -> dict[str, float]:
         return self._all("train", [s.to_json() for s in samples])
@@ -162,6 +228,10 @@ class TrainGroup:
     def save(self, root: str) -> str:
         return self._all("save", root)
 
+    def save_for_restart(self, root: str) -> None:
+        """``TrainActor.save_for_restart`` on every rank: returns at once, the save goes on."""
+        self._all("save_for_restart", root)
+
     def export_hf(self, root: str, out: str) -> str:
         """The latest checkpoint under ``root`` as a Hugging Face model in ``out`` (written by rank 0)."""
         return self._all("export_hf", root, out)
@@ -170,10 +240,14 @@ class TrainGroup:
         try:
             self._all("shutdown")
         finally:
-            for actor in self.actors:
-                ray.kill(actor)
-            remove_placement_group(self.group)
-            write_ranks(self.pids_file, reap_ranks(self.pids_file, wait_s=RANK_EXIT_WAIT_S))
+            self.kill()
+
+    def kill(self) -> None:
+        """Stop every rank now (a group with a dead rank), and free what the dead ones left."""
+        for actor in self.actors:
+            ray.kill(actor)
+        remove_placement_group(self.group)
+        write_ranks(self.pids_file, reap_ranks(self.pids_file, wait_s=RANK_EXIT_WAIT_S))
 
 
 def reap_ranks(pids_file: Path, wait_s: float = 0.0) -> list[tuple[str, int]]:

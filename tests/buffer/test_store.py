@@ -222,15 +222,33 @@ def test_a_batch_is_recorded_trained_by_one_step_only(tmp_path):
         store.trained(served["batch_id"], 5)
 
 
-def test_a_buffer_file_from_before_trained_steps_opens_and_records_them(tmp_path):
+def test_each_task_records_the_rollout_that_played_it(tmp_path):
     store = make(tmp_path)
-    tasks = store.lease(2, "w", 60)
-    store.submit([finished(t) for t in tasks])
+    items = [finished(t) for t in store.lease(4, "w", 60)]
+    for position, (_, sample) in enumerate(items):
+        if position < 3:  # the last: a rollout function's Sample the job did not name
+            sample.metadata["rollout_id"] = 7 + position // 2
+    store.submit(items)
+    store.close()
+    with sqlite3.connect(tmp_path / "buffer.db") as db:
+        played = db.execute("SELECT rollout_id FROM samples ORDER BY group_index, sample_index").fetchall()
+    assert played == [(7,), (7,), (8,), (None,)]
+
+
+def test_a_buffer_file_from_before_trained_steps_and_rollout_ids_opens_and_records_them(tmp_path):
+    store = make(tmp_path)
+    tasks = store.lease(4, "w", 60)
+    store.submit([finished(t) for t in tasks[:2]])
     served = batch(store, 1)
     store.close()
-    with sqlite3.connect(tmp_path / "buffer.db") as db:  # as the schema was before the column
+    with sqlite3.connect(tmp_path / "buffer.db") as db:  # as the schema was before the columns
         db.execute("ALTER TABLE groups DROP COLUMN trained_step")
-    assert make(tmp_path).trained(served["batch_id"], 0) == 1
+        db.execute("ALTER TABLE samples DROP COLUMN rollout_id")
+    store = make(tmp_path)
+    assert store.trained(served["batch_id"], 0) == 1
+    lease, sample = finished(tasks[2])
+    sample.metadata["rollout_id"] = 1
+    assert store.submit([(lease, sample)]).accepted == 1
 
 
 def test_num_epoch_stops_leasing(tmp_path):

@@ -10,6 +10,8 @@
   filtered or failed group.
 - The proxy, the buffer service and the router killed mid-run start again at their addresses; the
   episodes the proxy took down are played again from their tasks, and nothing is trained twice.
+- A trainer rank killed mid-run is restarted in place from the state it keeps for that, and trains
+  the steps since again, to the weights the servers hold.
 """
 
 from __future__ import annotations
@@ -365,6 +367,57 @@ def test_a_sync_job_killed_past_its_checkpoint_trains_each_served_batch_once_aft
     assert recorded == {g: step for (g, _), step in trained.items()}
 
 
+def test_a_killed_trainer_rank_restarts_in_place_from_its_own_saved_state_and_trains_the_steps_since_again(
+        tiny_model, tmp_path):
+    """SIGKILL the trainer's rank twice in a running sync job that keeps no checkpoint (``--save-interval``
+    at its default, 0) but keeps the trainer's own state every third step (``--restart-save-interval
+    3``, in the background): each time the job starts a new trainer from that state, trains again the
+    batches the buffer served since, and goes on without a resume. The restarted trainer stands where
+    the dead one stood: its log-probs of every later batch equal the servers', whose weights the dead
+    trainer pushed; and every served group is recorded trained in exactly one step."""
+    model, run_dir = own_model(tiny_model, tmp_path), tmp_path / "run"
+    data = long_tail_data(tmp_path / "long_tail.jsonl", count=64, short_s=0.3, long_s=0.3)
+    trained_at = run_dir / "trained" / "{rollout_id}.jsonl"
+    log = tmp_path / "job.log"
+    job = start_job("--hf-checkpoint", str(model), "--prompt-data", str(data), "--output-dir", str(run_dir),
+                    "--num-rollout", "12", "--rollout-max-response-len", "8", "--restart-save-interval", "3",
+                    "--save-debug-rollout-data", str(trained_at), *RUN, log=log)
+    killed = []
+    try:
+        for restarts, steps in enumerate((5, 8), 1):  # two steps past a saved state (after steps 3 and 6)
+            wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics_rows(run_dir)) >= steps, job, log)
+            (pid,) = [p for p in processes_with("ray::TrainActor") if os.getsid(p) == job.pid]  # the job's own rank
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+            wait_for(lambda: log.read_text().count("the trainer is back at step") >= restarts, job, log, timeout=180)
+        finish(job, log)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+
+    rows, text = metrics_rows(run_dir), log.read_text()
+    assert rows[-1]["faults/trainer_restarts"] == 2 and len({r["step"] for r in rows if "rollout/samples" in r}) == 12
+    assert text.count(f"restarting the trainer from {run_dir / 'restart'}") == 2  # its own state, not the model's
+    replays = [(int(start), int(count)) for start, count in
+               re.findall(r"from step (\d+), (\d+) batches trained again", text)]
+    assert len(replays) == 2 and all(count >= 1 for _, count in replays), replays  # the steps since that state
+    # The restarted trainer reproduced the dead one's weights: the servers kept those, and the
+    # trainer's log-probs of what they sampled next equal theirs (a trainer at the saved state's weights,
+    # or the model's, would differ by the lost steps' updates).
+    assert max(r["train/fresh_logprob_abs_diff"] for r in rows if "train/fresh_logprob_abs_diff" in r) < 1e-4
+    # Every served group was trained in exactly one step, the one the buffer recorded.
+    trained: dict[int, int] = {}
+    for step in range(12):
+        for line in Path(str(trained_at).format(rollout_id=step)).read_text().splitlines():
+            group = json.loads(line)["group_index"]
+            assert trained.setdefault(group, step) == step, f"group {group} in steps {trained[group]} and {step}"
+    recorded = buffer_query(run_dir, "SELECT group_index, trained_step FROM groups WHERE state = 'consumed'")
+    assert recorded == trained
+    assert not any(shared_buckets(pid) for pid in killed)  # the dead ranks' weight buckets were freed
+    # The final checkpoint supersedes the restart state, which goes.
+    assert latest_checkpoint(run_dir) == 12 and not (run_dir / "restart").exists()
+
+
 def test_the_short_chaos_bench_kills_each_kind_and_nothing_is_lost_or_trained_twice(tmp_path):
     """``bench/chaos.py``'s short version: six random SIGKILLs, one of each kind (engine, router,
     proxy, buffer, trainer, the whole job), in a job that trains (``make demo``'s task)."""
@@ -377,7 +430,9 @@ def test_the_short_chaos_bench_kills_each_kind_and_nothing_is_lost_or_trained_tw
     assert report["exit"] == 0 and report["kinds_killed"] == sorted(["engine", "router", "proxy", "buffer", "trainer",
                                                                       "job"]), report["recoveries"]
     assert all(r["recovery_s"] is not None and r["recovery_s"] <= 90 for r in report["recoveries"]), report["recoveries"]
+    assert not any("stopped the job" in r["kind"] for r in report["recoveries"])  # every kind but the job healed in place
     assert report["samples_trained_twice"] == report["served_never_trained"] == report["trained_never_served"] == 0
     assert report["samples_per_task_max"] == 1 and set(report["tasks"]) <= {"done", "queued"}, report
     assert report["buffer_disagrees_with_training"] == 0  # the buffer's trained steps are the surviving training
+    assert report["samples_without_their_rollout"] == 0
     assert report["shared_memory_left_mib"] == 0  # a killed trainer's weight buckets are RAM: none is left behind
