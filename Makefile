@@ -7,7 +7,7 @@
 #               ARGS='--lora-rank 16 --lr 1e-3' adds flags (here: train a LoRA adapter instead of every weight)
 #   make test   set up .venv and run the test suite (CPU only, no downloads at run time)
 #   make test-fast  the inner loop: the suite without the tests marked slow (whole jobs, browsers, multi-node
-#               runs, harnesses, real-model tests)
+#               and multi-rank runs, harnesses, real-model tests), on TEST_WORKERS processes (2)
 #   make demo   the one-minute job: the tiny random model learns the letters task (examples/demo.yaml)
 # TORCH is installed first and pinned, so no dependency pulls a multi-GB CUDA build onto a CPU
 # machine. On a GPU machine: install your CUDA build of torch into .venv first, then TORCH=skip.
@@ -18,6 +18,8 @@ TORCH  ?= torch==2.13.0
 TINY   ?= models/tiny-qwen2
 MODEL  ?= models/small-qwen2
 REAL   ?= models/smollm2-135m
+# make test-fast's worker processes (pytest-xdist)
+TEST_WORKERS ?= 2
 DEMO_DATA := data/letters.jsonl
 # The main job's task (the user guide says which, and why). Its held-out set is written first, each question
 # once, and the training set excludes it: no held-out question is ever trained on.
@@ -142,8 +144,9 @@ $(HARNESSES)/.installed: $(VENV)/.installed
 test: setup $(VENV)/.sglang-wire harnesses
 	$(BIN)/python -m pytest -q --durations=15  # the slowest tests, to keep the suite within its time
 
+# Each test file runs whole in one worker (--dist loadfile): its module's servers start once.
 test-fast: setup $(VENV)/.sglang-wire
-	$(BIN)/python -m pytest -q -m "not slow" --durations=10
+	$(BIN)/python -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile --durations=10
 
 bench: setup $(MODEL)/config.json
 	$(BIN)/python bench/engine_throughput.py --model $(MODEL)

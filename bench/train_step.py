@@ -56,6 +56,13 @@ in training tokens per second.
   and without it, on the same batch.
 
     python bench/train_step.py --model models/smollm2-135m --shape grpo --details-cost [--rounds 5]
+
+- ``--restart-save-cost``: what keeping the trainer's state for a restart (``--restart-save-interval``,
+  every step by default) costs: the write of the model and optimizer, against a step on the same
+  batch. The job writes it in the background while the next rollout runs, so a step waits for
+  it only where the rollout is shorter.
+
+    python bench/train_step.py --model models/smollm2-135m --shape agent --restart-save-cost [--rounds 3]
 """
 
 from __future__ import annotations
@@ -347,6 +354,28 @@ def details_cost(args, path: Path, samples: list[Sample], budget: int) -> dict:
             "cost": round(with_s / without_s - 1, 4), "target": "measured"}
 
 
+def restart_save_cost(args, path: Path, samples: list[Sample], budget: int) -> dict:
+    from inverted.train.checkpoint import save_checkpoint
+    from inverted.train.parallel import init_parallel, shutdown_parallel
+    from inverted.train.trainer import Trainer
+
+    with tempfile.TemporaryDirectory() as out:
+        cfg = from_flags(TrainConfig, hf_checkpoint=str(path), lr=1e-6, max_tokens_per_gpu=budget, output_dir=out)
+        init_parallel(cfg.parallel, cfg.seed)
+        trainer = Trainer(cfg)
+        trainer.train(samples)  # warm-up: the optimizer's state exists after a step
+        steps, saves = [], []
+        for _ in range(args.rounds):
+            steps.append(timed(lambda: trainer.train(samples), args.device))
+            saves.append(timed(lambda: save_checkpoint(trainer, out), args.device))
+        size = sum(f.stat().st_size for f in Path(out).glob("iter_*/*"))
+        shutdown_parallel()
+    step_s, save_s = statistics.median(steps), statistics.median(saves)
+    return {"samples": len(samples), "rounds": args.rounds, "step_s": round(step_s, 3), "save_s": round(save_s, 3),
+            "saved_mb": round(size / args.rounds / 2**20), "save_over_step": round(save_s / step_s, 4),
+            "target": "measured (written while the next rollout runs)"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
@@ -364,6 +393,7 @@ def main() -> None:
                         help="architecture of the generated model")
     parser.add_argument("--ep", type=int, default=0, help="compare expert parallelism of this size with EP=1 (MoE)")
     parser.add_argument("--details-cost", action="store_true", help="a step with --save-train-details against one without")
+    parser.add_argument("--restart-save-cost", action="store_true", help="the trainer's state saved for a restart, against a step")
     args = parser.parse_args()
     import transformers
 
@@ -383,9 +413,10 @@ def main() -> None:
         if args.ep:
             print(json.dumps(ep_vs_ep1(args, path, samples, budget), indent=2))
             return
-        if args.details_cost:
+        if args.details_cost or args.restart_save_cost:
             os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(get_free_port()))
-            print(json.dumps(details_cost(args, path, samples, budget), indent=2))
+            measure = details_cost if args.details_cost else restart_save_cost
+            print(json.dumps(measure(args, path, samples, budget), indent=2))
             return
         if args.memory and not args.memory_of:
             print(json.dumps(memory_vs_transformers(args, path, samples), indent=2))

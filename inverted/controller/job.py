@@ -44,6 +44,7 @@ import inspect
 import json
 import logging
 import secrets
+import shutil
 import sys
 import time
 from collections import Counter
@@ -268,6 +269,8 @@ class Job:
         train = self.cfg.train
         if load is not None:
             train = dataclasses.replace(train, ckpt=dataclasses.replace(train.ckpt, load=load))
+        else:  # a killed run's state for a restart is not this run's: it resumes from --load
+            shutil.rmtree(restart_dir(train), ignore_errors=True)
         self.trainer = TrainGroup(train, self.process_setup, gpu_fraction=0.5 if self.cfg.loop.colocate else 1.0,
                                   node=node_resource(train.parallel.actor_node_resource))
         self.next_step = max(self.next_step, self.trainer.rollout_id)
@@ -328,8 +331,9 @@ class Job:
         started = time.perf_counter()
         await asyncio.to_thread(self.trainer.kill)
         train = self.cfg.train
-        load = max((restart_dir(train), checkpoint_dir(train), train.ckpt.load), key=latest_step)
-        load = load if latest_step(load) >= 0 else None
+        saved = [root for root in (restart_dir(train), checkpoint_dir(train), train.ckpt.load)
+                 if 0 <= latest_step(root) <= self.next_step]  # (never a state past this run's own step)
+        load = max(saved, key=latest_step, default=None)
         logger.warning("restarting the trainer from %s; it trains again the batches served since, up to step %d",
                        load or self.cfg.train.hf_checkpoint, self.next_step - 1)
         await asyncio.to_thread(self._start_trainer, load)

@@ -14,7 +14,7 @@ from tests.train.samples import make_samples
 from tests.train.workers import head_paths, heads_and_steps
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])  # two ranks: slow
 def test_fused_head_equals_the_logits_path_and_an_exact_recomputation(tp, tiny_model, tmp_path):
     """37 tokens in chunks of 8 (the last one short), each TP rank holding half the vocabulary: log-probs,
     entropies and the gradients of hidden states and weight equal fp64's; the log-probs and entropies equal
@@ -40,6 +40,7 @@ def test_fused_head_equals_the_logits_path_and_an_exact_recomputation(tp, tiny_m
         assert (fused - logits).norm() <= 1e-6 * logits.norm(), name
 
 
+@pytest.mark.slow  # the real model: left out of make test-fast
 def test_the_trainer_without_full_logits_equals_the_logits_path_on_the_real_model(smollm2, tmp_path):
     """SmolLM2-135M: the trainer's log-probs through the fused head (one chunk; chunks of 5 tokens with every
     layer recomputed, or their attention) equal the logits path's within 1e-6 and ``transformers``' within

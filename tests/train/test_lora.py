@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import transformers
@@ -35,22 +37,25 @@ def peft_logits(base, adapter):
 
 @pytest.fixture(scope="module")
 def lora_runs(tiny_model, tmp_path_factory):
-    """One step from a peft adapter (q/v/up/down only: parts of both fused linears) at TP=1 and TP=2."""
+    """One step from a peft adapter (q/v/up/down only: parts of both fused linears) at TP=1 and TP=2,
+    each run when a test first reads it (a fast run reads only TP=1's)."""
     path, root = tiny_model("qwen3"), tmp_path_factory.mktemp("lora")
     adapter = peft_adapter(path, root / "start", modules=["q_proj", "v_proj", "up_proj", "down_proj"])
-    results = {}
-    for tp in (1, 2):
+
+    @functools.cache
+    def run(tp: int) -> dict:
         cfg = from_flags(TrainConfig, hf_checkpoint=str(path), lr=1e-2, adam_eps=1.0, tensor_model_parallel_size=tp,
                          actor_num_gpus_per_node=tp, lora_adapter_path=str(adapter), max_tokens_per_gpu=8192,
                          use_kl_loss=True, kl_loss_coef=0.1)
         spawn(lora_step, tp, cfg, str(root / f"tp{tp}.pt"))
-        results[tp] = torch.load(root / f"tp{tp}.pt")
-    return path, adapter, results, root
+        return torch.load(root / f"tp{tp}.pt")
+
+    return path, adapter, run, root
 
 
 def test_lora_logits_equal_peft_and_a_step_changes_only_the_adapter(lora_runs):
-    path, adapter, results, root = lora_runs
-    one = results[1]
+    path, adapter, run, root = lora_runs
+    one = run(1)
     check_packed_logits({"logits": one["before"]["logits"], "rows": one["rows"]}, make_samples(seed=7),
                         peft_logits(path, adapter))
     assert all(".lora." in name for name in one["trainable"]) and len(one["trainable"]) == 2 * 4 * 2  # A, B x 4 modules x 2 layers
@@ -86,8 +91,10 @@ def test_the_adapter_product_s_gradients_equal_finite_differences(spans):
     assert torch.autograd.gradcheck(lambda o, l, *b: _AddLowRank.apply(o, l, spans, *b), inputs)
 
 
+@pytest.mark.slow  # several ranks: left out of make test-fast
 def test_lora_tp2_equals_tp1(lora_runs):
-    _, _, results, _ = lora_runs
+    _, _, run, _ = lora_runs
+    results = {tp: run(tp) for tp in (1, 2)}
     torch.testing.assert_close(results[2]["before"]["logits"], results[1]["before"]["logits"], rtol=0, atol=1e-5)
     torch.testing.assert_close(results[2]["after"]["logits"], results[1]["after"]["logits"], rtol=0, atol=1e-5)
     for name in ("train/loss", "train/pg_loss", "train/kl", "train/grad_norm"):
@@ -96,6 +103,7 @@ def test_lora_tp2_equals_tp1(lora_runs):
         torch.testing.assert_close(results[2]["after"]["adapter"][name], tensor, rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow  # several ranks: left out of make test-fast
 def test_lora_pp2_dp2_equals_one_process_and_exports(tiny_model, tmp_path):
     """Four gloo ranks, two pipeline stages of two data-parallel replicas, train the adapter as one
     process does: two optimizer steps through the 1F1B schedule, from a PEFT adapter, with the KL to
@@ -162,7 +170,8 @@ def test_lora_resume_equals_the_uninterrupted_run_and_exports_an_adapter_or_a_me
     assert (with_adapter - plain).abs().max() > 1e-4  # the trained adapter does change the model
 
 
-@pytest.mark.parametrize("transport, tp", [("tensor", 1), ("disk", 1), ("tensor", 2)])
+@pytest.mark.parametrize("transport, tp", [("tensor", 1), ("disk", 1),
+                                           pytest.param("tensor", 2, marks=pytest.mark.slow)])  # two ranks: slow
 def test_after_a_step_and_an_adapter_sync_the_engine_scores_tokens_as_the_trainer_does(
         procs, tiny_model, tmp_path, transport, tp):
     """The server holds the trained adapter under POLICY_ADAPTER after the sync, which moved the adapter's

@@ -69,6 +69,7 @@ def test_qkv_layout_is_megatrons_per_group_order(tiny_model):
     assert torch.equal(group1[(per + 1) * d:], v[d:2 * d])
 
 
+@pytest.mark.slow  # several ranks: left out of make test-fast
 def test_tp2_equals_tp1(tiny_model, tmp_path):
     """Two gloo ranks splitting every layer give the TP=1 logits, loss and updated weights."""
     path = str(tiny_model("qwen3"))

@@ -44,6 +44,7 @@ def test_moe_logits_equal_transformers(arch, tiny_model, tmp_path):
     assert result["weights"].keys() == checkpoint_tensors(path).keys()  # every expert, router and norm, in HF names
 
 
+@pytest.mark.slow  # several ranks: left out of make test-fast
 def test_experts_split_over_two_ranks_give_the_same_logits_and_step(tiny_model, tmp_path):
     """EP=2: each rank holds 4 of the 8 experts and tokens cross ranks all-to-all; the logits equal
     transformers', and one step gives the weights (every expert, in HF names) that EP=1 gives."""
@@ -58,6 +59,7 @@ def test_experts_split_over_two_ranks_give_the_same_logits_and_step(tiny_model, 
         torch.testing.assert_close(results[2]["weights"][name], tensor, rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow  # several ranks: left out of make test-fast
 def test_two_stages_with_experts_over_two_ranks_equal_one_process_and_export(tiny_model, tmp_path):
     """PP=2 x EP=2 (four gloo ranks: each stage's experts split 4 + 4, two data-parallel replicas)
     against one process: log-probs, two optimizer steps, the weights gathered over stages and
@@ -74,6 +76,7 @@ def test_two_stages_with_experts_over_two_ranks_equal_one_process_and_export(tin
                         ("train/loss", "train/pg_loss", "train/entropy", "train/grad_norm", "train/loss_tokens"))
 
 
+@pytest.mark.slow  # several ranks: left out of make test-fast
 @pytest.mark.parametrize("ep", [1, 2])
 def test_tensor_parallel_experts_with_sequence_parallelism_equal_one_process(ep, tiny_model, tmp_path):
     """TP=2 with sequence parallelism (each rank holds half of every expert and shared expert, and
@@ -115,6 +118,7 @@ def test_expert_parallelism_that_does_not_fit_and_lora_are_refused(tiny_model):
 
 @pytest.mark.parametrize("transport, pp, tp", [("tensor", 1, 1), ("distributed", 1, 1), ("tensor", 2, 1),
                                                ("distributed", 1, 2)])
+@pytest.mark.slow  # several ranks: left out of make test-fast
 def test_after_a_step_at_ep2_and_a_sync_the_engine_scores_tokens_as_the_trainer_does(transport, pp, tp, module_procs,
                                                                                       tiny_model, tmp_path):
     """Every expert of both expert-parallel ranks reaches the engine, checked by name and shape there;

@@ -17,6 +17,7 @@ from tests.train.samples import make_samples, write_jsonl
 from tests.train.workers import check_same_training, grpo_step, logits_and_step, logprobs_step_and_save, step_at_version
 
 
+@pytest.mark.slow  # several ranks: left out of make test-fast
 def test_dp2_equals_one_process_on_the_whole_batch(tiny_model, tmp_path):
     path = str(tiny_model("qwen2"))
     results = {}
@@ -30,6 +31,7 @@ def test_dp2_equals_one_process_on_the_whole_batch(tiny_model, tmp_path):
         torch.testing.assert_close(results[2]["weights"][name], tensor, rtol=0, atol=1e-7)
 
 
+@pytest.mark.slow  # several ranks: left out of make test-fast
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_tp2_pp2_equals_one_process_and_exports(sequence_parallel, tiny_model, tmp_path):
     """Four gloo ranks, two pipeline stages of two tensor-parallel ranks each, give one process's result,

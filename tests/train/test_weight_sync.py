@@ -40,7 +40,8 @@ def engine_logprobs(url: str) -> tuple[torch.Tensor, str]:
 CASES = [("tensor", 1), ("distributed", 1), ("disk", 1), ("tensor", 2), ("distributed", 2)]
 
 
-@pytest.mark.parametrize("transport, tp", CASES)
+@pytest.mark.parametrize("transport, tp", [pytest.param(transport, tp, marks=pytest.mark.slow if tp > 1 else ())
+                                           for transport, tp in CASES])  # two ranks: left out of make test-fast
 def test_after_a_step_and_a_sync_the_engines_score_tokens_as_the_trainer_does(servers, tiny_model, tmp_path, transport, tp):
     urls, router = servers
     before = [engine_logprobs(url)[0] for url in urls]
