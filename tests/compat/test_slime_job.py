@@ -279,10 +279,14 @@ def test_a_rollout_function_that_never_returns_does_not_keep_the_job_from_stoppi
             time.sleep(0.5)
         assert log.exists() and job.poll() is None, "the rollout function was not reached"
         job.send_signal(signal.SIGINT)
-        job.wait(60)  # a plug-in thread the job waited for would hang here
+        try:  # communicate, not wait: it drains stderr, whose full pipe would block the job
+            _, err = job.communicate(timeout=60)  # a plug-in thread the job waited for would hang here
+        except subprocess.TimeoutExpired:
+            job.kill()
+            raise AssertionError(f"the job did not stop within 60 s of Ctrl-C:\n{job.communicate()[1][-4000:]}") from None
     finally:
         job.kill()
-    assert job.returncode != 0
+    assert job.returncode != 0, err[-4000:]
 
 
 def test_slime_rollout_functions_side_by_side_in_async_mode(tiny_model, tmp_path):
