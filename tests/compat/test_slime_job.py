@@ -271,7 +271,8 @@ def test_a_rollout_function_that_never_returns_does_not_keep_the_job_from_stoppi
     argv = [sys.executable, "-m", "inverted.cli", "train", "--debug-rollout-only", "--hf-checkpoint", str(tiny_model()),
             "--prompt-data", str(prompts), "--rollout-function-path", f"{PLUGINS}.sleep_forever",
             "--output-dir", str(tmp_path / "run"), "--num-rollout", "1", *ONE_ENGINE_RUN]
-    env = {**os.environ, "SLIME_PLUGIN_LOG": str(log), "PYTHONPATH": str(Path(__file__).parents[2])}
+    env = {**os.environ, "SLIME_PLUGIN_LOG": str(log), "PYTHONPATH": str(Path(__file__).parents[2]),
+           "PYTHONFAULTHANDLER": "1"}  # a job that does not stop is sent SIGABRT: it prints where each thread waits
     job = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -282,8 +283,13 @@ def test_a_rollout_function_that_never_returns_does_not_keep_the_job_from_stoppi
         try:  # communicate, not wait: it drains stderr, whose full pipe would block the job
             _, err = job.communicate(timeout=60)  # a plug-in thread the job waited for would hang here
         except subprocess.TimeoutExpired:
-            job.kill()
-            raise AssertionError(f"the job did not stop within 60 s of Ctrl-C:\n{job.communicate()[1][-4000:]}") from None
+            job.send_signal(signal.SIGABRT)
+            try:
+                err = job.communicate(timeout=15)[1]
+            except subprocess.TimeoutExpired:
+                job.kill()
+                err = job.communicate()[1]
+            raise AssertionError(f"the job did not stop within 60 s of Ctrl-C:\n{err[-8000:]}") from None
     finally:
         job.kill()
     assert job.returncode != 0, err[-4000:]
