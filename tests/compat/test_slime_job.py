@@ -281,7 +281,7 @@ def test_a_rollout_function_that_never_returns_does_not_keep_the_job_from_stoppi
         assert log.exists() and job.poll() is None, "the rollout function was not reached"
         job.send_signal(signal.SIGINT)
         try:  # communicate, not wait: it drains stderr, whose full pipe would block the job
-            _, err = job.communicate(timeout=60)  # a plug-in thread the job waited for would hang here
+            _, err = job.communicate(timeout=120)  # a plug-in thread the job waited for would hang here
         except subprocess.TimeoutExpired:
             job.send_signal(signal.SIGABRT)
             try:
@@ -289,7 +289,7 @@ def test_a_rollout_function_that_never_returns_does_not_keep_the_job_from_stoppi
             except subprocess.TimeoutExpired:
                 job.kill()
                 err = job.communicate()[1]
-            raise AssertionError(f"the job did not stop within 60 s of Ctrl-C:\n{err[-8000:]}") from None
+            raise AssertionError(f"the job did not stop within 120 s of Ctrl-C:\n{err[-8000:]}") from None
     finally:
         job.kill()
     assert job.returncode != 0, err[-4000:]
