@@ -7,21 +7,19 @@ session, of a random kind:
 
 - ``engine``, ``router``, ``proxy``, ``buffer``, ``trainer`` (a rank, the Ray actor): the job heals
   them itself (a replacement server; the service again at its address; a new trainer from the
-  latest checkpoint, which trains again the batches served since); the recovery is the time until
-  the job's log says so;
-- ``job``: the whole process group; the bench resumes it with ``--load``.
-
-The job checkpoints every ``--save-interval`` steps (4 by default), so a restarted trainer and a
-resumed job each train again the steps since their checkpoint.
+  state the trainer keeps every step, which trains again the batches served since); the recovery
+  is the time until the job's log says so;
+- ``job``: the whole process group; the bench resumes it with ``--load``, and the resumed job
+  trains again the steps since its checkpoint (every ``--save-interval`` steps, 4 by default).
 
 A resume's recovery is the time from the kill until the resumed job logs a step. At the end it
 reads the buffer's file and what each step trained (``--save-debug-rollout-data``, one file per
 step, written again by a resumed step) and reports each task's outcome: the rollout that played it,
 and its group trained (in the step the buffer recorded, checked against the files), filtered,
-failed, dropped as stale, or left queued or waiting; the Samples trained in two surviving steps; the Samples served to a step but in
-no surviving step's training (lost); the aborted episodes played again; and the shared memory (RAM)
-that killed trainers' weight buckets left behind. Then it runs the same job undisturbed, with the
-same seed, and compares the final held-out reward.
+failed, dropped as stale, or left queued or waiting; the Samples trained in two surviving steps;
+the Samples served to a step but in no surviving step's training (lost); the aborted episodes
+played again; and the shared memory (RAM) that killed trainers' weight buckets left behind. Then
+it runs the same job undisturbed, with the same seed, and compares the final held-out reward.
 
     python bench/chaos.py                       # 20 kills of the six kinds, 100 rollouts
     python bench/chaos.py --kills 6 --rollouts 40 --gap 3 --no-baseline   # the suite's short version

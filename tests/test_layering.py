@@ -63,7 +63,7 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("inverted.controller", SHARED + ("inverted.controller", "inverted.buffer.client", "inverted.buffer.datasets",
                                       "inverted.buffer.filters", "inverted.rollout.servers",
                                       "inverted.rollout.sglang_client", "inverted.rollout.proxy", "inverted.train.actor",
-                                      "inverted.placement")),
+                                      "inverted.train.checkpoint", "inverted.placement")),
     ("inverted.placement", SHARED + ("inverted.rollout.servers",)),
     ("inverted.tiny_model", SHARED),
     ("inverted.gguf_import", SHARED),  # like make-tiny-model: a checkpoint maker, beside the services

@@ -64,6 +64,7 @@ from inverted.processes import ManagedProcess, free_port
 from inverted.rollout.servers import ROUTED_EXPERTS_ARGV, RolloutServers, ServerHandle, lora_argv
 from inverted.rollout.sglang_client import SGLangClient, ServerKeys
 from inverted.train.actor import RankDied, TrainGroup
+from inverted.train.checkpoint import latest_step
 from inverted.types import POLICY_ADAPTER
 
 logger = logging.getLogger(__name__)
@@ -92,12 +93,6 @@ def checkpoint_dir(train: TrainConfig) -> str:
 def restart_dir(train: TrainConfig) -> str:
     """Where the trainer keeps its latest state for a restart (``--restart-save-interval``)."""
     return str(Path(train.output_dir) / "restart")
-
-
-def latest_step(root: str | None) -> int:
-    """The step a checkpoint directory's latest iteration resumes at (-1: none)."""
-    marker = Path(root) / "latest" if root else None
-    return int(marker.read_text().strip().removeprefix("iter_")) if marker and marker.exists() else -1
 
 
 @dataclasses.dataclass(slots=True)

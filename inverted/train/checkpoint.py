@@ -89,6 +89,12 @@ def latest_iteration(root: str | Path) -> Path | None:
     return Path(root) / marker.read_text().strip() if marker.exists() else None
 
 
+def latest_step(root: str | Path | None) -> int:
+    """The step ``root``'s latest iteration resumes at (its ``iter_`` number); -1 without one."""
+    directory = latest_iteration(root) if root else None
+    return int(directory.name.removeprefix("iter_")) if directory is not None else -1
+
+
 def save_checkpoint(trainer, root: str | Path) -> Path:
     """Write this rank's part of the checkpoint; rank 0 marks it latest once all ranks are done."""
     directory = Path(root) / f"iter_{trainer.rollout_id:07d}"
