@@ -5,9 +5,10 @@
 #               (examples/agent-bootstrap.yaml)
 #   make run    the single-turn job: SmolLM2-135M-Instruct learns a reasoning-gym task (examples/smollm2.yaml);
 #               ARGS='--lora-rank 16 --lr 1e-3' adds flags (here: train a LoRA adapter instead of every weight)
-#   make test   set up .venv and run the test suite (CPU only, no downloads at run time)
+#   make test   set up .venv and run the whole test suite (CPU only, no downloads at run time), on
+#               TEST_WORKERS processes (2)
 #   make test-fast  the inner loop: the suite without the tests marked slow (whole jobs, browsers, multi-node
-#               and multi-rank runs, harnesses, real-model tests), on TEST_WORKERS processes (2)
+#               and multi-rank runs, harnesses, real-model tests), on TEST_WORKERS processes
 #   make demo   the one-minute job: the tiny random model learns the letters task (examples/demo.yaml)
 # TORCH is installed first and pinned, so no dependency pulls a multi-GB CUDA build onto a CPU
 # machine. On a GPU machine: install your CUDA build of torch into .venv first, then TORCH=skip.
@@ -18,7 +19,7 @@ TORCH  ?= torch==2.13.0
 TINY   ?= models/tiny-qwen2
 MODEL  ?= models/small-qwen2
 REAL   ?= models/smollm2-135m
-# make test-fast's worker processes (pytest-xdist)
+# make test's and make test-fast's worker processes (pytest-xdist)
 TEST_WORKERS ?= 2
 DEMO_DATA := data/letters.jsonl
 # The main job's task (the user guide says which, and why). Its held-out set is written first, each question
@@ -141,10 +142,12 @@ $(HARNESSES)/.installed: $(VENV)/.installed
 	$(BIN)/python -m pip install -q $(PIP_BINARY) $(HARNESS_PYPI)
 	touch $@
 
+# Each test file runs whole in one worker (--dist loadfile): its module's servers start once. Two workers
+# on two cores: most of a whole-job test is waiting (on a subprocess, a server's start, a tool), and the
+# other worker's test runs in it. --durations lists the slowest, to keep the suite within its time.
 test: setup $(VENV)/.sglang-wire harnesses
-	$(BIN)/python -m pytest -q --durations=15  # the slowest tests, to keep the suite within its time
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
-# Each test file runs whole in one worker (--dist loadfile): its module's servers start once.
 test-fast: setup $(VENV)/.sglang-wire
 	$(BIN)/python -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile --durations=10
 
