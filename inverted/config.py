@@ -812,6 +812,10 @@ class RolloutConfig:
         None, "shell command of an existing agent for the subprocess_agent rollout (gets OPENAI_BASE_URL, "
               "OPENAI_API_KEY, INVERTED_TASK and INVERTED_REWARD_FILE)")
     rollout_batch_size: int = option(8, "prompts per rollout (each gives --n-samples-per-prompt samples)")
+    max_sampling_rounds: int = option(
+        1, "sync mode: a step rolls out up to this many rounds of --rollout-batch-size prompts until the buffer holds "
+           "--rollout-batch-size groups its filters keep, then trains what it has (DAPO's dynamic sampling refills "
+           "the batch: > 1 with --dynamic-sampling-filter-path); groups beyond the batch wait for the next step")
     rollout_max_response_len: int = option(256, "most tokens sampled in one model call")
     rollout_temperature: float = option(1.0, "sampling temperature; training log-probs use the same")
     rollout_top_p: float = option(1.0, "nucleus sampling")
@@ -850,7 +854,8 @@ class RolloutConfig:
         _require(all(isinstance(v, dict) and name and "/" not in name
                      for name, v in json.loads(self.eval_variants or "{}").items()), "--eval-variants",
                  self.eval_variants, "{name: {keyword: value}} with names without '/'")
-        for name in ("rollout_batch_size", "rollout_max_response_len", "rollout_concurrency", "n_samples_per_eval_prompt"):
+        for name in ("rollout_batch_size", "max_sampling_rounds", "rollout_max_response_len", "rollout_concurrency",
+                     "n_samples_per_eval_prompt"):
             _require(getattr(self, name) >= 1, flag_name(name), getattr(self, name), ">= 1")
         _require(self.eval_max_response_len is None or self.eval_max_response_len >= 1, "--eval-max-response-len",
                  self.eval_max_response_len, ">= 1")

@@ -36,7 +36,7 @@ FROZEN_FLAGS = {
         "--partial-rollout", "--prompt-data", "--proxy-generate-timeout", "--proxy-constrained-tokens", "--proxy-max-resumes", "--proxy-max-turns",
         "--proxy-server-loss-wait", "--chat-template",
         "--proxy-replay-retries", "--proxy-retention", "--proxy-session-timeout", "--proxy-tool-parser-path",
-        "--ray-address", "--rollout-backend", "--rollout-batch-size", "--rollout-concurrency",
+        "--ray-address", "--rollout-backend", "--rollout-batch-size", "--max-sampling-rounds", "--rollout-concurrency",
         "--rollout-episode-timeout", "--rollout-function-path", "--rollout-max-response-len", "--rollout-num-gpus",
         "--rollout-side-calls",
         "--rollout-num-gpus-per-engine", "--rollout-seed", "--rollout-shuffle", "--rollout-top-p", "--router-host",

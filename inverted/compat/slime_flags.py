@@ -174,8 +174,9 @@ NO_EFFECT: dict[str, str] = {
     "ref_load": "the KL reference is the policy's starting weights, --hf-checkpoint (slime's --ref-load is "
                 "usually that checkpoint converted for Megatron)",
     "keep_old_actor": "the old policy's log-probs are recomputed in each step from the weights that start it",
-    "over_sampling_batch_size": "the Data Buffer samples continuously; a group the filter drops costs waiting, "
-                                "not a sampling round",
+    "over_sampling_batch_size": "a round of sampling is --rollout-batch-size prompts: in async mode the Data Buffer "
+                                "samples continuously, and in sync mode --max-sampling-rounds refills a batch the "
+                                "filter thinned",
     **dict.fromkeys(("min_lr", "lr_decay_iters", "lr_decay_samples"), "the learning rate is constant here "
                     "(--lr-decay-style constant), so the decay's settings do not apply"),
     "mtp_loss_scaling_factor": "no multi-token-prediction training here (--enable-mtp-training is refused)",

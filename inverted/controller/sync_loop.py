@@ -5,7 +5,11 @@ One step (``SyncLoop.step``):
 1. **lease** ``--rollout-batch-size`` prompts x ``--n-samples-per-prompt`` tasks from the buffer;
 2. **rollout**: the rollout function turns them into Samples (by default, environment episodes
    through the token-recording proxy), and they are submitted to the buffer, which stores them;
-3. **batch**: the buffer serves the complete groups (failed or filtered groups are never served);
+3. **batch**: the buffer serves the complete groups (failed or filtered groups are never served).
+   While it holds fewer than ``--rollout-batch-size`` that its filters keep, the step leases and
+   rolls out another round, up to ``--max-sampling-rounds`` (DAPO's dynamic sampling: a group whose
+   rewards are all equal teaches nothing, so the batch is refilled instead of shrinking); after
+   the last round it serves what there is. Groups kept beyond the batch wait for the next step;
 4. **train** on them, then, every ``--update-weights-interval`` steps, **sync** the new weights
    into every rollout server, stamped with the next weight version.
 
@@ -58,20 +62,30 @@ class SyncLoop:
                 clock["batched"] = time.perf_counter()
                 metrics = take_batch(cfg, self.plugins, rollout_id, served.samples, served.samples, 0.0)
                 return await self._train(rollout_id, served, metrics, clock)
-        tasks = await job.buffer.lease(cfg.rollout.rollout_batch_size * cfg.buffer.n_samples_per_prompt, job.worker_id,
-                                       cfg.buffer.lease_seconds)
-        if not tasks:
-            raise ServiceUnavailable("the buffer has no more tasks to lease (the dataset is exhausted: see --num-epoch)",
-                                     url=job.buffer.base_url)
-        clock["leased"] = time.perf_counter()
-        samples = await run_rollout(context(cfg, job, self.plugins, rollout_id), self.plugins, tasks)
-        clock["rolled_out"] = time.perf_counter()
-        await job.buffer.submit(list(zip(tasks, samples)))
-        batch = await job.buffer.next_batch(num_groups=cfg.rollout.rollout_batch_size, current_weight_version=rollout_id,
-                                            max_weight_staleness=cfg.loop.max_weight_staleness, allow_partial=True,
-                                            request_id=batch_name(rollout_id))
-        clock["batched"] = time.perf_counter()
+        samples: list[Sample] = []
+        rounds = cfg.rollout.max_sampling_rounds
+        for round_ in range(1, rounds + 1):
+            tasks = await job.buffer.lease(cfg.rollout.rollout_batch_size * cfg.buffer.n_samples_per_prompt,
+                                           job.worker_id, cfg.buffer.lease_seconds)
+            if not tasks and not samples:
+                raise ServiceUnavailable("the buffer has no more tasks to lease (the dataset is exhausted: see "
+                                         "--num-epoch)", url=job.buffer.base_url)
+            clock.setdefault("leased", time.perf_counter())  # a later round's lease counts as rollout time
+            if tasks:  # else the dataset ran out in a later round: serve what the earlier ones gave
+                played = await run_rollout(context(cfg, job, self.plugins, rollout_id), self.plugins, tasks)
+                await job.buffer.submit(list(zip(tasks, played)))
+                samples += played
+            clock["rolled_out"] = time.perf_counter()
+            # Not partial before the last round: the buffer serves nothing until the batch is full.
+            batch = await job.buffer.next_batch(
+                num_groups=cfg.rollout.rollout_batch_size, current_weight_version=rollout_id,
+                max_weight_staleness=cfg.loop.max_weight_staleness, allow_partial=round_ == rounds or not tasks,
+                request_id=batch_name(rollout_id))
+            clock["batched"] = time.perf_counter()
+            if batch.groups or not tasks:
+                break
         metrics = take_batch(cfg, self.plugins, rollout_id, samples, batch.samples, clock["rolled_out"] - clock["leased"])
+        metrics["rollout/sampling_rounds"] = float(round_)
         failed = [s for s in samples if s.status == Sample.Status.FAILED]
         if failed:
             logger.warning("rollout %d: %d of %d episodes failed (never trained on); the first: %s", rollout_id,

@@ -100,7 +100,9 @@ def test_slime_flags_we_do_not_have_and_wrong_plugins_fail_before_anything_start
 def test_plugins_in_slimes_current_style_run_unchanged(tiny_model, tmp_path):
     """August 2026's slime: a rollout function answering ``RolloutFnTrainOutput``, whose generate
     function grows each Sample with ``append_response_tokens`` and rewards it with a dict of any JSON
-    values; slime's own ``check_reward_nonzero_std`` filter, by its module path, reading ``--reward-key``."""
+    values; slime's own ``check_reward_nonzero_std`` filter, by its module path, reading ``--reward-key``,
+    and the batch it thinned refilled by a second round of sampling (``--max-sampling-rounds``), as
+    slime's dynamic sampling refills it."""
     prompts = write_dataset(calculator_rows, tmp_path / "calc.jsonl", 8)
     data = tmp_path / "rollout_{rollout_id}.jsonl"
     custom = tmp_path / "custom.yaml"
@@ -113,7 +115,7 @@ def test_plugins_in_slimes_current_style_run_unchanged(tiny_model, tmp_path):
         "--dynamic-sampling-filter-path", "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std",
         "--buffer-filter-path", f"{PLUGINS}:oldest_first_noting_args",
         "--save-debug-rollout-data", str(data), "--output-dir", str(tmp_path / "run"), "--num-rollout", "1",
-        *SMALL_RUN, *slime_launch)
+        "--max-sampling-rounds", "3", *SMALL_RUN, *slime_launch)
     check(result)
     # slime's args is one namespace, the same in the rollout function's process and the buffer service's
     noted = json.loads((tmp_path / "args.rollout").read_text())
@@ -136,6 +138,11 @@ def test_plugins_in_slimes_current_style_run_unchanged(tiny_model, tmp_path):
         assert sample.status in (Sample.Status.COMPLETED, Sample.Status.TRUNCATED)
     for group in {s.group_index for s in saved}:  # the filter let through only groups whose scores differ
         assert group % 2 and len({s.reward["score"] for s in saved if s.group_index == group}) > 1
+    # Each round of 2 prompts gives one group the filter keeps: the batch of 2 is full after the second round,
+    # and the third is never sampled.
+    assert {s.group_index for s in saved} == {1, 3}, sorted({s.group_index for s in saved})
+    row = [r for r in metrics_rows(tmp_path / "run") if "rollout/samples" in r][0]
+    assert row["rollout/sampling_rounds"] == 2 and row["rollout/samples"] == 8 and row["rollout/trained_samples"] == 4
 
 
 def test_a_plugins_exception_in_the_buffer_reaches_the_console_with_its_traceback(tiny_model, tmp_path):
