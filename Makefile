@@ -6,7 +6,7 @@
 #   make run    the single-turn job: SmolLM2-135M-Instruct learns a reasoning-gym task (examples/smollm2.yaml);
 #               ARGS='--lora-rank 16 --lr 1e-3' adds flags (here: train a LoRA adapter instead of every weight)
 #   make test   set up .venv and run the whole test suite (CPU only, no downloads at run time), on
-#               TEST_WORKERS processes (2)
+#               TEST_WORKERS processes (2), then the tests marked alone by themselves
 #   make test-fast  the inner loop: the suite without the tests marked slow (whole jobs, browsers, multi-node
 #               and multi-rank runs, harnesses, real-model tests), on TEST_WORKERS processes
 #   make demo   the one-minute job: the tiny random model learns the letters task (examples/demo.yaml)
@@ -144,9 +144,11 @@ $(HARNESSES)/.installed: $(VENV)/.installed
 
 # Each test file runs whole in one worker (--dist loadfile): its module's servers start once. Two workers
 # on two cores: most of a whole-job test is waiting (on a subprocess, a server's start, a tool), and the
-# other worker's test runs in it. --durations lists the slowest, to keep the suite within its time.
+# other worker's test runs in it. The tests marked alone (kills and weight updates timed against a running
+# job) then run by themselves. --durations lists the slowest, to keep the suite within its time.
 test: setup $(VENV)/.sglang-wire harnesses
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
+	$(BIN)/python -m pytest -q -m "not alone" -n $(TEST_WORKERS) --dist loadfile --durations=15
+	$(BIN)/python -m pytest -q -m alone --durations=5
 
 test-fast: setup $(VENV)/.sglang-wire
 	$(BIN)/python -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile --durations=10

@@ -37,7 +37,9 @@ from inverted.train.weight_sync.transports import shared_buckets
 from inverted.types import Sample, version_number
 from tests.job.test_train_job import ROOT, metrics_rows, stored_samples
 
-pytestmark = pytest.mark.slow  # whole jobs: left out of make test-fast
+# Whole jobs (left out of make test-fast) whose checks need the machine to themselves: a kill that must
+# land between two moments, a weight update that must cut into a running call.
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 RUN = ["--num-engines", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--lr", "1e-3",
        "--env-path", "envs.long_tail:episode", "--log-level", "warning"]
