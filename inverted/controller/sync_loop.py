@@ -62,6 +62,22 @@ class SyncLoop:
                 clock["batched"] = time.perf_counter()
                 metrics = take_batch(cfg, self.plugins, rollout_id, served.samples, served.samples, 0.0)
                 return await self._train(rollout_id, served, metrics, clock)
+        samples, batch, rounds = await self._roll_out(rollout_id, clock)
+        metrics = take_batch(cfg, self.plugins, rollout_id, samples, batch.samples, clock["rolled_out"] - clock["leased"])
+        metrics["rollout/sampling_rounds"] = float(rounds)
+        failed = [s for s in samples if s.status == Sample.Status.FAILED]
+        if failed:
+            logger.warning("rollout %d: %d of %d episodes failed (never trained on); the first: %s", rollout_id,
+                           len(failed), len(samples), failed[0].metadata.get("error", "?"))
+        if lost := sum(s.status == Sample.Status.ABORTED for s in samples):
+            logger.warning("rollout %d: %d episodes lost their proxy session; their tasks are played again", rollout_id,
+                           lost)
+        return await self._train(rollout_id, batch, metrics, clock)
+
+    async def _roll_out(self, rollout_id: int, clock: dict[str, float]) -> tuple[list[Sample], Batch, int]:
+        """Lease, roll out and submit rounds of tasks until the buffer serves a full batch (or the last
+        round's partial one); every Sample played, the batch, and the rounds it took."""
+        cfg, job = self.cfg, self.job
         samples: list[Sample] = []
         rounds = cfg.rollout.max_sampling_rounds
         for round_ in range(1, rounds + 1):
@@ -84,16 +100,7 @@ class SyncLoop:
             clock["batched"] = time.perf_counter()
             if batch.groups or not tasks:
                 break
-        metrics = take_batch(cfg, self.plugins, rollout_id, samples, batch.samples, clock["rolled_out"] - clock["leased"])
-        metrics["rollout/sampling_rounds"] = float(round_)
-        failed = [s for s in samples if s.status == Sample.Status.FAILED]
-        if failed:
-            logger.warning("rollout %d: %d of %d episodes failed (never trained on); the first: %s", rollout_id,
-                           len(failed), len(samples), failed[0].metadata.get("error", "?"))
-        if lost := sum(s.status == Sample.Status.ABORTED for s in samples):
-            logger.warning("rollout %d: %d episodes lost their proxy session; their tasks are played again", rollout_id,
-                           lost)
-        return await self._train(rollout_id, batch, metrics, clock)
+        return samples, batch, round_
 
     async def _train(self, rollout_id: int, batch: Batch, metrics: dict[str, float],
                      clock: dict[str, float]) -> dict[str, float]:
