@@ -30,6 +30,7 @@ import json
 import logging
 import multiprocessing
 import os
+import random
 import runpy
 import signal
 import socket
@@ -179,8 +180,37 @@ def serve_workers(app_factory: str, host: str, port: int, workers: int, name: st
     holder.close()
 
 
+LOWEST_PORT = 20000  # below it: the ports services are usually configured on (8000, 8080, 9000, ...)
+_DRAW = random.SystemRandom()  # from os.urandom: two processes that seeded ``random`` alike still draw apart
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of local ports for outgoing connections (Linux's default where unreadable)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
+    """A port nothing holds, for a server about to start, drawn at random from below the ephemeral range.
+
+    The port the kernel picks for a bind to 0 comes from the ephemeral range, where every outgoing
+    connection takes its local port too: between this check and the server's own bind a client
+    could take it ("address already in use", seen with two test processes connecting all the time).
+    """
+    low = ephemeral_ports()[0]
+    if low > LOWEST_PORT + 1000:
+        for _ in range(100):
+            port = _DRAW.randrange(LOWEST_PORT, low)
+            with socket.socket() as sock:
+                try:
+                    sock.bind((host, port))
+                except OSError:
+                    continue
+                return port
+    with socket.socket() as sock:  # a machine whose ephemeral range leaves no room below it
         sock.bind((host, 0))
         return sock.getsockname()[1]
 

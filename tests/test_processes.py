@@ -1,0 +1,40 @@
+"""Ports for the servers a job or a test starts: free when drawn, and never where outgoing connections
+take theirs (the kernel's ephemeral range), so no client can take one before its server binds it."""
+
+from __future__ import annotations
+
+import random
+import socket
+
+from inverted import processes
+from inverted.processes import LOWEST_PORT, ephemeral_ports, free_port
+
+
+def test_ports_are_drawn_below_the_ephemeral_range_and_apart_in_processes_seeded_alike():
+    low, high = ephemeral_ports()
+    assert LOWEST_PORT + 1000 < low < high  # this machine leaves room below the range
+    random.seed(0)
+    first = [free_port() for _ in range(8)]
+    random.seed(0)  # a second test process that seeded random the same way draws other ports
+    second = [free_port() for _ in range(8)]
+    assert all(LOWEST_PORT <= p < low for p in first + second) and first != second
+    for port in first:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))  # free: a server can bind it
+
+
+def test_a_held_port_is_passed_over_and_a_range_without_room_falls_back_to_the_kernel(monkeypatch):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            spare = probe.getsockname()[1]
+        draws = iter([taken, spare])
+        monkeypatch.setattr(processes._DRAW, "randrange", lambda a, b: next(draws))
+        assert free_port() == spare
+    monkeypatch.setattr(processes, "ephemeral_ports", lambda: (LOWEST_PORT, 60999))
+    port = free_port()  # the kernel's choice
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))
