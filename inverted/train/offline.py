@@ -20,7 +20,9 @@ import yaml
 
 from inverted.config import TrainConfig, to_flags
 from inverted.errors import SampleError
+from inverted.hf_checkpoint import ModelSpec
 from inverted.plugins import DUMP_FORMATS
+from inverted.train.trainer import check_samples
 from inverted.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -57,7 +59,8 @@ def run_offline(cfg: TrainConfig, setup: Callable[[], None]) -> None:
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(to_flags(cfg), sort_keys=False))  # a --config file
-    read_rollout_data(cfg.load_debug_rollout_data, 0)  # fail on unreadable data before any process starts
+    # Unreadable or untrainable data fails here, before any process starts and any model is built.
+    check_samples(read_rollout_data(cfg.load_debug_rollout_data, 0), ModelSpec.from_checkpoint(cfg.hf_checkpoint))
     spawn(train_worker, cfg.parallel.world_size, cfg, setup)
 
 
