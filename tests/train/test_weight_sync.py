@@ -63,6 +63,7 @@ def test_after_a_step_and_a_sync_the_engines_score_tokens_as_the_trainer_does(se
     assert routed.json()["meta_info"]["weight_version"] == "1"
 
 
+@pytest.mark.slow  # a server stopped and started again: left out of make test-fast
 def test_a_restarted_server_gets_a_fresh_update_group(procs, tiny_model):
     """Distributed transport: the server on the same port dies and comes back; the next sync re-forms the group."""
     model = tiny_model("qwen2")
@@ -81,6 +82,7 @@ def test_a_restarted_server_gets_a_fresh_update_group(procs, tiny_model):
     assert torch.equal(torch.tensor(got), weights[name][:2])
 
 
+@pytest.mark.slow  # an RL loop that must learn (14 steps): left out of make test-fast
 @pytest.mark.parametrize("transport", ["tensor", "distributed"])
 def test_a_grpo_loop_through_weight_sync_learns_and_stays_exactly_on_policy(procs, tiny_model, tmp_path, transport):
     """Generate -> train -> sync, 14 times: the engine always samples from the trainer's current weights

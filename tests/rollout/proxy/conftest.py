@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from inverted.processes import ManagedProcess
+from tests.conftest import ProcessPool
 from tests.rollout.proxy.scripted import teach
 
 
@@ -41,9 +42,16 @@ class Stack:
         raise AssertionError(f"the engine has no metric {name}")
 
 
-@pytest.fixture(scope="module")
-def stack(module_procs, taught_model) -> Stack:
-    engine = module_procs.engine(taught_model, "--log-requests", "--random-seed", "0")
-    router = module_procs.routed(engine)
-    proxy = module_procs.proxy(router.url, taught_model, "--proxy-api-key", "admin-key")
-    return Stack(engine, router, proxy, taught_model)
+def start_stack(pool: ProcessPool, model: Path) -> Stack:
+    engine = pool.engine(model, "--log-requests", "--random-seed", "0")
+    router = pool.routed(engine)
+    proxy = pool.proxy(router.url, model, "--proxy-api-key", "admin-key")
+    return Stack(engine, router, proxy, model)
+
+
+@pytest.fixture(scope="session")
+def stack(session_procs, taught_model) -> Stack:
+    """One stack for this folder's modules (per test process). Each test reads only what it caused:
+    the engine's log and the metrics after a mark it took first. A module that pauses the engine or
+    changes its weight version starts its own (``test_pause``)."""
+    return start_stack(session_procs, taught_model)

@@ -11,12 +11,18 @@ import pytest
 
 from inverted.rollout.sglang_client import SGLangClient
 from inverted.types import Sample
-from tests.rollout.proxy.conftest import Stack
+from tests.rollout.proxy.conftest import Stack, start_stack
 from tests.rollout.proxy.test_recording import check_exact
 
 pytestmark = pytest.mark.anyio
 N = 600  # long enough to be paused mid-way (the pause comes after 20 tokens)
 LONG = {"messages": [{"role": "user", "content": "tell a long story"}], "max_tokens": N, "min_tokens": N}
+
+
+@pytest.fixture(scope="module")
+def stack(module_procs, taught_model) -> Stack:
+    """This module's own: its tests pause the engine and change its weight version."""
+    return start_stack(module_procs, taught_model)
 
 
 async def run_through_a_weight_update(stack, proxy_url: str, version: str) -> tuple[Sample, list[dict]]:
@@ -81,6 +87,7 @@ async def test_calls_wait_while_servers_are_paused(stack):
         assert response.status_code == 200 and 1 <= response.json()["usage"]["completion_tokens"] <= 4
 
 
+@pytest.mark.slow  # a server killed mid-call and another started: left out of make test-fast
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_call_whose_server_dies_is_finished_on_the_server_that_replaces_it(procs, taught_model, stream):
     """The server is killed mid-call and, as the job heals, another takes its place in the router: the
