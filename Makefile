@@ -7,8 +7,9 @@
 #               ARGS='--lora-rank 16 --lr 1e-3' adds flags (here: train a LoRA adapter instead of every weight)
 #   make test   set up .venv and run the whole test suite (CPU only, no downloads at run time), on
 #               TEST_WORKERS processes (2), then the tests marked alone by themselves
-#   make test-fast  the inner loop: the suite without the tests marked slow (whole jobs, browsers, multi-node
-#               and multi-rank runs, harnesses, real-model tests), on TEST_WORKERS processes
+#   make test-fast  the inner loop: every module's unit and contract tests, without those marked slow (whole
+#               jobs and RL loops, servers killed or restarted, several servers or ranks together, harnesses,
+#               browsers, the real model), on TEST_WORKERS processes
 #   make demo   the one-minute job: the tiny random model learns the letters task (examples/demo.yaml)
 # TORCH is installed first and pinned, so no dependency pulls a multi-GB CUDA build onto a CPU
 # machine. On a GPU machine: install your CUDA build of torch into .venv first, then TORCH=skip.

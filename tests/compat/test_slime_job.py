@@ -102,8 +102,8 @@ def test_plugins_in_slimes_current_style_run_unchanged(tiny_model, tmp_path):
     function grows each Sample with ``append_response_tokens`` and rewards it with a dict of any JSON
     values; slime's own ``check_reward_nonzero_std`` filter, by its module path, reading ``--reward-key``,
     and the batch it thinned refilled by a second round of sampling (``--max-sampling-rounds``), as
-    slime's dynamic sampling refills it."""
-    prompts = write_dataset(calculator_rows, tmp_path / "calc.jsonl", 8)
+    slime's dynamic sampling refills it; at the end of the data, what the rounds found is served."""
+    prompts = write_dataset(calculator_rows, tmp_path / "calc.jsonl", 6)
     data = tmp_path / "rollout_{rollout_id}.jsonl"
     custom = tmp_path / "custom.yaml"
     custom.write_text(f"args_log: {tmp_path / 'args'}\nmax_turns: 2\n")
@@ -114,8 +114,8 @@ def test_plugins_in_slimes_current_style_run_unchanged(tiny_model, tmp_path):
         "--rollout-function-path", f"{PLUGINS}.rollout_noting_args", "--reward-key", "score",
         "--dynamic-sampling-filter-path", "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std",
         "--buffer-filter-path", f"{PLUGINS}:oldest_first_noting_args",
-        "--save-debug-rollout-data", str(data), "--output-dir", str(tmp_path / "run"), "--num-rollout", "1",
-        "--max-sampling-rounds", "3", *SMALL_RUN, *slime_launch)
+        "--save-debug-rollout-data", str(data), "--output-dir", str(tmp_path / "run"), "--num-rollout", "2",
+        "--num-epoch", "1", "--max-sampling-rounds", "3", *SMALL_RUN, *slime_launch)
     check(result)
     # slime's args is one namespace, the same in the rollout function's process and the buffer service's
     noted = json.loads((tmp_path / "args.rollout").read_text())
@@ -141,8 +141,13 @@ def test_plugins_in_slimes_current_style_run_unchanged(tiny_model, tmp_path):
     # Each round of 2 prompts gives one group the filter keeps: the batch of 2 is full after the second round,
     # and the third is never sampled.
     assert {s.group_index for s in saved} == {1, 3}, sorted({s.group_index for s in saved})
-    row = [r for r in metrics_rows(tmp_path / "run") if "rollout/samples" in r][0]
-    assert row["rollout/sampling_rounds"] == 2 and row["rollout/samples"] == 8 and row["rollout/trained_samples"] == 4
+    first, second = [r for r in metrics_rows(tmp_path / "run") if "rollout/samples" in r]
+    assert first["rollout/sampling_rounds"] == 2 and first["rollout/samples"] == 8 and first["rollout/trained_samples"] == 4
+    # The second step's first round leases the last 2 prompts (one kept group); its second finds the data at an
+    # end (--num-epoch 1) and the step takes the one group it has instead of failing or waiting.
+    last = [Sample.from_json(json.loads(line)) for line in (tmp_path / "rollout_1.jsonl").read_text().splitlines()]
+    assert {s.group_index for s in last} == {5}, sorted({s.group_index for s in last})
+    assert second["rollout/sampling_rounds"] == 2 and second["rollout/samples"] == 4 and second["rollout/trained_samples"] == 2
 
 
 def test_a_plugins_exception_in_the_buffer_reaches_the_console_with_its_traceback(tiny_model, tmp_path):
