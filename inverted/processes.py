@@ -180,7 +180,7 @@ def serve_workers(app_factory: str, host: str, port: int, workers: int, name: st
     holder.close()
 
 
-LOWEST_PORT = 20000  # below it: the ports services are usually configured on (8000, 8080, 9000, ...)
+LOWEST_PORT = 20000  # below it: the ports services are configured on (8000, 8080, ...) and Ray's workers' (10002-19999)
 _DRAW = random.SystemRandom()  # from os.urandom: two processes that seeded ``random`` alike still draw apart
 
 
