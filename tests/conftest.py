@@ -165,3 +165,13 @@ def _shared_pool(request, tmp_path_factory) -> Iterator[ProcessPool]:
 
 module_procs = pytest.fixture(scope="module")(_shared_pool)
 session_procs = pytest.fixture(scope="session")(_shared_pool)  # for a stack that several modules share
+
+
+@pytest.fixture(scope="module")
+def agent_stack(tiny_model, module_procs):
+    """``(model, engine, proxy)``: the tiny model in the embedded engine and the proxy in front of it (API key
+    ``admin-key``), once per module, for the rollout functions and the environment adapters to play through;
+    each test opens sessions of its own."""
+    model = tiny_model()
+    engine = module_procs.engine(model)
+    return model, engine, module_procs.proxy(engine.url, model, "--proxy-api-key", "admin-key")

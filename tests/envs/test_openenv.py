@@ -52,10 +52,10 @@ def replay(sample: Sample, seed: int, tokenizer, driver_act=act) -> tuple[list[s
     return said, total, False
 
 
-def test_episodes_are_played_on_the_environment_server_and_recorded_as_one_branch(stack):
+def test_episodes_are_played_on_the_environment_server_and_recorded_as_one_branch(agent_stack):
     rows = openenv.rows(count=6, seed=40)
-    samples = play(stack, rows, episode(max_turns=guess_number.GUESSES), max_tokens=4)
-    tokenizer = AutoTokenizer.from_pretrained(stack[0])
+    samples = play(agent_stack, rows, episode(max_turns=guess_number.GUESSES), max_tokens=4)
+    tokenizer = AutoTokenizer.from_pretrained(agent_stack[0])
     played = []
     for row, sample in zip(rows, samples):
         said, reward, _ = replay(sample, row["metadata"]["openenv"]["reset"]["seed"], tokenizer)
@@ -67,18 +67,18 @@ def test_episodes_are_played_on_the_environment_server_and_recorded_as_one_branc
     assert max(played) > 1  # multi-turn: some episodes needed several guesses
     # The same server again, by URL this time: no second one is started.
     url = asyncio.run(openenv.serve(APP))
-    (again,) = play(stack, rows[:1], episode(app=None, url=url, max_turns=guess_number.GUESSES), max_tokens=4)
+    (again,) = play(agent_stack, rows[:1], episode(app=None, url=url, max_turns=guess_number.GUESSES), max_tokens=4)
     assert again.metadata["turns"] and len(openenv._servers) == 1
 
 
-def test_an_environment_without_a_driver_is_played_by_its_own_action_schema(stack):
+def test_an_environment_without_a_driver_is_played_by_its_own_action_schema(agent_stack):
     """No driver module: the policy sees each observation as JSON and writes each action as JSON,
     constrained by the server's own action schema (OpenEnv's /schema); every action is valid, the
     replay gives back the reward, and the constrained tokens carry the policy's own logprobs."""
     rows = openenv.rows(count=4, seed=70)
-    samples = play(stack, rows, functools.partial(openenv.episode, app=APP, max_sessions=8,
+    samples = play(agent_stack, rows, functools.partial(openenv.episode, app=APP, max_sessions=8,
                                                   max_turns=guess_number.GUESSES), max_tokens=48)
-    tokenizer = AutoTokenizer.from_pretrained(stack[0])
+    tokenizer = AutoTokenizer.from_pretrained(agent_stack[0])
     complete = 0
     for row, sample in zip(rows, samples):
         turns = sample.metadata["turns"]
@@ -103,15 +103,15 @@ def test_an_environment_without_a_driver_is_played_by_its_own_action_schema(stac
     assert '"guess"' in tokenizer.decode(samples[0].tokens[:samples[0].prompt_length])  # the schema, told
 
 
-def test_a_reply_that_is_no_action_ends_the_episode_and_is_trained_on(stack):
+def test_a_reply_that_is_no_action_ends_the_episode_and_is_trained_on(agent_stack):
     assert guess_number.act("I guess 7, no: 12") == {"guess": 12}
     for reply in ("no idea", "99"):
         with pytest.raises(ValueError):
             guess_number.act(reply)
     rows = openenv.rows(count=4, seed=0)
-    tokenizer = AutoTokenizer.from_pretrained(stack[0])
+    tokenizer = AutoTokenizer.from_pretrained(agent_stack[0])
     ended = []
-    for row, sample in zip(rows, play(stack, rows, episode(driver="envs.guess_number", max_turns=3), max_tokens=4)):
+    for row, sample in zip(rows, play(agent_stack, rows, episode(driver="envs.guess_number", max_turns=3), max_tokens=4)):
         _, reward, no_action = replay(sample, row["metadata"]["openenv"]["reset"]["seed"], tokenizer, guess_number.act)
         assert sample.reward == reward
         ended.append(no_action)
@@ -145,25 +145,25 @@ def test_a_debug_rollout_only_job_plays_the_environment_the_command_line_names(t
 
 
 @pytest.mark.parametrize("max_sessions", [1, 4])
-def test_a_server_with_one_session_plays_every_episode_in_turn(stack, max_sessions):
+def test_a_server_with_one_session_plays_every_episode_in_turn(agent_stack, max_sessions):
     """OpenEnv's default server takes one session: episodes queue (max_sessions 1), or a refused one is
     asked again (4, more than it takes), and no refusal counts as an episode (play fails on any)."""
     rows = openenv.rows(count=4, seed=7)
     one = episode(app="tests.envs.test_openenv:ONE_SESSION", max_turns=2, max_sessions=max_sessions)
-    samples = play(stack, rows, one, max_tokens=4)
-    tokenizer = AutoTokenizer.from_pretrained(stack[0])
+    samples = play(agent_stack, rows, one, max_tokens=4)
+    tokenizer = AutoTokenizer.from_pretrained(agent_stack[0])
     for row, sample in zip(rows, samples):
         assert sample.reward == replay(sample, row["metadata"]["openenv"]["reset"]["seed"], tokenizer)[1]
 
 
-def test_a_row_that_names_code_imports_nothing_and_fails_its_episode_with_the_reason(stack):
+def test_a_row_that_names_code_imports_nothing_and_fails_its_episode_with_the_reason(agent_stack):
     """The audit's row: before, envs.openenv imported whatever module a row named as its driver."""
     assert "this" not in sys.modules  # the Zen of Python prints itself when imported
     hostile = {"input": "x", "metadata": {"openenv": {"driver": "this", "app": APP, "reset": {"seed": 1},
                                                       "max_turns": 1}}}
     with pytest.raises(AssertionError, match="chosen by --env-args, never by a row"):
-        play(stack, [hostile], episode(), max_tokens=1)
+        play(agent_stack, [hostile], episode(), max_tokens=1)
     malformed = {"input": "x", "metadata": {"openenv": {"reset": {"seed": -3}}}}
     with pytest.raises(AssertionError, match="not an OpenEnv ResetRequest"):
-        play(stack, [malformed], episode(), max_tokens=1)
+        play(agent_stack, [malformed], episode(), max_tokens=1)
     assert "this" not in sys.modules

@@ -47,11 +47,11 @@ def load_retry() -> vf.Environment:
     return Retry(dataset=dataset, rubric=vf.Rubric(funcs=[chars, turns, never], weights=[1.0, 0.5, 0.0]), max_turns=2)
 
 
-def test_the_librarys_reasoning_gym_environment_plays_and_grades_each_row(stack):
+def test_the_librarys_reasoning_gym_environment_plays_and_grades_each_row(agent_stack):
     rows = env.rows(REASONING_GYM, GYM_ARGS, count=4, seed=0)
     assert [m["role"] for m in rows[0]["input"]] == ["system", "user"]
-    samples = play(stack, rows, GYM_EPISODE, max_tokens=3)
-    tokenizer = AutoTokenizer.from_pretrained(stack[0])
+    samples = play(agent_stack, rows, GYM_EPISODE, max_tokens=3)
+    tokenizer = AutoTokenizer.from_pretrained(agent_stack[0])
     graded = env.load(REASONING_GYM, GYM_ARGS)
     for row, sample in zip(rows, samples):
         prompt = tokenizer.apply_chat_template(row["input"], add_generation_prompt=True, tokenize=True,
@@ -65,25 +65,25 @@ def test_the_librarys_reasoning_gym_environment_plays_and_grades_each_row(stack)
         assert sample.reward == graded.rg_dataset.score_answer(answer=answer, entry=entry)
 
 
-def test_an_empty_reply_is_the_models_action_and_is_scored_not_failed(stack):
+def test_an_empty_reply_is_the_models_action_and_is_scored_not_failed(agent_stack):
     """verifiers aborts a rollout whose reply has no content; that reply is still the policy's to learn from."""
     rows = env.rows(REASONING_GYM, GYM_ARGS, count=1, seed=0)
     greedy = {"max_tokens": 1, "top_k": 1}
-    (first,) = play(stack, rows, GYM_EPISODE, **greedy)
+    (first,) = play(agent_stack, rows, GYM_EPISODE, **greedy)
     token = first.tokens[-1:]
     # The same greedy token, stopped on at once: the reply's content is empty.
-    stop = AutoTokenizer.from_pretrained(stack[0]).decode(token)
-    (empty,) = play(stack, rows, GYM_EPISODE, **greedy, stop=[stop])
+    stop = AutoTokenizer.from_pretrained(agent_stack[0]).decode(token)
+    (empty,) = play(agent_stack, rows, GYM_EPISODE, **greedy, stop=[stop])
     assert empty.tokens == first.tokens and empty.loss_mask == [1] and empty.reward == 0.0
 
 
-def test_a_multi_turn_environment_is_one_branch_and_its_weighted_parts_are_the_reward(stack):
+def test_a_multi_turn_environment_is_one_branch_and_its_weighted_parts_are_the_reward(agent_stack):
     rows = env.rows(f"{__name__}:load_retry", {}, count=-1, seed=0)
     # At least one token a turn: a reply that is only the end of turn has no content, and verifiers ends the
     # rollout there without counting it (the test above), which a random tiny model does now and then.
-    samples = play(stack, rows, functools.partial(env.episode, env=f"{__name__}:load_retry"), max_tokens=3,
+    samples = play(agent_stack, rows, functools.partial(env.episode, env=f"{__name__}:load_retry"), max_tokens=3,
                    min_tokens=1)
-    tokenizer = AutoTokenizer.from_pretrained(stack[0])
+    tokenizer = AutoTokenizer.from_pretrained(agent_stack[0])
     for sample in samples:
         turns_ = sample.metadata["turns"]
         assert len(turns_) == 2 and sample.metadata["branches"] == 1
@@ -120,17 +120,17 @@ def test_a_debug_rollout_only_job_plays_the_environment_the_command_line_names(t
     assert all(set(s.metadata["verifiers"]) == {"input"} for s in saved)
 
 
-def test_a_row_that_names_code_runs_nothing_and_fails_its_episode_with_the_reason(stack, tmp_path):
+def test_a_row_that_names_code_runs_nothing_and_fails_its_episode_with_the_reason(agent_stack, tmp_path):
     """The audit's row: before, envs.verifiers called os.system with the row's command."""
     witness = tmp_path / "ran"
     hostile = {"input": "hi", "metadata": {"verifiers": {"env": "os:system",
                                                           "args": {"command": f"touch {witness}"}}}}
     malformed = {"input": "hi", "metadata": {"verifiers": {"input": {"prompt": "not a list"}}}}
     with pytest.raises(AssertionError) as failed:
-        play(stack, [hostile], GYM_EPISODE, max_tokens=1)
+        play(agent_stack, [hostile], GYM_EPISODE, max_tokens=1)
     assert "chosen by --env-args, never by a row" in str(failed.value) and not witness.exists()
     with pytest.raises(AssertionError, match="not a verifiers RolloutInput"):
-        play(stack, [malformed], GYM_EPISODE, max_tokens=1)
+        play(agent_stack, [malformed], GYM_EPISODE, max_tokens=1)
     with pytest.raises(env.EnvError, match=r"got \['args', 'env'\]"):
         env.row_input(hostile["metadata"])
     assert not witness.exists()

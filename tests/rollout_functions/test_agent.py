@@ -20,8 +20,8 @@ async def reward_by_index(task: Task, client) -> float:
     return float(task.index)
 
 
-def test_the_first_wave_of_sessions_opens_in_one_request(stack, monkeypatch):
-    model, engine, proxy = stack
+def test_the_first_wave_of_sessions_opens_in_one_request(agent_stack, monkeypatch):
+    model, engine, proxy = agent_stack
     opened = []  # sessions asked for, per request
     real = ProxyClient.create_sessions
 
@@ -57,8 +57,8 @@ async def refused_then_gives_up(task: Task, client) -> float:
     raise AssertionError("the proxy took temperature 5")
 
 
-def test_a_failed_episode_says_what_the_proxy_refused(stack):
-    model, engine, proxy = stack
+def test_a_failed_episode_says_what_the_proxy_refused(agent_stack):
+    model, engine, proxy = agent_stack
     tasks = [Task(lease_id="l", group_index=0, index=i, prompt_index=0, prompt="p") for i in range(2)]
     ctx = RolloutContext(rollout_id=0, config=RolloutConfig(), proxy_url=proxy.url, proxy_api_key="admin-key",
                          router_url=engine.url, hf_checkpoint=str(model), sampling={"max_tokens": 2},

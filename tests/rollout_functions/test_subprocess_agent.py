@@ -33,8 +33,8 @@ open(os.environ["INVERTED_REWARD_FILE"], "w").write(str(len(reply.content[0].tex
 
 
 @pytest.mark.parametrize("sdk", sorted(PROGRAMS))
-def test_an_unchanged_agent_program_of_each_sdk_is_recorded(stack, tmp_path, sdk):
-    model, engine, proxy = stack
+def test_an_unchanged_agent_program_of_each_sdk_is_recorded(agent_stack, tmp_path, sdk):
+    model, engine, proxy = agent_stack
     program = tmp_path / "agent.py"
     program.write_text(PROGRAMS[sdk])
     tasks = [Task(lease_id="l", group_index=0, index=i, prompt_index=0, prompt="p") for i in range(2)]
