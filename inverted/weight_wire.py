@@ -33,6 +33,7 @@ import collections
 import datetime
 import functools
 import io
+import logging
 import pickle
 import socket
 from dataclasses import dataclass
@@ -46,6 +47,8 @@ from inverted.errors import InvalidRequest
 SGLANG_BUCKET_MODULE = "sglang.srt.weight_sync.tensor_bucket"
 SGLANG_PATCH_MODULE = "sglang.srt.utils.patch_torch"
 DEFAULT_GROUP_NAME = "weight_update_group"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -255,6 +258,26 @@ class _RefuseFdSharing:
                              "the sender must use torch.multiprocessing.set_sharing_strategy('file_system') or send by value")
 
 
+SHM_MANAGER_TRIES = 5
+
+
+def _rebuild_storage_filename(*args: Any) -> Any:
+    """torch's ``rebuild_storage_filename``, asked again when the sender's shm manager answers late.
+
+    Opening a ``file_system`` storage registers the mapping with the sender's ``torch_shm_manager``
+    daemon, and libshm gives up after 1 s without its answer ("Shared memory manager connection has
+    timed out"), which a loaded machine saw (the suite on 2 cores). Nothing is mapped before the
+    answer, so another try is safe; a late answer to the first is read as the next one's ("OK").
+    """
+    for tries_left in range(SHM_MANAGER_TRIES - 1, -1, -1):
+        try:
+            return reductions.rebuild_storage_filename(*args)
+        except RuntimeError as error:
+            if tries_left == 0 or "Shared memory manager connection has timed out" not in str(error):
+                raise
+            logger.warning("the weight sender's shm manager did not answer within 1 s; asking again")
+
+
 class _NoAllocationBySize:
     """An allowlisted class whose constructor would allocate what a number asks (``bytearray(2**30)``,
     ``torch.UntypedStorage(2**30)``): a 100-byte payload could make the engine allocate gigabytes
@@ -292,8 +315,9 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     **{("torch._utils", n): getattr(torch._utils, n) for n in
        ("_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter")},
     **{("torch.multiprocessing.reductions", n): getattr(reductions, n) for n in
-       ("rebuild_tensor", "rebuild_cuda_tensor", "rebuild_storage_filename", "rebuild_storage_empty",
-        "rebuild_typed_storage", "rebuild_typed_storage_child")},
+       ("rebuild_tensor", "rebuild_cuda_tensor", "rebuild_storage_empty", "rebuild_typed_storage",
+        "rebuild_typed_storage_child")},
+    ("torch.multiprocessing.reductions", "rebuild_storage_filename"): _rebuild_storage_filename,
     ("torch.multiprocessing.reductions", "rebuild_storage_fd"): _RefuseFdSharing,
     ("multiprocessing.resource_sharer", "DupFd"): _RefuseFdSharing,
     **{name: obj for obj, name in _SGLANG_ALIASES},
