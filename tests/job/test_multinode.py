@@ -176,12 +176,16 @@ def test_servers_spread_over_the_nodes_and_losing_one_node_loses_no_episode(clus
     its trainer goes to the node offering ``train_node``, its two servers spread over the two
     nodes offering ``rollout_node``. The second node's raylet is killed mid-rollout: its server is
     replaced on the head, the calls it held are sampled again on the live one, no episode is lost,
-    and the job finishes. Then a server that no node can take stops with what it needed."""
+    and the job finishes. Then a server that no node can take stops with what it needed.
+
+    The replacement takes ~12 s (its first try goes to the dead node, before Ray knows it is dead),
+    and longer with another test beside it: 16 rollouts leave it time to be counted before the job
+    ends (with 8 the job once ended first)."""
     model, run_dir = own_model(tiny_model, tmp_path), tmp_path / "run"
     data = long_tail_data(tmp_path / "long_tail.jsonl", count=64, short_s=1.0, long_s=1.0)
     log = tmp_path / "job.log"
     job = start_job("--hf-checkpoint", "model", "--prompt-data", "long_tail.jsonl", "--output-dir", "run",
-                    "--num-rollout", "8", "--rollout-max-response-len", "8", "--ray-address", cluster.address,
+                    "--num-rollout", "16", "--rollout-max-response-len", "8", "--ray-address", cluster.address,
                     "--actor-node-resource", "train_node", "--rollout-node-resource", "rollout_node",
                     "--num-engines", "2", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
                     "--lr", "1e-3", "--env-path", "envs.long_tail:episode", log=log, cwd=tmp_path)
@@ -214,7 +218,7 @@ def test_servers_spread_over_the_nodes_and_losing_one_node_loses_no_episode(clus
     text = log.read_text()
     assert code == 0, text[-4000:]
     rows = [m for m in metrics_rows(run_dir) if "rollout/reward_mean" in m]
-    assert len(rows) == 8 and rows[-1]["faults/engine_deaths"] == 1 and rows[-1]["faults/engine_restarts"] == 1
+    assert len(rows) == 16 and rows[-1]["faults/engine_deaths"] == 1 and rows[-1]["faults/engine_restarts"] == 1
     assert sum(m["rollout/failed"] for m in rows) == 0, text[-4000:]  # no episode lost
     hit = next(m for m in rows if m["faults/engine_deaths"])
     calm = sorted(m["time/rollout_s"] for m in rows[1:] if m is not hit and m["step"] >= steps_before)
