@@ -43,7 +43,10 @@ def export_hf(checkpoint: str | Path, out: str | Path, merge_lora: bool = False)
     tensors: dict[str, torch.Tensor] = {}
     layers_before = 0
     for stage in range(meta["parallel"]["pipeline"]):
-        by_ep_rank = [[torch.load(directory / rank_file(tp, stage, dp), weights_only=True, map_location="cpu")["model"]
+        # Mapped, not read: a rank's file also holds Adam's two moments, twice the model's bytes, which
+        # an export never touches (read whole, they made the job's trainer peak as it exported).
+        by_ep_rank = [[torch.load(directory / rank_file(tp, stage, dp), weights_only=True, map_location="cpu",
+                                  mmap=True)["model"]
                        for tp in range(meta["parallel"]["tensor"])] for dp in range(ep)]
         shards = by_ep_rank[0]
         names = [name for name in shards[0] if not name.endswith("_extra_state")]
