@@ -9,9 +9,10 @@ environment its parent would have passed, and runs the same module as ``__main__
 arguments, through the same entry point. It is a real process on its own pid, signalled and killed
 like any other; its exit status comes from the zygote, its parent, which reaps it when asked.
 
-Nothing in the zygote runs a parallel region or starts a thread before forking (OpenMP and thread
-pools do not survive a fork): it only imports. ``spin_briefly`` runs first, as the engine's command
-runs it, because libgomp reads its spin count when torch loads it.
+The zygote only imports: no parallel region runs, so there is no OpenMP pool for a fork to break.
+The one thread it has besides its own is OpenBLAS's (numpy's), which OpenBLAS shuts down before any
+fork (``pthread_atfork``). ``spin_briefly`` runs first, as the engine's command runs it, because
+libgomp reads its spin count when torch loads it.
 
 Protocol: one JSON line per request on the zygote's stdin, one JSON line back on its stdout:
 ``{"spawn": [module, args...], "log": path, "append": bool, "env": {...}}`` -> ``{"pid": N}``, and
