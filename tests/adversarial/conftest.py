@@ -42,9 +42,14 @@ def services(module_procs, tiny_model, tmp_path_factory) -> Services:
     return Services(engine, router, proxy, buffer)
 
 
+# Made once: building a client (its TLS context) takes 20-50 ms, several times that on a loaded
+# machine, and is none of the service's latency. No keep-alive: each probe is a new connection.
+_PROBE = httpx.Client(timeout=5, limits=httpx.Limits(max_keepalive_connections=0))
+
+
 def health_latency(url: str) -> float:
     started = time.perf_counter()
-    assert httpx.get(url + "/health", timeout=5).status_code == 200
+    assert _PROBE.get(url + "/health").status_code == 200
     return time.perf_counter() - started
 
 
