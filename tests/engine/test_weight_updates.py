@@ -24,6 +24,7 @@ from tests.engine.test_control import LONG, started
 
 pytestmark = pytest.mark.anyio
 NAME = "model.layers.0.self_attn.o_proj.weight"
+IN_FLIGHT_TOKENS = 3000  # a request still running when an update pauses the engine (the context is 4,096)
 
 
 @pytest.fixture
@@ -210,7 +211,9 @@ async def test_requests_in_flight_abort_or_resume_and_each_token_has_one_version
     new = checkpoint_tensors(tiny_model("qwen2", seed=5))
     sync = WeightSync(TensorTransport(torch.device("cpu")), [engine], buffer_size=1 << 20, pause_mode=mode)
     async with httpx.AsyncClient(base_url=engine, timeout=120) as client:
-        body = {**LONG, "sampling_params": {**LONG["sampling_params"], "max_new_tokens": 600}}
+        # Long enough to be running when the pause comes on a loaded machine too: 600 tokens (0.46 s
+        # alone) once ended first in CI; 3,000 take 2 s alone.
+        body = {**LONG, "sampling_params": {**LONG["sampling_params"], "max_new_tokens": IN_FLIGHT_TOKENS}}
         inflight = await started(client, body, min_tokens=20)
         report = await sync.update(new.items(), "step-1")
         out = await asyncio.wait_for(inflight, 120)
@@ -219,13 +222,13 @@ async def test_requests_in_flight_abort_or_resume_and_each_token_has_one_version
     assert report.flushed == (0 if mode == "in_place" else 1)  # in_place keeps the KV: no flush is asked for
     meta = out["meta_info"]
     if mode == "abort":
-        assert meta["finish_reason"]["type"] == "abort" and 20 <= len(out["output_ids"]) < 600
+        assert meta["finish_reason"]["type"] == "abort" and 20 <= len(out["output_ids"]) < IN_FLIGHT_TOKENS
         assert meta["weight_version"] == "default" and "weight_versions" not in meta
     else:
-        assert meta["finish_reason"]["type"] == "length" and len(out["output_ids"]) == 600
+        assert meta["finish_reason"]["type"] == "length" and len(out["output_ids"]) == IN_FLIGHT_TOKENS
         spans = meta["weight_versions"]
         assert [s["version"] for s in spans] == ["default", "step-1"]
-        assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] >= 20 and spans[1]["end"] == 600
+        assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] >= 20 and spans[1]["end"] == IN_FLIGHT_TOKENS
     assert after["meta_info"]["weight_version"] == "step-1"
 
 
