@@ -219,14 +219,19 @@ class Secret(str):
     """A command-line argument that must not show in ``ps`` (a key): ``ManagedProcess.spawn`` pipes it."""
 
 
+def run_as_main(module: str, args: list[str]) -> None:
+    """In an interpreter already running: become ``python -m MODULE ARGS...``."""
+    sys.argv = [module, *args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
 def run_with_secret_arguments(argv: list[str]) -> None:
     """``python -m inverted.processes FD MODULE ARGS...``: run ``MODULE`` as ``__main__`` with ``ARGS``
     and the arguments its parent wrote to the pipe ``FD`` (``ManagedProcess.spawn``)."""
     fd, module, *args = argv
     with os.fdopen(int(fd)) as pipe:
         secret = json.load(pipe)
-    sys.argv = [module, *args, *secret]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    run_as_main(module, [*args, *secret])
 
 
 @dataclass

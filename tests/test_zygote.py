@@ -8,19 +8,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 
 from inverted.processes import free_port
+from tests.conftest import until
 from tests.zygote import Zygote
-
-
-def _until(condition, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
 
 
 def test_a_child_runs_its_module_as_main_with_its_own_log_environment_and_exit_status(tmp_path, monkeypatch):
@@ -45,11 +38,11 @@ def test_a_server_child_is_signalled_and_dies_with_the_zygote(tmp_path):
     servers = [zygote.spawn([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)],
                             tmp_path / f"http-{port}.log") for port in ports]
     for port in ports:
-        _until(lambda: _answers(port))
+        until(lambda: _answers(port), f"nothing answered on {port}", 30)
     servers[0].kill()
     assert servers[0].wait(30) == -signal.SIGKILL and not _answers(ports[0])
     os.kill(zygote.process.pid, signal.SIGKILL)  # a test worker that dies takes its zygote, and that its servers
-    _until(lambda: not _answers(ports[1]))
+    until(lambda: not _answers(ports[1]), "a server outlived its zygote", 30)
 
 
 def _answers(port: int) -> bool:

@@ -63,7 +63,7 @@ def _serve() -> dict:
 
 def _run(request: dict, zygote: int) -> None:
     """In the child: become ``python -m MODULE ARGS`` with its output in the log."""
-    from inverted.processes import die_with_parent
+    from inverted.processes import die_with_parent, run_as_main
 
     flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if request["append"] else os.O_TRUNC)
     log = os.open(request["log"], flags, 0o644)
@@ -81,10 +81,7 @@ def _run(request: dict, zygote: int) -> None:
     os.environ.update(request["env"])
     die_with_parent(zygote)
     module, *args = request["spawn"]
-    sys.argv = [module, *args]
-    import runpy
-
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    run_as_main(module, args)
 
 
 class Child:

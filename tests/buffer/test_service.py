@@ -21,6 +21,7 @@ from inverted.buffer.client import BufferClient
 from inverted.errors import ProtocolError, ServiceUnavailable
 from inverted.processes import tcp_sockets
 from inverted.types import Sample
+from tests.conftest import until
 
 pytestmark = pytest.mark.anyio
 
@@ -152,13 +153,6 @@ def cmdline(pid: int) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
-
-
-def until(condition, failure: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, failure
-        time.sleep(0.2)
 
 
 def test_workers_share_a_burst_of_connections_and_a_dead_worker_is_replaced(procs, tmp_path, dataset):
