@@ -611,7 +611,9 @@ class WeightSyncConfig:
 
     update_weight_transport: Literal["auto", "tensor", "distributed", "disk"] = option(
         "auto", "how new weights reach the rollout servers (auto: tensor when they are on this node, else distributed)")
-    update_weight_buffer_size: int = option(512 * 1024**2, "bytes per flattened weight bucket")
+    update_weight_buffer_size: int = option(
+        0, "bytes per flattened weight bucket (0: 512 MiB on a GPU, slime's default; 128 MiB on a CPU, where the "
+           "buckets are host memory that the trainer and the engines keep mapped between updates)")
     update_weight_disk_dir: str | None = option(
         None, "where the disk transport writes weights (default: OUTPUT_DIR/weight_updates; shared storage across nodes)", path=True)
     update_weight_timeout: float = option(300.0, "seconds to wait for the servers to join a weight-update group")
@@ -620,8 +622,8 @@ class WeightSyncConfig:
                    "the new weights, KV recomputed) or hold them in place")
 
     def __post_init__(self) -> None:
-        _require(self.update_weight_buffer_size >= 1024**2, "--update-weight-buffer-size", self.update_weight_buffer_size,
-                 ">= 1 MiB")
+        _require(self.update_weight_buffer_size == 0 or self.update_weight_buffer_size >= 1024**2,
+                 "--update-weight-buffer-size", self.update_weight_buffer_size, "0 (the device's default) or >= 1 MiB")
         _require(self.update_weight_timeout > 0, "--update-weight-timeout", self.update_weight_timeout, "> 0")
 
 

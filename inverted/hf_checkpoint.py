@@ -9,7 +9,9 @@ the trainer's packed rows); ``checkpoint_tensors`` reads the safetensors files; 
 a request may be, which the servers and the proxy share; ``load_tokenizer``
 gives its tokenizer, with the chat template of ``--chat-template`` in place of its own where one is
 given (SGLang's flag), so the proxy, the rollouts and slime's plug-ins render chats one way. The embedded engine and the trainer both build their models from these,
-so an architecture is understood in one place. It imports only ``errors``.
+so an architecture is understood in one place. It imports only ``errors``, and torch only where a
+function makes tensors: the processes that only read a ``config.json`` (the driver, each server's
+Ray actor) do not carry torch's 190 MB.
 """
 
 from __future__ import annotations
@@ -18,12 +20,12 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
-from safetensors import safe_open
+from typing import TYPE_CHECKING, Any
 
 from inverted.errors import ModelError
+
+if TYPE_CHECKING:
+    import torch
 
 ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
                  "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe"}
@@ -129,12 +131,16 @@ def _eos_ids(path: Path, cfg: dict) -> tuple[int, ...]:
 def rope_angles(spec: ModelSpec, positions: torch.Tensor) -> torch.Tensor:
     """RoPE's angle of every position and channel, ``[len(positions), head_dim]`` in fp32, as ``transformers``
     lays them out (the frequencies twice over: halves are rotated, not interleaved pairs)."""
+    import torch
+
     freqs = torch.outer(positions.to(torch.float32), rope_inv_freq(spec).to(positions.device))
     return torch.cat((freqs, freqs), dim=-1)
 
 
 def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
     """RoPE inverse frequencies, with the ``linear`` and ``llama3`` scalings Hugging Face defines."""
+    import torch
+
     rope = spec.rope
     dim = spec.head_dim
     inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
@@ -173,6 +179,8 @@ def context_length(path: str | Path, requested: int = 0) -> int:
 
 def checkpoint_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor in a checkpoint directory's ``*.safetensors`` files, by Hugging Face name."""
+    from safetensors import safe_open
+
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise ModelError(f"{path}: no *.safetensors files")

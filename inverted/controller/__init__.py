@@ -129,6 +129,6 @@ async def drive(cfg: JobConfig, job: Job, plugins: Plugins, sink: MetricsSink, r
             elif job.trainer and restart and (rollout_id + 1) % restart == 0:  # written during the next rollout
                 await job.trainer_call("save_for_restart", restart_dir(cfg.train))
     if job.trainer and start < cfg.train.num_rollout:
-        out = await job.trainer_call("export_hf", checkpoint_dir(cfg.train), str(run_dir / "hf"))
+        out = await job.trainer_call("finish", checkpoint_dir(cfg.train), str(run_dir / "hf"))
         logger.info("final policy exported to %s", out)
         shutil.rmtree(restart_dir(cfg.train), ignore_errors=True)  # the final checkpoint holds more

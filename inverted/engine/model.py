@@ -40,7 +40,9 @@ class KVCache:
     experts its token was routed to in every layer, ``[rows, capacity, layers, top_k]``, moved with it.
     """
 
-    GROW = 256
+    # Capacity starts here and doubles: a short-prompt job's 64 rows hold 64-128 positions, not a
+    # fixed 256 (in fp32, SmolLM2's 64 x 256 are 0.75 GB, most of it never written).
+    GROW = 64
 
     def __init__(self, spec: ModelSpec, rows: int, max_len: int, dtype: torch.dtype, device: torch.device,
                  keep_routes: bool = False):

@@ -21,6 +21,7 @@ Samples cross into the actors as their JSON form (``types.py``).
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import os
 import shutil
@@ -66,6 +67,7 @@ def settled(method: Callable) -> Callable:
 class TrainActor:
     """One training rank: its process group, its ``Trainer`` and its weight sync."""
 
+    trainer = None  # made by setup; let go of by finish
     sync = None  # the weight sync, made on the first push (its servers known then)
     saving: Future | None = None  # the background save under way
 
@@ -150,19 +152,38 @@ class TrainActor:
         pool.shutdown(wait=False)  # its thread ends with the save
 
     @settled
-    def export_hf(self, root: str, out: str) -> str | None:
+    def finish(self, root: str, out: str) -> str | None:
+        """The rank's last call before ``shutdown``: let go of the trainer (weights, gradients, Adam's
+        moments, the weight-sync buckets), then rank 0 writes the latest checkpoint under ``root`` as a
+        Hugging Face model in ``out``. The export reads the saved checkpoint, not the live model, so its
+        working set (the model assembled in Hugging Face's layout, safetensors' bytes of it) need not
+        sit beside the training state: that was the job's peak memory."""
+        import torch
+
         from inverted.train.export import export_hf
 
+        self._release()
+        torch.distributed.barrier()  # every rank's state is gone before rank 0 allocates the export's
         return str(export_hf(root, out)) if self.rank == 0 else None
 
     @settled
     def shutdown(self) -> None:
         from inverted.train.parallel import shutdown_parallel
 
+        self._release()
+        shutdown_parallel()
+
+    def _release(self) -> None:
         if self.sync is not None:
             self.sync.release()
-        self.trainer.close()
-        shutdown_parallel()
+            self.sync = None
+        if self.trainer is not None:
+            self.trainer.close()
+            self.trainer = None
+            # Megatron's gradient hooks hold the model in reference cycles, which ``setup`` froze out
+            # of the collector with the rest of the start-up heap: one full collection, at the end.
+            gc.unfreeze()
+            gc.collect()
 
 
 class TrainGroup:
@@ -232,9 +253,10 @@ class TrainGroup:
         """``TrainActor.save_for_restart`` on every rank: returns at once, the save goes on."""
         self._all("save_for_restart", root)
 
-    def export_hf(self, root: str, out: str) -> str:
-        """The latest checkpoint under ``root`` as a Hugging Face model in ``out`` (written by rank 0)."""
-        return self._all("export_hf", root, out)
+    def finish(self, root: str, out: str) -> str:
+        """End training: every rank lets go of its state, then rank 0 writes the latest checkpoint under
+        ``root`` as a Hugging Face model in ``out``. Only ``shutdown`` may follow."""
+        return self._all("finish", root, out)
 
     def shutdown(self) -> None:
         try:

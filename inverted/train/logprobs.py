@@ -38,20 +38,27 @@ def _tensor_parallel() -> tuple[int, int, object]:
             parallel_state.get_tensor_model_parallel_group())
 
 
-def _row_sums(scaled: torch.Tensor, targets: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _row_sums(scaled: torch.Tensor, targets: torch.Tensor, with_entropy: bool,
+              in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's maximum (over the whole vocabulary) and, over this rank's slice, ``[sum exp(z - max),
-    z_target - max (0 off the slice), sum exp(z - max) (z - max)]`` (``[2 or 3, N]``, not yet summed over TP)."""
+    z_target - max (0 off the slice), sum exp(z - max) (z - max)]`` (``[2 or 3, N]``, not yet summed over TP).
+
+    ``in_place``: ``scaled`` is a temporary outside autograd (the fused head's chunk), overwritten so
+    that two ``[N x V]`` tensors exist at once, not four; the same operations, the same numbers."""
     size, rank, group = _tensor_parallel()
     width = scaled.shape[-1]
     start = rank * width
     row_max = scaled.detach().max(dim=-1).values
     if size > 1:
         torch.distributed.all_reduce(row_max, op=torch.distributed.ReduceOp.MAX, group=group)
-    shifted = scaled - row_max[:, None]
+    shifted = scaled.sub_(row_max[:, None]) if in_place else scaled - row_max[:, None]
     exp = shifted.exp()
     local = (targets >= start) & (targets < start + width)
     picked = shifted.gather(-1, (targets - start).clamp(0, width - 1)[:, None]).squeeze(-1) * local
-    return row_max, torch.stack([exp.sum(-1), picked] + ([(exp * shifted).sum(-1)] if with_entropy else []))
+    sums = [exp.sum(-1), picked]
+    if with_entropy:
+        sums.append((exp.mul_(shifted) if in_place else exp * shifted).sum(-1))
+    return row_max, torch.stack(sums)
 
 
 def _from_sums(sums: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -90,7 +97,7 @@ class _FusedHead(torch.autograd.Function):
         log_z, mean_z = (hidden.new_empty(rows, dtype=torch.float32) for _ in range(2))
         for start in range(0, rows, chunk):
             part = slice(start, start + chunk)
-            row_max, sums = _row_sums(_scaled_logits(hidden[part], weight, temperature), targets[part], True)
+            row_max, sums = _row_sums(_scaled_logits(hidden[part], weight, temperature), targets[part], True, in_place=True)
             if size > 1:
                 torch.distributed.all_reduce(sums, group=group)
             logprobs[part], entropy[part] = _from_sums(sums, True)
@@ -112,14 +119,16 @@ class _FusedHead(torch.autograd.Function):
         for start in range(0, len(hidden), ctx.chunk):
             part = slice(start, start + ctx.chunk)
             z = _scaled_logits(hidden[part], weight, temperature)
-            # d log p_t / dz_j = [j = t] - p_j;  dH / dz_j = -p_j (z_j - E_p[z]).
+            # d log p_t / dz_j = [j = t] - p_j;  dH / dz_j = -p_j (z_j - E_p[z]). In place, so that two
+            # [chunk x V] tensors exist at once (z and p), not five.
             g_logp, g_ent = grad_logprobs[part, None], grad_entropy[part, None]
-            grad_z = (z - log_z[part, None]).exp_().mul_(g_ent * (z - mean_z[part, None]) + g_logp).neg_()
+            grad_z = (z - log_z[part, None]).exp_().mul_(z.sub_(mean_z[part, None]).mul_(g_ent).add_(g_logp)).neg_()
+            del z
             local = targets[part] - rank * width
             on_slice = ((local >= 0) & (local < width)).nonzero().squeeze(-1)
             grad_z[on_slice, local[on_slice]] += g_logp[on_slice, 0]
-            grad_logits = (grad_z / temperature).to(hidden.dtype)
-            del z, grad_z
+            grad_logits = grad_z.div_(temperature).to(hidden.dtype)
+            del grad_z
             if want_hidden:
                 grad_hidden[part] = grad_logits @ weight
             if want_weight:

@@ -16,6 +16,10 @@ import torch
 
 from inverted.config import OptimConfig
 
+# Elements squared in fp64 at once for the gradient norm: 16 MB of temporaries, not two fp64 copies
+# of the largest gradient (SmolLM2's embedding: 2 x 226 MB, the trainer's peak during a step).
+NORM_CHUNK = 1 << 20
+
 
 class CPUAdamW:
     def __init__(self, cfg: OptimConfig, model: torch.nn.Module) -> None:
@@ -40,7 +44,9 @@ class CPUAdamW:
         for param in self.params:
             if param.grad is not None and param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param):
                 # Megatron marks an expert-parallel rank's own experts allreduce=False (their DP group is smaller).
-                (dense if getattr(param, "allreduce", True) else experts).add_(param.grad.double().square().sum())
+                total = dense if getattr(param, "allreduce", True) else experts
+                for chunk in param.grad.reshape(-1).split(NORM_CHUNK):  # not two fp64 copies of a whole gradient
+                    total.add_(chunk.double().square().sum())
         torch.distributed.all_reduce(dense, group=parallel_state.get_model_parallel_group())
         if parallel_state.get_expert_model_parallel_world_size() > 1:
             torch.distributed.all_reduce(experts, group=parallel_state.get_expert_tensor_model_pipeline_parallel_group())

@@ -14,7 +14,8 @@ from inverted.config import TrainConfig, from_flags
 from inverted.train.parallel import spawn
 from inverted.types import Sample
 from tests.train.samples import make_samples, write_jsonl
-from tests.train.workers import check_same_training, grpo_step, logits_and_step, logprobs_step_and_save, step_at_version
+from tests.train.workers import (check_same_training, grpo_step, logits_and_step, logprobs_step_and_save, step_at_version,
+                                 step_save_and_finish)
 
 
 @pytest.mark.slow  # several ranks: left out of make test-fast
@@ -186,6 +187,20 @@ def test_resume_reproduces_the_uninterrupted_run_and_exports(tiny_model, tmp_pat
     assert other.returncode == 2
     assert "checkpoint of another model than --hf-checkpoint" in other.stderr
     assert not (tmp_path / "d" / "metrics.jsonl").read_text()
+
+
+def test_the_final_export_runs_after_the_trainer_has_let_go_of_its_state(tiny_model, tmp_path):
+    """The job's last trainer call (``finish``): every parameter and Adam moment is freed before the
+    export starts, so the export's working set never sits beside the training state (the whole job's
+    peak memory, docs/performance-history.md), and the export holds the trained weights exactly."""
+    cfg = from_flags(TrainConfig, hf_checkpoint=str(tiny_model("qwen2")), lr=1e-2, output_dir=str(tmp_path))
+    spawn(step_save_and_finish, 1, cfg, make_samples(seed=3), str(tmp_path / "ckpt"), str(tmp_path / "hf"),
+          str(tmp_path / "out.pt"))
+    result = torch.load(tmp_path / "out.pt", weights_only=False)
+    assert result["tracked"] > 20 and result["alive_at_export"] == 0
+    exported = transformers.AutoModelForCausalLM.from_pretrained(result["path"], dtype=torch.float32).state_dict()
+    for name, tensor in result["weights"].items():
+        assert torch.equal(exported[name], tensor), name
 
 
 @pytest.mark.parametrize("breakage, message", [

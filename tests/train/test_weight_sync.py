@@ -15,7 +15,7 @@ import torch
 from inverted.config import TrainConfig, from_flags
 from inverted.hf_checkpoint import checkpoint_tensors
 from inverted.train.parallel import spawn
-from inverted.train.weight_sync import DistributedTransport, WeightSync
+from inverted.train.weight_sync import DistributedTransport, TensorTransport, WeightSync
 from tests.train.samples import make_samples
 from tests.train.workers import grpo_loop, step_and_sync
 
@@ -82,6 +82,25 @@ def test_a_restarted_server_gets_a_fresh_update_group(procs, tiny_model):
     assert torch.equal(torch.tensor(got), weights[name][:2])
 
 
+def test_on_a_cpu_shared_memory_buckets_go_one_at_a_time_through_one_buffer(procs, tiny_model):
+    """The shared-memory transport does not overlap packing with sending on a CPU, so one buffer
+    serves every bucket: each is sent before the next is packed into it (the engine then holds every
+    tensor exactly), and the trainer keeps one bucket of RAM between updates, not two."""
+    url = procs.engine(tiny_model("qwen2")).url
+    weights = checkpoint_tensors(tiny_model("qwen2", seed=7))
+    transport = TensorTransport(torch.device("cpu"))  # buckets as large as the largest tensor: several
+    sync = WeightSync(transport, [url], buffer_size=max(t.numel() for t in weights.values()) * 4)
+    for version in ("1", "2"):  # the second update reuses the buffer and the engine's decoded payloads
+        report = asyncio.run(sync.update(weights.items(), version))
+        assert report.buckets >= 3 and report.bytes == sum(t.numel() * 4 for t in weights.values())
+        assert len(transport.shared_files) == 1 and len(sync.packer.buffers) == 1
+        for name, tensor in weights.items():
+            got = httpx.post(url + "/get_weights_by_name", json={"name": name, "truncate_size": 4}).json()
+            assert torch.equal(torch.tensor(got), tensor[:4]), name
+        weights = {name: tensor * 0.5 for name, tensor in weights.items()}
+    sync.release()
+
+
 @pytest.mark.slow  # an RL loop that must learn (14 steps): left out of make test-fast
 @pytest.mark.parametrize("transport", ["tensor", "distributed"])
 def test_a_grpo_loop_through_weight_sync_learns_and_stays_exactly_on_policy(procs, tiny_model, tmp_path, transport):
@@ -119,15 +138,16 @@ def test_auto_transport_is_tensor_exactly_when_every_server_is_on_this_host():
 
 def test_a_bucket_is_no_larger_than_the_checkpoint(tiny_model, tmp_path):
     """A small model's buckets are sized to it, not to ``--update-weight-buffer-size`` (each bucket is
-    RAM in /dev/shm on a CPU); a model larger than the flag is cut into buckets of the flag's size."""
+    RAM in /dev/shm on a CPU); a model larger than the flag is cut into buckets of the flag's size;
+    without the flag, a CPU's buckets are 128 MiB."""
     from pathlib import Path
 
-    from inverted.train.weight_sync import make_weight_sync
+    from inverted.train.weight_sync import BUCKET_BYTES_CPU, make_weight_sync
 
     model = tiny_model("qwen2")
     stored = sum(f.stat().st_size for f in Path(model).glob("*.safetensors"))
     cfg = from_flags(TrainConfig, hf_checkpoint=str(model), update_weight_transport="tensor")
     sync = make_weight_sync(cfg.sync, str(model), str(tmp_path), ["http://127.0.0.1:30000"])
-    assert 0 < sync.buffer_size == stored < cfg.sync.update_weight_buffer_size
+    assert 0 < sync.buffer_size == stored < BUCKET_BYTES_CPU == 128 * 2**20
     cfg = from_flags(TrainConfig, hf_checkpoint=str(model), update_weight_buffer_size=2**20)
     assert make_weight_sync(cfg.sync, str(model), str(tmp_path), ["http://127.0.0.1:30000"]).buffer_size == min(stored, 2**20)

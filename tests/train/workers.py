@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Iterator
 
 import torch
@@ -297,3 +298,43 @@ def heads_and_steps(cfgs: list[TrainConfig], samples, out: str) -> None:
                             "weights": trainer.hf_weights()})
             del trainer
         torch.save(results, out)
+
+
+def step_save_and_finish(cfg: TrainConfig, samples, root: str, hf_out: str, out: str) -> None:
+    """A rank as the job ends it (``TrainActor``'s ``train``, ``save``, then ``finish``): how much of
+    its training state (parameters, Adam's moments) was still alive when the export began, and its
+    trained weights to hold the export to."""
+    import weakref
+
+    from inverted.processes import freeze_startup_heap
+    from inverted.train import export
+    from inverted.train.actor import TrainActor
+    from inverted.train.trainer import Trainer
+
+    with parallel_group(cfg), contextlib.ExitStack() as stack:
+        stack.callback(gc.unfreeze)  # this may be the test's own process
+        actor = TrainActor()
+        actor.cfg, actor.rank = cfg, torch.distributed.get_rank()
+        actor.trainer = Trainer(cfg)
+        freeze_startup_heap()  # as ``TrainActor.setup`` does
+        actor.train([sample.to_json() for sample in samples])
+        weights = {name: tensor.clone() for name, tensor in actor.trainer.hf_weights().items()}
+        state = [*actor.trainer.model.parameters(),
+                 *(t for s in actor.trainer.optimizer.optimizer.state.values() for t in s.values() if torch.is_tensor(t))]
+        alive = [weakref.ref(tensor) for tensor in state]
+        del state
+        actor.save(root)
+        seen: dict[str, int] = {}
+        exporting = export.export_hf
+
+        def watched(*args):
+            seen["alive"] = sum(ref() is not None for ref in alive)
+            return exporting(*args)
+
+        export.export_hf = watched
+        try:
+            path = actor.finish(root, hf_out)
+        finally:
+            export.export_hf = exporting
+        if actor.rank == 0:
+            torch.save({"alive_at_export": seen["alive"], "tracked": len(alive), "path": path, "weights": weights}, out)

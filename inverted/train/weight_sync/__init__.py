@@ -1,6 +1,7 @@
 """Weight sync: the trainer's weights into every rollout server, in flattened buckets.
 
-- ``buckets``: named tensors → SGLang ``FlattenedTensorBucket`` layout, two buffers in turn.
+- ``buckets``: named tensors → SGLang ``FlattenedTensorBucket`` layout, two buffers in turn (one
+  where a transport does not overlap packing with sending).
 - ``transports``: tensor (shared memory / CUDA IPC), distributed (gloo / NCCL broadcast), disk.
 - ``sync``: one update end to end (pause, session, buckets, version, flush, continue), timed.
 
@@ -25,6 +26,13 @@ from inverted.train.weight_sync.transports import (
     Transport,
     on_this_host,
 )
+
+# --update-weight-buffer-size 0. On a GPU, slime's default. On a CPU a bucket is host memory that
+# the trainer and the engines keep mapped between updates (the engines keep each one decoded), so it
+# is sized to hold a large tensor (a 135M model's embedding is 108 MiB) and no more: SmolLM2's job
+# peaked 0.6 GB lower at 128 MiB than at 512, its sync no slower (docs/performance-history.md).
+BUCKET_BYTES_GPU = 512 * 1024**2
+BUCKET_BYTES_CPU = 128 * 1024**2
 
 __all__ = ["Bucket", "BucketPacker", "DiskTransport", "DistributedTransport", "SyncReport", "TensorTransport",
            "Transport", "WeightSync", "choose_transport", "make_weight_sync"]
@@ -52,8 +60,9 @@ def make_weight_sync(cfg: WeightSyncConfig, hf_checkpoint: str, output_dir: str,
     else:
         transport = DiskTransport(device, cfg.update_weight_disk_dir or f"{output_dir}/weight_updates", hf_checkpoint)
     checkpoint_dtype = json.loads((Path(hf_checkpoint) / "config.json").read_text()).get("torch_dtype")
+    size = cfg.update_weight_buffer_size or (BUCKET_BYTES_CPU if device.type == "cpu" else BUCKET_BYTES_GPU)
     # A bucket no larger than the checkpoint: a small model's buckets would otherwise take the whole
     # --update-weight-buffer-size each (on a CPU, RAM in /dev/shm; the bytes are written to share them).
     stored = sum(f.stat().st_size for f in Path(hf_checkpoint).glob("*.safetensors"))
-    return WeightSync(transport, urls, buffer_size=min(cfg.update_weight_buffer_size, stored or cfg.update_weight_buffer_size),
+    return WeightSync(transport, urls, buffer_size=min(size, stored or size),
                       pause_mode=cfg.pause_mode, keys=keys, checkpoint_dtype=checkpoint_dtype, adapter=adapter)

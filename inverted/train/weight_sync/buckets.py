@@ -1,4 +1,4 @@
-"""Packing a stream of named tensors into flattened buckets, alternating two buffers.
+"""Packing a stream of named tensors into flattened buckets, alternating two buffers (or reusing one).
 
 A bucket is one 1-D ``uint8`` buffer holding its tensors' bytes back to back, in SGLang's
 ``FlattenedTensorBucket`` layout (``weight_wire``). Each tensor is cast to the servers' dtype
@@ -7,8 +7,9 @@ is aligned.
 
 Two buffers take turns: while the transport sends bucket ``k`` from one, bucket ``k+1`` is
 packed into the other. The caller (``sync.WeightSync``) waits for bucket ``k``'s send before it
-asks for bucket ``k+2``, which reuses that buffer. A tensor larger than the buffer size grows
-that buffer once.
+asks for bucket ``k+2``, which reuses that buffer. A transport that sends before it packs again
+(``Transport.overlaps`` false) needs one buffer, which every bucket reuses. A tensor larger than
+the buffer size grows that buffer once.
 
 A bucket whose tensors hold a NaN or an infinity is a ``ModelError``: no server is sent it.
 
@@ -72,9 +73,9 @@ class Placed:
 class BucketPacker:
     """``pack(named)`` yields buckets of at most ``capacity`` bytes (more only for one larger tensor)."""
 
-    def __init__(self, capacity: int, allocate: Callable[[int], torch.Tensor], dtype: torch.dtype):
+    def __init__(self, capacity: int, allocate: Callable[[int], torch.Tensor], dtype: torch.dtype, buffers: int = 2):
         self.capacity, self.allocate, self.dtype = capacity, allocate, dtype
-        self.buffers: list[torch.Tensor | None] = [None, None]
+        self.buffers: list[torch.Tensor | None] = [None] * buffers
         self.placed: list[Placed] = []  # by the last pack, in stream order
 
     def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
@@ -107,7 +108,7 @@ class BucketPacker:
                 yield filled()
                 metadata, offset, index = [], 0, index + 1
             if not metadata:
-                buffer = self._buffer(index % 2, nbytes)
+                buffer = self._buffer(index % len(self.buffers), nbytes)
             spot = previous[len(placed)] if len(placed) < len(previous) else None
             if (spot is None or spot.name != name or spot.shape != tensor.shape or spot.buffer is not buffer
                     or spot.meta.start_idx != offset):

@@ -11,7 +11,8 @@ live parameters, one at a time). The phases, each timed into the ``SyncReport``:
 3. ``begin``: ``/begin_weight_update`` (tensor and distributed transports).
 4. ``buckets``: packing bucket ``k+1`` (a worker thread: gather, cast, copy) overlaps sending
    bucket ``k``, except where the transport gains nothing from it on a CPU
-   (``Transport.overlaps_on_cpu``); the first bucket, with nothing to overlap, is packed inline;
+   (``Transport.overlaps``: then one packing buffer serves every bucket, not two); the first
+   bucket, with nothing to overlap, is packed inline;
    ``pack`` and ``send`` also report their own sums.
 5. ``finish`` (disk: the servers load the shards), ``end``: ``/end_weight_update``.
 6. ``version``: ``/update_weight_version`` to the trainer's step, without aborting anything.
@@ -175,7 +176,8 @@ class WeightSync:
             raise ValueError(f"the rollout servers hold different dtypes {sorted(map(str, dtypes))}: one update cannot fit all")
         dtype = dtypes.pop()
         if self.packer is None or self.packer.dtype != dtype:
-            self.packer = BucketPacker(self.buffer_size, self.transport.allocate, dtype)
+            self.packer = BucketPacker(self.buffer_size, self.transport.allocate, dtype,
+                                       buffers=2 if self.transport.overlaps else 1)
         await self.transport.connect(servers, [int(info.get("tp_size", 1)) for info in infos])
         self.connected = identity
 
@@ -192,7 +194,8 @@ class WeightSync:
         report.buckets, report.bytes = 1, bucket.nbytes
 
     async def _stream(self, servers: list[SGLangClient], weights: Iterator, report: SyncReport) -> None:
-        """Pack bucket k+1 in a worker thread while bucket k is being sent (bucket 0 inline)."""
+        """Pack bucket k+1 in a worker thread while bucket k is being sent (bucket 0 inline), or, where
+        that does not pay (``Transport.overlaps``), pack and send in turn through one buffer."""
         assert self.packer is not None
         buckets = self.packer.pack(weights)
 
@@ -209,15 +212,14 @@ class WeightSync:
             report.buckets += 1
             report.bytes += bucket.nbytes
 
-        async def packed(in_flight: bool) -> Bucket | None:
-            # A worker thread pays only while a send runs beside it: the first bucket is packed inline.
-            if not in_flight or (self.transport.device.type == "cpu" and not self.transport.overlaps_on_cpu):
-                return next_bucket()
-            return await asyncio.to_thread(next_bucket)
-
+        if not self.transport.overlaps:  # one buffer: each bucket is sent before the next is packed into it
+            while (bucket := next_bucket()) is not None:
+                await send(bucket)
+            return
         sending: asyncio.Task | None = None
         try:
-            while (bucket := await packed(sending is not None)) is not None:
+            # A worker thread pays only while a send runs beside it: the first bucket is packed inline.
+            while (bucket := next_bucket() if sending is None else await asyncio.to_thread(next_bucket)) is not None:
                 if sending is not None:
                     await sending  # its buffer is the one the next pack reuses
                 sending = asyncio.create_task(send(bucket))

@@ -59,6 +59,11 @@ class Transport(ABC):
     def __init__(self, device: torch.device):
         self.device = device
 
+    @property
+    def overlaps(self) -> bool:
+        """Whether bucket ``k+1`` is packed while bucket ``k`` is sent (so two packing buffers are needed)."""
+        return self.device.type != "cpu" or self.overlaps_on_cpu
+
     def allocate(self, nbytes: int) -> torch.Tensor:
         """A packing buffer the transport can send from."""
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
