@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from pathlib import Path
 from typing import Protocol
 
@@ -40,14 +41,20 @@ class JsonlSink:
 
 
 class TensorBoardSink:
-    def __init__(self, log_dir: Path) -> None:
-        from torch.utils.tensorboard import SummaryWriter
+    """Scalars in TensorBoard event files, written by TensorBoard's own writer and protos: torch's
+    ``SummaryWriter`` wraps the same ones, and would load torch into the controller for it (150 MB)."""
 
-        self._writer = SummaryWriter(log_dir=str(log_dir))
+    def __init__(self, log_dir: Path) -> None:
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self._writer = EventFileWriter(str(log_dir))
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        for name, value in metrics.items():
-            self._writer.add_scalar(name, value, step)
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        values = [Summary.Value(tag=name, simple_value=float(value)) for name, value in metrics.items()]
+        self._writer.add_event(Event(wall_time=time.time(), step=step, summary=Summary(value=values)))
         self._writer.flush()
 
     def close(self) -> None:

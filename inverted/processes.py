@@ -193,6 +193,17 @@ def ephemeral_ports() -> tuple[int, int]:
         return 32768, 60999
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this machine (another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nothing holds, for a server about to start, drawn at random from below the ephemeral range.
 

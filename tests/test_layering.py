@@ -27,6 +27,8 @@ evaluate, before and beside the buffer service; and the embedded engine is a top
 (``inverted.engine``), not a part of ``rollout``: it shares no code with the rollout side, which
 reaches it over HTTP exactly as it reaches SGLang, so the only importer outside it is the CLI that
 serves it (``test_the_engine_is_reached_only_over_http``);
+and ``devices`` (whether torch can see a GPU here, without loading torch where it cannot) counts as
+shared, so the driver, the servers' launcher and the trainer group decide one way;
 and ``view`` (``inverted view``: a run directory in the browser) reads what the job left behind,
 read-only, through the two modules that own those files' formats, ``buffer.archive`` (the buffer's
 database) and ``train.details`` (the trainer's per-Sample log-probs), never through a service,
@@ -39,7 +41,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "inverted"
-SHARED = ("inverted.types", "inverted.errors", "inverted.config", "inverted.plugins", "inverted.metrics",
+SHARED = ("inverted.types", "inverted.errors", "inverted.config", "inverted.plugins", "inverted.metrics", "inverted.devices",
           "inverted.http_client", "inverted.hf_checkpoint", "inverted.weight_wire", "inverted.processes",
           "inverted.auth", "inverted.limits", "inverted.peft_adapter")
 
@@ -52,6 +54,7 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("inverted.compat", tuple(f"inverted.{p.stem}" for p in PACKAGE.iterdir()
                               if p.stem not in ("cli", "__init__", "__pycache__") and (p.suffix == ".py" or p.is_dir()))),
     ("inverted.metrics", ("inverted.errors",)),
+    ("inverted.devices", ()),
     ("inverted.http_client", ("inverted.errors",)),
     ("inverted.hf_checkpoint", ("inverted.errors",)),
     ("inverted.weight_wire", ("inverted.errors",)),

@@ -1,5 +1,6 @@
-"""The reward picture a run leaves (``reward.png``): its curves, its evaluation variants, and the
-stages of a recipe drawn one after another."""
+"""What a run's metrics leave: TensorBoard event files that TensorBoard reads, and the reward
+picture (``reward.png``): its curves, its evaluation variants, and the stages of a recipe drawn
+one after another."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import matplotlib.axes
 
 from inverted.config import JobConfig
 from inverted.controller import stages
-from inverted.metrics import plot_rewards
+from inverted.metrics import build_metrics_sink, plot_rewards
 from tests.test_config import parse
 
 
@@ -18,6 +19,37 @@ def write_metrics(path: Path, rows: list[dict]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
+
+
+def test_tensorboard_reads_every_scalar_at_its_step_and_jsonl_has_the_same(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sink = build_metrics_sink(tmp_path)
+    rows = {0: {"rollout/reward_mean": 0.25, "train/loss": 1.5}, 1: {"rollout/reward_mean": 0.75, "eval/pass_rate": 0.5}}
+    for step, metrics in rows.items():
+        sink.log(metrics, step)
+    sink.close()
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == ["eval/pass_rate", "rollout/reward_mean", "train/loss"]
+    assert [(e.step, e.value) for e in events.Scalars("rollout/reward_mean")] == [(0, 0.25), (1, 0.75)]
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(0, 1.5)]
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines == [{"step": step, **metrics} for step, metrics in rows.items()]
+
+
+def test_the_controllers_metrics_do_not_load_torch():
+    """The controller writes TensorBoard through TensorBoard's own writer: torch's would put ~150 MB
+    of torch into a process that trains nothing (the whole job's memory, docs/performance-history.md)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, tempfile; from inverted.metrics import build_metrics_sink; "
+            "sink = build_metrics_sink(tempfile.mkdtemp()); sink.log({'a/b': 1.0}, 0); sink.close(); "
+            "print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr
 
 
 def test_stages_are_drawn_one_after_another_with_the_variants_dashed(tmp_path, monkeypatch):

@@ -56,6 +56,7 @@ import yaml
 
 from inverted.buffer.client import Batch, BufferClient
 from inverted.config import JobConfig, RolloutConfig, TrainConfig, flag_name, to_flags
+from inverted.devices import cuda_available
 from inverted.errors import ConfigError, PluginError
 from inverted.placement import node_resource, ray_launch, start_ray
 from inverted.plugins import (Keywords, RewardModel, RolloutFunction, load_hook, load_optional, load_rollout_function,
@@ -64,7 +65,6 @@ from inverted.processes import ManagedProcess, free_port
 from inverted.rollout.servers import ROUTED_EXPERTS_ARGV, RolloutServers, ServerHandle, lora_argv
 from inverted.rollout.sglang_client import SGLangClient, ServerKeys
 from inverted.train.actor import RankDied, TrainGroup
-from inverted.train.checkpoint import latest_step
 from inverted.types import POLICY_ADAPTER
 
 logger = logging.getLogger(__name__)
@@ -245,7 +245,7 @@ class Job:
         replay = cfg.train.moe.use_rollout_routing_replay  # the servers return each token's experts, the proxy keeps them
         self.servers = RolloutServers(servers_cfg, self.router_args, self.sglang_args,
                                       flags=lora + (ROUTED_EXPERTS_ARGV if replay else []),
-                                      launch=ray_launch(gpus if _has_cuda() else 0, cfg.loop.ray_address is None,
+                                      launch=ray_launch(gpus if cuda_available() else 0, cfg.loop.ray_address is None,
                                                         cfg.servers.rollout_node_resource, cfg.servers.startup_timeout))
         port, self.proxy_key = free_port(), secrets.token_urlsafe(24)
         proxy_cfg = dataclasses.replace(cfg.proxy, router_url=self.servers.router_url, tokenizer=cfg.train.hf_checkpoint,
@@ -323,6 +323,8 @@ class Job:
     async def _restart_trainer(self) -> None:
         """(The trainer lock held.) A new trainer group in place of one with a dead rank, brought to the
         dead one's step from the latest checkpoint by training again the batches served since."""
+        from inverted.train.checkpoint import latest_step  # with torch: the driver loads it only here
+
         started = time.perf_counter()
         await asyncio.to_thread(self.trainer.kill)
         train = self.cfg.train
@@ -453,14 +455,9 @@ class Job:
 
 def _lora_config(cfg: JobConfig):
     """The adapter a LoRA run trains (``peft_adapter.LoRAConfig``), None without LoRA."""
+    a = cfg.train.lora
+    if not a.enabled:
+        return None
     from inverted.peft_adapter import lora_config  # torch: only a LoRA run pays for it here
 
-    a = cfg.train.lora
-    return lora_config(a.lora_rank, a.lora_alpha, a.lora_dropout, a.target_modules, a.lora_adapter_path) \
-        if a.enabled else None
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
+    return lora_config(a.lora_rank, a.lora_alpha, a.lora_dropout, a.target_modules, a.lora_adapter_path)

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from inverted.config import ServersConfig
+from inverted.devices import cuda_available
 from inverted.errors import ServiceUnavailable, UnknownWorker
 from inverted.hf_checkpoint import context_length
 from inverted.processes import ManagedProcess, Secret, free_port
@@ -87,9 +88,7 @@ def resolve_backend(config: ServersConfig) -> str:
         return config.rollout_backend
     import importlib.util
 
-    import torch
-
-    if not torch.cuda.is_available():
+    if not cuda_available():
         return "embedded"
     try:
         return "sglang" if importlib.util.find_spec("sglang.launch_server") else "embedded"

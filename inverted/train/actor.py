@@ -34,9 +34,11 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from inverted.config import TrainConfig
+from inverted.devices import cuda_available
 from inverted.rollout.sglang_client import ServerKeys
 from inverted.errors import ServiceUnavailable
-from inverted.processes import freeze_startup_heap
+from inverted.processes import alive, freeze_startup_heap
+from inverted.train.shared_memory import reap_buckets
 from inverted.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -192,9 +194,7 @@ class TrainGroup:
     def __init__(self, cfg: TrainConfig, process_setup: Callable[[str], None], gpu_fraction: float = 1.0,
                  node: dict[str, float] | None = None) -> None:
         """``node``: custom resources each rank's node must offer (``placement.node_resource``)."""
-        import torch
-
-        gpus = torch.cuda.is_available()
+        gpus = cuda_available()
         bundle = ({"GPU": 1, "CPU": 1} if gpus else {"CPU": 0.01}) | (node or {})
         self.group = placement_group([bundle] * cfg.parallel.world_size, strategy="PACK")
         try:
@@ -232,8 +232,6 @@ class TrainGroup:
 
     def dead(self) -> bool:
         """Has a rank on this node died? (Those on other nodes show when a call fails.)"""
-        from inverted.train.weight_sync.transports import alive
-
         node = ray.util.get_node_ip_address()
         return any(ip == node and not alive(pid) for ip, pid in self.ranks)
 
@@ -275,7 +273,6 @@ class TrainGroup:
 def reap_ranks(pids_file: Path, wait_s: float = 0.0) -> list[tuple[str, int]]:
     """Unlink the weight buckets that the dead ranks ``pids_file`` names left on this node; the ranks
     it names that could not be reaped here (alive after ``wait_s``, or on another node)."""
-    from inverted.train.weight_sync.transports import alive, reap_buckets
 
     if not pids_file.exists():
         return []

@@ -33,7 +33,7 @@ import pytest
 
 from envs import long_tail
 from envs.datasets import write_dataset
-from inverted.train.weight_sync.transports import shared_buckets
+from inverted.train.shared_memory import shared_buckets
 from inverted.types import Sample, version_number
 from tests.job.test_train_job import ROOT, metrics_rows, stored_samples
 

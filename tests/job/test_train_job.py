@@ -22,7 +22,7 @@ import pytest
 
 from envs.calculator import rows as calculator_rows
 from envs.datasets import write_dataset
-from inverted.train.weight_sync.transports import shared_buckets
+from inverted.train.shared_memory import shared_buckets
 from inverted.types import Sample
 
 pytestmark = pytest.mark.slow  # whole jobs: left out of make test-fast

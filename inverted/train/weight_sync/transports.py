@@ -24,10 +24,8 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
-import os
 import shutil
 import socket
-import time
 import uuid
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -37,6 +35,7 @@ import torch
 
 from inverted.errors import ConfigError
 from inverted.peft_adapter import CONFIG_FILE, WEIGHTS_FILE
+from inverted.train.shared_memory import SHARED_MEMORY
 from inverted.rollout.sglang_client import SGLangClient
 from inverted.train.weight_sync.buckets import Bucket
 from inverted.weight_wire import UpdateGroup, bucket_payload, join_update_group, route_address
@@ -97,46 +96,6 @@ async def all_servers(calls) -> None:
             raise result
 
 
-SHARED_MEMORY = Path("/dev/shm")
-
-
-def shared_buckets(pid: int | str = "*") -> set[Path]:
-    """The shared-memory bucket files of process ``pid`` (of every process by default) on this node:
-    torch names each ``torch_<pid>_<random>_<n>`` after the process that made it."""
-    return set(SHARED_MEMORY.glob(f"torch_{pid}_*"))
-
-
-def reap_buckets(pids: list[int], wait_s: float = 0.0) -> int:
-    """Unlink the shared-memory buckets that processes ``pids`` made and died without unlinking; how many.
-
-    A trainer that is killed (a SIGKILL, Ray ending its actor) never reaches ``release``, and its
-    buckets then outlive it: each is RAM, a whole bucket (512 MiB by default). Files of a process
-    still alive after ``wait_s`` (for one just killed to exit) are left alone; a server that maps
-    one keeps its mapping.
-    """
-    deadline = time.monotonic() + wait_s
-    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    reaped = 0
-    for pid in pids:
-        if alive(pid):
-            continue
-        for path in shared_buckets(pid):
-            path.unlink(missing_ok=True)
-            reaped += 1
-    return reaped
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
 class TensorTransport(Transport):
     name = "tensor"
     # The server's copy out of the bucket needs the same cores and memory bandwidth (measured, 2 cores:
@@ -164,7 +123,7 @@ class TensorTransport(Transport):
         """Unlink the shared-memory bucket files. torch's shm manager does not remove them when the
         trainer is killed rather than left to exit (Ray kills its actors), and each one is a whole
         bucket (measured: 512 MiB left in /dev/shm per run); a killed trainer's are reaped by
-        ``reap_buckets``. Mapped copies stay valid; Linux only."""
+        ``shared_memory.reap_buckets``. Mapped copies stay valid; Linux only."""
         self.sent.clear()  # first: a buffer freed after its file was unlinked makes torch abort
         for name in self.shared_files:
             (SHARED_MEMORY / name.lstrip("/")).unlink(missing_ok=True)
