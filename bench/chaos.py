@@ -217,7 +217,7 @@ def main() -> None:
         work = Path(args.work or tmp)
         work.mkdir(parents=True, exist_ok=True)
         make_inputs(work)
-        from inverted.train.weight_sync.transports import shared_buckets
+        from inverted.train.shared_memory import shared_buckets
 
         started, shared_before = time.monotonic(), shared_buckets()
         report = {"kills": args.kills, "rollouts": args.rollouts, **chaos(args, work)}
