@@ -39,19 +39,6 @@ def test_tensorboard_reads_every_scalar_at_its_step_and_jsonl_has_the_same(tmp_p
     assert lines == [{"step": step, **metrics} for step, metrics in rows.items()]
 
 
-def test_the_controllers_metrics_do_not_load_torch():
-    """The controller writes TensorBoard through TensorBoard's own writer: torch's would put ~150 MB
-    of torch into a process that trains nothing (the whole job's memory, docs/performance-history.md)."""
-    import subprocess
-    import sys
-
-    code = ("import sys, tempfile; from inverted.metrics import build_metrics_sink; "
-            "sink = build_metrics_sink(tempfile.mkdtemp()); sink.log({'a/b': 1.0}, 0); sink.close(); "
-            "print('torch' in sys.modules)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr
-
-
 def test_stages_are_drawn_one_after_another_with_the_variants_dashed(tmp_path, monkeypatch):
     first = write_metrics(tmp_path / "coached" / "metrics.jsonl", [
         {"step": 0, "eval/pass_rate": 0.0, "eval/coached/pass_rate": 0.1, "eval/coached/reward_mean": 0.1},

@@ -1,9 +1,9 @@
 """The tensor transport's weight buckets in ``/dev/shm`` on a CPU: which files a process made, and
 unlinking those that dead trainer ranks left behind.
 
-Apart from the transport (``weight_sync.transports``), which imports torch, because the job's driver
-reaps a killed trainer's buckets every time it starts a trainer group, and need not load torch for
-that (``devices`` says why that matters).
+A module apart from the transport (``weight_sync.transports``, which imports torch): the job's
+driver reaps a killed trainer's buckets whenever it starts a trainer group, and need not load torch
+for that (``devices`` says why that matters).
 """
 
 from __future__ import annotations
