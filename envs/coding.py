@@ -3,11 +3,14 @@
 Each row names one of the repositories below (``metadata.repo``); the rows never carry code. An
 episode copies that repository into a fresh temporary directory and runs mini-swe-agent's ``mini``
 command there, unchanged, pointed at the session by its documented settings (litellm's
-``OPENAI_BASE_URL`` / ``OPENAI_API_KEY``, read off the ``client`` the episode is given), in its
-documented unsandboxed mode (``--yolo``, its local environment: no sandbox can start in this
-container) with a ``HOME`` inside the temporary directory too: every command the model writes
-runs with the copy as its working directory, never the job's. The reward is whether the
-repository's test passes in the copy afterwards (1.0) or not (0.0); the copy is then deleted.
+``OPENAI_BASE_URL`` / ``OPENAI_API_KEY``, read off the ``client`` the episode is given), with
+``--yolo`` (no one approves each command) and its own sandbox mode, its ``bubblewrap`` environment,
+given ``envs.sandbox``'s wrapper: each command the model writes runs with no network, the system
+read-only but the copy, and limits on its time, memory and processes. Where no sandbox can start
+an episode fails with the reason, unless ``INVERTED_SANDBOX=off`` says to run the commands in
+mini-swe-agent's local environment (said on stderr once). The reward is whether the repository's
+test passes in the copy afterwards (1.0) or not (0.0), run outside the sandbox; the copy is then
+deleted.
 
 mini-swe-agent is installed by ``make harnesses``. A 135M model is not expected to learn this;
 the environment is here so that a harness's episodes run through the whole job: ``python -m
@@ -18,11 +21,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import sys
 import tempfile
 from pathlib import Path
+
+from envs import sandbox
 
 REPOS: dict[str, dict[str, str]] = {
     "off_by_one": {
@@ -41,6 +47,21 @@ REPOS: dict[str, dict[str, str]] = {
 TEST = "test_calc.py"
 PROMPT = "The test in test_calc.py fails. Fix calc.py so that `python test_calc.py` passes."
 TEST_TIMEOUT_S = 30
+COMMAND_TIMEOUT_S = 30  # each command the model writes
+
+
+@functools.cache
+def sandboxed() -> bool:
+    """Whether the model's commands run in the sandbox: always, unless none can start here and
+    ``INVERTED_SANDBOX=off`` allows running them unsandboxed."""
+    why = sandbox.problem()
+    if why is None:
+        return True
+    if os.environ.get("INVERTED_SANDBOX") != "off":
+        raise RuntimeError(f"envs.coding runs the model's commands in a sandbox, and {why}; INVERTED_SANDBOX=off "
+                           "runs them unsandboxed")
+    print(f"envs.coding: the model's commands run UNSANDBOXED (INVERTED_SANDBOX=off): {why}", file=sys.stderr)
+    return False
 
 
 def harness() -> str:
@@ -71,11 +92,18 @@ async def episode(task, client) -> float:
         home.mkdir()
         for name, text in repo.items():
             (work / name).write_text(text)
+        config = home / "environment.yaml"  # written as JSON, which YAML reads
+        if sandboxed():
+            sandbox.let_nobody_write(work)
+            config.write_text(json.dumps({"environment": sandbox.mini_environment(work, COMMAND_TIMEOUT_S)}))
+        else:
+            config.write_text(json.dumps({"environment": {"environment_class": "local", "cwd": str(work),
+                                                          "timeout": COMMAND_TIMEOUT_S}}))
         env = {"PATH": os.environ.get("PATH", ""), "HOME": str(home), "OPENAI_BASE_URL": str(client.base_url),
                "OPENAI_API_KEY": client.api_key, "MSWEA_CONFIGURED": "true", "MSWEA_COST_TRACKING": "ignore_errors",
                "MSWEA_SILENT_STARTUP": "1", "MSWEA_GLOBAL_CONFIG_DIR": str(home / "mini-swe-agent")}
         await run([harness(), "-m", "openai/policy", "-t", task.prompt, "--yolo", "--exit-immediately", "-l", "0",
-                   "-o", str(home / "trajectory.json")], work, env)
+                   "-c", "mini.yaml", "-c", str(config), "-o", str(home / "trajectory.json")], work, env)
         status, _ = await run([sys.executable, TEST], work, {"PATH": env["PATH"], "HOME": str(home)}, TEST_TIMEOUT_S)
         return 1.0 if status == 0 else 0.0
 

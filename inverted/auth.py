@@ -26,12 +26,15 @@ from inverted.errors import Unauthorized
 NO_DOCS = {"docs_url": None, "redoc_url": None, "openapi_url": None}
 
 
-def presented_key(request: Request) -> str | None:
-    """The key the caller sent: a bearer token, else ``x-api-key``; ``None`` if neither."""
+def presented_key(request: Request, google: bool = False) -> str | None:
+    """The key the caller sent: a bearer token, else ``x-api-key`` (Anthropic's); with ``google`` (the
+    proxy, which serves the Gemini API), else Google's ``x-goog-api-key`` or ``?key=``; ``None`` if none."""
     header = request.headers.get("authorization", "")
     if header[:7].lower() == "bearer ":
         return header[7:].strip()
     api_key = request.headers.get("x-api-key")
+    if api_key is None and google:
+        api_key = request.headers.get("x-goog-api-key") or request.query_params.get("key")
     return api_key.strip() if api_key is not None else None
 
 

@@ -225,8 +225,15 @@ def _json_object(text: str) -> dict[str, Any] | None:
 
 
 CONTEXT_LENGTH_HELP = ("longest prompt + completion of one request, the same for the rollout servers and the proxy "
-                       "(0: the model's max_position_embeddings, capped at 4096); a call without max_tokens gets "
-                       "the room its prompt leaves")
+                       "(0: the model's own, its max_position_embeddings, as SGLang's default); a call without "
+                       "max_tokens gets the room its prompt leaves")
+
+
+SAMPLING_MASK_TOP_K = 512
+SAMPLING_MASK_HELP = ("record the set each token was sampled from under top-p, top-k or min-p (SGLang's sampling "
+                      "mask) for the trainer to replay, and send this top_k with a call that names none (SGLang "
+                      "returns masks only under a finite top_k: tokens past this many most likely are not sampled); "
+                      "0: record none, and the importance ratios under a cut distribution are biased")
 
 
 def _require(condition: bool, flag: str, value: Any, expected: str) -> None:
@@ -284,6 +291,10 @@ class EngineConfig:
               "503, one that asks for more sequences (prompts x n) than running + queued gets 400")
     context_length: int = option(0, CONTEXT_LENGTH_HELP)
     max_prefill_tokens: int = option(2048, "prompt tokens prefilled per scheduler step before decoding again")
+    max_total_tokens: int = option(
+        0, "KV-cache positions over all running requests, SGLang's --max-total-tokens (0: what a quarter of this "
+           "machine's memory holds, and at least one whole context); requests wait for room, and long ones run "
+           "with fewer beside them")
     disable_radix_cache: bool = option(False, "do not reuse the KV of earlier requests that share a prompt prefix")
     weight_version: str = option("default", "initial weight version, echoed in meta_info")
     served_model_name: str = option("", "model id reported to clients (default: the model path)")
@@ -308,10 +319,14 @@ class EngineConfig:
     lora_paths: list[str] = option([], "adapters to load at startup, as NAME=PATH (PEFT directories); implies --enable-lora")
     enable_return_routed_experts: bool = option(
         False, "keep each token's routed experts (MoE models) so /generate can return them (return_routed_experts)")
+    sampling_mask_max_tokens: int = option(
+        4096, "largest sampling mask /generate returns (return_sampling_mask): a request asking for one needs "
+              "top_k 1 or in (1, this] (SGLang's flag and default)")
     log_level: Literal["debug", "info", "warning", "error"] = option("info", "log level")
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "--model", self.model, "a checkpoint directory")
+        _require(self.sampling_mask_max_tokens > 0, "--sampling-mask-max-tokens", self.sampling_mask_max_tokens, "> 0")
         _require(self.max_lora_rank >= 0, "--max-lora-rank", self.max_lora_rank, ">= 0")
         _require(self.max_loras_per_batch >= 1, "--max-loras-per-batch", self.max_loras_per_batch, ">= 1")
         _require(self.max_loaded_loras is None or self.max_loaded_loras >= 1, "--max-loaded-loras",
@@ -323,6 +338,7 @@ class EngineConfig:
         _require(self.max_queued_requests >= 0, "--max-queued-requests", self.max_queued_requests, ">= 0")
         _require(self.context_length >= 0, "--context-length", self.context_length, ">= 0")
         _require(self.max_prefill_tokens >= 1, "--max-prefill-tokens", self.max_prefill_tokens, ">= 1")
+        _require(self.max_total_tokens >= 0, "--max-total-tokens", self.max_total_tokens, ">= 0")
         _require(self.num_threads >= 0, "--num-threads", self.num_threads, ">= 0")
         _require(self.max_request_bytes >= 1, "--max-request-bytes", self.max_request_bytes, ">= 1")
 
@@ -338,7 +354,11 @@ class ServersConfig:
 
     hf_checkpoint: str = option("", "Hugging Face checkpoint the engines serve", path=True)
     rollout_backend: Literal["auto", "sglang", "embedded"] = option(
-        "auto", "real SGLang servers (needs the sglang package and CUDA) or embedded engines (auto: SGLang when it can run)")
+        "auto", "real SGLang servers or embedded engines (auto: SGLang on a GPU where it is installed, else the "
+                "embedded engine, which starts in seconds and decodes faster on a CPU)")
+    rollout_sglang_python: str = option(
+        "", "the Python that runs real SGLang (make sglang installs one: .sglang/bin/python); empty: this one",
+        path=True)
     chat_template: str | None = option(None, CHAT_TEMPLATE_HELP, path=True)
     num_engines: int = option(2, "rollout servers to start")
     rollout_num_gpus: int = option(0, "GPUs for real SGLang servers (0: --num-engines x --rollout-num-gpus-per-engine)")
@@ -347,6 +367,10 @@ class ServersConfig:
         None, "a Ray custom resource (ray start --resources) that only the rollout nodes offer: the servers go there")
     engine_device: Literal["cpu", "cuda"] = option("cpu", "device of the embedded engines")
     engine_max_running_requests: int = option(64, "--max-running-requests of each engine")
+    max_total_tokens: int = option(
+        0, "token positions each server's KV cache holds, over all its requests (SGLang's --max-total-tokens; 0: "
+           "each backend's default: the embedded engine's a quarter of the machine's memory, real SGLang's on a CPU "
+           "32,768)")
     context_length: int = option(0, CONTEXT_LENGTH_HELP)
     engine_threads: int = option(0, "torch threads per engine (0: cores divided among the engines)")
     router_host: str = option("127.0.0.1", "address the router binds")
@@ -365,6 +389,7 @@ class ServersConfig:
         _require(not self.chat_template or Path(self.chat_template).is_file(), "--chat-template", self.chat_template,
                  "a Jinja template file")
         _require(self.num_engines >= 1, "--num-engines", self.num_engines, ">= 1")
+        _require(self.max_total_tokens >= 0, "--max-total-tokens", self.max_total_tokens, ">= 0")
         _require(self.rollout_num_gpus_per_engine >= 1, "--rollout-num-gpus-per-engine", self.rollout_num_gpus_per_engine, ">= 1")
         _require(self.rollout_num_gpus % self.rollout_num_gpus_per_engine == 0, "--rollout-num-gpus", self.rollout_num_gpus,
                  "a multiple of --rollout-num-gpus-per-engine")
@@ -432,7 +457,8 @@ class ProxyConfig:
     proxy_api_key: str | None = option(None, "key required to create sessions and for session admin routes")
     router_api_key: str | None = option(None, "key the router requires on /generate (its --api-key)")
     router_admin_api_key: str | None = option(
-        None, "key of the router's worker list (its control plane), needed only with --return-routed-experts")
+        None, "key of the router's worker list (its control plane), for the calls the router would change, which go "
+              "to its workers (routed experts, sampling masks)")
     served_model_name: str = option("", "model id in answers and /v1/models (default: the checkpoint's folder name)")
     context_length: int = option(0, CONTEXT_LENGTH_HELP)
     lora_name: str | None = option(
@@ -462,15 +488,23 @@ class ProxyConfig:
                   "(x-stainless-retry-count), or always")
     proxy_tool_parser_path: str = option("inverted.rollout.chat:HermesToolParser",
                                          "module:Class() -> parser with .start and .parse(text) for tool calls")
+    proxy_hosted_tools: list[str] = option(
+        [], "hosted tools the proxy runs itself inside a call (Responses' web_search, Messages' web_search_2025..., "
+            "Chat's web_search_options, ...), as KIND=module:function, KIND one of web_search, web_fetch, file_search, "
+            "code_interpreter (e.g. web_search=envs.local_search:search); a declared kind without one is not offered "
+            "to the model, and the turn says so")
     proxy_generate_timeout: float = option(1800.0, "seconds one call may wait for the servers (paused ones included)")
     proxy_constrained_tokens: Literal["policy", "mask", "constrained"] = option(
         "policy", "tokens sampled under a json_schema or regex: record the policy's own (unconstrained) logprob, "
                   "which the embedded engine reports (else they are masked); keep them out of the loss (mask); or "
                   "record the constrained logprob the servers return (SGLang's; its ratio against the trainer's is off)")
+    sampling_mask_top_k: int = option(SAMPLING_MASK_TOP_K, SAMPLING_MASK_HELP)
     log_level: Literal["debug", "info", "warning", "error"] = option("info", "log level")
 
     def __post_init__(self) -> None:
         _require(bool(self.router_url), "--router-url", self.router_url, "the router's URL")
+        _require(0 <= self.sampling_mask_top_k <= 4096, "--sampling-mask-top-k", self.sampling_mask_top_k,
+                 "in [0, 4096] (the servers' --sampling-mask-max-tokens)")
         _require(bool(self.tokenizer), "--tokenizer", self.tokenizer, "a checkpoint directory")
         _require(1 <= self.proxy_port <= 65535, "--proxy-port", self.proxy_port, "1..65535")
         _require(self.context_length >= 0, "--context-length", self.context_length, ">= 0")
@@ -821,6 +855,8 @@ class RolloutConfig:
     rollout_max_response_len: int = option(256, "most tokens sampled in one model call")
     rollout_temperature: float = option(1.0, "sampling temperature; training log-probs use the same")
     rollout_top_p: float = option(1.0, "nucleus sampling")
+    rollout_top_k: int = option(-1, "sample from the k most likely tokens only (-1: no cut)")
+    sampling_mask_top_k: int = option(SAMPLING_MASK_TOP_K, SAMPLING_MASK_HELP)
     rollout_concurrency: int = option(64, "episodes run at the same time")
     rollout_episode_timeout: float = option(600.0, "seconds one episode may take; then it is a failed Sample")
     rollout_side_calls: Literal["leave-out", "train"] = option(
@@ -847,6 +883,17 @@ class RolloutConfig:
         None, "write each rollout's Samples as jsonl here (a .pt path: slime's dump); '{rollout_id}' in the path "
               "makes one file per rollout", path=True)
 
+    @property
+    def cut_sampling(self) -> bool:
+        """Whether the rollouts sample from a cut distribution (``--rollout-top-p`` < 1, ``--rollout-top-k``)."""
+        return self.rollout_top_p < 1 or self.rollout_top_k > 0
+
+    @property
+    def biased_ratios(self) -> bool:
+        """Cut sampling whose kept sets are not recorded (``--sampling-mask-top-k 0``): every ratio against the
+        trainer's whole-vocabulary log-probs is off."""
+        return self.cut_sampling and not self.sampling_mask_top_k
+
     def __post_init__(self) -> None:
         for name in ("env_args", "eval_env_args", "eval_variants"):
             if isinstance(getattr(self, name), dict):  # a YAML config's mapping
@@ -862,6 +909,10 @@ class RolloutConfig:
         _require(self.eval_max_response_len is None or self.eval_max_response_len >= 1, "--eval-max-response-len",
                  self.eval_max_response_len, ">= 1")
         _require(0 < self.rollout_top_p <= 1, "--rollout-top-p", self.rollout_top_p, "in (0, 1]")
+        _require(self.rollout_top_k == -1 or self.rollout_top_k >= 1, "--rollout-top-k", self.rollout_top_k,
+                 "-1 or >= 1")
+        _require(not self.sampling_mask_top_k or self.rollout_top_k <= 4096, "--rollout-top-k", self.rollout_top_k,
+                 "at most 4096 (the servers' --sampling-mask-max-tokens) while sampling masks are recorded")
         _require(self.rollout_temperature > 0, "--rollout-temperature", self.rollout_temperature, "> 0")
         _require(self.rollout_episode_timeout > 0, "--rollout-episode-timeout", self.rollout_episode_timeout, "> 0")
         _require(self.eval_interval >= 0, "--eval-interval", self.eval_interval, ">= 0")

@@ -8,6 +8,7 @@
     ├── ModelError           a checkpoint cannot be read or does not fit the model it is loaded into
     ├── InvalidRequest       a client's request breaks the contract (carries the status, OpenAI's ``param`` and ``code``)
     │   ├── SchemaError          its JSON has the wrong shape or types (SGLang answers these in serde's words)
+    │   │   └── FieldError           a request-level field has the wrong type (SGLang's pydantic validation body)
     │   └── Unauthorized         it lacks the key the route needs (401)
     ├── EngineError          an engine command cannot run in the engine's present state (400, the route's SGLang body)
     │   └── UpdateGroupError     a weight-update process group could not be joined, or a broadcast failed
@@ -67,6 +68,12 @@ class InvalidRequest(InvertedError):
 
 class SchemaError(InvalidRequest):
     """A request body has the wrong JSON shape: an unknown key, a wrong type."""
+
+
+class FieldError(SchemaError):
+    """A request-level field (``input_ids``, ``rid``, a pause ``mode``) has the wrong type or value: real
+    SGLang validates these with pydantic and answers ``{"object": "error", "message": ...}``, where a
+    sampling parameter's wrong type gets serde's ``{"error": "..."}``."""
 
 
 class Unauthorized(InvalidRequest):

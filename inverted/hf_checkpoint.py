@@ -161,20 +161,26 @@ def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
     raise ModelError(f"unsupported rope_type {kind!r}; supported: default, linear, llama3")
 
 
-DEFAULT_CONTEXT_CAP = 4096  # a server holds KV room for this many tokens per request unless told otherwise
+# config.json keys that state a model's context, in the order SGLang's model config reads them
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
 
 
 def context_length(path: str | Path, requested: int = 0) -> int:
     """The longest prompt + completion a request may have, decided once for the rollout servers and
-    the proxy: ``requested`` (``--context-length``), else the model's ``max_position_embeddings``
-    capped at ``DEFAULT_CONTEXT_CAP`` (the KV cache is sized by it)."""
+    the proxy: ``requested`` (``--context-length``), else the model's own, as SGLang's default is
+    (``max_position_embeddings``, or the checkpoint's other statement of it). How much of it the KV
+    cache holds at once is each server's own concern (the embedded engine's ``--max-total-tokens``)."""
     if requested:
         return requested
     try:
         config = json.loads((Path(path) / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise ModelError(f"cannot read {Path(path) / 'config.json'}: {exc}") from None
-    return min(int(config.get("max_position_embeddings", DEFAULT_CONTEXT_CAP)), DEFAULT_CONTEXT_CAP)
+    stated = next((config[key] for key in CONTEXT_KEYS if isinstance(config.get(key), int) and config[key] > 0), None)
+    if stated is None:
+        raise ModelError(f"{Path(path) / 'config.json'} states no context length ({', '.join(CONTEXT_KEYS)}): "
+                         "set --context-length")
+    return stated
 
 
 def checkpoint_tensors(path: str | Path) -> dict[str, torch.Tensor]:

@@ -13,8 +13,10 @@ A command line is readable by everyone on the machine (``ps``, ``/proc/PID/cmdli
 never goes on one. An argument wrapped in ``Secret`` is handed over by ``ManagedProcess.spawn``
 through a pipe instead: the child is ``python -m inverted.processes FD MODULE ARGS...``, which
 reads the secret arguments from the pipe and runs ``MODULE`` as ``__main__`` with all of them, so
-the servers we launch (ours, SGLang's, sgl-router's launcher) take their keys as the flags they
-document, and ``ps`` shows everything but the keys.
+the servers we launch (ours, sgl-router's launcher) take their keys as the flags they document, and
+``ps`` shows everything but the keys. A script run by its path in another environment, where
+``inverted`` is not installed (SGLang's launcher), gets ``--secrets-fd FD`` first and reads the pipe
+itself.
 
 uvicorn times out a connection only between requests (keep-alive); one that opens and never
 finishes its headers is held forever, so enough of them (20,100 in the audit) leave no room for
@@ -257,18 +259,23 @@ class ManagedProcess:
     @classmethod
     def spawn(cls, name: str, argv: list[str], log_path: Path, url: str, env: dict[str, str] | None = None,
               append: bool = False) -> "ManagedProcess":
-        """Start ``argv`` (its ``Secret`` arguments through a pipe: ``python -m MODULE`` commands only);
+        """Start ``argv`` (its ``Secret`` arguments through a pipe: ``python -m MODULE``, or ``python SCRIPT.py``
+        that reads ``--secrets-fd FD``);
         ``append``: after what the log holds (a restart keeps its predecessor's last words)."""
         log_path.parent.mkdir(parents=True, exist_ok=True)
         secret = [str(a) for a in argv if isinstance(a, Secret)]
         read_end = None
         if secret:
-            if argv[1:2] != ["-m"]:
-                raise ValueError(f"{name}: secret arguments go to 'python -m MODULE' commands only, not {argv[:3]}")
+            script = len(argv) > 1 and str(argv[1]).endswith(".py")
+            if argv[1:2] != ["-m"] and not script:
+                raise ValueError(f"{name}: secret arguments go to 'python -m MODULE' or 'python SCRIPT.py' commands "
+                                 f"only, not {argv[:3]}")
             read_end, write_end = os.pipe()
             with os.fdopen(write_end, "w") as pipe:  # a few hundred bytes: the pipe's buffer holds them
                 json.dump(secret, pipe)
-            argv = [argv[0], "-m", __name__, str(read_end), *[a for a in argv[2:] if not isinstance(a, Secret)]]
+            public = [a for a in argv[2:] if not isinstance(a, Secret)]
+            argv = [argv[0], argv[1], "--secrets-fd", str(read_end), *public] if script else \
+                [argv[0], "-m", __name__, str(read_end), *public]
         try:
             with open(log_path, "ab" if append else "wb") as log:
                 popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

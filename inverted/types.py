@@ -78,6 +78,12 @@ class Sample:
     ``rollout_routed_experts`` (MoE, for rollout routing replay): the experts the engine routed each
     token to, in SGLang's ``meta_info.routed_experts`` form (``encode_routed_experts``), over the
     whole sequence: ``[len(tokens) - 1, layers, top_k]`` (the last token is never run).
+    ``rollout_top_p_token_ids`` / ``rollout_top_p_token_offsets`` (slime's names and layout): the set
+    each response token was sampled from under top-p, top-k or min-p (SGLang's sampling mask), ragged:
+    response token i's kept ids are ``ids[offsets[i]:offsets[i + 1]]``; an empty range means the whole
+    vocabulary (a token the policy did not sample, or sampled untruncated). Where a token has a set,
+    its ``rollout_log_probs`` entry is its log-prob renormalised over that set, the probability it was
+    sampled with, and the trainer computes its own the same way (``kept_sets``).
     """
 
     class Status(str, enum.Enum):
@@ -103,6 +109,8 @@ class Sample:
     rollout_routed_experts: str | None = None
     remove_sample: bool = False
     teacher_log_probs: list[float] | None = None
+    rollout_top_p_token_ids: list[int] | None = None
+    rollout_top_p_token_offsets: list[int] | None = None
 
     @property
     def prompt_length(self) -> int:
@@ -166,8 +174,31 @@ class Sample:
         if full and not set(map(type, self.weight_versions)) <= {str}:
             raise SampleError("weight_versions: expected strings")
         check_reward(self.reward)
+        self._check_kept_sets(full)
         if not isinstance(self.status, Sample.Status):
             raise SampleError(f"status: expected one of {[s.value for s in Sample.Status]}, got {self.status!r}")
+
+    def _check_kept_sets(self, full: bool) -> None:
+        ids, offsets = self.rollout_top_p_token_ids, self.rollout_top_p_token_offsets
+        if ids is None and offsets is None:
+            return
+        if ids is None or offsets is None:
+            raise SampleError("rollout_top_p_token_ids and rollout_top_p_token_offsets: give both or neither")
+        if len(offsets) != self.response_length + 1 or (offsets and (offsets[0] != 0 or offsets[-1] != len(ids))):
+            raise SampleError(f"rollout_top_p_token_offsets: expected {self.response_length + 1} offsets "
+                              f"(response_length + 1) from 0 to {len(ids)} (len(rollout_top_p_token_ids))")
+        if full and (not set(map(type, ids)) <= {int} or (ids and min(ids) < 0)
+                     or not set(map(type, offsets)) <= {int}):
+            raise SampleError("rollout_top_p_token_ids and rollout_top_p_token_offsets: expected non-negative ints")
+        if any(b < a for a, b in zip(offsets, offsets[1:])):
+            raise SampleError("rollout_top_p_token_offsets: expected a non-decreasing list")
+
+    def kept_sets(self) -> list[list[int]] | None:
+        """Each response token's kept set (an empty list: the whole vocabulary); None where none was recorded."""
+        ids, offsets = self.rollout_top_p_token_ids, self.rollout_top_p_token_offsets
+        if ids is None or offsets is None:
+            return None
+        return [ids[a:b] for a, b in zip(offsets, offsets[1:])]
 
     def to_json(self) -> dict[str, Any]:
         """The JSON form (shallow: lists are shared with the Sample, not copied)."""
@@ -274,6 +305,8 @@ _ELEMENT_RULES: dict[str, Any] = {
     "loss_mask": list[typing.Annotated[int, msgspec.Meta(ge=0, le=1)]],
     "rollout_log_probs": list[_LOGPROB] | None,
     "teacher_log_probs": list[_LOGPROB] | None,
+    "rollout_top_p_token_ids": list[typing.Annotated[int, msgspec.Meta(ge=0)]] | None,
+    "rollout_top_p_token_offsets": list[typing.Annotated[int, msgspec.Meta(ge=0)]] | None,
 }
 
 

@@ -2,7 +2,8 @@
 
 No proxy and no environment: the prompt (chat messages through the checkpoint's chat template, or
 plain text as is) is tokenized here once, and the router's SGLang ``/generate`` returns the sampled
-ids with their logprobs and weight version. The job scores the finished Samples with
+ids with their logprobs and weight version (and, under top-p or top-k, each token's sampling mask:
+``Sample.rollout_top_p_token_ids``). The job scores the finished Samples with
 ``--custom-rm-path`` (ours ``reward(sample)``, or slime's; see ``inverted.plugins``).
 
 With ``--custom-generate-function-path`` the function replaces that one call, as in slime::
@@ -23,10 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 
 from inverted.errors import PluginError
 from inverted.plugins import RolloutContext
-from inverted.rollout.sglang_client import SGLangClient, WorkersClient, generate_client, read_output, read_routed_experts
+from inverted.rollout.sglang_client import (GenerateClient, generate_client, read_output, read_routed_experts,
+                                            read_sampling_mask, with_sampling_mask)
 from inverted.types import Sample, Task
 
 STATUS = {"stop": Sample.Status.COMPLETED, "length": Sample.Status.TRUNCATED, "abort": Sample.Status.ABORTED}
@@ -49,26 +52,32 @@ def prompt_ids(ctx: RolloutContext, task: Task) -> list[int]:
 
 async def generate_rollout(ctx: RolloutContext, tasks: list[Task]) -> list[Sample]:
     params = {"temperature": ctx.sampling["temperature"], "top_p": ctx.sampling["top_p"],
-              "max_new_tokens": ctx.sampling["max_tokens"]}
+              "top_k": ctx.sampling.get("top_k", -1), "max_new_tokens": ctx.sampling["max_tokens"]}
     if ctx.sampling.get("seed") is not None:  # as the proxy passes an OpenAI seed on
         params["sampling_seed"] = ctx.sampling["seed"]
     lora = {"lora_path": ctx.lora_path} if ctx.lora_path else {}  # a LoRA run's policy is its adapter
     routes = {"return_routed_experts": True} if ctx.routed_experts else {}  # for the trainer to replay (R3)
     limit = asyncio.Semaphore(ctx.config.rollout_concurrency)
 
-    async def one(client: SGLangClient | WorkersClient, task: Task) -> Sample:
+    async def one(client: GenerateClient, task: Task) -> Sample:
         ids = prompt_ids(ctx, task)
         async with limit:
-            out = await client.generate({"input_ids": ids, "sampling_params": params, "return_logprob": True, **lora,
-                                         **routes})
+            out = await client.generate(with_sampling_mask({"input_ids": ids, "sampling_params": params,
+                                                            "return_logprob": True, **lora, **routes},
+                                                           ctx.config.sampling_mask_top_k))
         # each token's version: a call paused across a weight update holds tokens of both
         output_ids, logprobs, versions, _, finish = read_output(out, ctx.router_url)
+        kept = read_sampling_mask(out, ctx.router_url)
         sample = task.new_sample()
         sample.tokens, sample.response_length = ids + output_ids, len(output_ids)
         sample.loss_mask = [1] * sample.response_length
         sample.rollout_log_probs, sample.weight_versions = logprobs, versions
         sample.status = STATUS.get((finish or {}).get("type"), Sample.Status.COMPLETED)
         sample.rollout_routed_experts = read_routed_experts(out)
+        if kept is not None:  # each token's set and its probability within it, for the trainer to replay
+            masks, sample.rollout_log_probs = kept
+            sample.rollout_top_p_token_ids = [t for mask in masks for t in mask]
+            sample.rollout_top_p_token_offsets = list(itertools.accumulate(map(len, masks), initial=0))
         return sample
 
     async def custom(task: Task) -> Sample:

@@ -2,7 +2,8 @@
 
 The program is started with its session in the environment variables the SDKs read:
 ``OPENAI_BASE_URL`` (the session's ``/v1`` base) and ``OPENAI_API_KEY`` (the session token) for
-OpenAI's, ``ANTHROPIC_BASE_URL`` and ``ANTHROPIC_API_KEY`` for Anthropic's, and
+OpenAI's, ``ANTHROPIC_BASE_URL`` and ``ANTHROPIC_API_KEY`` for Anthropic's, ``GOOGLE_GEMINI_BASE_URL``
+with ``GEMINI_API_KEY`` and ``GOOGLE_API_KEY`` for Google's (Gemini CLI, ``google-genai``), and
 ``OPENAI_AGENTS_DISABLE_TRACING=1`` (the openai-agents SDK would upload its traces to OpenAI with
 the session token as the key), plus ``INVERTED_TASK`` (the task as JSON: prompt, label,
 metadata, tools), ``INVERTED_SESSION_ID`` and ``INVERTED_REWARD_FILE``. The command is split like
@@ -49,6 +50,8 @@ async def run_agent(ctx: RolloutContext, task: Task, session: SessionHandle) -> 
         reward_file = Path(scratch) / "reward"
         env = {**os.environ, "OPENAI_BASE_URL": session.base_url, "OPENAI_API_KEY": session.token,
                "ANTHROPIC_BASE_URL": session.base_url.removesuffix("/v1"), "ANTHROPIC_API_KEY": session.token,
+               "GOOGLE_GEMINI_BASE_URL": session.base_url.removesuffix("/v1"), "GEMINI_API_KEY": session.token,
+               "GOOGLE_API_KEY": session.token,
                "OPENAI_AGENTS_DISABLE_TRACING": "1",
                "INVERTED_SESSION_ID": session.session_id, "INVERTED_REWARD_FILE": str(reward_file),
                "INVERTED_TASK": json.dumps({"prompt": task.prompt, "label": task.label, "metadata": task.metadata,

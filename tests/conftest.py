@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import sys
 import threading
 import time
@@ -29,6 +30,10 @@ from tests.zygote import Zygote
 compat.register()
 
 ARCHS = ("qwen2", "qwen3", "llama")
+# Real SGLang's own environment (make sglang): the reference every engine contract test also runs against. Its
+# servers take 17-40 s to start here, so its side of each contract is left out of make test-fast (slow).
+SGLANG_PYTHON = Path(__file__).resolve().parents[1] / ".sglang" / "bin" / "python"
+BACKENDS = ("embedded", pytest.param("sglang", marks=pytest.mark.slow))
 MOE_ARCHS = ("qwen3_moe", "qwen2_moe")
 
 
@@ -98,6 +103,15 @@ def until(condition, failure: str, timeout: float = 60.0) -> None:
         time.sleep(0.2)
 
 
+def server_requests(server: ManagedProcess) -> list[dict]:
+    """What a ``ProcessPool.logged_server`` received and produced (``input_ids``, ``output_ids``), from its own
+    log: the embedded engine's ``request {...}`` lines, or real SGLang's JSON ``request.finished`` events."""
+    lines = server.log_path.read_text().splitlines()
+    finished = [json.loads(line[line.index("{"):]) for line in lines if '"event": "request.finished"' in line]
+    return [json.loads(line.split(" request ", 1)[1]) for line in lines if " request {" in line] + \
+        [{"input_ids": event["obj"]["input_ids"], "output_ids": event["out"]["output_ids"]} for event in finished]
+
+
 class ProcessPool:
     """Starts real processes and tears them down; dumps their logs if a test failed.
 
@@ -121,6 +135,32 @@ class ProcessPool:
         port = port or free_port()
         return self.spawn(name, port, [sys.executable, "-m", "inverted.cli", "serve-engine", "--model", str(model),
                                        "--port", str(port), "--num-threads", "1", *extra], timeout=120)
+
+    def sglang(self, model: Path, *extra: str, name: str = "sglang", threads: int = 1) -> ManagedProcess:
+        """Real SGLang, started as jobs start it (``rollout.servers``: its launcher, with the CPU's settings)."""
+        from inverted.rollout.servers import SGLANG_LAUNCH
+
+        if not SGLANG_PYTHON.exists():
+            pytest.skip(f"real SGLang is not installed ({SGLANG_PYTHON}): make sglang")
+        port = free_port()
+        log_path = self.log_dir / f"{name}-{port}.log"
+        proc = ManagedProcess.spawn(f"{name}-{port}", [str(SGLANG_PYTHON), str(SGLANG_LAUNCH), "--model-path", str(model),
+                                                       "--port", str(port), *extra], log_path,
+                                    f"http://127.0.0.1:{port}", {"OMP_NUM_THREADS": str(threads)})
+        self.procs.append(proc)
+        proc.wait_healthy(240)
+        return proc
+
+    def logged_server(self, backend: str, model: Path, *extra: str) -> ManagedProcess:
+        """A rollout server that logs every request's whole input and output (``server_requests`` reads it)."""
+        if backend == "sglang":
+            return self.sglang(model, "--log-requests", "--log-requests-level", "3", "--log-requests-format", "json",
+                               "--random-seed", "0", *extra)
+        return self.engine(model, "--log-requests", "--random-seed", "0", *extra)
+
+    def server(self, backend: str, model: Path, *extra: str) -> ManagedProcess:
+        """A rollout server of ``backend`` (``BACKENDS``): the flags both share in ``extra``."""
+        return self.sglang(model, *extra) if backend == "sglang" else self.engine(model, *extra)
 
     def buffer(self, db: Path, *args: str, port: int | None = None) -> ManagedProcess:
         port = port or free_port()

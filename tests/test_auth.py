@@ -14,13 +14,16 @@ from tests.conftest import serving
 
 
 def request(**headers: str) -> Request:
-    return Request({"type": "http", "headers": [(k.replace("_", "-").encode(), v.encode()) for k, v in headers.items()]})
+    return Request({"type": "http", "query_string": b"", "headers": [(k.replace("_", "-").encode(), v.encode())
+                                                                     for k, v in headers.items()]})
 
 
 def test_the_rule_for_case_whitespace_and_schemes():
     assert auth.presented_key(request(authorization="Bearer  sk-1 ")) == "sk-1"
     assert auth.presented_key(request(authorization="bearer sk-1")) == "sk-1"
     assert auth.presented_key(request(x_api_key=" sk-2")) == "sk-2"  # Anthropic's SDK
+    assert auth.presented_key(request(x_goog_api_key="sk-3")) is None  # Google's, on the proxy only
+    assert auth.presented_key(request(x_goog_api_key="sk-3"), google=True) == "sk-3"
     assert auth.presented_key(request(authorization="Basic c2s6MQ==")) is None
     assert auth.presented_key(request()) is None
     assert auth.key_matches("sk-1", "sk-1") and not auth.key_matches("sk-1", "sk-2")

@@ -16,7 +16,7 @@ from inverted.errors import ConfigError
 
 # The public command line. Adding a flag is fine, but it must be added here on purpose.
 FROZEN_FLAGS = {
-    "train": {"--update-weight-transport", "--update-weight-buffer-size", "--update-weight-disk-dir",
+    "train": {"--max-total-tokens", "--rollout-top-k", "--sampling-mask-top-k", "--update-weight-transport", "--update-weight-buffer-size", "--update-weight-disk-dir",
               "--update-weight-timeout", "--pause-mode", "--actor-num-gpus-per-node", "--actor-num-nodes", "--adam-beta1", "--adam-beta2", "--adam-eps", "--advantage-estimator",
               "--bf16", "--save-train-details", "--clip-grad", "--config", "--context-parallel-size", "--debug-train-only",
               "--disable-grpo-std-normalization", "--entropy-coef", "--eps-clip", "--eps-clip-c", "--eps-clip-high",
@@ -36,7 +36,7 @@ FROZEN_FLAGS = {
         "--partial-rollout", "--prompt-data", "--proxy-generate-timeout", "--proxy-constrained-tokens", "--proxy-max-resumes", "--proxy-max-turns",
         "--proxy-server-loss-wait", "--chat-template",
         "--proxy-replay-retries", "--proxy-retention", "--proxy-session-timeout", "--proxy-tool-parser-path",
-        "--ray-address", "--rollout-backend", "--rollout-batch-size", "--max-sampling-rounds", "--rollout-concurrency",
+        "--proxy-hosted-tools", "--ray-address", "--rollout-backend", "--rollout-sglang-python", "--rollout-batch-size", "--max-sampling-rounds", "--rollout-concurrency",
         "--rollout-episode-timeout", "--rollout-function-path", "--rollout-max-response-len", "--rollout-num-gpus",
         "--rollout-side-calls",
         "--rollout-num-gpus-per-engine", "--rollout-seed", "--rollout-shuffle", "--rollout-top-p", "--router-host",
@@ -57,7 +57,8 @@ FROZEN_FLAGS = {
                      "--context-length", "--max-prefill-tokens", "--disable-radix-cache", "--weight-version", "--served-model-name", "--api-key",
                      "--admin-api-key", "--num-threads", "--random-seed", "--log-requests", "--weight-update-timeout", "--log-level",
                      "--max-request-bytes", "--enable-lora", "--max-lora-rank", "--lora-target-modules", "--max-loras-per-batch", "--max-loaded-loras", "--lora-paths",
-                     "--enable-return-routed-experts", "--max-queued-requests"},
+                     "--enable-return-routed-experts", "--max-queued-requests", "--max-total-tokens",
+                     "--sampling-mask-max-tokens"},
     "buffer": {"--plugin-args", "--config", "--db", "--host", "--port", "--api-key", "--reward-key", "--prompt-data", "--input-key", "--label-key",
                "--metadata-key", "--tool-key", "--n-samples-per-prompt", "--rollout-shuffle", "--rollout-seed",
                "--num-epoch", "--workers", "--lease-seconds", "--partial-rollout", "--stale-policy",
@@ -67,11 +68,12 @@ FROZEN_FLAGS = {
               "--proxy-session-timeout", "--proxy-retention", "--proxy-replay-retries", "--proxy-tool-parser-path",
               "--proxy-generate-timeout", "--proxy-constrained-tokens", "--log-level", "--proxy-max-sessions", "--proxy-max-session-tokens",
               "--proxy-max-request-bytes", "--lora-name", "--return-routed-experts", "--proxy-server-loss-wait",
-              "--chat-template", "--router-api-key", "--router-admin-api-key", "--proxy-max-session-metadata-bytes"},
+              "--chat-template", "--router-api-key", "--router-admin-api-key", "--proxy-max-session-metadata-bytes",
+              "--proxy-hosted-tools", "--sampling-mask-top-k"},
     "servers": {"--config", "--hf-checkpoint", "--num-engines", "--engine-device", "--engine-max-running-requests",
                 "--engine-threads", "--router-host", "--router-port", "--startup-timeout", "--log-dir", "--admin-api-key",
-                "--rollout-backend", "--rollout-num-gpus", "--rollout-num-gpus-per-engine", "--rollout-node-resource",
-                "--chat-template", "--router-api-key", "--context-length"},
+                "--rollout-backend", "--rollout-sglang-python", "--rollout-num-gpus", "--rollout-num-gpus-per-engine",
+                "--rollout-node-resource", "--chat-template", "--router-api-key", "--context-length", "--max-total-tokens"},
 }
 
 

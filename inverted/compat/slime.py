@@ -135,14 +135,15 @@ class Sample:
     remove_sample: bool = False
     session_id: str | None = None
     rollout_routed_experts: Any = None  # slime: int32 ndarray [tokens - 1, layers, top_k]; ours: its base64
+    # slime's top-p replay: each response token's kept set, ragged (ours: the same lists)
+    rollout_top_p_token_ids: Any = None
+    rollout_top_p_token_offsets: Any = None
     # slime's other fields (August 2026), with its defaults: carried for plug-ins that read or set
-    # them; the multimodal and top-p replay ones have no effect here (text models)
+    # them; the multimodal ones have no effect here (text models)
     multimodal_inputs: dict[str, Any] | None = None
     multimodal_train_inputs: dict[str, Any] | None = None
     multimodal_train_input_id: str | None = None
     apply_chat_template_kwargs: dict = field(default_factory=dict)
-    rollout_top_p_token_ids: Any = None
-    rollout_top_p_token_offsets: Any = None
     teacher_log_probs: list[float] | None = None
     generate_function_path: str | None = None
     custom_rm_path: str | None = None
@@ -248,7 +249,8 @@ def from_inverted(sample: _Sample, cls: type | None = None, args: Any = None) ->
                 prompt, tools=metadata.get("tools"), tokenize=False, add_generation_prompt=True,
                 **(args.apply_chat_template_kwargs or {}))
     extra = {"response": response, "remove_sample": sample.remove_sample,
-             "teacher_log_probs": None if sample.teacher_log_probs is None else list(sample.teacher_log_probs)}
+             "teacher_log_probs": None if sample.teacher_log_probs is None else list(sample.teacher_log_probs),
+             **{name: None if getattr(sample, name) is None else list(getattr(sample, name)) for name in KEPT_SETS}}
     known = getattr(cls, "__dataclass_fields__", extra)  # an older slime's Sample lacks the newer fields
     view = cls(group_index=sample.group_index, index=index, prompt=prompt, tokens=list(sample.tokens),
                response_length=sample.response_length, label=sample.label, reward=sample.reward,
@@ -322,7 +324,16 @@ def to_inverted(view: Any, calls: list[GenerateCall] | None = None, serving: Ser
                    rollout_routed_experts=_routes_of(getattr(view, "rollout_routed_experts", None)),
                    remove_sample=bool(getattr(view, "remove_sample", False)),
                    teacher_log_probs=None if teacher is None else [
-                       float(v) for v in (teacher.tolist() if hasattr(teacher, "tolist") else teacher)])
+                       float(v) for v in (teacher.tolist() if hasattr(teacher, "tolist") else teacher)],
+                   **{name: _ints_of(getattr(view, name, None)) for name in KEPT_SETS})
+
+
+KEPT_SETS = ("rollout_top_p_token_ids", "rollout_top_p_token_offsets")
+
+
+def _ints_of(value: Any) -> list[int] | None:
+    """A list, tensor or array of ints (slime keeps the kept sets either way) as a list."""
+    return None if value is None else [int(v) for v in (value.tolist() if hasattr(value, "tolist") else value)]
 
 
 def _routes_of(value: Any) -> str | None:

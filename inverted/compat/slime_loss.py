@@ -26,6 +26,9 @@ these adapters translate, one micro-batch at a time:
   samples back to back (our packing shares a group's prompt; the rows are copied out for the
   plug-in). ``get_log_probs_and_entropy`` reads log-probs from them, tensor-parallel-correct, and
   ``sft_loss_function`` is slime's SFT loss on it (both under ``slime.backends.megatron_utils.loss``).
+  Where the Samples recorded kept sets (top-p/top-k sampling masks), each response token's row has
+  the tokens outside its set pushed far below (``logprobs.masked_logits``), so the plug-in's softmax
+  reads the distribution the token was sampled from.
 
 ``custom_loss``, ``custom_tis`` and ``reduce_pg`` take the plug-in and slime's ``args`` first: bound
 to them (``compat.slime_forms``), each is the trainer's hook of that name (``plugins.LossPlugins``).
@@ -34,11 +37,12 @@ A Sample without rollout log-probs reaches them with the trainer's old log-probs
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable
 
 import torch
 
-from inverted.train.logprobs import token_logprobs_and_entropy
+from inverted.train.logprobs import keep_mask, masked_logits, token_logprobs_and_entropy
 from inverted.train.packing import MicroBatch
 
 
@@ -53,8 +57,8 @@ def get_log_probs_and_entropy(logits: torch.Tensor, *, args: Any, unconcat_token
         targets.append(tokens[total - response:total])
         offset += total
     index = torch.cat(rows).to(logits.device) if rows else torch.zeros(0, dtype=torch.long, device=logits.device)
-    logp, entropy = token_logprobs_and_entropy(logits[0][index], torch.cat(targets).to(logits.device),
-                                               args.rollout_temperature, with_entropy)
+    logp, entropy, _ = token_logprobs_and_entropy(logits[0][index], torch.cat(targets).to(logits.device),
+                                                  args.rollout_temperature, with_entropy)
     out = {"log_probs": list(logp.split(response_lengths))}
     if with_entropy:
         out["entropy"] = list(entropy.split(response_lengths))
@@ -89,7 +93,13 @@ def custom_loss(fn: Callable[..., Any], args: Any, mb: MicroBatch, logits: torch
     batch.update(unconcat_tokens=[mb.tokens_T[p].to(logits.device) for p in positions], total_lengths=totals,
                  response_lengths=list(mb.response_lengths))
     rows = torch.cat(positions).to(logits.device) if positions else torch.zeros(0, dtype=torch.long, device=logits.device)
-    loss, metrics = fn(args, batch, logits[rows][None], lambda x: (weight * x).sum())
+    unshared = logits[rows]
+    if mb.kept is not None:  # each response token's kept set (sampling masks): the plug-in's softmax is over it
+        predictors = torch.cat([torch.arange(end - response - 1, end - 1) for end, response in
+                                zip(itertools.accumulate(totals), mb.response_lengths)]).to(logits.device)
+        unshared = masked_logits(unshared, predictors,
+                                 keep_mask(mb.kept, len(predictors), logits.shape[-1], logits.device))
+    loss, metrics = fn(args, batch, unshared[None], lambda x: (weight * x).sum())
     return loss, {name: torch.as_tensor(value).detach().to(weight.device, torch.float64).reshape(())
                   for name, value in metrics.items()}
 

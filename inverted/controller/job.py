@@ -63,7 +63,7 @@ from inverted.plugins import (Keywords, RewardModel, RolloutFunction, load_hook,
                               required_flags)
 from inverted.processes import ManagedProcess, free_port
 from inverted.rollout.servers import ROUTED_EXPERTS_ARGV, RolloutServers, ServerHandle, lora_argv
-from inverted.rollout.sglang_client import SGLangClient, ServerKeys
+from inverted.rollout.sglang_client import SGLangClient, ServerKeys, without_sampling_masks
 from inverted.train.actor import RankDied, TrainGroup
 from inverted.types import POLICY_ADAPTER
 
@@ -252,12 +252,13 @@ class Job:
                                         context_length=self.servers.config.context_length,
                                         proxy_port=port, proxy_api_key=self.proxy_key, lora_name=self.adapter,
                                         return_routed_experts=replay, router_api_key=self.router_key,
-                                        router_admin_api_key=self.engine_key if replay else None)
+                                        router_admin_api_key=self.engine_key)  # to list the router's workers
         proxy = spawn_service("proxy", proxy_cfg, self.run_dir, f"http://127.0.0.1:{port}")  # needs no router to boot
         self.processes.append(proxy)
         self.proxy_url = proxy.url
         trainer = [] if cfg.rollout.debug_rollout_only else [asyncio.to_thread(self._start_trainer)]
         await asyncio.gather(self.servers.start(), asyncio.to_thread(proxy.wait_healthy, timeout), *trainer)
+        await self._check_sampling_masks()
 
     def _start_trainer(self, load: str | None = None) -> None:
         """The trainer group, from ``load`` when given (else ``--load``, else ``--hf-checkpoint``)."""
@@ -445,6 +446,26 @@ class Job:
 
     def fault_metrics(self) -> dict[str, float]:
         return {f"faults/{name}": float(count) for name, count in self.faults.items()}
+
+    async def _check_sampling_masks(self) -> None:
+        """Under top-p or top-k, the servers must return each token's kept set, or the ratios are biased:
+        one token of one server asked for one (an SGLang without ``return_sampling_mask`` answers none)."""
+        rollout = self.cfg.rollout
+        if not rollout.cut_sampling:
+            return
+        if rollout.biased_ratios:
+            logger.warning("--sampling-mask-top-k 0: the rollouts sample with --rollout-top-p/--rollout-top-k and "
+                           "their kept sets are not recorded, so every importance ratio is biased "
+                           "(metrics: rollout/biased_ratios)")
+            return
+        url = self.servers.engine_urls[0]
+        async with SGLangClient.keyed(url, self.server_keys) as client:
+            why = await without_sampling_masks(client)
+        if why is not None:
+            raise ConfigError(f"the rollout server at {url} returns no sampling masks (return_sampling_mask, SGLang "
+                              f">= 0.5.23: {why}); under --rollout-top-p/--rollout-top-k the trainer needs them for "
+                              "exact ratios. Use a server that returns them, or pass --sampling-mask-top-k 0 to "
+                              "train with biased ratios")
 
     async def all_servers(self, method: str) -> None:
         async def call(url: str) -> None:

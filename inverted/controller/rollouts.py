@@ -40,6 +40,8 @@ def context(cfg: JobConfig, job: Job, plugins: Plugins, rollout_id: int, evaluat
         longest = rollout.eval_max_response_len
     sampling = {"temperature": temperature, "top_p": rollout.rollout_top_p if temperature else 1.0,
                 "max_tokens": longest}
+    if temperature and rollout.rollout_top_k > 0:
+        sampling["top_k"] = rollout.rollout_top_k
     return RolloutContext(rollout_id=rollout_id, config=cfg.rollout, proxy_url=job.proxy_url, proxy_api_key=job.proxy_key,
                           router_url=job.servers.router_url, hf_checkpoint=cfg.train.hf_checkpoint,
                           chat_template=cfg.proxy.chat_template, sampling=sampling,
@@ -85,8 +87,11 @@ def take_batch(cfg: JobConfig, plugins: Plugins, rollout_id: int, samples: list[
     metrics (and a slime rollout log function's say over them)."""
     filter_samples(plugins, trained)
     save_rollout_data(cfg.rollout.save_debug_rollout_data, rollout_id, trained, job_flags(cfg))
-    return log_rollout(plugins, rollout_id, trained, rollout_metrics(cfg.train.loss.reward_key, samples, trained),
-                       seconds)
+    metrics = rollout_metrics(cfg.train.loss.reward_key, samples, trained)
+    if cfg.rollout.biased_ratios:  # said on every row: the ratios of this run's cut sampling are not exact
+        metrics["rollout/biased_ratios"] = 1.0
+    return log_rollout(plugins, rollout_id, trained, metrics, seconds)
+
 
 
 def filter_samples(plugins: Plugins, samples: list[Sample]) -> None:
@@ -151,6 +156,10 @@ def rollout_metrics(reward_key: str | None, samples: list[Sample], trained: list
         # tokens, and the samples whose tokens therefore carry more than one weight version.
         "rollout/resumed_calls": float(sum(t.get("resumes", 0) for s in usable for t in s.metadata.get("turns", []))),
         "rollout/mixed_version_samples": float(sum(len(set(s.weight_versions)) > 1 for s in usable)),
+        # tokens sampled from a cut distribution whose set was recorded (sampling masks), for the trainer to replay
+        "rollout/kept_set_tokens": float(sum(sum(b > a for a, b in zip(s.rollout_top_p_token_offsets,
+                                                                      s.rollout_top_p_token_offsets[1:]))
+                                             for s in usable if s.rollout_top_p_token_offsets)),
     } | episode_metrics("rollout", usable)
 
 

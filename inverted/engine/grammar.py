@@ -79,13 +79,13 @@ class Grammars:
             try:
                 schema = json.loads(json_schema)
             except ValueError as exc:
-                raise InvalidRequest(f"json_schema is not JSON: {exc}") from None
+                raise InvalidRequest(f"Failed to compile json grammar: {exc}") from None  # SGLang's words
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
         else:
             grammar = llguidance.LLMatcher.grammar_from_regex(regex)
         error = llguidance.LLMatcher.validate_grammar(grammar)
         if error:
-            raise InvalidRequest(f"the {'json_schema' if json_schema is not None else 'regex'} cannot be compiled: "
+            raise InvalidRequest(f"Failed to compile {'json' if json_schema is not None else 'regex'} grammar: "
                                  f"{error.strip()[:500]}")
         return llguidance.LLMatcher(self.info, grammar)
 

@@ -36,6 +36,11 @@ from inverted.weight_wire import copy_all, non_finite
 class KVCache:
     """Per-row key/value storage, ``[layers, rows, kv_heads, capacity, head_dim]``, grown on demand.
 
+    ``rows x capacity`` never passes ``budget`` positions (``--max-total-tokens``): as the capacity
+    grows for a long request, the cache holds fewer rows (the scheduler admits no more requests than
+    fit, and forgets kept prefixes in rows that go); when it is idle again, ``reset`` gives the rows
+    back. So a model's whole context can be served without one long request costing 64 of them.
+
     With ``keep_routes`` (a MoE model whose server returns routed experts), each position also holds the
     experts its token was routed to in every layer, ``[rows, capacity, layers, top_k]``, moved with it.
     """
@@ -45,31 +50,50 @@ class KVCache:
     GROW = 64
 
     def __init__(self, spec: ModelSpec, rows: int, max_len: int, dtype: torch.dtype, device: torch.device,
-                 keep_routes: bool = False):
-        self.spec, self.rows, self.max_len, self.dtype, self.device = spec, rows, max_len, dtype, device
-        self.capacity = 0
+                 keep_routes: bool = False, budget: int | None = None):
+        self.spec, self.max_rows, self.max_len, self.dtype, self.device = spec, rows, max_len, dtype, device
+        self.budget = budget or rows * max_len
+        self.rows = self.capacity = 0
         self.k = self.v = torch.empty(0)
         self.keep_routes = keep_routes
         self.routes: torch.Tensor | None = None
-        self.reserve(self.GROW)
+        self.reset()
 
-    def reserve(self, length: int) -> None:
-        """Make room for positions ``< length`` in every row (copies the cache when it grows)."""
-        if length <= self.capacity:
+    @staticmethod
+    def position_bytes(spec: ModelSpec, dtype: torch.dtype) -> int:
+        """Bytes one position of one row takes: a key and a value in every layer."""
+        return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * torch.empty(0, dtype=dtype).element_size()
+
+    def rows_for(self, length: int) -> int:
+        """How many rows the budget holds at a capacity of ``length``."""
+        return min(self.max_rows, self.budget // max(length, 1))
+
+    def reset(self) -> None:
+        """Every row back, at the first capacity (an idle engine after a long request)."""
+        self.release()
+        self.reserve(self.GROW, 1)
+
+    def reserve(self, length: int, in_use: int) -> None:
+        """Make room for positions ``< length`` in rows ``< in_use`` (copies the cache when it grows);
+        the capacity doubles where the budget lets it, and the rows past what it then holds go."""
+        if length <= self.capacity and in_use <= self.rows:
             return
-        new_cap = min(self.max_len, max(length, 2 * self.capacity, self.GROW))
-        shape = (self.spec.num_layers, self.rows, self.spec.num_kv_heads, new_cap, self.spec.head_dim)
+        cap = self.capacity if length <= self.capacity else min(self.max_len, max(length, 2 * self.capacity, self.GROW))
+        cap = max(length, min(cap, self.budget // max(in_use, 1)))
+        rows = max(in_use, self.rows_for(cap))
+        kept_rows, kept_cap = min(rows, self.rows), min(cap, self.capacity)
+        shape = (self.spec.num_layers, rows, self.spec.num_kv_heads, cap, self.spec.head_dim)
         k, v = torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device)
-        if self.capacity:
-            k[..., : self.capacity, :] = self.k
-            v[..., : self.capacity, :] = self.v
+        if kept_cap:
+            k[:, :kept_rows, :, :kept_cap] = self.k[:, :kept_rows, :, :kept_cap]
+            v[:, :kept_rows, :, :kept_cap] = self.v[:, :kept_rows, :, :kept_cap]
         if self.keep_routes:  # expert ids fit int16 (at most 32767 experts)
-            routes = torch.zeros(self.rows, new_cap, self.spec.num_layers, self.spec.moe_top_k, dtype=torch.int16,
+            routes = torch.zeros(rows, cap, self.spec.num_layers, self.spec.moe_top_k, dtype=torch.int16,
                                  device=self.device)
-            if self.capacity:
-                routes[:, : self.capacity] = self.routes
+            if kept_cap:
+                routes[:kept_rows, :kept_cap] = self.routes[:kept_rows, :kept_cap]
             self.routes = routes
-        self.k, self.v, self.capacity = k, v, new_cap
+        self.k, self.v, self.rows, self.capacity = k, v, rows, cap
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` positions of row ``src`` into row ``dst`` (keeps rows compact)."""
@@ -88,10 +112,10 @@ class KVCache:
             self.routes[b, :length_a] = routes
 
     def release(self) -> None:
-        """Free the storage (``/release_memory_occupation``); ``reserve`` allocates it again."""
+        """Free the storage (``/release_memory_occupation``); ``reset`` allocates it again."""
         self.k = self.v = torch.empty(0)
         self.routes = None
-        self.capacity = 0
+        self.rows = self.capacity = 0
 
 
 class CausalLM(torch.nn.Module):
@@ -329,7 +353,7 @@ class CausalLM(torch.nn.Module):
         """
         lengths = [len(t) for t in tokens]
         ends = [start + n for start, n in zip(starts, lengths)]
-        cache.reserve(max(ends))
+        cache.reserve(max(ends), max(rows) + 1)
         x = F.embedding(torch.tensor([t for ts in tokens for t in ts], dtype=torch.long, device=self.device), self.embed)
         x = x.to(self.act_dtype)
         positions = torch.cat([torch.arange(a, b, device=self.device) for a, b in zip(starts, ends)])
@@ -362,7 +386,7 @@ class CausalLM(torch.nn.Module):
         s = self.spec
         b, kv_heads, group = len(tokens), s.num_kv_heads, s.num_heads // s.num_kv_heads
         longest = max(positions) + 1
-        cache.reserve(longest)
+        cache.reserve(longest, b)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         rows = torch.arange(b, device=self.device)
         x = F.embedding(torch.tensor(tokens, dtype=torch.long, device=self.device), self.embed).to(self.act_dtype)

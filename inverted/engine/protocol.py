@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict
 
 from inverted.engine.sampling import SamplingParams
 from inverted.engine.scheduler import Request, new_rid
-from inverted.errors import InvalidRequest, SchemaError
+from inverted.errors import FieldError, InvalidRequest, SchemaError
 from inverted.types import encode_routed_experts
 
 UNSUPPORTED_GENERATE_FIELDS = ("input_embeds", "image_data", "video_data", "audio_data", "session_params",
@@ -142,6 +142,8 @@ class GenerateItem:
     lora: str | None = None
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0  # the routes returned cover [this, prompt + completion - 1)
+    return_sampling_mask: bool = False
+    sampling_logprobs_mode: str | None = None  # with a mask: "selected" (the default) or "support"
 
 
 def _per_item(body: dict, key: str, default: Any, size: int, batched: bool) -> list[Any]:
@@ -158,13 +160,19 @@ def _per_item(body: dict, key: str, default: Any, size: int, batched: bool) -> l
 MAX_TOP_LOGPROBS_NUM = 100  # alternatives per token: each costs a row of the answer for every token
 
 
-def parse_generate(body: Any, max_items: int, max_prompt_tokens: int) -> tuple[list[GenerateItem], bool, bool]:
+SAMPLING_LOGPROBS_MODES = ("selected", "support")
+TOP_K_ALL = 1 << 30
+
+
+def parse_generate(body: Any, max_items: int, max_prompt_tokens: int,
+                   mask_cap: int = 4096) -> tuple[list[GenerateItem], bool, bool]:
     """Normalise a ``/generate`` body; return (items, is_single, stream).
 
     What the request would cost is bounded before it is paid for: more than ``max_items``
     sequences (prompts x n), a prompt of more than ``max_prompt_tokens`` ids, or more than
     ``MAX_TOP_LOGPROBS_NUM`` alternatives per token is refused, each checked before anything is
-    looked at element by element.
+    looked at element by element. ``mask_cap``: the server's ``--sampling-mask-max-tokens``, which
+    bounds the kept set a ``return_sampling_mask`` request may ask for (by its ``top_k``, as SGLang does).
     """
     if not isinstance(body, dict):
         raise SchemaError("invalid type: expected a JSON object")
@@ -172,8 +180,10 @@ def parse_generate(body: Any, max_items: int, max_prompt_tokens: int) -> tuple[l
         if body.get(key) not in (None, False):
             raise InvalidRequest(f"{key} is not supported by the embedded engine")
     text, input_ids = body.get("text"), body.get("input_ids")
-    if (text is None) == (input_ids is None):
-        raise InvalidRequest("Either text or input_ids should be provided, and not both.")
+    if text is None and input_ids is None:
+        raise InvalidRequest("Either text, input_ids or input_embeds should be provided.")
+    if input_ids is not None:  # SGLang's precedence: input_ids over text
+        text = None
     if text is not None:
         prompts = [text] if isinstance(text, str) else text
         batched = not isinstance(text, str)
@@ -181,7 +191,7 @@ def parse_generate(body: Any, max_items: int, max_prompt_tokens: int) -> tuple[l
         batched = isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
         prompts = input_ids if batched else [input_ids]
     if not isinstance(prompts, list):
-        raise SchemaError("invalid type: text or input_ids must be a prompt or a list of them")
+        raise FieldError("invalid type: text or input_ids must be a prompt or a list of them")
     size = len(prompts)
     if size == 0:
         raise InvalidRequest("The input is empty: give at least one prompt.")
@@ -191,17 +201,17 @@ def parse_generate(body: Any, max_items: int, max_prompt_tokens: int) -> tuple[l
                              f"and queues at most {max_items} (--max-running-requests + --max-queued-requests).")
     if text is not None:
         if not all(isinstance(t, str) for t in prompts):
-            raise SchemaError("invalid type: text must be a string or a list of strings")
+            raise FieldError("invalid type: text must be a string or a list of strings")
     else:
         for ids in prompts:
             if isinstance(ids, list) and len(ids) > max_prompt_tokens:  # by its length, before any id is read
                 raise InvalidRequest(f"The input ({len(ids)} tokens) is longer than the model's context length "
                                      f"({max_prompt_tokens} tokens).")
             if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise SchemaError("invalid type: input_ids must be a list of ints or a list of lists of ints")
+                raise FieldError("invalid type: input_ids must be a list of ints or a list of lists of ints")
     params = [SamplingParams.parse(p) for p in _per_item(body, "sampling_params", {}, size, batched)]
     if len({p.n for p in params}) > 1:
-        raise InvalidRequest("Every item of a batch must have the same n.")
+        raise InvalidRequest("The parallel_sample_num should be the same for all samples in sample params.")
     rids = body.get("rid")
     if isinstance(rids, list):
         if len(rids) != size:
@@ -211,12 +221,13 @@ def parse_generate(body: Any, max_items: int, max_prompt_tokens: int) -> tuple[l
     elif isinstance(rids, str):
         rids = [f"{rids}_{i}" for i in range(size)] if batched else [rids]
     else:
-        raise SchemaError("invalid type: rid must be a string or a list of strings")
+        raise FieldError("invalid type: rid must be a string or a list of strings")
     logprob = _per_item(body, "return_logprob", False, size, batched)
     start = _per_item(body, "logprob_start_len", -1, size, batched)
     top = _per_item(body, "top_logprobs_num", 0, size, batched)
-    if not all(isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= MAX_TOP_LOGPROBS_NUM for k in top):
-        raise InvalidRequest(f"top_logprobs_num must be an integer in [0, {MAX_TOP_LOGPROBS_NUM}]")
+    if not all(isinstance(k, int) and not isinstance(k, bool) and k <= MAX_TOP_LOGPROBS_NUM for k in top):
+        raise InvalidRequest(f"top_logprobs_num must be an integer of at most {MAX_TOP_LOGPROBS_NUM}")
+    top = [max(k, 0) for k in top]  # SGLang returns no alternatives for a negative count
     if body.get("token_ids_logprob"):
         raise InvalidRequest("token_ids_logprob is not supported by the embedded engine")
     routed = _per_item(body, "return_routed_experts", False, size, batched)
@@ -226,9 +237,21 @@ def parse_generate(body: Any, max_items: int, max_prompt_tokens: int) -> tuple[l
         if not isinstance(first, int) or isinstance(first, bool) or first < 0 or (bound is not None and first > bound):
             raise InvalidRequest(f"routed_experts_start_len must be an integer in [0, prompt tokens"
                                  f"{f' = {bound}' if bound is not None else ''}], got {first!r}")
+    masks = _per_item(body, "return_sampling_mask", False, size, batched)
+    modes = _per_item(body, "sampling_logprobs_mode", None, size, batched)
+    for mask, mode, sampling in zip(masks, modes, params):
+        if mode is not None and mode not in SAMPLING_LOGPROBS_MODES:
+            raise FieldError(f"sampling_logprobs_mode: expected one of {list(SAMPLING_LOGPROBS_MODES)}, got {mode!r}")
+        if mode is not None and not mask:
+            raise InvalidRequest("sampling_logprobs_mode can only be set when return_sampling_mask=true.")
+        # SGLang's normalised top_k: 1 for a greedy request, 1 << 30 (its "whole vocabulary") for -1
+        top_k = 1 if sampling.greedy else TOP_K_ALL if sampling.top_k == -1 else sampling.top_k
+        if mask and top_k != 1 and not 1 < top_k <= mask_cap:
+            raise InvalidRequest(f"return_sampling_mask requires top_k=1 for greedy sampling or finite 1 < top_k <= "
+                                 f"{mask_cap}; got top_k={top_k}. Lower top_k or increase --sampling-mask-max-tokens.")
     loras = _per_item(body, "lora_path", None, size, batched)
     if not all(lora is None or isinstance(lora, str) for lora in loras):
-        raise SchemaError("invalid type: lora_path must be an adapter name, or a list of them (null: the base model)")
+        raise FieldError("invalid type: lora_path must be an adapter name, or a list of them (null: the base model)")
     items: list[GenerateItem] = []
     for i in range(size):
         for _ in range(n):
@@ -240,6 +263,7 @@ def parse_generate(body: Any, max_items: int, max_prompt_tokens: int) -> tuple[l
                 return_logprob=bool(logprob[i]), logprob_start_len=int(start[i]), top_logprobs_num=int(top[i]),
                 return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)), index=len(items),
                 lora=loras[i], return_routed_experts=bool(routed[i]), routed_experts_start_len=routed_from[i],
+                return_sampling_mask=bool(masks[i]), sampling_logprobs_mode=modes[i],
             ))
     return items, not batched and n == 1, bool(body.get("stream", False))
 
@@ -307,6 +331,12 @@ def generate_response(req: Request, item: GenerateItem, n: int, tokenizer, curre
 
             meta["output_top_logprobs"] = tops(req.output_top_logprobs[:n])
             meta["input_top_logprobs"] = tops(req.input_top_logprobs)
+    if item.return_sampling_mask:  # SGLang's: each output token's kept set, and its renormalised log-prob(s)
+        kept = req.output_kept[:n]
+        meta["output_token_sampling_mask"] = [row.ids for row in kept]
+        meta["output_token_sampling_logprobs"] = [row.logprobs if item.sampling_logprobs_mode == "support"
+                                                  else row.selected for row in kept]
+        meta["output_token_sampling_mask_length"] = len(kept)
     if done and item.return_routed_experts and req.routed_experts is not None:
         # [start, prompt + completion - 1): every token the model ran (the last sampled one never ran)
         meta["routed_experts"] = encode_routed_experts(req.routed_experts[item.routed_experts_start_len:])

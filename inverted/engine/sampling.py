@@ -9,16 +9,25 @@ schema errors (``SchemaError``, answered ``400 {"error": "<text>"}``); values ou
 (greedy rows use temperature 1). A request with a ``sampling_seed`` owns a ``torch.Generator``,
 so it samples the same tokens whatever else shares its batch; the others draw from the engine's
 shared generator in one call.
+
+A row that asks for its **sampling mask** (SGLang's ``return_sampling_mask``) also gets the set the
+token was drawn from (``Kept``), as SGLang 0.5.23's PyTorch sampler builds it: the probabilities at
+the temperature sorted most likely first, a token kept while its rank is below ``top_k``, the mass
+before it is at most ``top_p`` and it reaches ``min_p`` times the top one (with a positive
+probability); the kept ids in that order, and each one's log-probability renormalised over the set
+(a greedy row: its one token, at 0.0).
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
-from inverted.errors import InvalidRequest, SchemaError
+from inverted.errors import FieldError, InvalidRequest, SchemaError
 
 GREEDY_EPS = 1e-6
 MAX_STOPS = 32
@@ -63,7 +72,7 @@ class SamplingParams(BaseModel):
         if data is None:
             data = {}
         if not isinstance(data, dict):
-            raise SchemaError(f"invalid type: expected a map for sampling_params, got {type(data).__name__}")
+            raise FieldError(f"sampling_params: Input should be a valid dictionary, got {type(data).__name__}")
         try:
             params = cls.model_validate(data)
         except ValidationError as exc:
@@ -85,7 +94,8 @@ class SamplingParams(BaseModel):
             (self.max_new_tokens >= 0, f"max_new_tokens must be at least 0, got {self.max_new_tokens}."),
             (0 <= self.min_new_tokens <= self.max_new_tokens,
              f"min_new_tokens must be in [0, max_new_tokens({self.max_new_tokens})], got {self.min_new_tokens}."),
-            (self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}."),
+            (math.isfinite(self.temperature) and self.temperature >= 0.0,
+             f"temperature must be a non-negative finite number, got {self.temperature}."),
             (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}."),
             (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}."),
             (self.top_k == -1 or self.top_k >= 1, f"top_k must be -1 (disable) or at least 1, got {self.top_k}."),
@@ -135,11 +145,24 @@ def temperatures(params: list[SamplingParams], device: torch.device | str) -> to
     return torch.tensor([1.0 if p.greedy else float(p.temperature) for p in params], device=device)
 
 
+@dataclass(frozen=True, slots=True)
+class Kept:
+    """The set one token was sampled from: its ids, most likely first, and each one's log-probability
+    renormalised over the set (one row of SGLang's ``output_token_sampling_mask`` and, in its
+    ``support`` mode, of ``output_token_sampling_logprobs``); ``selected``: the sampled token's."""
+
+    ids: list[int]
+    logprobs: list[float]
+    selected: float
+
+
 def sample(
     logits_BV: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
     banned: list[list[int]], shared: torch.Generator, top_k_logprobs: list[int] | None = None,
-) -> tuple[list[int], list[float], list[TopLogprobs | None]]:
-    """Draw one token per row; return token ids, their (temperature-scaled) logprobs, and top logprobs.
+    masks: list[bool] | None = None,
+) -> tuple[list[int], list[float], list[TopLogprobs | None], list[Kept | None]]:
+    """Draw one token per row; return token ids, their (temperature-scaled) logprobs, top logprobs and
+    the kept sets of the rows whose ``masks[i]`` asks for one.
 
     ``banned[i]`` lists ids row i may not emit yet (stop tokens before ``min_new_tokens``);
     ``top_k_logprobs[i]`` asks for row i's k most likely tokens from the same distribution.
@@ -151,10 +174,14 @@ def sample(
     temps = temperatures(params, logits_BV.device)
     logprobs_BV = torch.log_softmax(logits_BV / temps[:, None], dim=-1)
     chosen = logprobs_BV.argmax(dim=-1)
+    masks = masks or [False] * len(params)
+    kept: list[Kept | None] = [Kept([t], [0.0], 0.0) if m and p.greedy else None
+                               for m, p, t in zip(masks, params, chosen.tolist())]
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if sampled_rows:
         rows = torch.tensor(sampled_rows, device=logits_BV.device)
-        probs = _filter(logprobs_BV[rows].exp(), [params[i] for i in sampled_rows])
+        truncated = _truncate(logprobs_BV[rows].exp(), [params[i] for i in sampled_rows])
+        probs = truncated.filtered()
         # Inverse CDF: one uniform per row (CPU RNG is slow per element, so never draw a vocab's worth).
         uniform = torch.rand(len(sampled_rows), generator=shared, device=probs.device)
         for j, i in enumerate(sampled_rows):
@@ -163,27 +190,58 @@ def sample(
         cdf = probs.cumsum(dim=-1)
         picked = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)[:, 0]
         chosen[rows] = picked.clamp(max=probs.shape[-1] - 1)
+        for j, i in enumerate(sampled_rows):
+            if masks[i]:
+                kept[i] = truncated.kept(j, int(chosen[i]))
     token_logprobs = logprobs_BV.gather(1, chosen[:, None])[:, 0]
     tops = top_logprobs(logprobs_BV, top_k_logprobs or [0] * len(params))
-    return chosen.tolist(), token_logprobs.tolist(), tops
+    return chosen.tolist(), token_logprobs.tolist(), tops, kept
 
 
-def _filter(probs_RV: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Zero out what top_k, top_p and min_p exclude (left unnormalised: the inverse CDF scales by the sum)."""
+@dataclass(slots=True)
+class _Truncated:
+    """Rows of probabilities and what top_k, top_p and min_p keep of them: ``keep`` over the rows sorted
+    most likely first (``sorted_probs``, ``order``), a prefix of each row; None where nothing is cut."""
+
+    probs: torch.Tensor
+    sorted_probs: torch.Tensor | None = None
+    order: torch.Tensor | None = None
+    keep: torch.Tensor | None = None
+
+    def filtered(self) -> torch.Tensor:
+        """The rows with what is cut zeroed (left unnormalised: the inverse CDF scales by the sum)."""
+        if self.keep is None:
+            return self.probs
+        kept = torch.where(self.keep, self.sorted_probs, torch.zeros_like(self.sorted_probs))
+        return torch.zeros_like(self.probs).scatter(1, self.order, kept)
+
+    def kept(self, row: int, token: int) -> Kept:
+        if self.keep is None:  # nothing cut: every token with a probability
+            self.sorted_probs, self.order = self.probs.sort(dim=-1, descending=True)
+            self.keep = self.sorted_probs > 0
+        size = int(self.keep[row].sum())
+        weights = self.sorted_probs[row, :size]
+        logprobs = (weights / weights.sum(dtype=torch.float32)).log()
+        ids = self.order[row, :size].tolist()
+        return Kept(ids, logprobs.tolist(), float(logprobs[ids.index(token)]))
+
+
+def _truncate(probs_RV: torch.Tensor, params: list[SamplingParams]) -> _Truncated:
+    """What top_k, top_p and min_p keep of each row, by SGLang's rules (its PyTorch sampler's)."""
     top_k = [p.top_k for p in params]
     top_p = [float(p.top_p) for p in params]
     min_p = [float(p.min_p) for p in params]
     if all(k == -1 for k in top_k) and all(p >= 1.0 for p in top_p) and all(m <= 0.0 for m in min_p):
-        return probs_RV
+        return _Truncated(probs_RV)
     vocab = probs_RV.shape[-1]
     sorted_probs, order = probs_RV.sort(dim=-1, descending=True)
     device = probs_RV.device
     k = torch.tensor([vocab if v == -1 else min(v, vocab) for v in top_k], device=device)
     rank = torch.arange(vocab, device=device)[None]
     keep = rank < k[:, None]
-    # Keep a token while the mass strictly before it is below top_p (so the top token always stays).
+    # Keep a token while the mass before it is at most top_p (so the top token always stays).
     before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    keep &= before < torch.tensor(top_p, device=device)[:, None]
+    keep &= before <= torch.tensor(top_p, device=device)[:, None]
     keep &= sorted_probs >= torch.tensor(min_p, device=device)[:, None] * sorted_probs[:, :1]
-    filtered = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
-    return torch.zeros_like(probs_RV).scatter(1, order, filtered)
+    keep &= sorted_probs > 0
+    return _Truncated(probs_RV, sorted_probs, order, keep)

@@ -59,8 +59,8 @@ import torch
 from inverted.engine import grammar
 from inverted.engine.lora import Adapter, Adapters, LoRABatch
 from inverted.engine.model import CausalLM, KVCache
-from inverted.engine.sampling import SamplingParams, sample, top_logprobs
-from inverted.errors import EngineError, InvalidRequest
+from inverted.engine.sampling import Kept, SamplingParams, sample, top_logprobs
+from inverted.errors import EngineError, FieldError
 from inverted.types import PAUSE_MODES, PauseMode
 
 logger = logging.getLogger(__name__)
@@ -85,6 +85,8 @@ class Request:
     lora: str | None = None  # the LoRA adapter it runs with (SGLang's lora_path); None: the base model
     return_routed_experts: bool = False
     routed_experts: torch.Tensor | None = None  # set when it finishes: [positions run, layers, top_k]
+    return_sampling_mask: bool = False
+    output_kept: list[Kept] = field(default_factory=list)  # with return_sampling_mask: each token's kept set
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     # constrained requests only: each sampled token's logprob under the policy's own distribution,
@@ -122,14 +124,15 @@ class Scheduler:
     def __init__(self, model: CausalLM, *, max_running: int, context_length: int, max_prefill_tokens: int,
                  weight_version: str, stop_checker: Callable[[Request], str | None], random_seed: int | None = None,
                  reuse_prefixes: bool = True, update_timeout: float = 300.0, adapters: Adapters | None = None,
-                 keep_routes: bool = False):
+                 keep_routes: bool = False, max_total_tokens: int | None = None):
         self.model = model
         self.max_running = max_running
         self.context_length = context_length
         self.max_prefill_tokens = max_prefill_tokens
         self.weight_version = weight_version
         self.stop_checker = stop_checker
-        self.cache = KVCache(model.spec, max_running, context_length, model.act_dtype, model.device, keep_routes=keep_routes)
+        self.cache = KVCache(model.spec, max_running, context_length, model.act_dtype, model.device, keep_routes=keep_routes,
+                             budget=max_total_tokens)
         self.waiting: collections.deque[Request] = collections.deque()  # touched by the scheduler thread only
         self._incoming: collections.deque[Request] = collections.deque()  # submissions, under _cond
         self.running: list[Request] = []  # running[i] owns cache row i
@@ -188,9 +191,12 @@ class Scheduler:
     # ---- commands (run on the scheduler thread via ``call``) -------------------------------
 
     def abort(self, rid: str = "", abort_all: bool = False) -> int:
-        """Finish matching queued and running requests with an abort; rid matches as a prefix."""
+        """Finish matching queued and running requests with an abort. As in SGLang, ``rid`` must be a request's
+        own id (its tokenizer manager drops any other), and then every request whose id it begins is aborted."""
+        known = bool(rid) and any(r.rid == rid for r in [*self.waiting, *self.running])
+
         def matches(req: Request) -> bool:
-            return abort_all or (bool(rid) and req.rid.startswith(rid))
+            return abort_all or (known and req.rid.startswith(rid))
 
         doomed = [r for r in self.waiting if matches(r)]
         for req in doomed:
@@ -204,7 +210,7 @@ class Scheduler:
 
     def pause(self, mode: PauseMode) -> None:
         if mode not in PAUSE_MODES:
-            raise InvalidRequest(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+            raise FieldError(f"mode: Input should be one of {list(PAUSE_MODES)}, got {mode!r}")
         self.paused = mode
         if mode == "abort":
             self.abort(abort_all=True)
@@ -302,7 +308,7 @@ class Scheduler:
 
     def resume_memory(self, tags: list[str]) -> None:
         if "kv_cache" in tags:
-            self.cache.reserve(KVCache.GROW)
+            self.cache.reset()
         self.memory_released = False
 
     def add_adapter(self, adapter: Adapter) -> None:
@@ -402,6 +408,8 @@ class Scheduler:
         loras = {r.lora for r in self.running} - {None}
         while self.waiting and len(self.running) + len(second) < self.max_running and (budget > 0 or not first):
             req = self.waiting[0]
+            if not self._room_for(req, second):
+                break  # it waits (first in line) for running requests to finish and give their KV room back
             if req.lora is not None:
                 if req.lora not in self.adapters.loaded:
                     self._finish(self.waiting.popleft(), _unloaded(req.lora))
@@ -428,6 +436,21 @@ class Scheduler:
             self._prefill(second)
         self._release_rows([i for i, r in enumerate(self.running) if r.finished])
 
+    def _room_for(self, req: Request, admitted: list[Request]) -> bool:
+        """Whether ``req`` fits in the KV budget beside the running requests (and those ``admitted`` this
+        step), each at its whole length (prompt + max_new_tokens): then no decode step can outgrow the
+        cache. A request alone always fits (the budget holds one whole context)."""
+        others = self.running + admitted
+        if not others:
+            return True
+        longest = max(len(r.input_ids) + r.params.max_new_tokens for r in [*others, req])
+        return (len(others) + 1) * longest <= self.cache.budget
+
+    def _forget_lost_rows(self) -> None:
+        """Kept prefixes in rows the cache no longer holds (it grew for a long request) are gone."""
+        if any(row >= self.cache.rows for row in self.prefixes):
+            self.prefixes = {row: kept for row, kept in self.prefixes.items() if row < self.cache.rows}
+
     def _prefill(self, batch: list[Request]) -> None:
         """Compute each request's KV; fresh requests also sample their first token.
 
@@ -440,6 +463,7 @@ class Scheduler:
         fresh_ids = [ids[start:] for ids, start in zip(tokens, starts)]
         lora = LoRABatch.of([self._adapter(r) for r in batch], [len(t) for t in fresh_ids], self.model.device)
         hidden = self.model.prefill(self.cache, rows, fresh_ids, starts, lora)
+        self._forget_lost_rows()
         fresh: list[tuple[Request, torch.Tensor]] = []
         for req, ids, states in zip(batch, tokens, hidden):
             req.computed = len(ids)
@@ -475,6 +499,7 @@ class Scheduler:
         positions = [r.computed for r in self.running]
         lora = LoRABatch.of([self._adapter(r) for r in self.running], None, self.model.device)
         hidden = self.model.decode(self.cache, tokens, positions, lora)
+        self._forget_lost_rows()
         for req in self.running:
             req.computed += 1
         self._sample_and_check(self.running, self.model.logits(hidden))
@@ -493,17 +518,19 @@ class Scheduler:
         if constrained:
             unmasked = logits_BV[constrained].float()  # a copy: the policy's own distribution, for the record
             grammar.mask(logits_BV, matchers)
-        tokens, logprobs, tops = sample(logits_BV, [r.params for r in reqs], [r.generator for r in reqs], banned,
-                                        self._seeds, top_k)
+        tokens, logprobs, tops, kept = sample(logits_BV, [r.params for r in reqs], [r.generator for r in reqs],
+                                              banned, self._seeds, top_k, [r.return_sampling_mask for r in reqs])
         if constrained:
             policy = grammar.unconstrained_logprobs(unmasked, [tokens[i] for i in constrained],
                                                     [reqs[i].params for i in constrained])
             for i, logprob in zip(constrained, policy):
                 reqs[i].output_unconstrained_logprobs.append(logprob)
         self.stats["generated_tokens"] += len(reqs)
-        for req, token, logprob, top in zip(reqs, tokens, logprobs, tops):
+        for req, token, logprob, top, row in zip(reqs, tokens, logprobs, tops, kept):
             req.output_ids.append(token)
             req.output_logprobs.append(logprob)
+            if row is not None:
+                req.output_kept.append(row)
             if req.matcher is not None:
                 grammar.advance(req.matcher, token)
             if top is not None:
@@ -547,6 +574,8 @@ class Scheduler:
         At least the prompt's last token is always prefilled (its logits give the first sample).
         """
         row = len(self.running)
+        self.cache.reserve(len(req.input_ids), row + 1)
+        self._forget_lost_rows()
         source, length = None, 0
         if self._reuses(req):
             held = [(kept, tokens, len(tokens)) for kept, (lora, tokens) in self.prefixes.items() if lora == req.lora]
@@ -602,6 +631,9 @@ class Scheduler:
             self.running.pop()
             if keep and done.computed and done.lends_kv:
                 self.prefixes[last] = (done.lora, (done.input_ids + done.output_ids)[: done.computed])
+        if not self.running and self.cache.rows < self.cache.rows_for(KVCache.GROW):
+            self.forget_prefixes()  # idle after a long request: every row back
+            self.cache.reset()
 
 
 def _unloaded(name: str | None) -> dict[str, Any]:

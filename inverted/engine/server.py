@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import datetime
 import json
 import logging
 import os
@@ -44,14 +45,14 @@ from inverted.auth import NO_DOCS, require_key
 from inverted.config import EngineConfig
 from inverted.engine import protocol as P
 from inverted.engine.grammar import Grammars
-from inverted.engine.model import load_model
+from inverted.engine.model import CausalLM, KVCache, load_model
 from inverted.engine.sampling import SamplingParams
 from inverted.engine.scheduler import Request as EngineRequest
 from inverted.engine.scheduler import Scheduler, WeightLoad, new_rid
 from inverted.engine.lora import Adapters, startup_adapters
 from inverted.hf_checkpoint import context_length
 from inverted.engine.weights import RecentBuckets, UpdateGroups, check_fits, read_checkpoint
-from inverted.errors import EngineError, InvalidRequest, ModelError, Overloaded, SchemaError, Unauthorized
+from inverted.errors import EngineError, FieldError, InvalidRequest, ModelError, Overloaded, SchemaError, Unauthorized
 from inverted.hf_checkpoint import ARCHITECTURES
 from inverted.limits import BodyLimit, cannot_fit, max_token_chars, parse_json
 from inverted.peft_adapter import read_adapter
@@ -79,14 +80,16 @@ class Engine:
             raise ModelError(f"--enable-return-routed-experts needs a Mixture-of-Experts model; {config.model} is dense")
         adapters = startup_adapters(config, model) if config.enable_lora else None
         self.context_length = context_length(config.model, config.context_length)
+        self.max_total_tokens = kv_budget(config, model, self.context_length)
         self.scheduler = Scheduler(
             model, max_running=config.max_running_requests, context_length=self.context_length,
             max_prefill_tokens=config.max_prefill_tokens, weight_version=config.weight_version,
             stop_checker=self._matched_stop, random_seed=config.random_seed,
             reuse_prefixes=not config.disable_radix_cache, update_timeout=config.weight_update_timeout,
-            adapters=adapters, keep_routes=config.enable_return_routed_experts,
+            adapters=adapters, keep_routes=config.enable_return_routed_experts, max_total_tokens=self.max_total_tokens,
         )
         self.model_name = config.served_model_name or config.model
+        self.model_path = config.model  # both become a disk update's path, as in SGLang (its /server_info keeps the launch's)
         self._grammars: Grammars | None = None  # built on the first constrained request
         self._grammars_lock = threading.Lock()
         self.started = time.time()
@@ -130,6 +133,25 @@ class Engine:
         return await self.run(lambda: sched.load_weights(
             tensors, complete=complete, strict_dtype=strict_dtype, abort_all=body.abort_all_requests,
             weight_version=body.weight_version, flush_cache=body.flush_cache), barrier=barrier)
+
+
+KV_MEMORY_SHARE = 0.25  # of the device's memory, for the KV cache unless --max-total-tokens says
+
+
+def kv_budget(config: EngineConfig, model: CausalLM, context: int) -> int:
+    """The KV cache's positions over all rows: ``--max-total-tokens``, else what a quarter of the device's
+    memory holds; never less than one whole context (one request must always fit), never more than
+    every row at the whole context."""
+    if config.max_total_tokens:
+        if config.max_total_tokens < context:
+            raise ModelError(f"--max-total-tokens {config.max_total_tokens} cannot hold one request of the whole "
+                             f"context ({context} tokens): raise it, or lower --context-length")
+        return config.max_total_tokens
+    device = model.device
+    memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else \
+        os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    fits = int(memory * KV_MEMORY_SHARE) // KVCache.position_bytes(model.spec, model.act_dtype)
+    return max(context, min(config.max_running_requests * context, fits))
 
 
 def launch(config: EngineConfig) -> concurrent.futures.Future[Engine]:
@@ -183,6 +205,13 @@ def create_app(config: EngineConfig) -> FastAPI:
         app.state.engine = engine
         logger.info("engine ready: %s (%s, context %d, %d rows, weight version %r)", engine.model_name,
                     config.device, engine.context_length, config.max_running_requests, config.weight_version)
+        budget, position = engine.max_total_tokens, KVCache.position_bytes(engine.scheduler.model.spec,
+                                                                           engine.scheduler.model.act_dtype)
+        logger.info("KV cache: at most %d positions (%.1f GiB%s): %d requests at the whole context of %d, or "
+                    "%d of up to %d tokens each", budget, budget * position / 2**30,
+                    ", --max-total-tokens" if config.max_total_tokens else ", a quarter of this machine's memory",
+                    min(config.max_running_requests, budget // engine.context_length), engine.context_length,
+                    config.max_running_requests, budget // config.max_running_requests)
         try:
             yield
         finally:
@@ -211,6 +240,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(SchemaError)
     async def schema_error(_: Request, exc: SchemaError) -> JSONResponse:
         return JSONResponse({"error": str(exc)}, status_code=400)
+
+    @app.exception_handler(FieldError)
+    async def field_error(_: Request, exc: FieldError) -> JSONResponse:
+        return JSONResponse(P.error_body(f"1 validation error: {exc}"), status_code=400)
 
     @app.exception_handler(Unauthorized)
     async def unauthorized(_: Request, exc: Unauthorized) -> JSONResponse:
@@ -283,14 +316,15 @@ def _prepare(engine: Engine, item: P.GenerateItem) -> list[int]:
     else:
         ids = engine.tokenizer.encode(item.text, add_special_tokens=True)
     if not ids:
-        raise InvalidRequest("The input is empty: input_ids must hold at least one token.")
+        raise InvalidRequest("input_ids cannot be empty.")
     vocab = engine.scheduler.model.spec.vocab_size
     if any(t < 0 or t >= vocab for t in ids):
         raise InvalidRequest(f"input_ids must be in [0, {vocab}): the model's vocabulary size is {vocab}.")
     if len(ids) + item.params.max_new_tokens > engine.context_length:
         raise _context_exceeded(engine, len(ids), item.params.max_new_tokens)
     if item.return_logprob and item.logprob_start_len > len(ids):
-        raise InvalidRequest(f"logprob_start_len ({item.logprob_start_len}) is larger than the prompt ({len(ids)} tokens).")
+        raise InvalidRequest(f"req.logprob_start_len={item.logprob_start_len} is higher than the number of input tokens "
+                             f"len(req.origin_input_ids)={len(ids)}. Please use a smaller logprob_start_len.")
     if item.rid in engine.inflight:
         raise InvalidRequest(f"Duplicate request ID detected: {item.rid}")
     return ids
@@ -301,7 +335,8 @@ def _add_generate_routes(app: FastAPI) -> None:
     async def generate(request: Request, engine: EngineDep) -> Response:
         room = engine.config.max_running_requests + engine.config.max_queued_requests
         items, single, stream = P.parse_generate(await _json_body(request), max_items=room,
-                                                 max_prompt_tokens=engine.context_length)
+                                                 max_prompt_tokens=engine.context_length,
+                                                 mask_cap=engine.config.sampling_mask_max_tokens)
         if len(engine.inflight) + len(items) > room:
             raise Overloaded(f"The request queue is full: {len(engine.inflight)} requests are running or waiting, "
                              f"and this one adds {len(items)} (--max-running-requests + --max-queued-requests = "
@@ -332,7 +367,8 @@ def _add_generate_routes(app: FastAPI) -> None:
             req = EngineRequest(rid=item.rid, input_ids=ids, params=item.params, notify=notify,
                                 return_logprob=item.return_logprob, logprob_start_len=item.logprob_start_len,
                                 top_logprobs_num=item.top_logprobs_num, matcher=matcher, stream=stream,
-                                lora=item.lora, return_routed_experts=item.return_routed_experts)
+                                lora=item.lora, return_routed_experts=item.return_routed_experts,
+                                return_sampling_mask=item.return_sampling_mask)
             reqs.append(req)
             engine.inflight[item.rid] = req
         for req in reqs:
@@ -486,6 +522,8 @@ def _add_control_routes(app: FastAPI) -> None:
         # read and checked whole, as stored, on a worker thread: the copy on the scheduler thread casts them
         tensors = await asyncio.to_thread(read_checkpoint, engine.scheduler.model, body.model_path)
         load = await engine.load_weights(lambda: tensors, body, complete=True, strict_dtype=False)
+        if load.flushed:
+            engine.model_path = engine.model_name = body.model_path
         return _loaded(load, num_paused_requests=load.paused_requests)
 
     @app.post("/begin_weight_update", dependencies=admin)
@@ -586,7 +624,7 @@ def _add_lora_routes(app: FastAPI, admin: list) -> None:
 def _model_info(engine: Engine) -> dict[str, Any]:
     spec = engine.scheduler.model.spec
     return {
-        "model_path": engine.config.model, "served_model_name": engine.model_name,
+        "model_path": engine.model_path, "served_model_name": engine.model_name,
         "tokenizer_path": engine.config.model, "is_generation": True, "preferred_sampling_params": None,
         "weight_version": engine.scheduler.weight_version, "load_format": "safetensors",
         "reasoning_parser": None, "tool_call_parser": None, "disaggregation_mode": "null",
@@ -598,13 +636,14 @@ def _model_info(engine: Engine) -> dict[str, Any]:
 def _server_info(engine: Engine) -> dict[str, Any]:
     cfg = engine.config
     return {
-        "model_path": cfg.model, "tokenizer_path": cfg.model, "served_model_name": engine.model_name,
+        "model_path": cfg.model, "tokenizer_path": cfg.model, "served_model_name": cfg.served_model_name or cfg.model,
         "host": cfg.host, "port": cfg.port, "device": cfg.device,
         "dtype": str(engine.scheduler.model.dtype).removeprefix("torch."),  # resolved: what weight updates must send
         "tp_size": 1, "dp_size": 1, "load_balance_method": "round_robin", "disaggregation_mode": "null",
         "context_length": engine.context_length, "max_running_requests": cfg.max_running_requests,
         "max_prefill_tokens": cfg.max_prefill_tokens, "weight_version": cfg.weight_version,
-        "skip_tokenizer_init": False, "max_total_num_tokens": cfg.max_running_requests * engine.context_length,
+        "skip_tokenizer_init": False, "max_total_num_tokens": engine.max_total_tokens,
+        "sampling_mask_max_tokens": engine.config.sampling_mask_max_tokens,
         "max_req_input_len": engine.context_length - 1, "startup_time": engine.started,
         "internal_states": [{**engine.scheduler.load(), **engine.scheduler.stats}],
         "version": "0.5.23", "frontend": "python", "engine": "inverted-embedded",
@@ -663,9 +702,17 @@ def _add_info_routes(app: FastAPI) -> None:
     async def server_info(engine: EngineDep) -> JSONResponse:
         return JSONResponse(_server_info(engine))
 
-    @app.get("/get_load", dependencies=auth)
+    @app.get("/get_load", dependencies=auth)  # gone from SGLang 0.5.23 (/v1/loads); sgl-router 0.3.2 still asks
     async def get_load(engine: EngineDep) -> JSONResponse:
         return JSONResponse([{"dp_rank": 0, **engine.scheduler.load(), "num_pending_tokens": 0, "ts_tic": time.time()}])
+
+    @app.get("/v1/loads", dependencies=auth)
+    async def loads(engine: EngineDep) -> JSONResponse:
+        """SGLang's load report, with the fields this engine has."""
+        load = engine.scheduler.load()
+        return JSONResponse({"timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(), "loads": [{
+            "timestamp": time.time(), "dp_rank": 0, "num_running_reqs": load["num_running_reqs"],
+            "num_waiting_reqs": load["num_waiting_reqs"], "num_used_tokens": load["num_tokens"]}]})
 
     @app.get("/v1/models", dependencies=auth)
     async def models(engine: EngineDep) -> JSONResponse:

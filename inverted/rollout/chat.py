@@ -73,7 +73,10 @@ class Message:
 
     def __post_init__(self) -> None:
         calls = tuple((c.name, c.canonical_arguments) for c in self.tool_calls)
-        object.__setattr__(self, "key", (self.role, self.content, calls, self.name))
+        # A reply's reasoning does not name it: clients send a thinking model's reply back with its
+        # reasoning (Anthropic, Responses) or without it (most Chat clients), and either is that reply.
+        content = split_reasoning(self.content)[1] if self.role == "assistant" else self.content
+        object.__setattr__(self, "key", (self.role, content, calls, self.name))
 
     def to_template(self) -> dict[str, Any]:
         data: dict[str, Any] = {"role": self.role, "content": self.content}
@@ -86,6 +89,29 @@ class Message:
         if self.name is not None:
             data["name"] = self.name
         return data
+
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def split_reasoning(text: str) -> tuple[str | None, str]:
+    """A reply's reasoning and its answer: the ``<think>`` block it opens with (or that its template
+    opened in the generation prompt: text up to a ``</think>`` with no ``<think>`` before it), and the
+    rest; (None, text) without one. Each API returns the reasoning in its own channel."""
+    stripped = text.lstrip()
+    if stripped.startswith(THINK_OPEN):
+        inner, closed, rest = stripped[len(THINK_OPEN):].partition(THINK_CLOSE)
+        return (inner.strip("\n"), rest.lstrip("\n")) if closed else (inner.strip("\n"), "")
+    before, closed, rest = text.partition(THINK_CLOSE)
+    if closed and THINK_OPEN not in before:
+        return before.strip("\n"), rest.lstrip("\n")
+    return None, text
+
+
+def join_reasoning(reasoning: str | None, content: str) -> str:
+    """A reply sent back with its reasoning apart, as the content the model wrote (Qwen3's layout,
+    which its template renders from ``reasoning_content`` too)."""
+    return f"{THINK_OPEN}\n{reasoning}\n{THINK_CLOSE}\n\n{content}" if reasoning else content
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -175,6 +201,11 @@ def parse_messages(raw: Any, last: ParsedMessages | None = None) -> list[Message
         if content is None and not (role == "assistant"):
             raise InvalidRequest(f"messages with role {role!r} must have content", param=f"{where}.content")
         text = "" if content is None else _text(content, where)
+        reasoning = item.get("reasoning_content", item.get("reasoning")) if role == "assistant" else None
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise InvalidRequest("an assistant message's reasoning_content must be a string",
+                                 param=f"{where}.reasoning_content")
+        text = join_reasoning(reasoning, text)
         tool_call_id = item.get("tool_call_id")
         if role == "tool":
             if tool_call_id not in called:

@@ -10,9 +10,12 @@ never serves stale ones). On exit every child gets SIGTERM, then SIGKILL after a
 child that dies during startup raises ``ServiceUnavailable`` with its exit code and the tail of
 its log.
 
-The servers are real SGLang (``python -m sglang.launch_server``, every ``--sglang-*`` flag passed
-through) or embedded engines (``inverted serve-engine``), per ``--rollout-backend``; ``auto`` picks
-SGLang where it can run (the package and CUDA present). Where a server runs is the ``launch``
+The servers are real SGLang (its ``sglang.launch_server``, every ``--sglang-*`` flag passed through,
+started by ``sglang_cpu/launch.py`` with ``--rollout-sglang-python``'s interpreter, which sets SGLang's
+CPU path on a machine without a GPU) or embedded engines (``inverted serve-engine``), per
+``--rollout-backend``; ``auto`` picks SGLang where the package and CUDA are present, and the embedded
+engine on a CPU, where it starts in seconds and decodes faster (``bench/engine_throughput.py
+--vs-sglang``). Where a server runs is the ``launch``
 function's business: on this machine by default, or in a Ray placement bundle
 (``inverted.placement``), which hands back a handle with the same methods as ``ManagedProcess``.
 In a LoRA run both kinds start with the same LoRA flags (``lora_argv``), and with rollout routing
@@ -104,6 +107,10 @@ def lora_argv(rank: int, modules: list[str], preload: str | None = None) -> list
     return argv + (["--lora-paths", f"{POLICY_ADAPTER}={preload}"] if preload else [])
 
 
+# How a real SGLang server starts (the machine's settings for SGLang, on the node it lands on): a file
+# run by its path with SGLang's interpreter, which need not hold inverted.
+SGLANG_LAUNCH = Path(__file__).with_name("sglang_cpu") / "launch.py"
+
 # SGLang's flag (and the embedded engine's) for /generate's return_routed_experts.
 ROUTED_EXPERTS_ARGV = ["--enable-return-routed-experts"]
 
@@ -116,9 +123,11 @@ def engine_argv(cfg: ServersConfig, backend: str, sglang_args: list[str], flags:
     keys = [Secret(f"--admin-api-key={cfg.admin_api_key}")] if cfg.admin_api_key else []
     keys += [Secret(f"--api-key={cfg.router_api_key}")] if cfg.router_api_key else []  # what the router sends on
     length = ["--context-length", str(cfg.context_length)] if cfg.context_length else []
+    length += ["--max-total-tokens", str(cfg.max_total_tokens)] if cfg.max_total_tokens else []
     if backend == "sglang":  # its OpenAI routes render chats: with the job's template (the embedded engine has none)
         template = ["--chat-template", cfg.chat_template] if cfg.chat_template else []
-        return [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.hf_checkpoint, "--host", host,
+        python = cfg.rollout_sglang_python or sys.executable
+        return [python, str(SGLANG_LAUNCH), "--model-path", cfg.hf_checkpoint, "--host", host,
                 "--port", str(port), "--tp-size", str(cfg.rollout_num_gpus_per_engine), *keys, *length, *template,
                 *flags, *sglang_args]
     return [sys.executable, "-m", "inverted.cli", "serve-engine", "--model", cfg.hf_checkpoint, "--host", host,
@@ -158,9 +167,10 @@ class RolloutServers:
 
     def _spawn_engine(self, name: str) -> ServerHandle:
         """Launch a server named by ``_next_name`` (which runs on the event loop; this may not)."""
-        env = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"} if self.backend == "sglang" else {}
-        argv_for = functools.partial(engine_argv, self.config, self.backend, self.sglang_args, self.flags,
-                                     self._engine_threads())
+        threads = self._engine_threads()
+        env = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0", "OMP_NUM_THREADS": str(threads)} \
+            if self.backend == "sglang" else {}
+        argv_for = functools.partial(engine_argv, self.config, self.backend, self.sglang_args, self.flags, threads)
         handle = self.launch(name, argv_for, self.log_dir / f"{name}.log", env)
         self.started.add(handle.url)
         return handle

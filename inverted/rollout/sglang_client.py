@@ -4,8 +4,9 @@ The only modules that know SGLang's URLs and JSON shapes. ``SGLangClient`` talks
 (real SGLang or the embedded engine: same code) or, for the routed data plane (``/generate``),
 to the router. ``RouterClient`` registers and removes workers with sgl-router 0.3.2's
 ``/workers`` API. Control and weight routes are never proxied by the router, so callers use one
-``SGLangClient`` per worker URL for them. ``WorkersClient`` is the data plane for the one field
-the router drops (``return_routed_experts``): it sends ``/generate`` to the router's workers itself.
+``SGLangClient`` per worker URL for them. ``WorkersClient`` is the data plane for the fields the
+router drops (``return_routed_experts``, the sampling masks' ``return_sampling_mask``): it sends
+``/generate`` to the router's workers itself; ``SplitClient`` sends only such calls there.
 
 Retries come from the shared ``HTTPService`` base (``inverted.http_client``): connection errors,
 502/503/504 and timeouts of idempotent calls are retried; a 4xx never is.
@@ -22,11 +23,11 @@ from typing import Any, AsyncIterator
 
 import orjson
 
-from inverted.errors import ProtocolError, ServiceUnavailable
+from inverted.errors import ProtocolError, ServiceError, ServiceUnavailable
 from inverted.http_client import HTTPService, Reply, Timeouts
 
-__all__ = ["RouterClient", "SGLangClient", "ServerKeys", "Timeouts", "WorkersClient", "generate_client", "read_output",
-           "read_routed_experts", "read_unconstrained_logprobs"]
+__all__ = ["GenerateClient", "RouterClient", "SGLangClient", "ServerKeys", "SplitClient", "Timeouts", "WorkersClient", "generate_client", "read_output",
+           "read_routed_experts", "read_sampling_mask", "read_unconstrained_logprobs", "with_sampling_mask"]
 
 
 def _check_success(reply: Reply, body: Any) -> dict[str, Any]:
@@ -88,6 +89,53 @@ def read_routed_experts(body: Any) -> str | None:
     meta = body.get("meta_info") if isinstance(body, dict) else None
     routes = meta.get("routed_experts") if isinstance(meta, dict) else None
     return routes if isinstance(routes, str) else None
+
+
+def truncates(params: dict[str, Any]) -> bool:
+    """Whether SGLang samples with these parameters from a cut distribution (top_p, top_k or min_p;
+    greedy calls are not sampled)."""
+    top_k = params.get("top_k")
+    return params.get("temperature", 1.0) > 0 and (params.get("top_p", 1.0) < 1 or (top_k or -1) > 0
+                                                   or params.get("min_p", 0.0) > 0)
+
+
+def with_sampling_mask(payload: dict[str, Any], top_k: int) -> dict[str, Any]:
+    """A ``/generate`` payload that asks for each token's sampling mask (``return_sampling_mask``) where
+    its sampling truncates: SGLang returns one only under a finite ``top_k`` (at most the server's
+    ``--sampling-mask-max-tokens``), so a call that names none gets ``top_k`` (prime-rl's bound is
+    512). ``top_k`` 0: masks are not asked for; the payload as it is."""
+    params = payload.get("sampling_params") or {}
+    if not top_k or not truncates(params):
+        return payload
+    if params.get("top_k") in (None, -1):
+        params = {**params, "top_k": top_k}
+    return {**payload, "sampling_params": params, "return_sampling_mask": True}
+
+
+def read_sampling_mask(body: Any, url: str = "") -> tuple[list[list[int]], list[float]] | None:
+    """``meta_info.output_token_sampling_mask`` and ``output_token_sampling_logprobs`` (SGLang's, selected
+    mode) of an answer that asked for them: each token's kept set, most likely first, and its log-prob
+    renormalised over that set; None where the answer has none."""
+    meta = body.get("meta_info") if isinstance(body, dict) else None
+    masks = meta.get("output_token_sampling_mask") if isinstance(meta, dict) else None
+    if masks is None:
+        return None
+    logprobs, ids = meta.get("output_token_sampling_logprobs"), body.get("output_ids")
+    if not (isinstance(masks, list) and isinstance(logprobs, list) and isinstance(ids, list)
+            and len(masks) == len(logprobs) == len(ids)):
+        raise ProtocolError("/generate answered sampling masks without one mask and one log-prob per output id",
+                            url=url, body=str(body)[:300])
+    return [list(map(int, row)) for row in masks], [float(v) for v in logprobs]
+
+
+async def without_sampling_masks(client: "SGLangClient") -> str | None:
+    """Why the server does not return sampling masks (one token asked for its set), None where it does."""
+    probe = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "top_k": 2}, "return_sampling_mask": True}
+    try:
+        kept = read_sampling_mask(await client.generate(probe), client.base_url)
+    except ServiceError as error:
+        return str(error)
+    return None if kept is not None and len(kept[0]) == 1 else "its answer has no meta_info.output_token_sampling_mask"
 
 
 @dataclass(frozen=True, slots=True)
@@ -385,11 +433,53 @@ class WorkersClient:
         await self.close()
 
 
+# ``/generate`` fields sgl-router 0.3.2's typed request lacks, so that it drops them on the way.
+ROUTER_DROPS = ("return_routed_experts", "return_sampling_mask", "sampling_logprobs_mode")
+
+
+class SplitClient:
+    """``/generate`` through the router, except a call with a field the router drops (``ROUTER_DROPS``),
+    which goes to one of its workers (``WorkersClient``: by the prompt's first tokens, so an episode's
+    calls keep one server and its prefix cache). ``SGLangClient``'s data-plane methods."""
+
+    def __init__(self, router_url: str, *, api_key: str | None = None, admin_api_key: str | None = None,
+                 **options: Any):
+        self.base_url = router_url.rstrip("/")
+        self.router = SGLangClient(router_url, api_key=api_key, **options)
+        self.workers = WorkersClient(router_url, api_key=api_key, admin_api_key=admin_api_key, **options)
+
+    def _for(self, payload: dict[str, Any]) -> SGLangClient | WorkersClient:
+        return self.workers if any(payload.get(field) for field in ROUTER_DROPS) else self.router
+
+    async def generate(self, payload: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
+        return await self._for(payload).generate(payload)
+
+    async def generate_stream(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        async with aclosing(self._for(payload).generate_stream(payload)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def close(self) -> None:
+        await self.router.close()
+        await self.workers.close()
+
+    async def __aenter__(self) -> "SplitClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+# What ``/generate`` can be called through: one server, the router (with its workers), its workers alone.
+GenerateClient = SGLangClient | SplitClient | WorkersClient
+
+
 def generate_client(router_url: str, *, routed_experts: bool = False, api_key: str | None = None,
-                    admin_api_key: str | None = None, **options: Any) -> SGLangClient | WorkersClient:
-    """The client for ``/generate`` behind ``router_url`` (``api_key``: its key): the router itself,
-    or, for calls that ask for routed experts (which the router drops), its workers directly
-    (``WorkersClient``, which lists them with ``admin_api_key``)."""
+                    admin_api_key: str | None = None, **options: Any) -> SplitClient | WorkersClient:
+    """The client for ``/generate`` behind ``router_url`` (``api_key``: its key): the router, and its
+    workers for the calls with a field it drops (a sampling mask: ``SplitClient``); or, where every
+    call asks for routed experts, the workers alone (``WorkersClient``). Both list the workers with
+    ``admin_api_key``."""
     if routed_experts:
         return WorkersClient(router_url, api_key=api_key, admin_api_key=admin_api_key, **options)
-    return SGLangClient(router_url, api_key=api_key, **options)
+    return SplitClient(router_url, api_key=api_key, admin_api_key=admin_api_key, **options)

@@ -21,14 +21,34 @@ are summed over the group by the mapping that ``output_hidden_states`` puts wher
 was (what Megatron's ``ColumnParallelLinear`` does for its input). The detached maximum only shifts
 for stability. Logits are divided by the rollout temperature first, so the training log-probs are
 those of the distribution the engine sampled from.
+
+Under top-p or top-k the engine sampled from a cut distribution: each token's **kept set** (its
+sampling mask, ``packing.KeptSets``) replays that cut. A row with a set has its softmax taken over
+the set alone: a ``[rows x V / tp]`` keep mask zeroes the others' ``exp`` in the sums (each rank its
+own slice, so TP reduces the same sums), and backward zeroes their probabilities, so they get no
+gradient. Log-prob, entropy and every ratio built on them then read the distribution the token
+was sampled from; the whole vocabulary's normaliser is kept beside it (``Head.unmasked``: the log-prob
+a trainer without the masks would compute, for the metric that shows the bias).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
+
+from inverted.train.packing import KeptSets
+
+
+class Head(NamedTuple):
+    """Per response token (fp32, ``[R]`` each): its log-prob, its distribution's entropy (None where not
+    asked for), and with kept sets the log-prob over the whole vocabulary (detached; None without)."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None
+    unmasked: torch.Tensor | None = None
 
 
 def _tensor_parallel() -> tuple[int, int, object]:
@@ -38,13 +58,15 @@ def _tensor_parallel() -> tuple[int, int, object]:
             parallel_state.get_tensor_model_parallel_group())
 
 
-def _row_sums(scaled: torch.Tensor, targets: torch.Tensor, with_entropy: bool,
-              in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _row_sums(scaled: torch.Tensor, targets: torch.Tensor, with_entropy: bool, in_place: bool = False,
+              keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's maximum (over the whole vocabulary) and, over this rank's slice, ``[sum exp(z - max),
     z_target - max (0 off the slice), sum exp(z - max) (z - max)]`` (``[2 or 3, N]``, not yet summed over TP).
 
-    ``in_place``: ``scaled`` is a temporary outside autograd (the fused head's chunk), overwritten so
-    that two ``[N x V]`` tensors exist at once, not four; the same operations, the same numbers."""
+    ``keep`` (``[N, width]`` bool, the kept sets on this slice): the sums run over the kept tokens, and a
+    last row adds the whole slice's ``sum exp(z - max)``. ``in_place``: ``scaled`` is a temporary outside
+    autograd (the fused head's chunk), overwritten so that two ``[N x V]`` tensors exist at once, not
+    four; the same operations, the same numbers."""
     size, rank, group = _tensor_parallel()
     width = scaled.shape[-1]
     start = rank * width
@@ -55,27 +77,54 @@ def _row_sums(scaled: torch.Tensor, targets: torch.Tensor, with_entropy: bool,
     exp = shifted.exp()
     local = (targets >= start) & (targets < start + width)
     picked = shifted.gather(-1, (targets - start).clamp(0, width - 1)[:, None]).squeeze(-1) * local
+    whole = None
+    if keep is not None:
+        whole = exp.detach().sum(-1)
+        exp = exp.masked_fill_(~keep, 0.0) if in_place else exp.masked_fill(~keep, 0.0)
     sums = [exp.sum(-1), picked]
     if with_entropy:
         sums.append((exp.mul_(shifted) if in_place else exp * shifted).sum(-1))
+    if whole is not None:
+        sums.append(whole)
     return row_max, torch.stack(sums)
 
 
-def _from_sums(sums: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _from_sums(sums: torch.Tensor, with_entropy: bool, masked: bool = False) -> Head:
     log_z = sums[0].log()
     # H = log Z - E_p[shifted]:  -sum p log p with log p = shifted - log Z.
-    return sums[1] - log_z, (log_z - sums[2] / sums[0] if with_entropy else None)
+    return Head(sums[1] - log_z, log_z - sums[2] / sums[0] if with_entropy else None,
+                (sums[1] - sums[-1].log()).detach() if masked else None)
 
 
 def token_logprobs_and_entropy(logits_TV: torch.Tensor, targets_T: torch.Tensor, temperature: float = 1.0,
-                               with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``log p(target_t)`` and the entropy of each row's distribution, ``[T]`` each (fp32), from the logits."""
+                               with_entropy: bool = True, keep: torch.Tensor | None = None) -> Head:
+    """``log p(target_t)`` and the entropy of each row's distribution, ``[T]`` each (fp32), from the logits;
+    with ``keep`` (``[T, V / tp]`` bool) each row's distribution over its kept set."""
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-    _, sums = _row_sums(logits_TV.float() / temperature, targets_T, with_entropy)
+    _, sums = _row_sums(logits_TV.float() / temperature, targets_T, with_entropy, keep=keep)
     if _tensor_parallel()[0] > 1:
         sums = reduce_from_tensor_model_parallel_region(sums)
-    return _from_sums(sums, with_entropy)
+    return _from_sums(sums, with_entropy, keep is not None)
+
+
+def keep_mask(kept: KeptSets | None, rows: int, width: int, device: torch.device | str) -> torch.Tensor | None:
+    """The first ``rows`` kept sets as a ``[rows, width]`` mask over this tensor-parallel rank's vocabulary
+    slice; None without kept sets."""
+    if kept is None:
+        return None
+    return kept.mask(slice(0, rows), _tensor_parallel()[1] * width, width, device)
+
+
+def masked_logits(logits_TV: torch.Tensor, rows_R: torch.Tensor, keep_RV: torch.Tensor | None) -> torch.Tensor:
+    """The logits a loss that reads them sees: at ``rows_R`` (the positions that predict the responses),
+    the tokens outside each one's kept set 1e4 below the row's least, so that any softmax of the row, at
+    any temperature up to 1, is over the set (and ``p log p`` stays finite there: 0)."""
+    if keep_RV is None:
+        return logits_TV
+    keep = torch.ones(logits_TV.shape, dtype=torch.bool, device=logits_TV.device)
+    keep[rows_R] = keep_RV
+    return torch.where(keep, logits_TV, logits_TV.detach().amin(dim=-1, keepdim=True) - 1e4)
 
 
 def _scaled_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -88,27 +137,32 @@ class _FusedHead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-        size, _, group = _tensor_parallel()
-        rows = len(hidden)
-        logprobs, entropy = (hidden.new_empty(rows, dtype=torch.float32) for _ in range(2))
+                chunk: int, kept: KeptSets | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        size, rank, group = _tensor_parallel()
+        rows, width = len(hidden), weight.shape[0]
+        logprobs, entropy, unmasked = (hidden.new_empty(rows, dtype=torch.float32) for _ in range(3))
         # Per row, what backward needs to rebuild the softmax without a second reduction:
         # log Z (the maximum included) and E_p[z].
         log_z, mean_z = (hidden.new_empty(rows, dtype=torch.float32) for _ in range(2))
         for start in range(0, rows, chunk):
             part = slice(start, start + chunk)
-            row_max, sums = _row_sums(_scaled_logits(hidden[part], weight, temperature), targets[part], True, in_place=True)
+            keep = kept.mask(part, rank * width, width, hidden.device) if kept is not None else None
+            row_max, sums = _row_sums(_scaled_logits(hidden[part], weight, temperature), targets[part], True,
+                                      in_place=True, keep=keep)
             if size > 1:
                 torch.distributed.all_reduce(sums, group=group)
-            logprobs[part], entropy[part] = _from_sums(sums, True)
+            head = _from_sums(sums, True, keep is not None)
+            logprobs[part], entropy[part] = head.logprobs, head.entropy
+            unmasked[part] = head.unmasked if keep is not None else head.logprobs
             log_z[part] = row_max + sums[0].log()
             mean_z[part] = row_max + sums[2] / sums[0]
         ctx.save_for_backward(hidden, weight, targets, log_z, mean_z)
-        ctx.temperature, ctx.chunk = temperature, chunk
-        return logprobs, entropy
+        ctx.temperature, ctx.chunk, ctx.kept = temperature, chunk, kept
+        ctx.mark_non_differentiable(unmasked)
+        return logprobs, entropy, unmasked
 
     @staticmethod
-    def backward(ctx, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor):
+    def backward(ctx, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor, _grad_unmasked: torch.Tensor):
         hidden, weight, targets, log_z, mean_z = ctx.saved_tensors
         temperature = ctx.temperature
         _, rank, _ = _tensor_parallel()
@@ -122,8 +176,12 @@ class _FusedHead(torch.autograd.Function):
             # d log p_t / dz_j = [j = t] - p_j;  dH / dz_j = -p_j (z_j - E_p[z]). In place, so that two
             # [chunk x V] tensors exist at once (z and p), not five.
             g_logp, g_ent = grad_logprobs[part, None], grad_entropy[part, None]
-            grad_z = (z - log_z[part, None]).exp_().mul_(z.sub_(mean_z[part, None]).mul_(g_ent).add_(g_logp)).neg_()
-            del z
+            p = (z - log_z[part, None]).exp_()
+            keep = ctx.kept.mask(part, rank * width, width, hidden.device) if ctx.kept is not None else None
+            if keep is not None:  # outside its kept set a token has no probability, and no gradient
+                p.masked_fill_(~keep, 0.0)
+            grad_z = p.mul_(z.sub_(mean_z[part, None]).mul_(g_ent).add_(g_logp)).neg_()
+            del z, p
             local = targets[part] - rank * width
             on_slice = ((local >= 0) & (local < width)).nonzero().squeeze(-1)
             grad_z[on_slice, local[on_slice]] += g_logp[on_slice, 0]
@@ -133,15 +191,17 @@ class _FusedHead(torch.autograd.Function):
                 grad_hidden[part] = grad_logits @ weight
             if want_weight:
                 grad_weight += (grad_logits.t() @ hidden[part]).float()
-        return grad_hidden, grad_weight.to(weight.dtype) if want_weight else None, None, None, None
+        return grad_hidden, grad_weight.to(weight.dtype) if want_weight else None, None, None, None, None
 
 
 def fused_logprobs_and_entropy(hidden_TH: torch.Tensor, weight_VH: torch.Tensor, targets_T: torch.Tensor,
-                               temperature: float = 1.0, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+                               temperature: float = 1.0, chunk: int = 1024, kept: KeptSets | None = None) -> Head:
     """``log p(target_t)`` and entropies (``[T]`` each, fp32) of ``hidden_TH @ weight_VH.T``, this rank's
     vocabulary slice of the output layer, ``chunk`` tokens at a time; equal to
-    ``token_logprobs_and_entropy`` of those logits."""
-    return _FusedHead.apply(hidden_TH, weight_VH, targets_T, temperature, max(1, chunk))
+    ``token_logprobs_and_entropy`` of those logits. ``kept``: the rows' kept sets (their distributions
+    are over them)."""
+    logprobs, entropy, unmasked = _FusedHead.apply(hidden_TH, weight_VH, targets_T, temperature, max(1, chunk), kept)
+    return Head(logprobs, entropy, unmasked if kept is not None else None)
 
 
 def output_weight(model) -> torch.Tensor:

@@ -19,7 +19,11 @@ tensor-parallel ranks: ``multiple_of`` then ends each row with a segment of padd
 responses), which no real token attends to and no loss reads. ``balance`` deals sequences to
 data-parallel ranks so each gets about the same number of tokens (longest first, to the lightest
 rank).
+
+A micro-batch also carries its responses' **kept sets** (``KeptSets``), where the Samples recorded
+them: the set each token was sampled from under top-p or top-k, which the log-prob head replays.
 """
+
 
 from __future__ import annotations
 
@@ -41,6 +45,46 @@ class Segment:
 
 
 @dataclass(slots=True)
+class KeptSets:
+    """Each response row's kept set, ragged (a Sample's ``rollout_top_p_token_ids``/``offsets``, the
+    micro-batch's responses end to end): row r's ids are ``ids[offsets[r]:offsets[r + 1]]``, an empty
+    range the whole vocabulary."""
+
+    offsets: torch.Tensor  # int64 [R + 1]
+    ids: torch.Tensor  # int64 [M]
+
+    @classmethod
+    def of(cls, samples: list) -> "KeptSets | None":
+        """The kept sets of these Samples' responses, in order; None where none recorded any."""
+        if all(s.rollout_top_p_token_ids is None for s in samples):
+            return None
+        offsets, ids, total = [torch.zeros(1, dtype=torch.long)], [], 0
+        for sample in samples:
+            if sample.rollout_top_p_token_ids is None:
+                offsets.append(torch.full((sample.response_length,), total, dtype=torch.long))
+                continue
+            offsets.append(torch.tensor(sample.rollout_top_p_token_offsets[1:], dtype=torch.long) + total)
+            ids.append(torch.tensor(sample.rollout_top_p_token_ids, dtype=torch.long))
+            total += len(sample.rollout_top_p_token_ids)
+        return cls(torch.cat(offsets), torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long))
+
+    def mask(self, rows: slice, start: int, width: int, device: torch.device | str) -> torch.Tensor | None:
+        """``[rows, width]`` bool over the vocabulary slice ``[start, start + width)``: True where a token
+        is in its row's kept set (every token of a row without one); None where no row has one."""
+        first, last = rows.start, min(rows.stop, len(self.offsets) - 1)
+        offsets = self.offsets[first:last + 1]
+        lengths = offsets.diff()
+        if not bool((lengths > 0).any()):
+            return None
+        keep = (lengths == 0)[:, None].repeat(1, width)
+        ids = self.ids[int(offsets[0]):int(offsets[-1])] - start
+        row = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+        on = (ids >= 0) & (ids < width)
+        keep[row[on], ids[on]] = True
+        return keep.to(device)
+
+
+@dataclass(slots=True)
 class MicroBatch:
     """Packed segments: ``tokens_T``, ``positions_T``, ``cu_seqlens`` (segment starts, ``[n + 1]``, int32),
     the ``segments``, per response its sample's index in the batch and its length, and the ``padding``
@@ -53,6 +97,7 @@ class MicroBatch:
     indices: list[int]
     response_lengths: list[int]
     padding: int = 0
+    kept: KeptSets | None = None  # the responses' kept sets (sampling masks), where recorded
 
     @property
     def max_seqlen(self) -> int:

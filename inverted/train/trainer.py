@@ -55,11 +55,11 @@ from inverted.plugins import LossPlugins
 from inverted.peft_adapter import lora_config, read_adapter
 from inverted.train import details, lora, losses
 from inverted.train.convert import check_compatible, gather_hf_weights, iter_hf_weights, load_hf_weights, over_pipeline
-from inverted.train.logprobs import (fused_logprobs_and_entropy, output_hidden_states, output_weight,
+from inverted.train.logprobs import (Head, fused_logprobs_and_entropy, keep_mask, output_hidden_states, output_weight,
                                      token_logprobs_and_entropy)
 from inverted.train.model import Parallelism, Recompute, build_model, use_transformer_engine
 from inverted.train.optimizer import build_optimizer
-from inverted.train.packing import MicroBatch, balance, pack
+from inverted.train.packing import KeptSets, MicroBatch, balance, pack
 from inverted.train.parallel import sequence_share
 from inverted.train.routing_replay import RoutingReplay
 from inverted.train.weight_sync import SyncReport, WeightSync
@@ -90,6 +90,23 @@ def check_samples(samples: list[Sample], spec: ModelSpec) -> None:
             raise SampleError(f"{where}: token id {max(sample.tokens)} is outside the vocabulary ({spec.vocab_size})")
         if len(sample.tokens) > spec.max_position_embeddings:
             raise SampleError(f"{where}: {len(sample.tokens)} tokens exceed the model's {spec.max_position_embeddings} positions")
+        _check_kept_sets(sample, spec, where)
+
+
+def _check_kept_sets(sample: Sample, spec: ModelSpec, where: str) -> None:
+    """A recorded kept set holds vocabulary ids and its own token (else its log-prob would be -inf)."""
+    if sample.rollout_top_p_token_ids is None:
+        return
+    ids = np.asarray(sample.rollout_top_p_token_ids, dtype=np.int64)
+    lengths = np.diff(np.asarray(sample.rollout_top_p_token_offsets, dtype=np.int64))
+    if len(ids) and ids.max() >= spec.vocab_size:
+        raise SampleError(f"{where}: rollout_top_p_token_ids holds {ids.max()}, outside the vocabulary ({spec.vocab_size})")
+    row = np.repeat(np.arange(len(lengths)), lengths)
+    found = np.bincount(row[ids == np.asarray(sample.response_tokens)[row]], minlength=len(lengths))
+    missing = np.flatnonzero((lengths > 0) & (found == 0))
+    if len(missing):
+        raise SampleError(f"{where}: response token {missing[0]} ({sample.response_tokens[missing[0]]}) is not in "
+                          "its kept set (rollout_top_p_token_ids)")
 
 
 @dataclass(slots=True)
@@ -135,8 +152,10 @@ class PerToken:
 LOSS_PARTS = ("loss", "pg_loss", "kl_loss", "entropy_loss")
 TOKEN_STATS = ("clipfrac", "ratio_mean", "tis_mean", "kl", "entropy", "token_staleness")
 # sums over the tokens of Samples with rollout log-probs (the mismatch metrics), and those tokens
-COUNTS = ("tokens", "fresh_logprob_abs_diff", "fresh_tokens", "train_rollout_logprob_abs_diff", "recorded_tokens")
-MAXIMA = ("ratio_max", "neg_ratio_min", "token_staleness_max")
+COUNTS = ("tokens", "fresh_logprob_abs_diff", "fresh_tokens", "train_rollout_logprob_abs_diff", "recorded_tokens",
+          "rollout_ratio_outside", "kept_tokens", "kept_set_size", "unmasked_logprob_abs_diff", "unmasked_ratio_outside")
+RATIO_BAND = 0.1  # the mismatch metric's band: a token's trainer/rollout ratio outside [0.9, 1.1] counts
+MAXIMA = ("ratio_max", "neg_ratio_min", "token_staleness_max", "fresh_logprob_abs_diff_max")
 
 
 class Trainer:
@@ -271,17 +290,18 @@ class Trainer:
 
         return packed_seq_params(mb, device, self.spec if self.packed_attention else None)
 
-    def _logprobs(self, model, mb: MicroBatch, output: torch.Tensor,
-                  with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _logprobs(self, model, mb: MicroBatch, output: torch.Tensor, with_entropy: bool) -> Head:
         """Response-token log-probs (and entropies) of one packed micro-batch, fp32, ``[R]``, from ``model``'s
-        output: its final hidden states through the fused head, or its logits."""
+        output: its final hidden states through the fused head, or its logits; a token with a kept set
+        (``mb.kept``) over that set."""
         positions, targets = mb.response_positions().to(output.device), mb.response_targets().to(output.device)
         temperature = self.cfg.loss.rollout_temperature
         if not self.fused_head:
-            return token_logprobs_and_entropy(output[positions], targets, temperature, with_entropy)
-        logp, entropy = fused_logprobs_and_entropy(output[positions], output_weight(model), targets, temperature,
-                                                   self.cfg.logprob_chunk_size)
-        return logp, entropy if with_entropy else None
+            return token_logprobs_and_entropy(output[positions], targets, temperature, with_entropy,
+                                              keep_mask(mb.kept, len(positions), output.shape[-1], output.device))
+        head = fused_logprobs_and_entropy(output[positions], output_weight(model), targets, temperature,
+                                          self.cfg.logprob_chunk_size, mb.kept)
+        return head if with_entropy else head._replace(entropy=None)
 
     @torch.no_grad()
     def _no_grad_logprobs(self, model, mbs: list[MicroBatch], routing: str | None = None) -> dict[int, torch.Tensor]:
@@ -290,7 +310,7 @@ class Trainer:
         out: dict[int, torch.Tensor] = {}
 
         def keep(mb: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            logp, _ = self._logprobs(model, mb, output, with_entropy=False)
+            logp = self._logprobs(model, mb, output, with_entropy=False).logprobs
             out.update(zip(mb.indices, logp.split(mb.response_lengths)))
             return logp.new_zeros(()), {}
 
@@ -328,6 +348,8 @@ class Trainer:
             mine = [step[i] for i in balance([len(samples[i].tokens) for i in step], self.dp_size)[self.dp_rank]]
             mbs = pack([samples[i].tokens for i in mine], [samples[i].response_length for i in mine], mine,
                        self.cfg.max_tokens_per_gpu, share_prefixes=self.packed_attention, multiple_of=self.pad_to)
+            for mb in mbs:  # the sampling masks the log-prob head replays
+                mb.kept = KeptSets.of([samples[i] for i in mb.indices])
             plan.append(RankBatch(mbs, mine, range(start, start + size)))
         return plan
 
@@ -490,7 +512,7 @@ class Trainer:
         seq_ids = torch.repeat_interleave(torch.arange(len(mb.indices), device=mask.device),
                                           torch.tensor(mb.response_lengths, device=mask.device))
 
-        logp, entropy = self._logprobs(self.model, mb, output, with_entropy=True)
+        logp, entropy, unmasked = self._logprobs(self.model, mb, output, with_entropy=True)
         old = tokens.take("old_logp", mb.indices) if tokens.old_logp else logp.detach()
         recorded = ~rollout.isnan()  # tokens whose sampler recorded a log-prob; the old one stands in elsewhere
         rollout = torch.where(recorded, rollout, old.detach())
@@ -527,13 +549,27 @@ class Trainer:
             fresh = on & (staleness == 0) & recorded
             gap = (old - rollout).abs()
             ratio = info["ratio"]
+            compared = on & recorded
+            outside = ((old - rollout).exp() - 1).abs() > RATIO_BAND
+            # tokens sampled from a cut distribution with its kept set recorded: how far off a trainer that
+            # ignored the set would be (its whole-vocabulary log-prob against the recorded one)
+            kept = mb.kept.offsets.diff().to(on.device) if mb.kept is not None else torch.zeros_like(mask, dtype=torch.long)
+            masked = compared & (kept > 0)
+            whole = unmasked if unmasked is not None else logp.detach()
             stats = {"loss": loss.detach(), "pg_loss": pg_term.detach(), "kl_loss": (weight * kl).sum(),
                      "entropy_loss": (weight * entropy).sum(), "tokens": on.sum(),
                      "fresh_logprob_abs_diff": gap[fresh].sum(), "fresh_tokens": fresh.sum(),
-                     "train_rollout_logprob_abs_diff": gap[on & recorded].sum(), "recorded_tokens": (on & recorded).sum(),
+                     "train_rollout_logprob_abs_diff": gap[compared].sum(), "recorded_tokens": compared.sum(),
+                     "rollout_ratio_outside": outside[compared].sum(),
+                     "kept_tokens": masked.sum(), "kept_set_size": kept[masked].sum(),
+                     "unmasked_logprob_abs_diff": (whole - rollout).abs()[masked].sum(),
+                     "unmasked_ratio_outside": (((whole - rollout).exp() - 1).abs() > RATIO_BAND)[masked].sum(),
                      "ratio_max": torch.where(on, ratio, -torch.inf).max(),
                      "neg_ratio_min": -torch.where(on, ratio, torch.inf).min(),
-                     "token_staleness_max": torch.where(on, staleness, 0.0).max()}
+                     "token_staleness_max": torch.where(on, staleness, 0.0).max(),
+                     # the largest gap between the trainer and the server that sampled with the same weights:
+                     # at fp32, the two engines' numerics alone (real SGLang within 1e-5 of the trainer)
+                     "fresh_logprob_abs_diff_max": torch.where(fresh, gap, 0.0).max()}
             for name, value in (("clipfrac", info["clipped"]), ("ratio_mean", ratio), ("tis_mean", tis),
                                 ("kl", kl), ("entropy", entropy),
                                 ("token_staleness", staleness)):
@@ -595,7 +631,7 @@ class Trainer:
         extra = tuple(sorted(set(reported[0]) - set(LOSS_PARTS + TOKEN_STATS + COUNTS + MAXIMA))) if reported else ()
         summed = LOSS_PARTS + TOKEN_STATS + COUNTS + extra
         sums = torch.stack([column(n, torch.sum, 0.0) for n in summed])
-        high = torch.stack([column(n, torch.max, -float("inf") if n != "token_staleness_max" else 0.0) for n in MAXIMA])
+        high = torch.stack([column(n, torch.max, -float("inf") if n.startswith(("ratio", "neg")) else 0.0) for n in MAXIMA])
         if self.dp_size > 1:
             group = parallel_state.get_data_parallel_group()
             torch.distributed.all_reduce(sums, group=group)
@@ -609,9 +645,17 @@ class Trainer:
         metrics["train/token_staleness_max"] = highs["token_staleness_max"]
         if totals["fresh_tokens"]:
             metrics["train/fresh_logprob_abs_diff"] = totals["fresh_logprob_abs_diff"] / totals["fresh_tokens"]
+            metrics["train/fresh_logprob_abs_diff_max"] = highs["fresh_logprob_abs_diff_max"]
         if totals["recorded_tokens"]:  # absent where no trained Sample recorded its rollout log-probs
             metrics["train/train_rollout_logprob_abs_diff"] = (totals["train_rollout_logprob_abs_diff"]
                                                                / totals["recorded_tokens"])
+            metrics["train/rollout_ratio_outside"] = totals["rollout_ratio_outside"] / totals["recorded_tokens"]
+            metrics["train/kept_set_tokens"] = totals["kept_tokens"] / totals["recorded_tokens"]
+        if totals["kept_tokens"]:  # sampled from a cut distribution, with the cut replayed
+            metrics["train/kept_set_size_mean"] = totals["kept_set_size"] / totals["kept_tokens"]
+            # what the same tokens' mismatch would be without the replay: the bias it removes
+            metrics["train/unmasked_logprob_abs_diff"] = totals["unmasked_logprob_abs_diff"] / totals["kept_tokens"]
+            metrics["train/unmasked_ratio_outside"] = totals["unmasked_ratio_outside"] / totals["kept_tokens"]
         metrics["train/loss_tokens"] = totals["tokens"]
         return self._from_last_stage(metrics)
 

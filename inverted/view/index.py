@@ -231,6 +231,9 @@ class RunIndex:
             "train_log_probs": detail.log_probs.tolist() if detail else None,
             "advantages": detail.advantages.tolist() if detail else None,
             "routed_experts": self._experts(data.get("rollout_routed_experts")),
+            # each response token's kept-set size under top-p/top-k (0: the whole vocabulary); None: none recorded
+            "kept_set_sizes": [b - a for a, b in zip(offsets, offsets[1:])]
+            if (offsets := data.get("rollout_top_p_token_offsets")) else None,
             "turns": metadata.get("turns") or [],
             "branches": session,
             "group": self._rows("group_index = ?", (group_index,)),

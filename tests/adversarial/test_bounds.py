@@ -116,7 +116,7 @@ def test_an_engine_requests_cost_is_bounded_before_it_is_paid(module_procs, tiny
         "This request asks for 1000000 sequences (1 prompts x n=1000000)": {
             "input_ids": [1, 2], "sampling_params": {"n": 1_000_000}},
         "This request asks for 1000000 sequences (1000000 prompts x n=1)": {"text": ["a"] * 1_000_000},
-        "top_logprobs_num must be an integer in [0, 100]": {
+        "top_logprobs_num must be an integer of at most 100": {
             "input_ids": [1, 2], "return_logprob": True, "top_logprobs_num": 10**9},
         "The input (5000000 tokens) is longer than the model's context length (4096 tokens)": {
             "input_ids": [1] * 5_000_000},

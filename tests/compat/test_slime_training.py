@@ -133,6 +133,47 @@ def test_slimes_own_sft_loss_function_is_the_loss(tiny_model, tmp_path, samples)
     assert metrics["train/custom/loss"] == pytest.approx(metrics["train/loss"], rel=1e-6)
 
 
+def with_kept_sets(samples, vocab: int):
+    """Each response token's kept set, as a sampler under top-k leaves it: the token and five others."""
+    g = torch.Generator().manual_seed(5)
+    for s in samples:
+        ids, offsets = [], [0]
+        for token in s.response_tokens:
+            ids += [token] + [t for t in torch.randperm(vocab, generator=g)[:5].tolist() if t != token]
+            offsets.append(len(ids))
+        s.rollout_top_p_token_ids, s.rollout_top_p_token_offsets = ids, offsets
+    return samples
+
+
+def masked_nll_token_mean(tiny_model, samples) -> float:
+    """The trained tokens' negative log-likelihood with each softmax over the token's kept set, by ``transformers``."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model("qwen2"), torch_dtype=torch.float32)
+    total, tokens = 0.0, 0.0
+    with torch.no_grad():
+        for s in samples:
+            logits = model(torch.tensor([s.tokens])).logits[0, s.prompt_length - 1:len(s.tokens) - 1]
+            for row, token, kept, mask in zip(logits, s.response_tokens, s.kept_sets(), s.loss_mask):
+                total -= mask * float(row[kept].log_softmax(-1)[kept.index(token)])
+                tokens += mask
+    return total / tokens
+
+
+@pytest.mark.parametrize("loss", ["sft_loss", "sft_loss_lora", "slime_custom_loss"])
+def test_a_loss_reads_each_tokens_kept_set(tiny_model, tmp_path, samples, loss):
+    """Samples sampled under top-k carry each token's kept set: the trainer's own loss (through the fused
+    head; with LoRA too, whose new adapter leaves the policy as it was) and a slime custom loss that reads
+    the logits (slime's ``sft_loss_function``) all train on the distribution over the set,
+    ``transformers``' log-softmax restricted to it."""
+    samples = with_kept_sets(samples, transformers.AutoConfig.from_pretrained(tiny_model("qwen2")).vocab_size)
+    flags = {"loss_type": "sft_loss"} if loss.startswith("sft_loss") else {
+        "loss_type": "custom_loss", "custom_loss_function_path": "slime.backends.megatron_utils.loss.sft_loss_function"}
+    if loss == "sft_loss_lora":
+        flags["lora_rank"] = 4
+    metrics = one_step(tiny_model, tmp_path, samples, **flags)
+    assert metrics["train/loss"] == pytest.approx(masked_nll_token_mean(tiny_model, samples), rel=1e-4)
+    assert metrics["train/loss"] < nll_token_mean(tiny_model, samples) - 1.0  # six tokens, not the vocabulary
+
+
 def test_samples_without_rollout_logprobs_train_on_the_trainers_own(tiny_model, tmp_path, samples):
     """Rollout log-probs are optional, as in slime. Without them a Sample's tokens are weighted 1 by TIS
     (the trainer's old log-probs stand in: ratio 1) and left out of the mismatch metric; the others'

@@ -7,42 +7,67 @@ import asyncio
 import httpx
 import pytest
 
+from tests.conftest import BACKENDS
+from tests.engine.test_control import started
+
 pytestmark = pytest.mark.anyio
 
 
+@pytest.fixture(scope="module", params=BACKENDS)
+def engine(request, module_procs, tiny_model):
+    """The embedded engine, then real SGLang (the reference), each started once for the module."""
+    return module_procs.server(request.param, tiny_model("qwen2"), "--context-length", "256").url
+
+
 @pytest.fixture(scope="module")
-def engine(module_procs, tiny_model):
+def embedded(module_procs, tiny_model):
     return module_procs.engine(tiny_model("qwen2"), "--context-length", "256").url
 
 
+# A sampling parameter of the wrong type: SGLang's serde answers {"error": "<text>"}.
 SCHEMA_ERRORS = [
     {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 4, "temprature": 0.5}},  # unknown key (typo)
     {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "4"}},  # string for int
     {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 4.0}},  # JSON float for int
     {"input_ids": [1, 2], "sampling_params": {"ignore_eos": "yes"}},
+]
+
+# A request-level field of the wrong type: SGLang's pydantic validation, {"object": "error", "message": ...}.
+FIELD_ERRORS = [
     {"input_ids": [1, "2"]},
     {"input_ids": [1, 2], "sampling_params": [1, 2]},
 ]
 
+# Values out of range, with real SGLang 0.5.23's own words.
 VALUE_ERRORS = [
-    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens must be at least 0"),
-    ({"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, "top_p must be in (0, 1]"),
-    ({"input_ids": [1, 2], "sampling_params": {"temperature": -0.1}}, "temperature must be non-negative"),
-    ({"input_ids": [1, 2], "sampling_params": {"top_k": 0}}, "top_k must be -1"),
-    ({"input_ids": list(range(200)), "sampling_params": {"max_new_tokens": 100}}, "maximum context length of 256"),
-    ({"input_ids": []}, "input is empty"),
-    ({"text": ""}, "input is empty"),
-    ({}, "Either text or input_ids"),
-    ({"text": "a", "input_ids": [1]}, "Either text or input_ids"),
+    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens must be at least 0, got -1."),
+    ({"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, "top_p must be in (0, 1], got 0."),
+    ({"input_ids": [1, 2], "sampling_params": {"temperature": -0.1}},
+     "temperature must be a non-negative finite number, got -0.1."),
+    ({"input_ids": [1, 2], "sampling_params": {"top_k": 0}}, "top_k must be -1 (disable) or at least 1, got 0."),
+    ({"input_ids": list(range(200)), "sampling_params": {"max_new_tokens": 100}},
+     "Requested token count exceeds the model's maximum context length of 256 tokens. You requested a total of 300 "
+     "tokens: 200 tokens from the input messages and 100 tokens for the completion."),
+    ({"input_ids": []}, "input_ids cannot be empty."),
+    ({}, "Either text, input_ids or input_embeds should be provided."),
+    ({"input_ids": [[1], [2]], "sampling_params": [{"n": 1}, {"n": 2}]},
+     "The parallel_sample_num should be the same for all samples in sample params."),
+    ({"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 9},
+     "req.logprob_start_len=9 is higher than the number of input tokens len(req.origin_input_ids)=2. "
+     "Please use a smaller logprob_start_len."),
+]
+
+# Where the embedded engine refuses what real SGLang 0.5.23 does not (docs/sglang-differences.md): an empty text
+# prompt and an id past the vocabulary each kill the SGLang server; repetition_penalty is SGLang's alone.
+EMBEDDED_ONLY = [
+    ({"text": ""}, "input_ids cannot be empty."),
     ({"input_ids": [1, 99999]}, "vocabulary size"),
-    ({"input_ids": [[1], [2]], "sampling_params": [{"n": 1}, {"n": 2}]}, "same n"),
     ({"input_ids": [1, 2], "sampling_params": {"repetition_penalty": 1.3}}, "does not support"),
-    ({"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 9}, "logprob_start_len"),
 ]
 
 
 @pytest.mark.parametrize("body", SCHEMA_ERRORS)
-def test_contract_violations_are_400_with_a_string_error(engine, body):
+def test_sampling_parameters_of_the_wrong_type_are_400_with_serdes_string(engine, body):
     response = httpx.post(engine + "/generate", json=body, timeout=30)
     assert response.status_code == 400
     assert isinstance(response.json()["error"], str) and response.json()["error"]
@@ -50,14 +75,38 @@ def test_contract_violations_are_400_with_a_string_error(engine, body):
 
 def test_unknown_key_names_the_field(engine):
     error = httpx.post(engine + "/generate", json=SCHEMA_ERRORS[0], timeout=30).json()["error"]
-    assert error.startswith("unknown field `temprature`")
+    assert error.startswith("unknown field `temprature`, expected one of `max_new_tokens`")
+
+
+@pytest.mark.parametrize("body", FIELD_ERRORS)
+def test_request_fields_of_the_wrong_type_are_400_with_the_validation_body(engine, body):
+    response = httpx.post(engine + "/generate", json=body, timeout=30)
+    assert response.status_code == 400
+    error = response.json()
+    assert error["object"] == "error" and error["code"] == 400 and error["type"] == "Bad Request"
+    assert error["message"].startswith(("1 validation error", "3 validation errors"))
 
 
 @pytest.mark.parametrize(("body", "message"), VALUE_ERRORS)
-def test_bad_values_are_400_with_a_message(engine, body, message):
+def test_bad_values_are_400_with_sglangs_message(engine, body, message):
     response = httpx.post(engine + "/generate", json=body, timeout=30)
     assert response.status_code == 400, response.text
     assert message in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("body", "message"), EMBEDDED_ONLY)
+def test_what_the_embedded_engine_refuses_beyond_sglang(embedded, body, message):
+    response = httpx.post(embedded + "/generate", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    assert message in response.json()["error"]["message"]
+
+
+def test_text_beside_input_ids_generates_from_the_ids(engine):
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}
+    alone = httpx.post(engine + "/generate", json=body, timeout=30).json()
+    both = httpx.post(engine + "/generate", json={**body, "text": "something else"}, timeout=30)
+    assert both.status_code == 200 and both.json()["output_ids"] == alone["output_ids"]
+    assert both.json()["meta_info"]["prompt_tokens"] == 3
 
 
 def test_malformed_json_and_mistyped_control_bodies(engine):
@@ -68,25 +117,27 @@ def test_malformed_json_and_mistyped_control_bodies(engine):
         body = response.json()
         assert body["object"] == "error" and body["code"] == 400 and body["type"] == "Bad Request"
     response = httpx.post(engine + "/pause_generation", json={"mode": "sideways"})
-    assert response.status_code == 400 and "mode must be one of" in response.json()["error"]["message"]
+    assert response.status_code == 400 and response.json()["object"] == "error"
+    assert "validation error" in response.json()["message"] and "sideways" in response.json()["message"]
 
 
 async def test_bad_requests_do_not_disturb_good_ones(engine):
     async with httpx.AsyncClient(base_url=engine, timeout=60) as client:
-        # Hold the good request in flight (paused in place) while bad ones arrive.
+        # Hold the good request in flight (decoding, then paused in place) while bad ones arrive.
+        good = await started(client, {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 240, "ignore_eos": True},
+                                      "rid": "good-one"})
         await client.post("/pause_generation", json={"mode": "in_place"})
-        good = asyncio.create_task(client.post("/generate", json={"input_ids": [5, 6], "sampling_params": {
-            "max_new_tokens": 60, "ignore_eos": True}, "rid": "good-one"}))
-        while (await client.get("/get_load")).json()[0]["num_waiting_reqs"] == 0:
-            await asyncio.sleep(0.05)
-        bad = await asyncio.gather(*(client.post("/generate", json=b) for b, _ in VALUE_ERRORS),
-                                   *(client.post("/generate", json=b) for b in SCHEMA_ERRORS))
-        assert all(r.status_code == 400 for r in bad)
-        dup = await client.post("/generate", json={"input_ids": [1], "rid": "good-one"})
-        assert dup.status_code == 400 and "Duplicate request ID" in dup.json()["error"]["message"]
+        # SGLang holds new requests while paused (the embedded engine answers the bad ones at once)
+        bodies = [b for b, _ in VALUE_ERRORS] + SCHEMA_ERRORS + FIELD_ERRORS + [{"input_ids": [1], "rid": "good-one"}]
+        bad = asyncio.gather(*(client.post("/generate", json=b) for b in bodies))
+        await asyncio.sleep(0.5)
+        assert not good.done()
         await client.post("/continue_generation", json={})
-        result = await good
-    assert result.status_code == 200 and len(result.json()["output_ids"]) == 60
+        answers = await asyncio.wait_for(bad, 60)
+        result = await asyncio.wait_for(good, 60)
+    assert [r.status_code for r in answers] == [400] * len(bodies)
+    assert "Duplicate request ID" in answers[-1].json()["error"]["message"]
+    assert len(result["output_ids"]) == 240 and result["meta_info"]["finish_reason"]["type"] == "length"
     assert httpx.get(engine + "/health").status_code == 200
 
 

@@ -11,11 +11,19 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.conftest import BACKENDS
+
 pytestmark = pytest.mark.anyio
 
 
+@pytest.fixture(scope="module", params=BACKENDS)
+def engine(request, module_procs, tiny_model):
+    """The embedded engine, then real SGLang (the reference), each started once for the module."""
+    return module_procs.server(request.param, tiny_model("qwen2"), "--max-running-requests", "64").url
+
+
 @pytest.fixture(scope="module")
-def engine(module_procs, tiny_model):
+def embedded(module_procs, tiny_model):
     return module_procs.engine(tiny_model("qwen2"), "--max-running-requests", "64").url
 
 
@@ -75,9 +83,10 @@ async def test_a_request_is_the_same_alone_and_in_a_busy_batch(engine):
     assert max(diffs) < 1e-4
 
 
-def test_sampling_seed_reproduces_and_n_gives_distinct_samples(engine):
+def test_sampling_seed_reproduces_and_n_gives_distinct_samples(engine, request):
     body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 16, "ignore_eos": True, "sampling_seed": 1234}}
-    assert generate(engine, **body)["output_ids"] == generate(engine, **body)["output_ids"]
+    if "sglang" not in request.node.callspec.id:  # SGLang reads seeds only with --enable-deterministic-inference
+        assert generate(engine, **body)["output_ids"] == generate(engine, **body)["output_ids"]
     many = generate(engine, input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 16, "ignore_eos": True, "n": 4}, rid="mine")
     assert isinstance(many, list) and len(many) == 4
     assert len({tuple(m["output_ids"]) for m in many}) == 4
@@ -125,7 +134,7 @@ def test_stop_token_ids_stop_strings_and_min_new_tokens(engine):
     assert stop in kept["text"]
 
 
-def test_a_token_that_completes_two_stop_strings_stops_at_the_first_in_the_text(engine, tiny_model):
+def test_a_token_that_completes_two_stop_strings_stops_there(engine, tiny_model, request):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model("qwen2"))
@@ -138,13 +147,19 @@ def test_a_token_that_completes_two_stop_strings_stops_at_the_first_in_the_text(
             break
     else:
         pytest.skip("no multi-character token in this output")
-    # the list names the later one first: the cut is still before the token
+    # the list names the later one first: both engines stop at that token; the embedded engine reports and cuts
+    # at the first in the text, SGLang at the first in the list (docs/sglang-differences.md)
     out = generate(engine, input_ids=[50, 51], sampling_params={**params, "stop": [word[1:], word]})
-    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": word}
-    assert out["output_ids"] == ids[: k + 1] and out["text"] == before
+    assert out["output_ids"] == ids[: k + 1]
+    if "sglang" in request.node.callspec.id:
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": word[1:]}
+        assert out["text"] == before + word[0]
+    else:
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": word}
+        assert out["text"] == before
 
 
-def test_json_schema_and_regex_constrain_what_is_sampled(engine, tiny_model):
+def test_json_schema_and_regex_constrain_what_is_sampled(engine, tiny_model, request):
     """SGLang's constrained decoding: a random model at temperature 1 still answers in the grammar
     and then stops; each request of a mixed batch keeps its own constraint."""
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
@@ -154,27 +169,30 @@ def test_json_schema_and_regex_constrain_what_is_sampled(engine, tiny_model):
         {**params, "json_schema": json.dumps(schema), "sampling_seed": i} if i < 3 else
         {**params, "regex": "[0-9]{3}", "sampling_seed": i} if i < 5 else params for i in range(6)])
     for out in outs[:3]:
+        # SGLang's grammar (xgrammar) lets the model write whitespace between the tokens, and a random model may
+        # spend its 40 tokens there; the embedded engine's (llguidance) writes none (docs/sglang-differences.md)
+        compact = "".join(out["text"].split())
+        if out["meta_info"]["finish_reason"]["type"] == "length" and "sglang" in request.node.callspec.id:
+            assert any(whole.startswith(compact) for whole in ('{"ok":true}', '{"ok":false}')), out["text"]
+            continue
         assert json.loads(out["text"]) in ({"ok": True}, {"ok": False}), out["text"]
         assert out["meta_info"]["finish_reason"]["type"] == "stop"  # the grammar ended: only EOS was left
     for out in outs[3:5]:
         assert len(out["text"]) == 3 and out["text"].isdigit(), out["text"]
     assert not outs[5]["text"].startswith('{"ok"')  # unconstrained beside them
-    for bad, message in [({"json_schema": "{not json"}, "json_schema is not JSON"),
-                         ({"json_schema": json.dumps({"type": "nonsense"})}, "cannot be compiled"),
-                         ({"regex": "[0-9"}, "cannot be compiled"),
-                         ({"ebnf": "root ::= 'a'"}, "does not support")]:
+    for bad in ({"json_schema": "{not json"}, {"json_schema": json.dumps({"type": "nonsense"})}, {"regex": "[0-9"}):
         response = httpx.post(engine + "/generate", json={"input_ids": [1], "sampling_params": bad}, timeout=60)
-        assert response.status_code == 400 and message in response.text, response.text
+        assert response.status_code == 400 and "Failed to compile" in response.text, response.text
 
 
-def test_a_constrained_answer_reports_the_policys_own_logprobs(engine, tiny_model):
+def test_a_constrained_answer_reports_the_policys_own_logprobs(embedded, tiny_model):
     """Beside SGLang's logprobs (the masked distribution's), a constrained answer reports each token's
     logprob before the mask, at the request's temperature: ``transformers``' log_softmax of the same
     sequence. A greedy one reports them at temperature 1, as its logprobs."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model(), dtype=torch.float32)
     schema = json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
     for temperature in (0.7, 0.0):
-        out = generate(engine, input_ids=[50, 51, 52], return_logprob=True, sampling_params={
+        out = generate(embedded, input_ids=[50, 51, 52], return_logprob=True, sampling_params={
             "max_new_tokens": 12, "temperature": temperature, "json_schema": schema, "sampling_seed": 1})
         ids = [50, 51, 52] + out["output_ids"]
         with torch.no_grad():
@@ -185,7 +203,7 @@ def test_a_constrained_answer_reports_the_policys_own_logprobs(engine, tiny_mode
         assert len(policy) == len(out["output_ids"]) == len(masked)
         assert max(abs(a - b) for a, b in zip(policy, expected.tolist())) < 1e-4
         assert all(m >= p - 1e-5 for m, p in zip(masked, policy)) and max(m - p for m, p in zip(masked, policy)) > 1
-    plain = generate(engine, input_ids=[50, 51], return_logprob=True, sampling_params={"max_new_tokens": 3})
+    plain = generate(embedded, input_ids=[50, 51], return_logprob=True, sampling_params={"max_new_tokens": 3})
     assert "output_token_unconstrained_logprobs" not in plain["meta_info"]  # SGLang's answer, as it is
 
 
@@ -199,10 +217,16 @@ def test_text_prompt_and_stream_are_cumulative(engine):
                 chunks.append(line[6:])
     assert chunks[-1] == "[DONE]"
     bodies = [json.loads(c) for c in chunks[:-1]]
-    assert [len(b["output_ids"]) for b in bodies] == [1, 2, 3, 4, 5, 6]
+    # Each chunk holds everything so far. SGLang's tokenizer manager sends one chunk per step when it
+    # keeps up and merges steps when it falls behind (seen on a loaded 2-core machine), so the
+    # lengths only have to grow.
+    lengths = [len(b["output_ids"]) for b in bodies]
+    assert lengths == sorted(set(lengths)) and lengths[-1] == 6 and len(bodies) > 1
     assert all(b["meta_info"]["finish_reason"] is None for b in bodies[:-1])
     assert bodies[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
-    assert all(bodies[i + 1]["output_ids"][: i + 1] == bodies[i]["output_ids"] for i in range(5))
+    assert all(later["output_ids"][: len(earlier["output_ids"])] == earlier["output_ids"]
+               for earlier, later in zip(bodies, bodies[1:]))
+    assert all(later["text"].startswith(earlier["text"]) for earlier, later in zip(bodies, bodies[1:]))
     whole = generate(engine, text="What is 2 + 3?", sampling_params={"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
     assert whole["output_ids"] == bodies[-1]["output_ids"] and whole["text"] == bodies[-1]["text"]
 

@@ -20,6 +20,7 @@ from inverted.rollout.sglang_client import SGLangClient
 from inverted.train.weight_sync import Bucket, BucketPacker, DiskTransport, TensorTransport, WeightSync
 from inverted.train.weight_sync.transports import dtype_name
 from inverted.weight_wire import bucket_layout, bucket_payload, join_update_group
+from tests.conftest import BACKENDS
 from tests.engine.test_control import LONG, started
 
 pytestmark = pytest.mark.anyio
@@ -272,3 +273,33 @@ def test_a_session_whose_trainer_died_is_ended_and_generation_resumes(procs, tin
     assert len(out["output_ids"]) == 2 and 1.5 <= time.monotonic() - started < 30  # held, then released
     assert "inverted:weight_update_sessions_expired_total 1" in httpx.get(url + "/metrics").text
     assert post(url, "/end_weight_update", {}).status_code == 400  # already ended
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def server(request, module_procs, tiny_model):
+    """The embedded engine, then real SGLang (the reference), each started once for the module."""
+    return module_procs.server(request.param, tiny_model("qwen2")).url
+
+
+@pytest.mark.parametrize("transport", ["tensor", "disk"])
+async def test_the_trainers_weight_sync_loads_every_weight_exactly(server, tiny_model, tmp_path, transport):
+    """The trainer's own sync (pause, session, several flattened buckets or safetensors shards, version,
+    flush, continue) into each engine; then the served log-probs are ``transformers``' of the new weights."""
+    from tests.engine.test_numerics import hf_logprobs
+
+    seed = {"tensor": 5, "disk": 6}[transport]
+    made = (TensorTransport(torch.device("cpu")) if transport == "tensor"
+            else DiskTransport(torch.device("cpu"), str(tmp_path / "updates"), str(tiny_model("qwen2"))))
+    weights = checkpoint_tensors(tiny_model("qwen2", seed=seed)).items()
+    report = await WeightSync(made, [server], buffer_size=1 << 16, pause_mode="retract").update(weights, f"w{seed}")
+    assert report.buckets > 1
+    prompt = [5, 17, 300, 42]
+    out = httpx.post(server + "/generate", timeout=60, json={"input_ids": prompt, "return_logprob": True, "sampling_params": {
+        "max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}).json()
+    assert out["meta_info"]["weight_version"] == f"w{seed}"
+    ref = hf_logprobs(tiny_model("qwen2", seed=seed), prompt + out["output_ids"])
+    tokens = prompt + out["output_ids"]
+    expected = [ref[p, tokens[p + 1]].item() for p in range(len(prompt) - 1, len(tokens) - 1)]
+    got = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+    assert max(abs(a - b) for a, b in zip(got, expected)) <= 1e-4
+    assert out["output_ids"] == [int(ref[p].argmax()) for p in range(len(prompt) - 1, len(tokens) - 1)]

@@ -10,7 +10,6 @@ check: at least two model calls with a tool call between, recorded exactly.
 
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +22,7 @@ from transformers import AutoTokenizer
 from inverted.config import TinyModelConfig
 from inverted.tiny_model import make_tiny_model
 from inverted.types import Sample
-from tests.conftest import ProcessPool
+from tests.conftest import ProcessPool, server_requests
 from tests.harnesses.tap import tap
 from tests.harnesses.teach import teach
 
@@ -100,8 +99,7 @@ class HarnessStack:
         self.loaded = model
 
     def engine_requests(self) -> list[dict]:
-        lines = self.engine.log_path.read_text().splitlines()
-        return [json.loads(line.split(" request ", 1)[1]) for line in lines if " request {" in line]
+        return server_requests(self.engine)
 
     def play(self, run: Callable[[str, Path], Any]) -> Played:
         """One harness run in a fresh session: greedy, each reply at most 128 tokens (the session's
@@ -142,16 +140,22 @@ class HarnessStack:
         return self.play(run)
 
 
-@pytest.fixture(scope="session")
-def harness_stack(request, long_model, tmp_path_factory) -> Iterator[HarnessStack]:
-    """One stack for every harness test (each test loads the weights it teaches, and plays fresh sessions)."""
+def start_harness_stack(request, long_model: Path, tmp_path_factory, backend: str) -> Iterator[HarnessStack]:
     pool = ProcessPool(tmp_path_factory.mktemp("harness-logs"))
     failures_before = request.session.testsfailed
-    engine = pool.engine(long_model, "--log-requests", "--random-seed", "0", "--context-length", str(CONTEXT))
+    # SGLang's KV pool must hold one whole context (the launcher's CPU default holds half of it)
+    pool_size = ["--max-total-tokens", str(2 * CONTEXT)] if backend == "sglang" else []
+    engine = pool.logged_server(backend, long_model, "--context-length", str(CONTEXT), *pool_size)
     router = pool.routed(engine)
     proxy = pool.proxy(router.url, long_model, "--proxy-api-key", "admin-key", "--context-length", str(CONTEXT))
     yield HarnessStack(engine, proxy, long_model, tmp_path_factory.mktemp("work"))
     pool.close(request.session.testsfailed > failures_before)
+
+
+@pytest.fixture(scope="session")
+def harness_stack(request, long_model, tmp_path_factory) -> Iterator[HarnessStack]:
+    """One stack for every harness test (each test loads the weights it teaches, and plays fresh sessions)."""
+    yield from start_harness_stack(request, long_model, tmp_path_factory, "embedded")
 
 
 def fresh_repo(work: Path) -> Path:

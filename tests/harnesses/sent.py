@@ -11,7 +11,8 @@ CUSTOM_INPUT = {"type": "object", "properties": {"input": {"type": "string"}}, "
 
 def conversation(request: dict[str, Any]) -> tuple[list[dict], list[dict]]:
     """A request the tap recorded, by the API its path names."""
-    for route, read in (("/messages", messages_api), ("/responses", responses_api), ("/chat/completions", chat_api)):
+    for route, read in (("/messages", messages_api), ("/responses", responses_api), ("/chat/completions", chat_api),
+                        (":streamGenerateContent", gemini_api), (":generateContent", gemini_api)):
         if request["path"].endswith(route):
             return read(request["body"])
     raise AssertionError(f"not a model call: {request['path']}")
@@ -90,4 +91,39 @@ def responses_api(body: dict[str, Any]) -> tuple[list[dict], list[dict]]:
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": text(item["output"])})
         else:
             raise AssertionError(f"an input item this test does not know: {kind}")
+    return messages, tools
+
+
+def gemini_api(body: dict[str, Any]) -> tuple[list[dict], list[dict]]:
+    """A Gemini request as chat messages and tools, read from Google's documented shapes: a model turn's
+    ``functionCall`` parts are its calls, a user turn's ``functionResponse`` parts tool messages (the
+    ``output`` a response holds alone is its text; thought summaries are not part of the conversation).
+    Google's JSON takes the proto (snake_case) field names too, as the Python SDK sends them."""
+    def field(message: dict, name: str) -> Any:
+        return message.get(name, message.get("".join("_" + c.lower() if c.isupper() else c for c in name)))
+
+    system = "".join(p["text"] for p in (field(body, "systemInstruction") or {}).get("parts", []))
+    messages: list[dict] = [{"role": "system", "content": system}] if system else []
+    for content in body["contents"]:
+        texts, calls = [], []
+        for part in content["parts"]:
+            made, answered = field(part, "functionCall"), field(part, "functionResponse")
+            if part.get("thought"):
+                continue
+            if "text" in part:
+                texts.append(part["text"])
+            elif made:
+                calls.append({"id": f"call_{len(calls)}", "type": "function", "function": {
+                    "name": made["name"], "arguments": json.dumps(made.get("args") or {})}})
+            elif answered:
+                response = answered["response"]
+                output = response["output"] if set(response) == {"output"} and isinstance(response["output"], str) \
+                    else json.dumps(response)
+                messages.append({"role": "tool", "tool_call_id": answered["name"], "content": output})
+        if texts or calls:
+            role = "assistant" if content.get("role") == "model" else "user"
+            messages.append({"role": role, "content": "".join(texts), **({"tool_calls": calls} if calls else {})})
+    tools = [{"type": "function", "function": {"name": f["name"], "description": f["description"],
+                                               "parameters": field(f, "parametersJsonSchema") or f["parameters"]}}
+             for t in body.get("tools", []) for f in field(t, "functionDeclarations") or []]
     return messages, tools

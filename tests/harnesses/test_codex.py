@@ -1,13 +1,16 @@
 """OpenAI Codex CLI (``codex exec``, the Responses API) unchanged, pointed at a session by its documented
 settings: a ``model_providers`` entry in ``$CODEX_HOME/config.toml`` with the session's ``base_url``
-and the environment variable that holds the key (``env_key``). It runs in its documented
+and the environment variable that holds the key (``env_key``), and the user's own model name
+(``-m my-policy``), as everyone who trains their own model runs it. It runs in its documented
 unsandboxed mode (``--sandbox danger-full-access``) inside a throw-away directory, since its
 sandbox cannot start in this container, with ``--skip-git-repo-check`` (the directory is no repo).
 
-What it sends by default: "responses lite" (its tools in an ``additional_tools`` input item, in
-namespaces, the main one a freeform ``custom`` tool, ``exec``, that runs JavaScript), ``reasoning``
-with ``context``, ``include: ["reasoning.encrypted_content"]``, ``text.verbosity``,
-``client_metadata``, ``prompt_cache_key``, ``store: false``, streaming, beta headers."""
+What it sends for a model it does not know: its tools in ``tools`` (``exec_command`` and seven more
+functions, a namespace, and the hosted ``web_search``, which no implementation serves here: left out
+of the prompt, with why on the turn), ``reasoning`` with ``context``, ``include:
+["reasoning.encrypted_content"]``, ``client_metadata``, ``prompt_cache_key``, ``store: false``,
+streaming, beta headers. Its default model's "responses lite" (tools in ``additional_tools`` input
+items, a freeform ``exec`` tool) is held token for token in ``tests/rollout/proxy/test_fields.py``."""
 
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from tests.harnesses.conftest import fresh_repo, harness_binary
 
 pytestmark = pytest.mark.slow  # coding-agent harnesses and SDKs, each taught a tiny model: left out of make test-fast
 
-COMMAND = 'text(await tools.exec_command({cmd: "cat notes.txt"}))'
+MODEL = "my-policy"
 
 
 def codex(home: Path):
@@ -35,7 +38,7 @@ def codex(home: Path):
             f'base_url = "{base_url}"\nenv_key = "INVERTED_SESSION_KEY"\nwire_api = "responses"\n')
         env = {"PATH": os.environ["PATH"], "HOME": str(home), "CODEX_HOME": str(home),
                "INVERTED_SESSION_KEY": "sk-inverted"}
-        return subprocess.run([str(harness_binary("codex")), "exec", "--skip-git-repo-check", "--sandbox",
+        return subprocess.run([str(harness_binary("codex")), "exec", "-m", MODEL, "--skip-git-repo-check", "--sandbox",
                                "danger-full-access", "What does notes.txt say?"], cwd=work, env=env,
                               capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     return run
@@ -43,7 +46,7 @@ def codex(home: Path):
 
 def test_codex_runs_an_episode_unchanged_recorded_exactly(harness_stack, tmp_path):
     run = codex(tmp_path / "codex-home")
-    replies = ['<tool_call>\n{"name": "exec", "arguments": ' + json.dumps({"input": COMMAND}) +
+    replies = ['<tool_call>\n{"name": "exec_command", "arguments": ' + json.dumps({"cmd": "cat notes.txt"}) +
                '}\n</tool_call><|im_end|>', "The file says: the answer is 42.<|im_end|>"]
     played = harness_stack.taught_episode(run, replies, tmp_path)
     assert played.done.returncode == 0, (played.done.stdout[-2000:], played.done.stderr[-2000:])
@@ -55,10 +58,13 @@ def test_codex_runs_an_episode_unchanged_recorded_exactly(harness_stack, tmp_pat
     assert said.strip() and said.strip() in played.done.stdout, (said, played.done.stdout[-2000:])
     main = [r for r in played.requests if r["path"].endswith("/v1/responses")]
     first, last = main[0]["body"], main[-1]["body"]
-    assert first["input"][0]["type"] == "additional_tools" and first["stream"] is True
+    assert first["model"] == MODEL and first["stream"] is True
+    hosted = [i for i, tool in enumerate(first["tools"]) if tool["type"] == "web_search"]
+    assert hosted, [tool["type"] for tool in first["tools"]]
     accepted = played.episode.metadata["turns"][0]["accepted"]
-    assert {"reasoning.effort", "include.reasoning.encrypted_content", "tools[].format"} <= set(accepted), accepted
-    # the exec call went back as a custom_tool_call, and its output as a custom_tool_call_output
+    assert {"reasoning.summary", f"tools[{hosted[0]}]"} <= set(accepted), accepted
+    assert "none is configured" in accepted[f"tools[{hosted[0]}]"]
+    # the call went back as a function_call, and its output as a function_call_output
     kinds = [item.get("type") for item in last["input"]]
-    assert "custom_tool_call" in kinds and "custom_tool_call_output" in kinds, kinds
+    assert "function_call" in kinds and "function_call_output" in kinds, kinds
     check_episode(harness_stack, played, main[-1], replies)

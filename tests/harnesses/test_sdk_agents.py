@@ -29,6 +29,7 @@ SDKS = {
     "smolagents": (None, [CALL, '<tool_call>\n{"name": "final_answer", "arguments": {"answer": "It is sunny, 24C '
                             'in Paris."}}\n</tool_call><|im_end|>']),
     "adk": ("adk", [CALL, ANSWER]),
+    "adk_gemini": ("adk", [CALL, ANSWER]),  # ADK's default: a Gemini model, through the Gemini API
     "strands": ("strands", [CALL, ANSWER]),
     "llama_index": ("llama_index", [CALL, ANSWER]),
     "autogen": ("autogen", [CALL, ANSWER]),
@@ -49,7 +50,8 @@ def sdk_agent(sdk: str, home: Path):
 
     def run(base_url: str, work: Path) -> subprocess.CompletedProcess:
         env = {"PATH": os.environ["PATH"], "HOME": str(home), "OPENAI_BASE_URL": base_url,
-               "OPENAI_API_KEY": "sk-inverted", "OTEL_SDK_DISABLED": "true"}
+               "OPENAI_API_KEY": "sk-inverted", "OTEL_SDK_DISABLED": "true",
+               "GOOGLE_GEMINI_BASE_URL": base_url.removesuffix("/v1"), "GOOGLE_API_KEY": "sk-inverted"}
         return subprocess.run([python, str(AGENTS / f"{sdk}_agent.py")], cwd=work, env=env, capture_output=True,
                               text=True, timeout=300, stdin=subprocess.DEVNULL)
     return run
@@ -62,6 +64,6 @@ def test_an_sdks_quick_start_agent_runs_an_episode_unchanged_recorded_exactly(ha
     played = harness_stack.taught_episode(sdk_agent(sdk, home), SDKS[sdk][1], tmp_path)
     assert played.done.returncode == 0, (played.done.stdout[-2000:], played.done.stderr[-3000:])
     assert "sunny, 24C" in played.done.stdout
-    calls = [r for r in played.requests if r["path"].endswith(("/chat/completions", "/responses"))]
+    calls = [r for r in played.requests if r["path"].endswith(("/chat/completions", "/responses", "Content"))]
     check_episode(harness_stack, played, calls[-1], SDKS[sdk][1])
     assert json.dumps(played.episode.metadata["turns"])  # every turn recorded, with what it accepted

@@ -88,6 +88,17 @@ async def test_round_robin_cache_aware_and_worker_registration(tiny_model, tmp_p
                 assert (min(served.values()) >= 4) if spread else (sorted(served.values()) == [0, 16]), (args, served)
 
 
+async def test_each_server_holds_the_kv_cache_the_job_gives_it(tiny_model, tmp_path):
+    """``--max-total-tokens`` (SGLang's flag, a job flag too) bounds every server's KV cache, as its
+    ``/server_info`` says; without it each backend keeps its own default."""
+    cfg = ServersConfig(hf_checkpoint=str(tiny_model("qwen2")), num_engines=1, engine_threads=1, log_dir=str(tmp_path),
+                        context_length=1024, max_total_tokens=3000)
+    async with RolloutServers(cfg) as servers:
+        (url,) = servers.engine_urls
+        async with SGLangClient(url) as client:
+            assert (await client.server_info())["max_total_num_tokens"] == 3000
+
+
 async def test_servers_report_a_dead_engine_with_its_log(tmp_path, tiny_model):
     # A checkpoint whose weights are unreadable: the engine exits, and startup says why.
     broken = tmp_path / "broken"
@@ -109,19 +120,25 @@ async def test_servers_report_a_dead_engine_with_its_log(tmp_path, tiny_model):
 
 
 async def test_the_router_drops_return_routed_experts_so_the_workers_client_calls_the_workers(tiny_model, tmp_path):
-    """sgl-router 0.3.2's typed /generate request has no return_routed_experts: through it no server is
-    asked. ``generate_client`` then gives a ``WorkersClient``: each prompt to one of the router's workers,
-    the same prompt to the same one."""
+    """sgl-router 0.3.2's typed /generate request has no return_routed_experts and no return_sampling_mask:
+    through it no server is asked for either. ``generate_client`` then sends such calls to one of the
+    router's workers (``WorkersClient``; every call, with routed experts), the same prompt to the same
+    one, and the others through the router (``SplitClient``)."""
     from inverted.rollout.servers import ROUTED_EXPERTS_ARGV
-    from inverted.rollout.sglang_client import WorkersClient, generate_client, read_routed_experts
+    from inverted.rollout.sglang_client import (SplitClient, WorkersClient, generate_client, read_routed_experts,
+                                                read_sampling_mask)
 
     cfg = ServersConfig(hf_checkpoint=str(tiny_model("qwen3_moe")), num_engines=2, engine_threads=1, log_dir=str(tmp_path))
     async with RolloutServers(cfg, flags=ROUTED_EXPERTS_ARGV) as servers:
         asked = {**body(0), "return_routed_experts": True}
-        async with generate_client(servers.router_url) as through_router, \
+        masked = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3, "top_k": 4}, "return_sampling_mask": True}
+        async with SGLangClient(servers.router_url) as router, generate_client(servers.router_url) as split, \
                 generate_client(servers.router_url, routed_experts=True) as direct:
-            assert isinstance(through_router, SGLangClient) and isinstance(direct, WorkersClient)
-            assert read_routed_experts(await through_router.generate(asked)) is None
+            assert isinstance(split, SplitClient) and isinstance(direct, WorkersClient)
+            assert read_routed_experts(await router.generate(asked)) is None
+            assert read_sampling_mask(await router.generate(masked)) is None
+            masks, _ = read_sampling_mask(await split.generate(masked))
+            assert len(masks) == 3 and all(len(m) <= 4 for m in masks)
             served = [[requests_served(url) for url in servers.engine_urls]]
             for _ in range(2):  # the same 8 prompts twice: each goes where it went the first time
                 outs = await asyncio.gather(*(direct.generate({**body(i), "return_routed_experts": True})

@@ -29,6 +29,17 @@ reply = anthropic.Anthropic().messages.create(model="any", max_tokens=4,
 assert reply.stop_reason == "max_tokens" and reply.usage.output_tokens == 4
 open(os.environ["INVERTED_REWARD_FILE"], "w").write(str(len(reply.content[0].text) if reply.content else 0))
 """,
+    "gemini": """
+import json, os, urllib.request  # Google's REST shape, as its SDKs send it, with the variables they read
+body = {"contents": [{"role": "user", "parts": [{"text": "Name a color."}]}]}
+request = urllib.request.Request(os.environ["GOOGLE_GEMINI_BASE_URL"] + "/v1beta/models/gemini-2.5-flash:generateContent",
+                                 data=json.dumps(body).encode(), headers={"x-goog-api-key": os.environ["GEMINI_API_KEY"],
+                                                                          "content-type": "application/json"})
+reply = json.load(urllib.request.urlopen(request))
+assert reply["usageMetadata"]["candidatesTokenCount"] == 4 and os.environ["GOOGLE_API_KEY"] == os.environ["GEMINI_API_KEY"]
+text = "".join(part.get("text", "") for part in reply["candidates"][0]["content"]["parts"])
+open(os.environ["INVERTED_REWARD_FILE"], "w").write(str(len(text)))
+""",
 }
 
 

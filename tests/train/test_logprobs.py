@@ -9,26 +9,58 @@ import torch
 import transformers
 
 from inverted.config import TrainConfig, from_flags
+from inverted.train.packing import KeptSets
 from inverted.train.parallel import spawn
 from tests.train.samples import make_samples
 from tests.train.workers import head_paths, heads_and_steps
 
 
+def kept_sets(targets: torch.Tensor, vocab: int) -> KeptSets:
+    """Kept sets for 37 rows as a sampler leaves them: none on every third row (sampled whole), else each
+    row's target with up to 30 other ids, spread over both halves of the vocabulary (both TP ranks)."""
+    g = torch.Generator().manual_seed(1)
+    ids, offsets = [], [0]
+    for row, target in enumerate(targets.tolist()):
+        if row % 3:
+            others = torch.randperm(vocab, generator=g)[:int(torch.randint(0, 31, (1,), generator=g))].tolist()
+            ids += [target] + [t for t in others if t != target]
+        offsets.append(len(ids))
+    return KeptSets(torch.tensor(offsets), torch.tensor(ids))
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["whole", "kept_sets"])
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])  # two ranks: slow
-def test_fused_head_equals_the_logits_path_and_an_exact_recomputation(tp, tiny_model, tmp_path):
+def test_fused_head_equals_the_logits_path_and_an_exact_recomputation(tp, masked, tiny_model, tmp_path):
     """37 tokens in chunks of 8 (the last one short), each TP rank holding half the vocabulary: log-probs,
     entropies and the gradients of hidden states and weight equal fp64's; the log-probs and entropies equal
-    the logits path's within 1e-6, and the gradients (the same derivatives, written out) within fp32's rounding."""
+    the logits path's within 1e-6, and the gradients (the same derivatives, written out) within fp32's rounding.
+    With kept sets (sampling masks) every row that has one is a softmax over it alone, in fp64 too, and
+    the whole vocabulary's log-probs come beside."""
     cfg = from_flags(TrainConfig, hf_checkpoint=str(tiny_model("qwen2")), tensor_model_parallel_size=tp,
                      actor_num_gpus_per_node=tp)
-    spawn(head_paths, tp, cfg, str(tmp_path / "heads.pt"))
+    inputs = torch.Generator().manual_seed(0)  # head_paths' own draws, for the targets the sets must hold
+    torch.randn(37, 16, generator=inputs), torch.randn(96, 16, generator=inputs)
+    kept = kept_sets(torch.randint(0, 96, (37,), generator=inputs), 96) if masked else None
+    spawn(head_paths, tp, cfg, str(tmp_path / "heads.pt"), kept)
     results = torch.load(tmp_path / "heads.pt")
     hidden, weight, targets, upstream = (t.double() if t.is_floating_point() else t for t in results["inputs"])
     hidden.requires_grad_(), weight.requires_grad_()
-    logp_all = torch.log_softmax(hidden @ weight.t() / 0.7, dim=-1)
+    logits = hidden @ weight.t() / 0.7
+    whole = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+    if kept is not None:
+        keep = kept.mask(slice(0, 37), 0, 96, "cpu")
+        assert keep[torch.arange(37), targets].all() and not keep.all()
+        logits = logits.masked_fill(~keep, -1e4)  # exp() of it is exactly 0 in fp64, and no gradient flows there
+    logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     (logp * upstream[0] + entropy * upstream[1]).sum().backward()
+    for path in ("fused", "logits"):
+        if kept is None:
+            assert results[f"{path}_unmasked"] is None
+        else:
+            torch.testing.assert_close(results[f"{path}_unmasked"].double(), whole.detach(), rtol=1e-5, atol=1e-5)
+            assert (logp.detach() - whole.detach()).abs().max() > 0.1  # the sets matter
     exact = (logp.detach(), entropy.detach(), hidden.grad, weight.grad)
     names = ("log-probs", "entropies", "hidden states' gradient", "weight's gradient")
     for path in ("fused", "logits"):

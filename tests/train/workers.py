@@ -253,10 +253,11 @@ def check_same_training(one: dict, many: dict, checkpoint, out, metrics: tuple[s
         assert torch.equal(exported[name], tensor), name
 
 
-def head_paths(cfg: TrainConfig, out: str) -> None:
+def head_paths(cfg: TrainConfig, out: str, kept=None) -> None:
     """Log-probs, entropies and their gradients (a random upstream gradient of each) at temperature 0.7
     through the fused head (chunks of 8 tokens) and through the logits path, on this rank's vocabulary
-    slice of one random output layer; the weight's gradient gathered over TP. What rank 0 sees."""
+    slice of one random output layer; the weight's gradient gathered over TP. ``kept``: the rows' kept
+    sets (``KeptSets``), replayed by both; each path's whole-vocabulary log-probs beside. What rank 0 sees."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
@@ -273,12 +274,14 @@ def head_paths(cfg: TrainConfig, out: str) -> None:
         for path in ("fused", "logits"):
             h, w = hidden.clone().requires_grad_(), weight.chunk(size)[rank].clone().requires_grad_()
             shared = copy_to_tensor_model_parallel_region(h, group=group)
-            logp, entropy = (fused_logprobs_and_entropy(shared, w, targets, 0.7, chunk=8) if path == "fused"
-                             else token_logprobs_and_entropy(shared @ w.t(), targets, 0.7))
-            (logp * upstream[0] + entropy * upstream[1]).sum().backward()
+            keep = kept.mask(slice(0, 37), rank * len(w), len(w), "cpu") if kept is not None else None
+            head = (fused_logprobs_and_entropy(shared, w, targets, 0.7, chunk=8, kept=kept) if path == "fused"
+                    else token_logprobs_and_entropy(shared @ w.t(), targets, 0.7, keep=keep))
+            (head.logprobs * upstream[0] + head.entropy * upstream[1]).sum().backward()
             parts = [torch.empty_like(w.grad) for _ in range(size)]
             torch.distributed.all_gather(parts, w.grad.contiguous(), group=group)
-            results[path] = (logp.detach(), entropy.detach(), h.grad, torch.cat(parts))
+            results[path] = (head.logprobs.detach(), head.entropy.detach(), h.grad, torch.cat(parts))
+            results[f"{path}_unmasked"] = head.unmasked
         if torch.distributed.get_rank() == 0:
             torch.save(results, out)
 

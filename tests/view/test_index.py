@@ -222,3 +222,21 @@ def test_routed_experts_are_shown_per_token_when_the_model_has_them(run):
     index.experts_shape = (2, 3)
     got = index.trajectory(sample.group_index, sample.index, 0)
     assert got["routed_experts"] == routes.tolist()
+
+
+def test_each_tokens_kept_set_size_is_shown_when_recorded(run):
+    """A Sample sampled under top-p carries each token's kept set (``rollout_top_p_token_ids``/``offsets``):
+    the trajectory gives each response token its set's size (0 where none was recorded)."""
+    path, written, index = run
+    sample = next(s for s in written.samples if not s.metadata)
+    sizes = [(i * 7) % 5 for i in range(sample.response_length)]
+    offsets = [0, *np.cumsum(sizes).tolist()]
+    assert index.trajectory(sample.group_index, sample.index, 0)["kept_set_sizes"] is None
+    store = SQLiteStore(str(path / "buffer.db"), n_samples_per_prompt=N)
+    with store._tx() as db:  # as the proxy would have recorded it (a test of the reader, not the writer)
+        data = dict(sample.to_json(), rollout_top_p_token_ids=list(range(offsets[-1])),
+                    rollout_top_p_token_offsets=offsets)
+        db.execute("UPDATE samples SET sample = ? WHERE group_index = ? AND sample_index = ?",
+                   (orjson.dumps(data), sample.group_index, sample.index))
+    store.close()
+    assert index.trajectory(sample.group_index, sample.index, 0)["kept_set_sizes"] == sizes

@@ -23,7 +23,9 @@ names the policy's adapter (``lora_path``). With ``routes_from`` (a MoE policy t
 routing replay) each call asks for ``return_routed_experts`` from that position on
 (``routed_experts_start_len``: what earlier turns recorded is not sent again); the last call's
 answer covers the rest of the prompt and every token sampled so far, resumed calls included, and
-is kept as ``routes``.
+is kept as ``routes``. With ``mask_top_k`` a call whose sampling truncates (top-p, top-k, min-p) asks
+for each token's sampling mask (``sglang_client.with_sampling_mask``): every sampled token then
+keeps the set it was drawn from (``kept``) and, as its logprob, the one renormalised over that set.
 
 ``scripted_turn`` answers a scripted session's call (``Session.script``) with its given reply
 instead: the same state, as a server would have ended it, with no server involved.
@@ -38,8 +40,9 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from inverted.errors import ServiceUnavailable
-from inverted.rollout.sglang_client import (SGLangClient, WorkersClient, read_cached_tokens, read_output,
-                                            read_routed_experts, read_unconstrained_logprobs)
+from inverted.rollout.sglang_client import (GenerateClient, read_cached_tokens, read_output,
+                                            read_routed_experts, read_sampling_mask, read_unconstrained_logprobs,
+                                            with_sampling_mask)
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +60,7 @@ class Sampled:
     routes: str | None = None  # the routed experts of prompt[routes_from:] + ids (read_routed_experts), when asked for
     # per token: its logprob before a grammar's mask, where the server reports one (constrained calls), else None
     unconstrained: list[float | None] = field(default_factory=list)
+    kept: list[list[int]] = field(default_factory=list)  # per token: the set it was sampled from ([]: whole vocabulary)
     cached_tokens: int = 0  # prompt tokens the server reused from its prefix cache (the call's first try)
     resumes: int = 0
     retries: int = 0
@@ -67,14 +71,14 @@ class Sampled:
         return (self.finish or {}).get("type", "")
 
 
-async def sample_turn(client: SGLangClient | WorkersClient, prompt_ids: list[int], sampling: dict[str, Any], *,
+async def sample_turn(client: GenerateClient, prompt_ids: list[int], sampling: dict[str, Any], *,
                       stream: bool, partial_rollout: bool, max_resumes: int, top_logprobs: int = 0,
                       lora_path: str | None = None, routes_from: int | None = None,
-                      server_loss_wait: float = 0.0) -> AsyncIterator[Sampled]:
+                      server_loss_wait: float = 0.0, mask_top_k: int = 0) -> AsyncIterator[Sampled]:
     """Yield the turn's state as it grows; the last state yielded has ``finish`` set. ``lora_path``: the
     LoRA adapter to sample from (None: the base model); ``routes_from``: ask for the routed experts of
     the tokens from this position on (None: not at all); ``server_loss_wait``: seconds to go on trying
-    after the servers fail the call."""
+    after the servers fail the call; ``mask_top_k``: ask for sampling masks (0: never)."""
     state = Sampled()
     budget = sampling["max_new_tokens"]
     aborts = 0
@@ -90,6 +94,7 @@ async def sample_turn(client: SGLangClient | WorkersClient, prompt_ids: list[int
             payload["lora_path"] = lora_path
         if routes_from is not None:
             payload |= {"return_routed_experts": True, "routed_experts_start_len": routes_from}
+        payload = with_sampling_mask(payload, mask_top_k)
         kept = len(state.ids)
         if stream:
             chunks = client.generate_stream(payload)
@@ -98,7 +103,11 @@ async def sample_turn(client: SGLangClient | WorkersClient, prompt_ids: list[int
         try:
             async for body in chunks:
                 ids, logprobs, versions, tops, finish = read_output(body, client.base_url)
-                del state.ids[kept:], state.logprobs[kept:], state.versions[kept:], state.tops[kept:]
+                masks = read_sampling_mask(body, client.base_url) if payload.get("return_sampling_mask") else None
+                if masks is not None:  # each token's probability within the set it was drawn from
+                    logprobs = masks[1]
+                del state.ids[kept:], state.logprobs[kept:], state.versions[kept:], state.tops[kept:], state.kept[kept:]
+                state.kept += masks[0] if masks is not None else [[] for _ in ids]
                 state.ids += ids
                 state.logprobs += logprobs
                 state.versions += versions
@@ -140,7 +149,7 @@ async def sample_turn(client: SGLangClient | WorkersClient, prompt_ids: list[int
                 return
         else:
             state.retries += 1
-            del state.ids[:], state.logprobs[:], state.versions[:], state.tops[:], state.unconstrained[:]
+            del state.ids[:], state.logprobs[:], state.versions[:], state.tops[:], state.unconstrained[:], state.kept[:]
         state.finish = None
 
 
@@ -150,7 +159,7 @@ async def scripted_turn(ids: list[int], budget: int) -> AsyncIterator[Sampled]:
     kept = ids[:budget]
     finish = {"type": "stop", "matched": kept[-1]} if len(ids) <= budget else {"type": "length", "length": budget}
     yield Sampled(ids=list(kept), logprobs=[0.0] * len(kept), versions=[SCRIPT_VERSION] * len(kept), finish=finish,
-                  unconstrained=[None] * len(kept))
+                  unconstrained=[None] * len(kept), kept=[[] for _ in kept])
 
 
 async def _single(call) -> AsyncIterator[Any]:

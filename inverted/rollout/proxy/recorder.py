@@ -18,6 +18,7 @@ No FastAPI here, nor any API's shapes: ``service`` owns HTTP, ``apis`` the shape
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from contextlib import aclosing
@@ -31,10 +32,12 @@ from inverted.errors import InvalidRequest
 from inverted.limits import cannot_fit, max_token_chars
 from inverted.rollout.chat import ChatRenderer, Message, ParsedReply, TemplateBreak, ToolParser, tools_key
 from inverted.rollout.proxy.apis import call
-from inverted.rollout.proxy.apis.call import MAX_TOKENS_REASON, Answer, CallRequest, Delta, Event, Output, TokenLogprob
+from inverted.rollout.proxy import hosted
+from inverted.rollout.proxy.apis.call import (MAX_TOKENS_REASON, Answer, CallRequest, Delta, Event, Hosted, Output,
+                                              TokenLogprob)
 from inverted.rollout.proxy.generation import Sampled, sample_turn, scripted_turn
 from inverted.rollout.proxy.session import Branch, History, Placement, Session, Sessions, Turn, history_size
-from inverted.rollout.sglang_client import SGLangClient, WorkersClient
+from inverted.rollout.sglang_client import GenerateClient
 
 
 class ProxyMetrics:
@@ -82,7 +85,7 @@ class Choice:
 
 
 class Recorder:
-    def __init__(self, config: ProxyConfig, tokenizer: Any, client: SGLangClient | WorkersClient, parser: ToolParser,
+    def __init__(self, config: ProxyConfig, tokenizer: Any, client: GenerateClient, parser: ToolParser,
                  context_length: int, model_name: str):
         self.config = config
         self.tokenizer = tokenizer
@@ -92,9 +95,22 @@ class Recorder:
         self.parser = parser
         self.context_length = context_length
         self.model_name = model_name
+        self.hosted = hosted.HostedTools(config.proxy_hosted_tools)
         self.sessions = Sessions(idle_timeout=config.proxy_session_timeout, retention=config.proxy_retention,
                                  max_turns=config.proxy_max_turns, max_sessions=config.proxy_max_sessions)
         self.metrics = ProxyMetrics(self.sessions)
+
+    def offer(self, req: CallRequest) -> None:
+        """Show the model each hosted tool the request declared that an implementation serves; note why
+        the others are left out (``hosted.offered``)."""
+        if not req.hosted:
+            return
+        req.tools = hosted.offered(req.tools or [], req.hosted, req.hosted_names, req.accepted,
+                                   self.hosted.kinds) or None
+        req.parse_tools = req.parse_tools and bool(req.tools)
+        if req.hosted_names and req.n > 1:
+            raise InvalidRequest("hosted tools run inside the call, one reply at a time: n must be 1 with "
+                                 f"{sorted(set(req.hosted_names.values()))}", param="n", code="unsupported_parameter")
 
     def _adapter(self, model: str | None) -> str | None:
         """The LoRA adapter a call samples from: SGLang's ``model: "base:adapter"`` (``base`` being the
@@ -129,11 +145,12 @@ class Recorder:
         asked of a template without one has its field accepted, with the reason."""
         if req.thinking is None:
             return None
-        param, on = req.thinking
+        params, on = req.thinking
         if self.renderer.thinking_switch:
             return on
-        req.accepted[param] = ("the chat template has no thinking mode: the model answers as it does at effort "
-                               "'none'" + ("" if on else ", which is what was asked"))
+        for param in params:
+            req.accepted[param] = ("the chat template has no thinking mode: the model answers as it does at "
+                                   "effort 'none'" + ("" if on else ", which is what was asked"))
         return None
 
     def _check_length(self, req: CallRequest, placement: Placement | None = None) -> None:
@@ -153,7 +170,7 @@ class Recorder:
             chars = sum(len(m.content) + len(m.name or "") + sum(len(c.name) + len(c.arguments) for c in m.tool_calls)
                         for m in req.messages[skip:])
             chars += 0 if skip else sum(len(json.dumps(tool, separators=(",", ":"))) for tool in req.tools or [])
-        room = self.context_length - held - (1 if req.clamp_max_tokens else req.max_tokens or 1)
+        room = self.context_length - held - 1  # a longer max_tokens is cut to what is left (_check_context)
         if cannot_fit(chars, room, self.max_token_chars):
             after = f" after the {held} tokens of the session's history" if held else ""
             raise InvalidRequest(
@@ -229,17 +246,19 @@ class Recorder:
         return forced(req.force_call)
 
     def _check_context(self, prompt_len: int, req: CallRequest) -> None:
+        """One rule in every API: a reply limit past the context left is cut to what is left, and the
+        turn says so (harnesses ask for 32,000 or 128,000 tokens of a model they do not know); a
+        prompt that leaves no room for one token is refused with the API's context error."""
         limit = self.context_length
-        wanted = req.max_tokens or 1
-        if req.clamp_max_tokens and prompt_len < limit < prompt_len + wanted:
-            req.max_tokens = limit - prompt_len
-            req.accepted["max_tokens"] = f"{MAX_TOKENS_REASON} ({req.max_tokens} tokens)"
-            return
-        if prompt_len + wanted > limit:
+        if prompt_len >= limit:
             raise InvalidRequest(
-                f"This model's maximum context length is {limit} tokens. However, you requested {prompt_len + wanted} "
-                f"tokens ({prompt_len} in the messages, {wanted} in the completion). Please reduce the length of the "
+                f"This model's maximum context length is {limit} tokens. However, you requested {prompt_len + 1} "
+                f"tokens ({prompt_len} in the messages, 1 in the completion). Please reduce the length of the "
                 "messages or completion.", param="messages", code="context_length_exceeded")
+        if req.max_tokens is not None and prompt_len + req.max_tokens > limit:
+            req.accepted[req.max_tokens_field] = (f"{MAX_TOKENS_REASON} ({limit - prompt_len} of the "
+                                                  f"{req.max_tokens} tokens asked)")
+            req.max_tokens = limit - prompt_len
 
     async def count(self, req: CallRequest) -> int:
         """The prompt tokens a call would start a new branch with (its template render), recording nothing."""
@@ -269,6 +288,42 @@ class Recorder:
         return answer
 
     async def _complete(self, session: Session, req: CallRequest) -> Answer:
+        """The call's reply, after every round of hosted calls it made."""
+        answer = await self._round(session, req)
+        rounds: list[hosted.Round] = []
+        while (after := await self._run_hosted(session, req, answer.outputs[0], rounds)) is not None:
+            req = after
+            answer.outputs = (await self._round(session, req)).outputs
+        answer.outputs[0].rounds = rounds
+        if req.on_recorded is not None:
+            req.on_recorded(answer)
+        return answer
+
+    async def _run_hosted(self, session: Session, req: CallRequest, output: Output,
+                          rounds: list[hosted.Round]) -> CallRequest | None:
+        """Run the hosted calls of a reply; the request to sample next, or None when the reply is the answer:
+        it made no hosted call, it also called the agent's own tools (they go back together), the call's
+        limit of hosted calls or of tokens is reached."""
+        names = req.hosted_names
+        calls = [c for c in output.reply.tool_calls if c.name in names]
+        if not calls:
+            return None
+        ids = tuple(c.id for c in output.reply.tool_calls)
+        limit = hosted.MAX_CALLS if req.hosted_limit is None else req.hosted_limit
+        room = limit - sum(len(r.hosted) for r in rounds)
+        over = f"this response's limit of {limit} hosted tool calls is reached"
+        ran = [*await asyncio.gather(*(self.hosted.run(names[c.name], c, ids) for c in calls[:max(room, 0)])),
+               *(hosted.failed(names[c.name], c, ids, over) for c in calls[max(room, 0):])]
+        output.hosted = {h.call.id: h for h in ran}
+        session.hosted.update(output.hosted)
+        left = None if req.max_tokens is None else req.max_tokens - output.tokens
+        if len(calls) < len(output.reply.tool_calls) or len(calls) > room or left == 0:
+            return None
+        rounds.append(hosted.Round(output.reply, output.hosted, output.tokens))
+        return dataclasses.replace(req, messages=hosted.follow_up(req.messages, output.reply, ran), force_call=None,
+                                   max_tokens=left, on_recorded=None)
+
+    async def _round(self, session: Session, req: CallRequest) -> Answer:
         started = time.monotonic()
         choices = await self._start(session, req)
         answer = Answer(model=req.model or self.model_name, prompt_tokens=choices[0].prompt_len)
@@ -294,7 +349,37 @@ class Recorder:
 
     async def stream(self, session: Session, req: CallRequest) -> AsyncIterator[Event]:
         """The ``Answer`` once the call is placed, then each choice's ``Delta``s as tokens arrive
-        (choices interleaved) and its ``Output`` as it ends; the call is recorded before the end."""
+        (choices interleaved) and its ``Output`` as it ends; the call is recorded before the end.
+        A reply whose hosted calls ran is a ``Hosted`` event, and the next reply's events follow."""
+        opened: Answer | None = None
+        rounds: list[hosted.Round] = []
+        while True:
+            held: Output | None = None
+            async with aclosing(self._stream_round(session, req)) as events:
+                async for event in events:
+                    if isinstance(event, Answer):
+                        if opened is None:
+                            opened = event
+                            yield event
+                    elif isinstance(event, Output) and req.hosted_names:
+                        held = event  # the call's answer only once its hosted calls are known
+                    else:
+                        yield event
+            if held is None:
+                break
+            after = await self._run_hosted(session, req, held, rounds)
+            if after is None:
+                held.rounds = rounds
+                opened.outputs = [held]
+                yield held
+                break
+            yield Hosted(held.index, rounds[-1])
+            req = after
+        if req.on_recorded is not None:
+            req.on_recorded(opened)
+
+    async def _stream_round(self, session: Session, req: CallRequest) -> AsyncIterator[Event]:
+        """One reply's events (``stream`` without hosted rounds)."""
         started = time.monotonic()
         choices = await self._start(session, req)
         answer = Answer(model=req.model or self.model_name, prompt_tokens=choices[0].prompt_len)
@@ -359,7 +444,8 @@ class Recorder:
                                   # a constrained call resumed would restart its grammar: sampled again
                                   partial_rollout=self.config.partial_rollout and not constrained,
                                   max_resumes=self.config.proxy_max_resumes, top_logprobs=req.top_logprobs,
-                                  routes_from=routes_from, server_loss_wait=self.config.proxy_server_loss_wait)
+                                  routes_from=routes_from, server_loss_wait=self.config.proxy_server_loss_wait,
+                                  mask_top_k=self.config.sampling_mask_top_k)
         async for state in replies:
             choice.state = state
             yield state
@@ -377,7 +463,10 @@ class Recorder:
                            history=self._history_after(req, choice.incoming, reply), finish_reason=finish,
                            sampling_params=sampling, created=created, latency_s=time.time() - created,
                            resumes=state.resumes, routes=state.routes, constrained=how, accepted=dict(req.accepted),
-                           model=req.model, cached_tokens=state.cached_tokens, forced=choice.forced)
+                           model=req.model, cached_tokens=state.cached_tokens, forced=choice.forced,
+                           # under a grammar the recorded logprob is not the kept set's (but the policy's or
+                           # none), unless the grammar's own distribution is what is recorded
+                           kept=state.kept if any(state.kept) and how in (None, "constrained") else None)
 
     def _settle(self, session: Session, req: CallRequest, answer: Answer, choices: list[Choice],
                 succeeded: bool) -> None:
@@ -391,8 +480,6 @@ class Recorder:
                 self.metrics.completion_tokens.inc(turn.end - turn.start)
                 self.metrics.resumes.inc(choice.state.resumes)
                 self.metrics.retries.inc(choice.state.retries)
-        if succeeded and req.on_recorded is not None:
-            req.on_recorded(answer)
 
     async def _stream_choice(self, req: CallRequest, choice: Choice) -> AsyncIterator[Delta | Output]:
         """One choice's visible text as it grows (tool-call text held back), the rest of its content, its Output."""

@@ -132,7 +132,7 @@ def _session(request: Request, session_id: str, *, admin: bool) -> Session:
     """The session named in the path, if the caller may use it (see the module docstring)."""
     recorder: Recorder = request.app.state.recorder
     session = recorder.sessions.get(session_id)
-    given = presented_key(request)
+    given = presented_key(request, google=True)
     key = request.app.state.config.proxy_api_key
     authorized = key_matches(given, session.token) or key_matches(given, key)
     if given and not authorized and recorder.sessions.by_token.get(given) is not None:
@@ -144,7 +144,7 @@ def _session(request: Request, session_id: str, *, admin: bool) -> Session:
 
 
 def _token_session(request: Request) -> Session:
-    session = request.app.state.recorder.sessions.by_token.get(presented_key(request) or "")
+    session = request.app.state.recorder.sessions.by_token.get(presented_key(request, google=True) or "")
     if session is None:
         raise Unauthorized("Incorrect API key provided: use the token of a live session (POST /sessions)")
     return session
@@ -226,6 +226,11 @@ async def _call(request: Request, session: Session, api: apis.Api) -> Response:
     recorder: Recorder = request.app.state.recorder
     body, raw = await _json(request)
     req = api.parse(body, session)
+    req.model = request.path_params.get("model", req.model)  # Gemini names it in the path
+    if req.stream and api.prefix == "/v1beta" and request.query_params.get("alt") != "sse":
+        raise InvalidRequest("streamGenerateContent is served as server-sent events only: add ?alt=sse",
+                             param="alt")
+    recorder.offer(req)
     call.apply_overrides(req, session.overrides)
     if req.stream:
         events = api.events(req, recorder.stream(session, req))
@@ -242,7 +247,9 @@ async def _count(request: Request, session: Session, api: apis.Api) -> Response:
     """How many tokens a request's prompt renders to, as its API answers a count (nothing is recorded)."""
     parse, answer = api.count
     body, _ = await _json(request)
-    return JSONResponse(answer(await request.app.state.recorder.count(parse(body))))
+    req = parse(body)
+    request.app.state.recorder.offer(req)
+    return JSONResponse(answer(await request.app.state.recorder.count(req)))
 
 
 async def _prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
@@ -320,7 +327,7 @@ def _answer_error(request: Request, failure: Failure) -> JSONResponse:
 def _caller_session(request: Request) -> Session | None:
     """The session whose own token came with the request (in the path's session, or as the bearer)."""
     sessions = request.app.state.recorder.sessions
-    given = presented_key(request) or ""
+    given = presented_key(request, google=True) or ""
     named = SESSION_PATH.match(request.url.path)
     session = sessions.by_token.get(given) if given else None
     if named is not None:
@@ -413,12 +420,13 @@ def _add_api_routes(app: FastAPI) -> None:
     with the session's token as the key."""
     for api in apis.APIS:
         in_session, with_token = _endpoints(api, _call)
-        app.add_api_route("/sessions/{session_id}/v1" + api.route, in_session, methods=["POST"])
-        app.add_api_route("/v1" + api.route, with_token, methods=["POST"])
+        app.add_api_route("/sessions/{session_id}" + api.prefix + api.route, in_session, methods=["POST"])
+        app.add_api_route(api.prefix + api.route, with_token, methods=["POST"])
         if api.count is not None:
+            route = api.prefix + (api.count_route or api.route + "/count_tokens")
             in_session, with_token = _endpoints(api, _count)
-            app.add_api_route("/sessions/{session_id}/v1" + api.route + "/count_tokens", in_session, methods=["POST"])
-            app.add_api_route("/v1" + api.route + "/count_tokens", with_token, methods=["POST"])
+            app.add_api_route("/sessions/{session_id}" + route, in_session, methods=["POST"])
+            app.add_api_route(route, with_token, methods=["POST"])
 
     @app.get("/sessions/{session_id}/v1/models")
     async def session_models(session_id: str, request: Request, recorder: RecorderDep) -> dict[str, Any]:

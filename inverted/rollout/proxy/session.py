@@ -24,13 +24,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import json
 import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from inverted.errors import InvalidRequest
-from inverted.rollout.chat import ParsedMessages
+from inverted.rollout.chat import ParsedMessages, tools_key
 from inverted.rollout.proxy import rewrites
 from inverted.types import Reward, Sample, decode_routed_experts, encode_routed_experts
 
@@ -45,6 +46,23 @@ def extends(history: History, incoming: History) -> bool:
     if tools != incoming[0] or len(incoming[1]) < len(messages):
         return False
     return incoming[1][: len(messages)] == messages or all(map(rewrites.same, messages, incoming[1]))
+
+
+def lineage_key(prompt: Any) -> str | None:
+    """What names a branch's lineage: the agent prompt it opened with (its first system or developer
+    message), else its first user message; a text prompt has none (one lineage)."""
+    if not isinstance(prompt, list):
+        return None
+    for roles in (("system", "developer"), ("user",)):
+        first = next((m for m in prompt if isinstance(m, dict) and m.get("role") in roles), None)
+        if first is not None:
+            return json.dumps(first.get("content"), sort_keys=True)
+    return None
+
+
+def offers_tools(history: History) -> bool:
+    """Whether a chat call's history was offered tools (its tools key names any)."""
+    return isinstance(history, tuple) and history[0] != tools_key(None)
 
 
 def history_size(history: History) -> int:
@@ -81,6 +99,7 @@ class Turn:
     model: str | None = None  # the model name the call asked for (any is served)
     cached_tokens: int = 0  # of the prompt, served from the server's prefix cache
     forced: str = ""  # the call's opening the proxy wrote before the reply (tool_choice), ending the prompt
+    kept: list[list[int]] | None = None  # each sampled token's kept set (sampling masks), when the call had them
 
     def record(self) -> dict[str, Any]:
         record = {"prompt_tokens": self.start, "completion_tokens": self.end - self.start, "start": self.start,
@@ -89,6 +108,22 @@ class Turn:
                   "model": self.model, "cached_tokens": self.cached_tokens}
         return record | ({"constrained": self.constrained} if self.constrained else {}) | \
             ({"accepted": self.accepted} if self.accepted else {}) | ({"forced": self.forced} if self.forced else {})
+
+
+def kept_sets(turns: list[Turn], start: int, end: int) -> dict[str, list[int]]:
+    """The Sample's ``rollout_top_p_token_ids`` and ``..._offsets`` for tokens[start:end]: each sampled
+    token's kept set from its turn, an empty range for the rest; nothing where no turn recorded any."""
+    if not any(turn.kept for turn in turns):
+        return {}
+    ids, offsets, position = [], [0], start
+    for turn in turns:
+        offsets += [offsets[-1]] * (turn.start - position)  # glue and tool output before the turn
+        for kept in turn.kept or [[] for _ in range(turn.start, turn.end)]:
+            ids += kept
+            offsets.append(len(ids))
+        position = turn.end
+    offsets += [offsets[-1]] * (end - position)
+    return {"rollout_top_p_token_ids": ids, "rollout_top_p_token_offsets": offsets}
 
 
 @dataclass(slots=True, eq=False)  # identity, not value: two branches may hold the same tokens
@@ -140,7 +175,8 @@ class Branch:
                       rollout_log_probs=self.logprobs[start:end], weight_versions=versions, reward=base.reward,
                       status=status, label=base.label, session_id=base.session_id,
                       metadata={**base.metadata, "turns": [t.record() for t in self.turns]},
-                      rollout_routed_experts=joined_routes([t.routes for t in self.turns]))
+                      rollout_routed_experts=joined_routes([t.routes for t in self.turns]),
+                      **kept_sets(self.turns, start, end))
 
 
 @dataclass(slots=True)
@@ -182,6 +218,7 @@ class Session:
         self.turns = 0
         self.replays: dict[str, Any] = {}
         self.stored: dict[str, Any] = {}  # what an API keeps for later calls (Responses' previous_response_id)
+        self.hosted: dict[str, Any] = {}  # hosted tool calls the proxy ran, by call id (``hosted.HostedCall``)
         self.parsed = ParsedMessages()  # the chat messages it sent last, so that the next call parses only its new ones
         self.refused: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_REFUSALS)  # its latest 4xx
         self.opening = asyncio.Lock()  # one call of this session at a time finds its place and tokenizes
@@ -270,23 +307,45 @@ class Session:
         counts = collections.Counter(names)
         return max(dict.fromkeys(names), key=lambda name: counts[name], default=None)
 
+    def lineages(self) -> dict[int, tuple[str, int | None]]:
+        """Each recorded branch's lineage and parent: ``main``, the agent's own trajectory; ``subagent``, a
+        call of the main model under another agent prompt (Qwen Code's memory extraction subagent, a
+        coding agent's task subagent); ``side``, a call that named another model (a title, a quota
+        probe, a second model). A branch is of the main lineage when its model is the main one and it
+        opens (``lineage_key``: its agent prompt) as the session's first main-model branch that was
+        offered tools did, else as its first main-model branch: an agent's loop runs with its tools,
+        while a title written by the same model first (opencode's) is asked without them. The parent
+        of the others is the main branch most recently sampled before their first call."""
+        main = self.main_model()
+        recorded = [(i, b) for i, b in enumerate(self.branches) if b.turns]
+        roots = [b for _, b in recorded if b.turns[0].model == main]
+        agents = [b for b in roots if offers_tools(b.turns[0].history)]
+        root = lineage_key((agents or roots)[0].prompt) if roots else None
+        kinds = {i: "main" if b.turns[0].model == main and lineage_key(b.prompt) == root else
+                 "subagent" if b.turns[0].model == main else "side" for i, b in recorded}
+        found: dict[int, tuple[str, int | None]] = {}
+        for i, branch in recorded:
+            before = [(t.created, j) for j, b in recorded if kinds[j] == "main" and j != i for t in b.turns
+                      if t.created <= branch.turns[0].created]
+            found[i] = (kinds[i], None if kinds[i] == "main" or not before else max(before)[1])
+        return found
+
     def build_samples(self) -> list[Sample]:
         """One validated Sample per branch with at least one recorded turn, each whole: the template's
         fields, the recorded tokens, ``metadata.branch`` of ``metadata.branches``, the ``model`` its
-        calls named, and ``side_call``: a branch whose calls named another model than the session's
-        main one (a harness's title, quota probe or second model), which the episode's Sample skips
-        (``Sessions.episode``)."""
+        calls named, its ``lineage`` (``lineages``) with its ``parent`` branch, and ``side_call``: not of
+        the main lineage, which the episode's Sample skips (``Sessions.episode``)."""
         meta = {**self.template.metadata, **self.metadata, "expired": self.expired}
         truncated = self.finished_by_agent is False or self.expired
         base = dataclasses.replace(self.template, reward=self.reward, session_id=self.id,
                                    status=Sample.Status.TRUNCATED if truncated else Sample.Status.COMPLETED)
         recorded = [(i, branch) for i, branch in enumerate(self.branches) if branch.turns]
-        main = self.main_model()
+        lineages = self.lineages()
         samples = []
         for i, branch in recorded:
-            model = branch.turns[0].model
-            base.metadata = {**meta, "branch": i, "branches": len(recorded), "model": model,
-                             "side_call": model != main}
+            lineage, parent = lineages[i]
+            base.metadata = {**meta, "branch": i, "branches": len(recorded), "model": branch.turns[0].model,
+                             "lineage": lineage, "parent": parent, "side_call": lineage != "main"}
             sample = branch.to_sample(base)
             if self.script is not None:
                 sample.rollout_log_probs = None
@@ -355,8 +414,8 @@ class Sessions:
 
     @staticmethod
     def episode(samples: list[Sample], side_calls: bool = False) -> list[Sample]:
-        """The episode's Sample: the last branch, whose final turn the reward judged, of the main model's
-        (``side_calls``: of any model's)."""
+        """The episode's Sample: the last branch of the main lineage, whose final turn the reward judged
+        (``side_calls``: the last branch of any lineage)."""
         main = [s for s in samples if side_calls or not s.metadata.get("side_call")]
         return main[-1:]
 

@@ -8,11 +8,9 @@ from google.adk.runners import InMemoryRunner
 from google.genai import types
 from weather import INSTRUCTIONS, QUESTION, get_weather
 
-agent = LlmAgent(name="weather", model=LiteLlm(model="openai/gpt-5-mini"), instruction=INSTRUCTIONS,
-                 tools=[get_weather])
 
-
-async def main() -> None:
+async def main(model) -> None:
+    agent = LlmAgent(name="weather", model=model, instruction=INSTRUCTIONS, tools=[get_weather])
     runner = InMemoryRunner(agent=agent, app_name="weather")
     session = await runner.session_service.create_session(app_name="weather", user_id="user")
     message = types.Content(role="user", parts=[types.Part(text=QUESTION)])
@@ -21,4 +19,5 @@ async def main() -> None:
             print(event.content.parts[0].text)
 
 
-asyncio.run(main())
+if __name__ == "__main__":
+    asyncio.run(main(LiteLlm(model="openai/gpt-5-mini")))

@@ -3,7 +3,6 @@ log on), the real sgl-router in front, and the proxy in front of that; all real 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import httpx
 import pytest
 
 from inverted.processes import ManagedProcess
-from tests.conftest import ProcessPool
+from tests.conftest import ProcessPool, server_requests
 from tests.rollout.proxy.scripted import teach
 
 
@@ -31,9 +30,8 @@ class Stack:
     model: Path
 
     def engine_requests(self) -> list[dict]:
-        """What the engine received and produced, from its own request log (--log-requests)."""
-        lines = self.engine.log_path.read_text().splitlines()
-        return [json.loads(line.split(" request ", 1)[1]) for line in lines if " request {" in line]
+        """What the server received and produced, from its own request log."""
+        return server_requests(self.engine)
 
     def engine_metric(self, name: str) -> float:
         for line in httpx.get(self.engine.url + "/metrics").text.splitlines():
@@ -42,8 +40,8 @@ class Stack:
         raise AssertionError(f"the engine has no metric {name}")
 
 
-def start_stack(pool: ProcessPool, model: Path) -> Stack:
-    engine = pool.engine(model, "--log-requests", "--random-seed", "0")
+def start_stack(pool: ProcessPool, model: Path, backend: str = "embedded") -> Stack:
+    engine = pool.logged_server(backend, model)
     router = pool.routed(engine)
     proxy = pool.proxy(router.url, model, "--proxy-api-key", "admin-key")
     return Stack(engine, router, proxy, model)

@@ -191,7 +191,7 @@ def test_responses_refuse_what_they_cannot_honour_in_openais_shape(stack):
            ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
             "input[0].content[0]"),
            ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "input[0].call_id"),
-           ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+           ({"input": "x", "tools": [{"type": "computer_use_preview"}]}, "tools[0].type"),
            ({"input": "x", "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
            ({"input": "x", "text": {"format": {"type": "grammar"}}}, "text.format"),
            ({"input": "x", "tool_choice": "required"}, "tool_choice")]
@@ -275,7 +275,7 @@ def test_anthropic_errors_have_anthropics_shape(stack):
     client = anthropic.Anthropic(base_url=session["base_url"].removesuffix("/v1"), api_key="x", max_retries=0)
     with pytest.raises(anthropic.BadRequestError) as info:
         client.messages.create(model="m", max_tokens=8, messages=[{"role": "assistant", "content": [
-            {"type": "thinking", "thinking": "hmm", "signature": "s"}]}])
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "x"}}]}])
     assert info.value.body["error"]["type"] == "invalid_request_error"
     # a bad session's 404 is Anthropic-shaped too
     missing = httpx.post(stack.proxy.url + "/sessions/sess_nope/v1/messages", json=copy.deepcopy(cases[0][0]))

@@ -19,6 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from inverted.types import Sample
+from tests.kept_sets import assert_kept
 from tests.rollout.proxy.scripted import CONVERSATION, TOOLS
 
 pytestmark = pytest.mark.anyio
@@ -425,3 +426,34 @@ async def test_a_stream_the_client_abandons_records_nothing(stack):
         await asyncio.sleep(0.05)
     assert (state["inflight"], state["turns"], state["branches"]) == (0, 0, 0)
     assert finish(stack, session) == []
+
+
+async def test_a_cut_distribution_records_each_tokens_kept_set(stack):
+    """An agent's ``top_p`` 0.9 over two calls: the proxy asks for sampling masks (with ``top_k`` 512, the
+    finite bound SGLang needs for them), and every Sample keeps, for each sampled token, the set it was
+    drawn from and its log-prob renormalised over that set, each equal to ``transformers``'
+    recomputation; the tokens between the calls (the user's message) have none."""
+    session = new_session(stack)
+    client = openai.OpenAI(base_url=session["base_url"], api_key="anything")
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = client.chat.completions.create(model="policy", messages=messages, top_p=0.9, max_tokens=8)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And tomorrow?"}]
+    client.chat.completions.create(model="policy", messages=messages, top_p=0.9, max_tokens=8)
+    client.close()
+    samples = finish(stack, session)
+    model = AutoModelForCausalLM.from_pretrained(stack.model, dtype=torch.float32)
+    for sample in samples:
+        with torch.no_grad():
+            probs = torch.softmax(model(torch.tensor([sample.tokens])).logits[0, sample.prompt_length - 1:-1], dim=-1)
+        kept = sample.kept_sets()
+        assert kept is not None and len(kept) == sample.response_length
+        for i, (token, mask, row, recorded) in enumerate(zip(sample.response_tokens, sample.loss_mask, probs,
+                                                              sample.rollout_log_probs)):
+            if not mask:
+                assert kept[i] == [] and recorded == 0.0
+                continue
+            assert token in kept[i], i
+            assert_kept(kept[i], row, {"top_p": 0.9, "top_k": 512})
+            assert abs(recorded - float((row[token] / row[kept[i]].sum()).log())) <= 1e-4, i
+    assert any(sample.loss_mask.count(0) for sample in samples)  # the user's message between the calls

@@ -16,7 +16,7 @@ Anthropic's body ``{"type": "error", "error": {"type", "message"}}``.
 What Claude Code sends besides: ``role: system`` messages among the others (rendered where they
 stand), ``thinking`` (a template's thinking switch, ``Recorder._thinking``), tools with
 ``defer_loading`` (left out of the prompt until a tool search would load them), a ``max_tokens``
-past the context (cut to what is left), and ``POST /v1/messages/count_tokens`` (``parse_count``).
+past the context (cut to what is left, as in every API), and ``POST /v1/messages/count_tokens`` (``parse_count``).
 The fields in ``REASONS`` and ``BLOCK_REASONS`` are accepted without effect, each with its reason
 on the turn.
 """
@@ -28,8 +28,9 @@ from typing import Any, AsyncIterator
 
 from inverted.errors import InvalidRequest
 from inverted.rollout.chat import Message, ToolCall
+from inverted.rollout.proxy import hosted
 from inverted.rollout.proxy.apis import call
-from inverted.rollout.proxy.apis.call import Answer, CallRequest, Delta, Event, Failure, Output
+from inverted.rollout.proxy.apis.call import Answer, CallRequest, Delta, Event, Failure, Hosted, Output
 
 ROUTE = "/messages"
 FIELDS = {"model", "max_tokens", "messages", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k",
@@ -60,6 +61,11 @@ NEUTRAL: dict[str, tuple] = {"container": (None,)}
 BOUNDS = {"temperature": (float, 0.0, 1.0), "top_p": (float, 0.0, 1.0), "top_k": (int, 1, None),
           "max_tokens": (int, 1, None)}
 STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}
+# server tools (Anthropic runs them), by their type's prefix, and the hosted kind that serves them
+SERVER_TOOLS = {"web_search_": "web_search", "web_fetch_": "web_fetch", "code_execution_": "code_interpreter"}
+RESULT_BLOCKS = {"web_search": "web_search_tool_result", "web_fetch": "web_fetch_tool_result",
+                 "code_interpreter": "code_execution_tool_result"}
+SERVER_TOOL_OPTION_REASON = "an option of a server tool, which the configured implementation is not given"
 
 
 def parse(body: Any, session: Any = None) -> CallRequest:
@@ -80,9 +86,16 @@ def parse(body: Any, session: Any = None) -> CallRequest:
         if body.get(name) is not None:
             call.number(name, body[name], bounds)
     declared = _list(body.get("tools"), "tools")
-    tools = [_tool(t, f"tools.{i}") for i, t in enumerate(declared)
-             if not (isinstance(t, dict) and t.get("defer_loading"))]
-    messages = _system(body.get("system")) + _messages(body["messages"])
+    tools: list[dict[str, Any]] = []
+    asks: list[hosted.Ask] = []
+    for i, t in enumerate(declared):
+        kind = _server_tool(t)
+        if kind is not None:
+            asks.append(hosted.Ask(kind, f"tools.{i}", len(tools), t.get("name"), t.get("max_uses")))
+        elif not (isinstance(t, dict) and t.get("defer_loading")):
+            tools.append(_tool(t, f"tools.{i}"))
+    accepted: dict[str, str] = {}
+    messages = _system(body.get("system")) + _messages(body["messages"], session, accepted)
     mode, name = _tool_choice(body.get("tool_choice"))
     sampling = call.sampling({name: body.get(name) for name in ("temperature", "top_p", "top_k")})
     found = call.stops(body.get("stop_sequences"), "stop_sequences", most=16)
@@ -91,7 +104,12 @@ def parse(body: Any, session: Any = None) -> CallRequest:
     req = CallRequest(kind="chat", model=body.get("model") if isinstance(body.get("model"), str) else None,
                       messages=messages, prompt=None, tools=tools or None, parse_tools=bool(tools) and mode != "none",
                       stream=bool(body.get("stream")), max_tokens=body["max_tokens"], sampling=sampling,
-                      force_call=call.forced_call(mode, name, tools), clamp_max_tokens=True)
+                      force_call=call.forced_call(mode, name, tools), hosted=asks, accepted=accepted,
+                      hosted_limit=min((a.limit for a in asks if isinstance(a.limit, int)), default=None))
+    req.parse_tools = bool(tools or asks) and mode != "none"
+    for ask in asks:
+        for key in set(declared[int(ask.where.split(".")[1])]) - {"type", "name", "max_uses"}:
+            req.accepted[f"{ask.where}.{key}"] = SERVER_TOOL_OPTION_REASON
     call.constrain(req, _output_schema(body.get("output_config")), "output_config.format")
     _accept(req, body, declared)
     return req
@@ -122,7 +140,7 @@ def _accept(req: CallRequest, body: dict[str, Any], tools: list) -> None:
         if kind not in ("enabled", "adaptive", "disabled"):
             raise InvalidRequest("thinking: expected {type: 'enabled', budget_tokens}, {type: 'adaptive'} or "
                                  "{type: 'disabled'}", param="thinking")
-        req.thinking = ("thinking", kind != "disabled")
+        req.thinking = (("thinking",), kind != "disabled")
         call.accept(req.accepted, thinking, THINKING_REASONS, "thinking.")
     if isinstance(body.get("output_config"), dict) and body["output_config"].get("effort") is not None:
         req.accepted["output_config.effort"] = EFFORT_REASON
@@ -156,11 +174,20 @@ def _texts(blocks: Any, where: str) -> list[str]:
     return texts
 
 
-def _messages(raw: Any) -> list[Message]:
-    """Anthropic messages as chat messages (see the module docstring)."""
+def _server_tool(tool: Any) -> str | None:
+    """The hosted kind of a server tool declaration (``web_search_20250305``, ...), else None."""
+    kind = tool.get("type") if isinstance(tool, dict) else None
+    return next((k for prefix, k in SERVER_TOOLS.items() if isinstance(kind, str) and kind.startswith(prefix)), None)
+
+
+def _messages(raw: Any, session: Any, accepted: dict[str, str]) -> list[Message]:
+    """Anthropic messages as chat messages (see the module docstring). An assistant message's
+    ``server_tool_use`` blocks and their results are the calls of the reply they stand in, as the
+    proxy ran them, followed by their results (``hosted.Regrouper``)."""
     if not isinstance(raw, list) or not raw:
         raise InvalidRequest("messages: at least one message is required", param="messages")
-    messages: list[Message] = []
+    built = hosted.Regrouper(session)
+    messages = built.messages
     called: set[str] = set()
     for i, item in enumerate(raw):
         where = f"messages.{i}"
@@ -170,16 +197,15 @@ def _messages(raw: Any) -> list[Message]:
                                  param=f"{where}.role")
         content = item.get("content")
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else _list(content, f"{where}.content")
+        if role == "assistant":
+            _assistant(blocks, where, built, called, accepted)
+            continue
         pending: list[str | ToolCall] = []  # the blocks of the message being built
         for j, block in enumerate(blocks):
             at = f"{where}.content.{j}"
             kind = block.get("type") if isinstance(block, dict) else None
             if kind == "text" and isinstance(block.get("text"), str):
                 pending.append(block["text"])
-            elif kind == "tool_use" and role == "assistant":
-                made = _tool_use(block, at)
-                called.add(made.id)
-                pending.append(made)
             elif kind == "tool_result" and role == "user":
                 if block.get("tool_use_id") not in called:
                     raise InvalidRequest(f"{at}: unexpected `tool_use_id` found in `tool_result` blocks: "
@@ -194,6 +220,36 @@ def _messages(raw: Any) -> list[Message]:
                                      "tool_use from the assistant, tool_result from the user)", param=f"{at}.type")
         _flush(messages, role, pending)
     return messages
+
+
+def _assistant(blocks: list, where: str, built: hosted.Regrouper, called: set[str],
+               accepted: dict[str, str]) -> None:
+    """An assistant message's blocks: thinking (signed by this proxy, or rendered as plain reasoning
+    with why), text, tool uses, and the server tool calls the proxy ran."""
+    for j, block in enumerate(blocks):
+        at = f"{where}.content.{j}"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            built.text(block["text"])
+        elif kind == "tool_use":
+            made = _tool_use(block, at)
+            called.add(made.id)
+            built.call(made)
+        elif kind == "thinking" and isinstance(block.get("thinking"), str):
+            if not call.signed(block["thinking"], block.get("signature")):
+                accepted[f"{where}.thinking"] = call.FOREIGN_REASONING
+            built.reasoning(block["thinking"])
+        elif kind == "redacted_thinking":
+            accepted["redacted_thinking"] = ("encrypted reasoning of another service cannot be read: it is left out "
+                                             "of the prompt")
+        elif kind == "server_tool_use":
+            built.hosted(built.recall(block.get("id"), f"{at}.id"))
+        elif kind in RESULT_BLOCKS.values():
+            built.hosted(built.recall(block.get("tool_use_id"), f"{at}.tool_use_id"))
+        else:
+            raise InvalidRequest(f"{at}: blocks of type {kind!r} are not supported in assistant messages here (text, "
+                                 "tool_use, and the server tool calls this session made)", param=f"{at}.type")
+    built.flush()
 
 
 def _flush(messages: list[Message], role: str, pending: list[str | ToolCall]) -> None:
@@ -254,8 +310,36 @@ def _output_schema(config: Any) -> dict[str, Any] | None:
 
 
 def blocks(output: Output) -> list[dict[str, Any]]:
-    content: list[dict[str, Any]] = [{"type": "text", "text": output.reply.content}] if output.reply.content else []
-    return content + [_tool_use_block(c) for c in output.reply.tool_calls]
+    """Every block of the call: each hosted round's text and server tool calls with their results,
+    then the last reply's text and calls."""
+    content: list[dict[str, Any]] = []
+    for reply, ran in [*((r.reply, r.hosted) for r in output.rounds), (output.reply, output.hosted)]:
+        reasoning, text = call.reasoning_of(reply.content)
+        if reasoning is not None:
+            content.append({"type": "thinking", "thinking": reasoning, "signature": call.sign(reasoning)})
+        content += [{"type": "text", "text": text}] if text else []
+        for made in reply.tool_calls:
+            content += _hosted_blocks(ran[made.id]) if made.id in ran else [_tool_use_block(made)]
+    return content
+
+
+def _hosted_blocks(ran: hosted.HostedCall) -> list[dict[str, Any]]:
+    """A server tool call as Anthropic returns it: the ``server_tool_use`` and its result block."""
+    argument = hosted.DEFINITIONS[ran.kind][2]
+    use = {"type": "server_tool_use", "id": ran.call.id, "name": ran.call.name, "input": {argument: ran.argument}}
+    if ran.status != "completed":
+        error = {"type": RESULT_BLOCKS[ran.kind] + "_error", "error_code": "unavailable"}
+        return [use, {"type": RESULT_BLOCKS[ran.kind], "tool_use_id": ran.call.id, "content": error}]
+    if ran.kind == "web_search":
+        content: Any = [{"type": "web_search_result", "url": s.get("url", ""), "title": s.get("title", ""),
+                         "encrypted_content": "", "page_age": None} for s in ran.result.sources]
+    elif ran.kind == "web_fetch":
+        content = {"type": "web_fetch_result", "url": ran.argument, "retrieved_at": None, "content": {
+            "type": "document", "source": {"type": "text", "media_type": "text/plain", "data": ran.result.text}}}
+    else:
+        content = {"type": "code_execution_result", "stdout": ran.result.text, "stderr": "", "return_code": 0,
+                   "content": []}
+    return [use, {"type": RESULT_BLOCKS[ran.kind], "tool_use_id": ran.call.id, "content": content}]
 
 
 def _tool_use_block(made: ToolCall) -> dict[str, Any]:
@@ -274,9 +358,14 @@ def _stop(output: Output) -> tuple[str, str | None]:
     return STOP_REASONS.get(output.finish, "end_turn"), None
 
 
-def _usage(answer: Answer, output_tokens: int) -> dict[str, int]:
-    return {"input_tokens": answer.prompt_tokens, "output_tokens": output_tokens, "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": 0}
+def _usage(answer: Answer, output_tokens: int) -> dict[str, Any]:
+    usage: dict[str, Any] = {"input_tokens": answer.prompt_tokens, "output_tokens": output_tokens,
+                             "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+    searches = sum(h.kind == "web_search" for o in answer.outputs for ran in [o.hosted, *(r.hosted for r in o.rounds)]
+                   for h in ran.values())
+    if searches:
+        usage["server_tool_use"] = {"web_search_requests": searches}
+    return usage
 
 
 def _message(answer: Answer, content: list[dict[str, Any]], stop: tuple[str | None, str | None],
@@ -296,30 +385,59 @@ async def events(req: CallRequest, stream: AsyncIterator[Event]) -> AsyncIterato
         return kind, {"type": kind, **fields}
 
     opened: Answer | None = None
-    index = -1  # of the open text block, or the last block
-    texting = False
+    index = -1  # of the open block, or the last block
+    open_block: str | None = None  # "thinking" | "text"
+    thought = ""  # the open thinking block's text, which its signature signs
+    split = call.ReasoningStream()
+
+    def close() -> list[tuple[str, dict[str, Any]]]:
+        nonlocal open_block
+        out = [event("content_block_delta", index=index, delta={"type": "signature_delta",
+                                                                "signature": call.sign(thought)})] \
+            if open_block == "thinking" else []
+        out.append(event("content_block_stop", index=index))
+        open_block = None
+        return out
+
     async for item in stream:
         if isinstance(item, Answer):
             opened = item
             yield event("message_start", message=_message(opened, [], (None, None), 0))
         elif isinstance(item, Delta) and item.text:
-            if not texting:
-                texting, index = True, index + 1
-                yield event("content_block_start", index=index, content_block={"type": "text", "text": ""})
-            yield event("content_block_delta", index=index, delta={"type": "text_delta", "text": item.text})
-        elif isinstance(item, Output):
-            if texting:  # the recorder streams all of the content before the Output
-                yield event("content_block_stop", index=index)
-            for made in item.reply.tool_calls:
-                index += 1
-                block = _tool_use_block(made)
-                yield event("content_block_start", index=index, content_block={**block, "input": {}})
-                yield event("content_block_delta", index=index,
-                            delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"])})
-                yield event("content_block_stop", index=index)
-            stop_reason, stop_sequence = _stop(item)
-            yield event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                        usage={"output_tokens": item.tokens})
+            for reasoning, text in split.feed(item.text):
+                kind = "thinking" if reasoning else "text"
+                if open_block != kind:
+                    if open_block is not None:
+                        for ev in close():
+                            yield ev
+                    open_block, index, thought = kind, index + 1, ""
+                    start = {"type": "thinking", "thinking": "", "signature": ""} if reasoning else \
+                        {"type": "text", "text": ""}
+                    yield event("content_block_start", index=index, content_block=start)
+                thought += text if reasoning else ""
+                delta = {"type": "thinking_delta", "thinking": text} if reasoning else {"type": "text_delta",
+                                                                                          "text": text}
+                yield event("content_block_delta", index=index, delta=delta)
+        elif isinstance(item, (Hosted, Output)):
+            reply, ran = (item.round.reply, item.round.hosted) if isinstance(item, Hosted) else (item.reply, item.hosted)
+            split = call.ReasoningStream()  # a hosted round's next reply starts anew
+            if open_block is not None:  # the recorder streams all of a reply's content before its end
+                for ev in close():
+                    yield ev
+            for made in reply.tool_calls:
+                for block in _hosted_blocks(ran[made.id]) if made.id in ran else [_tool_use_block(made)]:
+                    index += 1
+                    if block["type"] in ("tool_use", "server_tool_use"):
+                        yield event("content_block_start", index=index, content_block={**block, "input": {}})
+                        yield event("content_block_delta", index=index,
+                                    delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"])})
+                    else:
+                        yield event("content_block_start", index=index, content_block=block)
+                    yield event("content_block_stop", index=index)
+            if isinstance(item, Output):
+                stop_reason, stop_sequence = _stop(item)
+                yield event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                            usage=_usage(opened, item.all_tokens))
     yield event("message_stop")
 
 

@@ -12,6 +12,9 @@ JSON schema to constrain the reply with) and the session's ``sampling_params`` o
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import json
 import secrets
 import time
@@ -19,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from inverted.errors import InvalidRequest, ServiceError
-from inverted.rollout.chat import Message, ParsedReply
+from inverted.rollout.chat import THINK_CLOSE, THINK_OPEN, Message, ParsedReply, split_reasoning
+from inverted.rollout.proxy.hosted import Ask, HostedCall, Round
 
 NUMERIC = {  # name: (type, low, high) for implemented scalar parameters
     "temperature": (float, 0.0, 2.0), "top_p": (float, 0.0, 1.0), "n": (int, 1, 16), "seed": (int, None, None),
@@ -54,11 +58,18 @@ class CallRequest:
     echo: dict[str, Any] = field(default_factory=dict)  # the API's own request fields its answer repeats
     # Fields taken without effect, each with why (``field: reason``); every turn of the call records them.
     accepted: dict[str, str] = field(default_factory=dict)
-    # A thinking mode asked for, as (field, on): on a template with a switch (Qwen3's ``enable_thinking``)
-    # it sets it; on one without, the field joins ``accepted`` (``Recorder._thinking``).
-    thinking: tuple[str, bool] | None = None
-    clamp_max_tokens: bool = False  # a max_tokens past the context left is cut to it (and said), not refused
+    # A thinking mode asked for, as (the fields that asked, on): on a template with a switch (Qwen3's
+    # ``enable_thinking``) it sets it; on one without, the fields join ``accepted`` (``Recorder._thinking``).
+    thinking: tuple[tuple[str, ...], bool] | None = None
+    # The request field ``max_tokens`` came from (``max_completion_tokens``, ``max_output_tokens``, ...):
+    # a limit past the context left is cut to it, and the turn says so under this name.
+    max_tokens_field: str = "max_tokens"
     on_recorded: Callable[[Answer], None] | None = None  # run once the call is recorded (Responses' store)
+    # Hosted tools the request declared (``hosted``); those the proxy offers, by the name the model is
+    # shown (``hosted_names``: name -> kind, set by ``Recorder.offer``); at most this many calls of them.
+    hosted: list[Ask] = field(default_factory=list)
+    hosted_names: dict[str, str] = field(default_factory=dict)
+    hosted_limit: int | None = None
 
 
 @dataclass(slots=True)
@@ -80,6 +91,13 @@ class Output:
     tokens: int  # how many were sampled
     logprobs: list[TokenLogprob] | None  # when asked for
     cached_tokens: int = 0  # prompt tokens the server found in its prefix cache
+    hosted: dict[str, HostedCall] = field(default_factory=dict)  # its hosted calls, run (by call id)
+    rounds: list[Round] = field(default_factory=list)  # the replies before it whose hosted calls ran
+
+    @property
+    def all_tokens(self) -> int:
+        """Tokens sampled for this choice over the whole call, hosted rounds included."""
+        return self.tokens + sum(r.tokens for r in self.rounds)
 
 
 @dataclass(slots=True)
@@ -94,7 +112,7 @@ class Answer:
 
     @property
     def completion_tokens(self) -> int:
-        return sum(o.tokens for o in self.outputs)
+        return sum(o.all_tokens for o in self.outputs)
 
     @property
     def cached_tokens(self) -> int:
@@ -110,7 +128,15 @@ class Delta:
     text: str
 
 
-Event = Answer | Delta | Output
+@dataclass(slots=True)
+class Hosted:
+    """Streamed: a reply of choice ``index`` whose hosted calls ran; the model samples again after it."""
+
+    index: int
+    round: Round
+
+
+Event = Answer | Delta | Hosted | Output
 
 
 @dataclass(slots=True)
@@ -144,9 +170,69 @@ def failure(exc: Exception) -> Failure:
     return Failure(503, "server_error", f"rollout servers unavailable: {exc}", code="unavailable")
 
 
+# ---- a thinking model's reasoning -----------------------------------------------------------
+
+# Signs the reasoning this proxy returns (Anthropic's thinking ``signature``, Responses'
+# ``encrypted_content``), so that reasoning sent back can be told from reasoning written elsewhere.
+# One key per process: a restarted proxy reads its earlier signatures as foreign.
+_SIGNING_KEY = secrets.token_bytes(32)
+
+
+def sign(reasoning: str) -> str:
+    return base64.b64encode(hmac.digest(_SIGNING_KEY, reasoning.encode(), hashlib.sha256)).decode()
+
+
+def signed(reasoning: str, signature: Any) -> bool:
+    return isinstance(signature, str) and hmac.compare_digest(signature, sign(reasoning))
+
+
+FOREIGN_REASONING = ("reasoning signed elsewhere (a conversation begun on another service, or before this proxy "
+                     "restarted) is rendered as the message's reasoning, as plain text")
+
+
+class ReasoningStream:
+    """Splits a reply's text, as it streams, into its reasoning and its answer the way
+    ``split_reasoning`` splits the whole: ``feed`` takes the next piece, and gives back the new
+    text of each, holding back what may still be a tag or the whitespace around one."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.sent = {True: 0, False: 0}  # reasoning?, characters sent
+
+    def feed(self, piece: str) -> list[tuple[bool, str]]:
+        self.text += piece
+        stripped = self.text.lstrip()
+        if THINK_OPEN.startswith(stripped) and len(stripped) < len(THINK_OPEN):
+            return []  # maybe a <think> yet
+        if stripped.startswith(THINK_OPEN):
+            inner, closed, rest = stripped[len(THINK_OPEN):].partition(THINK_CLOSE)
+            if closed:
+                parts = {True: inner.strip("\n"), False: rest.lstrip("\n")}
+            else:
+                held = next((k for k in range(len(THINK_CLOSE) - 1, 0, -1) if inner.endswith(THINK_CLOSE[:k])), 0)
+                parts = {True: inner[:len(inner) - held].lstrip("\n").rstrip("\n"), False: ""}
+        else:
+            parts = {True: "", False: self.text}
+        out = []
+        for reasoning in (True, False):
+            new = parts[reasoning][self.sent[reasoning]:]
+            if new:
+                out.append((reasoning, new))
+                self.sent[reasoning] += len(new)
+        return out
+
+
+def reasoning_of(content: str | None) -> tuple[str | None, str | None]:
+    """A reply's content as its reasoning and its answer (None stays None)."""
+    if content is None:
+        return None, None
+    return split_reasoning(content)
+
+
 # ---- checks every API shares ----------------------------------------------------------------
 
-MAX_TOKENS_REASON = "the reply's limit is past the context left after the prompt: it may use what is left"
+MAX_TOKENS_REASON = ("the reply's limit is past the context left after the prompt: it may use what is left, as "
+                     "the API answers when the reply reaches it")
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
@@ -156,6 +242,74 @@ def effort(value: Any, param: str) -> bool:
         raise InvalidRequest(f"Invalid value for '{param}': {value!r}; expected one of {list(EFFORTS)}", param=param,
                              code="invalid_value")
     return value != "none"
+
+
+# Chat Completions fields, each a provider's spelling of a thinking switch, that harnesses send by default.
+THINKING_SWITCHES = ("reasoning_effort", "thinking", "enable_thinking", "chat_template_kwargs", "reasoning")
+OPENROUTER_REASONS = {  # the rest of OpenRouter's ``reasoning`` object
+    "max_tokens": "a thinking budget is not enforced: max_tokens bounds the whole reply, thinking included",
+    "exclude": "the reasoning is part of the reply's text here, as the template renders it",
+}
+
+
+def thinking_switch(req: CallRequest, body: dict[str, Any]) -> None:
+    """The thinking mode a Chat request asks for, in whichever provider's spelling it came:
+
+    - ``reasoning_effort``: OpenAI's (``none`` is off);
+    - ``thinking: {type: enabled | disabled | auto}``: Moonshot's (Kimi CLI sends ``disabled`` by
+      default), DeepSeek's and GLM's;
+    - ``enable_thinking: bool``: DashScope's (Qwen) and SiliconFlow's;
+    - ``chat_template_kwargs: {enable_thinking | thinking: bool}``: vLLM's and SGLang's own (other
+      template arguments would change the prompt, and are refused by name);
+    - ``reasoning: {effort | enabled, ...}``: OpenRouter's.
+
+    Several that agree are one switch; several that disagree are refused, since either reading
+    would change what is sampled. ``Recorder._thinking`` then sets the template's switch, or
+    accepts the field with its reason on a template without one.
+    """
+    asked: list[tuple[str, bool]] = []
+    if body.get("reasoning_effort") is not None:
+        asked.append(("reasoning_effort", effort(body["reasoning_effort"], "reasoning_effort")))
+    thinking = body.get("thinking")
+    if thinking is not None:
+        kind = thinking.get("type") if isinstance(thinking, dict) else None
+        if kind not in ("enabled", "disabled", "auto"):
+            raise InvalidRequest(f"Invalid value for 'thinking': {thinking!r}; expected {{'type': 'enabled' | "
+                                 "'disabled' | 'auto'}", param="thinking", code="invalid_value")
+        asked.append(("thinking", kind != "disabled"))
+        if thinking.get("budget_tokens") is not None:
+            req.accepted["thinking.budget_tokens"] = OPENROUTER_REASONS["max_tokens"]
+    if body.get("enable_thinking") is not None:
+        if not isinstance(body["enable_thinking"], bool):
+            raise InvalidRequest("Invalid type for 'enable_thinking': expected a boolean", param="enable_thinking",
+                                 code="invalid_type")
+        asked.append(("enable_thinking", body["enable_thinking"]))
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None:
+        if not isinstance(kwargs, dict):
+            raise InvalidRequest("'chat_template_kwargs' must be an object", param="chat_template_kwargs",
+                                 code="invalid_type")
+        for key, value in kwargs.items():
+            if key not in ("enable_thinking", "thinking") or not isinstance(value, bool):
+                raise InvalidRequest(f"'chat_template_kwargs.{key}' = {value!r} is not supported by this server: it "
+                                     "would change the prompt (supported: enable_thinking or thinking, a boolean)",
+                                     param=f"chat_template_kwargs.{key}", code="unsupported_parameter")
+            asked.append((f"chat_template_kwargs.{key}", value))
+    reasoning = body.get("reasoning")
+    if reasoning is not None:
+        if not isinstance(reasoning, dict) or set(reasoning) - {"effort", "enabled", *OPENROUTER_REASONS}:
+            raise InvalidRequest(f"Invalid value for 'reasoning': {reasoning!r}; expected OpenRouter's {{effort, "
+                                 "enabled, max_tokens, exclude}", param="reasoning", code="invalid_value")
+        if reasoning.get("effort") is not None:
+            asked.append(("reasoning.effort", effort(reasoning["effort"], "reasoning.effort")))
+        if reasoning.get("enabled") is not None:
+            asked.append(("reasoning.enabled", bool(reasoning["enabled"])))
+        accept(req.accepted, reasoning, OPENROUTER_REASONS, "reasoning.")
+    if len({on for _, on in asked}) > 1:
+        raise InvalidRequest(f"thinking switches disagree: {', '.join(f'{k}={v}' for k, v in asked)}",
+                             param=asked[0][0], code="invalid_value")
+    if asked:
+        req.thinking = (tuple(k for k, _ in asked), asked[0][1])
 
 
 def accept(accepted: dict[str, str], body: dict[str, Any], reasons: dict[str, str], prefix: str = "") -> None:
@@ -264,6 +418,7 @@ def apply_overrides(req: CallRequest, overrides: dict[str, Any]) -> None:
     limit = overrides.get("max_completion_tokens") or overrides.get("max_tokens")
     if limit is not None:
         req.max_tokens = number("max_tokens", limit)
+        req.max_tokens_field = "sampling_params.max_tokens"
 
 
 def check_overrides(overrides: dict[str, Any]) -> None:

@@ -6,7 +6,10 @@ the call's opening, see ``Recorder._forced``), ``response_format`` (by constrain
 sampling fields ``temperature``, ``top_p``, ``max_tokens``/``max_completion_tokens``, ``stop``,
 ``seed``, with SGLang's extras ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``.
 Penalties are neutral-only: SGLang implements them, but sgl-router 0.3.2 keeps them and the
-embedded engine does not.
+embedded engine does not. A thinking switch in any vendor's spelling (``reasoning_effort``,
+Moonshot's, DeepSeek's and GLM's ``thinking``, DashScope's ``enable_thinking``, vLLM's and
+SGLang's ``chat_template_kwargs``, OpenRouter's ``reasoning``) sets the template's
+(``call.thinking_switch``).
 """
 
 from __future__ import annotations
@@ -15,22 +18,24 @@ from typing import Any, AsyncIterator
 
 from inverted.errors import InvalidRequest
 from inverted.rollout.chat import parse_messages
+from inverted.rollout.proxy import hosted
 from inverted.rollout.proxy.apis import call, openai_shared
 from inverted.rollout.proxy.apis.call import Answer, CallRequest, Delta, Event, Output
 
 ROUTE = "/chat/completions"
 FIELDS = {"messages", "tools", "tool_choice", "stream", "stream_options", "logprobs", "stop", "response_format",
-          "reasoning_effort", "verbosity"} | set(call.NUMERIC) - {"max_output_tokens"}
+          "reasoning_effort", "verbosity", "web_search_options", *call.THINKING_SWITCHES} | set(call.NUMERIC) - {"max_output_tokens"}
 REASONS = openai_shared.REASONS | {
     "store": "stored completions are the hosted service's (for its evals and distillation); this server records "
              "every call of the session itself",
+    "thinking_budget": "a thinking budget is not enforced: max_tokens bounds the whole reply, thinking included",
 }
 VERBOSITY = ("low", "medium", "high")
 VERBOSITY_REASON = ("a length hint that hosted models follow through their own system prompt; this policy samples "
                     "from the prompt as sent, and max_tokens bounds the reply")
 NEUTRAL: dict[str, tuple] = {
     "logit_bias": ({}, None), "prediction": (None,), "modalities": (["text"], None),
-    "audio": (None,), "functions": (None, []), "function_call": (None, "none", "auto"), "web_search_options": (None,),
+    "audio": (None,), "functions": (None, []), "function_call": (None, "none", "auto"),
     "frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0, None),
 }
 
@@ -55,17 +60,24 @@ def parse(body: Any, session: Any = None) -> CallRequest:
     tools = [call.function_tool(t["function"]["name"], t["function"].get("description"), t["function"].get("parameters"),
                                 f"tools[{i}].function", t["function"].get("strict")) for i, t in enumerate(tools or [])]
     choice = body.get("tool_choice")
+    search = body.get("web_search_options")
+    if search is not None and not isinstance(search, dict):
+        raise InvalidRequest("'web_search_options' must be an object", param="web_search_options", code="invalid_type")
+    asks = [] if search is None else [hosted.Ask("web_search", "web_search_options", len(tools))]
     req = CallRequest(kind="chat", model=openai_shared.model_name(body), messages=parse_messages(body["messages"], session and session.parsed),
-                      prompt=None, tools=tools or None, parse_tools=bool(tools) and choice != "none",
+                      prompt=None, tools=tools or None, parse_tools=bool(tools or asks) and choice != "none",
                       stream=bool(body.get("stream")),
                       max_tokens=body.get("max_completion_tokens") or body.get("max_tokens"),
+                      max_tokens_field="max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens",
                       sampling=call.sampling(body), n=body.get("n") or 1, logprobs=bool(body.get("logprobs")),
                       top_logprobs=body.get("top_logprobs") or 0, include_usage=openai_shared.include_usage(body),
-                      force_call=call.forced_call(*_tool_choice(choice), tools))
+                      force_call=call.forced_call(*_tool_choice(choice), tools), hosted=asks)
+    for key in search or {}:
+        req.accepted[f"web_search_options.{key}"] = ("an option of the hosted web search, which the configured "
+                                                     "implementation is not given")
     call.constrain(req, _response_schema(body.get("response_format")), "response_format")
     call.accept(req.accepted, body, REASONS)
-    if body.get("reasoning_effort") is not None:
-        req.thinking = ("reasoning_effort", call.effort(body["reasoning_effort"], "reasoning_effort"))
+    call.thinking_switch(req, body)
     if body.get("verbosity") is not None:
         if body["verbosity"] not in VERBOSITY:
             raise InvalidRequest(f"Invalid value for 'verbosity': {body['verbosity']!r}; expected one of "
@@ -112,7 +124,16 @@ def answer(req: CallRequest, answer: Answer) -> dict[str, Any]:
 
 
 def message(output: Output) -> dict[str, Any]:
-    body: dict[str, Any] = {"role": "assistant", "content": output.reply.content, "refusal": None}
+    """The reply, a thinking model's reasoning apart (``reasoning_content``, as DeepSeek's, vLLM's and
+    SGLang's servers return it); after hosted rounds (``web_search_options``), every round's text, as
+    it was streamed."""
+    content = output.reply.content
+    if output.rounds:
+        content = "".join(r.reply.content or "" for r in output.rounds) + (content or "")
+    reasoning, answer_text = call.reasoning_of(content)
+    body: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+    if reasoning is not None:
+        body |= {"content": answer_text or (None if output.reply.tool_calls else ""), "reasoning_content": reasoning}
     if output.reply.tool_calls:
         body["tool_calls"] = [c.to_openai() for c in output.reply.tool_calls]
     return body
@@ -137,13 +158,15 @@ def envelope(answer: Answer, obj: str, choices: list[dict[str, Any]], usage: dic
 async def events(req: CallRequest, stream: AsyncIterator[Event]) -> AsyncIterator[tuple[str | None, dict]]:
     """Chunks: each choice's role, its content as it grows, its tool calls in one delta, its finish; then usage."""
     opened: Answer | None = None
+    splits = [call.ReasoningStream() for _ in range(req.n)]
     async for event in stream:
         if isinstance(event, Answer):
             opened = event
             for index in range(req.n):
                 yield None, _chunk(opened, index, {"role": "assistant", "content": ""})
         elif isinstance(event, Delta):
-            yield None, _chunk(opened, event.index, {"content": event.text})
+            for reasoning, text in splits[event.index].feed(event.text):
+                yield None, _chunk(opened, event.index, {"reasoning_content" if reasoning else "content": text})
         elif isinstance(event, Output):
             if event.reply.tool_calls:
                 calls = [{"index": i, **c.to_openai()} for i, c in enumerate(event.reply.tool_calls)]
