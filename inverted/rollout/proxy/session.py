@@ -100,6 +100,14 @@ class Turn:
     cached_tokens: int = 0  # of the prompt, served from the server's prefix cache
     forced: str = ""  # the call's opening the proxy wrote before the reply (tool_choice), ending the prompt
     kept: list[list[int]] | None = None  # each sampled token's kept set (sampling masks), when the call had them
+    # The history a caller that never saw this call's hosted rounds sends back (Chat, Gemini): its own
+    # messages and one reply of every round's text; the next call continues the branch from either.
+    echo: History | None = None
+
+    def ends(self, incoming: History) -> int | None:
+        """The size of the history of this turn's that ``incoming`` extends, or None."""
+        matched = next((h for h in (self.history, self.echo) if h is not None and extends(h, incoming)), None)
+        return None if matched is None else history_size(matched)
 
     def record(self) -> dict[str, Any]:
         record = {"prompt_tokens": self.start, "completion_tokens": self.end - self.start, "start": self.start,
@@ -187,6 +195,7 @@ class Placement:
     base_turn: int | None  # None: a fresh render
     in_place: bool
     rollback_to: int  # length to truncate back to if the call fails
+    extended: int = 0  # how many of the request's messages (text: characters) the base turn's history holds
 
 
 class Session:
@@ -251,17 +260,17 @@ class Session:
         best: tuple[int, Branch, int] | None = None
         for branch in self.branches:
             for i in range(len(branch.turns) - 1, -1, -1):
-                size = history_size(branch.turns[i].history)
-                if extends(branch.turns[i].history, incoming):
+                size = branch.turns[i].ends(incoming)
+                if size is not None:
                     if best is None or size > best[0] or (size == best[0] and not branch.busy and best[1].busy):
                         best = (size, branch, i)
                     break
         if best is None:
             return Placement(Branch(), None, False, 0)
-        _, branch, turn = best
+        size, branch, turn = best
         if turn == len(branch.turns) - 1 and not branch.busy:
-            return Placement(branch, turn, True, len(branch.tokens))
-        return Placement(branch.fork(turn), turn, False, 0)
+            return Placement(branch, turn, True, len(branch.tokens), size)
+        return Placement(branch.fork(turn), turn, False, 0, size)
 
     def open(self, placement: Placement, prompt: Any) -> Branch:
         """Register the placement's branch (new ones are added) and mark it busy. ``prompt`` is the

@@ -4,7 +4,8 @@ A tiny model is taught one conversation in which it searches before it answers, 
 offered where the request declared it. Then, through each API as its SDK sends it, the proxy runs
 the search with ``envs.local_search``, the model reads the result and answers within the same
 call, and the answer carries the API's own items for the search. The agent sends them back on its
-next call and the episode stays one branch, recorded token for token, the results out of the loss.
+next call (or, in Chat and Gemini, which have no such items, the one reply it was shown) and the
+episode stays one branch, recorded token for token, the results out of the loss.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from inverted.rollout.proxy.hosted import DEFINITIONS
 from inverted.types import Sample
 from tests.rollout.proxy.conftest import Stack
 from tests.rollout.proxy.scripted import TOOLS, teach
+from tests.rollout.proxy.test_gemini_api import generate
 from tests.rollout.proxy.test_recording import ADMIN, check_exact
 
 QUESTION = "What does the with statement do?"
@@ -140,14 +142,36 @@ def test_messages_server_web_search_runs_in_the_call_and_the_next_call_continues
     check_searched(searching, sample, turns=3)
 
 
-def test_chat_web_search_options_search_in_the_call(searching):
+def test_chat_web_search_options_search_in_the_call_and_the_next_call_continues_the_branch(searching):
+    """A Chat client sees one reply and sends it back as one message: the branch goes on after the search."""
     opened = session(searching.proxy.url)
     client = openai.OpenAI(base_url=opened["base_url"], api_key="x", max_retries=0)
+    ask = [{"role": "user", "content": QUESTION}]
     reply = client.chat.completions.create(model="gpt-4o-search-preview", tools=TOOLS, web_search_options={},
-                                           messages=[{"role": "user", "content": QUESTION}])
-    assert reply.choices[0].message.content == ANSWER and not reply.choices[0].message.tool_calls
+                                           messages=ask).choices[0].message
+    assert reply.content == ANSWER and not reply.tool_calls
+    again = client.chat.completions.create(model="gpt-4o-search-preview", tools=TOOLS, web_search_options={},
+                                           messages=ask + [{"role": "assistant", "content": reply.content},
+                                                           {"role": "user", "content": "Thanks!"}])
+    assert again.choices[0].message.content == "You are welcome."
     (sample,) = finish(searching.proxy.url, opened)
-    check_searched(searching, sample, turns=2)
+    check_searched(searching, sample, turns=3)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_gemini_google_search_runs_in_the_call_and_the_next_call_continues_the_branch(searching, stream):
+    opened = session(searching.proxy.url)
+    base = opened["base_url"].removesuffix("/v1")
+    tools = [{"functionDeclarations": [{"name": WEATHER["name"], "description": WEATHER["description"],
+                                        "parametersJsonSchema": WEATHER["parameters"]}]}, {"googleSearch": {}}]
+    contents = [{"role": "user", "parts": [{"text": QUESTION}]}]
+    parts = generate(base, {"contents": contents, "tools": tools}, stream=stream)["candidates"][0]["content"]["parts"]
+    assert parts == [{"text": ANSWER}]
+    contents += [{"role": "model", "parts": parts}, {"role": "user", "parts": [{"text": "Thanks!"}]}]
+    again = generate(base, {"contents": contents, "tools": tools}, stream=stream)
+    assert again["candidates"][0]["content"]["parts"] == [{"text": "You are welcome."}]
+    (sample,) = finish(searching.proxy.url, opened)
+    check_searched(searching, sample, turns=3)
 
 
 def test_without_an_implementation_the_tool_is_not_offered_and_the_turn_says_why(searching):

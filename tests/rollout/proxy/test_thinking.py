@@ -1,5 +1,6 @@
 """A thinking model (a tiny one taught to open each reply with a ``<think>`` block, behind a template
-with Qwen3's switch) through all four APIs and their own SDKs: each returns the reasoning in its
+with Qwen3's switch, and behind one that opens the block in the prompt, as the templates of models
+that always think do) through all four APIs and their own SDKs: each returns the reasoning in its
 own channel (Chat's ``reasoning_content``, Responses' reasoning items, Messages' signed ``thinking``
 blocks, Gemini's thought parts), streamed as each streams it; sent back the way each client sends
 it, it continues the same branch, and every API gives the same Sample, token for token."""
@@ -16,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from inverted.processes import ManagedProcess
 from inverted.types import Sample
 from tests.harnesses.conftest import HARNESSES
 from tests.rollout.proxy.conftest import Stack
@@ -39,14 +41,31 @@ def conversation() -> list[dict]:
             {"role": "assistant", "content": f"<think>\n{THOUGHTS[1]}\n</think>\n\n{ANSWER}"}]
 
 
+def always_thinking_template(model: Path, out: Path) -> Path:
+    """Our template as DeepSeek-R1's, QwQ's and Qwen3-Thinking-2507's are: the generation prompt opens
+    the think block, so each reply starts inside its reasoning and closes it with ``</think>``."""
+    template = (model / "chat_template.jinja").read_text()
+    plain_tail = "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+    assert plain_tail in template
+    out.write_text(template.replace(plain_tail, plain_tail.replace("assistant\\n", "assistant\\n<think>\\n")))
+    return out
+
+
 @pytest.fixture(scope="module")
-def thinker(tiny_model, models_dir, module_procs, tmp_path_factory) -> Stack:
+def taught(tiny_model, models_dir, module_procs) -> tuple[Path, ManagedProcess, ManagedProcess]:
+    """The taught model in an engine behind the real router: one for both templates."""
     model = models_dir / "taught-thinking-qwen2"
     if not (model / "config.json").exists():
         teach(tiny_model("qwen2"), model, conversation=conversation())
-    template = thinking_template(model, tmp_path_factory.mktemp("template") / "thinking.jinja")
     engine = module_procs.logged_server("embedded", model)
-    router = module_procs.routed(engine)
+    return model, engine, module_procs.routed(engine)
+
+
+@pytest.fixture(scope="module", params=[thinking_template, always_thinking_template], ids=["switch", "opened"])
+def thinker(request, taught, module_procs, tmp_path_factory) -> Stack:
+    """Qwen3's template (a switch; the model opens ``<think>``) or one that opens it in the prompt."""
+    model, engine, router = taught
+    template = request.param(model, tmp_path_factory.mktemp("template") / "thinking.jinja")
     proxy = module_procs.proxy(router.url, model, "--proxy-api-key", "admin-key", "--chat-template", str(template))
     return Stack(engine, router, proxy, model)
 
@@ -186,6 +205,20 @@ def test_every_api_returns_the_reasoning_in_its_own_shape_and_takes_it_back_into
     for sample in (chat(thinker, stream=stream, send_back=False), responses(thinker, stream=stream),
                    messages(thinker, stream=stream), gemini(thinker, stream=stream)):
         assert sample.tokens == reference.tokens and sample.loss_mask == reference.loss_mask
+
+
+def test_a_reply_cut_inside_its_reasoning_is_all_reasoning(thinker):
+    """At ``max_tokens`` before ``</think>``: the reply is reasoning and no answer, streamed or not."""
+    client = openai.OpenAI(base_url=opened(thinker)["base_url"], api_key="x", max_retries=0)
+    ask = {"model": "qwen3", "messages": [{"role": "user", "content": QUESTION}], "tools": TOOLS, "max_tokens": 14}
+    message = client.chat.completions.create(**ask).choices[0].message
+    streamed = {"reasoning": "", "content": ""}
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        if chunk.choices:
+            streamed["reasoning"] += getattr(chunk.choices[0].delta, "reasoning_content", None) or ""
+            streamed["content"] += chunk.choices[0].delta.content or ""
+    assert message.reasoning_content and THOUGHTS[0].startswith(message.reasoning_content) and not message.content
+    assert streamed == {"reasoning": message.reasoning_content, "content": ""}
 
 
 def test_reasoning_signed_elsewhere_is_rendered_as_plain_reasoning_and_said(thinker):

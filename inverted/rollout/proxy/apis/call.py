@@ -70,6 +70,9 @@ class CallRequest:
     hosted: list[Ask] = field(default_factory=list)
     hosted_names: dict[str, str] = field(default_factory=dict)
     hosted_limit: int | None = None
+    # A hosted round's follow-up: the caller's own history and the reply text it was shown before this
+    # round (``Turn.echo``).
+    shown: tuple[Any, str] | None = None
 
 
 @dataclass(slots=True)
