@@ -90,6 +90,25 @@ def remove_leftovers(scratch: Path, started: float) -> None:
             continue
 
 
+def wait_for_group(group: int, timeout: float = 10.0) -> None:
+    """Until no process of SGLang's group is alive: a process killed with its group still maps its files
+    while it exits, and ``remove_leftovers`` keeps a file some process maps (zombies map nothing)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = False
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                state, _, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+            except (OSError, ValueError):
+                continue
+            if int(pgrp) == group and state != "Z":
+                alive = True
+                break
+        if not alive:
+            return
+        time.sleep(0.05)
+
+
 def stop(child: int) -> None:
     """Stop SGLang's whole process group at once. Its own SIGTERM path drains, then reads a scheduler
     stopped by it as a crash and sleeps 5 s for crash diagnostics: longer than a job's grace period,
@@ -139,6 +158,7 @@ def main(argv: list[str]) -> int:
             break
         except InterruptedError:
             continue
+    wait_for_group(child)
     remove_leftovers(scratch, started)
     return os.waitstatus_to_exitcode(status)
 
