@@ -87,6 +87,11 @@ class Choice:
     output: Output | None = None  # set when sampled
     turn: Turn | None = None  # set when sampled; recorded only once every choice of the call succeeded
 
+    @property
+    def lead(self) -> str:
+        """Text before the reply that the reply continues: an open think block, a forced call's opening."""
+        return self.opened + self.forced
+
 
 class Recorder:
     def __init__(self, config: ProxyConfig, tokenizer: Any, client: GenerateClient, parser: ToolParser,
@@ -201,8 +206,9 @@ class Recorder:
                 self.metrics.template_breaks.inc()
                 first = Placement(Branch(), None, False, 0)
                 delta = await asyncio.to_thread(self._fresh_prompt, req)
-        opened = self._opened(first.branch.tokens[-OPEN_TAIL:] + delta) if req.kind == "chat" else ""
         forced = self._forced(req)
+        # a call forced right after an open think block is the call's text, not reasoning
+        opened = self._opened(first.branch.tokens[-OPEN_TAIL:] + delta) if req.kind == "chat" and not forced else ""
         if forced:  # prompt tokens to the model, not sampled: masked out like the template's
             delta = delta + self.renderer.encode(forced)
         session.check_open()  # it may have been finished while this call's prompt was tokenized
@@ -467,7 +473,7 @@ class Recorder:
             yield state
         state = choice.state
         text, stop = self._decode(state, req.sampling.get("stop", []))
-        text = choice.opened + choice.forced + text
+        text = choice.lead + text
         reply = self.parser.parse(text) if req.parse_tools else ParsedReply(content=text)
         finish = call.finish_reason(state.reason, reply)
         choice.output = Output(index=choice.index, text=text, reply=reply, finish=finish, stop=stop,
@@ -504,7 +510,7 @@ class Recorder:
         async with aclosing(self._sample(req, choice, stream=True)) as updates:
             async for state in updates:
                 decoded = self.tokenizer.decode(state.ids, skip_special_tokens=True)
-                visible = self._visible(req, choice.opened + choice.forced + decoded)
+                visible = self._visible(req, choice.lead + decoded)
                 if len(visible) > sent:
                     yield Delta(choice.index, visible[sent:])
                     sent = len(visible)

@@ -87,7 +87,7 @@ class Output:
     """One finished choice."""
 
     index: int
-    text: str  # all the decoded text, up to a stop string (and after a forced call's opening)
+    text: str  # all the decoded text, up to a stop string, after ``Choice.lead`` (an open think block, a forced call)
     reply: ParsedReply  # the text as content and tool calls
     finish: str  # "stop" | "length" | "tool_calls"
     stop: str | None  # the stop string that ended it
