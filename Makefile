@@ -55,7 +55,7 @@ SGLANG_IF    = $(if $(findstring sglang,$(1)),$(SGLANG_VENV)/.installed)
 SGLANG_FLAGS = $(if $(findstring sglang,$(1)),--rollout-sglang-python $(SGLANG_VENV)/bin/python)
 BIN    := $(VENV)/bin
 
-.PHONY: setup run agent demo test test-fast bench clean harnesses sglang sandbox vllm-cpu
+.PHONY: setup run agent demo test test-fast bench clean harnesses sglang sandbox vllm-cpu cookbook tinker-rl tinker-sl
 
 setup: $(VENV)/.installed
 
@@ -113,6 +113,30 @@ agent: setup $(REAL)/config.json $(AGENT_TASK_DATA) $(AGENT_TASK_EVAL) $(call SG
 	rm -rf runs/agent runs/agent-bootstrap
 	$(BIN)/inverted train --config examples/agent.yaml $(call SGLANG_FLAGS,$(ARGS)) $(ARGS)
 	$(BIN)/inverted train --config examples/agent-bootstrap.yaml $(call SGLANG_FLAGS,$(BOOTSTRAP_ARGS)) $(BOOTSTRAP_ARGS)
+
+# The Tinker API (docs/tinker.md): tinker-cookbook's recipes, unchanged, against inverted tinker-serve on
+# SmolLM2, offline. The cookbook asks tml-renderers>=0.4.1, which the registry does not have: 0.2.1 is installed
+# without dependency resolution (the recipes below never call it). The SDK itself is in the test extra, pinned.
+COOKBOOK      ?= tinker-cookbook==0.6.1
+COOKBOOK_DEPS := "tml-renderers==0.2.1" "chz>=0.4" "blobfile>=3" "pyrage>=1.4" "termcolor>=2" "cloudpickle>=3"
+RECIPE        := $(BIN)/python examples/tinker_recipe.py --checkpoint $(REAL)
+
+cookbook: $(VENV)/.cookbook
+$(VENV)/.cookbook: $(VENV)/.installed
+	$(BIN)/python -m pip install -q $(PIP_BINARY) $(COOKBOOK_DEPS)
+	$(BIN)/python -m pip install -q $(PIP_BINARY) --no-deps "$(COOKBOOK)"
+	touch $@
+
+# RL: the arithmetic environment (its problems made in the recipe), importance sampling (stable_reinforce's
+# definition is not published). SL: chat_sl on the cookbook's own example conversations.
+tinker-rl: cookbook $(REAL)/config.json
+	$(RECIPE) --out runs/tinker-rl -- tinker_cookbook.recipes.math_rl.train env=arithmetic renderer_name=qwen3_instruct \
+		loss_fn=importance_sampling group_size=4 groups_per_batch=16 learning_rate=3e-4 max_steps=40 eval_every=10 \
+		save_every=0 $(ARGS)
+tinker-sl: cookbook $(REAL)/config.json
+	$(RECIPE) --out runs/tinker-sl -- tinker_cookbook.recipes.chat_sl.train renderer_name=qwen3_instruct \
+		dataset=$$($(BIN)/python -c 'import tinker_cookbook, pathlib; print(pathlib.Path(tinker_cookbook.__file__).parent / "example_data/conversations.jsonl")') \
+		batch_size=16 num_epochs=3 learning_rate=1e-3 lora_rank=16 eval_every=0 save_every=0 $(ARGS)
 
 demo: setup $(TINY)/config.json $(DEMO_DATA) $(call SGLANG_IF,$(ARGS))
 	rm -rf runs/demo
@@ -202,11 +226,11 @@ sandbox:
 # on two cores: most of a whole-job test is waiting (on a subprocess, a server's start, a tool), and the
 # other worker's test runs in it. The tests marked alone (kills and weight updates timed against a running
 # job) then run by themselves. --durations lists the slowest, to keep the suite within its time.
-test: setup $(VENV)/.sglang-wire harnesses sglang sandbox
+test: setup $(VENV)/.sglang-wire harnesses sglang sandbox cookbook
 	$(BIN)/python -m pytest -q -m "not alone" -n $(TEST_WORKERS) --dist loadfile --durations=15
 	$(BIN)/python -m pytest -q -m alone --durations=5
 
-test-fast: setup $(VENV)/.sglang-wire sandbox
+test-fast: setup $(VENV)/.sglang-wire sandbox cookbook
 	$(BIN)/python -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile --durations=10
 
 bench: setup $(MODEL)/config.json

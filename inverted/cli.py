@@ -5,7 +5,7 @@ as GGUF, as a checkpoint), ``serve-engine`` (the embedded SGLang-protocol engine
 Data Buffer service), ``proxy`` (the token-recording OpenAI proxy), ``servers`` (N engines behind
 the real sgl-router, with a short demo generation through it), ``train`` (the main job: the RL
 loop over all of them, or ``--debug-train-only`` from saved rollout data; ``train-async`` is
-``train --async-mode``), ``export-hf`` and ``view`` (a job's run directory in the browser). Logging is configured here and only here, with the
+``train --async-mode``), ``tinker-serve`` (the Tinker training API: the user's script drives the loop), ``export-hf`` and ``view`` (a job's run directory in the browser). Logging is configured here and only here, with the
 process role in every line. Heavy imports happen inside each command so ``inverted --help`` is instant.
 
 It is also where other frameworks' plug-ins become loadable: before a command runs, and first thing
@@ -26,7 +26,7 @@ from pathlib import Path
 from inverted import compat
 from inverted.compat import slime_flags
 from inverted.config import (BufferConfig, EngineConfig, ExportConfig, ImportGGUFConfig, JobConfig, ProxyConfig,
-                             ServersConfig, TinyModelConfig, ViewConfig, add_flags, build_section, load_yaml_defaults, resolve_paths,
+                             ServersConfig, TinkerServeConfig, TinyModelConfig, ViewConfig, add_flags, build_section, load_yaml_defaults, resolve_paths,
                              split_passthrough)
 from inverted.errors import InvertedError
 
@@ -132,6 +132,13 @@ def cmd_train(cfg: JobConfig, router_args: list[str], sglang_args: list[str],
     run(cfg, router_args, sglang_args, functools.partial(setup_process, level=cfg.train.log_level))
 
 
+def cmd_tinker_serve(cfg: TinkerServeConfig) -> None:
+    spin_briefly()  # inherited by the engines; the trainer runs in this process
+    from inverted.tinker.service import serve
+
+    serve(cfg)
+
+
 def cmd_export_hf(cfg: ExportConfig) -> None:
     from inverted.train.export import export_hf
 
@@ -152,6 +159,8 @@ COMMANDS = {
     "proxy": (ProxyConfig, cmd_proxy, "run the token-recording OpenAI-compatible proxy in front of the router"),
     "servers": (ServersConfig, cmd_servers, "start embedded engines behind the real sgl-router and generate through it"),
     "train": (JobConfig, cmd_train, "the main job: rollout servers, proxy, buffer and trainer in the RL loop"),
+    "tinker-serve": (TinkerServeConfig, cmd_tinker_serve,
+                     "the Tinker training API (the official SDK's base_url) on the trainer and the rollout servers"),
     "export-hf": (ExportConfig, cmd_export_hf, "write a training checkpoint as a Hugging Face model"),
     "view": (ViewConfig, cmd_view, "browse a run: its curves, its Samples, each trajectory token by token"),
 }

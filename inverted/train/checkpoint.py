@@ -140,8 +140,9 @@ def read_meta(directory: Path) -> dict:
         raise ModelError(f"{directory}: not a checkpoint ({exc})") from None
 
 
-def load_checkpoint(trainer, root: str | Path) -> Path:
-    """Restore model, optimizer, RNG and counters from ``root``'s latest iteration into ``trainer``."""
+def load_checkpoint(trainer, root: str | Path, *, optimizer: bool = True) -> Path:
+    """Restore model, optimizer, RNG and counters from ``root``'s latest iteration into ``trainer``
+    (without ``optimizer``: the weights alone, the trainer's optimizer and counters kept)."""
     directory = latest_iteration(root)
     if directory is None:
         raise ModelError(f"--load {root}: no 'latest' marker (not a checkpoint directory, or no save finished)")
@@ -161,6 +162,9 @@ def load_checkpoint(trainer, root: str | Path) -> Path:
     missing, unexpected = trainer.model.module.load_state_dict(state["model"], strict=ours is None)
     if unexpected or any(is_adapter(name) for name in missing):
         raise ModelError(f"--load {directory}: its adapter does not fit this model ({(unexpected or missing)[:3]})")
+    if not optimizer:
+        logger.info("loaded the weights of %s", directory)
+        return directory
     trainer.optimizer.load_state_dict(state["optimizer"])
     _load_shard_states(trainer, state.get("optimizer_shards", []))
     _set_rng_state(state["rng"])

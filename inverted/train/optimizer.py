@@ -27,7 +27,9 @@ class CPUAdamW:
         for name, param in model.named_parameters():
             if param.requires_grad:
                 (no_decay if name.endswith(".bias") or param.ndim == 1 else decay).append(param)
-        groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        # wd_mult: Megatron's name for a group's share of the weight decay (set_adam reads it)
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay, "wd_mult": 1.0},
+                  {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}]
         self.params = decay + no_decay
         self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
         self.clip_grad = cfg.clip_grad
@@ -69,6 +71,18 @@ class CPUAdamW:
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state)
+
+
+def set_adam(optimizer, lr: float, betas: tuple[float, float], eps: float, weight_decay: float, clip_grad: float) -> None:
+    """The next steps' hyper-parameters, set on a built optimizer (a caller-driven loop picks them per step):
+    weight decay on the groups that decay (not biases and norms), clipping off at 0."""
+    for group in optimizer.optimizer.param_groups:
+        group["lr"], group["betas"], group["eps"] = lr, betas, eps
+        group["weight_decay"] = weight_decay * group.get("wd_mult", float(group["weight_decay"] != 0))
+    if isinstance(optimizer, CPUAdamW):
+        optimizer.clip_grad = clip_grad
+    else:
+        optimizer.config.clip_grad = clip_grad
 
 
 def build_optimizer(cfg: OptimConfig, ddp_model: torch.nn.Module, *, bf16: bool):

@@ -98,6 +98,7 @@ class MicroBatch:
     response_lengths: list[int]
     padding: int = 0
     kept: KeptSets | None = None  # the responses' kept sets (sampling masks), where recorded
+    targets: torch.Tensor | None = None  # each response position's target, where not the next token (Tinker's datums)
 
     @property
     def max_seqlen(self) -> int:
@@ -125,6 +126,8 @@ class MicroBatch:
                 for prompt_start, prompt_end, start, length in self._responses()]
 
     def response_targets(self) -> torch.Tensor:
+        if self.targets is not None:
+            return self.targets
         spans = [self.tokens_T[start:start + length] for _, _, start, length in self._responses()]
         return torch.cat(spans) if spans else torch.zeros(0, dtype=torch.long)
 

@@ -26,6 +26,7 @@ from inverted.train.weight_sync.transports import (
     Transport,
     on_this_host,
 )
+from inverted.types import POLICY_ADAPTER
 
 # --update-weight-buffer-size 0. On a GPU, slime's default. On a CPU a bucket is host memory that
 # the trainer and the engines keep mapped between updates (the engines keep each one decoded), so it
@@ -48,7 +49,8 @@ def choose_transport(kind: str, urls: list[str], *, lora: bool = False) -> str:
 
 
 def make_weight_sync(cfg: WeightSyncConfig, hf_checkpoint: str, output_dir: str, urls: list[str], *,
-                     keys: ServerKeys = ServerKeys(), adapter: dict | None = None) -> WeightSync:
+                     keys: ServerKeys = ServerKeys(), adapter: dict | None = None,
+                     adapter_name: str = POLICY_ADAPTER) -> WeightSync:
     """A weight sync by ``choose_transport``'s transport. The disk transport writes under ``output_dir``
     unless told where, beside ``hf_checkpoint``'s config."""
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -65,4 +67,5 @@ def make_weight_sync(cfg: WeightSyncConfig, hf_checkpoint: str, output_dir: str,
     # --update-weight-buffer-size each (on a CPU, RAM in /dev/shm; the bytes are written to share them).
     stored = sum(f.stat().st_size for f in Path(hf_checkpoint).glob("*.safetensors"))
     return WeightSync(transport, urls, buffer_size=min(size, stored or size),
-                      pause_mode=cfg.pause_mode, keys=keys, checkpoint_dtype=checkpoint_dtype, adapter=adapter)
+                      pause_mode=cfg.pause_mode, keys=keys, checkpoint_dtype=checkpoint_dtype, adapter=adapter,
+                      adapter_name=adapter_name)

@@ -22,7 +22,7 @@ live parameters, one at a time). The phases, each timed into the ``SyncReport``:
 8. ``continue``: ``/continue_generation``.
 
 A LoRA run replaces steps 3-5 with ``adapter``: its adapter, packed whole into one bucket, is
-unloaded and loaded again under ``POLICY_ADAPTER`` on every server (``Transport.load_adapter``).
+unloaded and loaded again under its name (``POLICY_ADAPTER`` in a job) on every server (``Transport.load_adapter``).
 
 If anything fails after the pause, the session is ended and generation continued before the
 error propagates, so a failed update never leaves servers frozen.
@@ -97,15 +97,16 @@ class WeightSync:
     """Pushes the trainer's weights into every rollout server (the URLs of their SGLang endpoints)."""
 
     def __init__(self, transport: Transport, urls: list[str], *, buffer_size: int, pause_mode: PauseMode = "retract",
-                 keys: ServerKeys = ServerKeys(), checkpoint_dtype: str | None = None, adapter: dict | None = None):
+                 keys: ServerKeys = ServerKeys(), checkpoint_dtype: str | None = None, adapter: dict | None = None,
+                 adapter_name: str = POLICY_ADAPTER):
         """``adapter``: a LoRA run's PEFT adapter_config; the weights streamed are then that adapter's,
-        loaded whole as ``POLICY_ADAPTER``."""
+        loaded whole as ``adapter_name`` (a job's one policy; each of a Tinker service's models its own)."""
         if pause_mode not in PAUSE_MODES:
             raise ConfigError(f"--pause-mode must be one of {list(PAUSE_MODES)}, got {pause_mode!r}")
         self.transport, self.urls, self.keys = transport, list(urls), keys
         self.buffer_size, self.pause_mode, self.checkpoint_dtype = buffer_size, pause_mode, checkpoint_dtype
         self.packer: BucketPacker | None = None
-        self.adapter = adapter
+        self.adapter, self.adapter_name = adapter, adapter_name
         self.connected: list[tuple[str, float | None]] = []
 
     def release(self) -> None:
@@ -190,7 +191,7 @@ class WeightSync:
         with report.timed("pack"):
             (bucket,) = self.packer.pack(named)
         with report.timed("send"):
-            await self.transport.load_adapter(servers, POLICY_ADAPTER, self.adapter, bucket)
+            await self.transport.load_adapter(servers, self.adapter_name, self.adapter, bucket)
         report.buckets, report.bytes = 1, bucket.nbytes
 
     async def _stream(self, servers: list[SGLangClient], weights: Iterator, report: SyncReport) -> None:

@@ -1,0 +1,1 @@
+"""The Tinker training API (``inverted tinker-serve``): the user's own script drives the loop. See README.md."""

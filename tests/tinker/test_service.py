@@ -1,0 +1,387 @@
+"""``inverted tinker-serve`` driven by the unmodified ``tinker`` SDK (0.38.0), as its documentation writes it.
+
+One server per module (a tiny Qwen2, one embedded engine behind the real sgl-router), started as a
+user starts it: ``inverted tinker-serve``. Each test opens its own ``ServiceClient`` with its own
+key, so no test sees another's models. What is checked:
+
+- a supervised loop learns, its log-probs equal ``transformers`` (the untrained adapter is the base
+  model) and its loss is the documented sum, recomputed;
+- after ``save_weights_for_sampler`` the sampler's log-probs of the trained adapter equal the trainer's;
+- a ``forward_backward`` split into chunks (sent at once, the first last) trains exactly like one call;
+- calls sent out of ``seq_id`` order run in it; a used ``seq_id`` is refused;
+- a bad call fails its own future with the SDK's ``user`` category and a clear message, and the
+  client goes on; malformed, oversized or foreign requests are refused before any work;
+- two LoRA models train side by side without touching each other; one key never reads another's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from inverted.processes import ManagedProcess, free_port
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+CHUNK = 2  # datums per forward_backward request: the SDK splits larger calls
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    checkpoint = tiny_model("qwen2")
+    out = tmp_path_factory.mktemp("tinker")
+    url = f"http://127.0.0.1:{free_port()}"
+    argv = [sys.executable, "-m", "inverted.cli", "tinker-serve", "--hf-checkpoint", str(checkpoint),
+            "--base-model", "Qwen/Tiny", "--num-engines", "1", "--output-dir", str(out),
+            "--tinker-port", url.rsplit(":", 1)[1], "--tinker-chunk-datums", str(CHUNK),
+            "--tinker-max-batch-tokens", "4096", "--tinker-max-models", "4"]
+    proc = ManagedProcess.spawn("tinker-serve", argv, out / "serve.log", url)
+    try:
+        proc.wait_healthy(180, path="/api/v1/healthz")
+        os.environ["TINKER_TELEMETRY"] = "0"
+        yield url, checkpoint
+    finally:
+        proc.terminate()
+
+
+def client(url: str, key: str) -> "tinker.ServiceClient":
+    return tinker.ServiceClient(base_url=url, api_key=key)
+
+
+def sft_datum(prompt: list[int], completion: list[int]) -> types.Datum:
+    """The cookbook's layout: the input shifted by one, the prompt's positions weighted 0."""
+    tokens = prompt + completion
+    weights = np.array([0.0] * (len(prompt) - 1) + [1.0] * len(completion), np.float32)
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": np.array(tokens[1:], np.int64), "weights": weights})
+
+
+def reference_logprobs(checkpoint, datum: types.Datum) -> np.ndarray:
+    """The base model's log-prob of each target, by ``transformers`` at fp32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, torch_dtype=torch.float32).eval()
+    tokens = torch.tensor([datum.model_input.to_ints()])
+    targets = torch.as_tensor(datum.loss_fn_inputs["target_tokens"].to_numpy())
+    with torch.no_grad():
+        logits = model(tokens).logits[0].float()
+    return logits.log_softmax(-1).gather(1, targets[:, None])[:, 0].numpy()
+
+
+def test_a_supervised_loop_learns_with_exact_logprobs_and_its_sampler_agrees(server):
+    url, checkpoint = server
+
+    async def run():
+        service = client(url, "tml-sft")
+        training = await service.create_lora_training_client(base_model="Qwen/Tiny", rank=8)
+        data = [sft_datum([3, 14, 15, 92], [65, 35, 89, 79, 32]), sft_datum([3, 14, 7], [26, 53, 58, 97])]
+        losses, outputs = [], []
+        for _ in range(6):
+            forward = training.forward_backward(data, "cross_entropy")
+            step = training.optim_step(types.AdamParams(learning_rate=3e-2))
+            result, stepped = await forward, await step
+            losses.append(result.metrics["loss:sum"])
+            outputs.append(result.loss_fn_outputs)
+            assert stepped.metrics["grad_norm:mean"] > 0
+        # the untrained adapter (B = 0) is the base model: the first call's log-probs are transformers'
+        for datum, output in zip(data, outputs[0]):
+            np.testing.assert_allclose(output["logprobs"].to_numpy(), reference_logprobs(checkpoint, datum), atol=2e-5)
+        # the loss is the documented sum over the weighted targets, recomputed from the returned log-probs
+        for loss, output in zip(losses, outputs):
+            recomputed = -sum(float((o["logprobs"].to_numpy() * d.loss_fn_inputs["weights"].to_numpy()).sum())
+                              for o, d in zip(output, data))
+            assert loss == pytest.approx(recomputed, rel=1e-5)
+        assert losses[-1] < 0.5 * losses[0], losses
+
+        # the trained adapter, pushed to the rollout servers, scores as the trainer does
+        evaluated = await training.forward(data, "cross_entropy")
+        sampler = await training.save_weights_and_get_sampling_client()
+        for datum, output in zip(data, evaluated.loss_fn_outputs):
+            full = datum.model_input.to_ints() + [int(datum.loss_fn_inputs["target_tokens"].to_numpy()[-1])]
+            served = await sampler.compute_logprobs(types.ModelInput.from_ints(full))
+            np.testing.assert_allclose(np.array(served[1:], np.float32), output["logprobs"].to_numpy(), atol=1e-4)
+
+        # and it samples from it: each sequence with its log-probs, as many as asked
+        answer = await sampler.sample(prompt=types.ModelInput.from_ints([3, 14, 15, 92]), num_samples=3,
+                                      sampling_params=types.SamplingParams(max_tokens=5, temperature=1.0))
+        assert len(answer.sequences) == 3
+        for sequence in answer.sequences:
+            assert len(sequence.tokens) == len(sequence.logprobs) == 5 and sequence.stop_reason == "length"
+        # each sampled token's log-prob is the trained policy's, as the trainer computes it
+        prompt = [3, 14, 15, 92]
+        for sequence in answer.sequences:
+            tokens = prompt + list(sequence.tokens)
+            scored = await training.forward([types.Datum(
+                model_input=types.ModelInput.from_ints(tokens[:-1]),
+                loss_fn_inputs={"target_tokens": np.array(tokens[1:], np.int64)})], "cross_entropy")
+            np.testing.assert_allclose(np.array(sequence.logprobs, np.float32),
+                                       scored.loss_fn_outputs[0]["logprobs"].to_numpy()[len(prompt) - 1:], atol=1e-4)
+        await service.close("success")
+
+    asyncio.run(run())
+
+
+def test_a_chunked_call_trains_as_one_call_and_calls_run_in_seq_id_order(server):
+    url, _ = server
+
+    async def run():
+        data = [sft_datum([3, 10 + i], [20 + i, 30 + i, 40 + i]) for i in range(5)]  # 3 chunks of CHUNK datums
+        service = client(url, "tml-chunks")
+        chunked = await service.create_lora_training_client(base_model="Qwen/Tiny", rank=4, seed=7)
+        first = await chunked.forward(data, "cross_entropy")
+        forward = chunked.forward_backward(data, "cross_entropy")
+        step = chunked.optim_step(types.AdamParams(learning_rate=1e-2))
+        result = await forward
+        await step
+        after = await chunked.forward(data, "cross_entropy")
+        # every datum's log-probs came back in order, and the chunks' losses add up
+        assert len(result.loss_fn_outputs) == len(data)
+        for a, b in zip(first.loss_fn_outputs, result.loss_fn_outputs):
+            np.testing.assert_allclose(a["logprobs"].to_numpy(), b["logprobs"].to_numpy(), atol=1e-6)
+        assert result.metrics["loss:sum"] == pytest.approx(first.metrics["loss:sum"], rel=1e-6)
+        # one model trained the same data in one request per datum, accumulated, then one step: the same weights
+        single = await service.create_lora_training_client(base_model="Qwen/Tiny", rank=4, seed=7)
+        futures = [single.forward_backward([d], "cross_entropy") for d in data]
+        step = single.optim_step(types.AdamParams(learning_rate=1e-2))
+        for f in futures:
+            await f
+        await step
+        again = await single.forward(data, "cross_entropy")
+        for a, b in zip(after.loss_fn_outputs, again.loss_fn_outputs):
+            np.testing.assert_allclose(a["logprobs"].to_numpy(), b["logprobs"].to_numpy(), atol=1e-5)
+        assert after.metrics["loss:sum"] < first.metrics["loss:sum"]
+        await service.close("success")
+
+    asyncio.run(run())
+
+
+def post(url: str, path: str, key: str, body, proto: bool = False):
+    import httpx
+
+    headers = {"X-API-Key": key}
+    if proto:
+        return httpx.post(f"{url}/api/v1/{path}", content=body, headers=headers | {"Content-Type": "application/x-protobuf"},
+                          timeout=60)
+    return httpx.post(f"{url}/api/v1/{path}", json=body, headers=headers, timeout=60)
+
+
+def retrieve(url: str, key: str, request_id: str):
+    while True:
+        answer = post(url, "retrieve_future", key, {"request_id": request_id})
+        if answer.status_code != 200 or answer.headers["content-type"].startswith("application/x-protobuf") or \
+                answer.json().get("type") != "try_again":
+            return answer
+
+
+def proto_request(model_id: str, seq_id: int, data: list[types.Datum], loss: str = "cross_entropy") -> bytes:
+    """A forward_backward body exactly as the SDK encodes it (its own converter)."""
+    request = types.ForwardBackwardRequest(forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn=loss),
+                                           model_id=model_id, seq_id=seq_id)
+    return forward_backward_request_to_proto(request).SerializeToString()
+
+
+def finish(url: str, key: str, model_id: str) -> None:
+    """End the model's session, as the SDK's ``close`` does: its models are unloaded."""
+    assert post(url, f"sessions/{model_id.split(':')[0]}/finish", key, {"reason": {"type": "success"}}).status_code == 200
+
+
+def new_model(url: str, key: str) -> str:
+    session = post(url, "create_session", key, {"tags": [], "user_metadata": None, "sdk_version": "raw"}).json()
+    created = post(url, "create_model", key, {"session_id": session["session_id"], "model_seq_id": 0,
+                                              "base_model": "Qwen/Tiny", "lora_config": {"rank": 2}}).json()
+    assert retrieve(url, key, created["request_id"]).json()["model_id"] == created["model_id"]
+    return created["model_id"]
+
+
+def test_calls_sent_out_of_order_run_in_seq_id_order(server):
+    url, _ = server
+    key = "tml-order"
+    model = new_model(url, key)
+    data = [sft_datum([3, 4], [5, 6, 7])]
+    # the step (seq 2) arrives before the gradients it applies (seq 1): it waits for them
+    step = post(url, "optim_step", key, {"model_id": model, "seq_id": 2, "adam_params": {"learning_rate": 0.01}}).json()
+    forward = post(url, "forward_backward", key, proto_request(model, 1, data), proto=True).json()
+    assert retrieve(url, key, forward["request_id"]).headers["content-type"].startswith("application/x-protobuf")
+    assert retrieve(url, key, step["request_id"]).json()["metrics"]["grad_norm:mean"] > 0
+    # a seq_id already used fails its own future, with the SDK's user category
+    again = post(url, "forward_backward", key, proto_request(model, 2, data), proto=True).json()
+    failed = retrieve(url, key, again["request_id"]).json()
+    assert failed["category"] == "user" and "already used" in failed["error"]
+    finish(url, key, model)
+
+
+def test_bad_input_is_refused_clearly_and_cheaply(server):
+    url, _ = server
+    key = "tml-bad"
+    model = new_model(url, key)
+    datum = sft_datum([3, 4], [5, 6])
+
+    def refused(answer, status: int, words: str) -> None:
+        assert answer.status_code == status, answer.text
+        assert answer.json()["category"] == "user" and words in answer.json()["error"], answer.text
+
+    refused(post(url, "forward_backward", key, b"\xff\xff\x00garbage", proto=True), 400, "protobuf")
+    refused(post(url, "forward_backward", key, proto_request("nobody:train:0", 1, [datum]), proto=True), 400,
+            "unknown model")
+    # a call that names its model and turn but cannot run fails in its turn (the SDK has reserved it), at once
+    outside = types.Datum(model_input=types.ModelInput.from_ints([3, 4]),
+                          loss_fn_inputs={"target_tokens": np.array([4, 10**6], np.int64)})
+    missing = types.Datum(model_input=types.ModelInput.from_ints([3, 4]),
+                          loss_fn_inputs={"target_tokens": np.array([4, 5], np.int64)})
+    for seq_id, (data, loss, words) in enumerate([
+            ([datum] * 1500, "cross_entropy", "--tinker-max-batch-tokens"),
+            ([datum], "stable_reinforce", "not published"),
+            ([outside], "cross_entropy", "token ids"),
+            ([missing], "ppo", "'logprobs' is missing")], start=1):
+        answer = post(url, "forward_backward", key, proto_request(model, seq_id, data, loss), proto=True).json()
+        failed = retrieve(url, key, answer["request_id"]).json()
+        assert failed["category"] == "user" and words in failed["error"], failed
+    refused(post(url, "get_info", "not-a-tinker-key", {"model_id": model}), 401, "API key")
+    # the model's next call runs
+    ok = post(url, "forward_backward", key, proto_request(model, 5, [datum]), proto=True).json()
+    assert retrieve(url, key, ok["request_id"]).status_code == 200
+    # a request id this server never issued (or lost in a restart): 410, which the SDK resubmits on
+    assert retrieve(url, key, "0" * 24).status_code == 410
+    finish(url, key, model)
+    # a finished session's models are gone
+    assert post(url, "get_info", key, {"model_id": model}).status_code == 400
+
+
+def test_a_failed_call_fails_only_its_own_future(server):
+    url, _ = server
+
+    async def run():
+        service = client(url, "tml-poison")
+        training = await service.create_lora_training_client(base_model="Qwen/Tiny", rank=2)
+        good = sft_datum([3, 4], [5, 6])
+        # not a loss input the SDK's cross_entropy takes: refused, naming it; the client goes on
+        odd = types.Datum(model_input=good.model_input, loss_fn_inputs={**good.loss_fn_inputs,
+                                                                        "advantages": np.ones(3, np.float32)})
+        with pytest.raises(Exception, match="takes no input 'advantages'"):
+            await training.forward_backward([odd], "cross_entropy")
+        result = await training.forward_backward([good], "cross_entropy")
+        assert len(result.loss_fn_outputs) == 1
+        await service.close("success")
+
+    asyncio.run(run())
+
+
+def test_two_lora_models_train_side_by_side_and_keys_keep_them_apart(server):
+    url, _ = server
+
+    async def run():
+        alice, bob = client(url, "tml-alice"), client(url, "tml-bob")
+        a = await alice.create_lora_training_client(base_model="Qwen/Tiny", rank=4)
+        b = await bob.create_lora_training_client(base_model="Qwen/Tiny", rank=4)
+        data = [sft_datum([3, 8, 9], [11, 12, 13])]
+        b_before = (await b.forward(data, "cross_entropy")).loss_fn_outputs[0]["logprobs"].to_numpy()
+        for _ in range(3):
+            await a.forward_backward(data, "cross_entropy")
+            await a.optim_step(types.AdamParams(learning_rate=3e-2))
+        a_after = (await a.forward(data, "cross_entropy")).loss_fn_outputs[0]["logprobs"].to_numpy()
+        b_after = (await b.forward(data, "cross_entropy")).loss_fn_outputs[0]["logprobs"].to_numpy()
+        np.testing.assert_array_equal(b_after, b_before)
+        assert a_after.sum() > b_after.sum() + 0.5
+        # each model's sampler serves its own adapter
+        a_sampler = await a.save_weights_and_get_sampling_client()
+        b_sampler = await b.save_weights_and_get_sampling_client()
+        full = data[0].model_input.to_ints() + [13]
+        a_served = np.array((await a_sampler.compute_logprobs(types.ModelInput.from_ints(full)))[1:], np.float32)
+        b_served = np.array((await b_sampler.compute_logprobs(types.ModelInput.from_ints(full)))[1:], np.float32)
+        np.testing.assert_allclose(a_served, a_after, atol=1e-4)
+        np.testing.assert_allclose(b_served, b_after, atol=1e-4)
+        # bob's key cannot read or train alice's model, nor sample her weights
+        assert post(url, "get_info", "tml-bob", {"model_id": a.model_id}).status_code == 400
+        answer = post(url, "forward_backward", "tml-bob", proto_request(a.model_id, 99, [sft_datum([3], [4])]),
+                      proto=True)
+        assert answer.status_code == 400 and "unknown model" in answer.json()["error"]
+        saved = await a.save_weights_for_sampler("alice-final")
+        assert (await alice.create_sampling_client(model_path=saved.path)) is not None
+        with pytest.raises(Exception, match="unknown model_path"):
+            await bob.create_sampling_client(model_path=saved.path)
+        await alice.close("success")
+        await bob.close("success")
+
+    asyncio.run(run())
+
+
+def test_a_checkpoint_resumes_exactly_and_only_for_its_owner(server):
+    url, _ = server
+
+    async def run():
+        data = [sft_datum([3, 21, 22], [23, 24, 25]), sft_datum([3, 31], [32, 33])]
+        adam = types.AdamParams(learning_rate=2e-2, weight_decay=0.01, grad_clip_norm=1.0)
+        service = client(url, "tml-resume")
+        first = await service.create_lora_training_client(base_model="Qwen/Tiny", rank=4, train_mlp=False)
+        for _ in range(2):
+            await first.forward_backward(data, "cross_entropy")
+            await first.optim_step(adam)
+        saved = await first.save_state("after-two")
+        await first.forward_backward(data, "cross_entropy")
+        await first.optim_step(adam)
+        expected = (await first.forward(data, "cross_entropy")).loss_fn_outputs
+
+        # a new model from the checkpoint, its optimizer state too, takes the same third step
+        resumed = await service.create_training_client_from_state_with_optimizer(saved.path)
+        assert resumed.get_info().lora_rank == 4
+        await resumed.forward_backward(data, "cross_entropy")
+        await resumed.optim_step(adam)
+        for a, b in zip(expected, (await resumed.forward(data, "cross_entropy")).loss_fn_outputs):
+            np.testing.assert_allclose(b["logprobs"].to_numpy(), a["logprobs"].to_numpy(), atol=1e-6)
+
+        # another key cannot load it
+        other = client(url, "tml-thief")
+        with pytest.raises(Exception, match="unknown checkpoint"):
+            await other.create_training_client_from_state(saved.path)
+        await service.close("success")
+        await other.close("success")
+
+    asyncio.run(run())
+
+
+def test_full_fine_tuning_trains_every_weight_and_serves_them(server):
+    url, _ = server
+    key = "tml-full"
+    session = post(url, "create_session", key, {"tags": [], "user_metadata": None, "sdk_version": "raw"}).json()
+    created = post(url, "create_model", key, {"session_id": session["session_id"], "model_seq_id": 0,
+                                              "base_model": "Qwen/Tiny"}).json()
+    model = created["model_id"]
+    assert retrieve(url, key, created["request_id"]).status_code == 200
+    assert post(url, "get_info", key, {"model_id": model}).json()["is_lora"] is False
+    datum = sft_datum([3, 40, 41], [42, 43, 44])
+    for seq_id in (1, 3):
+        post(url, "forward_backward", key, proto_request(model, seq_id, [datum]), proto=True)
+        step = post(url, "optim_step", key, {"model_id": model, "seq_id": seq_id + 1,
+                                             "adam_params": {"learning_rate": 1e-2}}).json()
+        assert retrieve(url, key, step["request_id"]).json()["metrics"]["grad_norm:mean"] > 0
+    saved = post(url, "save_weights_for_sampler", key, {"model_id": model, "seq_id": 5, "path": "full-1"}).json()
+    path = retrieve(url, key, saved["request_id"]).json()["path"]
+    scored = post(url, "forward_backward", key, proto_request(model, 6, [datum]), proto=True).json()
+    from tinker.proto.response_conv import deserialize_forward_backward_output
+
+    trained = deserialize_forward_backward_output(retrieve(url, key, scored["request_id"]).content)
+
+    async def sample():
+        service = client(url, key)
+        sampler = await service.create_sampling_client(model_path=path)
+        full = datum.model_input.to_ints() + [44]
+        served = await sampler.compute_logprobs(types.ModelInput.from_ints(full))
+        # the servers now hold the full model's weights: the base model is not theirs to serve
+        with pytest.raises(Exception, match="full weights"):
+            base = await service.create_sampling_client(base_model="Qwen/Tiny")
+            await base.sample(prompt=types.ModelInput.from_ints([3]), num_samples=1,
+                              sampling_params=types.SamplingParams(max_tokens=2))
+        await service.close("success")
+        return np.array(served[1:], np.float32)
+
+    np.testing.assert_allclose(asyncio.run(sample()), trained.loss_fn_outputs[0]["logprobs"].to_numpy(), atol=1e-4)
+    finish(url, key, model)
