@@ -42,11 +42,12 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import numpy as np
+import torch
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response
 
 from inverted.config import TinkerServeConfig
-from inverted.errors import InvertedError
+from inverted.errors import InvertedError, SampleError
 from inverted.metrics import build_metrics_sink
 from inverted.rollout.servers import RolloutServers, lora_argv
 from inverted.rollout.sglang_client import SGLangClient, ServerKeys, read_output
@@ -66,6 +67,10 @@ SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}")  # a checkpoint's n
 
 class UserError(InvertedError):
     """The caller's mistake: a failed future of category ``user``, or a 400 before any work."""
+
+
+# The caller's mistakes, whichever layer finds them: a failed future of category "user".
+CALLERS_ERRORS = (UserError, wire.WireError, datum_losses.LossInputError, SampleError)
 
 
 class Refused(Exception):
@@ -277,11 +282,9 @@ class Service:
                 finally:
                     if model is not None and seq_id is not None and model.next_seq == seq_id:
                         await model.done()
-            except (UserError, wire.WireError) as exc:
+            except CALLERS_ERRORS as exc:
                 value = Failure(str(exc), "user")
-            except InvertedError as exc:  # the trainer's own checks (a bad Sample, a bad loss input)
-                value = Failure(str(exc), "user")
-            except Exception as exc:
+            except Exception as exc:  # ours: a server that failed, a bug
                 logger.exception("request %s failed", request_id)
                 value = Failure(f"{type(exc).__name__}: {exc}", "server")
             self.futures.resolve(request_id, value)
@@ -311,11 +314,9 @@ class Service:
                     raise UserError(f"{where}: {name} must be token ids in 0..{spec.vocab_size - 1}")
 
     async def forward_backward(self, request: wire.FwdBwdRequest, model: Model) -> bytes:
-        import torch
-
         loss, config = datum_losses.resolve(request.loss_fn, request.config)
         data = [(d.tokens, d.inputs["target_tokens"]) for d in request.data]
-        inputs = [{k: torch.as_tensor(np.asarray(v, np.float32)) for k, v in d.inputs.items() if k != "target_tokens"}
+        inputs = [{k: torch.tensor(v, dtype=torch.float32) for k, v in d.inputs.items() if k != "target_tokens"}
                   for d in request.data]
         logps, metrics = await self.on_training_thread(model.live().forward_backward, data, loss, inputs, config,
                                                        request.forward_only)

@@ -385,3 +385,43 @@ def test_full_fine_tuning_trains_every_weight_and_serves_them(server):
 
     np.testing.assert_allclose(asyncio.run(sample()), trained.loss_fn_outputs[0]["logprobs"].to_numpy(), atol=1e-4)
     finish(url, key, model)
+
+
+def test_a_restarted_server_fails_the_client_loudly_never_with_a_wrong_answer(tiny_model, tmp_path):
+    checkpoint = tiny_model("qwen2")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+
+    def start(name: str) -> ManagedProcess:
+        proc = ManagedProcess.spawn(name, [
+            sys.executable, "-m", "inverted.cli", "tinker-serve", "--hf-checkpoint", str(checkpoint), "--num-engines",
+            "1", "--output-dir", str(tmp_path / name), "--tinker-port", str(port)], tmp_path / f"{name}.log", url)
+        proc.wait_healthy(180, path="/api/v1/healthz")
+        return proc
+
+    async def run():
+        service = client(url, "tml-restart")
+        training = await service.create_lora_training_client(base_model=str(checkpoint), rank=2)
+        data = [sft_datum([3, 50], [51, 52])]
+        expected = (await training.forward(data, "cross_entropy")).loss_fn_outputs[0]["logprobs"].to_numpy()
+        pending = training.forward_backward(data, "cross_entropy")  # in flight as the server dies
+        first.popen.kill()
+        first.popen.wait()
+        second = start("second")
+        try:
+            try:
+                answer = await pending
+            except Exception as exc:  # loud: the model is not on the new server
+                assert "unknown model" in str(exc) or "410" in str(exc) or "Promise" in str(exc), exc
+            else:  # or it was answered before the kill: then by the first server, rightly
+                np.testing.assert_allclose(answer.loss_fn_outputs[0]["logprobs"].to_numpy(), expected, atol=1e-6)
+            with pytest.raises(Exception, match="unknown model"):
+                await training.forward_backward(data, "cross_entropy")
+        finally:
+            second.terminate()
+
+    first = start("first")
+    try:
+        asyncio.run(run())
+    finally:
+        first.terminate()
