@@ -752,8 +752,9 @@ def serve(cfg: TinkerServeConfig) -> None:
         out = Path(cfg.train.output_dir)
         servers_cfg = dataclasses.replace(cfg.servers, log_dir=str(out / "servers"), router_api_key=keys.api,
                                           admin_api_key=keys.admin)
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port("127.0.0.1")))
+        # The trainer is this process alone: its own rendezvous, whatever an inherited MASTER_PORT says
+        # (a launcher's, a test worker's: taken, it failed the start with EADDRINUSE).
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port("127.0.0.1")), RANK="0", WORLD_SIZE="1")
         flags = lora_argv(cfg.tinker.tinker_max_lora_rank, ["all"])
         async with RolloutServers(servers_cfg, flags=flags) as servers:
             service = Service(cfg, servers.router_url, servers.engine_urls, keys)
