@@ -9,9 +9,11 @@ import stand-ins, and left nothing in ``/dev/shm`` or the temporary directory.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import signal
-import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -26,8 +28,30 @@ from tests.job.test_train_job import ROOT, check, inverted, metrics_rows, stored
 
 pytestmark = pytest.mark.slow
 
-def leftovers() -> set[Path]:
-    return {*Path("/dev/shm").glob("sglang_loads_*.shm"), *Path(tempfile.gettempdir()).glob("inverted-sglang-*")}
+def left_behind(run: Path, since: float) -> set[Path]:
+    """What this job's SGLang servers left: their launchers' scratch folders (each names its own in its
+    log), and SGLang's load snapshots in /dev/shm made since ``since`` that no live process maps. Other
+    tests' servers may run meanwhile (on the other worker): theirs are mapped, their folders not named here."""
+    from inverted.rollout.sglang_cpu.launch import mapped_files
+
+    folders = {Path(m) for log in (run / "logs").glob("engine-*.log")
+               for m in re.findall(r"\[inverted\] scratch (\S+)", log.read_text())}
+    mapped = mapped_files()
+    shm = set()
+    for path in Path("/dev/shm").glob("sglang_loads_*.shm"):
+        with contextlib.suppress(FileNotFoundError):
+            if path.stat().st_mtime >= since and str(path) not in mapped:
+                shm.add(path)
+    return {folder for folder in folders if folder.exists()} | shm
+
+
+def assert_nothing_left(run: Path, since: float) -> None:
+    """Nothing of this job's servers stays behind (given a few seconds: another test's server that is
+    exiting maps its files no longer, and its launcher removes them next)."""
+    deadline = time.monotonic() + 20
+    while (left := left_behind(run, since)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, left
 
 
 @pytest.mark.parametrize("mode", [[], ["--async-mode"]], ids=["sync", "async"])
@@ -35,7 +59,7 @@ def test_the_demo_learns_on_real_sglang_with_the_trainers_logprobs_equal_to_sgla
     if not SGLANG_PYTHON.exists():
         pytest.skip(f"real SGLang is not installed ({SGLANG_PYTHON}): make sglang")
     data = write_dataset(letters.rows, tmp_path / "letters.jsonl", count=256)
-    before = leftovers()
+    started = time.time()
     run = tmp_path / "run"
     result = inverted("train", "--config", str(ROOT / "examples/demo.yaml"), "--hf-checkpoint", str(tiny_model()),
                       "--prompt-data", str(data), "--output-dir", str(run), "--num-rollout", "16",
@@ -60,7 +84,7 @@ def test_the_demo_learns_on_real_sglang_with_the_trainers_logprobs_equal_to_sgla
         text = log.read_text()
         assert "[inverted] no GPU here: SGLang's native PyTorch path" in text
         assert "import stand-in called" not in text
-    assert leftovers() <= before
+    assert_nothing_left(run, started)
 
 
 @pytest.mark.alone  # a kill timed against a running job
@@ -71,7 +95,7 @@ def test_a_killed_sglang_server_is_replaced_and_the_job_loses_no_episode(tiny_mo
         pytest.skip(f"real SGLang is not installed ({SGLANG_PYTHON}): make sglang")
     model, run_dir, log = own_model(tiny_model, tmp_path), tmp_path / "run", tmp_path / "job.log"
     data = long_tail_data(tmp_path / "long_tail.jsonl", count=64, short_s=0.5, long_s=0.5)
-    before = leftovers()
+    started = time.time()
     job = start_job("--hf-checkpoint", str(model), "--prompt-data", str(data), "--output-dir", str(run_dir),
                     "--num-rollout", "30", "--rollout-max-response-len", "16", "--rollout-backend", "sglang",
                     "--rollout-sglang-python", str(SGLANG_PYTHON), *RUN, log=log)
@@ -95,4 +119,4 @@ def test_a_killed_sglang_server_is_replaced_and_the_job_loses_no_episode(tiny_mo
     states = group_states(run_dir)
     assert len(states) == 60 and set(states.values()) <= {"consumed", "filtered"}
     assert sum(m["rollout/trained_samples"] for m in rows) == 2 * list(states.values()).count("consumed")
-    assert leftovers() <= before
+    assert_nothing_left(run_dir, started)

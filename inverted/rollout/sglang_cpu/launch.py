@@ -124,6 +124,7 @@ def main(argv: list[str]) -> int:
     started = time.time()
     scratch = Path(tempfile.mkdtemp(prefix="inverted-sglang-"))
     os.environ["TMPDIR"] = str(scratch)
+    print(f"[inverted] scratch {scratch} (removed at exit)", file=sys.stderr, flush=True)  # whose folder is whose
     if not any(os.path.exists(node) for node in GPU_DEVICE_NODES):
         here = str(Path(__file__).resolve().parent)
         os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
