@@ -11,6 +11,10 @@ datum's ``loss_fn_inputs`` by the SDK's names; none normalises (the client scale
 | ``ppo`` | ``-sum(min(p * A, clip(p, low, high) * A))``, thresholds ``clip_low_threshold`` / ``clip_high_threshold`` (0.8 / 1.2) |
 | ``cispo`` | ``-sum(sg(clip(p, low, high)) * logp * A)`` |
 | ``dro`` | ``-sum(logp * A - beta / 2 * (logp - logprobs)^2)``, ``beta`` (default 0.05) |
+| ``gspo`` | ``ppo`` on ``s_t = sg(s) * exp(logp - sg(logp))``, ``s = exp(mean(logp - logprobs))`` over the tokens ``sequence_ratio_mask`` marks |
+
+``gspo`` is the token-level variant Tinker documents (GSPO-token): every token carries its
+sequence's ratio as its value and its own log-prob's gradient, so per-token advantages still work.
 
 ``DEFAULTS`` holds each config's defaults and ``REQUIRED`` each loss's inputs; a missing input, an
 unknown config key or an unknown loss is a ``LossInputError`` naming what is served.
@@ -60,17 +64,25 @@ def dro(logp: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict[str, f
     return -(logp * inputs["advantages"] - 0.5 * config["beta"] * quadratic).sum()
 
 
+def gspo(logp: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict[str, float]) -> torch.Tensor:
+    in_ratio = inputs["sequence_ratio_mask"] != 0  # check_inputs saw that it marks a token
+    log_ratio = (logp.detach() - inputs["logprobs"])[in_ratio].mean()
+    ratio = torch.exp(log_ratio + logp - logp.detach())  # the sequence's value, each token's own gradient
+    advantages = inputs["advantages"]
+    clipped = ratio.clamp(config["clip_low_threshold"], config["clip_high_threshold"])
+    return -torch.minimum(ratio * advantages, clipped * advantages).sum()
+
+
 LOSSES: dict[str, Loss] = {"cross_entropy": cross_entropy, "importance_sampling": importance_sampling, "ppo": ppo,
-                           "cispo": cispo, "dro": dro}
-REQUIRED = {"cross_entropy": ("target_tokens",), "importance_sampling": ("target_tokens", "logprobs", "advantages"),
-            "ppo": ("target_tokens", "logprobs", "advantages"), "cispo": ("target_tokens", "logprobs", "advantages"),
-            "dro": ("target_tokens", "logprobs", "advantages")}
+                           "cispo": cispo, "dro": dro, "gspo": gspo}
+POLICY = ("target_tokens", "logprobs", "advantages")
+REQUIRED = {"cross_entropy": ("target_tokens",), "importance_sampling": POLICY, "ppo": POLICY, "cispo": POLICY,
+            "dro": POLICY, "gspo": (*POLICY, "sequence_ratio_mask")}
 CLIPS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
 DEFAULTS: dict[str, dict[str, float]] = {"cross_entropy": {}, "importance_sampling": {}, "ppo": CLIPS, "cispo": CLIPS,
-                                         "dro": {"beta": 0.05}}
-# The SDK's names whose definition is not ours to serve (yet): said so, not approximated.
-NOT_SERVED = {"stable_reinforce": "its definition is not published",
-              "gspo": "its sequence_ratio_mask input is not served yet"}
+                                         "dro": {"beta": 0.05}, "gspo": CLIPS}
+# The SDK's names whose definition is not ours to serve: said so, not approximated.
+NOT_SERVED = {"stable_reinforce": "its definition is not published"}
 
 
 def resolve(name: str, config: dict[str, float | str]) -> tuple[Loss, dict[str, float]]:
@@ -98,3 +110,5 @@ def check_inputs(name: str, inputs: dict, length: int, where: str) -> None:
         if value.shape != (length,):
             raise LossInputError(f"{where}: loss_fn_inputs[{key!r}] has shape {list(value.shape)}, the input has "
                                  f"{length} tokens")
+    if "sequence_ratio_mask" in inputs and not inputs["sequence_ratio_mask"].any():
+        raise LossInputError(f"{where}: sequence_ratio_mask marks no token (gspo's ratio is a mean over those it marks)")

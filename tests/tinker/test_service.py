@@ -7,6 +7,8 @@ key, so no test sees another's models. What is checked:
 - a supervised loop learns, its log-probs equal ``transformers`` (the untrained adapter is the base
   model) and its loss is the documented sum, recomputed;
 - after ``save_weights_for_sampler`` the sampler's log-probs of the trained adapter equal the trainer's;
+- the policy losses (``gspo`` with its ``sequence_ratio_mask``, ``ppo`` with its clips) read rl_loop's
+  datums and return their documented sums;
 - a ``forward_backward`` split into chunks (sent at once, the first last) trains exactly like one call;
 - calls sent out of ``seq_id`` order run in it; a used ``seq_id`` is refused;
 - a bad call fails its own future with the SDK's ``user`` category and a clear message, and the
@@ -125,6 +127,47 @@ def test_a_supervised_loop_learns_with_exact_logprobs_and_its_sampler_agrees(ser
                 loss_fn_inputs={"target_tokens": np.array(tokens[1:], np.int64)})], "cross_entropy")
             np.testing.assert_allclose(np.array(sequence.logprobs, np.float32),
                                        scored.loss_fn_outputs[0]["logprobs"].to_numpy()[len(prompt) - 1:], atol=1e-4)
+        await service.close("success")
+
+    asyncio.run(run())
+
+
+def test_policy_losses_read_their_inputs_as_the_cookbook_sends_them(server):
+    """rl_loop's datums (a zero-padded prompt, the sampler's log-probs, one advantage per sequence and,
+    for gspo, its sequence_ratio_mask), through the SDK: each loss is its documented sum of the
+    returned log-probs, recomputed here."""
+    url, _ = server
+    prompt, sampled = [3, 14, 15, 92], [65, 35, 89, 79, 32]
+    ob = len(prompt) - 1
+    rng = np.random.default_rng(1)
+    sampler_logprobs = np.array([0.0] * ob + list(rng.normal(-4.6, 0.3, len(sampled))), np.float32)
+    advantage = np.array([0.0] * ob + [0.7] * len(sampled), np.float32)
+    mask = np.array([0.0] * ob + [1.0] * len(sampled), np.float32)
+
+    def datum(**extra) -> types.Datum:
+        return types.Datum(model_input=types.ModelInput.from_ints(prompt + sampled[:-1]), loss_fn_inputs={
+            "target_tokens": np.array([0] * ob + sampled, np.int64), "logprobs": sampler_logprobs,
+            "advantages": advantage, **extra})
+
+    async def run():
+        service = client(url, "tml-policy")
+        training = await service.create_lora_training_client(base_model="Qwen/Tiny", rank=4)
+        for loss, extra, config in [("gspo", {"sequence_ratio_mask": mask}, None),
+                                    ("gspo", {"sequence_ratio_mask": mask}, {"clip_low_threshold": 0.999,
+                                                                             "clip_high_threshold": 1.001}),
+                                    ("ppo", {}, {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1})]:
+            result = await training.forward([datum(**extra)], loss, loss_fn_config=config)
+            logp = result.loss_fn_outputs[0]["logprobs"].to_numpy().astype(np.float64)
+            low, high = (config or {}).get("clip_low_threshold", 0.8), (config or {}).get("clip_high_threshold", 1.2)
+            if loss == "gspo":
+                ratio = np.full_like(logp, np.exp((logp - sampler_logprobs)[mask != 0].mean()))
+            else:
+                ratio = np.exp(logp - sampler_logprobs)
+            expected = -np.minimum(ratio * advantage, np.clip(ratio, low, high) * advantage).sum()
+            assert result.metrics["loss:sum"] == pytest.approx(expected, rel=1e-4), (loss, config)
+        failed = training.forward([datum(sequence_ratio_mask=np.zeros_like(mask))], "gspo")
+        with pytest.raises(tinker.RequestFailedError, match="sequence_ratio_mask marks no token"):
+            await failed
         await service.close("success")
 
     asyncio.run(run())
