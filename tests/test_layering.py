@@ -77,7 +77,8 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("inverted.view", SHARED + ("inverted.view", "inverted.buffer.archive", "inverted.train.details")),
     ("inverted.train", SHARED + ("inverted.rollout.sglang_client", "inverted.train")),
     # the Tinker service: a front end on the trainer (its learner) and the rollout servers, like the job's controller
-    ("inverted.tinker", SHARED + ("inverted.tinker", "inverted.rollout.servers", "inverted.rollout.sglang_client",
+    ("inverted.tinker", SHARED + ("inverted.tinker", "inverted.buffer.store", "inverted.buffer.datasets",
+                                  "inverted.rollout.servers", "inverted.rollout.sglang_client",
                                   "inverted.train.learner", "inverted.train.datum_losses", "inverted.train.parallel")),
     ("inverted", ("inverted",)),
 ]

@@ -30,7 +30,7 @@ import sqlite3
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Literal, Protocol
 
 import orjson
@@ -108,7 +108,9 @@ class SQLiteStore:
                 self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} INTEGER")
         with self._tx():
             self._init_meta(prompts)
-        self.num_prompts = self._db.execute("SELECT COUNT(*) FROM prompts").fetchone()[0]
+        self.num_prompts = self._db.execute(  # the dataset's: not the prompts of recorded groups (epoch -1)
+            "SELECT COUNT(*) FROM prompts WHERE prompt_index NOT IN (SELECT prompt_index FROM groups WHERE epoch = -1)"
+        ).fetchone()[0]
         self._orders: dict[int, list[int]] = {}
 
     # ---- setup ---------------------------------------------------------------------------
@@ -295,6 +297,36 @@ class SQLiteStore:
             self._count("samples_accepted", result.accepted)
             self._count("samples_duplicate", result.duplicates)
         return result
+
+    def record(self, prompt: PromptRecord, samples: list[Sample], batch_id: str) -> int:
+        """A group sampled outside the task flow, stored as served; its group index.
+
+        For a caller that drives its own loop (``inverted tinker-serve``) and keeps what it sampled as a
+        job keeps it, for ``inverted view``: the prompt joins the prompts table after any dataset's
+        (epoch -1: no epoch leases it), the group is consumed at once under ``batch_id``, and its
+        samples take indices 0.. in order. One transaction: all of it is stored, or none.
+        """
+        blob = orjson.dumps(prompt.to_json())
+        lowest = [min(map(version_number, set(s.weight_versions)), default=None) for s in samples]
+        with self._tx() as db:
+            now = self.clock()
+            group = int(self._meta("next_group"))
+            prompt_index = db.execute("SELECT COALESCE(MAX(prompt_index) + 1, 0) FROM prompts").fetchone()[0]
+            db.execute("INSERT INTO prompts (prompt_index, record) VALUES (?, ?)", (prompt_index, blob))
+            db.execute("INSERT INTO groups (group_index, prompt_index, epoch, state, min_version, staleness, batch_id, "
+                       "created_at, completed_at, consumed_at) VALUES (?, ?, -1, 'consumed', ?, 0, ?, ?, ?, ?)",
+                       (group, prompt_index, min((v for v in lowest if v is not None), default=None), batch_id,
+                        now, now, now))
+            db.executemany("INSERT INTO tasks (group_index, sample_index, state, attempts) VALUES (?, ?, 'done', 1)",
+                           [(group, i) for i in range(len(samples))])
+            db.executemany("INSERT INTO samples (group_index, sample_index, sample, min_version, failed) "
+                           "VALUES (?, ?, ?, ?, ?)",
+                           [(group, i, orjson.dumps(replace(sample, group_index=group, index=i).to_json()),
+                             lowest[i], sample.status == Sample.Status.FAILED) for i, sample in enumerate(samples)])
+            self._set_meta("next_group", group + 1)
+            self._count("groups_recorded")
+            self._count("samples_accepted", len(samples))
+        return group
 
     def _complete_group(self, group: int) -> bool:
         done, min_version, failed = self._db.execute(

@@ -16,6 +16,8 @@ Behind the routes:
   them; a sampling session samples through the real sgl-router from the servers
   (``/generate`` by ids, with log-probs, prompt log-probs and top-k), each sequence with the
   weight version it came from.
+- **Record.** Every sampled sequence is kept in its model's run directory (``record.py``), beside the
+  model's metrics (one row per optimizer step), so ``inverted view`` opens it as it opens a job's.
 - **Futures.** Every call answers a request id at once (``futures.py``); results are fetched
   by long-polling ``retrieve_future``, as protobuf where the SDK asks for it (``wire.py``).
 - **Errors.** A caller's mistake is a failed future of category ``user`` (or a 4xx before any
@@ -54,6 +56,7 @@ from inverted.rollout.sglang_client import SGLangClient, ServerKeys, read_output
 from inverted.tinker import wire
 from inverted.train import datum_losses
 from inverted.tinker.futures import Failure, Futures
+from inverted.tinker.record import BASE, SampleRecord
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +140,14 @@ class Sampler:
     base_model: str
     model_path: str | None
     adapter: str | None  # the LoRA adapter's name on the servers; None: the servers' base weights
-    version: str
+    version: str  # "MODEL_ID:SAVE", or "base"
+
+    def source(self) -> tuple[str, int]:
+        """The model its weights come from and their save number (the base model's: ``record.BASE``, 0)."""
+        if self.version == BASE:
+            return BASE, 0
+        model_id, _, saved = self.version.rpartition(":")
+        return model_id, int(saved)
 
 
 class Service:
@@ -157,6 +167,7 @@ class Service:
         self.training = ThreadPoolExecutor(1, thread_name_prefix="train")  # one model's step at a time
         self.full_weights_on_servers: str | None = None  # a full model whose weights the servers hold
         self.client = SGLangClient(router_url, api_key=keys.api)
+        self.record = SampleRecord(Path(cfg.train.output_dir) / "tinker" / "models", cfg.train.hf_checkpoint)
 
     # -- sessions and models -------------------------------------------------------------
 
@@ -255,8 +266,8 @@ class Service:
         return {"model_id": model.model_id, "type": "create_model"}
 
     def model_dir(self, model: Model) -> Path:
-        """The model's run directory: its metrics (``metrics.jsonl``, TensorBoard), one row per optimizer step."""
-        return Path(self.cfg.train.output_dir) / "tinker" / "models" / model.model_id.replace(":", "_")
+        """The model's run directory (``record.py``): its samples, and its metrics, one row per optimizer step."""
+        return self.record.run_dir(model.model_id)
 
     def info(self, model: Model) -> dict:
         return {"type": "get_info", "model_id": model.model_id, "is_lora": bool(model.lora_rank),
@@ -432,7 +443,7 @@ class Service:
             self.check_base(base)
             if self.full_weights_on_servers is not None:
                 raise UserError(f"the servers hold {self.full_weights_on_servers}'s full weights, not the base model's")
-            sampler = Sampler(owner, base, None, None, "base")
+            sampler = Sampler(owner, base, None, None, BASE)
         sampler_id = f"{session_id}:sample:{seq}:{secrets.token_hex(4)}"
         self.samplers[sampler_id] = sampler
         return sampler_id
@@ -449,9 +460,9 @@ class Service:
         return [s for s, session in self.sessions.items() if session.owner == owner]
 
     async def sample(self, sampler: Sampler, body: dict) -> bytes:
-        if sampler.version == "base" and self.full_weights_on_servers is not None:
+        if sampler.version == BASE and self.full_weights_on_servers is not None:
             raise UserError(f"the servers hold {self.full_weights_on_servers}'s full weights, not the base model's")
-        if sampler.version != "base" and sampler.version not in self.live:
+        if sampler.version != BASE and sampler.version not in self.live:
             raise UserError(f"the sampler weights of {sampler.model_path} were let go (a model's last {KEPT_SAVES} "
                             "saves stay on the servers, a full model's newest): save them again")
         tokens = [t for chunk in body["prompt"]["chunks"] for t in chunk.get("tokens", [])]
@@ -486,6 +497,8 @@ class Service:
             ids, logprobs, _, tops, finish = read_output(answer, self.router_url)
             top = _top(tops, top_k) if top_k else None
             sequences.append(wire.Sequence(ids, logprobs, (finish or {}).get("type") != "length", top))
+        await self.record.add(*sampler.source(), tokens, [(s.tokens, s.logprobs, s.stopped) for s in sequences],
+                              sampler.model_path or BASE)
         meta = answers[0]["meta_info"]
         prompt = None
         top_rows = None
@@ -771,6 +784,7 @@ def serve(cfg: TinkerServeConfig) -> None:
                 reaper.cancel()
                 await service.client.close()
                 service.training.shutdown(wait=False, cancel_futures=True)
+                service.record.close()
 
     asyncio.run(main())
 

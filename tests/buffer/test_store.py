@@ -272,3 +272,31 @@ def test_load_prompts_jsonl_and_parquet(tmp_path):
                         tool_key=None)[0].prompt == "hi"
     with pytest.raises(ConfigError, match="row 0 has no text"):
         load_prompts(str(tmp_path / "d.jsonl"), input_key="input", label_key=None, metadata_key=None, tool_key=None)
+
+
+def test_a_group_sampled_outside_the_task_flow_is_recorded_as_served_beside_the_dataset(tmp_path):
+    """``record`` (tinker-serve's samples): a prompt after the dataset's, a group consumed at once under
+    its batch, its samples indexed in order, read back by the viewer's archive; leasing is untouched."""
+    from inverted.buffer.archive import BufferArchive
+
+    store = SQLiteStore(str(tmp_path / "b.db"), n_samples_per_prompt=2, prompts=[PromptRecord("a"), PromptRecord("b")])
+    drawn = [Sample(tokens=[1, 2, 3], response_length=1, loss_mask=[1], rollout_log_probs=[-0.5], weight_versions=["3"],
+                    status=Sample.Status.COMPLETED),
+             Sample(tokens=[1, 2, 4, 5], response_length=2, loss_mask=[1, 1], rollout_log_probs=[-1.0, -2.0],
+                    weight_versions=["3", "4"], status=Sample.Status.TRUNCATED)]
+    assert store.record(PromptRecord("", metadata={"prompt_tokens": 2}), drawn, "m:3") == 0
+    assert store.record(PromptRecord(""), drawn[:1], "m:4") == 1
+    # the dataset's groups come after, from its own prompts
+    leased = store.lease(2, "w", 60)
+    assert [(t["group_index"], t["prompt_index"], t["prompt"]) for t in leased] == [(2, 0, "a"), (2, 0, "a")]
+    store.close()  # and after a restart: the recorded prompt is no dataset prompt
+    store = SQLiteStore(str(tmp_path / "b.db"), n_samples_per_prompt=2, prompts=[PromptRecord("a"), PromptRecord("b")])
+    assert [t["prompt"] for t in store.lease(6, "w", 60)] == ["b", "b", "a", "a", "b", "b"]
+    archive = BufferArchive(tmp_path / "b.db")
+    groups = {g.group_index: g for g in archive.groups_from(0)}
+    assert (groups[0].state, groups[0].batch_id, groups[0].prompt_index, groups[1].batch_id) == ("consumed", "m:3", 2, "m:4")
+    assert json.loads(archive.prompt(2))["metadata"] == {"prompt_tokens": 2}
+    stored = [Sample.from_json(orjson.loads(row[3])) for row in archive.samples_after(0)]
+    assert [(s.group_index, s.index, s.tokens, s.rollout_log_probs, s.status) for s in stored] == [
+        (0, 0, [1, 2, 3], [-0.5], Sample.Status.COMPLETED), (0, 1, [1, 2, 4, 5], [-1.0, -2.0], Sample.Status.TRUNCATED),
+        (1, 0, [1, 2, 3], [-0.5], Sample.Status.COMPLETED)]

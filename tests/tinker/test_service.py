@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from inverted.processes import ManagedProcess, free_port
+from inverted.view.index import RunIndex, SampleQuery
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
@@ -50,7 +51,7 @@ def server(tiny_model, tmp_path_factory):
     try:
         proc.wait_healthy(180, path="/api/v1/healthz")
         os.environ["TINKER_TELEMETRY"] = "0"
-        yield url, checkpoint
+        yield url, checkpoint, out
     finally:
         proc.terminate()
 
@@ -80,7 +81,7 @@ def reference_logprobs(checkpoint, datum: types.Datum) -> np.ndarray:
 
 
 def test_a_supervised_loop_learns_with_exact_logprobs_and_its_sampler_agrees(server):
-    url, checkpoint = server
+    url, checkpoint, out = server
 
     async def run():
         service = client(url, "tml-sft")
@@ -128,15 +129,31 @@ def test_a_supervised_loop_learns_with_exact_logprobs_and_its_sampler_agrees(ser
             np.testing.assert_allclose(np.array(sequence.logprobs, np.float32),
                                        scored.loss_fn_outputs[0]["logprobs"].to_numpy()[len(prompt) - 1:], atol=1e-4)
         await service.close("success")
+        return training.model_id, answer
 
-    asyncio.run(run())
+    model_id, answer = asyncio.run(run())
+    # inverted view reads the model's directory as a job's: its steps, and every sampled sequence with
+    # its ids, log-probs and weight version (the model's first save)
+    index = RunIndex(out / "tinker" / "models" / model_id.replace(":", "_"))
+    index.refresh()
+    assert [row["step"] for row in index.metrics() if "train/loss_sum" in row] == [1, 2, 3, 4, 5, 6]
+    rows = index.page(SampleQuery(page_size=100))["rows"]
+    sampled = [row for row in rows if row["response_length"] == 5]
+    assert len(sampled) == 3 and {(r["version_min"], r["version_max"], r["status"]) for r in sampled} == {(1, 1, "truncated")}
+    stored = [index.trajectory(r["group_index"], r["sample_index"], 0) for r in sampled]
+    assert sorted(t["tokens"][4:] for t in stored) == sorted(list(s.tokens) for s in answer.sequences)
+    for trajectory in stored:
+        sequence = next(s for s in answer.sequences if list(s.tokens) == trajectory["tokens"][4:])
+        assert trajectory["tokens"][:4] == [3, 14, 15, 92]
+        np.testing.assert_allclose(trajectory["rollout_log_probs"], sequence.logprobs, rtol=1e-6)  # the wire's float32
+
 
 
 def test_policy_losses_read_their_inputs_as_the_cookbook_sends_them(server):
     """rl_loop's datums (a zero-padded prompt, the sampler's log-probs, one advantage per sequence and,
     for gspo, its sequence_ratio_mask), through the SDK: each loss is its documented sum of the
     returned log-probs, recomputed here."""
-    url, _ = server
+    url, *_ = server
     prompt, sampled = [3, 14, 15, 92], [65, 35, 89, 79, 32]
     ob = len(prompt) - 1
     rng = np.random.default_rng(1)
@@ -174,7 +191,7 @@ def test_policy_losses_read_their_inputs_as_the_cookbook_sends_them(server):
 
 
 def test_a_chunked_call_trains_as_one_call_and_calls_run_in_seq_id_order(server):
-    url, _ = server
+    url, *_ = server
 
     async def run():
         data = [sft_datum([3, 10 + i], [20 + i, 30 + i, 40 + i]) for i in range(5)]  # 3 chunks of CHUNK datums
@@ -246,7 +263,7 @@ def new_model(url: str, key: str) -> str:
 
 
 def test_calls_sent_out_of_order_run_in_seq_id_order(server):
-    url, _ = server
+    url, *_ = server
     key = "tml-order"
     model = new_model(url, key)
     data = [sft_datum([3, 4], [5, 6, 7])]
@@ -263,7 +280,7 @@ def test_calls_sent_out_of_order_run_in_seq_id_order(server):
 
 
 def test_bad_input_is_refused_clearly_and_cheaply(server):
-    url, _ = server
+    url, *_ = server
     key = "tml-bad"
     model = new_model(url, key)
     datum = sft_datum([3, 4], [5, 6])
@@ -300,7 +317,7 @@ def test_bad_input_is_refused_clearly_and_cheaply(server):
 
 
 def test_a_failed_call_fails_only_its_own_future(server):
-    url, _ = server
+    url, *_ = server
 
     async def run():
         service = client(url, "tml-poison")
@@ -319,7 +336,7 @@ def test_a_failed_call_fails_only_its_own_future(server):
 
 
 def test_two_lora_models_train_side_by_side_and_keys_keep_them_apart(server):
-    url, _ = server
+    url, *_ = server
 
     async def run():
         alice, bob = client(url, "tml-alice"), client(url, "tml-bob")
@@ -358,7 +375,7 @@ def test_two_lora_models_train_side_by_side_and_keys_keep_them_apart(server):
 
 
 def test_a_checkpoint_resumes_exactly_and_only_for_its_owner(server):
-    url, _ = server
+    url, *_ = server
 
     async def run():
         data = [sft_datum([3, 21, 22], [23, 24, 25]), sft_datum([3, 31], [32, 33])]
@@ -392,7 +409,7 @@ def test_a_checkpoint_resumes_exactly_and_only_for_its_owner(server):
 
 
 def test_full_fine_tuning_trains_every_weight_and_serves_them(server):
-    url, _ = server
+    url, *_ = server
     key = "tml-full"
     session = post(url, "create_session", key, {"tags": [], "user_metadata": None, "sdk_version": "raw"}).json()
     created = post(url, "create_model", key, {"session_id": session["session_id"], "model_seq_id": 0,
