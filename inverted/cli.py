@@ -132,11 +132,11 @@ def cmd_train(cfg: JobConfig, router_args: list[str], sglang_args: list[str],
     run(cfg, router_args, sglang_args, functools.partial(setup_process, level=cfg.train.log_level))
 
 
-def cmd_tinker_serve(cfg: TinkerServeConfig) -> None:
+def cmd_tinker_serve(cfg: TinkerServeConfig, router_args: list[str], sglang_args: list[str]) -> None:
     spin_briefly()  # inherited by the engines; the trainer runs in this process
     from inverted.tinker.service import serve
 
-    serve(cfg)
+    serve(cfg, router_args, sglang_args)
 
 
 def cmd_export_hf(cfg: ExportConfig) -> None:
@@ -166,7 +166,7 @@ COMMANDS = {
 }
 
 
-PASSTHROUGH = {"servers", "train"}  # commands that launch servers: --router-* and --sglang-* go to them
+PASSTHROUGH = {"servers", "train", "tinker-serve"}  # commands that launch servers: --router-* and --sglang-* go to them
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -49,9 +49,10 @@ from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response
 
 from inverted.config import TinkerServeConfig
+from inverted.devices import cuda_available
 from inverted.errors import InvertedError, SampleError
 from inverted.metrics import build_metrics_sink
-from inverted.rollout.servers import RolloutServers, lora_argv
+from inverted.rollout.servers import RolloutServers, lora_argv, resolve_backend
 from inverted.rollout.sglang_client import SGLangClient, ServerKeys, read_output
 from inverted.tinker import wire
 from inverted.train import datum_losses
@@ -150,11 +151,25 @@ class Sampler:
         return model_id, int(saved)
 
 
+@dataclass(frozen=True)
+class ServersCan:
+    """What the rollout servers do that the API relies on, known from how they were started."""
+
+    lora: bool  # serve LoRA adapters: the embedded engine, SGLang on a GPU (not SGLang on a CPU)
+    seed: bool  # reproduce a seeded draw: the embedded engine, SGLang with --enable-deterministic-inference
+
+    @classmethod
+    def of(cls, backend: str, sglang_args: list[str]) -> "ServersCan":
+        embedded = backend == "embedded"
+        return cls(lora=embedded or cuda_available(), seed=embedded or "--enable-deterministic-inference" in sglang_args)
+
+
 class Service:
     """The domain of the API: sessions, models, samplers, futures; no HTTP (the routes are in ``create_app``)."""
 
-    def __init__(self, cfg: TinkerServeConfig, router_url: str, engine_urls: list[str], keys: ServerKeys) -> None:
-        self.cfg, self.router_url, self.engine_urls, self.keys = cfg, router_url, engine_urls, keys
+    def __init__(self, cfg: TinkerServeConfig, router_url: str, engine_urls: list[str], keys: ServerKeys,
+                 can: ServersCan) -> None:
+        self.cfg, self.router_url, self.engine_urls, self.keys, self.can = cfg, router_url, engine_urls, keys, can
         checkpoint = Path(cfg.train.hf_checkpoint)
         self.names = {str(checkpoint), checkpoint.name, *cfg.tinker.base_model}
         self.model_name = cfg.tinker.base_model[0] if cfg.tinker.base_model else checkpoint.name
@@ -168,6 +183,7 @@ class Service:
         self.full_weights_on_servers: str | None = None  # a full model whose weights the servers hold
         self.client = SGLangClient(router_url, api_key=keys.api)
         self.record = SampleRecord(Path(cfg.train.output_dir) / "tinker" / "models", cfg.train.hf_checkpoint)
+        self.warned_seed = False
 
     # -- sessions and models -------------------------------------------------------------
 
@@ -239,6 +255,10 @@ class Service:
         if len(self.models) >= self.cfg.tinker.tinker_max_models:
             raise UserError(f"this server holds at most {self.cfg.tinker.tinker_max_models} models "
                             "(--tinker-max-models); unload one first")
+        if lora and not self.can.lora:
+            raise UserError("LoRA models need LoRA on the rollout servers, and real SGLang on a CPU has none (its LoRA "
+                            "layers pin memory, a CUDA call): create a full fine-tuning model, or serve with "
+                            "--rollout-backend embedded")
         rank = int(lora["rank"]) if lora else 0
         if lora and not 1 <= rank <= self.cfg.tinker.tinker_max_lora_rank:
             raise UserError(f"LoRA rank {rank} is outside 1..{self.cfg.tinker.tinker_max_lora_rank} "
@@ -489,6 +509,11 @@ class Service:
                    **({"top_logprobs_num": max(top_k, top_prompt)} if top_k or top_prompt else {}),
                    **({"lora_path": sampler.adapter} if sampler.adapter else {})}
         seed = params.get("seed")  # sample i draws from seed + i: reproducible, and not n copies of one
+        if seed is not None and not self.can.seed and not self.warned_seed:
+            self.warned_seed = True
+            logger.warning("a sample asks for seed %s: real SGLang reads sampling_seed only with "
+                           "--sglang-enable-deterministic-inference (a GPU's attention backends), so seeded "
+                           "draws here are not reproducible", seed)
         answers = await asyncio.gather(*(self.client.generate(
             payload if seed is None else {**payload, "sampling_params": {**sampling, "sampling_seed": int(seed) + i}})
             for i in range(n)))
@@ -754,8 +779,11 @@ def create_app(cfg: TinkerServeConfig, service: Service) -> FastAPI:
     return app
 
 
-def serve(cfg: TinkerServeConfig) -> None:
-    """Start the rollout servers behind the router, then the service in front of them, until interrupted."""
+def serve(cfg: TinkerServeConfig, router_args: list[str] = (), sglang_args: list[str] = ()) -> None:
+    """Start the rollout servers behind the router, then the service in front of them, until interrupted.
+
+    ``router_args`` / ``sglang_args``: the command line's ``--router-*`` / ``--sglang-*`` flags, for
+    the router and every server (as ``inverted train`` passes them)."""
     import uvicorn
 
     from inverted.processes import UVICORN_OPTIONS, free_port
@@ -768,9 +796,10 @@ def serve(cfg: TinkerServeConfig) -> None:
         # The trainer is this process alone: its own rendezvous, whatever an inherited MASTER_PORT says
         # (a launcher's, a test worker's: taken, it failed the start with EADDRINUSE).
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port("127.0.0.1")), RANK="0", WORLD_SIZE="1")
-        flags = lora_argv(cfg.tinker.tinker_max_lora_rank, ["all"])
-        async with RolloutServers(servers_cfg, flags=flags) as servers:
-            service = Service(cfg, servers.router_url, servers.engine_urls, keys)
+        can = ServersCan.of(resolve_backend(servers_cfg), list(sglang_args))
+        flags = lora_argv(cfg.tinker.tinker_max_lora_rank, ["all"]) if can.lora else []
+        async with RolloutServers(servers_cfg, list(router_args), list(sglang_args), flags=flags) as servers:
+            service = Service(cfg, servers.router_url, servers.engine_urls, keys, can)
             await service.on_training_thread(_init_trainer_process, cfg)
             reaper = asyncio.get_running_loop().create_task(service.reap(cfg.tinker.tinker_session_timeout))
             app = create_app(cfg, service)

@@ -485,3 +485,14 @@ def test_a_restarted_server_fails_the_client_loudly_never_with_a_wrong_answer(ti
         asyncio.run(run())
     finally:
         first.terminate()
+
+
+def test_what_the_servers_can_follows_the_backend_and_its_flags():
+    """LoRA and seeds as each backend serves them: the embedded engine both; SGLang seeds only in its
+    deterministic mode, LoRA only on a GPU (``tests/tinker/test_sglang.py`` runs the CPU case)."""
+    from inverted.devices import cuda_available
+    from inverted.tinker.service import ServersCan
+
+    assert ServersCan.of("embedded", []) == ServersCan(lora=True, seed=True)
+    assert ServersCan.of("sglang", []) == ServersCan(lora=cuda_available(), seed=False)
+    assert ServersCan.of("sglang", ["--enable-deterministic-inference"]).seed
