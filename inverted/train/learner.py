@@ -3,7 +3,8 @@
 This is the trainer of jobs (``Trainer``: the Megatron policy, LoRA, its optimizer, its log-prob head,
 its weight sync) with a different owner of the loop. A Tinker client sends datums, each a token
 sequence, a target for every position and the loss's inputs; ``forward_backward`` packs them
-(``packing.pack``, each datum one response after a one-token prompt, its own targets), runs
+(``packing.pack``: a group's datums share their common beginning as one prompt, each its own
+targets at every position), runs
 them through the same Megatron schedule as a job's step and adds their gradients to what earlier
 calls left; ``optim_step`` takes one AdamW step with the caller's hyper-parameters and clears the
 gradients. ``push`` sends the current weights (a LoRA model: its adapter, under its own name) into
@@ -81,12 +82,23 @@ class Learner:
         return self.trainer.optimizer_steps
 
     def _pack(self, data: list[tuple[np.ndarray, np.ndarray]]) -> list[MicroBatch]:
-        """Each datum as one response after a one-token prompt (its first input), its targets its own."""
-        sequences = [[*tokens.tolist(), 0] for tokens, _ in data]  # the last slot's token is never read
-        mbs = pack(sequences, [len(tokens) for tokens, _ in data], list(range(len(data))),
-                   self.trainer.cfg.max_tokens_per_gpu)
+        """Each datum as a prompt and a response whose targets are the datum's own, at every position of it.
+
+        Consecutive datums that begin alike (a group's samples: one observation, several actions) share
+        that beginning as one prompt, run once; packed attention lets each attend to it and to itself
+        only, so every logit is the one the datum alone would give. A datum shares nothing under
+        Transformer Engine's attention (plain sequences), or when it begins unlike its neighbours:
+        its prompt is then its first token."""
+        inputs = [tokens.tolist() for tokens, _ in data]
+        share = self.trainer.packed_attention
+        prompts = shared_prefixes(inputs) if share else [1] * len(inputs)
+        sequences = [[*tokens, 0] for tokens in inputs]  # the last slot's token is never read
+        mbs = pack(sequences, [len(tokens) + 1 - p for tokens, p in zip(inputs, prompts)], list(range(len(data))),
+                   self.trainer.cfg.max_tokens_per_gpu, share_prefixes=share)
         for mb in mbs:
             mb.targets = torch.cat([torch.as_tensor(data[i][1], dtype=torch.long) for i in mb.indices])
+            # a datum's i-th target is read at its i-th position, the shared prompt's included
+            mb.positions = torch.cat([positions[:-1] for positions in mb.sequence_positions()])
         return mbs
 
     def forward_backward(self, data: list[tuple[np.ndarray, np.ndarray]], loss: datum_losses.Loss,
@@ -101,7 +113,7 @@ class Learner:
         def on_output(mb: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             logp = trainer._logprobs(trainer.model, mb, output, with_entropy=False).logprobs
             total = logp.new_zeros(())
-            for i, value in zip(mb.indices, logp.split(mb.response_lengths)):
+            for i, value in zip(mb.indices, logp.split([len(data[i][0]) for i in mb.indices])):
                 logps[i] = value.detach()
                 total = total + loss(value, {k: v.to(device) for k, v in inputs[i].items()}, config)
             return total, {"loss": total.detach()}
@@ -173,3 +185,29 @@ def saved_lora(directory: str) -> LoraShape | None:
     modules = set(peft["target_modules"])
     return LoraShape(int(peft["r"]), train_attn=bool(modules & {"q_proj", "k_proj", "v_proj", "o_proj"}),
                      train_mlp=bool(modules & {"gate_proj", "up_proj", "down_proj"}))
+
+
+def shared_prefixes(inputs: list[list[int]], least: int = 2) -> list[int]:
+    """Each sequence's prompt length for prefix sharing: a run of consecutive sequences shares the
+    beginning common to all of it (at least ``least`` tokens); a sequence in no run has a one-token prompt.
+
+    A run takes the next sequence while that costs fewer tokens than starting anew: its common
+    beginning may shrink (a group's samples that agree on their first action tokens, then one that
+    does not), and each sequence already in the run then runs the lost tokens itself."""
+    prompts = [1] * len(inputs)
+    start, shared = 0, 0
+    for j in range(1, len(inputs) + 1):
+        if j < len(inputs):
+            common = _common(inputs[start][:shared or None], inputs[j])
+            if common >= least and (shared == 0 or (shared - common) * (j - start) < common):
+                shared = common
+                continue
+        if shared:
+            prompts[start:j] = [shared] * (j - start)
+        start, shared = j, 0
+    return prompts
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)

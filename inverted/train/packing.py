@@ -99,6 +99,7 @@ class MicroBatch:
     padding: int = 0
     kept: KeptSets | None = None  # the responses' kept sets (sampling masks), where recorded
     targets: torch.Tensor | None = None  # each response position's target, where not the next token (Tinker's datums)
+    positions: torch.Tensor | None = None  # each target's row position, where not the response's (Tinker's datums)
 
     @property
     def max_seqlen(self) -> int:
@@ -116,6 +117,8 @@ class MicroBatch:
 
     def response_positions(self) -> torch.Tensor:
         """Positions in the packed row whose logits predict a response token, in response order."""
+        if self.positions is not None:
+            return self.positions
         spans = [torch.cat([torch.tensor([prompt_end - 1]), torch.arange(start, start + length - 1)])
                  for _, prompt_end, start, length in self._responses()]
         return torch.cat(spans) if spans else torch.zeros(0, dtype=torch.long)

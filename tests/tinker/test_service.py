@@ -190,6 +190,54 @@ def test_policy_losses_read_their_inputs_as_the_cookbook_sends_them(server):
     asyncio.run(run())
 
 
+def test_a_groups_datums_share_their_prompt_and_train_exactly_as_alone(server):
+    """rl_loop's group: one observation, four sampled continuations. Sent in one call, the datums
+    share the observation (run once); each datum's log-probs are still transformers', and the step
+    they make is the step the same datums make sent one per call (nothing shared), to fp32."""
+    url, checkpoint, _ = server
+    observation = [3, 14, 15, 92, 65, 35, 89]
+    group = [[79, 32, 38], [79, 50], [28, 84, 19, 71], [16]]  # two share a first action token too
+    rng = np.random.default_rng(2)
+
+    def datum(sampled: list[int]) -> types.Datum:
+        ob = len(observation) - 1
+        tokens = observation + sampled
+        return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
+            "target_tokens": np.array([0] * ob + sampled, np.int64),
+            "logprobs": np.array([0.0] * ob + list(rng.normal(-5.0, 0.5, len(sampled))), np.float32),
+            "advantages": np.array([0.0] * ob + [float(rng.normal())] * len(sampled), np.float32)})
+
+    data = [datum(sampled) for sampled in group]
+    probe = [sequence_datum_of(observation + [79, 32, 38, 11])]
+
+    async def run():
+        service = client(url, "tml-shared")
+        shared = await service.create_lora_training_client(base_model="Qwen/Tiny", rank=4, seed=11)
+        alone = await service.create_lora_training_client(base_model="Qwen/Tiny", rank=4, seed=11)
+        together = await shared.forward_backward(data, "importance_sampling")
+        for one in data:
+            await alone.forward_backward([one], "importance_sampling")
+        for training in (shared, alone):
+            await training.optim_step(types.AdamParams(learning_rate=5e-2))
+        after = [await training.forward(probe, "cross_entropy") for training in (shared, alone)]
+        await service.close("success")
+        return together, after
+
+    together, (shared_after, alone_after) = asyncio.run(run())
+    # the untrained adapter is the base model: every datum's log-probs (the prompt's positions too) are transformers'
+    for one, output in zip(data, together.loss_fn_outputs):
+        np.testing.assert_allclose(output["logprobs"].to_numpy(), reference_logprobs(checkpoint, one), atol=2e-5)
+    moved = shared_after.loss_fn_outputs[0]["logprobs"].to_numpy()
+    assert not np.allclose(moved, reference_logprobs(checkpoint, probe[0]), atol=1e-3)  # the step moved the policy
+    np.testing.assert_allclose(moved, alone_after.loss_fn_outputs[0]["logprobs"].to_numpy(), atol=2e-5)
+
+
+def sequence_datum_of(tokens: list[int]) -> types.Datum:
+    """Every next token of ``tokens`` as a target."""
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": np.array(tokens[1:], np.int64)})
+
+
 def test_a_chunked_call_trains_as_one_call_and_calls_run_in_seq_id_order(server):
     url, *_ = server
 
