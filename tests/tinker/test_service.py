@@ -38,22 +38,28 @@ pytestmark = pytest.mark.slow
 CHUNK = 2  # datums per forward_backward request: the SDK splits larger calls
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):
-    checkpoint = tiny_model("qwen2")
-    out = tmp_path_factory.mktemp("tinker")
+def tinker_serve(checkpoint, out, *flags: str, start_s: float = 180):
+    """``inverted tinker-serve`` on ``checkpoint`` as ``Qwen/Tiny`` with one server, as a user starts it;
+    yields its URL while it runs."""
     url = f"http://127.0.0.1:{free_port()}"
     argv = [sys.executable, "-m", "inverted.cli", "tinker-serve", "--hf-checkpoint", str(checkpoint),
             "--base-model", "Qwen/Tiny", "--num-engines", "1", "--output-dir", str(out),
-            "--tinker-port", url.rsplit(":", 1)[1], "--tinker-chunk-datums", str(CHUNK),
-            "--tinker-max-batch-tokens", "4096", "--tinker-max-models", "4"]
+            "--tinker-port", url.rsplit(":", 1)[1], *flags]
     proc = ManagedProcess.spawn("tinker-serve", argv, out / "serve.log", url)
     try:
-        proc.wait_healthy(180, path="/api/v1/healthz")
+        proc.wait_healthy(start_s, path="/api/v1/healthz")
         os.environ["TINKER_TELEMETRY"] = "0"
-        yield url, checkpoint, out
+        yield url
     finally:
         proc.terminate()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    checkpoint, out = tiny_model("qwen2"), tmp_path_factory.mktemp("tinker")
+    for url in tinker_serve(checkpoint, out, "--tinker-chunk-datums", str(CHUNK), "--tinker-max-batch-tokens", "4096",
+                            "--tinker-max-models", "4"):
+        yield url, checkpoint, out
 
 
 def client(url: str, key: str) -> "tinker.ServiceClient":
@@ -66,6 +72,12 @@ def sft_datum(prompt: list[int], completion: list[int]) -> types.Datum:
     weights = np.array([0.0] * (len(prompt) - 1) + [1.0] * len(completion), np.float32)
     return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
                        loss_fn_inputs={"target_tokens": np.array(tokens[1:], np.int64), "weights": weights})
+
+
+def sequence_datum(tokens: list[int]) -> types.Datum:
+    """Every next token of ``tokens`` as a target."""
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": np.array(tokens[1:], np.int64)})
 
 
 def reference_logprobs(checkpoint, datum: types.Datum) -> np.ndarray:
@@ -123,9 +135,7 @@ def test_a_supervised_loop_learns_with_exact_logprobs_and_its_sampler_agrees(ser
         prompt = [3, 14, 15, 92]
         for sequence in answer.sequences:
             tokens = prompt + list(sequence.tokens)
-            scored = await training.forward([types.Datum(
-                model_input=types.ModelInput.from_ints(tokens[:-1]),
-                loss_fn_inputs={"target_tokens": np.array(tokens[1:], np.int64)})], "cross_entropy")
+            scored = await training.forward([sequence_datum(tokens)], "cross_entropy")
             np.testing.assert_allclose(np.array(sequence.logprobs, np.float32),
                                        scored.loss_fn_outputs[0]["logprobs"].to_numpy()[len(prompt) - 1:], atol=1e-4)
         await service.close("success")
@@ -208,7 +218,7 @@ def test_a_groups_datums_share_their_prompt_and_train_exactly_as_alone(server):
             "advantages": np.array([0.0] * ob + [float(rng.normal())] * len(sampled), np.float32)})
 
     data = [datum(sampled) for sampled in group]
-    probe = [sequence_datum_of(observation + [79, 32, 38, 11])]
+    probe = [sequence_datum(observation + [79, 32, 38, 11])]
 
     async def run():
         service = client(url, "tml-shared")
@@ -230,12 +240,6 @@ def test_a_groups_datums_share_their_prompt_and_train_exactly_as_alone(server):
     moved = shared_after.loss_fn_outputs[0]["logprobs"].to_numpy()
     assert not np.allclose(moved, reference_logprobs(checkpoint, probe[0]), atol=1e-3)  # the step moved the policy
     np.testing.assert_allclose(moved, alone_after.loss_fn_outputs[0]["logprobs"].to_numpy(), atol=2e-5)
-
-
-def sequence_datum_of(tokens: list[int]) -> types.Datum:
-    """Every next token of ``tokens`` as a target."""
-    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                       loss_fn_inputs={"target_tokens": np.array(tokens[1:], np.int64)})
 
 
 def test_a_chunked_call_trains_as_one_call_and_calls_run_in_seq_id_order(server):
@@ -456,9 +460,9 @@ def test_a_checkpoint_resumes_exactly_and_only_for_its_owner(server):
     asyncio.run(run())
 
 
-def test_full_fine_tuning_trains_every_weight_and_serves_them(server):
-    url, *_ = server
-    key = "tml-full"
+def train_full_model(url: str, key: str) -> tuple[str, str, types.Datum, np.ndarray]:
+    """A full fine-tuning model (raw HTTP: the SDK creates LoRA models only), two steps on one datum,
+    its weights saved for a sampler: its id, the sampler's path, the datum and the trainer's log-probs of it."""
     session = post(url, "create_session", key, {"tags": [], "user_metadata": None, "sdk_version": "raw"}).json()
     created = post(url, "create_model", key, {"session_id": session["session_id"], "model_seq_id": 0,
                                               "base_model": "Qwen/Tiny"}).json()
@@ -477,6 +481,13 @@ def test_full_fine_tuning_trains_every_weight_and_serves_them(server):
     from tinker.proto.response_conv import deserialize_forward_backward_output
 
     trained = deserialize_forward_backward_output(retrieve(url, key, scored["request_id"]).content)
+    return model, path, datum, trained.loss_fn_outputs[0]["logprobs"].to_numpy()
+
+
+def test_full_fine_tuning_trains_every_weight_and_serves_them(server):
+    url, *_ = server
+    key = "tml-full"
+    model, path, datum, trained = train_full_model(url, key)
 
     async def sample():
         service = client(url, key)
@@ -491,7 +502,7 @@ def test_full_fine_tuning_trains_every_weight_and_serves_them(server):
         await service.close("success")
         return np.array(served[1:], np.float32)
 
-    np.testing.assert_allclose(asyncio.run(sample()), trained.loss_fn_outputs[0]["logprobs"].to_numpy(), atol=1e-4)
+    np.testing.assert_allclose(asyncio.run(sample()), trained, atol=1e-4)
     finish(url, key, model)
 
 

@@ -14,20 +14,18 @@ One server per module, started as a user starts it (``--rollout-backend sglang``
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
 
 import numpy as np
 import pytest
 
-from inverted.processes import ManagedProcess, free_port
 from inverted.view.index import RunIndex, SampleQuery
 from tests.conftest import SGLANG_PYTHON
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
-from tests.tinker.test_service import client, finish, post, proto_request, reference_logprobs, retrieve, sft_datum  # noqa: E402
+from tests.tinker.test_service import (  # noqa: E402
+    client, finish, reference_logprobs, sequence_datum, tinker_serve, train_full_model)
 
 pytestmark = pytest.mark.slow
 
@@ -38,26 +36,11 @@ PROMPT = [3, 14, 15, 92]
 def server(tiny_model, tmp_path_factory):
     if not SGLANG_PYTHON.exists():
         pytest.skip(f"real SGLang is not installed ({SGLANG_PYTHON}): make sglang")
-    checkpoint = tiny_model("qwen2")
-    out = tmp_path_factory.mktemp("tinker-sglang")
-    url = f"http://127.0.0.1:{free_port()}"
-    argv = [sys.executable, "-m", "inverted.cli", "tinker-serve", "--hf-checkpoint", str(checkpoint),
-            "--base-model", "Qwen/Tiny", "--num-engines", "1", "--output-dir", str(out),
-            "--tinker-port", url.rsplit(":", 1)[1], "--rollout-backend", "sglang",
-            "--rollout-sglang-python", str(SGLANG_PYTHON)]
-    proc = ManagedProcess.spawn("tinker-serve", argv, out / "serve.log", url)
-    try:
-        proc.wait_healthy(300, path="/api/v1/healthz")
-        os.environ["TINKER_TELEMETRY"] = "0"
+    checkpoint, out = tiny_model("qwen2"), tmp_path_factory.mktemp("tinker-sglang")
+    for url in tinker_serve(checkpoint, out, "--rollout-backend", "sglang", "--rollout-sglang-python",
+                            str(SGLANG_PYTHON), start_s=300):
         yield url, checkpoint, out
-    finally:
-        proc.terminate()
     assert "sglang servers" in (out / "serve.log").read_text()  # it was SGLang that served
-
-
-def sequence_datum(tokens: list[int]) -> types.Datum:
-    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                       loss_fn_inputs={"target_tokens": np.array(tokens[1:], np.int64)})
 
 
 async def base_sample(url: str, key: str, seed: int | None = None) -> types.SampleResponse:
@@ -107,24 +90,7 @@ def test_a_lora_model_is_refused_before_any_work_with_the_reason(server):
 def test_a_full_model_trains_and_real_sglang_serves_its_weights_then_the_base_again(server):
     url, checkpoint, _ = server
     key = "tml-sglang-full"
-    session = post(url, "create_session", key, {"tags": [], "user_metadata": None, "sdk_version": "raw"}).json()
-    created = post(url, "create_model", key, {"session_id": session["session_id"], "model_seq_id": 0,
-                                              "base_model": "Qwen/Tiny"}).json()
-    model = created["model_id"]
-    assert retrieve(url, key, created["request_id"]).status_code == 200
-    datum = sft_datum([3, 40, 41], [42, 43, 44])
-    for seq_id in (1, 3):
-        post(url, "forward_backward", key, proto_request(model, seq_id, [datum]), proto=True)
-        step = post(url, "optim_step", key, {"model_id": model, "seq_id": seq_id + 1,
-                                             "adam_params": {"learning_rate": 1e-2}}).json()
-        assert retrieve(url, key, step["request_id"]).json()["metrics"]["grad_norm:mean"] > 0
-    saved = post(url, "save_weights_for_sampler", key, {"model_id": model, "seq_id": 5, "path": "full-1"}).json()
-    path = retrieve(url, key, saved["request_id"]).json()["path"]
-    scored = post(url, "forward_backward", key, proto_request(model, 6, [datum]), proto=True).json()
-    from tinker.proto.response_conv import deserialize_forward_backward_output
-
-    trained = deserialize_forward_backward_output(retrieve(url, key, scored["request_id"]).content)
-    trained_logprobs = trained.loss_fn_outputs[0]["logprobs"].to_numpy()
+    model, path, datum, trained_logprobs = train_full_model(url, key)
     assert not np.allclose(trained_logprobs, reference_logprobs(checkpoint, datum), atol=1e-2)  # it did train
 
     async def served() -> np.ndarray:
