@@ -64,8 +64,11 @@ class SampleRecord:
         record = PromptRecord(prompt="", metadata={"prompt_tokens": len(prompt)})
         return await asyncio.to_thread(lambda: self._store(model_id).record(record, samples, f"{model_id}:{version}"))
 
-    def close(self) -> None:
+    def close(self, model_id: str | None = None) -> None:
+        """Close ``model_id``'s file (an unloaded model samples no more), or every file. A sample still in
+        flight opens it again."""
         with self._lock:
-            for store in self._stores.values():
-                store.close()
-            self._stores.clear()
+            for name in [model_id] if model_id is not None else list(self._stores):
+                store = self._stores.pop(name, None)
+                if store is not None:
+                    store.close()

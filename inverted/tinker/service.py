@@ -214,6 +214,7 @@ class Service:
         await self.on_training_thread(_release, learner)
         if model.sink is not None:
             model.sink.close()
+        await asyncio.to_thread(self.record.close, model.model_id)
         for save in range(max(1, model.saved - KEPT_SAVES + 1), model.saved + 1) if model.lora_rank else ():
             await self.unload_adapter(model.adapter(save))
         if self.full_weights_on_servers == model.model_id:  # the servers serve the base model again
