@@ -18,8 +18,9 @@ o, gate/up, down, lm_head) multiplied back to back, as in one forward, on C rows
 on 512 rows for prefill. A workload cannot take less than its prompt and output tokens' share of
 those matmuls, whatever an engine does around them, so ``floor_tokens_per_s`` bounds any engine
 running these matmuls with this library on this machine; ``ceiling_ratio`` is that bound over
-``transformers``, and ``of_floor`` how much of it the engine reaches. It is not the machine's
-bound: kernels of another layout (vLLM's packed GEMMs) pass it.
+``transformers``, and ``of_floor`` how much of it the engine reaches. The matrices are multiplied
+as the engine holds them (on a CPU, packed for oneDNN: ``inverted/engine/matmul.py``), so the floor
+moves with the engine's own kernels; the machine's bound is the roofline below.
 
 **The roofline.** On a CPU the run first measures the machine (``bench/roofline.py``: a read
 bandwidth, the best GEMM rate of this torch build on the model's shapes) and reports each engine at
@@ -68,6 +69,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from inverted.config import TinyModelConfig  # noqa: E402
+from inverted.engine import matmul  # noqa: E402
 from inverted.engine.model import CausalLM, load_model  # noqa: E402
 from inverted.processes import ManagedProcess, free_port  # noqa: E402
 from inverted.rollout.servers import SGLANG_LAUNCH  # noqa: E402
@@ -149,7 +151,7 @@ def matmul_seconds(model: CausalLM, rows: int, repeats: int = 15) -> float:
         work += [(w, -(-routed // active)) for layer in model.layers
                  for w in (*layer.experts_gate_up[:active], *layer.experts_down[:active])]
     work.append((model.lm_head, rows))
-    inputs = {(n, w.shape[1]): torch.randn(n, w.shape[1], dtype=w.dtype, device=w.device) for w, n in work}
+    inputs = {(n, w.shape[1]): torch.randn(n, w.shape[1], dtype=model.act_dtype, device=w.device) for w, n in work}
 
     sync = torch.cuda.synchronize if model.device.type == "cuda" else lambda: None
 
@@ -157,7 +159,7 @@ def matmul_seconds(model: CausalLM, rows: int, repeats: int = 15) -> float:
         sync()
         started = time.perf_counter()
         for w, n in work:
-            inputs[n, w.shape[1]] @ w.t()
+            matmul.linear(inputs[n, w.shape[1]], w)
         sync()
         return time.perf_counter() - started
 

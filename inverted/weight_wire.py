@@ -125,7 +125,8 @@ def copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
     launch-bound. Waited for: a CUDA-IPC bucket is read or refilled by the other process, which
     our stream does not order, as soon as this end hands it over or answers.
     """
-    torch._foreach_copy_(targets, sources)
+    if targets:
+        torch._foreach_copy_(targets, sources)
     for device in {t.device for t in targets if t.is_cuda}:
         torch.cuda.current_stream(device).synchronize()
 

@@ -9,9 +9,11 @@ for each token (``_moe``), and Qwen2-MoE adds a shared expert behind a sigmoid g
 each token was routed to can be kept in the cache beside its keys and values (``KVCache.routes``)
 for SGLang's ``return_routed_experts``: the rollout's routing, which the trainer can replay.
 
-``hf_views`` is the single declarative name table: every Hugging Face parameter name maps to a
-view into the fused tensors, so loading, weight updates and ``get_weights_by_name`` all go through
-the same names and never through per-layer converters.
+``hf_slots`` is the single declarative name table: every Hugging Face parameter name maps to a
+``Slot``, a place in the fused tensors, so loading, weight updates and ``get_weights_by_name`` all go
+through the same names and never through per-layer converters. On a CPU the matrices that are only
+multiplied are held in oneDNN's packed layout (``engine.matmul``); a load unpacks the ones it
+touches, writes their slots and packs them again.
 LoRA adapters (``engine.lora``) add their deltas to the fused projections' outputs, per row.
 
 Two entry points share the layers: ``prefill`` runs newly admitted requests' tokens (packed into
@@ -22,11 +24,14 @@ This module owns no scheduling and no HTTP.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from inverted.engine import matmul
 from inverted.engine.lora import LoRABatch
 from inverted.errors import ModelError
 from inverted.hf_checkpoint import ModelSpec, checkpoint_tensors, rope_angles
@@ -118,6 +123,32 @@ class KVCache:
         self.rows = self.capacity = 0
 
 
+@dataclass(frozen=True)
+class Slot:
+    """Where one Hugging Face parameter lives: ``index`` into the tensor held as ``holder.attr``."""
+
+    holder: torch.nn.Module
+    attr: str
+    index: tuple
+    shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, holder: torch.nn.Module, attr: str, *index: int | slice) -> Slot:
+        return cls(holder, attr, index, tuple(getattr(holder, attr)[index].shape))
+
+    @property
+    def place(self) -> tuple[torch.nn.Module, str]:
+        return self.holder, self.attr
+
+    def whole(self) -> torch.Tensor:
+        """The tensor this slot is part of, as held (possibly packed)."""
+        return getattr(self.holder, self.attr)
+
+    def view(self) -> torch.Tensor:
+        """The parameter as a tensor: a view of what is held (a copy where its matrix is held packed)."""
+        return matmul.unpack(self.whole())[self.index]
+
+
 class CausalLM(torch.nn.Module):
     """Decoder weights (fused) plus the two forward entry points."""
 
@@ -161,59 +192,67 @@ class CausalLM(torch.nn.Module):
         # cos/sin for every position, once: a step only indexes them.
         angles = rope_angles(spec, torch.arange(spec.max_position_embeddings))
         self.rope_cos, self.rope_sin = angles.cos().to(device, self.act_dtype), angles.sin().to(device, self.act_dtype)
-        self.hf_views = self._hf_views()
+        self.hf_slots = self._hf_slots()
+        # The matrices only ever multiplied are held packed for oneDNN on a CPU (``engine.matmul``);
+        # they are packed by the first load, as each load leaves them.
+        self.packed = {(layer, attr) for layer in self.layers for attr in ("qkv", "o", "gate_up", "down")
+                       if getattr(layer, attr) is not None} if matmul.packs(device, dtype) else set()
+        if self.packed and not s.tie_word_embeddings:  # a tied head is also the embedding's lookup table
+            self.packed.add((self, "lm_head"))
 
-    def _hf_views(self) -> dict[str, torch.Tensor]:
-        """Hugging Face parameter name -> a view into our (fused) parameter."""
+    def _hf_slots(self) -> dict[str, Slot]:
+        """Hugging Face parameter name -> its place in our (fused) parameters."""
         s = self.spec
         q, kv, inter = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.intermediate_size
-        views = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm, "lm_head.weight": self.lm_head}
+        slots = {"model.embed_tokens.weight": Slot.of(self, "embed"), "model.norm.weight": Slot.of(self, "norm"),
+                 "lm_head.weight": Slot.of(self, "lm_head")}
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            views.update({
-                p + "input_layernorm.weight": layer.ln1,
-                p + "post_attention_layernorm.weight": layer.ln2,
-                p + "self_attn.q_proj.weight": layer.qkv[:q],
-                p + "self_attn.k_proj.weight": layer.qkv[q : q + kv],
-                p + "self_attn.v_proj.weight": layer.qkv[q + kv :],
-                p + "self_attn.o_proj.weight": layer.o,
+            slots.update({
+                p + "input_layernorm.weight": Slot.of(layer, "ln1"),
+                p + "post_attention_layernorm.weight": Slot.of(layer, "ln2"),
+                p + "self_attn.q_proj.weight": Slot.of(layer, "qkv", slice(None, q)),
+                p + "self_attn.k_proj.weight": Slot.of(layer, "qkv", slice(q, q + kv)),
+                p + "self_attn.v_proj.weight": Slot.of(layer, "qkv", slice(q + kv, None)),
+                p + "self_attn.o_proj.weight": Slot.of(layer, "o"),
             })
             if s.is_moe:
-                views.update(self._expert_views(p + "mlp.", layer))
+                slots.update(self._expert_slots(p + "mlp.", layer))
             else:
-                views.update({
-                    p + "mlp.gate_proj.weight": layer.gate_up[:inter],
-                    p + "mlp.up_proj.weight": layer.gate_up[inter:],
-                    p + "mlp.down_proj.weight": layer.down,
+                slots.update({
+                    p + "mlp.gate_proj.weight": Slot.of(layer, "gate_up", slice(None, inter)),
+                    p + "mlp.up_proj.weight": Slot.of(layer, "gate_up", slice(inter, None)),
+                    p + "mlp.down_proj.weight": Slot.of(layer, "down"),
                 })
             if layer.qkv_bias is not None:
-                views.update({
-                    p + "self_attn.q_proj.bias": layer.qkv_bias[:q],
-                    p + "self_attn.k_proj.bias": layer.qkv_bias[q : q + kv],
-                    p + "self_attn.v_proj.bias": layer.qkv_bias[q + kv :],
+                slots.update({
+                    p + "self_attn.q_proj.bias": Slot.of(layer, "qkv_bias", slice(None, q)),
+                    p + "self_attn.k_proj.bias": Slot.of(layer, "qkv_bias", slice(q, q + kv)),
+                    p + "self_attn.v_proj.bias": Slot.of(layer, "qkv_bias", slice(q + kv, None)),
                 })
             if layer.q_norm is not None:
-                views.update({p + "self_attn.q_norm.weight": layer.q_norm, p + "self_attn.k_norm.weight": layer.k_norm})
-        return views
+                slots.update({p + "self_attn.q_norm.weight": Slot.of(layer, "q_norm"),
+                              p + "self_attn.k_norm.weight": Slot.of(layer, "k_norm")})
+        return slots
 
-    def _expert_views(self, p: str, layer: torch.nn.Module) -> dict[str, torch.Tensor]:
+    def _expert_slots(self, p: str, layer: torch.nn.Module) -> dict[str, Slot]:
         """A sparse MLP's names: the router, every expert's gate/up/down, and Qwen2-MoE's shared expert."""
         inter, shared = self.spec.moe_intermediate_size, self.spec.shared_expert_intermediate_size
-        views = {p + "gate.weight": layer.router}
+        slots = {p + "gate.weight": Slot.of(layer, "router")}
         for e in range(self.spec.num_experts):
-            views.update({
-                f"{p}experts.{e}.gate_proj.weight": layer.experts_gate_up[e, :inter],
-                f"{p}experts.{e}.up_proj.weight": layer.experts_gate_up[e, inter:],
-                f"{p}experts.{e}.down_proj.weight": layer.experts_down[e],
+            slots.update({
+                f"{p}experts.{e}.gate_proj.weight": Slot.of(layer, "experts_gate_up", e, slice(None, inter)),
+                f"{p}experts.{e}.up_proj.weight": Slot.of(layer, "experts_gate_up", e, slice(inter, None)),
+                f"{p}experts.{e}.down_proj.weight": Slot.of(layer, "experts_down", e),
             })
         if shared:
-            views.update({
-                p + "shared_expert.gate_proj.weight": layer.gate_up[:shared],
-                p + "shared_expert.up_proj.weight": layer.gate_up[shared:],
-                p + "shared_expert.down_proj.weight": layer.down,
-                p + "shared_expert_gate.weight": layer.shared_gate,
+            slots.update({
+                p + "shared_expert.gate_proj.weight": Slot.of(layer, "gate_up", slice(None, shared)),
+                p + "shared_expert.up_proj.weight": Slot.of(layer, "gate_up", slice(shared, None)),
+                p + "shared_expert.down_proj.weight": Slot.of(layer, "down"),
+                p + "shared_expert_gate.weight": Slot.of(layer, "shared_gate"),
             })
-        return views
+        return slots
 
     # ---- weights -------------------------------------------------------------------------
 
@@ -223,45 +262,50 @@ class CausalLM(torch.nn.Module):
         ``strict_dtype``: every tensor must also come in the served dtype (``--dtype``), as weight
         updates must; a checkpoint on disk is converted instead.
         """
-        unknown = sorted(set(named) - set(self.hf_views))
+        unknown = sorted(set(named) - set(self.hf_slots))
         if unknown:
             raise ModelError(f"unknown parameter names: {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
         for name, tensor in named.items():
-            if tuple(tensor.shape) != tuple(self.hf_views[name].shape):
-                raise ModelError(f"{name}: expected shape {tuple(self.hf_views[name].shape)}, got {tuple(tensor.shape)}")
+            if tuple(tensor.shape) != self.hf_slots[name].shape:
+                raise ModelError(f"{name}: expected shape {self.hf_slots[name].shape}, got {tuple(tensor.shape)}")
             if strict_dtype and tensor.dtype != self.dtype:
                 raise ModelError(f"{name}: expected dtype {self.dtype} (the served dtype), got {tensor.dtype}")
         if complete:
             optional = {"lm_head.weight"} if self.spec.tie_word_embeddings else set()
-            missing = sorted(set(self.hf_views) - set(named) - optional)
+            missing = sorted(set(self.hf_slots) - set(named) - optional)
             if missing:
                 raise ModelError(f"checkpoint lacks parameters: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
 
     @torch.no_grad()
     def load_weights(self, named: dict[str, torch.Tensor], *, complete: bool, strict_dtype: bool = False) -> None:
         """Check everything first, then copy (together, and waited for on a GPU, where the sender
-        refills a CUDA-IPC bucket as soon as we answer): a bad set of weights changes nothing."""
+        refills a CUDA-IPC bucket as soon as we answer): a bad set of weights changes nothing. A packed
+        matrix is unpacked, written and packed again, so a load may name any part of it."""
         self.check_weights(named, complete=complete, strict_dtype=strict_dtype)
         if bad := non_finite(named):
             raise ModelError(f"weights with NaN or inf values refused (the served weights are unchanged): "
                              f"{bad[:5]}{' ...' if len(bad) > 5 else ''}")
-        copy_all([self.hf_views[name] for name in named], list(named.values()))
+        parts: dict[tuple[torch.nn.Module, str], list[tuple[Slot, torch.Tensor]]] = {}
+        for name, tensor in named.items():
+            parts.setdefault(self.hf_slots[name].place, []).append((self.hf_slots[name], tensor))
+        plain = [part for place, group in parts.items() if place not in self.packed for part in group]
+        copy_all([slot.view() for slot, _ in plain], [tensor for _, tensor in plain])
+        for (holder, attr), group in parts.items():  # one matrix at a time: a load holds one unpacked copy
+            if (holder, attr) in self.packed:
+                held = getattr(holder, attr)
+                covered = sum(math.prod(slot.shape) for slot, _ in group) == held.numel()
+                whole = torch.empty(held.shape, dtype=self.dtype) if covered else matmul.unpack(held)
+                copy_all([whole[slot.index] for slot, _ in group], [tensor for _, tensor in group])
+                setattr(holder, attr, torch.nn.Parameter(matmul.pack(whole), requires_grad=False))
 
     # ---- forward -------------------------------------------------------------------------
     # Activations are 2-D, [tokens, hidden]: a prefill's T tokens or a decode step's B rows. On a
     # CPU every kernel launch costs a thread fork/join, so the layer is written in few of them:
-    # residual adds ride in ``addmm``, RMSNorm carries its weight, RoPE turns q and k in one go.
+    # residual adds ride in the GEMM (``matmul.linear``), RMSNorm carries its weight, RoPE turns q
+    # and k in one go.
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.spec.rms_norm_eps)
-
-    @staticmethod
-    def _linear(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
-        """``add + x @ weight.T``: one fused kernel when dtypes agree, else the matmul in the weight's dtype."""
-        if x.dtype == weight.dtype:
-            return x @ weight.t() if add is None else torch.addmm(add, x, weight.t())
-        out = (x.to(weight.dtype) @ weight.t()).to(x.dtype)
-        return out if add is None else out.add_(add)
 
     def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin for ``positions``, shaped ``[T, 1, D]`` to broadcast over heads."""
@@ -273,7 +317,7 @@ class CausalLM(torch.nn.Module):
         """Roped queries ``[T, Hq, D]``, roped keys and values ``[T, Hkv, D]``."""
         s, layer = self.spec, self.layers[li]
         h = self._norm(x_TH, layer.ln1)
-        qkv = self._linear(h, layer.qkv, layer.qkv_bias)
+        qkv = matmul.linear(h, layer.qkv, layer.qkv_bias)
         if lora is not None:
             lora.add(qkv, h, li, "qkv")
         qkv = qkv.view(-1, s.num_heads + 2 * s.num_kv_heads, s.head_dim)
@@ -290,18 +334,18 @@ class CausalLM(torch.nn.Module):
                       lora: LoRABatch | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer's output, and in a MoE model each token's routed experts ``[T, top_k]``."""
         layer = self.layers[li]
-        x_TH = self._linear(attn_TX, layer.o, x_TH)
+        x_TH = matmul.linear(attn_TX, layer.o, x_TH)
         if lora is not None:
             lora.add(x_TH, attn_TX, li, "o")
         h = self._norm(x_TH, layer.ln2)
         if self.spec.is_moe:
             return self._moe(layer, h, x_TH)
-        gate_up = self._linear(h, layer.gate_up)
+        gate_up = matmul.linear(h, layer.gate_up)
         if lora is not None:
             lora.add(gate_up, h, li, "gate_up")
         gate, up = gate_up.chunk(2, dim=-1)
         act = F.silu(gate).mul_(up)
-        out = self._linear(act, layer.down, x_TH)
+        out = matmul.linear(act, layer.down, x_TH)
         if lora is not None:
             lora.add(out, act, li, "down")
         return out, None
@@ -314,7 +358,7 @@ class CausalLM(torch.nn.Module):
         by expert (one sort), so each expert runs one matmul pair over all of its tokens.
         """
         s = self.spec
-        probs = torch.softmax(self._linear(h_TH, layer.router).float(), dim=-1)
+        probs = torch.softmax(matmul.linear(h_TH, layer.router).float(), dim=-1)
         weights, experts = probs.topk(s.moe_top_k, dim=-1)
         if s.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -326,20 +370,20 @@ class CausalLM(torch.nn.Module):
         outs, start = [], 0
         for e, count in enumerate(counts):
             if count:
-                gate, up = self._linear(grouped[start : start + count], layer.experts_gate_up[e]).chunk(2, dim=-1)
-                outs.append(self._linear(F.silu(gate).mul_(up), layer.experts_down[e]))
+                gate, up = matmul.linear(grouped[start : start + count], layer.experts_gate_up[e]).chunk(2, dim=-1)
+                outs.append(matmul.linear(F.silu(gate).mul_(up), layer.experts_down[e]))
                 start += count
         routed = torch.cat(outs).mul_(weights.flatten()[order].to(h_TH.dtype)[:, None])
         out = x_TH.index_add(0, token, routed)
         if layer.gate_up is not None:  # Qwen2-MoE's shared expert, gated per token
-            gate, up = self._linear(h_TH, layer.gate_up).chunk(2, dim=-1)
-            shared = self._linear(F.silu(gate).mul_(up), layer.down)
-            out.addcmul_(torch.sigmoid(self._linear(h_TH, layer.shared_gate)), shared)
+            gate, up = matmul.linear(h_TH, layer.gate_up).chunk(2, dim=-1)
+            shared = matmul.linear(F.silu(gate).mul_(up), layer.down)
+            out.addcmul_(torch.sigmoid(matmul.linear(h_TH, layer.shared_gate)), shared)
         return out, experts
 
     def logits(self, hidden_TH: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the final hidden states."""
-        return self._linear(self._norm(hidden_TH, self.norm), self.lm_head).float()
+        return matmul.linear(self._norm(hidden_TH, self.norm), self.lm_head).float()
 
     @torch.no_grad()
     def prefill(self, cache: KVCache, rows: list[int], tokens: list[list[int]], starts: list[int],

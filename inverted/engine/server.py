@@ -566,10 +566,10 @@ def _add_control_routes(app: FastAPI) -> None:
 
     @app.api_route("/get_weights_by_name", methods=["GET", "POST"], dependencies=admin)
     async def get_weights_by_name(body: P.GetWeightsByNameRequest, engine: EngineDep) -> JSONResponse:
-        view = engine.scheduler.model.hf_views.get(body.name)
-        if view is None:
+        slot = engine.scheduler.model.hf_slots.get(body.name)
+        if slot is None:
             raise InvalidRequest("Get parameter by name failed")
-        values = await engine.run(lambda: view.detach().float().tolist()[: body.truncate_size])
+        values = await engine.run(lambda: slot.view().float().tolist()[: body.truncate_size])
         return JSONResponse(values)
 
     @app.api_route("/release_memory_occupation", methods=["GET", "POST"], dependencies=admin)
