@@ -12,7 +12,7 @@ modelled: ``split_passthrough`` hands them verbatim to the process they belong t
 name files (``option(..., path=True)``) are made absolute by ``resolve_paths`` once, at start-up,
 against the user's working directory.
 
-This module imports only ``errors``.
+This module imports only ``errors`` and ``types``.
 """
 
 from __future__ import annotations

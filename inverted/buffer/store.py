@@ -18,8 +18,6 @@ buffer's key (``release`` gives back what the named worker holds), so it should 
 Submissions are idempotent by (group_index, index).
 
 Weight versions are the trainer's step as a decimal string (``types.version_number``).
-
-``BufferStore`` is the interface the service uses, so a server database can replace SQLite.
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator, Literal, Protocol
+from typing import Any, Callable, Iterator, Literal
 
 import orjson
 
@@ -72,22 +70,8 @@ class SubmitResult:
     completed_groups: list[int] = field(default_factory=list)
 
 
-class BufferStore(Protocol):
-    """What the service needs from storage."""
-
-    def lease(self, count: int, worker_id: str, lease_seconds: float, request_id: str | None = None) -> list[dict]: ...
-    def release(self, worker_id: str) -> int: ...
-    def submit(self, items: list[tuple[str, Sample]], encoded: list[bytes] | None = None) -> SubmitResult: ...
-    def next_batch(self, num_groups: int, current_version: int | None, max_staleness: int | None,
-                   request_id: str | None = None, allow_partial: bool = False) -> bytes | None: ...
-    def served_batch(self, request_id: str) -> bytes | None: ...
-    def trained(self, batch_id: str, step: int) -> int: ...
-    def stats(self) -> dict[str, Any]: ...
-    def close(self) -> None: ...
-
-
 class SQLiteStore:
-    """``BufferStore`` over one SQLite file. Thread-safe: calls are serialised by a lock."""
+    """The buffer's storage: one SQLite file. Thread-safe: calls are serialised by a lock."""
 
     def __init__(self, path: str, *, n_samples_per_prompt: int, prompts: list[PromptRecord] | None = None,
                  shuffle: bool = False, seed: int = 42, num_epoch: int = 0, partial_rollout: bool = False,

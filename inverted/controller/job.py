@@ -362,11 +362,9 @@ class Job:
                 raise
             logger.warning("weight update %d failed while a server died (%s); updating again", version, error)
             report = await self._push(version)
-        report = report or {}
-        phases = {f"{phase}_s": seconds for phase, seconds in report.pop("seconds", {}).items()}
-        return {f"sync/{k}": float(v) for k, v in (report | phases).items() if isinstance(v, (int, float))}
+        return report or {}
 
-    async def _push(self, version: int) -> dict[str, Any] | None:
+    async def _push(self, version: int) -> dict[str, float] | None:
         async with self._trainer_lock:
             # The servers are read under the lock: a replacement adopted while this update waited
             # for it (with the previous version's weights) must get this one too.

@@ -50,10 +50,9 @@ from inverted.engine.sampling import SamplingParams
 from inverted.engine.scheduler import Request as EngineRequest
 from inverted.engine.scheduler import Scheduler, WeightLoad, new_rid
 from inverted.engine.lora import Adapters, startup_adapters
-from inverted.hf_checkpoint import context_length
 from inverted.engine.weights import RecentBuckets, UpdateGroups, check_fits, read_checkpoint
 from inverted.errors import EngineError, FieldError, InvalidRequest, ModelError, Overloaded, SchemaError, Unauthorized
-from inverted.hf_checkpoint import ARCHITECTURES
+from inverted.hf_checkpoint import ARCHITECTURES, context_length
 from inverted.limits import BodyLimit, cannot_fit, max_token_chars, parse_json
 from inverted.peft_adapter import read_adapter
 from inverted.processes import freeze_startup_heap

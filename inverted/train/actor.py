@@ -114,10 +114,8 @@ class TrainActor:
         self.trainer.rollout_id = rollout_id + 1
 
     @settled
-    def sync_weights(self, urls: list[str], version: str, keys: ServerKeys | None = None) -> dict[str, Any] | None:
+    def sync_weights(self, urls: list[str], version: str, keys: ServerKeys | None = None) -> dict[str, float] | None:
         """``keys``: the servers' keys (their weight routes need the admin key, their info routes the other)."""
-        import dataclasses
-
         from inverted.train.weight_sync import make_weight_sync
 
         if self.sync is None:
@@ -127,7 +125,7 @@ class TrainActor:
         # reuses this sync and its buckets: the servers may still map the buckets' shared memory.
         self.sync.urls = list(urls)
         report = self.trainer.sync_weights(self.sync, version)
-        return dataclasses.asdict(report) if report is not None else None
+        return report.metrics() if report is not None else None
 
     @settled
     def save(self, root: str) -> str:
@@ -241,7 +239,7 @@ class TrainGroup:
     def skip(self, rollout_id: int) -> None:
         self._all("skip", rollout_id)
 
-    def sync_weights(self, urls: list[str], version: int, keys: ServerKeys | None = None) -> dict[str, Any] | None:
+    def sync_weights(self, urls: list[str], version: int, keys: ServerKeys | None = None) -> dict[str, float] | None:
         return self._all("sync_weights", urls, str(version), keys)
 
     def save(self, root: str) -> str:

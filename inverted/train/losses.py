@@ -31,10 +31,11 @@ between the engine that sampled and the trainer. **KL loss** (``--use-kl-loss``)
 ``k3 = exp(ref - logp) - (ref - logp) - 1`` (``low_var_kl`` is k3 clamped to [-10, 10]).
 ``--entropy-coef`` subtracts the entropy bonus.
 
-**On-policy distillation** (slime's ``--use-opd``): after the estimator, each token's advantage
-loses ``opd_kl_coef * (logp_old - logp_teacher)``, the teacher's log-probs coming with the Samples
-(``--opd-type sglang``: slime's reward post-process reads them from a teacher server) or from a
-teacher the trainer runs (``--opd-type megatron``).
+**On-policy distillation** (``--distill``, slime's ``--use-opd``): after the estimator, each token's
+advantage loses ``distill_kl_coef * (logp_old - logp_teacher)``, the teacher's log-probs coming with
+the Samples (``--distill samples``: a reward post-process sets ``teacher_log_probs``, as slime's
+``--opd-type sglang`` reads them from a teacher server) or from a teacher the trainer runs
+(``--distill teacher --distill-teacher CKPT``, slime's ``--opd-type megatron``).
 
 **Aggregation** (``--loss-aggregation``) turns per-token values into one number through weights
 fixed per optimizer step over the whole global batch (all micro-batches, all data-parallel

@@ -15,7 +15,7 @@ import torch
 from inverted.config import TrainConfig, from_flags
 from inverted.hf_checkpoint import checkpoint_tensors
 from inverted.train.parallel import spawn
-from inverted.train.weight_sync import DistributedTransport, TensorTransport, WeightSync
+from inverted.train.weight_sync import DistributedTransport, SyncReport, TensorTransport, WeightSync
 from tests.train.samples import make_samples
 from tests.train.workers import grpo_loop, step_and_sync
 
@@ -151,3 +151,11 @@ def test_a_bucket_is_no_larger_than_the_checkpoint(tiny_model, tmp_path):
     assert 0 < sync.buffer_size == stored < BUCKET_BYTES_CPU == 128 * 2**20
     cfg = from_flags(TrainConfig, hf_checkpoint=str(model), update_weight_buffer_size=2**20)
     assert make_weight_sync(cfg.sync, str(model), str(tmp_path), ["http://127.0.0.1:30000"]).buffer_size == min(stored, 2**20)
+
+
+def test_a_sync_report_is_the_jobs_sync_metrics():
+    """What the job logs each step: what moved, the bucket phase's bandwidth, each phase's seconds."""
+    report = SyncReport(version="3", transport="tensor", servers=2, buckets=4, bytes=2_000_000_000, flushed=2,
+                        seconds={"pause": 0.01, "buckets": 2.0})
+    assert report.metrics() == {"sync/servers": 2.0, "sync/buckets": 4.0, "sync/bytes": 2e9, "sync/flushed": 2.0,
+                                "sync/gb_per_s": 1.0, "sync/pause_s": 0.01, "sync/buckets_s": 2.0}

@@ -79,8 +79,10 @@ class SyncReport:
             self.add(phase, time.perf_counter() - started)
 
     def metrics(self) -> dict[str, float]:
-        return {"weight_sync/bytes": self.bytes, "weight_sync/buckets": self.buckets, "weight_sync/gb_per_s": self.gb_per_s,
-                **{f"weight_sync/{phase}_s": s for phase, s in self.seconds.items()}}
+        """The job's ``sync/*`` metrics: what moved, and each phase's seconds as ``sync/<phase>_s``."""
+        moved = {"servers": self.servers, "buckets": self.buckets, "bytes": self.bytes, "flushed": self.flushed,
+                 "gb_per_s": self.gb_per_s}
+        return {f"sync/{k}": float(v) for k, v in moved.items()} | {f"sync/{phase}_s": s for phase, s in self.seconds.items()}
 
 
 def served_dtype(info: dict, checkpoint_dtype: str | None) -> torch.dtype:
