@@ -18,6 +18,8 @@ The points and their hooks (each point's name is what an adapter registers a for
   list[Sample]``, one Sample per task (``task.new_sample()`` gives one with the task's group and
   index; match is by ``(group_index, index)``). It names the flags it cannot run without in a
   ``requires`` attribute (``RolloutConfig`` field names); the job checks them before anything starts.
+  An evaluation (``ctx.evaluation``, ``--eval-function-path``) may answer ``EvalResults`` instead:
+  per dataset, any number of Samples, logged per dataset.
 - ``reward`` (``--custom-rm-path``): ``(sample) -> reward``, sync or async; with ``--group-rm``
   ``group_reward``: ``(samples) -> rewards``, once per group. Applied after any rollout function,
   to every usable Sample it left without a reward.
@@ -225,7 +227,26 @@ class RolloutContext:
     router_admin_api_key: str | None = None  # its worker list's (routed experts go to the workers directly)
 
 
-RolloutFunction = Callable[[RolloutContext, list[Task]], Awaitable[list[Sample]]]
+@dataclass(slots=True)
+class DatasetResults:
+    """One dataset's evaluation as the function reports it (slime's ``{"rewards", "truncated", "samples"}``)."""
+
+    rewards: list[float]
+    samples: list[Sample] = field(default_factory=list)
+    truncated: list[bool] | None = None
+
+
+@dataclass(slots=True)
+class EvalResults:
+    """What an evaluation function may answer instead of one Sample per task: its results per dataset,
+    with any number of Samples (it may read data of its own), and numeric metrics of its own to log
+    as they are named (slime's ``RolloutFnEvalOutput``)."""
+
+    datasets: dict[str, DatasetResults]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+RolloutFunction = Callable[[RolloutContext, list[Task]], Awaitable[list[Sample] | EvalResults]]
 
 
 def load_rollout_function(path: str, flag: str = "--rollout-function-path",

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 from inverted.compat import slime
 from inverted.errors import PluginError
-from inverted.plugins import Form, RolloutContext, call, in_daemon_thread, register_form
+from inverted.plugins import DatasetResults, EvalResults, Form, RolloutContext, call, in_daemon_thread, register_form
 from inverted.types import Sample, Task
 
 SLIME_ROLLOUT_PARAMS = ["args", "rollout_id", "data_buffer"]
@@ -124,7 +124,7 @@ class SlimeDataBuffer:
 def adapt_rollout_function(fn: Callable[..., Any], flags: dict[str, Any]) -> Callable[..., Any]:
     buffers = {False: SlimeDataBuffer(), True: SlimeDataBuffer()}  # training's, evaluation's
 
-    async def run_slime(ctx: RolloutContext, tasks: list[Task]) -> list[Sample]:
+    async def run_slime(ctx: RolloutContext, tasks: list[Task]) -> list[Sample] | EvalResults:
         buffer, args = buffers[ctx.evaluation], args_of(ctx)
         with generating(ctx), buffer.serving(tasks, args):
             output = await in_daemon_thread(fn, args, ctx.rollout_id, buffer, evaluation=ctx.evaluation)
@@ -132,12 +132,26 @@ def adapt_rollout_function(fn: Callable[..., Any], flags: dict[str, Any]) -> Cal
         # {dataset: {"rewards", "truncated", "samples"}}
         groups = output.samples if hasattr(output, "samples") else getattr(output, "data", output)
         if isinstance(groups, dict):
-            groups = [result["samples"] for result in groups.values()]
+            return eval_results(ctx, groups, getattr(output, "metrics", None))
         samples = [as_inverted(s, serving(ctx)) for group in groups
                    for s in (group if isinstance(group, list) else [group])]
         return place_strays(samples, tasks)
 
     return run_slime
+
+
+def eval_results(ctx: RolloutContext, data: dict[str, dict[str, Any]], metrics: dict[str, Any] | None) -> EvalResults:
+    """slime's evaluation answer as ours: per dataset its rewards, truncation and Samples (any number:
+    slime's eval functions read their own data), and the numeric metrics it returned beside them."""
+    at = serving(ctx)
+    datasets = {name: DatasetResults(rewards=[float(r) for r in result["rewards"]],
+                                     samples=[as_inverted(s, at) for s in result.get("samples") or []],
+                                     truncated=None if result.get("truncated") is None else
+                                     [bool(t) for t in result["truncated"]])
+                for name, result in data.items()}
+    numbers = {key: float(value) for key, value in (metrics or {}).items()
+               if isinstance(value, (int, float)) and not isinstance(value, bool)}
+    return EvalResults(datasets, numbers)
 
 
 def place_strays(samples: list[Sample], tasks: list[Task]) -> list[Sample]:

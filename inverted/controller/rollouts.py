@@ -1,7 +1,8 @@
 """What both loops do with the rollout function: call it, check it, measure it, evaluate with it.
 
 ``context`` builds the ``RolloutContext`` a rollout function receives; ``run_rollout`` calls the
-function on leased tasks and checks its answer (user code: one Sample per task); the metrics and
+function on leased tasks and checks its answer (user code: one Sample per task), ``run_evaluation``
+the evaluation's (which may also answer per dataset, as slime's do: ``EvalResults``); the metrics and
 the saved rollout data are the same whichever loop produced the Samples, and so are the end of a
 step: ``sync_when_due`` (every ``--update-weights-interval`` steps) and ``step_row``.
 """
@@ -17,7 +18,7 @@ from inverted.buffer.datasets import load_prompts
 from inverted.config import BufferConfig, JobConfig, plugin_flags
 from inverted.controller.job import Job, Plugins
 from inverted.errors import PluginError
-from inverted.plugins import DUMP_FORMATS, RolloutContext
+from inverted.plugins import DUMP_FORMATS, EvalResults, RolloutContext
 from inverted.types import Sample, Task, reward_number
 
 USABLE = (Sample.Status.COMPLETED, Sample.Status.TRUNCATED)
@@ -62,10 +63,24 @@ def job_flags(cfg: JobConfig) -> dict[str, Any]:
 async def run_rollout(ctx: RolloutContext, plugins: Plugins, tasks: list[Task]) -> list[Sample]:
     """The rollout function's Samples, one per task, checked (the function is user code), then scored
     by ``--custom-rm-path`` where they have no reward yet."""
-    function, where = ((plugins.evaluate, f"--eval-function-path {ctx.config.eval_function_path}")
-                       if ctx.evaluation and plugins.evaluate else
-                       (plugins.rollout, f"--rollout-function-path {ctx.config.rollout_function_path}"))
-    samples = await function(ctx, tasks)
+    answer = await plugins.rollout(ctx, tasks)
+    return await checked(ctx, plugins, tasks, answer, f"--rollout-function-path {ctx.config.rollout_function_path}")
+
+
+async def run_evaluation(ctx: RolloutContext, plugins: Plugins, tasks: list[Task]) -> list[Sample] | EvalResults:
+    """``--eval-function-path`` (else the rollout function) on the evaluation's tasks: one Sample per
+    task, checked as a rollout's, or ``EvalResults`` (per dataset, any number: slime's answer)."""
+    function, where = ((plugins.evaluate, f"--eval-function-path {ctx.config.eval_function_path}") if plugins.evaluate
+                       else (plugins.rollout, f"--rollout-function-path {ctx.config.rollout_function_path}"))
+    answer = await function(ctx, tasks)
+    if isinstance(answer, EvalResults):
+        return answer
+    return await checked(ctx, plugins, tasks, answer, where)
+
+
+async def checked(ctx: RolloutContext, plugins: Plugins, tasks: list[Task], samples: Any, where: str) -> list[Sample]:
+    """``samples`` in the tasks' order if they are one Sample per task, rewarded by ``--custom-rm-path``
+    where they have none yet; else a ``PluginError`` naming ``where``."""
     if not isinstance(samples, list) or not all(isinstance(s, Sample) for s in samples):
         raise PluginError(f"{where}: expected a list of Samples, got {type(samples).__name__}")
     by_key = {(s.group_index, s.index): s for s in samples}
@@ -215,15 +230,30 @@ async def evaluate(cfg: JobConfig, job: Job, plugins: Plugins, rollout_id: int) 
     n = cfg.rollout.n_samples_per_eval_prompt
     tasks = [Task(lease_id="eval", group_index=i, index=i * n + j, prompt_index=i, prompt=r.prompt, label=r.label,
                   metadata=r.metadata, tools=r.tools) for i, r in enumerate(records) for j in range(n)]
-    played = {variant: await run_rollout(context(cfg, job, plugins, rollout_id, evaluation=True, variant=variant),
-                                         plugins, tasks) for variant in plugins.eval_envs or [""]}
-    metrics = {key: value for variant, samples in played.items()
+    played = {variant: await run_evaluation(context(cfg, job, plugins, rollout_id, evaluation=True, variant=variant),
+                                            plugins, tasks) for variant in plugins.eval_envs or [""]}
+    metrics = {key: value for variant, answer in played.items()
                for key, value in eval_metrics(f"eval/{variant}" if variant else "eval", cfg.train.loss.reward_key,
-                                              samples).items()}
+                                              answer).items()}
     return log_evaluation(cfg, plugins, rollout_id, played[""], metrics)
 
 
-def eval_metrics(prefix: str, reward_key: str | None, samples: list[Sample]) -> dict[str, float]:
+def eval_metrics(prefix: str, reward_key: str | None, answer: list[Sample] | EvalResults) -> dict[str, float]:
+    """Reward, pass rate and episodes over every Sample; for ``EvalResults`` also each dataset's, as slime
+    logs them (``eval/NAME``: its mean reward, ``eval/NAME-truncated_ratio``), and the function's own."""
+    if not isinstance(answer, EvalResults):
+        return sample_metrics(prefix, reward_key, answer)
+    samples = [s for result in answer.datasets.values() for s in result.samples]
+    metrics = sample_metrics(prefix, reward_key, samples) if samples else {}
+    for name, result in answer.datasets.items():
+        if result.rewards:
+            metrics[f"{prefix}/{name}"] = sum(result.rewards) / len(result.rewards)
+        if result.truncated:
+            metrics[f"{prefix}/{name}-truncated_ratio"] = sum(result.truncated) / len(result.truncated)
+    return metrics | answer.metrics
+
+
+def sample_metrics(prefix: str, reward_key: str | None, samples: list[Sample]) -> dict[str, float]:
     usable = [s for s in samples if s.status in USABLE]
     rewards = [s.scalar_reward(reward_key) for s in usable]
     mean = (lambda values: sum(values) / len(values) if values else float("nan"))
@@ -231,15 +261,19 @@ def eval_metrics(prefix: str, reward_key: str | None, samples: list[Sample]) -> 
             f"{prefix}/failed": float(len(samples) - len(rewards))} | episode_metrics(prefix, usable)
 
 
-def log_evaluation(cfg: JobConfig, plugins: Plugins, rollout_id: int, samples: list[Sample],
+def log_evaluation(cfg: JobConfig, plugins: Plugins, rollout_id: int, answer: list[Sample] | EvalResults,
                    metrics: dict[str, float]) -> dict[str, float]:
     """``--custom-eval-rollout-log-function-path`` sees the main evaluation; if it returns True, the
     default ``eval/*`` metrics are left out of the row (slime: it did the logging itself)."""
     if plugins.eval_log is not None:  # {dataset: {rewards, truncated, samples}}, as slime's
-        usable = [s for s in samples if s.status in USABLE]
-        rewards = [s.scalar_reward(cfg.train.loss.reward_key) for s in usable]
-        data = {Path(cfg.rollout.eval_prompt_data).stem: {
-            "rewards": rewards, "truncated": [s.status == Sample.Status.TRUNCATED for s in usable], "samples": usable}}
+        if isinstance(answer, EvalResults):
+            data = {name: {"rewards": r.rewards, "truncated": r.truncated, "samples": r.samples}
+                    for name, r in answer.datasets.items()}
+        else:
+            usable = [s for s in answer if s.status in USABLE]
+            data = {Path(cfg.rollout.eval_prompt_data).stem: {
+                "rewards": [s.scalar_reward(cfg.train.loss.reward_key) for s in usable],
+                "truncated": [s.status == Sample.Status.TRUNCATED for s in usable], "samples": usable}}
         if plugins.eval_log(rollout_id, data, dict(metrics)):
             return {}
     return metrics

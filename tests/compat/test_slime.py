@@ -423,3 +423,91 @@ def test_where_a_plugin_records_no_versions_the_serving_one_is_taken(async_mode)
         sample.validate()
         assert (sample.rollout_log_probs, sample.weight_versions) == (None, ["4", "4"])
         assert sample.metadata.get("weight_versions_inferred", False) is async_mode
+
+
+# slime's own evaluation contract (tests/plugin_contracts/ in THUDM/slime, written here as slime's tests
+# write them, with slime's types from our compat module): an eval function reads its own data and answers
+# per dataset, with any number of Samples.
+
+
+def _contract_sample(index: int, reward: float = 1.0) -> slime.Sample:
+    return slime.Sample(index=index, prompt=f"prompt-{index}", response=f"response-{index}", label=f"label-{index}",
+                        tokens=[100 + index, 200 + index], response_length=2, reward=reward,
+                        status=slime.Sample.Status.COMPLETED, metadata={})
+
+
+def valid_eval_function(args, rollout_id, data_source, evaluation=False):
+    assert evaluation is True
+    sample = _contract_sample(rollout_id, reward=0.5)
+    return slime.RolloutFnEvalOutput(
+        data={"eval_contract": {"rewards": [sample.reward], "truncated": [False], "samples": [sample]}},
+        metrics={"source": "contract"},
+    )
+
+
+def legacy_rollout_function(args, rollout_id, data_source, evaluation=False):
+    if evaluation:
+        sample = _contract_sample(1, reward=0.5)
+        return {"legacy_eval": {"rewards": [sample.reward], "truncated": [False], "samples": [sample]}}
+    return [[_contract_sample(1)]]
+
+
+def one_sample_short(args, rollout_id, data_source, evaluation=False):
+    """Not slime's form of an answer: groups, one Sample fewer than the tasks."""
+    return [[_contract_sample(0)]]
+
+
+@pytest.mark.parametrize("function, dataset", [("valid_eval_function", "eval_contract"),
+                                               ("legacy_rollout_function", "legacy_eval")])
+def test_slimes_eval_functions_answer_per_dataset_and_are_logged_as_slime_logs_them(function, dataset):
+    """One Sample for a dataset of four tasks is slime's answer, not a missing one: it is logged per
+    dataset (``eval/NAME``, ``eval/NAME-truncated_ratio``) with the function's numeric metrics, and a
+    ``--custom-eval-rollout-log-function-path`` sees slime's own data."""
+    import asyncio
+
+    import argparse
+
+    from inverted.config import JobConfig, add_flags, build_section
+    from inverted.controller.job import Plugins
+    from inverted.controller.rollouts import eval_metrics, log_evaluation, run_evaluation
+    from inverted.plugins import EvalResults, RolloutContext, load_rollout_function
+    from inverted.types import Task
+
+    evaluate = load_rollout_function(f"{__name__}:{function}", "--eval-function-path")
+    seen = []
+    plugins = Plugins(rollout=evaluate, evaluate=evaluate, eval_log=lambda *call: seen.append(call) and False)
+    tasks = [Task(lease_id="eval", group_index=g, index=g, prompt_index=g, prompt="p") for g in range(4)]
+    ctx = RolloutContext(rollout_id=1, config=RolloutConfig(eval_function_path=function), proxy_url="",
+                         proxy_api_key=None, router_url="", hf_checkpoint="", sampling={}, evaluation=True,
+                         flags={"rollout_batch_size": 4, "n_samples_per_eval_prompt": 1})
+    answer = asyncio.run(run_evaluation(ctx, plugins, tasks))
+
+    assert isinstance(answer, EvalResults) and list(answer.datasets) == [dataset]
+    assert [s.tokens for s in answer.datasets[dataset].samples] == [[101, 201]]
+    metrics = eval_metrics("eval", None, answer)
+    assert metrics == {"eval/reward_mean": 0.5, "eval/pass_rate": 0.0, "eval/failed": 0.0, f"eval/{dataset}": 0.5,
+                       f"eval/{dataset}-truncated_ratio": 0.0}  # "source": "contract" is no number: not a metric
+    parser = argparse.ArgumentParser()
+    add_flags(parser, JobConfig)
+    cfg = build_section(JobConfig, parser.parse_args(["--hf-checkpoint", "/m", "--prompt-data", "p.jsonl"]))
+    assert log_evaluation(cfg, plugins, 1, answer, metrics) == metrics
+    (rollout_id, data, logged), = seen
+    assert rollout_id == 1 and logged == metrics
+    assert data == {dataset: {"rewards": [0.5], "truncated": [False], "samples": answer.datasets[dataset].samples}}
+
+
+def test_an_eval_function_answering_samples_still_answers_every_task():
+    import asyncio
+
+    from inverted.controller.job import Plugins
+    from inverted.controller.rollouts import run_evaluation
+    from inverted.plugins import RolloutContext, load_rollout_function
+    from inverted.types import Task
+
+    evaluate = load_rollout_function(f"{__name__}:one_sample_short", "--eval-function-path")
+    tasks = [Task(lease_id="eval", group_index=g, index=g, prompt_index=g, prompt="p") for g in range(2)]
+    ctx = RolloutContext(rollout_id=0, config=RolloutConfig(eval_function_path="one_sample_short"), proxy_url="",
+                         proxy_api_key=None, router_url="", hf_checkpoint="", sampling={}, evaluation=True,
+                         flags={"rollout_batch_size": 2})
+    with pytest.raises(PluginError, match=r"--eval-function-path one_sample_short: expected one Sample per task \(2\), got 1"):
+        asyncio.run(run_evaluation(ctx, Plugins(rollout=evaluate, evaluate=evaluate), tasks))
