@@ -54,15 +54,19 @@ def assert_nothing_left(run: Path, since: float) -> None:
     assert not left, left
 
 
-@pytest.mark.parametrize("mode", [[], ["--async-mode"]], ids=["sync", "async"])
-def test_the_demo_learns_on_real_sglang_with_the_trainers_logprobs_equal_to_sglangs(tiny_model, tmp_path, mode):
+# The synchronous job shows the learning (16 steps); the asynchronous one, whose updates land while
+# SGLang is mid-rollout, shows the same exactness in 6 (the suite's slowest test took 289 s at 16).
+@pytest.mark.parametrize("mode, rollouts, learns", [([], 16, True), (["--async-mode"], 6, False)],
+                         ids=["sync", "async"])
+def test_the_demo_learns_on_real_sglang_with_the_trainers_logprobs_equal_to_sglangs(tiny_model, tmp_path, mode,
+                                                                                      rollouts, learns):
     if not SGLANG_PYTHON.exists():
         pytest.skip(f"real SGLang is not installed ({SGLANG_PYTHON}): make sglang")
     data = write_dataset(letters.rows, tmp_path / "letters.jsonl", count=256)
     started = time.time()
     run = tmp_path / "run"
     result = inverted("train", "--config", str(ROOT / "examples/demo.yaml"), "--hf-checkpoint", str(tiny_model()),
-                      "--prompt-data", str(data), "--output-dir", str(run), "--num-rollout", "16",
+                      "--prompt-data", str(data), "--output-dir", str(run), "--num-rollout", str(rollouts),
                       "--rollout-backend", "sglang", "--rollout-sglang-python", str(SGLANG_PYTHON), *mode,
                       timeout=600)
     check(result)
@@ -71,7 +75,8 @@ def test_the_demo_learns_on_real_sglang_with_the_trainers_logprobs_equal_to_sgla
     # It learns: the last four steps' mean reward at least 0.15 above the first four's. Each step averages
     # 128 episodes, so a policy that does not learn moves a four-step mean by about 0.02; how far it gets in
     # 16 steps varies with the machine (0.15 -> 0.36 on CI's, 0.15 -> 0.5 on another).
-    assert sum(rewards[-4:]) / 4 >= sum(rewards[:4]) / 4 + 0.15, rewards
+    if learns:
+        assert sum(rewards[-4:]) / 4 >= sum(rewards[:4]) / 4 + 0.15, rewards
     # per step, over every token sampled with the trainer's own weights: the mean gap within 1e-6, and the
     # largest within the fp32 floor of two independent forwards (a step's largest reached 1.07e-5 under the
     # whole suite's load, when SGLang batches differently; SmolLM2's floor against transformers is 3.0e-5)
