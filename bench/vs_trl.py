@@ -382,26 +382,27 @@ def main(argv: list[str] | None = None) -> None:
     report: dict[str, Any] = {"job": job, "updates": args.updates, "threshold": args.threshold,
                               "seed": args.seed,
                               "cpu": psutil.cpu_count(), "unmatched": UNMATCHED}
-    sides = [("ours", run_ours), ("trl", run_trl)]
+    # (name, run, whether the comparison stands without it); --only trl also runs TRL's vLLM side
+    sides = [("ours", run_ours, False), ("trl", run_trl, False)]
     if args.trl_vllm:
-        sides.append(("trl_vllm", lambda a, o: run_trl(a, o, python=args.trl_vllm, vllm=True)))
-    for name, run in sides:
-        if args.only in (None, name, *(("trl",) if name == "trl_vllm" else ())):
-            try:
-                if not args.report_only:
-                    run(args, out / name)
-            except DidNotRun as stopped:
-                if name != "trl_vllm":
-                    raise
-                report.setdefault("did_not_run", {})[name] = {"why": stopped.why(), "log": str(stopped.log)}
-                continue
-            report[name] = {**summarize(read_rows(out / name / "metrics.jsonl"), args.threshold),
-                            **json.loads((out / name / "measured.json").read_text())}
-            print(json.dumps({name: report[name]}), file=sys.stderr, flush=True)
-    if "ours" in report and "trl" in report:
-        report["ours_over_trl"] = compare(report["ours"], report["trl"])
-    if "ours" in report and "trl_vllm" in report:
-        report["ours_over_trl_vllm"] = compare(report["ours"], report["trl_vllm"])
+        sides.append(("trl_vllm", lambda a, o: run_trl(a, o, python=args.trl_vllm, vllm=True), True))
+    for name, run, optional in sides:
+        if args.only not in (None, name.split("_")[0]):
+            continue
+        try:
+            if not args.report_only:
+                run(args, out / name)
+        except DidNotRun as stopped:
+            if not optional:
+                raise
+            report.setdefault("did_not_run", {})[name] = {"why": stopped.why(), "log": str(stopped.log)}
+            continue
+        report[name] = {**summarize(read_rows(out / name / "metrics.jsonl"), args.threshold),
+                        **json.loads((out / name / "measured.json").read_text())}
+        print(json.dumps({name: report[name]}), file=sys.stderr, flush=True)
+    for peer in ("trl", "trl_vllm"):
+        if "ours" in report and peer in report:
+            report[f"ours_over_{peer}"] = compare(report["ours"], report[peer])
     print(json.dumps(report, indent=1))
 
 

@@ -140,13 +140,9 @@ class Slot:
     def place(self) -> tuple[torch.nn.Module, str]:
         return self.holder, self.attr
 
-    def whole(self) -> torch.Tensor:
-        """The tensor this slot is part of, as held (possibly packed)."""
-        return getattr(self.holder, self.attr)
-
     def view(self) -> torch.Tensor:
         """The parameter as a tensor: a view of what is held (a copy where its matrix is held packed)."""
-        return matmul.unpack(self.whole())[self.index]
+        return matmul.unpack(getattr(self.holder, self.attr))[self.index]
 
 
 class CausalLM(torch.nn.Module):
