@@ -234,7 +234,9 @@ def summarize(rows: list[dict[str, float]], threshold: float) -> dict[str, Any]:
 
 
 def compare(ours: dict[str, Any], trl: dict[str, Any]) -> dict[str, Any]:
-    ratio = (lambda a, b: round(a / b, 3) if a and b else None)
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 3) if a and b else None
+
     reach = [side["time_to_threshold"] and side["time_to_threshold"]["loop_s"] for side in (ours, trl)]
     common = sorted(set(ours["pass_rate"]) & set(trl["pass_rate"]))
     return {"loop_tokens_per_s": ratio(ours["loop_tokens_per_s"], trl["loop_tokens_per_s"]),

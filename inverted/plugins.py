@@ -30,6 +30,9 @@ The points and their hooks (each point's name is what an adapter registers a for
   bool`` (True: it logged them, leave the defaults out).
 - ``group_filter``, ``group_chooser``: the buffer's (``inverted.buffer.filters``).
 - ``reward_post_process``, ``loss``, ``tis``, ``pg_reducer``: the trainer's (``LossPlugins``).
+
+``Plugins`` is what the job's controller runs, every rollout-side point loaded and checked at once;
+``LossPlugins`` the trainer's.
 """
 
 from __future__ import annotations
@@ -38,13 +41,14 @@ import asyncio
 import functools
 import importlib
 import inspect
+import json
 import threading
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
-from inverted.config import LossConfig, RolloutConfig
-from inverted.errors import PluginError, PluginFailed
+from inverted.config import LossConfig, RolloutConfig, flag_name
+from inverted.errors import ConfigError, PluginError, PluginFailed
 from inverted.types import Reward, Sample, Task
 
 
@@ -339,6 +343,72 @@ class RewardModel:
             return
         for sample, reward in zip(todo, await asyncio.gather(*(self.one(ctx, s) for s in todo))):
             sample.reward = reward
+
+
+SINGLE_TURN = "rollout_functions.single_turn:generate_rollout"  # slime's default rollout, ours too
+
+
+@dataclass(slots=True)
+class Plugins:
+    """The user code the job's controller runs, loaded (and checked) before any process starts, each
+    as its hook (slime's forms come adapted)."""
+
+    rollout: RolloutFunction
+    env: Callable | None = None
+    reward: RewardModel | None = None
+    generate: Callable | None = None  # (ctx, sample, sampling_params) -> Samples, run inside single_turn
+    evaluate: RolloutFunction | None = None  # --eval-function-path (else the rollout function)
+    sample_filter: Callable | None = None  # (groups) -> None, setting Sample.remove_sample
+    rollout_log: Callable | None = None  # (rollout_id, samples, metrics, seconds) -> bool
+    eval_log: Callable | None = None  # (rollout_id, data, metrics) -> bool
+    # the environment of each evaluation, by name: "" the main one (--eval-env-args), then --eval-variants
+    eval_envs: dict[str, Callable | None] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, cfg: RolloutConfig, flags: dict[str, Any] | None = None) -> "Plugins":
+        """``flags``: every flag of the job by name, for the adapters of other frameworks' plug-ins."""
+        env = load_env(cfg.env_path, cfg.env_args, "--env-args")
+        eval_envs = {"": env if cfg.eval_env_args is None else load_env(cfg.env_path, cfg.eval_env_args,
+                                                                         "--eval-env-args")}
+        for name, args in json.loads(cfg.eval_variants or "{}").items():
+            eval_envs[name] = load_env(cfg.env_path, json.dumps(args), f"--eval-variants {name}")
+        generate = load_hook(cfg.custom_generate_function_path, point="generate",
+                             flag="--custom-generate-function-path", flags=flags)
+        path = cfg.rollout_function_path
+        if generate is not None:  # as in slime, a custom generate runs inside the default rollout
+            default = RolloutConfig.__dataclass_fields__["rollout_function_path"].default
+            if path not in (default, SINGLE_TURN):
+                raise ConfigError(f"--custom-generate-function-path runs inside {SINGLE_TURN} (slime's default "
+                                  f"rollout), not inside --rollout-function-path {path}")
+            path = SINGLE_TURN
+        rollout = load_rollout_function(path, flags=flags)
+        for name in required_flags(rollout):
+            if not getattr(cfg, name) and not (name == "custom_rm_path" and generate is not None):
+                raise ConfigError(f"--rollout-function-path {path} needs {flag_name(name)}")
+        return cls(
+            rollout, env, generate=generate,
+            reward=RewardModel.load(cfg.custom_rm_path, cfg.group_rm, flags) if cfg.custom_rm_path else None,
+            evaluate=(load_rollout_function(cfg.eval_function_path, "--eval-function-path", flags)
+                      if cfg.eval_function_path else None),
+            sample_filter=load_hook(cfg.rollout_sample_filter_path, point="sample_filter",
+                                    flag="--rollout-sample-filter-path", forms={"ours": ["groups"]}, flags=flags),
+            rollout_log=load_hook(cfg.custom_rollout_log_function_path, point="rollout_log",
+                                  flag="--custom-rollout-log-function-path",
+                                  forms={"ours": ["rollout_id", "samples", "metrics", "seconds"]}, flags=flags),
+            eval_log=load_hook(cfg.custom_eval_rollout_log_function_path, point="eval_log",
+                               flag="--custom-eval-rollout-log-function-path",
+                               forms={"ours": ["rollout_id", "data", "metrics"]}, flags=flags),
+            eval_envs=eval_envs)
+
+
+def load_env(path: str | None, args: str | None, flag: str) -> Callable | None:
+    """``--env-path`` called with ``args`` (a JSON object of keyword arguments, ``flag`` naming where they came from)."""
+    env = load_optional(path, flag="--env-path", params=["task", "client"], keywords=Keywords(json.loads(args or "{}"), flag),
+                        guard=False)  # an environment's exception fails its episode only
+    if env is not None and not inspect.iscoroutinefunction(env):
+        raise PluginError(f"--env-path={path!r}: expected 'async def {getattr(env, '__name__', 'episode')}"
+                          "(task, client) -> reward'")
+    return env
 
 
 @dataclass(slots=True)

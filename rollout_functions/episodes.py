@@ -16,7 +16,7 @@ the session's main one (a harness's title or quota probe, a second model) are si
 left out of the episode's Sample unless ``--rollout-side-calls train``.
 
 An episode whose session the proxy no longer knows (the proxy died and the job started it again,
-``inverted.controller.job``) comes back **aborted**, not failed: the buffer queues its task again
+``inverted.controller.supervisor``) comes back **aborted**, not failed: the buffer queues its task again
 and it is played from the start, and nothing of the lost session is trained. The proxy's client
 waits out such a restart (``PROXY_OUTAGE_S``).
 """

@@ -124,7 +124,7 @@ def test_a_rollout_function_with_the_wrong_shape_is_refused_at_load():
 
 def test_env_args_are_bound_to_the_environment_and_checked_before_anything_starts():
     from inverted.config import RolloutConfig
-    from inverted.controller.job import Plugins
+    from inverted.plugins import Plugins
 
     args = '{"env": "verifiers.envs.integrations.reasoninggym_env:ReasoningGymEnv", "args": {"gym": "chain_sum"}}'
     env = Plugins.load(RolloutConfig(env_path="envs.verifiers:episode", env_args=args)).env

@@ -1,20 +1,20 @@
 """The main job, ``inverted train``: start every part, run the loop, supervise, always clean up.
 
-- ``job``: the running parts (Ray, buffer, rollout servers behind the router, proxy, trainer),
-  their supervision (dead rollout servers are replaced and given the current weights) and the
-  one door into the trainer.
-- ``sync_loop``: each step rolls out a batch, trains on it, syncs the weights.
-- ``async_loop`` (``--async-mode`` or ``inverted train-async``): rollout never stops; each step
-  trains on the next batch within ``--max-weight-staleness`` while episodes run on.
-- ``rollouts``: what both loops share: calling the rollout function, its metrics, evaluation.
+Read it in this order:
 
-``run`` checks everything first (config, plug-ins, datasets, the output directory), then
-``drive`` runs either loop the same way: resume (the servers get the checkpoint's weights; a LoRA
-run's servers get its adapter before the first rollout, as the policy to name in every call), one
-step per ``--num-rollout``, evaluation before the first step, every ``--eval-interval`` and after
-the last (rows of their own, greedy unless ``--eval-temperature``), a metrics row per step
-(``metrics.jsonl``, TensorBoard, a console line), a checkpoint every ``--save-interval`` and at the
-end, then a Hugging Face export (``OUTPUT_DIR/hf``) and ``reward.png``.
+- ``loop``: the training loop, written once: take a batch, train or skip, sync, evaluate, save, log;
+- ``sources``: where a step's batch comes from: rolled out by the step (sync) or by a producer that
+  never stops (``--async-mode``, with AReaL's staleness rule, ``Admission``);
+- ``ledger``: which batch each step was served, so a resumed job and a restarted trainer replay it;
+- ``trainer``: the one door into the trainer group (typed calls behind one lock, the step counter,
+  its restart after a rank dies);
+- ``job``: the running parts and the weights the servers hold; ``supervisor``: their healing;
+- ``rollouts``: calling the rollout function; ``evaluation``; ``step_metrics``: a step's row.
+
+``run`` checks everything first (config, plug-ins, datasets, the output directory), then starts
+the job and runs the loop under its supervisor. The loop resumes where a checkpoint left off (the
+servers get its weights; a LoRA run's servers get its adapter before the first rollout, as the
+policy to name in every call). At the end: ``reward.png``, and the command that browses the run.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -30,13 +29,13 @@ import yaml
 
 from inverted.buffer.filters import load_group_chooser, load_group_filter
 from inverted.config import JobConfig, plugin_flags, to_flags
-from inverted.controller.async_loop import AsyncLoop
-from inverted.controller.job import Job, Plugins, checkpoint_dir, restart_dir
-from inverted.controller.rollouts import evaluate, job_flags, read_prompts, summary
-from inverted.controller.sync_loop import SyncLoop
+from inverted.controller.job import Job
+from inverted.controller.loop import train
+from inverted.controller.rollouts import job_flags, read_prompts
+from inverted.controller.trainer import checkpoint_dir
 from inverted.errors import ConfigError
-from inverted.metrics import MetricsSink, build_metrics_sink, plot_rewards
-from inverted.plugins import LossPlugins
+from inverted.metrics import build_metrics_sink, plot_rewards
+from inverted.plugins import LossPlugins, Plugins
 from inverted.processes import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
@@ -78,7 +77,7 @@ async def run_job(cfg: JobConfig, plugins: Plugins, router_args: list[str], sgla
         with logging_redirect_tqdm():
             async with Job(cfg, router_args, sglang_args, process_setup) as job:
                 freeze_startup_heap()
-                await job.run_supervised(drive(cfg, job, plugins, sink, run_dir))
+                await job.supervisor.run(train(cfg, job, plugins, sink, run_dir))
     finally:
         sink.close()
         if (run_dir / "metrics.jsonl").exists() and plot_rewards(stages(cfg), run_dir / "reward.png"):
@@ -93,42 +92,3 @@ def stages(cfg: JobConfig) -> list[Path]:
     source = Path(cfg.rollout.bootstrap_from) if cfg.rollout.bootstrap_from else None
     source = source.parent if source is not None and source.suffix == ".db" else source
     return [source / "metrics.jsonl", own] if source is not None and (source / "metrics.jsonl").exists() else [own]
-
-
-async def evaluate_and_log(cfg: JobConfig, job: Job, plugins: Plugins, sink: MetricsSink, updates: int) -> None:
-    """Evaluate the policy after ``updates`` training steps; its row's step is that count, so step 0
-    is the starting policy and an evaluation's step is the rollout its policy would serve next."""
-    metrics = await evaluate(cfg, job, plugins, updates)
-    sink.log(metrics | {"weight_version": float(job.version)}, updates)
-    logger.info("evaluation after %d updates: %s", updates, summary(metrics))
-
-
-async def drive(cfg: JobConfig, job: Job, plugins: Plugins, sink: MetricsSink, run_dir: Path) -> None:
-    """Step after step until ``--num-rollout``, with evaluation, metrics and checkpoints; a final export."""
-    from tqdm import tqdm
-
-    start = job.trainer.rollout_id if job.trainer else 0
-    if start or (job.lora and job.trainer):  # resumed: the servers hold the starting weights; LoRA: no adapter yet
-        await job.sync_weights(start)
-    loop = AsyncLoop(cfg, job, plugins, start) if cfg.loop.async_mode else SyncLoop(cfg, job, plugins, start)
-    evaluating = bool(cfg.rollout.eval_interval)
-    if evaluating and start == 0:  # the starting policy, so that every later figure has its baseline
-        await evaluate_and_log(cfg, job, plugins, sink, 0)
-    async with loop:
-        for rollout_id in tqdm(range(start, cfg.train.num_rollout), desc="rollout", initial=start,
-                               total=cfg.train.num_rollout, dynamic_ncols=True):
-            metrics = await loop.step(rollout_id)
-            sink.log(metrics, rollout_id)
-            logger.info("rollout %d: %s", rollout_id, summary(metrics))
-            last = rollout_id + 1 == cfg.train.num_rollout
-            if evaluating and (last or (rollout_id + 1) % cfg.rollout.eval_interval == 0):
-                await evaluate_and_log(cfg, job, plugins, sink, rollout_id + 1)
-            every, restart = cfg.train.ckpt.save_interval, cfg.train.ckpt.restart_save_interval
-            if job.trainer and (last or (every and (rollout_id + 1) % every == 0)):
-                await job.trainer_call("save", checkpoint_dir(cfg.train))
-            elif job.trainer and restart and (rollout_id + 1) % restart == 0:  # written during the next rollout
-                await job.trainer_call("save_for_restart", restart_dir(cfg.train))
-    if job.trainer and start < cfg.train.num_rollout:
-        out = await job.trainer_call("finish", checkpoint_dir(cfg.train), str(run_dir / "hf"))
-        logger.info("final policy exported to %s", out)
-        shutil.rmtree(restart_dir(cfg.train), ignore_errors=True)  # the final checkpoint holds more

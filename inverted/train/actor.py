@@ -102,16 +102,16 @@ class TrainActor:
         if cfg.ckpt.load:
             load_checkpoint(self.trainer, cfg.ckpt.load)
         freeze_startup_heap()
-        return self.trainer.rollout_id
+        return self.trainer.step
 
     @settled
     def train(self, samples: list[dict[str, Any]]) -> dict[str, float]:
         return self.trainer.train([Sample.from_json(s) for s in samples])
 
     @settled
-    def skip(self, rollout_id: int) -> None:
+    def skip(self, step: int) -> None:
         """A rollout with nothing to train on still counts, so checkpoints and resumes stay in step."""
-        self.trainer.rollout_id = rollout_id + 1
+        self.trainer.step = step + 1
 
     @settled
     def sync_weights(self, urls: list[str], version: str, keys: ServerKeys | None = None) -> dict[str, float] | None:
@@ -208,7 +208,7 @@ class TrainGroup:
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=rank),
         ).remote() for rank in range(cfg.parallel.world_size)]
         address = ray.get(self.actors[0].rendezvous.remote())
-        self.rollout_id: int = ray.get([actor.setup.remote(cfg, rank, address, process_setup)
+        self.step: int = ray.get([actor.setup.remote(cfg, rank, address, process_setup)
                                         for rank, actor in enumerate(self.actors)])[0]
         # Named before any bucket exists (the first sync makes them), with the ranks of a killed run
         # whose processes were still exiting when the ranks reaped.
@@ -236,8 +236,8 @@ class TrainGroup:
     def train(self, samples: list[Sample]) -> dict[str, float]:
         return self._all("train", [s.to_json() for s in samples])
 
-    def skip(self, rollout_id: int) -> None:
-        self._all("skip", rollout_id)
+    def skip(self, step: int) -> None:
+        self._all("skip", step)
 
     def sync_weights(self, urls: list[str], version: int, keys: ServerKeys | None = None) -> dict[str, float] | None:
         return self._all("sync_weights", urls, str(version), keys)

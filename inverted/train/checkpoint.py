@@ -97,7 +97,7 @@ def latest_step(root: str | Path | None) -> int:
 
 def save_checkpoint(trainer, root: str | Path) -> Path:
     """Write this rank's part of the checkpoint; rank 0 marks it latest once all ranks are done."""
-    directory = Path(root) / f"iter_{trainer.rollout_id:07d}"
+    directory = Path(root) / f"iter_{trainer.step:07d}"
     directory.mkdir(parents=True, exist_ok=True)
     model = trainer.model.module.state_dict()
     if trainer.lora is not None:  # the base weights are the --hf-checkpoint's, unchanged: only the adapter is saved
@@ -108,7 +108,7 @@ def save_checkpoint(trainer, root: str | Path) -> Path:
     if rank == 0:
         _copy_hf_files(trainer.cfg.hf_checkpoint, Path(root) / HF_FILES_DIR, trainer.cfg.chat_template)
         meta = {"spec": dataclasses.asdict(trainer.spec), "parallel": dataclasses.asdict(trainer.parallel),
-                "world_size": torch.distributed.get_world_size(), "rollout_id": trainer.rollout_id,
+                "world_size": torch.distributed.get_world_size(), "rollout_id": trainer.step,
                 "optimizer_steps": trainer.optimizer_steps,
                 "lora": trainer.lora.to_peft(str(Path(trainer.cfg.hf_checkpoint).resolve())) if trainer.lora else None}
         (directory / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -168,6 +168,6 @@ def load_checkpoint(trainer, root: str | Path, *, optimizer: bool = True) -> Pat
     trainer.optimizer.load_state_dict(state["optimizer"])
     _load_shard_states(trainer, state.get("optimizer_shards", []))
     _set_rng_state(state["rng"])
-    trainer.rollout_id, trainer.optimizer_steps = meta["rollout_id"], meta["optimizer_steps"]
-    logger.info("resumed from %s (rollout %d)", directory, trainer.rollout_id)
+    trainer.step, trainer.optimizer_steps = meta["rollout_id"], meta["optimizer_steps"]
+    logger.info("resumed from %s (step %d)", directory, trainer.step)
     return directory

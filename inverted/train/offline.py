@@ -80,8 +80,8 @@ def train_worker(cfg: TrainConfig, setup: Callable[[], None]) -> None:
         trainer = Trainer(cfg)
         if cfg.ckpt.load:
             load_checkpoint(trainer, cfg.ckpt.load)
-        for rollout_id in tqdm(range(trainer.rollout_id, cfg.num_rollout), desc="train", disable=rank != 0,
-                               initial=trainer.rollout_id, total=cfg.num_rollout):
+        for rollout_id in tqdm(range(trainer.step, cfg.num_rollout), desc="train", disable=rank != 0,
+                               initial=trainer.step, total=cfg.num_rollout):
             metrics = trainer.train(read_rollout_data(cfg.load_debug_rollout_data, rollout_id))
             if sink is not None:
                 sink.log(metrics, rollout_id)

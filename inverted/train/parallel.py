@@ -28,12 +28,12 @@ def init_parallel(cfg: ParallelConfig, seed: int) -> None:
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed")
     warnings.filterwarnings("ignore", message="full scope is deprecated")
     warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS")
-    from inverted.train import _compat
+    from inverted.train import megatron_patches
 
     if cuda:
-        _compat.apply_without_te()
+        megatron_patches.apply_without_te()
     else:
-        _compat.apply()
+        megatron_patches.apply()
     if not torch.distributed.is_initialized():
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -206,7 +206,7 @@ class Trainer:
         self.optimizer = build_optimizer(cfg.optim, self.model, bf16=cfg.bf16)
         # With LoRA the reference is the base model: the policy with its adapters off, no second copy.
         self.reference = self._frozen(hf_weights) if cfg.loss.needs_reference and self.lora is None else None
-        self.rollout_id = 0  # rollouts trained on so far
+        self.step = 0  # the step it trains next: the steps trained (or skipped) so far
         self.optimizer_steps = 0
         self.plugins = LossPlugins.load(cfg.loss, plugin_flags(cfg))  # the loss hooks (plugins.LossPlugins)
         # Log-probs straight from the final hidden states, chunk by chunk (train/logprobs.py), unless a
@@ -413,7 +413,7 @@ class Trainer:
 
         tokens = PerToken(
             mask=dict(enumerate(masks)), advantage=dict(enumerate(advantages)), old_logp=old_logp, ref_logp=ref_logp,
-            staleness={i: (self.rollout_id - v).float() for i, v in enumerate(versions)},
+            staleness={i: (self.step - v).float() for i, v in enumerate(versions)},
             rollout_logp={i: torch.tensor(s.rollout_log_probs, dtype=torch.float32) if s.rollout_log_probs is not None
                           else torch.full((s.response_length,), torch.nan) for i, s in enumerate(samples)},
             recorded={} if cfg.save_train_details else None,
@@ -441,7 +441,7 @@ class Trainer:
             self.optimizer_steps += 1
         if tokens.recorded is not None:
             self._save_details(samples, self._gather_over_dp(self._from_last_stage(tokens.recorded)), advantages, masks)
-        self.rollout_id += 1
+        self.step += 1
         if self.replay is not None:
             self.replay.reset()
         metrics = self._reduce_metrics(reported, steps=len(plan))
@@ -500,7 +500,7 @@ class Trainer:
             mismatch, advantage = details.summarise(logp, rollout, adv, mask)
             rows.append(details.Detail(
                 -1 if sample.group_index is None else sample.group_index, -1 if sample.index is None else sample.index,
-                int(sample.metadata.get("branch", 0)), self.rollout_id, mismatch, advantage, logp, adv))
+                int(sample.metadata.get("branch", 0)), self.step, mismatch, advantage, logp, adv))
         self.details.write(rows)
 
     def _loss(self, mb: MicroBatch, output: torch.Tensor, tokens: PerToken) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

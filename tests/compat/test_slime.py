@@ -468,8 +468,9 @@ def test_slimes_eval_functions_answer_per_dataset_and_are_logged_as_slime_logs_t
     import argparse
 
     from inverted.config import JobConfig, add_flags, build_section
-    from inverted.controller.job import Plugins
-    from inverted.controller.rollouts import eval_metrics, log_evaluation, run_evaluation
+    from inverted.plugins import Plugins
+    from inverted.controller.evaluation import eval_metrics, log_evaluation
+    from inverted.controller.rollouts import run_evaluation
     from inverted.plugins import EvalResults, RolloutContext, load_rollout_function
     from inverted.types import Task
 
@@ -499,7 +500,7 @@ def test_slimes_eval_functions_answer_per_dataset_and_are_logged_as_slime_logs_t
 def test_an_eval_function_answering_samples_still_answers_every_task():
     import asyncio
 
-    from inverted.controller.job import Plugins
+    from inverted.plugins import Plugins
     from inverted.controller.rollouts import run_evaluation
     from inverted.plugins import RolloutContext, load_rollout_function
     from inverted.types import Task

@@ -182,7 +182,7 @@ def test_servers_spread_over_the_nodes_and_losing_one_node_loses_no_episode(clus
     and longer with another test beside it: 16 rollouts leave it time to be counted before the job
     ends (with 8 the job once ended first)."""
     model, run_dir = own_model(tiny_model, tmp_path), tmp_path / "run"
-    data = long_tail_data(tmp_path / "long_tail.jsonl", count=64, short_s=1.0, long_s=1.0)
+    long_tail_data(tmp_path / "long_tail.jsonl", count=64, short_s=1.0, long_s=1.0)
     log = tmp_path / "job.log"
     job = start_job("--hf-checkpoint", "model", "--prompt-data", "long_tail.jsonl", "--output-dir", "run",
                     "--num-rollout", "16", "--rollout-max-response-len", "8", "--ray-address", cluster.address,

@@ -106,7 +106,7 @@ def test_a_killed_sglang_server_is_replaced_and_the_job_loses_no_episode(tiny_mo
                     "--rollout-sglang-python", str(SGLANG_PYTHON), *RUN, log=log)
     try:
         wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics_rows(run_dir)) >= 1, job, log)
-        launchers = set(processes_with(f"sglang_cpu/launch.py --secrets-fd"))
+        launchers = set(processes_with("sglang_cpu/launch.py --secrets-fd"))
         servers = [pid for pid in launchers if int(Path(f"/proc/{pid}/stat").read_text().split()[3]) in launchers]
         assert len(servers) == 2  # each launcher's forked child runs SGLang
         os.kill(servers[0], signal.SIGKILL)

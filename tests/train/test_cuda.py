@@ -1,6 +1,6 @@
 """The Megatron trainer on a CUDA GPU: NCCL, Megatron's own optimizer, CUDA-IPC sync (skipped without one).
 
-On CPU the trainer runs through ``train/_compat.py`` and its own AdamW; here none of that is
+On CPU the trainer runs through ``train/megatron_patches.py`` and its own AdamW; here none of that is
 used, so these tests are the proof that the GPU path is the same learner: the same logits as
 ``transformers``, a GRPO step that moves the policy the right way with Megatron's (optionally
 distributed) optimizer in bf16, a resume that continues exactly with either optimizer, and a

@@ -88,7 +88,7 @@ def test_the_adapter_product_s_gradients_equal_finite_differences(spans):
     for (reads, writes), b in zip(spans, bs):
         expected[:, writes] += low[:, reads] @ b.t()
     torch.testing.assert_close(_AddLowRank.apply(out, low, spans, *bs), expected)
-    assert torch.autograd.gradcheck(lambda o, l, *b: _AddLowRank.apply(o, l, spans, *b), inputs)
+    assert torch.autograd.gradcheck(lambda o, low, *b: _AddLowRank.apply(o, low, spans, *b), inputs)
 
 
 @pytest.mark.slow  # several ranks: left out of make test-fast

@@ -107,7 +107,7 @@ def step_at_version(cfg: TrainConfig, samples, version: int, out: str) -> None:
 
     with parallel_group(cfg):
         trainer = Trainer(cfg)
-        trainer.rollout_id = version
+        trainer.step = version
         metrics = trainer.train(samples)
         torch.save({"metrics": metrics, "weights": trainer.hf_weights()}, out)
 

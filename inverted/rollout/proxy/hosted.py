@@ -31,7 +31,7 @@ import asyncio
 import inspect
 import json
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from inverted.errors import InvalidRequest

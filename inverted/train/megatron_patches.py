@@ -5,7 +5,7 @@ Megatron DDP) runs on CPU tensors over gloo once two assumptions are answered. `
 installs the workarounds and is called only when ``torch.cuda.is_available()`` is false; the GPU
 path takes only ``apply_without_te`` (below). It is pinned to the megatron-core versions it was written
 against (``_SUPPORTED``): a new release must be checked before it is admitted.
-``tests/train/test_compat.py`` exercises each workaround (the MoE ones: ``tests/train/test_moe.py``).
+``tests/train/test_megatron_patches.py`` exercises each workaround (the MoE ones: ``tests/train/test_moe.py``).
 
 1. ``torch.cuda.current_device()`` picks the device of parameters, DDP grad buffers and the
    ``GlobalMemoryBuffer`` scratch space; without CUDA it raises. We answer with the CPU.
@@ -185,7 +185,7 @@ def apply() -> None:
 
     version = megatron.core.__version__
     if not version.startswith(_SUPPORTED):
-        raise RuntimeError(f"inverted.train._compat supports megatron-core {_SUPPORTED}, found {version}; "
+        raise RuntimeError(f"inverted.train.megatron_patches supports megatron-core {_SUPPORTED}, found {version}; "
                            "check its CUDA assumptions before admitting it")
     if getattr(torch.cuda.current_device, "_inverted_cpu", False):
         return

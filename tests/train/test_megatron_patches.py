@@ -1,4 +1,4 @@
-"""Each CPU workaround of ``inverted.train._compat``, checked in a fresh process (it changes globals)."""
+"""Each CPU workaround of ``inverted.train.megatron_patches``, checked in a fresh process (it changes globals)."""
 
 from __future__ import annotations
 
@@ -19,15 +19,15 @@ except (AssertionError, RuntimeError):
     pass
 from megatron.core.tensor_parallel import random as mcore_random
 from megatron.core.utils import GlobalMemoryBuffer
-from inverted.train import _compat
+from inverted.train import megatron_patches
 
 try:
     torch.cuda.current_device()
     raise SystemExit("current_device worked before apply(): the probe proves nothing")
 except (AssertionError, RuntimeError):
     pass
-_compat.apply()
-_compat.apply()  # idempotent
+megatron_patches.apply()
+megatron_patches.apply()  # idempotent
 
 # 1. current_device answers the CPU, and Megatron's scratch buffer allocates there.
 assert torch.cuda.current_device() == torch.device("cpu")
@@ -75,8 +75,8 @@ def test_cpu_workarounds():
 def test_unsupported_megatron_version_is_refused(monkeypatch):
     import megatron.core
 
-    from inverted.train import _compat
+    from inverted.train import megatron_patches
 
     monkeypatch.setattr(megatron.core, "__version__", "0.99.0")
     with pytest.raises(RuntimeError, match="supports megatron-core"):
-        _compat.apply()
+        megatron_patches.apply()
