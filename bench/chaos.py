@@ -45,11 +45,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("engine", "router", "proxy", "buffer", "trainer", "job")
 # How each kind shows on a command line (sgl-router names its process ``sglang::router``).
-COMMANDS = {"engine": "serve-engine", "router": "sglang::router", "proxy": "inverted.cli proxy",
-            "buffer": "inverted.cli buffer", "trainer": "ray::TrainActor"}
+COMMANDS = {
+    "engine": "serve-engine",
+    "router": "sglang::router",
+    "proxy": "inverted.cli proxy",
+    "buffer": "inverted.cli buffer",
+    "trainer": "ray::TrainActor",
+}
 # What the job logs once it has healed each kind itself.
-HEALED = {"engine": " replaces ", "router": "the router is back at", "proxy": "the proxy is back at",
-          "buffer": "the buffer is back at", "trainer": "the trainer is back at step"}
+HEALED = {
+    "engine": " replaces ",
+    "router": "the router is back at",
+    "proxy": "the proxy is back at",
+    "buffer": "the buffer is back at",
+    "trainer": "the trainer is back at step",
+}
 
 
 def session_pids(sid: int, text: str) -> list[int]:
@@ -59,7 +69,10 @@ def session_pids(sid: int, text: str) -> list[int]:
         if not entry.name.isdigit():
             continue
         try:
-            if os.getsid(int(entry.name)) == sid and text in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode():
+            if (
+                os.getsid(int(entry.name)) == sid
+                and text in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            ):
                 found.append(int(entry.name))
         except OSError:
             pass
@@ -76,21 +89,45 @@ class Job:
 
     def __init__(self, args: argparse.Namespace, work: Path, name: str):
         self.run, self.log, self.args = work / name, work / f"{name}.log", args
-        self.flags = ["--config", str(ROOT / "examples/demo.yaml"), "--hf-checkpoint", str(work / "model"),
-                      "--prompt-data", str(work / "letters.jsonl"), "--eval-prompt-data", str(work / "letters-eval.jsonl"),
-                      "--output-dir", str(self.run), "--num-rollout", str(args.rollouts), "--eval-interval",
-                      str(args.rollouts), "--save-interval", str(args.save_interval), "--seed", str(args.seed), "--log-level", "warning",
-                      # what each step trained, one file per step: a resumed step writes its file again
-                      "--save-debug-rollout-data", str(self.run / "trained" / "{rollout_id}.jsonl")]
+        self.flags = [
+            "--config",
+            str(ROOT / "examples/demo.yaml"),
+            "--hf-checkpoint",
+            str(work / "model"),
+            "--prompt-data",
+            str(work / "letters.jsonl"),
+            "--eval-prompt-data",
+            str(work / "letters-eval.jsonl"),
+            "--output-dir",
+            str(self.run),
+            "--num-rollout",
+            str(args.rollouts),
+            "--eval-interval",
+            str(args.rollouts),
+            "--save-interval",
+            str(args.save_interval),
+            "--seed",
+            str(args.seed),
+            "--log-level",
+            "warning",
+            # what each step trained, one file per step: a resumed step writes its file again
+            "--save-debug-rollout-data",
+            str(self.run / "trained" / "{rollout_id}.jsonl"),
+        ]
         self.process: subprocess.Popen | None = None
         self.starts = 0
 
     def start(self) -> None:
         resume = ["--load", str(self.run / "checkpoints")] if self.starts else []
         out = self.log.open("a")
-        self.process = subprocess.Popen([sys.executable, "-m", "inverted.cli", "train", *self.flags, *resume],
-                                        stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
-                                        env={**os.environ, "PYTHONPATH": str(ROOT)})
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "inverted.cli", "train", *self.flags, *resume],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            start_new_session=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
         self.starts += 1
 
     @property
@@ -159,8 +196,13 @@ def chaos(args: argparse.Namespace, work: Path) -> dict:
                 kind += " (stopped the job)"
             job.start()
             recovered = wait(lambda: job.steps() > steps, 600)
-        recoveries.append({"kind": kind, "at_step": steps,
-                           "recovery_s": None if recovered is None else round(time.monotonic() - killed_at, 1)})
+        recoveries.append(
+            {
+                "kind": kind,
+                "at_step": steps,
+                "recovery_s": None if recovered is None else round(time.monotonic() - killed_at, 1),
+            }
+        )
     while not job.process.wait() == 0 and job.starts <= args.kills + 3:  # a kill at the very end: resume it
         job.start()
     return {"recoveries": recoveries, "exit": job.process.returncode, **outcomes(job.run)}
@@ -173,10 +215,15 @@ def outcomes(run: Path) -> dict:
         tasks = dict(db.execute("SELECT state, COUNT(*) FROM tasks GROUP BY state"))
         groups = dict(db.execute("SELECT state, COUNT(*) FROM groups GROUP BY state"))
         counters = dict(db.execute("SELECT name, value FROM counters"))
-        consumed = {key for key in db.execute("SELECT group_index, sample_index FROM samples JOIN groups "
-                                              "USING (group_index) WHERE state = 'consumed'")}
-        samples_per_task = db.execute("SELECT MAX(n) FROM (SELECT COUNT(*) n FROM samples "
-                                      "GROUP BY group_index, sample_index)").fetchone()[0]
+        consumed = {
+            key
+            for key in db.execute(
+                "SELECT group_index, sample_index FROM samples JOIN groups USING (group_index) WHERE state = 'consumed'"
+            )
+        }
+        samples_per_task = db.execute(
+            "SELECT MAX(n) FROM (SELECT COUNT(*) n FROM samples GROUP BY group_index, sample_index)"
+        ).fetchone()[0]
         trained_steps = dict(db.execute("SELECT group_index, trained_step FROM groups WHERE state = 'consumed'"))
         unplayed = db.execute("SELECT COUNT(*) FROM samples WHERE rollout_id IS NULL").fetchone()[0]
     trained: dict[tuple[int, int], int] = {}
@@ -189,17 +236,23 @@ def outcomes(run: Path) -> dict:
             trained[key] = int(path.stem)
     rows = [r for r in metrics_rows(run) if "rollout/samples" in r]
     final_eval = [r for r in metrics_rows(run) if "eval/reward_mean" in r]
-    return {"tasks": tasks, "groups": groups, "samples_per_task_max": samples_per_task,
-            "samples_trained": len(trained), "samples_trained_twice": twice,
-            "served_never_trained": len(consumed - trained.keys()), "trained_never_served": len(trained.keys() - consumed),
-            # the buffer's own record (each served group's training step) against the surviving training
-            "buffer_disagrees_with_training": sum(trained_steps.get(g) != step for (g, _), step in trained.items())
-            + sum(step is None for step in trained_steps.values()),
-            "samples_without_their_rollout": unplayed,  # the buffer names the rollout that played each task
-            "steps_written_again": len(rows) - len({r["step"] for r in rows}),
-            "aborted_played_again": counters.get("samples_requeued_aborted", 0),
-            "leases_released": counters.get("leases_released", 0),
-            "final_eval_reward": final_eval[-1]["eval/reward_mean"] if final_eval else None}
+    return {
+        "tasks": tasks,
+        "groups": groups,
+        "samples_per_task_max": samples_per_task,
+        "samples_trained": len(trained),
+        "samples_trained_twice": twice,
+        "served_never_trained": len(consumed - trained.keys()),
+        "trained_never_served": len(trained.keys() - consumed),
+        # the buffer's own record (each served group's training step) against the surviving training
+        "buffer_disagrees_with_training": sum(trained_steps.get(g) != step for (g, _), step in trained.items())
+        + sum(step is None for step in trained_steps.values()),
+        "samples_without_their_rollout": unplayed,  # the buffer names the rollout that played each task
+        "steps_written_again": len(rows) - len({r["step"] for r in rows}),
+        "aborted_played_again": counters.get("samples_requeued_aborted", 0),
+        "leases_released": counters.get("leases_released", 0),
+        "final_eval_reward": final_eval[-1]["eval/reward_mean"] if final_eval else None,
+    }
 
 
 def main() -> None:
@@ -222,7 +275,9 @@ def main() -> None:
         started, shared_before = time.monotonic(), shared_buckets()
         report = {"kills": args.kills, "rollouts": args.rollouts, **chaos(args, work)}
         # A killed trainer's weight buckets are RAM until someone unlinks them: the job must.
-        report["shared_memory_left_mib"] = round(sum(f.stat().st_size for f in shared_buckets() - shared_before) / 2**20)
+        report["shared_memory_left_mib"] = round(
+            sum(f.stat().st_size for f in shared_buckets() - shared_before) / 2**20
+        )
         report["kinds_killed"] = sorted({r["kind"].split()[0] for r in report["recoveries"]})
         report["chaos_run_s"] = round(time.monotonic() - started, 1)
         if not args.no_baseline:

@@ -91,21 +91,34 @@ def health_while(url: str, seconds: float, target: str | None = None, body: byte
         while not results.empty():
             refusals.append(results.get())
     latencies.sort()
-    out = {"health_p50_ms": 1e3 * statistics.median(latencies), "health_p99_ms": 1e3 * latencies[int(len(latencies) * 0.99)],
-           "health_max_ms": 1e3 * latencies[-1], "probes": len(latencies)}
+    out = {
+        "health_p50_ms": 1e3 * statistics.median(latencies),
+        "health_p99_ms": 1e3 * latencies[int(len(latencies) * 0.99)],
+        "health_max_ms": 1e3 * latencies[-1],
+        "probes": len(latencies),
+    }
     if refusals:
-        out |= {"refusals": len(refusals), "statuses": sorted({s for _, s in refusals}),
-                "refusal_median_s": statistics.median(t for t, _ in refusals)}
+        out |= {
+            "refusals": len(refusals),
+            "statuses": sorted({s for _, s in refusals}),
+            "refusal_median_s": statistics.median(t for t, _ in refusals),
+        }
     return out
 
 
 def grammar_body() -> bytes:
     """A 337 kB JSON schema (~0.6 s to compile on 2 cores), asked for 16 times in one request."""
-    properties = {f"field_{i}": {"type": "object", "properties": {f"x{j}": {"enum": [f"v{k}" for k in range(8)]}
-                                                                  for j in range(12)}} for i in range(400)}
+    properties = {
+        f"field_{i}": {
+            "type": "object",
+            "properties": {f"x{j}": {"enum": [f"v{k}" for k in range(8)]} for j in range(12)},
+        }
+        for i in range(400)
+    }
     schema = json.dumps({"type": "object", "properties": properties, "required": ["field_0"]})
-    return json.dumps({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1, "json_schema": schema,
-                                                                 "n": 16}}).encode()
+    return json.dumps(
+        {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1, "json_schema": schema, "n": 16}}
+    ).encode()
 
 
 def payload_body() -> bytes:
@@ -113,8 +126,17 @@ def payload_body() -> bytes:
     import base64
     import pickle
 
-    gadget = (pickle.PROTO + b"\x02" + pickle.GLOBAL + b"builtins\nbytearray\n" + pickle.BININT
-              + (2**30).to_bytes(4, "little") + pickle.TUPLE1 + pickle.REDUCE + pickle.STOP)
+    gadget = (
+        pickle.PROTO
+        + b"\x02"
+        + pickle.GLOBAL
+        + b"builtins\nbytearray\n"
+        + pickle.BININT
+        + (2**30).to_bytes(4, "little")
+        + pickle.TUPLE1
+        + pickle.REDUCE
+        + pickle.STOP
+    )
     return json.dumps({"serialized_named_tensors": [base64.b64encode(gadget).decode()]}).encode()
 
 
@@ -172,8 +194,15 @@ def sessions_arm(proxy: ManagedProcess, cap: int) -> dict[str, float]:
         full = rss_mb(proxy)
         for _ in range(max(1, cap // 128)):
             refused += http.post(proxy.url + "/sessions/batch", json={"sessions": [{}] * 128}).status_code == 429
-    return {"cap": cap, "opened": opened, "batches_refused_429": refused, "rss_empty_mb": before,
-            "rss_at_cap_mb": full, "rss_after_refusals_mb": rss_mb(proxy), "kb_per_session": 1024 * (full - before) / max(opened, 1)}
+    return {
+        "cap": cap,
+        "opened": opened,
+        "batches_refused_429": refused,
+        "rss_empty_mb": before,
+        "rss_at_cap_mb": full,
+        "rss_after_refusals_mb": rss_mb(proxy),
+        "kb_per_session": 1024 * (full - before) / max(opened, 1),
+    }
 
 
 def main() -> None:
@@ -195,7 +224,9 @@ def main() -> None:
         text = "lorem ipsum " * int(args.text_mb * 1e6 / 12)
         session = httpx.post(proxy + "/sessions", json={}).json()
         engine_text = json.dumps({"text": text, "sampling_params": {"max_new_tokens": 4}}).encode()
-        proxy_text = json.dumps({"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 4}).encode()
+        proxy_text = json.dumps(
+            {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 4}
+        ).encode()
         body = b'{"text": "' + b"x" * int(args.body_mb * 1e6) + b'"}'
         result = {"idle_engine": health_while(engine, args.seconds), "idle_proxy": health_while(proxy, args.seconds)}
         chat = session["base_url"] + "/chat/completions"
@@ -203,14 +234,19 @@ def main() -> None:
         result["proxy_text"] = health_while(proxy, args.seconds, chat, proxy_text)
         result["engine_body"] = health_while(engine, args.seconds, engine + "/generate", body)
         result["proxy_body"] = health_while(proxy, args.seconds, chat, body)
-        for arm, idle in (("engine_text", "idle_engine"), ("engine_body", "idle_engine"), ("proxy_text", "idle_proxy"),
-                          ("proxy_body", "idle_proxy")):
+        for arm, idle in (
+            ("engine_text", "idle_engine"),
+            ("engine_body", "idle_engine"),
+            ("proxy_text", "idle_proxy"),
+            ("proxy_body", "idle_proxy"),
+        ):
             result[arm]["p99_over_idle"] = result[arm]["health_p99_ms"] / result[idle]["health_p99_ms"]
         result["engine_grammar"] = health_while(engine, args.seconds, engine + "/generate", grammar_body())
         peak = peak_rss_mb(procs["engine"])
         httpx.post(engine + "/begin_weight_update", json={}).raise_for_status()  # where payloads are decoded
-        result["engine_payload"] = health_while(engine, args.seconds, engine + "/update_weights_from_tensor",
-                                                payload_body())
+        result["engine_payload"] = health_while(
+            engine, args.seconds, engine + "/update_weights_from_tensor", payload_body()
+        )
         httpx.post(engine + "/end_weight_update", json={}).raise_for_status()
         result["engine_payload"] |= {"peak_rss_mb_before": peak, "peak_rss_mb_after": peak_rss_mb(procs["engine"])}
         for arm in ("engine_grammar", "engine_payload"):

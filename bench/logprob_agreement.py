@@ -27,11 +27,29 @@ from inverted.rollout.servers import SGLANG_LAUNCH  # noqa: E402
 
 def start(kind: str, model: str, python: str, threads: int) -> ManagedProcess:
     port = free_port()
-    argv = ([sys.executable, "-m", "inverted.cli", "serve-engine", "--model", model, "--port", str(port),
-             "--num-threads", str(threads)] if kind == "embedded" else
-            [python, str(SGLANG_LAUNCH), "--model-path", model, "--port", str(port)])
-    server = ManagedProcess.spawn(kind, argv, Path(f"runs/bench/agreement-{kind}.log"), f"http://127.0.0.1:{port}",
-                                  {"OMP_NUM_THREADS": str(threads)})
+    argv = (
+        [
+            sys.executable,
+            "-m",
+            "inverted.cli",
+            "serve-engine",
+            "--model",
+            model,
+            "--port",
+            str(port),
+            "--num-threads",
+            str(threads),
+        ]
+        if kind == "embedded"
+        else [python, str(SGLANG_LAUNCH), "--model-path", model, "--port", str(port)]
+    )
+    server = ManagedProcess.spawn(
+        kind,
+        argv,
+        Path(f"runs/bench/agreement-{kind}.log"),
+        f"http://127.0.0.1:{port}",
+        {"OMP_NUM_THREADS": str(threads)},
+    )
     server.wait_healthy(600)
     return server
 
@@ -55,9 +73,15 @@ def main() -> None:
         gaps = []
         try:
             for prompt in prompts:
-                out = httpx.post(server.url + "/generate", timeout=600, json={
-                    "input_ids": prompt, "return_logprob": True,
-                    "sampling_params": {"max_new_tokens": args.new_tokens, "temperature": 1.0, "ignore_eos": True}}).json()
+                out = httpx.post(
+                    server.url + "/generate",
+                    timeout=600,
+                    json={
+                        "input_ids": prompt,
+                        "return_logprob": True,
+                        "sampling_params": {"max_new_tokens": args.new_tokens, "temperature": 1.0, "ignore_eos": True},
+                    },
+                ).json()
                 tokens = prompt + out["output_ids"]
                 with torch.no_grad():
                     reference = torch.log_softmax(model(torch.tensor([tokens])).logits[0].double(), -1)
@@ -67,8 +91,12 @@ def main() -> None:
         finally:
             server.terminate()
         results[kind] = {"tokens": len(gaps), "mean_abs_gap": sum(gaps) / len(gaps), "max_abs_gap": max(gaps)}
-    print(json.dumps({"bench": "logprob_agreement", "model": args.model, "reference": "transformers fp32",
-                      "results": results}, indent=2))
+    print(
+        json.dumps(
+            {"bench": "logprob_agreement", "model": args.model, "reference": "transformers fp32", "results": results},
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -63,23 +63,34 @@ async def episode(http: httpx.AsyncClient, proxy_url: str, index: int, args) -> 
     # no min_tokens: the engine would mask the end-of-turn token, and its log-probs would not be the policy's
     sampling = {"max_tokens": args.reply_tokens, "seed": index}
     session = (await http.post(proxy_url + "/sessions", json={"sampling_params": sampling})).json()
-    messages = [{"role": "system", "content": "You are a coding agent. Read the files you need, then answer."},
-                {"role": "user", "content": f"Why does job {index} fail?"}]
+    messages = [
+        {"role": "system", "content": "You are a coding agent. Read the files you need, then answer."},
+        {"role": "user", "content": f"Why does job {index} fail?"},
+    ]
     turns = []
     while True:
         started = time.perf_counter()
-        reply = await http.post(session["base_url"] + "/chat/completions",
-                                json={"model": "m", "messages": messages, "tools": LOOKUP})
+        reply = await http.post(
+            session["base_url"] + "/chat/completions", json={"model": "m", "messages": messages, "tools": LOOKUP}
+        )
         assert reply.status_code == 200, reply.text[:500]
         usage = reply.json()["usage"]
-        turns.append({"latency_s": round(time.perf_counter() - started, 4), "prompt_tokens": usage["prompt_tokens"],
-                      "total_tokens": usage["total_tokens"], "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]})
+        turns.append(
+            {
+                "latency_s": round(time.perf_counter() - started, 4),
+                "prompt_tokens": usage["prompt_tokens"],
+                "total_tokens": usage["total_tokens"],
+                "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+            }
+        )
         if usage["total_tokens"] >= args.length:
             break
         message = reply.json()["choices"][0]["message"]
         (call,) = message["tool_calls"]
-        messages += [{"role": "assistant", "content": message["content"], "tool_calls": message["tool_calls"]},
-                     {"role": "tool", "tool_call_id": call["id"], "content": tool_output(index, len(turns), args.tool_tokens)}]
+        messages += [
+            {"role": "assistant", "content": message["content"], "tool_calls": message["tool_calls"]},
+            {"role": "tool", "tool_call_id": call["id"], "content": tool_output(index, len(turns), args.tool_tokens)},
+        ]
     await http.post(f"{proxy_url}/sessions/{session['session_id']}/reward", json={"reward": float(index == 0)})
     (sample,) = (await http.post(f"{proxy_url}/sessions/{session['session_id']}/finish")).json()["samples"]
     return sample, turns
@@ -90,7 +101,7 @@ def mask_is_exact(sample: dict) -> bool:
     prompt = len(sample["tokens"]) - sample["response_length"]
     expected = [0] * sample["response_length"]
     for turn in sample["metadata"]["turns"]:
-        expected[turn["start"] - prompt: turn["end"] - prompt] = [1] * (turn["end"] - turn["start"])
+        expected[turn["start"] - prompt : turn["end"] - prompt] = [1] * (turn["end"] - turn["start"])
     return sample["loss_mask"] == expected
 
 
@@ -113,8 +124,15 @@ def train_child(model: str, samples_path: str) -> None:
     seconds = time.perf_counter() - started
     shutdown_parallel()
     keep = ("logprob_abs_diff", "loss", "grad_norm", "entropy", "advantage", "tokens")
-    print(json.dumps({"peak_rss_mb": vm_hwm_mb(), "step_s": round(seconds, 2),
-                      "metrics": {k: v for k, v in metrics.items() if any(word in k for word in keep)}}))
+    print(
+        json.dumps(
+            {
+                "peak_rss_mb": vm_hwm_mb(),
+                "step_s": round(seconds, 2),
+                "metrics": {k: v for k, v in metrics.items() if any(word in k for word in keep)},
+            }
+        )
+    )
 
 
 def main() -> None:
@@ -134,10 +152,15 @@ def main() -> None:
     if not (model / "config.json").exists():
         make_tiny_model(TinyModelConfig(out=str(model), preset="tiny", max_positions=65536))
     context = ("--context-length", "65536")
-    procs = start_stack(model, Path(args.log_dir), engine_args=("--num-threads", str(args.threads), *context),
-                        proxy_args=(*context, "--proxy-tool-parser-path", "bench.proxy_overhead:EveryReplyCalls"))
+    procs = start_stack(
+        model,
+        Path(args.log_dir),
+        engine_args=("--num-threads", str(args.threads), *context),
+        proxy_args=(*context, "--proxy-tool-parser-path", "bench.proxy_overhead:EveryReplyCalls"),
+    )
     started = time.perf_counter()
     try:
+
         async def run() -> list[tuple[dict, list[dict]]]:
             async with httpx.AsyncClient(timeout=1800) as http:
                 return await asyncio.gather(*(episode(http, procs["proxy"].url, i, args) for i in range(args.episodes)))
@@ -152,24 +175,37 @@ def main() -> None:
     with tempfile.NamedTemporaryFile("w", suffix=".json") as file:
         json.dump(samples, file)
         file.flush()
-        done = subprocess.run([sys.executable, __file__, "--model", str(model), "--train-child", file.name],
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            [sys.executable, __file__, "--model", str(model), "--train-child", file.name],
+            capture_output=True,
+            text=True,
+        )
     if done.returncode:
         raise SystemExit(f"the trainer failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     trainer = json.loads(done.stdout.strip().splitlines()[-1])
     # what each later turn resent (the previous turn's prompt and reply) that the engine's cache served
     later = [t["cached_tokens"] / before["total_tokens"] for _, turns in results for before, t in zip(turns, turns[1:])]
-    print(json.dumps({
-        "model": str(model), "episodes": args.episodes, "target_length": args.length,
-        "tokens": [len(s["tokens"]) for s in samples], "turns": [len(t) for _, t in results],
-        "sampled_tokens": [sum(s["loss_mask"]) for s in samples],
-        "loss_mask_exact": all(map(mask_is_exact, samples)), "recorded_s": round(recorded_s, 1),
-        "turn_latency_s_first_last": [[t[0]["latency_s"], t[-1]["latency_s"]] for _, t in results],
-        "cached_share_of_history_mean": round(statistics.mean(later), 4),
-        "cached_share_of_history_min": round(min(later), 4),
-        "peak_rss_mb": {**memory, "trainer": trainer["peak_rss_mb"]}, "train_step_s": trainer["step_s"],
-        "train_metrics": trainer["metrics"],
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "model": str(model),
+                "episodes": args.episodes,
+                "target_length": args.length,
+                "tokens": [len(s["tokens"]) for s in samples],
+                "turns": [len(t) for _, t in results],
+                "sampled_tokens": [sum(s["loss_mask"]) for s in samples],
+                "loss_mask_exact": all(map(mask_is_exact, samples)),
+                "recorded_s": round(recorded_s, 1),
+                "turn_latency_s_first_last": [[t[0]["latency_s"], t[-1]["latency_s"]] for _, t in results],
+                "cached_share_of_history_mean": round(statistics.mean(later), 4),
+                "cached_share_of_history_min": round(min(later), 4),
+                "peak_rss_mb": {**memory, "trainer": trainer["peak_rss_mb"]},
+                "train_step_s": trainer["step_s"],
+                "train_metrics": trainer["metrics"],
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

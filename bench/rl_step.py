@@ -50,11 +50,34 @@ from inverted.types import Sample  # noqa: E402
 
 def run_job(args, model: Path, out: Path) -> None:
     data = write_dataset(letters_rows, out / "letters.jsonl", 256)
-    command = [sys.executable, "-m", "inverted.cli", "train", "--hf-checkpoint", str(model), "--prompt-data", str(data),
-               "--env-path", "envs.letters:episode", "--output-dir", str(out / "run"), "--num-rollout", str(args.steps),
-               "--rollout-batch-size", str(args.batch), "--n-samples-per-prompt", str(args.n),
-               "--rollout-max-response-len", str(args.response_len), "--num-engines", str(args.engines),
-               "--lr", "1e-5", "--log-level", "warning"]
+    command = [
+        sys.executable,
+        "-m",
+        "inverted.cli",
+        "train",
+        "--hf-checkpoint",
+        str(model),
+        "--prompt-data",
+        str(data),
+        "--env-path",
+        "envs.letters:episode",
+        "--output-dir",
+        str(out / "run"),
+        "--num-rollout",
+        str(args.steps),
+        "--rollout-batch-size",
+        str(args.batch),
+        "--n-samples-per-prompt",
+        str(args.n),
+        "--rollout-max-response-len",
+        str(args.response_len),
+        "--num-engines",
+        str(args.engines),
+        "--lr",
+        "1e-5",
+        "--log-level",
+        "warning",
+    ]
     subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
 
 
@@ -68,7 +91,7 @@ def recorded_requests(db: Path) -> tuple[dict[int, list[tuple[list[int], int]]],
             sample = Sample.from_json(blob)
             step = sample.metadata["rollout_id"]
             for turn in sample.metadata.get("turns", []):
-                steps.setdefault(step, []).append((sample.tokens[:turn["start"]], turn["completion_tokens"]))
+                steps.setdefault(step, []).append((sample.tokens[: turn["start"]], turn["completion_tokens"]))
                 longest[step] = max(longest.get(step, 0.0), turn["latency_s"])
     return steps, longest
 
@@ -77,8 +100,11 @@ async def replay(args, model: Path, log_dir: Path, steps: dict[int, list[tuple[l
     """Seconds to generate each step's calls straight through the router (all at once, fixed lengths)."""
     config = ServersConfig(hf_checkpoint=str(model), num_engines=args.engines, log_dir=str(log_dir))
     seconds = {}
-    async with RolloutServers(config) as servers, SGLangClient(servers.router_url) as client, \
-            contextlib.AsyncExitStack() as stack:
+    async with (
+        RolloutServers(config) as servers,
+        SGLangClient(servers.router_url) as client,
+        contextlib.AsyncExitStack() as stack,
+    ):
         engines = [await stack.enter_async_context(SGLangClient(url)) for url in servers.engine_urls]
         for step, calls in sorted(steps.items()):
             # The job's weight sync flushed every server's prefix cache before this rollout (the cached
@@ -87,10 +113,22 @@ async def replay(args, model: Path, log_dir: Path, steps: dict[int, list[tuple[l
             if not all(await asyncio.gather(*(engine.flush_cache() for engine in engines))):
                 raise RuntimeError("an engine refused /flush_cache between replayed steps")
             started = time.perf_counter()
-            await asyncio.gather(*(client.generate({
-                "input_ids": ids, "sampling_params": {"max_new_tokens": length, "min_new_tokens": length,
-                                                      "ignore_eos": True, "temperature": 1.0}})
-                for ids, length in calls))
+            await asyncio.gather(
+                *(
+                    client.generate(
+                        {
+                            "input_ids": ids,
+                            "sampling_params": {
+                                "max_new_tokens": length,
+                                "min_new_tokens": length,
+                                "ignore_eos": True,
+                                "temperature": 1.0,
+                            },
+                        }
+                    )
+                    for ids, length in calls
+                )
+            )
             seconds[step] = time.perf_counter() - started
     return seconds
 
@@ -121,12 +159,19 @@ def main() -> None:
     train_compute = [r["perf/train_step_s"] for r in rows]
     pure = [generation[r["step"]] + t for r, t in zip(rows, train_compute)]
     result = {
-        "bench": "rl_step", "model": model.name, "steps_measured": len(rows),
-        "episodes_per_step": args.batch * args.n, "response_len": args.response_len, "engines": args.engines,
-        "phases_s": {"rollout": median(r["time/rollout_s"] for r in rows), "train": median(r["time/train_s"] for r in rows),
-                     "sync": median(r["time/sync_s"] for r in rows),
-                     "idle": median(r["time/step_s"] - r["time/rollout_s"] - r["time/train_s"] - r["time/sync_s"] for r in rows),
-                     "step": median(step)},
+        "bench": "rl_step",
+        "model": model.name,
+        "steps_measured": len(rows),
+        "episodes_per_step": args.batch * args.n,
+        "response_len": args.response_len,
+        "engines": args.engines,
+        "phases_s": {
+            "rollout": median(r["time/rollout_s"] for r in rows),
+            "train": median(r["time/train_s"] for r in rows),
+            "sync": median(r["time/sync_s"] for r in rows),
+            "idle": median(r["time/step_s"] - r["time/rollout_s"] - r["time/train_s"] - r["time/sync_s"] for r in rows),
+            "step": median(step),
+        },
         "baseline_s": {"generation": median(generation[r["step"]] for r in rows), "training": median(train_compute)},
         "longest_model_call_s": median(longest_call[r["step"]] for r in rows),
         "framework_overhead": round(1 - statistics.median(p / s for p, s in zip(pure, step)), 3),

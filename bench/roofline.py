@@ -66,7 +66,7 @@ def gemm_gflops(shapes: list[tuple[int, int]], rows: int, dtype: torch.dtype, re
     """Each method's rate, in GFLOP/s, over one pass of every ``(out, in)`` weight shape at ``rows`` rows.
     Every method's product is checked against ``matmul``'s first: a fast wrong path is no bound."""
     generator = torch.Generator().manual_seed(0)
-    weights = [torch.randn(out, inp, generator=generator).to(dtype) / inp ** 0.5 for out, inp in shapes]
+    weights = [torch.randn(out, inp, generator=generator).to(dtype) / inp**0.5 for out, inp in shapes]
     inputs = {inp: torch.randn(rows, inp, generator=generator).to(dtype) for _, inp in shapes}
     prepared = [_methods(w) for w in weights]
     flops = sum(2 * rows * out * inp for out, inp in shapes)
@@ -102,12 +102,17 @@ def measure(model_dir: str, dtype: torch.dtype, rows: tuple[int, ...] = (1, 32))
     read_per_token = multiplied * torch.empty(0, dtype=dtype).element_size()
     bandwidth = bandwidth_gbs()
     gemm = {n: gemm_gflops(shapes, n, dtype) for n in rows}
-    return {"threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch."),
-            "cpu": _cpu_name(), "bandwidth": bandwidth, "gemm_gflops": gemm, "weights_per_token": multiplied,
-            "bytes_per_token": read_per_token,
-            "bandwidth_bound_tokens_per_s": round(bandwidth["read_gbs"] * 1e9 / read_per_token, 1),
-            "compute_bound_tokens_per_s": {n: round(max(r.values()) * 1e9 / (2 * multiplied), 1)
-                                           for n, r in gemm.items()}}
+    return {
+        "threads": torch.get_num_threads(),
+        "dtype": str(dtype).removeprefix("torch."),
+        "cpu": _cpu_name(),
+        "bandwidth": bandwidth,
+        "gemm_gflops": gemm,
+        "weights_per_token": multiplied,
+        "bytes_per_token": read_per_token,
+        "bandwidth_bound_tokens_per_s": round(bandwidth["read_gbs"] * 1e9 / read_per_token, 1),
+        "compute_bound_tokens_per_s": {n: round(max(r.values()) * 1e9 / (2 * multiplied), 1) for n, r in gemm.items()},
+    }
 
 
 def _cpu_name() -> str:

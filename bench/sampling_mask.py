@@ -41,9 +41,24 @@ SETTINGS = {
 def run(name: str, flags: list[str], steps: int, backend: list[str]) -> list[dict]:
     out = ROOT / "runs" / "bench" / f"sampling-mask-{name}"
     subprocess.run(["rm", "-rf", str(out)], check=True)
-    command = [sys.executable, "-m", "inverted.cli", "train", "--config", str(ROOT / "examples/smollm2.yaml"),
-               "--output-dir", str(out), "--num-rollout", str(steps), "--eval-interval", "0",
-               "--dynamic-sampling-filter-path", "", *backend, *flags]
+    command = [
+        sys.executable,
+        "-m",
+        "inverted.cli",
+        "train",
+        "--config",
+        str(ROOT / "examples/smollm2.yaml"),
+        "--output-dir",
+        str(out),
+        "--num-rollout",
+        str(steps),
+        "--eval-interval",
+        "0",
+        "--dynamic-sampling-filter-path",
+        "",
+        *backend,
+        *flags,
+    ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"{name}: the job failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -70,19 +85,32 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--backend", choices=["embedded", "sglang"], default="embedded")
     args = parser.parse_args()
-    backend = ["--rollout-backend", "sglang", "--rollout-sglang-python", str(ROOT / ".sglang/bin/python")] \
-        if args.backend == "sglang" else []
+    backend = (
+        ["--rollout-backend", "sglang", "--rollout-sglang-python", str(ROOT / ".sglang/bin/python")]
+        if args.backend == "sglang"
+        else []
+    )
     results = {name: summary(run(name, flags, args.steps, backend)) for name, flags in SETTINGS.items()}
     base = results["top_p_1"]["logprob_gap"]
     ratios = {}
     for name in ("top_p_0.9", "top_k_50"):
         ratios[f"{name}_masked_gap_over_top_p_1"] = results[name]["logprob_gap"] / base
         ratios[f"{name}_unmasked_gap_over_top_p_1"] = results[name]["unmasked_logprob_gap"] / base
-    ratios["replay_step_time_over_none"] = (results["top_p_0.9"]["train_step_s"]
-                                            / results["top_p_0.9_unmasked"]["train_step_s"])
-    print(json.dumps({"backend": args.backend, "steps": args.steps, "settings": results, "ratios": ratios,
-                      "targets": {"masked_gap_over_top_p_1": "<= 1.5", "replay_step_time_over_none": "<= 1.10"}},
-                     indent=2))
+    ratios["replay_step_time_over_none"] = (
+        results["top_p_0.9"]["train_step_s"] / results["top_p_0.9_unmasked"]["train_step_s"]
+    )
+    print(
+        json.dumps(
+            {
+                "backend": args.backend,
+                "steps": args.steps,
+                "settings": results,
+                "ratios": ratios,
+                "targets": {"masked_gap_over_top_p_1": "<= 1.5", "replay_step_time_over_none": "<= 1.10"},
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

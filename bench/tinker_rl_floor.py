@@ -42,24 +42,38 @@ def main() -> None:
     renderer = renderers.get_renderer(args.renderer, tokenizer)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     rng = np.random.RandomState(args.seed)
-    problems = [(int(rng.randint(0, 101)), int(rng.randint(0, 101))) for _ in range(args.problems)]  # as the recipe draws
+    problems = [
+        (int(rng.randint(0, 101)), int(rng.randint(0, 101))) for _ in range(args.problems)
+    ]  # as the recipe draws
     stop = renderer.get_stop_sequences()
-    result = {"bench": "tinker_rl_floor", "model": Path(args.model).name, "renderer": args.renderer,
-              "problems": args.problems, "max_tokens": args.max_tokens, "accuracy": {}}
+    result = {
+        "bench": "tinker_rl_floor",
+        "model": Path(args.model).name,
+        "renderer": args.renderer,
+        "problems": args.problems,
+        "max_tokens": args.max_tokens,
+        "accuracy": {},
+    }
     started = time.perf_counter()
     torch.manual_seed(args.seed)
     for temperature in args.temperatures:
         right = 0
         for x, y in problems:
             env = ArithmeticEnv(x, y, renderer, convo_prefix=ArithmeticEnv.standard_fewshot_prefix())
-            prompt = renderer.build_generation_prompt(env.convo_prefix + [{"role": "user", "content": env.get_question()}])
+            prompt = renderer.build_generation_prompt(
+                env.convo_prefix + [{"role": "user", "content": env.get_question()}]
+            )
             ids = torch.tensor([prompt.to_ints()])
-            sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature else \
-                {"do_sample": False}
+            sampling = (
+                {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+                if temperature
+                else {"do_sample": False}
+            )
             with torch.no_grad():
-                out = model.generate(ids, max_new_tokens=args.max_tokens, eos_token_id=stop, pad_token_id=stop[0],
-                                     **sampling)
-            message, _ = renderer.parse_response(out[0, ids.shape[1]:].tolist())
+                out = model.generate(
+                    ids, max_new_tokens=args.max_tokens, eos_token_id=stop, pad_token_id=stop[0], **sampling
+                )
+            message, _ = renderer.parse_response(out[0, ids.shape[1] :].tolist())
             right += env.check_answer(renderers.get_text_content(message))
         result["accuracy"][str(temperature)] = round(right / len(problems), 4)
     result["wall_s"] = round(time.perf_counter() - started, 1)

@@ -40,13 +40,13 @@ in training tokens per second.
 
 - ``--memory``: the trainer's peak resident memory (``VmHWM``) and step time against the hand-written
   ``transformers`` step's, and against the same trainer with the whole micro-batch's logits and no
-  recomputation (``--logprob-chunk-size 0 --recompute-granularity none``: the trainer before #60),
-  each in a process of its own (building it and ``--rounds`` steps; the step time is the median
-  after the first). The hand-written step goes over padded micro-batches of the trainer's token
-  budget, accumulating gradients: the whole batch at once does not fit in 24 GiB. ``--shape agent`` is ``make agent``'s batch: 8 groups
-  of 8 two-turn episodes of about 340 tokens (a ~250-token prompt of instructions and tools
-  shared by each group, a call, a tool result masked out, an answer); ``--shape context`` one
-  Sample of the model's whole context (8,192 tokens for SmolLM2), half of it response.
+  recomputation (``--logprob-chunk-size 0 --recompute-granularity none``: the trainer before #60), each
+  in a process of its own (building it and ``--rounds`` steps; the step time is the median after the
+  first). The hand-written step goes over padded micro-batches of the trainer's token budget,
+  accumulating gradients: the whole batch at once does not fit in 24 GiB. ``--shape agent`` is ``make
+  agent``'s batch: 8 groups of 8 two-turn episodes of about 340 tokens (a ~250-token prompt of
+  instructions and tools shared by each group, a call, a tool result masked out, an answer); ``--shape
+  context`` one Sample of the model's whole context (8,192 tokens for SmolLM2), half of it response.
 
     python bench/train_step.py --model models/smollm2-135m --shape agent --memory [--rounds 3]
     python bench/train_step.py --model models/smollm2-135m --shape context --memory --rounds 2
@@ -93,24 +93,44 @@ def make_batch(seed: int = 0, count: int = 16, lengths: tuple[int, int] = (192, 
         length = int(torch.randint(lengths[0], lengths[1] + 1, (1,), generator=g))
         tokens = torch.randint(3, 1200, (length,), generator=g).tolist()
         n = length - 64
-        samples.append(Sample(group_index=i // 4, index=i, tokens=tokens, response_length=n, loss_mask=[1] * n,
-                              rollout_log_probs=[-1.0] * n, weight_versions=["0"] * n, reward=float(i % 2),
-                              status=Sample.Status.COMPLETED))
+        samples.append(
+            Sample(
+                group_index=i // 4,
+                index=i,
+                tokens=tokens,
+                response_length=n,
+                loss_mask=[1] * n,
+                rollout_log_probs=[-1.0] * n,
+                weight_versions=["0"] * n,
+                reward=float(i % 2),
+                status=Sample.Status.COMPLETED,
+            )
+        )
     return samples
 
 
-def make_grpo_batch(seed: int = 0, groups: int = 4, per_group: int = 16, prompt: int = 48,
-                    responses: tuple[int, int] = (4, 16)) -> list[Sample]:
+def make_grpo_batch(
+    seed: int = 0, groups: int = 4, per_group: int = 16, prompt: int = 48, responses: tuple[int, int] = (4, 16)
+) -> list[Sample]:
     g = torch.Generator().manual_seed(seed)
     samples = []
     for group in range(groups):
         shared = torch.randint(3, 1200, (prompt,), generator=g).tolist()
         for i in range(per_group):
             n = int(torch.randint(responses[0], responses[1] + 1, (1,), generator=g))
-            samples.append(Sample(group_index=group, index=group * per_group + i,
-                                  tokens=shared + torch.randint(3, 1200, (n,), generator=g).tolist(), response_length=n,
-                                  loss_mask=[1] * n, rollout_log_probs=[-1.0] * n, weight_versions=["0"] * n,
-                                  reward=float(i % 2), status=Sample.Status.COMPLETED))
+            samples.append(
+                Sample(
+                    group_index=group,
+                    index=group * per_group + i,
+                    tokens=shared + torch.randint(3, 1200, (n,), generator=g).tolist(),
+                    response_length=n,
+                    loss_mask=[1] * n,
+                    rollout_log_probs=[-1.0] * n,
+                    weight_versions=["0"] * n,
+                    reward=float(i % 2),
+                    status=Sample.Status.COMPLETED,
+                )
+            )
     return samples
 
 
@@ -125,10 +145,19 @@ def make_agent_batch(seed: int = 0, groups: int = 8, per_group: int = 8, prompt:
             call, result, answer = draw(16, 28), draw(10, 16), draw(40, 80)
             n = call + result + answer
             mask = [1] * call + [0] * result + [1] * answer
-            samples.append(Sample(group_index=group, index=group * per_group + i,
-                                  tokens=shared + torch.randint(3, 1200, (n,), generator=g).tolist(), response_length=n,
-                                  loss_mask=mask, rollout_log_probs=[-1.0 * m for m in mask], weight_versions=["0"] * n,
-                                  reward=float(i % 2), status=Sample.Status.COMPLETED))
+            samples.append(
+                Sample(
+                    group_index=group,
+                    index=group * per_group + i,
+                    tokens=shared + torch.randint(3, 1200, (n,), generator=g).tolist(),
+                    response_length=n,
+                    loss_mask=mask,
+                    rollout_log_probs=[-1.0 * m for m in mask],
+                    weight_versions=["0"] * n,
+                    reward=float(i % 2),
+                    status=Sample.Status.COMPLETED,
+                )
+            )
     return samples
 
 
@@ -137,8 +166,19 @@ def make_context_batch(path: Path, seed: int = 0) -> list[Sample]:
     length = json.loads((path / "config.json").read_text())["max_position_embeddings"]
     tokens = torch.randint(3, 1200, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
     n = length // 2
-    return [Sample(group_index=0, index=0, tokens=tokens, response_length=n, loss_mask=[1] * n,
-                   rollout_log_probs=[-1.0] * n, weight_versions=["0"] * n, reward=1.0, status=Sample.Status.COMPLETED)]
+    return [
+        Sample(
+            group_index=0,
+            index=0,
+            tokens=tokens,
+            response_length=n,
+            loss_mask=[1] * n,
+            rollout_log_probs=[-1.0] * n,
+            weight_versions=["0"] * n,
+            reward=1.0,
+            status=Sample.Status.COMPLETED,
+        )
+    ]
 
 
 def baseline_step(model, optimizer, samples: list[Sample], budget: int | None = None) -> None:
@@ -160,9 +200,9 @@ def baseline_step(model, optimizer, samples: list[Sample], budget: int | None = 
         attention = torch.zeros(len(chunk), width, dtype=torch.long)
         response = torch.zeros(len(chunk), width - 1)
         for row, s in enumerate(chunk):
-            ids[row, :len(s.tokens)] = torch.tensor(s.tokens)
-            attention[row, :len(s.tokens)] = 1
-            response[row, s.prompt_length - 1:len(s.tokens) - 1] = 1
+            ids[row, : len(s.tokens)] = torch.tensor(s.tokens)
+            attention[row, : len(s.tokens)] = 1
+            response[row, s.prompt_length - 1 : len(s.tokens) - 1] = 1
         ids, attention, response = ids.to(device), attention.to(device), response.to(device)
         advantages = torch.tensor([s.reward - 0.5 for s in chunk], device=device)[:, None]
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
@@ -207,10 +247,18 @@ def state_mb(trainer) -> dict[str, float]:
     params = list(trainer.model.parameters())
     size = lambda tensors: sum(t.numel() * t.element_size() for t in tensors) / 2**20  # noqa: E731
     grads = [p.main_grad for p in params if getattr(p, "main_grad", None) is not None]
-    moments = [t for state in trainer.optimizer.optimizer.state.values() for t in state.values()
-               if torch.is_tensor(t) and t.dim()]
-    return {"weights": round(size(params), 1), "grads": round(size(grads), 1), "optimizer": round(size(moments), 1),
-            "trainable_params": sum(p.numel() for p in params if p.requires_grad)}
+    moments = [
+        t
+        for state in trainer.optimizer.optimizer.state.values()
+        for t in state.values()
+        if torch.is_tensor(t) and t.dim()
+    ]
+    return {
+        "weights": round(size(params), 1),
+        "grads": round(size(grads), 1),
+        "optimizer": round(size(moments), 1),
+        "trainable_params": sum(p.numel() for p in params if p.requires_grad),
+    }
 
 
 def peak_rss_mb() -> float:
@@ -234,17 +282,30 @@ def memory_of(args, path: Path, samples: list[Sample], budget: int) -> dict:
 
     # "logits": the trainer as it was before #60, with the whole micro-batch's logits and no recomputation
     before = dict(logprob_chunk_size=0, recompute_granularity="none") if args.memory_of == "logits" else {}
-    trainer = Trainer(from_flags(TrainConfig, hf_checkpoint=str(path), lr=1e-6, max_tokens_per_gpu=budget,
-                                 lora_rank=args.lora_rank if args.memory_of == "lora" else 0, **before))
+    trainer = Trainer(
+        from_flags(
+            TrainConfig,
+            hf_checkpoint=str(path),
+            lr=1e-6,
+            max_tokens_per_gpu=budget,
+            lora_rank=args.lora_rank if args.memory_of == "lora" else 0,
+            **before,
+        )
+    )
     seconds = [timed(lambda: trainer.train(samples), "cpu") for _ in range(steps)]
-    return {"state_mb": state_mb(trainer), "peak_rss_mb": round(peak_rss_mb(), 1),
-            "step_s": round(statistics.median(seconds[1:] or seconds), 3)}
+    return {
+        "state_mb": state_mb(trainer),
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+        "step_s": round(statistics.median(seconds[1:] or seconds), 3),
+    }
 
 
 def child(mode: str) -> dict:
     """``memory_of`` in a process of its own (this script, ``--memory-of mode``); one the kernel killed
     for memory says so, with the machine's."""
-    done = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--memory-of", mode], capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, __file__, *sys.argv[1:], "--memory-of", mode], capture_output=True, text=True
+    )
     if done.returncode == -9:
         total = next(x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemTotal:"))
         return {"peak_rss_mb": None, "killed": f"out of memory (SIGKILL; the machine's {total.split()[1]} kB)"}
@@ -262,14 +323,25 @@ def memory_vs_transformers(args, path: Path, samples: list[Sample]) -> dict:
     def ratios(other: dict) -> dict:
         if not (ours["peak_rss_mb"] and other["peak_rss_mb"]):
             return {}
-        return {"peak_rss_ratio": round(ours["peak_rss_mb"] / other["peak_rss_mb"], 3),
-                "step_time_ratio": round(ours["step_s"] / other["step_s"], 3)}
+        return {
+            "peak_rss_ratio": round(ours["peak_rss_mb"] / other["peak_rss_mb"], 3),
+            "step_time_ratio": round(ours["step_s"] / other["step_s"], 3),
+        }
 
-    return {"model": str(path), "shape": args.shape, "samples": len(samples),
-            "batch_tokens": sum(len(s.tokens) for s in samples),
-            "trained_tokens": sum(sum(s.loss_mask) for s in samples), "steps": args.rounds,
-            "threads": torch.get_num_threads(), "trainer": ours, "trainer_whole_logits": logits, "transformers": base,
-            "vs_whole_logits": ratios(logits), "vs_transformers": ratios(base)}
+    return {
+        "model": str(path),
+        "shape": args.shape,
+        "samples": len(samples),
+        "batch_tokens": sum(len(s.tokens) for s in samples),
+        "trained_tokens": sum(sum(s.loss_mask) for s in samples),
+        "steps": args.rounds,
+        "threads": torch.get_num_threads(),
+        "trainer": ours,
+        "trainer_whole_logits": logits,
+        "transformers": base,
+        "vs_whole_logits": ratios(logits),
+        "vs_transformers": ratios(base),
+    }
 
 
 def lora_vs_full(args, path: Path, samples: list[Sample], budget: int) -> dict:
@@ -278,19 +350,28 @@ def lora_vs_full(args, path: Path, samples: list[Sample], budget: int) -> dict:
 
     tokens = sum(len(s.tokens) for s in samples)
     full = Trainer(from_flags(TrainConfig, hf_checkpoint=str(path), lr=1e-6, max_tokens_per_gpu=budget))
-    lora = Trainer(from_flags(TrainConfig, hf_checkpoint=str(path), lr=1e-6, max_tokens_per_gpu=budget,
-                              lora_rank=args.lora_rank))
+    lora = Trainer(
+        from_flags(TrainConfig, hf_checkpoint=str(path), lr=1e-6, max_tokens_per_gpu=budget, lora_rank=args.lora_rank)
+    )
     full.train(samples), lora.train(samples)  # warm-up
     speed: dict[str, list[float]] = {"full": [], "lora": []}
     for _ in range(args.rounds):
         for name, trainer in (("full", full), ("lora", lora)):
             speed[name].append(tokens / timed(lambda: trainer.train(samples), "cpu"))
     full_tps, lora_tps = statistics.median(speed["full"]), statistics.median(speed["lora"])
-    return {"model": str(path), "shape": args.shape, "batch_tokens": tokens, "rounds": args.rounds,
-            "threads": torch.get_num_threads(), "lora_rank": args.lora_rank,
-            "full_tokens_per_s": round(full_tps, 1), "lora_tokens_per_s": round(lora_tps, 1),
-            "ratio": round(lora_tps / full_tps, 3), "target_ratio": 1.3,
-            "memory": {mode: child(mode) for mode in ("full", "lora")}}
+    return {
+        "model": str(path),
+        "shape": args.shape,
+        "batch_tokens": tokens,
+        "rounds": args.rounds,
+        "threads": torch.get_num_threads(),
+        "lora_rank": args.lora_rank,
+        "full_tokens_per_s": round(full_tps, 1),
+        "lora_tokens_per_s": round(lora_tps, 1),
+        "ratio": round(lora_tps / full_tps, 3),
+        "target_ratio": 1.3,
+        "memory": {mode: child(mode) for mode in ("full", "lora")},
+    }
 
 
 def ep_rank(cfg: TrainConfig, samples: list[Sample], rounds: int, threads: int, out: str) -> None:
@@ -318,19 +399,32 @@ def ep_vs_ep1(args, path: Path, samples: list[Sample], budget: int) -> dict:
     speed = {}
     with tempfile.TemporaryDirectory() as tmp:
         for ep in (1, args.ep):
-            cfg = from_flags(TrainConfig, hf_checkpoint=str(path), lr=1e-6, max_tokens_per_gpu=budget,
-                             expert_model_parallel_size=ep, actor_num_gpus_per_node=ep)
+            cfg = from_flags(
+                TrainConfig,
+                hf_checkpoint=str(path),
+                lr=1e-6,
+                max_tokens_per_gpu=budget,
+                expert_model_parallel_size=ep,
+                actor_num_gpus_per_node=ep,
+            )
             out = f"{tmp}/ep{ep}.json"
             # EP=1 in a process of its own too, so neither run inherits the other's state
             runner = multiprocessing.get_context("spawn").Process(
-                target=spawn, args=(ep_rank, ep, cfg, samples, args.rounds, max(1, cores // ep), out))
+                target=spawn, args=(ep_rank, ep, cfg, samples, args.rounds, max(1, cores // ep), out)
+            )
             runner.start()
             runner.join()
             speed[ep] = tokens / statistics.median(json.loads(Path(out).read_text()))
-    return {"model": f"{args.model or args.arch} (small preset)" if not args.model else args.model,
-            "shape": args.shape, "batch_tokens": tokens, "rounds": args.rounds, "cores": cores,
-            "ep1_tokens_per_s": round(speed[1], 1), f"ep{args.ep}_tokens_per_s": round(speed[args.ep], 1),
-            "ratio": round(speed[args.ep] / speed[1], 3)}
+    return {
+        "model": f"{args.model or args.arch} (small preset)" if not args.model else args.model,
+        "shape": args.shape,
+        "batch_tokens": tokens,
+        "rounds": args.rounds,
+        "cores": cores,
+        "ep1_tokens_per_s": round(speed[1], 1),
+        f"ep{args.ep}_tokens_per_s": round(speed[args.ep], 1),
+        "ratio": round(speed[args.ep] / speed[1], 3),
+    }
 
 
 def details_cost(args, path: Path, samples: list[Sample], budget: int) -> dict:
@@ -349,9 +443,15 @@ def details_cost(args, path: Path, samples: list[Sample], budget: int) -> dict:
                 timings[flag].append(timed(lambda: trainer.train(samples), args.device))
         shutdown_parallel()
     with_s, without_s = statistics.median(timings[True]), statistics.median(timings[False])
-    return {"samples": len(samples), "response_tokens": sum(s.response_length for s in samples), "rounds": args.rounds,
-            "step_with_details_s": round(with_s, 4), "step_without_s": round(without_s, 4),
-            "cost": round(with_s / without_s - 1, 4), "target": "measured"}
+    return {
+        "samples": len(samples),
+        "response_tokens": sum(s.response_length for s in samples),
+        "rounds": args.rounds,
+        "step_with_details_s": round(with_s, 4),
+        "step_without_s": round(without_s, 4),
+        "cost": round(with_s / without_s - 1, 4),
+        "target": "measured",
+    }
 
 
 def restart_save_cost(args, path: Path, samples: list[Sample], budget: int) -> dict:
@@ -371,9 +471,15 @@ def restart_save_cost(args, path: Path, samples: list[Sample], budget: int) -> d
         size = sum(f.stat().st_size for f in Path(out).glob("iter_*/*"))
         shutdown_parallel()
     step_s, save_s = statistics.median(steps), statistics.median(saves)
-    return {"samples": len(samples), "rounds": args.rounds, "step_s": round(step_s, 3), "save_s": round(save_s, 3),
-            "saved_mb": round(size / args.rounds / 2**20), "save_over_step": round(save_s / step_s, 4),
-            "target": "measured (written while the next rollout runs)"}
+    return {
+        "samples": len(samples),
+        "rounds": args.rounds,
+        "step_s": round(step_s, 3),
+        "save_s": round(save_s, 3),
+        "saved_mb": round(size / args.rounds / 2**20),
+        "save_over_step": round(save_s / step_s, 4),
+        "target": "measured (written while the next rollout runs)",
+    }
 
 
 def main() -> None:
@@ -381,22 +487,37 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--model", default=None, help="a checkpoint directory (default: a generated preset)")
-    parser.add_argument("--shape", choices=["long", "grpo", "agent", "context"], default="long",
-                        help="long: 16 samples of 192-256 tokens; grpo: groups sharing a prompt, short responses; "
-                             "agent: make agent's two-turn episodes; context: one Sample of the model's whole context")
+    parser.add_argument(
+        "--shape",
+        choices=["long", "grpo", "agent", "context"],
+        default="long",
+        help="long: 16 samples of 192-256 tokens; grpo: groups sharing a prompt, short responses; "
+        "agent: make agent's two-turn episodes; context: one Sample of the model's whole context",
+    )
     parser.add_argument("--lora-rank", type=int, default=0, help="compare LoRA of this rank with full fine-tuning")
-    parser.add_argument("--memory", action="store_true",
-                        help="the trainer's peak resident memory and step time against the transformers step's")
-    parser.add_argument("--memory-of", choices=["full", "lora", "logits", "transformers"],
-                        help=argparse.SUPPRESS)  # a child of --lora-rank or --memory
-    parser.add_argument("--arch", default="qwen2", choices=["qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe"],
-                        help="architecture of the generated model")
+    parser.add_argument(
+        "--memory",
+        action="store_true",
+        help="the trainer's peak resident memory and step time against the transformers step's",
+    )
+    parser.add_argument(
+        "--memory-of", choices=["full", "lora", "logits", "transformers"], help=argparse.SUPPRESS
+    )  # a child of --lora-rank or --memory
+    parser.add_argument(
+        "--arch",
+        default="qwen2",
+        choices=["qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe"],
+        help="architecture of the generated model",
+    )
     parser.add_argument("--ep", type=int, default=0, help="compare expert parallelism of this size with EP=1 (MoE)")
-    parser.add_argument("--details-cost", action="store_true", help="a step with --save-train-details against one without")
-    parser.add_argument("--restart-save-cost", action="store_true", help="the trainer's state saved for a restart, against a step")
+    parser.add_argument(
+        "--details-cost", action="store_true", help="a step with --save-train-details against one without"
+    )
+    parser.add_argument(
+        "--restart-save-cost", action="store_true", help="the trainer's state saved for a restart, against a step"
+    )
     args = parser.parse_args()
     import transformers
-
     from torch.distributed.elastic.utils.distributed import get_free_port
 
     from inverted.train.parallel import init_parallel, shutdown_parallel
@@ -405,10 +526,14 @@ def main() -> None:
     cuda = args.device == "cuda"
     preset, lengths, budget = ("base", (768, 1024), 16384) if cuda else ("small", (192, 256), 4096)
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(args.model) if args.model else make_tiny_model(
-            TinyModelConfig(out=f"{tmp}/{preset}", arch=args.arch, preset=preset))
-        samples = {"grpo": make_grpo_batch, "agent": make_agent_batch,
-                   "context": lambda: make_context_batch(path)}.get(args.shape, lambda: make_batch(lengths=lengths))()
+        path = (
+            Path(args.model)
+            if args.model
+            else make_tiny_model(TinyModelConfig(out=f"{tmp}/{preset}", arch=args.arch, preset=preset))
+        )
+        samples = {"grpo": make_grpo_batch, "agent": make_agent_batch, "context": lambda: make_context_batch(path)}.get(
+            args.shape, lambda: make_batch(lengths=lengths)
+        )()
         tokens = sum(len(s.tokens) for s in samples)
         if args.ep:
             print(json.dumps(ep_vs_ep1(args, path, samples, budget), indent=2))
@@ -446,8 +571,11 @@ def main() -> None:
         flops_per_token = model_flops(path, samples) / tokens
     params = sum(p.numel() for p in hf.parameters())
     result = {
-        "device": torch.cuda.get_device_name() if cuda else "cpu", "dtype": "bfloat16" if cuda else "float32",
-        "model": f"{args.model or f'{preset} {args.arch}'} ({params / 1e6:.1f}M params)", "shape": args.shape, "batch_tokens": tokens,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "dtype": "bfloat16" if cuda else "float32",
+        "model": f"{args.model or f'{preset} {args.arch}'} ({params / 1e6:.1f}M params)",
+        "shape": args.shape,
+        "batch_tokens": tokens,
         "rounds": args.rounds,
         "threads": torch.get_num_threads(),
         "baseline_transformers_tokens_per_s": round(statistics.median(base), 1),
@@ -456,9 +584,16 @@ def main() -> None:
     }
     if cuda:
         peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in result["device"]), None)
-        result |= {"flops_per_token": round(flops_per_token), "peak_bf16_tflops": peak,
-                   "megatron_trainer_mfu": round(statistics.median(ours) * flops_per_token / (peak * 1e12), 3) if peak else None,
-                   "baseline_transformers_mfu": round(statistics.median(base) * flops_per_token / (peak * 1e12), 3) if peak else None}
+        result |= {
+            "flops_per_token": round(flops_per_token),
+            "peak_bf16_tflops": peak,
+            "megatron_trainer_mfu": round(statistics.median(ours) * flops_per_token / (peak * 1e12), 3)
+            if peak
+            else None,
+            "baseline_transformers_mfu": round(statistics.median(base) * flops_per_token / (peak * 1e12), 3)
+            if peak
+            else None,
+        }
     else:
         result["target_ratio"] = 0.8
     print(json.dumps(result, indent=2))

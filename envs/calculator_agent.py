@@ -31,8 +31,16 @@ from __future__ import annotations
 
 import logging
 
-from agents import (Agent, MaxTurnsExceeded, ModelBehaviorError, ModelSettings, RunConfig, Runner, RunResult,
-                    function_tool)
+from agents import (
+    Agent,
+    MaxTurnsExceeded,
+    ModelBehaviorError,
+    ModelSettings,
+    RunConfig,
+    Runner,
+    RunResult,
+    function_tool,
+)
 from agents.models.openai_provider import OpenAIProvider
 
 from envs.arithmetic import calculate
@@ -61,8 +69,12 @@ def calculator(expression: str) -> str:
 
 
 agent = Agent(name="calculator", instructions=INSTRUCTIONS, tools=[calculator])
-coached_agent = Agent(name="calculator", instructions=COACHED_INSTRUCTIONS, tools=[calculator],
-                      model_settings=ModelSettings(tool_choice="required"))
+coached_agent = Agent(
+    name="calculator",
+    instructions=COACHED_INSTRUCTIONS,
+    tools=[calculator],
+    model_settings=ModelSettings(tool_choice="required"),
+)
 
 
 async def run(question: str, client, chosen: Agent = agent) -> RunResult | None:

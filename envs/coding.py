@@ -58,8 +58,9 @@ def sandboxed() -> bool:
     if why is None:
         return True
     if os.environ.get("INVERTED_SANDBOX") != "off":
-        raise RuntimeError(f"envs.coding runs the model's commands in a sandbox, and {why}; INVERTED_SANDBOX=off "
-                           "runs them unsandboxed")
+        raise RuntimeError(
+            f"envs.coding runs the model's commands in a sandbox, and {why}; INVERTED_SANDBOX=off runs them unsandboxed"
+        )
     print(f"envs.coding: the model's commands run UNSANDBOXED (INVERTED_SANDBOX=off): {why}", file=sys.stderr)
     return False
 
@@ -72,8 +73,14 @@ def harness() -> str:
 
 
 async def run(argv: list[str], cwd: Path, env: dict[str, str], timeout: float | None = None) -> tuple[int, str]:
-    process = await asyncio.create_subprocess_exec(*argv, cwd=cwd, env=env, stdin=asyncio.subprocess.DEVNULL,
-                                                   stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    process = await asyncio.create_subprocess_exec(
+        *argv,
+        cwd=cwd,
+        env=env,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
     try:
         async with asyncio.timeout(timeout):
             output, _ = await process.communicate()
@@ -97,13 +104,42 @@ async def episode(task, client) -> float:
             sandbox.let_nobody_write(work)
             config.write_text(json.dumps({"environment": sandbox.mini_environment(work, COMMAND_TIMEOUT_S)}))
         else:
-            config.write_text(json.dumps({"environment": {"environment_class": "local", "cwd": str(work),
-                                                          "timeout": COMMAND_TIMEOUT_S}}))
-        env = {"PATH": os.environ.get("PATH", ""), "HOME": str(home), "OPENAI_BASE_URL": str(client.base_url),
-               "OPENAI_API_KEY": client.api_key, "MSWEA_CONFIGURED": "true", "MSWEA_COST_TRACKING": "ignore_errors",
-               "MSWEA_SILENT_STARTUP": "1", "MSWEA_GLOBAL_CONFIG_DIR": str(home / "mini-swe-agent")}
-        await run([harness(), "-m", "openai/policy", "-t", task.prompt, "--yolo", "--exit-immediately", "-l", "0",
-                   "-c", "mini.yaml", "-c", str(config), "-o", str(home / "trajectory.json")], work, env)
+            config.write_text(
+                json.dumps(
+                    {"environment": {"environment_class": "local", "cwd": str(work), "timeout": COMMAND_TIMEOUT_S}}
+                )
+            )
+        env = {
+            "PATH": os.environ.get("PATH", ""),
+            "HOME": str(home),
+            "OPENAI_BASE_URL": str(client.base_url),
+            "OPENAI_API_KEY": client.api_key,
+            "MSWEA_CONFIGURED": "true",
+            "MSWEA_COST_TRACKING": "ignore_errors",
+            "MSWEA_SILENT_STARTUP": "1",
+            "MSWEA_GLOBAL_CONFIG_DIR": str(home / "mini-swe-agent"),
+        }
+        await run(
+            [
+                harness(),
+                "-m",
+                "openai/policy",
+                "-t",
+                task.prompt,
+                "--yolo",
+                "--exit-immediately",
+                "-l",
+                "0",
+                "-c",
+                "mini.yaml",
+                "-c",
+                str(config),
+                "-o",
+                str(home / "trajectory.json"),
+            ],
+            work,
+            env,
+        )
         status, _ = await run([sys.executable, TEST], work, {"PATH": env["PATH"], "HOME": str(home)}, TEST_TIMEOUT_S)
         return 1.0 if status == 0 else 0.0
 

@@ -36,8 +36,10 @@ def verify(text: str, numbers: list[int], target: int) -> dict[str, float]:
 
 
 def prompt_for(numbers: list[int], target: int) -> str:
-    return (f"Using the numbers {numbers}, each at most once, and + - * /, make {target}. "
-            "Put the expression in <answer></answer>, e.g. <answer>(1 + 2) * 3</answer>.")
+    return (
+        f"Using the numbers {numbers}, each at most once, and + - * /, make {target}. "
+        "Put the expression in <answer></answer>, e.g. <answer>(1 + 2) * 3</answer>."
+    )
 
 
 async def episode(task, client) -> dict[str, float]:

@@ -64,8 +64,9 @@ class GuessNumberEnvironment(Environment[GuessAction, GuessObservation, State]):
         return self._state
 
 
-app = create_app(GuessNumberEnvironment, GuessAction, GuessObservation, env_name="guess_number",
-                 max_concurrent_envs=256)
+app = create_app(
+    GuessNumberEnvironment, GuessAction, GuessObservation, env_name="guess_number", max_concurrent_envs=256
+)
 
 INTEGER = re.compile(r"-?\d+")
 
@@ -73,8 +74,10 @@ INTEGER = re.compile(r"-?\d+")
 def observe(observation: dict[str, Any]) -> str:
     """The user's message for an observation."""
     if not observation["feedback"]:
-        return (f"I am thinking of a number from 1 to {HIGH}. You have {observation['guesses_left']} guesses. "
-                "Reply with one number.")
+        return (
+            f"I am thinking of a number from 1 to {HIGH}. You have {observation['guesses_left']} guesses. "
+            "Reply with one number."
+        )
     return f"{observation['feedback'].capitalize()}. {observation['guesses_left']} guesses left."
 
 

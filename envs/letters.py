@@ -1,13 +1,12 @@
 """The demo task: start the reply with one of the letters the prompt names.
 
-The prompt names one of two letter groups (``a b c d e`` or ``n o p q r s``), each asked equally
-often; the reward is 1 when the reply's first character (after spaces) is a letter of that
-group, else 0. A random policy starts its reply that way about one time in eight, and a policy
-that ignores the prompt can score at most 0.5 (all its first letters in one group): to pass 0.8
-the model must read which group is asked for and move its first token's probability there. The tiny random-weight model learns this in a few
-dozen GRPO steps on a laptop CPU, which makes it a real, quick end-to-end check of the loop:
-proxy-recorded tokens, rewards, training and weight sync all have to be right for the reward to
-rise.
+The prompt names one of two letter groups (``a b c d e`` or ``n o p q r s``), each asked equally often;
+the reward is 1 when the reply's first character (after spaces) is a letter of that group, else 0. A
+random policy starts its reply that way about one time in eight, and a policy that ignores the prompt
+can score at most 0.5 (all its first letters in one group): to pass 0.8 the model must read which group
+is asked for and move its first token's probability there. The tiny random-weight model learns this in a
+few dozen GRPO steps on a laptop CPU, which makes it a real, quick end-to-end check of the loop:
+proxy-recorded tokens, rewards, training and weight sync all have to be right for the reward to rise.
 
     python -m envs.letters --out data/letters.jsonl [--count 256] [--seed 0]
 """

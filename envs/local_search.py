@@ -83,8 +83,9 @@ def search(arguments: dict) -> dict:
     and which they are (``sources``, for the API's own output items)."""
     query = str(arguments.get("query", ""))
     found = index().search(query)
-    text = "\n\n".join(f"[{n}] {p.title} ({p.url})\n{' '.join(p.text.split())[:EXCERPT_CHARS]}"
-                       for n, p in enumerate(found, 1))
+    text = "\n\n".join(
+        f"[{n}] {p.title} ({p.url})\n{' '.join(p.text.split())[:EXCERPT_CHARS]}" for n, p in enumerate(found, 1)
+    )
     return {"text": text or f"No results for {query!r}.", "sources": [{"url": p.url, "title": p.title} for p in found]}
 
 

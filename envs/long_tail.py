@@ -28,8 +28,10 @@ async def episode(task, client) -> float:
     messages = [{"role": "user", "content": task.prompt}]
     first = await client.chat.completions.create(model="policy", messages=messages)
     await asyncio.sleep(task.metadata["latency_s"])
-    messages += [{"role": "assistant", "content": first.choices[0].message.content or ""},
-                 {"role": "user", "content": "The tool is done. " + task.prompt}]
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content or ""},
+        {"role": "user", "content": "The tool is done. " + task.prompt},
+    ]
     last = await client.chat.completions.create(model="policy", messages=messages)
     return letters.score(last.choices[0].message.content or "", task.label)
 

@@ -21,14 +21,14 @@ OpenEnv's) beside ``--env-path envs.openenv:episode``. The server is
 A row carries data only: ``metadata.openenv.reset``, the arguments of the episode's ``reset``,
 checked against OpenEnv's own ``ResetRequest``.
 
-The driver is a module with ``observe(observation: dict) -> str`` and ``act(reply: str) -> dict``,
-and optionally ``SYSTEM_PROMPT``. Without one (no ``"driver"`` in ``--env-args``) an environment runs
-as it is, no code written: the policy is shown each observation as JSON and told the server's own
-action schema (OpenEnv's ``GET /schema``), and replies with an action as JSON, constrained to that
-schema (``response_format``; the proxy records the policy's own logprobs of those tokens). ``act`` raising ``ValueError`` means the reply is not an action:
-the episode ends there with the rewards so far, so the policy is trained on its mistake. Anything
-else that goes wrong (the server refusing an action ``act`` let through, say) fails the episode.
-``envs.guess_number`` is an environment and its driver.
+The driver is a module with ``observe(observation: dict) -> str`` and ``act(reply: str) -> dict``, and
+optionally ``SYSTEM_PROMPT``. Without one (no ``"driver"`` in ``--env-args``) an environment runs as it
+is, no code written: the policy is shown each observation as JSON and told the server's own action
+schema (OpenEnv's ``GET /schema``), and replies with an action as JSON, constrained to that schema
+(``response_format``; the proxy records the policy's own logprobs of those tokens). ``act`` raising
+``ValueError`` means the reply is not an action: the episode ends there with the rewards so far, so the
+policy is trained on its mistake. Anything else that goes wrong (the server refusing an action ``act``
+let through, say) fails the episode. ``envs.guess_number`` is an environment and its driver.
 
     python -m envs.openenv [--driver envs.guess_number] (--app envs.guess_number:app | --url URL) \\
         --out FILE --count N [--seed S] [--max-turns T]
@@ -87,9 +87,24 @@ def _spawn(app: str) -> tuple[subprocess.Popen, str, Path]:
     log = Path(tempfile.mkstemp(prefix="openenv-", suffix=".log")[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # the app's module as we see it
     with log.open("w") as out:
-        process = subprocess.Popen([sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(port),
-                                    "--log-level", "warning"], stdout=out, stderr=out, env=env,
-                                   preexec_fn=_die_with_parent)
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "uvicorn",
+                app,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--log-level",
+                "warning",
+            ],
+            stdout=out,
+            stderr=out,
+            env=env,
+            preexec_fn=_die_with_parent,
+        )
     atexit.register(process.terminate)
     return process, f"http://127.0.0.1:{port}", log
 
@@ -107,16 +122,18 @@ async def serve(app: str) -> str:
     async with httpx.AsyncClient(timeout=1.0) as http:
         while time.monotonic() < deadline:
             if process.poll() is not None:
-                raise RuntimeError(f"the OpenEnv server {app!r} exited ({process.returncode}): "
-                                   f"{log.read_text()[-2000:]}")
+                raise RuntimeError(
+                    f"the OpenEnv server {app!r} exited ({process.returncode}): {log.read_text()[-2000:]}"
+                )
             try:
                 if (await http.get(f"{url}/health")).status_code == 200:
                     return url
             except httpx.TransportError:
                 pass
             await asyncio.sleep(0.1)
-    raise RuntimeError(f"the OpenEnv server {app!r} did not answer {url}/health within {START_TIMEOUT_S:g}s "
-                       f"(its log: {log})")
+    raise RuntimeError(
+        f"the OpenEnv server {app!r} did not answer {url}/health within {START_TIMEOUT_S:g}s (its log: {log})"
+    )
 
 
 def reset_args(metadata: dict[str, Any]) -> dict[str, Any]:
@@ -124,16 +141,26 @@ def reset_args(metadata: dict[str, Any]) -> dict[str, Any]:
     spec = metadata.get("openenv")
     if not isinstance(spec, dict) or not set(spec) <= {"reset"}:
         named = sorted(set(spec) - {"reset"}) if isinstance(spec, dict) else type(spec).__name__
-        raise ValueError(f"a row's metadata.openenv holds only its 'reset' arguments (got {named}): the server and "
-                         "the driver are chosen by --env-args, never by a row")
+        raise ValueError(
+            f"a row's metadata.openenv holds only its 'reset' arguments (got {named}): the server and "
+            "the driver are chosen by --env-args, never by a row"
+        )
     try:
         return ResetRequest.model_validate(spec.get("reset") or {}).model_dump(exclude_unset=True)
     except pydantic.ValidationError as exc:
         raise ValueError(f"a row's metadata.openenv.reset is not an OpenEnv ResetRequest: {exc}") from None
 
 
-async def episode(task, client, *, driver: str | None = None, app: str | None = None, url: str | None = None,
-                  max_turns: int = 16, max_sessions: int = 1) -> float:
+async def episode(
+    task,
+    client,
+    *,
+    driver: str | None = None,
+    app: str | None = None,
+    url: str | None = None,
+    max_turns: int = 16,
+    max_sessions: int = 1,
+) -> float:
     """One episode on the server ``url`` (or ``app``'s), played by ``driver`` (None: ``SchemaDriver``);
     all from ``--env-args``.
 
@@ -144,8 +171,9 @@ async def episode(task, client, *, driver: str | None = None, app: str | None = 
     """
     reset = reset_args(task.metadata)
     if (app is None) == (url is None):
-        raise ValueError(f"--env-args names the OpenEnv server by 'app' or by 'url', one of them (got app={app!r}, "
-                         f"url={url!r})")
+        raise ValueError(
+            f"--env-args names the OpenEnv server by 'app' or by 'url', one of them (got app={app!r}, url={url!r})"
+        )
     url = url or await serve(app)
     player = importlib.import_module(driver) if driver else await SchemaDriver.of(url)
     pause = CAPACITY_PAUSE_S[0]
@@ -177,8 +205,7 @@ async def _play(env: GenericEnvClient, result: Any, player: Any, client: Any, ma
         if result.done:
             break
         messages.append({"role": "user", "content": player.observe(result.observation)})
-        reply = await client.chat.completions.create(model=MODEL, messages=messages,
-                                                     **getattr(player, "REQUEST", {}))
+        reply = await client.chat.completions.create(model=MODEL, messages=messages, **getattr(player, "REQUEST", {}))
         text = reply.choices[0].message.content or ""
         messages.append({"role": "assistant", "content": text})
         try:
@@ -201,13 +228,19 @@ class SchemaDriver:
         # OpenEnv's Action base class carries a free-form ``metadata`` the environment does not read
         if "metadata" in schema.get("properties", {}) and "metadata" not in schema.get("required", []):
             schema["properties"] = {k: v for k, v in schema["properties"].items() if k != "metadata"}
-        self.SYSTEM_PROMPT = ("You act in an environment. Each message is what you observe, as JSON. Reply with "
-                              f"your next action: one JSON object of this schema: {json.dumps(schema)}")
+        self.SYSTEM_PROMPT = (
+            "You act in an environment. Each message is what you observe, as JSON. Reply with "
+            f"your next action: one JSON object of this schema: {json.dumps(schema)}"
+        )
         # compact JSON: a grammar that allows whitespace anywhere lets a weak policy fill its budget with it
         # (llguidance's option; JSON Schema validators ignore keywords they do not know)
         constrained = schema | {"x-guidance": {"whitespace_flexible": False}}
-        self.REQUEST = {"response_format": {"type": "json_schema",
-                                            "json_schema": {"name": "action", "schema": constrained, "strict": True}}}
+        self.REQUEST = {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "action", "schema": constrained, "strict": True},
+            }
+        }
 
     @classmethod
     async def of(cls, url: str) -> "SchemaDriver":
@@ -233,14 +266,19 @@ class SchemaDriver:
 
 
 def rows(count: int, seed: int) -> list[dict[str, Any]]:
-    return [{"input": f"episode, seed {seed + i}", "metadata": {"openenv": {"reset": {"seed": seed + i}}}}
-            for i in range(count)]
+    return [
+        {"input": f"episode, seed {seed + i}", "metadata": {"openenv": {"reset": {"seed": seed + i}}}}
+        for i in range(count)
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    parser.add_argument("--driver", help="module with observe(observation) and act(reply) (default: the "
-                                         "observation as JSON, the action as JSON under the server's schema)")
+    parser.add_argument(
+        "--driver",
+        help="module with observe(observation) and act(reply) (default: the "
+        "observation as JSON, the action as JSON under the server's schema)",
+    )
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--app", help="module:attr of the environment's ASGI app, served on first use")
     where.add_argument("--url", help="an environment server already running")
@@ -248,8 +286,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--count", type=int, default=256, help="episodes to write")
     parser.add_argument("--seed", type=int, default=0, help="row i resets with seed + i")
     parser.add_argument("--max-turns", type=int, default=16, help="model turns per episode at most")
-    parser.add_argument("--max-sessions", type=int, default=1,
-                        help="episodes a process plays on the server at once (its max_concurrent_envs)")
+    parser.add_argument(
+        "--max-sessions",
+        type=int,
+        default=1,
+        help="episodes a process plays on the server at once (its max_concurrent_envs)",
+    )
     args = parser.parse_args(argv)
     try:
         if args.driver:
@@ -258,9 +300,16 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--driver {args.driver!r}: {exc}")
     print(write_rows(rows(args.count, args.seed), args.out))
     server = {"app": args.app} if args.app else {"url": args.url}
-    env_args = json.dumps({**({"driver": args.driver} if args.driver else {}), **server,
-                           "max_turns": args.max_turns, "max_sessions": args.max_sessions})
+    env_args = json.dumps(
+        {
+            **({"driver": args.driver} if args.driver else {}),
+            **server,
+            "max_turns": args.max_turns,
+            "max_sessions": args.max_sessions,
+        }
+    )
     print(f"train on it with: --env-path envs.openenv:episode --env-args '{env_args}'")
+
 
 if __name__ == "__main__":
     main()

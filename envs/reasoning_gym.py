@@ -46,12 +46,16 @@ class TaskError(ValueError):
 def _dataset(task: str, config_json: str, size: int = 1, seed: int = 0):
     if task not in DATASETS:
         close = difflib.get_close_matches(task, DATASETS, n=3)
-        raise TaskError(f"unknown reasoning-gym task {task!r}" + (f"; did you mean {close}?" if close else
-                        f"; {len(DATASETS)} tasks exist, e.g. {sorted(DATASETS)[:5]}"))
+        raise TaskError(
+            f"unknown reasoning-gym task {task!r}"
+            + (f"; did you mean {close}?" if close else f"; {len(DATASETS)} tasks exist, e.g. {sorted(DATASETS)[:5]}")
+        )
     try:
         return reasoning_gym.create_dataset(task, size=size, seed=seed, **json.loads(config_json))
     except (TypeError, AssertionError, ValueError) as exc:  # unknown knob, or the config's own validate()
-        raise TaskError(f"reasoning-gym task {task!r} refuses config {config_json}: {exc or type(exc).__name__}") from None
+        raise TaskError(
+            f"reasoning-gym task {task!r} refuses config {config_json}: {exc or type(exc).__name__}"
+        ) from None
 
 
 def dataset(task: str, config: dict[str, Any] | None = None, size: int = 1, seed: int = 0):
@@ -61,10 +65,18 @@ def dataset(task: str, config: dict[str, Any] | None = None, size: int = 1, seed
 
 def rows(task: str, config: dict[str, Any], count: int, seed: int) -> list[dict[str, Any]]:
     entries = dataset(task, config, size=count, seed=seed)
-    return [{"input": e["question"], "label": e["answer"],
-             "metadata": {"task": task, "config": config,
-                          "entry": {"question": e["question"], "answer": e["answer"], "metadata": e["metadata"]}}}
-            for e in entries]
+    return [
+        {
+            "input": e["question"],
+            "label": e["answer"],
+            "metadata": {
+                "task": task,
+                "config": config,
+                "entry": {"question": e["question"], "answer": e["answer"], "metadata": e["metadata"]},
+            },
+        }
+        for e in entries
+    ]
 
 
 def score(reply: str, metadata: dict[str, Any]) -> float:
@@ -75,8 +87,10 @@ def score(reply: str, metadata: dict[str, Any]) -> float:
 
 
 async def episode(task, client) -> float:
-    reply = await client.chat.completions.create(model="policy", messages=[
-        {"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task.prompt}])
+    reply = await client.chat.completions.create(
+        model="policy",
+        messages=[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task.prompt}],
+    )
     choice = reply.choices[0]
     if choice.finish_reason == "length":  # cut off by the token limit: the model never gave its answer
         return 0.0
@@ -90,8 +104,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="jsonl file to write")
     parser.add_argument("--count", type=int, default=256, help="prompts to write")
     parser.add_argument("--seed", type=int, default=0, help="seed (the same seed writes the same file)")
-    parser.add_argument("--exclude", default=None, help="a jsonl file whose questions this one must not repeat "
-                        "(a held-out evaluation set beside its training set)")
+    parser.add_argument(
+        "--exclude",
+        default=None,
+        help="a jsonl file whose questions this one must not repeat "
+        "(a held-out evaluation set beside its training set)",
+    )
     parser.add_argument("--unique", action="store_true", help="write each question once")
     args = parser.parse_args(argv)
     try:

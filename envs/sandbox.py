@@ -33,10 +33,34 @@ CPU_S = 60  # CPU seconds of each process; the harness bounds wall time (mini-sw
 FILE_BYTES = 256 << 20  # largest file a command may write
 # ``python`` in the sandbox: the system's (a job's interpreter may sit where ``nobody`` cannot read it)
 PYTHON = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin") or os.path.realpath(sys.executable)
-BWRAP_ARGS = ["--unshare-all", "--die-with-parent", "--new-session", "--ro-bind", "/", "/", "--dev", "/dev",
-              "--proc", "/proc", "--tmpfs", "/tmp", "--dir", "/tmp/.bin", "--symlink", PYTHON, "/tmp/.bin/python",
-              "--symlink", PYTHON, "/tmp/.bin/python3", "--setenv", "HOME", "/tmp",
-              "--setenv", "PATH", "/tmp/.bin:/usr/local/bin:/usr/bin:/bin"]
+BWRAP_ARGS = [
+    "--unshare-all",
+    "--die-with-parent",
+    "--new-session",
+    "--ro-bind",
+    "/",
+    "/",
+    "--dev",
+    "/dev",
+    "--proc",
+    "/proc",
+    "--tmpfs",
+    "/tmp",
+    "--dir",
+    "/tmp/.bin",
+    "--symlink",
+    PYTHON,
+    "/tmp/.bin/python",
+    "--symlink",
+    PYTHON,
+    "/tmp/.bin/python3",
+    "--setenv",
+    "HOME",
+    "/tmp",
+    "--setenv",
+    "PATH",
+    "/tmp/.bin:/usr/local/bin:/usr/bin:/bin",
+]
 
 
 def problem() -> str | None:
@@ -44,8 +68,9 @@ def problem() -> str | None:
     if shutil.which("bwrap") is None:
         return "bwrap is not installed: Debian's bubblewrap package provides it (make sandbox)"
     try:
-        done = subprocess.run([sys.executable, __file__, *BWRAP_ARGS, "true"], capture_output=True, text=True,
-                              timeout=30)
+        done = subprocess.run(
+            [sys.executable, __file__, *BWRAP_ARGS, "true"], capture_output=True, text=True, timeout=30
+        )
     except subprocess.TimeoutExpired:
         return "bwrap did not start within 30 s"
     return None if done.returncode == 0 else f"bwrap cannot start a sandbox here: {done.stderr.strip()[-500:]}"
@@ -53,8 +78,13 @@ def problem() -> str | None:
 
 def mini_environment(work: Path, timeout_s: int) -> dict:
     """mini-swe-agent's ``bubblewrap`` environment with this wrapper, for commands run in ``work``."""
-    return {"environment_class": "bubblewrap", "executable": sys.executable, "cwd": str(work), "timeout": timeout_s,
-            "wrapper_args": [str(Path(__file__).resolve()), *BWRAP_ARGS]}
+    return {
+        "environment_class": "bubblewrap",
+        "executable": sys.executable,
+        "cwd": str(work),
+        "timeout": timeout_s,
+        "wrapper_args": [str(Path(__file__).resolve()), *BWRAP_ARGS],
+    }
 
 
 def let_nobody_write(work: Path) -> None:
@@ -88,8 +118,12 @@ def limit_and_drop() -> None:
         os.setgid(NOBODY)
         os.setuid(NOBODY)
     processes = _own_processes(os.getuid()) + PROCESSES
-    for kind, value in ((resource.RLIMIT_AS, MEMORY_BYTES), (resource.RLIMIT_NPROC, processes),
-                        (resource.RLIMIT_CPU, CPU_S), (resource.RLIMIT_FSIZE, FILE_BYTES)):
+    for kind, value in (
+        (resource.RLIMIT_AS, MEMORY_BYTES),
+        (resource.RLIMIT_NPROC, processes),
+        (resource.RLIMIT_CPU, CPU_S),
+        (resource.RLIMIT_FSIZE, FILE_BYTES),
+    ):
         resource.setrlimit(kind, (value, value))
 
 

@@ -83,8 +83,10 @@ def load(env: str, args: dict[str, Any] | None = None) -> vf.Environment:
 def rows(env: str, args: dict[str, Any], count: int, seed: int, evaluation: bool = False) -> list[dict[str, Any]]:
     loaded = load(env, args)
     dataset = (loaded.get_eval_dataset if evaluation else loaded.get_dataset)(n=count, seed=seed)
-    return [{"input": row["prompt"], "label": row.get("answer"), "metadata": {"verifiers": {"input": row}}}
-            for row in dataset]
+    return [
+        {"input": row["prompt"], "label": row.get("answer"), "metadata": {"verifiers": {"input": row}}}
+        for row in dataset
+    ]
 
 
 def row_input(metadata: dict[str, Any]) -> dict[str, Any]:
@@ -92,8 +94,10 @@ def row_input(metadata: dict[str, Any]) -> dict[str, Any]:
     spec = metadata.get("verifiers")
     if not isinstance(spec, dict) or set(spec) != {"input"}:
         named = sorted(set(spec) - {"input"}) if isinstance(spec, dict) else type(spec).__name__
-        raise EnvError(f"a row's metadata.verifiers holds its dataset row as 'input' and nothing else (got {named}): "
-                       "the environment is chosen by --env-args, never by a row")
+        raise EnvError(
+            f"a row's metadata.verifiers holds its dataset row as 'input' and nothing else (got {named}): "
+            "the environment is chosen by --env-args, never by a row"
+        )
     try:
         _ROLLOUT_INPUT.validate_python(spec["input"])
     except pydantic.ValidationError as exc:
@@ -128,8 +132,9 @@ def _model_fault(error: dict[str, Any]) -> bool:
 async def episode(task, client, *, env: str, args: dict[str, Any] | None = None) -> float | dict[str, float]:
     """One row played by the environment ``env`` built with ``args`` (both from ``--env-args``)."""
     loaded = load(env, args)
-    output = await loaded.run_rollout(row_input(task.metadata), vf.OpenAIChatCompletionsClient(client), MODEL,
-                                      sampling_args={})
+    output = await loaded.run_rollout(
+        row_input(task.metadata), vf.OpenAIChatCompletionsClient(client), MODEL, sampling_args={}
+    )
     if output.get("error") and not _model_fault(output["error"]):
         raise RuntimeError(f"the verifiers rollout failed: {output['error']}")
     return reward(loaded, output)

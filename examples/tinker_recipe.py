@@ -35,16 +35,45 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    serve = ManagedProcess.spawn("tinker-serve", [
-        sys.executable, "-m", "inverted.cli", "tinker-serve", "--hf-checkpoint", checkpoint, "--num-engines", "1",
-        "--output-dir", str(out / "service"), "--tinker-port", str(port), *args.serve_args.split()],
-        out / "serve.log", url)
+    serve = ManagedProcess.spawn(
+        "tinker-serve",
+        [
+            sys.executable,
+            "-m",
+            "inverted.cli",
+            "tinker-serve",
+            "--hf-checkpoint",
+            checkpoint,
+            "--num-engines",
+            "1",
+            "--output-dir",
+            str(out / "service"),
+            "--tinker-port",
+            str(port),
+            *args.serve_args.split(),
+        ],
+        out / "serve.log",
+        url,
+    )
     try:
         serve.wait_healthy(300, path="/api/v1/healthz")
-        env = {**os.environ, "TINKER_API_KEY": f"tml-{secrets.token_hex(8)}", "TINKER_TELEMETRY": "0",
-               "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-        command = [sys.executable, "-m", recipe[0], *recipe[1:], f"base_url={url}", f"model_name={checkpoint}",
-                   f"log_path={out / 'recipe'}", "behavior_if_log_dir_exists=delete"]
+        env = {
+            **os.environ,
+            "TINKER_API_KEY": f"tml-{secrets.token_hex(8)}",
+            "TINKER_TELEMETRY": "0",
+            "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
+        }
+        command = [
+            sys.executable,
+            "-m",
+            recipe[0],
+            *recipe[1:],
+            f"base_url={url}",
+            f"model_name={checkpoint}",
+            f"log_path={out / 'recipe'}",
+            "behavior_if_log_dir_exists=delete",
+        ]
         print("+", " ".join(command), flush=True)
         return subprocess.run(command, env=env).returncode
     finally:

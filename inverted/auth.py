@@ -22,7 +22,6 @@ from starlette.requests import Request
 
 from inverted.errors import Unauthorized
 
-
 NO_DOCS = {"docs_url": None, "redoc_url": None, "openapi_url": None}
 
 

@@ -1,11 +1,12 @@
 """``inverted <command>``: the command line. Builds a config section from flags and calls one entry point.
 
-Commands: ``make-tiny-model`` (a local random checkpoint), ``import-gguf`` (a real model shipped
-as GGUF, as a checkpoint), ``serve-engine`` (the embedded SGLang-protocol engine), ``buffer`` (the
-Data Buffer service), ``proxy`` (the token-recording OpenAI proxy), ``servers`` (N engines behind
-the real sgl-router, with a short demo generation through it), ``train`` (the main job: the RL
-loop over all of them, or ``--debug-train-only`` from saved rollout data; ``train-async`` is
-``train --async-mode``), ``tinker-serve`` (the Tinker training API: the user's script drives the loop), ``export-hf`` and ``view`` (a job's run directory in the browser). Logging is configured here and only here, with the
+Commands: ``make-tiny-model`` (a local random checkpoint), ``import-gguf`` (a real model shipped as
+GGUF, as a checkpoint), ``serve-engine`` (the embedded SGLang-protocol engine), ``buffer`` (the Data
+Buffer service), ``proxy`` (the token-recording OpenAI proxy), ``servers`` (N engines behind the real
+sgl-router, with a short demo generation through it), ``train`` (the main job: the RL loop over all of
+them, or ``--debug-train-only`` from saved rollout data; ``train-async`` is ``train --async-mode``),
+``tinker-serve`` (the Tinker training API: the user's script drives the loop), ``export-hf`` and
+``view`` (a job's run directory in the browser). Logging is configured here and only here, with the
 process role in every line. Heavy imports happen inside each command so ``inverted --help`` is instant.
 
 It is also where other frameworks' plug-ins become loadable: before a command runs, and first thing
@@ -25,15 +26,34 @@ from pathlib import Path
 
 from inverted import compat
 from inverted.compat import slime_flags
-from inverted.config import (BufferConfig, EngineConfig, ExportConfig, ImportGGUFConfig, JobConfig, ProxyConfig,
-                             ServersConfig, TinkerServeConfig, TinyModelConfig, ViewConfig, add_flags, build_section, load_yaml_defaults, resolve_paths,
-                             split_passthrough)
+from inverted.config import (
+    BufferConfig,
+    EngineConfig,
+    ExportConfig,
+    ImportGGUFConfig,
+    JobConfig,
+    ProxyConfig,
+    ServersConfig,
+    TinkerServeConfig,
+    TinyModelConfig,
+    ViewConfig,
+    add_flags,
+    build_section,
+    load_yaml_defaults,
+    resolve_paths,
+    split_passthrough,
+)
 from inverted.errors import InvertedError
 
 
 def setup_logging(role: str, level: str = "info") -> None:
-    logging.basicConfig(level=level.upper(), format=f"%(asctime)s [{role}] %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S", stream=sys.stderr, force=True)
+    logging.basicConfig(
+        level=level.upper(),
+        format=f"%(asctime)s [{role}] %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+        force=True,
+    )
     for name in ("httpx", "httpx2"):  # they log every request at INFO (httpx2: the openai SDK's copy)
         logging.getLogger(name).setLevel(logging.WARNING)
     logging.getLogger("megatron").setLevel(logging.WARNING)  # it lists every parameter of every bucket at INFO
@@ -75,7 +95,6 @@ def cmd_serve_engine(cfg: EngineConfig) -> None:
     import uvicorn
 
     from inverted.engine.server import create_app
-
     from inverted.processes import UVICORN_OPTIONS
 
     uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, **UVICORN_OPTIONS)
@@ -107,14 +126,17 @@ def ray_token_auth() -> None:
     and ``RAY_AUTH_MODE=disabled`` turns it off. Ray enables it itself for a new local cluster and for
     ``ray start --head`` beside a token file, but not when joining one by address, which then fails
     against a head with a token. Set before Ray loads (it reads the mode once); its children inherit it."""
-    available = bool(os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")) or \
-        (Path.home() / ".ray" / "auth_token").is_file()
+    available = (
+        bool(os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"))
+        or (Path.home() / ".ray" / "auth_token").is_file()
+    )
     if available and "RAY_AUTH_MODE" not in os.environ:
         os.environ["RAY_AUTH_MODE"] = "token"
 
 
-def cmd_train(cfg: JobConfig, router_args: list[str], sglang_args: list[str],
-              slime: slime_flags.SlimeFlags | None = None) -> None:
+def cmd_train(
+    cfg: JobConfig, router_args: list[str], sglang_args: list[str], slime: slime_flags.SlimeFlags | None = None
+) -> None:
     from inverted.compat.slime_config import apply
 
     if cfg.train.debug_train_only:  # no servers: straight from saved rollout data
@@ -153,14 +175,25 @@ def cmd_view(cfg: ViewConfig) -> None:
 
 COMMANDS = {
     "make-tiny-model": (TinyModelConfig, cmd_make_tiny_model, "write a random-initialized HF checkpoint and tokenizer"),
-    "import-gguf": (ImportGGUFConfig, cmd_import_gguf, "convert a GGUF model (a file, or one a package ships) to a HF checkpoint"),
+    "import-gguf": (
+        ImportGGUFConfig,
+        cmd_import_gguf,
+        "convert a GGUF model (a file, or one a package ships) to a HF checkpoint",
+    ),
     "serve-engine": (EngineConfig, cmd_serve_engine, "run the embedded SGLang-protocol engine"),
     "buffer": (BufferConfig, cmd_buffer, "run the Data Buffer service (durable tasks and trajectories)"),
     "proxy": (ProxyConfig, cmd_proxy, "run the token-recording OpenAI-compatible proxy in front of the router"),
-    "servers": (ServersConfig, cmd_servers, "start embedded engines behind the real sgl-router and generate through it"),
+    "servers": (
+        ServersConfig,
+        cmd_servers,
+        "start embedded engines behind the real sgl-router and generate through it",
+    ),
     "train": (JobConfig, cmd_train, "the main job: rollout servers, proxy, buffer and trainer in the RL loop"),
-    "tinker-serve": (TinkerServeConfig, cmd_tinker_serve,
-                     "the Tinker training API (the official SDK's base_url) on the trainer and the rollout servers"),
+    "tinker-serve": (
+        TinkerServeConfig,
+        cmd_tinker_serve,
+        "the Tinker training API (the official SDK's base_url) on the trainer and the rollout servers",
+    ),
     "export-hf": (ExportConfig, cmd_export_hf, "write a training checkpoint as a Hugging Face model"),
     "view": (ViewConfig, cmd_view, "browse a run: its curves, its Samples, each trajectory token by token"),
 }
@@ -170,7 +203,9 @@ PASSTHROUGH = {"servers", "train", "tinker-serve"}  # commands that launch serve
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="inverted", description="RL post-training where the environment drives the loop.")
+    parser = argparse.ArgumentParser(
+        prog="inverted", description="RL post-training where the environment drives the loop."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (section, _, help_text) in COMMANDS.items():
         cmd = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)

@@ -6,11 +6,11 @@
     │   └── PluginFailed         a plug-in raised while it ran (names it, holds its traceback)
     ├── SampleError          a Sample breaks an invariant (names the field)
     ├── ModelError           a checkpoint cannot be read or does not fit the model it is loaded into
-    ├── InvalidRequest       a client's request breaks the contract (carries the status, OpenAI's ``param`` and ``code``)
+    ├── InvalidRequest       a request breaks the contract (carries the status, OpenAI's ``param`` and ``code``)
     │   ├── SchemaError          its JSON has the wrong shape or types (SGLang answers these in serde's words)
-    │   │   └── FieldError           a request-level field has the wrong type (SGLang's pydantic validation body)
+    │   │   └── FieldError           a request-level field has the wrong type (SGLang's pydantic body)
     │   └── Unauthorized         it lacks the key the route needs (401)
-    ├── EngineError          an engine command cannot run in the engine's present state (400, the route's SGLang body)
+    ├── EngineError          an engine command cannot run in the engine's state (400, the route's SGLang body)
     │   └── UpdateGroupError     a weight-update process group could not be joined, or a broadcast failed
     ├── LeaseConflict        a buffer submission names a lease that is not the task's current one (409)
     └── ServiceError         a remote service failed (carries URL, status and the body's start)

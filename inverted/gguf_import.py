@@ -45,7 +45,7 @@ def resolve_source(src: str) -> Path:
         if not path.is_file():
             raise ModelError(f"import-gguf: {src}: no such file")
         return path
-    name = src[len("pkg:"):]
+    name = src[len("pkg:") :]
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
         raise ModelError(f"import-gguf: {src}: no installed package {name!r} (pip install it first)")
@@ -66,14 +66,23 @@ def read_header(path: Path) -> str:
     except (ValueError, KeyError, IndexError, OSError) as exc:  # a truncated file fails its memmap or offsets here
         raise ModelError(f"import-gguf: {path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
     if arch not in ARCHITECTURES:
-        raise ModelError(f"import-gguf: {path}: architecture {arch!r} is not supported; expected one of {sorted(ARCHITECTURES)}")
+        raise ModelError(
+            f"import-gguf: {path}: architecture {arch!r} is not supported; expected one of {sorted(ARCHITECTURES)}"
+        )
     readable = PLAIN_TYPES | {t.name for t in _type_traits}
     types = Counter(t.tensor_type.name for t in reader.tensors)
     unknown = sorted(set(types) - readable)
     if unknown:
-        raise ModelError(f"import-gguf: {path}: quantization {unknown} cannot be dequantized; supported: {sorted(readable)}")
-    logger.info("%s: %s, %d tensors (%s)", path.name, arch, len(reader.tensors),
-                ", ".join(f"{n} {k}" for k, n in sorted(types.items())))
+        raise ModelError(
+            f"import-gguf: {path}: quantization {unknown} cannot be dequantized; supported: {sorted(readable)}"
+        )
+    logger.info(
+        "%s: %s, %d tensors (%s)",
+        path.name,
+        arch,
+        len(reader.tensors),
+        ", ".join(f"{n} {k}" for k, n in sorted(types.items())),
+    )
     return arch
 
 
@@ -105,8 +114,11 @@ def import_gguf(cfg: ImportGGUFConfig) -> Path:
         tokenizer.save_pretrained(staging)
         # The reference is transformers reading the GGUF in the written dtype: a model cast with .to()
         # would also cast RoPE's inverse frequencies, which from_pretrained keeps in fp32.
-        reference = gguf_model if dtype == torch.float32 else AutoModelForCausalLM.from_pretrained(
-            str(src.parent), gguf_file=src.name, dtype=dtype)
+        reference = (
+            gguf_model
+            if dtype == torch.float32
+            else AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=dtype)
+        )
         check(staging, reference, tokenizer, dtype)
         staging.chmod(0o755)  # mkdtemp's 0700 and the writers' 0600 would hide a shared model
         for f in staging.iterdir():

@@ -1,17 +1,18 @@
 """What a Hugging Face checkpoint directory holds: its decoder's shape and numerics, and its tensors.
 
-``ModelSpec`` reads ``config.json`` (and ``generation_config.json`` for end-of-sequence ids) for
-the families we serve and train: Qwen2, Qwen3 and Llama, and the sparse Qwen3-MoE and Qwen2-MoE
-(whose MLPs are ``num_experts`` experts, ``moe_top_k`` per token, plus a gated shared expert in
-Qwen2-MoE). ``rope_inv_freq`` turns its RoPE settings into inverse frequencies exactly as
-``transformers`` does, and ``rope_angles`` lays them out for any positions (the engine's tables,
-the trainer's packed rows); ``checkpoint_tensors`` reads the safetensors files; ``context_length`` is the one rule of how long
-a request may be, which the servers and the proxy share; ``load_tokenizer``
-gives its tokenizer, with the chat template of ``--chat-template`` in place of its own where one is
-given (SGLang's flag), so the proxy, the rollouts and slime's plug-ins render chats one way. The embedded engine and the trainer both build their models from these,
-so an architecture is understood in one place. It imports only ``errors``, and torch only where a
-function makes tensors: the processes that only read a ``config.json`` (the driver, each server's
-Ray actor) do not load it (about 150 MB of private memory a process: ``devices``).
+``ModelSpec`` reads ``config.json`` (and ``generation_config.json`` for end-of-sequence ids) for the
+families we serve and train: Qwen2, Qwen3 and Llama, and the sparse Qwen3-MoE and Qwen2-MoE (whose MLPs
+are ``num_experts`` experts, ``moe_top_k`` per token, plus a gated shared expert in Qwen2-MoE).
+``rope_inv_freq`` turns its RoPE settings into inverse frequencies exactly as ``transformers`` does, and
+``rope_angles`` lays them out for any positions (the engine's tables, the trainer's packed rows);
+``checkpoint_tensors`` reads the safetensors files; ``context_length`` is the one rule of how long a
+request may be, which the servers and the proxy share; ``load_tokenizer`` gives its tokenizer, with the
+chat template of ``--chat-template`` in place of its own where one is given (SGLang's flag), so the
+proxy, the rollouts and slime's plug-ins render chats one way. The embedded engine and the trainer both
+build their models from these, so an architecture is understood in one place. It imports only
+``errors``, and torch only where a function makes tensors: the processes that only read a
+``config.json`` (the driver, each server's Ray actor) do not load it (about 150 MB of private memory a
+process: ``devices``).
 """
 
 from __future__ import annotations
@@ -27,8 +28,13 @@ from inverted.errors import ModelError
 if TYPE_CHECKING:
     import torch
 
-ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
-                 "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe"}
+ARCHITECTURES = {
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "LlamaForCausalLM": "llama",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +77,9 @@ class ModelSpec:
             raise ModelError(f"{path}/config.json: cannot read: {exc}") from None
         arch = ARCHITECTURES.get((cfg.get("architectures") or [""])[0]) or cfg.get("model_type")
         if arch not in ARCHITECTURES.values():
-            raise ModelError(f"{path}: unsupported architecture {cfg.get('architectures')}; expected one of {list(ARCHITECTURES)}")
+            raise ModelError(
+                f"{path}: unsupported architecture {cfg.get('architectures')}; expected one of {list(ARCHITECTURES)}"
+            )
         heads = cfg["num_attention_heads"]
         moe = _moe_fields(path, arch, cfg)
         # transformers>=5 writes rope_parameters; 4.x and most published checkpoints write rope_theta/rope_scaling.
@@ -88,8 +96,8 @@ class ModelSpec:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             intermediate_size=cfg["intermediate_size"],
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            qkv_bias=arch == "qwen2" or bool(cfg.get("qkv_bias" if arch == "qwen2_moe" else "attention_bias",
-                                                     arch == "qwen2_moe")),
+            qkv_bias=arch == "qwen2"
+            or bool(cfg.get("qkv_bias" if arch == "qwen2_moe" else "attention_bias", arch == "qwen2_moe")),
             qk_norm=arch in ("qwen3", "qwen3_moe"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
@@ -104,13 +112,18 @@ def _moe_fields(path: Path, arch: str, cfg: dict) -> dict:
     if not arch.endswith("_moe"):
         return {}
     if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
-        raise ModelError(f"{path}: mixes dense and sparse layers (mlp_only_layers={cfg.get('mlp_only_layers')}, "
-                         f"decoder_sparse_step={cfg.get('decoder_sparse_step')}); only all-sparse MoE models are supported")
+        raise ModelError(
+            f"{path}: mixes dense and sparse layers (mlp_only_layers={cfg.get('mlp_only_layers')}, "
+            f"decoder_sparse_step={cfg.get('decoder_sparse_step')}); only all-sparse MoE models are supported"
+        )
     # Published checkpoints write num_experts; transformers 5 saves it as num_local_experts.
-    return {"num_experts": cfg.get("num_experts") or cfg["num_local_experts"], "moe_top_k": cfg["num_experts_per_tok"],
-            "moe_intermediate_size": cfg["moe_intermediate_size"],
-            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
-            "shared_expert_intermediate_size": cfg.get("shared_expert_intermediate_size", 0) if arch == "qwen2_moe" else 0}
+    return {
+        "num_experts": cfg.get("num_experts") or cfg["num_local_experts"],
+        "moe_top_k": cfg["num_experts_per_tok"],
+        "moe_intermediate_size": cfg["moe_intermediate_size"],
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+        "shared_expert_intermediate_size": cfg.get("shared_expert_intermediate_size", 0) if arch == "qwen2_moe" else 0,
+    }
 
 
 def _eos_ids(path: Path, cfg: dict) -> tuple[int, ...]:
@@ -178,8 +191,9 @@ def context_length(path: str | Path, requested: int = 0) -> int:
         raise ModelError(f"cannot read {Path(path) / 'config.json'}: {exc}") from None
     stated = next((config[key] for key in CONTEXT_KEYS if isinstance(config.get(key), int) and config[key] > 0), None)
     if stated is None:
-        raise ModelError(f"{Path(path) / 'config.json'} states no context length ({', '.join(CONTEXT_KEYS)}): "
-                         "set --context-length")
+        raise ModelError(
+            f"{Path(path) / 'config.json'} states no context length ({', '.join(CONTEXT_KEYS)}): set --context-length"
+        )
     return stated
 
 

@@ -21,8 +21,14 @@ from typing import Any, AsyncIterator
 
 import aiohttp
 import orjson
-from tenacity import (AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, stop_after_delay,
-                      wait_random_exponential)
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_random_exponential,
+)
 
 from inverted.errors import ProtocolError, ServiceUnavailable
 
@@ -71,8 +77,16 @@ class _Retryable(Exception):
 class HTTPService:
     """One ``aiohttp.ClientSession`` per service, with the retry policy above."""
 
-    def __init__(self, base_url: str, *, api_key: str | None = None, timeouts: Timeouts = Timeouts(),
-                 max_attempts: int = 4, max_connections: int = 256, outage_s: float = 0.0):
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        timeouts: Timeouts = Timeouts(),
+        max_attempts: int = 4,
+        max_connections: int = 256,
+        outage_s: float = 0.0,
+    ):
         """``outage_s``: retry for that long, however many attempts it takes (a service that is
         restarted at its address comes back within it)."""
         self.base_url = base_url.rstrip("/")
@@ -87,8 +101,12 @@ class HTTPService:
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:  # aiohttp binds a session to the loop it is made in
             connector = aiohttp.TCPConnector(limit=self._max_connections, keepalive_timeout=KEEPALIVE_S)
-            self._session = aiohttp.ClientSession(connector=connector, headers=self._headers, trust_env=False,
-                                                  json_serialize=lambda obj: orjson.dumps(obj).decode())
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                headers=self._headers,
+                trust_env=False,
+                json_serialize=lambda obj: orjson.dumps(obj).decode(),
+            )
         return self._session
 
     async def close(self) -> None:
@@ -106,48 +124,81 @@ class HTTPService:
         """``seconds`` to get a connection and between reads (a stream may last longer); connecting has its own."""
         return aiohttp.ClientTimeout(total=None, connect=seconds, sock_connect=self.timeouts.connect, sock_read=seconds)
 
-    def _send(self, method: str, path: str, *, json_body: Any = None, content: bytes | None = None,
-              timeout: float, params: dict | None = None, headers: dict[str, str] | None = None):
+    def _send(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        content: bytes | None = None,
+        timeout: float,
+        params: dict | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         """One attempt's request context (``async with`` it); what ``request`` and streaming share.
         ``headers`` add to (or replace) the session's own, e.g. another key for one route."""
         headers = {**({"content-type": "application/json"} if content is not None else {}), **(headers or {})} or None
-        return self._http.request(method, self.base_url + path, json=json_body, data=content, headers=headers,
-                                  params=params, timeout=self._timeout(timeout))
+        return self._http.request(
+            method,
+            self.base_url + path,
+            json=json_body,
+            data=content,
+            headers=headers,
+            params=params,
+            timeout=self._timeout(timeout),
+        )
 
-    async def request(self, method: str, path: str, *, json_body: Any = None, content: bytes | None = None,
-                      timeout: float, idempotent: bool, params: dict | None = None,
-                      headers: dict[str, str] | None = None) -> Reply:
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        content: bytes | None = None,
+        timeout: float,
+        idempotent: bool,
+        params: dict | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> Reply:
         """Send with retries; return a 2xx reply or raise ProtocolError / ServiceUnavailable."""
         url = self.base_url + path
 
         async def attempt() -> Reply:
             try:
-                async with self._send(method, path, json_body=json_body, content=content, timeout=timeout,
-                                      params=params, headers=headers) as response:
+                async with self._send(
+                    method, path, json_body=json_body, content=content, timeout=timeout, params=params, headers=headers
+                ) as response:
                     reply = Reply(response.status, url, await response.read())
             except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
                 raise _Retryable(exc) from exc  # the request never reached the server: always safe to resend
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # lost after sending: the outcome is unknown
                 if idempotent:
                     raise _Retryable(exc) from exc
-                raise ServiceUnavailable(f"{method} {path}: {type(exc).__name__} after sending (timeout {timeout}s); "
-                                         "the outcome is unknown", url=url) from exc
+                raise ServiceUnavailable(
+                    f"{method} {path}: {type(exc).__name__} after sending (timeout {timeout}s); the outcome is unknown",
+                    url=url,
+                ) from exc
             if reply.status_code in RETRY_STATUS:
-                raise _Retryable(ServiceUnavailable(f"{method} {path} failed", url=url, status=reply.status_code,
-                                                    body=reply.text))
+                raise _Retryable(
+                    ServiceUnavailable(f"{method} {path} failed", url=url, status=reply.status_code, body=reply.text)
+                )
             if reply.status_code >= 400:
                 raise ProtocolError(f"{method} {path} was rejected", url=url, status=reply.status_code, body=reply.text)
             return reply
 
         def log_retry(state: RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
-            logger.warning("%s %s: attempt %d failed (%s); retrying", method, url, state.attempt_number,
-                           getattr(exc, "error", exc))
+            logger.warning(
+                "%s %s: attempt %d failed (%s); retrying", method, url, state.attempt_number, getattr(exc, "error", exc)
+            )
 
         stop = stop_after_delay(self.outage_s) if self.outage_s else stop_after_attempt(self.max_attempts)
         retrying = AsyncRetrying(
-            retry=retry_if_exception(lambda e: isinstance(e, _Retryable)), stop=stop,
-            wait=wait_random_exponential(multiplier=0.2, max=5.0), before_sleep=log_retry, reraise=True,
+            retry=retry_if_exception(lambda e: isinstance(e, _Retryable)),
+            stop=stop,
+            wait=wait_random_exponential(multiplier=0.2, max=5.0),
+            before_sleep=log_retry,
+            reraise=True,
         )
         try:
             async for step in retrying:
@@ -170,8 +221,12 @@ class HTTPService:
             async with self._send(method, path, json_body=json_body, timeout=timeout) as response:
                 if response.status >= 400:
                     error = ServiceUnavailable if response.status in RETRY_STATUS else ProtocolError
-                    raise error(f"{method} {path} (stream) was rejected", url=url, status=response.status,
-                                body=(await response.read()).decode(errors="replace"))
+                    raise error(
+                        f"{method} {path} (stream) was rejected",
+                        url=url,
+                        status=response.status,
+                        body=(await response.read()).decode(errors="replace"),
+                    )
                 pending = b""
                 async for chunk in response.content.iter_any():  # a line may be longer than any read buffer
                     *complete, pending = (pending + chunk).split(b"\n")
@@ -195,4 +250,6 @@ class HTTPService:
         try:
             return reply.json()
         except ValueError:
-            raise ProtocolError("expected a JSON body", url=reply.url, status=reply.status_code, body=reply.text) from None
+            raise ProtocolError(
+                "expected a JSON body", url=reply.url, status=reply.status_code, body=reply.text
+            ) from None

@@ -30,8 +30,11 @@ class BodyTooLarge(HTTPException):
     """413: FastAPI passes (Starlette's) ``HTTPException`` raised while it reads a body through unchanged."""
 
     def __init__(self, size: int, limit: int):
-        super().__init__(413, f"The request body is larger than this service accepts: {size} bytes or more, "
-                              f"over the limit of {limit} bytes.")
+        super().__init__(
+            413,
+            f"The request body is larger than this service accepts: {size} bytes or more, "
+            f"over the limit of {limit} bytes.",
+        )
 
 
 class BodyLimit:

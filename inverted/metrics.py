@@ -118,14 +118,27 @@ def plot_rewards(stages: list[str | Path], out: str | Path) -> Path | None:
     labelled: set[str] = set()
     for name, index in sorted(curves, key=lambda c: (CURVES.index(c[0]) if c[0] in CURVES else len(CURVES), c)):
         main = name if name in CURVES else f"eval/{name.rsplit('/', 1)[1]}"
-        axis.plot(*zip(*curves[name, index]), marker="o", markersize=3, color=colours[main],
-                  linestyle="-" if name in CURVES else "--", label=None if name in labelled else name)
+        axis.plot(
+            *zip(*curves[name, index]),
+            marker="o",
+            markersize=3,
+            color=colours[main],
+            linestyle="-" if name in CURVES else "--",
+            label=None if name in labelled else name,
+        )
         labelled.add(name)
     if len(stages) > 1:
         for start, stage in zip(starts, stages):
             axis.axvline(start, color="grey", linestyle=":")
-            axis.annotate(Path(stage).parent.name, (start, 1.0), xycoords=("data", "axes fraction"),
-                          xytext=(3, -12), textcoords="offset points", color="grey", fontsize="small")
+            axis.annotate(
+                Path(stage).parent.name,
+                (start, 1.0),
+                xycoords=("data", "axes fraction"),
+                xytext=(3, -12),
+                textcoords="offset points",
+                color="grey",
+                fontsize="small",
+            )
     axis.set_xlabel("rollout (an evaluation at N: the policy after N updates)")
     axis.set_ylabel("reward; pass rate and tool-call rate: shares")
     axis.grid(alpha=0.3)

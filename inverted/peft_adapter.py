@@ -29,8 +29,15 @@ from inverted.hf_checkpoint import ModelSpec
 from inverted.weight_wire import non_finite
 
 # module -> the block it sits in; in a decoder layer's order
-MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+MODULES = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 _NAME = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
 
@@ -49,8 +56,10 @@ def target_modules(names: list[str] | str) -> tuple[str, ...]:
         return tuple(MODULES)
     unknown = sorted(set(names) - set(MODULES))
     if unknown or not names:
-        raise ModelError(f"target modules {unknown or names} are not LoRA targets of this model; "
-                         f"choose from {list(MODULES)} or 'all'")
+        raise ModelError(
+            f"target modules {unknown or names} are not LoRA targets of this model; "
+            f"choose from {list(MODULES)} or 'all'"
+        )
     return tuple(m for m in MODULES if m in names)
 
 
@@ -63,8 +72,10 @@ def parse_name(name: str) -> tuple[int, str, str]:
     """``(layer, module, "A" | "B")`` of a PEFT tensor name; ``ModelError`` for anything else."""
     match = _NAME.match(name)
     if match is None or match.group(3) not in MODULES or MODULES[match.group(3)] != match.group(2):
-        raise ModelError(f"{name!r} is not a LoRA tensor of a decoder projection "
-                         "(base_model.model.model.layers.L.self_attn|mlp.MODULE.lora_A|lora_B.weight)")
+        raise ModelError(
+            f"{name!r} is not a LoRA tensor of a decoder projection "
+            "(base_model.model.model.layers.L.self_attn|mlp.MODULE.lora_A|lora_B.weight)"
+        )
     return int(match.group(1)), match.group(3), match.group(4)
 
 
@@ -101,23 +112,42 @@ class LoRAConfig:
         alpha = config.get("lora_alpha", 8)
         if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
             raise ModelError(f"adapter config lora_alpha must be a number, got {alpha!r}")
-        return cls(rank=rank, alpha=float(alpha), modules=target_modules(config.get("target_modules") or []),
-                   dropout=float(config.get("lora_dropout") or 0.0), rslora=bool(config.get("use_rslora", False)))
+        return cls(
+            rank=rank,
+            alpha=float(alpha),
+            modules=target_modules(config.get("target_modules") or []),
+            dropout=float(config.get("lora_dropout") or 0.0),
+            rslora=bool(config.get("use_rslora", False)),
+        )
 
     def to_peft(self, base_model: str = "") -> dict:
         """An ``adapter_config.json`` that ``peft.PeftModel.from_pretrained`` reads."""
-        return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.rank, "lora_alpha": self.alpha,
-                "lora_dropout": self.dropout, "target_modules": list(self.modules), "bias": "none",
-                "use_rslora": self.rslora, "use_dora": False, "fan_in_fan_out": False, "inference_mode": True,
-                "base_model_name_or_path": base_model}
+        return {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "r": self.rank,
+            "lora_alpha": self.alpha,
+            "lora_dropout": self.dropout,
+            "target_modules": list(self.modules),
+            "bias": "none",
+            "use_rslora": self.rslora,
+            "use_dora": False,
+            "fan_in_fan_out": False,
+            "inference_mode": True,
+            "base_model_name_or_path": base_model,
+        }
 
 
-def lora_config(rank: int, alpha: float, dropout: float, modules: list[str], adapter_path: str | None) -> LoRAConfig | None:
+def lora_config(
+    rank: int, alpha: float, dropout: float, modules: list[str], adapter_path: str | None
+) -> LoRAConfig | None:
     """The adapter a run trains: from the flags, or from ``--lora-adapter-path``'s own config."""
     if adapter_path:
         from_file = LoRAConfig.from_peft(read_adapter(adapter_path)[0])
         if rank and rank != from_file.rank:
-            raise ConfigError(f"--lora-rank {rank} differs from the rank {from_file.rank} of --lora-adapter-path {adapter_path}")
+            raise ConfigError(
+                f"--lora-rank {rank} differs from the rank {from_file.rank} of --lora-adapter-path {adapter_path}"
+            )
         return from_file
     if not rank:
         return None
@@ -140,14 +170,18 @@ def write_adapter(path: str | Path, config: LoRAConfig, tensors: dict[str, torch
     """Write ``tensors`` (PEFT names, full) and their config as a PEFT adapter directory."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path / WEIGHTS_FILE),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+        str(path / WEIGHTS_FILE),
+        metadata={"format": "pt"},
+    )
     (path / CONFIG_FILE).write_text(json.dumps(config.to_peft(base_model), indent=2) + "\n")
     return path
 
 
-def check_tensors(config: LoRAConfig, tensors: dict[str, torch.Tensor],
-                  spec: ModelSpec) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+def check_tensors(
+    config: LoRAConfig, tensors: dict[str, torch.Tensor], spec: ModelSpec
+) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
     """Every ``(layer, module) -> (A, B)`` pair of an adapter, checked against the model it adapts.
 
     Every tensor must be an A or B of a targeted module of an
@@ -182,5 +216,12 @@ def module_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
     """``(out, in)`` of each projection of one of ``spec``'s decoder layers."""
     hidden, inter = spec.hidden_size, spec.intermediate_size
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    return {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
-            "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+    return {
+        "q_proj": (q, hidden),
+        "k_proj": (kv, hidden),
+        "v_proj": (kv, hidden),
+        "o_proj": (hidden, q),
+        "gate_proj": (inter, hidden),
+        "up_proj": (inter, hidden),
+        "down_proj": (hidden, inter),
+    }

@@ -34,16 +34,23 @@ def start_ray(address: str | None) -> None:
         try:
             ray.init(address=address, logging_level="WARNING")
         except (ray.exceptions.AuthenticationError, ConnectionError) as exc:  # without a token Ray says the latter
-            raise ConfigError(f"--ray-address {address}: cannot join the cluster ({exc}). If it uses token "
-                              "authentication, give the head's token as RAY_AUTH_TOKEN, or in ~/.ray/auth_token "
-                              "(docs/deployment.md, 'Ray and its token')") from None
+            raise ConfigError(
+                f"--ray-address {address}: cannot join the cluster ({exc}). If it uses token "
+                "authentication, give the head's token as RAY_AUTH_TOKEN, or in ~/.ray/auth_token "
+                "(docs/deployment.md, 'Ray and its token')"
+            ) from None
     else:
         # A local instance: all cores (fractional requests below keep small jobs schedulable). Ray
         # starts its workers at nice 15, and ours are the engines and the trainer, the job's
         # critical path: at 15, any busy process beside them (an environment's tools, Ray's own
         # daemons) would take their CPU first.
-        ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, logging_level="WARNING",
-                 configure_logging=False, _system_config={"worker_niceness": 0})
+        ray.init(
+            num_cpus=os.cpu_count() or 1,
+            include_dashboard=False,
+            logging_level="WARNING",
+            configure_logging=False,
+            _system_config={"worker_niceness": 0},
+        )
     logger.info("ray %s: %s", "joined" if address else "started locally", ray.cluster_resources())
 
 
@@ -107,8 +114,16 @@ def node_resource(name: str | None) -> dict[str, float]:
     return {name: 0.001} if name else {}
 
 
-def _launch(num_gpus: float, loopback: bool, resource: str | None, timeout: float, name: str, argv_for: ArgvFor,
-            log_path: Path, env: dict[str, str]) -> RayServer:
+def _launch(
+    num_gpus: float,
+    loopback: bool,
+    resource: str | None,
+    timeout: float,
+    name: str,
+    argv_for: ArgvFor,
+    log_path: Path,
+    env: dict[str, str],
+) -> RayServer:
     """Start the server in an actor on a node Ray picks; an actor lost with its node is started again,
     until ``timeout`` seconds have passed without a node that takes it."""
     deadline = time.monotonic() + timeout
@@ -117,8 +132,11 @@ def _launch(num_gpus: float, loopback: bool, resource: str | None, timeout: floa
         # small machines unschedulable.
         # SPREAD: over every node that can take one (Ray's default packs them onto the head), so
         # that losing a node loses a share of the servers, not all of them.
-        actor = ray.remote(ServerActor).options(num_cpus=0, num_gpus=num_gpus, resources=node_resource(resource),
-                                                scheduling_strategy="SPREAD").remote()
+        actor = (
+            ray.remote(ServerActor)
+            .options(num_cpus=0, num_gpus=num_gpus, resources=node_resource(resource), scheduling_strategy="SPREAD")
+            .remote()
+        )
         try:
             url = ray.get(actor.start.remote(name, argv_for, str(log_path), env, loopback), timeout=left)
             return RayServer(actor, name, url)
@@ -128,11 +146,15 @@ def _launch(num_gpus: float, loopback: bool, resource: str | None, timeout: floa
             ray.kill(actor)
             break
     wants = f"{num_gpus:g} GPUs" + (f" and the resource {resource!r} (--rollout-node-resource)" if resource else "")
-    raise ServiceUnavailable(f"no Ray node took rollout server {name} within {timeout:.0f}s: it needs {wants}; "
-                             f"the cluster has {ray.available_resources()} free")
+    raise ServiceUnavailable(
+        f"no Ray node took rollout server {name} within {timeout:.0f}s: it needs {wants}; "
+        f"the cluster has {ray.available_resources()} free"
+    )
 
 
-def ray_launch(num_gpus_per_server: float, loopback: bool, resource: str | None = None, timeout: float = 180.0) -> Launch:
+def ray_launch(
+    num_gpus_per_server: float, loopback: bool, resource: str | None = None, timeout: float = 180.0
+) -> Launch:
     """A ``Launch`` that starts each server in its own Ray actor on a node that offers ``resource``
     (``loopback``: bind 127.0.0.1); a server no node takes within ``timeout`` seconds fails."""
     return functools.partial(_launch, num_gpus_per_server, loopback, resource, timeout)

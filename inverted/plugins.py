@@ -51,7 +51,6 @@ from inverted.config import LossConfig, RolloutConfig, flag_name
 from inverted.errors import ConfigError, PluginError, PluginFailed
 from inverted.types import Reward, Sample, Task
 
-
 # -- the registry of foreign forms ------------------------------------------------------------------
 
 
@@ -122,14 +121,16 @@ class Keywords:
     flag: str
 
 
-def load_plugin(path: str, *, flag: str, params: list[str], keywords: Keywords | None = None,
-                guard: bool = True) -> Callable[..., Any]:
+def load_plugin(
+    path: str, *, flag: str, params: list[str], keywords: Keywords | None = None, guard: bool = True
+) -> Callable[..., Any]:
     """Import ``path`` and check that it accepts ``params`` positionally (extra defaults are fine)."""
     return load_forms(path, flag=flag, forms={"": params}, keywords=keywords, guard=guard)[1]
 
 
-def load_optional(path: str | None, *, flag: str, params: list[str], keywords: Keywords | None = None,
-                  guard: bool = True) -> Callable[..., Any] | None:
+def load_optional(
+    path: str | None, *, flag: str, params: list[str], keywords: Keywords | None = None, guard: bool = True
+) -> Callable[..., Any] | None:
     """``load_plugin`` for a flag that may be unset (None then)."""
     return load_plugin(path, flag=flag, params=params, keywords=keywords, guard=guard) if path else None
 
@@ -137,11 +138,13 @@ def load_optional(path: str | None, *, flag: str, params: list[str], keywords: K
 def guarded(fn: Callable[..., Any], flag: str, path: str) -> Callable[..., Any]:
     """``fn`` whose exceptions become ``PluginFailed``: the flag, the path and the plug-in's traceback,
     which then reach the job's console from whichever process ran it."""
+
     def failed(exc: Exception) -> PluginFailed:
         trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next))  # less this frame
         return PluginFailed(f"{flag}={path!r} raised {type(exc).__name__}: {exc}\n{trace.rstrip()}")
 
     if inspect.iscoroutinefunction(fn):
+
         @functools.wraps(fn)
         async def call_async(*args: Any, **kwargs: Any) -> Any:
             try:
@@ -150,6 +153,7 @@ def guarded(fn: Callable[..., Any], flag: str, path: str) -> Callable[..., Any]:
                 raise
             except Exception as exc:  # noqa: BLE001 - whatever user code raises
                 raise failed(exc) from exc
+
         return call_async
 
     @functools.wraps(fn)
@@ -160,12 +164,20 @@ def guarded(fn: Callable[..., Any], flag: str, path: str) -> Callable[..., Any]:
             raise
         except Exception as exc:  # noqa: BLE001 - whatever user code raises
             raise failed(exc) from exc
+
     return call
 
 
-def load_forms(path: str, *, flag: str, forms: dict[str, list[str]], point: str | None = None,
-               flags: dict[str, Any] | None = None, keywords: Keywords | None = None,
-               guard: bool = True) -> tuple[str, Callable[..., Any]]:
+def load_forms(
+    path: str,
+    *,
+    flag: str,
+    forms: dict[str, list[str]],
+    point: str | None = None,
+    flags: dict[str, Any] | None = None,
+    keywords: Keywords | None = None,
+    guard: bool = True,
+) -> tuple[str, Callable[..., Any]]:
     """Import ``path`` and name the first of ``forms`` (name -> parameters) its signature accepts, then
     of the forms registered for ``point``; a registered form's function comes back adapted to the
     point's hook (``Form.adapt`` with the job's ``flags``). With ``keywords``, the function returned
@@ -173,8 +185,12 @@ def load_forms(path: str, *, flag: str, forms: dict[str, list[str]], point: str 
     environment's are left as they are (they fail one episode)."""
     attr = path.replace(":", ".").rpartition(".")[2] or "fn"
     foreign = FORMS.get(point, {}) if point else {}
-    expected = " or ".join([*(_signature(params, attr) for params in forms.values()),
-                            *(f"{name}'s {_signature(form.params, attr)}" for name, form in foreign.items())])
+    expected = " or ".join(
+        [
+            *(_signature(params, attr) for params in forms.values()),
+            *(f"{name}'s {_signature(form.params, attr)}" for name, form in foreign.items()),
+        ]
+    )
     fn = _import(path, flag=flag, expected=expected or "a function")
     try:
         signature = inspect.signature(fn)
@@ -193,15 +209,23 @@ def load_forms(path: str, *, flag: str, forms: dict[str, list[str]], point: str 
         if (form.fits or functools.partial(_fits, params=form.params))(fn):
             return name, form.adapt(guarded(fn, flag, path) if guard else fn, dict(flags or {}))
     if not expected:
-        raise PluginError(f"{flag}={path!r}: no plug-in form is registered for it (the command line registers "
-                          "the adapters, e.g. slime's: run it through `inverted`, or call inverted.compat.register())")
+        raise PluginError(
+            f"{flag}={path!r}: no plug-in form is registered for it (the command line registers "
+            "the adapters, e.g. slime's: run it through `inverted`, or call inverted.compat.register())"
+        )
     if any(p.kind is p.KEYWORD_ONLY and p.default is p.empty for p in inspect.signature(fn).parameters.values()):
         expected += f" (its keyword-only arguments come from {keywords.flag if keywords else 'the command line'})"
     raise PluginError(f"{flag}={path!r}: signature {signature} does not match {expected}")
 
 
-def load_hook(path: str | None, *, point: str, flag: str, forms: dict[str, list[str]] | None = None,
-              flags: dict[str, Any] | None = None) -> Callable[..., Any] | None:
+def load_hook(
+    path: str | None,
+    *,
+    point: str,
+    flag: str,
+    forms: dict[str, list[str]] | None = None,
+    flags: dict[str, Any] | None = None,
+) -> Callable[..., Any] | None:
     """The hook of an optional plug-in point (None where its flag is unset): a function in the point's
     own form (``forms``) as it is, one in a registered form adapted."""
     return load_forms(path, flag=flag, forms=forms or {}, point=point, flags=flags)[1] if path else None
@@ -221,7 +245,9 @@ class RolloutContext:
     env: Callable[[Task, Any], Awaitable[Reward]] | None = None  # from --env-path
     generate: Callable[..., Awaitable[list[Sample]]] | None = None  # GenerateHook (--custom-generate-function-path)
     evaluation: bool = False
-    flags: dict[str, Any] = field(default_factory=dict)  # every flag of the job by name (adapters build foreign args from it)
+    flags: dict[str, Any] = field(
+        default_factory=dict
+    )  # every flag of the job by name (adapters build foreign args from it)
     weight_version: str = "default"  # the version the servers held when this rollout started
     async_mode: bool = False  # rollouts overlap training, so a version may change under a rollout
     lora_path: str | None = None  # the LoRA adapter a LoRA run's policy is: name it in every /generate (None: base)
@@ -253,8 +279,9 @@ class EvalResults:
 RolloutFunction = Callable[[RolloutContext, list[Task]], Awaitable[list[Sample] | EvalResults]]
 
 
-def load_rollout_function(path: str, flag: str = "--rollout-function-path",
-                          flags: dict[str, Any] | None = None) -> RolloutFunction:
+def load_rollout_function(
+    path: str, flag: str = "--rollout-function-path", flags: dict[str, Any] | None = None
+) -> RolloutFunction:
     """Load a rollout function: our async contract as is, a registered form (slime's) adapted to it."""
     form, fn = load_forms(path, flag=flag, forms={"ours": ["ctx", "tasks"]}, point="rollout_function", flags=flags)
     if form == "ours" and not inspect.iscoroutinefunction(fn):
@@ -321,15 +348,18 @@ class RewardModel:
     @classmethod
     def load(cls, path: str, group: bool, flags: dict[str, Any] | None = None) -> "RewardModel":
         if group:
-            form, fn = load_forms(path, flag="--custom-rm-path", forms={"ours": ["samples"]}, point="group_reward",
-                                  flags=flags)
+            form, fn = load_forms(
+                path, flag="--custom-rm-path", forms={"ours": ["samples"]}, point="group_reward", flags=flags
+            )
             return cls(group=(lambda ctx, samples: call(fn, samples)) if form == "ours" else fn)
         form, fn = load_forms(path, flag="--custom-rm-path", forms={"ours": ["sample"]}, point="reward", flags=flags)
         return cls(one=(lambda ctx, sample: call(fn, sample)) if form == "ours" else fn)
 
     async def score(self, ctx: RolloutContext, samples: list[Sample]) -> None:
         """Reward every usable Sample that has none (a rollout or generate function may score its own)."""
-        todo = [s for s in samples if s.reward is None and s.status in (Sample.Status.COMPLETED, Sample.Status.TRUNCATED)]
+        todo = [
+            s for s in samples if s.reward is None and s.status in (Sample.Status.COMPLETED, Sample.Status.TRUNCATED)
+        ]
         if self.group is not None:
             groups: dict[Any, list[Sample]] = {}
             for sample in todo:
@@ -337,7 +367,9 @@ class RewardModel:
             answers = await asyncio.gather(*(self.group(ctx, group) for group in groups.values()))
             for group, rewards in zip(groups.values(), answers):
                 if len(rewards) != len(group):
-                    raise PluginError(f"--custom-rm-path (--group-rm): {len(rewards)} rewards for a group of {len(group)}")
+                    raise PluginError(
+                        f"--custom-rm-path (--group-rm): {len(rewards)} rewards for a group of {len(group)}"
+                    )
                 for sample, reward in zip(group, rewards):
                     sample.reward = reward
             return
@@ -368,46 +400,76 @@ class Plugins:
     def load(cls, cfg: RolloutConfig, flags: dict[str, Any] | None = None) -> "Plugins":
         """``flags``: every flag of the job by name, for the adapters of other frameworks' plug-ins."""
         env = load_env(cfg.env_path, cfg.env_args, "--env-args")
-        eval_envs = {"": env if cfg.eval_env_args is None else load_env(cfg.env_path, cfg.eval_env_args,
-                                                                         "--eval-env-args")}
+        eval_envs = {
+            "": env if cfg.eval_env_args is None else load_env(cfg.env_path, cfg.eval_env_args, "--eval-env-args")
+        }
         for name, args in json.loads(cfg.eval_variants or "{}").items():
             eval_envs[name] = load_env(cfg.env_path, json.dumps(args), f"--eval-variants {name}")
-        generate = load_hook(cfg.custom_generate_function_path, point="generate",
-                             flag="--custom-generate-function-path", flags=flags)
+        generate = load_hook(
+            cfg.custom_generate_function_path, point="generate", flag="--custom-generate-function-path", flags=flags
+        )
         path = cfg.rollout_function_path
         if generate is not None:  # as in slime, a custom generate runs inside the default rollout
             default = RolloutConfig.__dataclass_fields__["rollout_function_path"].default
             if path not in (default, SINGLE_TURN):
-                raise ConfigError(f"--custom-generate-function-path runs inside {SINGLE_TURN} (slime's default "
-                                  f"rollout), not inside --rollout-function-path {path}")
+                raise ConfigError(
+                    f"--custom-generate-function-path runs inside {SINGLE_TURN} (slime's default "
+                    f"rollout), not inside --rollout-function-path {path}"
+                )
             path = SINGLE_TURN
         rollout = load_rollout_function(path, flags=flags)
         for name in required_flags(rollout):
             if not getattr(cfg, name) and not (name == "custom_rm_path" and generate is not None):
                 raise ConfigError(f"--rollout-function-path {path} needs {flag_name(name)}")
         return cls(
-            rollout, env, generate=generate,
+            rollout,
+            env,
+            generate=generate,
             reward=RewardModel.load(cfg.custom_rm_path, cfg.group_rm, flags) if cfg.custom_rm_path else None,
-            evaluate=(load_rollout_function(cfg.eval_function_path, "--eval-function-path", flags)
-                      if cfg.eval_function_path else None),
-            sample_filter=load_hook(cfg.rollout_sample_filter_path, point="sample_filter",
-                                    flag="--rollout-sample-filter-path", forms={"ours": ["groups"]}, flags=flags),
-            rollout_log=load_hook(cfg.custom_rollout_log_function_path, point="rollout_log",
-                                  flag="--custom-rollout-log-function-path",
-                                  forms={"ours": ["rollout_id", "samples", "metrics", "seconds"]}, flags=flags),
-            eval_log=load_hook(cfg.custom_eval_rollout_log_function_path, point="eval_log",
-                               flag="--custom-eval-rollout-log-function-path",
-                               forms={"ours": ["rollout_id", "data", "metrics"]}, flags=flags),
-            eval_envs=eval_envs)
+            evaluate=(
+                load_rollout_function(cfg.eval_function_path, "--eval-function-path", flags)
+                if cfg.eval_function_path
+                else None
+            ),
+            sample_filter=load_hook(
+                cfg.rollout_sample_filter_path,
+                point="sample_filter",
+                flag="--rollout-sample-filter-path",
+                forms={"ours": ["groups"]},
+                flags=flags,
+            ),
+            rollout_log=load_hook(
+                cfg.custom_rollout_log_function_path,
+                point="rollout_log",
+                flag="--custom-rollout-log-function-path",
+                forms={"ours": ["rollout_id", "samples", "metrics", "seconds"]},
+                flags=flags,
+            ),
+            eval_log=load_hook(
+                cfg.custom_eval_rollout_log_function_path,
+                point="eval_log",
+                flag="--custom-eval-rollout-log-function-path",
+                forms={"ours": ["rollout_id", "data", "metrics"]},
+                flags=flags,
+            ),
+            eval_envs=eval_envs,
+        )
 
 
 def load_env(path: str | None, args: str | None, flag: str) -> Callable | None:
-    """``--env-path`` called with ``args`` (a JSON object of keyword arguments, ``flag`` naming where they came from)."""
-    env = load_optional(path, flag="--env-path", params=["task", "client"], keywords=Keywords(json.loads(args or "{}"), flag),
-                        guard=False)  # an environment's exception fails its episode only
+    """``--env-path`` called with ``args`` (a JSON object of keyword arguments, ``flag`` naming where
+    they came from)."""
+    env = load_optional(
+        path,
+        flag="--env-path",
+        params=["task", "client"],
+        keywords=Keywords(json.loads(args or "{}"), flag),
+        guard=False,
+    )  # an environment's exception fails its episode only
     if env is not None and not inspect.iscoroutinefunction(env):
-        raise PluginError(f"--env-path={path!r}: expected 'async def {getattr(env, '__name__', 'episode')}"
-                          "(task, client) -> reward'")
+        raise PluginError(
+            f"--env-path={path!r}: expected 'async def {getattr(env, '__name__', 'episode')}(task, client) -> reward'"
+        )
     return env
 
 
@@ -433,11 +495,23 @@ class LossPlugins:
     @classmethod
     def load(cls, cfg: LossConfig, flags: dict[str, Any] | None = None) -> "LossPlugins":
         return cls(
-            loss=(load_hook(cfg.custom_loss_function_path, point="loss", flag="--custom-loss-function-path", flags=flags)
-                  if cfg.loss_type == "custom_loss" else None),
+            loss=(
+                load_hook(cfg.custom_loss_function_path, point="loss", flag="--custom-loss-function-path", flags=flags)
+                if cfg.loss_type == "custom_loss"
+                else None
+            ),
             tis=load_hook(cfg.custom_tis_function_path, point="tis", flag="--custom-tis-function-path", flags=flags),
-            reducer=load_hook(cfg.custom_pg_loss_reducer_function_path, point="pg_reducer",
-                              flag="--custom-pg-loss-reducer-function-path", flags=flags),
-            reward_post_process=load_hook(cfg.custom_reward_post_process_path, point="reward_post_process",
-                                          flag="--custom-reward-post-process-path", forms={"ours": ["samples"]},
-                                          flags=flags))
+            reducer=load_hook(
+                cfg.custom_pg_loss_reducer_function_path,
+                point="pg_reducer",
+                flag="--custom-pg-loss-reducer-function-path",
+                flags=flags,
+            ),
+            reward_post_process=load_hook(
+                cfg.custom_reward_post_process_path,
+                point="reward_post_process",
+                flag="--custom-reward-post-process-path",
+                forms={"ours": ["samples"]},
+                flags=flags,
+            ),
+        )

@@ -150,8 +150,9 @@ def _worker(app_factory: str, host: str, port: int, supervisor: int, setup: Call
     uvicorn.Server(config).run(sockets=[reuse_port_socket(host, port)])
 
 
-def serve_workers(app_factory: str, host: str, port: int, workers: int, name: str,
-                  setup: Callable[[], None] | None = None) -> None:
+def serve_workers(
+    app_factory: str, host: str, port: int, workers: int, name: str, setup: Callable[[], None] | None = None
+) -> None:
     """Serve ``app_factory`` (``"module:function"``, called in each worker) from ``workers`` processes
     until SIGTERM or SIGINT; a worker that dies is replaced. The environment reaches the workers, and
     each runs ``setup`` first (the entry point's: a fresh interpreter has none of its set-up)."""
@@ -170,8 +171,9 @@ def serve_workers(app_factory: str, host: str, port: int, workers: int, name: st
     while not stop.wait(0.5):
         for i, process in enumerate(running):
             if not process.is_alive():
-                logger.warning("%s worker (pid %d) exited with code %s; starting another", name, process.pid,
-                               process.exitcode)
+                logger.warning(
+                    "%s worker (pid %d) exited with code %s; starting another", name, process.pid, process.exitcode
+                )
                 running[i] = start()
     for process in running:
         process.terminate()
@@ -257,8 +259,15 @@ class ManagedProcess:
     url: str
 
     @classmethod
-    def spawn(cls, name: str, argv: list[str], log_path: Path, url: str, env: dict[str, str] | None = None,
-              append: bool = False) -> "ManagedProcess":
+    def spawn(
+        cls,
+        name: str,
+        argv: list[str],
+        log_path: Path,
+        url: str,
+        env: dict[str, str] | None = None,
+        append: bool = False,
+    ) -> "ManagedProcess":
         """Start ``argv`` (its ``Secret`` arguments through a pipe: ``python -m MODULE``, or ``python SCRIPT.py``
         that reads ``--secrets-fd FD``);
         ``append``: after what the log holds (a restart keeps its predecessor's last words)."""
@@ -268,19 +277,30 @@ class ManagedProcess:
         if secret:
             script = len(argv) > 1 and str(argv[1]).endswith(".py")
             if argv[1:2] != ["-m"] and not script:
-                raise ValueError(f"{name}: secret arguments go to 'python -m MODULE' or 'python SCRIPT.py' commands "
-                                 f"only, not {argv[:3]}")
+                raise ValueError(
+                    f"{name}: secret arguments go to 'python -m MODULE' or 'python SCRIPT.py' commands "
+                    f"only, not {argv[:3]}"
+                )
             read_end, write_end = os.pipe()
             with os.fdopen(write_end, "w") as pipe:  # a few hundred bytes: the pipe's buffer holds them
                 json.dump(secret, pipe)
             public = [a for a in argv[2:] if not isinstance(a, Secret)]
-            argv = [argv[0], argv[1], "--secrets-fd", str(read_end), *public] if script else \
-                [argv[0], "-m", __name__, str(read_end), *public]
+            argv = (
+                [argv[0], argv[1], "--secrets-fd", str(read_end), *public]
+                if script
+                else [argv[0], "-m", __name__, str(read_end), *public]
+            )
         try:
             with open(log_path, "ab" if append else "wb") as log:
-                popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-                                         preexec_fn=die_with_parent, pass_fds=() if read_end is None else (read_end,))
+                popen = subprocess.Popen(
+                    argv,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                    preexec_fn=die_with_parent,
+                    pass_fds=() if read_end is None else (read_end,),
+                )
         finally:
             if read_end is not None:
                 os.close(read_end)
@@ -315,7 +335,9 @@ class ManagedProcess:
                 except httpx.TransportError:
                     pass
                 time.sleep(0.2)
-        raise ServiceUnavailable(f"{self.name} not healthy after {timeout:.0f}s; log tail:\n{self.tail()}", url=self.url)
+        raise ServiceUnavailable(
+            f"{self.name} not healthy after {timeout:.0f}s; log tail:\n{self.tail()}", url=self.url
+        )
 
     def terminate(self, grace: float = 10.0) -> None:
         if self.popen.poll() is not None:

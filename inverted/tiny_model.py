@@ -33,16 +33,40 @@ TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_respons
 TOKENIZER_VOCAB = 2048
 
 PRESETS: dict[str, dict[str, int]] = {
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=160, max_position_embeddings=4096),
-    "small": dict(hidden_size=384, num_hidden_layers=8, num_attention_heads=6, num_key_value_heads=2,
-                  intermediate_size=1024, max_position_embeddings=4096),
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=160,
+        max_position_embeddings=4096,
+    ),
+    "small": dict(
+        hidden_size=384,
+        num_hidden_layers=8,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        intermediate_size=1024,
+        max_position_embeddings=4096,
+    ),
     # ~0.5B: Qwen2.5-0.5B's depth with a wider body (our vocabulary is small), for GPU benchmarks.
-    "base": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=2,
-                 intermediate_size=5504, max_position_embeddings=4096),
+    "base": dict(
+        hidden_size=1024,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        intermediate_size=5504,
+        max_position_embeddings=4096,
+    ),
     # ~1.3B: Qwen2-1.5B's body (its vocabulary would add the rest), for GPU weight-sync benchmarks.
-    "large": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                  intermediate_size=8960, max_position_embeddings=4096),
+    "large": dict(
+        hidden_size=1536,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        intermediate_size=8960,
+        max_position_embeddings=4096,
+    ),
 }
 
 _WORDS = (
@@ -59,15 +83,17 @@ _WORDS = (
 
 def _training_corpus() -> list[str]:
     """A deterministic corpus: words, arithmetic, JSON tool calls and chat-template glue."""
-    lines = [" ".join(_WORDS[i:i + 12]) for i in range(0, len(_WORDS), 5)]
+    lines = [" ".join(_WORDS[i : i + 12]) for i in range(0, len(_WORDS), 5)]
     lines += [w.capitalize() + "." for w in _WORDS]
     for a, b in itertools.product(range(0, 120, 3), range(0, 60, 7)):
         lines.append(f"What is {a} + {b}? The answer is {a + b}. {a} * {b} = {a * b}, {a} - {b} = {a - b}.")
-    for name, arg in itertools.product(["calculator", "read_file", "list_dir", "search"], ["1 + 2", "notes.txt", "/tmp"]):
+    for name, arg in itertools.product(
+        ["calculator", "read_file", "list_dir", "search"], ["1 + 2", "notes.txt", "/tmp"]
+    ):
         lines.append(f'<tool_call>\n{{"name": "{name}", "arguments": {{"input": "{arg}"}}}}\n</tool_call>')
         lines.append(f"<tool_response>\n{arg}\n</tool_response>")
     lines += ["<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"] * 20
-    lines += ["<answer>42</answer> \\boxed{7} {\"type\": \"function\"} [1, 2, 3] (x) #Tools"] * 10
+    lines += ['<answer>42</answer> \\boxed{7} {"type": "function"} [1, 2, 3] (x) #Tools'] * 10
     return lines
 
 
@@ -80,13 +106,18 @@ def build_tokenizer(chat_template: str, max_length: int = PRESETS["tiny"]["max_p
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=TOKENIZER_VOCAB, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        vocab_size=TOKENIZER_VOCAB,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     core.train_from_iterator(_training_corpus(), trainer)
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"], chat_template=chat_template,
+        tokenizer_object=core,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        chat_template=chat_template,
         model_max_length=max_length,
     )
     tokenizer.add_tokens(TOOL_TOKENS)
@@ -99,28 +130,66 @@ def _hf_config(arch: str, preset: str, vocab_size: int, eos_id: int, pad_id: int
     shape = dict(PRESETS[preset])
     if max_positions:
         shape["max_position_embeddings"] = max_positions
-    common = dict(vocab_size=vocab_size, eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None,
-                  rms_norm_eps=1e-6, torch_dtype="float32", **shape)
+    common = dict(
+        vocab_size=vocab_size,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        bos_token_id=None,
+        rms_norm_eps=1e-6,
+        torch_dtype="float32",
+        **shape,
+    )
     if arch == "qwen2":
-        return transformers.Qwen2Config(tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}, **common)
+        return transformers.Qwen2Config(
+            tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}, **common
+        )
     if arch == "qwen3":
         head_dim = 2 * shape["hidden_size"] // shape["num_attention_heads"]  # Qwen3 decouples head_dim from hidden
-        return transformers.Qwen3Config(tie_word_embeddings=True, head_dim=head_dim, rope_parameters={"rope_type": "default", "rope_theta": 1e6}, **common)
+        return transformers.Qwen3Config(
+            tie_word_embeddings=True,
+            head_dim=head_dim,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+            **common,
+        )
     if arch == "qwen3_moe":  # every layer sparse: 8 experts, 2 per token, each half the dense MLP
         head_dim = 2 * shape["hidden_size"] // shape["num_attention_heads"]
         return transformers.Qwen3MoeConfig(
-            tie_word_embeddings=True, head_dim=head_dim, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=shape["intermediate_size"] // 2,
-            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], **common)
+            tie_word_embeddings=True,
+            head_dim=head_dim,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=shape["intermediate_size"] // 2,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            **common,
+        )
     if arch == "qwen2_moe":  # Qwen1.5-MoE's layout: top-k weights left unnormalised, a shared expert beside them
         return transformers.Qwen2MoeConfig(
-            tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}, qkv_bias=True,
-            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=shape["intermediate_size"] // 2,
-            shared_expert_intermediate_size=shape["intermediate_size"], norm_topk_prob=False,
-            decoder_sparse_step=1, mlp_only_layers=[], **common)
-    rope = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 512}
-    return transformers.LlamaConfig(tie_word_embeddings=False, rope_parameters=rope, mlp_bias=False, attention_bias=False, **common)
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+            qkv_bias=True,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=shape["intermediate_size"] // 2,
+            shared_expert_intermediate_size=shape["intermediate_size"],
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            **common,
+        )
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 5e5,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 512,
+    }
+    return transformers.LlamaConfig(
+        tie_word_embeddings=False, rope_parameters=rope, mlp_bias=False, attention_bias=False, **common
+    )
 
 
 def _init_weights(model: torch.nn.Module, seed: int) -> None:
@@ -156,13 +225,18 @@ def make_tiny_model(config: TinyModelConfig) -> Path:
     model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     _init_weights(model, config.seed)
     model.save_pretrained(out, safe_serialization=True)
-    GenerationConfig(eos_token_id=[eos_id, pad_id], pad_token_id=pad_id, do_sample=True,
-                     temperature=1.0, top_p=1.0).save_pretrained(out)
+    GenerationConfig(
+        eos_token_id=[eos_id, pad_id], pad_token_id=pad_id, do_sample=True, temperature=1.0, top_p=1.0
+    ).save_pretrained(out)
     tokenizer.save_pretrained(out)
     params = sum(p.numel() for p in model.parameters())
-    logger.info("wrote %s %s model (%.2fM params, vocab %d) to %s", config.preset, config.arch, params / 1e6, vocab_size, out)
-    (out / "inverted_tiny_model.json").write_text(json.dumps(
-        {"arch": config.arch, "preset": config.preset, "seed": config.seed, "params": params}, indent=2) + "\n")
+    logger.info(
+        "wrote %s %s model (%.2fM params, vocab %d) to %s", config.preset, config.arch, params / 1e6, vocab_size, out
+    )
+    (out / "inverted_tiny_model.json").write_text(
+        json.dumps({"arch": config.arch, "preset": config.preset, "seed": config.seed, "params": params}, indent=2)
+        + "\n"
+    )
     return out
 
 

@@ -128,8 +128,10 @@ class Sample:
         if reward is None:
             raise SampleError(f"sample {self.index}: reward is missing")
         if key is None:
-            raise SampleError(f"sample {self.index}: reward {sorted(reward)} holds no number to train on; "
-                              "name the entry with --reward-key")
+            raise SampleError(
+                f"sample {self.index}: reward {sorted(reward)} holds no number to train on; "
+                "name the entry with --reward-key"
+            )
         if key not in reward:
             raise SampleError(f"sample {self.index}: reward has no key {key!r} (--reward-key); has {sorted(reward)}")
         raise SampleError(f"sample {self.index}: reward[{key!r}] (--reward-key) is {reward[key]!r}, not a number")
@@ -144,8 +146,11 @@ class Sample:
         status are left to check.
         """
         full = not elements_checked
-        if full and (not isinstance(self.tokens, list) or not set(map(type, self.tokens)) <= {int}
-                     or (self.tokens and min(self.tokens) < 0)):
+        if full and (
+            not isinstance(self.tokens, list)
+            or not set(map(type, self.tokens)) <= {int}
+            or (self.tokens and min(self.tokens) < 0)
+        ):
             raise SampleError("tokens: expected a list of non-negative ints")
         if type(self.response_length) is not int or not 0 <= self.response_length <= len(self.tokens):
             raise SampleError(
@@ -166,8 +171,11 @@ class Sample:
         for name in OPTIONAL_PER_TOKEN:
             logprobs = getattr(self, name) or []
             # A NaN or an infinity makes the sum non-finite; one sum is far cheaper than a check per value.
-            if full and (not set(map(type, logprobs)) <= {float, int} or not math.isfinite(sum(logprobs))
-                         or (logprobs and max(logprobs) > 0)):
+            if full and (
+                not set(map(type, logprobs)) <= {float, int}
+                or not math.isfinite(sum(logprobs))
+                or (logprobs and max(logprobs) > 0)
+            ):
                 raise SampleError(f"{name}: expected finite floats <= 0")
         if full and type(self.remove_sample) is not bool:
             raise SampleError(f"remove_sample: expected true or false, got {self.remove_sample!r}")
@@ -185,10 +193,13 @@ class Sample:
         if ids is None or offsets is None:
             raise SampleError("rollout_top_p_token_ids and rollout_top_p_token_offsets: give both or neither")
         if len(offsets) != self.response_length + 1 or (offsets and (offsets[0] != 0 or offsets[-1] != len(ids))):
-            raise SampleError(f"rollout_top_p_token_offsets: expected {self.response_length + 1} offsets "
-                              f"(response_length + 1) from 0 to {len(ids)} (len(rollout_top_p_token_ids))")
-        if full and (not set(map(type, ids)) <= {int} or (ids and min(ids) < 0)
-                     or not set(map(type, offsets)) <= {int}):
+            raise SampleError(
+                f"rollout_top_p_token_offsets: expected {self.response_length + 1} offsets "
+                f"(response_length + 1) from 0 to {len(ids)} (len(rollout_top_p_token_ids))"
+            )
+        if full and (
+            not set(map(type, ids)) <= {int} or (ids and min(ids) < 0) or not set(map(type, offsets)) <= {int}
+        ):
             raise SampleError("rollout_top_p_token_ids and rollout_top_p_token_offsets: expected non-negative ints")
         if any(b < a for a, b in zip(offsets, offsets[1:])):
             raise SampleError("rollout_top_p_token_offsets: expected a non-decreasing list")
@@ -293,8 +304,13 @@ class Task:
 
     def new_sample(self) -> Sample:
         """A Sample that belongs to this task, to fill in and submit."""
-        return Sample(group_index=self.group_index, index=self.index, prompt=self.prompt, label=self.label,
-                      metadata=dict(self.metadata))
+        return Sample(
+            group_index=self.group_index,
+            index=self.index,
+            prompt=self.prompt,
+            label=self.label,
+            metadata=dict(self.metadata),
+        )
 
 
 # The element rules of ``Sample.validate``, as msgspec constraints that the JSON decoder enforces.
@@ -314,8 +330,14 @@ def _json_form() -> type:
     """A msgspec struct with exactly ``Sample``'s fields, types and defaults, generated from the
     dataclass, its lists' elements constrained by ``_ELEMENT_RULES``."""
     hints = typing.get_type_hints(Sample) | _ELEMENT_RULES
-    spec = [(f.name, hints[f.name], f.default if f.default is not MISSING else msgspec.field(default_factory=f.default_factory))
-            for f in fields(Sample)]
+    spec = [
+        (
+            f.name,
+            hints[f.name],
+            f.default if f.default is not MISSING else msgspec.field(default_factory=f.default_factory),
+        )
+        for f in fields(Sample)
+    ]
     return msgspec.defstruct("SampleJSON", spec, forbid_unknown_fields=True)
 
 

@@ -89,8 +89,10 @@ def bucket_layout(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> li
         if any(d < 0 for d in size):
             raise InvalidRequest(f"Negative dimension in received tensor {name}: {list(size)}")
         if offset % dtype.itemsize:
-            raise InvalidRequest(f"Unaligned received tensor {name}: byte offset {offset}, dtype {dtype} "
-                                 "(order a bucket's tensors by descending item size)")
+            raise InvalidRequest(
+                f"Unaligned received tensor {name}: byte offset {offset}, dtype {dtype} "
+                "(order a bucket's tensors by descending item size)"
+            )
         nbytes = size.numel() * dtype.itemsize
         metadata.append(FlattenedTensorMetadata(name, size, dtype, offset, offset + nbytes, nbytes))
         offset += nbytes
@@ -100,19 +102,28 @@ def bucket_layout(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> li
 def unflatten(flat: torch.Tensor, metadata: list[FlattenedTensorMetadata]) -> list[tuple[str, torch.Tensor]]:
     """Named views into ``flat`` (a 1-D uint8 buffer); malformed metadata is an ``InvalidRequest``."""
     if flat.dtype != torch.uint8 or flat.dim() != 1:
-        raise InvalidRequest(f"flattened_tensor must be a 1-D uint8 tensor, got {flat.dtype} of shape {list(flat.shape)}")
+        raise InvalidRequest(
+            f"flattened_tensor must be a 1-D uint8 tensor, got {flat.dtype} of shape {list(flat.shape)}"
+        )
     views = []
     for meta in metadata:
         if not isinstance(meta, FlattenedTensorMetadata):
             raise InvalidRequest(f"bucket metadata entries must be FlattenedTensorMetadata, got {type(meta).__name__}")
         shape = torch.Size(meta.shape)
         nbytes = shape.numel() * meta.dtype.itemsize
-        if not (0 <= meta.start_idx and meta.end_idx == meta.start_idx + nbytes == meta.start_idx + meta.numel
-                and meta.end_idx <= flat.numel()):
-            raise InvalidRequest(f"{meta.name}: byte range [{meta.start_idx}, {meta.end_idx}) does not hold a "
-                                 f"{meta.dtype} tensor of shape {list(shape)} inside a {flat.numel()}-byte bucket")
+        if not (
+            0 <= meta.start_idx
+            and meta.end_idx == meta.start_idx + nbytes == meta.start_idx + meta.numel
+            and meta.end_idx <= flat.numel()
+        ):
+            raise InvalidRequest(
+                f"{meta.name}: byte range [{meta.start_idx}, {meta.end_idx}) does not hold a "
+                f"{meta.dtype} tensor of shape {list(shape)} inside a {flat.numel()}-byte bucket"
+            )
         if meta.start_idx % meta.dtype.itemsize:
-            raise InvalidRequest(f"Unaligned received tensor {meta.name}: byte offset {meta.start_idx}, dtype {meta.dtype}")
+            raise InvalidRequest(
+                f"Unaligned received tensor {meta.name}: byte offset {meta.start_idx}, dtype {meta.dtype}"
+            )
         views.append((meta.name, flat[meta.start_idx : meta.end_idx].view(meta.dtype).view(shape)))
     return views
 
@@ -153,7 +164,9 @@ def _rebuild_cuda_tensor_by_uuid(*args: Any) -> torch.Tensor:
     """Torch's CUDA-IPC rebuild, with the device given by UUID (SGLang's ``_rebuild_cuda_tensor_modified``)."""
     device = args[6]
     if isinstance(device, str):
-        matches = [i for i in range(torch.cuda.device_count()) if str(torch.cuda.get_device_properties(i).uuid) == device]
+        matches = [
+            i for i in range(torch.cuda.device_count()) if str(torch.cuda.get_device_properties(i).uuid) == device
+        ]
         if not matches:
             raise InvalidRequest(f"no local CUDA device has UUID {device}: CUDA IPC works only on the same node")
         device = matches[0]
@@ -163,7 +176,10 @@ def _rebuild_cuda_tensor_by_uuid(*args: Any) -> torch.Tensor:
 # Our objects that must pickle under SGLang's qualified names (and unpickle back to ours).
 _SGLANG_ALIASES: list[tuple[Any, tuple[str, str]]] = [
     (FlattenedTensorMetadata, (SGLANG_BUCKET_MODULE, "FlattenedTensorMetadata")),
-    (LocalSerializedTensor, ("sglang.srt.model_executor.model_runner_components.weight_updater", "LocalSerializedTensor")),
+    (
+        LocalSerializedTensor,
+        ("sglang.srt.model_executor.model_runner_components.weight_updater", "LocalSerializedTensor"),
+    ),
     (_rebuild_cuda_tensor_by_uuid, (SGLANG_PATCH_MODULE, "_rebuild_cuda_tensor_modified")),
 ]
 _ALIASED = {id(obj): name for obj, name in _SGLANG_ALIASES}
@@ -237,9 +253,20 @@ def bucket_payload(flat: torch.Tensor, metadata: list[FlattenedTensorMetadata]) 
     """One ``/update_weights_from_tensor`` entry for ``load_format="flattened_bucket"``, as SGLang builds it:
     ``{"flattened_tensor": flat, "metadata": metadata}``, the metadata's pickle reused across updates."""
     layout = tuple((m.name, torch.Size(m.shape), m.dtype, m.start_idx, m.end_idx, m.numel) for m in metadata)
-    raw = b"".join([pickle.PROTO, bytes([_SPLICE_PROTOCOL]), pickle.EMPTY_DICT, pickle.MARK,
-                    _pickled_part("flattened_tensor"), _pickled_part(flat),
-                    _pickled_part("metadata"), _pickled_metadata(layout), pickle.SETITEMS, pickle.STOP])
+    raw = b"".join(
+        [
+            pickle.PROTO,
+            bytes([_SPLICE_PROTOCOL]),
+            pickle.EMPTY_DICT,
+            pickle.MARK,
+            _pickled_part("flattened_tensor"),
+            _pickled_part(flat),
+            _pickled_part("metadata"),
+            _pickled_metadata(layout),
+            pickle.SETITEMS,
+            pickle.STOP,
+        ]
+    )
     return base64.b64encode(raw).decode()
 
 
@@ -255,8 +282,10 @@ class _RefuseFdSharing:
     """Stands in for torch's fd-sharing globals (a class, since ``DupFd`` is rebuilt as an object)."""
 
     def __new__(cls, *_: Any) -> None:
-        raise InvalidRequest("the payload shares CPU memory by file descriptor, which an unrelated process cannot open: "
-                             "the sender must use torch.multiprocessing.set_sharing_strategy('file_system') or send by value")
+        raise InvalidRequest(
+            "the payload shares CPU memory by file descriptor, which an unrelated process cannot open: "
+            "the sender must use torch.multiprocessing.set_sharing_strategy('file_system') or send by value"
+        )
 
 
 SHM_MANAGER_TRIES = 5
@@ -291,8 +320,10 @@ class _NoAllocationBySize:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if any(isinstance(a, int) and not isinstance(a, bool) for a in args):
-            raise InvalidRequest(f"a weight payload may not make a {self.cls.__name__} of a given size "
-                                 f"({', '.join(map(repr, args))[:80]})")
+            raise InvalidRequest(
+                f"a weight payload may not make a {self.cls.__name__} of a given size "
+                f"({', '.join(map(repr, args))[:80]})"
+            )
         return self.cls(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -313,11 +344,20 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("torch.storage", "TypedStorage"): torch.TypedStorage,
     ("torch.storage", "_load_from_bytes"): _load_storage_by_value,
     ("torch.nn.parameter", "Parameter"): torch.nn.Parameter,
-    **{("torch._utils", n): getattr(torch._utils, n) for n in
-       ("_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter")},
-    **{("torch.multiprocessing.reductions", n): getattr(reductions, n) for n in
-       ("rebuild_tensor", "rebuild_cuda_tensor", "rebuild_storage_empty", "rebuild_typed_storage",
-        "rebuild_typed_storage_child")},
+    **{
+        ("torch._utils", n): getattr(torch._utils, n)
+        for n in ("_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter")
+    },
+    **{
+        ("torch.multiprocessing.reductions", n): getattr(reductions, n)
+        for n in (
+            "rebuild_tensor",
+            "rebuild_cuda_tensor",
+            "rebuild_storage_empty",
+            "rebuild_typed_storage",
+            "rebuild_typed_storage_child",
+        )
+    },
     ("torch.multiprocessing.reductions", "rebuild_storage_filename"): _rebuild_storage_filename,
     ("torch.multiprocessing.reductions", "rebuild_storage_fd"): _RefuseFdSharing,
     ("multiprocessing.resource_sharer", "DupFd"): _RefuseFdSharing,
@@ -356,7 +396,9 @@ def deserialize(data: str | bytes) -> Any:
     except InvalidRequest:
         raise
     except Exception as exc:  # a truncated or hostile pickle raises anything from EOFError to RuntimeError
-        raise InvalidRequest(f"serialized_named_tensors: cannot decode the payload ({type(exc).__name__}: {exc})") from None
+        raise InvalidRequest(
+            f"serialized_named_tensors: cannot decode the payload ({type(exc).__name__}: {exc})"
+        ) from None
 
 
 # ---- the update group -----------------------------------------------------------------------
@@ -384,9 +426,16 @@ class UpdateGroup:
         self.group = self.store = None
 
 
-def join_update_group(master_address: str, master_port: int, world_size: int, rank: int, *,
-                      group_name: str = DEFAULT_GROUP_NAME, backend: str = "gloo",
-                      timeout: float = 300.0) -> UpdateGroup:
+def join_update_group(
+    master_address: str,
+    master_port: int,
+    world_size: int,
+    rank: int,
+    *,
+    group_name: str = DEFAULT_GROUP_NAME,
+    backend: str = "gloo",
+    timeout: float = 300.0,
+) -> UpdateGroup:
     """Join the weight-update group (rank 0, the trainer, hosts the rendezvous); blocks until all ranks arrive.
 
     The store prefixes reproduce what SGLang's ``init_custom_process_group`` gets from torch

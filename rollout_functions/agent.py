@@ -21,16 +21,24 @@ async def generate_rollout(ctx: RolloutContext, tasks: list[Task]) -> list[Sampl
     return await play_envs(ctx, tasks)
 
 
-async def play_envs(ctx: RolloutContext, tasks: list[Task], scripts: list[list[list[int]]] | None = None) -> list[Sample]:
+async def play_envs(
+    ctx: RolloutContext, tasks: list[Task], scripts: list[list[list[int]]] | None = None
+) -> list[Sample]:
     """Each task's episode of ``ctx.env`` (``scripts``: each session answers from its own, ``run_all``)."""
     env = ctx.env
     async with openai_pool() as pool:
+
         def play_for(task: Task):
             async def play(session, proxy):
                 # The SDK's retries are safe: the proxy answers a retried call from its record.
-                client = openai.AsyncOpenAI(base_url=session.base_url, api_key=session.token, http_client=pool,
-                                            timeout=ctx.config.rollout_episode_timeout)
+                client = openai.AsyncOpenAI(
+                    base_url=session.base_url,
+                    api_key=session.token,
+                    http_client=pool,
+                    timeout=ctx.config.rollout_episode_timeout,
+                )
                 return await env(task, client)
+
             return play
 
         return await run_all(ctx, tasks, play_for, scripts)

@@ -51,8 +51,13 @@ def prompt_key(prompt: str | list[dict[str, Any]]) -> bytes:
 def succeeded(sample: Sample, reward_key: str | None) -> bool:
     """An episode of the agent's own model that ended and reached a pass."""
     reward = reward_number(sample.reward, reward_key)
-    return (sample.status == Sample.Status.COMPLETED and bool(sample.metadata.get("turns"))
-            and not sample.metadata.get("side_call") and reward is not None and reward >= PASS)
+    return (
+        sample.status == Sample.Status.COMPLETED
+        and bool(sample.metadata.get("turns"))
+        and not sample.metadata.get("side_call")
+        and reward is not None
+        and reward >= PASS
+    )
 
 
 def replies(sample: Sample, tokenizer: Any, special: frozenset[int]) -> Script:
@@ -60,7 +65,7 @@ def replies(sample: Sample, tokenizer: Any, special: frozenset[int]) -> Script:
     the turn) and the sampled text, encoded as one, then the special tokens that ended the turn."""
     script = []
     for turn in sample.metadata["turns"]:
-        ids = sample.tokens[turn["start"]:turn["end"]]
+        ids = sample.tokens[turn["start"] : turn["end"]]
         body = len(ids)
         while body and ids[body - 1] in special:
             body -= 1
@@ -110,19 +115,23 @@ def read_recorded(path: str, checkpoint: str, chat_template: str | None, reward_
 
 async def generate_rollout(ctx: RolloutContext, tasks: list[Task]) -> list[Sample]:
     reward_key = ctx.flags.get("reward_key")
-    recorded = await asyncio.to_thread(read_recorded, ctx.config.bootstrap_from, ctx.hf_checkpoint,
-                                       ctx.chat_template, reward_key)
+    recorded = await asyncio.to_thread(
+        read_recorded, ctx.config.bootstrap_from, ctx.hf_checkpoint, ctx.chat_template, reward_key
+    )
     scripts = [recorded.pick(task) for task in tasks]
     playable = [i for i, script in enumerate(scripts) if script is not None]
     played = await play_envs(ctx, [tasks[i] for i in playable], [scripts[i] for i in playable])
-    samples = [failed_sample(task, f"--bootstrap-from {ctx.config.bootstrap_from} holds no successful episode of "
-                                   "this prompt") for task in tasks]
+    samples = [
+        failed_sample(task, f"--bootstrap-from {ctx.config.bootstrap_from} holds no successful episode of this prompt")
+        for task in tasks
+    ]
     for i, sample in zip(playable, played):
         reward = reward_number(sample.reward, reward_key)
         if sample.status != Sample.Status.FAILED and (reward is None or reward < PASS):
             sample.status = Sample.Status.FAILED
-            sample.metadata["error"] = (f"the replayed episode scored {reward}, below a pass: the agent did not end "
-                                        "as the recorded one did")
+            sample.metadata["error"] = (
+                f"the replayed episode scored {reward}, below a pass: the agent did not end as the recorded one did"
+            )
         samples[i] = sample
     return samples
 

@@ -35,7 +35,9 @@ from inverted.types import Reward, Sample, Task, check_reward
 
 logger = logging.getLogger(__name__)
 
-SESSION_CONNECTIONS = 8  # to the proxy, for opening, rewarding and finishing sessions (the model calls have their own pool)
+SESSION_CONNECTIONS = (
+    8  # to the proxy, for opening, rewarding and finishing sessions (the model calls have their own pool)
+)
 PROXY_OUTAGE_S = 60.0  # how long calls to the proxy retry a refused connection: a restart takes seconds
 Play = Callable[[SessionHandle, ProxyClient], Awaitable[Reward | None]]  # (session, proxy) -> reward
 
@@ -47,8 +49,10 @@ def failed_sample(task: Task, reason: str, refused: list[dict] | None = None) ->
     if refused:  # what the proxy refused the agent: often why it gave up
         sample.metadata["proxy_refused"] = refused
         last = refused[-1]
-        sample.metadata["error"] += (f" (the proxy refused {len(refused)} call(s); the last: {last['route']} "
-                                     f"answered {last['status']}: {last['message']})")
+        sample.metadata["error"] += (
+            f" (the proxy refused {len(refused)} call(s); the last: {last['route']} "
+            f"answered {last['status']}: {last['message']})"
+        )
     return sample
 
 
@@ -84,7 +88,9 @@ def _episode_sample(ctx: RolloutContext, task: Task) -> Sample:
     return sample
 
 
-async def run_session(ctx: RolloutContext, proxy: ProxyClient, task: Task, play: Play, session: SessionHandle) -> Sample:
+async def run_session(
+    ctx: RolloutContext, proxy: ProxyClient, task: Task, play: Play, session: SessionHandle
+) -> Sample:
     reward = None
     try:
         async with asyncio.timeout(ctx.config.rollout_episode_timeout):  # unlike 3.11's wait_for, never eats a cancel
@@ -100,8 +106,9 @@ async def run_session(ctx: RolloutContext, proxy: ProxyClient, task: Task, play:
     if reason:
         return await fail(proxy, session, task, reason)
     try:
-        samples = await proxy.finish(session.session_id, reward, only_last=True,
-                                     side_calls=ctx.config.rollout_side_calls == "train")
+        samples = await proxy.finish(
+            session.session_id, reward, only_last=True, side_calls=ctx.config.rollout_side_calls == "train"
+        )
     except ProtocolError as exc:  # e.g. the session expired (--proxy-session-timeout) while the episode ran
         return await fail(proxy, session, task, f"the proxy refused to finish the session: {exc}")
     if not samples:
@@ -112,8 +119,12 @@ async def run_session(ctx: RolloutContext, proxy: ProxyClient, task: Task, play:
     return sample
 
 
-async def run_all(ctx: RolloutContext, tasks: list[Task], play_for: Callable[[Task], Play],
-                  scripts: list[list[list[int]]] | None = None) -> list[Sample]:
+async def run_all(
+    ctx: RolloutContext,
+    tasks: list[Task],
+    play_for: Callable[[Task], Play],
+    scripts: list[list[list[int]]] | None = None,
+) -> list[Sample]:
     """Every task's episode, at most ``--rollout-concurrency`` at a time (``scripts``: each task's
     session answers from its script instead of sampling, ``Session.script``).
 
@@ -132,10 +143,24 @@ async def run_all(ctx: RolloutContext, tasks: list[Task], play_for: Callable[[Ta
             session = session or await proxy.create_session(_episode_sample(ctx, task), ctx.sampling, script(i))
             return await run_session(ctx, proxy, task, play_for(task), session)
 
-    async with ProxyClient(ctx.proxy_url, api_key=ctx.proxy_api_key, max_connections=SESSION_CONNECTIONS,
-                           outage_s=PROXY_OUTAGE_S) as proxy:
+    async with ProxyClient(
+        ctx.proxy_url, api_key=ctx.proxy_api_key, max_connections=SESSION_CONNECTIONS, outage_s=PROXY_OUTAGE_S
+    ) as proxy:
         first = tasks[:concurrency]
-        opened = await proxy.create_sessions([_episode_sample(ctx, t) for t in first], ctx.sampling,
-                                             None if scripts is None else scripts[:concurrency]) if first else []
-        return list(await asyncio.gather(*(one(proxy, i, task, session) for i, (task, session)
-                                           in enumerate(itertools.zip_longest(tasks, opened)))))
+        opened = (
+            await proxy.create_sessions(
+                [_episode_sample(ctx, t) for t in first],
+                ctx.sampling,
+                None if scripts is None else scripts[:concurrency],
+            )
+            if first
+            else []
+        )
+        return list(
+            await asyncio.gather(
+                *(
+                    one(proxy, i, task, session)
+                    for i, (task, session) in enumerate(itertools.zip_longest(tasks, opened))
+                )
+            )
+        )

@@ -28,8 +28,14 @@ import itertools
 
 from inverted.errors import PluginError
 from inverted.plugins import RolloutContext
-from inverted.rollout.sglang_client import (GenerateClient, generate_client, read_output, read_routed_experts,
-                                            read_sampling_mask, with_sampling_mask)
+from inverted.rollout.sglang_client import (
+    GenerateClient,
+    generate_client,
+    read_output,
+    read_routed_experts,
+    read_sampling_mask,
+    with_sampling_mask,
+)
 from inverted.types import Sample, Task
 
 STATUS = {"stop": Sample.Status.COMPLETED, "length": Sample.Status.TRUNCATED, "abort": Sample.Status.ABORTED}
@@ -45,14 +51,19 @@ def tokenizer_of(checkpoint: str, chat_template: str | None):
 def prompt_ids(ctx: RolloutContext, task: Task) -> list[int]:
     tokenizer = tokenizer_of(ctx.hf_checkpoint, ctx.chat_template)
     if isinstance(task.prompt, list):
-        return tokenizer.apply_chat_template(task.prompt, tools=task.tools, add_generation_prompt=True, tokenize=True,
-                                             return_dict=False)
+        return tokenizer.apply_chat_template(
+            task.prompt, tools=task.tools, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
     return tokenizer.encode(task.prompt, add_special_tokens=False)
 
 
 async def generate_rollout(ctx: RolloutContext, tasks: list[Task]) -> list[Sample]:
-    params = {"temperature": ctx.sampling["temperature"], "top_p": ctx.sampling["top_p"],
-              "top_k": ctx.sampling.get("top_k", -1), "max_new_tokens": ctx.sampling["max_tokens"]}
+    params = {
+        "temperature": ctx.sampling["temperature"],
+        "top_p": ctx.sampling["top_p"],
+        "top_k": ctx.sampling.get("top_k", -1),
+        "max_new_tokens": ctx.sampling["max_tokens"],
+    }
     if ctx.sampling.get("seed") is not None:  # as the proxy passes an OpenAI seed on
         params["sampling_seed"] = ctx.sampling["seed"]
     lora = {"lora_path": ctx.lora_path} if ctx.lora_path else {}  # a LoRA run's policy is its adapter
@@ -62,9 +73,12 @@ async def generate_rollout(ctx: RolloutContext, tasks: list[Task]) -> list[Sampl
     async def one(client: GenerateClient, task: Task) -> Sample:
         ids = prompt_ids(ctx, task)
         async with limit:
-            out = await client.generate(with_sampling_mask({"input_ids": ids, "sampling_params": params,
-                                                            "return_logprob": True, **lora, **routes},
-                                                           ctx.config.sampling_mask_top_k))
+            out = await client.generate(
+                with_sampling_mask(
+                    {"input_ids": ids, "sampling_params": params, "return_logprob": True, **lora, **routes},
+                    ctx.config.sampling_mask_top_k,
+                )
+            )
         # each token's version: a call paused across a weight update holds tokens of both
         output_ids, logprobs, versions, _, finish = read_output(out, ctx.router_url)
         kept = read_sampling_mask(out, ctx.router_url)
@@ -84,8 +98,13 @@ async def generate_rollout(ctx: RolloutContext, tasks: list[Task]) -> list[Sampl
         start = task.partial if task.partial is not None else task.new_sample()
         if task.tools:
             start.metadata.setdefault("tools", task.tools)
-        sampling = {**params, "top_k": -1, "skip_special_tokens": False, "no_stop_trim": True,
-                    "spaces_between_special_tokens": False}
+        sampling = {
+            **params,
+            "top_k": -1,
+            "skip_special_tokens": False,
+            "no_stop_trim": True,
+            "spaces_between_special_tokens": False,
+        }
         async with limit:
             samples = await ctx.generate(ctx, start, sampling)
         if not samples:
@@ -99,8 +118,13 @@ async def generate_rollout(ctx: RolloutContext, tasks: list[Task]) -> list[Sampl
 
     if ctx.generate is not None:
         return list(await asyncio.gather(*(custom(task) for task in tasks)))
-    async with generate_client(ctx.router_url, routed_experts=ctx.routed_experts, api_key=ctx.router_api_key,
-                               admin_api_key=ctx.router_admin_api_key, max_connections=ctx.config.rollout_concurrency) as client:
+    async with generate_client(
+        ctx.router_url,
+        routed_experts=ctx.routed_experts,
+        api_key=ctx.router_api_key,
+        admin_api_key=ctx.router_admin_api_key,
+        max_connections=ctx.config.rollout_concurrency,
+    ) as client:
         return list(await asyncio.gather(*(one(client, task) for task in tasks)))
 
 

@@ -48,17 +48,30 @@ async def run_agent(ctx: RolloutContext, task: Task, session: SessionHandle) -> 
     """Run the program to its end; return (the reward it wrote, its exit status)."""
     with tempfile.TemporaryDirectory(prefix="inverted-agent-") as scratch:
         reward_file = Path(scratch) / "reward"
-        env = {**os.environ, "OPENAI_BASE_URL": session.base_url, "OPENAI_API_KEY": session.token,
-               "ANTHROPIC_BASE_URL": session.base_url.removesuffix("/v1"), "ANTHROPIC_API_KEY": session.token,
-               "GOOGLE_GEMINI_BASE_URL": session.base_url.removesuffix("/v1"), "GEMINI_API_KEY": session.token,
-               "GOOGLE_API_KEY": session.token,
-               "OPENAI_AGENTS_DISABLE_TRACING": "1",
-               "INVERTED_SESSION_ID": session.session_id, "INVERTED_REWARD_FILE": str(reward_file),
-               "INVERTED_TASK": json.dumps({"prompt": task.prompt, "label": task.label, "metadata": task.metadata,
-                                            "tools": task.tools})}
+        env = {
+            **os.environ,
+            "OPENAI_BASE_URL": session.base_url,
+            "OPENAI_API_KEY": session.token,
+            "ANTHROPIC_BASE_URL": session.base_url.removesuffix("/v1"),
+            "ANTHROPIC_API_KEY": session.token,
+            "GOOGLE_GEMINI_BASE_URL": session.base_url.removesuffix("/v1"),
+            "GEMINI_API_KEY": session.token,
+            "GOOGLE_API_KEY": session.token,
+            "OPENAI_AGENTS_DISABLE_TRACING": "1",
+            "INVERTED_SESSION_ID": session.session_id,
+            "INVERTED_REWARD_FILE": str(reward_file),
+            "INVERTED_TASK": json.dumps(
+                {"prompt": task.prompt, "label": task.label, "metadata": task.metadata, "tools": task.tools}
+            ),
+        }
         process = await asyncio.create_subprocess_exec(
-            *shlex.split(ctx.config.agent_command), env=env, cwd=scratch, stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+            *shlex.split(ctx.config.agent_command),
+            env=env,
+            cwd=scratch,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
         try:
             output, _ = await process.communicate()
         finally:

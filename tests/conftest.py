@@ -72,11 +72,13 @@ def models_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model(models_dir):
     """``tiny_model(arch, seed=0) -> Path``: a cached local checkpoint."""
+
     def make(arch: str = "qwen2", seed: int = 0, preset: str = "tiny") -> Path:
         out = models_dir / f"{arch}-{preset}-{seed}"
         if not (out / "config.json").exists():
             make_tiny_model(TinyModelConfig(out=str(out), arch=arch, preset=preset, seed=seed))
         return out
+
     return make
 
 
@@ -107,9 +109,10 @@ def server_requests(server: ManagedProcess) -> list[dict]:
     """What a ``ProcessPool.logged_server`` received and produced (``input_ids``, ``output_ids``), from its own
     log: the embedded engine's ``request {...}`` lines, or real SGLang's JSON ``request.finished`` events."""
     lines = server.log_path.read_text().splitlines()
-    finished = [json.loads(line[line.index("{"):]) for line in lines if '"event": "request.finished"' in line]
-    return [json.loads(line.split(" request ", 1)[1]) for line in lines if " request {" in line] + \
-        [{"input_ids": event["obj"]["input_ids"], "output_ids": event["out"]["output_ids"]} for event in finished]
+    finished = [json.loads(line[line.index("{") :]) for line in lines if '"event": "request.finished"' in line]
+    return [json.loads(line.split(" request ", 1)[1]) for line in lines if " request {" in line] + [
+        {"input_ids": event["obj"]["input_ids"], "output_ids": event["out"]["output_ids"]} for event in finished
+    ]
 
 
 class ProcessPool:
@@ -123,7 +126,9 @@ class ProcessPool:
         self.log_dir = log_dir
         self.procs: list[ManagedProcess] = []
 
-    def spawn(self, name: str, port: int, argv: list[str], health: str = "/health", timeout: float = 60) -> ManagedProcess:
+    def spawn(
+        self, name: str, port: int, argv: list[str], health: str = "/health", timeout: float = 60
+    ) -> ManagedProcess:
         """``argv`` (``python -m MODULE ...``) serving on ``port``, once it answers ``health``."""
         log_path = self.log_dir / f"{name}-{port}.log"
         proc = ManagedProcess(f"{name}-{port}", zygote().spawn(argv, log_path), log_path, f"http://127.0.0.1:{port}")
@@ -133,8 +138,24 @@ class ProcessPool:
 
     def engine(self, model: Path, *extra: str, name: str = "engine", port: int | None = None) -> ManagedProcess:
         port = port or free_port()
-        return self.spawn(name, port, [sys.executable, "-m", "inverted.cli", "serve-engine", "--model", str(model),
-                                       "--port", str(port), "--num-threads", "1", *extra], timeout=120)
+        return self.spawn(
+            name,
+            port,
+            [
+                sys.executable,
+                "-m",
+                "inverted.cli",
+                "serve-engine",
+                "--model",
+                str(model),
+                "--port",
+                str(port),
+                "--num-threads",
+                "1",
+                *extra,
+            ],
+            timeout=120,
+        )
 
     def sglang(self, model: Path, *extra: str, name: str = "sglang", threads: int = 1) -> ManagedProcess:
         """Real SGLang, started as jobs start it (``rollout.servers``: its launcher, with the CPU's settings)."""
@@ -144,9 +165,13 @@ class ProcessPool:
             pytest.skip(f"real SGLang is not installed ({SGLANG_PYTHON}): make sglang")
         port = free_port()
         log_path = self.log_dir / f"{name}-{port}.log"
-        proc = ManagedProcess.spawn(f"{name}-{port}", [str(SGLANG_PYTHON), str(SGLANG_LAUNCH), "--model-path", str(model),
-                                                       "--port", str(port), *extra], log_path,
-                                    f"http://127.0.0.1:{port}", {"OMP_NUM_THREADS": str(threads)})
+        proc = ManagedProcess.spawn(
+            f"{name}-{port}",
+            [str(SGLANG_PYTHON), str(SGLANG_LAUNCH), "--model-path", str(model), "--port", str(port), *extra],
+            log_path,
+            f"http://127.0.0.1:{port}",
+            {"OMP_NUM_THREADS": str(threads)},
+        )
         self.procs.append(proc)
         proc.wait_healthy(240)
         return proc
@@ -154,8 +179,17 @@ class ProcessPool:
     def logged_server(self, backend: str, model: Path, *extra: str) -> ManagedProcess:
         """A rollout server that logs every request's whole input and output (``server_requests`` reads it)."""
         if backend == "sglang":
-            return self.sglang(model, "--log-requests", "--log-requests-level", "3", "--log-requests-format", "json",
-                               "--random-seed", "0", *extra)
+            return self.sglang(
+                model,
+                "--log-requests",
+                "--log-requests-level",
+                "3",
+                "--log-requests-format",
+                "json",
+                "--random-seed",
+                "0",
+                *extra,
+            )
         return self.engine(model, "--log-requests", "--random-seed", "0", *extra)
 
     def server(self, backend: str, model: Path, *extra: str) -> ManagedProcess:
@@ -164,19 +198,53 @@ class ProcessPool:
 
     def buffer(self, db: Path, *args: str, port: int | None = None) -> ManagedProcess:
         port = port or free_port()
-        return self.spawn("buffer", port, [sys.executable, "-m", "inverted.cli", "buffer", "--db", str(db),
-                                           "--port", str(port), *args])
+        return self.spawn(
+            "buffer",
+            port,
+            [sys.executable, "-m", "inverted.cli", "buffer", "--db", str(db), "--port", str(port), *args],
+        )
 
     def router(self, *args: str) -> ManagedProcess:
         port = free_port()
-        return self.spawn("router", port, [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                                           "--port", str(port), "--prometheus-port", str(free_port()),
-                                           "--log-level", "warn", *args], health="/workers")
+        return self.spawn(
+            "router",
+            port,
+            [
+                sys.executable,
+                "-m",
+                "sglang_router.launch_router",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--prometheus-port",
+                str(free_port()),
+                "--log-level",
+                "warn",
+                *args,
+            ],
+            health="/workers",
+        )
 
     def proxy(self, router_url: str, tokenizer: Path, *args: str) -> ManagedProcess:
         port = free_port()
-        return self.spawn("proxy", port, [sys.executable, "-m", "inverted.cli", "proxy", "--router-url", router_url,
-                                          "--tokenizer", str(tokenizer), "--proxy-port", str(port), *args])
+        return self.spawn(
+            "proxy",
+            port,
+            [
+                sys.executable,
+                "-m",
+                "inverted.cli",
+                "proxy",
+                "--router-url",
+                router_url,
+                "--tokenizer",
+                str(tokenizer),
+                "--proxy-port",
+                str(port),
+                *args,
+            ],
+        )
 
     def routed(self, *engines: ManagedProcess) -> ManagedProcess:
         """A router with ``engines`` registered at startup, waited on until all are ready."""
@@ -199,8 +267,10 @@ def pytest_runtest_makereport(item, call):
 
 
 def _failed(request) -> bool:
-    return any(getattr(request.node, f"rep_{w}", None) is not None and getattr(request.node, f"rep_{w}").failed
-               for w in ("setup", "call"))
+    return any(
+        getattr(request.node, f"rep_{w}", None) is not None and getattr(request.node, f"rep_{w}").failed
+        for w in ("setup", "call")
+    )
 
 
 @pytest.fixture

@@ -14,8 +14,13 @@ from tests.conftest import serving
 
 
 def request(**headers: str) -> Request:
-    return Request({"type": "http", "query_string": b"", "headers": [(k.replace("_", "-").encode(), v.encode())
-                                                                     for k, v in headers.items()]})
+    return Request(
+        {
+            "type": "http",
+            "query_string": b"",
+            "headers": [(k.replace("_", "-").encode(), v.encode()) for k, v in headers.items()],
+        }
+    )
 
 
 def test_the_rule_for_case_whitespace_and_schemes():
@@ -60,14 +65,19 @@ def test_the_engine_compares_keys_through_the_shared_rule(tiny_model, compared):
 def test_the_proxy_compares_keys_through_the_shared_rule(tiny_model, compared):
     from inverted.rollout.proxy.service import create_app
 
-    config = ProxyConfig(router_url="http://127.0.0.1:9", tokenizer=str(tiny_model("qwen2")), proxy_api_key="proxy-key-0")
+    config = ProxyConfig(
+        router_url="http://127.0.0.1:9", tokenizer=str(tiny_model("qwen2")), proxy_api_key="proxy-key-0"
+    )
     with serving(create_app(config)) as url:
-        assert httpx.post(url + "/sessions", json={}, headers={"Authorization": "Bearer proxy-key-1"}).status_code == 401
+        assert (
+            httpx.post(url + "/sessions", json={}, headers={"Authorization": "Bearer proxy-key-1"}).status_code == 401
+        )
         assert (b"proxy-key-1", b"proxy-key-0") in compared
         session = httpx.post(url + "/sessions", json={}, headers={"Authorization": "Bearer proxy-key-0"}).json()
         compared.clear()
-        samples = httpx.get(f"{url}/sessions/{session['session_id']}/samples",
-                            headers={"Authorization": f"Bearer {session['token']}"})
+        samples = httpx.get(
+            f"{url}/sessions/{session['session_id']}/samples", headers={"Authorization": f"Bearer {session['token']}"}
+        )
         assert samples.status_code == 200
         assert (session["token"].encode(), session["token"].encode()) in compared
 

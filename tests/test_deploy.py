@@ -77,8 +77,12 @@ def test_kuberay_rayjob_pods_are_valid_kubernetes_and_its_job_a_valid_config(tmp
     for template in templates:
         pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "check"}, "spec": template["spec"]}
         kubernetes_validate.validate(pod, version, strict=True)
-    broken = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "check"},
-              "spec": {**templates[0]["spec"], "containers": [{"image": "x"}]}}  # a container needs a name
+    broken = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "check"},
+        "spec": {**templates[0]["spec"], "containers": [{"image": "x"}]},
+    }  # a container needs a name
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(broken, version, strict=True)
 
@@ -86,19 +90,26 @@ def test_kuberay_rayjob_pods_are_valid_kubernetes_and_its_job_a_valid_config(tmp
     # opens its port to them alone, and the head's other ports to this cluster's pods.
     assert cluster["headGroupSpec"]["rayStartParams"]["dashboard-host"] == "0.0.0.0"
     name = ray_job["metadata"]["name"]
-    assert policy["spec"]["podSelector"]["matchLabels"] == {"ray.io/node-type": "head", "ray.io/originated-from-cr-name": name}
+    assert policy["spec"]["podSelector"]["matchLabels"] == {
+        "ray.io/node-type": "head",
+        "ray.io/originated-from-cr-name": name,
+    }
     own, submission = policy["spec"]["ingress"]
     assert own == {"from": [{"podSelector": {"matchLabels": {"ray.io/originated-from-cr-name": name}}}]}
     assert submission["ports"] == [{"protocol": "TCP", "port": 8265}]
     assert [peer["podSelector"]["matchLabels"] for peer in submission["from"]] == [
-        {"batch.kubernetes.io/job-name": name}, {"app.kubernetes.io/name": "kuberay-operator"}]
+        {"batch.kubernetes.io/job-name": name},
+        {"app.kubernetes.io/name": "kuberay-operator"},
+    ]
 
     assert spec["entrypoint"].startswith("inverted train --config /etc/inverted/job.yaml --ray-address auto")
     job = config_map["data"]["job.yaml"]
     assert job == (ROOT / "examples" / "cluster.yaml").read_text()  # one job, two recipes
     parsed = job_config(job, tmp_path)
     assert parsed.loop.async_mode and parsed.servers.rollout_backend == "sglang"
-    gpus = int(cluster["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
+    gpus = int(
+        cluster["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+    )
     workers = cluster["workerGroupSpecs"][0]["replicas"]
     assert parsed.train.parallel.world_size + parsed.servers.rollout_num_gpus <= gpus * workers  # the job fits the pods
 
@@ -117,7 +128,9 @@ def test_slurm_script_passes_shellcheck_and_runs_ray_in_token_mode():
 def test_container_recipe_passes_hadolint_and_builds_on_a_published_sglang_tag():
     dockerfile = DEPLOY / "Dockerfile"
     subprocess.run([str(BIN / "hadolint"), str(dockerfile)], check=True)
-    lint = subprocess.run([str(BIN / "hadolint"), "-"], input="FROM ubuntu\nRUN cd /tmp\n", capture_output=True, text=True)
+    lint = subprocess.run(
+        [str(BIN / "hadolint"), "-"], input="FROM ubuntu\nRUN cd /tmp\n", capture_output=True, text=True
+    )
     assert "DL3006" in lint.stdout and "DL3003" in lint.stdout  # the check is real
     lines = dockerfile.read_text().splitlines()
     # SGLang publishes CUDA 13 builds of its current releases (-cu130), and CUDA 12 ones up to 0.5.19 (-cu129).

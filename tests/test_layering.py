@@ -1,38 +1,36 @@
 """The module map of STYLE.md, enforced: every ``inverted`` import (lazy ones too) must be allowed.
 
-Two deliberate changes to the map: ``types`` may import ``errors`` (a leaf that imports nothing),
-so that ``Sample.validate`` raises the tree's ``SampleError`` instead of a twin exception; and
+Two deliberate changes to the map: ``types`` may import ``errors`` (a leaf that imports nothing), so
+that ``Sample.validate`` raises the tree's ``SampleError`` instead of a twin exception; and
 ``http_client`` (the retrying HTTP base under every client module) counts as shared, so that the
-buffer's and SGLang's clients use one retry mechanism; and ``hf_checkpoint`` (what a Hugging
-Face checkpoint's config says) counts as shared, so the engine and the trainer read an
-architecture in one place; and ``weight_wire`` (SGLang's bucket, payload and update-group
-formats) counts as shared, so the trainer's sender and the engine's receiver use one definition;
-and ``processes`` (children that die with their parent, ``ManagedProcess``, free ports, one app on
-several processes) counts as shared and may raise the tree's errors, so the rollout servers, the
-job's services and the buffer's workers start and watch children one way; and ``auth`` (the API-key
-rule, compared in constant time) and ``limits`` (what one request may cost: body size, text that
-cannot fit a context) count as shared, so the engine, the proxy and the buffer check keys and
-bound requests one way; and ``peft_adapter`` (PEFT's LoRA adapter format: config, names,
-directory) counts as shared, so the trainer's writer and the engine's reader use one definition,
-and checks tensors as ``weight_wire`` does (``non_finite``);
-and ``plugins`` (the loader, with its registry of other frameworks' forms) may read ``config`` (the
-rollout function's context carries its config section), and the controller checks the buffer's
-plug-ins (``buffer.filters``) before starting it;
-and ``compat`` (other frameworks' plug-in APIs) is an adapter at the edge: it sits above every layer
-it adapts (it may import any of them), and nothing imports it but the entry point, ``cli``, which
-fills the loader's registry with its forms in every process (``test_only_the_entry_point_imports_compat``);
-and ``placement`` (Ray's side of starting servers) sits beside the controller (a package of its
-own modules), which alone uses it, and the controller may read prompt datasets (``buffer.datasets``) to check them and to
-evaluate, before and beside the buffer service; and the embedded engine is a top-level package
-(``inverted.engine``), not a part of ``rollout``: it shares no code with the rollout side, which
-reaches it over HTTP exactly as it reaches SGLang, so the only importer outside it is the CLI that
-serves it (``test_the_engine_is_reached_only_over_http``);
-and ``devices`` (whether torch can see a GPU here, without loading torch where it cannot) counts as
-shared, so the driver, the servers' launcher and the trainer group decide one way;
-and ``view`` (``inverted view``: a run directory in the browser) reads what the job left behind,
-read-only, through the two modules that own those files' formats, ``buffer.archive`` (the buffer's
-database) and ``train.details`` (the trainer's per-Sample log-probs), never through a service,
-which may be gone.
+buffer's and SGLang's clients use one retry mechanism; and ``hf_checkpoint`` (what a Hugging Face
+checkpoint's config says) counts as shared, so the engine and the trainer read an architecture in one
+place; and ``weight_wire`` (SGLang's bucket, payload and update-group formats) counts as shared, so the
+trainer's sender and the engine's receiver use one definition; and ``processes`` (children that die with
+their parent, ``ManagedProcess``, free ports, one app on several processes) counts as shared and may
+raise the tree's errors, so the rollout servers, the job's services and the buffer's workers start and
+watch children one way; and ``auth`` (the API-key rule, compared in constant time) and ``limits`` (what
+one request may cost: body size, text that cannot fit a context) count as shared, so the engine, the
+proxy and the buffer check keys and bound requests one way; and ``peft_adapter`` (PEFT's LoRA adapter
+format: config, names, directory) counts as shared, so the trainer's writer and the engine's reader use
+one definition, and checks tensors as ``weight_wire`` does (``non_finite``); and ``plugins`` (the
+loader, with its registry of other frameworks' forms) may read ``config`` (the rollout function's
+context carries its config section), and the controller checks the buffer's plug-ins
+(``buffer.filters``) before starting it; and ``compat`` (other frameworks' plug-in APIs) is an adapter
+at the edge: it sits above every layer it adapts (it may import any of them), and nothing imports it but
+the entry point, ``cli``, which fills the loader's registry with its forms in every process
+(``test_only_the_entry_point_imports_compat``); and ``placement`` (Ray's side of starting servers) sits
+beside the controller (a package of its own modules), which alone uses it, and the controller may read
+prompt datasets (``buffer.datasets``) to check them and to evaluate, before and beside the buffer
+service; and the embedded engine is a top-level package (``inverted.engine``), not a part of
+``rollout``: it shares no code with the rollout side, which reaches it over HTTP exactly as it reaches
+SGLang, so the only importer outside it is the CLI that serves it
+(``test_the_engine_is_reached_only_over_http``); and ``devices`` (whether torch can see a GPU here,
+without loading torch where it cannot) counts as shared, so the driver, the servers' launcher and the
+trainer group decide one way; and ``view`` (``inverted view``: a run directory in the browser) reads
+what the job left behind, read-only, through the two modules that own those files' formats,
+``buffer.archive`` (the buffer's database) and ``train.details`` (the trainer's per-Sample log-probs),
+never through a service, which may be gone.
 """
 
 from __future__ import annotations
@@ -41,9 +39,21 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "inverted"
-SHARED = ("inverted.types", "inverted.errors", "inverted.config", "inverted.plugins", "inverted.metrics", "inverted.devices",
-          "inverted.http_client", "inverted.hf_checkpoint", "inverted.weight_wire", "inverted.processes",
-          "inverted.auth", "inverted.limits", "inverted.peft_adapter")
+SHARED = (
+    "inverted.types",
+    "inverted.errors",
+    "inverted.config",
+    "inverted.plugins",
+    "inverted.metrics",
+    "inverted.devices",
+    "inverted.http_client",
+    "inverted.hf_checkpoint",
+    "inverted.weight_wire",
+    "inverted.processes",
+    "inverted.auth",
+    "inverted.limits",
+    "inverted.peft_adapter",
+)
 
 # module prefix -> prefixes it may import (besides itself); first match wins
 RULES: list[tuple[str, tuple[str, ...]]] = [
@@ -51,8 +61,14 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("inverted.types", ("inverted.errors",)),
     ("inverted.config", ("inverted.types", "inverted.errors")),
     ("inverted.plugins", ("inverted.types", "inverted.errors", "inverted.config")),
-    ("inverted.compat", tuple(f"inverted.{p.stem}" for p in PACKAGE.iterdir()
-                              if p.stem not in ("cli", "__init__", "__pycache__") and (p.suffix == ".py" or p.is_dir()))),
+    (
+        "inverted.compat",
+        tuple(
+            f"inverted.{p.stem}"
+            for p in PACKAGE.iterdir()
+            if p.stem not in ("cli", "__init__", "__pycache__") and (p.suffix == ".py" or p.is_dir())
+        ),
+    ),
     ("inverted.metrics", ("inverted.errors",)),
     ("inverted.devices", ()),
     ("inverted.http_client", ("inverted.errors",)),
@@ -63,23 +79,55 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("inverted.auth", ("inverted.errors",)),
     ("inverted.limits", ()),
     ("inverted.cli", ("inverted",)),
-    ("inverted.controller", SHARED + ("inverted.controller", "inverted.buffer.client", "inverted.buffer.datasets",
-                                      "inverted.buffer.filters", "inverted.rollout.servers",
-                                      "inverted.rollout.sglang_client", "inverted.rollout.proxy", "inverted.train.actor",
-                                      "inverted.train.checkpoint", "inverted.placement")),
+    (
+        "inverted.controller",
+        SHARED
+        + (
+            "inverted.controller",
+            "inverted.buffer.client",
+            "inverted.buffer.datasets",
+            "inverted.buffer.filters",
+            "inverted.rollout.servers",
+            "inverted.rollout.sglang_client",
+            "inverted.rollout.proxy",
+            "inverted.train.actor",
+            "inverted.train.checkpoint",
+            "inverted.placement",
+        ),
+    ),
     ("inverted.placement", SHARED + ("inverted.rollout.servers",)),
     ("inverted.tiny_model", SHARED),
     ("inverted.gguf_import", SHARED),  # like make-tiny-model: a checkpoint maker, beside the services
     ("inverted.engine", SHARED + ("inverted.engine",)),
-    ("inverted.rollout", SHARED + ("inverted.buffer.client", "inverted.rollout.sglang_client", "inverted.rollout.servers",
-                                   "inverted.rollout.proxy", "inverted.rollout.chat")),
+    (
+        "inverted.rollout",
+        SHARED
+        + (
+            "inverted.buffer.client",
+            "inverted.rollout.sglang_client",
+            "inverted.rollout.servers",
+            "inverted.rollout.proxy",
+            "inverted.rollout.chat",
+        ),
+    ),
     ("inverted.buffer", SHARED + ("inverted.buffer",)),
     ("inverted.view", SHARED + ("inverted.view", "inverted.buffer.archive", "inverted.train.details")),
     ("inverted.train", SHARED + ("inverted.rollout.sglang_client", "inverted.train")),
     # the Tinker service: a front end on the trainer (its learner) and the rollout servers, like the job's controller
-    ("inverted.tinker", SHARED + ("inverted.tinker", "inverted.buffer.store", "inverted.buffer.datasets",
-                                  "inverted.rollout.servers", "inverted.rollout.sglang_client",
-                                  "inverted.train.learner", "inverted.train.datum_losses", "inverted.train.parallel")),
+    (
+        "inverted.tinker",
+        SHARED
+        + (
+            "inverted.tinker",
+            "inverted.buffer.store",
+            "inverted.buffer.datasets",
+            "inverted.rollout.servers",
+            "inverted.rollout.sglang_client",
+            "inverted.train.learner",
+            "inverted.train.datum_losses",
+            "inverted.train.parallel",
+        ),
+    ),
     ("inverted", ("inverted",)),
 ]
 
@@ -97,7 +145,9 @@ def inverted_imports(path: Path) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.startswith("inverted")}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("inverted") and node.level == 0:
+        elif (
+            isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("inverted") and node.level == 0
+        ):
             found |= {f"{node.module}.{a.name}" for a in node.names}
     return found
 
@@ -120,8 +170,11 @@ def test_every_import_follows_the_module_map():
 
 
 def test_the_engine_is_reached_only_over_http():
-    importers = {module_name(p) for p in PACKAGE.rglob("*.py")
-                 if any(t.startswith("inverted.engine") for t in inverted_imports(p))}
+    importers = {
+        module_name(p)
+        for p in PACKAGE.rglob("*.py")
+        if any(t.startswith("inverted.engine") for t in inverted_imports(p))
+    }
     assert {m for m in importers if not m.startswith("inverted.engine")} <= {"inverted.cli"}
 
 
@@ -134,11 +187,15 @@ def test_the_checker_catches_a_forbidden_import():
 
 USER_SIDE = {  # top-level packages of user-side code -> the inverted modules they may use
     "envs": (),  # an environment does not know it is trained
-    "rollout_functions": ("inverted.types", "inverted.errors", "inverted.plugins",
-                          "inverted.rollout.proxy.client",
-                          "inverted.rollout.sglang_client",  # the services only through their clients
-                          "inverted.hf_checkpoint",  # load_tokenizer: the tokenizer with --chat-template, as the proxy renders
-                          "inverted.buffer.archive"),  # a finished run's buffer, read-only (bootstrap learns from it)
+    "rollout_functions": (
+        "inverted.types",
+        "inverted.errors",
+        "inverted.plugins",
+        "inverted.rollout.proxy.client",
+        "inverted.rollout.sglang_client",  # the services only through their clients
+        "inverted.hf_checkpoint",  # load_tokenizer: the tokenizer with --chat-template, as the proxy renders
+        "inverted.buffer.archive",
+    ),  # a finished run's buffer, read-only (bootstrap learns from it)
 }
 
 
@@ -154,14 +211,21 @@ def test_environments_and_rollout_functions_use_only_the_public_surface():
 
 def all_modules() -> dict[str, Path]:
     """Every module of the package and of the user-side packages beside it, by name."""
-    paths = [*PACKAGE.rglob("*.py"), *(p for package in USER_PACKAGES for p in (PACKAGE.parent / package).rglob("*.py"))]
+    paths = [
+        *PACKAGE.rglob("*.py"),
+        *(p for package in USER_PACKAGES for p in (PACKAGE.parent / package).rglob("*.py")),
+    ]
     return {module_name(p): p for p in sorted(paths)}
 
 
 def test_only_the_entry_point_imports_compat():
     """No core module (nor a rollout function or an environment) imports ``compat``, statically or lazily."""
-    importers = {name for name, path in all_modules().items()
-                 if not name.startswith("inverted.compat") and any(t.startswith("inverted.compat") for t in inverted_imports(path))}
+    importers = {
+        name
+        for name, path in all_modules().items()
+        if not name.startswith("inverted.compat")
+        and any(t.startswith("inverted.compat") for t in inverted_imports(path))
+    }
     assert importers <= {"inverted.cli"}, sorted(importers)
 
 

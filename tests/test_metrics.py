@@ -25,7 +25,10 @@ def test_tensorboard_reads_every_scalar_at_its_step_and_jsonl_has_the_same(tmp_p
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     sink = build_metrics_sink(tmp_path)
-    rows = {0: {"rollout/reward_mean": 0.25, "train/loss": 1.5}, 1: {"rollout/reward_mean": 0.75, "eval/pass_rate": 0.5}}
+    rows = {
+        0: {"rollout/reward_mean": 0.25, "train/loss": 1.5},
+        1: {"rollout/reward_mean": 0.75, "eval/pass_rate": 0.5},
+    }
     for step, metrics in rows.items():
         sink.log(metrics, step)
     sink.close()
@@ -40,23 +43,37 @@ def test_tensorboard_reads_every_scalar_at_its_step_and_jsonl_has_the_same(tmp_p
 
 
 def test_stages_are_drawn_one_after_another_with_the_variants_dashed(tmp_path, monkeypatch):
-    first = write_metrics(tmp_path / "coached" / "metrics.jsonl", [
-        {"step": 0, "eval/pass_rate": 0.0, "eval/coached/pass_rate": 0.1, "eval/coached/reward_mean": 0.1},
-        {"step": 0, "rollout/reward_mean": 0.2, "train/loss": 3.0},
-        {"step": 1, "rollout/reward_mean": 0.6},
-        {"step": 2, "eval/pass_rate": 0.0, "eval/coached/pass_rate": 0.8}])
-    second = write_metrics(tmp_path / "bootstrap" / "metrics.jsonl", [
-        {"step": 0, "eval/pass_rate": 0.0, "eval/coached/pass_rate": 0.8},
-        {"step": 1, "eval/pass_rate": 0.9, "eval/coached/pass_rate": 0.75}])
+    first = write_metrics(
+        tmp_path / "coached" / "metrics.jsonl",
+        [
+            {"step": 0, "eval/pass_rate": 0.0, "eval/coached/pass_rate": 0.1, "eval/coached/reward_mean": 0.1},
+            {"step": 0, "rollout/reward_mean": 0.2, "train/loss": 3.0},
+            {"step": 1, "rollout/reward_mean": 0.6},
+            {"step": 2, "eval/pass_rate": 0.0, "eval/coached/pass_rate": 0.8},
+        ],
+    )
+    second = write_metrics(
+        tmp_path / "bootstrap" / "metrics.jsonl",
+        [
+            {"step": 0, "eval/pass_rate": 0.0, "eval/coached/pass_rate": 0.8},
+            {"step": 1, "eval/pass_rate": 0.9, "eval/coached/pass_rate": 0.75},
+        ],
+    )
     drawn = []
     real_plot = matplotlib.axes.Axes.plot
-    monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda self, *xy, **kw: drawn.append((xy, kw)) or real_plot(self, *xy, **kw))
+    monkeypatch.setattr(
+        matplotlib.axes.Axes, "plot", lambda self, *xy, **kw: drawn.append((xy, kw)) or real_plot(self, *xy, **kw)
+    )
 
     out = plot_rewards([first, second], tmp_path / "reward.png")
 
     assert out == tmp_path / "reward.png" and out.read_bytes()[:4] == b"\x89PNG"
     by_points = {xy: kw for xy, kw in drawn}
-    main_1, main_2, variant = by_points[(0, 2), (0.0, 0.0)], by_points[(2, 3), (0.0, 0.9)], by_points[(0, 2), (0.1, 0.8)]
+    main_1, main_2, variant = (
+        by_points[(0, 2), (0.0, 0.0)],
+        by_points[(2, 3), (0.0, 0.9)],
+        by_points[(0, 2), (0.1, 0.8)],
+    )
     assert main_1["linestyle"] == main_2["linestyle"] == "-" and main_1["label"] == "eval/pass_rate"
     assert main_2["label"] is None and main_2["color"] == main_1["color"]  # stage 2 goes on where stage 1 ended
     assert variant["linestyle"] == "--" and variant["color"] == main_1["color"]  # dashed, in its main curve's colour

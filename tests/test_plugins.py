@@ -9,9 +9,9 @@ import types
 import pytest
 
 from inverted.buffer.service import build_store
+from inverted.compat.slime_forms import SlimeDataBuffer
 from inverted.config import BufferConfig
 from inverted.errors import ConfigError, PluginError, PluginFailed
-from inverted.compat.slime_forms import SlimeDataBuffer
 from inverted.plugins import in_daemon_thread, load_plugin, load_rollout_function, required_flags
 from inverted.types import Sample, Task
 
@@ -29,14 +29,17 @@ def test_the_default_group_filter_loads_by_path_in_both_spellings():
         assert keep([Sample(reward={"acc": 1.0}), Sample(reward={"acc": 0.0})]) is True
 
 
-@pytest.mark.parametrize(("path", "problem"), [
-    ("no.such.module:fn", "cannot load it"),
-    ("inverted.buffer.filters:nope", "cannot load it"),
-    ("inverted.buffer.filters", "not callable"),  # read as module.function: the submodule itself
-    ("filters", "expected 'module:function'"),
-    ("inverted.types:SampleError", "signature"),  # callable, but not with (samples)
-    ("inverted.buffer.filters:__doc__", "not callable"),
-])
+@pytest.mark.parametrize(
+    ("path", "problem"),
+    [
+        ("no.such.module:fn", "cannot load it"),
+        ("inverted.buffer.filters:nope", "cannot load it"),
+        ("inverted.buffer.filters", "not callable"),  # read as module.function: the submodule itself
+        ("filters", "expected 'module:function'"),
+        ("inverted.types:SampleError", "signature"),  # callable, but not with (samples)
+        ("inverted.buffer.filters:__doc__", "not callable"),
+    ],
+)
 def test_bad_plugins_name_the_flag_the_path_and_the_signature(path, problem):
     with pytest.raises(PluginError) as info:
         load_plugin(path, flag="--dynamic-sampling-filter-path", params=["samples", "extra"])
@@ -48,23 +51,43 @@ def test_bad_plugins_name_the_flag_the_path_and_the_signature(path, problem):
 def test_the_buffer_applies_the_filter_named_by_its_flag(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text('{"input": "a"}\n{"input": "b"}\n')
-    store = build_store(BufferConfig(db=str(tmp_path / "b.db"), prompt_data=str(data), n_samples_per_prompt=2,
-                                     dynamic_sampling_filter_path=FILTER))
+    store = build_store(
+        BufferConfig(
+            db=str(tmp_path / "b.db"),
+            prompt_data=str(data),
+            n_samples_per_prompt=2,
+            dynamic_sampling_filter_path=FILTER,
+        )
+    )
     tasks = store.lease(4, "w", 60)
     for task, reward in zip(tasks, (1.0, 1.0, 1.0, 0.0)):
-        sample = Sample(group_index=task["group_index"], index=task["index"], reward=reward, status=Sample.Status.COMPLETED)
+        sample = Sample(
+            group_index=task["group_index"], index=task["index"], reward=reward, status=Sample.Status.COMPLETED
+        )
         store.submit([(task["lease_id"], sample)])
     assert store.next_batch(2, None, None, allow_partial=True) is not None
-    assert store.stats()["groups"] == {"open": 0, "complete": 0, "consumed": 1, "dropped_stale": 0, "filtered": 1, "failed": 0}
+    assert store.stats()["groups"] == {
+        "open": 0,
+        "complete": 0,
+        "consumed": 1,
+        "dropped_stale": 0,
+        "filtered": 1,
+        "failed": 0,
+    }
     with pytest.raises(PluginError):
         build_store(BufferConfig(db=str(tmp_path / "c.db"), dynamic_sampling_filter_path="nope:nope"))
 
 
-ROLLOUT_FUNCTIONS = ["rollout_functions.agent:generate_rollout", "rollout_functions.single_turn:generate_rollout",
-                     "rollout_functions.subprocess_agent:generate_rollout"]
+ROLLOUT_FUNCTIONS = [
+    "rollout_functions.agent:generate_rollout",
+    "rollout_functions.single_turn:generate_rollout",
+    "rollout_functions.subprocess_agent:generate_rollout",
+]
 
 
-@pytest.mark.parametrize(("path", "needs"), zip(ROLLOUT_FUNCTIONS, [("env_path",), ("custom_rm_path",), ("agent_command",)]))
+@pytest.mark.parametrize(
+    ("path", "needs"), zip(ROLLOUT_FUNCTIONS, [("env_path",), ("custom_rm_path",), ("agent_command",)])
+)
 def test_the_built_in_rollout_functions_load_through_their_paths(path, needs):
     import importlib
 
@@ -75,13 +98,16 @@ def test_the_built_in_rollout_functions_load_through_their_paths(path, needs):
 
 
 def test_a_plugins_exception_names_the_plugin_and_keeps_its_traceback():
-    fn = load_plugin("tests.compat.slime_plugins:broken_filter", flag="--dynamic-sampling-filter-path",
-                     params=["args", "samples"])
+    fn = load_plugin(
+        "tests.compat.slime_plugins:broken_filter", flag="--dynamic-sampling-filter-path", params=["args", "samples"]
+    )
     with pytest.raises(PluginFailed) as failed:
         fn(None, [types.SimpleNamespace(reward=None)])
     message = str(failed.value)
-    assert message.startswith("--dynamic-sampling-filter-path='tests.compat.slime_plugins:broken_filter' raised "
-                              "TypeError: 'NoneType' object is not subscriptable\nTraceback (most recent call last):")
+    assert message.startswith(
+        "--dynamic-sampling-filter-path='tests.compat.slime_plugins:broken_filter' raised "
+        "TypeError: 'NoneType' object is not subscriptable\nTraceback (most recent call last):"
+    )
     assert 'slime_plugins.py", line' in message and "guarded" not in message  # its frames, not the wrapper's
 
 
@@ -105,11 +131,22 @@ def test_slime_rollout_functions_are_adapted_to_the_contract():
     from inverted.types import Task
 
     fn = load_rollout_function(f"{__name__}.slime_rollout")  # slime's dotted form, slime's signature
-    tasks = [Task(lease_id="l", group_index=g, index=2 * g + i, prompt_index=g, prompt="p", tools=[{"t": g}])
-             for g in range(3) for i in range(2)]
-    ctx = RolloutContext(rollout_id=7, config=RolloutConfig(), proxy_url="", proxy_api_key=None, router_url="",
-                         hf_checkpoint="", sampling={}, evaluation=True,
-                         flags={"rollout_batch_size": 3, "n_samples_per_prompt": 2, "apply_chat_template": False})
+    tasks = [
+        Task(lease_id="l", group_index=g, index=2 * g + i, prompt_index=g, prompt="p", tools=[{"t": g}])
+        for g in range(3)
+        for i in range(2)
+    ]
+    ctx = RolloutContext(
+        rollout_id=7,
+        config=RolloutConfig(),
+        proxy_url="",
+        proxy_api_key=None,
+        router_url="",
+        hf_checkpoint="",
+        sampling={},
+        evaluation=True,
+        flags={"rollout_batch_size": 3, "n_samples_per_prompt": 2, "apply_chat_template": False},
+    )
     samples = asyncio.run(fn(ctx, tasks))
     assert [(s.group_index, s.index, s.reward) for s in samples] == [(t.group_index, t.index, 7.0) for t in tasks]
     assert samples[2].metadata["seen"] == (True, [{"t": 1}])
@@ -128,8 +165,10 @@ def test_env_args_are_bound_to_the_environment_and_checked_before_anything_start
 
     args = '{"env": "verifiers.envs.integrations.reasoninggym_env:ReasoningGymEnv", "args": {"gym": "chain_sum"}}'
     env = Plugins.load(RolloutConfig(env_path="envs.verifiers:episode", env_args=args)).env
-    assert env.keywords == {"env": "verifiers.envs.integrations.reasoninggym_env:ReasoningGymEnv",
-                            "args": {"gym": "chain_sum"}}
+    assert env.keywords == {
+        "env": "verifiers.envs.integrations.reasoninggym_env:ReasoningGymEnv",
+        "args": {"gym": "chain_sum"},
+    }
     with pytest.raises(PluginError, match="keyword-only arguments come from --env-args"):
         Plugins.load(RolloutConfig(env_path="envs.verifiers:episode"))
     with pytest.raises(PluginError, match="--env-args: --env-path='envs.letters:episode'.*refuses them"):
@@ -147,14 +186,16 @@ def test_slimes_data_buffer_keeps_each_rollouts_groups_apart():
     buffer = SlimeDataBuffer()
 
     def tasks(groups):
-        return [Task(lease_id="l", group_index=g, index=i, prompt_index=g, prompt=f"p{g}")
-                for g in groups for i in (0, 1)]
+        return [
+            Task(lease_id="l", group_index=g, index=i, prompt_index=g, prompt=f"p{g}") for g in groups for i in (0, 1)
+        ]
 
     def keys(groups):
         return [[(s.group_index, s.index) for s in group] for group in groups]
 
     async def main():
         with buffer.serving(tasks([2, 3]), None):
+
             async def other_rollout():
                 with buffer.serving(tasks([0, 1]), None):
                     return await in_daemon_thread(buffer.get_samples, 10)

@@ -40,7 +40,7 @@ def test_a_bucket_round_trips_through_shared_memory_under_sglang_names():
     tensors = {"w": torch.randn(3, 4), "b": torch.randn(4)}
     layout = bucket_layout([(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()])
     flat = torch.empty(layout[-1].end_idx, dtype=torch.uint8).share_memory_()
-    for (name, view) in unflatten(flat, layout):
+    for name, view in unflatten(flat, layout):
         view.copy_(tensors[name])
     payload = bucket_payload(flat, layout)
     raw = base64.b64decode(payload)
@@ -92,12 +92,15 @@ class Evil:
         return (print, ("pwned",))
 
 
-@pytest.mark.parametrize("payload, message", [
-    (base64.b64encode(pickle.dumps(Evil())).decode(), "builtins.print is not allowed"),
-    (base64.b64encode(pickle.dumps(io.BytesIO)).decode(), "_io.BytesIO is not allowed"),
-    ("not base64!", "not valid base64"),
-    (base64.b64encode(pickle.dumps([("x", torch.ones(3))])[:-9]).decode(), "cannot decode the payload"),
-])
+@pytest.mark.parametrize(
+    "payload, message",
+    [
+        (base64.b64encode(pickle.dumps(Evil())).decode(), "builtins.print is not allowed"),
+        (base64.b64encode(pickle.dumps(io.BytesIO)).decode(), "_io.BytesIO is not allowed"),
+        ("not base64!", "not valid base64"),
+        (base64.b64encode(pickle.dumps([("x", torch.ones(3))])[:-9]).decode(), "cannot decode the payload"),
+    ],
+)
 def test_anything_but_tensors_and_containers_is_refused(payload, message, capsys):
     with pytest.raises(InvalidRequest, match=message):
         deserialize(payload)
@@ -106,12 +109,29 @@ def test_anything_but_tensors_and_containers_is_refused(payload, message, capsys
 
 def reduce_call(module: str, name: str, argument: int) -> bytes:
     """A pickle of ``module.name(argument)``: a global, one int, one call (what the audit sent, in ~40 bytes)."""
-    return (pickle.PROTO + b"\x02" + pickle.GLOBAL + f"{module}\n{name}\n".encode() + pickle.BININT
-            + argument.to_bytes(4, "little") + pickle.TUPLE1 + pickle.REDUCE + pickle.STOP)
+    return (
+        pickle.PROTO
+        + b"\x02"
+        + pickle.GLOBAL
+        + f"{module}\n{name}\n".encode()
+        + pickle.BININT
+        + argument.to_bytes(4, "little")
+        + pickle.TUPLE1
+        + pickle.REDUCE
+        + pickle.STOP
+    )
 
 
-@pytest.mark.parametrize("module, name", [("builtins", "bytearray"), ("builtins", "bytes"), ("torch", "UntypedStorage"),
-                                          ("torch.storage", "UntypedStorage"), ("torch", "FloatStorage")])
+@pytest.mark.parametrize(
+    "module, name",
+    [
+        ("builtins", "bytearray"),
+        ("builtins", "bytes"),
+        ("torch", "UntypedStorage"),
+        ("torch.storage", "UntypedStorage"),
+        ("torch", "FloatStorage"),
+    ],
+)
 def test_a_payload_cannot_allocate_by_size_before_any_check(module, name):
     """40 bytes asking for a 1 GiB buffer are refused before anything is allocated: the process's peak
     resident memory does not move."""

@@ -35,8 +35,12 @@ def test_a_child_runs_its_module_as_main_with_its_own_log_environment_and_exit_s
 def test_a_server_child_is_signalled_and_dies_with_the_zygote(tmp_path):
     zygote = Zygote()
     ports = [free_port(), free_port()]
-    servers = [zygote.spawn([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)],
-                            tmp_path / f"http-{port}.log") for port in ports]
+    servers = [
+        zygote.spawn(
+            [sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)], tmp_path / f"http-{port}.log"
+        )
+        for port in ports
+    ]
     for port in ports:
         until(lambda: _answers(port), f"nothing answered on {port}", 30)
     servers[0].kill()

@@ -31,9 +31,18 @@ import threading
 import time
 from pathlib import Path
 
-PRELOAD = ("torch", "transformers", "transformers.models.auto.tokenization_auto", "fastapi", "uvicorn", "httpx",
-           "sglang_router.launch_router", "inverted.engine.server", "inverted.rollout.proxy.service",
-           "inverted.buffer.service")
+PRELOAD = (
+    "torch",
+    "transformers",
+    "transformers.models.auto.tokenization_auto",
+    "fastapi",
+    "uvicorn",
+    "httpx",
+    "sglang_router.launch_router",
+    "inverted.engine.server",
+    "inverted.rollout.proxy.service",
+    "inverted.buffer.service",
+)
 
 
 def _serve() -> dict:
@@ -75,8 +84,9 @@ def _run(request: dict, zygote: int) -> None:
     # PYTHONUNBUFFERED's effect, which a forked interpreter read long ago
     sys.stdin = open(0, closefd=False)
     sys.stdout = io.TextIOWrapper(open(1, "wb", buffering=0, closefd=False), write_through=True)
-    sys.stderr = io.TextIOWrapper(open(2, "wb", buffering=0, closefd=False), write_through=True,
-                                  errors="backslashreplace")
+    sys.stderr = io.TextIOWrapper(
+        open(2, "wb", buffering=0, closefd=False), write_through=True, errors="backslashreplace"
+    )
     os.environ.clear()
     os.environ.update(request["env"])
     die_with_parent(zygote)
@@ -124,8 +134,14 @@ class Zygote:
 
         self.lock = threading.Lock()
         root = Path(__file__).resolve().parent.parent
-        self.process = subprocess.Popen([sys.executable, "-m", "tests.zygote"], cwd=root, stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.zygote"],
+            cwd=root,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            preexec_fn=die_with_parent,
+        )
 
     def request(self, message: dict) -> dict:
         with self.lock:

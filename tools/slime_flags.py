@@ -1,4 +1,5 @@
-"""Regenerate ``inverted/compat/slime_flags.json``: every flag slime's ``train.py`` parses, read from slime's own parser.
+"""Regenerate ``inverted/compat/slime_flags.json``: every flag slime's ``train.py`` parses, read from
+slime's own parser.
 
 slime builds one argparse parser from Megatron-LM's ``add_megatron_arguments``, its own
 ``add_slime_arguments`` (``slime/utils/arguments.py``), its pre-parsed mode flags, sgl-router's
@@ -92,8 +93,13 @@ def _record(action: argparse.Action, source: str) -> dict:
         kind = "switch"  # store_true / store_false / store_const
     else:
         kind = "value"
-    entry = {"options": [o for o in action.option_strings if o.startswith("--")], "dest": action.dest,
-             "default": _jsonable(action.default), "kind": kind, "source": source}
+    entry = {
+        "options": [o for o in action.option_strings if o.startswith("--")],
+        "dest": action.dest,
+        "default": _jsonable(action.default),
+        "kind": kind,
+        "source": source,
+    }
     if kind == "switch":
         entry["const"] = _jsonable(action.const)
     if arity not in (None, 0):
@@ -124,7 +130,7 @@ def _slime(checkout: Path, parser: argparse.ArgumentParser) -> None:
     module.get_slime_extra_args_provider()(parser)
     pre = argparse.ArgumentParser(add_help=False)  # _pre_parse_mode's flags, parsed apart from the rest
     source = (checkout / "slime" / "utils" / "arguments.py").read_text()
-    body = source[source.index("def _pre_parse_mode"):source.index("def parse_args")]
+    body = source[source.index("def _pre_parse_mode") : source.index("def parse_args")]
     for line in body.splitlines():
         if "temp_parser.add_argument(" in line:
             eval(line.strip().replace("temp_parser.", "pre."), {"pre": pre})
@@ -134,13 +140,32 @@ def _slime(checkout: Path, parser: argparse.ArgumentParser) -> None:
 
 def _sglang(parser: argparse.ArgumentParser, slime_checkout: Path) -> None:
     """slime's ``add_sglang_arguments``, run with the installed router's and SGLang's classes."""
-    sys.meta_path.append(_StandIns({"IPython", "zmq", "uvloop", "setproctitle", "pybase64", "orjson",
-                                    "sgl_kernel", "flashinfer", "xgrammar", "outlines", "partial_json_parser",
-                                    "openai_harmony", "compressed_tensors", "decord", "soundfile", "av"}))
+    sys.meta_path.append(
+        _StandIns(
+            {
+                "IPython",
+                "zmq",
+                "uvloop",
+                "setproctitle",
+                "pybase64",
+                "orjson",
+                "sgl_kernel",
+                "flashinfer",
+                "xgrammar",
+                "outlines",
+                "partial_json_parser",
+                "openai_harmony",
+                "compressed_tensors",
+                "decord",
+                "soundfile",
+                "av",
+            }
+        )
+    )
     text = (slime_checkout / "slime" / "backends" / "sglang_utils" / "arguments.py").read_text()
     namespace: dict = {}
     sys.modules.setdefault("slime.utils.http_utils", types.SimpleNamespace(_wrap_ipv6=lambda host: host))
-    exec(compile(text[:text.index("def validate_args")], "sglang_utils/arguments.py", "exec"), namespace)
+    exec(compile(text[: text.index("def validate_args")], "sglang_utils/arguments.py", "exec"), namespace)
     namespace["add_sglang_arguments"](parser)
 
 
@@ -162,9 +187,13 @@ def main() -> None:
     options = cli.parse_args()
     if options.triton_site:
         sys.path.append(options.triton_site)
-    commit = {name: subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True,
-                                   text=True).stdout.strip() or "unknown"
-              for name, path in (("slime", options.slime), ("megatron", options.megatron))}
+    commit = {
+        name: subprocess.run(
+            ["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+        or "unknown"
+        for name, path in (("slime", options.slime), ("megatron", options.megatron))
+    }
     options.slime = _work_tree(options.slime, "slime/utils/arguments.py")
     options.megatron = _work_tree(options.megatron, "megatron/training/arguments.py")
     # Megatron's and slime's flags share one parser, as in slime (its resets change Megatron's

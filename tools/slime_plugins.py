@@ -36,20 +36,39 @@ from slime_flags import _work_tree  # noqa: E402
 
 # (flag, path, in-tree file or example directory)
 PLUGINS = [
-    ("--dynamic-sampling-filter-path", "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std", None),
-    ("--dynamic-sampling-filter-path",
-     "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std_with_fallback", None),
+    (
+        "--dynamic-sampling-filter-path",
+        "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std",
+        None,
+    ),
+    (
+        "--dynamic-sampling-filter-path",
+        "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std_with_fallback",
+        None,
+    ),
     ("--custom-rm-path", "slime.rollout.rm_hub.async_rm", None),
     ("--rollout-function-path", "slime.rollout.sft_rollout.generate_rollout", None),
     ("--rollout-function-path", "slime.rollout.sleep_rollout.sleep", "slime/rollout/sleep_rollout.py"),
-    ("--custom-generate-function-path", "slime.rollout._fanout_test_helpers.compact_generate",
-     "slime/rollout/_fanout_test_helpers.py"),
-    ("--custom-reward-post-process-path", "slime.rollout._fanout_test_helpers.grpo_normalize_by_group_index",
-     "slime/rollout/_fanout_test_helpers.py"),
-    ("--custom-generate-function-path", "slime.rollout.sglang_streaming_rollout.generate_streaming",
-     "slime/rollout/sglang_streaming_rollout.py"),
-    ("--rollout-function-path", "slime.rollout.fully_async_rollout.generate_rollout_fully_async",
-     "slime/rollout/fully_async_rollout.py"),
+    (
+        "--custom-generate-function-path",
+        "slime.rollout._fanout_test_helpers.compact_generate",
+        "slime/rollout/_fanout_test_helpers.py",
+    ),
+    (
+        "--custom-reward-post-process-path",
+        "slime.rollout._fanout_test_helpers.grpo_normalize_by_group_index",
+        "slime/rollout/_fanout_test_helpers.py",
+    ),
+    (
+        "--custom-generate-function-path",
+        "slime.rollout.sglang_streaming_rollout.generate_streaming",
+        "slime/rollout/sglang_streaming_rollout.py",
+    ),
+    (
+        "--rollout-function-path",
+        "slime.rollout.fully_async_rollout.generate_rollout_fully_async",
+        "slime/rollout/fully_async_rollout.py",
+    ),
     ("--rollout-function-path", "slime.rollout.forge_load.generate_rollout", "slime/rollout/forge_load.py"),
     ("--custom-generate-function-path", "generate_with_search.generate", "examples/search-r1"),
     ("--custom-rm-path", "generate_with_search.reward_func", "examples/search-r1"),
@@ -58,14 +77,17 @@ PLUGINS = [
     ("--custom-tis-function-path", "mis.compute_mis_weights_with_cp", "examples/train_infer_mismatch_helper"),
     ("--custom-generate-function-path", "rollout_with_multi_agents.generate_with_multi_agents", "examples/multi_agent"),
     ("--custom-rm-path", "slime.rollout.on_policy_distillation.reward_func", "slime/rollout/on_policy_distillation.py"),
-    ("--custom-reward-post-process-path", "slime.rollout.on_policy_distillation.post_process_rewards",
-     "slime/rollout/on_policy_distillation.py"),
+    (
+        "--custom-reward-post-process-path",
+        "slime.rollout.on_policy_distillation.post_process_rewards",
+        "slime/rollout/on_policy_distillation.py",
+    ),
 ]
 
 
 def load(flag: str, path: str):
-    from inverted.config import BufferConfig, LossConfig
     from inverted.buffer.filters import load_group_filter
+    from inverted.config import BufferConfig, LossConfig
     from inverted.plugins import LossPlugins, RewardModel, load_hook, load_rollout_function
 
     if flag == "--rollout-function-path":
@@ -92,13 +114,26 @@ OPD = ["--use-opd", "--opd-type", "sglang", "--rm-url", "{teacher}"]
 RUN_WITH = {
     "slime.rollout.sleep_rollout.sleep": [],  # sleeps forever by design: see SLEEPS
     "slime.rollout.rm_hub.async_rm": SINGLE_TURN,
-    "slime.rollout.sft_rollout.generate_rollout": ["--loss-mask-type", "qwen", "--n-samples-per-prompt", "1",
-                                                   "--loss-type", "sft_loss"],
-    "mis.compute_mis_weights_with_cp": [*SINGLE_TURN, "--custom-config-path",
-                                        "{tree}/examples/train_infer_mismatch_helper/mis.yaml"],
+    "slime.rollout.sft_rollout.generate_rollout": [
+        "--loss-mask-type",
+        "qwen",
+        "--n-samples-per-prompt",
+        "1",
+        "--loss-type",
+        "sft_loss",
+    ],
+    "mis.compute_mis_weights_with_cp": [
+        *SINGLE_TURN,
+        "--custom-config-path",
+        "{tree}/examples/train_infer_mismatch_helper/mis.yaml",
+    ],
     "generate_with_search.reward_func": ["--custom-generate-function-path", "generate_with_search.generate"],
-    "rollout_with_multi_agents.generate_with_multi_agents": ["--rm-type", "deepscaler", "--rollout-max-context-len",
-                                                             "1024"],  # as its script
+    "rollout_with_multi_agents.generate_with_multi_agents": [
+        "--rm-type",
+        "deepscaler",
+        "--rollout-max-context-len",
+        "1024",
+    ],  # as its script
     "generate_with_retool.reward_func": ["--custom-generate-function-path", "generate_with_retool.generate"],
     # slime's default generate-and-reward path on a worker thread: it needs a reward model, over two
     # rollouts (the worker outlives the first)
@@ -106,16 +141,27 @@ RUN_WITH = {
     # over two rollouts: the second replays the same dump (slime's fallback to 0.pt)
     "slime.rollout.forge_load.generate_rollout": ["--load-forge-rollout-data", "{dump}", "--num-rollout", "2"],
     # the pair, as slime's OPD scripts give them; the post-process trains
-    "slime.rollout.on_policy_distillation.reward_func": [*OPD, "--rollout-function-path",
-                                                         "rollout_functions.single_turn:generate_rollout"],
+    "slime.rollout.on_policy_distillation.reward_func": [
+        *OPD,
+        "--rollout-function-path",
+        "rollout_functions.single_turn:generate_rollout",
+    ],
     "slime.rollout.on_policy_distillation.post_process_rewards": [
-        *OPD, *SINGLE_TURN[:2], "--custom-rm-path", "slime.rollout.on_policy_distillation.reward_func"],
+        *OPD,
+        *SINGLE_TURN[:2],
+        "--custom-rm-path",
+        "slime.rollout.on_policy_distillation.reward_func",
+    ],
 }
 # runs until stopped, by design: it must reach the rollout, stay in it, and stop on Ctrl-C
 SLEEPS = {"slime.rollout.sleep_rollout.sleep"}
 # otherwise, by the plug-in's kind: a generate function runs inside slime's default rollout and
 # needs a reward model; a rollout function or a reward model needs nothing; the rest run beside both
-BY_FLAG = {"--rollout-function-path": [], "--custom-rm-path": [], "--custom-generate-function-path": ["--rm-type", "random"]}
+BY_FLAG = {
+    "--rollout-function-path": [],
+    "--custom-rm-path": [],
+    "--custom-generate-function-path": ["--rm-type", "random"],
+}
 TRAINER_SIDE = ("--custom-tis-function-path", "--custom-reward-post-process-path")
 
 
@@ -126,14 +172,39 @@ def free_port() -> int:
 
 
 def job_argv(flag: str, path: str, extra: list[str], model: str, prompts: str, out: str) -> list[str]:
-    return [sys.executable, "-m", "inverted.cli", "train", "--hf-checkpoint", model, "--prompt-data", prompts,
-            "--num-rollout", "1", "--num-engines", "1", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-            "--rollout-max-response-len", "16", "--output-dir", out, "--log-level", "warning",
-            *([] if flag in TRAINER_SIDE else ["--debug-rollout-only"]), flag, path, *extra]
+    return [
+        sys.executable,
+        "-m",
+        "inverted.cli",
+        "train",
+        "--hf-checkpoint",
+        model,
+        "--prompt-data",
+        prompts,
+        "--num-rollout",
+        "1",
+        "--num-engines",
+        "1",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "2",
+        "--rollout-max-response-len",
+        "16",
+        "--output-dir",
+        out,
+        "--log-level",
+        "warning",
+        *([] if flag in TRAINER_SIDE else ["--debug-rollout-only"]),
+        flag,
+        path,
+        *extra,
+    ]
 
 
-def run_job(tree: Path, flag: str, path: str, where: str | None, model: str, prompts: str,
-            places: dict[str, str]) -> str:
+def run_job(
+    tree: Path, flag: str, path: str, where: str | None, model: str, prompts: str, places: dict[str, str]
+) -> str:
     extra = [e.format(tree=tree, **places) for e in RUN_WITH.get(path, BY_FLAG.get(flag, SINGLE_TURN))]
     if path == "slime.rollout.sft_rollout.generate_rollout":  # conversations to learn, as slime's SFT data
         prompts = str(Path(prompts).with_name("sft.jsonl"))
@@ -231,17 +302,43 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="slime-plugins-"))
     make_tiny_model(TinyModelConfig(out=str(work / "model")))
     prompts = str(write_dataset(rows, work / "calc.jsonl", 8))
-    (work / "sft.jsonl").write_text("".join(json.dumps({"input": [
-        {"role": "user", "content": f"What is {i} + {i}?"}, {"role": "assistant", "content": str(2 * i)}]}) + "\n"
-        for i in range(8)))
-    (work / "search.jsonl").write_text("".join(
-        json.dumps({"input": f"Who wrote book {i}?", "label": {"ground_truth": {"target": [f"author {i}"]}}}) + "\n"
-        for i in range(8)))
+    (work / "sft.jsonl").write_text(
+        "".join(
+            json.dumps(
+                {
+                    "input": [
+                        {"role": "user", "content": f"What is {i} + {i}?"},
+                        {"role": "assistant", "content": str(2 * i)},
+                    ]
+                }
+            )
+            + "\n"
+            for i in range(8)
+        )
+    )
+    (work / "search.jsonl").write_text(
+        "".join(
+            json.dumps({"input": f"Who wrote book {i}?", "label": {"ground_truth": {"target": [f"author {i}"]}}}) + "\n"
+            for i in range(8)
+        )
+    )
     model = str(work / "model")
     make_tiny_model(TinyModelConfig(out=str(work / "teacher"), seed=1))
-    teacher = subprocess.Popen([sys.executable, "-m", "inverted.cli", "serve-engine", "--model", str(work / "teacher"),
-                                "--port", str(port := free_port())], env={**os.environ, "PYTHONPATH": str(ROOT)},
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    teacher = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "inverted.cli",
+            "serve-engine",
+            "--model",
+            str(work / "teacher"),
+            "--port",
+            str(port := free_port()),
+        ],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     places = {"dump": write_dump(model, prompts, work), "teacher": f"http://127.0.0.1:{port}/generate"}
     ran = 0
     try:

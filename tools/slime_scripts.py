@@ -25,10 +25,16 @@ FLAG = re.compile(r"(?:^|[\s\"'(])(--[a-z][a-z0-9-]*)")
 def scripts(checkout: Path) -> dict[str, str]:
     if (checkout / "train.py").exists():
         return {str(p.relative_to(checkout)): p.read_text() for p in checkout.rglob("*.sh")}
-    names = subprocess.run(["git", "-C", str(checkout), "ls-tree", "-r", "--name-only", "HEAD"], capture_output=True,
-                           text=True, check=True).stdout.split()
-    return {n: subprocess.run(["git", "-C", str(checkout), "show", f"HEAD:{n}"], capture_output=True, text=True,
-                              check=True).stdout for n in names if n.endswith(".sh")}
+    names = subprocess.run(
+        ["git", "-C", str(checkout), "ls-tree", "-r", "--name-only", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    return {
+        n: subprocess.run(
+            ["git", "-C", str(checkout), "show", f"HEAD:{n}"], capture_output=True, text=True, check=True
+        ).stdout
+        for n in names
+        if n.endswith(".sh")
+    }
 
 
 def train_flags(text: str) -> list[str]:
@@ -41,7 +47,7 @@ def train_flags(text: str) -> list[str]:
             inside = True
         if re.search(r"\btrain(_async)?\.py\b", code):
             command = True
-            code = code[re.search(r"\btrain(_async)?\.py\b", code).end():]
+            code = code[re.search(r"\btrain(_async)?\.py\b", code).end() :]
         if inside or command:
             found += FLAG.findall(code)
         if inside and code.rstrip().endswith(")"):
@@ -83,10 +89,13 @@ def main() -> None:
         for flag, why in flags:
             print(f"  {flag}  {why}")
     if options.write:
-        commit = subprocess.run(["git", "-C", str(options.slime), "rev-parse", "HEAD"], capture_output=True,
-                                text=True).stdout.strip()
-        LIST.write_text(f"# the flags slime's launch scripts pass to train.py, at slime {commit} (tools/slime_scripts.py)\n"
-                        + "".join(f"{flag}\n" for flag in sorted(used)))
+        commit = subprocess.run(
+            ["git", "-C", str(options.slime), "rev-parse", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+        LIST.write_text(
+            f"# the flags slime's launch scripts pass to train.py, at slime {commit} (tools/slime_scripts.py)\n"
+            + "".join(f"{flag}\n" for flag in sorted(used))
+        )
         print(f"-> {LIST}")
 
 

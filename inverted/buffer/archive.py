@@ -38,19 +38,24 @@ class BufferArchive:
 
     def samples_after(self, rowid: int, limit: int = 10_000) -> list[tuple[int, int, int, bytes]]:
         """``(rowid, group_index, sample_index, sample JSON)`` of up to ``limit`` rows stored after ``rowid``."""
-        return self._db.execute("SELECT rowid, group_index, sample_index, sample FROM samples WHERE rowid > ? "
-                                "ORDER BY rowid LIMIT ?", (rowid, limit)).fetchall()
+        return self._db.execute(
+            "SELECT rowid, group_index, sample_index, sample FROM samples WHERE rowid > ? ORDER BY rowid LIMIT ?",
+            (rowid, limit),
+        ).fetchall()
 
     def sample(self, group_index: int, sample_index: int) -> bytes | None:
-        row = self._db.execute("SELECT sample FROM samples WHERE group_index = ? AND sample_index = ?",
-                               (group_index, sample_index)).fetchone()
+        row = self._db.execute(
+            "SELECT sample FROM samples WHERE group_index = ? AND sample_index = ?", (group_index, sample_index)
+        ).fetchone()
         return row[0] if row else None
 
     def groups_from(self, group_index: int) -> list[GroupRow]:
         """Every group from ``group_index`` on, in order of being served (then of index)."""
-        rows = self._db.execute("SELECT group_index, prompt_index, state, staleness, batch_id, consumed_at FROM groups "
-                                "WHERE group_index >= ? ORDER BY consumed_at IS NULL, consumed_at, group_index",
-                                (group_index,)).fetchall()
+        rows = self._db.execute(
+            "SELECT group_index, prompt_index, state, staleness, batch_id, consumed_at FROM groups "
+            "WHERE group_index >= ? ORDER BY consumed_at IS NULL, consumed_at, group_index",
+            (group_index,),
+        ).fetchall()
         return [GroupRow(*row) for row in rows]
 
     def prompt(self, prompt_index: int) -> bytes | None:
@@ -60,8 +65,10 @@ class BufferArchive:
 
     def episodes(self) -> list[tuple[bytes, bytes]]:
         """``(prompt record JSON, sample JSON)`` of every stored Sample that did not fail, in the order stored."""
-        return self._db.execute("SELECT p.record, s.sample FROM samples s JOIN groups g USING (group_index) "
-                                "JOIN prompts p USING (prompt_index) WHERE NOT s.failed ORDER BY s.rowid").fetchall()
+        return self._db.execute(
+            "SELECT p.record, s.sample FROM samples s JOIN groups g USING (group_index) "
+            "JOIN prompts p USING (prompt_index) WHERE NOT s.failed ORDER BY s.rowid"
+        ).fetchall()
 
     def close(self) -> None:
         self._db.close()

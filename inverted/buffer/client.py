@@ -56,35 +56,56 @@ class BufferClient(HTTPService):
 
     async def lease(self, count: int, worker_id: str, lease_seconds: float | None = None) -> list[Task]:
         body = {"count": count, "worker_id": worker_id, "lease_seconds": lease_seconds, "request_id": uuid.uuid4().hex}
-        response = await self.request("POST", "/tasks/lease", json_body=body, timeout=self.timeouts.data, idempotent=True)
+        response = await self.request(
+            "POST", "/tasks/lease", json_body=body, timeout=self.timeouts.data, idempotent=True
+        )
         return [Task.from_json(t) for t in orjson.loads(response.content)["tasks"]]
 
     async def release(self, worker_id: str) -> int:
         """Give back every task ``worker_id`` holds (they are leased again, to anyone)."""
-        response = await self.request("POST", "/tasks/release", json_body={"worker_id": worker_id},
-                                      timeout=self.timeouts.data, idempotent=True)
+        response = await self.request(
+            "POST", "/tasks/release", json_body={"worker_id": worker_id}, timeout=self.timeouts.data, idempotent=True
+        )
         return self.json_of(response)["released"]
 
     async def submit(self, items: list[tuple[Task | str, Sample]]) -> dict[str, Any]:
         """Submit finished (or aborted) samples, each with the lease of its task; all or nothing."""
-        body = {"samples": [{"lease_id": t if isinstance(t, str) else t.lease_id, "sample": s.to_json()} for t, s in items]}
-        response = await self.request("POST", "/samples", content=orjson.dumps(body), timeout=self.timeouts.data,
-                                      idempotent=True)
+        body = {
+            "samples": [{"lease_id": t if isinstance(t, str) else t.lease_id, "sample": s.to_json()} for t, s in items]
+        }
+        response = await self.request(
+            "POST", "/samples", content=orjson.dumps(body), timeout=self.timeouts.data, idempotent=True
+        )
         return self.json_of(response)
 
-    async def next_batch(self, *, num_groups: int | None = None, num_samples: int | None = None,
-                         current_weight_version: int | None = None, max_weight_staleness: int | None = None,
-                         timeout_s: float = 0.0, allow_partial: bool = False, request_id: str | None = None) -> Batch:
+    async def next_batch(
+        self,
+        *,
+        num_groups: int | None = None,
+        num_samples: int | None = None,
+        current_weight_version: int | None = None,
+        max_weight_staleness: int | None = None,
+        timeout_s: float = 0.0,
+        allow_partial: bool = False,
+        request_id: str | None = None,
+    ) -> Batch:
         """Complete groups, oldest first; waits up to ``timeout_s`` for enough of them (empty on time-out).
 
         A ``request_id`` that was answered with a batch before is answered with that batch again
         (fresh by default; the async loop names each step's batch, so a resumed job gets it back).
         """
-        body = {"num_groups": num_groups, "num_samples": num_samples, "current_weight_version": current_weight_version,
-                "max_weight_staleness": max_weight_staleness, "timeout_s": timeout_s, "allow_partial": allow_partial,
-                "request_id": request_id or uuid.uuid4().hex}
-        response = await self.request("POST", "/batches/next", json_body=body, timeout=timeout_s + self.timeouts.data,
-                                      idempotent=True)
+        body = {
+            "num_groups": num_groups,
+            "num_samples": num_samples,
+            "current_weight_version": current_weight_version,
+            "max_weight_staleness": max_weight_staleness,
+            "timeout_s": timeout_s,
+            "allow_partial": allow_partial,
+            "request_id": request_id or uuid.uuid4().hex,
+        }
+        response = await self.request(
+            "POST", "/batches/next", json_body=body, timeout=timeout_s + self.timeouts.data, idempotent=True
+        )
         return read_batch(response.content)
 
     async def served_batch(self, request_id: str) -> Batch | None:
@@ -99,8 +120,13 @@ class BufferClient(HTTPService):
 
     async def trained(self, batch_id: str, step: int) -> int:
         """Record that training step ``step`` trained the batch; how many groups it held."""
-        response = await self.request("POST", f"/batches/{batch_id}/trained", json_body={"step": step},
-                                      timeout=self.timeouts.data, idempotent=True)
+        response = await self.request(
+            "POST",
+            f"/batches/{batch_id}/trained",
+            json_body={"step": step},
+            timeout=self.timeouts.data,
+            idempotent=True,
+        )
         return self.json_of(response)["groups"]
 
     async def stats(self) -> dict[str, Any]:

@@ -44,8 +44,9 @@ def _rows(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def load_prompts(path: str, *, input_key: str, label_key: str | None, metadata_key: str | None,
-                 tool_key: str | None) -> list[PromptRecord]:
+def load_prompts(
+    path: str, *, input_key: str, label_key: str | None, metadata_key: str | None, tool_key: str | None
+) -> list[PromptRecord]:
     """Read every row; a row without ``input_key``, or with a prompt of the wrong type, is an error."""
     file = Path(path)
     if not file.exists():
@@ -58,11 +59,14 @@ def load_prompts(path: str, *, input_key: str, label_key: str | None, metadata_k
         if isinstance(prompt, list) and not all(isinstance(m, dict) and "role" in m for m in prompt):
             raise ConfigError(f"--prompt-data {path}: row {i}: messages must be objects with a 'role'")
         metadata = row.get(metadata_key) if metadata_key else None
-        records.append(PromptRecord(
-            prompt=prompt, label=row.get(label_key) if label_key else None,
-            metadata=metadata if isinstance(metadata, dict) else {},
-            tools=row.get(tool_key) if tool_key else None,
-        ))
+        records.append(
+            PromptRecord(
+                prompt=prompt,
+                label=row.get(label_key) if label_key else None,
+                metadata=metadata if isinstance(metadata, dict) else {},
+                tools=row.get(tool_key) if tool_key else None,
+            )
+        )
     if not records:
         raise ConfigError(f"--prompt-data {path}: the file holds no rows")
     return records

@@ -30,13 +30,23 @@ def drop_all_equal_rewards(samples: list[Sample]) -> bool:
 def load_group_filter(config: BufferConfig) -> GroupFilter | None:
     """``--dynamic-sampling-filter-path``: ``(samples) -> bool``, or a registered form (slime's
     ``(args, samples, **kw) -> DynamicFilterOutput``, its ``keep``)."""
-    return load_hook(config.dynamic_sampling_filter_path, point="group_filter", flag="--dynamic-sampling-filter-path",
-                     forms={"ours": ["samples"]}, flags=plugin_flags(config))
+    return load_hook(
+        config.dynamic_sampling_filter_path,
+        point="group_filter",
+        flag="--dynamic-sampling-filter-path",
+        forms={"ours": ["samples"]},
+        flags=plugin_flags(config),
+    )
 
 
 def load_group_chooser(config: BufferConfig) -> GroupChooser | None:
     """``--buffer-filter-path``: which of the waiting complete groups a batch takes, ``(groups, wanted,
     version) -> positions``, or a registered form (slime's ``(args, rollout_id, buffer, num_samples) ->
     groups``)."""
-    return load_hook(config.buffer_filter_path, point="group_chooser", flag="--buffer-filter-path",
-                     forms={"ours": ["groups", "wanted", "version"]}, flags=plugin_flags(config))
+    return load_hook(
+        config.buffer_filter_path,
+        point="group_chooser",
+        flag="--buffer-filter-path",
+        forms={"ours": ["groups", "wanted", "version"]},
+        flags=plugin_flags(config),
+    )

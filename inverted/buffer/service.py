@@ -1,9 +1,9 @@
 """The Data Buffer's HTTP service (``create_app``): thin routes over ``SQLiteStore``.
 
-Routes validate what enters (pydantic request models; every Sample through ``Sample.validate``),
-run the store on one dedicated thread per process (SQLite work never blocks the event loop), and map domain errors to status codes in one place: a broken Sample
-or an unknown group is 422 naming the field, a void lease is 409, a bad key is 401. Bodies use
-OpenAI's error shape.
+Routes validate what enters (pydantic request models; every Sample through ``Sample.validate``), run the
+store on one dedicated thread per process (SQLite work never blocks the event loop), and map domain
+errors to status codes in one place: a broken Sample or an unknown group is 422 naming the field, a void
+lease is 409, a bad key is 401. Bodies use OpenAI's error shape.
 
 Ingest is the hot path (thousands of 1,024-token Samples per second), so ``POST /samples`` is
 decoded by msgspec rather than pydantic, each sample's JSON handed to ``Sample.from_json`` as
@@ -137,12 +137,25 @@ class BufferState:
 def build_store(config: BufferConfig) -> SQLiteStore:
     prompts = None
     if config.prompt_data:
-        prompts = load_prompts(config.prompt_data, input_key=config.input_key, label_key=config.label_key,
-                               metadata_key=config.metadata_key, tool_key=config.tool_key)
-    return SQLiteStore(config.db, n_samples_per_prompt=config.n_samples_per_prompt, prompts=prompts,
-                       shuffle=config.rollout_shuffle, seed=config.rollout_seed, num_epoch=config.num_epoch,
-                       partial_rollout=config.partial_rollout, stale_policy=config.stale_policy,
-                       group_filter=load_group_filter(config), group_chooser=load_group_chooser(config))
+        prompts = load_prompts(
+            config.prompt_data,
+            input_key=config.input_key,
+            label_key=config.label_key,
+            metadata_key=config.metadata_key,
+            tool_key=config.tool_key,
+        )
+    return SQLiteStore(
+        config.db,
+        n_samples_per_prompt=config.n_samples_per_prompt,
+        prompts=prompts,
+        shuffle=config.rollout_shuffle,
+        seed=config.rollout_seed,
+        num_epoch=config.num_epoch,
+        partial_rollout=config.partial_rollout,
+        stale_policy=config.stale_policy,
+        group_filter=load_group_filter(config),
+        group_chooser=load_group_chooser(config),
+    )
 
 
 # Dependencies are ``async def``: FastAPI runs a plain ``def`` one on a worker thread, a thread hop per request.
@@ -153,12 +166,16 @@ async def _state(request: Request) -> BufferState:
 StateDep = Annotated[BufferState, Depends(_state)]
 
 
-_require_key = require_key(lambda request: request.app.state.buffer.config.api_key,
-                           "a valid 'Authorization: Bearer <api key>' header is required")
+_require_key = require_key(
+    lambda request: request.app.state.buffer.config.api_key,
+    "a valid 'Authorization: Bearer <api key>' header is required",
+)
 
 
 def _error(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status_code=status)
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": param, "code": status}}, status_code=status
+    )
 
 
 def create_app(config: BufferConfig) -> FastAPI:
@@ -167,8 +184,12 @@ def create_app(config: BufferConfig) -> FastAPI:
         store = build_store(config)
         app.state.buffer = BufferState(config, store)
         freeze_startup_heap()
-        logger.info("buffer ready: %s (%d prompts, %d samples per prompt)", config.db, store.num_prompts,
-                    config.n_samples_per_prompt)
+        logger.info(
+            "buffer ready: %s (%d prompts, %d samples per prompt)",
+            config.db,
+            store.num_prompts,
+            config.n_samples_per_prompt,
+        )
         try:
             yield
         finally:
@@ -180,7 +201,9 @@ def create_app(config: BufferConfig) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:  # 404s, and 413 from BodyLimit
-        kind = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code, "http_error")
+        kind = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(
+            exc.status_code, "http_error"
+        )
         return _error(exc.status_code, str(exc.detail), kind)
 
     @app.exception_handler(SampleError)
@@ -203,7 +226,9 @@ def create_app(config: BufferConfig) -> FastAPI:
     async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"] if p != "body")
-        return _error(422, f"{where}: {first['msg']}" if where else first["msg"], "invalid_request_error", where or None)
+        return _error(
+            422, f"{where}: {first['msg']}" if where else first["msg"], "invalid_request_error", where or None
+        )
 
     _add_routes(app)
     return app
@@ -269,8 +294,12 @@ def _add_routes(app: FastAPI) -> None:
         result = await state.run(state.store.submit, items, blobs)
         if result.completed_groups:
             state.notify()
-        return SubmitResponse(accepted=result.accepted, duplicates=result.duplicates, requeued=result.requeued,
-                              completed_groups=result.completed_groups)
+        return SubmitResponse(
+            accepted=result.accepted,
+            duplicates=result.duplicates,
+            requeued=result.requeued,
+            completed_groups=result.completed_groups,
+        )
 
     @app.post("/batches/next", dependencies=auth)
     async def next_batch(request: Request, state: StateDep) -> Response:
@@ -284,8 +313,14 @@ def _add_routes(app: FastAPI) -> None:
         while True:
             changed = state.changed  # taken before looking, so a completion in between is not missed
             last_try = time.monotonic() >= deadline
-            reply = await state.run(state.store.next_batch, groups, version, body.max_weight_staleness, body.request_id,
-                                    body.allow_partial and last_try)
+            reply = await state.run(
+                state.store.next_batch,
+                groups,
+                version,
+                body.max_weight_staleness,
+                body.request_id,
+                body.allow_partial and last_try,
+            )
             if reply is not None:
                 return Response(reply, media_type="application/json")
             if last_try:
@@ -299,8 +334,10 @@ def _add_routes(app: FastAPI) -> None:
     async def served_batch(request_id: str, state: StateDep) -> Response:
         reply = await state.run(state.store.served_batch, request_id)
         if reply is None:
-            return JSONResponse({"error": {"message": f"no batch was served under request_id {request_id!r}",
-                                           "type": "not_found"}}, status_code=404)
+            return JSONResponse(
+                {"error": {"message": f"no batch was served under request_id {request_id!r}", "type": "not_found"}},
+                status_code=404,
+            )
         return Response(reply, media_type="application/json")
 
     @app.post("/batches/{batch_id}/trained", dependencies=auth)
@@ -320,8 +357,10 @@ def _add_routes(app: FastAPI) -> None:
         lines = [f'inverted_buffer_groups{{state="{k}"}} {v}' for k, v in snapshot["groups"].items()]
         lines += [f'inverted_buffer_tasks{{state="{k}"}} {v}' for k, v in snapshot["tasks"].items()]
         lines += [f"inverted_buffer_{k}_total {v}" for k, v in sorted(snapshot["counters"].items())]
-        lines += [f'inverted_buffer_consumed_groups_by_staleness{{staleness="{k}"}} {v}'
-                  for k, v in snapshot["staleness_histogram"].items()]
+        lines += [
+            f'inverted_buffer_consumed_groups_by_staleness{{staleness="{k}"}} {v}'
+            for k, v in snapshot["staleness_histogram"].items()
+        ]
         lines.append(f"inverted_buffer_samples {snapshot['samples']}")
         return PlainTextResponse("\n".join(lines) + "\n")
 

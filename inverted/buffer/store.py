@@ -73,10 +73,21 @@ class SubmitResult:
 class SQLiteStore:
     """The buffer's storage: one SQLite file. Thread-safe: calls are serialised by a lock."""
 
-    def __init__(self, path: str, *, n_samples_per_prompt: int, prompts: list[PromptRecord] | None = None,
-                 shuffle: bool = False, seed: int = 42, num_epoch: int = 0, partial_rollout: bool = False,
-                 stale_policy: Literal["drop", "retry"] = "drop", group_filter: GroupFilter | None = None,
-                 group_chooser: GroupChooser | None = None, clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        path: str,
+        *,
+        n_samples_per_prompt: int,
+        prompts: list[PromptRecord] | None = None,
+        shuffle: bool = False,
+        seed: int = 42,
+        num_epoch: int = 0,
+        partial_rollout: bool = False,
+        stale_policy: Literal["drop", "retry"] = "drop",
+        group_filter: GroupFilter | None = None,
+        group_chooser: GroupChooser | None = None,
+        clock: Callable[[], float] = time.time,
+    ):
         self.n = n_samples_per_prompt
         self.shuffle, self.seed, self.num_epoch = shuffle, seed, num_epoch
         self.partial_rollout, self.stale_policy, self.group_filter = partial_rollout, stale_policy, group_filter
@@ -87,7 +98,10 @@ class SQLiteStore:
         for pragma in ("journal_mode=WAL", "synchronous=FULL", "busy_timeout=10000"):
             self._db.execute(f"PRAGMA {pragma}")
         self._db.executescript(SCHEMA)
-        for table, column in (("groups", "trained_step"), ("samples", "rollout_id")):  # a file from before they were kept
+        for table, column in (
+            ("groups", "trained_step"),
+            ("samples", "rollout_id"),
+        ):  # a file from before they were kept
             if column not in {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}:
                 self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} INTEGER")
         with self._tx():
@@ -144,8 +158,11 @@ class SQLiteStore:
 
     def _count(self, name: str, by: int = 1) -> None:
         if by:
-            self._db.execute("INSERT INTO counters (name, value) VALUES (?, ?) "
-                             "ON CONFLICT(name) DO UPDATE SET value = value + excluded.value", (name, by))
+            self._db.execute(
+                "INSERT INTO counters (name, value) VALUES (?, ?) "
+                "ON CONFLICT(name) DO UPDATE SET value = value + excluded.value",
+                (name, by),
+            )
 
     def _replay(self, request_id: str | None, kind: str) -> bytes | None:
         if request_id is None:
@@ -157,7 +174,9 @@ class SQLiteStore:
 
     def _record(self, request_id: str | None, kind: str, reply: bytes) -> None:
         if request_id is not None:
-            self._db.execute("INSERT INTO replies (request_id, kind, reply) VALUES (?, ?, ?)", (request_id, kind, reply))
+            self._db.execute(
+                "INSERT INTO replies (request_id, kind, reply) VALUES (?, ?, ?)", (request_id, kind, reply)
+            )
 
     # ---- leasing -------------------------------------------------------------------------
 
@@ -175,10 +194,14 @@ class SQLiteStore:
             return False
         group = int(self._meta("next_group"))
         prompt_index = self._order(epoch)[offset]
-        self._db.execute("INSERT INTO groups (group_index, prompt_index, epoch, state, created_at) VALUES (?, ?, ?, 'open', ?)",
-                         (group, prompt_index, epoch, now))
-        self._db.executemany("INSERT INTO tasks (group_index, sample_index, state) VALUES (?, ?, 'queued')",
-                             [(group, i) for i in range(self.n)])
+        self._db.execute(
+            "INSERT INTO groups (group_index, prompt_index, epoch, state, created_at) VALUES (?, ?, ?, 'open', ?)",
+            (group, prompt_index, epoch, now),
+        )
+        self._db.executemany(
+            "INSERT INTO tasks (group_index, sample_index, state) VALUES (?, ?, 'queued')",
+            [(group, i) for i in range(self.n)],
+        )
         offset += 1
         if offset == self.num_prompts:
             epoch, offset = epoch + 1, 0
@@ -195,27 +218,45 @@ class SQLiteStore:
             if replay is not None:
                 return orjson.loads(replay)
             now = self.clock()
-            expired = db.execute("UPDATE tasks SET state = 'queued', worker_id = NULL "
-                                 "WHERE state = 'leased' AND lease_expires <= ?", (now,)).rowcount
+            expired = db.execute(
+                "UPDATE tasks SET state = 'queued', worker_id = NULL WHERE state = 'leased' AND lease_expires <= ?",
+                (now,),
+            ).rowcount
             self._count("leases_expired", expired)
             queued = db.execute("SELECT COUNT(*) FROM tasks WHERE state = 'queued'").fetchone()[0]
             while queued < count and self._open_group(now):
                 queued += self.n
-            rows = db.execute("SELECT group_index, sample_index FROM tasks WHERE state = 'queued' "
-                              "ORDER BY group_index, sample_index LIMIT ?", (count,)).fetchall()
+            rows = db.execute(
+                "SELECT group_index, sample_index FROM tasks WHERE state = 'queued' "
+                "ORDER BY group_index, sample_index LIMIT ?",
+                (count,),
+            ).fetchall()
             leased = []
             for group, index in rows:
                 lease_id = secrets.token_urlsafe(18)
-                db.execute("UPDATE tasks SET state = 'leased', lease_id = ?, worker_id = ?, lease_expires = ?, "
-                           "attempts = attempts + 1 WHERE group_index = ? AND sample_index = ?",
-                           (lease_id, worker_id, now + lease_seconds, group, index))
+                db.execute(
+                    "UPDATE tasks SET state = 'leased', lease_id = ?, worker_id = ?, lease_expires = ?, "
+                    "attempts = attempts + 1 WHERE group_index = ? AND sample_index = ?",
+                    (lease_id, worker_id, now + lease_seconds, group, index),
+                )
                 prompt_index, record, attempts, partial = db.execute(
-                    "SELECT g.prompt_index, p.record, t.attempts, t.partial FROM tasks t JOIN groups g USING (group_index) "
-                    "JOIN prompts p USING (prompt_index) WHERE t.group_index = ? AND t.sample_index = ?",
-                    (group, index)).fetchone()
-                leased.append(Task(lease_id=lease_id, group_index=group, index=index, prompt_index=prompt_index,
-                                   **orjson.loads(record), expires_at=now + lease_seconds, attempt=attempts,
-                                   partial=Sample.from_json(partial) if partial else None).to_json())
+                    "SELECT g.prompt_index, p.record, t.attempts, t.partial "
+                    "FROM tasks t JOIN groups g USING (group_index) JOIN prompts p USING (prompt_index) "
+                    "WHERE t.group_index = ? AND t.sample_index = ?",
+                    (group, index),
+                ).fetchone()
+                leased.append(
+                    Task(
+                        lease_id=lease_id,
+                        group_index=group,
+                        index=index,
+                        prompt_index=prompt_index,
+                        **orjson.loads(record),
+                        expires_at=now + lease_seconds,
+                        attempt=attempts,
+                        partial=Sample.from_json(partial) if partial else None,
+                    ).to_json()
+                )
             self._count("tasks_leased", len(leased))
             self._record(request_id, "lease", orjson.dumps(leased))
             return leased
@@ -224,8 +265,11 @@ class SQLiteStore:
         """Put every task ``worker_id`` holds back in the queue, its leases void (a worker that stopped
         or restarted gives its tasks back at once instead of letting the leases run out); how many."""
         with self._tx() as db:
-            released = db.execute("UPDATE tasks SET state = 'queued', lease_id = NULL, worker_id = NULL "
-                                  "WHERE state = 'leased' AND worker_id = ?", (worker_id,)).rowcount
+            released = db.execute(
+                "UPDATE tasks SET state = 'queued', lease_id = NULL, worker_id = NULL "
+                "WHERE state = 'leased' AND worker_id = ?",
+                (worker_id,),
+            ).rowcount
             self._count("leases_released", released)
         return released
 
@@ -249,31 +293,50 @@ class SQLiteStore:
             rows, done, touched = [], [], set()
             for position, (lease_id, sample) in enumerate(items):
                 where, key = f"samples[{position}]", (sample.group_index, sample.index)
-                task = db.execute("SELECT t.lease_id, s.sample_index IS NOT NULL FROM tasks t LEFT JOIN samples s "
-                                  "USING (group_index, sample_index) WHERE t.group_index = ? AND t.sample_index = ?",
-                                  key).fetchone()
+                task = db.execute(
+                    "SELECT t.lease_id, s.sample_index IS NOT NULL FROM tasks t LEFT JOIN samples s "
+                    "USING (group_index, sample_index) WHERE t.group_index = ? AND t.sample_index = ?",
+                    key,
+                ).fetchone()
                 if task is None:
                     raise SampleError(f"{where}.group_index: unknown group/index {key}")
                 if task[1] or key in done:
                     result.duplicates += 1
                     continue
                 if task[0] != lease_id:
-                    raise LeaseConflict(f"{where}: lease {lease_id!r} is not the current lease of task {key} "
-                                        "(it expired and was leased again)")
+                    raise LeaseConflict(
+                        f"{where}: lease {lease_id!r} is not the current lease of task {key} "
+                        "(it expired and was leased again)"
+                    )
                 if sample.status in (Sample.Status.ABORTED, Sample.Status.PENDING):
                     keep = blobs[position] if self.partial_rollout and sample.response_length else None
-                    db.execute("UPDATE tasks SET state = 'queued', lease_id = NULL, worker_id = NULL, partial = ? "
-                               "WHERE group_index = ? AND sample_index = ?", (keep, *key))
+                    db.execute(
+                        "UPDATE tasks SET state = 'queued', lease_id = NULL, worker_id = NULL, partial = ? "
+                        "WHERE group_index = ? AND sample_index = ?",
+                        (keep, *key),
+                    )
                     self._count("samples_requeued_partial" if keep else "samples_requeued_aborted")
                     result.requeued += 1
                     continue
-                rows.append((*key, blobs[position], lowest[position], sample.status == Sample.Status.FAILED,
-                             sample.metadata.get("rollout_id")))
+                rows.append(
+                    (
+                        *key,
+                        blobs[position],
+                        lowest[position],
+                        sample.status == Sample.Status.FAILED,
+                        sample.metadata.get("rollout_id"),
+                    )
+                )
                 done.append(key)
                 touched.add(sample.group_index)
-            db.executemany("INSERT INTO samples (group_index, sample_index, sample, min_version, failed, rollout_id) "
-                           "VALUES (?, ?, ?, ?, ?, ?)", rows)
-            db.executemany("UPDATE tasks SET state = 'done', partial = NULL WHERE group_index = ? AND sample_index = ?", done)
+            db.executemany(
+                "INSERT INTO samples (group_index, sample_index, sample, min_version, failed, rollout_id) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                rows,
+            )
+            db.executemany(
+                "UPDATE tasks SET state = 'done', partial = NULL WHERE group_index = ? AND sample_index = ?", done
+            )
             result.accepted = len(rows)
             for group in sorted(touched):
                 if self._complete_group(group):
@@ -297,16 +360,28 @@ class SQLiteStore:
             group = int(self._meta("next_group"))
             prompt_index = db.execute("SELECT COALESCE(MAX(prompt_index) + 1, 0) FROM prompts").fetchone()[0]
             db.execute("INSERT INTO prompts (prompt_index, record) VALUES (?, ?)", (prompt_index, blob))
-            db.execute("INSERT INTO groups (group_index, prompt_index, epoch, state, min_version, staleness, batch_id, "
-                       "created_at, completed_at, consumed_at) VALUES (?, ?, -1, 'consumed', ?, 0, ?, ?, ?, ?)",
-                       (group, prompt_index, min((v for v in lowest if v is not None), default=None), batch_id,
-                        now, now, now))
-            db.executemany("INSERT INTO tasks (group_index, sample_index, state, attempts) VALUES (?, ?, 'done', 1)",
-                           [(group, i) for i in range(len(samples))])
-            db.executemany("INSERT INTO samples (group_index, sample_index, sample, min_version, failed) "
-                           "VALUES (?, ?, ?, ?, ?)",
-                           [(group, i, orjson.dumps(replace(sample, group_index=group, index=i).to_json()),
-                             lowest[i], sample.status == Sample.Status.FAILED) for i, sample in enumerate(samples)])
+            db.execute(
+                "INSERT INTO groups (group_index, prompt_index, epoch, state, min_version, staleness, batch_id, "
+                "created_at, completed_at, consumed_at) VALUES (?, ?, -1, 'consumed', ?, 0, ?, ?, ?, ?)",
+                (group, prompt_index, min((v for v in lowest if v is not None), default=None), batch_id, now, now, now),
+            )
+            db.executemany(
+                "INSERT INTO tasks (group_index, sample_index, state, attempts) VALUES (?, ?, 'done', 1)",
+                [(group, i) for i in range(len(samples))],
+            )
+            db.executemany(
+                "INSERT INTO samples (group_index, sample_index, sample, min_version, failed) VALUES (?, ?, ?, ?, ?)",
+                [
+                    (
+                        group,
+                        i,
+                        orjson.dumps(replace(sample, group_index=group, index=i).to_json()),
+                        lowest[i],
+                        sample.status == Sample.Status.FAILED,
+                    )
+                    for i, sample in enumerate(samples)
+                ],
+            )
             self._set_meta("next_group", group + 1)
             self._count("groups_recorded")
             self._count("samples_accepted", len(samples))
@@ -314,19 +389,28 @@ class SQLiteStore:
 
     def _complete_group(self, group: int) -> bool:
         done, min_version, failed = self._db.execute(
-            "SELECT COUNT(*), MIN(min_version), MAX(failed) FROM samples WHERE group_index = ?", (group,)).fetchone()
+            "SELECT COUNT(*), MIN(min_version), MAX(failed) FROM samples WHERE group_index = ?", (group,)
+        ).fetchone()
         if done < self.n:
             return False
-        self._db.execute("UPDATE groups SET state = ?, min_version = ?, completed_at = ? WHERE group_index = ?",
-                         ("failed" if failed else "complete", min_version, self.clock(), group))
+        self._db.execute(
+            "UPDATE groups SET state = ?, min_version = ?, completed_at = ? WHERE group_index = ?",
+            ("failed" if failed else "complete", min_version, self.clock(), group),
+        )
         if failed:
             self._count("groups_failed")
         return True
 
     # ---- batches -------------------------------------------------------------------------
 
-    def next_batch(self, num_groups: int, current_version: int | None, max_staleness: int | None,
-                   request_id: str | None = None, allow_partial: bool = False) -> bytes | None:
+    def next_batch(
+        self,
+        num_groups: int,
+        current_version: int | None,
+        max_staleness: int | None,
+        request_id: str | None = None,
+        allow_partial: bool = False,
+    ) -> bytes | None:
         """Serve ``num_groups`` complete groups as JSON, or None (nothing consumed) if too few qualify.
 
         Groups past the staleness bound are dropped or re-sampled, and groups the filter rejects
@@ -338,32 +422,49 @@ class SQLiteStore:
                 return replay
             accepted: list[tuple[int, int, list[bytes]]] = []
             for group, min_version in db.execute(
-                    "SELECT group_index, min_version FROM groups WHERE state = 'complete' ORDER BY group_index").fetchall():
+                "SELECT group_index, min_version FROM groups WHERE state = 'complete' ORDER BY group_index"
+            ).fetchall():
                 if len(accepted) == num_groups and self.group_chooser is None:  # a chooser sees every waiting group
                     break
-                staleness = 0 if current_version is None or min_version is None else max(0, current_version - min_version)
+                staleness = (
+                    0 if current_version is None or min_version is None else max(0, current_version - min_version)
+                )
                 if max_staleness is not None and staleness > max_staleness:
                     self._set_aside_stale(group)
                     continue
-                blobs = [b for (b,) in db.execute("SELECT sample FROM samples WHERE group_index = ? ORDER BY sample_index", (group,))]
+                blobs = [
+                    b
+                    for (b,) in db.execute(
+                        "SELECT sample FROM samples WHERE group_index = ? ORDER BY sample_index", (group,)
+                    )
+                ]
                 if self.group_filter is not None and not self.group_filter([Sample.from_json(b) for b in blobs]):
                     db.execute("UPDATE groups SET state = 'filtered' WHERE group_index = ?", (group,))
                     self._count("groups_filtered")
                     continue
                 accepted.append((group, staleness, blobs))
             if self.group_chooser is not None and accepted:
-                chosen = self.group_chooser([[Sample.from_json(b) for b in blobs] for _, _, blobs in accepted],
-                                            num_groups, current_version)
+                chosen = self.group_chooser(
+                    [[Sample.from_json(b) for b in blobs] for _, _, blobs in accepted], num_groups, current_version
+                )
                 accepted = [accepted[i] for i in chosen][:num_groups]
             if not accepted or (len(accepted) < num_groups and not allow_partial):
                 return None
             batch_id = secrets.token_hex(8)
             now = self.clock()
-            db.executemany("UPDATE groups SET state = 'consumed', staleness = ?, batch_id = ?, consumed_at = ? WHERE group_index = ?",
-                           [(staleness, batch_id, now, group) for group, staleness, _ in accepted])
+            db.executemany(
+                "UPDATE groups SET state = 'consumed', staleness = ?, batch_id = ?, consumed_at = ? "
+                "WHERE group_index = ?",
+                [(staleness, batch_id, now, group) for group, staleness, _ in accepted],
+            )
             self._count("groups_consumed", len(accepted))
-            reply = orjson.dumps({"batch_id": batch_id, "groups": [[orjson.Fragment(b) for b in blobs] for _, _, blobs in accepted],
-                                  "staleness": [s for _, s, _ in accepted]})
+            reply = orjson.dumps(
+                {
+                    "batch_id": batch_id,
+                    "groups": [[orjson.Fragment(b) for b in blobs] for _, _, blobs in accepted],
+                    "staleness": [s for _, s, _ in accepted],
+                }
+            )
             self._record(request_id, "batch", reply)
             return reply
 
@@ -385,7 +486,9 @@ class SQLiteStore:
             if not rows:
                 return 0
             if other := sorted({t for _, t in rows if t is not None and t != step}):
-                raise LeaseConflict(f"batch {batch_id!r} was trained in step {other[0]} already, not again in step {step}")
+                raise LeaseConflict(
+                    f"batch {batch_id!r} was trained in step {other[0]} already, not again in step {step}"
+                )
             fresh = sum(t is None for _, t in rows)
             db.execute("UPDATE groups SET trained_step = ? WHERE batch_id = ?", (step, batch_id))
             self._count("groups_trained", fresh)
@@ -397,9 +500,14 @@ class SQLiteStore:
             self._count("groups_dropped_stale")
             return
         self._db.execute("DELETE FROM samples WHERE group_index = ?", (group,))
-        self._db.execute("UPDATE tasks SET state = 'queued', lease_id = NULL, worker_id = NULL, partial = NULL "
-                         "WHERE group_index = ?", (group,))
-        self._db.execute("UPDATE groups SET state = 'open', min_version = NULL, completed_at = NULL WHERE group_index = ?", (group,))
+        self._db.execute(
+            "UPDATE tasks SET state = 'queued', lease_id = NULL, worker_id = NULL, partial = NULL "
+            "WHERE group_index = ?",
+            (group,),
+        )
+        self._db.execute(
+            "UPDATE groups SET state = 'open', min_version = NULL, completed_at = NULL WHERE group_index = ?", (group,)
+        )
         self._count("groups_retried_stale")
 
     # ---- observing -----------------------------------------------------------------------
@@ -407,14 +515,29 @@ class SQLiteStore:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             db = self._db
-            groups = dict.fromkeys(GROUP_STATES, 0) | dict(db.execute("SELECT state, COUNT(*) FROM groups GROUP BY state").fetchall())
-            tasks = dict.fromkeys(TASK_STATES, 0) | dict(db.execute("SELECT state, COUNT(*) FROM tasks GROUP BY state").fetchall())
-            histogram = {str(k): v for k, v in db.execute(
-                "SELECT staleness, COUNT(*) FROM groups WHERE state = 'consumed' GROUP BY staleness ORDER BY staleness")}
-            return {
-                "groups": groups, "tasks": tasks, "samples": db.execute("SELECT COUNT(*) FROM samples").fetchone()[0],
-                "staleness_histogram": histogram, "counters": dict(db.execute("SELECT name, value FROM counters").fetchall()),
-                "dataset": {"prompts": self.num_prompts, "epoch": int(self._meta("epoch")), "offset": int(self._meta("offset")),
-                            "n_samples_per_prompt": self.n},
+            groups = dict.fromkeys(GROUP_STATES, 0) | dict(
+                db.execute("SELECT state, COUNT(*) FROM groups GROUP BY state").fetchall()
+            )
+            tasks = dict.fromkeys(TASK_STATES, 0) | dict(
+                db.execute("SELECT state, COUNT(*) FROM tasks GROUP BY state").fetchall()
+            )
+            histogram = {
+                str(k): v
+                for k, v in db.execute(
+                    "SELECT staleness, COUNT(*) FROM groups WHERE state = 'consumed' "
+                    "GROUP BY staleness ORDER BY staleness"
+                )
             }
-
+            return {
+                "groups": groups,
+                "tasks": tasks,
+                "samples": db.execute("SELECT COUNT(*) FROM samples").fetchone()[0],
+                "staleness_histogram": histogram,
+                "counters": dict(db.execute("SELECT name, value FROM counters").fetchall()),
+                "dataset": {
+                    "prompts": self.num_prompts,
+                    "epoch": int(self._meta("epoch")),
+                    "offset": int(self._meta("offset")),
+                    "n_samples_per_prompt": self.n,
+                },
+            }

@@ -50,6 +50,7 @@ from inverted.types import encode_routed_experts
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass
 class SpecInfo:
     """slime's ``Sample.SpecInfo``: speculative-decoding counts (none here: no speculative decoding)."""
@@ -161,16 +162,27 @@ class Sample:
     def effective_response_length(self) -> int:
         return sum(self.loss_mask) if self.loss_mask is not None else self.response_length
 
-    def append_response_tokens(self, args: Any = None, *, tokens: Any = None, log_probs: Any = None,
-                               trainable: bool = True, meta_info: dict | None = None, text: str | None = None,
-                               update_terminal_info: bool = True) -> None:
+    def append_response_tokens(
+        self,
+        args: Any = None,
+        *,
+        tokens: Any = None,
+        log_probs: Any = None,
+        trainable: bool = True,
+        meta_info: dict | None = None,
+        text: str | None = None,
+        update_terminal_info: bool = True,
+    ) -> None:
         """slime's: append response tokens with their mask and logprobs aligned. The policy's tokens come
         with their logprobs (and SGLang's ``meta_info``: the status from its finish reason, the weight
         version, the prefix-cache counts); a tool's or the environment's with ``trainable=False``
         (mask 0, logprob 0.0)."""
         tokens = [int(t) for t in (tokens.tolist() if hasattr(tokens, "tolist") else tokens or [])]
-        log_probs = None if log_probs is None else [
-            float(v) for v in (log_probs.tolist() if hasattr(log_probs, "tolist") else log_probs)]
+        log_probs = (
+            None
+            if log_probs is None
+            else [float(v) for v in (log_probs.tolist() if hasattr(log_probs, "tolist") else log_probs)]
+        )
         if log_probs is not None and len(log_probs) != len(tokens):
             raise ValueError(f"log_probs length {len(log_probs)} != tokens length {len(tokens)}")
         if tokens and trainable and log_probs is None:
@@ -192,24 +204,32 @@ class Sample:
         if log_probs is not None:
             if self.rollout_log_probs is None:
                 if trainable and before:
-                    raise ValueError("Cannot append trainable rollout log probabilities to a sample with existing "
-                                     "response tokens but no existing rollout_log_probs.")
+                    raise ValueError(
+                        "Cannot append trainable rollout log probabilities to a sample with existing "
+                        "response tokens but no existing rollout_log_probs."
+                    )
                 self.rollout_log_probs = [0.0] * before
             self.rollout_log_probs += log_probs
         if meta_info and update_terminal_info and "finish_reason" in meta_info:
             self.prefix_cache_info.add(meta_info)
             if "weight_version" in meta_info:
                 self.weight_versions.append(meta_info["weight_version"])
-            status = {"length": _Sample.Status.TRUNCATED, "abort": _Sample.Status.ABORTED,
-                      "stop": _Sample.Status.COMPLETED}.get((meta_info["finish_reason"] or {}).get("type"))
+            status = {
+                "length": _Sample.Status.TRUNCATED,
+                "abort": _Sample.Status.ABORTED,
+                "stop": _Sample.Status.COMPLETED,
+            }.get((meta_info["finish_reason"] or {}).get("type"))
             self.status = status or self.status
         if self.loss_mask is not None and len(self.loss_mask) != self.response_length:
             raise ValueError(f"loss_mask length {len(self.loss_mask)} != response_length {self.response_length}")
 
     def to_dict(self) -> dict[str, Any]:
         value = dict(self.__dict__)
-        value |= {"status": self.status.value, "spec_info": self.spec_info.to_dict(),
-                  "prefix_cache_info": self.prefix_cache_info.to_dict()}
+        value |= {
+            "status": self.status.value,
+            "spec_info": self.spec_info.to_dict(),
+            "prefix_cache_info": self.prefix_cache_info.to_dict(),
+        }
         return value
 
     @staticmethod
@@ -243,21 +263,38 @@ def from_inverted(sample: _Sample, cls: type | None = None, args: Any = None) ->
     if args is not None:
         index = sample.group_index * args.n_samples_per_prompt + sample.index
         if sample.response_length and getattr(args, "hf_checkpoint", None):
-            response = _tokenizer_of(args).decode(sample.tokens[-sample.response_length:])
+            response = _tokenizer_of(args).decode(sample.tokens[-sample.response_length :])
         if args.apply_chat_template and isinstance(prompt, list):
             prompt = _tokenizer_of(args).apply_chat_template(
-                prompt, tools=metadata.get("tools"), tokenize=False, add_generation_prompt=True,
-                **(args.apply_chat_template_kwargs or {}))
-    extra = {"response": response, "remove_sample": sample.remove_sample,
-             "teacher_log_probs": None if sample.teacher_log_probs is None else list(sample.teacher_log_probs),
-             **{name: None if getattr(sample, name) is None else list(getattr(sample, name)) for name in KEPT_SETS}}
+                prompt,
+                tools=metadata.get("tools"),
+                tokenize=False,
+                add_generation_prompt=True,
+                **(args.apply_chat_template_kwargs or {}),
+            )
+    extra = {
+        "response": response,
+        "remove_sample": sample.remove_sample,
+        "teacher_log_probs": None if sample.teacher_log_probs is None else list(sample.teacher_log_probs),
+        **{name: None if getattr(sample, name) is None else list(getattr(sample, name)) for name in KEPT_SETS},
+    }
     known = getattr(cls, "__dataclass_fields__", extra)  # an older slime's Sample lacks the newer fields
-    view = cls(group_index=sample.group_index, index=index, prompt=prompt, tokens=list(sample.tokens),
-               response_length=sample.response_length, label=sample.label, reward=sample.reward,
-               loss_mask=list(sample.loss_mask) if sample.response_length else None,  # slime's: None until a response
-               rollout_log_probs=None if sample.rollout_log_probs is None else list(sample.rollout_log_probs),
-               weight_versions=_calls_of(sample.weight_versions), status=cls.Status(sample.status.value),
-               metadata=metadata, session_id=sample.session_id, **{k: v for k, v in extra.items() if k in known})
+    view = cls(
+        group_index=sample.group_index,
+        index=index,
+        prompt=prompt,
+        tokens=list(sample.tokens),
+        response_length=sample.response_length,
+        label=sample.label,
+        reward=sample.reward,
+        loss_mask=list(sample.loss_mask) if sample.response_length else None,  # slime's: None until a response
+        rollout_log_probs=None if sample.rollout_log_probs is None else list(sample.rollout_log_probs),
+        weight_versions=_calls_of(sample.weight_versions),
+        status=cls.Status(sample.status.value),
+        metadata=metadata,
+        session_id=sample.session_id,
+        **{k: v for k, v in extra.items() if k in known},
+    )
     for name in extra.keys() - known:
         setattr(view, name, extra[name])
     view.rollout_routed_experts = sample.rollout_routed_experts  # slime's newer field; an attribute on older ones
@@ -298,15 +335,22 @@ def to_inverted(view: Any, calls: list[GenerateCall] | None = None, serving: Ser
     it recorded none, each token has ``serving``'s. Rollout log-probs are optional, as in slime:
     without them the trainer's own old log-probs stand in."""
     n = view.response_length
-    logprobs = None if view.rollout_log_probs is None else [
-        float(v) for v in (view.rollout_log_probs.tolist() if hasattr(view.rollout_log_probs, "tolist")
-                           else view.rollout_log_probs)]
+    logprobs = (
+        None
+        if view.rollout_log_probs is None
+        else [
+            float(v)
+            for v in (
+                view.rollout_log_probs.tolist() if hasattr(view.rollout_log_probs, "tolist") else view.rollout_log_probs
+            )
+        ]
+    )
     if logprobs is not None and not logprobs and n:  # slime's empty list: none recorded
         logprobs = None
     mask = list(view.loss_mask) if view.loss_mask is not None else [1] * n
     status = _Sample.Status(getattr(view.status, "value", view.status))
     if status == _Sample.Status.PENDING and n:  # slime trains what its plug-ins return: a response left pending
-        status = _Sample.Status.COMPLETED       # (SFT data, never generated) is complete as it is
+        status = _Sample.Status.COMPLETED  # (SFT data, never generated) is complete as it is
     metadata = dict(view.metadata or {})
     try:
         versions = token_versions(view, mask, calls or [])
@@ -317,15 +361,27 @@ def to_inverted(view: Any, calls: list[GenerateCall] | None = None, serving: Ser
         if serving.inferred:
             metadata["weight_versions_inferred"] = True
     teacher = getattr(view, "teacher_log_probs", None)
-    return _Sample(group_index=view.group_index, index=getattr(view, "_index", view.index), prompt=view.prompt,
-                   tokens=list(view.tokens), response_length=n, loss_mask=mask, rollout_log_probs=logprobs,
-                   weight_versions=versions, reward=view.reward, status=status, label=view.label,
-                   metadata=metadata, session_id=getattr(view, "session_id", None),
-                   rollout_routed_experts=_routes_of(getattr(view, "rollout_routed_experts", None)),
-                   remove_sample=bool(getattr(view, "remove_sample", False)),
-                   teacher_log_probs=None if teacher is None else [
-                       float(v) for v in (teacher.tolist() if hasattr(teacher, "tolist") else teacher)],
-                   **{name: _ints_of(getattr(view, name, None)) for name in KEPT_SETS})
+    return _Sample(
+        group_index=view.group_index,
+        index=getattr(view, "_index", view.index),
+        prompt=view.prompt,
+        tokens=list(view.tokens),
+        response_length=n,
+        loss_mask=mask,
+        rollout_log_probs=logprobs,
+        weight_versions=versions,
+        reward=view.reward,
+        status=status,
+        label=view.label,
+        metadata=metadata,
+        session_id=getattr(view, "session_id", None),
+        rollout_routed_experts=_routes_of(getattr(view, "rollout_routed_experts", None)),
+        remove_sample=bool(getattr(view, "remove_sample", False)),
+        teacher_log_probs=None
+        if teacher is None
+        else [float(v) for v in (teacher.tolist() if hasattr(teacher, "tolist") else teacher)],
+        **{name: _ints_of(getattr(view, name, None)) for name in KEPT_SETS},
+    )
 
 
 KEPT_SETS = ("rollout_top_p_token_ids", "rollout_top_p_token_offsets")
@@ -377,9 +433,11 @@ def token_versions(view: Any, mask: list[int], calls: list[GenerateCall]) -> lis
     elif not n:
         return []
     else:
-        raise SampleError(f"slime Sample (group {view.group_index}, index {view.index}): cannot tell which of its "
-                          f"{n} response tokens each of weight_versions {versions} sampled; call the router through "
-                          "slime.utils.http_utils.post (it records each answer's version)")
+        raise SampleError(
+            f"slime Sample (group {view.group_index}, index {view.index}): cannot tell which of its "
+            f"{n} response tokens each of weight_versions {versions} sampled; call the router through "
+            "slime.utils.http_utils.post (it records each answer's version)"
+        )
     out, current, taken = [], sampled[0] if sampled else "default", iter(sampled)
     for m in mask:  # tokens before the first sampled one belong to the first call
         if m:
@@ -389,6 +447,7 @@ def token_versions(view: Any, mask: list[int], calls: list[GenerateCall]) -> lis
 
 
 # -- args ------------------------------------------------------------------------------------------
+
 
 class SlimeArgs:
     """slime's ``args``: the job's flags under slime's names (``args.rollout_max_response_len``), the slime
@@ -419,8 +478,9 @@ class SlimeArgs:
         flag = slime_flags.table().get(name)
         if flag is not None:
             return flag.default
-        raise AttributeError(f"args.{name}: not a flag of slime's train.py nor of inverted; see "
-                             "docs/migrating-from-slime.md") from None
+        raise AttributeError(
+            f"args.{name}: not a flag of slime's train.py nor of inverted; see docs/migrating-from-slime.md"
+        ) from None
 
     def __setattr__(self, name: str, value: Any) -> None:
         self._values[name] = value
@@ -477,13 +537,15 @@ def record_calls() -> list[GenerateCall]:
 
 
 @contextlib.contextmanager
-def generating_with(lora_path: str | None, router_url: str | None = None,
-                    router_api_key: str | None = None) -> Iterator[None]:
+def generating_with(
+    lora_path: str | None, router_url: str | None = None, router_api_key: str | None = None
+) -> Iterator[None]:
     """Within it, ``post`` names this LoRA adapter in every ``/generate`` that names none (a LoRA
     run's policy is its adapter, and a slime plug-in written for full fine-tuning would sample the
     base), and sends the router's key with every call to ``router_url`` (slime's router takes none)."""
-    setting = _Generating(lora_path, (router_url.rstrip("/") + "/", router_api_key)
-                          if router_url and router_api_key else None)
+    setting = _Generating(
+        lora_path, (router_url.rstrip("/") + "/", router_api_key) if router_url and router_api_key else None
+    )
     token = _generating.set(setting)
     _in_process.append(setting)
     try:
@@ -529,7 +591,9 @@ async def post(url: str, payload: Any, max_retries: int = 60, headers: dict[str,
             await asyncio.sleep(1)
     calls = _calls.get()
     if calls is not None and isinstance(output, dict) and "output_ids" in output and "meta_info" in output:
-        calls.append(GenerateCall(tuple(output["output_ids"]), str(output["meta_info"].get("weight_version", "default"))))
+        calls.append(
+            GenerateCall(tuple(output["output_ids"]), str(output["meta_info"].get("weight_version", "default")))
+        )
     return output
 
 
@@ -542,12 +606,14 @@ def http_utils_attr(name: str) -> Any:
 
     loop = asyncio.get_running_loop()
     if loop not in _httpx_clients:
+
         async def add_router_key(request: httpx.Request) -> None:
             for key, value in (_with_router_key(str(request.url), dict(request.headers)) or {}).items():
                 request.headers[key] = value
 
-        _httpx_clients[loop] = httpx.AsyncClient(timeout=None, trust_env=False,
-                                                 event_hooks={"request": [add_router_key]})
+        _httpx_clients[loop] = httpx.AsyncClient(
+            timeout=None, trust_env=False, event_hooks={"request": [add_router_key]}
+        )
     return _httpx_clients[loop]
 
 
@@ -580,15 +646,22 @@ class GenerateState:
             # slime's --sglang-server-concurrency is per server; without it, our --rollout-concurrency
             concurrency = args.rollout_concurrency
             if isinstance(args, SlimeArgs) and args.is_set("sglang_server_concurrency"):
-                concurrency = args.sglang_server_concurrency * max(1, args.rollout_num_gpus // args.rollout_num_gpus_per_engine)
+                concurrency = args.sglang_server_concurrency * max(
+                    1, args.rollout_num_gpus // args.rollout_num_gpus_per_engine
+                )
             state.semaphore = asyncio.Semaphore(concurrency)
             state.aborted = False  # slime aborts a rollout's leftovers; here the buffer's leases do
             state.dp_rank = 0
             state.group_sampling_seeds = [args.rollout_seed + i for i in range(args.n_samples_per_prompt)]
             state.sampling_params = {
-                "temperature": args.rollout_temperature, "top_p": args.rollout_top_p, "top_k": -1,
-                "max_new_tokens": args.rollout_max_response_len, "skip_special_tokens": False,
-                "no_stop_trim": True, "spaces_between_special_tokens": False}
+                "temperature": args.rollout_temperature,
+                "top_p": args.rollout_top_p,
+                "top_k": -1,
+                "max_new_tokens": args.rollout_max_response_len,
+                "skip_special_tokens": False,
+                "no_stop_trim": True,
+                "spaces_between_special_tokens": False,
+            }
             cls._instance = state
         return cls._instance
 

@@ -54,8 +54,10 @@ def apply(cfg: JobConfig, flags: slime_flags.SlimeFlags | None, sglang_args: lis
     if steps := given.get("num_steps_per_rollout"):
         samples = cfg.rollout.rollout_batch_size * cfg.buffer.n_samples_per_prompt
         if samples % steps:
-            raise ConfigError(f"--num-steps-per-rollout {steps}: must divide --rollout-batch-size x "
-                              f"--n-samples-per-prompt = {samples}")
+            raise ConfigError(
+                f"--num-steps-per-rollout {steps}: must divide --rollout-batch-size x "
+                f"--n-samples-per-prompt = {samples}"
+            )
         _set_once(cfg, ("train",), "global_batch_size", samples // steps, "--num-steps-per-rollout")
     if (chunk := given.get("log_probs_chunk_size", -1)) > 0:
         _set_once(cfg, ("train",), "logprob_chunk_size", chunk, "--log-probs-chunk-size")

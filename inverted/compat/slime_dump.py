@@ -27,8 +27,9 @@ def read(path: Path) -> list[Sample]:
     except OSError as exc:
         raise SampleError(f"--load-debug-rollout-data {path}: cannot read: {exc}") from None
     except (RuntimeError, pickle.UnpicklingError, KeyError, TypeError, ValueError) as exc:
-        raise SampleError(f"--load-debug-rollout-data {path}: not a slime rollout dump "
-                          f"({{'rollout_id', 'samples': [...]}}): {exc}") from None
+        raise SampleError(
+            f"--load-debug-rollout-data {path}: not a slime rollout dump ({{'rollout_id', 'samples': [...]}}): {exc}"
+        ) from None
     samples = []
     for number, view in enumerate(views):
         try:
@@ -46,5 +47,10 @@ def write(path: Path, rollout_id: int, samples: list[Sample], flags: dict[str, A
     import torch
 
     args = slime.SlimeArgs.of(flags) if flags else None  # the job's: slime's numbering and response text
-    torch.save({"rollout_id": rollout_id,
-                "samples": [slime.from_inverted(s, cls=slime.Sample, args=args).to_dict() for s in samples]}, path)
+    torch.save(
+        {
+            "rollout_id": rollout_id,
+            "samples": [slime.from_inverted(s, cls=slime.Sample, args=args).to_dict() for s in samples],
+        },
+        path,
+    )

@@ -92,7 +92,7 @@ def read_from() -> dict[str, str]:
 # slime flags with slime's meaning, implemented here through ``args`` (the reason says where).
 SAME: dict[str, str] = {
     "calculate_per_token_loss": "a custom pg-loss reducer is told so, and its value is divided by the step's "
-                                "loss tokens instead of its samples, as Megatron does",
+    "loss tokens instead of its samples, as Megatron does",
     "apply_chat_template": "slime Samples' prompts are the chat template's text, not the message list",
     "custom_config_path": "its YAML keys are set on args, as slime does",
     "num_steps_per_rollout": "sets --global-batch-size to the rollout's samples / N",
@@ -102,13 +102,13 @@ SAME: dict[str, str] = {
     "loss_mask_type": "read by slime.utils.mask_utils",
     "load_forge_rollout_data": "read by slime.rollout.forge_load",
     "rm_type": "slime's rule-based reward models (slime.rollout.rm_hub.async_rm) score the Samples, unless "
-               "--custom-rm-path is given",
+    "--custom-rm-path is given",
     "rm_url": "where the remote_rm reward model posts {prompt, response, label}",
     "use_opd": "on-policy distillation: each token's advantage minus --opd-kl-coef x (the trainer's log-prob - "
-               "the teacher's), the teacher's from sample.teacher_log_probs",
+    "the teacher's), the teacher's from sample.teacher_log_probs",
     "opd_kl_coef": "the weight of on-policy distillation's reverse KL in the advantages",
     "opd_type": "where the teacher's log-probs come from: sglang, with the Samples (slime's on_policy_distillation "
-                "plug-ins ask a teacher server); megatron, the trainer runs the teacher (--opd-teacher-load)",
+    "plug-ins ask a teacher server); megatron, the trainer runs the teacher (--opd-teacher-load)",
     "opd_teacher_load": "the teacher's HF checkpoint (slime's: its Megatron conversion), of the policy's architecture",
     "train_backend": "Megatron-core is the only backend, as slime's default",
     "use_dynamic_batch_size": "micro-batches are always packed by token budget (--max-tokens-per-gpu)",
@@ -117,7 +117,7 @@ SAME: dict[str, str] = {
     "log_passrate": "the pass rate is always logged (rollout/pass_rate, eval/pass_rate)",
     "accumulate_allreduce_grads_in_fp32": "gradients are always reduced in fp32",
     "log_probs_chunk_size": "sets --logprob-chunk-size (tokens whose logits exist at once); slime's -1, whole "
-                            "logits, is --logprob-chunk-size 0, but the chunked path gives the same log-probs",
+    "logits, is --logprob-chunk-size 0, but the chunked path gives the same log-probs",
 }
 
 # Megatron's model-shape flags: checked against the HF config (attribute names; the first found).
@@ -145,42 +145,126 @@ _LOGGING = "metrics go to OUTPUT_DIR/metrics.jsonl and TensorBoard (no Weights &
 _DELTA = "weights are pushed whole, in flattened buckets (--update-weight-transport)"
 
 NO_EFFECT: dict[str, str] = {
-    **dict.fromkeys((
-        "swiglu", "add_bias_linear", "normalization", "group_query_attention", "position_embedding_type",
-        "use_rotary_position_embeddings", "rotary_percent", "add_qkv_bias", "qk_layernorm", "layernorm_zero_centered_gamma",
-        "attention_output_gate", "multi_latent_attention", "kv_lora_rank", "q_lora_rank", "qk_head_dim",
-        "qk_pos_emb_head_dim", "v_head_dim", "rotary_scaling_factor", "mscale", "mscale_all_dim", "use_rope_scaling",
-        "rotary_interleaved", "add_position_embedding", "moe_layer_freq", "moe_router_score_function",
-        "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
-        "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "moe_shared_expert_gate",
-        "make_vocab_size_divisible_by", "spec", "mtp_num_layers", "max_position_embeddings", "seq_length",
-        "moe_router_load_balancing_type", "moe_token_drop_policy", "moe_router_dtype", "model_name",
-        "padded_vocab_size"), _SHAPE),
-    **dict.fromkeys((
-        "attention_backend", "attention_softmax_in_fp32", "moe_enable_deepep", "moe_grouped_gemm", "moe_permute_fusion",
-        "moe_token_dispatcher_type", "gradient_accumulation_fusion", "masked_softmax_fusion", "apply_rope_fusion",
-        "bias_swiglu_fusion", "bias_dropout_fusion", "transformer_impl", "overlap_cpu_optimizer_d2h_h2d",
-        "optimizer_cpu_offload", "use_precision_aware_optimizer", "expert_tensor_parallel_size", "micro_batch_size",
-        "data_pad_size_multiplier", "deterministic_mode", "offload_train", "offload_rollout",
-        "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "allgather_cp",
-        "fp8", "fp8_recipe", "fp8_param_gather", "overlap_grad_reduce", "overlap_param_gather",
-        "num_gpus_per_node", "distributed_backend", "distributed_timeout_minutes", "train_env_vars",
-        "check_for_nan_in_loss_and_grad", "sglang_router_request_timeout_secs"), _KERNEL),
-    **dict.fromkeys(("use_wandb", "wandb_project", "wandb_group", "wandb_team", "wandb_host", "wandb_key",
-                     "wandb_mode", "wandb_dir", "wandb_random_suffix", "wandb_run_id", "wandb_always_use_train_step"),
-                    _LOGGING),
-    **dict.fromkeys(("update_weight_delta_encoding", "update_weight_delta_checksum", "update_weight_local_checkpoint_dir"),
-                    _DELTA),
+    **dict.fromkeys(
+        (
+            "swiglu",
+            "add_bias_linear",
+            "normalization",
+            "group_query_attention",
+            "position_embedding_type",
+            "use_rotary_position_embeddings",
+            "rotary_percent",
+            "add_qkv_bias",
+            "qk_layernorm",
+            "layernorm_zero_centered_gamma",
+            "attention_output_gate",
+            "multi_latent_attention",
+            "kv_lora_rank",
+            "q_lora_rank",
+            "qk_head_dim",
+            "qk_pos_emb_head_dim",
+            "v_head_dim",
+            "rotary_scaling_factor",
+            "mscale",
+            "mscale_all_dim",
+            "use_rope_scaling",
+            "rotary_interleaved",
+            "add_position_embedding",
+            "moe_layer_freq",
+            "moe_router_score_function",
+            "moe_router_pre_softmax",
+            "moe_router_topk_scaling_factor",
+            "moe_router_num_groups",
+            "moe_router_group_topk",
+            "moe_router_enable_expert_bias",
+            "moe_router_bias_update_rate",
+            "moe_shared_expert_gate",
+            "make_vocab_size_divisible_by",
+            "spec",
+            "mtp_num_layers",
+            "max_position_embeddings",
+            "seq_length",
+            "moe_router_load_balancing_type",
+            "moe_token_drop_policy",
+            "moe_router_dtype",
+            "model_name",
+            "padded_vocab_size",
+        ),
+        _SHAPE,
+    ),
+    **dict.fromkeys(
+        (
+            "attention_backend",
+            "attention_softmax_in_fp32",
+            "moe_enable_deepep",
+            "moe_grouped_gemm",
+            "moe_permute_fusion",
+            "moe_token_dispatcher_type",
+            "gradient_accumulation_fusion",
+            "masked_softmax_fusion",
+            "apply_rope_fusion",
+            "bias_swiglu_fusion",
+            "bias_dropout_fusion",
+            "transformer_impl",
+            "overlap_cpu_optimizer_d2h_h2d",
+            "optimizer_cpu_offload",
+            "use_precision_aware_optimizer",
+            "expert_tensor_parallel_size",
+            "micro_batch_size",
+            "data_pad_size_multiplier",
+            "deterministic_mode",
+            "offload_train",
+            "offload_rollout",
+            "decoder_first_pipeline_num_layers",
+            "decoder_last_pipeline_num_layers",
+            "allgather_cp",
+            "fp8",
+            "fp8_recipe",
+            "fp8_param_gather",
+            "overlap_grad_reduce",
+            "overlap_param_gather",
+            "num_gpus_per_node",
+            "distributed_backend",
+            "distributed_timeout_minutes",
+            "train_env_vars",
+            "check_for_nan_in_loss_and_grad",
+            "sglang_router_request_timeout_secs",
+        ),
+        _KERNEL,
+    ),
+    **dict.fromkeys(
+        (
+            "use_wandb",
+            "wandb_project",
+            "wandb_group",
+            "wandb_team",
+            "wandb_host",
+            "wandb_key",
+            "wandb_mode",
+            "wandb_dir",
+            "wandb_random_suffix",
+            "wandb_run_id",
+            "wandb_always_use_train_step",
+        ),
+        _LOGGING,
+    ),
+    **dict.fromkeys(
+        ("update_weight_delta_encoding", "update_weight_delta_checksum", "update_weight_local_checkpoint_dir"), _DELTA
+    ),
     "ref_load": "the KL reference is the policy's starting weights, --hf-checkpoint (slime's --ref-load is "
-                "usually that checkpoint converted for Megatron)",
+    "usually that checkpoint converted for Megatron)",
     "keep_old_actor": "the old policy's log-probs are recomputed in each step from the weights that start it",
     "over_sampling_batch_size": "a round of sampling is --rollout-batch-size prompts: in async mode the Data Buffer "
-                                "samples continuously, and in sync mode --max-sampling-rounds refills a batch the "
-                                "filter thinned",
-    **dict.fromkeys(("min_lr", "lr_decay_iters", "lr_decay_samples"), "the learning rate is constant here "
-                    "(--lr-decay-style constant), so the decay's settings do not apply"),
+    "samples continuously, and in sync mode --max-sampling-rounds refills a batch the "
+    "filter thinned",
+    **dict.fromkeys(
+        ("min_lr", "lr_decay_iters", "lr_decay_samples"),
+        "the learning rate is constant here (--lr-decay-style constant), so the decay's settings do not apply",
+    ),
     "mtp_loss_scaling_factor": "no multi-token-prediction training here (--enable-mtp-training is refused)",
-    "use_gated_attention": _SHAPE, "post_mlp_layernorm": _SHAPE, "post_self_attn_layernorm": _SHAPE,
+    "use_gated_attention": _SHAPE,
+    "post_mlp_layernorm": _SHAPE,
+    "post_self_attn_layernorm": _SHAPE,
 }
 
 # Flags of slime's models, not of its parser (slime's model providers read them): treated as Megatron's.
@@ -188,20 +272,20 @@ MODEL_FLAGS = ("use_gated_attention", "post_mlp_layernorm", "post_self_attn_laye
 
 REFUSED: dict[str, str] = {
     "data_source_path": "inverted's Data Buffer is a durable service (SQLite, leases, restarts); prompts come "
-                        "from --prompt-data, and --buffer-filter-path chooses which complete groups are trained",
+    "from --prompt-data, and --buffer-filter-path chooses which complete groups are trained",
     "rollout_all_samples_process_path": "Samples are stored in the Data Buffer as they finish; read them there "
-                                        "(--save-debug-rollout-data) or in --custom-rollout-log-function-path",
+    "(--save-debug-rollout-data) or in --custom-rollout-log-function-path",
     "rollout_data_postprocess_path": "the trainer computes log-probs inside its own step; change Samples before "
-                                     "training with --rollout-sample-filter-path",
+    "training with --rollout-sample-filter-path",
     "custom_convert_samples_to_train_data_path": "Samples are the training data itself: the trainer packs them "
-                                                 "(prefix sharing, balancing) and no dict of lists exists",
+    "(prefix sharing, balancing) and no dict of lists exists",
     "custom_megatron_init_path": "the trainer builds Megatron itself inside a Ray actor; not a plug-in point",
     "custom_megatron_before_log_prob_hook_path": "not a plug-in point of inverted's trainer",
     "custom_megatron_before_train_step_hook_path": "not a plug-in point of inverted's trainer",
     "use_rollout_logprobs": "inverted recomputes the old log-probs (or uses the live ones with one optimizer "
-                            "step); TIS (--use-tis) corrects against the rollout's",
+    "step); TIS (--use-tis) corrects against the rollout's",
     "compute_advantages_and_returns": "the trainer always computes the advantages (--advantage-estimator); "
-                                       "give its rewards with --custom-reward-post-process-path",
+    "give its rewards with --custom-reward-post-process-path",
     "enable_mtp_training": "no multi-token-prediction training here",
     "multimodal_keys": "text models only: no multimodal inputs",
     "rollout_buffer_url": "rollouts go through inverted's own Data Buffer (its URL is the job's)",
@@ -209,7 +293,7 @@ REFUSED: dict[str, str] = {
     "update_weight_mode": _DELTA + "; no delta updates",
     "custom_update_weight_post_write_path": _DELTA + "; no hook after a disk write",
     "sglang_config": "inverted starts --num-engines identical servers (no server groups, no prefill/decode "
-                     "disaggregation)",
+    "disaggregation)",
     "prefill_num_servers": "no prefill/decode disaggregation here",
     "sglang_router_ip": "inverted starts the job's own sgl-router (with its key); an external one is not used",
     "sglang_router_port": "inverted starts the job's own sgl-router (--router-port chooses its port)",
@@ -220,7 +304,10 @@ REFUSED: dict[str, str] = {
 
 # Refused flags that are fine at one value (what inverted does anyway).
 ACCEPTED_VALUES: dict[str, tuple[Any, ...]] = {
-    "lr_decay_style": ("constant",), "optimizer": ("adam",), "hidden_dropout": (0.0,), "update_weight_mode": ("full",),
+    "lr_decay_style": ("constant",),
+    "optimizer": ("adam",),
+    "hidden_dropout": (0.0,),
+    "update_weight_mode": ("full",),
 }
 
 
@@ -247,8 +334,11 @@ def status(dest: str, value: Any) -> tuple[str, str]:
     if flag is not None and value == flag.default:
         return "default", "slime's default"
     owner = {"megatron": "Megatron-LM's", "slime": "slime's", "sglang": "SGLang's"}.get(flag.source if flag else "", "")
-    return "refused", (f"{owner} flag, which inverted does not implement; only its default "
-                       f"{flag.default!r} is accepted" if flag else "not a flag of slime's train.py either")
+    return "refused", (
+        f"{owner} flag, which inverted does not implement; only its default {flag.default!r} is accepted"
+        if flag
+        else "not a flag of slime's train.py either"
+    )
 
 
 # -- parsing ---------------------------------------------------------------------------------------
@@ -270,8 +360,9 @@ def _argparse_kwargs(flag: Flag) -> dict[str, Any]:
 def parser(ours: set[str]) -> argparse.ArgumentParser:
     """A parser of slime's flags that ``ours`` (inverted's destinations) does not hold; only what is
     given lands in its namespace."""
-    slime = argparse.ArgumentParser(prog="inverted train", add_help=False, allow_abbrev=False,
-                                    argument_default=argparse.SUPPRESS)
+    slime = argparse.ArgumentParser(
+        prog="inverted train", add_help=False, allow_abbrev=False, argument_default=argparse.SUPPRESS
+    )
     taken = set()
     for flag in flags():
         options = [o for o in flag.options if o not in taken]
@@ -310,14 +401,16 @@ def parse(rest: list[str], ours: set[str]) -> SlimeFlags:
     one refused (with why) or not a flag at all."""
     namespace, unknown = parser(ours).parse_known_args(rest)
     if unknown:
-        raise ConfigError(f"unrecognized arguments: {' '.join(unknown)} (neither inverted's flags nor slime's "
-                          "train.py's)")
+        raise ConfigError(
+            f"unrecognized arguments: {' '.join(unknown)} (neither inverted's flags nor slime's train.py's)"
+        )
     given = vars(namespace)
     for dest, value in given.items():
         state, why = status(dest, value)
         if state == "refused":
-            raise ConfigError(f"{option(dest)}={value!r} is a slime flag inverted does not have: {why} "
-                              "(docs/migrating-from-slime.md)")
+            raise ConfigError(
+                f"{option(dest)}={value!r} is a slime flag inverted does not have: {why} (docs/migrating-from-slime.md)"
+            )
     return SlimeFlags(given)
 
 
@@ -328,7 +421,9 @@ def check_model(given: dict[str, Any], hf_checkpoint: str) -> None:
         return
     config = json.loads(config_file.read_text())
     config = dict(config.get("text_config", config))
-    config.setdefault("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta"))  # transformers 5 keeps it there
+    config.setdefault(
+        "rope_theta", (config.get("rope_parameters") or {}).get("rope_theta")
+    )  # transformers 5 keeps it there
     errors = []
     for dest, names in CHECKED.items():
         if dest not in given:
@@ -353,31 +448,46 @@ def check_distillation(given: dict[str, Any], hf_checkpoint: str) -> None:
             raise ConfigError("--opd-teacher-load is set but --use-opd is not (slime's check)")
         return
     if kind is None:
-        raise ConfigError("--use-opd needs --opd-type: sglang (the teacher's log-probs come from a server during "
-                          "the rollout) or megatron (the trainer runs the teacher, --opd-teacher-load)")
+        raise ConfigError(
+            "--use-opd needs --opd-type: sglang (the teacher's log-probs come from a server during "
+            "the rollout) or megatron (the trainer runs the teacher, --opd-teacher-load)"
+        )
     if kind == "sglang" and teacher is not None:
-        raise ConfigError("--opd-teacher-load is for --opd-type megatron; with sglang the teacher is a server "
-                          "(--rm-url)")
+        raise ConfigError(
+            "--opd-teacher-load is for --opd-type megatron; with sglang the teacher is a server (--rm-url)"
+        )
     if kind == "megatron":
         if teacher is None or not (Path(teacher) / "config.json").exists():
-            raise ConfigError(f"--opd-type megatron needs --opd-teacher-load: the teacher's HF checkpoint directory "
-                              f"(got {teacher!r})")
+            raise ConfigError(
+                f"--opd-type megatron needs --opd-teacher-load: the teacher's HF checkpoint directory (got {teacher!r})"
+            )
         from inverted.hf_checkpoint import ModelSpec  # torch: not for every command line
 
         ours, theirs = ModelSpec.from_checkpoint(hf_checkpoint), ModelSpec.from_checkpoint(teacher)
-        differ = [f"{f.name} {getattr(theirs, f.name)!r} != {getattr(ours, f.name)!r}" for f in fields(ours)
-                  if f.name not in ("eos_token_ids", "max_position_embeddings")
-                  and getattr(ours, f.name) != getattr(theirs, f.name)]
+        differ = [
+            f"{f.name} {getattr(theirs, f.name)!r} != {getattr(ours, f.name)!r}"
+            for f in fields(ours)
+            if f.name not in ("eos_token_ids", "max_position_embeddings")
+            and getattr(ours, f.name) != getattr(theirs, f.name)
+        ]
         if differ:
-            raise ConfigError(f"--opd-teacher-load {teacher}: the teacher must have the policy's architecture "
-                              f"(slime's requirement): {'; '.join(differ)}")
+            raise ConfigError(
+                f"--opd-teacher-load {teacher}: the teacher must have the policy's architecture "
+                f"(slime's requirement): {'; '.join(differ)}"
+            )
 
 
 # -- --sglang-* -------------------------------------------------------------------------------------
 
 # slime's own --sglang-* flags (not SGLang's), and the embedded engine's flags for SGLang's.
-SLIME_SGLANG = ("sglang_server_concurrency", "sglang_config", "sglang_router_ip", "sglang_router_port",
-                "sglang_router_request_timeout_secs", "prefill_num_servers")
+SLIME_SGLANG = (
+    "sglang_server_concurrency",
+    "sglang_config",
+    "sglang_router_ip",
+    "sglang_router_port",
+    "sglang_router_request_timeout_secs",
+    "prefill_num_servers",
+)
 EMBEDDED: dict[str, str] = {"max_running_requests": "engine_max_running_requests", "context_length": "context_length"}
 
 
@@ -398,21 +508,27 @@ def plan_sglang(passed: list[str], backend: str) -> SGLangPlan:
     parsed = argparse.ArgumentParser(add_help=False, allow_abbrev=False, argument_default=argparse.SUPPRESS)
     taken: set[str] = set()
     for flag in flags():  # SGLang's under --sglang-, and slime's own (the router's are --router-*, apart)
-        options = [o.replace("--sglang-", "--", 1) for o in flag.options if o.startswith("--sglang-") or
-                   flag.dest in SLIME_SGLANG]
+        options = [
+            o.replace("--sglang-", "--", 1)
+            for o in flag.options
+            if o.startswith("--sglang-") or flag.dest in SLIME_SGLANG
+        ]
         options = [o for o in options if o not in taken]
         if flag.source == "sglang" and options:
             taken.update(options)
-            name = flag.dest[len("sglang_"):] if flag.dest.startswith("sglang_") else flag.dest
+            name = flag.dest[len("sglang_") :] if flag.dest.startswith("sglang_") else flag.dest
             parsed.add_argument(*options, dest=name, **_argparse_kwargs(flag))
     values, unknown = parsed.parse_known_args(passed)
     if unknown:
         words = " ".join(a if not a.startswith("--") else "--sglang-" + a[2:] for a in unknown)
         if backend == "sglang":
-            raise ConfigError(f"{words}: not a flag slime passes to SGLang {read_from()['sglang']} (SGLang has no "
-                              "such flag, or slime sets it itself: the model, ports, TP size, seed)")
-        plan.ignored.append(f"{words}: not a flag slime passes to SGLang {read_from()['sglang']}; the embedded "
-                            "engine ignores it")
+            raise ConfigError(
+                f"{words}: not a flag slime passes to SGLang {read_from()['sglang']} (SGLang has no "
+                "such flag, or slime sets it itself: the model, ports, TP size, seed)"
+            )
+        plan.ignored.append(
+            f"{words}: not a flag slime passes to SGLang {read_from()['sglang']}; the embedded engine ignores it"
+        )
     for name, value in vars(values).items():
         dest = f"sglang_{name}" if f"sglang_{name}" in table() else name
         if dest in SLIME_SGLANG:
@@ -427,8 +543,10 @@ def plan_sglang(passed: list[str], backend: str) -> SGLangPlan:
             plan.slime[dest] = value
         else:
             plan.slime[dest] = value
-            plan.ignored.append(f"--sglang-{name.replace('_', '-')}={value!r}: a setting of real SGLang's server "
-                                "that the embedded engine does not have")
+            plan.ignored.append(
+                f"--sglang-{name.replace('_', '-')}={value!r}: a setting of real SGLang's server "
+                "that the embedded engine does not have"
+            )
     if backend == "sglang":
         own = {o for dest in SLIME_SGLANG if dest in table() for o in table()[dest].options}
         plan.forward = _without(passed, {o.replace("--sglang-", "--", 1) for o in own})
@@ -456,19 +574,27 @@ def describe(option_string: str) -> tuple[str, str]:
         flag = next((f for f in flags() if option_string in f.options), None)
         if flag is not None and flag.dest in SLIME_SGLANG:
             return status(flag.dest, _OTHER)
-        name = option_string[len("--sglang-"):].replace("-", "_")
+        name = option_string[len("--sglang-") :].replace("-", "_")
         if flag is None:
-            return "no effect", (f"the embedded engine ignores it; refused with real SGLang, which has no such flag "
-                                 f"in {read_from()['sglang']}")
+            return "no effect", (
+                f"the embedded engine ignores it; refused with real SGLang, which has no such flag "
+                f"in {read_from()['sglang']}"
+            )
         if name in EMBEDDED:
             return "same", f"real SGLang's; the embedded engine's --{EMBEDDED[name].replace('_', '-')}"
         return "no effect", "forwarded to real SGLang; the embedded engine has no such setting and says so"
-    dest = next((f.dest for f in flags() if option_string in f.options),
-                option_string[2:].replace("-", "_") if option_string[2:].replace("-", "_") in MODEL_FLAGS else None)
+    dest = next(
+        (f.dest for f in flags() if option_string in f.options),
+        option_string[2:].replace("-", "_") if option_string[2:].replace("-", "_") in MODEL_FLAGS else None,
+    )
     if dest is None:
         return "unrecognized", "not a flag of slime's train.py"
     state, why = status(dest, _OTHER)
-    return ("refused", "only slime's default is accepted: " + why) if state == "refused" and dest not in REFUSED else (state, why)
+    return (
+        ("refused", "only slime's default is accepted: " + why)
+        if state == "refused" and dest not in REFUSED
+        else (state, why)
+    )
 
 
 _OTHER = object()  # a value that is no flag's default
@@ -481,9 +607,11 @@ def slime_forms(argv: list[str]) -> list[str]:
     out, i = [], 0
     while i < len(argv):
         if argv[i] == "--eval-prompt-data":
-            values = list(itertools.takewhile(lambda a: not a.startswith("--"), argv[i + 1:]))
+            values = list(itertools.takewhile(lambda a: not a.startswith("--"), argv[i + 1 :]))
             if len(values) > 2:
-                raise ConfigError(f"--eval-prompt-data {' '.join(values)}: one evaluation set here (NAME PATH, or PATH)")
+                raise ConfigError(
+                    f"--eval-prompt-data {' '.join(values)}: one evaluation set here (NAME PATH, or PATH)"
+                )
             out += ["--eval-prompt-data", values[-1]] if values else [argv[i]]
             i += 1 + len(values)
             continue

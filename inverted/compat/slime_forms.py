@@ -44,8 +44,12 @@ def _args(flags: str, router_url: str, router_api_key: str | None, rollout: tupl
 
 def args_of(ctx: RolloutContext) -> slime.SlimeArgs:
     """slime's ``args`` for one rollout: the same object for every plug-in the rollout runs."""
-    return _args(json.dumps(ctx.flags, sort_keys=True, default=str), ctx.router_url, ctx.router_api_key,
-                 (ctx.rollout_id, ctx.evaluation))
+    return _args(
+        json.dumps(ctx.flags, sort_keys=True, default=str),
+        ctx.router_url,
+        ctx.router_api_key,
+        (ctx.rollout_id, ctx.evaluation),
+    )
 
 
 def serving(ctx: RolloutContext) -> slime.Serving:
@@ -133,8 +137,9 @@ def adapt_rollout_function(fn: Callable[..., Any], flags: dict[str, Any]) -> Cal
         groups = output.samples if hasattr(output, "samples") else getattr(output, "data", output)
         if isinstance(groups, dict):
             return eval_results(ctx, groups, getattr(output, "metrics", None))
-        samples = [as_inverted(s, serving(ctx)) for group in groups
-                   for s in (group if isinstance(group, list) else [group])]
+        samples = [
+            as_inverted(s, serving(ctx)) for group in groups for s in (group if isinstance(group, list) else [group])
+        ]
         return place_strays(samples, tasks)
 
     return run_slime
@@ -144,13 +149,19 @@ def eval_results(ctx: RolloutContext, data: dict[str, dict[str, Any]], metrics: 
     """slime's evaluation answer as ours: per dataset its rewards, truncation and Samples (any number:
     slime's eval functions read their own data), and the numeric metrics it returned beside them."""
     at = serving(ctx)
-    datasets = {name: DatasetResults(rewards=[float(r) for r in result["rewards"]],
-                                     samples=[as_inverted(s, at) for s in result.get("samples") or []],
-                                     truncated=None if result.get("truncated") is None else
-                                     [bool(t) for t in result["truncated"]])
-                for name, result in data.items()}
-    numbers = {key: float(value) for key, value in (metrics or {}).items()
-               if isinstance(value, (int, float)) and not isinstance(value, bool)}
+    datasets = {
+        name: DatasetResults(
+            rewards=[float(r) for r in result["rewards"]],
+            samples=[as_inverted(s, at) for s in result.get("samples") or []],
+            truncated=None if result.get("truncated") is None else [bool(t) for t in result["truncated"]],
+        )
+        for name, result in data.items()
+    }
+    numbers = {
+        key: float(value)
+        for key, value in (metrics or {}).items()
+        if isinstance(value, (int, float)) and not isinstance(value, bool)
+    }
     return EvalResults(datasets, numbers)
 
 
@@ -187,8 +198,10 @@ def place_strays(samples: list[Sample], tasks: list[Task]) -> list[Sample]:
 def adapt_generate(fn: Callable[..., Any], flags: dict[str, Any]) -> Callable[..., Any]:
     """``async generate(args, sample, sampling_params) -> Sample | list[Sample]`` as the generate hook."""
     if not inspect.iscoroutinefunction(fn):
-        raise PluginError(f"--custom-generate-function-path: expected 'async def {fn.__name__}(args, sample, "
-                          "sampling_params) -> Sample | list[Sample]'")
+        raise PluginError(
+            f"--custom-generate-function-path: expected 'async def {fn.__name__}(args, sample, "
+            "sampling_params) -> Sample | list[Sample]'"
+        )
 
     async def generate(ctx: RolloutContext, sample: Sample, sampling: dict[str, Any]) -> list[Sample]:
         args = args_of(ctx)
@@ -198,8 +211,10 @@ def adapt_generate(fn: Callable[..., Any], flags: dict[str, Any]) -> Callable[..
             out = await fn(args, view, sampling)
         views = out if isinstance(out, list) else [out]
         if len(views) > 1 and (views[0].rollout_id is None or len({v.rollout_id for v in views}) > 1):
-            raise PluginError("--custom-generate-function-path: the Samples one task fans out into must share a "
-                              f"rollout_id (got {[v.rollout_id for v in views]})")
+            raise PluginError(
+                "--custom-generate-function-path: the Samples one task fans out into must share a "
+                f"rollout_id (got {[v.rollout_id for v in views]})"
+            )
         return [as_inverted(v, serving(ctx), calls) for v in views]
 
     return generate
@@ -207,19 +222,23 @@ def adapt_generate(fn: Callable[..., Any], flags: dict[str, Any]) -> Callable[..
 
 def adapt_reward(fn: Callable[..., Any], flags: dict[str, Any]) -> Callable[..., Any]:
     """``async (args, sample) -> reward`` as the reward hook ``(ctx, sample)``."""
+
     async def reward(ctx: RolloutContext, sample: Sample) -> Any:
         args = args_of(ctx)
         with generating(ctx):
             return await call(fn, args, slime.from_inverted(sample, args=args))
+
     return reward
 
 
 def adapt_group_reward(fn: Callable[..., Any], flags: dict[str, Any]) -> Callable[..., Any]:
     """``async (args, samples) -> rewards`` (``--group-rm``) as the group reward hook ``(ctx, samples)``."""
+
     async def rewards(ctx: RolloutContext, samples: list[Sample]) -> list[Any]:
         args = args_of(ctx)
         with generating(ctx):
             return await call(fn, args, [slime.from_inverted(s, args=args) for s in samples])
+
     return rewards
 
 
@@ -233,6 +252,7 @@ def adapt_sample_filter(fn: Callable[..., Any], flags: dict[str, Any]) -> Callab
         for group, group_views in zip(groups, views):
             for sample, view in zip(group, group_views):
                 sample.remove_sample = bool(view.remove_sample)
+
     return sample_filter
 
 
@@ -240,7 +260,8 @@ def adapt_rollout_log(fn: Callable[..., Any], flags: dict[str, Any]) -> Callable
     """``(rollout_id, args, samples, extra_metrics, time) -> bool`` as the rollout log hook."""
     args = slime.SlimeArgs.of(flags)
     return lambda rollout_id, samples, metrics, seconds: fn(
-        rollout_id, args, [slime.from_inverted(s, args=args) for s in samples], metrics, seconds)
+        rollout_id, args, [slime.from_inverted(s, args=args) for s in samples], metrics, seconds
+    )
 
 
 def adapt_eval_log(fn: Callable[..., Any], flags: dict[str, Any]) -> Callable[..., Any]:
@@ -248,9 +269,12 @@ def adapt_eval_log(fn: Callable[..., Any], flags: dict[str, Any]) -> Callable[..
     args = slime.SlimeArgs.of(flags)
 
     def eval_log(rollout_id: int, data: dict[str, dict[str, Any]], metrics: dict[str, float]) -> bool:
-        views = {name: {**result, "samples": [slime.from_inverted(s, args=args) for s in result["samples"]]}
-                 for name, result in data.items()}
+        views = {
+            name: {**result, "samples": [slime.from_inverted(s, args=args) for s in result["samples"]]}
+            for name, result in data.items()
+        }
         return fn(rollout_id, args, views, metrics)
+
     return eval_log
 
 
@@ -272,9 +296,11 @@ def adapt_group_chooser(fn: Callable[..., Any], flags: dict[str, Any]) -> Callab
         position = {id(group): i for i, group in enumerate(views)}
         chosen = fn(args, version or 0, list(views), wanted)
         if any(id(group) not in position for group in chosen):
-            raise PluginError("--buffer-filter-path: return groups of the buffer it was given (the lists "
-                              "themselves), not copies")
+            raise PluginError(
+                "--buffer-filter-path: return groups of the buffer it was given (the lists themselves), not copies"
+            )
         return [position[id(group)] for group in chosen]
+
     return choose
 
 
@@ -295,14 +321,16 @@ def adapt_reward_post_process(fn: Callable[..., Any], flags: dict[str, Any]) -> 
                 values = teacher.flatten().tolist() if hasattr(teacher, "flatten") else list(teacher)
                 sample.teacher_log_probs = [float(v) for v in values]
         return [float(r) for r in rewards]
+
     return post_process
 
 
 def _tis_fits(fn: Callable[..., Any]) -> bool:
     """slime passes everything but ``args`` by keyword."""
     try:
-        inspect.signature(fn).bind("args", pg_loss=0, train_log_probs=0, rollout_log_probs=0, loss_masks=0,
-                                   total_lengths=0, response_lengths=0)
+        inspect.signature(fn).bind(
+            "args", pg_loss=0, train_log_probs=0, rollout_log_probs=0, loss_masks=0, total_lengths=0, response_lengths=0
+        )
     except (TypeError, ValueError):
         return False
     return True
@@ -311,11 +339,13 @@ def _tis_fits(fn: Callable[..., Any]) -> bool:
 def _loss_hook(name: str, with_args: bool = True) -> Callable[[Callable[..., Any], dict[str, Any]], Callable[..., Any]]:
     """The adapter binding a loss plug-in (and slime's args) to ``compat.slime_loss``'s ``name``,
     imported when a plug-in is loaded (torch: not for every process that registers the forms)."""
+
     def adapt(fn: Callable[..., Any], flags: dict[str, Any]) -> Callable[..., Any]:
         from inverted.compat import slime_loss
 
         bound = (fn, slime.SlimeArgs.of(flags)) if with_args else (fn,)
         return functools.partial(getattr(slime_loss, name), *bound)
+
     return adapt
 
 
@@ -327,15 +357,22 @@ def register() -> None:
         "reward": Form(["args", "sample"], adapt_reward),
         "group_reward": Form(["args", "samples"], adapt_group_reward),
         "sample_filter": Form(["args", "groups"], adapt_sample_filter),
-        "rollout_log": Form(["rollout_id", "args", "samples", "rollout_extra_metrics", "rollout_time"], adapt_rollout_log),
+        "rollout_log": Form(
+            ["rollout_id", "args", "samples", "rollout_extra_metrics", "rollout_time"], adapt_rollout_log
+        ),
         "eval_log": Form(["rollout_id", "args", "data", "extra_metrics"], adapt_eval_log),
         "group_filter": Form(["args", "samples"], adapt_group_filter),
         "group_chooser": Form(["args", "rollout_id", "buffer", "num_samples"], adapt_group_chooser),
         "reward_post_process": Form(["args", "samples"], adapt_reward_post_process),
         "loss": Form(["args", "batch", "logits", "sum_of_sample_mean"], _loss_hook("custom_loss")),
-        "tis": Form(["args", "*", "pg_loss", "train_log_probs", "rollout_log_probs", "loss_masks", "**kwargs"],
-                    _loss_hook("custom_tis"), fits=_tis_fits),
-        "pg_reducer": Form(["total_lengths", "response_lengths", "loss_masks"], _loss_hook("reduce_pg", with_args=False)),
+        "tis": Form(
+            ["args", "*", "pg_loss", "train_log_probs", "rollout_log_probs", "loss_masks", "**kwargs"],
+            _loss_hook("custom_tis"),
+            fits=_tis_fits,
+        ),
+        "pg_reducer": Form(
+            ["total_lengths", "response_lengths", "loss_masks"], _loss_hook("reduce_pg", with_args=False)
+        ),
     }
     for point, form in forms.items():
         register_form(point, "slime", form)

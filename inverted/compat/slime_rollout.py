@@ -59,15 +59,25 @@ async def generate(args: Any, sample: Any, sampling_params: dict[str, Any]) -> A
     if isinstance(sample.prompt, str):
         prompt_ids = state.tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]
     else:
-        prompt_ids = state.tokenizer.apply_chat_template(sample.prompt, tools=sample.metadata.get("tools"),
-                                                         add_generation_prompt=True, tokenize=True, return_dict=False)
+        prompt_ids = state.tokenizer.apply_chat_template(
+            sample.prompt,
+            tools=sample.metadata.get("tools"),
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
     if not sample.tokens:
         sample.tokens = list(prompt_ids)
     payload = {"input_ids": list(sample.tokens), "sampling_params": params, "return_logprob": True}
     output = await slime.post(f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate", payload)
     pairs = output["meta_info"].get("output_token_logprobs") or []
-    sample.append_response_tokens(args, tokens=[token for _, token, *_ in pairs], log_probs=[lp for lp, *_ in pairs],
-                                  meta_info=output["meta_info"], text=output["text"])
+    sample.append_response_tokens(
+        args,
+        tokens=[token for _, token, *_ in pairs],
+        log_probs=[lp for lp, *_ in pairs],
+        meta_info=output["meta_info"],
+        text=output["text"],
+    )
     return sample
 
 
@@ -94,8 +104,9 @@ async def generate_and_rm(args: Any, sample: Any, sampling_params: dict[str, Any
     return sample
 
 
-async def generate_and_rm_group(args: Any, group: list[Any], sampling_params: dict[str, Any],
-                                evaluation: bool = False) -> list[Any]:
+async def generate_and_rm_group(
+    args: Any, group: list[Any], sampling_params: dict[str, Any], evaluation: bool = False
+) -> list[Any]:
     """slime's: every Sample of the group at once (each with a session id), then ``--group-rm``'s reward."""
     for sample in group:
         sample.session_id = sample.session_id or str(uuid.uuid4())
@@ -120,21 +131,26 @@ async def async_rm(args: Any, sample: Any, **kwargs: Any) -> Any:
     rm_type = (metadata.get("rm_type") or args.rm_type or "").strip()
     response, label = sample.response, sample.label
     if rm_type.startswith("boxed_"):
-        response, rm_type = extract_boxed_answer(response) or "", rm_type[len("boxed_"):]
+        response, rm_type = extract_boxed_answer(response) or "", rm_type[len("boxed_") :]
     if rm_type == "remote_rm":
         return await remote_rm(args, sample)
-    graders = {"deepscaler": lambda: get_deepscaler_rule_based_reward(response, label),
-               "dapo": lambda: compute_score_dapo(response, label),
-               "math": lambda: 1 if grade_answer_verl(response, label) else 0,
-               "f1": lambda: f1_score(response, label)[0],
-               "gpqa": lambda: compute_gpqa_reward(response, label, metadata=metadata),
-               "random": lambda: random.randint(0, 1)}
+    graders = {
+        "deepscaler": lambda: get_deepscaler_rule_based_reward(response, label),
+        "dapo": lambda: compute_score_dapo(response, label),
+        "math": lambda: 1 if grade_answer_verl(response, label) else 0,
+        "f1": lambda: f1_score(response, label)[0],
+        "gpqa": lambda: compute_gpqa_reward(response, label, metadata=metadata),
+        "random": lambda: random.randint(0, 1),
+    }
     if rm_type == "ifbench":
-        raise NotImplementedError("rm_type ifbench needs IFBench's instruction registry, which inverted does not "
-                                  "ship: grade it in --custom-rm-path")
+        raise NotImplementedError(
+            "rm_type ifbench needs IFBench's instruction registry, which inverted does not "
+            "ship: grade it in --custom-rm-path"
+        )
     if rm_type not in graders:
-        raise NotImplementedError(f"Rule-based RM for {rm_type!r} is not implemented." if rm_type else
-                                  "Rule-based RM type is not specified.")
+        raise NotImplementedError(
+            f"Rule-based RM for {rm_type!r} is not implemented." if rm_type else "Rule-based RM type is not specified."
+        )
     return graders[rm_type]()
 
 
@@ -157,7 +173,7 @@ def extract_boxed_answer(text: str) -> str | None:
     if start < 0:
         return None
     if text.startswith("\\boxed ", start):  # \boxed 5
-        return text[start + len("\\boxed "):].split("$")[0].strip()
+        return text[start + len("\\boxed ") :].split("$")[0].strip()
     opening = text.find("{", start)
     if opening < 0:
         return None
@@ -165,7 +181,7 @@ def extract_boxed_answer(text: str) -> str | None:
     for i in range(opening, len(text)):
         depth += {"{": 1, "}": -1}.get(text[i], 0)
         if depth == 0:
-            return text[opening + 1:i]
+            return text[opening + 1 : i]
     return None
 
 
@@ -201,8 +217,9 @@ def get_deepscaler_rule_based_reward(response: str, label: Any) -> int:
     return 1 if label != "" and grade_answer_verl(solution, label) else 0
 
 
-def compute_score_dapo(solution_str: str, ground_truth: str, strict_box_verify: bool = False,
-                       pause_tokens_index: list[int] | None = None) -> dict[str, Any]:
+def compute_score_dapo(
+    solution_str: str, ground_truth: str, strict_box_verify: bool = False, pause_tokens_index: list[int] | None = None
+) -> dict[str, Any]:
     """slime's ``dapo`` grader: the answer after the last ``Answer:`` in the last 300 characters (or the
     last boxed one with ``strict_box_verify``); ``{"score": 1.0 or -1.0, "acc", "pred"}``."""
     tail = solution_str[-300:]
@@ -246,8 +263,11 @@ def compute_gpqa_reward(response: str, label: Any, metadata: dict | None = None)
     if truth.upper() in letters:
         return 1.0 if letter == truth.upper() else 0.0
     texts = [normalize(str(c)) for c in choices]
-    return 1.0 if letter is not None and normalize(truth) in texts and letters[texts.index(normalize(truth))] == letter \
+    return (
+        1.0
+        if letter is not None and normalize(truth) in texts and letters[texts.index(normalize(truth))] == letter
         else 0.0
+    )
 
 
 # -- slime.utils.mask_utils -------------------------------------------------------------------------
@@ -281,8 +301,11 @@ class MultiTurnLossMaskGenerator:
     def _ids(self, messages: list[dict], tools: list[dict] | None, generation: bool = False) -> list[int]:
         if not messages:
             return []
-        return list(self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=False,
-                                                       add_generation_prompt=generation))
+        return list(
+            self.tokenizer.apply_chat_template(
+                messages, tools=tools, tokenize=True, return_dict=False, add_generation_prompt=generation
+            )
+        )
 
     def get_loss_mask(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
         if self.tokenizer_type == "distill_qwen":
@@ -290,11 +313,13 @@ class MultiTurnLossMaskGenerator:
         ids: list[int] = []
         mask: list[int] = []
         for i, message in enumerate(messages):
-            upto = self._ids(messages[:i + 1], tools)
-            if upto[:len(ids)] != ids:
-                raise ValueError(f"the chat template renders messages[:{i + 1}] with different tokens before message "
-                                 f"{i} than messages[:{i}]: per-message loss masks need a prefix-preserving template")
-            added = upto[len(ids):]
+            upto = self._ids(messages[: i + 1], tools)
+            if upto[: len(ids)] != ids:
+                raise ValueError(
+                    f"the chat template renders messages[:{i + 1}] with different tokens before message "
+                    f"{i} than messages[:{i}]: per-message loss masks need a prefix-preserving template"
+                )
+            added = upto[len(ids) :]
             if message["role"] == "assistant" and message.get("step_loss_mask", 1) == 1:
                 header = len(self._ids(messages[:i], tools, generation=True)) - len(ids) if i else 0
                 mask += [0] * header + [1] * (len(added) - header)
@@ -304,8 +329,9 @@ class MultiTurnLossMaskGenerator:
         return ids, mask
 
     def _distill(self, messages: list[dict], tools: list[dict] | None) -> tuple[list[int], list[int]]:
-        prompt = self.tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True,
-                                                    tools=tools)
+        prompt = self.tokenizer.apply_chat_template(
+            messages[:1], tokenize=False, add_generation_prompt=True, tools=tools
+        )
         prompt_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         answer_ids = self.tokenizer(messages[-1]["content"], add_special_tokens=False)["input_ids"]
         trained = 1 if messages[-1].get("step_loss_mask", 1) == 1 else 0
@@ -357,7 +383,7 @@ def sft_generate_rollout(args: Any, rollout_id: int, data_buffer: Any, evaluatio
         token_ids, loss_mask = masks.get_loss_mask(sample.prompt, tools=sample.metadata.get("tools"))
         sample.response_length = masks.get_response_lengths([loss_mask])[0]
         sample.tokens, sample.reward = token_ids, 0
-        sample.loss_mask = loss_mask[len(loss_mask) - sample.response_length:]
+        sample.loss_mask = loss_mask[len(loss_mask) - sample.response_length :]
     return groups
 
 

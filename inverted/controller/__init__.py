@@ -50,15 +50,19 @@ def run(cfg: JobConfig, router_args: list[str], sglang_args: list[str], process_
     if not (checkpoint / "config.json").is_file():  # never taken for a hub id: nothing is downloaded
         raise ConfigError(f"--hf-checkpoint {checkpoint}: not a Hugging Face checkpoint directory (no config.json)")
     plugins = Plugins.load(cfg.rollout, job_flags(cfg))
-    LossPlugins.load(cfg.train.loss, plugin_flags(cfg.train))  # the trainer's and the buffer's load in their own processes:
+    LossPlugins.load(
+        cfg.train.loss, plugin_flags(cfg.train)
+    )  # the trainer's and the buffer's load in their own processes:
     load_group_filter(cfg.buffer), load_group_chooser(cfg.buffer)  # check them here, before any starts
     for data in (cfg.buffer.prompt_data, cfg.rollout.eval_prompt_data if cfg.rollout.eval_interval else None):
         if data:  # a dataset the buffer would refuse fails here, before any process starts
             read_prompts(cfg.buffer, data)
     run_dir = Path(cfg.train.output_dir)
     if (run_dir / "buffer.db").exists() and not cfg.train.ckpt.load:
-        raise ConfigError(f"--output-dir {run_dir} holds an earlier run: resume it with --load "
-                          f"{checkpoint_dir(cfg.train)}, or choose another --output-dir")
+        raise ConfigError(
+            f"--output-dir {run_dir} holds an earlier run: resume it with --load "
+            f"{checkpoint_dir(cfg.train)}, or choose another --output-dir"
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     # The resolved flags, by section: each section's keys are a --config file of its command.
     resolved = {f.name: to_flags(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
@@ -66,8 +70,13 @@ def run(cfg: JobConfig, router_args: list[str], sglang_args: list[str], process_
     asyncio.run(run_job(cfg, plugins, router_args, sglang_args, process_setup))
 
 
-async def run_job(cfg: JobConfig, plugins: Plugins, router_args: list[str], sglang_args: list[str],
-                  process_setup: Callable[[str], None]) -> None:
+async def run_job(
+    cfg: JobConfig,
+    plugins: Plugins,
+    router_args: list[str],
+    sglang_args: list[str],
+    process_setup: Callable[[str], None],
+) -> None:
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     sink = build_metrics_sink(cfg.train.output_dir)

@@ -38,13 +38,33 @@ async def evaluate(cfg: JobConfig, job: Job, plugins: Plugins, rollout_id: int) 
     graders' "correct"."""
     records = read_prompts(cfg.buffer, cfg.rollout.eval_prompt_data)
     n = cfg.rollout.n_samples_per_eval_prompt
-    tasks = [Task(lease_id="eval", group_index=i, index=i * n + j, prompt_index=i, prompt=r.prompt, label=r.label,
-                  metadata=r.metadata, tools=r.tools) for i, r in enumerate(records) for j in range(n)]
-    played = {variant: await run_evaluation(context(cfg, job, plugins, rollout_id, evaluation=True, variant=variant),
-                                            plugins, tasks) for variant in plugins.eval_envs or [""]}
-    metrics = {key: value for variant, answer in played.items()
-               for key, value in eval_metrics(f"eval/{variant}" if variant else "eval", cfg.train.loss.reward_key,
-                                              answer).items()}
+    tasks = [
+        Task(
+            lease_id="eval",
+            group_index=i,
+            index=i * n + j,
+            prompt_index=i,
+            prompt=r.prompt,
+            label=r.label,
+            metadata=r.metadata,
+            tools=r.tools,
+        )
+        for i, r in enumerate(records)
+        for j in range(n)
+    ]
+    played = {
+        variant: await run_evaluation(
+            context(cfg, job, plugins, rollout_id, evaluation=True, variant=variant), plugins, tasks
+        )
+        for variant in plugins.eval_envs or [""]
+    }
+    metrics = {
+        key: value
+        for variant, answer in played.items()
+        for key, value in eval_metrics(
+            f"eval/{variant}" if variant else "eval", cfg.train.loss.reward_key, answer
+        ).items()
+    }
     return log_evaluation(cfg, plugins, rollout_id, played[""], metrics)
 
 
@@ -66,26 +86,37 @@ def eval_metrics(prefix: str, reward_key: str | None, answer: list[Sample] | Eva
 def sample_metrics(prefix: str, reward_key: str | None, samples: list[Sample]) -> dict[str, float]:
     usable = [s for s in samples if s.status in USABLE]
     rewards = [s.scalar_reward(reward_key) for s in usable]
+
     def mean(values: list[float]) -> float:
         return sum(values) / len(values) if values else float("nan")
 
-    return {f"{prefix}/reward_mean": mean(rewards), f"{prefix}/pass_rate": mean([float(r >= 1.0) for r in rewards]),
-            f"{prefix}/failed": float(len(samples) - len(rewards))} | episode_metrics(prefix, usable)
+    return {
+        f"{prefix}/reward_mean": mean(rewards),
+        f"{prefix}/pass_rate": mean([float(r >= 1.0) for r in rewards]),
+        f"{prefix}/failed": float(len(samples) - len(rewards)),
+    } | episode_metrics(prefix, usable)
 
 
-def log_evaluation(cfg: JobConfig, plugins: Plugins, rollout_id: int, answer: list[Sample] | EvalResults,
-                   metrics: dict[str, float]) -> dict[str, float]:
+def log_evaluation(
+    cfg: JobConfig, plugins: Plugins, rollout_id: int, answer: list[Sample] | EvalResults, metrics: dict[str, float]
+) -> dict[str, float]:
     """``--custom-eval-rollout-log-function-path`` sees the main evaluation; if it returns True, the
     default ``eval/*`` metrics are left out of the row (slime: it did the logging itself)."""
     if plugins.eval_log is not None:  # {dataset: {rewards, truncated, samples}}, as slime's
         if isinstance(answer, EvalResults):
-            data = {name: {"rewards": r.rewards, "truncated": r.truncated, "samples": r.samples}
-                    for name, r in answer.datasets.items()}
+            data = {
+                name: {"rewards": r.rewards, "truncated": r.truncated, "samples": r.samples}
+                for name, r in answer.datasets.items()
+            }
         else:
             usable = [s for s in answer if s.status in USABLE]
-            data = {Path(cfg.rollout.eval_prompt_data).stem: {
-                "rewards": [s.scalar_reward(cfg.train.loss.reward_key) for s in usable],
-                "truncated": [s.status == Sample.Status.TRUNCATED for s in usable], "samples": usable}}
+            data = {
+                Path(cfg.rollout.eval_prompt_data).stem: {
+                    "rewards": [s.scalar_reward(cfg.train.loss.reward_key) for s in usable],
+                    "truncated": [s.status == Sample.Status.TRUNCATED for s in usable],
+                    "samples": usable,
+                }
+            }
         if plugins.eval_log(rollout_id, data, dict(metrics)):
             return {}
     return metrics

@@ -35,7 +35,7 @@ from inverted.errors import ConfigError
 from inverted.placement import ray_launch, start_ray
 from inverted.processes import ManagedProcess, free_port
 from inverted.rollout.servers import ROUTED_EXPERTS_ARGV, RolloutServers, lora_argv
-from inverted.rollout.sglang_client import SGLangClient, ServerKeys, without_sampling_masks
+from inverted.rollout.sglang_client import ServerKeys, SGLangClient, without_sampling_masks
 from inverted.types import POLICY_ADAPTER
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,9 @@ def _worker_id(run_dir: Path) -> str:
 class Job:
     """Every running part of one ``inverted train``; ``async with Job(...)`` starts and stops them."""
 
-    def __init__(self, cfg: JobConfig, router_args: list[str], sglang_args: list[str], process_setup: Callable[[str], None]):
+    def __init__(
+        self, cfg: JobConfig, router_args: list[str], sglang_args: list[str], process_setup: Callable[[str], None]
+    ):
         self.cfg, self.router_args, self.sglang_args, self.process_setup = cfg, router_args, sglang_args, process_setup
         self.run_dir = Path(cfg.train.output_dir)
         self.processes: list[ManagedProcess] = []
@@ -92,8 +94,9 @@ class Job:
         self.processes.append(buffer)
         start_ray(cfg.loop.ray_address)  # while the buffer boots
         await asyncio.to_thread(buffer.wait_healthy, timeout)
-        self.buffer = await self._stack.enter_async_context(BufferClient(buffer.url, api_key=key,
-                                                                         outage_s=RESTART_WAIT_S))
+        self.buffer = await self._stack.enter_async_context(
+            BufferClient(buffer.url, api_key=key, outage_s=RESTART_WAIT_S)
+        )
         self.ledger = Ledger(self.buffer)
         self.worker_id = _worker_id(self.run_dir)
         if released := await self.buffer.release(self.worker_id):  # tasks an earlier, killed run of this job held
@@ -103,23 +106,51 @@ class Job:
         # can change the weights they serve (SGLang shipped those routes open, and got a CVE for it).
         # The router's worker routes take the admin key too, and its /generate (and the servers') the
         # router key: no one else can add a worker of their own to the job, or generate through it.
-        servers_cfg = dataclasses.replace(cfg.servers, log_dir=str(self.run_dir / "logs"), admin_api_key=self.engine_key,
-                                          router_api_key=self.router_key)
+        servers_cfg = dataclasses.replace(
+            cfg.servers,
+            log_dir=str(self.run_dir / "logs"),
+            admin_api_key=self.engine_key,
+            router_api_key=self.router_key,
+        )
         gpus = cfg.servers.rollout_num_gpus_per_engine * (0.5 if cfg.loop.colocate else 1.0)
         # Without a trainer no sync brings the adapter: the servers load it themselves.
-        lora = lora_argv(self.lora.rank, list(self.lora.modules),
-                         cfg.train.lora.lora_adapter_path if cfg.rollout.debug_rollout_only else None) if self.lora else []
-        replay = cfg.train.moe.use_rollout_routing_replay  # the servers return each token's experts, the proxy keeps them
-        self.servers = RolloutServers(servers_cfg, self.router_args, self.sglang_args,
-                                      flags=lora + (ROUTED_EXPERTS_ARGV if replay else []),
-                                      launch=ray_launch(gpus if cuda_available() else 0, cfg.loop.ray_address is None,
-                                                        cfg.servers.rollout_node_resource, cfg.servers.startup_timeout))
+        lora = (
+            lora_argv(
+                self.lora.rank,
+                list(self.lora.modules),
+                cfg.train.lora.lora_adapter_path if cfg.rollout.debug_rollout_only else None,
+            )
+            if self.lora
+            else []
+        )
+        replay = (
+            cfg.train.moe.use_rollout_routing_replay
+        )  # the servers return each token's experts, the proxy keeps them
+        self.servers = RolloutServers(
+            servers_cfg,
+            self.router_args,
+            self.sglang_args,
+            flags=lora + (ROUTED_EXPERTS_ARGV if replay else []),
+            launch=ray_launch(
+                gpus if cuda_available() else 0,
+                cfg.loop.ray_address is None,
+                cfg.servers.rollout_node_resource,
+                cfg.servers.startup_timeout,
+            ),
+        )
         port, self.proxy_key = free_port(), secrets.token_urlsafe(24)
-        proxy_cfg = dataclasses.replace(cfg.proxy, router_url=self.servers.router_url, tokenizer=cfg.train.hf_checkpoint,
-                                        context_length=self.servers.config.context_length,
-                                        proxy_port=port, proxy_api_key=self.proxy_key, lora_name=self.adapter,
-                                        return_routed_experts=replay, router_api_key=self.router_key,
-                                        router_admin_api_key=self.engine_key)  # to list the router's workers
+        proxy_cfg = dataclasses.replace(
+            cfg.proxy,
+            router_url=self.servers.router_url,
+            tokenizer=cfg.train.hf_checkpoint,
+            context_length=self.servers.config.context_length,
+            proxy_port=port,
+            proxy_api_key=self.proxy_key,
+            lora_name=self.adapter,
+            return_routed_experts=replay,
+            router_api_key=self.router_key,
+            router_admin_api_key=self.engine_key,
+        )  # to list the router's workers
         proxy = spawn_service("proxy", proxy_cfg, self.run_dir, f"http://127.0.0.1:{port}")  # needs no router to boot
         self.processes.append(proxy)
         self.proxy_url = proxy.url
@@ -197,23 +228,28 @@ class Job:
         if not rollout.cut_sampling:
             return
         if rollout.biased_ratios:
-            logger.warning("--sampling-mask-top-k 0: the rollouts sample with --rollout-top-p/--rollout-top-k and "
-                           "their kept sets are not recorded, so every importance ratio is biased "
-                           "(metrics: rollout/biased_ratios)")
+            logger.warning(
+                "--sampling-mask-top-k 0: the rollouts sample with --rollout-top-p/--rollout-top-k and "
+                "their kept sets are not recorded, so every importance ratio is biased "
+                "(metrics: rollout/biased_ratios)"
+            )
             return
         url = self.servers.engine_urls[0]
         async with SGLangClient.keyed(url, self.server_keys) as client:
             why = await without_sampling_masks(client)
         if why is not None:
-            raise ConfigError(f"the rollout server at {url} returns no sampling masks (return_sampling_mask, SGLang "
-                              f">= 0.5.23: {why}); under --rollout-top-p/--rollout-top-k the trainer needs them for "
-                              "exact ratios. Use a server that returns them, or pass --sampling-mask-top-k 0 to "
-                              "train with biased ratios")
+            raise ConfigError(
+                f"the rollout server at {url} returns no sampling masks (return_sampling_mask, SGLang "
+                f">= 0.5.23: {why}); under --rollout-top-p/--rollout-top-k the trainer needs them for "
+                "exact ratios. Use a server that returns them, or pass --sampling-mask-top-k 0 to "
+                "train with biased ratios"
+            )
 
     async def _all_servers(self, call: Callable[[SGLangClient], Awaitable[Any]]) -> None:
         async def one(url: str) -> None:
             async with SGLangClient.keyed(url, self.server_keys) as client:
                 await call(client)
+
         await asyncio.gather(*(one(url) for url in self.servers.engine_urls))
 
 

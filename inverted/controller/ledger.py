@@ -37,13 +37,25 @@ class Ledger:
             return batch
         return None
 
-    async def serve(self, step: int, *, num_groups: int, max_weight_staleness: int | None, allow_partial: bool = False,
-                    timeout_s: float = 0.0) -> Batch:
+    async def serve(
+        self,
+        step: int,
+        *,
+        num_groups: int,
+        max_weight_staleness: int | None,
+        allow_partial: bool = False,
+        timeout_s: float = 0.0,
+    ) -> Batch:
         """The next complete groups, within ``max_weight_staleness`` of the policy trained at ``step``, as
         step ``step``'s batch (its earlier answer if it was served one already); empty while too few wait."""
-        return await self.buffer.next_batch(num_groups=num_groups, current_weight_version=step,
-                                            max_weight_staleness=max_weight_staleness, allow_partial=allow_partial,
-                                            timeout_s=timeout_s, request_id=request_id(step))
+        return await self.buffer.next_batch(
+            num_groups=num_groups,
+            current_weight_version=step,
+            max_weight_staleness=max_weight_staleness,
+            allow_partial=allow_partial,
+            timeout_s=timeout_s,
+            request_id=request_id(step),
+        )
 
     async def served(self, step: int) -> Batch | None:
         """The batch step ``step`` was served, if it was; consumes nothing."""

@@ -48,7 +48,9 @@ async def train(cfg: JobConfig, job: Job, plugins: Plugins, sink: MetricsSink, r
     start = trainer.step if trainer is not None else 0
     if trainer is not None and (start or job.lora):  # resumed: the servers get its weights; LoRA: its adapter
         await job.sync_weights(start)
-    source: BatchSource = AsyncSource(cfg, job, plugins, start) if cfg.loop.async_mode else SyncSource(cfg, job, plugins)
+    source: BatchSource = (
+        AsyncSource(cfg, job, plugins, start) if cfg.loop.async_mode else SyncSource(cfg, job, plugins)
+    )
     if cfg.rollout.eval_interval and start == 0:  # the starting policy, so that every later figure has its baseline
         await evaluate_and_log(cfg, job, plugins, sink, 0)
     async with source:

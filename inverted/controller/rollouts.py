@@ -22,12 +22,18 @@ from inverted.types import Sample, Task
 
 
 def read_prompts(buffer: BufferConfig, path: str):
-    return load_prompts(path, input_key=buffer.input_key, label_key=buffer.label_key,
-                        metadata_key=buffer.metadata_key, tool_key=buffer.tool_key)
+    return load_prompts(
+        path,
+        input_key=buffer.input_key,
+        label_key=buffer.label_key,
+        metadata_key=buffer.metadata_key,
+        tool_key=buffer.tool_key,
+    )
 
 
-def context(cfg: JobConfig, job: Job, plugins: Plugins, rollout_id: int, evaluation: bool = False,
-            variant: str = "") -> RolloutContext:
+def context(
+    cfg: JobConfig, job: Job, plugins: Plugins, rollout_id: int, evaluation: bool = False, variant: str = ""
+) -> RolloutContext:
     """What a rollout function gets: its section, the services' addresses, sampling, the version serving,
     and every flag of the job by name (from which adapters build other frameworks' ``args``). An
     evaluation's environment is its ``variant``'s (``Plugins.eval_envs``)."""
@@ -36,20 +42,33 @@ def context(cfg: JobConfig, job: Job, plugins: Plugins, rollout_id: int, evaluat
     longest = rollout.rollout_max_response_len
     if evaluation and rollout.eval_max_response_len is not None:
         longest = rollout.eval_max_response_len
-    sampling = {"temperature": temperature, "top_p": rollout.rollout_top_p if temperature else 1.0,
-                "max_tokens": longest}
+    sampling = {
+        "temperature": temperature,
+        "top_p": rollout.rollout_top_p if temperature else 1.0,
+        "max_tokens": longest,
+    }
     if temperature and rollout.rollout_top_k > 0:
         sampling["top_k"] = rollout.rollout_top_k
-    return RolloutContext(rollout_id=rollout_id, config=cfg.rollout, proxy_url=job.proxy_url, proxy_api_key=job.proxy_key,
-                          router_url=job.servers.router_url, hf_checkpoint=cfg.train.hf_checkpoint,
-                          chat_template=cfg.proxy.chat_template, sampling=sampling,
-                          env=plugins.eval_envs.get(variant, plugins.env) if evaluation else plugins.env,
-                          generate=plugins.generate, evaluation=evaluation,
-                          flags=job_flags(cfg), weight_version=job.weight_version, async_mode=cfg.loop.async_mode,
-                          lora_path=job.adapter,
-                          routed_experts=cfg.train.moe.use_rollout_routing_replay,
-                          router_api_key=job.servers.config.router_api_key,
-                          router_admin_api_key=job.servers.config.admin_api_key)
+    return RolloutContext(
+        rollout_id=rollout_id,
+        config=cfg.rollout,
+        proxy_url=job.proxy_url,
+        proxy_api_key=job.proxy_key,
+        router_url=job.servers.router_url,
+        hf_checkpoint=cfg.train.hf_checkpoint,
+        chat_template=cfg.proxy.chat_template,
+        sampling=sampling,
+        env=plugins.eval_envs.get(variant, plugins.env) if evaluation else plugins.env,
+        generate=plugins.generate,
+        evaluation=evaluation,
+        flags=job_flags(cfg),
+        weight_version=job.weight_version,
+        async_mode=cfg.loop.async_mode,
+        lora_path=job.adapter,
+        routed_experts=cfg.train.moe.use_rollout_routing_replay,
+        router_api_key=job.servers.config.router_api_key,
+        router_admin_api_key=job.servers.config.admin_api_key,
+    )
 
 
 def job_flags(cfg: JobConfig) -> dict[str, Any]:
@@ -67,8 +86,11 @@ async def run_rollout(ctx: RolloutContext, plugins: Plugins, tasks: list[Task]) 
 async def run_evaluation(ctx: RolloutContext, plugins: Plugins, tasks: list[Task]) -> list[Sample] | EvalResults:
     """``--eval-function-path`` (else the rollout function) on the evaluation's tasks: one Sample per
     task, checked as a rollout's, or ``EvalResults`` (per dataset, any number: slime's answer)."""
-    function, where = ((plugins.evaluate, f"--eval-function-path {ctx.config.eval_function_path}") if plugins.evaluate
-                       else (plugins.rollout, f"--rollout-function-path {ctx.config.rollout_function_path}"))
+    function, where = (
+        (plugins.evaluate, f"--eval-function-path {ctx.config.eval_function_path}")
+        if plugins.evaluate
+        else (plugins.rollout, f"--rollout-function-path {ctx.config.rollout_function_path}")
+    )
     answer = await function(ctx, tasks)
     if isinstance(answer, EvalResults):
         return answer
@@ -83,8 +105,10 @@ async def checked(ctx: RolloutContext, plugins: Plugins, tasks: list[Task], samp
     by_key = {(s.group_index, s.index): s for s in samples}
     missing = [(t.group_index, t.index) for t in tasks if (t.group_index, t.index) not in by_key]
     if missing or len(samples) != len(tasks):
-        raise PluginError(f"{where}: expected one Sample per task ({len(tasks)}), got "
-                          f"{len(samples)}; tasks without one (group_index, index): {missing[:5]}")
+        raise PluginError(
+            f"{where}: expected one Sample per task ({len(tasks)}), got "
+            f"{len(samples)}; tasks without one (group_index, index): {missing[:5]}"
+        )
     ordered = [by_key[(t.group_index, t.index)] for t in tasks]
     for sample in ordered:  # which rollout played each task: the buffer keeps it beside the Sample
         sample.metadata.setdefault("rollout_id", ctx.rollout_id)

@@ -87,11 +87,16 @@ class SyncSource:
         samples: list[Sample] = []
         rounds = cfg.rollout.max_sampling_rounds
         for round_ in range(1, rounds + 1):
-            tasks = await job.buffer.lease(cfg.rollout.rollout_batch_size * cfg.buffer.n_samples_per_prompt,
-                                           job.worker_id, cfg.buffer.lease_seconds)
+            tasks = await job.buffer.lease(
+                cfg.rollout.rollout_batch_size * cfg.buffer.n_samples_per_prompt,
+                job.worker_id,
+                cfg.buffer.lease_seconds,
+            )
             if not tasks and not samples:
-                raise ServiceUnavailable("the buffer has no more tasks to lease (the dataset is exhausted: see "
-                                         "--num-epoch)", url=job.buffer.base_url)
+                raise ServiceUnavailable(
+                    "the buffer has no more tasks to lease (the dataset is exhausted: see --num-epoch)",
+                    url=job.buffer.base_url,
+                )
             clock.setdefault("leased", time.perf_counter())  # a later round's lease counts as rollout time
             if tasks:  # else the dataset ran out in a later round: serve what the earlier ones gave
                 played = await run_rollout(context(cfg, job, self.plugins, step), self.plugins, tasks)
@@ -99,9 +104,12 @@ class SyncSource:
                 samples += played
             clock["rolled_out"] = time.perf_counter()
             # Not partial before the last round: the buffer serves nothing until the batch is full.
-            batch = await job.ledger.serve(step, num_groups=cfg.rollout.rollout_batch_size,
-                                           max_weight_staleness=cfg.loop.max_weight_staleness,
-                                           allow_partial=round_ == rounds or not tasks)
+            batch = await job.ledger.serve(
+                step,
+                num_groups=cfg.rollout.rollout_batch_size,
+                max_weight_staleness=cfg.loop.max_weight_staleness,
+                allow_partial=round_ == rounds or not tasks,
+            )
             clock["batched"] = time.perf_counter()
             if batch.groups or not tasks:
                 break
@@ -116,8 +124,13 @@ class SyncSource:
     def _warn(step: int, samples: list[Sample]) -> None:
         failed = [s for s in samples if s.status == Sample.Status.FAILED]
         if failed:
-            logger.warning("rollout %d: %d of %d episodes failed (never trained on); the first: %s", step,
-                           len(failed), len(samples), failed[0].metadata.get("error", "?"))
+            logger.warning(
+                "rollout %d: %d of %d episodes failed (never trained on); the first: %s",
+                step,
+                len(failed),
+                len(samples),
+                failed[0].metadata.get("error", "?"),
+            )
         if lost := sum(s.status == Sample.Status.ABORTED for s in samples):
             logger.warning("rollout %d: %d episodes lost their proxy session; their tasks are played again", step, lost)
 
@@ -138,13 +151,19 @@ class Admission:
     def allows(self, *, running: int, waiting: int, versions: int, steps: int) -> bool:
         """``running``: groups under way; ``waiting``: complete in the buffer, not yet trained;
         ``versions``: weight syncs since the source started; ``steps``: batches taken since."""
-        return (running < self.max_running
-                and running + waiting + 1 <= (versions + self.staleness + 1 - steps) * self.batch_groups)
+        return (
+            running < self.max_running
+            and running + waiting + 1 <= (versions + self.staleness + 1 - steps) * self.batch_groups
+        )
 
 
 def replayed(cfg: JobConfig, plugins: Plugins, step: int, batch: Batch, clock: Clock) -> dict[str, float]:
-    logger.warning("rollout %d: training the batch the killed run was served for this step (%d groups), "
-                   "whose training the checkpoint does not hold", step, len(batch.groups))
+    logger.warning(
+        "rollout %d: training the batch the killed run was served for this step (%d groups), "
+        "whose training the checkpoint does not hold",
+        step,
+        len(batch.groups),
+    )
     clock["batched"] = time.perf_counter()
     return prepare_batch(cfg, plugins, step, batch.samples, batch.samples, 0.0)
 
@@ -155,8 +174,11 @@ class AsyncSource:
         self.group_size = cfg.buffer.n_samples_per_prompt
         staleness = cfg.loop.max_weight_staleness
         assert staleness is not None  # LoopConfig gives --async-mode a bound
-        self.admission = Admission(cfg.rollout.rollout_batch_size, staleness,
-                                   max_running=max(1, cfg.rollout.rollout_concurrency // self.group_size))
+        self.admission = Admission(
+            cfg.rollout.rollout_batch_size,
+            staleness,
+            max_running=max(1, cfg.rollout.rollout_concurrency // self.group_size),
+        )
         self.first_version = job.version
         self.step = start  # the step whose rollout context new groups get
         self.steps = 0  # batches taken since the source started
@@ -203,8 +225,9 @@ class AsyncSource:
         if len(self.running) >= self.admission.max_running:
             return False
         waiting = (await self.job.buffer.stats())["groups"]["complete"]
-        return self.admission.allows(running=len(self.running), waiting=waiting,
-                                     versions=self.job.version - self.first_version, steps=self.steps)
+        return self.admission.allows(
+            running=len(self.running), waiting=waiting, versions=self.job.version - self.first_version, steps=self.steps
+        )
 
     async def _run_group(self, tasks: list[Task]) -> None:
         samples = await run_rollout(context(self.cfg, self.job, self.plugins, self.step), self.plugins, tasks)
@@ -234,19 +257,31 @@ class AsyncSource:
         while True:
             if self.error is not None:
                 raise self.error
-            batch = await self.job.ledger.serve(step, num_groups=self.admission.batch_groups,
-                                                max_weight_staleness=self.admission.staleness, timeout_s=POLL_S)
+            batch = await self.job.ledger.serve(
+                step,
+                num_groups=self.admission.batch_groups,
+                max_weight_staleness=self.admission.staleness,
+                timeout_s=POLL_S,
+            )
             if batch.groups:
                 break
             if self.exhausted and not self.running:
-                raise ServiceUnavailable("the buffer has no more tasks to lease and too few complete groups for a "
-                                         "batch (the dataset is exhausted: see --num-epoch)", url=self.job.buffer.base_url)
+                raise ServiceUnavailable(
+                    "the buffer has no more tasks to lease and too few complete groups for a "
+                    "batch (the dataset is exhausted: see --num-epoch)",
+                    url=self.job.buffer.base_url,
+                )
         self.steps += 1  # counted as it is taken: its groups are no longer waiting in the buffer
         clock["waited"] = time.perf_counter()
         finished, self.finished = self.finished, []
-        metrics = prepare_batch(self.cfg, self.plugins, step, finished, batch.samples, clock["waited"] - clock["started"])
+        metrics = prepare_batch(
+            self.cfg, self.plugins, step, finished, batch.samples, clock["waited"] - clock["started"]
+        )
         return batch, metrics | self._staleness(batch)
 
     def _staleness(self, batch: Batch) -> dict[str, float]:
-        return {"async/staleness_mean": sum(batch.staleness) / len(batch.staleness),
-                "async/staleness_max": float(max(batch.staleness)), "async/groups_running": float(len(self.running))}
+        return {
+            "async/staleness_mean": sum(batch.staleness) / len(batch.staleness),
+            "async/staleness_max": float(max(batch.staleness)),
+            "async/groups_running": float(len(self.running)),
+        }

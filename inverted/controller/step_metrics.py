@@ -18,8 +18,9 @@ from inverted.types import Sample, reward_number
 USABLE = (Sample.Status.COMPLETED, Sample.Status.TRUNCATED)
 
 
-def prepare_batch(cfg: JobConfig, plugins: Plugins, step: int, played: list[Sample], batch: list[Sample],
-                  seconds: float) -> dict[str, float]:
+def prepare_batch(
+    cfg: JobConfig, plugins: Plugins, step: int, played: list[Sample], batch: list[Sample], seconds: float
+) -> dict[str, float]:
     """What every step does with its batch before training: ``--rollout-sample-filter-path`` marks the
     Samples to leave out of the loss, ``--save-debug-rollout-data`` writes it, and it is measured
     beside the Samples played for it (``seconds`` of rollout), a slime rollout log function having the
@@ -43,8 +44,9 @@ def filter_samples(plugins: Plugins, samples: list[Sample]) -> None:
     plugins.sample_filter(list(groups.values()))
 
 
-def log_rollout(plugins: Plugins, rollout_id: int, samples: list[Sample], metrics: dict[str, float],
-                seconds: float) -> dict[str, float]:
+def log_rollout(
+    plugins: Plugins, rollout_id: int, samples: list[Sample], metrics: dict[str, float], seconds: float
+) -> dict[str, float]:
     """``--custom-rollout-log-function-path`` sees the rollout; if it returns True, the default
     ``rollout/*`` metrics are left out of the row (slime: it did the logging itself)."""
     if plugins.rollout_log is None:
@@ -63,7 +65,8 @@ def rollout_metrics(reward_key: str | None, played: list[Sample], batch: list[Sa
     lengths = [s.response_length for s in usable]
     return {
         "rollout/reward_mean": sum(rewards) / len(rewards) if rewards else float("nan"),
-        "rollout/samples": float(len(played)), "rollout/trained_samples": float(len(batch)),
+        "rollout/samples": float(len(played)),
+        "rollout/trained_samples": float(len(batch)),
         "rollout/failed": float(sum(s.status == Sample.Status.FAILED for s in played)),
         # episodes whose proxy session was lost (a restarted proxy): their tasks are played again
         "rollout/aborted": float(sum(s.status == Sample.Status.ABORTED for s in played)),
@@ -75,9 +78,13 @@ def rollout_metrics(reward_key: str | None, played: list[Sample], batch: list[Sa
         "rollout/resumed_calls": float(sum(t.get("resumes", 0) for s in usable for t in s.metadata.get("turns", []))),
         "rollout/mixed_version_samples": float(sum(len(set(s.weight_versions)) > 1 for s in usable)),
         # tokens sampled from a cut distribution whose set was recorded (sampling masks), for the trainer to replay
-        "rollout/kept_set_tokens": float(sum(sum(b > a for a, b in zip(s.rollout_top_p_token_offsets,
-                                                                      s.rollout_top_p_token_offsets[1:]))
-                                             for s in usable if s.rollout_top_p_token_offsets)),
+        "rollout/kept_set_tokens": float(
+            sum(
+                sum(b > a for a, b in zip(s.rollout_top_p_token_offsets, s.rollout_top_p_token_offsets[1:]))
+                for s in usable
+                if s.rollout_top_p_token_offsets
+            )
+        ),
     } | episode_metrics("rollout", usable)
 
 
@@ -88,15 +95,24 @@ def episode_metrics(prefix: str, samples: list[Sample]) -> dict[str, float]:
     turns = [s.metadata["turns"] for s in samples if s.metadata.get("turns")]
     if not turns:
         return {}
-    return {f"{prefix}/turns_mean": sum(map(len, turns)) / len(turns),
-            f"{prefix}/tool_call_rate": sum(any(t["finish_reason"] == "tool_calls" for t in ts) for ts in turns) / len(turns)}
+    return {
+        f"{prefix}/turns_mean": sum(map(len, turns)) / len(turns),
+        f"{prefix}/tool_call_rate": sum(any(t["finish_reason"] == "tool_calls" for t in ts) for ts in turns)
+        / len(turns),
+    }
 
 
 def phase_times(clock: dict[str, float]) -> dict[str, float]:
     """Seconds per phase of one step (a phase that did not happen is absent)."""
     marks = list(clock.items())
-    names = {"leased": "lease", "rolled_out": "rollout", "batched": "buffer", "waited": "wait", "trained": "train",
-             "synced": "sync"}
+    names = {
+        "leased": "lease",
+        "rolled_out": "rollout",
+        "batched": "buffer",
+        "waited": "wait",
+        "trained": "train",
+        "synced": "sync",
+    }
     times = {f"time/{names[name]}_s": at - before for (_, before), (name, at) in zip(marks, marks[1:])}
     times["time/step_s"] = marks[-1][1] - marks[0][1]
     return times
@@ -104,25 +120,54 @@ def phase_times(clock: dict[str, float]) -> dict[str, float]:
 
 async def step_row(job: Job, metrics: dict[str, float], clock: dict[str, float]) -> dict[str, float]:
     """A step's metrics row: its own metrics, phase times, the buffer's totals, faults, the servers' version."""
-    return (metrics | phase_times(clock) | await buffer_metrics(job) | job.supervisor.metrics()
-            | {"weight_version": float(job.version)})
+    return (
+        metrics
+        | phase_times(clock)
+        | await buffer_metrics(job)
+        | job.supervisor.metrics()
+        | {"weight_version": float(job.version)}
+    )
 
 
 async def buffer_metrics(job: Job) -> dict[str, float]:
     """The buffer's running totals: what was set aside and why (nothing leaves it uncounted)."""
     stats = await job.buffer.stats()
     counters = stats["counters"]
-    names = ("groups_filtered", "groups_failed", "groups_dropped_stale", "groups_retried_stale",
-             "samples_requeued_partial", "samples_requeued_aborted", "leases_expired", "leases_released")
+    names = (
+        "groups_filtered",
+        "groups_failed",
+        "groups_dropped_stale",
+        "groups_retried_stale",
+        "samples_requeued_partial",
+        "samples_requeued_aborted",
+        "leases_expired",
+        "leases_released",
+    )
     return {f"buffer/{name}": float(counters.get(name, 0)) for name in names} | {
-        "buffer/groups_waiting": float(stats["groups"]["complete"])}
+        "buffer/groups_waiting": float(stats["groups"]["complete"])
+    }
 
 
 def summary(metrics: dict[str, float]) -> str:
-    shown = {"reward": "rollout/reward_mean", "loss": "train/loss", "eval": "eval/reward_mean", "pass": "eval/pass_rate",
-             "tool_calls": "eval/tool_call_rate",
-             "version": "weight_version", "staleness": "async/staleness_mean", "step_s": "time/step_s",
-             "rollout_s": "time/rollout_s", "wait_s": "time/wait_s", "train_s": "time/train_s", "sync_s": "time/sync_s"}
-    variants = {f"{key.split('/')[1]} {what}": key for key in metrics if key.count("/") == 2
-                for what, end in (("pass", "/pass_rate"), ("tool_calls", "/tool_call_rate")) if key.endswith(end)}
+    shown = {
+        "reward": "rollout/reward_mean",
+        "loss": "train/loss",
+        "eval": "eval/reward_mean",
+        "pass": "eval/pass_rate",
+        "tool_calls": "eval/tool_call_rate",
+        "version": "weight_version",
+        "staleness": "async/staleness_mean",
+        "step_s": "time/step_s",
+        "rollout_s": "time/rollout_s",
+        "wait_s": "time/wait_s",
+        "train_s": "time/train_s",
+        "sync_s": "time/sync_s",
+    }
+    variants = {
+        f"{key.split('/')[1]} {what}": key
+        for key in metrics
+        if key.count("/") == 2
+        for what, end in (("pass", "/pass_rate"), ("tool_calls", "/tool_call_rate"))
+        if key.endswith(end)
+    }
     return ", ".join(f"{name} {metrics[key]:.4g}" for name, key in (shown | variants).items() if key in metrics)

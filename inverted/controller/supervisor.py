@@ -118,11 +118,17 @@ class Supervisor:
     def metrics(self) -> dict[str, float]:
         restarts = self.job.trainer.restarts if self.job.trainer is not None else 0
         return {f"faults/{name}": float(count) for name, count in self.faults.items()} | {
-            "faults/trainer_restarts": float(restarts)}
+            "faults/trainer_restarts": float(restarts)
+        }
 
     async def _restart(self, dead: ManagedProcess) -> ManagedProcess:
-        logger.warning("the %s died (exit code %s); starting it again at %s. Log tail:\n%s", dead.name,
-                       dead.popen.returncode, dead.url, dead.tail(10))
+        logger.warning(
+            "the %s died (exit code %s); starting it again at %s. Log tail:\n%s",
+            dead.name,
+            dead.popen.returncode,
+            dead.url,
+            dead.tail(10),
+        )
         process = start_service(dead.name, self.job.run_dir, dead.url, again=True)
         await asyncio.to_thread(process.wait_healthy, self.job.cfg.servers.startup_timeout)
         self.faults["service_restarts"] += 1
@@ -132,8 +138,9 @@ class Supervisor:
     async def _replace(self, dead: ServerHandle) -> None:
         job = self.job
         self.faults["engine_deaths"] += 1
-        logger.warning("%s (%s) died; replacing it. Log tail:\n%s", dead.name, dead.url,
-                       await asyncio.to_thread(dead.tail, 10))
+        logger.warning(
+            "%s (%s) died; replacing it. Log tail:\n%s", dead.name, dead.url, await asyncio.to_thread(dead.tail, 10)
+        )
         await job.servers.retire(dead)
         engine = await job.servers.start_engine()
         if job.trainer is None:

@@ -58,8 +58,12 @@ class Trainer:
         self.step = self.group.step
 
     def _start(self, train: TrainConfig) -> TrainGroup:
-        return TrainGroup(train, self.process_setup, gpu_fraction=0.5 if self.cfg.loop.colocate else 1.0,
-                          node=node_resource(train.parallel.actor_node_resource))
+        return TrainGroup(
+            train,
+            self.process_setup,
+            gpu_fraction=0.5 if self.cfg.loop.colocate else 1.0,
+            node=node_resource(train.parallel.actor_node_resource),
+        )
 
     # -- what a step asks of it ------------------------------------------------------------
 
@@ -88,7 +92,8 @@ class Trainer:
         await self._locked_call(lambda group: group.save_for_restart(restart_dir(self.cfg.train)))
 
     async def finish(self, hf_out: str) -> str:
-        """The final checkpoint as a Hugging Face model in ``hf_out``; the restart state goes (the checkpoint holds more)."""
+        """The final checkpoint as a Hugging Face model in ``hf_out``; the restart state goes (the
+        checkpoint holds more)."""
         out = await self._locked_call(lambda group: group.finish(checkpoint_dir(self.cfg.train), hf_out))
         shutil.rmtree(restart_dir(self.cfg.train), ignore_errors=True)
         return out
@@ -129,11 +134,17 @@ class Trainer:
         started = time.perf_counter()
         await asyncio.to_thread(self.group.kill)
         train = self.cfg.train
-        saved = [root for root in (restart_dir(train), checkpoint_dir(train), train.ckpt.load)
-                 if 0 <= latest_step(root) <= self.step]  # (never a state past this run's own step)
+        saved = [
+            root
+            for root in (restart_dir(train), checkpoint_dir(train), train.ckpt.load)
+            if 0 <= latest_step(root) <= self.step
+        ]  # (never a state past this run's own step)
         load = max(saved, key=latest_step, default=None)
-        logger.warning("restarting the trainer from %s; it trains again the batches served since, up to step %d",
-                       load or train.hf_checkpoint, self.step - 1)
+        logger.warning(
+            "restarting the trainer from %s; it trains again the batches served since, up to step %d",
+            load or train.hf_checkpoint,
+            self.step - 1,
+        )
         if load is not None:
             train = dataclasses.replace(train, ckpt=dataclasses.replace(train.ckpt, load=load))
         self.group = await asyncio.to_thread(self._start, train)
@@ -146,5 +157,10 @@ class Trainer:
                 await asyncio.to_thread(self.group.train, batch.samples)
                 replayed += 1
         self.restarts += 1
-        logger.warning("the trainer is back at step %d in %.1fs: from step %d, %d batches trained again",
-                       self.step, time.perf_counter() - started, start, replayed)
+        logger.warning(
+            "the trainer is back at step %d in %.1fs: from step %d, %d batches trained again",
+            self.step,
+            time.perf_counter() - started,
+            start,
+            replayed,
+        )

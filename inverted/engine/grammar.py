@@ -85,8 +85,9 @@ class Grammars:
             grammar = llguidance.LLMatcher.grammar_from_regex(regex)
         error = llguidance.LLMatcher.validate_grammar(grammar)
         if error:
-            raise InvalidRequest(f"Failed to compile {'json' if json_schema is not None else 'regex'} grammar: "
-                                 f"{error.strip()[:500]}")
+            raise InvalidRequest(
+                f"Failed to compile {'json' if json_schema is not None else 'regex'} grammar: {error.strip()[:500]}"
+            )
         return llguidance.LLMatcher(self.info, grammar)
 
 

@@ -33,10 +33,12 @@ def fused_parts(spec: ModelSpec) -> dict[str, tuple[tuple[str, int, int], ...]]:
     """Each fused weight of ``CausalLM`` -> its HF modules and their output columns ``[lo, hi)``."""
     shapes = module_shapes(spec)
     q, kv, inter = shapes["q_proj"][0], shapes["k_proj"][0], spec.intermediate_size
-    return {"qkv": (("q_proj", 0, q), ("k_proj", q, q + kv), ("v_proj", q + kv, q + 2 * kv)),
-            "o": (("o_proj", 0, spec.hidden_size),),
-            "gate_up": (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter)),
-            "down": (("down_proj", 0, spec.hidden_size),)}
+    return {
+        "qkv": (("q_proj", 0, q), ("k_proj", q, q + kv), ("v_proj", q + kv, q + 2 * kv)),
+        "o": (("o_proj", 0, spec.hidden_size),),
+        "gate_up": (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter)),
+        "down": (("down_proj", 0, spec.hidden_size),),
+    }
 
 
 @dataclass(slots=True)
@@ -99,8 +101,17 @@ class LoRABatch:
 class Adapters:
     """The adapters a server holds, by name, within its LoRA limits."""
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, *, max_rank: int,
-                 modules: list[str], max_loaded: int | None, max_per_batch: int):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        max_rank: int,
+        modules: list[str],
+        max_loaded: int | None,
+        max_per_batch: int,
+    ):
         if spec.is_moe:  # the experts would need adapters of their own; attention alone is not what users ask for
             raise ModelError("LoRA on a Mixture-of-Experts model is not supported by the embedded engine")
         self.spec, self.dtype, self.device = spec, dtype, device
@@ -109,17 +120,28 @@ class Adapters:
         self.loaded: dict[str, Adapter] = {}
         self.parts = fused_parts(spec)
 
-    def build(self, name: str, config: dict, tensors: dict[str, torch.Tensor], *, path: str | None = None,
-              pinned: bool = False) -> Adapter:
+    def build(
+        self,
+        name: str,
+        config: dict,
+        tensors: dict[str, torch.Tensor],
+        *,
+        path: str | None = None,
+        pinned: bool = False,
+    ) -> Adapter:
         """An adapter checked whole against the model and the server's limits; ``ModelError`` if it does not fit."""
         if not isinstance(name, str) or not name or ":" in name:
             raise InvalidRequest(f"lora_name must be a non-empty name without ':', got {name!r}")
         lora = LoRAConfig.from_peft(config)
         if lora.rank > self.max_rank:
-            raise ModelError(f"LoRA adapter {name!r} has rank {lora.rank}, above this server's --max-lora-rank {self.max_rank}")
+            raise ModelError(
+                f"LoRA adapter {name!r} has rank {lora.rank}, above this server's --max-lora-rank {self.max_rank}"
+            )
         if extra := [m for m in lora.modules if m not in self.modules]:
-            raise ModelError(f"LoRA adapter {name!r} targets {extra}, outside this server's --lora-target-modules "
-                             f"{list(self.modules)}")
+            raise ModelError(
+                f"LoRA adapter {name!r} targets {extra}, outside this server's --lora-target-modules "
+                f"{list(self.modules)}"
+            )
         pairs = check_tensors(lora, tensors, self.spec)
         # The tensors may be views of the sender's buffer, which it refills for the next update: each
         # is copied once (``cat`` always makes a new tensor), and the scaling goes on the stacked A.
@@ -130,8 +152,10 @@ class Adapters:
                 adapted = [(lo, hi, pairs[layer, m]) for m, lo, hi in parts if (layer, m) in pairs]
                 if adapted:
                     a = torch.cat([a for _, _, (a, _) in adapted]).to(self.device, torch.float32).mul_(lora.scaling)
-                    fused[key] = FusedLoRA(a.to(self.dtype), [(lo, hi, b.to(self.device, self.dtype, copy=True))
-                                                              for lo, hi, (_, b) in adapted])
+                    fused[key] = FusedLoRA(
+                        a.to(self.dtype),
+                        [(lo, hi, b.to(self.device, self.dtype, copy=True)) for lo, hi, (_, b) in adapted],
+                    )
             adapter.layers.append(fused)
         adapter.nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         return adapter
@@ -140,8 +164,10 @@ class Adapters:
         if adapter.name in self.loaded:
             raise InvalidRequest(f"LoRA adapter {adapter.name!r} is already loaded: unload it first")
         if self.max_loaded is not None and len(self.loaded) >= self.max_loaded:
-            raise InvalidRequest(f"{len(self.loaded)} LoRA adapters are loaded, the most this server holds "
-                                 f"(--max-loaded-loras {self.max_loaded}): unload one first")
+            raise InvalidRequest(
+                f"{len(self.loaded)} LoRA adapters are loaded, the most this server holds "
+                f"(--max-loaded-loras {self.max_loaded}): unload one first"
+            )
         self.loaded[adapter.name] = adapter
 
     def remove(self, name: str) -> None:
@@ -156,8 +182,10 @@ class Adapters:
         """``InvalidRequest`` unless every adapter a request names is loaded."""
         missing = sorted({n for n in names if n is not None and n not in self.loaded})
         if missing:
-            raise InvalidRequest(f"The following requested LoRA adapters are not loaded: {missing}. "
-                                 f"Loaded adapters: {sorted(self.loaded)}.")
+            raise InvalidRequest(
+                f"The following requested LoRA adapters are not loaded: {missing}. "
+                f"Loaded adapters: {sorted(self.loaded)}."
+            )
 
 
 def startup_adapters(config: EngineConfig, model) -> Adapters:
@@ -172,10 +200,20 @@ def startup_adapters(config: EngineConfig, model) -> Adapters:
     max_rank = config.max_lora_rank or max(ranks, default=0)
     if not max_rank:
         raise ConfigError("--enable-lora needs --max-lora-rank (or --lora-paths to infer it from)")
-    modules = config.lora_target_modules or sorted({m for _, _, cfg, _ in read
-                                                    for m in LoRAConfig.from_peft(cfg).modules}) or ["all"]
-    adapters = Adapters(model.spec, model.act_dtype, model.device, max_rank=max_rank, modules=modules,
-                        max_loaded=config.max_loaded_loras, max_per_batch=config.max_loras_per_batch)
+    modules = (
+        config.lora_target_modules
+        or sorted({m for _, _, cfg, _ in read for m in LoRAConfig.from_peft(cfg).modules})
+        or ["all"]
+    )
+    adapters = Adapters(
+        model.spec,
+        model.act_dtype,
+        model.device,
+        max_rank=max_rank,
+        modules=modules,
+        max_loaded=config.max_loaded_loras,
+        max_per_batch=config.max_loras_per_batch,
+    )
     for name, path, cfg, tensors in read:
         adapters.add(adapters.build(name, cfg, tensors, path=path, pinned=True))
     return adapters

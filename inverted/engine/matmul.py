@@ -21,8 +21,7 @@ import torch
 
 def packs(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether weights of ``dtype`` on ``device`` are held packed (a CPU with oneDNN; fp32 or bf16)."""
-    return (device.type == "cpu" and torch.backends.mkldnn.is_available()
-            and dtype in (torch.float32, torch.bfloat16))
+    return device.type == "cpu" and torch.backends.mkldnn.is_available() and dtype in (torch.float32, torch.bfloat16)
 
 
 # The batch size oneDNN lays a packed weight out for. Measured on SmolLM2's shapes (2 threads, AVX-512):

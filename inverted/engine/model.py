@@ -16,10 +16,10 @@ multiplied are held in oneDNN's packed layout (``engine.matmul``); a load unpack
 touches, writes their slots and packs them again.
 LoRA adapters (``engine.lora``) add their deltas to the fused projections' outputs, per row.
 
-Two entry points share the layers: ``prefill`` runs newly admitted requests' tokens (packed into
-one forward) into their KV-cache rows; ``decode`` runs one token for each of the first B rows. Rows are kept compact by the
-scheduler (``KVCache.move_row``) so a decode step attends over ``cache[:, :B]`` without gathers.
-This module owns no scheduling and no HTTP.
+Two entry points share the layers: ``prefill`` runs newly admitted requests' tokens (packed into one
+forward) into their KV-cache rows; ``decode`` runs one token for each of the first B rows. Rows are kept
+compact by the scheduler (``KVCache.move_row``) so a decode step attends over ``cache[:, :B]`` without
+gathers. This module owns no scheduling and no HTTP.
 """
 
 from __future__ import annotations
@@ -54,8 +54,16 @@ class KVCache:
     # fixed 256 (in fp32, SmolLM2's 64 x 256 are 0.75 GB, most of it never written).
     GROW = 64
 
-    def __init__(self, spec: ModelSpec, rows: int, max_len: int, dtype: torch.dtype, device: torch.device,
-                 keep_routes: bool = False, budget: int | None = None):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        rows: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        keep_routes: bool = False,
+        budget: int | None = None,
+    ):
         self.spec, self.max_rows, self.max_len, self.dtype, self.device = spec, rows, max_len, dtype, device
         self.budget = budget or rows * max_len
         self.rows = self.capacity = 0
@@ -88,13 +96,17 @@ class KVCache:
         rows = max(in_use, self.rows_for(cap))
         kept_rows, kept_cap = min(rows, self.rows), min(cap, self.capacity)
         shape = (self.spec.num_layers, rows, self.spec.num_kv_heads, cap, self.spec.head_dim)
-        k, v = torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device)
+        k, v = (
+            torch.zeros(shape, dtype=self.dtype, device=self.device),
+            torch.zeros(shape, dtype=self.dtype, device=self.device),
+        )
         if kept_cap:
             k[:, :kept_rows, :, :kept_cap] = self.k[:, :kept_rows, :, :kept_cap]
             v[:, :kept_rows, :, :kept_cap] = self.v[:, :kept_rows, :, :kept_cap]
         if self.keep_routes:  # expert ids fit int16 (at most 32767 experts)
-            routes = torch.zeros(rows, cap, self.spec.num_layers, self.spec.moe_top_k, dtype=torch.int16,
-                                 device=self.device)
+            routes = torch.zeros(
+                rows, cap, self.spec.num_layers, self.spec.moe_top_k, dtype=torch.int16, device=self.device
+            )
             if kept_cap:
                 routes[:kept_rows, :kept_cap] = self.routes[:kept_rows, :kept_cap]
             self.routes = routes
@@ -191,8 +203,16 @@ class CausalLM(torch.nn.Module):
         self.hf_slots = self._hf_slots()
         # The matrices only ever multiplied are held packed for oneDNN on a CPU (``engine.matmul``);
         # they are packed by the first load, as each load leaves them.
-        self.packed = {(layer, attr) for layer in self.layers for attr in ("qkv", "o", "gate_up", "down")
-                       if getattr(layer, attr) is not None} if matmul.packs(device, dtype) else set()
+        self.packed = (
+            {
+                (layer, attr)
+                for layer in self.layers
+                for attr in ("qkv", "o", "gate_up", "down")
+                if getattr(layer, attr) is not None
+            }
+            if matmul.packs(device, dtype)
+            else set()
+        )
         if self.packed and not s.tie_word_embeddings:  # a tied head is also the embedding's lookup table
             self.packed.add((self, "lm_head"))
 
@@ -200,35 +220,48 @@ class CausalLM(torch.nn.Module):
         """Hugging Face parameter name -> its place in our (fused) parameters."""
         s = self.spec
         q, kv, inter = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.intermediate_size
-        slots = {"model.embed_tokens.weight": Slot.of(self, "embed"), "model.norm.weight": Slot.of(self, "norm"),
-                 "lm_head.weight": Slot.of(self, "lm_head")}
+        slots = {
+            "model.embed_tokens.weight": Slot.of(self, "embed"),
+            "model.norm.weight": Slot.of(self, "norm"),
+            "lm_head.weight": Slot.of(self, "lm_head"),
+        }
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            slots.update({
-                p + "input_layernorm.weight": Slot.of(layer, "ln1"),
-                p + "post_attention_layernorm.weight": Slot.of(layer, "ln2"),
-                p + "self_attn.q_proj.weight": Slot.of(layer, "qkv", slice(None, q)),
-                p + "self_attn.k_proj.weight": Slot.of(layer, "qkv", slice(q, q + kv)),
-                p + "self_attn.v_proj.weight": Slot.of(layer, "qkv", slice(q + kv, None)),
-                p + "self_attn.o_proj.weight": Slot.of(layer, "o"),
-            })
+            slots.update(
+                {
+                    p + "input_layernorm.weight": Slot.of(layer, "ln1"),
+                    p + "post_attention_layernorm.weight": Slot.of(layer, "ln2"),
+                    p + "self_attn.q_proj.weight": Slot.of(layer, "qkv", slice(None, q)),
+                    p + "self_attn.k_proj.weight": Slot.of(layer, "qkv", slice(q, q + kv)),
+                    p + "self_attn.v_proj.weight": Slot.of(layer, "qkv", slice(q + kv, None)),
+                    p + "self_attn.o_proj.weight": Slot.of(layer, "o"),
+                }
+            )
             if s.is_moe:
                 slots.update(self._expert_slots(p + "mlp.", layer))
             else:
-                slots.update({
-                    p + "mlp.gate_proj.weight": Slot.of(layer, "gate_up", slice(None, inter)),
-                    p + "mlp.up_proj.weight": Slot.of(layer, "gate_up", slice(inter, None)),
-                    p + "mlp.down_proj.weight": Slot.of(layer, "down"),
-                })
+                slots.update(
+                    {
+                        p + "mlp.gate_proj.weight": Slot.of(layer, "gate_up", slice(None, inter)),
+                        p + "mlp.up_proj.weight": Slot.of(layer, "gate_up", slice(inter, None)),
+                        p + "mlp.down_proj.weight": Slot.of(layer, "down"),
+                    }
+                )
             if layer.qkv_bias is not None:
-                slots.update({
-                    p + "self_attn.q_proj.bias": Slot.of(layer, "qkv_bias", slice(None, q)),
-                    p + "self_attn.k_proj.bias": Slot.of(layer, "qkv_bias", slice(q, q + kv)),
-                    p + "self_attn.v_proj.bias": Slot.of(layer, "qkv_bias", slice(q + kv, None)),
-                })
+                slots.update(
+                    {
+                        p + "self_attn.q_proj.bias": Slot.of(layer, "qkv_bias", slice(None, q)),
+                        p + "self_attn.k_proj.bias": Slot.of(layer, "qkv_bias", slice(q, q + kv)),
+                        p + "self_attn.v_proj.bias": Slot.of(layer, "qkv_bias", slice(q + kv, None)),
+                    }
+                )
             if layer.q_norm is not None:
-                slots.update({p + "self_attn.q_norm.weight": Slot.of(layer, "q_norm"),
-                              p + "self_attn.k_norm.weight": Slot.of(layer, "k_norm")})
+                slots.update(
+                    {
+                        p + "self_attn.q_norm.weight": Slot.of(layer, "q_norm"),
+                        p + "self_attn.k_norm.weight": Slot.of(layer, "k_norm"),
+                    }
+                )
         return slots
 
     def _expert_slots(self, p: str, layer: torch.nn.Module) -> dict[str, Slot]:
@@ -236,18 +269,22 @@ class CausalLM(torch.nn.Module):
         inter, shared = self.spec.moe_intermediate_size, self.spec.shared_expert_intermediate_size
         slots = {p + "gate.weight": Slot.of(layer, "router")}
         for e in range(self.spec.num_experts):
-            slots.update({
-                f"{p}experts.{e}.gate_proj.weight": Slot.of(layer, "experts_gate_up", e, slice(None, inter)),
-                f"{p}experts.{e}.up_proj.weight": Slot.of(layer, "experts_gate_up", e, slice(inter, None)),
-                f"{p}experts.{e}.down_proj.weight": Slot.of(layer, "experts_down", e),
-            })
+            slots.update(
+                {
+                    f"{p}experts.{e}.gate_proj.weight": Slot.of(layer, "experts_gate_up", e, slice(None, inter)),
+                    f"{p}experts.{e}.up_proj.weight": Slot.of(layer, "experts_gate_up", e, slice(inter, None)),
+                    f"{p}experts.{e}.down_proj.weight": Slot.of(layer, "experts_down", e),
+                }
+            )
         if shared:
-            slots.update({
-                p + "shared_expert.gate_proj.weight": Slot.of(layer, "gate_up", slice(None, shared)),
-                p + "shared_expert.up_proj.weight": Slot.of(layer, "gate_up", slice(shared, None)),
-                p + "shared_expert.down_proj.weight": Slot.of(layer, "down"),
-                p + "shared_expert_gate.weight": Slot.of(layer, "shared_gate"),
-            })
+            slots.update(
+                {
+                    p + "shared_expert.gate_proj.weight": Slot.of(layer, "gate_up", slice(None, shared)),
+                    p + "shared_expert.up_proj.weight": Slot.of(layer, "gate_up", slice(shared, None)),
+                    p + "shared_expert.down_proj.weight": Slot.of(layer, "down"),
+                    p + "shared_expert_gate.weight": Slot.of(layer, "shared_gate"),
+                }
+            )
         return slots
 
     # ---- weights -------------------------------------------------------------------------
@@ -279,8 +316,10 @@ class CausalLM(torch.nn.Module):
         matrix is unpacked, written and packed again, so a load may name any part of it."""
         self.check_weights(named, complete=complete, strict_dtype=strict_dtype)
         if bad := non_finite(named):
-            raise ModelError(f"weights with NaN or inf values refused (the served weights are unchanged): "
-                             f"{bad[:5]}{' ...' if len(bad) > 5 else ''}")
+            raise ModelError(
+                f"weights with NaN or inf values refused (the served weights are unchanged): "
+                f"{bad[:5]}{' ...' if len(bad) > 5 else ''}"
+            )
         parts: dict[tuple[torch.nn.Module, str], list[tuple[Slot, torch.Tensor]]] = {}
         for name, tensor in named.items():
             parts.setdefault(self.hf_slots[name].place, []).append((self.hf_slots[name], tensor))
@@ -319,15 +358,18 @@ class CausalLM(torch.nn.Module):
         qkv = qkv.view(-1, s.num_heads + 2 * s.num_kv_heads, s.head_dim)
         qk, v = qkv[:, : s.num_heads + s.num_kv_heads], qkv[:, s.num_heads + s.num_kv_heads :]
         if layer.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k before RoPE
-            qk = torch.cat((self._norm(qk[:, : s.num_heads], layer.q_norm), self._norm(qk[:, s.num_heads :], layer.k_norm)), 1)
+            qk = torch.cat(
+                (self._norm(qk[:, : s.num_heads], layer.q_norm), self._norm(qk[:, s.num_heads :], layer.k_norm)), 1
+            )
         cos, sin = rope
         half = s.head_dim // 2
         rotated = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
         qk = torch.addcmul(qk * cos, rotated, sin)
         return qk[:, : s.num_heads], qk[:, s.num_heads :], v
 
-    def _finish_layer(self, li: int, x_TH: torch.Tensor, attn_TX: torch.Tensor,
-                      lora: LoRABatch | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _finish_layer(
+        self, li: int, x_TH: torch.Tensor, attn_TX: torch.Tensor, lora: LoRABatch | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer's output, and in a MoE model each token's routed experts ``[T, top_k]``."""
         layer = self.layers[li]
         x_TH = matmul.linear(attn_TX, layer.o, x_TH)
@@ -382,8 +424,9 @@ class CausalLM(torch.nn.Module):
         return matmul.linear(self._norm(hidden_TH, self.norm), self.lm_head).float()
 
     @torch.no_grad()
-    def prefill(self, cache: KVCache, rows: list[int], tokens: list[list[int]], starts: list[int],
-                lora: LoRABatch | None = None) -> list[torch.Tensor]:
+    def prefill(
+        self, cache: KVCache, rows: list[int], tokens: list[list[int]], starts: list[int], lora: LoRABatch | None = None
+    ) -> list[torch.Tensor]:
         """Run several requests' new tokens in one packed forward; return each one's hidden states ``[T_i, H]``.
 
         Request i's ``tokens[i]`` go to positions ``starts[i]..`` of cache row ``rows[i]``; positions
@@ -394,7 +437,9 @@ class CausalLM(torch.nn.Module):
         lengths = [len(t) for t in tokens]
         ends = [start + n for start, n in zip(starts, lengths)]
         cache.reserve(max(ends), max(rows) + 1)
-        x = F.embedding(torch.tensor([t for ts in tokens for t in ts], dtype=torch.long, device=self.device), self.embed)
+        x = F.embedding(
+            torch.tensor([t for ts in tokens for t in ts], dtype=torch.long, device=self.device), self.embed
+        )
         x = x.to(self.act_dtype)
         positions = torch.cat([torch.arange(a, b, device=self.device) for a, b in zip(starts, ends)])
         rope = self._rope_tables(positions)
@@ -408,10 +453,17 @@ class CausalLM(torch.nn.Module):
                 cache.k[li, row, :, start:end] = k[lo:hi].transpose(0, 1)
                 cache.v[li, row, :, start:end] = v[lo:hi].transpose(0, 1)
                 # Query j (at start+j) sees keys 0..start+j.
-                mask = None if start == 0 else torch.ones(hi - lo, end, dtype=torch.bool, device=self.device).tril(start)
+                mask = (
+                    None if start == 0 else torch.ones(hi - lo, end, dtype=torch.bool, device=self.device).tril(start)
+                )
                 out = F.scaled_dot_product_attention(
-                    q[lo:hi].transpose(0, 1)[None], cache.k[li, row : row + 1, :, :end], cache.v[li, row : row + 1, :, :end],
-                    attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+                    q[lo:hi].transpose(0, 1)[None],
+                    cache.k[li, row : row + 1, :, :end],
+                    cache.v[li, row : row + 1, :, :end],
+                    attn_mask=mask,
+                    is_causal=mask is None,
+                    enable_gqa=True,
+                )
                 attn[lo:hi] = out[0].transpose(0, 1).reshape(hi - lo, -1)
             x, experts = self._finish_layer(li, x, attn, lora)
             if cache.routes is not None:
@@ -420,7 +472,9 @@ class CausalLM(torch.nn.Module):
         return [x[lo:hi] for lo, hi in zip(offsets, offsets[1:])]
 
     @torch.no_grad()
-    def decode(self, cache: KVCache, tokens: list[int], positions: list[int], lora: LoRABatch | None = None) -> torch.Tensor:
+    def decode(
+        self, cache: KVCache, tokens: list[int], positions: list[int], lora: LoRABatch | None = None
+    ) -> torch.Tensor:
         """One token for each of rows ``0..B-1`` at the given positions (``lora``: their adapters); return
         hidden states ``[B, H]``."""
         s = self.spec
@@ -443,8 +497,9 @@ class CausalLM(torch.nn.Module):
             # KV head share its keys, so K and V are never copied out per query head.
             keys = cache.k[li, :b, :, :longest].reshape(b * kv_heads, longest, s.head_dim)
             values = cache.v[li, :b, :, :longest].reshape(b * kv_heads, longest, s.head_dim)
-            scores = torch.baddbmm(bias, q.reshape(b * kv_heads, group, s.head_dim), keys.transpose(1, 2),
-                                   alpha=s.head_dim ** -0.5)
+            scores = torch.baddbmm(
+                bias, q.reshape(b * kv_heads, group, s.head_dim), keys.transpose(1, 2), alpha=s.head_dim**-0.5
+            )
             attn = torch.bmm(torch.softmax(scores, dim=-1), values)  # B*Hkv, G, D
             x, experts = self._finish_layer(li, x, attn.view(b, -1), lora)
             if cache.routes is not None:

@@ -20,8 +20,15 @@ from inverted.engine.scheduler import Request, new_rid
 from inverted.errors import FieldError, InvalidRequest, SchemaError
 from inverted.types import encode_routed_experts
 
-UNSUPPORTED_GENERATE_FIELDS = ("input_embeds", "image_data", "video_data", "audio_data", "session_params",
-                               "custom_logit_processor", "return_hidden_states")
+UNSUPPORTED_GENERATE_FIELDS = (
+    "input_embeds",
+    "image_data",
+    "video_data",
+    "audio_data",
+    "session_params",
+    "custom_logit_processor",
+    "return_hidden_states",
+)
 
 
 class ControlModel(BaseModel):
@@ -164,8 +171,9 @@ SAMPLING_LOGPROBS_MODES = ("selected", "support")
 TOP_K_ALL = 1 << 30
 
 
-def parse_generate(body: Any, max_items: int, max_prompt_tokens: int,
-                   mask_cap: int = 4096) -> tuple[list[GenerateItem], bool, bool]:
+def parse_generate(
+    body: Any, max_items: int, max_prompt_tokens: int, mask_cap: int = 4096
+) -> tuple[list[GenerateItem], bool, bool]:
     """Normalise a ``/generate`` body; return (items, is_single, stream).
 
     What the request would cost is bounded before it is paid for: more than ``max_items``
@@ -197,16 +205,20 @@ def parse_generate(body: Any, max_items: int, max_prompt_tokens: int,
         raise InvalidRequest("The input is empty: give at least one prompt.")
     n = _n_of(body)
     if size * n > max_items:
-        raise InvalidRequest(f"This request asks for {size * n} sequences ({size} prompts x n={n}); this server runs "
-                             f"and queues at most {max_items} (--max-running-requests + --max-queued-requests).")
+        raise InvalidRequest(
+            f"This request asks for {size * n} sequences ({size} prompts x n={n}); this server runs "
+            f"and queues at most {max_items} (--max-running-requests + --max-queued-requests)."
+        )
     if text is not None:
         if not all(isinstance(t, str) for t in prompts):
             raise FieldError("invalid type: text must be a string or a list of strings")
     else:
         for ids in prompts:
             if isinstance(ids, list) and len(ids) > max_prompt_tokens:  # by its length, before any id is read
-                raise InvalidRequest(f"The input ({len(ids)} tokens) is longer than the model's context length "
-                                     f"({max_prompt_tokens} tokens).")
+                raise InvalidRequest(
+                    f"The input ({len(ids)} tokens) is longer than the model's context length "
+                    f"({max_prompt_tokens} tokens)."
+                )
             if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
                 raise FieldError("invalid type: input_ids must be a list of ints or a list of lists of ints")
     params = [SamplingParams.parse(p) for p in _per_item(body, "sampling_params", {}, size, batched)]
@@ -235,8 +247,10 @@ def parse_generate(body: Any, max_items: int, max_prompt_tokens: int,
     for i, first in enumerate(routed_from):
         bound = len(prompts[i]) if text is None else None  # a text prompt's length is known once tokenized
         if not isinstance(first, int) or isinstance(first, bool) or first < 0 or (bound is not None and first > bound):
-            raise InvalidRequest(f"routed_experts_start_len must be an integer in [0, prompt tokens"
-                                 f"{f' = {bound}' if bound is not None else ''}], got {first!r}")
+            raise InvalidRequest(
+                f"routed_experts_start_len must be an integer in [0, prompt tokens"
+                f"{f' = {bound}' if bound is not None else ''}], got {first!r}"
+            )
     masks = _per_item(body, "return_sampling_mask", False, size, batched)
     modes = _per_item(body, "sampling_logprobs_mode", None, size, batched)
     for mask, mode, sampling in zip(masks, modes, params):
@@ -247,8 +261,10 @@ def parse_generate(body: Any, max_items: int, max_prompt_tokens: int,
         # SGLang's normalised top_k: 1 for a greedy request, 1 << 30 (its "whole vocabulary") for -1
         top_k = 1 if sampling.greedy else TOP_K_ALL if sampling.top_k == -1 else sampling.top_k
         if mask and top_k != 1 and not 1 < top_k <= mask_cap:
-            raise InvalidRequest(f"return_sampling_mask requires top_k=1 for greedy sampling or finite 1 < top_k <= "
-                                 f"{mask_cap}; got top_k={top_k}. Lower top_k or increase --sampling-mask-max-tokens.")
+            raise InvalidRequest(
+                f"return_sampling_mask requires top_k=1 for greedy sampling or finite 1 < top_k <= "
+                f"{mask_cap}; got top_k={top_k}. Lower top_k or increase --sampling-mask-max-tokens."
+            )
     loras = _per_item(body, "lora_path", None, size, batched)
     if not all(lora is None or isinstance(lora, str) for lora in loras):
         raise FieldError("invalid type: lora_path must be an adapter name, or a list of them (null: the base model)")
@@ -257,14 +273,24 @@ def parse_generate(body: Any, max_items: int, max_prompt_tokens: int,
         for _ in range(n):
             # Like SGLang, each of n > 1 samples gets a fresh rid (abort them with abort_all).
             rid = rids[i] if n == 1 else new_rid()
-            items.append(GenerateItem(
-                rid=str(rid), text=prompts[i] if text is not None else None,
-                input_ids=None if text is not None else list(prompts[i]), params=params[i],
-                return_logprob=bool(logprob[i]), logprob_start_len=int(start[i]), top_logprobs_num=int(top[i]),
-                return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)), index=len(items),
-                lora=loras[i], return_routed_experts=bool(routed[i]), routed_experts_start_len=routed_from[i],
-                return_sampling_mask=bool(masks[i]), sampling_logprobs_mode=modes[i],
-            ))
+            items.append(
+                GenerateItem(
+                    rid=str(rid),
+                    text=prompts[i] if text is not None else None,
+                    input_ids=None if text is not None else list(prompts[i]),
+                    params=params[i],
+                    return_logprob=bool(logprob[i]),
+                    logprob_start_len=int(start[i]),
+                    top_logprobs_num=int(top[i]),
+                    return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
+                    index=len(items),
+                    lora=loras[i],
+                    return_routed_experts=bool(routed[i]),
+                    routed_experts_start_len=routed_from[i],
+                    return_sampling_mask=bool(masks[i]),
+                    sampling_logprobs_mode=modes[i],
+                )
+            )
     return items, not batched and n == 1, bool(body.get("stream", False))
 
 
@@ -299,7 +325,11 @@ def generate_response(req: Request, item: GenerateItem, n: int, tokenizer, curre
     done = req.finished and n == len(req.output_ids)
     reason = req.finish_reason if done else None
     keep_stop = item.params.no_stop_trim
-    shown = ids[:-1] if reason and reason["type"] == "stop" and isinstance(reason["matched"], int) and not keep_stop else ids
+    shown = (
+        ids[:-1]
+        if reason and reason["type"] == "stop" and isinstance(reason["matched"], int) and not keep_stop
+        else ids
+    )
     text = tokenizer.decode(shown, skip_special_tokens=item.params.skip_special_tokens)
     if reason and reason["type"] == "stop" and isinstance(reason["matched"], str) and not keep_stop:
         text = text[: text.find(reason["matched"])] if reason["matched"] in text else text
@@ -325,21 +355,29 @@ def generate_response(req: Request, item: GenerateItem, n: int, tokenizer, curre
         in_texts = [tokenizer.decode([t]) if item.return_text_in_logprobs else None for t in in_ids]
         meta["input_token_logprobs"] = _triples(req.input_logprobs, in_ids, in_texts)
         if item.top_logprobs_num:
+
             def tops(rows: list) -> list:
-                return [None if row is None else [[lp, tid, tokenizer.decode([tid]) if item.return_text_in_logprobs else None]
-                                                  for lp, tid in row] for row in rows]
+                return [
+                    None
+                    if row is None
+                    else [
+                        [lp, tid, tokenizer.decode([tid]) if item.return_text_in_logprobs else None] for lp, tid in row
+                    ]
+                    for row in rows
+                ]
 
             meta["output_top_logprobs"] = tops(req.output_top_logprobs[:n])
             meta["input_top_logprobs"] = tops(req.input_top_logprobs)
     if item.return_sampling_mask:  # SGLang's: each output token's kept set, and its renormalised log-prob(s)
         kept = req.output_kept[:n]
         meta["output_token_sampling_mask"] = [row.ids for row in kept]
-        meta["output_token_sampling_logprobs"] = [row.logprobs if item.sampling_logprobs_mode == "support"
-                                                  else row.selected for row in kept]
+        meta["output_token_sampling_logprobs"] = [
+            row.logprobs if item.sampling_logprobs_mode == "support" else row.selected for row in kept
+        ]
         meta["output_token_sampling_mask_length"] = len(kept)
     if done and item.return_routed_experts and req.routed_experts is not None:
         # [start, prompt + completion - 1): every token the model ran (the last sampled one never ran)
-        meta["routed_experts"] = encode_routed_experts(req.routed_experts[item.routed_experts_start_len:])
+        meta["routed_experts"] = encode_routed_experts(req.routed_experts[item.routed_experts_start_len :])
     if done and req.finished_at is not None:
         meta["e2e_latency"] = req.finished_at - req.created
         meta["response_sent_to_client_ts"] = time.time()
@@ -349,9 +387,13 @@ def generate_response(req: Request, item: GenerateItem, n: int, tokenizer, curre
 # Routes whose refusals SGLang answers as ``{"success": false, "message"}`` (with these extra fields),
 # and those it answers in plain text; every other route answers ``{"error": {"message"}}``.
 SUCCESS_FLAG_ROUTES: dict[str, dict[str, Any]] = {
-    "/update_weights_from_disk": {"num_paused_requests": 0}, "/update_weights_from_tensor": {},
-    "/update_weights_from_distributed": {}, "/init_weights_update_group": {}, "/destroy_weights_update_group": {},
-    "/begin_weight_update": {}, "/end_weight_update": {},
+    "/update_weights_from_disk": {"num_paused_requests": 0},
+    "/update_weights_from_tensor": {},
+    "/update_weights_from_distributed": {},
+    "/init_weights_update_group": {},
+    "/destroy_weights_update_group": {},
+    "/begin_weight_update": {},
+    "/end_weight_update": {},
 }
 PLAIN_TEXT_ROUTES = ("/flush_cache",)
 LORA_ROUTES = ("/load_lora_adapter", "/unload_lora_adapter", "/load_lora_adapter_from_tensors")

@@ -92,10 +92,14 @@ class SamplingParams(BaseModel):
         """Range checks, with SGLang's wording where it has one."""
         checks = [
             (self.max_new_tokens >= 0, f"max_new_tokens must be at least 0, got {self.max_new_tokens}."),
-            (0 <= self.min_new_tokens <= self.max_new_tokens,
-             f"min_new_tokens must be in [0, max_new_tokens({self.max_new_tokens})], got {self.min_new_tokens}."),
-            (math.isfinite(self.temperature) and self.temperature >= 0.0,
-             f"temperature must be a non-negative finite number, got {self.temperature}."),
+            (
+                0 <= self.min_new_tokens <= self.max_new_tokens,
+                f"min_new_tokens must be in [0, max_new_tokens({self.max_new_tokens})], got {self.min_new_tokens}.",
+            ),
+            (
+                math.isfinite(self.temperature) and self.temperature >= 0.0,
+                f"temperature must be a non-negative finite number, got {self.temperature}.",
+            ),
             (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}."),
             (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}."),
             (self.top_k == -1 or self.top_k >= 1, f"top_k must be -1 (disable) or at least 1, got {self.top_k}."),
@@ -108,14 +112,19 @@ class SamplingParams(BaseModel):
             if not ok:
                 raise InvalidRequest(message)
         unsupported = {
-            "frequency_penalty": self.frequency_penalty != 0.0, "presence_penalty": self.presence_penalty != 0.0,
-            "repetition_penalty": self.repetition_penalty != 1.0, "stop_regex": bool(self.stop_regex),
+            "frequency_penalty": self.frequency_penalty != 0.0,
+            "presence_penalty": self.presence_penalty != 0.0,
+            "repetition_penalty": self.repetition_penalty != 1.0,
+            "stop_regex": bool(self.stop_regex),
             "ebnf": self.ebnf is not None,
-            "structural_tag": self.structural_tag is not None, "logit_bias": bool(self.logit_bias),
+            "structural_tag": self.structural_tag is not None,
+            "logit_bias": bool(self.logit_bias),
         }
         named = [name for name, used in unsupported.items() if used]
         if named:
-            raise InvalidRequest(f"the embedded engine does not support sampling parameters {named}; use real SGLang for them.")
+            raise InvalidRequest(
+                f"the embedded engine does not support sampling parameters {named}; use real SGLang for them."
+            )
 
 
 def _serde_message(exc: ValidationError) -> str:
@@ -157,8 +166,12 @@ class Kept:
 
 
 def sample(
-    logits_BV: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-    banned: list[list[int]], shared: torch.Generator, top_k_logprobs: list[int] | None = None,
+    logits_BV: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    banned: list[list[int]],
+    shared: torch.Generator,
+    top_k_logprobs: list[int] | None = None,
     masks: list[bool] | None = None,
 ) -> tuple[list[int], list[float], list[TopLogprobs | None], list[Kept | None]]:
     """Draw one token per row; return token ids, their (temperature-scaled) logprobs, top logprobs and
@@ -175,8 +188,9 @@ def sample(
     logprobs_BV = torch.log_softmax(logits_BV / temps[:, None], dim=-1)
     chosen = logprobs_BV.argmax(dim=-1)
     masks = masks or [False] * len(params)
-    kept: list[Kept | None] = [Kept([t], [0.0], 0.0) if m and p.greedy else None
-                               for m, p, t in zip(masks, params, chosen.tolist())]
+    kept: list[Kept | None] = [
+        Kept([t], [0.0], 0.0) if m and p.greedy else None for m, p, t in zip(masks, params, chosen.tolist())
+    ]
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if sampled_rows:
         rows = torch.tensor(sampled_rows, device=logits_BV.device)

@@ -121,18 +121,37 @@ class WeightLoad:
 class Scheduler:
     """Owns the model, the KV cache and the queues; all mutation happens on its thread."""
 
-    def __init__(self, model: CausalLM, *, max_running: int, context_length: int, max_prefill_tokens: int,
-                 weight_version: str, stop_checker: Callable[[Request], str | None], random_seed: int | None = None,
-                 reuse_prefixes: bool = True, update_timeout: float = 300.0, adapters: Adapters | None = None,
-                 keep_routes: bool = False, max_total_tokens: int | None = None):
+    def __init__(
+        self,
+        model: CausalLM,
+        *,
+        max_running: int,
+        context_length: int,
+        max_prefill_tokens: int,
+        weight_version: str,
+        stop_checker: Callable[[Request], str | None],
+        random_seed: int | None = None,
+        reuse_prefixes: bool = True,
+        update_timeout: float = 300.0,
+        adapters: Adapters | None = None,
+        keep_routes: bool = False,
+        max_total_tokens: int | None = None,
+    ):
         self.model = model
         self.max_running = max_running
         self.context_length = context_length
         self.max_prefill_tokens = max_prefill_tokens
         self.weight_version = weight_version
         self.stop_checker = stop_checker
-        self.cache = KVCache(model.spec, max_running, context_length, model.act_dtype, model.device, keep_routes=keep_routes,
-                             budget=max_total_tokens)
+        self.cache = KVCache(
+            model.spec,
+            max_running,
+            context_length,
+            model.act_dtype,
+            model.device,
+            keep_routes=keep_routes,
+            budget=max_total_tokens,
+        )
         self.waiting: collections.deque[Request] = collections.deque()  # touched by the scheduler thread only
         self._incoming: collections.deque[Request] = collections.deque()  # submissions, under _cond
         self.running: list[Request] = []  # running[i] owns cache row i
@@ -147,8 +166,12 @@ class Scheduler:
         self.memory_released = False
         self.stats = collections.Counter()
         self._seeds = torch.Generator(device=model.device)  # shared by requests without a sampling_seed
-        self._seeds.manual_seed(random_seed if random_seed is not None else int.from_bytes(os.urandom(8), "little") >> 2)
-        self._commands: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future, bool]] = collections.deque()
+        self._seeds.manual_seed(
+            random_seed if random_seed is not None else int.from_bytes(os.urandom(8), "little") >> 2
+        )
+        self._commands: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future, bool]] = (
+            collections.deque()
+        )
         self._cond = threading.Condition()
         self._stopping = False
         self.error: BaseException | None = None
@@ -185,8 +208,11 @@ class Scheduler:
         return future
 
     def load(self) -> dict[str, int]:
-        return {"num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting) + len(self._incoming),
-                "num_tokens": sum(r.computed for r in self.running)}
+        return {
+            "num_running_reqs": len(self.running),
+            "num_waiting_reqs": len(self.waiting) + len(self._incoming),
+            "num_tokens": sum(r.computed for r in self.running),
+        }
 
     # ---- commands (run on the scheduler thread via ``call``) -------------------------------
 
@@ -244,7 +270,9 @@ class Scheduler:
     def _expire_update(self) -> None:
         """A trainer that died inside a session must not stop generation for good."""
         if self.updating and time.monotonic() >= self._update_expires:
-            logger.warning("weight update session idle for %.0fs: ending it (the trainer is gone?)", self.update_timeout)
+            logger.warning(
+                "weight update session idle for %.0fs: ending it (the trainer is gone?)", self.update_timeout
+            )
             self.updating = False
             self.stats["weight_update_sessions_expired"] += 1
 
@@ -266,8 +294,16 @@ class Scheduler:
             raise EngineError("Cache not flushed: there are running or queued requests.")
         self.forget_prefixes()
 
-    def load_weights(self, tensors: Callable[[], dict[str, torch.Tensor]], *, complete: bool, strict_dtype: bool,
-                     abort_all: bool, weight_version: str | None, flush_cache: bool) -> WeightLoad:
+    def load_weights(
+        self,
+        tensors: Callable[[], dict[str, torch.Tensor]],
+        *,
+        complete: bool,
+        strict_dtype: bool,
+        abort_all: bool,
+        weight_version: str | None,
+        flush_cache: bool,
+    ) -> WeightLoad:
         """Copy in the checked tensors that ``tensors()`` gives; then version and flush, as SGLang does.
 
         Run as a command: inside an update session nothing is stepping; outside one the caller makes
@@ -294,7 +330,9 @@ class Scheduler:
             message += f" Weight version updated to {weight_version}."
         paused = len(self.waiting) if self.paused else 0
         if flush_cache and self.busy():
-            return WeightLoad("Weights were updated, but the cache was not flushed: requests are running.", False, paused)
+            return WeightLoad(
+                "Weights were updated, but the cache was not flushed: requests are running.", False, paused
+            )
         return WeightLoad(message, True, paused)
 
     def release_memory(self, tags: list[str]) -> None:
@@ -347,7 +385,9 @@ class Scheduler:
             while True:
                 with self._cond:
                     while not self._stopping and not self._ready_commands() and not self._has_work():
-                        self._cond.wait(timeout=max(0.0, self._update_expires - time.monotonic()) if self.updating else None)
+                        self._cond.wait(
+                            timeout=max(0.0, self._update_expires - time.monotonic()) if self.updating else None
+                        )
                         self._expire_update()
                     self.waiting.extend(self._incoming)
                     self._incoming.clear()
@@ -418,8 +458,11 @@ class Scheduler:
                     break  # --max-loras-per-batch: it waits (first in line) for a running adapter to finish
                 loras.add(req.lora)
             self.waiting.popleft()
-            shared = max((common_prefix(f.input_ids, req.input_ids) for f in first if f.lora == req.lora),
-                         default=0) if self._reuses(req) else 0
+            shared = (
+                max((common_prefix(f.input_ids, req.input_ids) for f in first if f.lora == req.lora), default=0)
+                if self._reuses(req)
+                else 0
+            )
             if shared >= SHARED_PREFIX_MIN:
                 second.append(req)
                 budget -= len(req.input_ids) - shared
@@ -518,11 +561,19 @@ class Scheduler:
         if constrained:
             unmasked = logits_BV[constrained].float()  # a copy: the policy's own distribution, for the record
             grammar.mask(logits_BV, matchers)
-        tokens, logprobs, tops, kept = sample(logits_BV, [r.params for r in reqs], [r.generator for r in reqs],
-                                              banned, self._seeds, top_k, [r.return_sampling_mask for r in reqs])
+        tokens, logprobs, tops, kept = sample(
+            logits_BV,
+            [r.params for r in reqs],
+            [r.generator for r in reqs],
+            banned,
+            self._seeds,
+            top_k,
+            [r.return_sampling_mask for r in reqs],
+        )
         if constrained:
-            policy = grammar.unconstrained_logprobs(unmasked, [tokens[i] for i in constrained],
-                                                    [reqs[i].params for i in constrained])
+            policy = grammar.unconstrained_logprobs(
+                unmasked, [tokens[i] for i in constrained], [reqs[i].params for i in constrained]
+            )
             for i, logprob in zip(constrained, policy):
                 reqs[i].output_unconstrained_logprobs.append(logprob)
         self.stats["generated_tokens"] += len(reqs)
@@ -579,7 +630,9 @@ class Scheduler:
         source, length = None, 0
         if self._reuses(req):
             held = [(kept, tokens, len(tokens)) for kept, (lora, tokens) in self.prefixes.items() if lora == req.lora]
-            held += [(i, r.input_ids, r.computed) for i, r in enumerate(self.running) if r.lends_kv and r.lora == req.lora]
+            held += [
+                (i, r.input_ids, r.computed) for i, r in enumerate(self.running) if r.lends_kv and r.lora == req.lora
+            ]
             for kept, tokens, valid in held:
                 shared = min(common_prefix(tokens, req.input_ids), valid)
                 if shared > length:

@@ -45,11 +45,11 @@ from inverted.auth import NO_DOCS, require_key
 from inverted.config import EngineConfig
 from inverted.engine import protocol as P
 from inverted.engine.grammar import Grammars
+from inverted.engine.lora import Adapters, startup_adapters
 from inverted.engine.model import CausalLM, KVCache, load_model
 from inverted.engine.sampling import SamplingParams
 from inverted.engine.scheduler import Request as EngineRequest
 from inverted.engine.scheduler import Scheduler, WeightLoad, new_rid
-from inverted.engine.lora import Adapters, startup_adapters
 from inverted.engine.weights import RecentBuckets, UpdateGroups, check_fits, read_checkpoint
 from inverted.errors import EngineError, FieldError, InvalidRequest, ModelError, Overloaded, SchemaError, Unauthorized
 from inverted.hf_checkpoint import ARCHITECTURES, context_length
@@ -71,24 +71,39 @@ class Engine:
 
         self.config = config
         device = torch.device(config.device)
-        dtype = DTYPES[config.dtype] if config.dtype != "auto" else (torch.float32 if device.type == "cpu" else torch.bfloat16)
+        dtype = (
+            DTYPES[config.dtype]
+            if config.dtype != "auto"
+            else (torch.float32 if device.type == "cpu" else torch.bfloat16)
+        )
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         self.max_token_chars = max_token_chars(self.tokenizer)
         model = load_model(config.model, dtype, device)
         if config.enable_return_routed_experts and not model.spec.is_moe:
-            raise ModelError(f"--enable-return-routed-experts needs a Mixture-of-Experts model; {config.model} is dense")
+            raise ModelError(
+                f"--enable-return-routed-experts needs a Mixture-of-Experts model; {config.model} is dense"
+            )
         adapters = startup_adapters(config, model) if config.enable_lora else None
         self.context_length = context_length(config.model, config.context_length)
         self.max_total_tokens = kv_budget(config, model, self.context_length)
         self.scheduler = Scheduler(
-            model, max_running=config.max_running_requests, context_length=self.context_length,
-            max_prefill_tokens=config.max_prefill_tokens, weight_version=config.weight_version,
-            stop_checker=self._matched_stop, random_seed=config.random_seed,
-            reuse_prefixes=not config.disable_radix_cache, update_timeout=config.weight_update_timeout,
-            adapters=adapters, keep_routes=config.enable_return_routed_experts, max_total_tokens=self.max_total_tokens,
+            model,
+            max_running=config.max_running_requests,
+            context_length=self.context_length,
+            max_prefill_tokens=config.max_prefill_tokens,
+            weight_version=config.weight_version,
+            stop_checker=self._matched_stop,
+            random_seed=config.random_seed,
+            reuse_prefixes=not config.disable_radix_cache,
+            update_timeout=config.weight_update_timeout,
+            adapters=adapters,
+            keep_routes=config.enable_return_routed_experts,
+            max_total_tokens=self.max_total_tokens,
         )
         self.model_name = config.served_model_name or config.model
-        self.model_path = config.model  # both become a disk update's path, as in SGLang (its /server_info keeps the launch's)
+        self.model_path = (
+            config.model
+        )  # both become a disk update's path, as in SGLang (its /server_info keeps the launch's)
         self._grammars: Grammars | None = None  # built on the first constrained request
         self._grammars_lock = threading.Lock()
         self.started = time.time()
@@ -110,7 +125,7 @@ class Engine:
     def _matched_stop(self, req: EngineRequest) -> str | None:
         """The stop string that the newest token completed, if any (only the tail can hold it)."""
         stops = req.params.stops
-        tail = req.output_ids[-(4 * max(map(len, stops)) + 4):]
+        tail = req.output_ids[-(4 * max(map(len, stops)) + 4) :]
         text = self.tokenizer.decode(tail, skip_special_tokens=req.params.skip_special_tokens)
         return min((s for s in stops if s in text), key=text.find, default=None)  # the first in the text
 
@@ -123,15 +138,29 @@ class Engine:
     async def run(self, fn, *, barrier: bool = False) -> Any:
         return await asyncio.wrap_future(self.scheduler.call(fn, barrier=barrier))
 
-    async def load_weights(self, tensors: Callable[[], dict[str, torch.Tensor]], body: P.WeightLoadOptions, *,
-                           complete: bool, strict_dtype: bool = True) -> WeightLoad:
+    async def load_weights(
+        self,
+        tensors: Callable[[], dict[str, torch.Tensor]],
+        body: P.WeightLoadOptions,
+        *,
+        complete: bool,
+        strict_dtype: bool = True,
+    ) -> WeightLoad:
         """``Scheduler.load_weights`` between steps: a barrier (running requests finish first) unless
         it aborts them or an update session already holds all stepping."""
         sched = self.scheduler
         barrier = not body.abort_all_requests and not sched.updating
-        return await self.run(lambda: sched.load_weights(
-            tensors, complete=complete, strict_dtype=strict_dtype, abort_all=body.abort_all_requests,
-            weight_version=body.weight_version, flush_cache=body.flush_cache), barrier=barrier)
+        return await self.run(
+            lambda: sched.load_weights(
+                tensors,
+                complete=complete,
+                strict_dtype=strict_dtype,
+                abort_all=body.abort_all_requests,
+                weight_version=body.weight_version,
+                flush_cache=body.flush_cache,
+            ),
+            barrier=barrier,
+        )
 
 
 KV_MEMORY_SHARE = 0.25  # of the device's memory, for the KV cache unless --max-total-tokens says
@@ -143,12 +172,17 @@ def kv_budget(config: EngineConfig, model: CausalLM, context: int) -> int:
     every row at the whole context."""
     if config.max_total_tokens:
         if config.max_total_tokens < context:
-            raise ModelError(f"--max-total-tokens {config.max_total_tokens} cannot hold one request of the whole "
-                             f"context ({context} tokens): raise it, or lower --context-length")
+            raise ModelError(
+                f"--max-total-tokens {config.max_total_tokens} cannot hold one request of the whole "
+                f"context ({context} tokens): raise it, or lower --context-length"
+            )
         return config.max_total_tokens
     device = model.device
-    memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else \
-        os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    memory = (
+        torch.cuda.get_device_properties(device).total_memory
+        if device.type == "cuda"
+        else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    )
     fits = int(memory * KV_MEMORY_SHARE) // KVCache.position_bytes(model.spec, model.act_dtype)
     return max(context, min(config.max_running_requests * context, fits))
 
@@ -189,12 +223,15 @@ async def _engine(request: Request) -> Engine:
 EngineDep = Annotated[Engine, Depends(_engine)]
 
 
-_require_key = require_key(lambda request: request.app.state.engine.config.api_key,
-                           "Unauthorized: a valid 'Authorization: Bearer <api key>' header is required.")
+_require_key = require_key(
+    lambda request: request.app.state.engine.config.api_key,
+    "Unauthorized: a valid 'Authorization: Bearer <api key>' header is required.",
+)
 # SGLang: with an admin key set, the plain key is not accepted on control routes.
 _require_admin_key = require_key(
     lambda request: request.app.state.engine.config.admin_api_key or request.app.state.engine.config.api_key,
-    "Unauthorized: this control route needs the admin API key.")
+    "Unauthorized: this control route needs the admin API key.",
+)
 
 
 def create_app(config: EngineConfig) -> FastAPI:
@@ -202,15 +239,29 @@ def create_app(config: EngineConfig) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = await asyncio.wrap_future(launch(config))
         app.state.engine = engine
-        logger.info("engine ready: %s (%s, context %d, %d rows, weight version %r)", engine.model_name,
-                    config.device, engine.context_length, config.max_running_requests, config.weight_version)
-        budget, position = engine.max_total_tokens, KVCache.position_bytes(engine.scheduler.model.spec,
-                                                                           engine.scheduler.model.act_dtype)
-        logger.info("KV cache: at most %d positions (%.1f GiB%s): %d requests at the whole context of %d, or "
-                    "%d of up to %d tokens each", budget, budget * position / 2**30,
-                    ", --max-total-tokens" if config.max_total_tokens else ", a quarter of this machine's memory",
-                    min(config.max_running_requests, budget // engine.context_length), engine.context_length,
-                    config.max_running_requests, budget // config.max_running_requests)
+        logger.info(
+            "engine ready: %s (%s, context %d, %d rows, weight version %r)",
+            engine.model_name,
+            config.device,
+            engine.context_length,
+            config.max_running_requests,
+            config.weight_version,
+        )
+        budget, position = (
+            engine.max_total_tokens,
+            KVCache.position_bytes(engine.scheduler.model.spec, engine.scheduler.model.act_dtype),
+        )
+        logger.info(
+            "KV cache: at most %d positions (%.1f GiB%s): %d requests at the whole context of %d, or "
+            "%d of up to %d tokens each",
+            budget,
+            budget * position / 2**30,
+            ", --max-total-tokens" if config.max_total_tokens else ", a quarter of this machine's memory",
+            min(config.max_running_requests, budget // engine.context_length),
+            engine.context_length,
+            config.max_running_requests,
+            budget // config.max_running_requests,
+        )
         try:
             yield
         finally:
@@ -266,8 +317,9 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def bug(_: Request, exc: Exception) -> JSONResponse:
         # Starlette re-raises after this answer, so the server logs the traceback.
-        return JSONResponse({"error": {"message": f"Internal server error: {type(exc).__name__}: {exc}"}},
-                            status_code=500)
+        return JSONResponse(
+            {"error": {"message": f"Internal server error: {type(exc).__name__}: {exc}"}}, status_code=500
+        )
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -285,7 +337,9 @@ async def _json_body(request: Request) -> Any:
     try:
         return await parse_json(raw or b"null")
     except (ValueError, RecursionError) as exc:  # json's own errors: malformed, or nested too deep
-        raise RequestValidationError([{"loc": ("body",), "msg": f"malformed JSON: {exc}", "type": "json_invalid"}]) from None
+        raise RequestValidationError(
+            [{"loc": ("body",), "msg": f"malformed JSON: {exc}", "type": "json_invalid"}]
+        ) from None
 
 
 def _context_exceeded(engine: Engine, prompt_tokens: int, max_new_tokens: int) -> InvalidRequest:
@@ -293,7 +347,8 @@ def _context_exceeded(engine: Engine, prompt_tokens: int, max_new_tokens: int) -
         f"Requested token count exceeds the model's maximum context length of {engine.context_length} tokens. "
         f"You requested a total of {prompt_tokens + max_new_tokens} tokens: {prompt_tokens} tokens from the input "
         f"messages and {max_new_tokens} tokens for the completion. Please reduce the number of tokens in the input "
-        "messages or the completion to fit within the limit.")
+        "messages or the completion to fit within the limit."
+    )
 
 
 def _check_text_lengths(engine: Engine, items: list[P.GenerateItem]) -> None:
@@ -305,7 +360,8 @@ def _check_text_lengths(engine: Engine, items: list[P.GenerateItem]) -> None:
                 f"Requested token count exceeds the model's maximum context length of {engine.context_length} "
                 f"tokens. The input text has {len(item.text)} characters, more than the {room} tokens left after "
                 f"{item.params.max_new_tokens} for the completion can hold (one token covers at most "
-                f"{engine.max_token_chars} characters). Please shorten the input.")
+                f"{engine.max_token_chars} characters). Please shorten the input."
+            )
 
 
 def _prepare(engine: Engine, item: P.GenerateItem) -> list[int]:
@@ -322,8 +378,10 @@ def _prepare(engine: Engine, item: P.GenerateItem) -> list[int]:
     if len(ids) + item.params.max_new_tokens > engine.context_length:
         raise _context_exceeded(engine, len(ids), item.params.max_new_tokens)
     if item.return_logprob and item.logprob_start_len > len(ids):
-        raise InvalidRequest(f"req.logprob_start_len={item.logprob_start_len} is higher than the number of input tokens "
-                             f"len(req.origin_input_ids)={len(ids)}. Please use a smaller logprob_start_len.")
+        raise InvalidRequest(
+            f"req.logprob_start_len={item.logprob_start_len} is higher than the number of input tokens "
+            f"len(req.origin_input_ids)={len(ids)}. Please use a smaller logprob_start_len."
+        )
     if item.rid in engine.inflight:
         raise InvalidRequest(f"Duplicate request ID detected: {item.rid}")
     return ids
@@ -333,13 +391,18 @@ def _add_generate_routes(app: FastAPI) -> None:
     @app.api_route("/generate", methods=["POST", "PUT"], dependencies=[Depends(_require_key)])
     async def generate(request: Request, engine: EngineDep) -> Response:
         room = engine.config.max_running_requests + engine.config.max_queued_requests
-        items, single, stream = P.parse_generate(await _json_body(request), max_items=room,
-                                                 max_prompt_tokens=engine.context_length,
-                                                 mask_cap=engine.config.sampling_mask_max_tokens)
+        items, single, stream = P.parse_generate(
+            await _json_body(request),
+            max_items=room,
+            max_prompt_tokens=engine.context_length,
+            mask_cap=engine.config.sampling_mask_max_tokens,
+        )
         if len(engine.inflight) + len(items) > room:
-            raise Overloaded(f"The request queue is full: {len(engine.inflight)} requests are running or waiting, "
-                             f"and this one adds {len(items)} (--max-running-requests + --max-queued-requests = "
-                             f"{room}). Try again later.")
+            raise Overloaded(
+                f"The request queue is full: {len(engine.inflight)} requests are running or waiting, "
+                f"and this one adds {len(items)} (--max-running-requests + --max-queued-requests = "
+                f"{room}). Try again later."
+            )
         _check_text_lengths(engine, items)
         if any(item.text is not None for item in items):  # tokenizing is CPU work: off the event loop
             prompts = await asyncio.to_thread(lambda: [_prepare(engine, item) for item in items])
@@ -360,14 +423,24 @@ def _add_generate_routes(app: FastAPI) -> None:
         updates: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
         reqs: list[EngineRequest] = []
         for pos, (item, ids, matcher) in enumerate(zip(items, prompts, matchers)):
+
             def notify(_req: EngineRequest, n: int, pos: int = pos) -> None:
                 loop.call_soon_threadsafe(updates.put_nowait, (pos, n))
 
-            req = EngineRequest(rid=item.rid, input_ids=ids, params=item.params, notify=notify,
-                                return_logprob=item.return_logprob, logprob_start_len=item.logprob_start_len,
-                                top_logprobs_num=item.top_logprobs_num, matcher=matcher, stream=stream,
-                                lora=item.lora, return_routed_experts=item.return_routed_experts,
-                                return_sampling_mask=item.return_sampling_mask)
+            req = EngineRequest(
+                rid=item.rid,
+                input_ids=ids,
+                params=item.params,
+                notify=notify,
+                return_logprob=item.return_logprob,
+                logprob_start_len=item.logprob_start_len,
+                top_logprobs_num=item.top_logprobs_num,
+                matcher=matcher,
+                stream=stream,
+                lora=item.lora,
+                return_routed_experts=item.return_routed_experts,
+                return_sampling_mask=item.return_sampling_mask,
+            )
             reqs.append(req)
             engine.inflight[item.rid] = req
         for req in reqs:
@@ -423,8 +496,17 @@ def _forget(engine: Engine, reqs: list[EngineRequest]) -> None:
         if engine.inflight.get(req.rid) is req:
             del engine.inflight[req.rid]
         if engine.config.log_requests:  # SGLang's --log-requests, as one JSON line per finished request
-            logger.info("request %s", json.dumps({"rid": req.rid, "input_ids": req.input_ids,
-                                                  "output_ids": req.output_ids, "finish_reason": req.finish_reason}))
+            logger.info(
+                "request %s",
+                json.dumps(
+                    {
+                        "rid": req.rid,
+                        "input_ids": req.input_ids,
+                        "output_ids": req.output_ids,
+                        "finish_reason": req.finish_reason,
+                    }
+                ),
+            )
 
 
 async def _stream(engine: Engine, items, reqs, updates: asyncio.Queue, single: bool) -> AsyncIterator[bytes]:
@@ -454,15 +536,17 @@ def _success(message: str, **extra: Any) -> JSONResponse:
 
 
 def _loaded(load: WeightLoad, **extra: Any) -> JSONResponse:
-    return JSONResponse({"success": load.flushed, "message": load.message, **extra},
-                        status_code=200 if load.flushed else 400)
+    return JSONResponse(
+        {"success": load.flushed, "message": load.message, **extra}, status_code=200 if load.flushed else 400
+    )
 
 
 OUTSIDE_SESSION = "{route} must run between begin_weight_update() and end_weight_update()."
 
 
-async def _update_in_session(engine: Engine, route: str, body: P.WeightLoadOptions, receive, *,
-                             waits_on_peers: bool) -> JSONResponse:
+async def _update_in_session(
+    engine: Engine, route: str, body: P.WeightLoadOptions, receive, *, waits_on_peers: bool
+) -> JSONResponse:
     """Tensor and distributed updates: only inside a session; ``receive()`` returns the checked tensors.
 
     A broadcast waits on the trainer, so it is received on a worker thread. A payload only needs
@@ -513,8 +597,13 @@ def _add_control_routes(app: FastAPI) -> None:
             engine.scheduler.weight_version = body.new_version
 
         await engine.run(apply)
-        return JSONResponse({"success": True, "message": f"Weight version updated to {body.new_version}",
-                             "new_version": body.new_version})
+        return JSONResponse(
+            {
+                "success": True,
+                "message": f"Weight version updated to {body.new_version}",
+                "new_version": body.new_version,
+            }
+        )
 
     @app.post("/update_weights_from_disk", dependencies=admin)
     async def update_weights_from_disk(body: P.UpdateWeightsFromDiskRequest, engine: EngineDep) -> JSONResponse:
@@ -538,23 +627,47 @@ def _add_control_routes(app: FastAPI) -> None:
     @app.post("/update_weights_from_tensor", dependencies=admin)
     async def update_weights_from_tensor(body: P.UpdateWeightsFromTensorRequest, engine: EngineDep) -> JSONResponse:
         model = engine.scheduler.model
-        return await _update_in_session(engine, "update_weights_from_tensor", body, lambda: engine.recent_buckets.decoded(
-            body.serialized_named_tensors, body.load_format, model.device, check=lambda named: check_fits(model, named)),
-            waits_on_peers=False)
+        return await _update_in_session(
+            engine,
+            "update_weights_from_tensor",
+            body,
+            lambda: engine.recent_buckets.decoded(
+                body.serialized_named_tensors,
+                body.load_format,
+                model.device,
+                check=lambda named: check_fits(model, named),
+            ),
+            waits_on_peers=False,
+        )
 
     @app.post("/init_weights_update_group", dependencies=admin)
     async def init_weights_update_group(body: P.InitWeightsUpdateGroupRequest, engine: EngineDep) -> JSONResponse:
         if body.backend == "nccl" and engine.scheduler.model.device.type != "cuda":
             raise EngineError("Failed to init group: backend 'nccl' needs a CUDA engine; use 'gloo' on CPU.")
-        await asyncio.to_thread(engine.groups.join, body.master_address, body.master_port, body.rank_offset,
-                                body.world_size, body.group_name, body.backend)
+        await asyncio.to_thread(
+            engine.groups.join,
+            body.master_address,
+            body.master_port,
+            body.rank_offset,
+            body.world_size,
+            body.group_name,
+            body.backend,
+        )
         return _success("Succeeded to initialize custom process group.")
 
     @app.post("/update_weights_from_distributed", dependencies=admin)
-    async def update_weights_from_distributed(body: P.UpdateWeightsFromDistributedRequest, engine: EngineDep) -> JSONResponse:
-        return await _update_in_session(engine, "update_weights_from_distributed", body, lambda: engine.groups.receive(
-            engine.scheduler.model, body.group_name, body.names, body.dtypes, body.shapes, body.load_format),
-            waits_on_peers=True)
+    async def update_weights_from_distributed(
+        body: P.UpdateWeightsFromDistributedRequest, engine: EngineDep
+    ) -> JSONResponse:
+        return await _update_in_session(
+            engine,
+            "update_weights_from_distributed",
+            body,
+            lambda: engine.groups.receive(
+                engine.scheduler.model, body.group_name, body.names, body.dtypes, body.shapes, body.load_format
+            ),
+            waits_on_peers=True,
+        )
 
     @app.post("/destroy_weights_update_group", dependencies=admin)
     async def destroy_weights_update_group(body: P.DestroyWeightsUpdateGroupRequest, engine: EngineDep) -> JSONResponse:
@@ -606,7 +719,9 @@ def _add_lora_routes(app: FastAPI, admin: list) -> None:
         return await add(engine, build)
 
     @app.post("/load_lora_adapter_from_tensors", dependencies=admin)
-    async def load_lora_adapter_from_tensors(body: P.LoadLoRAAdapterFromTensorsRequest, engine: EngineDep) -> JSONResponse:
+    async def load_lora_adapter_from_tensors(
+        body: P.LoadLoRAAdapterFromTensorsRequest, engine: EngineDep
+    ) -> JSONResponse:
         def build():
             named = engine.recent_adapters.decoded(body.payloads(), body.load_format, engine.scheduler.model.device)
             return engine.adapters().build(body.lora_name, body.config_dict, dict(named), pinned=body.pinned)
@@ -623,29 +738,50 @@ def _add_lora_routes(app: FastAPI, admin: list) -> None:
 def _model_info(engine: Engine) -> dict[str, Any]:
     spec = engine.scheduler.model.spec
     return {
-        "model_path": engine.model_path, "served_model_name": engine.model_name,
-        "tokenizer_path": engine.config.model, "is_generation": True, "preferred_sampling_params": None,
-        "weight_version": engine.scheduler.weight_version, "load_format": "safetensors",
-        "reasoning_parser": None, "tool_call_parser": None, "disaggregation_mode": "null",
-        "has_image_understanding": False, "has_audio_understanding": False,
-        "model_type": spec.arch, "architectures": [name for name, arch in ARCHITECTURES.items() if arch == spec.arch],
+        "model_path": engine.model_path,
+        "served_model_name": engine.model_name,
+        "tokenizer_path": engine.config.model,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": engine.scheduler.weight_version,
+        "load_format": "safetensors",
+        "reasoning_parser": None,
+        "tool_call_parser": None,
+        "disaggregation_mode": "null",
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+        "model_type": spec.arch,
+        "architectures": [name for name, arch in ARCHITECTURES.items() if arch == spec.arch],
     }
 
 
 def _server_info(engine: Engine) -> dict[str, Any]:
     cfg = engine.config
     return {
-        "model_path": cfg.model, "tokenizer_path": cfg.model, "served_model_name": cfg.served_model_name or cfg.model,
-        "host": cfg.host, "port": cfg.port, "device": cfg.device,
+        "model_path": cfg.model,
+        "tokenizer_path": cfg.model,
+        "served_model_name": cfg.served_model_name or cfg.model,
+        "host": cfg.host,
+        "port": cfg.port,
+        "device": cfg.device,
         "dtype": str(engine.scheduler.model.dtype).removeprefix("torch."),  # resolved: what weight updates must send
-        "tp_size": 1, "dp_size": 1, "load_balance_method": "round_robin", "disaggregation_mode": "null",
-        "context_length": engine.context_length, "max_running_requests": cfg.max_running_requests,
-        "max_prefill_tokens": cfg.max_prefill_tokens, "weight_version": cfg.weight_version,
-        "skip_tokenizer_init": False, "max_total_num_tokens": engine.max_total_tokens,
+        "tp_size": 1,
+        "dp_size": 1,
+        "load_balance_method": "round_robin",
+        "disaggregation_mode": "null",
+        "context_length": engine.context_length,
+        "max_running_requests": cfg.max_running_requests,
+        "max_prefill_tokens": cfg.max_prefill_tokens,
+        "weight_version": cfg.weight_version,
+        "skip_tokenizer_init": False,
+        "max_total_num_tokens": engine.max_total_tokens,
         "sampling_mask_max_tokens": engine.config.sampling_mask_max_tokens,
-        "max_req_input_len": engine.context_length - 1, "startup_time": engine.started,
+        "max_req_input_len": engine.context_length - 1,
+        "startup_time": engine.started,
         "internal_states": [{**engine.scheduler.load(), **engine.scheduler.stats}],
-        "version": "0.5.23", "frontend": "python", "engine": "inverted-embedded",
+        "version": "0.5.23",
+        "frontend": "python",
+        "engine": "inverted-embedded",
         **_lora_info(engine),
     }
 
@@ -654,9 +790,14 @@ def _lora_info(engine: Engine) -> dict[str, Any]:
     adapters = engine.scheduler.adapters
     if adapters is None:
         return {"enable_lora": False}
-    return {"enable_lora": True, "max_lora_rank": adapters.max_rank, "lora_target_modules": list(adapters.modules),
-            "max_loras_per_batch": adapters.max_per_batch, "max_loaded_loras": adapters.max_loaded,
-            "loaded_lora_adapters": adapters.names()}
+    return {
+        "enable_lora": True,
+        "max_lora_rank": adapters.max_rank,
+        "lora_target_modules": list(adapters.modules),
+        "max_loras_per_batch": adapters.max_per_batch,
+        "max_loaded_loras": adapters.max_loaded,
+        "loaded_lora_adapters": adapters.names(),
+    }
 
 
 def _add_info_routes(app: FastAPI) -> None:
@@ -672,9 +813,12 @@ def _add_info_routes(app: FastAPI) -> None:
             return Response(status_code=503)
         done = asyncio.Event()
         loop = asyncio.get_running_loop()
-        probe = EngineRequest(rid=f"HEALTH_CHECK_{new_rid()}", input_ids=[0],
-                              params=SamplingParams(max_new_tokens=1, temperature=0.0),
-                              notify=lambda r, n: loop.call_soon_threadsafe(done.set) if r.finished else None)
+        probe = EngineRequest(
+            rid=f"HEALTH_CHECK_{new_rid()}",
+            input_ids=[0],
+            params=SamplingParams(max_new_tokens=1, temperature=0.0),
+            notify=lambda r, n: loop.call_soon_threadsafe(done.set) if r.finished else None,
+        )
         engine.scheduler.submit(probe)
         try:
             await asyncio.wait_for(done.wait(), HEALTH_CHECK_TIMEOUT)
@@ -709,15 +853,38 @@ def _add_info_routes(app: FastAPI) -> None:
     async def loads(engine: EngineDep) -> JSONResponse:
         """SGLang's load report, with the fields this engine has."""
         load = engine.scheduler.load()
-        return JSONResponse({"timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(), "loads": [{
-            "timestamp": time.time(), "dp_rank": 0, "num_running_reqs": load["num_running_reqs"],
-            "num_waiting_reqs": load["num_waiting_reqs"], "num_used_tokens": load["num_tokens"]}]})
+        return JSONResponse(
+            {
+                "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                "loads": [
+                    {
+                        "timestamp": time.time(),
+                        "dp_rank": 0,
+                        "num_running_reqs": load["num_running_reqs"],
+                        "num_waiting_reqs": load["num_waiting_reqs"],
+                        "num_used_tokens": load["num_tokens"],
+                    }
+                ],
+            }
+        )
 
     @app.get("/v1/models", dependencies=auth)
     async def models(engine: EngineDep) -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [{
-            "id": engine.model_name, "object": "model", "created": int(engine.started), "owned_by": "sglang",
-            "root": engine.model_name, "max_model_len": engine.context_length}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": engine.model_name,
+                        "object": "model",
+                        "created": int(engine.started),
+                        "owned_by": "sglang",
+                        "root": engine.model_name,
+                        "max_model_len": engine.context_length,
+                    }
+                ],
+            }
+        )
 
     @app.get("/metrics")
     async def metrics(engine: EngineDep) -> PlainTextResponse:

@@ -86,11 +86,20 @@ class RecentBuckets:
         self.size = size
         self.kept: list[tuple[str, torch.Tensor, Named]] = []  # (payload, flat buffer, its tensors)
 
-    def decoded(self, payloads: list[str], load_format: str | None, device: torch.device,
-                check: Callable[[Named], None] | None = None) -> Named:
+    def decoded(
+        self,
+        payloads: list[str],
+        load_format: str | None,
+        device: torch.device,
+        check: Callable[[Named], None] | None = None,
+    ) -> Named:
         """TP rank 0's named tensors of a tensor request (``decode_payloads``), after ``check``; those of
         a shared-memory bucket seen before as they were then."""
-        if load_format == "flattened_bucket" and len(payloads) == TP_SIZE and (named := self.get(payloads[0])) is not None:
+        if (
+            load_format == "flattened_bucket"
+            and len(payloads) == TP_SIZE
+            and (named := self.get(payloads[0])) is not None
+        ):
             return named
         named, flat = decode_payloads(payloads, load_format, device)
         if check is not None:
@@ -105,23 +114,32 @@ class RecentBuckets:
     def keep(self, payload: str, flat: torch.Tensor, named: Named) -> None:
         ptr = flat.untyped_storage().data_ptr()
         self.kept = [k for k in self.kept if k[1].untyped_storage().data_ptr() != ptr] + [(payload, flat, named)]
-        self.kept = self.kept[-self.size:]
+        self.kept = self.kept[-self.size :]
 
 
-def decode_payloads(payloads: list[str], load_format: str | None, device: torch.device) -> tuple[Named, torch.Tensor | None]:
+def decode_payloads(
+    payloads: list[str], load_format: str | None, device: torch.device
+) -> tuple[Named, torch.Tensor | None]:
     """TP rank 0's named tensors of a tensor request (weights or a LoRA adapter), unchecked, and the
     flat buffer they view (a flattened bucket's; None otherwise)."""
     if load_format not in LOAD_FORMATS:
         raise InvalidRequest(f"load_format must be one of {list(LOAD_FORMATS)} on this engine, got {load_format!r}")
     if len(payloads) != TP_SIZE:
-        raise InvalidRequest(f"serialized_named_tensors has {len(payloads)} entries: one per server TP rank "
-                             f"is needed, and this server has {TP_SIZE}")
+        raise InvalidRequest(
+            f"serialized_named_tensors has {len(payloads)} entries: one per server TP rank "
+            f"is needed, and this server has {TP_SIZE}"
+        )
     obj = deserialize(payloads[0])
     flat = None
     if load_format == "flattened_bucket":
-        if not (isinstance(obj, dict) and isinstance(obj.get("flattened_tensor"), torch.Tensor)
-                and isinstance(obj.get("metadata"), list)):
-            raise InvalidRequest("a flattened_bucket payload must decode to {'flattened_tensor': Tensor, 'metadata': [...]}")
+        if not (
+            isinstance(obj, dict)
+            and isinstance(obj.get("flattened_tensor"), torch.Tensor)
+            and isinstance(obj.get("metadata"), list)
+        ):
+            raise InvalidRequest(
+                "a flattened_bucket payload must decode to {'flattened_tensor': Tensor, 'metadata': [...]}"
+            )
         named = unflatten(obj["flattened_tensor"], obj["metadata"])
         flat = obj["flattened_tensor"]
     else:
@@ -145,15 +163,25 @@ class UpdateGroups:
         self._lock = threading.Lock()
         self._staging = torch.empty(0, dtype=torch.uint8)  # reused: a fresh buffer would page-fault every update
 
-    def join(self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
-             backend: str) -> None:
+    def join(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
+    ) -> None:
         """Blocking: returns once every rank has joined. Rank ``rank_offset + tp_rank`` (tp_rank is 0 here)."""
         with self._lock:
             if group_name in self._groups:
                 raise InvalidRequest(f"process group {group_name!r} already exists: destroy it first")
-        group = collective("Joining the weight-update group", lambda: join_update_group(
-            master_address, master_port, world_size, rank_offset, group_name=group_name, backend=backend,
-            timeout=self.timeout))
+        group = collective(
+            "Joining the weight-update group",
+            lambda: join_update_group(
+                master_address,
+                master_port,
+                world_size,
+                rank_offset,
+                group_name=group_name,
+                backend=backend,
+                timeout=self.timeout,
+            ),
+        )
         with self._lock:
             self._groups[group_name] = group
 
@@ -164,16 +192,25 @@ class UpdateGroups:
             raise InvalidRequest(f"no process group named {group_name!r}")
         group.close()
 
-    def receive(self, model, group_name: str, names: list[str], dtype_names: list[str], shapes: list[list[int]],
-                load_format: str | None) -> Named:
+    def receive(
+        self,
+        model,
+        group_name: str,
+        names: list[str],
+        dtype_names: list[str],
+        shapes: list[list[int]],
+        load_format: str | None,
+    ) -> Named:
         """Blocking: take the trainer's broadcasts for these tensors, then check that they fit ``model``."""
         with self._lock:
             group = self._groups.get(group_name)
         if group is None:
             raise InvalidRequest(f"no process group named {group_name!r}: call /init_weights_update_group first")
         if not (len(names) == len(dtype_names) == len(shapes)) or not names:
-            raise InvalidRequest(f"names, dtypes and shapes must be non-empty lists of one length, got "
-                                 f"{len(names)}, {len(dtype_names)} and {len(shapes)}")
+            raise InvalidRequest(
+                f"names, dtypes and shapes must be non-empty lists of one length, got "
+                f"{len(names)}, {len(dtype_names)} and {len(shapes)}"
+            )
         if load_format not in (None, "flattened_bucket"):
             raise InvalidRequest(f"load_format must be null or 'flattened_bucket', got {load_format!r}")
         entries = [(name, parse_dtype(dtype), tuple(shape)) for name, dtype, shape in zip(names, dtype_names, shapes)]

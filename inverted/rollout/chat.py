@@ -81,9 +81,10 @@ class Message:
     def to_template(self) -> dict[str, Any]:
         data: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.tool_calls:
-            data["tool_calls"] = [{"id": c.id, "type": "function",
-                                   "function": {"name": c.name, "arguments": _json_or_text(c.arguments)}}
-                                  for c in self.tool_calls]
+            data["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _json_or_text(c.arguments)}}
+                for c in self.tool_calls
+            ]
         if self.tool_call_id is not None:
             data["tool_call_id"] = self.tool_call_id
         if self.name is not None:
@@ -100,7 +101,7 @@ def split_reasoning(text: str) -> tuple[str | None, str]:
     rest; (None, text) without one. Each API returns the reasoning in its own channel."""
     stripped = text.lstrip()
     if stripped.startswith(THINK_OPEN):
-        inner, closed, rest = stripped[len(THINK_OPEN):].partition(THINK_CLOSE)
+        inner, closed, rest = stripped[len(THINK_OPEN) :].partition(THINK_CLOSE)
         return (inner.strip("\n"), rest.lstrip("\n")) if closed else (inner.strip("\n"), "")
     before, closed, rest = text.partition(THINK_CLOSE)
     if closed and THINK_OPEN not in before:
@@ -139,12 +140,15 @@ def _text(content: Any, where: str) -> str:
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise InvalidRequest(f"content part of type {kind!r} is not supported: this model reads text parts only",
-                                     param=f"{where}.content[{j}]")
+                raise InvalidRequest(
+                    f"content part of type {kind!r} is not supported: this model reads text parts only",
+                    param=f"{where}.content[{j}]",
+                )
             parts.append(part["text"])
         return "".join(parts)
-    raise InvalidRequest(f"expected a string or a list of text parts, got {type(content).__name__}",
-                         param=f"{where}.content")
+    raise InvalidRequest(
+        f"expected a string or a list of text parts, got {type(content).__name__}", param=f"{where}.content"
+    )
 
 
 def _tool_calls(raw: Any, where: str) -> tuple[ToolCall, ...]:
@@ -186,7 +190,7 @@ def parse_messages(raw: Any, last: ParsedMessages | None = None) -> list[Message
     messages: list[Message] = []
     called: set[str] = set()
     start = 0
-    if last is not None and last.raw and len(raw) >= len(last.raw) and raw[:len(last.raw)] == last.raw:
+    if last is not None and last.raw and len(raw) >= len(last.raw) and raw[: len(last.raw)] == last.raw:
         start, messages, called = len(last.raw), list(last.messages), set(last.called)
     for i in range(start, len(raw)):
         item, where = raw[i], f"messages.[{i}]"
@@ -194,8 +198,11 @@ def parse_messages(raw: Any, last: ParsedMessages | None = None) -> list[Message
             raise InvalidRequest(f"expected an object, got {type(item).__name__}", param=where)
         role = item.get("role")
         if role not in ROLES:
-            raise InvalidRequest(f"Invalid value: {role!r}. Supported values are: {', '.join(map(repr, ROLES))}.",
-                                 param=f"{where}.role", code="invalid_value")
+            raise InvalidRequest(
+                f"Invalid value: {role!r}. Supported values are: {', '.join(map(repr, ROLES))}.",
+                param=f"{where}.role",
+                code="invalid_value",
+            )
         content = item.get("content")
         calls = _tool_calls(item.get("tool_calls"), where) if role == "assistant" else ()
         if content is None and not (role == "assistant"):
@@ -203,19 +210,30 @@ def parse_messages(raw: Any, last: ParsedMessages | None = None) -> list[Message
         text = "" if content is None else _text(content, where)
         reasoning = item.get("reasoning_content", item.get("reasoning")) if role == "assistant" else None
         if reasoning is not None and not isinstance(reasoning, str):
-            raise InvalidRequest("an assistant message's reasoning_content must be a string",
-                                 param=f"{where}.reasoning_content")
+            raise InvalidRequest(
+                "an assistant message's reasoning_content must be a string", param=f"{where}.reasoning_content"
+            )
         text = join_reasoning(reasoning, text)
         tool_call_id = item.get("tool_call_id")
         if role == "tool":
             if tool_call_id not in called:
-                raise InvalidRequest("messages with role 'tool' must be a response to a preceding message with "
-                                     f"'tool_calls'; no call has id {tool_call_id!r}", param=f"{where}.tool_call_id")
+                raise InvalidRequest(
+                    "messages with role 'tool' must be a response to a preceding message with "
+                    f"'tool_calls'; no call has id {tool_call_id!r}",
+                    param=f"{where}.tool_call_id",
+                )
         called.update(c.id for c in calls)
         name = item.get("name") if isinstance(item.get("name"), str) else None
         # OpenAI's newer 'developer' role is the system role for every open chat template.
-        messages.append(Message(role="system" if role == "developer" else role, content=text, tool_calls=calls,
-                                tool_call_id=tool_call_id if role == "tool" else None, name=name))
+        messages.append(
+            Message(
+                role="system" if role == "developer" else role,
+                content=text,
+                tool_calls=calls,
+                tool_call_id=tool_call_id if role == "tool" else None,
+                name=name,
+            )
+        )
     if last is not None:
         last.raw, last.messages, last.called = raw, messages, called
     return messages
@@ -242,29 +260,51 @@ class ChatRenderer:
             _WINDOW_VERDICTS[template] = self.window_is_exact()
         self.windowed = _WINDOW_VERDICTS[template]
 
-    def render(self, messages: list[Message], tools: list[dict] | None, *, generation_prompt: bool,
-               thinking: bool | None = None) -> str:
+    def render(
+        self,
+        messages: list[Message],
+        tools: list[dict] | None,
+        *,
+        generation_prompt: bool,
+        thinking: bool | None = None,
+    ) -> str:
         """``thinking``: the template's ``enable_thinking`` (Qwen3's switch), where it has one; None leaves
         the template's default."""
         if tools and not self.renders_tools:
             # Rendered anyway, the tools would silently vanish: the model would answer without them.
-            raise InvalidRequest(f"the chat template of {self.tokenizer.name_or_path or 'this model'} cannot render "
-                                 "tools (SmolLM2's, for one, has no tool support); send the request without "
-                                 "'tools', or serve a model whose template renders them", param="tools")
+            raise InvalidRequest(
+                f"the chat template of {self.tokenizer.name_or_path or 'this model'} cannot render "
+                "tools (SmolLM2's, for one, has no tool support); send the request without "
+                "'tools', or serve a model whose template renders them",
+                param="tools",
+            )
         switch = {"enable_thinking": thinking} if thinking is not None and self.thinking_switch else {}
-        return self.tokenizer.apply_chat_template([m.to_template() for m in messages], tools=tools or None,
-                                                  tokenize=False, add_generation_prompt=generation_prompt, **switch)
+        return self.tokenizer.apply_chat_template(
+            [m.to_template() for m in messages],
+            tools=tools or None,
+            tokenize=False,
+            add_generation_prompt=generation_prompt,
+            **switch,
+        )
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def prompt_ids(self, messages: list[Message], tools: list[dict] | None, *,
-                   thinking: bool | None = None) -> list[int]:
+    def prompt_ids(
+        self, messages: list[Message], tools: list[dict] | None, *, thinking: bool | None = None
+    ) -> list[int]:
         """A branch's first prompt: the whole conversation, rendered and tokenized once."""
         return self.encode(self.render(messages, tools, generation_prompt=True, thinking=thinking))
 
-    def bridge(self, history: list[Message], new: list[Message], tools: list[dict] | None,
-               sampled_ids: list[int], *, thinking: bool | None = None) -> list[int]:
+    def bridge(
+        self,
+        history: list[Message],
+        new: list[Message],
+        tools: list[dict] | None,
+        sampled_ids: list[int],
+        *,
+        thinking: bool | None = None,
+    ) -> list[int]:
         """Ids to append after ``sampled_ids`` (the last assistant turn) for the ``new`` messages."""
         if self.windowed:
             try:
@@ -273,8 +313,14 @@ class ChatRenderer:
                 pass  # the whole history decides: a break there is real, a window's may not be
         return self._bridge(history, new, tools, sampled_ids, thinking)
 
-    def _bridge(self, history: list[Message], new: list[Message], tools: list[dict] | None,
-                sampled_ids: list[int], thinking: bool | None) -> list[int]:
+    def _bridge(
+        self,
+        history: list[Message],
+        new: list[Message],
+        tools: list[dict] | None,
+        sampled_ids: list[int],
+        thinking: bool | None,
+    ) -> list[int]:
         before = self.render(history, tools, generation_prompt=False, thinking=thinking)
         after = self.render(history + new, tools, generation_prompt=True, thinking=thinking)
         if not after.startswith(before) or not before.endswith(self.turn_end):
@@ -282,8 +328,8 @@ class ChatRenderer:
         junction = self.turn_end
         last = self.tokenizer.decode(sampled_ids[-1:], skip_special_tokens=False) if sampled_ids else ""
         if last and junction.startswith(last):
-            junction = junction[len(last):]
-        return self.encode(junction + after[len(before):])
+            junction = junction[len(last) :]
+        return self.encode(junction + after[len(before) :])
 
     def window_is_exact(self) -> bool:
         """Whether bridging over ``window(history)``, where it gives ids, gives what bridging over the
@@ -295,7 +341,7 @@ class ChatRenderer:
             messages = parse_messages(conversation)
             turns = [i for i, m in enumerate(messages) if m.role == "assistant"]
             for i, j in zip(turns, turns[1:]):
-                history, new = messages[: i + 1], messages[i + 1: j]
+                history, new = messages[: i + 1], messages[i + 1 : j]
                 sampled = self.encode(messages[i].content + self.turn_end)
                 try:
                     part = self._bridge(window(history), new, tools, sampled, None)
@@ -313,17 +359,26 @@ class ChatRenderer:
 
     def _renders_tools(self) -> bool:
         """Whether the template writes a tool's definition into the prompt at all."""
-        tool = {"type": "function", "function": {"name": "inverted_probe_tool", "description": "",
-                                                 "parameters": {"type": "object", "properties": {}}}}
-        text = self.tokenizer.apply_chat_template([{"role": "user", "content": "u"}], tools=[tool], tokenize=False,
-                                                  add_generation_prompt=True)
+        tool = {
+            "type": "function",
+            "function": {
+                "name": "inverted_probe_tool",
+                "description": "",
+                "parameters": {"type": "object", "properties": {}},
+            },
+        }
+        text = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "u"}], tools=[tool], tokenize=False, add_generation_prompt=True
+        )
         return "inverted_probe_tool" in text
 
     def _has_thinking_switch(self) -> bool:
         """Whether the template reads ``enable_thinking`` (Qwen3's): its generation prompt differs by it."""
         probe = [{"role": "user", "content": "u"}]
-        on, off = (self.tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True,
-                                                      enable_thinking=flag) for flag in (True, False))
+        on, off = (
+            self.tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True, enable_thinking=flag)
+            for flag in (True, False)
+        )
         return on != off
 
     def _assistant_turn_end(self) -> str:
@@ -332,7 +387,7 @@ class ChatRenderer:
         text = self.render(probe, None, generation_prompt=False)
         if _SENTINEL not in text:
             raise ValueError("the chat template does not render assistant content verbatim")
-        return text[text.index(_SENTINEL) + len(_SENTINEL):]
+        return text[text.index(_SENTINEL) + len(_SENTINEL) :]
 
 
 def window(history: list[Message]) -> list[Message]:
@@ -346,9 +401,16 @@ def window(history: list[Message]) -> list[Message]:
 
 _WINDOW_VERDICTS: dict[str | None, bool] = {}  # chat template -> window_is_exact (a property of the template)
 
-PROBE_TOOLS = [{"type": "function", "function": {
-    "name": "lookup", "description": "Look a word up.",
-    "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}}]
+PROBE_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "description": "Look a word up.",
+            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]},
+        },
+    }
+]
 
 
 def _call(i: int) -> dict[str, Any]:
@@ -425,7 +487,12 @@ class HermesToolParser:
             if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
                 return ParsedReply(content=text)
             arguments = obj.get("arguments", {})
-            calls.append(ToolCall(id=new_call_id(), name=obj["name"],
-                                  arguments=arguments if isinstance(arguments, str) else json.dumps(arguments)))
+            calls.append(
+                ToolCall(
+                    id=new_call_id(),
+                    name=obj["name"],
+                    arguments=arguments if isinstance(arguments, str) else json.dumps(arguments),
+                )
+            )
         content = text[:at].rstrip()
         return ParsedReply(content=content or None, tool_calls=calls)

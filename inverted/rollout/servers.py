@@ -1,14 +1,13 @@
 """Start rollout servers behind the real sgl-router, and stop them cleanly.
 
-``RolloutServers`` is an async context manager: it launches N rollout servers and one
-``python -m sglang_router.launch_router`` (every ``--router-*`` flag passed through verbatim),
-waits for each server's ``/health``, registers them with the router's ``POST /workers`` and waits
-until the router reports them healthy. While running, ``add_engine`` adds one more server,
-``dead`` lists the servers whose process has exited, ``retire`` takes one out of the router,
-and ``start_engine``, ``adopt`` and ``register`` bring a replacement in (the job gives it the current weights before ``adopt``, so it
-never serves stale ones). On exit every child gets SIGTERM, then SIGKILL after a grace period. A
-child that dies during startup raises ``ServiceUnavailable`` with its exit code and the tail of
-its log.
+``RolloutServers`` is an async context manager: it launches N rollout servers and one ``python -m
+sglang_router.launch_router`` (every ``--router-*`` flag passed through verbatim), waits for each
+server's ``/health``, registers them with the router's ``POST /workers`` and waits until the router
+reports them healthy. While running, ``add_engine`` adds one more server, ``dead`` lists the servers
+whose process has exited, ``retire`` takes one out of the router, and ``start_engine``, ``adopt`` and
+``register`` bring a replacement in (the job gives it the current weights before ``adopt``, so it never
+serves stale ones). On exit every child gets SIGTERM, then SIGKILL after a grace period. A child that
+dies during startup raises ``ServiceUnavailable`` with its exit code and the tail of its log.
 
 The servers are real SGLang (its ``sglang.launch_server``, every ``--sglang-*`` flag passed through,
 started by ``sglang_cpu/launch.py`` with ``--rollout-sglang-python``'s interpreter, which sets SGLang's
@@ -115,8 +114,9 @@ SGLANG_LAUNCH = Path(__file__).with_name("sglang_cpu") / "launch.py"
 ROUTED_EXPERTS_ARGV = ["--enable-return-routed-experts"]
 
 
-def engine_argv(cfg: ServersConfig, backend: str, sglang_args: list[str], flags: list[str], threads: int, host: str,
-                port: int) -> list[str]:
+def engine_argv(
+    cfg: ServersConfig, backend: str, sglang_args: list[str], flags: list[str], threads: int, host: str, port: int
+) -> list[str]:
     """The command line of one rollout server (a plain function, so a Ray actor can receive it)."""
     # one argument each: a random key may begin with "-", which argparse would take for a flag
     # through a pipe, never on the command line (processes.Secret)
@@ -127,24 +127,64 @@ def engine_argv(cfg: ServersConfig, backend: str, sglang_args: list[str], flags:
     if backend == "sglang":  # its OpenAI routes render chats: with the job's template (the embedded engine has none)
         template = ["--chat-template", cfg.chat_template] if cfg.chat_template else []
         python = cfg.rollout_sglang_python or sys.executable
-        return [python, str(SGLANG_LAUNCH), "--model-path", cfg.hf_checkpoint, "--host", host,
-                "--port", str(port), "--tp-size", str(cfg.rollout_num_gpus_per_engine), *keys, *length, *template,
-                *flags, *sglang_args]
-    return [sys.executable, "-m", "inverted.cli", "serve-engine", "--model", cfg.hf_checkpoint, "--host", host,
-            "--port", str(port), "--device", cfg.engine_device, "--max-running-requests",
-            str(cfg.engine_max_running_requests), "--num-threads", str(threads), *keys, *length, *flags]
+        return [
+            python,
+            str(SGLANG_LAUNCH),
+            "--model-path",
+            cfg.hf_checkpoint,
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--tp-size",
+            str(cfg.rollout_num_gpus_per_engine),
+            *keys,
+            *length,
+            *template,
+            *flags,
+            *sglang_args,
+        ]
+    return [
+        sys.executable,
+        "-m",
+        "inverted.cli",
+        "serve-engine",
+        "--model",
+        cfg.hf_checkpoint,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--device",
+        cfg.engine_device,
+        "--max-running-requests",
+        str(cfg.engine_max_running_requests),
+        "--num-threads",
+        str(threads),
+        *keys,
+        *length,
+        *flags,
+    ]
 
 
 class RolloutServers:
     """N rollout servers behind one sgl-router; use as ``async with RolloutServers(cfg) as s``."""
 
-    def __init__(self, config: ServersConfig, router_args: list[str] | None = None,
-                 sglang_args: list[str] | None = None, launch: Launch = launch_local, flags: list[str] | None = None):
-        """``flags``: what the job's mode adds to every server's command line (``lora_argv``, ``ROUTED_EXPERTS_ARGV``)."""
+    def __init__(
+        self,
+        config: ServersConfig,
+        router_args: list[str] | None = None,
+        sglang_args: list[str] | None = None,
+        launch: Launch = launch_local,
+        flags: list[str] | None = None,
+    ):
+        """``flags``: what the job's mode adds to every server's command line (``lora_argv``,
+        ``ROUTED_EXPERTS_ARGV``)."""
         # Every server, and the proxy in front of them, holds requests to one length, decided here
         # (SGLang's own default would be the model's whole max_position_embeddings).
         self.config = config = dataclasses.replace(
-            config, context_length=context_length(config.hf_checkpoint, config.context_length))
+            config, context_length=context_length(config.hf_checkpoint, config.context_length)
+        )
         self.router_args = list(router_args or [])
         self.sglang_args = list(sglang_args or [])
         self.flags = list(flags or [])
@@ -168,8 +208,11 @@ class RolloutServers:
     def _spawn_engine(self, name: str) -> ServerHandle:
         """Launch a server named by ``_next_name`` (which runs on the event loop; this may not)."""
         threads = self._engine_threads()
-        env = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0", "OMP_NUM_THREADS": str(threads)} \
-            if self.backend == "sglang" else {}
+        env = (
+            {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0", "OMP_NUM_THREADS": str(threads)}
+            if self.backend == "sglang"
+            else {}
+        )
         argv_for = functools.partial(engine_argv, self.config, self.backend, self.sglang_args, self.flags, threads)
         handle = self.launch(name, argv_for, self.log_dir / f"{name}.log", env)
         self.started.add(handle.url)
@@ -213,8 +256,11 @@ class RolloutServers:
             for url in strangers:
                 await router.remove_worker(url)
         if strangers:
-            raise UnknownWorker(f"the router served {strangers}, which this job did not start; they are removed, "
-                                "and what they generated is not trained on", url=self.router_url)
+            raise UnknownWorker(
+                f"the router served {strangers}, which this job did not start; they are removed, "
+                "and what they generated is not trained on",
+                url=self.router_url,
+            )
 
     async def __aenter__(self) -> "RolloutServers":
         try:
@@ -248,7 +294,9 @@ class RolloutServers:
                 if engine.url in await router.healthy_urls():
                     return
                 await asyncio.sleep(0.2)
-        raise ServiceUnavailable(f"router did not activate {engine.url}; log tail:\n{self.router.tail()}", url=self.router_url)
+        raise ServiceUnavailable(
+            f"router did not activate {engine.url}; log tail:\n{self.router.tail()}", url=self.router_url
+        )
 
     async def start_engine(self) -> ServerHandle:
         """Start one more server and wait until it is healthy; it serves nothing until ``adopt``/``register``.
@@ -312,35 +360,67 @@ async def run_demo(config: ServersConfig, router_args: list[str], sglang_args: l
     """Start engines behind the router, send chat prompts through it, print what came back."""
     from rich.console import Console
     from rich.table import Table
+
     from inverted.hf_checkpoint import load_tokenizer
 
     tokenizer = load_tokenizer(config.hf_checkpoint, config.chat_template)
-    config = dataclasses.replace(config, admin_api_key=config.admin_api_key or secrets.token_urlsafe(24),
-                                 router_api_key=config.router_api_key or secrets.token_urlsafe(24))
-    prompts = ["What is 17 + 25?", "Name three colors.", "Count from one to five.", "Say hello to the world.",
-               "What is 6 times 7?", "Write a short question.", "List two numbers.", "Solve 9 - 4."]
+    config = dataclasses.replace(
+        config,
+        admin_api_key=config.admin_api_key or secrets.token_urlsafe(24),
+        router_api_key=config.router_api_key or secrets.token_urlsafe(24),
+    )
+    prompts = [
+        "What is 17 + 25?",
+        "Name three colors.",
+        "Count from one to five.",
+        "Say hello to the world.",
+        "What is 6 times 7?",
+        "Write a short question.",
+        "List two numbers.",
+        "Solve 9 - 4.",
+    ]
     console = Console()
     async with RolloutServers(config, router_args, sglang_args) as servers:
         console.print(f"router {servers.router_url} -> engines {', '.join(servers.engine_urls)}")
         async with SGLangClient(servers.router_url, api_key=config.router_api_key) as client:
+
             async def ask(question: str) -> dict:
-                text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                                    tokenize=False)
-                return await client.generate({"input_ids": tokenizer.encode(text), "return_logprob": True,
-                                              "sampling_params": {"max_new_tokens": 24, "temperature": 1.0}})
+                text = tokenizer.apply_chat_template(
+                    [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+                )
+                return await client.generate(
+                    {
+                        "input_ids": tokenizer.encode(text),
+                        "return_logprob": True,
+                        "sampling_params": {"max_new_tokens": 24, "temperature": 1.0},
+                    }
+                )
+
             started = time.monotonic()
             results = await asyncio.gather(*(ask(p) for p in prompts))
             elapsed = time.monotonic() - started
     table = Table(title="generated through sgl-router (random-weight model: the text is noise by design)")
     for column in ("prompt", "sampled text", "tokens", "mean logprob", "finish", "version"):
         caps = {"prompt": 14, "sampled text": 16}  # fits 80 columns; the others keep their full headers
-        table.add_column(column, no_wrap=True, overflow="ellipsis", max_width=caps.get(column), min_width=len(column) if column not in caps else None)
+        table.add_column(
+            column,
+            no_wrap=True,
+            overflow="ellipsis",
+            max_width=caps.get(column),
+            min_width=len(column) if column not in caps else None,
+        )
     for prompt, out in zip(prompts, results):
         meta = out["meta_info"]
         lps = [lp for lp, _, _ in meta["output_token_logprobs"]]
         shown = " ".join(out["text"].replace("\ufffd", "").split())[:32]  # one line of the (random) text
-        table.add_row(prompt, shown, str(len(out["output_ids"])), f"{sum(lps) / len(lps):.3f}",
-                      meta["finish_reason"]["type"], meta["weight_version"])
+        table.add_row(
+            prompt,
+            shown,
+            str(len(out["output_ids"])),
+            f"{sum(lps) / len(lps):.3f}",
+            meta["finish_reason"]["type"],
+            meta["weight_version"],
+        )
     console.print(table)
     tokens = sum(len(o["output_ids"]) for o in results)
     console.print(f"{len(prompts)} requests, {tokens} tokens in {elapsed:.2f}s ({tokens / elapsed:.1f} tokens/s)")

@@ -26,8 +26,21 @@ import orjson
 from inverted.errors import ProtocolError, ServiceError, ServiceUnavailable
 from inverted.http_client import HTTPService, Reply, Timeouts
 
-__all__ = ["GenerateClient", "RouterClient", "SGLangClient", "ServerKeys", "SplitClient", "Timeouts", "WorkersClient", "generate_client", "read_output",
-           "read_routed_experts", "read_sampling_mask", "read_unconstrained_logprobs", "with_sampling_mask"]
+__all__ = [
+    "GenerateClient",
+    "RouterClient",
+    "SGLangClient",
+    "ServerKeys",
+    "SplitClient",
+    "Timeouts",
+    "WorkersClient",
+    "generate_client",
+    "read_output",
+    "read_routed_experts",
+    "read_sampling_mask",
+    "read_unconstrained_logprobs",
+    "with_sampling_mask",
+]
 
 
 def _check_success(reply: Reply, body: Any) -> dict[str, Any]:
@@ -35,7 +48,12 @@ def _check_success(reply: Reply, body: Any) -> dict[str, Any]:
     if not isinstance(body, dict) or "success" not in body:
         raise ProtocolError("expected {success, message}", url=reply.url, status=reply.status_code, body=reply.text)
     if not body["success"]:
-        raise ProtocolError(body.get("message") or body.get("error_message") or "failed", url=reply.url, status=reply.status_code, body=reply.text)
+        raise ProtocolError(
+            body.get("message") or body.get("error_message") or "failed",
+            url=reply.url,
+            status=reply.status_code,
+            body=reply.text,
+        )
     return body
 
 
@@ -57,11 +75,15 @@ def read_output(body: Any, url: str) -> tuple[list[int], list[float], list[str],
             versions = [str(meta["weight_version"])] * len(ids)
         finish = meta.get("finish_reason")
     except (KeyError, TypeError, ValueError, IndexError) as exc:
-        raise ProtocolError(f"/generate answered without output ids, logprobs or versions ({exc})", url=url,
-                            body=str(body)[:300]) from None
+        raise ProtocolError(
+            f"/generate answered without output ids, logprobs or versions ({exc})", url=url, body=str(body)[:300]
+        ) from None
     if not len(ids) == len(logprobs) == len(versions):
-        raise ProtocolError(f"/generate answered {len(ids)} ids, {len(logprobs)} logprobs, {len(versions)} versions",
-                            url=url, body=str(body)[:300])
+        raise ProtocolError(
+            f"/generate answered {len(ids)} ids, {len(logprobs)} logprobs, {len(versions)} versions",
+            url=url,
+            body=str(body)[:300],
+        )
     return ids, logprobs, versions, tops, finish
 
 
@@ -95,8 +117,9 @@ def truncates(params: dict[str, Any]) -> bool:
     """Whether SGLang samples with these parameters from a cut distribution (top_p, top_k or min_p;
     greedy calls are not sampled)."""
     top_k = params.get("top_k")
-    return params.get("temperature", 1.0) > 0 and (params.get("top_p", 1.0) < 1 or (top_k or -1) > 0
-                                                   or params.get("min_p", 0.0) > 0)
+    return params.get("temperature", 1.0) > 0 and (
+        params.get("top_p", 1.0) < 1 or (top_k or -1) > 0 or params.get("min_p", 0.0) > 0
+    )
 
 
 def with_sampling_mask(payload: dict[str, Any], top_k: int) -> dict[str, Any]:
@@ -121,10 +144,17 @@ def read_sampling_mask(body: Any, url: str = "") -> tuple[list[list[int]], list[
     if masks is None:
         return None
     logprobs, ids = meta.get("output_token_sampling_logprobs"), body.get("output_ids")
-    if not (isinstance(masks, list) and isinstance(logprobs, list) and isinstance(ids, list)
-            and len(masks) == len(logprobs) == len(ids)):
-        raise ProtocolError("/generate answered sampling masks without one mask and one log-prob per output id",
-                            url=url, body=str(body)[:300])
+    if not (
+        isinstance(masks, list)
+        and isinstance(logprobs, list)
+        and isinstance(ids, list)
+        and len(masks) == len(logprobs) == len(ids)
+    ):
+        raise ProtocolError(
+            "/generate answered sampling masks without one mask and one log-prob per output id",
+            url=url,
+            body=str(body)[:300],
+        )
     return [list(map(int, row)) for row in masks], [float(v) for v in logprobs]
 
 
@@ -155,8 +185,7 @@ class SGLangClient(HTTPService):
     others (``/generate``, ``/server_info``), once a server has both.
     """
 
-    def __init__(self, base_url: str, *, api_key: str | None = None, admin_api_key: str | None = None,
-                 **options: Any):
+    def __init__(self, base_url: str, *, api_key: str | None = None, admin_api_key: str | None = None, **options: Any):
         super().__init__(base_url, api_key=api_key, **options)
         self._admin = {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else None
 
@@ -168,8 +197,13 @@ class SGLangClient(HTTPService):
 
     async def generate(self, payload: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
         """``POST /generate``; one object for a single prompt, a list for batches and ``n > 1``."""
-        response = await self.request("POST", "/generate", json_body={**payload, "stream": False},
-                                      timeout=self.timeouts.generate, idempotent=False)
+        response = await self.request(
+            "POST",
+            "/generate",
+            json_body={**payload, "stream": False},
+            timeout=self.timeouts.generate,
+            idempotent=False,
+        )
         return self.json_of(response)
 
     async def generate_stream(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -184,7 +218,9 @@ class SGLangClient(HTTPService):
                     return
                 chunk = orjson.loads(data)
                 if "error" in chunk:
-                    raise ProtocolError("stream error", url=self.base_url + "/generate", body=data.decode(errors="replace"))
+                    raise ProtocolError(
+                        "stream error", url=self.base_url + "/generate", body=data.decode(errors="replace")
+                    )
                 yield chunk
 
     # ---- health and info -----------------------------------------------------------------
@@ -223,9 +259,17 @@ class SGLangClient(HTTPService):
 
     # ---- control -------------------------------------------------------------------------
 
-    async def _post(self, path: str, body: dict[str, Any], *, timeout: float | None = None, idempotent: bool = True) -> Reply:
-        return await self.request("POST", path, json_body=body, timeout=timeout or self.timeouts.control,
-                                  idempotent=idempotent, headers=self._admin)
+    async def _post(
+        self, path: str, body: dict[str, Any], *, timeout: float | None = None, idempotent: bool = True
+    ) -> Reply:
+        return await self.request(
+            "POST",
+            path,
+            json_body=body,
+            timeout=timeout or self.timeouts.control,
+            idempotent=idempotent,
+            headers=self._admin,
+        )
 
     async def pause_generation(self, mode: str = "abort") -> None:
         await self._post("/pause_generation", {"mode": mode})
@@ -247,14 +291,16 @@ class SGLangClient(HTTPService):
         return True
 
     async def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> str:
-        response = await self._post("/update_weight_version", {"new_version": new_version,
-                                                               "abort_all_requests": abort_all_requests})
+        response = await self._post(
+            "/update_weight_version", {"new_version": new_version, "abort_all_requests": abort_all_requests}
+        )
         return _check_success(response, self.json_of(response))["new_version"]
 
     # ---- weights (sglang-api.md §4) ---------------------------------------------------------
 
     async def _update(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """A weight route: ``{success, message}``; a refusal (400, success false) raises ProtocolError with its message."""
+        """A weight route: ``{success, message}``; a refusal (400, success false) raises ProtocolError
+        with its message."""
         try:
             response = await self._post(path, body, timeout=self.timeouts.weights, idempotent=False)
         except ProtocolError as exc:
@@ -263,15 +309,28 @@ class SGLangClient(HTTPService):
                 message = body.get("message") or body.get("error_message") or ""
             except (ValueError, AttributeError):
                 message = ""
-            raise ProtocolError(f"POST {path} failed: {message or 'rejected'}", url=exc.url, status=exc.status,
-                                body=exc.body) from None
+            raise ProtocolError(
+                f"POST {path} failed: {message or 'rejected'}", url=exc.url, status=exc.status, body=exc.body
+            ) from None
         return _check_success(response, self.json_of(response))
 
-    async def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None,
-                                       flush_cache: bool = True, abort_all_requests: bool = False) -> dict[str, Any]:
-        return await self._update("/update_weights_from_disk", {
-            "model_path": model_path, "weight_version": weight_version, "flush_cache": flush_cache,
-            "abort_all_requests": abort_all_requests})
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        *,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+    ) -> dict[str, Any]:
+        return await self._update(
+            "/update_weights_from_disk",
+            {
+                "model_path": model_path,
+                "weight_version": weight_version,
+                "flush_cache": flush_cache,
+                "abort_all_requests": abort_all_requests,
+            },
+        )
 
     async def begin_weight_update(self) -> None:
         """Open the update session that tensor and distributed updates need (SGLang >= 0.5.21)."""
@@ -280,27 +339,65 @@ class SGLangClient(HTTPService):
     async def end_weight_update(self) -> None:
         await self._update("/end_weight_update", {})
 
-    async def update_weights_from_tensor(self, payloads: list[str], *, load_format: str | None = "flattened_bucket",
-                                         flush_cache: bool = False, weight_version: str | None = None) -> dict[str, Any]:
+    async def update_weights_from_tensor(
+        self,
+        payloads: list[str],
+        *,
+        load_format: str | None = "flattened_bucket",
+        flush_cache: bool = False,
+        weight_version: str | None = None,
+    ) -> dict[str, Any]:
         """``payloads``: one serialized entry per server TP rank (``inverted.weight_wire.serialize``)."""
-        return await self._update("/update_weights_from_tensor", {
-            "serialized_named_tensors": payloads, "load_format": load_format, "flush_cache": flush_cache,
-            "weight_version": weight_version})
+        return await self._update(
+            "/update_weights_from_tensor",
+            {
+                "serialized_named_tensors": payloads,
+                "load_format": load_format,
+                "flush_cache": flush_cache,
+                "weight_version": weight_version,
+            },
+        )
 
-    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                        *, group_name: str, backend: str) -> dict[str, Any]:
+    async def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int, *, group_name: str, backend: str
+    ) -> dict[str, Any]:
         """Blocks until the group forms: the trainer must join it concurrently."""
-        return await self._update("/init_weights_update_group", {
-            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-            "world_size": world_size, "group_name": group_name, "backend": backend})
+        return await self._update(
+            "/init_weights_update_group",
+            {
+                "master_address": master_address,
+                "master_port": master_port,
+                "rank_offset": rank_offset,
+                "world_size": world_size,
+                "group_name": group_name,
+                "backend": backend,
+            },
+        )
 
-    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], *,
-                                              group_name: str, load_format: str | None = "flattened_bucket",
-                                              flush_cache: bool = False, weight_version: str | None = None) -> dict[str, Any]:
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        *,
+        group_name: str,
+        load_format: str | None = "flattened_bucket",
+        flush_cache: bool = False,
+        weight_version: str | None = None,
+    ) -> dict[str, Any]:
         """Returns once the server has taken the trainer's broadcast(s), issued concurrently by the caller."""
-        return await self._update("/update_weights_from_distributed", {
-            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name, "load_format": load_format,
-            "flush_cache": flush_cache, "weight_version": weight_version})
+        return await self._update(
+            "/update_weights_from_distributed",
+            {
+                "names": names,
+                "dtypes": dtypes,
+                "shapes": shapes,
+                "group_name": group_name,
+                "load_format": load_format,
+                "flush_cache": flush_cache,
+                "weight_version": weight_version,
+            },
+        )
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
         await self._update("/destroy_weights_update_group", {"group_name": group_name})
@@ -309,11 +406,19 @@ class SGLangClient(HTTPService):
         """``{success, error_message, loaded_adapters}``; a refusal raises ProtocolError with its message."""
         return await self._update("/load_lora_adapter", {"lora_name": name, "lora_path": path, "pinned": pinned})
 
-    async def load_lora_adapter_from_tensors(self, name: str, config: dict[str, Any], payloads: list[str], *,
-                                             load_format: str | None = "flattened_bucket") -> dict[str, Any]:
+    async def load_lora_adapter_from_tensors(
+        self, name: str, config: dict[str, Any], payloads: list[str], *, load_format: str | None = "flattened_bucket"
+    ) -> dict[str, Any]:
         """``config``: PEFT's adapter_config; ``payloads``: one serialized entry per server TP rank."""
-        return await self._update("/load_lora_adapter_from_tensors", {
-            "lora_name": name, "config_dict": config, "serialized_named_tensors": payloads, "load_format": load_format})
+        return await self._update(
+            "/load_lora_adapter_from_tensors",
+            {
+                "lora_name": name,
+                "config_dict": config,
+                "serialized_named_tensors": payloads,
+                "load_format": load_format,
+            },
+        )
 
     async def unload_lora_adapter(self, name: str, *, missing_ok: bool = False) -> dict[str, Any] | None:
         try:
@@ -338,12 +443,15 @@ class RouterClient(HTTPService):
     """sgl-router 0.3.2's worker API (``/workers``; the old ``/add_worker`` routes are gone)."""
 
     async def list_workers(self) -> list[dict[str, Any]]:
-        return self.json_of(await self.request("GET", "/workers", timeout=self.timeouts.control, idempotent=True))["workers"]
+        return self.json_of(await self.request("GET", "/workers", timeout=self.timeouts.control, idempotent=True))[
+            "workers"
+        ]
 
     async def add_worker(self, url: str, **fields: Any) -> str:
         """Register a worker (asynchronous at the router: poll ``list_workers``); return its id."""
-        response = await self.request("POST", "/workers", json_body={"url": url, **fields},
-                                      timeout=self.timeouts.control, idempotent=True)
+        response = await self.request(
+            "POST", "/workers", json_body={"url": url, **fields}, timeout=self.timeouts.control, idempotent=True
+        )
         return self.json_of(response)["worker_id"]
 
     async def remove_worker(self, url: str) -> bool:
@@ -375,13 +483,22 @@ class WorkersClient:
 
     PREFIX = 64  # prompt tokens that pick the worker: a group's shared prompt, an episode's system prompt
 
-    def __init__(self, router_url: str, *, api_key: str | None = None, admin_api_key: str | None = None,
-                 timeouts: Timeouts = Timeouts(), max_connections: int = 256, refresh_s: float = 10.0):
+    def __init__(
+        self,
+        router_url: str,
+        *,
+        api_key: str | None = None,
+        admin_api_key: str | None = None,
+        timeouts: Timeouts = Timeouts(),
+        max_connections: int = 256,
+        refresh_s: float = 10.0,
+    ):
         """``api_key``: the router's (and so its workers') /generate key; ``admin_api_key``: its worker list's."""
         self.base_url = router_url.rstrip("/")
         self.router = RouterClient(router_url, api_key=admin_api_key, timeouts=timeouts)
-        self._client = functools.partial(SGLangClient, api_key=api_key, timeouts=timeouts,
-                                         max_connections=max_connections)
+        self._client = functools.partial(
+            SGLangClient, api_key=api_key, timeouts=timeouts, max_connections=max_connections
+        )
         self.clients: dict[str, SGLangClient] = {}
         self.refresh_s = refresh_s
         self._workers: list[str] = []
@@ -442,8 +559,9 @@ class SplitClient:
     which goes to one of its workers (``WorkersClient``: by the prompt's first tokens, so an episode's
     calls keep one server and its prefix cache). ``SGLangClient``'s data-plane methods."""
 
-    def __init__(self, router_url: str, *, api_key: str | None = None, admin_api_key: str | None = None,
-                 **options: Any):
+    def __init__(
+        self, router_url: str, *, api_key: str | None = None, admin_api_key: str | None = None, **options: Any
+    ):
         self.base_url = router_url.rstrip("/")
         self.router = SGLangClient(router_url, api_key=api_key, **options)
         self.workers = WorkersClient(router_url, api_key=api_key, admin_api_key=admin_api_key, **options)
@@ -474,8 +592,14 @@ class SplitClient:
 GenerateClient = SGLangClient | SplitClient | WorkersClient
 
 
-def generate_client(router_url: str, *, routed_experts: bool = False, api_key: str | None = None,
-                    admin_api_key: str | None = None, **options: Any) -> SplitClient | WorkersClient:
+def generate_client(
+    router_url: str,
+    *,
+    routed_experts: bool = False,
+    api_key: str | None = None,
+    admin_api_key: str | None = None,
+    **options: Any,
+) -> SplitClient | WorkersClient:
     """The client for ``/generate`` behind ``router_url`` (``api_key``: its key): the router, and its
     workers for the calls with a field it drops (a sampling mask: ``SplitClient``); or, where every
     call asks for routed experts, the workers alone (``WorkersClient``). Both list the workers with

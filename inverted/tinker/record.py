@@ -53,14 +53,28 @@ class SampleRecord:
         store = self._stores[model_id] = SQLiteStore(str(run_dir / "buffer.db"), n_samples_per_prompt=1)
         return store
 
-    async def add(self, model_id: str, version: int, prompt: list[int],
-                  sequences: list[tuple[list[int], list[float], bool]], sampler: str) -> int:
+    async def add(
+        self,
+        model_id: str,
+        version: int,
+        prompt: list[int],
+        sequences: list[tuple[list[int], list[float], bool]],
+        sampler: str,
+    ) -> int:
         """One sample request's sequences (ids, log-probs, stopped) drawn from ``model_id``'s ``version``."""
-        samples = [Sample(prompt="", tokens=prompt + list(ids), response_length=len(ids), loss_mask=[1] * len(ids),
-                          rollout_log_probs=[float(lp) for lp in logprobs], weight_versions=[str(version)] * len(ids),
-                          status=Sample.Status.COMPLETED if stopped else Sample.Status.TRUNCATED,
-                          metadata={"sampler": sampler})
-                   for ids, logprobs, stopped in sequences]
+        samples = [
+            Sample(
+                prompt="",
+                tokens=prompt + list(ids),
+                response_length=len(ids),
+                loss_mask=[1] * len(ids),
+                rollout_log_probs=[float(lp) for lp in logprobs],
+                weight_versions=[str(version)] * len(ids),
+                status=Sample.Status.COMPLETED if stopped else Sample.Status.TRUNCATED,
+                metadata={"sampler": sampler},
+            )
+            for ids, logprobs, stopped in sequences
+        ]
         record = PromptRecord(prompt="", metadata={"prompt_tokens": len(prompt)})
         return await asyncio.to_thread(lambda: self._store(model_id).record(record, samples, f"{model_id}:{version}"))
 

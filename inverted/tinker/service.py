@@ -52,11 +52,11 @@ from inverted.devices import cuda_available
 from inverted.errors import InvertedError, SampleError
 from inverted.metrics import build_metrics_sink
 from inverted.rollout.servers import RolloutServers, lora_argv, resolve_backend
-from inverted.rollout.sglang_client import SGLangClient, ServerKeys, read_output
+from inverted.rollout.sglang_client import ServerKeys, SGLangClient, read_output
 from inverted.tinker import wire
-from inverted.train import datum_losses
 from inverted.tinker.futures import Failure, Futures
 from inverted.tinker.record import BASE, SampleRecord
+from inverted.train import datum_losses
 
 logger = logging.getLogger(__name__)
 
@@ -107,14 +107,18 @@ class Model:
         if seq_id < self.next_seq:
             raise UserError(f"seq_id {seq_id} of model {self.model_id} was already used (next: {self.next_seq})")
         if seq_id > self.next_seq + MAX_SEQ_AHEAD:
-            raise UserError(f"seq_id {seq_id} is {seq_id - self.next_seq} calls ahead of model {self.model_id}'s "
-                            f"next ({self.next_seq})")
+            raise UserError(
+                f"seq_id {seq_id} is {seq_id - self.next_seq} calls ahead of model {self.model_id}'s "
+                f"next ({self.next_seq})"
+            )
         async with self.turn_changed:
             try:
                 await asyncio.wait_for(self.turn_changed.wait_for(lambda: self.next_seq == seq_id), TURN_WAIT_S)
             except TimeoutError:
-                raise UserError(f"seq_id {seq_id} of model {self.model_id} waited {TURN_WAIT_S:.0f} s for call "
-                                f"{self.next_seq}, which never came") from None
+                raise UserError(
+                    f"seq_id {seq_id} of model {self.model_id} waited {TURN_WAIT_S:.0f} s for call "
+                    f"{self.next_seq}, which never came"
+                ) from None
 
     def live(self):
         """The model's learner, or a user error once the model is unloaded (its calls still queued fail)."""
@@ -160,14 +164,17 @@ class ServersCan:
     @classmethod
     def of(cls, backend: str, sglang_args: list[str]) -> "ServersCan":
         embedded = backend == "embedded"
-        return cls(lora=embedded or cuda_available(), seed=embedded or "--enable-deterministic-inference" in sglang_args)
+        return cls(
+            lora=embedded or cuda_available(), seed=embedded or "--enable-deterministic-inference" in sglang_args
+        )
 
 
 class Service:
     """The domain of the API: sessions, models, samplers, futures; no HTTP (the routes are in ``create_app``)."""
 
-    def __init__(self, cfg: TinkerServeConfig, router_url: str, engine_urls: list[str], keys: ServerKeys,
-                 can: ServersCan) -> None:
+    def __init__(
+        self, cfg: TinkerServeConfig, router_url: str, engine_urls: list[str], keys: ServerKeys, can: ServersCan
+    ) -> None:
         self.cfg, self.router_url, self.engine_urls, self.keys, self.can = cfg, router_url, engine_urls, keys, can
         checkpoint = Path(cfg.train.hf_checkpoint)
         self.names = {str(checkpoint), checkpoint.name, *cfg.tinker.base_model}
@@ -236,7 +243,9 @@ class Service:
             await asyncio.sleep(every)
             silent = [s for s, session in self.sessions.items() if time.monotonic() - session.seen > timeout]
             for session_id in silent:
-                logger.info("session %s sent no heartbeat for %.0f s: finished, its models unloaded", session_id, timeout)
+                logger.info(
+                    "session %s sent no heartbeat for %.0f s: finished, its models unloaded", session_id, timeout
+                )
                 await self.finish(session_id)
 
     def model(self, model_id: str, owner: str) -> Model:
@@ -253,19 +262,26 @@ class Service:
         self.owned_session(session_id, owner)
         self.check_base(base)
         if len(self.models) >= self.cfg.tinker.tinker_max_models:
-            raise UserError(f"this server holds at most {self.cfg.tinker.tinker_max_models} models "
-                            "(--tinker-max-models); unload one first")
+            raise UserError(
+                f"this server holds at most {self.cfg.tinker.tinker_max_models} models "
+                "(--tinker-max-models); unload one first"
+            )
         if lora and not self.can.lora:
-            raise UserError("LoRA models need LoRA on the rollout servers, and real SGLang on a CPU has none (its LoRA "
-                            "layers pin memory, a CUDA call): create a full fine-tuning model, or serve with "
-                            "--rollout-backend embedded")
+            raise UserError(
+                "LoRA models need LoRA on the rollout servers, and real SGLang on a CPU has none (its LoRA "
+                "layers pin memory, a CUDA call): create a full fine-tuning model, or serve with "
+                "--rollout-backend embedded"
+            )
         rank = int(lora["rank"]) if lora else 0
         if lora and not 1 <= rank <= self.cfg.tinker.tinker_max_lora_rank:
-            raise UserError(f"LoRA rank {rank} is outside 1..{self.cfg.tinker.tinker_max_lora_rank} "
-                            "(--tinker-max-lora-rank)")
+            raise UserError(
+                f"LoRA rank {rank} is outside 1..{self.cfg.tinker.tinker_max_lora_rank} (--tinker-max-lora-rank)"
+            )
         if not lora and any(not m.lora_rank for m in self.models.values()):
-            raise UserError("one full fine-tuning model at a time: the servers hold one set of full weights; "
-                            "train LoRA models beside it")
+            raise UserError(
+                "one full fine-tuning model at a time: the servers hold one set of full weights; "
+                "train LoRA models beside it"
+            )
         model = Model(f"{session_id}:train:{seq}", owner, base, rank)
         if model.model_id in self.models:
             raise UserError(f"model {model.model_id} exists (model_seq_id {seq} of this session was used)")
@@ -275,8 +291,11 @@ class Service:
     async def build(self, model: Model, lora: dict | None) -> dict:
         from inverted.train.learner import Learner, LoraShape
 
-        shape = LoraShape(int(lora["rank"]), lora.get("seed"), lora.get("train_attn", True),
-                          lora.get("train_mlp", True)) if lora else None
+        shape = (
+            LoraShape(int(lora["rank"]), lora.get("seed"), lora.get("train_attn", True), lora.get("train_mlp", True))
+            if lora
+            else None
+        )
         try:
             model.learner = await self.on_training_thread(Learner, self.cfg.train, shape)
         except BaseException:
@@ -290,10 +309,17 @@ class Service:
         return self.record.run_dir(model.model_id)
 
     def info(self, model: Model) -> dict:
-        return {"type": "get_info", "model_id": model.model_id, "is_lora": bool(model.lora_rank),
-                "lora_rank": model.lora_rank or None,
-                "model_data": {"model_name": model.base_model, "tokenizer_id": self.cfg.train.hf_checkpoint,
-                               "arch": model.learner.spec.arch if model.learner else None}}
+        return {
+            "type": "get_info",
+            "model_id": model.model_id,
+            "is_lora": bool(model.lora_rank),
+            "lora_rank": model.lora_rank or None,
+            "model_data": {
+                "model_name": model.base_model,
+                "tokenizer_id": self.cfg.train.hf_checkpoint,
+                "arch": model.learner.spec.arch if model.learner else None,
+            },
+        }
 
     async def on_training_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.training, fn, *args)
@@ -301,7 +327,8 @@ class Service:
     # -- training calls, in seq_id order ----------------------------------------------------------
 
     def start(self, owner: str, model: Model | None, seq_id: int | None, work) -> str:
-        """A future for ``work`` (a coroutine function), run after ``model``'s earlier calls when ``seq_id`` is given."""
+        """A future for ``work`` (a coroutine function), run after ``model``'s earlier calls when
+        ``seq_id`` is given."""
         request_id = self.futures.create(owner)
 
         async def run() -> None:
@@ -328,8 +355,10 @@ class Service:
         datum_losses.resolve(request.loss_fn, request.config)
         tokens = sum(len(d.tokens) for d in request.data)
         if tokens > self.cfg.tinker.tinker_max_batch_tokens:
-            raise UserError(f"forward_backward carries {tokens} tokens; this server takes at most "
-                            f"{self.cfg.tinker.tinker_max_batch_tokens} per call (--tinker-max-batch-tokens)")
+            raise UserError(
+                f"forward_backward carries {tokens} tokens; this server takes at most "
+                f"{self.cfg.tinker.tinker_max_batch_tokens} per call (--tinker-max-batch-tokens)"
+            )
         if not request.data:
             raise UserError("forward_backward carries no datums")
         spec = model.live().spec
@@ -339,7 +368,9 @@ class Service:
             if not len(datum.tokens):
                 raise UserError(f"{where}: no input tokens")
             if len(datum.tokens) > spec.max_position_embeddings:
-                raise UserError(f"{where}: {len(datum.tokens)} tokens exceed the model's {spec.max_position_embeddings}")
+                raise UserError(
+                    f"{where}: {len(datum.tokens)} tokens exceed the model's {spec.max_position_embeddings}"
+                )
             for name, ids in (("model_input", datum.tokens), ("target_tokens", datum.inputs["target_tokens"])):
                 if ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= spec.vocab_size:
                     raise UserError(f"{where}: {name} must be token ids in 0..{spec.vocab_size - 1}")
@@ -347,10 +378,13 @@ class Service:
     async def forward_backward(self, request: wire.FwdBwdRequest, model: Model) -> bytes:
         loss, config = datum_losses.resolve(request.loss_fn, request.config)
         data = [(d.tokens, d.inputs["target_tokens"]) for d in request.data]
-        inputs = [{k: torch.tensor(v, dtype=torch.float32) for k, v in d.inputs.items() if k != "target_tokens"}
-                  for d in request.data]
-        logps, metrics = await self.on_training_thread(model.live().forward_backward, data, loss, inputs, config,
-                                                       request.forward_only)
+        inputs = [
+            {k: torch.tensor(v, dtype=torch.float32) for k, v in d.inputs.items() if k != "target_tokens"}
+            for d in request.data
+        ]
+        logps, metrics = await self.on_training_thread(
+            model.live().forward_backward, data, loss, inputs, config, request.forward_only
+        )
         if not request.forward_only:
             model.pending["loss_sum"] += metrics["loss:sum"]
             model.pending["tokens"] += metrics["num_tokens:sum"]
@@ -368,11 +402,25 @@ class Service:
             raise UserError(f"adam_params out of range: {params}")
         metrics = await self.on_training_thread(model.live().optim_step, step)
         done, model.pending = model.pending, {"loss_sum": 0.0, "tokens": 0.0, "datums": 0.0}
-        model.sink.log({"train/loss_sum": done["loss_sum"], "train/tokens": done["tokens"], "train/datums": done["datums"],
-                        "train/grad_norm": metrics["grad_norm:mean"], "train/lr": step.learning_rate},
-                       model.learner.steps)
-        logger.info("%s step %d: loss %.4g over %d tokens, grad norm %.3g, lr %.3g", model.model_id,
-                    model.learner.steps, done["loss_sum"], done["tokens"], metrics["grad_norm:mean"], step.learning_rate)
+        model.sink.log(
+            {
+                "train/loss_sum": done["loss_sum"],
+                "train/tokens": done["tokens"],
+                "train/datums": done["datums"],
+                "train/grad_norm": metrics["grad_norm:mean"],
+                "train/lr": step.learning_rate,
+            },
+            model.learner.steps,
+        )
+        logger.info(
+            "%s step %d: loss %.4g over %d tokens, grad norm %.3g, lr %.3g",
+            model.model_id,
+            model.learner.steps,
+            done["loss_sum"],
+            done["tokens"],
+            metrics["grad_norm:mean"],
+            step.learning_rate,
+        )
         return {"type": "optim_step", "metrics": metrics}
 
     async def save_for_sampler(self, model: Model, path: str | None, sampling_seq: int | None, session_id: str) -> dict:
@@ -407,8 +455,12 @@ class Service:
     def _weights_dir(self, tinker_path: str) -> tuple[str, Path]:
         """The model id and the folder of ``tinker://MODEL/weights/NAME`` (a name is one safe path segment)."""
         model_id, sep, name = tinker_path.removeprefix("tinker://").partition("/weights/")
-        if not (tinker_path.startswith("tinker://") and sep and SAFE_NAME.fullmatch(name) and
-                SAFE_NAME.fullmatch(model_id.replace(":", "_"))):
+        if not (
+            tinker_path.startswith("tinker://")
+            and sep
+            and SAFE_NAME.fullmatch(name)
+            and SAFE_NAME.fullmatch(model_id.replace(":", "_"))
+        ):
             raise UserError(f"not a checkpoint path of this server: {tinker_path!r} (tinker://MODEL_ID/weights/NAME)")
         return model_id, Path(self.cfg.train.output_dir) / "tinker" / "weights" / model_id.replace(":", "_") / name
 
@@ -418,8 +470,9 @@ class Service:
         tinker_path = f"tinker://{model.model_id}/weights/{name}"
         _, directory = self._weights_dir(tinker_path)
         await self.on_training_thread(model.live().save, str(directory))
-        (directory / OWNER_FILE).write_text(json.dumps({"owner": _digest(model.owner), "model_id": model.model_id,
-                                                        "lora_rank": model.lora_rank}) + "\n")
+        (directory / OWNER_FILE).write_text(
+            json.dumps({"owner": _digest(model.owner), "model_id": model.model_id, "lora_rank": model.lora_rank}) + "\n"
+        )
         return {"type": "save_weights", "path": tinker_path}
 
     def checkpoint(self, tinker_path: str, owner: str) -> tuple[Path, dict]:
@@ -436,8 +489,10 @@ class Service:
     async def load(self, model: Model, tinker_path: str, optimizer: bool) -> dict:
         directory, saved = self.checkpoint(tinker_path, model.owner)
         if bool(saved["lora_rank"]) != bool(model.lora_rank):
-            raise UserError(f"{tinker_path} holds {'a LoRA adapter' if saved['lora_rank'] else 'full weights'}; "
-                            f"model {model.model_id} is {'LoRA' if model.lora_rank else 'full fine-tuning'}")
+            raise UserError(
+                f"{tinker_path} holds {'a LoRA adapter' if saved['lora_rank'] else 'full weights'}; "
+                f"model {model.model_id} is {'LoRA' if model.lora_rank else 'full fine-tuning'}"
+            )
         await self.on_training_thread(model.live().load, str(directory), optimizer)
         return {"type": "load_weights", "path": tinker_path, "model_id": model.model_id}
 
@@ -447,7 +502,11 @@ class Service:
 
         directory, _ = self.checkpoint(tinker_path, owner)
         shape = saved_lora(str(directory))
-        return None if shape is None else {"rank": shape.rank, "train_attn": shape.train_attn, "train_mlp": shape.train_mlp}
+        return (
+            None
+            if shape is None
+            else {"rank": shape.rank, "train_attn": shape.train_attn, "train_mlp": shape.train_mlp}
+        )
 
     # -- sampling -------------------------------------------------------------------------
 
@@ -483,8 +542,10 @@ class Service:
         if sampler.version == BASE and self.full_weights_on_servers is not None:
             raise UserError(f"the servers hold {self.full_weights_on_servers}'s full weights, not the base model's")
         if sampler.version != BASE and sampler.version not in self.live:
-            raise UserError(f"the sampler weights of {sampler.model_path} were let go (a model's last {KEPT_SAVES} "
-                            "saves stay on the servers, a full model's newest): save them again")
+            raise UserError(
+                f"the sampler weights of {sampler.model_path} were let go (a model's last {KEPT_SAVES} "
+                "saves stay on the servers, a full model's newest): save them again"
+            )
         tokens = [t for chunk in body["prompt"]["chunks"] for t in chunk.get("tokens", [])]
         if not tokens:
             raise UserError("the prompt has no tokens")
@@ -492,8 +553,12 @@ class Service:
         n = int(body.get("num_samples", 1))
         if not 1 <= n <= 256:
             raise UserError(f"num_samples {n} is outside 1..256")
-        sampling = {"max_new_tokens": params.get("max_tokens") or 16, "temperature": params.get("temperature", 1.0),
-                    "top_p": params.get("top_p", 1.0), "top_k": params.get("top_k", -1)}
+        sampling = {
+            "max_new_tokens": params.get("max_tokens") or 16,
+            "temperature": params.get("temperature", 1.0),
+            "top_p": params.get("top_p", 1.0),
+            "top_k": params.get("top_k", -1),
+        }
         stop = params.get("stop")
         if isinstance(stop, str):
             stop = [stop]
@@ -504,26 +569,44 @@ class Service:
         top_k = int(body.get("topk_sample_logprobs") or 0)
         prompt_logprobs = bool(body.get("prompt_logprobs"))
         top_prompt = int(body.get("topk_prompt_logprobs") or 0)
-        payload = {"input_ids": tokens, "sampling_params": sampling, "return_logprob": True,
-                   "logprob_start_len": 0 if prompt_logprobs or top_prompt else -1,
-                   **({"top_logprobs_num": max(top_k, top_prompt)} if top_k or top_prompt else {}),
-                   **({"lora_path": sampler.adapter} if sampler.adapter else {})}
+        payload = {
+            "input_ids": tokens,
+            "sampling_params": sampling,
+            "return_logprob": True,
+            "logprob_start_len": 0 if prompt_logprobs or top_prompt else -1,
+            **({"top_logprobs_num": max(top_k, top_prompt)} if top_k or top_prompt else {}),
+            **({"lora_path": sampler.adapter} if sampler.adapter else {}),
+        }
         seed = params.get("seed")  # sample i draws from seed + i: reproducible, and not n copies of one
         if seed is not None and not self.can.seed and not self.warned_seed:
             self.warned_seed = True
-            logger.warning("a sample asks for seed %s: real SGLang reads sampling_seed only with "
-                           "--sglang-enable-deterministic-inference (a GPU's attention backends), so seeded "
-                           "draws here are not reproducible", seed)
-        answers = await asyncio.gather(*(self.client.generate(
-            payload if seed is None else {**payload, "sampling_params": {**sampling, "sampling_seed": int(seed) + i}})
-            for i in range(n)))
+            logger.warning(
+                "a sample asks for seed %s: real SGLang reads sampling_seed only with "
+                "--sglang-enable-deterministic-inference (a GPU's attention backends), so seeded "
+                "draws here are not reproducible",
+                seed,
+            )
+        answers = await asyncio.gather(
+            *(
+                self.client.generate(
+                    payload
+                    if seed is None
+                    else {**payload, "sampling_params": {**sampling, "sampling_seed": int(seed) + i}}
+                )
+                for i in range(n)
+            )
+        )
         sequences = []
         for answer in answers:
             ids, logprobs, _, tops, finish = read_output(answer, self.router_url)
             top = _top(tops, top_k) if top_k else None
             sequences.append(wire.Sequence(ids, logprobs, (finish or {}).get("type") != "length", top))
-        await self.record.add(*sampler.source(), tokens, [(s.tokens, s.logprobs, s.stopped) for s in sequences],
-                              sampler.model_path or BASE)
+        await self.record.add(
+            *sampler.source(),
+            tokens,
+            [(s.tokens, s.logprobs, s.stopped) for s in sequences],
+            sampler.model_path or BASE,
+        )
         meta = answers[0]["meta_info"]
         prompt = None
         top_rows = None
@@ -531,10 +614,12 @@ class Service:
             prompt = [None if lp is None else float(lp) for lp, *_ in meta["input_token_logprobs"]]
             if top_prompt:
                 rows = meta.get("input_top_logprobs") or []
-                top_rows = _top([[] if row is None else [(float(lp), int(t)) for lp, t, *_ in row] for row in rows],
-                                top_prompt)
-        return wire.sample_response(sequences, prompt if prompt_logprobs else None, top_rows,
-                                    int(meta.get("cached_tokens", 0)))
+                top_rows = _top(
+                    [[] if row is None else [(float(lp), int(t)) for lp, t, *_ in row] for row in rows], top_prompt
+                )
+        return wire.sample_response(
+            sequences, prompt if prompt_logprobs else None, top_rows, int(meta.get("cached_tokens", 0))
+        )
 
 
 def _top(rows: list[list[tuple[float, int]]], k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -556,8 +641,10 @@ def _digest(key: str) -> str:
 
 def _raise(exc: Exception):
     """Work that fails with ``exc`` (a call refused before it ran, failed in its turn: later calls keep theirs)."""
+
     async def fail():
         raise exc
+
     return fail
 
 
@@ -627,9 +714,14 @@ def create_app(cfg: TinkerServeConfig, service: Service) -> FastAPI:
     @app.post(f"{api}/client/config")
     async def client_config(request: Request, owner: Caller) -> dict:
         # no token exchange; forward_backward chunks as the SDK's defaults say; plain httpx transport
-        return {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": True, "use_pyqwest_transport": False,
-                "fwdbwd_max_chunk_len": cfg.tinker.tinker_chunk_datums,
-                "sample_use_retrieve_futures": False, "custom_loss_server_side": False}
+        return {
+            "pjwt_auth_enabled": False,
+            "proto_compress_fwdbwd": True,
+            "use_pyqwest_transport": False,
+            "fwdbwd_max_chunk_len": cfg.tinker.tinker_chunk_datums,
+            "sample_use_retrieve_futures": False,
+            "custom_loss_server_side": False,
+        }
 
     @app.get("/api/v1/healthz")
     async def healthz() -> dict:
@@ -669,8 +761,9 @@ def create_app(cfg: TinkerServeConfig, service: Service) -> FastAPI:
     async def create_model(request: Request, owner: Caller) -> dict:
         body = await json_of(request)
         lora = body.get("lora_config")
-        model = service.new_model(owner, str(body.get("session_id")), int(body.get("model_seq_id", 0)),
-                                  str(body.get("base_model")), lora)
+        model = service.new_model(
+            owner, str(body.get("session_id")), int(body.get("model_seq_id", 0)), str(body.get("base_model")), lora
+        )
         return future(service.start(owner, None, None, lambda: service.build(model, lora)), model.model_id)
 
     @app.post(f"{api}/get_info")
@@ -688,8 +781,9 @@ def create_app(cfg: TinkerServeConfig, service: Service) -> FastAPI:
             service.check_batch(parsed, model)
         except (UserError, datum_losses.LossInputError) as exc:
             return future(service.start(owner, model, parsed.seq_id, _raise(exc)), model.model_id)
-        return future(service.start(owner, model, parsed.seq_id, lambda: service.forward_backward(parsed, model)),
-                      model.model_id)
+        return future(
+            service.start(owner, model, parsed.seq_id, lambda: service.forward_backward(parsed, model)), model.model_id
+        )
 
     @app.post(f"{api}/optim_step")
     async def optim_step(request: Request, owner: Caller) -> dict:
@@ -697,23 +791,35 @@ def create_app(cfg: TinkerServeConfig, service: Service) -> FastAPI:
         model = service.model(str(body.get("model_id")), owner)
         params = body.get("adam_params") or body.get("optim_params") or {}
         params = {k: v for k, v in params.items() if k != "type"}
-        return future(service.start(owner, model, body.get("seq_id"), lambda: service.optim_step(model, params)),
-                      model.model_id)
+        return future(
+            service.start(owner, model, body.get("seq_id"), lambda: service.optim_step(model, params)), model.model_id
+        )
 
     @app.post(f"{api}/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request, owner: Caller) -> dict:
         body = await json_of(request)
         model = service.model(str(body.get("model_id")), owner)
         session_id = model.model_id.split(":", 1)[0]
-        return future(service.start(owner, model, body.get("seq_id"), lambda: service.save_for_sampler(
-            model, body.get("path"), body.get("sampling_session_seq_id"), session_id)), model.model_id)
+        return future(
+            service.start(
+                owner,
+                model,
+                body.get("seq_id"),
+                lambda: service.save_for_sampler(
+                    model, body.get("path"), body.get("sampling_session_seq_id"), session_id
+                ),
+            ),
+            model.model_id,
+        )
 
     @app.post(f"{api}/save_weights")
     async def save_weights(request: Request, owner: Caller) -> dict:
         body = await json_of(request)
         model = service.model(str(body.get("model_id")), owner)
-        return future(service.start(owner, model, body.get("seq_id"), lambda: service.save(model, body.get("path"))),
-                      model.model_id)
+        return future(
+            service.start(owner, model, body.get("seq_id"), lambda: service.save(model, body.get("path"))),
+            model.model_id,
+        )
 
     @app.post(f"{api}/load_weights")
     async def load_weights(request: Request, owner: Caller) -> dict:
@@ -721,12 +827,19 @@ def create_app(cfg: TinkerServeConfig, service: Service) -> FastAPI:
         path, optimizer = str(body.get("path")), bool(body.get("optimizer"))
         if body.get("model_id") is not None:  # into a model of the caller's, in its turn
             model = service.model(str(body["model_id"]), owner)
-            return future(service.start(owner, model, body.get("seq_id"), lambda: service.load(model, path, optimizer)),
-                          model.model_id)
+            return future(
+                service.start(owner, model, body.get("seq_id"), lambda: service.load(model, path, optimizer)),
+                model.model_id,
+            )
         # a new model made from the checkpoint (the SDK's create_training_client_from_state)
         lora = service.lora_of(path, owner)
-        model = service.new_model(owner, str(body.get("session_id")), int(body.get("model_seq_id", 0)),
-                                  str(body.get("base_model") or service.model_name), lora)
+        model = service.new_model(
+            owner,
+            str(body.get("session_id")),
+            int(body.get("model_seq_id", 0)),
+            str(body.get("base_model") or service.model_name),
+            lora,
+        )
 
         async def create_and_load() -> dict:
             await service.build(model, lora)
@@ -736,14 +849,22 @@ def create_app(cfg: TinkerServeConfig, service: Service) -> FastAPI:
 
     @app.get(f"{api}/get_server_capabilities")
     async def capabilities(owner: Caller) -> dict:
-        return {"supported_models": [{"model_name": service.model_name,
-                                      "max_context_length": service.cfg.servers.context_length or None}]}
+        return {
+            "supported_models": [
+                {"model_name": service.model_name, "max_context_length": service.cfg.servers.context_length or None}
+            ]
+        }
 
     @app.post(f"{api}/create_sampling_session")
     async def create_sampling_session(request: Request, owner: Caller) -> dict:
         body = await json_of(request)
-        sampler_id = service.new_sampler(owner, str(body.get("session_id")), int(body.get("sampling_session_seq_id", 0)),
-                                         body.get("base_model"), body.get("model_path"))
+        sampler_id = service.new_sampler(
+            owner,
+            str(body.get("session_id")),
+            int(body.get("sampling_session_seq_id", 0)),
+            body.get("base_model"),
+            body.get("model_path"),
+        )
         return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
 
     @app.get(f"{api}/samplers/{{sampler_id}}")
@@ -754,7 +875,9 @@ def create_app(cfg: TinkerServeConfig, service: Service) -> FastAPI:
     @app.post(f"{api}/asample")
     async def asample(request: Request, owner: Caller) -> dict:
         body = await json_of(request)
-        sampler = service.sampler(body.get("sampling_session_id"), owner, body.get("base_model"), body.get("model_path"))
+        sampler = service.sampler(
+            body.get("sampling_session_id"), owner, body.get("base_model"), body.get("model_path")
+        )
         n = int(body.get("num_samples", 1))
         request_id = service.start(owner, None, None, lambda: service.sample(sampler, body))
         return future(request_id, None, sample_sequence_ids=[f"{request_id}:{i}" for i in range(n)])
@@ -766,8 +889,10 @@ def create_app(cfg: TinkerServeConfig, service: Service) -> FastAPI:
         try:
             result = await service.futures.retrieve(request_id, owner)
         except KeyError:
-            return JSONResponse({"error": f"unknown request {request_id} (the server may have restarted)",
-                                 "category": "user"}, status_code=410)
+            return JSONResponse(
+                {"error": f"unknown request {request_id} (the server may have restarted)", "category": "user"},
+                status_code=410,
+            )
         if result is None:
             return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"})
         if isinstance(result.value, Failure):
@@ -791,8 +916,9 @@ def serve(cfg: TinkerServeConfig, router_args: list[str] = (), sglang_args: list
     async def main() -> None:
         keys = ServerKeys(api=secrets.token_urlsafe(24), admin=secrets.token_urlsafe(24))
         out = Path(cfg.train.output_dir)
-        servers_cfg = dataclasses.replace(cfg.servers, log_dir=str(out / "servers"), router_api_key=keys.api,
-                                          admin_api_key=keys.admin)
+        servers_cfg = dataclasses.replace(
+            cfg.servers, log_dir=str(out / "servers"), router_api_key=keys.api, admin_api_key=keys.admin
+        )
         # The trainer is this process alone: its own rendezvous, whatever an inherited MASTER_PORT says
         # (a launcher's, a test worker's: taken, it failed the start with EADDRINUSE).
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port("127.0.0.1")), RANK="0", WORLD_SIZE="1")
@@ -803,10 +929,16 @@ def serve(cfg: TinkerServeConfig, router_args: list[str] = (), sglang_args: list
             await service.on_training_thread(_init_trainer_process, cfg)
             reaper = asyncio.get_running_loop().create_task(service.reap(cfg.tinker.tinker_session_timeout))
             app = create_app(cfg, service)
-            server = uvicorn.Server(uvicorn.Config(app, host=cfg.tinker.tinker_host, port=cfg.tinker.tinker_port,
-                                                   **UVICORN_OPTIONS))
-            logger.info("tinker-serve on http://%s:%d (base model %s; rollout servers behind %s)",
-                        cfg.tinker.tinker_host, cfg.tinker.tinker_port, service.model_name, servers.router_url)
+            server = uvicorn.Server(
+                uvicorn.Config(app, host=cfg.tinker.tinker_host, port=cfg.tinker.tinker_port, **UVICORN_OPTIONS)
+            )
+            logger.info(
+                "tinker-serve on http://%s:%d (base model %s; rollout servers behind %s)",
+                cfg.tinker.tinker_host,
+                cfg.tinker.tinker_port,
+                service.model_name,
+                servers.router_url,
+            )
             try:
                 await server.serve()
             finally:

@@ -35,9 +35,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from inverted.config import TrainConfig
 from inverted.devices import cuda_available
-from inverted.rollout.sglang_client import ServerKeys
 from inverted.errors import ServiceUnavailable
 from inverted.processes import alive, freeze_startup_heap
+from inverted.rollout.sglang_client import ServerKeys
 from inverted.train.shared_memory import reap_buckets
 from inverted.types import Sample
 
@@ -92,8 +92,13 @@ class TrainActor:
         process_setup(f"train r{rank}")
         reap_ranks(Path(cfg.output_dir) / PIDS_FILE)
         local = ray.get_gpu_ids()
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(cfg.parallel.world_size), MASTER_ADDR=address[0],
-                          MASTER_PORT=str(address[1]), LOCAL_RANK="0" if local else str(rank))
+        os.environ.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(cfg.parallel.world_size),
+            MASTER_ADDR=address[0],
+            MASTER_PORT=str(address[1]),
+            LOCAL_RANK="0" if local else str(rank),
+        )
         if not torch.cuda.is_available():  # rollout and training alternate: a rank may use its share of the cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.parallel.world_size))
         init_parallel(cfg.parallel, cfg.seed)
@@ -119,8 +124,14 @@ class TrainActor:
         from inverted.train.weight_sync import make_weight_sync
 
         if self.sync is None:
-            self.sync = make_weight_sync(self.cfg.sync, self.cfg.hf_checkpoint, self.cfg.output_dir, urls,
-                                         keys=keys or ServerKeys(), adapter=self.trainer.adapter_config())
+            self.sync = make_weight_sync(
+                self.cfg.sync,
+                self.cfg.hf_checkpoint,
+                self.cfg.output_dir,
+                urls,
+                keys=keys or ServerKeys(),
+                adapter=self.trainer.adapter_config(),
+            )
         # A changed server set (a replaced server, or one new server getting the current weights)
         # reuses this sync and its buckets: the servers may still map the buckets' shared memory.
         self.sync.urls = list(urls)
@@ -189,8 +200,13 @@ class TrainActor:
 class TrainGroup:
     """``cfg.parallel.world_size`` ``TrainActor``s in one placement group; call like a single trainer."""
 
-    def __init__(self, cfg: TrainConfig, process_setup: Callable[[str], None], gpu_fraction: float = 1.0,
-                 node: dict[str, float] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        process_setup: Callable[[str], None],
+        gpu_fraction: float = 1.0,
+        node: dict[str, float] | None = None,
+    ) -> None:
         """``node``: custom resources each rank's node must offer (``placement.node_resource``)."""
         gpus = cuda_available()
         bundle = ({"GPU": 1, "CPU": 1} if gpus else {"CPU": 0.01}) | (node or {})
@@ -199,17 +215,24 @@ class TrainGroup:
             ray.get(self.group.ready(), timeout=PLACEMENT_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(self.group)
-            raise ServiceUnavailable(f"no Ray node took the {cfg.parallel.world_size} training ranks within "
-                                     f"{PLACEMENT_TIMEOUT_S:.0f}s: each needs {bundle}; the cluster has "
-                                     f"{ray.available_resources()} free") from None
+            raise ServiceUnavailable(
+                f"no Ray node took the {cfg.parallel.world_size} training ranks within "
+                f"{PLACEMENT_TIMEOUT_S:.0f}s: each needs {bundle}; the cluster has "
+                f"{ray.available_resources()} free"
+            ) from None
         remote = ray.remote(TrainActor)
-        self.actors = [remote.options(
-            num_cpus=0.01 if not gpus else 1, num_gpus=gpu_fraction if gpus else 0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=rank),
-        ).remote() for rank in range(cfg.parallel.world_size)]
+        self.actors = [
+            remote.options(
+                num_cpus=0.01 if not gpus else 1,
+                num_gpus=gpu_fraction if gpus else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=rank),
+            ).remote()
+            for rank in range(cfg.parallel.world_size)
+        ]
         address = ray.get(self.actors[0].rendezvous.remote())
-        self.step: int = ray.get([actor.setup.remote(cfg, rank, address, process_setup)
-                                        for rank, actor in enumerate(self.actors)])[0]
+        self.step: int = ray.get(
+            [actor.setup.remote(cfg, rank, address, process_setup) for rank, actor in enumerate(self.actors)]
+        )[0]
         # Named before any bucket exists (the first sync makes them), with the ranks of a killed run
         # whose processes were still exiting when the ranks reaped.
         self.pids_file = Path(cfg.output_dir) / PIDS_FILE

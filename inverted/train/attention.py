@@ -54,8 +54,15 @@ def packed_seq_params(mb: MicroBatch, device: torch.device | str, rope_of: Model
     if rope_of is not None:
         angles = rope_angles(rope_of, mb.positions_T.to(device))[:, None, :]
         rope = (angles.cos(), angles.sin())
-    return HostPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=mb.max_seqlen,
-                               max_seqlen_kv=mb.max_seqlen, segments=tuple(mb.segments), rope=rope)
+    return HostPackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=mb.max_seqlen,
+        max_seqlen_kv=mb.max_seqlen,
+        segments=tuple(mb.segments),
+        rope=rope,
+    )
 
 
 def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -67,8 +74,10 @@ def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Te
 
 def response_mask(segment: Segment, device: torch.device) -> torch.Tensor:
     """Which keys each response query sees: the whole prompt, and its own earlier tokens (``[R, P + R]``)."""
-    owner = torch.repeat_interleave(torch.arange(len(segment.response_lengths), device=device),
-                                    torch.tensor(segment.response_lengths, device=device))
+    owner = torch.repeat_interleave(
+        torch.arange(len(segment.response_lengths), device=device),
+        torch.tensor(segment.response_lengths, device=device),
+    )
     index = torch.arange(len(owner), device=device)
     own = (owner[:, None] == owner[None, :]) & (index[None, :] <= index[:, None])
     return torch.cat([own.new_ones(len(owner), segment.prompt_length), own], dim=1)
@@ -77,35 +86,60 @@ def response_mask(segment: Segment, device: torch.device) -> torch.Tensor:
 def _sdpa(q, k, v, dropout: float, scale: float, causal: bool, mask: torch.Tensor | None = None) -> torch.Tensor:
     # [T, H, D] -> [1, H, T, D]: SDPA's fused (flash) kernels take only 4-D input, and 3-D falls back to
     # its math kernel (measured 2x slower training on an H100). GQA heads are shared by SDPA itself.
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                         attn_mask=mask, is_causal=causal, dropout_p=dropout, scale=scale,
-                                         enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        attn_mask=mask,
+        is_causal=causal,
+        dropout_p=dropout,
+        scale=scale,
+        enable_gqa=True,
+    )
     return out[0].transpose(0, 1)
 
 
 class PackedAttention(MegatronModule):
     """Causal attention over packed segments: queries ``[T, Hq, D]``, keys and values ``[T, Hkv, D]``."""
 
-    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
-                 attention_type: str, attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+    ) -> None:
         super().__init__(config=config)
         if config.context_parallel_size != 1:
-            raise ValueError("PackedAttention does not split sequences across ranks (context parallelism); "
-                             "use Transformer Engine's attention for --context-parallel-size > 1")
+            raise ValueError(
+                "PackedAttention does not split sequences across ranks (context parallelism); "
+                "use Transformer Engine's attention for --context-parallel-size > 1"
+            )
         if attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"PackedAttention is causal only, got {attn_mask_type}")
-        self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
+        self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels**-0.5
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
-                attn_mask_type: AttnMaskType | None = None, attention_bias=None,
-                packed_seq_params: PackedSeqParams | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias=None,
+        packed_seq_params: PackedSeqParams | None = None,
+    ) -> torch.Tensor:
         if not isinstance(packed_seq_params, HostPackedSeqParams):
             raise ValueError("PackedAttention expects packed (thd) input, described by attention.packed_seq_params")
         if packed_seq_params.rope is None:
-            raise ValueError("PackedAttention rotates queries and keys itself: build its packed_seq_params with the "
-                             "model's spec")
+            raise ValueError(
+                "PackedAttention rotates queries and keys itself: build its packed_seq_params with the model's spec"
+            )
         query, key = rotate(query, packed_seq_params.rope), rotate(key, packed_seq_params.rope)
         dropout = self.dropout if self.training else 0.0
         outputs = []
@@ -117,7 +151,10 @@ class PackedAttention(MegatronModule):
             parts = [segment.prompt_length, len(q) - segment.prompt_length]
             (q_prompt, q_responses), (k_prompt, _), (v_prompt, _) = (x.split(parts) for x in (q, k, v))
             outputs.append(_sdpa(q_prompt, k_prompt, v_prompt, dropout, self.softmax_scale, causal=True))
-            outputs.append(_sdpa(q_responses, k, v, dropout, self.softmax_scale, causal=False,
-                                 mask=response_mask(segment, q.device)))
+            outputs.append(
+                _sdpa(
+                    q_responses, k, v, dropout, self.softmax_scale, causal=False, mask=response_mask(segment, q.device)
+                )
+            )
         out_THD = torch.cat(outputs, dim=0)
         return out_THD.reshape(out_THD.shape[0], -1)

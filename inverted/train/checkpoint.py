@@ -37,7 +37,9 @@ def rank_file(tp: int, pp: int, dp: int) -> str:
 def _rank_name() -> str:
     from megatron.core import parallel_state as ps
 
-    return rank_file(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank())
+    return rank_file(
+        ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank()
+    )
 
 
 def _distributed_optimizers(trainer) -> list:
@@ -54,8 +56,10 @@ def _shard_params(optimizer) -> list[torch.Tensor]:
 
 
 def _shard_states(trainer) -> list[dict]:
-    return [{"main": [p.detach().clone() for p in _shard_params(o)], "inner": o.optimizer.state_dict()}
-            for o in _distributed_optimizers(trainer)]
+    return [
+        {"main": [p.detach().clone() for p in _shard_params(o)], "inner": o.optimizer.state_dict()}
+        for o in _distributed_optimizers(trainer)
+    ]
 
 
 def _load_shard_states(trainer, states: list[dict]) -> None:
@@ -102,15 +106,26 @@ def save_checkpoint(trainer, root: str | Path) -> Path:
     model = trainer.model.module.state_dict()
     if trainer.lora is not None:  # the base weights are the --hf-checkpoint's, unchanged: only the adapter is saved
         model = {name: value for name, value in model.items() if is_adapter(name)}
-    torch.save({"model": model, "optimizer": trainer.optimizer.state_dict(),
-                "optimizer_shards": _shard_states(trainer), "rng": _rng_state()}, directory / _rank_name())
+    torch.save(
+        {
+            "model": model,
+            "optimizer": trainer.optimizer.state_dict(),
+            "optimizer_shards": _shard_states(trainer),
+            "rng": _rng_state(),
+        },
+        directory / _rank_name(),
+    )
     rank = torch.distributed.get_rank()
     if rank == 0:
         _copy_hf_files(trainer.cfg.hf_checkpoint, Path(root) / HF_FILES_DIR, trainer.cfg.chat_template)
-        meta = {"spec": dataclasses.asdict(trainer.spec), "parallel": dataclasses.asdict(trainer.parallel),
-                "world_size": torch.distributed.get_world_size(), "rollout_id": trainer.step,
-                "optimizer_steps": trainer.optimizer_steps,
-                "lora": trainer.lora.to_peft(str(Path(trainer.cfg.hf_checkpoint).resolve())) if trainer.lora else None}
+        meta = {
+            "spec": dataclasses.asdict(trainer.spec),
+            "parallel": dataclasses.asdict(trainer.parallel),
+            "world_size": torch.distributed.get_world_size(),
+            "rollout_id": trainer.step,
+            "optimizer_steps": trainer.optimizer_steps,
+            "lora": trainer.lora.to_peft(str(Path(trainer.cfg.hf_checkpoint).resolve())) if trainer.lora else None,
+        }
         (directory / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     torch.distributed.barrier()
     if rank == 0:
@@ -127,7 +142,11 @@ def _copy_hf_files(source: str, target: Path, chat_template: str | None) -> None
     exported model is served with it."""
     target.mkdir(parents=True, exist_ok=True)
     for item in Path(source).iterdir():
-        if item.is_file() and not item.name.endswith((".safetensors", ".bin")) and item.name != "model.safetensors.index.json":
+        if (
+            item.is_file()
+            and not item.name.endswith((".safetensors", ".bin"))
+            and item.name != "model.safetensors.index.json"
+        ):
             shutil.copy(item, target / item.name)
     if chat_template:  # transformers reads chat_template.jinja before a template in tokenizer_config.json
         shutil.copy(chat_template, target / "chat_template.jinja")
@@ -148,13 +167,22 @@ def load_checkpoint(trainer, root: str | Path, *, optimizer: bool = True) -> Pat
         raise ModelError(f"--load {root}: no 'latest' marker (not a checkpoint directory, or no save finished)")
     meta = read_meta(directory)
     spec = dataclasses.asdict(trainer.spec)
-    differing = sorted(k for k in spec if k != "eos_token_ids" and json.loads(json.dumps(spec[k])) != meta["spec"].get(k))
+    differing = sorted(
+        k for k in spec if k != "eos_token_ids" and json.loads(json.dumps(spec[k])) != meta["spec"].get(k)
+    )
     if differing:
-        raise ModelError(f"--load {directory}: checkpoint of another model than --hf-checkpoint: "
-                         + ", ".join(f"{k} {meta['spec'].get(k)!r} != {spec[k]!r}" for k in differing))
-    if meta["parallel"] != dataclasses.asdict(trainer.parallel) or meta["world_size"] != torch.distributed.get_world_size():
-        raise ModelError(f"--load {directory}: saved with parallel layout {meta['parallel']} on {meta['world_size']} "
-                         f"ranks; this run has {dataclasses.asdict(trainer.parallel)} on {torch.distributed.get_world_size()}")
+        raise ModelError(
+            f"--load {directory}: checkpoint of another model than --hf-checkpoint: "
+            + ", ".join(f"{k} {meta['spec'].get(k)!r} != {spec[k]!r}" for k in differing)
+        )
+    if (
+        meta["parallel"] != dataclasses.asdict(trainer.parallel)
+        or meta["world_size"] != torch.distributed.get_world_size()
+    ):
+        raise ModelError(
+            f"--load {directory}: saved with parallel layout {meta['parallel']} on {meta['world_size']} "
+            f"ranks; this run has {dataclasses.asdict(trainer.parallel)} on {torch.distributed.get_world_size()}"
+        )
     saved, ours = meta.get("lora"), trainer.lora.to_peft() if trainer.lora else None
     if (saved and {**saved, "base_model_name_or_path": ""}) != ours:
         raise ModelError(f"--load {directory}: saved with LoRA {saved}; this run has LoRA {ours}")

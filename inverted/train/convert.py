@@ -48,8 +48,16 @@ class Row:
 
 LAYER_TABLE = (
     Row("input_layernorm.weight", ("input_layernorm.weight",), "replicated"),
-    Row("self_attention.linear_qkv.weight", ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), "qkv"),
-    Row("self_attention.linear_qkv.bias", ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), "qkv"),
+    Row(
+        "self_attention.linear_qkv.weight",
+        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+        "qkv",
+    ),
+    Row(
+        "self_attention.linear_qkv.bias",
+        ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+        "qkv",
+    ),
     Row("self_attention.q_layernorm.weight", ("self_attn.q_norm.weight",), "replicated"),
     Row("self_attention.k_layernorm.weight", ("self_attn.k_norm.weight",), "replicated"),
     Row("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), "row"),
@@ -57,15 +65,21 @@ LAYER_TABLE = (
     Row("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "gate_up"),
     Row("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), "row"),
     Row("mlp.router.weight", ("mlp.gate.weight",), "replicated"),
-    Row("mlp.shared_experts.linear_fc1.weight", ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
-        "gate_up"),
+    Row(
+        "mlp.shared_experts.linear_fc1.weight",
+        ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
+        "gate_up",
+    ),
     Row("mlp.shared_experts.linear_fc2.weight", ("mlp.shared_expert.down_proj.weight",), "row"),
     Row("mlp.shared_experts.gate_weight", ("mlp.shared_expert_gate.weight",), "replicated"),
 )
 # Per expert: ``{}`` is the local index in the Megatron name and the global one in the HF names.
 EXPERT_TABLE = (
-    Row("mlp.experts.local_experts.{}.linear_fc1.weight", ("mlp.experts.{}.gate_proj.weight", "mlp.experts.{}.up_proj.weight"),
-        "gate_up"),
+    Row(
+        "mlp.experts.local_experts.{}.linear_fc1.weight",
+        ("mlp.experts.{}.gate_proj.weight", "mlp.experts.{}.up_proj.weight"),
+        "gate_up",
+    ),
     Row("mlp.experts.local_experts.{}.linear_fc2.weight", ("mlp.experts.{}.down_proj.weight",), "row"),
 )
 EXPERT_PARAM = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
@@ -83,7 +97,7 @@ def layer_param(name: str) -> tuple[int, str] | None:
     layer number and the rest; None for a parameter outside the layers."""
     if not name.startswith(LAYER_PREFIX):
         return None
-    local, _, suffix = name[len(LAYER_PREFIX):].partition(".")
+    local, _, suffix = name[len(LAYER_PREFIX) :].partition(".")
     return int(local), suffix
 
 
@@ -119,8 +133,11 @@ def rows_for(names: list[str], layer_offset: int, tied: bool, expert_offset: int
             row = table.get(suffix) or expert_row(suffix, expert_offset)
             prefix = f"model.layers.{local + layer_offset}."
         else:
-            row = TIED_OUTPUT if tied and name == TIED_OUTPUT.megatron else next(
-                (r for r in MODEL_TABLE if r.megatron == name), None)
+            row = (
+                TIED_OUTPUT
+                if tied and name == TIED_OUTPUT.megatron
+                else next((r for r in MODEL_TABLE if r.megatron == name), None)
+            )
             prefix = ""
         if row is None:
             raise ModelError(f"Megatron parameter {name!r} has no row in the HF name table (train/convert.py)")
@@ -132,7 +149,9 @@ def _qkv_groups(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     """q/k/v (heads along dim 0) → ``[G, (q_per_group + 2) * D, ...]``, Megatron's per-group order."""
     groups, dim = spec.num_kv_heads, spec.head_dim
     rest = q.shape[1:]
-    return torch.cat([q.reshape(groups, -1, *rest), k.reshape(groups, dim, *rest), v.reshape(groups, dim, *rest)], dim=1)
+    return torch.cat(
+        [q.reshape(groups, -1, *rest), k.reshape(groups, dim, *rest), v.reshape(groups, dim, *rest)], dim=1
+    )
 
 
 def to_megatron(spec: ModelSpec, row: Row, hf: list[torch.Tensor], tp_size: int, tp_rank: int) -> torch.Tensor:
@@ -163,20 +182,29 @@ def to_hf(spec: ModelSpec, row: Row, shards: list[torch.Tensor]) -> list[torch.T
     return [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]
 
 
-def check_compatible(spec: ModelSpec, tp_size: int, pp_size: int = 1, ep_size: int = 1,
-                     sequence_parallel: bool = False) -> None:
+def check_compatible(
+    spec: ModelSpec, tp_size: int, pp_size: int = 1, ep_size: int = 1, sequence_parallel: bool = False
+) -> None:
     """Raise ``ModelError`` unless ``spec`` can be split ``tp_size`` ways, cut into ``pp_size`` stages, and
     its experts shared out ``ep_size`` ways."""
-    for what, count in (("attention heads", spec.num_heads), ("key/value heads", spec.num_kv_heads),
-                        ("vocabulary entries", spec.vocab_size), ("MLP channels", spec.intermediate_size),
-                        ("expert MLP channels", spec.moe_intermediate_size),
-                        ("shared expert channels", spec.shared_expert_intermediate_size)):
+    for what, count in (
+        ("attention heads", spec.num_heads),
+        ("key/value heads", spec.num_kv_heads),
+        ("vocabulary entries", spec.vocab_size),
+        ("MLP channels", spec.intermediate_size),
+        ("expert MLP channels", spec.moe_intermediate_size),
+        ("shared expert channels", spec.shared_expert_intermediate_size),
+    ):
         if count % tp_size:
             raise ModelError(f"--tensor-model-parallel-size {tp_size} does not divide the model's {count} {what}")
     if spec.num_layers % pp_size:
-        raise ModelError(f"--pipeline-model-parallel-size {pp_size} does not divide the model's {spec.num_layers} layers")
+        raise ModelError(
+            f"--pipeline-model-parallel-size {pp_size} does not divide the model's {spec.num_layers} layers"
+        )
     if ep_size > 1 and (not spec.is_moe or spec.num_experts % ep_size):
-        raise ModelError(f"--expert-model-parallel-size {ep_size} does not divide the model's {spec.num_experts} experts")
+        raise ModelError(
+            f"--expert-model-parallel-size {ep_size} does not divide the model's {spec.num_experts} experts"
+        )
     # Megatron's MoE layer refuses to train tensor-parallel without it: every TP rank would route
     # and run every token of the sequence.
     if spec.is_moe and tp_size > 1 and not sequence_parallel:
@@ -203,11 +231,15 @@ def mark_tensor_parallel(model) -> None:
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
     params = base_parameters(model)
-    for name, (row, _) in rows_for(list(params), _layer_offset(model), model.share_embeddings_and_output_weights).items():
+    for name, (row, _) in rows_for(
+        list(params), _layer_offset(model), model.share_embeddings_and_output_weights
+    ).items():
         for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):  # biases already have them
             if hasattr(params[name], attr):
                 delattr(params[name], attr)
-        set_tensor_model_parallel_attributes(params[name], row.layout != "replicated", 1 if row.layout == "row" else 0, 1)
+        set_tensor_model_parallel_attributes(
+            params[name], row.layout != "replicated", 1 if row.layout == "row" else 0, 1
+        )
 
 
 def expert_offset(spec: ModelSpec, ep_rank: int | None = None, ep_size: int | None = None) -> int:
@@ -231,8 +263,11 @@ def load_hf_weights(model, spec: ModelSpec, tensors: dict[str, torch.Tensor]) ->
     from megatron.core import parallel_state
 
     tp = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
-    expert_tp = ((parallel_state.get_expert_tensor_parallel_world_size(), parallel_state.get_expert_tensor_parallel_rank())
-                 if spec.is_moe else tp)
+    expert_tp = (
+        (parallel_state.get_expert_tensor_parallel_world_size(), parallel_state.get_expert_tensor_parallel_rank())
+        if spec.is_moe
+        else tp
+    )
     params = base_parameters(model)
     with torch.no_grad():
         rows = rows_for(list(params), _layer_offset(model), spec.tie_word_embeddings, expert_offset(spec))
@@ -240,16 +275,20 @@ def load_hf_weights(model, spec: ModelSpec, tensors: dict[str, torch.Tensor]) ->
             missing = [prefix + n for n in row.hf if prefix + n not in tensors]
             if missing:
                 raise ModelError(f"checkpoint lacks {missing} (needed for Megatron parameter {name})")
-            shard = to_megatron(spec, row, [tensors[prefix + n] for n in row.hf],
-                                *(expert_tp if is_expert_param(name) else tp))
+            shard = to_megatron(
+                spec, row, [tensors[prefix + n] for n in row.hf], *(expert_tp if is_expert_param(name) else tp)
+            )
             if shard.shape != params[name].shape:
-                raise ModelError(f"{prefix + row.hf[0]}: checkpoint gives {tuple(shard.shape)} for {name}, "
-                                 f"the model expects {tuple(params[name].shape)}")
+                raise ModelError(
+                    f"{prefix + row.hf[0]}: checkpoint gives {tuple(shard.shape)} for {name}, "
+                    f"the model expects {tuple(params[name].shape)}"
+                )
             params[name].copy_(shard)
 
 
-def assembled_hf(spec: ModelSpec, names: list[str], shards_of, layer_offset: int = 0,
-                 expert_offset: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+def assembled_hf(
+    spec: ModelSpec, names: list[str], shards_of, layer_offset: int = 0, expert_offset: int = 0
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Full HF tensors from Megatron parameters, lazily; ``shards_of(name, row)`` gives a parameter's TP shards."""
     for name, (row, prefix) in rows_for(names, layer_offset, spec.tie_word_embeddings, expert_offset).items():
         if row is TIED_OUTPUT:
@@ -279,21 +318,28 @@ def _stage_hf_weights(model, spec: ModelSpec) -> Iterator[tuple[str, torch.Tenso
             continue
         # Each expert-parallel rank's TP shards of its experts (same names, other experts); no expert
         # row is replicated, so every one is split over the expert-TP group.
-        shards = [all_gathered(shard, parallel_state.get_expert_model_parallel_group())
-                  for shard in all_gathered(params[name].detach(), expert_tp_group)]
+        shards = [
+            all_gathered(shard, parallel_state.get_expert_model_parallel_group())
+            for shard in all_gathered(params[name].detach(), expert_tp_group)
+        ]
         for rank in range(ep_size):
-            yield from assembled_hf(spec, [name], lambda _name, _row, rank=rank: [s[rank] for s in shards],
-                                    layer_offset, expert_offset(spec, rank))
+            yield from assembled_hf(
+                spec,
+                [name],
+                lambda _name, _row, rank=rank: [s[rank] for s in shards],
+                layer_offset,
+                expert_offset(spec, rank),
+            )
 
 
 def iter_hf_weights(model, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
     """The whole policy as full HF tensors on the first pipeline stage, one Megatron parameter at a time.
 
-    Every rank of the model replica (and of a MoE model's expert-parallel group) must iterate, in
-    step: the tensor- and expert-parallel gathers are collectives, and each later stage sends its
-    tensors (from its TP rank 0) to the first stage, which yields them after its own. The first stage's other TP ranks and the later stages yield
-    nothing of the other stages. At most one parameter's full tensors exist at a time, so weight
-    sync never holds a second copy of the model.
+    Every rank of the model replica (and of a MoE model's expert-parallel group) must iterate, in step:
+    the tensor- and expert-parallel gathers are collectives, and each later stage sends its tensors
+    (from its TP rank 0) to the first stage, which yields them after its own. The first stage's other TP
+    ranks and the later stages yield nothing of the other stages. At most one parameter's full tensors
+    exist at a time, so weight sync never holds a second copy of the model.
     """
     from megatron.core import parallel_state
 
@@ -303,13 +349,17 @@ def iter_hf_weights(model, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]
     return over_pipeline(local, next(model.parameters()).device)
 
 
-def over_pipeline(local: Iterator[tuple[str, torch.Tensor]], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+def over_pipeline(
+    local: Iterator[tuple[str, torch.Tensor]], device: torch.device
+) -> Iterator[tuple[str, torch.Tensor]]:
     """``local`` on the first stage, then each later stage's tensors as its TP rank 0 sends them (name, then tensor)."""
     from megatron.core import parallel_state
 
     group = parallel_state.get_pipeline_model_parallel_group()
     first, *later = torch.distributed.get_process_group_ranks(group)
-    lead = parallel_state.get_tensor_model_parallel_rank() == 0  # speaks for its stage: its TP peers hold the same tensors
+    lead = (
+        parallel_state.get_tensor_model_parallel_rank() == 0
+    )  # speaks for its stage: its TP peers hold the same tensors
     if parallel_state.get_pipeline_model_parallel_rank() > 0:
         for name, tensor in local:
             if lead:

@@ -8,10 +8,10 @@ datum's ``loss_fn_inputs`` by the SDK's names; none normalises (the client scale
 |---|---|
 | ``cross_entropy`` | ``-sum(weights * logp)`` |
 | ``importance_sampling`` | ``-sum(p * advantages)`` |
-| ``ppo`` | ``-sum(min(p * A, clip(p, low, high) * A))``, thresholds ``clip_low_threshold`` / ``clip_high_threshold`` (0.8 / 1.2) |
+| ``ppo`` | ``-sum(min(p * A, clip(p, low, high) * A))``, ``clip_low_threshold`` / ``clip_high_threshold`` (0.8 / 1.2) |
 | ``cispo`` | ``-sum(sg(clip(p, low, high)) * logp * A)`` |
 | ``dro`` | ``-sum(logp * A - beta / 2 * (logp - logprobs)^2)``, ``beta`` (default 0.05) |
-| ``gspo`` | ``ppo`` on ``s_t = sg(s) * exp(logp - sg(logp))``, ``s = exp(mean(logp - logprobs))`` over the tokens ``sequence_ratio_mask`` marks |
+| ``gspo`` | ``ppo`` on ``sg(s) * exp(logp - sg(logp))``, ``s = exp(mean(logp - logprobs))`` (``sequence_ratio_mask``) |
 
 ``gspo`` is the token-level variant Tinker documents (GSPO-token): every token carries its
 sequence's ratio as its value and its own log-prob's gradient, so per-token advantages still work.
@@ -73,14 +73,32 @@ def gspo(logp: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict[str, 
     return -torch.minimum(ratio * advantages, clipped * advantages).sum()
 
 
-LOSSES: dict[str, Loss] = {"cross_entropy": cross_entropy, "importance_sampling": importance_sampling, "ppo": ppo,
-                           "cispo": cispo, "dro": dro, "gspo": gspo}
+LOSSES: dict[str, Loss] = {
+    "cross_entropy": cross_entropy,
+    "importance_sampling": importance_sampling,
+    "ppo": ppo,
+    "cispo": cispo,
+    "dro": dro,
+    "gspo": gspo,
+}
 POLICY = ("target_tokens", "logprobs", "advantages")
-REQUIRED = {"cross_entropy": ("target_tokens",), "importance_sampling": POLICY, "ppo": POLICY, "cispo": POLICY,
-            "dro": POLICY, "gspo": (*POLICY, "sequence_ratio_mask")}
+REQUIRED = {
+    "cross_entropy": ("target_tokens",),
+    "importance_sampling": POLICY,
+    "ppo": POLICY,
+    "cispo": POLICY,
+    "dro": POLICY,
+    "gspo": (*POLICY, "sequence_ratio_mask"),
+}
 CLIPS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
-DEFAULTS: dict[str, dict[str, float]] = {"cross_entropy": {}, "importance_sampling": {}, "ppo": CLIPS, "cispo": CLIPS,
-                                         "dro": {"beta": 0.05}, "gspo": CLIPS}
+DEFAULTS: dict[str, dict[str, float]] = {
+    "cross_entropy": {},
+    "importance_sampling": {},
+    "ppo": CLIPS,
+    "cispo": CLIPS,
+    "dro": {"beta": 0.05},
+    "gspo": CLIPS,
+}
 # The SDK's names whose definition is not ours to serve: said so, not approximated.
 NOT_SERVED = {"stable_reinforce": "its definition is not published"}
 
@@ -92,7 +110,9 @@ def resolve(name: str, config: dict[str, float | str]) -> tuple[Loss, dict[str, 
         raise LossInputError(f"loss_fn {name!r} is not served{why}; served: {', '.join(LOSSES)}")
     unknown = set(config) - set(DEFAULTS[name])
     if unknown:
-        raise LossInputError(f"loss_fn {name!r} takes no config {sorted(unknown)}; it takes {sorted(DEFAULTS[name]) or 'none'}")
+        raise LossInputError(
+            f"loss_fn {name!r} takes no config {sorted(unknown)}; it takes {sorted(DEFAULTS[name]) or 'none'}"
+        )
     values = DEFAULTS[name] | config
     if any(isinstance(v, str) for v in values.values()):
         raise LossInputError(f"loss_fn {name!r}: every config value is a number, got {values}")
@@ -103,12 +123,17 @@ def check_inputs(name: str, inputs: dict, length: int, where: str) -> None:
     """Every input ``name`` needs, each with one value per position of the datum."""
     for key in REQUIRED[name]:
         if key not in inputs:
-            raise LossInputError(f"{where}: loss_fn {name!r} needs loss_fn_inputs {list(REQUIRED[name])}; {key!r} is missing")
+            raise LossInputError(
+                f"{where}: loss_fn {name!r} needs loss_fn_inputs {list(REQUIRED[name])}; {key!r} is missing"
+            )
     for key, value in inputs.items():
         if key not in REQUIRED[name] + ("weights",):
             raise LossInputError(f"{where}: loss_fn {name!r} takes no input {key!r}")
         if value.shape != (length,):
-            raise LossInputError(f"{where}: loss_fn_inputs[{key!r}] has shape {list(value.shape)}, the input has "
-                                 f"{length} tokens")
+            raise LossInputError(
+                f"{where}: loss_fn_inputs[{key!r}] has shape {list(value.shape)}, the input has {length} tokens"
+            )
     if "sequence_ratio_mask" in inputs and not inputs["sequence_ratio_mask"].any():
-        raise LossInputError(f"{where}: sequence_ratio_mask marks no token (gspo's ratio is a mean over those it marks)")
+        raise LossInputError(
+            f"{where}: sequence_ratio_mask marks no token (gspo's ratio is a mean over those it marks)"
+        )

@@ -46,12 +46,21 @@ class Detail:
     advantages: np.ndarray
 
     def encoded(self) -> tuple:
-        return (self.group_index, self.sample_index, self.branch, self.step, self.mismatch, self.advantage,
-                self.log_probs.astype("<f4").tobytes(), self.advantages.astype("<f4").tobytes())
+        return (
+            self.group_index,
+            self.sample_index,
+            self.branch,
+            self.step,
+            self.mismatch,
+            self.advantage,
+            self.log_probs.astype("<f4").tobytes(),
+            self.advantages.astype("<f4").tobytes(),
+        )
 
 
-def summarise(log_probs: np.ndarray, rollout: np.ndarray | None, advantages: np.ndarray,
-              mask: np.ndarray) -> tuple[float | None, float | None]:
+def summarise(
+    log_probs: np.ndarray, rollout: np.ndarray | None, advantages: np.ndarray, mask: np.ndarray
+) -> tuple[float | None, float | None]:
     """(mismatch, mean advantage) over the tokens in the loss; None where no token is, and no
     mismatch where the sampler recorded no log-probs (``rollout`` None)."""
     on = mask.astype(bool)
@@ -73,8 +82,9 @@ class DetailsWriter:
     def write(self, details: list[Detail]) -> None:
         # A resumed run may train a Sample's key again (a step that was lost): the newest row wins.
         self._db.execute("BEGIN")
-        self._db.executemany("INSERT OR REPLACE INTO details VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                             [d.encoded() for d in details])
+        self._db.executemany(
+            "INSERT OR REPLACE INTO details VALUES (?, ?, ?, ?, ?, ?, ?, ?)", [d.encoded() for d in details]
+        )
         self._db.execute("COMMIT")
 
     def close(self) -> None:
@@ -98,14 +108,22 @@ class DetailsReader:
         db = self._connection()
         if db is None:
             return []
-        return db.execute("SELECT rowid, group_index, sample_index, branch, step, mismatch, advantage FROM details "
-                          "WHERE rowid > ? ORDER BY rowid", (after_rowid,)).fetchall()
+        return db.execute(
+            "SELECT rowid, group_index, sample_index, branch, step, mismatch, advantage FROM details "
+            "WHERE rowid > ? ORDER BY rowid",
+            (after_rowid,),
+        ).fetchall()
 
     def get(self, group_index: int, sample_index: int, branch: int) -> Detail | None:
         db = self._connection()
-        row = db and db.execute("SELECT group_index, sample_index, branch, step, mismatch, advantage, log_probs, "
-                                "advantages FROM details WHERE group_index = ? AND sample_index = ? AND branch = ?",
-                                (group_index, sample_index, branch)).fetchone()
+        row = (
+            db
+            and db.execute(
+                "SELECT group_index, sample_index, branch, step, mismatch, advantage, log_probs, "
+                "advantages FROM details WHERE group_index = ? AND sample_index = ? AND branch = ?",
+                (group_index, sample_index, branch),
+            ).fetchone()
+        )
         if not row:
             return None
         *head, log_probs, advantages = row

@@ -45,9 +45,15 @@ def export_hf(checkpoint: str | Path, out: str | Path, merge_lora: bool = False)
     for stage in range(meta["parallel"]["pipeline"]):
         # Mapped, not read: a rank's file also holds Adam's two moments, twice the model's bytes, which
         # an export never touches (read whole, they made the job's trainer peak as it exported).
-        by_ep_rank = [[torch.load(directory / rank_file(tp, stage, dp), weights_only=True, map_location="cpu",
-                                  mmap=True)["model"]
-                       for tp in range(meta["parallel"]["tensor"])] for dp in range(ep)]
+        by_ep_rank = [
+            [
+                torch.load(directory / rank_file(tp, stage, dp), weights_only=True, map_location="cpu", mmap=True)[
+                    "model"
+                ]
+                for tp in range(meta["parallel"]["tensor"])
+            ]
+            for dp in range(ep)
+        ]
         shards = by_ep_rank[0]
         names = [name for name in shards[0] if not name.endswith("_extra_state")]
         if lora:
@@ -55,8 +61,15 @@ def export_hf(checkpoint: str | Path, out: str | Path, merge_lora: bool = False)
         else:
             for rank, rank_shards in enumerate(by_ep_rank):  # the dense weights once, from the first
                 wanted = [name for name in names if rank == 0 or is_expert_param(name)]
-                tensors.update(assembled_hf(spec, wanted, lambda name, row, of=rank_shards: [shard[name] for shard in of],
-                                            layers_before, expert_offset(spec, rank, ep)))
+                tensors.update(
+                    assembled_hf(
+                        spec,
+                        wanted,
+                        lambda name, row, of=rank_shards: [shard[name] for shard in of],
+                        layers_before,
+                        expert_offset(spec, rank, ep),
+                    )
+                )
         layers_before += len({layer[0] for layer in map(layer_param, names) if layer is not None})
     if layers_before != spec.num_layers:
         raise ModelError(f"{directory}: its stages hold {layers_before} layers, the model has {spec.num_layers}")

@@ -55,8 +55,9 @@ class LoraShape:
     train_mlp: bool = True
 
     def modules(self) -> list[str]:
-        return (["q_proj", "k_proj", "v_proj", "o_proj"] if self.train_attn else []) + \
-               (["gate_proj", "up_proj", "down_proj"] if self.train_mlp else [])
+        return (["q_proj", "k_proj", "v_proj", "o_proj"] if self.train_attn else []) + (
+            ["gate_proj", "up_proj", "down_proj"] if self.train_mlp else []
+        )
 
 
 class Learner:
@@ -64,9 +65,13 @@ class Learner:
         if lora is not None:
             if not lora.modules():
                 raise SampleError("a LoRA model must adapt the attention or the MLP (train_attn, train_mlp)")
-            cfg = dataclasses.replace(cfg, lora=dataclasses.replace(
-                cfg.lora, lora_rank=lora.rank, target_modules=lora.modules(), lora_adapter_path=None),
-                seed=cfg.seed if lora.seed is None else lora.seed)
+            cfg = dataclasses.replace(
+                cfg,
+                lora=dataclasses.replace(
+                    cfg.lora, lora_rank=lora.rank, target_modules=lora.modules(), lora_adapter_path=None
+                ),
+                seed=cfg.seed if lora.seed is None else lora.seed,
+            )
         else:
             cfg = dataclasses.replace(cfg, lora=AdapterConfig())
         self.trainer = Trainer(cfg)
@@ -93,17 +98,27 @@ class Learner:
         share = self.trainer.packed_attention
         prompts = shared_prefixes(inputs) if share else [1] * len(inputs)
         sequences = [[*tokens, 0] for tokens in inputs]  # the last slot's token is never read
-        mbs = pack(sequences, [len(tokens) + 1 - p for tokens, p in zip(inputs, prompts)], list(range(len(data))),
-                   self.trainer.cfg.max_tokens_per_gpu, share_prefixes=share)
+        mbs = pack(
+            sequences,
+            [len(tokens) + 1 - p for tokens, p in zip(inputs, prompts)],
+            list(range(len(data))),
+            self.trainer.cfg.max_tokens_per_gpu,
+            share_prefixes=share,
+        )
         for mb in mbs:
             mb.targets = torch.cat([torch.as_tensor(data[i][1], dtype=torch.long) for i in mb.indices])
             # a datum's i-th target is read at its i-th position, the shared prompt's included
             mb.positions = torch.cat([positions[:-1] for positions in mb.sequence_positions()])
         return mbs
 
-    def forward_backward(self, data: list[tuple[np.ndarray, np.ndarray]], loss: datum_losses.Loss,
-                         inputs: list[dict[str, torch.Tensor]], config: dict[str, float],
-                         forward_only: bool) -> tuple[list[np.ndarray], dict[str, float]]:
+    def forward_backward(
+        self,
+        data: list[tuple[np.ndarray, np.ndarray]],
+        loss: datum_losses.Loss,
+        inputs: list[dict[str, torch.Tensor]],
+        config: dict[str, float],
+        forward_only: bool,
+    ) -> tuple[list[np.ndarray], dict[str, float]]:
         """Each datum's target log-probs (fp32) and the summed loss; gradients accumulate unless ``forward_only``."""
         trainer = self.trainer
         started = time.perf_counter()
@@ -128,8 +143,11 @@ class Learner:
             reported = trainer._schedule(trainer.model, mbs, on_output, forward_only=False)
         total = float(sum(r["loss"].double() for r in reported)) if reported else 0.0
         tokens = sum(len(tokens) for tokens, _ in data)
-        metrics = {"loss:sum": total, "num_tokens:sum": float(tokens),
-                   "tokens_per_s:mean": tokens / max(time.perf_counter() - started, 1e-9)}
+        metrics = {
+            "loss:sum": total,
+            "num_tokens:sum": float(tokens),
+            "tokens_per_s:mean": tokens / max(time.perf_counter() - started, 1e-9),
+        }
         return [logps[i].float().cpu().numpy() for i in range(len(data))], metrics
 
     def optim_step(self, step: AdamStep) -> dict[str, float]:
@@ -138,8 +156,9 @@ class Learner:
 
         trainer = self.trainer
         optimizer = trainer.optimizer
-        set_adam(optimizer, step.learning_rate, (step.beta1, step.beta2), step.eps, step.weight_decay,
-                 step.grad_clip_norm)
+        set_adam(
+            optimizer, step.learning_rate, (step.beta1, step.beta2), step.eps, step.weight_decay, step.grad_clip_norm
+        )
         finalize_model_grads([trainer.model])
         _, grad_norm, _ = optimizer.step()
         trainer.model.zero_grad_buffer()
@@ -166,8 +185,14 @@ class Learner:
         whole policy (which the servers then serve as their base)."""
         trainer = self.trainer
         if self._sync is None or self._sync.urls != urls:
-            self._sync = make_weight_sync(trainer.cfg.sync, trainer.cfg.hf_checkpoint, output_dir, urls, keys=keys,
-                                          adapter=trainer.adapter_config())
+            self._sync = make_weight_sync(
+                trainer.cfg.sync,
+                trainer.cfg.hf_checkpoint,
+                output_dir,
+                urls,
+                keys=keys,
+                adapter=trainer.adapter_config(),
+            )
         self._sync.adapter_name = adapter_name
         trainer.sync_weights(self._sync, version)
 
@@ -183,8 +208,11 @@ def saved_lora(directory: str) -> LoraShape | None:
     if peft is None:
         return None
     modules = set(peft["target_modules"])
-    return LoraShape(int(peft["r"]), train_attn=bool(modules & {"q_proj", "k_proj", "v_proj", "o_proj"}),
-                     train_mlp=bool(modules & {"gate_proj", "up_proj", "down_proj"}))
+    return LoraShape(
+        int(peft["r"]),
+        train_attn=bool(modules & {"q_proj", "k_proj", "v_proj", "o_proj"}),
+        train_mlp=bool(modules & {"gate_proj", "up_proj", "down_proj"}),
+    )
 
 
 def shared_prefixes(inputs: list[list[int]], least: int = 2) -> list[int]:
@@ -198,7 +226,7 @@ def shared_prefixes(inputs: list[list[int]], least: int = 2) -> list[int]:
     start, shared = 0, 0
     for j in range(1, len(inputs) + 1):
         if j < len(inputs):
-            common = _common(inputs[start][:shared or None], inputs[j])
+            common = _common(inputs[start][: shared or None], inputs[j])
             if common >= least and (shared == 0 or (shared - common) * (j - start) < common):
                 shared = common
                 continue

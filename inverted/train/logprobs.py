@@ -54,12 +54,20 @@ class Head(NamedTuple):
 def _tensor_parallel() -> tuple[int, int, object]:
     from megatron.core import parallel_state
 
-    return (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank(),
-            parallel_state.get_tensor_model_parallel_group())
+    return (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_group(),
+    )
 
 
-def _row_sums(scaled: torch.Tensor, targets: torch.Tensor, with_entropy: bool, in_place: bool = False,
-              keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _row_sums(
+    scaled: torch.Tensor,
+    targets: torch.Tensor,
+    with_entropy: bool,
+    in_place: bool = False,
+    keep: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's maximum (over the whole vocabulary) and, over this rank's slice, ``[sum exp(z - max),
     z_target - max (0 off the slice), sum exp(z - max) (z - max)]`` (``[2 or 3, N]``, not yet summed over TP).
 
@@ -92,12 +100,20 @@ def _row_sums(scaled: torch.Tensor, targets: torch.Tensor, with_entropy: bool, i
 def _from_sums(sums: torch.Tensor, with_entropy: bool, masked: bool = False) -> Head:
     log_z = sums[0].log()
     # H = log Z - E_p[shifted]:  -sum p log p with log p = shifted - log Z.
-    return Head(sums[1] - log_z, log_z - sums[2] / sums[0] if with_entropy else None,
-                (sums[1] - sums[-1].log()).detach() if masked else None)
+    return Head(
+        sums[1] - log_z,
+        log_z - sums[2] / sums[0] if with_entropy else None,
+        (sums[1] - sums[-1].log()).detach() if masked else None,
+    )
 
 
-def token_logprobs_and_entropy(logits_TV: torch.Tensor, targets_T: torch.Tensor, temperature: float = 1.0,
-                               with_entropy: bool = True, keep: torch.Tensor | None = None) -> Head:
+def token_logprobs_and_entropy(
+    logits_TV: torch.Tensor,
+    targets_T: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+    keep: torch.Tensor | None = None,
+) -> Head:
     """``log p(target_t)`` and the entropy of each row's distribution, ``[T]`` each (fp32), from the logits;
     with ``keep`` (``[T, V / tp]`` bool) each row's distribution over its kept set."""
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
@@ -136,8 +152,15 @@ class _FusedHead(torch.autograd.Function):
     """Log-probs and entropies of ``hidden @ weight.T / temperature`` chunk by chunk; backward recomputes."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                chunk: int, kept: KeptSets | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: float,
+        chunk: int,
+        kept: KeptSets | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         size, rank, group = _tensor_parallel()
         rows, width = len(hidden), weight.shape[0]
         logprobs, entropy, unmasked = (hidden.new_empty(rows, dtype=torch.float32) for _ in range(3))
@@ -147,8 +170,9 @@ class _FusedHead(torch.autograd.Function):
         for start in range(0, rows, chunk):
             part = slice(start, start + chunk)
             keep = kept.mask(part, rank * width, width, hidden.device) if kept is not None else None
-            row_max, sums = _row_sums(_scaled_logits(hidden[part], weight, temperature), targets[part], True,
-                                      in_place=True, keep=keep)
+            row_max, sums = _row_sums(
+                _scaled_logits(hidden[part], weight, temperature), targets[part], True, in_place=True, keep=keep
+            )
             if size > 1:
                 torch.distributed.all_reduce(sums, group=group)
             head = _from_sums(sums, True, keep is not None)
@@ -194,8 +218,14 @@ class _FusedHead(torch.autograd.Function):
         return grad_hidden, grad_weight.to(weight.dtype) if want_weight else None, None, None, None, None
 
 
-def fused_logprobs_and_entropy(hidden_TH: torch.Tensor, weight_VH: torch.Tensor, targets_T: torch.Tensor,
-                               temperature: float = 1.0, chunk: int = 1024, kept: KeptSets | None = None) -> Head:
+def fused_logprobs_and_entropy(
+    hidden_TH: torch.Tensor,
+    weight_VH: torch.Tensor,
+    targets_T: torch.Tensor,
+    temperature: float = 1.0,
+    chunk: int = 1024,
+    kept: KeptSets | None = None,
+) -> Head:
     """``log p(target_t)`` and entropies (``[T]`` each, fp32) of ``hidden_TH @ weight_VH.T``, this rank's
     vocabulary slice of the output layer, ``chunk`` tokens at a time; equal to
     ``token_logprobs_and_entropy`` of those logits. ``kept``: the rows' kept sets (their distributions
@@ -208,7 +238,9 @@ def output_weight(model) -> torch.Tensor:
     """The output layer's weight of a (DDP-wrapped) ``GPTModel``'s last stage: with tied embeddings, the
     embedding (or the last stage's copy of it), as Megatron's own forward passes it."""
     gpt = getattr(model, "module", model)
-    return gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else gpt.output_layer.weight
+    return (
+        gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else gpt.output_layer.weight
+    )
 
 
 @contextlib.contextmanager
@@ -217,8 +249,10 @@ def output_hidden_states(model) -> Iterator[None]:
     returned logits: its output layer is skipped, keeping only what that layer does to its input across
     tensor-parallel ranks (sequence parallelism's all-gather, whose backward reduce-scatters; else
     Megatron's copy, whose backward sums the ranks' partial gradients)."""
-    from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
-                                                        gather_from_sequence_parallel_region)
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region,
+        gather_from_sequence_parallel_region,
+    )
 
     layer = getattr(getattr(model, "module", model), "output_layer", None)
     if layer is None:  # not the last pipeline stage: it returns hidden states anyway

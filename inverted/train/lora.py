@@ -71,8 +71,17 @@ def split_dim(layout: str, which: str) -> int | None:
 class LoRA(torch.nn.Module):
     """The adapters of one Megatron linear: ``A.<module>`` and ``B.<module>`` per adapted HF module."""
 
-    def __init__(self, spec: ModelSpec, layout: str, modules: tuple[str, ...], config: LoRAConfig, layer: int,
-                 seed: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        layout: str,
+        modules: tuple[str, ...],
+        config: LoRAConfig,
+        layer: int,
+        seed: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
@@ -86,7 +95,9 @@ class LoRA(torch.nn.Module):
         for module in modules:
             out, inp = shapes[module]
             gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{layer}/{module}".encode()))
-            a = (torch.rand(config.rank, inp, generator=gen, dtype=torch.float64) * 2 - 1) / math.sqrt(inp)  # PEFT's kaiming
+            a = (torch.rand(config.rank, inp, generator=gen, dtype=torch.float64) * 2 - 1) / math.sqrt(
+                inp
+            )  # PEFT's kaiming
             self.A[module] = torch.nn.Parameter(self.shard(a, "A").to(device, dtype))
             self.B[module] = torch.nn.Parameter(self.shard(torch.zeros(out, config.rank), "B").to(device, dtype))
             for which, params in (("A", self.A), ("B", self.B)):
@@ -110,7 +121,10 @@ class LoRA(torch.nn.Module):
 
     def low(self, x: torch.Tensor) -> torch.Tensor:
         """The low-rank activations ``A(dropout(x))`` of every adapted part, side by side (whole over TP)."""
-        from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
+        from megatron.core.tensor_parallel import (
+            copy_to_tensor_model_parallel_region,
+            reduce_from_tensor_model_parallel_region,
+        )
 
         x = F.dropout(x, self.config.dropout, self.training) if self.config.dropout else x
         a = torch.cat([self.A[m] for m in self.modules]) if len(self.modules) > 1 else self.A[self.modules[0]]
@@ -130,8 +144,9 @@ class LoRA(torch.nn.Module):
         if self.layout == "gate_up":
             n = self.B[self.modules[0]].shape[0]  # gate's local rows, then up's
             block = {m: i for i, m in enumerate(LINEARS["mlp.linear_fc1"][1])}
-            spans = tuple((slice(j * r, (j + 1) * r), slice(block[m] * n, (block[m] + 1) * n))
-                          for j, m in enumerate(self.modules))
+            spans = tuple(
+                (slice(j * r, (j + 1) * r), slice(block[m] * n, (block[m] + 1) * n)) for j, m in enumerate(self.modules)
+            )
             return spans, [self.B[m] * s for m in self.modules]
         b = self.qkv_b() if self.layout == "qkv" else self.B[self.modules[0]] * s
         return ((slice(None), slice(None)),), [b]
@@ -189,8 +204,9 @@ def _add_delta(linear, inputs, output):
     out, bias = output
     low = lora.low(inputs[0]).to(out.dtype)
     spans, bs = lora.products()
-    flat = _AddLowRank.apply(out.reshape(-1, out.shape[-1]), low.reshape(-1, low.shape[-1]), spans,
-                             *(b.to(out.dtype) for b in bs))
+    flat = _AddLowRank.apply(
+        out.reshape(-1, out.shape[-1]), low.reshape(-1, low.shape[-1]), spans, *(b.to(out.dtype) for b in bs)
+    )
     return flat.view_as(out), bias
 
 
@@ -292,7 +308,9 @@ def adapter_from_shards(shards: list[dict[str, torch.Tensor]], layer_offset: int
     return full
 
 
-def merged(base: dict[str, torch.Tensor], config: LoRAConfig, adapter: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def merged(
+    base: dict[str, torch.Tensor], config: LoRAConfig, adapter: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """HF weights with the adapter folded in: ``W + scaling * B @ A`` for each adapted module (in fp32)."""
     out = dict(base)
     for name, a in adapter.items():

@@ -85,9 +85,17 @@ def discounted_returns(rewards_T: torch.Tensor, gamma: float) -> torch.Tensor:
     return out
 
 
-def compute_advantages(estimator: str, rewards_N: torch.Tensor, groups: Sequence[object], masks: list[torch.Tensor],
-                       kl: list[torch.Tensor] | None = None, kl_coef: float = 0.0, gamma: float = 1.0,
-                       std_normalize: bool = True, baseline: bool = True) -> list[torch.Tensor]:
+def compute_advantages(
+    estimator: str,
+    rewards_N: torch.Tensor,
+    groups: Sequence[object],
+    masks: list[torch.Tensor],
+    kl: list[torch.Tensor] | None = None,
+    kl_coef: float = 0.0,
+    gamma: float = 1.0,
+    std_normalize: bool = True,
+    baseline: bool = True,
+) -> list[torch.Tensor]:
     """Per-token advantages for each sample (``masks[i]`` has one entry per response token).
 
     ``baseline=False``: the rewards were normalised already (``--custom-reward-post-process-path``,
@@ -110,8 +118,9 @@ def compute_advantages(estimator: str, rewards_N: torch.Tensor, groups: Sequence
     return [torch.full((len(m),), float(a)) for a, m in zip(centered, masks)]
 
 
-def distillation_penalty(advantages: list[torch.Tensor], student: list[torch.Tensor], teacher: list[torch.Tensor],
-                         coef: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def distillation_penalty(
+    advantages: list[torch.Tensor], student: list[torch.Tensor], teacher: list[torch.Tensor], coef: float
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """On-policy distillation (slime's ``--use-opd``): each token's advantage minus ``coef`` times the
     reverse KL's sample ``logp_student - logp_teacher`` at that token; also returns that KL."""
     reverse_kl = [s.float() - t.float() for s, t in zip(student, teacher)]
@@ -159,9 +168,18 @@ def sequence_mean(values_T: torch.Tensor, mask_T: torch.Tensor, seq_ids_T: torch
     return (sums / lengths.clamp(min=1))[seq_ids_T]
 
 
-def policy_loss(estimator: str, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
-                mask: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int, eps_clip: float, eps_clip_high: float,
-                eps_clip_c: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def policy_loss(
+    estimator: str,
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    seq_ids: torch.Tensor,
+    num_seqs: int,
+    eps_clip: float,
+    eps_clip_high: float,
+    eps_clip_c: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token surrogate loss and per-token diagnostics (ratio, clipped) for one micro-batch."""
     log_ratio = logp - old_logp
     if estimator == "gspo":

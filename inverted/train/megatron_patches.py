@@ -127,6 +127,7 @@ def _cpu_rng_tracker():
 def _dtoh_without_streams(self, point: str, tokens_per_expert=None):
     """``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`` for CPU tensors: the same values, no streams."""
     if not self.drop_and_pad and point == self.cuda_dtoh_point:
+
         def host(value, as_numpy: bool = False):
             return value.numpy() if as_numpy and torch.is_tensor(value) else value
 
@@ -143,7 +144,7 @@ def _even_for_gloo(gather, reduce_scatter):
     def padded(parts: list[torch.Tensor], most: int) -> torch.Tensor:
         out = parts[0].new_zeros(most * len(parts), *parts[0].shape[1:])
         for i, part in enumerate(parts):
-            out[i * most:i * most + len(part)] = part
+            out[i * most : i * most + len(part)] = part
         return out
 
     @functools.wraps(gather)
@@ -162,7 +163,7 @@ def _even_for_gloo(gather, reduce_scatter):
         sizes = [int(n) for n in input_split_sizes]
         out = input_.new_empty(max(sizes), *input_.shape[1:])
         torch.distributed.reduce_scatter_single(out, padded(list(input_.split(sizes)), max(sizes)), group=group)
-        return out[:sizes[group.rank()]]
+        return out[: sizes[group.rank()]]
 
     return gather_uneven, reduce_scatter_uneven
 
@@ -185,8 +186,10 @@ def apply() -> None:
 
     version = megatron.core.__version__
     if not version.startswith(_SUPPORTED):
-        raise RuntimeError(f"inverted.train.megatron_patches supports megatron-core {_SUPPORTED}, found {version}; "
-                           "check its CUDA assumptions before admitting it")
+        raise RuntimeError(
+            f"inverted.train.megatron_patches supports megatron-core {_SUPPORTED}, found {version}; "
+            "check its CUDA assumptions before admitting it"
+        )
     if getattr(torch.cuda.current_device, "_inverted_cpu", False):
         return
     # 1. current_device: every `device=torch.cuda.current_device()` becomes the CPU.
@@ -208,10 +211,14 @@ def apply() -> None:
 
     # 5. Uneven gathers and reduce-scatters (tensor x expert parallelism), looked up by name at each call.
     mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim = _even_for_gloo(
-        mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim)
+        mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+    )
     # 6. Recomputation: no CUDA generator state to save or restore, looked up by name at each call.
     mcore_random._get_cuda_rng_state = _no_cuda_rng_state
     mcore_random._set_cuda_rng_state = _no_cuda_rng_state
     apply_without_te()
-    logger.info("megatron-core %s: CPU compatibility applied (current_device, RNG tracker, pipeline schedules, "
-                "MoE dispatcher, uneven gloo collectives, recomputation)", version)
+    logger.info(
+        "megatron-core %s: CPU compatibility applied (current_device, RNG tracker, pipeline schedules, "
+        "MoE dispatcher, uneven gloo collectives, recomputation)",
+        version,
+    )

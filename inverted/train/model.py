@@ -89,39 +89,74 @@ def moe_config(spec: ModelSpec, moe: MoEConfig | None = None, routing_replay: bo
     moe = moe or MoEConfig()
     shared = spec.shared_expert_intermediate_size
     return dict(
-        num_moe_experts=spec.num_experts, moe_router_topk=spec.moe_top_k, moe_ffn_hidden_size=spec.moe_intermediate_size,
-        moe_router_score_function="softmax", moe_router_pre_softmax=not spec.norm_topk_prob, moe_router_dtype="fp32",
-        moe_shared_expert_intermediate_size=shared or None, moe_shared_expert_gate=bool(shared),
-        moe_grouped_gemm=False, moe_permute_fusion=False,
+        num_moe_experts=spec.num_experts,
+        moe_router_topk=spec.moe_top_k,
+        moe_ffn_hidden_size=spec.moe_intermediate_size,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not spec.norm_topk_prob,
+        moe_router_dtype="fp32",
+        moe_shared_expert_intermediate_size=shared or None,
+        moe_shared_expert_gate=bool(shared),
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
         moe_router_load_balancing_type="aux_loss" if moe.moe_aux_loss_coeff else "none",
-        moe_aux_loss_coeff=moe.moe_aux_loss_coeff, moe_enable_routing_replay=routing_replay,
+        moe_aux_loss_coeff=moe.moe_aux_loss_coeff,
+        moe_enable_routing_replay=routing_replay,
     )
 
 
-def transformer_config(spec: ModelSpec, parallel: Parallelism, dtype: torch.dtype, moe: MoEConfig | None = None,
-                       routing_replay: bool = False, recompute: Recompute = Recompute()):
+def transformer_config(
+    spec: ModelSpec,
+    parallel: Parallelism,
+    dtype: torch.dtype,
+    moe: MoEConfig | None = None,
+    routing_replay: bool = False,
+    recompute: Recompute = Recompute(),
+):
     """Megatron's ``TransformerConfig`` for ``spec``: the architecture plus parallel sizes, dtype and recomputation."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
-        **moe_config(spec, moe, routing_replay), **recompute.megatron(),
-        num_layers=spec.num_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.intermediate_size,
-        num_attention_heads=spec.num_heads, num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim,
-        normalization="RMSNorm", layernorm_epsilon=spec.rms_norm_eps, qk_layernorm=spec.qk_norm,
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=spec.qkv_bias,
-        hidden_dropout=0.0, attention_dropout=0.0,
-        tensor_model_parallel_size=parallel.tensor, pipeline_model_parallel_size=parallel.pipeline,
-        context_parallel_size=parallel.context, expert_model_parallel_size=parallel.expert,
+        **moe_config(spec, moe, routing_replay),
+        **recompute.megatron(),
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.intermediate_size,
+        num_attention_heads=spec.num_heads,
+        num_query_groups=spec.num_kv_heads,
+        kv_channels=spec.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.rms_norm_eps,
+        qk_layernorm=spec.qk_norm,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=parallel.tensor,
+        pipeline_model_parallel_size=parallel.pipeline,
+        context_parallel_size=parallel.context,
+        expert_model_parallel_size=parallel.expert,
         sequence_parallel=parallel.sequence,
-        params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        pipeline_dtype=dtype, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        pipeline_dtype=dtype,
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",
         # Weights come from the checkpoint; nothing to initialise, and no CUDA to initialise on.
-        perform_initialization=False, use_cpu_initialization=not torch.cuda.is_available(),
+        perform_initialization=False,
+        use_cpu_initialization=not torch.cuda.is_available(),
         # Losses arrive normalised over the whole global batch: gradients are summed, never averaged.
         calculate_per_token_loss=True,
         # The fused kernels are CUDA-only; TE picks its own fusions on GPU.
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
     )
 
 
@@ -144,14 +179,16 @@ def layer_spec(spec: ModelSpec, te: bool, config):
     from megatron.core.models.gpt import gpt_layer_specs
 
     if te:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=spec.num_experts or None,
-                                                                          qk_layernorm=spec.qk_norm)
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=spec.num_experts or None, qk_layernorm=spec.qk_norm
+        )
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     from inverted.train.attention import PackedAttention
 
-    layer = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=spec.num_experts or None, qk_layernorm=spec.qk_norm,
-                                                     normalization="RMSNorm")
+    layer = gpt_layer_specs.get_gpt_layer_local_spec(
+        num_experts=spec.num_experts or None, qk_layernorm=spec.qk_norm, normalization="RMSNorm"
+    )
     attention = layer.submodules.self_attention.submodules
     attention.core_attention = PackedAttention
     layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = RMSNorm
@@ -160,8 +197,15 @@ def layer_spec(spec: ModelSpec, te: bool, config):
     return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=RMSNorm)
 
 
-def build_model(spec: ModelSpec, parallel: Parallelism, dtype: torch.dtype = torch.float32, te: bool | None = None,
-                moe: MoEConfig | None = None, routing_replay: bool = False, recompute: Recompute = Recompute()):
+def build_model(
+    spec: ModelSpec,
+    parallel: Parallelism,
+    dtype: torch.dtype = torch.float32,
+    te: bool | None = None,
+    moe: MoEConfig | None = None,
+    routing_replay: bool = False,
+    recompute: Recompute = Recompute(),
+):
     """This rank's stage of the policy (pre/post-processing only on the first/last pipeline stage).
 
     ``te``: Transformer Engine's layer spec (default: where TE can run). LoRA asks for the local spec:
@@ -175,12 +219,17 @@ def build_model(spec: ModelSpec, parallel: Parallelism, dtype: torch.dtype = tor
     config = transformer_config(spec, parallel, dtype, moe, routing_replay, recompute)
     te = use_transformer_engine() if te is None else te
     model = GPTModel(
-        config=config, transformer_layer_spec=layer_spec(spec, te, config), vocab_size=spec.vocab_size,
+        config=config,
+        transformer_layer_spec=layer_spec(spec, te, config),
+        vocab_size=spec.vocab_size,
         max_sequence_length=spec.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
         # Without TE, PackedAttention rotates queries and keys itself (train/attention.py).
-        share_embeddings_and_output_weights=spec.tie_word_embeddings, position_embedding_type="rope" if te else "none",
-        rotary_base=int(spec.rope["rope_theta"]), parallel_output=True,
+        share_embeddings_and_output_weights=spec.tie_word_embeddings,
+        position_embedding_type="rope" if te else "none",
+        rotary_base=int(spec.rope["rope_theta"]),
+        parallel_output=True,
     )
     # Megatron makes its own layers in ``dtype``, on the GPU when there is one; the local spec's norms
     # are torch's, made in fp32 on the CPU. (Megatron's training loop mends this with ``.cuda()`` and

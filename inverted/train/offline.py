@@ -80,14 +80,24 @@ def train_worker(cfg: TrainConfig, setup: Callable[[], None]) -> None:
         trainer = Trainer(cfg)
         if cfg.ckpt.load:
             load_checkpoint(trainer, cfg.ckpt.load)
-        for rollout_id in tqdm(range(trainer.step, cfg.num_rollout), desc="train", disable=rank != 0,
-                               initial=trainer.step, total=cfg.num_rollout):
+        for rollout_id in tqdm(
+            range(trainer.step, cfg.num_rollout),
+            desc="train",
+            disable=rank != 0,
+            initial=trainer.step,
+            total=cfg.num_rollout,
+        ):
             metrics = trainer.train(read_rollout_data(cfg.load_debug_rollout_data, rollout_id))
             if sink is not None:
                 sink.log(metrics, rollout_id)
-                logger.info("rollout %d: loss %.5f, reward %.3f, grad norm %.4f, %.0f tokens/s", rollout_id,
-                            metrics["train/loss"], metrics["train/reward_mean"], metrics["train/grad_norm"],
-                            metrics["perf/train_tokens_per_s"])
+                logger.info(
+                    "rollout %d: loss %.5f, reward %.3f, grad norm %.4f, %.0f tokens/s",
+                    rollout_id,
+                    metrics["train/loss"],
+                    metrics["train/reward_mean"],
+                    metrics["train/grad_norm"],
+                    metrics["perf/train_tokens_per_s"],
+                )
             last = rollout_id + 1 == cfg.num_rollout
             ckpt = cfg.ckpt
             if ckpt.save and (last or (ckpt.save_interval and (rollout_id + 1) % ckpt.save_interval == 0)):

@@ -28,8 +28,10 @@ class CPUAdamW:
             if param.requires_grad:
                 (no_decay if name.endswith(".bias") or param.ndim == 1 else decay).append(param)
         # wd_mult: Megatron's name for a group's share of the weight decay (set_adam reads it)
-        groups = [{"params": decay, "weight_decay": cfg.weight_decay, "wd_mult": 1.0},
-                  {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}]
+        groups = [
+            {"params": decay, "weight_decay": cfg.weight_decay, "wd_mult": 1.0},
+            {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0},
+        ]
         self.params = decay + no_decay
         self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
         self.clip_grad = cfg.clip_grad
@@ -51,7 +53,9 @@ class CPUAdamW:
                     total.add_(chunk.double().square().sum())
         torch.distributed.all_reduce(dense, group=parallel_state.get_model_parallel_group())
         if parallel_state.get_expert_model_parallel_world_size() > 1:
-            torch.distributed.all_reduce(experts, group=parallel_state.get_expert_tensor_model_pipeline_parallel_group())
+            torch.distributed.all_reduce(
+                experts, group=parallel_state.get_expert_tensor_model_pipeline_parallel_group()
+            )
         return float((dense + experts).sqrt())
 
     @torch.no_grad()
@@ -73,7 +77,9 @@ class CPUAdamW:
         self.optimizer.load_state_dict(state)
 
 
-def set_adam(optimizer, lr: float, betas: tuple[float, float], eps: float, weight_decay: float, clip_grad: float) -> None:
+def set_adam(
+    optimizer, lr: float, betas: tuple[float, float], eps: float, weight_decay: float, clip_grad: float
+) -> None:
     """The next steps' hyper-parameters, set on a built optimizer (a caller-driven loop picks them per step):
     weight decay on the groups that decay (not biases and norms), clipping off at 0."""
     for group in optimizer.optimizer.param_groups:
@@ -91,8 +97,15 @@ def build_optimizer(cfg: OptimConfig, ddp_model: torch.nn.Module, *, bf16: bool)
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     config = OptimizerConfig(
-        optimizer="adam", lr=cfg.lr, min_lr=cfg.lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
-        adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad, bf16=bf16,
+        optimizer="adam",
+        lr=cfg.lr,
+        min_lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1,
+        adam_beta2=cfg.adam_beta2,
+        adam_eps=cfg.adam_eps,
+        clip_grad=cfg.clip_grad,
+        bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_distributed_optimizer=cfg.use_distributed_optimizer,
     )

@@ -24,7 +24,6 @@ A micro-batch also carries its responses' **kept sets** (``KeptSets``), where th
 them: the set each token was sampled from under top-p or top-k, which the log-prob head replays.
 """
 
-
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -72,12 +71,12 @@ class KeptSets:
         """``[rows, width]`` bool over the vocabulary slice ``[start, start + width)``: True where a token
         is in its row's kept set (every token of a row without one); None where no row has one."""
         first, last = rows.start, min(rows.stop, len(self.offsets) - 1)
-        offsets = self.offsets[first:last + 1]
+        offsets = self.offsets[first : last + 1]
         lengths = offsets.diff()
         if not bool((lengths > 0).any()):
             return None
         keep = (lengths == 0)[:, None].repeat(1, width)
-        ids = self.ids[int(offsets[0]):int(offsets[-1])] - start
+        ids = self.ids[int(offsets[0]) : int(offsets[-1])] - start
         row = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
         on = (ids >= 0) & (ids < width)
         keep[row[on], ids[on]] = True
@@ -119,19 +118,23 @@ class MicroBatch:
         """Positions in the packed row whose logits predict a response token, in response order."""
         if self.positions is not None:
             return self.positions
-        spans = [torch.cat([torch.tensor([prompt_end - 1]), torch.arange(start, start + length - 1)])
-                 for _, prompt_end, start, length in self._responses()]
+        spans = [
+            torch.cat([torch.tensor([prompt_end - 1]), torch.arange(start, start + length - 1)])
+            for _, prompt_end, start, length in self._responses()
+        ]
         return torch.cat(spans) if spans else torch.zeros(0, dtype=torch.long)
 
     def sequence_positions(self) -> list[torch.Tensor]:
         """Per response, in order: the row positions of its whole sequence (shared prompt, then its own tokens)."""
-        return [torch.cat([torch.arange(prompt_start, prompt_end), torch.arange(start, start + length)])
-                for prompt_start, prompt_end, start, length in self._responses()]
+        return [
+            torch.cat([torch.arange(prompt_start, prompt_end), torch.arange(start, start + length)])
+            for prompt_start, prompt_end, start, length in self._responses()
+        ]
 
     def response_targets(self) -> torch.Tensor:
         if self.targets is not None:
             return self.targets
-        spans = [self.tokens_T[start:start + length] for _, _, start, length in self._responses()]
+        spans = [self.tokens_T[start : start + length] for _, _, start, length in self._responses()]
         return torch.cat(spans) if spans else torch.zeros(0, dtype=torch.long)
 
 
@@ -142,15 +145,23 @@ def segments_of(sequences: list[list[int]], response_lengths: list[int], share_p
         if share_prefixes and groups:
             first = groups[-1][0]
             prompt = len(tokens) - length
-            if prompt == len(sequences[first]) - response_lengths[first] and tokens[:prompt] == sequences[first][:prompt]:
+            if (
+                prompt == len(sequences[first]) - response_lengths[first]
+                and tokens[:prompt] == sequences[first][:prompt]
+            ):
                 groups[-1].append(i)
                 continue
         groups.append([i])
     return groups
 
 
-def make_micro_batch(sequences: list[list[int]], response_lengths: list[int], indices: list[int],
-                     groups: list[list[int]], multiple_of: int = 1) -> MicroBatch:
+def make_micro_batch(
+    sequences: list[list[int]],
+    response_lengths: list[int],
+    indices: list[int],
+    groups: list[list[int]],
+    multiple_of: int = 1,
+) -> MicroBatch:
     """The micro-batch of ``groups`` (positions into ``sequences``, each a segment), padded to a multiple."""
     tokens, positions, segments = [], [], []
     for group in groups:
@@ -170,13 +181,25 @@ def make_micro_batch(sequences: list[list[int]], response_lengths: list[int], in
     cu = torch.zeros(len(segments) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor([s.length for s in segments], dtype=torch.int32).cumsum(0)
     order = [i for group in groups for i in group]
-    return MicroBatch(tokens_T=torch.tensor(tokens, dtype=torch.long), positions_T=torch.cat(positions), cu_seqlens=cu,
-                      segments=segments, indices=[indices[i] for i in order],
-                      response_lengths=[response_lengths[i] for i in order], padding=padding)
+    return MicroBatch(
+        tokens_T=torch.tensor(tokens, dtype=torch.long),
+        positions_T=torch.cat(positions),
+        cu_seqlens=cu,
+        segments=segments,
+        indices=[indices[i] for i in order],
+        response_lengths=[response_lengths[i] for i in order],
+        padding=padding,
+    )
 
 
-def pack(sequences: list[list[int]], response_lengths: list[int], indices: list[int], max_tokens: int,
-         share_prefixes: bool = False, multiple_of: int = 1) -> list[MicroBatch]:
+def pack(
+    sequences: list[list[int]],
+    response_lengths: list[int],
+    indices: list[int],
+    max_tokens: int,
+    share_prefixes: bool = False,
+    multiple_of: int = 1,
+) -> list[MicroBatch]:
     """Greedy first-fit of segments in the given order: each micro-batch holds at most ``max_tokens`` tokens
     (and padding up to a multiple of ``multiple_of``)."""
     batches: list[MicroBatch] = []

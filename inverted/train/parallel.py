@@ -37,8 +37,11 @@ def init_parallel(cfg: ParallelConfig, seed: int) -> None:
     if not torch.distributed.is_initialized():
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        torch.distributed.init_process_group("nccl" if cuda else "gloo", rank=int(os.environ.get("RANK", "0")),
-                                             world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        torch.distributed.init_process_group(
+            "nccl" if cuda else "gloo",
+            rank=int(os.environ.get("RANK", "0")),
+            world_size=int(os.environ.get("WORLD_SIZE", "1")),
+        )
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -99,11 +102,16 @@ def _keep_fds_from_children() -> None:
 
 def _worker(rank: int, world_size: int, port: int, level: int, fn: Callable[..., Any], args: tuple) -> None:
     _keep_fds_from_children()
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     if world_size > 1:  # a spawned process starts with no logging configuration
-        logging.basicConfig(level=level, format=f"%(asctime)s [train r{rank}] %(levelname)s %(name)s: %(message)s",
-                            datefmt="%H:%M:%S", force=True)
+        logging.basicConfig(
+            level=level,
+            format=f"%(asctime)s [train r{rank}] %(levelname)s %(name)s: %(message)s",
+            datefmt="%H:%M:%S",
+            force=True,
+        )
         logging.getLogger("megatron").setLevel(logging.WARNING)
     fn(*args)
 
@@ -119,5 +127,10 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
     if world_size == 1:
         _worker(0, 1, port, logging.root.level, fn, args)
         return
-    torch.multiprocessing.start_processes(_worker, args=(world_size, port, logging.root.level, fn, args), nprocs=world_size,
-                                          start_method="spawn", join=True)
+    torch.multiprocessing.start_processes(
+        _worker,
+        args=(world_size, port, logging.root.level, fn, args),
+        nprocs=world_size,
+        start_method="spawn",
+        join=True,
+    )

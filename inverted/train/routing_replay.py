@@ -47,16 +47,20 @@ def decode_routes(sample: Sample, spec: ModelSpec) -> torch.Tensor:
     """``sample``'s recorded experts as int64 ``[len(tokens) - 1, layers, top_k]``, checked."""
     where = f"sample {sample.index} (group {sample.group_index})"
     if not sample.rollout_routed_experts:
-        raise SampleError(f"{where}: no rollout_routed_experts, which --use-rollout-routing-replay needs (the rollout "
-                          "function must ask /generate for return_routed_experts and keep meta_info.routed_experts)")
+        raise SampleError(
+            f"{where}: no rollout_routed_experts, which --use-rollout-routing-replay needs (the rollout "
+            "function must ask /generate for return_routed_experts and keep meta_info.routed_experts)"
+        )
     try:
         flat = decode_routed_experts(sample.rollout_routed_experts)
     except ValueError as exc:
         raise SampleError(f"{where}: rollout_routed_experts is not base64 of int32 ({exc})") from None
     shape = (len(sample.tokens) - 1, spec.num_layers, spec.moe_top_k)
     if flat.size != np.prod(shape):
-        raise SampleError(f"{where}: rollout_routed_experts holds {flat.size} expert ids; {len(sample.tokens)} tokens "
-                          f"need {shape[0]} x {shape[1]} layers x top-{shape[2]} = {np.prod(shape)}")
+        raise SampleError(
+            f"{where}: rollout_routed_experts holds {flat.size} expert ids; {len(sample.tokens)} tokens "
+            f"need {shape[0]} x {shape[1]} layers x top-{shape[2]} = {np.prod(shape)}"
+        )
     if flat.size and (flat.min() < 0 or flat.max() >= spec.num_experts):
         raise SampleError(f"{where}: rollout_routed_experts names experts outside 0..{spec.num_experts - 1}")
     return torch.from_numpy(flat.astype(np.int64)).view(shape)
@@ -77,8 +81,11 @@ class RoutingReplay:
 
         # This stage's routers by global layer; Megatron's class-wide list would also hold other
         # models' (a second Trainer in the process), so it is emptied and never used.
-        self.routers = {m.layer_number - 1: m.router_replay for m in model.modules()
-                        if isinstance(m, TopKRouter) and m.router_replay is not None}
+        self.routers = {
+            m.layer_number - 1: m.router_replay
+            for m in model.modules()
+            if isinstance(m, TopKRouter) and m.router_replay is not None
+        }
         RouterReplay.clear_global_router_replay_instances()
         self.spec = spec
         self.sequence_parallel = sequence_parallel  # each router sees its tensor-parallel rank's share of a row

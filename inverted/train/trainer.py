@@ -51,12 +51,18 @@ import torch
 from inverted.config import TrainConfig, plugin_flags
 from inverted.errors import ModelError, SampleError
 from inverted.hf_checkpoint import ModelSpec, checkpoint_tensors
-from inverted.plugins import LossPlugins
 from inverted.peft_adapter import lora_config, read_adapter
+from inverted.plugins import LossPlugins
 from inverted.train import details, lora, losses
 from inverted.train.convert import check_compatible, gather_hf_weights, iter_hf_weights, load_hf_weights, over_pipeline
-from inverted.train.logprobs import (Head, fused_logprobs_and_entropy, keep_mask, output_hidden_states, output_weight,
-                                     token_logprobs_and_entropy)
+from inverted.train.logprobs import (
+    Head,
+    fused_logprobs_and_entropy,
+    keep_mask,
+    output_hidden_states,
+    output_weight,
+    token_logprobs_and_entropy,
+)
 from inverted.train.model import Parallelism, Recompute, build_model, use_transformer_engine
 from inverted.train.optimizer import build_optimizer
 from inverted.train.packing import KeptSets, MicroBatch, balance, pack
@@ -89,7 +95,9 @@ def check_samples(samples: list[Sample], spec: ModelSpec) -> None:
         if sample.tokens and max(sample.tokens) >= spec.vocab_size:
             raise SampleError(f"{where}: token id {max(sample.tokens)} is outside the vocabulary ({spec.vocab_size})")
         if len(sample.tokens) > spec.max_position_embeddings:
-            raise SampleError(f"{where}: {len(sample.tokens)} tokens exceed the model's {spec.max_position_embeddings} positions")
+            raise SampleError(
+                f"{where}: {len(sample.tokens)} tokens exceed the model's {spec.max_position_embeddings} positions"
+            )
         _check_kept_sets(sample, spec, where)
 
 
@@ -100,13 +108,17 @@ def _check_kept_sets(sample: Sample, spec: ModelSpec, where: str) -> None:
     ids = np.asarray(sample.rollout_top_p_token_ids, dtype=np.int64)
     lengths = np.diff(np.asarray(sample.rollout_top_p_token_offsets, dtype=np.int64))
     if len(ids) and ids.max() >= spec.vocab_size:
-        raise SampleError(f"{where}: rollout_top_p_token_ids holds {ids.max()}, outside the vocabulary ({spec.vocab_size})")
+        raise SampleError(
+            f"{where}: rollout_top_p_token_ids holds {ids.max()}, outside the vocabulary ({spec.vocab_size})"
+        )
     row = np.repeat(np.arange(len(lengths)), lengths)
     found = np.bincount(row[ids == np.asarray(sample.response_tokens)[row]], minlength=len(lengths))
     missing = np.flatnonzero((lengths > 0) & (found == 0))
     if len(missing):
-        raise SampleError(f"{where}: response token {missing[0]} ({sample.response_tokens[missing[0]]}) is not in "
-                          "its kept set (rollout_top_p_token_ids)")
+        raise SampleError(
+            f"{where}: response token {missing[0]} ({sample.response_tokens[missing[0]]}) is not in "
+            "its kept set (rollout_top_p_token_ids)"
+        )
 
 
 @dataclass(slots=True)
@@ -140,11 +152,19 @@ class PerToken:
 
     def to(self, device: torch.device) -> "PerToken":
         """The same tensors on ``device``: moved once per rollout, not once per micro-batch."""
+
         def move(values: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
             return {i: t.to(device, non_blocking=True) for i, t in values.items()}
 
-        return PerToken(move(self.mask), move(self.advantage), move(self.rollout_logp), move(self.old_logp),
-                        move(self.ref_logp), move(self.staleness), recorded=self.recorded)
+        return PerToken(
+            move(self.mask),
+            move(self.advantage),
+            move(self.rollout_logp),
+            move(self.old_logp),
+            move(self.ref_logp),
+            move(self.staleness),
+            recorded=self.recorded,
+        )
 
 
 # What each micro-batch's loss reports (summed over the rollout; token statistics divided by the
@@ -152,8 +172,18 @@ class PerToken:
 LOSS_PARTS = ("loss", "pg_loss", "kl_loss", "entropy_loss")
 TOKEN_STATS = ("clipfrac", "ratio_mean", "tis_mean", "kl", "entropy", "token_staleness")
 # sums over the tokens of Samples with rollout log-probs (the mismatch metrics), and those tokens
-COUNTS = ("tokens", "fresh_logprob_abs_diff", "fresh_tokens", "train_rollout_logprob_abs_diff", "recorded_tokens",
-          "rollout_ratio_outside", "kept_tokens", "kept_set_size", "unmasked_logprob_abs_diff", "unmasked_ratio_outside")
+COUNTS = (
+    "tokens",
+    "fresh_logprob_abs_diff",
+    "fresh_tokens",
+    "train_rollout_logprob_abs_diff",
+    "recorded_tokens",
+    "rollout_ratio_outside",
+    "kept_tokens",
+    "kept_set_size",
+    "unmasked_logprob_abs_diff",
+    "unmasked_ratio_outside",
+)
 RATIO_BAND = 0.1  # the mismatch metric's band: a token's trainer/rollout ratio outside [0.9, 1.1] counts
 MAXIMA = ("ratio_max", "neg_ratio_min", "token_staleness_max", "fresh_logprob_abs_diff_max")
 
@@ -167,17 +197,30 @@ class Trainer:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.spec = ModelSpec.from_checkpoint(cfg.hf_checkpoint)
         if not self.spec.is_moe and (cfg.moe.routing_replay or cfg.moe.moe_aux_loss_coeff):
-            raise ModelError(f"{cfg.hf_checkpoint} is a dense model: --use-rollout-routing-replay, --use-routing-replay "
-                             "and --moe-aux-loss-coeff are for Mixture-of-Experts models")
+            raise ModelError(
+                f"{cfg.hf_checkpoint} is a dense model: --use-rollout-routing-replay, --use-routing-replay "
+                "and --moe-aux-loss-coeff are for Mixture-of-Experts models"
+            )
         if self.spec.is_moe and cfg.lora.enabled:
-            raise ModelError(f"{cfg.hf_checkpoint} is a Mixture-of-Experts model: --lora-rank adapts dense models "
-                             "only (its experts would need adapters of their own)")
+            raise ModelError(
+                f"{cfg.hf_checkpoint} is a Mixture-of-Experts model: --lora-rank adapts dense models "
+                "only (its experts would need adapters of their own)"
+            )
         layout = cfg.parallel
-        check_compatible(self.spec, layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
-                         layout.expert_model_parallel_size, layout.sequence_parallel)
-        self.parallel = Parallelism(layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
-                                    layout.context_parallel_size, layout.expert_model_parallel_size,
-                                    layout.sequence_parallel and layout.tensor_model_parallel_size > 1)
+        check_compatible(
+            self.spec,
+            layout.tensor_model_parallel_size,
+            layout.pipeline_model_parallel_size,
+            layout.expert_model_parallel_size,
+            layout.sequence_parallel,
+        )
+        self.parallel = Parallelism(
+            layout.tensor_model_parallel_size,
+            layout.pipeline_model_parallel_size,
+            layout.context_parallel_size,
+            layout.expert_model_parallel_size,
+            layout.sequence_parallel and layout.tensor_model_parallel_size > 1,
+        )
         # Under sequence parallelism each packed row splits evenly between the tensor-parallel ranks.
         self.pad_to = self.parallel.tensor if self.parallel.sequence else 1
         self.dtype = torch.bfloat16 if cfg.bf16 else torch.float32
@@ -188,8 +231,15 @@ class Trainer:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         hf_weights = checkpoint_tensors(cfg.hf_checkpoint)
         recompute = Recompute.of(cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers, self.spec)
-        model = build_model(self.spec, self.parallel, self.dtype, self.te, cfg.moe, routing_replay=cfg.moe.routing_replay,
-                            recompute=recompute)
+        model = build_model(
+            self.spec,
+            self.parallel,
+            self.dtype,
+            self.te,
+            cfg.moe,
+            routing_replay=cfg.moe.routing_replay,
+            recompute=recompute,
+        )
         load_hf_weights(model, self.spec, hf_weights)
         self.replay = RoutingReplay(model, self.spec, self.parallel.sequence) if cfg.moe.routing_replay else None
         a = cfg.lora
@@ -200,9 +250,14 @@ class Trainer:
                 lora.load_adapter(model, self.spec, self.lora, read_adapter(a.lora_adapter_path)[1])
         self.distributed_optimizer = torch.cuda.is_available() and cfg.optim.use_distributed_optimizer
         self.model = DistributedDataParallel(
-            model.config, DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=self.distributed_optimizer),
-            model)
+            model.config,
+            DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True,
+                overlap_grad_reduce=False,
+                use_distributed_optimizer=self.distributed_optimizer,
+            ),
+            model,
+        )
         self.optimizer = build_optimizer(cfg.optim, self.model, bf16=cfg.bf16)
         # With LoRA the reference is the base model: the policy with its adapters off, no second copy.
         self.reference = self._frozen(hf_weights) if cfg.loss.needs_reference and self.lora is None else None
@@ -213,7 +268,9 @@ class Trainer:
         # loss plug-in reads the logits themselves.
         self.fused_head = cfg.logprob_chunk_size > 0 and self.plugins.loss is None
         # on-policy distillation with the teacher in the trainer (--distill teacher)
-        self.teacher = self._frozen(checkpoint_tensors(cfg.loss.distill_teacher)) if cfg.loss.distill == "teacher" else None
+        self.teacher = (
+            self._frozen(checkpoint_tensors(cfg.loss.distill_teacher)) if cfg.loss.distill == "teacher" else None
+        )
         self.details: details.DetailsWriter | None = None  # opened by rank 0 at its first write
 
     def _frozen(self, hf_weights: dict[str, torch.Tensor]):
@@ -226,9 +283,14 @@ class Trainer:
 
     # -- forward -----------------------------------------------------------------------------
 
-    def _schedule(self, model, mbs: list[MicroBatch],
-                  on_output: Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]],
-                  forward_only: bool, routing: str | None = None) -> list[dict[str, torch.Tensor]]:
+    def _schedule(
+        self,
+        model,
+        mbs: list[MicroBatch],
+        on_output: Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+        forward_only: bool,
+        routing: str | None = None,
+    ) -> list[dict[str, torch.Tensor]]:
         """Run ``mbs`` through Megatron's schedule: 1F1B across pipeline stages, a plain loop without.
 
         Every stage reads the same micro-batches (each needs the packing to place its attention);
@@ -260,16 +322,26 @@ class Trainer:
             return output, loss_func
 
         return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(mbs), model=model, num_microbatches=len(mbs),
-            seq_length=max(len(mb.tokens_T) for mb in mbs), micro_batch_size=1, forward_only=forward_only)
+            forward_step_func=forward_step,
+            data_iterator=iter(mbs),
+            model=model,
+            num_microbatches=len(mbs),
+            seq_length=max(len(mb.tokens_T) for mb in mbs),
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
 
     def forward(self, model, mb: MicroBatch) -> torch.Tensor:
         """One stage's forward of a packed micro-batch: logits ``[1, T, V / tp]`` on the last stage, else
         the activations for the next."""
         device = self.device
-        return model(input_ids=mb.tokens_T[None].to(device), position_ids=mb.positions_T[None].to(device),
-                     attention_mask=None, packed_seq_params=self.seq_params(mb, device),
-                     padding_mask=self._padding_mask(mb))
+        return model(
+            input_ids=mb.tokens_T[None].to(device),
+            position_ids=mb.positions_T[None].to(device),
+            attention_mask=None,
+            packed_seq_params=self.seq_params(mb, device),
+            padding_mask=self._padding_mask(mb),
+        )
 
     def _padding_mask(self, mb: MicroBatch) -> torch.Tensor | None:
         """True at ``mb``'s padding (``[1, T]``), for the routers: they send it to no expert and leave it out
@@ -279,7 +351,7 @@ class Trainer:
         if not (mb.padding and self.spec.is_moe):
             return None
         mask = torch.zeros(1, len(mb.tokens_T), dtype=torch.bool)
-        mask[0, -mb.padding:] = True
+        mask[0, -mb.padding :] = True
         if not parallel_state.is_pipeline_first_stage():  # the first stage's embedding splits it with the sequence
             mask = sequence_share(mask, dim=1)
         return mask.to(self.device)
@@ -297,10 +369,16 @@ class Trainer:
         positions, targets = mb.response_positions().to(output.device), mb.response_targets().to(output.device)
         temperature = self.cfg.loss.rollout_temperature
         if not self.fused_head:
-            return token_logprobs_and_entropy(output[positions], targets, temperature, with_entropy,
-                                              keep_mask(mb.kept, len(positions), output.shape[-1], output.device))
-        head = fused_logprobs_and_entropy(output[positions], output_weight(model), targets, temperature,
-                                          self.cfg.logprob_chunk_size, mb.kept)
+            return token_logprobs_and_entropy(
+                output[positions],
+                targets,
+                temperature,
+                with_entropy,
+                keep_mask(mb.kept, len(positions), output.shape[-1], output.device),
+            )
+        head = fused_logprobs_and_entropy(
+            output[positions], output_weight(model), targets, temperature, self.cfg.logprob_chunk_size, mb.kept
+        )
         return head if with_entropy else head._replace(entropy=None)
 
     @torch.no_grad()
@@ -330,8 +408,11 @@ class Trainer:
         if self.parallel.pipeline == 1:
             return value
         box = [value]
-        torch.distributed.broadcast_object_list(box, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                                                group=parallel_state.get_pipeline_model_parallel_group())
+        torch.distributed.broadcast_object_list(
+            box,
+            src=parallel_state.get_pipeline_model_parallel_last_rank(),
+            group=parallel_state.get_pipeline_model_parallel_group(),
+        )
         return box[0]
 
     # -- one rollout ---------------------------------------------------------------------------
@@ -340,14 +421,19 @@ class Trainer:
         """This rank's packed share of each optimizer step."""
         size = self.cfg.global_batch_size or len(samples)
         if len(samples) % size:
-            raise SampleError(f"{len(samples)} samples do not split into optimizer steps of "
-                              f"--global-batch-size {size}")
+            raise SampleError(f"{len(samples)} samples do not split into optimizer steps of --global-batch-size {size}")
         plan = []
         for start in range(0, len(samples), size):
             step = list(range(start, start + size))
             mine = [step[i] for i in balance([len(samples[i].tokens) for i in step], self.dp_size)[self.dp_rank]]
-            mbs = pack([samples[i].tokens for i in mine], [samples[i].response_length for i in mine], mine,
-                       self.cfg.max_tokens_per_gpu, share_prefixes=self.packed_attention, multiple_of=self.pad_to)
+            mbs = pack(
+                [samples[i].tokens for i in mine],
+                [samples[i].response_length for i in mine],
+                mine,
+                self.cfg.max_tokens_per_gpu,
+                share_prefixes=self.packed_attention,
+                multiple_of=self.pad_to,
+            )
             for mb in mbs:  # the sampling masks the log-prob head replays
                 mb.kept = KeptSets.of([samples[i] for i in mb.indices])
             plan.append(RankBatch(mbs, mine, range(start, start + size)))
@@ -391,31 +477,57 @@ class Trainer:
             self.replay.rollout(samples, [i for step in plan for i in step.indices])
         # R2 records the old policy's routing here; R3 routes by the rollout's (routing_replay.py).
         # One optimizer step trains on the live log-probs, unless distillation needs them beforehand.
-        old_logp = self._no_grad_logprobs(self.model, all_mbs, "record" if cfg.moe.use_routing_replay else "replay") \
-            if len(plan) > 1 or distill else {}
+        old_logp = (
+            self._no_grad_logprobs(self.model, all_mbs, "record" if cfg.moe.use_routing_replay else "replay")
+            if len(plan) > 1 or distill
+            else {}
+        )
         ref_logp = self._reference_logprobs(all_mbs) if loss.needs_reference else {}
         kl_reward = None
         if loss.kl_coef:
             # KL as reward uses the policy that sampled (the rollout log-probs) against the reference.
             kl_reward = self._all_samples(
-                {i: (torch.tensor(samples[i].rollout_log_probs) - ref_logp[i].cpu() if samples[i].rollout_log_probs
-                     is not None else torch.zeros_like(ref_logp[i].cpu())) for i in ref_logp}, len(samples))
+                {
+                    i: (
+                        torch.tensor(samples[i].rollout_log_probs) - ref_logp[i].cpu()
+                        if samples[i].rollout_log_probs is not None
+                        else torch.zeros_like(ref_logp[i].cpu())
+                    )
+                    for i in ref_logp
+                },
+                len(samples),
+            )
         advantages = losses.compute_advantages(
-            loss.advantage_estimator, rewards, [s.group_index for s in samples], masks, kl_reward, loss.kl_coef,
-            loss.gamma, std_normalize=not loss.disable_grpo_std_normalization,
-            baseline=self.plugins.reward_post_process is None and not loss.raw_rewards)
+            loss.advantage_estimator,
+            rewards,
+            [s.group_index for s in samples],
+            masks,
+            kl_reward,
+            loss.kl_coef,
+            loss.gamma,
+            std_normalize=not loss.disable_grpo_std_normalization,
+            baseline=self.plugins.reward_post_process is None and not loss.raw_rewards,
+        )
         reverse_kl = None
         if distill:
             if self.teacher is not None:
                 teacher_logp = self._all_samples(self._no_grad_logprobs(self.teacher, all_mbs), len(samples))
             advantages, reverse_kl = losses.distillation_penalty(
-                advantages, self._all_samples(old_logp, len(samples)), teacher_logp, loss.distill_kl_coef)
+                advantages, self._all_samples(old_logp, len(samples)), teacher_logp, loss.distill_kl_coef
+            )
 
         tokens = PerToken(
-            mask=dict(enumerate(masks)), advantage=dict(enumerate(advantages)), old_logp=old_logp, ref_logp=ref_logp,
+            mask=dict(enumerate(masks)),
+            advantage=dict(enumerate(advantages)),
+            old_logp=old_logp,
+            ref_logp=ref_logp,
             staleness={i: (self.step - v).float() for i, v in enumerate(versions)},
-            rollout_logp={i: torch.tensor(s.rollout_log_probs, dtype=torch.float32) if s.rollout_log_probs is not None
-                          else torch.full((s.response_length,), torch.nan) for i, s in enumerate(samples)},
+            rollout_logp={
+                i: torch.tensor(s.rollout_log_probs, dtype=torch.float32)
+                if s.rollout_log_probs is not None
+                else torch.full((s.response_length,), torch.nan)
+                for i, s in enumerate(samples)
+            },
             recorded={} if cfg.save_train_details else None,
         ).to(self.device)
         reported: list[dict[str, torch.Tensor]] = []
@@ -423,15 +535,22 @@ class Trainer:
         self.model.train()
         for step in plan:
             span = step.step_samples
-            tokens.weight = {i: w.to(self.device) for i, w in zip(
-                span, losses.token_weights(loss.loss_aggregation, masks[span.start:span.stop]))}
+            tokens.weight = {
+                i: w.to(self.device)
+                for i, w in zip(span, losses.token_weights(loss.loss_aggregation, masks[span.start : span.stop]))
+            }
             tokens.step_samples = len(span)
             tokens.step_tokens = int(sum(masks[i].sum() for i in span))
             tokens.loss_scale = self._scale_aux_loss(step.micro_batches)
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
-            reported += self._schedule(self.model, step.micro_batches, functools.partial(self._loss, tokens=tokens),
-                                       forward_only=False, routing="replay")
+            reported += self._schedule(
+                self.model,
+                step.micro_batches,
+                functools.partial(self._loss, tokens=tokens),
+                forward_only=False,
+                routing="replay",
+            )
             # Megatron's own finish: the data-parallel sum, the tensor-parallel sums of grads that each
             # TP rank computes only in part (q/k norms see only that rank's heads), and under PP the sum
             # of the tied embedding's two copies (first and last stage), which keeps them equal.
@@ -447,16 +566,22 @@ class Trainer:
         metrics = self._reduce_metrics(reported, steps=len(plan))
         if cfg.moe.moe_aux_loss_coeff:
             metrics["train/moe_aux_loss"] = self._aux_loss_metric(sum(len(step.micro_batches) for step in plan))
-        metrics.update({
-            "train/grad_norm": sum(grad_norms) / len(grad_norms), "train/optimizer_steps": float(len(plan)),
-            "train/reward_mean": float(rewards.mean()), "train/lr": cfg.optim.lr,
-            "train/offpolicy_masked_tokens": float(sum(s.loss_mask.count(1) for s in samples) - sum(m.sum() for m in masks)),
-            "train/advantage_mean": float(torch.cat(advantages).mean()) if advantages else 0.0,
-            "train/samples_without_rollout_logprobs": float(len(unrecorded)),
-            **({"train/opd_reverse_kl": losses.masked_mean(reverse_kl, masks)} if reverse_kl is not None else {}),
-            "perf/train_tokens_per_s": sum(len(s.tokens) for s in samples) / (time.perf_counter() - started),
-            "perf/train_step_s": time.perf_counter() - started,
-        })
+        metrics.update(
+            {
+                "train/grad_norm": sum(grad_norms) / len(grad_norms),
+                "train/optimizer_steps": float(len(plan)),
+                "train/reward_mean": float(rewards.mean()),
+                "train/lr": cfg.optim.lr,
+                "train/offpolicy_masked_tokens": float(
+                    sum(s.loss_mask.count(1) for s in samples) - sum(m.sum() for m in masks)
+                ),
+                "train/advantage_mean": float(torch.cat(advantages).mean()) if advantages else 0.0,
+                "train/samples_without_rollout_logprobs": float(len(unrecorded)),
+                **({"train/opd_reverse_kl": losses.masked_mean(reverse_kl, masks)} if reverse_kl is not None else {}),
+                "perf/train_tokens_per_s": sum(len(s.tokens) for s in samples) / (time.perf_counter() - started),
+                "perf/train_step_s": time.perf_counter() - started,
+            }
+        )
         return metrics
 
     def _rewards(self, samples: list[Sample]) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
@@ -474,9 +599,11 @@ class Trainer:
         teacher = []
         for sample in samples:
             if sample.teacher_log_probs is None:
-                raise SampleError(f"sample {sample.index} of group {sample.group_index}: --distill samples needs the "
-                                  "teacher's log-probs (sample.teacher_log_probs), which --custom-reward-post-process-path "
-                                  "sets (slime.rollout.on_policy_distillation.post_process_rewards)")
+                raise SampleError(
+                    f"sample {sample.index} of group {sample.group_index}: --distill samples needs the "
+                    "teacher's log-probs (sample.teacher_log_probs), which --custom-reward-post-process-path "
+                    "sets (slime.rollout.on_policy_distillation.post_process_rewards)"
+                )
             teacher.append(torch.as_tensor(sample.teacher_log_probs, dtype=torch.float32))
         return rewards_N, teacher
 
@@ -486,8 +613,13 @@ class Trainer:
             self.details.close()
             self.details = None
 
-    def _save_details(self, samples: list[Sample], log_probs: dict[int, torch.Tensor],
-                      advantages: list[torch.Tensor], masks: list[torch.Tensor]) -> None:
+    def _save_details(
+        self,
+        samples: list[Sample],
+        log_probs: dict[int, torch.Tensor],
+        advantages: list[torch.Tensor],
+        masks: list[torch.Tensor],
+    ) -> None:
         """This rollout's rows of ``train_details.db`` (rank 0 writes them all)."""
         if torch.distributed.get_rank() != 0:
             return
@@ -498,19 +630,31 @@ class Trainer:
             logp, adv, mask = log_probs[i].numpy(), advantages[i].float().cpu().numpy(), masks[i].numpy()
             rollout = None if sample.rollout_log_probs is None else np.asarray(sample.rollout_log_probs, np.float32)
             mismatch, advantage = details.summarise(logp, rollout, adv, mask)
-            rows.append(details.Detail(
-                -1 if sample.group_index is None else sample.group_index, -1 if sample.index is None else sample.index,
-                int(sample.metadata.get("branch", 0)), self.step, mismatch, advantage, logp, adv))
+            rows.append(
+                details.Detail(
+                    -1 if sample.group_index is None else sample.group_index,
+                    -1 if sample.index is None else sample.index,
+                    int(sample.metadata.get("branch", 0)),
+                    self.step,
+                    mismatch,
+                    advantage,
+                    logp,
+                    adv,
+                )
+            )
         self.details.write(rows)
 
-    def _loss(self, mb: MicroBatch, output: torch.Tensor, tokens: PerToken) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _loss(
+        self, mb: MicroBatch, output: torch.Tensor, tokens: PerToken
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """One micro-batch's loss from the policy's output, and its statistics (device tensors, see ``LOSS_PARTS``)."""
         cfg, plugins = self.cfg.loss, self.plugins
         mask, weight = tokens.take("mask", mb.indices), tokens.take("weight", mb.indices)
         adv, rollout = tokens.take("advantage", mb.indices), tokens.take("rollout_logp", mb.indices)
         staleness = tokens.take("staleness", mb.indices)
-        seq_ids = torch.repeat_interleave(torch.arange(len(mb.indices), device=mask.device),
-                                          torch.tensor(mb.response_lengths, device=mask.device))
+        seq_ids = torch.repeat_interleave(
+            torch.arange(len(mb.indices), device=mask.device), torch.tensor(mb.response_lengths, device=mask.device)
+        )
 
         logp, entropy, unmasked = self._logprobs(self.model, mb, output, with_entropy=True)
         old = tokens.take("old_logp", mb.indices) if tokens.old_logp else logp.detach()
@@ -523,18 +667,33 @@ class Trainer:
             named = {"loss_masks": mask, "advantages": adv, "log_probs": old, "rollout_log_probs": rollout}
             loss, custom = plugins.loss(mb, output, named | ({"ref_log_probs": ref} if ref is not None else {}), weight)
             custom = {f"custom/{name}": value for name, value in custom.items()}
-        pg, info = losses.policy_loss(cfg.advantage_estimator, logp, old, adv, mask, seq_ids, len(mb.indices),
-                                      cfg.eps_clip, cfg.eps_clip_high or cfg.eps_clip, cfg.eps_clip_c)
+        pg, info = losses.policy_loss(
+            cfg.advantage_estimator,
+            logp,
+            old,
+            adv,
+            mask,
+            seq_ids,
+            len(mb.indices),
+            cfg.eps_clip,
+            cfg.eps_clip_high or cfg.eps_clip,
+            cfg.eps_clip_c,
+        )
         if plugins.tis is not None:
             pg, weight, tis = plugins.tis(mb, pg, old, rollout, mask, weight, cfg.loss_aggregation)
             tis = tis if tis is not None else torch.ones_like(pg)
         else:
-            tis = losses.tis_weights(old, rollout, cfg.tis_clip_low, cfg.tis_clip) if cfg.use_tis else torch.ones_like(pg)
+            tis = (
+                losses.tis_weights(old, rollout, cfg.tis_clip_low, cfg.tis_clip) if cfg.use_tis else torch.ones_like(pg)
+            )
             pg = pg * tis
         kl = losses.kl_penalty(logp, ref, cfg.kl_loss_type) if ref is not None else torch.zeros_like(pg)
         per_token = cfg.per_token_loss
-        pg_term = (plugins.reducer(mb, pg, mask, tokens.step_tokens if per_token else tokens.step_samples, per_token)
-                   if plugins.reducer is not None else (weight * pg).sum())
+        pg_term = (
+            plugins.reducer(mb, pg, mask, tokens.step_tokens if per_token else tokens.step_samples, per_token)
+            if plugins.reducer is not None
+            else (weight * pg).sum()
+        )
         if cfg.loss_type == "sft_loss":  # slime's: -sum_of_sample_mean(log_probs), i.e. our aggregation of the NLL
             loss = -(weight * logp).sum()
         elif plugins.loss is None:
@@ -553,26 +712,43 @@ class Trainer:
             outside = ((old - rollout).exp() - 1).abs() > RATIO_BAND
             # tokens sampled from a cut distribution with its kept set recorded: how far off a trainer that
             # ignored the set would be (its whole-vocabulary log-prob against the recorded one)
-            kept = mb.kept.offsets.diff().to(on.device) if mb.kept is not None else torch.zeros_like(mask, dtype=torch.long)
+            kept = (
+                mb.kept.offsets.diff().to(on.device)
+                if mb.kept is not None
+                else torch.zeros_like(mask, dtype=torch.long)
+            )
             masked = compared & (kept > 0)
             whole = unmasked if unmasked is not None else logp.detach()
-            stats = {"loss": loss.detach(), "pg_loss": pg_term.detach(), "kl_loss": (weight * kl).sum(),
-                     "entropy_loss": (weight * entropy).sum(), "tokens": on.sum(),
-                     "fresh_logprob_abs_diff": gap[fresh].sum(), "fresh_tokens": fresh.sum(),
-                     "train_rollout_logprob_abs_diff": gap[compared].sum(), "recorded_tokens": compared.sum(),
-                     "rollout_ratio_outside": outside[compared].sum(),
-                     "kept_tokens": masked.sum(), "kept_set_size": kept[masked].sum(),
-                     "unmasked_logprob_abs_diff": (whole - rollout).abs()[masked].sum(),
-                     "unmasked_ratio_outside": (((whole - rollout).exp() - 1).abs() > RATIO_BAND)[masked].sum(),
-                     "ratio_max": torch.where(on, ratio, -torch.inf).max(),
-                     "neg_ratio_min": -torch.where(on, ratio, torch.inf).min(),
-                     "token_staleness_max": torch.where(on, staleness, 0.0).max(),
-                     # the largest gap between the trainer and the server that sampled with the same weights:
-                     # at fp32, the two engines' numerics alone (real SGLang within 1e-5 of the trainer)
-                     "fresh_logprob_abs_diff_max": torch.where(fresh, gap, 0.0).max()}
-            for name, value in (("clipfrac", info["clipped"]), ("ratio_mean", ratio), ("tis_mean", tis),
-                                ("kl", kl), ("entropy", entropy),
-                                ("token_staleness", staleness)):
+            stats = {
+                "loss": loss.detach(),
+                "pg_loss": pg_term.detach(),
+                "kl_loss": (weight * kl).sum(),
+                "entropy_loss": (weight * entropy).sum(),
+                "tokens": on.sum(),
+                "fresh_logprob_abs_diff": gap[fresh].sum(),
+                "fresh_tokens": fresh.sum(),
+                "train_rollout_logprob_abs_diff": gap[compared].sum(),
+                "recorded_tokens": compared.sum(),
+                "rollout_ratio_outside": outside[compared].sum(),
+                "kept_tokens": masked.sum(),
+                "kept_set_size": kept[masked].sum(),
+                "unmasked_logprob_abs_diff": (whole - rollout).abs()[masked].sum(),
+                "unmasked_ratio_outside": (((whole - rollout).exp() - 1).abs() > RATIO_BAND)[masked].sum(),
+                "ratio_max": torch.where(on, ratio, -torch.inf).max(),
+                "neg_ratio_min": -torch.where(on, ratio, torch.inf).min(),
+                "token_staleness_max": torch.where(on, staleness, 0.0).max(),
+                # the largest gap between the trainer and the server that sampled with the same weights:
+                # at fp32, the two engines' numerics alone (real SGLang within 1e-5 of the trainer)
+                "fresh_logprob_abs_diff_max": torch.where(fresh, gap, 0.0).max(),
+            }
+            for name, value in (
+                ("clipfrac", info["clipped"]),
+                ("ratio_mean", ratio),
+                ("tis_mean", tis),
+                ("kl", kl),
+                ("entropy", entropy),
+                ("token_staleness", staleness),
+            ):
                 stats[name] = value[on].sum()
             if plugins.loss is not None:
                 stats |= custom
@@ -625,13 +801,17 @@ class Trainer:
 
         def column(name: str, reduce: Callable[[torch.Tensor], torch.Tensor], empty: float) -> torch.Tensor:
             values = [r[name].double() for r in reported]
-            return reduce(torch.stack(values)) if values else torch.tensor(empty, dtype=torch.float64, device=self.device)
+            return (
+                reduce(torch.stack(values)) if values else torch.tensor(empty, dtype=torch.float64, device=self.device)
+            )
 
         # A custom loss's own metrics are aggregated like the loss (sum_of_sample_mean): summed, per step.
         extra = tuple(sorted(set(reported[0]) - set(LOSS_PARTS + TOKEN_STATS + COUNTS + MAXIMA))) if reported else ()
         summed = LOSS_PARTS + TOKEN_STATS + COUNTS + extra
         sums = torch.stack([column(n, torch.sum, 0.0) for n in summed])
-        high = torch.stack([column(n, torch.max, -float("inf") if n.startswith(("ratio", "neg")) else 0.0) for n in MAXIMA])
+        high = torch.stack(
+            [column(n, torch.max, -float("inf") if n.startswith(("ratio", "neg")) else 0.0) for n in MAXIMA]
+        )
         if self.dp_size > 1:
             group = parallel_state.get_data_parallel_group()
             torch.distributed.all_reduce(sums, group=group)
@@ -647,8 +827,9 @@ class Trainer:
             metrics["train/fresh_logprob_abs_diff"] = totals["fresh_logprob_abs_diff"] / totals["fresh_tokens"]
             metrics["train/fresh_logprob_abs_diff_max"] = highs["fresh_logprob_abs_diff_max"]
         if totals["recorded_tokens"]:  # absent where no trained Sample recorded its rollout log-probs
-            metrics["train/train_rollout_logprob_abs_diff"] = (totals["train_rollout_logprob_abs_diff"]
-                                                               / totals["recorded_tokens"])
+            metrics["train/train_rollout_logprob_abs_diff"] = (
+                totals["train_rollout_logprob_abs_diff"] / totals["recorded_tokens"]
+            )
             metrics["train/rollout_ratio_outside"] = totals["rollout_ratio_outside"] / totals["recorded_tokens"]
             metrics["train/kept_set_tokens"] = totals["kept_tokens"] / totals["recorded_tokens"]
         if totals["kept_tokens"]:  # sampled from a cut distribution, with the cut replayed

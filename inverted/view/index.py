@@ -29,11 +29,27 @@ from typing import Any
 import orjson
 
 from inverted.buffer.archive import BufferArchive
-from inverted.types import decode_routed_experts, reward_number, version_number
 from inverted.train.details import DetailsReader
+from inverted.types import decode_routed_experts, reward_number, version_number
 
-COLUMNS = ("group_index", "sample_index", "branch", "step", "reward", "response_length", "prompt_length", "status",
-           "staleness", "mismatch", "advantage", "turns", "branches", "version_min", "version_max", "group_state")
+COLUMNS = (
+    "group_index",
+    "sample_index",
+    "branch",
+    "step",
+    "reward",
+    "response_length",
+    "prompt_length",
+    "status",
+    "staleness",
+    "mismatch",
+    "advantage",
+    "turns",
+    "branches",
+    "version_min",
+    "version_max",
+    "group_state",
+)
 SORTABLE = frozenset(COLUMNS)
 STATUSES = ("completed", "truncated", "aborted", "failed", "pending")
 
@@ -72,10 +88,17 @@ class SampleQuery:
 
     def clauses(self) -> tuple[str, list[Any]]:
         where, args = [], []
-        for name, column, op in (("step_min", "step", ">="), ("step_max", "step", "<="), ("reward_min", "reward", ">="),
-                                 ("reward_max", "reward", "<="), ("length_min", "response_length", ">="),
-                                 ("length_max", "response_length", "<="), ("staleness_min", "staleness", ">="),
-                                 ("mismatch_min", "mismatch", ">="), ("group", "group_index", "=")):
+        for name, column, op in (
+            ("step_min", "step", ">="),
+            ("step_max", "step", "<="),
+            ("reward_min", "reward", ">="),
+            ("reward_max", "reward", "<="),
+            ("length_min", "response_length", ">="),
+            ("length_max", "response_length", "<="),
+            ("staleness_min", "staleness", ">="),
+            ("mismatch_min", "mismatch", ">="),
+            ("group", "group_index", "="),
+        ):
             value = getattr(self, name)
             if value is not None:
                 where.append(f"{column} {op} ?")
@@ -84,16 +107,24 @@ class SampleQuery:
             where.append(f"status IN ({', '.join('?' * len(self.status))})")
             args += self.status
         if self.zero_variance:
-            where.append("group_index IN (SELECT group_index FROM samples GROUP BY group_index "
-                         "HAVING COUNT(*) > 1 AND MIN(reward) = MAX(reward))")
+            where.append(
+                "group_index IN (SELECT group_index FROM samples GROUP BY group_index "
+                "HAVING COUNT(*) > 1 AND MIN(reward) = MAX(reward))"
+            )
         return (" WHERE " + " AND ".join(where)) if where else "", args
 
 
 class RunIndex:
     """The viewer's picture of one run directory; thread-safe (calls are serialised)."""
 
-    def __init__(self, run_dir: str | Path, *, reward_key: str | None = None, tokenizer: Any = None,
-                 experts_shape: tuple[int, int] | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        reward_key: str | None = None,
+        tokenizer: Any = None,
+        experts_shape: tuple[int, int] | None = None,
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.archive = BufferArchive(self.run_dir / "buffer.db")
         self.details = DetailsReader(self.run_dir)
@@ -116,17 +147,19 @@ class RunIndex:
         """Take in what the job wrote since the last call."""
         with self._lock:
             while rows := self.archive.samples_after(self._sample_rowid):
-                self._db.executemany(f"INSERT OR REPLACE INTO samples ({', '.join(SUMMARY)}) "
-                                     f"VALUES ({', '.join('?' * len(SUMMARY))})",
-                                     [summary for row in rows for summary in self._summaries(row[3])])
+                self._db.executemany(
+                    f"INSERT OR REPLACE INTO samples ({', '.join(SUMMARY)}) VALUES ({', '.join('?' * len(SUMMARY))})",
+                    [summary for row in rows for summary in self._summaries(row[3])],
+                )
                 self._sample_rowid = rows[-1][0]
             self._take_groups()
             detail_rows = self.details.summaries(self._details_rowid)
             if detail_rows:
-                self._db.executemany("UPDATE samples SET trained_step = ?, mismatch = ?, advantage = ? "
-                                     "WHERE group_index = ? AND sample_index = ? AND branch = ?",
-                                     [(step, mismatch, advantage, g, i, b)
-                                      for _, g, i, b, step, mismatch, advantage in detail_rows])
+                self._db.executemany(
+                    "UPDATE samples SET trained_step = ?, mismatch = ?, advantage = ? "
+                    "WHERE group_index = ? AND sample_index = ? AND branch = ?",
+                    [(step, mismatch, advantage, g, i, b) for _, g, i, b, step, mismatch, advantage in detail_rows],
+                )
                 self._details_rowid = detail_rows[-1][0]
             self._read_metrics()
 
@@ -139,10 +172,20 @@ class RunIndex:
         metadata = data.get("metadata") or {}
         versions = [version_number(v) for v in data.get("weight_versions") or []]
         response = data.get("response_length", 0)
-        return (data.get("group_index"), data.get("index"), int(metadata.get("branch", 0)), sibling,
-                reward_number(data.get("reward"), self.reward_key), response, len(data.get("tokens") or []) - response,
-                data.get("status", "pending"), len(metadata.get("turns") or []) or 1, int(metadata.get("branches", 1)),
-                min(versions, default=None), max(versions, default=None))
+        return (
+            data.get("group_index"),
+            data.get("index"),
+            int(metadata.get("branch", 0)),
+            sibling,
+            reward_number(data.get("reward"), self.reward_key),
+            response,
+            len(data.get("tokens") or []) - response,
+            data.get("status", "pending"),
+            len(metadata.get("turns") or []) or 1,
+            int(metadata.get("branches", 1)),
+            min(versions, default=None),
+            max(versions, default=None),
+        )
 
     def _take_groups(self) -> None:
         groups = self.archive.groups_from(self._group_floor)
@@ -151,9 +194,10 @@ class RunIndex:
         for group in groups:
             if group.batch_id is not None and group.batch_id not in self._batch_steps:
                 self._batch_steps[group.batch_id] = len(self._batch_steps)
-        self._db.executemany("UPDATE samples SET group_state = ?, staleness = ?, batch_step = ? WHERE group_index = ?",
-                             [(g.state, g.staleness, self._batch_steps.get(g.batch_id or ""), g.group_index)
-                              for g in groups])
+        self._db.executemany(
+            "UPDATE samples SET group_state = ?, staleness = ?, batch_step = ? WHERE group_index = ?",
+            [(g.state, g.staleness, self._batch_steps.get(g.batch_id or ""), g.group_index) for g in groups],
+        )
         waiting = [g.group_index for g in groups if g.state in ("open", "complete")]
         self._group_floor = min(waiting) if waiting else max(g.group_index for g in groups) + 1
 
@@ -191,15 +235,22 @@ class RunIndex:
         sort = ", ".join(f"{column} {order}" for column in keys)
         with self._lock:
             total = self._db.execute(f"SELECT COUNT(*) FROM samples{where}", args).fetchone()[0]
-            rows = self._db.execute(f"SELECT {', '.join(COLUMNS)} FROM samples{where} ORDER BY {sort} LIMIT ? OFFSET ?",
-                                    [*args, query.page_size, query.page * query.page_size]).fetchall()
-        return {"total": total, "page": query.page, "page_size": query.page_size,
-                "rows": [dict(zip(COLUMNS, row)) for row in rows]}
+            rows = self._db.execute(
+                f"SELECT {', '.join(COLUMNS)} FROM samples{where} ORDER BY {sort} LIMIT ? OFFSET ?",
+                [*args, query.page_size, query.page * query.page_size],
+            ).fetchall()
+        return {
+            "total": total,
+            "page": query.page,
+            "page_size": query.page_size,
+            "rows": [dict(zip(COLUMNS, row)) for row in rows],
+        }
 
     def _rows(self, where: str, args: tuple) -> list[dict[str, Any]]:
         with self._lock:
-            rows = self._db.execute(f"SELECT {', '.join(COLUMNS)}, sibling FROM samples WHERE {where} "
-                                    "ORDER BY sample_index, branch", args).fetchall()
+            rows = self._db.execute(
+                f"SELECT {', '.join(COLUMNS)}, sibling FROM samples WHERE {where} ORDER BY sample_index, branch", args
+            ).fetchall()
         return [dict(zip((*COLUMNS, "sibling"), row)) for row in rows]
 
     def trajectory(self, group_index: int, sample_index: int, branch: int) -> dict[str, Any] | None:
@@ -211,8 +262,11 @@ class RunIndex:
             return None
         stored = orjson.loads(blob)
         siblings = (stored.get("metadata") or {}).get("siblings") or []
-        branch_data = {row["branch"]: stored if row["sibling"] < 0 else siblings[row["sibling"]] for row in session
-                       if row["sibling"] < len(siblings)}
+        branch_data = {
+            row["branch"]: stored if row["sibling"] < 0 else siblings[row["sibling"]]
+            for row in session
+            if row["sibling"] < len(siblings)
+        }
         data = branch_data[branch]
         tokens = data["tokens"]
         for row in session:
@@ -223,17 +277,26 @@ class RunIndex:
         detail = self.details.get(group_index, sample_index, branch)
         metadata = {k: v for k, v in (data.get("metadata") or {}).items() if k != "siblings"}
         return {
-            "summary": me, "prompt": data.get("prompt"), "label": data.get("label"), "reward": data.get("reward"),
-            "status": data.get("status"), "session_id": data.get("session_id"), "metadata": metadata,
-            "tokens": tokens, "text": self.texts(tokens), "prompt_length": len(tokens) - data["response_length"],
-            "loss_mask": data["loss_mask"], "rollout_log_probs": data["rollout_log_probs"],
+            "summary": me,
+            "prompt": data.get("prompt"),
+            "label": data.get("label"),
+            "reward": data.get("reward"),
+            "status": data.get("status"),
+            "session_id": data.get("session_id"),
+            "metadata": metadata,
+            "tokens": tokens,
+            "text": self.texts(tokens),
+            "prompt_length": len(tokens) - data["response_length"],
+            "loss_mask": data["loss_mask"],
+            "rollout_log_probs": data["rollout_log_probs"],
             "weight_versions": data["weight_versions"],
             "train_log_probs": detail.log_probs.tolist() if detail else None,
             "advantages": detail.advantages.tolist() if detail else None,
             "routed_experts": self._experts(data.get("rollout_routed_experts")),
             # each response token's kept-set size under top-p/top-k (0: the whole vocabulary); None: none recorded
             "kept_set_sizes": [b - a for a, b in zip(offsets, offsets[1:])]
-            if (offsets := data.get("rollout_top_p_token_offsets")) else None,
+            if (offsets := data.get("rollout_top_p_token_offsets"))
+            else None,
             "turns": metadata.get("turns") or [],
             "branches": session,
             "group": self._rows("group_index = ?", (group_index,)),
@@ -246,8 +309,10 @@ class RunIndex:
         missing = sorted(set(ids) - self._texts.keys())
         if missing:
             pieces = self.tokenizer.convert_ids_to_tokens(missing)
-            self._texts.update((i, self.tokenizer.convert_tokens_to_string([p]) if p is not None else f"<{i}>")
-                               for i, p in zip(missing, pieces))
+            self._texts.update(
+                (i, self.tokenizer.convert_tokens_to_string([p]) if p is not None else f"<{i}>")
+                for i, p in zip(missing, pieces)
+            )
         return [self._texts[i] for i in ids]
 
     def _experts(self, encoded: str | None) -> list[list[list[int]]] | None:
@@ -261,8 +326,20 @@ class RunIndex:
         self._db.close()
 
 
-SUMMARY = ("group_index", "sample_index", "branch", "sibling", "reward", "response_length", "prompt_length", "status",
-           "turns", "branches", "version_min", "version_max")
+SUMMARY = (
+    "group_index",
+    "sample_index",
+    "branch",
+    "sibling",
+    "reward",
+    "response_length",
+    "prompt_length",
+    "status",
+    "turns",
+    "branches",
+    "version_min",
+    "version_max",
+)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

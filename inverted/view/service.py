@@ -114,12 +114,21 @@ def create_app(index: RunIndex, *, api_key: str | None = None, title: str = "") 
             return response
         if key_matches(presented_key(request), api_key) or key_matches(request.cookies.get(COOKIE), api_key):
             return await call_next(request)
-        return JSONResponse({"error": {"message": "this viewer needs its key: open it once with ?key=KEY",
-                                       "type": "invalid_request_error", "code": "invalid_api_key"}}, status_code=401)
+        return JSONResponse(
+            {
+                "error": {
+                    "message": "this viewer needs its key: open it once with ?key=KEY",
+                    "type": "invalid_request_error",
+                    "code": "invalid_api_key",
+                }
+            },
+            status_code=401,
+        )
 
     def page(name: str):
         async def serve() -> FileResponse:
             return FileResponse(STATIC / name, headers={"cache-control": "no-cache"})
+
         return serve
 
     for path, name in PAGES.items():
@@ -210,5 +219,9 @@ def serve(cfg: ViewConfig) -> None:
     index, api_key = open_run(cfg)
     url = f"http://{cfg.host}:{cfg.port}/" + (f"?key={api_key}" if api_key else "")
     print(f"inverted view: {cfg.run_dir} at {url}", flush=True)  # the key goes to its owner's console only
-    uvicorn.run(create_app(index, api_key=api_key, title=Path(cfg.run_dir).name), host=cfg.host, port=cfg.port,
-                **UVICORN_OPTIONS)
+    uvicorn.run(
+        create_app(index, api_key=api_key, title=Path(cfg.run_dir).name),
+        host=cfg.host,
+        port=cfg.port,
+        **UVICORN_OPTIONS,
+    )

@@ -33,12 +33,23 @@ def services(module_procs, tiny_model, tmp_path_factory) -> Services:
     # the router calls /generate without a key, so the engine guards only its control routes here
     engine = module_procs.engine(model, "--context-length", "256", "--admin-api-key", ADMIN_KEY)
     router = module_procs.routed(engine)
-    proxy = module_procs.proxy(router.url, model, "--proxy-api-key", PROXY_KEY, "--context-length", "256",
-                               "--proxy-max-sessions", str(MAX_SESSIONS), "--proxy-max-session-tokens", "600")
+    proxy = module_procs.proxy(
+        router.url,
+        model,
+        "--proxy-api-key",
+        PROXY_KEY,
+        "--context-length",
+        "256",
+        "--proxy-max-sessions",
+        str(MAX_SESSIONS),
+        "--proxy-max-session-tokens",
+        "600",
+    )
     data = tmp_path_factory.mktemp("buffer") / "prompts.jsonl"
     data.write_text("".join(json.dumps({"input": f"prompt {i}", "label": i}) + "\n" for i in range(8)))
-    buffer = module_procs.buffer(data.parent / "buffer.db", "--api-key", BUFFER_KEY, "--prompt-data", str(data),
-                                 "--n-samples-per-prompt", "2")
+    buffer = module_procs.buffer(
+        data.parent / "buffer.db", "--api-key", BUFFER_KEY, "--prompt-data", str(data), "--n-samples-per-prompt", "2"
+    )
     return Services(engine, router, proxy, buffer)
 
 
@@ -103,5 +114,4 @@ def _length(data: bytes) -> int:
 
 def declared_huge(path: str, host: str, headers: str = "") -> str:
     """Headers that announce a 1 GB JSON body (none of which is ever sent)."""
-    return (f"POST {path} HTTP/1.1\nHost: {host}\nContent-Type: application/json\n{headers}"
-            f"Content-Length: {1 << 30}\n")
+    return f"POST {path} HTTP/1.1\nHost: {host}\nContent-Type: application/json\n{headers}Content-Length: {1 << 30}\n"

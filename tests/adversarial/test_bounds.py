@@ -17,16 +17,30 @@ from urllib.parse import urlsplit
 import httpx
 
 from inverted.processes import HEADERS_TIMEOUT_S
-from tests.adversarial.conftest import (ADMIN_KEY, BUFFER_KEY, MAX_SESSIONS, PROXY_KEY, Beside,
-                                        declared_huge, health_latency, raw_request)
+from tests.adversarial.conftest import (
+    ADMIN_KEY,
+    BUFFER_KEY,
+    MAX_SESSIONS,
+    PROXY_KEY,
+    Beside,
+    declared_huge,
+    health_latency,
+    raw_request,
+)
 
 HUGE_TEXT = "lorem ipsum " * (20_000_000 // 12)  # 20 MB: under every body limit, far over any context
 
 
 def test_the_engine_refuses_a_text_that_cannot_fit_by_its_length_and_keeps_answering(services):
     url, auth = services.engine.url, {}
-    call = Beside(lambda: httpx.post(url + "/generate", json={"text": HUGE_TEXT, "sampling_params": {"max_new_tokens": 4}},
-                                     headers=auth, timeout=60))
+    call = Beside(
+        lambda: httpx.post(
+            url + "/generate",
+            json={"text": HUGE_TEXT, "sampling_params": {"max_new_tokens": 4}},
+            headers=auth,
+            timeout=60,
+        )
+    )
     latencies = call.health_while_running(url, timeout=10)
     assert call.result.status_code == 400, call.result.text
     assert "maximum context length of 256 tokens" in call.result.json()["error"]["message"]
@@ -48,9 +62,11 @@ def test_the_proxy_refuses_a_message_that_cannot_fit_by_its_length_and_keeps_ans
 
 
 def test_a_body_over_the_limit_is_refused_before_it_is_read_in_each_service_s_own_error_shape(services):
-    for proc, path, key, shape in ((services.engine, "/update_weights_from_disk", ADMIN_KEY, {"object", "message", "type", "param", "code"}),
-                                   (services.proxy, "/sessions", PROXY_KEY, {"error"}),
-                                   (services.buffer, "/samples", BUFFER_KEY, {"error"})):
+    for proc, path, key, shape in (
+        (services.engine, "/update_weights_from_disk", ADMIN_KEY, {"object", "message", "type", "param", "code"}),
+        (services.proxy, "/sessions", PROXY_KEY, {"error"}),
+        (services.buffer, "/samples", BUFFER_KEY, {"error"}),
+    ):
         host = urlsplit(proc.url).netloc
         status, body = raw_request(proc.url, declared_huge(path, host, f"Authorization: Bearer {key}\n"))
         assert status == 413, (proc.name, body)
@@ -58,8 +74,10 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read_in_each_service_s_ow
         assert health_latency(proc.url) < 1.0
     # chunked: no length declared, refused once the bytes received pass the limit (32 MiB for the proxy)
     chunk = b"x" * (1 << 20)
-    head = (f"POST /sessions HTTP/1.1\nHost: {urlsplit(services.proxy.url).netloc}\nTransfer-Encoding: chunked\n"
-            f"Authorization: Bearer {PROXY_KEY}\nContent-Type: application/json\n")
+    head = (
+        f"POST /sessions HTTP/1.1\nHost: {urlsplit(services.proxy.url).netloc}\nTransfer-Encoding: chunked\n"
+        f"Authorization: Bearer {PROXY_KEY}\nContent-Type: application/json\n"
+    )
     body = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(40)) + b"0\r\n\r\n"
     status, answer = raw_request(services.proxy.url, head, body)
     assert status == 413 and answer["error"]["code"] == "request_too_large"
@@ -91,8 +109,9 @@ def test_a_session_s_recorded_tokens_are_capped(services):
     history, refused = [], None
     for turn in range(40):  # each turn forks a new branch (a rewritten history) until the cap
         history = [{"role": "user", "content": f"turn {turn}: " + "word " * 30}]
-        response = httpx.post(session["base_url"] + "/chat/completions",
-                              json={"model": "m", "messages": history, "max_tokens": 2})
+        response = httpx.post(
+            session["base_url"] + "/chat/completions", json={"model": "m", "messages": history, "max_tokens": 2}
+        )
         if response.status_code != 200:
             refused = response
             break
@@ -114,23 +133,34 @@ def test_an_engine_requests_cost_is_bounded_before_it_is_paid(module_procs, tiny
     long = {"max_new_tokens": 3000, "ignore_eos": True}
     cases = {
         "This request asks for 1000000 sequences (1 prompts x n=1000000)": {
-            "input_ids": [1, 2], "sampling_params": {"n": 1_000_000}},
+            "input_ids": [1, 2],
+            "sampling_params": {"n": 1_000_000},
+        },
         "This request asks for 1000000 sequences (1000000 prompts x n=1)": {"text": ["a"] * 1_000_000},
         "top_logprobs_num must be an integer of at most 100": {
-            "input_ids": [1, 2], "return_logprob": True, "top_logprobs_num": 10**9},
+            "input_ids": [1, 2],
+            "return_logprob": True,
+            "top_logprobs_num": 10**9,
+        },
         "The input (5000000 tokens) is longer than the model's context length (4096 tokens)": {
-            "input_ids": [1] * 5_000_000},
+            "input_ids": [1] * 5_000_000
+        },
     }
     for message, body in cases.items():
         encoded = json.dumps(body)  # the client's own encoding (0.5 s for 5,000,000 ids) is not the engine's time
         started = time.perf_counter()
-        response = httpx.post(url + "/generate", content=encoded, headers={"Content-Type": "application/json"}, timeout=30)
+        response = httpx.post(
+            url + "/generate", content=encoded, headers={"Content-Type": "application/json"}, timeout=30
+        )
         assert response.status_code == 400 and message in response.text, (message, response.text[:300])
         assert time.perf_counter() - started < 1.0, message
         assert health_latency(url) < 1.0
     # Four sequences run or wait; a fifth is told to come back later (503), not queued.
-    hung = Beside(lambda: httpx.post(url + "/generate", json={"input_ids": [1, 2], "sampling_params": {**long, "n": 4}},
-                                     timeout=1.0))
+    hung = Beside(
+        lambda: httpx.post(
+            url + "/generate", json={"input_ids": [1, 2], "sampling_params": {**long, "n": 4}}, timeout=1.0
+        )
+    )
     for _ in range(100):
         if _running(url) == 2:
             break
@@ -159,10 +189,18 @@ def test_the_proxy_bounds_the_bytes_a_call_adds_and_a_session_holds(services):
     hi = [{"role": "user", "content": "hi"}]
     calls = {
         "/chat/completions": {"model": "m", "max_tokens": 2, "messages": hi, "tools": [tool] * 10_000},
-        "/responses": {"model": "m", "max_output_tokens": 2, "input": hi,
-                       "tools": [{"type": "function", **tool["function"]}] * 10_000},
-        "/messages": {"model": "m", "max_tokens": 2, "messages": hi, "tools": [
-            {"name": "f", "description": "x" * 2000, "input_schema": {"type": "object"}}] * 10_000},
+        "/responses": {
+            "model": "m",
+            "max_output_tokens": 2,
+            "input": hi,
+            "tools": [{"type": "function", **tool["function"]}] * 10_000,
+        },
+        "/messages": {
+            "model": "m",
+            "max_tokens": 2,
+            "messages": hi,
+            "tools": [{"name": "f", "description": "x" * 2000, "input_schema": {"type": "object"}}] * 10_000,
+        },
     }
     named = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi", "name": "n" * 20_000_000}]}
     for route, body in [*calls.items(), ("/chat/completions", named)]:
@@ -173,8 +211,10 @@ def test_the_proxy_bounds_the_bytes_a_call_adds_and_a_session_holds(services):
         assert health_latency(services.proxy.url) < 1.0
     heavy = httpx.post(services.proxy.url + "/sessions", json={"metadata": {"blob": "m" * 30_000_000}}, headers=admin)
     assert heavy.status_code == 400 and "--proxy-max-session-metadata-bytes" in heavy.text
-    bias = httpx.post(session["base_url"] + "/chat/completions", json={
-        "model": "m", "max_tokens": 2, "messages": hi, "logit_bias": {str(i): 1 for i in range(200_000)}})
+    bias = httpx.post(
+        session["base_url"] + "/chat/completions",
+        json={"model": "m", "max_tokens": 2, "messages": hi, "logit_bias": {str(i): 1 for i in range(200_000)}},
+    )
     assert bias.status_code == 400 and len(bias.content) < 2000 and "characters)" in bias.text
     fine = httpx.post(session["base_url"] + "/chat/completions", json={"model": "m", "max_tokens": 2, "messages": hi})
     assert fine.status_code == 200
@@ -217,14 +257,27 @@ def test_a_weight_payload_that_asks_for_a_gigabyte_is_refused_before_it_is_alloc
         status = Path(f"/proc/{services.engine.popen.pid}/status").read_text()
         return int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1])
 
-    gadget = (pickle.PROTO + b"\x02" + pickle.GLOBAL + b"builtins\nbytearray\n" + pickle.BININT
-              + (2**30).to_bytes(4, "little") + pickle.TUPLE1 + pickle.REDUCE + pickle.STOP)
+    gadget = (
+        pickle.PROTO
+        + b"\x02"
+        + pickle.GLOBAL
+        + b"builtins\nbytearray\n"
+        + pickle.BININT
+        + (2**30).to_bytes(4, "little")
+        + pickle.TUPLE1
+        + pickle.REDUCE
+        + pickle.STOP
+    )
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
     before = peak_kb()
     engine = services.engine.url
     assert httpx.post(engine + "/begin_weight_update", json={}, headers=admin, timeout=30).status_code == 200
-    refused = httpx.post(services.engine.url + "/update_weights_from_tensor", timeout=30, headers=admin,
-                         json={"serialized_named_tensors": [base64.b64encode(gadget).decode()]})
+    refused = httpx.post(
+        services.engine.url + "/update_weights_from_tensor",
+        timeout=30,
+        headers=admin,
+        json={"serialized_named_tensors": [base64.b64encode(gadget).decode()]},
+    )
     assert httpx.post(services.engine.url + "/end_weight_update", json={}, headers=admin, timeout=30).status_code == 200
     assert refused.status_code == 400 and "may not make a bytearray of a given size" in refused.text, refused.text
     assert peak_kb() - before < 200_000  # KiB
@@ -236,8 +289,13 @@ def test_a_large_schema_compiles_off_the_event_loop_once_and_others_are_served(s
     and once: an ``n=16`` request of it (16 compiles on the event loop before: ~10 s of no answers),
     then the same again, compile it once in all."""
     engine = services.engine.url
-    properties = {f"field_{i}": {"type": "object", "properties": {f"x{j}": {"enum": [f"v{k}" for k in range(8)]}
-                                                                  for j in range(12)}} for i in range(400)}
+    properties = {
+        f"field_{i}": {
+            "type": "object",
+            "properties": {f"x{j}": {"enum": [f"v{k}" for k in range(8)]} for j in range(12)},
+        }
+        for i in range(400)
+    }
     schema = json.dumps({"type": "object", "properties": properties, "required": ["field_0"]})
 
     def compiled() -> float:
@@ -245,8 +303,11 @@ def test_a_large_schema_compiles_off_the_event_loop_once_and_others_are_served(s
         return float(next(line.split()[1] for line in lines if line.startswith("inverted:grammars_compiled_total")))
 
     before = compiled()
-    call = Beside(lambda: post_generate(engine, input_ids=[50, 51],
-                                        sampling_params={"max_new_tokens": 2, "json_schema": schema, "n": 16}))
+    call = Beside(
+        lambda: post_generate(
+            engine, input_ids=[50, 51], sampling_params={"max_new_tokens": 2, "json_schema": schema, "n": 16}
+        )
+    )
     latencies = call.health_while_running(engine, timeout=60)
     assert len(call.result) == 16 and max(latencies) < 1.0, latencies
     post_generate(engine, input_ids=[50, 52], sampling_params={"max_new_tokens": 2, "json_schema": schema})
@@ -265,8 +326,14 @@ def test_a_checkpoint_file_that_is_a_fifo_is_refused_unopened(services, tmp_path
     (tmp_path / "model.safetensors").unlink(missing_ok=True)
     os.mkfifo(tmp_path / "model.safetensors")
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
-    call = Beside(lambda: httpx.post(services.engine.url + "/update_weights_from_disk", headers=admin, timeout=30,
-                                     json={"model_path": str(tmp_path), "weight_version": "fifo"}))
+    call = Beside(
+        lambda: httpx.post(
+            services.engine.url + "/update_weights_from_disk",
+            headers=admin,
+            timeout=30,
+            json={"model_path": str(tmp_path), "weight_version": "fifo"},
+        )
+    )
     latencies = call.health_while_running(services.engine.url, timeout=10)
     assert call.result.status_code == 400 and "not a regular file" in call.result.text, call.result.text
     assert max(latencies, default=0.0) < 1.0

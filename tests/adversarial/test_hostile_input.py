@@ -19,29 +19,49 @@ from hypothesis import strategies as st
 
 from tests.adversarial.conftest import ADMIN_KEY, BUFFER_KEY, PROXY_KEY, health_latency
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
-                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-                    max_leaves=12)
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
 # Hypothesis's floats include NaN and infinities, which json.dumps writes as NaN/Infinity: not JSON,
 # and exactly what a careless client sends.
 GENERATED = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 CLASSIC = [
-    b"", b"{", b'{"a": ', b"[" * 100_000, b"{" * 100_000, b'{"x": 1e999999}', b"NaN", b'"\xff\xfe"', b"\xff\xfe\xfd",
-    b'{"messages": "' + b"\\ud800" * 10 + b'"}', json.dumps({"a" * 10_000: 1}).encode(), b"[]", b"null", b"12",
-    json.dumps({"max_tokens": 10**400}).encode(), json.dumps({"unknown_field": True, "another": [1, 2]}).encode(),
+    b"",
+    b"{",
+    b'{"a": ',
+    b"[" * 100_000,
+    b"{" * 100_000,
+    b'{"x": 1e999999}',
+    b"NaN",
+    b'"\xff\xfe"',
+    b"\xff\xfe\xfd",
+    b'{"messages": "' + b"\\ud800" * 10 + b'"}',
+    json.dumps({"a" * 10_000: 1}).encode(),
+    b"[]",
+    b"null",
+    b"12",
+    json.dumps({"max_tokens": 10**400}).encode(),
+    json.dumps({"unknown_field": True, "another": [1, 2]}).encode(),
 ]
 
 
 def engine_shape(body) -> bool:
     if isinstance(body, dict) and set(body) == {"object", "message", "type", "param", "code"}:
         return True  # SGLang's validation shape
-    return isinstance(body, dict) and set(body) == {"error"} and (
-        isinstance(body["error"], str) or set(body["error"]) == {"message"})
+    return (
+        isinstance(body, dict)
+        and set(body) == {"error"}
+        and (isinstance(body["error"], str) or set(body["error"]) == {"message"})
+    )
 
 
 def openai_shape(body) -> bool:
-    return isinstance(body, dict) and set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return (
+        isinstance(body, dict) and set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    )
 
 
 def buffer_shape(body) -> bool:
@@ -69,7 +89,9 @@ def targets(services, session: dict):
 
 @pytest.fixture(scope="module")
 def session(services) -> dict:
-    return httpx.post(services.proxy.url + "/sessions", json={}, headers={"Authorization": f"Bearer {PROXY_KEY}"}).json()
+    return httpx.post(
+        services.proxy.url + "/sessions", json={}, headers={"Authorization": f"Bearer {PROXY_KEY}"}
+    ).json()
 
 
 def buffer_state(services) -> dict:
@@ -81,7 +103,9 @@ def test_the_classic_attacks_are_refused_in_each_api_s_shape(services, session):
     before = buffer_state(services)
     for url, headers, shape in targets(services, session):
         for body in CLASSIC:
-            response = httpx.post(url, content=body, headers={**headers, "content-type": "application/json"}, timeout=30)
+            response = httpx.post(
+                url, content=body, headers={**headers, "content-type": "application/json"}, timeout=30
+            )
             refused(response, shape)
     for proc in (services.engine, services.proxy, services.buffer):
         assert health_latency(proc.url) < 1.0
@@ -92,30 +116,73 @@ def test_the_classic_attacks_are_refused_in_each_api_s_shape(services, session):
 @given(body=JSON)
 def test_any_json_body_is_answered_without_a_server_error(services, session, body):
     for url, headers, shape in targets(services, session):
-        response = httpx.post(url, content=json.dumps(body), headers={**headers, "content-type": "application/json"},
-                              timeout=30)
+        response = httpx.post(
+            url, content=json.dumps(body), headers={**headers, "content-type": "application/json"}, timeout=30
+        )
         if response.status_code >= 400:
             refused(response, shape)
 
 
 @GENERATED
-@given(value=JSON, field=st.sampled_from(["messages", "max_tokens", "temperature", "top_p", "n", "stop", "tools",
-                                          "tool_choice", "logprobs", "top_logprobs", "stream", "seed", "model"]))
+@given(
+    value=JSON,
+    field=st.sampled_from(
+        [
+            "messages",
+            "max_tokens",
+            "temperature",
+            "top_p",
+            "n",
+            "stop",
+            "tools",
+            "tool_choice",
+            "logprobs",
+            "top_logprobs",
+            "stream",
+            "seed",
+            "model",
+        ]
+    ),
+)
 def test_any_value_of_a_chat_field_is_a_400_in_openai_s_shape(services, session, value, field):
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, field: value}
-    response = httpx.post(session["base_url"] + "/chat/completions", content=json.dumps(body),
-                          headers={"content-type": "application/json"}, timeout=30)
+    response = httpx.post(
+        session["base_url"] + "/chat/completions",
+        content=json.dumps(body),
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
     if response.status_code >= 400:
         refused(response, openai_shape)
 
 
 @GENERATED
-@given(value=JSON, field=st.sampled_from(["max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop",
-                                          "stop_token_ids", "n", "ignore_eos", "sampling_seed", "min_new_tokens"]))
+@given(
+    value=JSON,
+    field=st.sampled_from(
+        [
+            "max_new_tokens",
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "stop",
+            "stop_token_ids",
+            "n",
+            "ignore_eos",
+            "sampling_seed",
+            "min_new_tokens",
+        ]
+    ),
+)
 def test_any_value_of_a_sampling_parameter_is_a_400_in_sglang_s_shape(services, value, field):
     body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, field: value}}
-    response = httpx.post(services.engine.url + "/generate", content=json.dumps(body),
-                          headers={"content-type": "application/json"}, timeout=30)
+    response = httpx.post(
+        services.engine.url + "/generate",
+        content=json.dumps(body),
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
     if response.status_code >= 400:
         refused(response, engine_shape)
 
@@ -125,21 +192,34 @@ def test_any_value_of_a_sampling_parameter_is_a_400_in_sglang_s_shape(services, 
 def test_any_submission_is_refused_whole_and_changes_nothing(services, value, field):
     before = buffer_state(services)
     item = {"lease_id": "nope", "sample": {"group_index": 0, "index": 0}, field: value}
-    response = httpx.post(services.buffer.url + "/samples", content=json.dumps({"samples": [item]}),
-                          headers={"Authorization": f"Bearer {BUFFER_KEY}", "content-type": "application/json"},
-                          timeout=30)
+    response = httpx.post(
+        services.buffer.url + "/samples",
+        content=json.dumps({"samples": [item]}),
+        headers={"Authorization": f"Bearer {BUFFER_KEY}", "content-type": "application/json"},
+        timeout=30,
+    )
     refused(response, buffer_shape)
     assert buffer_state(services) == before
 
 
 def test_wrong_keys_and_other_sessions_tokens_are_refused(services, session):
-    other = httpx.post(services.proxy.url + "/sessions", json={}, headers={"Authorization": f"Bearer {PROXY_KEY}"}).json()
+    other = httpx.post(
+        services.proxy.url + "/sessions", json={}, headers={"Authorization": f"Bearer {PROXY_KEY}"}
+    ).json()
     for url, headers, status in [
         (services.engine.url + "/flush_cache", {"Authorization": "Bearer admin-kez"}, 401),
         (services.engine.url + "/flush_cache", {}, 401),
         (services.proxy.url + "/sessions", {"Authorization": "Bearer proxy-kez"}, 401),
-        (f"{services.proxy.url}/sessions/{session['session_id']}/samples", {"Authorization": f"Bearer {other['token']}"}, 403),
-        (f"{services.proxy.url}/sessions/{session['session_id']}/finish", {"Authorization": f"Bearer {other['token']}"}, 403),
+        (
+            f"{services.proxy.url}/sessions/{session['session_id']}/samples",
+            {"Authorization": f"Bearer {other['token']}"},
+            403,
+        ),
+        (
+            f"{services.proxy.url}/sessions/{session['session_id']}/finish",
+            {"Authorization": f"Bearer {other['token']}"},
+            403,
+        ),
         (services.buffer.url + "/stats", {"Authorization": "Bearer buffer-kez"}, 401),
         (services.buffer.url + "/stats", {"x-api-key": "buffer-kez"}, 401),
     ]:
@@ -161,7 +241,7 @@ def test_slow_clients_holding_connections_do_not_starve_health(services):
         held = []
         for _ in range(64):
             sock = socket.create_connection((parts.hostname, parts.port), timeout=5)
-            sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"te")
+            sock.sendall(b'POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"te')
             held.append(sock)
         try:
             deadline = time.monotonic() + 3
@@ -178,8 +258,9 @@ LONE = "\ud800"  # a UTF-16 surrogate without its pair: valid JSON escape, not U
 
 def post_raw(url: str, body, headers: dict | None = None) -> httpx.Response:
     """``body`` as json.dumps writes it (escaping the surrogate), which httpx's own encoder cannot."""
-    return httpx.post(url, content=json.dumps(body), headers={"content-type": "application/json", **(headers or {})},
-                      timeout=10)
+    return httpx.post(
+        url, content=json.dumps(body), headers={"content-type": "application/json", **(headers or {})}, timeout=10
+    )
 
 
 def test_lone_surrogates_and_deep_nesting_are_400s_naming_the_field_and_lose_nothing(services):
@@ -191,26 +272,45 @@ def test_lone_surrogates_and_deep_nesting_are_400s_naming_the_field_and_lose_not
         assert f"{field} is not valid Unicode text" in response.text, response.text
     admin = {"Authorization": f"Bearer {PROXY_KEY}"}
     session = httpx.post(services.proxy.url + "/sessions", json={}, headers=admin).json()
-    calls = {"/chat/completions": ({"model": "m", "max_tokens": 2, "messages": [
-                 {"role": "user", "content": "hi", "name": LONE}]}, "messages[0].name"),
-             "/responses": ({"model": "m", "max_output_tokens": 2, "input": [
-                 {"role": "user", "content": f"hi {LONE}"}]}, "input[0].content"),
-             "/messages": ({"model": "m", "max_tokens": 2, "messages": [
-                 {"role": "user", "content": [{"type": "text", "text": LONE}]}]}, "messages[0].content[0].text")}
+    calls = {
+        "/chat/completions": (
+            {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi", "name": LONE}]},
+            "messages[0].name",
+        ),
+        "/responses": (
+            {"model": "m", "max_output_tokens": 2, "input": [{"role": "user", "content": f"hi {LONE}"}]},
+            "input[0].content",
+        ),
+        "/messages": (
+            {
+                "model": "m",
+                "max_tokens": 2,
+                "messages": [{"role": "user", "content": [{"type": "text", "text": LONE}]}],
+            },
+            "messages[0].content[0].text",
+        ),
+    }
     for route, (body, field) in calls.items():
         response = post_raw(session["base_url"] + route, body)
         refused(response, openai_shape if route != "/messages" else (lambda b: b["type"] == "error"))
         assert f"{field} is not valid Unicode text" in response.text, (route, response.text)
-    fine = httpx.post(session["base_url"] + "/chat/completions", timeout=30,
-                      json={"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+    fine = httpx.post(
+        session["base_url"] + "/chat/completions",
+        timeout=30,
+        json={"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert fine.status_code == 200
     finished = httpx.post(f"{services.proxy.url}/sessions/{session['session_id']}/finish", headers=admin)
     assert finished.status_code == 200 and len(finished.json()["samples"]) == 1, finished.text[:300]
     # 100k levels of nesting in a Sample's metadata, in the buffer's /samples: a 400, nothing stored.
     before = buffer_state(services)
     deep = b'{"samples": [{"lease_id": "x", "sample": {"metadata": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}]}"
-    response = httpx.post(services.buffer.url + "/samples", content=deep, timeout=10,
-                          headers={"Authorization": f"Bearer {BUFFER_KEY}", "content-type": "application/json"})
+    response = httpx.post(
+        services.buffer.url + "/samples",
+        content=deep,
+        timeout=10,
+        headers={"Authorization": f"Bearer {BUFFER_KEY}", "content-type": "application/json"},
+    )
     refused(response, buffer_shape)
     assert "nested too deeply" in response.text and buffer_state(services) == before
     for service in (services.engine, services.proxy, services.buffer):

@@ -30,8 +30,11 @@ pytestmark = pytest.mark.anyio
 def dataset(tmp_path):
     def write(n: int) -> str:
         path = tmp_path / f"prompts-{n}.jsonl"
-        path.write_text("".join(json.dumps({"input": f"What is {i} + {i}?", "label": str(2 * i)}) + "\n" for i in range(n)))
+        path.write_text(
+            "".join(json.dumps({"input": f"What is {i} + {i}?", "label": str(2 * i)}) + "\n" for i in range(n))
+        )
         return str(path)
+
     return write
 
 
@@ -87,15 +90,28 @@ async def test_kill_9_loses_no_acknowledged_sample_and_releases_the_rest(procs, 
         assert {(t.group_index, t.index) for t in again} == {(g, i) for g in range(60) for i in range(2)} - set(rows)
         await client.submit([(t, fill(t)) for t in again])
         stats = await client.stats()
-    assert stats["samples"] == 120 and stats["groups"]["complete"] == 60 and stats["tasks"] == {"queued": 0, "leased": 0, "done": 120}
+    assert (
+        stats["samples"] == 120
+        and stats["groups"]["complete"] == 60
+        and stats["tasks"] == {"queued": 0, "leased": 0, "done": 120}
+    )
     assert db_rows(db) == [(g, i) for g in range(60) for i in range(2)]
 
 
 @pytest.mark.parametrize("workers", [1, 2])  # 2: two service processes share the database
 async def test_8_submitters_2_consumers_nothing_lost_nothing_served_twice(procs, tmp_path, dataset, workers):
     groups, size = 600, 4
-    buffer = procs.buffer(tmp_path / "b.db", "--prompt-data", dataset(groups), "--n-samples-per-prompt", str(size),
-                          "--num-epoch", "1", "--workers", str(workers))
+    buffer = procs.buffer(
+        tmp_path / "b.db",
+        "--prompt-data",
+        dataset(groups),
+        "--n-samples-per-prompt",
+        str(size),
+        "--num-epoch",
+        "1",
+        "--workers",
+        str(workers),
+    )
     served: list[list[Sample]] = []
     steps = itertools.count()
     done_submitting = asyncio.Event()
@@ -121,7 +137,9 @@ async def test_8_submitters_2_consumers_nothing_lost_nothing_served_twice(procs,
 
     await asyncio.wait_for(asyncio.gather(submit_all(), consumer(), consumer()), 240)
     assert sorted(g[0].group_index for g in served) == list(range(groups))  # every group, once
-    assert all([s.index for s in g] == list(range(size)) and {s.group_index for s in g} == {g[0].group_index} for g in served)
+    assert all(
+        [s.index for s in g] == list(range(size)) and {s.group_index for s in g} == {g[0].group_index} for g in served
+    )
     assert all(s.tokens == [5, 6, 7, 8, 9] and s.weight_versions == ["0"] * 3 for g in served for s in g)
     stats = httpx.get(buffer.url + "/stats").json()
     assert stats["groups"]["consumed"] == groups and stats["samples"] == groups * size
@@ -143,8 +161,11 @@ def connections_by_process(port: int) -> Counter[int]:
 
 def workers_of(pid: int) -> set[int]:
     """The live worker processes of a ``--workers`` buffer (not multiprocessing's resource tracker)."""
-    return {int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-            if b"spawn_main" in cmdline(int(child))}
+    return {
+        int(child)
+        for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        if b"spawn_main" in cmdline(int(child))
+    }
 
 
 def cmdline(pid: int) -> bytes:
@@ -156,7 +177,9 @@ def cmdline(pid: int) -> bytes:
 
 
 def test_workers_share_a_burst_of_connections_and_a_dead_worker_is_replaced(procs, tmp_path, dataset):
-    buffer = procs.buffer(tmp_path / "b.db", "--prompt-data", dataset(4), "--n-samples-per-prompt", "2", "--workers", "2")
+    buffer = procs.buffer(
+        tmp_path / "b.db", "--prompt-data", dataset(4), "--n-samples-per-prompt", "2", "--workers", "2"
+    )
     port = int(buffer.url.rsplit(":", 1)[1])
     # Healthy means one worker listens; wait for the second.
     until(lambda: len(tcp_sockets(port, "0A")) == 2, "the second worker never listened")
@@ -165,14 +188,18 @@ def test_workers_share_a_burst_of_connections_and_a_dead_worker_is_replaced(proc
         client.sendall(b"GET /health HTTP/1.1\r\nHost: buffer\r\n\r\n")
     assert all(client.recv(4096).startswith(b"HTTP/1.1 200") for client in clients)
     owners = connections_by_process(port)
-    assert sum(owners.values()) == 16 and len(owners) == 2, owners  # both workers serve (a shared socket can pile them onto one)
+    assert sum(owners.values()) == 16 and len(owners) == 2, (
+        owners
+    )  # both workers serve (a shared socket can pile them onto one)
     for client in clients:
         client.close()
 
     dead = min(owners)
     os.kill(dead, signal.SIGKILL)
-    until(lambda: len(workers_of(buffer.popen.pid) - {dead}) == 2 and len(tcp_sockets(port, "0A")) == 2,
-          "the dead worker was not replaced by one that listens")
+    until(
+        lambda: len(workers_of(buffer.popen.pid) - {dead}) == 2 and len(tcp_sockets(port, "0A")) == 2,
+        "the dead worker was not replaced by one that listens",
+    )
     workers = workers_of(buffer.popen.pid)
     os.kill(buffer.popen.pid, signal.SIGKILL)  # the supervisor dies: its workers follow
     until(lambda: not any(cmdline(pid) for pid in workers), "workers outlived their supervisor", timeout=30)
@@ -194,13 +221,26 @@ async def test_long_poll_wakes_when_a_group_completes(procs, tmp_path, dataset):
 
 
 def test_bad_input_is_422_naming_the_field_and_stores_nothing(procs, tmp_path, dataset):
-    buffer = procs.buffer(tmp_path / "b.db", "--prompt-data", dataset(4), "--n-samples-per-prompt", "2", "--api-key", "k")
+    buffer = procs.buffer(
+        tmp_path / "b.db", "--prompt-data", dataset(4), "--n-samples-per-prompt", "2", "--api-key", "k"
+    )
     headers = {"Authorization": "Bearer k"}
     assert httpx.get(buffer.url + "/health").status_code == 200
     assert httpx.get(buffer.url + "/stats").status_code == 401
-    tasks = httpx.post(buffer.url + "/tasks/lease", json={"count": 2, "worker_id": "w"}, headers=headers).json()["tasks"]
-    good = {"group_index": 0, "index": 0, "tokens": [1, 2, 3], "response_length": 2, "loss_mask": [1, 1],
-            "rollout_log_probs": [-1.0, -2.0], "weight_versions": ["0", "0"], "reward": 1.0, "status": "completed"}
+    tasks = httpx.post(buffer.url + "/tasks/lease", json={"count": 2, "worker_id": "w"}, headers=headers).json()[
+        "tasks"
+    ]
+    good = {
+        "group_index": 0,
+        "index": 0,
+        "tokens": [1, 2, 3],
+        "response_length": 2,
+        "loss_mask": [1, 1],
+        "rollout_log_probs": [-1.0, -2.0],
+        "weight_versions": ["0", "0"],
+        "reward": 1.0,
+        "status": "completed",
+    }
     cases = [
         ({"loss_mask": [1]}, "samples[1].loss_mask"),
         ({"rollout_log_probs": [-1.0]}, "samples[1].rollout_log_probs"),
@@ -213,36 +253,56 @@ def test_bad_input_is_422_naming_the_field_and_stores_nothing(procs, tmp_path, d
         ({"colour": "red"}, "samples[1]"),
     ]
     for change, field in cases:
-        body = {"samples": [{"lease_id": tasks[0]["lease_id"], "sample": good},
-                            {"lease_id": tasks[1]["lease_id"], "sample": {**good, "index": 1, **change}}]}
+        body = {
+            "samples": [
+                {"lease_id": tasks[0]["lease_id"], "sample": good},
+                {"lease_id": tasks[1]["lease_id"], "sample": {**good, "index": 1, **change}},
+            ]
+        }
         response = httpx.post(buffer.url + "/samples", json=body, headers=headers)
         assert response.status_code == 422, (change, response.text)
         assert response.json()["error"]["message"].startswith(field), response.json()
-    for path, body in (("/tasks/lease", {"count": 0, "worker_id": "w"}), ("/tasks/lease", {"count": 1}),
-                       ("/batches/next", {"num_groups": 1, "num_samples": 2}), ("/batches/next", {"num_samples": 3}),
-                       ("/tasks/release", {"worker_id": ""}), ("/tasks/release", {"worker": "w"})):
+    for path, body in (
+        ("/tasks/lease", {"count": 0, "worker_id": "w"}),
+        ("/tasks/lease", {"count": 1}),
+        ("/batches/next", {"num_groups": 1, "num_samples": 2}),
+        ("/batches/next", {"num_samples": 3}),
+        ("/tasks/release", {"worker_id": ""}),
+        ("/tasks/release", {"worker": "w"}),
+    ):
         response = httpx.post(buffer.url + path, json=body, headers=headers)
-        assert response.status_code == 422 and response.json()["error"]["type"] in ("invalid_request_error", "invalid_sample")
+        assert response.status_code == 422 and response.json()["error"]["type"] in (
+            "invalid_request_error",
+            "invalid_sample",
+        )
     malformed = httpx.post(buffer.url + "/samples", content=b'{"samples": [', headers=headers)
     assert malformed.status_code == 422 and "malformed JSON" in malformed.json()["error"]["message"]
     shapeless = httpx.post(buffer.url + "/samples", headers=headers, json={"samples": [{"sample": good}]})
     assert shapeless.status_code == 422 and "lease_id" in shapeless.json()["error"]["message"]
-    stolen = httpx.post(buffer.url + "/samples", headers=headers,
-                        json={"samples": [{"lease_id": "guessed", "sample": good}]})
+    stolen = httpx.post(
+        buffer.url + "/samples", headers=headers, json={"samples": [{"lease_id": "guessed", "sample": good}]}
+    )
     assert stolen.status_code == 409
     assert httpx.get(buffer.url + "/stats", headers=headers).json()["samples"] == 0
-    ok = httpx.post(buffer.url + "/samples", headers=headers, json={"samples": [{"lease_id": tasks[0]["lease_id"], "sample": good}]})
+    ok = httpx.post(
+        buffer.url + "/samples", headers=headers, json={"samples": [{"lease_id": tasks[0]["lease_id"], "sample": good}]}
+    )
     assert ok.json() == {"accepted": 1, "duplicates": 0, "requeued": 0, "completed_groups": []}
     metrics = httpx.get(buffer.url + "/metrics", headers=headers).text
     assert 'inverted_buffer_tasks{state="done"} 1' in metrics and "inverted_buffer_samples 1" in metrics
-    httpx.post(buffer.url + "/samples", headers=headers,
-               json={"samples": [{"lease_id": tasks[1]["lease_id"], "sample": {**good, "index": 1}}]})
+    httpx.post(
+        buffer.url + "/samples",
+        headers=headers,
+        json={"samples": [{"lease_id": tasks[1]["lease_id"], "sample": {**good, "index": 1}}]},
+    )
     served = httpx.post(buffer.url + "/batches/next", headers=headers, json={"num_groups": 1}).json()["batch_id"]
     for body, status in (({"step": -1}, 422), ({}, 422), ({"step": 2, "epoch": 1}, 422)):
         assert httpx.post(f"{buffer.url}/batches/{served}/trained", headers=headers, json=body).status_code == status
     assert httpx.post(f"{buffer.url}/batches/{served}/trained", json={"step": 2}).status_code == 401
     assert httpx.post(f"{buffer.url}/batches/unknown/trained", headers=headers, json={"step": 2}).status_code == 404
-    assert httpx.post(f"{buffer.url}/batches/{served}/trained", headers=headers, json={"step": 2}).json() == {"groups": 1}
+    assert httpx.post(f"{buffer.url}/batches/{served}/trained", headers=headers, json={"step": 2}).json() == {
+        "groups": 1
+    }
     twice = httpx.post(f"{buffer.url}/batches/{served}/trained", headers=headers, json={"step": 3})
     assert twice.status_code == 409 and "trained in step 2 already" in twice.json()["error"]["message"]
 
@@ -261,14 +321,23 @@ async def test_client_errors_name_the_problem(procs, tmp_path, dataset):
 async def test_every_worker_process_loads_a_slime_filter(procs, tmp_path, dataset):
     """Each of ``--workers 2``'s processes runs the command line's set-up first, so a filter written in
     slime's form (adapted by ``compat``) loads there too: groups whose rewards all agree are filtered."""
-    buffer = procs.buffer(tmp_path / "b.db", "--prompt-data", dataset(8), "--n-samples-per-prompt", "2",
-                          "--workers", "2", "--dynamic-sampling-filter-path",
-                          "tests.compat.slime_plugins:keep_differing_rewards")
+    buffer = procs.buffer(
+        tmp_path / "b.db",
+        "--prompt-data",
+        dataset(8),
+        "--n-samples-per-prompt",
+        "2",
+        "--workers",
+        "2",
+        "--dynamic-sampling-filter-path",
+        "tests.compat.slime_plugins:keep_differing_rewards",
+    )
     async with BufferClient(buffer.url) as client:
         tasks = await client.lease(16, "w")
         # odd groups' rewards agree (filtered), even groups' differ (kept); each submission to any worker
-        await asyncio.gather(*(client.submit([(t, fill(t, reward=-t.index if t.group_index % 2 else 0.0))])
-                               for t in tasks))
+        await asyncio.gather(
+            *(client.submit([(t, fill(t, reward=-t.index if t.group_index % 2 else 0.0))]) for t in tasks)
+        )
         batch = await client.next_batch(num_groups=8, timeout_s=1, allow_partial=True)
         stats = await client.stats()
     assert sorted(g[0].group_index % 2 for g in batch.groups) == [0, 0, 0, 0]

@@ -34,10 +34,21 @@ def make(directory, **kwargs) -> SQLiteStore:
     return SQLiteStore(str(directory / "buffer.db"), **kwargs)
 
 
-def finished(task: dict, *, version: str = "0", reward: float = 1.0, status=Sample.Status.COMPLETED) -> tuple[str, Sample]:
-    sample = Sample(group_index=task["group_index"], index=task["index"], prompt=task["prompt"], tokens=[1, 2, 3, 4],
-                    response_length=2, loss_mask=[1, 1], rollout_log_probs=[-0.5, -0.25], weight_versions=[version, version],
-                    reward=reward, status=status)
+def finished(
+    task: dict, *, version: str = "0", reward: float = 1.0, status=Sample.Status.COMPLETED
+) -> tuple[str, Sample]:
+    sample = Sample(
+        group_index=task["group_index"],
+        index=task["index"],
+        prompt=task["prompt"],
+        tokens=[1, 2, 3, 4],
+        response_length=2,
+        loss_mask=[1, 1],
+        rollout_log_probs=[-0.5, -0.25],
+        weight_versions=[version, version],
+        reward=reward,
+        status=status,
+    )
     return task["lease_id"], sample
 
 
@@ -137,8 +148,14 @@ def test_staleness_drop_and_retry(tmp_path):
     for policy in ("drop", "retry"):
         store = make(tmp_path / policy, stale_policy=policy)
         tasks = store.lease(4, "w", 60)
-        store.submit([finished(tasks[0], version="3"), finished(tasks[1], version="5"),
-                      finished(tasks[2], version="6"), finished(tasks[3], version="6")])
+        store.submit(
+            [
+                finished(tasks[0], version="3"),
+                finished(tasks[1], version="5"),
+                finished(tasks[2], version="6"),
+                finished(tasks[3], version="6"),
+            ]
+        )
         got = batch(store, 1, current=7, max_staleness=2)  # group 0 is 4 steps old (its oldest token)
         assert [s["group_index"] for s in got["groups"][0]] == [1, 1] and got["staleness"] == [1]
         stats = store.stats()
@@ -154,8 +171,14 @@ def test_staleness_drop_and_retry(tmp_path):
 def test_all_equal_rewards_filter(tmp_path):
     store = make(tmp_path, group_filter=drop_all_equal_rewards)
     tasks = store.lease(4, "w", 60)
-    store.submit([finished(tasks[0], reward=1.0), finished(tasks[1], reward=1.0),
-                  finished(tasks[2], reward=0.0), finished(tasks[3], reward=1.0)])
+    store.submit(
+        [
+            finished(tasks[0], reward=1.0),
+            finished(tasks[1], reward=1.0),
+            finished(tasks[2], reward=0.0),
+            finished(tasks[3], reward=1.0),
+        ]
+    )
     got = batch(store, 1)
     assert [s["group_index"] for s in got["groups"][0]] == [1, 1]
     assert store.stats()["groups"]["filtered"] == 1 and store.stats()["counters"]["groups_filtered"] == 1
@@ -261,15 +284,23 @@ def test_load_prompts_jsonl_and_parquet(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows = [{"question": "hi", "answer": "1", "meta": {"k": 1}},
-            {"question": [{"role": "user", "content": "q"}], "answer": "2", "tools": [{"type": "function"}]}]
+    rows = [
+        {"question": "hi", "answer": "1", "meta": {"k": 1}},
+        {"question": [{"role": "user", "content": "q"}], "answer": "2", "tools": [{"type": "function"}]},
+    ]
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     pq.write_table(pa.Table.from_pylist([{"question": "hi", "answer": "1"}]), tmp_path / "d.parquet")
-    got = load_prompts(str(tmp_path / "d.jsonl"), input_key="question", label_key="answer", metadata_key="meta", tool_key="tools")
+    got = load_prompts(
+        str(tmp_path / "d.jsonl"), input_key="question", label_key="answer", metadata_key="meta", tool_key="tools"
+    )
     assert got[0] == PromptRecord(prompt="hi", label="1", metadata={"k": 1}, tools=None)
     assert got[1].prompt == [{"role": "user", "content": "q"}] and got[1].tools == [{"type": "function"}]
-    assert load_prompts(str(tmp_path / "d.parquet"), input_key="question", label_key="answer", metadata_key=None,
-                        tool_key=None)[0].prompt == "hi"
+    assert (
+        load_prompts(
+            str(tmp_path / "d.parquet"), input_key="question", label_key="answer", metadata_key=None, tool_key=None
+        )[0].prompt
+        == "hi"
+    )
     with pytest.raises(ConfigError, match="row 0 has no text"):
         load_prompts(str(tmp_path / "d.jsonl"), input_key="input", label_key=None, metadata_key=None, tool_key=None)
 
@@ -280,10 +311,24 @@ def test_a_group_sampled_outside_the_task_flow_is_recorded_as_served_beside_the_
     from inverted.buffer.archive import BufferArchive
 
     store = SQLiteStore(str(tmp_path / "b.db"), n_samples_per_prompt=2, prompts=[PromptRecord("a"), PromptRecord("b")])
-    drawn = [Sample(tokens=[1, 2, 3], response_length=1, loss_mask=[1], rollout_log_probs=[-0.5], weight_versions=["3"],
-                    status=Sample.Status.COMPLETED),
-             Sample(tokens=[1, 2, 4, 5], response_length=2, loss_mask=[1, 1], rollout_log_probs=[-1.0, -2.0],
-                    weight_versions=["3", "4"], status=Sample.Status.TRUNCATED)]
+    drawn = [
+        Sample(
+            tokens=[1, 2, 3],
+            response_length=1,
+            loss_mask=[1],
+            rollout_log_probs=[-0.5],
+            weight_versions=["3"],
+            status=Sample.Status.COMPLETED,
+        ),
+        Sample(
+            tokens=[1, 2, 4, 5],
+            response_length=2,
+            loss_mask=[1, 1],
+            rollout_log_probs=[-1.0, -2.0],
+            weight_versions=["3", "4"],
+            status=Sample.Status.TRUNCATED,
+        ),
+    ]
     assert store.record(PromptRecord("", metadata={"prompt_tokens": 2}), drawn, "m:3") == 0
     assert store.record(PromptRecord(""), drawn[:1], "m:4") == 1
     # the dataset's groups come after, from its own prompts
@@ -294,9 +339,16 @@ def test_a_group_sampled_outside_the_task_flow_is_recorded_as_served_beside_the_
     assert [t["prompt"] for t in store.lease(6, "w", 60)] == ["b", "b", "a", "a", "b", "b"]
     archive = BufferArchive(tmp_path / "b.db")
     groups = {g.group_index: g for g in archive.groups_from(0)}
-    assert (groups[0].state, groups[0].batch_id, groups[0].prompt_index, groups[1].batch_id) == ("consumed", "m:3", 2, "m:4")
+    assert (groups[0].state, groups[0].batch_id, groups[0].prompt_index, groups[1].batch_id) == (
+        "consumed",
+        "m:3",
+        2,
+        "m:4",
+    )
     assert json.loads(archive.prompt(2))["metadata"] == {"prompt_tokens": 2}
     stored = [Sample.from_json(orjson.loads(row[3])) for row in archive.samples_after(0)]
     assert [(s.group_index, s.index, s.tokens, s.rollout_log_probs, s.status) for s in stored] == [
-        (0, 0, [1, 2, 3], [-0.5], Sample.Status.COMPLETED), (0, 1, [1, 2, 4, 5], [-1.0, -2.0], Sample.Status.TRUNCATED),
-        (1, 0, [1, 2, 3], [-0.5], Sample.Status.COMPLETED)]
+        (0, 0, [1, 2, 3], [-0.5], Sample.Status.COMPLETED),
+        (0, 1, [1, 2, 4, 5], [-1.0, -2.0], Sample.Status.TRUNCATED),
+        (1, 0, [1, 2, 3], [-0.5], Sample.Status.COMPLETED),
+    ]

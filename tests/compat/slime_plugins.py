@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from slime.backends.megatron_utils.loss import get_log_probs_and_entropy
 from slime.rollout.base_types import RolloutFnTrainOutput
 from slime.rollout.filter_hub.base_types import DynamicFilterOutput
@@ -25,9 +24,20 @@ from slime.utils.types import Sample
 
 from envs import calculator as calc
 
-TOOLS = [{"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate an arithmetic expression.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
 LOG = Path(os.environ.get("SLIME_PLUGIN_LOG", "slime_log.jsonl"))  # the test says where
 
 
@@ -55,8 +65,9 @@ def append_observation(sample: Sample, ids: list[int]) -> None:
 
 def finish(sample: Sample, prompt_length: int, last: dict) -> Sample:
     sample.response_length = len(sample.tokens) - prompt_length
-    sample.status = Sample.Status.TRUNCATED if last["meta_info"]["finish_reason"]["type"] == "length" \
-        else Sample.Status.COMPLETED
+    sample.status = (
+        Sample.Status.TRUNCATED if last["meta_info"]["finish_reason"]["type"] == "length" else Sample.Status.COMPLETED
+    )
     return sample
 
 
@@ -66,19 +77,25 @@ async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
     state = GenerateState(args)
     url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
     messages = [{"role": "user", "content": sample.prompt}] if isinstance(sample.prompt, str) else list(sample.prompt)
-    sample.tokens = state.tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True,
-                                                        tokenize=True, return_dict=False)
+    sample.tokens = state.tokenizer.apply_chat_template(
+        messages, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     prompt_length = len(sample.tokens)
     sample.loss_mask, sample.rollout_log_probs = [], []
     for turn in range(2):
-        output = await post(url, {"input_ids": sample.tokens, "sampling_params": sampling_params,
-                                  "return_logprob": True})
+        output = await post(
+            url, {"input_ids": sample.tokens, "sampling_params": sampling_params, "return_logprob": True}
+        )
         append_sampled(sample, output)
         sample.response += output["text"]
         if turn == 0:
             expression = re.sub(r"[^0-9+\-*/() ]", "", messages[-1]["content"])
-            append_observation(sample, state.tokenizer(
-                f"\n<tool_response>\n{calculator(expression)}\n</tool_response>\n", add_special_tokens=False)["input_ids"])
+            append_observation(
+                sample,
+                state.tokenizer(
+                    f"\n<tool_response>\n{calculator(expression)}\n</tool_response>\n", add_special_tokens=False
+                )["input_ids"],
+            )
     return finish(sample, prompt_length, output)
 
 
@@ -97,14 +114,17 @@ async def calculator_episode(args, sample: Sample, sampling_params: dict) -> Sam
     messages = [{"role": "system", "content": calc.SYSTEM}, {"role": "user", "content": sample.prompt}]
 
     def render(generation_prompt: bool) -> str:
-        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
+        return tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt
+        )
 
     sample.tokens = tokenizer(render(True), add_special_tokens=False)["input_ids"]
     prompt_length = len(sample.tokens)
     sample.loss_mask, sample.rollout_log_probs, sample.reward = [], [], 0.0
     for turn in range(calc.MAX_TURNS):
-        output = await post(url, {"input_ids": sample.tokens, "sampling_params": sampling_params,
-                                  "return_logprob": True})
+        output = await post(
+            url, {"input_ids": sample.tokens, "sampling_params": sampling_params, "return_logprob": True}
+        )
         append_sampled(sample, output)
         ids = output["output_ids"]
         text = tokenizer.decode(ids, skip_special_tokens=True)
@@ -114,12 +134,23 @@ async def calculator_episode(args, sample: Sample, sampling_params: dict) -> Sam
         except ValueError:
             calls = []
         if calls:
-            messages.append({"role": "assistant", "content": text[:text.index("<tool_call>")].rstrip() or None,
-                             "tool_calls": [{"id": f"call_{i}", "type": "function", "function": call}
-                                            for i, call in enumerate(calls)]})
-            new = [{"role": "tool", "tool_call_id": f"call_{i}",
-                    "content": calc.run_tool(call["name"], json.dumps(call.get("arguments", {})))}
-                   for i, call in enumerate(calls)]
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": text[: text.index("<tool_call>")].rstrip() or None,
+                    "tool_calls": [
+                        {"id": f"call_{i}", "type": "function", "function": call} for i, call in enumerate(calls)
+                    ],
+                }
+            )
+            new = [
+                {
+                    "role": "tool",
+                    "tool_call_id": f"call_{i}",
+                    "content": calc.run_tool(call["name"], json.dumps(call.get("arguments", {}))),
+                }
+                for i, call in enumerate(calls)
+            ]
         elif calc.is_correct(text, sample.label):
             sample.reward = 1.0
             break
@@ -132,8 +163,8 @@ async def calculator_episode(args, sample: Sample, sampling_params: dict) -> Sam
         messages.extend(new)
         after = render(True)
         turn_end, last = "<|im_end|>\n", tokenizer.decode(ids[-1:])
-        junction = turn_end[len(last):] if last and turn_end.startswith(last) else turn_end
-        append_observation(sample, tokenizer(junction + after[len(before):], add_special_tokens=False)["input_ids"])
+        junction = turn_end[len(last) :] if last and turn_end.startswith(last) else turn_end
+        append_observation(sample, tokenizer(junction + after[len(before) :], add_special_tokens=False)["input_ids"])
     return finish(sample, prompt_length, output)
 
 
@@ -161,9 +192,18 @@ def remove_odd_indices(args, groups: list[list[Sample]]) -> None:
 
 def log_rollout(rollout_id, args, samples, rollout_extra_metrics, rollout_time) -> bool:
     with LOG.open("a") as out:
-        out.write(json.dumps({"rollout_id": rollout_id, "samples": len(samples), "time": rollout_time,
-                              "reward_mean": rollout_extra_metrics.get("rollout/reward_mean"),
-                              "removed": sum(s.remove_sample for s in samples)}) + "\n")
+        out.write(
+            json.dumps(
+                {
+                    "rollout_id": rollout_id,
+                    "samples": len(samples),
+                    "time": rollout_time,
+                    "reward_mean": rollout_extra_metrics.get("rollout/reward_mean"),
+                    "removed": sum(s.remove_sample for s in samples),
+                }
+            )
+            + "\n"
+        )
     return True  # the default rollout metrics are skipped
 
 
@@ -195,19 +235,23 @@ DR_GRPO_DIVISOR = 16.0
 
 def get_pg_loss_reducer(total_lengths, response_lengths, loss_masks, calculate_per_token_loss=False):
     """Dr. GRPO: each sample's token sum divided by one constant, not by its own length."""
+
     def reducer(x: torch.Tensor) -> torch.Tensor:
         return sum((part * mask).sum() for part, mask in zip(x.split(response_lengths), loss_masks)) / DR_GRPO_DIVISOR
+
     return reducer
 
 
 def sum_of_sample_mean(total_lengths, response_lengths, loss_masks, calculate_per_token_loss=False):
     """slime's own reducer (``cp_utils.get_sum_of_sample_mean`` without context parallelism): each
     sample's mean over its tokens, summed; with ``calculate_per_token_loss``, the plain token sum."""
+
     def reducer(x: torch.Tensor) -> torch.Tensor:
         parts = zip(x.split(response_lengths), loss_masks)
         if calculate_per_token_loss:
             return sum((part * mask).sum() for part, mask in parts)
         return sum((part * mask).sum() / torch.clamp_min(mask.sum(), 1) for part, mask in parts)
+
     return reducer
 
 
@@ -221,8 +265,13 @@ def half_and_reject_first(args, *, pg_loss, train_log_probs, rollout_log_probs, 
 
 def nll_loss(args, batch, logits, sum_of_sample_mean):
     """A custom loss: the negative log-likelihood of the response tokens (SFT), slime's way."""
-    _, out = get_log_probs_and_entropy(logits, args=args, unconcat_tokens=batch["unconcat_tokens"],
-                                       total_lengths=batch["total_lengths"], response_lengths=batch["response_lengths"])
+    _, out = get_log_probs_and_entropy(
+        logits,
+        args=args,
+        unconcat_tokens=batch["unconcat_tokens"],
+        total_lengths=batch["total_lengths"],
+        response_lengths=batch["response_lengths"],
+    )
     log_probs = out["log_probs"]
     loss = -sum_of_sample_mean(torch.cat(log_probs))
     return loss, {"nll": loss.detach()}
@@ -241,19 +290,27 @@ async def generate_current(args, sample: Sample, sampling_params: dict) -> Sampl
     tokenizer = load_function("slime.rollout.sglang_rollout.GenerateState")(args).tokenizer
     url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
     messages = [{"role": "user", "content": sample.prompt}] if isinstance(sample.prompt, str) else list(sample.prompt)
-    sample.tokens = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False)
+    sample.tokens = tokenizer.apply_chat_template(
+        messages, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     for turn in range(2):
-        output = await post(url, {"input_ids": sample.tokens, "sampling_params": sampling_params,
-                                  "return_logprob": True})
+        output = await post(
+            url, {"input_ids": sample.tokens, "sampling_params": sampling_params, "return_logprob": True}
+        )
         meta = output["meta_info"]
-        sample.append_response_tokens(args, tokens=output["output_ids"], text=output["text"], meta_info=meta,
-                                      log_probs=[logprob for logprob, _, _ in meta["output_token_logprobs"]])
+        sample.append_response_tokens(
+            args,
+            tokens=output["output_ids"],
+            text=output["text"],
+            meta_info=meta,
+            log_probs=[logprob for logprob, _, _ in meta["output_token_logprobs"]],
+        )
         if turn == 0:
             expression = re.sub(r"[^0-9+\-*/() ]", "", messages[-1]["content"])
             result = f"\n<tool_response>\n{calculator(expression)}\n</tool_response>\n"
-            sample.append_response_tokens(args, tokens=tokenizer(result, add_special_tokens=False)["input_ids"],
-                                          trainable=False, text=result)
+            sample.append_response_tokens(
+                args, tokens=tokenizer(result, add_special_tokens=False)["input_ids"], trainable=False, text=result
+            )
     # a dict of any values; the scores differ within odd groups only, so the filter has groups to drop
     score = float(sample.index % 2) if sample.group_index % 2 else 0.0
     sample.reward = {"score": score, "parsed": sample.response[:8]}
@@ -271,8 +328,18 @@ def rollout_current(args, rollout_id, data_buffer, evaluation=False):
     return RolloutFnTrainOutput(samples=groups, metrics={"custom/played": len(groups)})
 
 
-NOTED_ARGS = ("num_layers", "use_wandb", "wandb_project", "sglang_mem_fraction_static", "max_turns", "reward_key",
-              "rollout_batch_size", "calculate_per_token_loss", "use_rollout_logprobs", "rm_type")
+NOTED_ARGS = (
+    "num_layers",
+    "use_wandb",
+    "wandb_project",
+    "sglang_mem_fraction_static",
+    "max_turns",
+    "reward_key",
+    "rollout_batch_size",
+    "calculate_per_token_loss",
+    "use_rollout_logprobs",
+    "rm_type",
+)
 
 
 def note_args(args, where: str) -> None:
@@ -300,8 +367,11 @@ def rollout_by_slimes_default_path(args, rollout_id, data_buffer, evaluation=Fal
     """A rollout function that hands each group to slime's own ``generate_and_rm_group``."""
     from slime.rollout.sglang_rollout import generate_and_rm_group
 
-    params = {"max_new_tokens": args.rollout_max_response_len, "temperature": args.rollout_temperature,
-              "top_p": args.rollout_top_p}
+    params = {
+        "max_new_tokens": args.rollout_max_response_len,
+        "temperature": args.rollout_temperature,
+        "top_p": args.rollout_top_p,
+    }
 
     async def play(groups):
         return await asyncio.gather(*(generate_and_rm_group(args, group, params, evaluation) for group in groups))
@@ -312,9 +382,12 @@ def rollout_by_slimes_default_path(args, rollout_id, data_buffer, evaluation=Fal
 async def teacher_answer(args, sample: Sample, **kwargs) -> dict:
     """On-policy distillation's reward model, as slime's: the teacher server scores the whole sequence
     (no new token) and its answer, with every input token's log-prob, is the reward."""
-    payload = {"input_ids": sample.tokens, "return_logprob": True, "logprob_start_len": 0,
-               "sampling_params": {"temperature": args.rollout_temperature, "max_new_tokens": 0,
-                                   "skip_special_tokens": False}}
+    payload = {
+        "input_ids": sample.tokens,
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "sampling_params": {"temperature": args.rollout_temperature, "max_new_tokens": 0, "skip_special_tokens": False},
+    }
     return await post(args.rm_url, payload)
 
 
@@ -324,7 +397,7 @@ def teacher_log_probs(args, samples: list[Sample], **kwargs):
     for sample in samples:
         answer = sample.get_reward_value(args)
         logprobs = torch.tensor([lp for lp, *_ in answer["meta_info"]["input_token_logprobs"][1:]])
-        sample.teacher_log_probs = logprobs[-sample.response_length:]
+        sample.teacher_log_probs = logprobs[-sample.response_length :]
     zeros = [0.0] * len(samples)
     return zeros, zeros
 
@@ -388,12 +461,16 @@ async def generate_its_own_way(args, sample: Sample, sampling_params: dict) -> S
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     headers = {"Authorization": f"Bearer {args.router_api_key}"} if getattr(args, "router_api_key", None) else {}
     async with httpx.AsyncClient(timeout=None, trust_env=False) as client:
-        response = await client.post(f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate",
-                                     json={"input_ids": prompt, "sampling_params": sampling_params}, headers=headers)
+        response = await client.post(
+            f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate",
+            json={"input_ids": prompt, "sampling_params": sampling_params},
+            headers=headers,
+        )
     output = response.raise_for_status().json()
     sample.tokens, sample.response_length = prompt + output["output_ids"], len(output["output_ids"])
     sample.response = output["text"]
-    sample.status = Sample.Status.TRUNCATED if output["meta_info"]["finish_reason"]["type"] == "length" \
-        else Sample.Status.COMPLETED
+    sample.status = (
+        Sample.Status.TRUNCATED if output["meta_info"]["finish_reason"]["type"] == "length" else Sample.Status.COMPLETED
+    )
     sample.reward = float(len(sample.response) % 2)  # differs within groups, so there is something to learn
     return sample

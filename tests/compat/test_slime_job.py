@@ -32,18 +32,48 @@ def test_a_slime_custom_generate_job(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setenv("SLIME_PLUGIN_LOG", str(log))
     prompts = write_dataset(calculator_rows, tmp_path / "calc.jsonl", 8)
     data, run_dir = tmp_path / "rollout_{rollout_id}.jsonl", tmp_path / "run"
-    check(inverted(
-        "train", "--debug-rollout-only", "--hf-checkpoint", str(tiny_model()), "--prompt-data", str(prompts),
-        "--custom-generate-function-path", f"{PLUGINS}:generate", "--custom-rm-path", f"{PLUGINS}:group_rm", "--group-rm",
-        "--buffer-filter-path", f"{PLUGINS}.newest_groups_first", "--rollout-sample-filter-path", f"{PLUGINS}:remove_odd_indices",
-        "--custom-rollout-log-function-path", f"{PLUGINS}:log_rollout", "--eval-interval", "1",
-        "--eval-prompt-data", str(prompts), "--eval-function-path", f"{PLUGINS}:eval_rollout",
-        "--custom-eval-rollout-log-function-path", f"{PLUGINS}:log_eval", "--save-debug-rollout-data", str(data),
-        "--output-dir", str(run_dir), "--num-rollout", "2", *SMALL_RUN))
+    check(
+        inverted(
+            "train",
+            "--debug-rollout-only",
+            "--hf-checkpoint",
+            str(tiny_model()),
+            "--prompt-data",
+            str(prompts),
+            "--custom-generate-function-path",
+            f"{PLUGINS}:generate",
+            "--custom-rm-path",
+            f"{PLUGINS}:group_rm",
+            "--group-rm",
+            "--buffer-filter-path",
+            f"{PLUGINS}.newest_groups_first",
+            "--rollout-sample-filter-path",
+            f"{PLUGINS}:remove_odd_indices",
+            "--custom-rollout-log-function-path",
+            f"{PLUGINS}:log_rollout",
+            "--eval-interval",
+            "1",
+            "--eval-prompt-data",
+            str(prompts),
+            "--eval-function-path",
+            f"{PLUGINS}:eval_rollout",
+            "--custom-eval-rollout-log-function-path",
+            f"{PLUGINS}:log_eval",
+            "--save-debug-rollout-data",
+            str(data),
+            "--output-dir",
+            str(run_dir),
+            "--num-rollout",
+            "2",
+            *SMALL_RUN,
+        )
+    )
 
     for rollout_id in range(2):
-        saved = [Sample.from_json(json.loads(line)) for line in
-                 (tmp_path / f"rollout_{rollout_id}.jsonl").read_text().splitlines()]
+        saved = [
+            Sample.from_json(json.loads(line))
+            for line in (tmp_path / f"rollout_{rollout_id}.jsonl").read_text().splitlines()
+        ]
         assert len(saved) == 4
         groups = [s.group_index for s in saved]
         assert groups == sorted(groups, reverse=True)  # the buffer filter's order, not the oldest first
@@ -63,7 +93,9 @@ def test_a_slime_custom_generate_job(tiny_model, tmp_path, monkeypatch):
 
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     rollouts = [line for line in lines if "rollout_id" in line]
-    assert [r["rollout_id"] for r in rollouts] == [0, 1] and all(r["samples"] == 4 and r["removed"] == 2 for r in rollouts)
+    assert [r["rollout_id"] for r in rollouts] == [0, 1] and all(
+        r["samples"] == 4 and r["removed"] == 2 for r in rollouts
+    )
     assert [line["eval"] for line in lines if "eval" in line] == [0, 1, 2]
     rows = metrics_rows(run_dir)
     assert all("rollout/reward_mean" not in row for row in rows)  # the log function took it over
@@ -72,25 +104,67 @@ def test_a_slime_custom_generate_job(tiny_model, tmp_path, monkeypatch):
 
 def test_slime_flags_we_do_not_have_and_wrong_plugins_fail_before_anything_starts(tiny_model, tmp_path):
     prompts = write_dataset(calculator_rows, tmp_path / "calc.jsonl", 2)
-    base = ["train", "--hf-checkpoint", str(tiny_model()), "--prompt-data", str(prompts), "--output-dir", str(tmp_path / "run")]
+    base = [
+        "train",
+        "--hf-checkpoint",
+        str(tiny_model()),
+        "--prompt-data",
+        str(prompts),
+        "--output-dir",
+        str(tmp_path / "run"),
+    ]
     for args, message in [
-        (["--data-source-path", "x:y"], "--data-source-path='x:y' is a slime flag inverted does not have: inverted's Data Buffer"),
+        (
+            ["--data-source-path", "x:y"],
+            "--data-source-path='x:y' is a slime flag inverted does not have: inverted's Data Buffer",
+        ),
         (["--num-layers", "5"], "slime's model flags do not describe --hf-checkpoint: --num-layers 5 != 2"),
-        (["--sglang-config", "/nonexistent.yaml"], "--sglang-config='/nonexistent.yaml': inverted starts --num-engines"),
-        (["--custom-generate-function-path", f"{PLUGINS}:group_rm"], "does not match slime's def group_rm(args, sample, sampling_params)"),
-        (["--custom-generate-function-path", f"{PLUGINS}:generate", "--rollout-function-path",
-          "rollout_functions.subprocess_agent:generate_rollout"],
-         "runs inside rollout_functions.single_turn:generate_rollout (slime's default rollout), not inside"),
-        (["--custom-generate-function-path", f"{PLUGINS}:generate", "--loss-type", "custom_loss",
-          "--custom-loss-function-path", f"{PLUGINS}:log_rollout"],
-         "does not match slime's def log_rollout(args, batch, logits, sum_of_sample_mean)"),
-        (["--custom-generate-function-path", f"{PLUGINS}:generate", "--loss-type", "custom_loss"],
-         "--custom-loss-function-path=None: expected a module:function with --loss-type custom_loss"),
-        (["--custom-generate-function-path", f"{PLUGINS}:generate", "--buffer-filter-path", f"{PLUGINS}:no_such"],
-         "--buffer-filter-path='tests.compat.slime_plugins:no_such': cannot load it"),
-        (["--custom-generate-function-path", f"{PLUGINS}:generate", "--custom-tis-function-path", f"{PLUGINS}:group_rm"],
-         "--custom-tis-function-path='tests.compat.slime_plugins:group_rm': signature (args, samples: "
-         "list[inverted.compat.slime.Sample]) -> list[float] does not match slime's def group_rm(args, *, pg_loss"),
+        (
+            ["--sglang-config", "/nonexistent.yaml"],
+            "--sglang-config='/nonexistent.yaml': inverted starts --num-engines",
+        ),
+        (
+            ["--custom-generate-function-path", f"{PLUGINS}:group_rm"],
+            "does not match slime's def group_rm(args, sample, sampling_params)",
+        ),
+        (
+            [
+                "--custom-generate-function-path",
+                f"{PLUGINS}:generate",
+                "--rollout-function-path",
+                "rollout_functions.subprocess_agent:generate_rollout",
+            ],
+            "runs inside rollout_functions.single_turn:generate_rollout (slime's default rollout), not inside",
+        ),
+        (
+            [
+                "--custom-generate-function-path",
+                f"{PLUGINS}:generate",
+                "--loss-type",
+                "custom_loss",
+                "--custom-loss-function-path",
+                f"{PLUGINS}:log_rollout",
+            ],
+            "does not match slime's def log_rollout(args, batch, logits, sum_of_sample_mean)",
+        ),
+        (
+            ["--custom-generate-function-path", f"{PLUGINS}:generate", "--loss-type", "custom_loss"],
+            "--custom-loss-function-path=None: expected a module:function with --loss-type custom_loss",
+        ),
+        (
+            ["--custom-generate-function-path", f"{PLUGINS}:generate", "--buffer-filter-path", f"{PLUGINS}:no_such"],
+            "--buffer-filter-path='tests.compat.slime_plugins:no_such': cannot load it",
+        ),
+        (
+            [
+                "--custom-generate-function-path",
+                f"{PLUGINS}:generate",
+                "--custom-tis-function-path",
+                f"{PLUGINS}:group_rm",
+            ],
+            "--custom-tis-function-path='tests.compat.slime_plugins:group_rm': signature (args, samples: "
+            "list[inverted.compat.slime.Sample]) -> list[float] does not match slime's def group_rm(args, *, pg_loss",
+        ),
     ]:
         result = inverted(*base, *args, timeout=120)
         assert result.returncode == 2 and message in result.stderr, (args, result.stderr[-3000:])
@@ -107,24 +181,69 @@ def test_plugins_in_slimes_current_style_run_unchanged(tiny_model, tmp_path):
     data = tmp_path / "rollout_{rollout_id}.jsonl"
     custom = tmp_path / "custom.yaml"
     custom.write_text(f"args_log: {tmp_path / 'args'}\nmax_turns: 2\n")
-    slime_launch = ["--num-layers", "2", "--hidden-size", "64", "--swiglu", "--use-wandb", "--wandb-project", "p",
-                    "--sglang-mem-fraction-static", "0.7", "--custom-config-path", str(custom)]
+    slime_launch = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--swiglu",
+        "--use-wandb",
+        "--wandb-project",
+        "p",
+        "--sglang-mem-fraction-static",
+        "0.7",
+        "--custom-config-path",
+        str(custom),
+    ]
     result = inverted(
-        "train", "--debug-rollout-only", "--hf-checkpoint", str(tiny_model()), "--prompt-data", str(prompts),
-        "--rollout-function-path", f"{PLUGINS}.rollout_noting_args", "--reward-key", "score",
-        "--dynamic-sampling-filter-path", "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std",
-        "--buffer-filter-path", f"{PLUGINS}:oldest_first_noting_args",
-        "--save-debug-rollout-data", str(data), "--output-dir", str(tmp_path / "run"), "--num-rollout", "2",
-        "--num-epoch", "1", "--max-sampling-rounds", "3", *SMALL_RUN, *slime_launch)
+        "train",
+        "--debug-rollout-only",
+        "--hf-checkpoint",
+        str(tiny_model()),
+        "--prompt-data",
+        str(prompts),
+        "--rollout-function-path",
+        f"{PLUGINS}.rollout_noting_args",
+        "--reward-key",
+        "score",
+        "--dynamic-sampling-filter-path",
+        "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std",
+        "--buffer-filter-path",
+        f"{PLUGINS}:oldest_first_noting_args",
+        "--save-debug-rollout-data",
+        str(data),
+        "--output-dir",
+        str(tmp_path / "run"),
+        "--num-rollout",
+        "2",
+        "--num-epoch",
+        "1",
+        "--max-sampling-rounds",
+        "3",
+        *SMALL_RUN,
+        *slime_launch,
+    )
     check(result)
     # slime's args is one namespace, the same in the rollout function's process and the buffer service's
     noted = json.loads((tmp_path / "args.rollout").read_text())
     assert noted == json.loads((tmp_path / "args.buffer").read_text())
-    assert noted == {"num_layers": 2, "use_wandb": True, "wandb_project": "p", "sglang_mem_fraction_static": 0.7,
-                     "max_turns": 2, "reward_key": "score", "rollout_batch_size": 2, "calculate_per_token_loss": False,
-                     "use_rollout_logprobs": False, "rm_type": None}
-    for line in ("slime flags accepted with no effect here", "--use-wandb=True: metrics go to",
-                 "--sglang-mem-fraction-static=0.7: a setting of real SGLang"):
+    assert noted == {
+        "num_layers": 2,
+        "use_wandb": True,
+        "wandb_project": "p",
+        "sglang_mem_fraction_static": 0.7,
+        "max_turns": 2,
+        "reward_key": "score",
+        "rollout_batch_size": 2,
+        "calculate_per_token_loss": False,
+        "use_rollout_logprobs": False,
+        "rm_type": None,
+    }
+    for line in (
+        "slime flags accepted with no effect here",
+        "--use-wandb=True: metrics go to",
+        "--sglang-mem-fraction-static=0.7: a setting of real SGLang",
+    ):
         assert line in result.stderr
     saved = [Sample.from_json(json.loads(line)) for line in (tmp_path / "rollout_0.jsonl").read_text().splitlines()]
     assert saved
@@ -142,25 +261,48 @@ def test_plugins_in_slimes_current_style_run_unchanged(tiny_model, tmp_path):
     # and the third is never sampled.
     assert {s.group_index for s in saved} == {1, 3}, sorted({s.group_index for s in saved})
     first, second = [r for r in metrics_rows(tmp_path / "run") if "rollout/samples" in r]
-    assert first["rollout/sampling_rounds"] == 2 and first["rollout/samples"] == 8 and first["rollout/trained_samples"] == 4
+    assert (
+        first["rollout/sampling_rounds"] == 2
+        and first["rollout/samples"] == 8
+        and first["rollout/trained_samples"] == 4
+    )
     # The second step's first round leases the last 2 prompts (one kept group); its second finds the data at an
     # end (--num-epoch 1) and the step takes the one group it has instead of failing or waiting.
     last = [Sample.from_json(json.loads(line)) for line in (tmp_path / "rollout_1.jsonl").read_text().splitlines()]
     assert {s.group_index for s in last} == {5}, sorted({s.group_index for s in last})
-    assert second["rollout/sampling_rounds"] == 2 and second["rollout/samples"] == 4 and second["rollout/trained_samples"] == 2
+    assert (
+        second["rollout/sampling_rounds"] == 2
+        and second["rollout/samples"] == 4
+        and second["rollout/trained_samples"] == 2
+    )
 
 
 def test_a_plugins_exception_in_the_buffer_reaches_the_console_with_its_traceback(tiny_model, tmp_path):
     """It was a bare ``status=500`` in the job, the traceback only in the buffer service's log."""
     prompts = write_dataset(calculator_rows, tmp_path / "calc.jsonl", 4)
-    result = inverted("train", "--debug-rollout-only", "--hf-checkpoint", str(tiny_model()), "--prompt-data",
-                      str(prompts), "--custom-generate-function-path", f"{PLUGINS}:generate",
-                      "--dynamic-sampling-filter-path", f"{PLUGINS}:broken_filter", "--output-dir", str(tmp_path / "run"),
-                      "--num-rollout", "1", *SMALL_RUN)
+    result = inverted(
+        "train",
+        "--debug-rollout-only",
+        "--hf-checkpoint",
+        str(tiny_model()),
+        "--prompt-data",
+        str(prompts),
+        "--custom-generate-function-path",
+        f"{PLUGINS}:generate",
+        "--dynamic-sampling-filter-path",
+        f"{PLUGINS}:broken_filter",
+        "--output-dir",
+        str(tmp_path / "run"),
+        "--num-rollout",
+        "1",
+        *SMALL_RUN,
+    )
     assert result.returncode == 2, result.stderr[-3000:]
-    error = result.stderr[result.stderr.index("inverted train: error:"):]
-    assert ("in the Data Buffer service: --dynamic-sampling-filter-path='tests.compat.slime_plugins:broken_filter' "
-            "raised TypeError: 'NoneType' object is not subscriptable") in error, error
+    error = result.stderr[result.stderr.index("inverted train: error:") :]
+    assert (
+        "in the Data Buffer service: --dynamic-sampling-filter-path='tests.compat.slime_plugins:broken_filter' "
+        "raised TypeError: 'NoneType' object is not subscriptable"
+    ) in error, error
     assert 'slime_plugins.py", line' in error and "in broken_filter" in error and "no_such_key" in error
 
 
@@ -177,7 +319,7 @@ def check_distilled(run_dir: Path, teacher: Path, coef: float, task_reward: bool
         with torch.no_grad():
             logits = model(torch.tensor([sample.tokens])).logits[0].float()
         logp = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(sample.tokens[1:])[:, None])[:, 0]
-        reference = logp[-sample.response_length:]
+        reference = logp[-sample.response_length :]
         base = sample.reward if task_reward else 0.0
         expected = base - coef * (torch.from_numpy(detail.log_probs.copy()) - reference)
         assert torch.allclose(torch.from_numpy(detail.advantages.copy()), expected, atol=2e-3), (group, index)
@@ -193,12 +335,34 @@ def test_on_policy_distillation_from_a_teacher_server(tiny_model, procs, tmp_pat
     server = procs.engine(teacher, name="teacher")
     prompts = write_dataset(calculator_rows, tmp_path / "calc.jsonl", 4)
     run_dir, coef = tmp_path / "run", 0.5
-    check(inverted("train", "--hf-checkpoint", str(student), "--prompt-data", str(prompts), "--output-dir", str(run_dir),
-                   "--num-rollout", "1", "--save-train-details", "--rollout-function-path",
-                   "rollout_functions.single_turn:generate_rollout", "--custom-rm-path", f"{PLUGINS}.teacher_answer",
-                   "--custom-reward-post-process-path", f"{PLUGINS}.teacher_log_probs", "--use-opd",
-                   "--opd-type", "sglang", "--opd-kl-coef", str(coef), "--rm-url", f"{server.url}/generate",
-                   *SMALL_RUN))
+    check(
+        inverted(
+            "train",
+            "--hf-checkpoint",
+            str(student),
+            "--prompt-data",
+            str(prompts),
+            "--output-dir",
+            str(run_dir),
+            "--num-rollout",
+            "1",
+            "--save-train-details",
+            "--rollout-function-path",
+            "rollout_functions.single_turn:generate_rollout",
+            "--custom-rm-path",
+            f"{PLUGINS}.teacher_answer",
+            "--custom-reward-post-process-path",
+            f"{PLUGINS}.teacher_log_probs",
+            "--use-opd",
+            "--opd-type",
+            "sglang",
+            "--opd-kl-coef",
+            str(coef),
+            "--rm-url",
+            f"{server.url}/generate",
+            *SMALL_RUN,
+        )
+    )
     check_distilled(run_dir, teacher, coef, task_reward=False)
     assert "train/opd_reverse_kl" in metrics_rows(run_dir)[0]
 
@@ -209,12 +373,34 @@ def test_on_policy_distillation_with_the_teacher_in_the_trainer(tiny_model, tmp_
     student, teacher = tiny_model("qwen2"), tiny_model("qwen2", seed=1)
     prompts = write_dataset(calculator_rows, tmp_path / "calc.jsonl", 4)
     run_dir, coef = tmp_path / "run", 0.25
-    check(inverted("train", "--hf-checkpoint", str(student), "--prompt-data", str(prompts), "--output-dir", str(run_dir),
-                   "--num-rollout", "1", "--save-train-details", "--rollout-function-path",
-                   "rollout_functions.single_turn:generate_rollout", "--rm-type", "random",
-                   "--custom-reward-post-process-path", f"{PLUGINS}.rewards_as_given", "--use-opd",
-                   "--opd-type", "megatron", "--opd-teacher-load", str(teacher), "--opd-kl-coef", str(coef),
-                   *SMALL_RUN))
+    check(
+        inverted(
+            "train",
+            "--hf-checkpoint",
+            str(student),
+            "--prompt-data",
+            str(prompts),
+            "--output-dir",
+            str(run_dir),
+            "--num-rollout",
+            "1",
+            "--save-train-details",
+            "--rollout-function-path",
+            "rollout_functions.single_turn:generate_rollout",
+            "--rm-type",
+            "random",
+            "--custom-reward-post-process-path",
+            f"{PLUGINS}.rewards_as_given",
+            "--use-opd",
+            "--opd-type",
+            "megatron",
+            "--opd-teacher-load",
+            str(teacher),
+            "--opd-kl-coef",
+            str(coef),
+            *SMALL_RUN,
+        )
+    )
     check_distilled(run_dir, teacher, coef, task_reward=True)
 
 
@@ -225,15 +411,36 @@ def test_a_rollout_worker_that_outlives_its_rollout(tiny_model, tmp_path, monkey
     log = tmp_path / "slime_log.jsonl"
     monkeypatch.setenv("SLIME_PLUGIN_LOG", str(log))
     prompts = write_dataset(calculator_rows, tmp_path / "calc.jsonl", 8)
-    check(inverted("train", "--debug-rollout-only", "--hf-checkpoint", str(tiny_model()), "--prompt-data", str(prompts),
-                   "--rollout-function-path", f"{PLUGINS}.rollout_with_a_lasting_worker", "--rm-type", "random",
-                   "--save-debug-rollout-data", str(tmp_path / "rollout_{rollout_id}.jsonl"),
-                   "--output-dir", str(tmp_path / "run"), "--num-rollout", "2", *SMALL_RUN))
+    check(
+        inverted(
+            "train",
+            "--debug-rollout-only",
+            "--hf-checkpoint",
+            str(tiny_model()),
+            "--prompt-data",
+            str(prompts),
+            "--rollout-function-path",
+            f"{PLUGINS}.rollout_with_a_lasting_worker",
+            "--rm-type",
+            "random",
+            "--save-debug-rollout-data",
+            str(tmp_path / "rollout_{rollout_id}.jsonl"),
+            "--output-dir",
+            str(tmp_path / "run"),
+            "--num-rollout",
+            "2",
+            *SMALL_RUN,
+        )
+    )
     assert [json.loads(line) for line in log.read_text().splitlines()] == [
-        {"rollout_id": 0, "same_buffer": True}, {"rollout_id": 1, "same_buffer": True}]
+        {"rollout_id": 0, "same_buffer": True},
+        {"rollout_id": 1, "same_buffer": True},
+    ]
     for rollout_id in range(2):
-        saved = [Sample.from_json(json.loads(line)) for line in
-                 (tmp_path / f"rollout_{rollout_id}.jsonl").read_text().splitlines()]
+        saved = [
+            Sample.from_json(json.loads(line))
+            for line in (tmp_path / f"rollout_{rollout_id}.jsonl").read_text().splitlines()
+        ]
         assert sorted(s.group_index for s in saved) == [2 * rollout_id] * 2 + [2 * rollout_id + 1] * 2
         for sample in saved:
             sample.validate()
@@ -247,20 +454,64 @@ def test_a_rollout_replayed_from_a_dump_in_slimes_format(tiny_model, tmp_path):
     trains on it with no servers."""
     prompts = write_dataset(calculator_rows, tmp_path / "calc.jsonl", 8)
     dump = tmp_path / "dump" / "{rollout_id}.pt"
-    check(inverted("train", "--debug-rollout-only", "--hf-checkpoint", str(tiny_model()), "--prompt-data", str(prompts),
-                   "--rollout-function-path", "rollout_functions.single_turn:generate_rollout", "--rm-type", "random",
-                   "--save-debug-rollout-data", str(dump), "--output-dir", str(tmp_path / "first"), "--num-rollout", "1",
-                   *SMALL_RUN))
+    check(
+        inverted(
+            "train",
+            "--debug-rollout-only",
+            "--hf-checkpoint",
+            str(tiny_model()),
+            "--prompt-data",
+            str(prompts),
+            "--rollout-function-path",
+            "rollout_functions.single_turn:generate_rollout",
+            "--rm-type",
+            "random",
+            "--save-debug-rollout-data",
+            str(dump),
+            "--output-dir",
+            str(tmp_path / "first"),
+            "--num-rollout",
+            "1",
+            *SMALL_RUN,
+        )
+    )
     saved = torch.load(tmp_path / "dump" / "0.pt", weights_only=True)
     assert saved["rollout_id"] == 0 and len(saved["samples"]) == 4
-    assert {"tokens", "response", "response_length", "rollout_log_probs", "loss_mask", "status", "reward", "index",
-            "group_index", "teacher_log_probs", "spec_info", "prefix_cache_info"} <= set(saved["samples"][0])
+    assert {
+        "tokens",
+        "response",
+        "response_length",
+        "rollout_log_probs",
+        "loss_mask",
+        "status",
+        "reward",
+        "index",
+        "group_index",
+        "teacher_log_probs",
+        "spec_info",
+        "prefix_cache_info",
+    } <= set(saved["samples"][0])
     dumped = {(s["group_index"], s["_index"]): s["tokens"] for s in saved["samples"]}
 
     run_dir = tmp_path / "replayed"
-    check(inverted("train", "--hf-checkpoint", str(tiny_model()), "--prompt-data", str(prompts),
-                   "--rollout-function-path", f"{PLUGINS}.replay_dump", "--load-forge-rollout-data", str(dump),
-                   "--output-dir", str(run_dir), "--num-rollout", "2", *SMALL_RUN))
+    check(
+        inverted(
+            "train",
+            "--hf-checkpoint",
+            str(tiny_model()),
+            "--prompt-data",
+            str(prompts),
+            "--rollout-function-path",
+            f"{PLUGINS}.replay_dump",
+            "--load-forge-rollout-data",
+            str(dump),
+            "--output-dir",
+            str(run_dir),
+            "--num-rollout",
+            "2",
+            *SMALL_RUN,
+        )
+    )
     stored = stored_samples(run_dir)
     assert len(stored) == 8
     for (group, index), sample in stored.items():
@@ -269,9 +520,24 @@ def test_a_rollout_replayed_from_a_dump_in_slimes_format(tiny_model, tmp_path):
         assert sample.tokens == dumped[(group, index) if source is None else (source["group_index"], source["index"])]
     assert len(metrics_rows(run_dir)) == 2
 
-    check(inverted("train", "--debug-train-only", "--load-debug-rollout-data", str(dump), "--hf-checkpoint",
-                   str(tiny_model()), "--output-dir", str(tmp_path / "offline"), "--num-rollout", "1",
-                   "--lr", "1e-3", "--log-level", "warning"))
+    check(
+        inverted(
+            "train",
+            "--debug-train-only",
+            "--load-debug-rollout-data",
+            str(dump),
+            "--hf-checkpoint",
+            str(tiny_model()),
+            "--output-dir",
+            str(tmp_path / "offline"),
+            "--num-rollout",
+            "1",
+            "--lr",
+            "1e-3",
+            "--log-level",
+            "warning",
+        )
+    )
     trained = sum(sum(s["loss_mask"]) for s in saved["samples"])
     assert metrics_rows(tmp_path / "offline")[0]["train/loss_tokens"] == trained
 
@@ -280,11 +546,30 @@ def test_a_rollout_function_that_never_returns_does_not_keep_the_job_from_stoppi
     """slime's sleep_rollout never returns, by design; Ctrl-C still stops the job."""
     log = tmp_path / "slime_log.jsonl"
     prompts = write_dataset(calculator_rows, tmp_path / "calc.jsonl", 4)
-    argv = [sys.executable, "-m", "inverted.cli", "train", "--debug-rollout-only", "--hf-checkpoint", str(tiny_model()),
-            "--prompt-data", str(prompts), "--rollout-function-path", f"{PLUGINS}.sleep_forever",
-            "--output-dir", str(tmp_path / "run"), "--num-rollout", "1", *ONE_ENGINE_RUN]
-    env = {**os.environ, "SLIME_PLUGIN_LOG": str(log), "PYTHONPATH": str(Path(__file__).parents[2]),
-           "PYTHONFAULTHANDLER": "1"}  # a job that does not stop is sent SIGABRT: it prints where each thread waits
+    argv = [
+        sys.executable,
+        "-m",
+        "inverted.cli",
+        "train",
+        "--debug-rollout-only",
+        "--hf-checkpoint",
+        str(tiny_model()),
+        "--prompt-data",
+        str(prompts),
+        "--rollout-function-path",
+        f"{PLUGINS}.sleep_forever",
+        "--output-dir",
+        str(tmp_path / "run"),
+        "--num-rollout",
+        "1",
+        *ONE_ENGINE_RUN,
+    ]
+    env = {
+        **os.environ,
+        "SLIME_PLUGIN_LOG": str(log),
+        "PYTHONPATH": str(Path(__file__).parents[2]),
+        "PYTHONFAULTHANDLER": "1",
+    }  # a job that does not stop is sent SIGABRT: it prints where each thread waits
     job = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -312,9 +597,25 @@ def test_slime_rollout_functions_side_by_side_in_async_mode(tiny_model, tmp_path
     function gets its own group from the one ``data_buffer``."""
     prompts = write_dataset(calculator_rows, tmp_path / "calc.jsonl", 8)
     run_dir = tmp_path / "run"
-    check(inverted("train", "--async-mode", "--hf-checkpoint", str(tiny_model()), "--prompt-data", str(prompts),
-                   "--rollout-function-path", f"{PLUGINS}.rollout_by_slimes_default_path", "--rm-type", "random",
-                   "--output-dir", str(run_dir), "--num-rollout", "2", *SMALL_RUN))
+    check(
+        inverted(
+            "train",
+            "--async-mode",
+            "--hf-checkpoint",
+            str(tiny_model()),
+            "--prompt-data",
+            str(prompts),
+            "--rollout-function-path",
+            f"{PLUGINS}.rollout_by_slimes_default_path",
+            "--rm-type",
+            "random",
+            "--output-dir",
+            str(run_dir),
+            "--num-rollout",
+            "2",
+            *SMALL_RUN,
+        )
+    )
     assert len(metrics_rows(run_dir)) == 2
     assert all(sample.response_length > 0 for sample in stored_samples(run_dir).values())
 
@@ -326,10 +627,29 @@ def test_a_generate_function_that_records_neither_logprobs_nor_versions_trains(t
     exact here, where training waits for the rollout). Evaluation Samples, never trained, alike."""
     prompts = write_dataset(calculator_rows, tmp_path / "calc.jsonl", 8)
     data, run_dir = tmp_path / "rollout_{rollout_id}.jsonl", tmp_path / "run"
-    check(inverted("train", "--hf-checkpoint", str(tiny_model()), "--prompt-data", str(prompts),
-                   "--custom-generate-function-path", f"{PLUGINS}:generate_its_own_way", "--use-tis",
-                   "--eval-interval", "2", "--eval-prompt-data", str(prompts), "--save-debug-rollout-data", str(data),
-                   "--output-dir", str(run_dir), "--num-rollout", "2", *ONE_ENGINE_RUN))
+    check(
+        inverted(
+            "train",
+            "--hf-checkpoint",
+            str(tiny_model()),
+            "--prompt-data",
+            str(prompts),
+            "--custom-generate-function-path",
+            f"{PLUGINS}:generate_its_own_way",
+            "--use-tis",
+            "--eval-interval",
+            "2",
+            "--eval-prompt-data",
+            str(prompts),
+            "--save-debug-rollout-data",
+            str(data),
+            "--output-dir",
+            str(run_dir),
+            "--num-rollout",
+            "2",
+            *ONE_ENGINE_RUN,
+        )
+    )
     rows = metrics_rows(run_dir)
     trained = [m for m in rows if "train/loss" in m]
     assert [m["train/samples_without_rollout_logprobs"] for m in trained] == [4.0, 4.0]
@@ -338,8 +658,10 @@ def test_a_generate_function_that_records_neither_logprobs_nor_versions_trains(t
     evaluations = [m for m in rows if "eval/pass_rate" in m]
     assert [m["weight_version"] for m in evaluations] == [0, 2] and all(m["eval/failed"] == 0 for m in evaluations)
     for rollout_id, version in ((0, "default"), (1, "1")):  # the servers' version when each rollout started
-        saved = [Sample.from_json(json.loads(line)) for line in
-                 (tmp_path / f"rollout_{rollout_id}.jsonl").read_text().splitlines()]
+        saved = [
+            Sample.from_json(json.loads(line))
+            for line in (tmp_path / f"rollout_{rollout_id}.jsonl").read_text().splitlines()
+        ]
         assert len(saved) == 4
         for sample in saved:
             sample.validate()

@@ -30,8 +30,9 @@ from tests.job.test_train_job import check, inverted, metrics_rows
 from tests.train.samples import make_samples
 
 SOURCE = Path(os.environ.get("SLIME_SOURCE", "/nonexistent"))
-pytestmark = pytest.mark.skipif(not (SOURCE / "slime").is_dir(),
-                                reason="slime's source is not at hand (SLIME_SOURCE=checkout)")
+pytestmark = pytest.mark.skipif(
+    not (SOURCE / "slime").is_dir(), reason="slime's source is not at hand (SLIME_SOURCE=checkout)"
+)
 MIS = SOURCE / "examples" / "train_infer_mismatch_helper"
 
 
@@ -43,8 +44,15 @@ def load_file(path: Path, name: str):
 
 
 def conversations(count: int, rng=None) -> list[dict]:
-    return [{"input": [{"role": "user", "content": f"What is {i} + 1?"},
-                       {"role": "assistant", "content": f"It is {i + 1}."}]} for i in range(count)]
+    return [
+        {
+            "input": [
+                {"role": "user", "content": f"What is {i} + 1?"},
+                {"role": "assistant", "content": f"It is {i + 1}."},
+            ]
+        }
+        for i in range(count)
+    ]
 
 
 @pytest.mark.slow  # a whole job: left out of make test-fast
@@ -54,11 +62,34 @@ def test_slimes_sft_rollout_copied_into_a_users_tree_trains(tiny_model, tmp_path
     shutil.copy(SOURCE / "slime" / "rollout" / "sft_rollout.py", tree / "my_sft.py")
     prompts = write_dataset(conversations, tmp_path / "sft.jsonl", 4)
     data, run_dir = tmp_path / "rollout_{rollout_id}.jsonl", tmp_path / "run"
-    check(inverted("train", "--hf-checkpoint", str(tiny_model("qwen2")), "--prompt-data", str(prompts),
-                   "--rollout-function-path", "my_sft.generate_rollout", "--loss-mask-type", "qwen",
-                   "--rollout-batch-size", "2", "--n-samples-per-prompt", "1", "--num-engines", "1",
-                   "--save-debug-rollout-data", str(data), "--output-dir", str(run_dir), "--num-rollout", "2",
-                   "--log-level", "warning", pythonpath=tree))
+    check(
+        inverted(
+            "train",
+            "--hf-checkpoint",
+            str(tiny_model("qwen2")),
+            "--prompt-data",
+            str(prompts),
+            "--rollout-function-path",
+            "my_sft.generate_rollout",
+            "--loss-mask-type",
+            "qwen",
+            "--rollout-batch-size",
+            "2",
+            "--n-samples-per-prompt",
+            "1",
+            "--num-engines",
+            "1",
+            "--save-debug-rollout-data",
+            str(data),
+            "--output-dir",
+            str(run_dir),
+            "--num-rollout",
+            "2",
+            "--log-level",
+            "warning",
+            pythonpath=tree,
+        )
+    )
     trained = [m for m in metrics_rows(run_dir) if "train/loss" in m]
     assert [m["train/samples_without_rollout_logprobs"] for m in trained] == [2.0, 2.0]
     for rollout_id, version in ((0, "default"), (1, "1")):
@@ -82,10 +113,17 @@ def test_slimes_mis_function_runs_on_cp_utils_at_context_parallel_one():
     masks = [torch.tensor([1, 0, 1][:n] + [1] * (n - 3), dtype=torch.float32) for n in lengths]
     pg = torch.randn(sum(lengths), generator=generator)
     out, out_masks, metrics = mis.compute_mis_weights_with_cp(
-        args, pg_loss=pg, train_log_probs=train, rollout_log_probs=rollout, loss_masks=masks,
-        total_lengths=[n + 4 for n in lengths], response_lengths=lengths)
-    weights, expected_masks, _ = mis.compute_mis_weights(args, train_log_probs=train, rollout_log_probs=rollout,
-                                                         loss_masks=masks)
+        args,
+        pg_loss=pg,
+        train_log_probs=train,
+        rollout_log_probs=rollout,
+        loss_masks=masks,
+        total_lengths=[n + 4 for n in lengths],
+        response_lengths=lengths,
+    )
+    weights, expected_masks, _ = mis.compute_mis_weights(
+        args, train_log_probs=train, rollout_log_probs=rollout, loss_masks=masks
+    )
     assert torch.equal(out, pg * torch.cat(weights))
     assert all(torch.equal(a, b) for a, b in zip(out_masks, expected_masks))
     assert metrics and all(v.shape == (sum(lengths),) for v in metrics.values())
@@ -97,8 +135,13 @@ def test_slimes_mis_function_is_a_tis_plugin(tiny_model, tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(MIS))
     config = yaml.safe_load((MIS / "mis.yaml").read_text())
     samples = make_samples(seed=5)
-    metrics = one_step(tiny_model, tmp_path, samples, custom_tis_function_path="mis.compute_mis_weights_with_cp",
-                       plugin_args=json.dumps(config))
+    metrics = one_step(
+        tiny_model,
+        tmp_path,
+        samples,
+        custom_tis_function_path="mis.compute_mis_weights_with_cp",
+        plugin_args=json.dumps(config),
+    )
     assert torch.isfinite(torch.tensor([metrics["train/loss"], metrics["train/pg_loss"]])).all()
     plain = one_step(tiny_model, tmp_path, samples)
     assert metrics["train/pg_loss"] != pytest.approx(plain["train/pg_loss"])  # the weights took effect

@@ -25,8 +25,10 @@ def grpo_advantages(samples) -> list[float]:
     by_group: dict[int, list[float]] = {}
     for s in samples:
         by_group.setdefault(s.group_index, []).append(s.reward)
-    return [(s.reward - statistics.mean(by_group[s.group_index])) / (statistics.stdev(by_group[s.group_index]) + 1e-6)
-            for s in samples]
+    return [
+        (s.reward - statistics.mean(by_group[s.group_index])) / (statistics.stdev(by_group[s.group_index]) + 1e-6)
+        for s in samples
+    ]
 
 
 def token_logprobs(tiny_model, samples) -> list[torch.Tensor]:
@@ -36,16 +38,20 @@ def token_logprobs(tiny_model, samples) -> list[torch.Tensor]:
     with torch.no_grad():
         for s in samples:
             logp = model(torch.tensor([s.tokens])).logits[0].log_softmax(-1)
-            out.append(logp[s.prompt_length - 1:len(s.tokens) - 1].gather(
-                -1, torch.tensor(s.tokens[s.prompt_length:])[:, None])[:, 0])
+            out.append(
+                logp[s.prompt_length - 1 : len(s.tokens) - 1].gather(
+                    -1, torch.tensor(s.tokens[s.prompt_length :])[:, None]
+                )[:, 0]
+            )
     return out
 
 
 def nll_token_mean(tiny_model, samples) -> float:
     """The negative log-likelihood of the trained tokens, per token (our default aggregation)."""
     mask = [torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples]
-    return -sum(float((lp * m).sum()) for lp, m in zip(token_logprobs(tiny_model, samples), mask)) / \
-        sum(float(m.sum()) for m in mask)
+    return -sum(float((lp * m).sum()) for lp, m in zip(token_logprobs(tiny_model, samples), mask)) / sum(
+        float(m.sum()) for m in mask
+    )
 
 
 def one_step(tiny_model, tmp_path, samples, **flags) -> dict[str, float]:
@@ -62,8 +68,14 @@ def samples():
 def test_dr_grpo_reducer_divides_by_its_constant(tiny_model, tmp_path, samples):
     from tests.compat.slime_plugins import DR_GRPO_DIVISOR
 
-    metrics = one_step(tiny_model, tmp_path, samples, custom_pg_loss_reducer_function_path=f"{PLUGINS}:get_pg_loss_reducer")
-    expected = sum(-a * s.loss_mask.count(1) for a, s in zip(grpo_advantages(samples), samples)) / DR_GRPO_DIVISOR / len(samples)
+    metrics = one_step(
+        tiny_model, tmp_path, samples, custom_pg_loss_reducer_function_path=f"{PLUGINS}:get_pg_loss_reducer"
+    )
+    expected = (
+        sum(-a * s.loss_mask.count(1) for a, s in zip(grpo_advantages(samples), samples))
+        / DR_GRPO_DIVISOR
+        / len(samples)
+    )
     assert abs(expected) > 1e-3
     assert metrics["train/pg_loss"] == pytest.approx(expected, rel=1e-5)
 
@@ -74,12 +86,18 @@ def test_slimes_reducer_is_told_slimes_calculate_per_token_loss(tiny_model, tmp_
     ``--loss-aggregation``), divided by the step's samples; with ``--calculate-per-token-loss`` (our
     ``--per-token-loss``) the token sum, divided by the step's tokens. Told True by default, the
     reducer's loss was ~length x off."""
-    metrics = one_step(tiny_model, tmp_path, samples, custom_pg_loss_reducer_function_path=f"{PLUGINS}:sum_of_sample_mean",
-                       per_token_loss=per_token)
+    metrics = one_step(
+        tiny_model,
+        tmp_path,
+        samples,
+        custom_pg_loss_reducer_function_path=f"{PLUGINS}:sum_of_sample_mean",
+        per_token_loss=per_token,
+    )
     advantages = grpo_advantages(samples)
     if per_token:
-        expected = sum(-a * s.loss_mask.count(1) for a, s in zip(advantages, samples)) / \
-            sum(s.loss_mask.count(1) for s in samples)
+        expected = sum(-a * s.loss_mask.count(1) for a, s in zip(advantages, samples)) / sum(
+            s.loss_mask.count(1) for s in samples
+        )
     else:
         expected = sum(-a for a in advantages) / len(samples)
     assert metrics["train/pg_loss"] == pytest.approx(expected, rel=1e-5, abs=1e-7)
@@ -110,8 +128,9 @@ def test_reward_post_process_replaces_the_group_normalisation(tiny_model, tmp_pa
 
 def test_a_custom_loss_is_the_loss(tiny_model, tmp_path, samples):
     """slime's custom loss (an NLL through slime's get_log_probs_and_entropy) equals transformers' NLL."""
-    metrics = one_step(tiny_model, tmp_path, samples, loss_type="custom_loss",
-                       custom_loss_function_path=f"{PLUGINS}:nll_loss")
+    metrics = one_step(
+        tiny_model, tmp_path, samples, loss_type="custom_loss", custom_loss_function_path=f"{PLUGINS}:nll_loss"
+    )
     assert metrics["train/loss"] == pytest.approx(nll_token_mean(tiny_model, samples), rel=1e-4)
     assert metrics["train/custom/nll"] == pytest.approx(metrics["train/loss"], rel=1e-6)
 
@@ -127,8 +146,13 @@ def test_slimes_own_sft_loss_function_is_the_loss(tiny_model, tmp_path, samples)
     """``--custom-loss-function-path slime.backends.megatron_utils.loss.sft_loss_function``, as slime's
     loss.py has it: ``-sum_of_sample_mean(log_probs)`` through its ``get_log_probs_and_entropy``; its
     ``loss`` metric beside it."""
-    metrics = one_step(tiny_model, tmp_path, samples, loss_type="custom_loss",
-                       custom_loss_function_path="slime.backends.megatron_utils.loss.sft_loss_function")
+    metrics = one_step(
+        tiny_model,
+        tmp_path,
+        samples,
+        loss_type="custom_loss",
+        custom_loss_function_path="slime.backends.megatron_utils.loss.sft_loss_function",
+    )
     assert metrics["train/loss"] == pytest.approx(nll_token_mean(tiny_model, samples), rel=1e-4)
     assert metrics["train/custom/loss"] == pytest.approx(metrics["train/loss"], rel=1e-6)
 
@@ -151,7 +175,7 @@ def masked_nll_token_mean(tiny_model, samples) -> float:
     total, tokens = 0.0, 0.0
     with torch.no_grad():
         for s in samples:
-            logits = model(torch.tensor([s.tokens])).logits[0, s.prompt_length - 1:len(s.tokens) - 1]
+            logits = model(torch.tensor([s.tokens])).logits[0, s.prompt_length - 1 : len(s.tokens) - 1]
             for row, token, kept, mask in zip(logits, s.response_tokens, s.kept_sets(), s.loss_mask):
                 total -= mask * float(row[kept].log_softmax(-1)[kept.index(token)])
                 tokens += mask
@@ -165,8 +189,14 @@ def test_a_loss_reads_each_tokens_kept_set(tiny_model, tmp_path, samples, loss):
     the logits (slime's ``sft_loss_function``) all train on the distribution over the set,
     ``transformers``' log-softmax restricted to it."""
     samples = with_kept_sets(samples, transformers.AutoConfig.from_pretrained(tiny_model("qwen2")).vocab_size)
-    flags = {"loss_type": "sft_loss"} if loss.startswith("sft_loss") else {
-        "loss_type": "custom_loss", "custom_loss_function_path": "slime.backends.megatron_utils.loss.sft_loss_function"}
+    flags = (
+        {"loss_type": "sft_loss"}
+        if loss.startswith("sft_loss")
+        else {
+            "loss_type": "custom_loss",
+            "custom_loss_function_path": "slime.backends.megatron_utils.loss.sft_loss_function",
+        }
+    )
     if loss == "sft_loss_lora":
         flags["lora_rank"] = 4
     metrics = one_step(tiny_model, tmp_path, samples, **flags)
@@ -183,19 +213,27 @@ def test_samples_without_rollout_logprobs_train_on_the_trainers_own(tiny_model, 
     metrics = one_step(tiny_model, tmp_path, samples, use_tis=True, tis_clip=1.5, tis_clip_low=0.5)
     logps, advantages = token_logprobs(tiny_model, samples), grpo_advantages(samples)
     recorded = [(lp, s) for lp, s in zip(logps, samples) if s.rollout_log_probs is not None]
-    weights = [(lp - torch.tensor(s.rollout_log_probs)).exp().clamp(0.5, 1.5) if s.rollout_log_probs is not None
-               else torch.ones_like(lp) for lp, s in zip(logps, samples)]
+    weights = [
+        (lp - torch.tensor(s.rollout_log_probs)).exp().clamp(0.5, 1.5)
+        if s.rollout_log_probs is not None
+        else torch.ones_like(lp)
+        for lp, s in zip(logps, samples)
+    ]
     masks = [torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples]
     tokens = sum(float(m.sum()) for m in masks)
     expected_pg = sum(float((-a * w * m).sum()) for a, w, m in zip(advantages, weights, masks)) / tokens
     assert metrics["train/samples_without_rollout_logprobs"] == len(samples) // 2
     assert metrics["train/pg_loss"] == pytest.approx(expected_pg, rel=1e-4)
-    assert metrics["train/tis_mean"] == pytest.approx(sum(float((w * m).sum()) for w, m in zip(weights, masks)) / tokens,
-                                                      rel=1e-4)
-    gaps = [((lp - torch.tensor(s.rollout_log_probs)).abs(), torch.tensor(s.loss_mask, dtype=torch.float32))
-            for lp, s in recorded]
+    assert metrics["train/tis_mean"] == pytest.approx(
+        sum(float((w * m).sum()) for w, m in zip(weights, masks)) / tokens, rel=1e-4
+    )
+    gaps = [
+        ((lp - torch.tensor(s.rollout_log_probs)).abs(), torch.tensor(s.loss_mask, dtype=torch.float32))
+        for lp, s in recorded
+    ]
     assert metrics["train/train_rollout_logprob_abs_diff"] == pytest.approx(
-        sum(float((g * m).sum()) for g, m in gaps) / sum(float(m.sum()) for _, m in gaps), rel=1e-4)
+        sum(float((g * m).sum()) for g, m in gaps) / sum(float(m.sum()) for _, m in gaps), rel=1e-4
+    )
     # KL as reward (the sampler's log-probs against the reference) leaves them out too
     assert one_step(tiny_model, tmp_path, samples, kl_coef=0.1)["train/samples_without_rollout_logprobs"] == 4
 

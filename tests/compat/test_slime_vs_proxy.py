@@ -24,8 +24,17 @@ from tests.rollout.proxy.scripted import teach
 CONVERSATION = [
     {"role": "system", "content": calc.SYSTEM},
     {"role": "user", "content": "What is 12 * 7?"},
-    {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "12 * 7"}'}}]},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "c1",
+                "type": "function",
+                "function": {"name": "calculator", "arguments": '{"expression": "12 * 7"}'},
+            }
+        ],
+    },
     {"role": "tool", "tool_call_id": "c1", "content": "84"},
     {"role": "assistant", "content": "84"},
 ]
@@ -48,10 +57,20 @@ def run(stack, rollout, sampling: dict, **extra) -> list[Sample]:
     the same computations on the engine, so its logprobs agree to the last bit."""
     model, engine, router, proxy = stack
     assert httpx.post(engine.url + "/flush_cache", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
-    tasks = [Task(lease_id="l", group_index=g, index=0, prompt_index=g, prompt=question, label=answer, tools=calc.TOOLS)
-             for g, (question, answer) in enumerate([("What is 12 * 7?", 84), ("What is 30 + 5?", 35)])]
-    ctx = RolloutContext(rollout_id=0, config=RolloutConfig(rollout_concurrency=1), proxy_url=proxy.url,
-                         proxy_api_key=KEY, router_url=router.url, hf_checkpoint=str(model), sampling=sampling, **extra)
+    tasks = [
+        Task(lease_id="l", group_index=g, index=0, prompt_index=g, prompt=question, label=answer, tools=calc.TOOLS)
+        for g, (question, answer) in enumerate([("What is 12 * 7?", 84), ("What is 30 + 5?", 35)])
+    ]
+    ctx = RolloutContext(
+        rollout_id=0,
+        config=RolloutConfig(rollout_concurrency=1),
+        proxy_url=proxy.url,
+        proxy_api_key=KEY,
+        router_url=router.url,
+        hf_checkpoint=str(model),
+        sampling=sampling,
+        **extra,
+    )
     return asyncio.run(rollout.generate_rollout(ctx, tasks))
 
 
@@ -61,8 +80,12 @@ def test_the_agent_rollout_and_a_slime_generate_function_record_the_same_tokens(
     sampling = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 40, "seed": seed}
     ours = run(stack, agent, sampling, env=calc.episode)
     flags = to_flags(RolloutConfig()) | {"hf_checkpoint": str(model)}
-    generate = load_hook("tests.compat.slime_plugins:calculator_episode", point="generate",
-                         flag="--custom-generate-function-path", flags=flags)  # slime's form, adapted
+    generate = load_hook(
+        "tests.compat.slime_plugins:calculator_episode",
+        point="generate",
+        flag="--custom-generate-function-path",
+        flags=flags,
+    )  # slime's form, adapted
     theirs = run(stack, single_turn, sampling, generate=generate, flags=flags)
 
     for a, b in zip(ours, theirs, strict=True):

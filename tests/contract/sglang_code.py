@@ -10,8 +10,8 @@ source of ``MultiprocessingSerializer``, ``SafeUnpickler`` and ``init_custom_pro
 """
 
 from __future__ import annotations
-
 import __future__
+
 import ast
 import importlib.machinery
 import importlib.util
@@ -24,8 +24,14 @@ from pathlib import Path
 
 import torch
 
-COMMON_NAMES = ("_safe_load_torch_storage", "SafeUnpickler", "MultiprocessingSerializer",
-                "_looks_like_pickle_payload", "normalize_serialized_named_tensor_payload", "init_custom_process_group")
+COMMON_NAMES = (
+    "_safe_load_torch_storage",
+    "SafeUnpickler",
+    "MultiprocessingSerializer",
+    "_looks_like_pickle_payload",
+    "normalize_serialized_named_tensor_payload",
+    "init_custom_process_group",
+)
 PACKAGES = ("sglang", "sglang.srt", "sglang.srt.weight_sync")
 
 
@@ -42,8 +48,11 @@ def server_args_fields() -> set[str]:
     """The fields of SGLang's ``ServerArgs``, whose flags are made from them (``--max-lora-rank`` from
     ``max_lora_rank``), as its ``arg_groups/field_order.py`` lists them."""
     tree = ast.parse((sglang_root() / "srt" / "arg_groups" / "field_order.py").read_text())
-    order = next(node.value for node in tree.body if isinstance(node, ast.Assign)
-                 and [t.id for t in node.targets] == ["POSITIONAL_FIELD_ORDER"])
+    order = next(
+        node.value
+        for node in tree.body
+        if isinstance(node, ast.Assign) and [t.id for t in node.targets] == ["POSITIONAL_FIELD_ORDER"]
+    )
     return set(ast.literal_eval(order))
 
 
@@ -60,23 +69,40 @@ def load() -> types.SimpleNamespace:
             package = types.ModuleType(name)
             package.__path__ = []
             sys.modules[name] = package
-    spec = importlib.util.spec_from_file_location("sglang.srt.weight_sync.tensor_bucket",
-                                                  root / "srt" / "weight_sync" / "tensor_bucket.py")
+    spec = importlib.util.spec_from_file_location(
+        "sglang.srt.weight_sync.tensor_bucket", root / "srt" / "weight_sync" / "tensor_bucket.py"
+    )
     bucket = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = bucket
     spec.loader.exec_module(bucket)
 
     source = (root / "srt" / "utils" / "common.py").read_text()
     tree = ast.parse(source)
-    wanted = [node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in COMMON_NAMES]
+    wanted = [
+        node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in COMMON_NAMES
+    ]
     assert {n.name for n in wanted} == set(COMMON_NAMES), "sglang's common.py changed shape"
-    namespace = {"__name__": "sglang.srt.utils.common", "io": io, "pickle": pickle, "torch": torch, "binascii": binascii,
-                 "pybase64": pybase64, "ForkingPickler": ForkingPickler,
-                 "torch_release": pkg_version.parse(torch.__version__).release}
+    namespace = {
+        "__name__": "sglang.srt.utils.common",
+        "io": io,
+        "pickle": pickle,
+        "torch": torch,
+        "binascii": binascii,
+        "pybase64": pybase64,
+        "ForkingPickler": ForkingPickler,
+        "torch_release": pkg_version.parse(torch.__version__).release,
+    }
     # common.py has ``from __future__ import annotations``: compiled the same way, its annotations stay unevaluated.
-    code = compile(ast.Module(body=wanted, type_ignores=[]), str(root / "srt/utils/common.py"), "exec",
-                   flags=__future__.annotations.compiler_flag, dont_inherit=True)
+    code = compile(
+        ast.Module(body=wanted, type_ignores=[]),
+        str(root / "srt/utils/common.py"),
+        "exec",
+        flags=__future__.annotations.compiler_flag,
+        dont_inherit=True,
+    )
     exec(code, namespace)
-    return types.SimpleNamespace(FlattenedTensorBucket=bucket.FlattenedTensorBucket,
-                                 FlattenedTensorMetadata=bucket.FlattenedTensorMetadata,
-                                 **{name: namespace[name] for name in COMMON_NAMES})
+    return types.SimpleNamespace(
+        FlattenedTensorBucket=bucket.FlattenedTensorBucket,
+        FlattenedTensorMetadata=bucket.FlattenedTensorMetadata,
+        **{name: namespace[name] for name in COMMON_NAMES},
+    )

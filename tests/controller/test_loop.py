@@ -29,13 +29,30 @@ pytestmark = pytest.mark.anyio
 
 def config(tmp_path: Path, *flags: str) -> JobConfig:
     data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"input": f"What is {i} + {i}?", "label": str(2 * i)}) + "\n" for i in range(40)))
+    data.write_text(
+        "".join(json.dumps({"input": f"What is {i} + {i}?", "label": str(2 * i)}) + "\n" for i in range(40))
+    )
     (tmp_path / "run").mkdir(exist_ok=True)
     parser = argparse.ArgumentParser()
     add_flags(parser, JobConfig)
-    return build_section(JobConfig, parser.parse_args([
-        "--hf-checkpoint", str(tmp_path), "--prompt-data", str(data), "--output-dir", str(tmp_path / "run"),
-        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", *flags]))
+    return build_section(
+        JobConfig,
+        parser.parse_args(
+            [
+                "--hf-checkpoint",
+                str(tmp_path),
+                "--prompt-data",
+                str(data),
+                "--output-dir",
+                str(tmp_path / "run"),
+                "--rollout-batch-size",
+                "2",
+                "--n-samples-per-prompt",
+                "2",
+                *flags,
+            ]
+        ),
+    )
 
 
 class Trainer:
@@ -133,13 +150,31 @@ async def run_loop(cfg: JobConfig, job: Job, rollouts: Rollouts) -> list[dict]:
 
 
 def started_buffer(procs, cfg: JobConfig):
-    return procs.buffer(Path(cfg.train.output_dir) / "buffer.db", "--prompt-data", cfg.buffer.prompt_data,
-                        "--n-samples-per-prompt", str(cfg.buffer.n_samples_per_prompt))
+    return procs.buffer(
+        Path(cfg.train.output_dir) / "buffer.db",
+        "--prompt-data",
+        cfg.buffer.prompt_data,
+        "--n-samples-per-prompt",
+        str(cfg.buffer.n_samples_per_prompt),
+    )
 
 
 async def test_each_step_trains_its_batch_and_syncs_saves_and_evaluates_when_due(procs, tmp_path):
-    cfg = config(tmp_path, "--num-rollout", "4", "--update-weights-interval", "2", "--save-interval", "3",
-                 "--restart-save-interval", "2", "--eval-interval", "2", "--eval-prompt-data", str(tmp_path / "prompts.jsonl"))
+    cfg = config(
+        tmp_path,
+        "--num-rollout",
+        "4",
+        "--update-weights-interval",
+        "2",
+        "--save-interval",
+        "3",
+        "--restart-save-interval",
+        "2",
+        "--eval-interval",
+        "2",
+        "--eval-prompt-data",
+        str(tmp_path / "prompts.jsonl"),
+    )
     async with BufferClient(started_buffer(procs, cfg).url) as buffer:
         job = Job(buffer)
         rollouts = Rollouts()
@@ -147,9 +182,18 @@ async def test_each_step_trains_its_batch_and_syncs_saves_and_evaluates_when_due
         served = [await job.ledger.served(step) for step in range(4)]
 
     calls = job.trainer.calls
-    assert calls == [("train", 0, served[0].batch_id), ("train", 1, served[1].batch_id), ("sync", 2),
-                     ("save_for_restart", 2), ("train", 2, served[2].batch_id), ("save", 3), ("train", 3, served[3].batch_id), ("sync", 4),
-                     ("save", 4), ("finish", 4)]
+    assert calls == [
+        ("train", 0, served[0].batch_id),
+        ("train", 1, served[1].batch_id),
+        ("sync", 2),
+        ("save_for_restart", 2),
+        ("train", 2, served[2].batch_id),
+        ("save", 3),
+        ("train", 3, served[3].batch_id),
+        ("sync", 4),
+        ("save", 4),
+        ("finish", 4),
+    ]
     assert all(len(batch.groups) == 2 for batch in served)  # --rollout-batch-size groups a step
     training = [r for r in rows if "rollout/reward_mean" in r]
     evaluations = [r for r in rows if "eval/reward_mean" in r]
@@ -160,10 +204,17 @@ async def test_each_step_trains_its_batch_and_syncs_saves_and_evaluates_when_due
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-async def test_a_resumed_loop_trains_the_batches_its_killed_run_was_served_before_it_rolls_out_again(procs, tmp_path,
-                                                                                                    mode):
-    cfg = config(tmp_path, "--num-rollout", "4", "--restart-save-interval", "0",
-                 *(["--async-mode", "--rollout-concurrency", "4"] if mode == "async" else []))
+async def test_a_resumed_loop_trains_the_batches_its_killed_run_was_served_before_it_rolls_out_again(
+    procs, tmp_path, mode
+):
+    cfg = config(
+        tmp_path,
+        "--num-rollout",
+        "4",
+        "--restart-save-interval",
+        "0",
+        *(["--async-mode", "--rollout-concurrency", "4"] if mode == "async" else []),
+    )
     async with BufferClient(started_buffer(procs, cfg).url) as buffer:
         killed = Job(buffer, dies_at=2)
         with pytest.raises(RuntimeError, match="the trainer died"):
@@ -190,9 +241,15 @@ async def test_a_resumed_loop_trains_the_batches_its_killed_run_was_served_befor
 
 async def test_a_step_whose_every_group_was_filtered_is_skipped_and_the_weights_stay(procs, tmp_path):
     cfg = config(tmp_path, "--num-rollout", "2", "--max-sampling-rounds", "2", "--restart-save-interval", "0")
-    buffer_process = procs.buffer(Path(cfg.train.output_dir) / "buffer.db", "--prompt-data", cfg.buffer.prompt_data,
-                                  "--n-samples-per-prompt", "2", "--dynamic-sampling-filter-path",
-                                  "inverted.buffer.filters:drop_all_equal_rewards")
+    buffer_process = procs.buffer(
+        Path(cfg.train.output_dir) / "buffer.db",
+        "--prompt-data",
+        cfg.buffer.prompt_data,
+        "--n-samples-per-prompt",
+        "2",
+        "--dynamic-sampling-filter-path",
+        "inverted.buffer.filters:drop_all_equal_rewards",
+    )
     async with BufferClient(buffer_process.url) as buffer:
         job = Job(buffer)
 
@@ -210,8 +267,18 @@ async def test_a_step_whose_every_group_was_filtered_is_skipped_and_the_weights_
 
 
 async def test_the_async_source_at_staleness_0_trains_each_step_only_on_groups_its_own_policy_started(procs, tmp_path):
-    cfg = config(tmp_path, "--num-rollout", "3", "--async-mode", "--max-weight-staleness", "0",
-                 "--rollout-concurrency", "16", "--restart-save-interval", "0")
+    cfg = config(
+        tmp_path,
+        "--num-rollout",
+        "3",
+        "--async-mode",
+        "--max-weight-staleness",
+        "0",
+        "--rollout-concurrency",
+        "16",
+        "--restart-save-interval",
+        "0",
+    )
     async with BufferClient(started_buffer(procs, cfg).url) as buffer:
         job = Job(buffer, train_s=1.0)  # while a step trains, the producer must start nothing more
         rollouts = Rollouts(job, hold_s=0.05)
@@ -225,7 +292,13 @@ async def test_the_async_source_at_staleness_0_trains_each_step_only_on_groups_i
     assert [sum(v == version for v in rollouts.started.values()) for version in range(3)] == [2, 2, 2]
     assert rows[-1]["buffer/groups_dropped_stale"] == 0
     assert [c[:2] for c in job.trainer.calls if c[0] in ("train", "sync")] == [
-        ("train", 0), ("sync", 1), ("train", 1), ("sync", 2), ("train", 2), ("sync", 3)]
+        ("train", 0),
+        ("sync", 1),
+        ("train", 1),
+        ("sync", 2),
+        ("train", 2),
+        ("sync", 3),
+    ]
 
 
 @pytest.mark.parametrize("staleness", [0, 1, 3])

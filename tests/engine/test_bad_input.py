@@ -42,19 +42,27 @@ FIELD_ERRORS = [
 VALUE_ERRORS = [
     ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens must be at least 0, got -1."),
     ({"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, "top_p must be in (0, 1], got 0."),
-    ({"input_ids": [1, 2], "sampling_params": {"temperature": -0.1}},
-     "temperature must be a non-negative finite number, got -0.1."),
+    (
+        {"input_ids": [1, 2], "sampling_params": {"temperature": -0.1}},
+        "temperature must be a non-negative finite number, got -0.1.",
+    ),
     ({"input_ids": [1, 2], "sampling_params": {"top_k": 0}}, "top_k must be -1 (disable) or at least 1, got 0."),
-    ({"input_ids": list(range(200)), "sampling_params": {"max_new_tokens": 100}},
-     "Requested token count exceeds the model's maximum context length of 256 tokens. You requested a total of 300 "
-     "tokens: 200 tokens from the input messages and 100 tokens for the completion."),
+    (
+        {"input_ids": list(range(200)), "sampling_params": {"max_new_tokens": 100}},
+        "Requested token count exceeds the model's maximum context length of 256 tokens. You requested a total of 300 "
+        "tokens: 200 tokens from the input messages and 100 tokens for the completion.",
+    ),
     ({"input_ids": []}, "input_ids cannot be empty."),
     ({}, "Either text, input_ids or input_embeds should be provided."),
-    ({"input_ids": [[1], [2]], "sampling_params": [{"n": 1}, {"n": 2}]},
-     "The parallel_sample_num should be the same for all samples in sample params."),
-    ({"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 9},
-     "req.logprob_start_len=9 is higher than the number of input tokens len(req.origin_input_ids)=2. "
-     "Please use a smaller logprob_start_len."),
+    (
+        {"input_ids": [[1], [2]], "sampling_params": [{"n": 1}, {"n": 2}]},
+        "The parallel_sample_num should be the same for all samples in sample params.",
+    ),
+    (
+        {"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 9},
+        "req.logprob_start_len=9 is higher than the number of input tokens len(req.origin_input_ids)=2. "
+        "Please use a smaller logprob_start_len.",
+    ),
 ]
 
 # Where the embedded engine refuses what real SGLang 0.5.23 does not (docs/sglang-differences.md): an empty text
@@ -110,8 +118,11 @@ def test_text_beside_input_ids_generates_from_the_ids(engine):
 
 
 def test_malformed_json_and_mistyped_control_bodies(engine):
-    for path, content in (("/generate", b'{"input_ids": [1,'), ("/pause_generation", b"not json"),
-                          ("/update_weight_version", b"{}")):
+    for path, content in (
+        ("/generate", b'{"input_ids": [1,'),
+        ("/pause_generation", b"not json"),
+        ("/update_weight_version", b"{}"),
+    ):
         response = httpx.post(engine + path, content=content, headers={"content-type": "application/json"})
         assert response.status_code == 400, (path, response.text)
         body = response.json()
@@ -124,8 +135,10 @@ def test_malformed_json_and_mistyped_control_bodies(engine):
 async def test_bad_requests_do_not_disturb_good_ones(engine):
     async with httpx.AsyncClient(base_url=engine, timeout=60) as client:
         # Hold the good request in flight (decoding, then paused in place) while bad ones arrive.
-        good = await started(client, {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 240, "ignore_eos": True},
-                                      "rid": "good-one"})
+        good = await started(
+            client,
+            {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 240, "ignore_eos": True}, "rid": "good-one"},
+        )
         await client.post("/pause_generation", json={"mode": "in_place"})
         # SGLang holds new requests while paused (the embedded engine answers the bad ones at once)
         bodies = [b for b, _ in VALUE_ERRORS] + SCHEMA_ERRORS + FIELD_ERRORS + [{"input_ids": [1], "rid": "good-one"}]
@@ -149,7 +162,9 @@ def test_api_keys(procs, tiny_model):
     assert httpx.post(url + "/generate", json=body, headers={"Authorization": "Bearer user-key"}).status_code == 200
     for key, status in ((None, 401), ("user-key", 401), ("admin-key", 200)):
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        assert httpx.post(url + "/update_weight_version", json={"new_version": "x"}, headers=headers).status_code == status
+        assert (
+            httpx.post(url + "/update_weight_version", json={"new_version": "x"}, headers=headers).status_code == status
+        )
     assert httpx.post(url + "/generate", json=body).json()["object"] == "error"
 
 
@@ -168,17 +183,22 @@ def test_a_torch_failure_inside_a_weight_load_is_our_500_not_the_clients_400(tin
 
     with serving(create_app(EngineConfig(model=str(tiny_model("qwen2"))))) as url:
         monkeypatch.setattr(CausalLM, "load_weights", fails)  # once started: starting loads weights too
-        response = httpx.post(url + "/update_weights_from_disk", json={"model_path": str(tiny_model("qwen2", seed=1))},
-                              timeout=60)
+        response = httpx.post(
+            url + "/update_weights_from_disk", json={"model_path": str(tiny_model("qwen2", seed=1))}, timeout=60
+        )
         assert response.status_code == 500
         assert "RuntimeError: CUDA error" in response.json()["error"]["message"]
         # inside an update session too (this route used to answer any RuntimeError with a 400)
         named = list(checkpoint_tensors(str(tiny_model("qwen2", seed=1))).items())[:2]
         assert httpx.post(url + "/begin_weight_update", json={}).status_code == 200
-        response = httpx.post(url + "/update_weights_from_tensor", timeout=60, json={
-            "serialized_named_tensors": [payload_of(packed(named))], "load_format": "flattened_bucket"})
+        response = httpx.post(
+            url + "/update_weights_from_tensor",
+            timeout=60,
+            json={"serialized_named_tensors": [payload_of(packed(named))], "load_format": "flattened_bucket"},
+        )
         assert response.status_code == 500 and "CUDA error" in response.json()["error"]["message"]
         assert httpx.post(url + "/end_weight_update", json={}).status_code == 200
-        generated = httpx.post(url + "/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}},
-                               timeout=60)
+        generated = httpx.post(
+            url + "/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}, timeout=60
+        )
         assert generated.status_code == 200 and len(generated.json()["output_ids"]) == 2

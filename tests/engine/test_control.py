@@ -14,8 +14,11 @@ from tests.conftest import BACKENDS
 
 pytestmark = pytest.mark.anyio
 
-LONG = {"input_ids": [7, 8, 9], "sampling_params": {"max_new_tokens": 1200, "temperature": 0, "ignore_eos": True},
-        "return_logprob": True}
+LONG = {
+    "input_ids": [7, 8, 9],
+    "sampling_params": {"max_new_tokens": 1200, "temperature": 0, "ignore_eos": True},
+    "return_logprob": True,
+}
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -57,12 +60,21 @@ async def test_pause_abort_aborts_in_flight_and_blocks_new_until_continue(engine
     async with httpx.AsyncClient(base_url=engine, timeout=120) as client:
         inflight = await started(client, LONG)
         assert (await client.post("/pause_generation", json={"mode": "abort"})).json() == {
-            "message": "Generation paused successfully.", "status": "ok"}
+            "message": "Generation paused successfully.",
+            "status": "ok",
+        }
         aborted = await asyncio.wait_for(inflight, 30)
-        assert aborted["meta_info"]["finish_reason"] == {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+        assert aborted["meta_info"]["finish_reason"] == {
+            "type": "abort",
+            "message": "Aborted",
+            "status_code": None,
+            "err_type": None,
+        }
         assert 5 <= len(aborted["output_ids"]) < 1200
         assert (await client.get("/ready")).status_code == 503
-        blocked = asyncio.create_task(client.post("/generate", json={"input_ids": [1], "sampling_params": {"max_new_tokens": 3}}))
+        blocked = asyncio.create_task(
+            client.post("/generate", json={"input_ids": [1], "sampling_params": {"max_new_tokens": 3}})
+        )
         await asyncio.sleep(1.0)
         assert not blocked.done(), "a generate call must wait while the engine is paused"
         await client.post("/continue_generation", json={})
@@ -95,7 +107,9 @@ async def test_abort_request_by_rid_and_abort_all(engine):
     async with httpx.AsyncClient(base_url=engine, timeout=120) as client:
         a = await started(client, {**LONG, "rid": "group-1-a"})
         b = await started(client, {**LONG, "rid": "group-1-b"})
-        c = await started(client, {**LONG, "rid": "other", "sampling_params": {**LONG["sampling_params"], "max_new_tokens": 4000}})
+        c = await started(
+            client, {**LONG, "rid": "other", "sampling_params": {**LONG["sampling_params"], "max_new_tokens": 4000}}
+        )
         for unknown in ("nobody", "group-1"):  # SGLang aborts by a request's own id only, not by a prefix of ids
             response = await client.post("/abort_request", json={"rid": unknown})
             assert response.status_code == 200 and response.content == b""
@@ -111,12 +125,16 @@ async def test_abort_request_by_rid_and_abort_all(engine):
 
 async def test_weight_version_and_spans_across_an_in_place_update(engine):
     async with httpx.AsyncClient(base_url=engine, timeout=120) as client:
-        out = (await client.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})).json()
+        out = (
+            await client.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
+        ).json()
         assert out["meta_info"]["weight_version"] == await version(client)
         response = await client.post("/update_weight_version", json={"new_version": "v1"})
         assert response.json() == {"success": True, "message": "Weight version updated to v1", "new_version": "v1"}
         assert (await client.get("/model_info")).json()["weight_version"] == "v1"
-        task = await started(client, {**LONG, "sampling_params": {**LONG["sampling_params"], "max_new_tokens": 2000}}, 10)
+        task = await started(
+            client, {**LONG, "sampling_params": {**LONG["sampling_params"], "max_new_tokens": 2000}}, 10
+        )
         await client.post("/pause_generation", json={"mode": "in_place"})
         await client.post("/update_weight_version", json={"new_version": "v2", "abort_all_requests": False})
         await client.post("/continue_generation", json={})
@@ -129,20 +147,31 @@ async def test_weight_version_and_spans_across_an_in_place_update(engine):
 
 def test_update_weights_from_disk_swaps_weights_and_a_missing_checkpoint_changes_nothing(engine, tiny_model):
     new = tiny_model("qwen2", seed=1)
-    body = {"input_ids": [11, 12, 13], "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True},
-            "return_logprob": True}
+    body = {
+        "input_ids": [11, 12, 13],
+        "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True},
+        "return_logprob": True,
+    }
     before = httpx.post(engine + "/generate", json=body, timeout=60).json()
     start = before["meta_info"]["weight_version"]
-    response = httpx.post(engine + "/update_weights_from_disk", json={"model_path": "/nonexistent/checkpoint",
-                                                                       "weight_version": "bad"}, timeout=60)
+    response = httpx.post(
+        engine + "/update_weights_from_disk",
+        json={"model_path": "/nonexistent/checkpoint", "weight_version": "bad"},
+        timeout=60,
+    )
     assert response.status_code == 400 and response.json()["success"] is False
     still = httpx.post(engine + "/generate", json=body, timeout=60).json()
     assert still["output_ids"] == before["output_ids"] and still["meta_info"]["weight_version"] == start
 
-    response = httpx.post(engine + "/update_weights_from_disk", json={"model_path": str(new), "weight_version": "step-1"}, timeout=60)
+    response = httpx.post(
+        engine + "/update_weights_from_disk", json={"model_path": str(new), "weight_version": "step-1"}, timeout=60
+    )
     assert response.status_code == 200, response.text
-    assert response.json() == {"success": True, "num_paused_requests": 0,
-                               "message": "Succeeded to update model weights. Weight version updated to step-1."}
+    assert response.json() == {
+        "success": True,
+        "num_paused_requests": 0,
+        "message": "Succeeded to update model weights. Weight version updated to step-1.",
+    }
     after = httpx.post(engine + "/generate", json=body, timeout=60).json()
     assert after["meta_info"]["weight_version"] == "step-1"
     assert after["output_ids"] != before["output_ids"]
@@ -155,13 +184,18 @@ def test_the_embedded_engine_refuses_a_checkpoint_that_does_not_fit_and_reads_we
     whose names match and answers success, and cannot read a Qwen2 weight by name."""
     name = "model.layers.0.self_attn.q_proj.bias"
     old_values = httpx.post(embedded + "/get_weights_by_name", json={"name": name}).json()
-    response = httpx.post(embedded + "/update_weights_from_disk", json={"model_path": str(tiny_model("qwen3")),
-                                                                         "weight_version": "bad"}, timeout=60)
+    response = httpx.post(
+        embedded + "/update_weights_from_disk",
+        json={"model_path": str(tiny_model("qwen3")), "weight_version": "bad"},
+        timeout=60,
+    )
     assert response.status_code == 400 and response.json()["success"] is False
     assert "Rolled back" in response.json()["message"]
     assert httpx.post(embedded + "/get_weights_by_name", json={"name": name}).json() == old_values
     new = tiny_model("qwen2", seed=1)
-    assert httpx.post(embedded + "/update_weights_from_disk", json={"model_path": str(new)}, timeout=60).status_code == 200
+    assert (
+        httpx.post(embedded + "/update_weights_from_disk", json={"model_path": str(new)}, timeout=60).status_code == 200
+    )
     expected = load_file(str(new / "model.safetensors"))[name]
     got = torch.tensor(httpx.post(embedded + "/get_weights_by_name", json={"name": name, "truncate_size": 5}).json())
     assert torch.equal(got, expected[:5])
@@ -171,7 +205,9 @@ async def test_disk_update_waits_for_running_requests_unless_paused(engine, tiny
     async with httpx.AsyncClient(base_url=engine, timeout=120) as client:
         start = await version(client)
         task = await started(client, {**LONG, "sampling_params": {**LONG["sampling_params"], "max_new_tokens": 400}})
-        update = await client.post("/update_weights_from_disk", json={"model_path": str(tiny_model("qwen2", seed=1)), "weight_version": "w1"})
+        update = await client.post(
+            "/update_weights_from_disk", json={"model_path": str(tiny_model("qwen2", seed=1)), "weight_version": "w1"}
+        )
         assert update.status_code == 200
         out = await asyncio.wait_for(task, 60)
         # Had the update not waited (SGLang's writer lock), later tokens would carry version w1.

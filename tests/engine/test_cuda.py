@@ -9,17 +9,25 @@ from transformers import AutoModelForCausalLM
 
 from tests.conftest import ARCHS, MOE_ARCHS
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none"),
+]
 
 
 @pytest.mark.parametrize("arch", [*ARCHS, *MOE_ARCHS])
 def test_cuda_engine_logprobs_match_transformers(procs, tiny_model, arch):
     url = procs.engine(tiny_model(arch), "--device", "cuda", "--dtype", "float32").url
     prompt = [5, 17, 300, 42, 999, 7]
-    out = httpx.post(url + "/generate", timeout=120, json={
-        "input_ids": prompt, "return_logprob": True,
-        "sampling_params": {"max_new_tokens": 32, "ignore_eos": True, "sampling_seed": 1}}).json()
+    out = httpx.post(
+        url + "/generate",
+        timeout=120,
+        json={
+            "input_ids": prompt,
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 32, "ignore_eos": True, "sampling_seed": 1},
+        },
+    ).json()
     ids = out["output_ids"]
     model = AutoModelForCausalLM.from_pretrained(tiny_model(arch), dtype=torch.float32).cuda().eval()
     with torch.no_grad():

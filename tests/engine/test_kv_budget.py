@@ -32,17 +32,24 @@ def test_the_cache_holds_fewer_rows_as_it_grows_and_gets_them_back_when_reset(ti
 
 def test_long_requests_wait_for_room_and_each_answer_is_the_one_it_gets_alone(module_procs, tiny_model):
     # room for one request of 1,024 tokens, or eight of 128
-    engine = module_procs.engine(tiny_model("qwen2"), "--context-length", "1024", "--max-total-tokens", "1024",
-                                 "--max-running-requests", "8")
+    engine = module_procs.engine(
+        tiny_model("qwen2"), "--context-length", "1024", "--max-total-tokens", "1024", "--max-running-requests", "8"
+    )
     assert httpx.get(engine.url + "/server_info").json()["max_total_num_tokens"] == 1024
     params = {"temperature": 0, "ignore_eos": True}
     prompts = [[5 + i, 17, 300, 42 + i] for i in range(4)]
-    alone = [generate(engine.url, input_ids=p, sampling_params={**params, "max_new_tokens": 600})["output_ids"]
-             for p in prompts]
+    alone = [
+        generate(engine.url, input_ids=p, sampling_params={**params, "max_new_tokens": 600})["output_ids"]
+        for p in prompts
+    ]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        long = [pool.submit(generate, engine.url, input_ids=p, sampling_params={**params, "max_new_tokens": 600})
-                for p in prompts]
-        short = [pool.submit(generate, engine.url, input_ids=p, sampling_params={**params, "max_new_tokens": 20})
-                 for p in prompts]
+        long = [
+            pool.submit(generate, engine.url, input_ids=p, sampling_params={**params, "max_new_tokens": 600})
+            for p in prompts
+        ]
+        short = [
+            pool.submit(generate, engine.url, input_ids=p, sampling_params={**params, "max_new_tokens": 20})
+            for p in prompts
+        ]
         assert [f.result()["output_ids"] for f in long] == alone
         assert [f.result()["output_ids"] for f in short] == [a[:20] for a in alone]

@@ -23,8 +23,10 @@ PROMPTS = ([5, 17, 300, 42, 999, 7, 64, 128], [1, 2, 3, 4, 5, 6], [700, 12, 33, 
 
 def make_adapter(base, out, rank: int, modules, seed: int, alpha: float = 16.0):
     torch.manual_seed(seed)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
-                           LoraConfig(r=rank, lora_alpha=alpha, target_modules=modules, init_lora_weights=False))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+        LoraConfig(r=rank, lora_alpha=alpha, target_modules=modules, init_lora_weights=False),
+    )
     with torch.no_grad():  # peft's random init leaves B small: make each adapter move the logits visibly
         for name, param in model.named_parameters():
             if "lora_B" in name:
@@ -36,15 +38,26 @@ def make_adapter(base, out, rank: int, modules, seed: int, alpha: float = 16.0):
 @pytest.fixture(scope="module")
 def adapters(tiny_model, tmp_path_factory):
     base, root = tiny_model("qwen2"), tmp_path_factory.mktemp("adapters")
-    return {"a": make_adapter(base, root / "a", 4, "all-linear", seed=1),
-            "b": make_adapter(base, root / "b", 8, ["q_proj", "v_proj", "down_proj"], seed=2, alpha=8.0),
-            "big": make_adapter(base, root / "big", 16, ["q_proj"], seed=3)}
+    return {
+        "a": make_adapter(base, root / "a", 4, "all-linear", seed=1),
+        "b": make_adapter(base, root / "b", 8, ["q_proj", "v_proj", "down_proj"], seed=2, alpha=8.0),
+        "big": make_adapter(base, root / "big", 16, ["q_proj"], seed=3),
+    }
 
 
 @pytest.fixture(scope="module")
 def engine(module_procs, tiny_model, adapters):
-    return module_procs.engine(tiny_model("qwen2"), "--enable-lora", "--max-lora-rank", "8", "--lora-paths",
-                               f"a={adapters['a']}", "--admin-api-key", KEY, name="lora").url
+    return module_procs.engine(
+        tiny_model("qwen2"),
+        "--enable-lora",
+        "--max-lora-rank",
+        "8",
+        "--lora-paths",
+        f"a={adapters['a']}",
+        "--admin-api-key",
+        KEY,
+        name="lora",
+    ).url
 
 
 def reference_logprobs(base, adapter, tokens: list[int]) -> torch.Tensor:
@@ -68,14 +81,26 @@ def check(base, adapter, prompt: list[int], out: dict) -> float:
 
 def test_a_batch_mixing_adapters_and_the_base_gives_each_its_own_logprobs(engine, tiny_model, adapters):
     base = tiny_model("qwen2")
-    loaded = httpx.post(engine + "/load_lora_adapter", headers=ADMIN, timeout=60,
-                        json={"lora_name": "b", "lora_path": str(adapters["b"])})
+    loaded = httpx.post(
+        engine + "/load_lora_adapter",
+        headers=ADMIN,
+        timeout=60,
+        json={"lora_name": "b", "lora_path": str(adapters["b"])},
+    )
     assert loaded.status_code == 200, loaded.text
-    assert loaded.json() == {"success": True, "error_message": None,
-                             "loaded_adapters": {"a": str(adapters["a"]), "b": str(adapters["b"])}}
+    assert loaded.json() == {
+        "success": True,
+        "error_message": None,
+        "loaded_adapters": {"a": str(adapters["a"]), "b": str(adapters["b"])},
+    }
     loras = ["a", None, "b"]
-    body = {"input_ids": list(PROMPTS), "lora_path": loras, "return_logprob": True, "logprob_start_len": 0,
-            "sampling_params": {"max_new_tokens": 12, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 5}}
+    body = {
+        "input_ids": list(PROMPTS),
+        "lora_path": loras,
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "sampling_params": {"max_new_tokens": 12, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 5},
+    }
     outs = httpx.post(engine + "/generate", json=body, timeout=60).json()
     for prompt, lora, out in zip(PROMPTS, loras, outs):
         assert check(base, adapters[lora] if lora else None, prompt, out) <= 1e-4, lora
@@ -86,12 +111,18 @@ def test_a_batch_mixing_adapters_and_the_base_gives_each_its_own_logprobs(engine
     # Greedy with an adapter equals peft's generate.
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapters["b"])
     with torch.no_grad():
-        ref = model.eval().generate(torch.tensor([PROMPTS[1]]), do_sample=False, max_new_tokens=16)[0, len(PROMPTS[1]):]
-    greedy = httpx.post(engine + "/generate", json={"input_ids": PROMPTS[1], "lora_path": "b", "sampling_params": {
-        "max_new_tokens": 16, "temperature": 0}}, timeout=60).json()
+        ref = model.eval().generate(torch.tensor([PROMPTS[1]]), do_sample=False, max_new_tokens=16)[
+            0, len(PROMPTS[1]) :
+        ]
+    greedy = httpx.post(
+        engine + "/generate",
+        json={"input_ids": PROMPTS[1], "lora_path": "b", "sampling_params": {"max_new_tokens": 16, "temperature": 0}},
+        timeout=60,
+    ).json()
     assert greedy["output_ids"] == ref.tolist()
     assert httpx.post(engine + "/unload_lora_adapter", headers=ADMIN, json={"lora_name": "b"}).json()[
-        "loaded_adapters"] == {"a": str(adapters["a"])}
+        "loaded_adapters"
+    ] == {"a": str(adapters["a"])}
 
 
 def test_an_adapter_from_tensors_in_a_flattened_bucket_or_a_legacy_payload(engine, tiny_model, adapters):
@@ -99,15 +130,27 @@ def test_an_adapter_from_tensors_in_a_flattened_bucket_or_a_legacy_payload(engin
     config, tensors = read_adapter(adapters["b"])
     layout = bucket_layout([(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()])
     flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors.values()])
-    bucket = {"lora_name": "bucket", "config_dict": config, "load_format": "flattened_bucket",
-              "serialized_named_tensors": [bucket_payload(flat, layout)]}
+    bucket = {
+        "lora_name": "bucket",
+        "config_dict": config,
+        "load_format": "flattened_bucket",
+        "serialized_named_tensors": [bucket_payload(flat, layout)],
+    }
     legacy = {"lora_name": "legacy", "config_dict": config, "serialized_tensors": serialize(dict(tensors))}
     for body in (bucket, legacy):
         out = httpx.post(engine + "/load_lora_adapter_from_tensors", headers=ADMIN, json=body, timeout=60)
         assert out.status_code == 200 and out.json()["loaded_adapters"][body["lora_name"]] is None, out.text
-        gen = httpx.post(engine + "/generate", timeout=60, json={
-            "input_ids": PROMPTS[0], "lora_path": body["lora_name"], "return_logprob": True, "logprob_start_len": 0,
-            "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}).json()
+        gen = httpx.post(
+            engine + "/generate",
+            timeout=60,
+            json={
+                "input_ids": PROMPTS[0],
+                "lora_path": body["lora_name"],
+                "return_logprob": True,
+                "logprob_start_len": 0,
+                "sampling_params": {"max_new_tokens": 4, "ignore_eos": True},
+            },
+        ).json()
         assert check(tiny_model("qwen2"), adapters["b"], PROMPTS[0], gen) <= 1e-4
         httpx.post(engine + "/unload_lora_adapter", headers=ADMIN, json={"lora_name": body["lora_name"]})
 
@@ -120,8 +163,12 @@ def test_a_repeated_adapter_payload_loads_what_its_shared_memory_holds_now(engin
     config, tensors = read_adapter(adapters["b"])
     layout = bucket_layout([(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()])
     flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors.values()]).share_memory_()
-    body = {"lora_name": "refilled", "config_dict": config, "load_format": "flattened_bucket",
-            "serialized_named_tensors": [bucket_payload(flat, layout)]}
+    body = {
+        "lora_name": "refilled",
+        "config_dict": config,
+        "load_format": "flattened_bucket",
+        "serialized_named_tensors": [bucket_payload(flat, layout)],
+    }
     trained, base = flat.clone(), flat.clone()
     for meta in layout:
         if "lora_B" in meta.name:
@@ -131,9 +178,17 @@ def test_a_repeated_adapter_payload_loads_what_its_shared_memory_holds_now(engin
         out = httpx.post(engine + "/load_lora_adapter_from_tensors", headers=ADMIN, json=body, timeout=60)
         assert out.status_code == 200, out.text
         flat.view(torch.float32).fill_(float("nan"))
-        gen = httpx.post(engine + "/generate", timeout=60, json={
-            "input_ids": PROMPTS[0], "lora_path": "refilled", "return_logprob": True, "logprob_start_len": 0,
-            "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}).json()
+        gen = httpx.post(
+            engine + "/generate",
+            timeout=60,
+            json={
+                "input_ids": PROMPTS[0],
+                "lora_path": "refilled",
+                "return_logprob": True,
+                "logprob_start_len": 0,
+                "sampling_params": {"max_new_tokens": 4, "ignore_eos": True},
+            },
+        ).json()
         assert check(tiny_model("qwen2"), reference, PROMPTS[0], gen) <= 1e-4
         httpx.post(engine + "/unload_lora_adapter", headers=ADMIN, json={"lora_name": "refilled"})
 
@@ -145,23 +200,30 @@ def test_bad_adapters_get_400_and_change_nothing(engine, adapters, tmp_path):
     payload = lambda named: [serialize(named)]  # noqa: E731
 
     def load(named, cfg=config, lora_name="x"):
-        return httpx.post(engine + "/load_lora_adapter_from_tensors", headers=ADMIN, timeout=60,
-                          json={"lora_name": lora_name, "config_dict": cfg, "serialized_named_tensors": payload(named)})
+        return httpx.post(
+            engine + "/load_lora_adapter_from_tensors",
+            headers=ADMIN,
+            timeout=60,
+            json={"lora_name": lora_name, "config_dict": cfg, "serialized_named_tensors": payload(named)},
+        )
 
     before = {"a": str(adapters["a"])}
     cases = {
-        "above --max-lora-rank": httpx.post(engine + "/load_lora_adapter", headers=ADMIN, json={
-            "lora_name": "x", "lora_path": str(adapters["big"])}),
+        "above --max-lora-rank": httpx.post(
+            engine + "/load_lora_adapter", headers=ADMIN, json={"lora_name": "x", "lora_path": str(adapters["big"])}
+        ),
         "unknown module": load({name.replace("q_proj", "z_proj"): tensors[name], **tensors}),
         "shape mismatch": load({**tensors, name: tensors[name][:, :-1]}),
         "wrong rank": load(tensors, {**config, "r": 4}),
         "not targeted": load(tensors, {**config, "target_modules": ["q_proj"]}),
         "unpaired": load({k: v for k, v in tensors.items() if "lora_B" not in k}),
         "NaN or inf values": load({**tensors, name: tensors[name].clone().fill_(float("nan"))}),
-        "duplicate name": httpx.post(engine + "/load_lora_adapter", headers=ADMIN, json={
-            "lora_name": "a", "lora_path": str(adapters["b"])}),
-        "not a directory": httpx.post(engine + "/load_lora_adapter", headers=ADMIN, json={
-            "lora_name": "x", "lora_path": str(tmp_path)}),
+        "duplicate name": httpx.post(
+            engine + "/load_lora_adapter", headers=ADMIN, json={"lora_name": "a", "lora_path": str(adapters["b"])}
+        ),
+        "not a directory": httpx.post(
+            engine + "/load_lora_adapter", headers=ADMIN, json={"lora_name": "x", "lora_path": str(tmp_path)}
+        ),
         "unload unknown": httpx.post(engine + "/unload_lora_adapter", headers=ADMIN, json={"lora_name": "nope"}),
     }
     for what, response in cases.items():
@@ -170,8 +232,10 @@ def test_bad_adapters_get_400_and_change_nothing(engine, adapters, tmp_path):
         assert body["success"] is False and body["error_message"] and body["loaded_adapters"] == before, (what, body)
         assert "shares CPU memory by file descriptor" not in body["error_message"], (what, body)
         assert what != "NaN or inf values" or what in body["error_message"], body
-    for route, body in (("/load_lora_adapter", {"lora_name": "x", "lora_path": str(adapters["b"])}),
-                        ("/unload_lora_adapter", {"lora_name": "a"})):
+    for route, body in (
+        ("/load_lora_adapter", {"lora_name": "x", "lora_path": str(adapters["b"])}),
+        ("/unload_lora_adapter", {"lora_name": "a"}),
+    ):
         assert httpx.post(engine + route, json=body).status_code == 401
         assert httpx.post(engine + route, json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
     unknown = httpx.post(engine + "/generate", json={"input_ids": [1, 2], "lora_path": "nope"})
@@ -188,8 +252,11 @@ def test_the_proxy_names_its_adapter_in_every_call_or_the_one_a_model_names(engi
 
     def sampled_gap(proxy, model: str, adapter) -> float:
         session = httpx.post(proxy.url + "/sessions", json={}, headers=admin).json()
-        reply = httpx.post(f"{proxy.url}/sessions/{session['session_id']}/v1/chat/completions", json={
-            "model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6}, timeout=60)
+        reply = httpx.post(
+            f"{proxy.url}/sessions/{session['session_id']}/v1/chat/completions",
+            json={"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6},
+            timeout=60,
+        )
         assert reply.status_code == 200, reply.text
         (sample,) = httpx.post(f"{proxy.url}/sessions/{session['session_id']}/finish", headers=admin).json()["samples"]
         tokens, n = sample["tokens"], sample["response_length"]
@@ -214,8 +281,9 @@ async def test_a_request_runs_on_across_an_adapter_replaced_while_paused(procs, 
     from inverted.train.weight_sync import TensorTransport, WeightSync
     from tests.engine.test_control import LONG, started
 
-    url = procs.engine(tiny_model("qwen2"), "--enable-lora", "--max-lora-rank", "8", "--lora-paths",
-                       f"policy={adapters['a']}").url
+    url = procs.engine(
+        tiny_model("qwen2"), "--enable-lora", "--max-lora-rank", "8", "--lora-paths", f"policy={adapters['a']}"
+    ).url
     config, tensors = read_adapter(adapters["a"])
     newer = [(name, t * 2 if "lora_B" in name else t) for name, t in tensors.items()]
     sync = WeightSync(TensorTransport(torch.device("cpu")), [url], buffer_size=1 << 20, pause_mode=mode, adapter=config)

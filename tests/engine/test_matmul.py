@@ -23,10 +23,13 @@ pytestmark = pytest.mark.skipif(not matmul.packs(CPU, torch.float32), reason="th
 @pytest.mark.parametrize("add", ["none", "bias", "residual"])
 def test_a_packed_weight_multiplies_as_torch_matmul(dtype, add):
     generator = torch.Generator().manual_seed(0)
-    weight = (torch.randn(96, 40, generator=generator) / 40 ** 0.5).to(dtype)
+    weight = (torch.randn(96, 40, generator=generator) / 40**0.5).to(dtype)
     x = torch.randn(7, 40, generator=generator)
-    extra = {"none": None, "bias": torch.randn(96, generator=generator),
-             "residual": torch.randn(7, 96, generator=generator)}[add]
+    extra = {
+        "none": None,
+        "bias": torch.randn(96, generator=generator),
+        "residual": torch.randn(7, 96, generator=generator),
+    }[add]
     want = (x.to(dtype) @ weight.t()).float() + (0 if extra is None else extra)
     packed = matmul.pack(weight)
     assert packed.is_mkldnn and torch.equal(matmul.unpack(packed), weight)

@@ -21,9 +21,12 @@ ALL = ARCHS + MOE_ARCHS
 SGLANG_MOE = {
     "qwen3_moe": "real SGLang's CPU path serves Qwen3-MoE with wrong numbers: every log-prob is -log(vocab) (uniform)",
     "qwen2_moe": "real SGLang's Qwen2-MoE shared-expert gate is a Triton kernel (fused_gate_sigmoid_mul_add): no CPU "
-                 "device"}
-SGLANG_ROUTED_EXPERTS = ("real SGLang cannot capture routed experts without CUDA: --enable-return-routed-experts dies at "
-                         "start-up in torch.cuda.cudart() (mem_cache/pool_host/common.py:147, _cuda_host_register)")
+    "device",
+}
+SGLANG_ROUTED_EXPERTS = (
+    "real SGLang cannot capture routed experts without CUDA: --enable-return-routed-experts dies at "
+    "start-up in torch.cuda.cudart() (mem_cache/pool_host/common.py:147, _cuda_host_register)"
+)
 
 
 class Servers(dict):
@@ -59,8 +62,12 @@ def hf_logprobs(model_dir, tokens: list[int], temperature: float = 1.0) -> torch
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sampled_and_prompt_logprobs_equal_transformers(engines, tiny_model, arch, temperature):
     prompt = [5, 17, 300, 42, 999, 7, 64, 128, 256, 11]
-    body = {"input_ids": prompt, "return_logprob": True, "logprob_start_len": 0,
-            "sampling_params": {"max_new_tokens": 40, "temperature": temperature, "ignore_eos": True, "sampling_seed": 3}}
+    body = {
+        "input_ids": prompt,
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "sampling_params": {"max_new_tokens": 40, "temperature": temperature, "ignore_eos": True, "sampling_seed": 3},
+    }
     out = httpx.post(engines[arch] + "/generate", json=body, timeout=60).json()
     output_ids = out["output_ids"]
     assert len(output_ids) == 40
@@ -81,9 +88,14 @@ def test_sampled_and_prompt_logprobs_equal_transformers(engines, tiny_model, arc
 
 def test_top_logprobs_are_transformers_top_k(engines, tiny_model):
     prompt = [5, 17, 300, 42, 999, 7]
-    body = {"input_ids": prompt, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 5,
-            "return_text_in_logprobs": True,
-            "sampling_params": {"max_new_tokens": 12, "temperature": 0.7, "ignore_eos": True, "sampling_seed": 4}}
+    body = {
+        "input_ids": prompt,
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "top_logprobs_num": 5,
+        "return_text_in_logprobs": True,
+        "sampling_params": {"max_new_tokens": 12, "temperature": 0.7, "ignore_eos": True, "sampling_seed": 4},
+    }
     meta = httpx.post(engines["qwen2"] + "/generate", json=body, timeout=60).json()["meta_info"]
     output_ids = [t for _, t, _ in meta["output_token_logprobs"]]
     ref = hf_logprobs(tiny_model("qwen2"), prompt + output_ids, 0.7)
@@ -109,9 +121,12 @@ def test_greedy_equals_transformers_generate(engines, tiny_model, arch):
     model = AutoModelForCausalLM.from_pretrained(tiny_model(arch), dtype=torch.float32).eval()
     for prompt in ([1, 2, 3, 4, 5], [700, 12, 33], list(range(100, 160))):
         with torch.no_grad():
-            ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=48)[0, len(prompt):].tolist()
-        out = httpx.post(engines[arch] + "/generate", timeout=60, json={
-            "input_ids": prompt, "sampling_params": {"max_new_tokens": 48, "temperature": 0}}).json()
+            ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=48)[0, len(prompt) :].tolist()
+        out = httpx.post(
+            engines[arch] + "/generate",
+            timeout=60,
+            json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 48, "temperature": 0}},
+        ).json()
         assert out["output_ids"] == ref, f"prompt {prompt}"
         eos = set(model.generation_config.eos_token_id)
         if ref[-1] in eos:  # stopped on EOS: the stop token is in output_ids, as SGLang returns it
@@ -132,8 +147,11 @@ def test_routed_experts_are_the_experts_transformers_routes_each_token_to(engine
         pytest.skip(SGLANG_ROUTED_EXPERTS)
     config = AutoConfig.from_pretrained(tiny_model(arch))
     prompt = list(range(40, 90))
-    body = {"input_ids": prompt, "return_routed_experts": True,
-            "sampling_params": {"max_new_tokens": 16, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 5}}
+    body = {
+        "input_ids": prompt,
+        "return_routed_experts": True,
+        "sampling_params": {"max_new_tokens": 16, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 5},
+    }
     first = httpx.post(engines[arch] + "/generate", json=body, timeout=60).json()
     tokens = prompt + first["output_ids"]
     got = routed(first["meta_info"], config)
@@ -148,9 +166,12 @@ def test_routed_experts_are_the_experts_transformers_routes_each_token_to(engine
     assert again["meta_info"]["cached_tokens"] > 0
     assert np.array_equal(routed(again["meta_info"], config)[: len(tokens) - 1], got)
     # routed_experts_start_len: only [start, tokens - 1), what a later turn adds to an earlier one's record
-    later = httpx.post(engines[arch] + "/generate", timeout=60,
-                       json={**body, "input_ids": tokens, "routed_experts_start_len": len(tokens) - 1}).json()
-    assert np.array_equal(routed(later["meta_info"], config), routed(again["meta_info"], config)[len(tokens) - 1:])
+    later = httpx.post(
+        engines[arch] + "/generate",
+        timeout=60,
+        json={**body, "input_ids": tokens, "routed_experts_start_len": len(tokens) - 1},
+    ).json()
+    assert np.array_equal(routed(later["meta_info"], config), routed(again["meta_info"], config)[len(tokens) - 1 :])
     # Streaming returns them once, with the last chunk.
     with httpx.stream("POST", engines[arch] + "/generate", json={**body, "stream": True}, timeout=60) as response:
         chunks = [line for line in response.iter_lines() if line.startswith("data: {")]
@@ -169,6 +190,8 @@ def test_routed_experts_need_the_flag_and_a_moe_model(engines, tiny_model):
     plain = httpx.post(engines["qwen3_moe"] + "/generate", json={**body, "return_routed_experts": False}, timeout=60)
     assert "routed_experts" not in plain.json()["meta_info"]
     past = httpx.post(engines["qwen3_moe"] + "/generate", json={**body, "routed_experts_start_len": 4}, timeout=60)
-    assert past.status_code == 400 and "routed_experts_start_len must be an integer in [0, prompt tokens = 3]" in past.text
+    assert (
+        past.status_code == 400 and "routed_experts_start_len must be an integer in [0, prompt tokens = 3]" in past.text
+    )
     with pytest.raises(ModelError, match="needs a Mixture-of-Experts model"):
         Engine(EngineConfig(model=str(tiny_model("qwen2")), enable_return_routed_experts=True))

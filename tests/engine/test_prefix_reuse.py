@@ -12,12 +12,18 @@ import pytest
 @pytest.fixture(scope="module")
 def engines(module_procs, tiny_model):
     model = tiny_model("qwen3")
-    return (module_procs.engine(model, name="reuse").url,
-            module_procs.engine(model, "--disable-radix-cache", name="plain").url)
+    return (
+        module_procs.engine(model, name="reuse").url,
+        module_procs.engine(model, "--disable-radix-cache", name="plain").url,
+    )
 
 
 def generate(url: str, ids: list[int], n: int = 16) -> dict:
-    body = {"input_ids": ids, "return_logprob": True, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+    body = {
+        "input_ids": ids,
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+    }
     response = httpx.post(url + "/generate", json=body, timeout=60)
     assert response.status_code == 200, response.text
     return response.json()
@@ -25,7 +31,10 @@ def generate(url: str, ids: list[int], n: int = 16) -> dict:
 
 def assert_same(a: dict, b: dict) -> None:
     assert a["output_ids"] == b["output_ids"]
-    diffs = [abs(x[0] - y[0]) for x, y in zip(a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"])]
+    diffs = [
+        abs(x[0] - y[0])
+        for x, y in zip(a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"])
+    ]
     assert max(diffs) < 1e-4
 
 
@@ -67,8 +76,11 @@ def test_a_shared_prompt_is_reused_and_weights_or_flush_clear_it(procs, tiny_mod
     assert "sglang:cached_tokens_total" in httpx.get(reuse + "/metrics").text
     assert httpx.post(reuse + "/flush_cache").status_code == 200
     assert generate(reuse, prompt)["meta_info"]["cached_tokens"] == 0
-    update = httpx.post(reuse + "/update_weights_from_disk", timeout=60,
-                        json={"model_path": str(tiny_model("qwen3", seed=1)), "flush_cache": False})
+    update = httpx.post(
+        reuse + "/update_weights_from_disk",
+        timeout=60,
+        json={"model_path": str(tiny_model("qwen3", seed=1)), "flush_cache": False},
+    )
     assert update.status_code == 200, update.text
     after = generate(reuse, prompt)
     assert after["meta_info"]["cached_tokens"] == 0  # KV from the old weights is never reused
@@ -82,8 +94,14 @@ def test_reuse_under_concurrency_matches(engines):
 
     async def many(url: str) -> list[dict]:
         async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-            bodies = [{"input_ids": base + [i, i + 1], "return_logprob": True,
-                       "sampling_params": {"max_new_tokens": 12 + i, "temperature": 0, "ignore_eos": True}} for i in range(12)]
+            bodies = [
+                {
+                    "input_ids": base + [i, i + 1],
+                    "return_logprob": True,
+                    "sampling_params": {"max_new_tokens": 12 + i, "temperature": 0, "ignore_eos": True},
+                }
+                for i in range(12)
+            ]
             return [r.json() for r in await asyncio.gather(*(client.post("/generate", json=b) for b in bodies))]
 
     got, want = asyncio.run(many(reuse)), asyncio.run(many(plain))
@@ -96,8 +114,11 @@ def test_the_samples_of_one_prompt_share_its_prefill(engines):
     """GRPO's n samples of a prompt arrive together: the prompt is computed once, then copied."""
     reuse, plain = engines
     prompt = list(range(600, 660))
-    body = {"input_ids": [prompt] * 6, "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
+    body = {
+        "input_ids": [prompt] * 6,
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+    }
     got = httpx.post(reuse + "/generate", json=body, timeout=60).json()
     want = generate(plain, prompt, 8)
     for out in got:
@@ -115,8 +136,10 @@ async def test_kv_computed_before_an_in_place_weight_load_is_never_lent(procs, t
     async with httpx.AsyncClient(base_url=engine, timeout=120) as client:
         running = await started(client, long)
         await client.post("/pause_generation", json={"mode": "in_place"})
-        update = await client.post("/update_weights_from_disk", json={
-            "model_path": str(tiny_model("qwen3", seed=1)), "flush_cache": False, "abort_all_requests": False})
+        update = await client.post(
+            "/update_weights_from_disk",
+            json={"model_path": str(tiny_model("qwen3", seed=1)), "flush_cache": False, "abort_all_requests": False},
+        )
         assert update.status_code == 200, update.text
         await client.post("/continue_generation", json={})
         # The running request's KV came from the old weights: no new request may copy it, neither

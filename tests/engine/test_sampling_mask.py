@@ -70,8 +70,12 @@ def generate(url: str, **body) -> httpx.Response:
 @pytest.mark.parametrize("params", SETTINGS, ids=["top_p", "top_k", "min_p", "top_p_wide_k"])
 def test_each_token_carries_the_set_it_was_drawn_from(server, reference, params):
     for prompt in PROMPTS:
-        body = {"input_ids": prompt, "sampling_params": {**params, "max_new_tokens": 6, "ignore_eos": True},
-                "return_sampling_mask": True, "sampling_logprobs_mode": "support"}
+        body = {
+            "input_ids": prompt,
+            "sampling_params": {**params, "max_new_tokens": 6, "ignore_eos": True},
+            "return_sampling_mask": True,
+            "sampling_logprobs_mode": "support",
+        }
         reply = generate(server, **body)
         assert reply.status_code == 200, reply.text
         out = reply.json()
@@ -87,22 +91,28 @@ def test_each_token_carries_the_set_it_was_drawn_from(server, reference, params)
         # the default (selected) mode: the sampled token's entry of its row
         out = generate(server, **{**body, "sampling_logprobs_mode": None}).json()
         meta = out["meta_info"]
-        for i, (token, mask, value) in enumerate(zip(out["output_ids"], meta["output_token_sampling_mask"],
-                                                     meta["output_token_sampling_logprobs"])):
+        for i, (token, mask, value) in enumerate(
+            zip(out["output_ids"], meta["output_token_sampling_mask"], meta["output_token_sampling_logprobs"])
+        ):
             expected = renormalised(mask, reference(prompt + out["output_ids"][:i], params))
             assert abs(value - float(expected[mask.index(token)])) <= 2e-5, (i, value)
 
 
 def test_a_greedy_token_is_its_own_set(server):
-    out = generate(server, input_ids=PROMPTS[1], sampling_params={"temperature": 0, "max_new_tokens": 4},
-                   return_sampling_mask=True).json()
+    out = generate(
+        server, input_ids=PROMPTS[1], sampling_params={"temperature": 0, "max_new_tokens": 4}, return_sampling_mask=True
+    ).json()
     assert out["meta_info"]["output_token_sampling_mask"] == [[t] for t in out["output_ids"]]
     assert out["meta_info"]["output_token_sampling_logprobs"] == [0.0] * 4
 
 
 def test_streamed_chunks_carry_every_mask_so_far(server):
-    body = {"input_ids": PROMPTS[0], "sampling_params": {"top_k": 5, "max_new_tokens": 5, "ignore_eos": True},
-            "return_sampling_mask": True, "stream": True}
+    body = {
+        "input_ids": PROMPTS[0],
+        "sampling_params": {"top_k": 5, "max_new_tokens": 5, "ignore_eos": True},
+        "return_sampling_mask": True,
+        "stream": True,
+    }
     chunks = []
     with httpx.stream("POST", server + "/generate", json=body, timeout=120) as reply:
         for line in reply.iter_lines():
@@ -110,20 +120,34 @@ def test_streamed_chunks_carry_every_mask_so_far(server):
                 chunks.append(json.loads(line[5:]))
     for chunk in chunks:
         meta = chunk["meta_info"]
-        assert len(meta["output_token_sampling_mask"]) == len(chunk["output_ids"]) == meta["output_token_sampling_mask_length"]
+        assert (
+            len(meta["output_token_sampling_mask"])
+            == len(chunk["output_ids"])
+            == meta["output_token_sampling_mask_length"]
+        )
     assert len(chunks[-1]["output_ids"]) == 5
 
 
-@pytest.mark.parametrize("body, message", [
-    ({"sampling_params": {"top_p": 0.9}, "return_sampling_mask": True},
-     "return_sampling_mask requires top_k=1 for greedy sampling or finite 1 < top_k <= 4096; got top_k=1073741824. "
-     "Lower top_k or increase --sampling-mask-max-tokens."),
-    ({"sampling_params": {"top_k": 5000}, "return_sampling_mask": True},
-     "return_sampling_mask requires top_k=1 for greedy sampling or finite 1 < top_k <= 4096; got top_k=5000. "
-     "Lower top_k or increase --sampling-mask-max-tokens."),
-    ({"sampling_params": {"top_k": 5}, "sampling_logprobs_mode": "support"},
-     "sampling_logprobs_mode can only be set when return_sampling_mask=true."),
-], ids=["no_top_k", "top_k_over_the_bound", "mode_without_mask"])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (
+            {"sampling_params": {"top_p": 0.9}, "return_sampling_mask": True},
+            "return_sampling_mask requires top_k=1 for greedy sampling or finite 1 < top_k <= 4096; "
+            "got top_k=1073741824. Lower top_k or increase --sampling-mask-max-tokens.",
+        ),
+        (
+            {"sampling_params": {"top_k": 5000}, "return_sampling_mask": True},
+            "return_sampling_mask requires top_k=1 for greedy sampling or finite 1 < top_k <= 4096; got top_k=5000. "
+            "Lower top_k or increase --sampling-mask-max-tokens.",
+        ),
+        (
+            {"sampling_params": {"top_k": 5}, "sampling_logprobs_mode": "support"},
+            "sampling_logprobs_mode can only be set when return_sampling_mask=true.",
+        ),
+    ],
+    ids=["no_top_k", "top_k_over_the_bound", "mode_without_mask"],
+)
 def test_a_mask_the_server_cannot_bound_is_refused_before_it_runs(server, body, message):
     reply = generate(server, input_ids=PROMPTS[0], **body)
     assert reply.status_code == 400
@@ -140,8 +164,12 @@ def test_the_embedded_engine_keeps_what_real_sglang_keeps(servers, reference):
     urls = [servers[backend] for backend in ("embedded", "sglang")]
     for params in SETTINGS:
         for prompt in PROMPTS:
-            body = {"input_ids": prompt, "sampling_params": {**params, "max_new_tokens": 1},
-                    "return_sampling_mask": True, "sampling_logprobs_mode": "support"}
+            body = {
+                "input_ids": prompt,
+                "sampling_params": {**params, "max_new_tokens": 1},
+                "return_sampling_mask": True,
+                "sampling_logprobs_mode": "support",
+            }
             embedded, sglang = (generate(url, **body).json()["meta_info"] for url in urls)
             probs = reference(prompt, params)
             masks = [meta["output_token_sampling_mask"][0] for meta in (embedded, sglang)]

@@ -26,10 +26,13 @@ def foreign_threads():
     return sum(1 for tid, name in names.items() if tid not in python_threads and name != "libuv-worker")
 """
 
-ONE_TORCH_THREAD = """
+ONE_TORCH_THREAD = (
+    """
 import json, os, threading
 import torch
-""" + FOREIGN_THREADS + """
+"""
+    + FOREIGN_THREADS
+    + """
 done = threading.Event()
 ran = threading.Event()
 
@@ -45,13 +48,17 @@ threading.Thread(target=work, daemon=True).start()
 ran.wait()
 print(json.dumps(foreign_threads()))
 """
+)
 
-SERVE_AND_COUNT = """
+SERVE_AND_COUNT = (
+    """
 import json, os, sys, threading, time, urllib.request
 import uvicorn
 from inverted.config import EngineConfig
 from inverted.engine.server import create_app
-""" + FOREIGN_THREADS + """
+"""
+    + FOREIGN_THREADS
+    + """
 
 model, port = sys.argv[1], int(sys.argv[2])
 url = f"http://127.0.0.1:{port}"
@@ -73,13 +80,15 @@ for _ in range(600):
         break
     except OSError:
         time.sleep(0.1)
-generated = post("/generate", {"input_ids": list(range(3, 40)), "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}})
+generated = post("/generate", {"input_ids": list(range(3, 40)),
+                               "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}})
 updated = post("/update_weights_from_disk", {"model_path": model})
 print(json.dumps({"tokens": len(generated["output_ids"]), "updated": updated["success"], "threads": foreign_threads(),
                   "frozen": __import__("gc").get_freeze_count()}))
 server.should_exit = True  # the lifespan stops the scheduler: no thread is left inside torch at exit
 serving.join(60)
 """
+)
 
 
 def _last_json(argv: list[str]):

@@ -35,7 +35,9 @@ def engine(procs, tiny_model):
 
 def packed(named: list[tuple[str, torch.Tensor]], dtype: torch.dtype = torch.float32, *, shared: bool = True) -> Bucket:
     """One bucket, packed by the trainer's own packer into its own buffer (shared memory, as the tensor transport's)."""
-    allocate = TensorTransport(torch.device("cpu")).allocate if shared else (lambda n: torch.empty(n, dtype=torch.uint8))
+    allocate = (
+        TensorTransport(torch.device("cpu")).allocate if shared else (lambda n: torch.empty(n, dtype=torch.uint8))
+    )
     # As large as the tensors: a shared buffer a server still maps outlives the test (RAM, in /dev/shm).
     (bucket,) = BucketPacker(sum(t.numel() for _, t in named) * dtype.itemsize, allocate, dtype).pack(named)
     return bucket
@@ -50,27 +52,42 @@ def post(url: str, path: str, body: dict) -> httpx.Response:
 
 
 def state(url: str) -> tuple[list, str]:
-    return post(url, "/get_weights_by_name", {"name": NAME, "truncate_size": 2}).json(), \
-        httpx.get(url + "/model_info").json()["weight_version"]
+    return post(url, "/get_weights_by_name", {"name": NAME, "truncate_size": 2}).json(), httpx.get(
+        url + "/model_info"
+    ).json()["weight_version"]
 
 
 def weight_load_metrics(url: str) -> dict[str, float]:
     """The engine's counters of weight loads: how many, and seconds receiving, decoding and copying."""
+
     async def read() -> dict[str, float]:
         async with SGLangClient(url) as client:
             return await client.metrics()
-    return {k.removeprefix("inverted:weight_"): v for k, v in asyncio.run(read()).items()
-            if k.removeprefix("inverted:weight_").startswith(("loads", "receive", "decode", "copy"))}
+
+    return {
+        k.removeprefix("inverted:weight_"): v
+        for k, v in asyncio.run(read()).items()
+        if k.removeprefix("inverted:weight_").startswith(("loads", "receive", "decode", "copy"))
+    }
 
 
 def test_session_rules(engine):
     bucket = packed([(NAME, torch.zeros(64, 64))])  # the sender keeps its bucket alive until the call returns
     payload = payload_of(bucket)
-    outside = post(engine, "/update_weights_from_tensor", {"serialized_named_tensors": [payload], "load_format": "flattened_bucket"})
+    outside = post(
+        engine,
+        "/update_weights_from_tensor",
+        {"serialized_named_tensors": [payload], "load_format": "flattened_bucket"},
+    )
     assert outside.status_code == 400 and outside.json() == {
-        "success": False, "message": "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()."}
+        "success": False,
+        "message": "update_weights_from_tensor must run between begin_weight_update() and end_weight_update().",
+    }
     assert post(engine, "/end_weight_update", {}).status_code == 400
-    assert post(engine, "/begin_weight_update", {"selector": "all"}).json() == {"success": True, "message": "Weight update session started."}
+    assert post(engine, "/begin_weight_update", {"selector": "all"}).json() == {
+        "success": True,
+        "message": "Weight update session started.",
+    }
     second = post(engine, "/begin_weight_update", {})
     assert second.status_code == 400 and "already open" in second.json()["message"]
     assert post(engine, "/end_weight_update", {}).status_code == 200
@@ -89,8 +106,12 @@ def test_bad_payloads_change_nothing(engine, tiny_model):
     # NaN and inf, packed by hand: the trainer's packer refuses to pack them (test_buckets).
     poisoned = good[NAME].clone()
     poisoned[0, 0], poisoned[1, 1] = float("nan"), float("inf")
-    layout = bucket_layout([(NAME, torch.float32, tuple(poisoned.shape)), ("model.norm.weight", torch.float32,
-                                                                        tuple(good["model.norm.weight"].shape))])
+    layout = bucket_layout(
+        [
+            (NAME, torch.float32, tuple(poisoned.shape)),
+            ("model.norm.weight", torch.float32, tuple(good["model.norm.weight"].shape)),
+        ]
+    )
     flat = torch.cat([poisoned.reshape(-1), good["model.norm.weight"]]).view(torch.uint8).share_memory_()
     bad = {
         "NaN or inf values refused": bucket_payload(flat, layout),
@@ -101,12 +122,18 @@ def test_bad_payloads_change_nothing(engine, tiny_model):
     }
     post(engine, "/begin_weight_update", {})
     for reason, payload in bad.items():
-        response = post(engine, "/update_weights_from_tensor", {"serialized_named_tensors": [payload],
-                                                              "load_format": "flattened_bucket", "weight_version": "bad"})
+        response = post(
+            engine,
+            "/update_weights_from_tensor",
+            {"serialized_named_tensors": [payload], "load_format": "flattened_bucket", "weight_version": "bad"},
+        )
         assert response.status_code == 400 and response.json()["success"] is False, reason
         assert reason in response.json()["message"], (reason, response.json())
-    two_ranks = post(engine, "/update_weights_from_tensor", {"serialized_named_tensors": [bad["expected dtype"]] * 2,
-                                                          "load_format": "flattened_bucket"})
+    two_ranks = post(
+        engine,
+        "/update_weights_from_tensor",
+        {"serialized_named_tensors": [bad["expected dtype"]] * 2, "load_format": "flattened_bucket"},
+    )
     assert two_ranks.status_code == 400 and "one per server TP rank" in two_ranks.json()["message"]
     post(engine, "/end_weight_update", {})
     assert state(engine) == before  # the good tensors of a bad payload were not applied either
@@ -122,12 +149,18 @@ def test_a_repeated_payload_loads_what_its_shared_memory_holds_now(engine, tiny_
     post(engine, "/begin_weight_update", {})
     for value in (1.0, 2.0, -3.0):
         bucket.flat.view(torch.float32).fill_(value)  # what the trainer's next pack does
-        response = post(engine, "/update_weights_from_tensor", {"serialized_named_tensors": [payload],
-                                                              "load_format": "flattened_bucket"})
+        response = post(
+            engine,
+            "/update_weights_from_tensor",
+            {"serialized_named_tensors": [payload], "load_format": "flattened_bucket"},
+        )
         assert response.status_code == 200, response.text
         assert torch.tensor(state(engine)[0]).unique().tolist() == [value]
-        refused = post(engine, "/update_weights_from_tensor", {"serialized_named_tensors": [payload_of(wrong_shape)],
-                                                             "load_format": "flattened_bucket"})
+        refused = post(
+            engine,
+            "/update_weights_from_tensor",
+            {"serialized_named_tensors": [payload_of(wrong_shape)], "load_format": "flattened_bucket"},
+        )
         assert refused.status_code == 400 and "expected shape" in refused.json()["message"]
     post(engine, "/end_weight_update", {})
     loads = weight_load_metrics(engine)  # the refusals are not loads
@@ -153,8 +186,11 @@ def test_a_shared_bucket_loads_when_the_senders_shm_manager_answers_late(engine,
     os.kill(manager, signal.SIGSTOP)
     resume.start()
     try:
-        response = post(engine, "/update_weights_from_tensor", {"serialized_named_tensors": [payload],
-                                                              "load_format": "flattened_bucket"})
+        response = post(
+            engine,
+            "/update_weights_from_tensor",
+            {"serialized_named_tensors": [payload], "load_format": "flattened_bucket"},
+        )
     finally:
         resume.join()
     assert response.status_code == 200, response.text
@@ -165,10 +201,15 @@ def test_a_shared_bucket_loads_when_the_senders_shm_manager_answers_late(engine,
 def test_a_distributed_update_over_gloo_and_a_refused_one_still_takes_its_broadcast(engine, tiny_model):
     good = checkpoint_tensors(tiny_model("qwen2", seed=5))
     port, joined = free_port(), {}
-    thread = threading.Thread(target=lambda: joined.setdefault("g", join_update_group("127.0.0.1", port, 2, 0, timeout=60)))
+    thread = threading.Thread(
+        target=lambda: joined.setdefault("g", join_update_group("127.0.0.1", port, 2, 0, timeout=60))
+    )
     thread.start()
-    init = post(engine, "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
-                                                      "world_size": 2, "backend": "gloo"})
+    init = post(
+        engine,
+        "/init_weights_update_group",
+        {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2, "backend": "gloo"},
+    )
     thread.join()
     assert init.json() == {"success": True, "message": "Succeeded to initialize custom process group."}
     group = joined["g"]
@@ -177,10 +218,18 @@ def test_a_distributed_update_over_gloo_and_a_refused_one_still_takes_its_broadc
         bucket = packed(named, shared=False)
         sender = threading.Thread(target=group.broadcast, args=(bucket.flat,))
         sender.start()
-        response = post(engine, "/update_weights_from_distributed", {
-            "names": bucket.names, "dtypes": [dtype_name(m.dtype) for m in bucket.metadata],
-            "shapes": [list(m.shape) for m in bucket.metadata], "load_format": "flattened_bucket", "flush_cache": False,
-            **extra})
+        response = post(
+            engine,
+            "/update_weights_from_distributed",
+            {
+                "names": bucket.names,
+                "dtypes": [dtype_name(m.dtype) for m in bucket.metadata],
+                "shapes": [list(m.shape) for m in bucket.metadata],
+                "load_format": "flattened_bucket",
+                "flush_cache": False,
+                **extra,
+            },
+        )
         sender.join(30)
         assert not sender.is_alive(), "the broadcast must complete even when the update is refused"
         return response
@@ -212,7 +261,9 @@ async def test_requests_in_flight_abort_or_resume_and_each_token_has_one_version
         inflight = await started(client, body, min_tokens=20)
         report = await sync.update(new.items(), "step-1")
         out = await asyncio.wait_for(inflight, 120)
-        after = (await client.post("/generate", json={"input_ids": [5], "sampling_params": {"max_new_tokens": 3}})).json()
+        after = (
+            await client.post("/generate", json={"input_ids": [5], "sampling_params": {"max_new_tokens": 3}})
+        ).json()
     assert report.buckets >= 1 and set(report.seconds) >= {"pause", "begin", "buckets", "end", "continue"}
     assert report.flushed == (0 if mode == "in_place" else 1)  # in_place keeps the KV: no flush is asked for
     meta = out["meta_info"]
@@ -223,7 +274,11 @@ async def test_requests_in_flight_abort_or_resume_and_each_token_has_one_version
         assert meta["finish_reason"]["type"] == "length" and len(out["output_ids"]) == IN_FLIGHT_TOKENS
         spans = meta["weight_versions"]
         assert [s["version"] for s in spans] == ["default", "step-1"]
-        assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] >= 20 and spans[1]["end"] == IN_FLIGHT_TOKENS
+        assert (
+            spans[0]["start"] == 0
+            and spans[0]["end"] == spans[1]["start"] >= 20
+            and spans[1]["end"] == IN_FLIGHT_TOKENS
+        )
     assert after["meta_info"]["weight_version"] == "step-1"
 
 
@@ -234,15 +289,20 @@ async def test_a_failed_update_leaves_the_engine_serving_and_out_of_the_session(
     with pytest.raises(ProtocolError, match="expected shape"):
         await sync.update(weights.items(), "broken")
     async with httpx.AsyncClient(base_url=engine, timeout=60) as client:
-        out = (await client.post("/generate", json={"input_ids": [5], "sampling_params": {
-            "max_new_tokens": 3, "ignore_eos": True}})).json()
+        out = (
+            await client.post(
+                "/generate", json={"input_ids": [5], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
+            )
+        ).json()
         assert out["meta_info"]["weight_version"] == "default" and len(out["output_ids"]) == 3  # not paused, not bumped
         assert (await client.post("/begin_weight_update", json={})).status_code == 200  # the session was ended
         await client.post("/end_weight_update", json={})
 
 
 @pytest.mark.parametrize("transport", ["tensor", "disk"])
-async def test_buckets_are_packed_on_a_worker_thread_only_where_that_pays_on_a_cpu(engine, tiny_model, tmp_path, transport):
+async def test_buckets_are_packed_on_a_worker_thread_only_where_that_pays_on_a_cpu(
+    engine, tiny_model, tmp_path, transport
+):
     """A worker thread's copies would open a second OpenMP pool: the tensor transport packs inline on a CPU,
     the disk transport (its writes run outside OpenMP) keeps packing the next bucket while one is written.
     The first bucket, with no write beside it, is packed inline by both."""
@@ -253,8 +313,11 @@ async def test_buckets_are_packed_on_a_worker_thread_only_where_that_pays_on_a_c
             packing_threads.append(threading.current_thread())
             yield item
 
-    made = (TensorTransport(torch.device("cpu")) if transport == "tensor"
-            else DiskTransport(torch.device("cpu"), str(tmp_path / "updates"), str(tiny_model("qwen2"))))
+    made = (
+        TensorTransport(torch.device("cpu"))
+        if transport == "tensor"
+        else DiskTransport(torch.device("cpu"), str(tmp_path / "updates"), str(tiny_model("qwen2")))
+    )
     report = await WeightSync(made, [engine], buffer_size=1 << 16, pause_mode="in_place").update(weights(), "step-1")
     assert report.buckets > 1
     assert packing_threads[0] is threading.main_thread()
@@ -268,8 +331,11 @@ def test_a_session_whose_trainer_died_is_ended_and_generation_resumes(procs, tin
     url = procs.engine(tiny_model("qwen2"), "--weight-update-timeout", "2").url
     assert post(url, "/begin_weight_update", {}).status_code == 200  # ... and the trainer never comes back
     started = time.monotonic()
-    out = httpx.post(url + "/generate", timeout=60, json={
-        "input_ids": [5], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}).json()
+    out = httpx.post(
+        url + "/generate",
+        timeout=60,
+        json={"input_ids": [5], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}},
+    ).json()
     assert len(out["output_ids"]) == 2 and 1.5 <= time.monotonic() - started < 30  # held, then released
     assert "inverted:weight_update_sessions_expired_total 1" in httpx.get(url + "/metrics").text
     assert post(url, "/end_weight_update", {}).status_code == 400  # already ended
@@ -288,14 +354,24 @@ async def test_the_trainers_weight_sync_loads_every_weight_exactly(server, tiny_
     from tests.engine.test_numerics import hf_logprobs
 
     seed = {"tensor": 5, "disk": 6}[transport]
-    made = (TensorTransport(torch.device("cpu")) if transport == "tensor"
-            else DiskTransport(torch.device("cpu"), str(tmp_path / "updates"), str(tiny_model("qwen2"))))
+    made = (
+        TensorTransport(torch.device("cpu"))
+        if transport == "tensor"
+        else DiskTransport(torch.device("cpu"), str(tmp_path / "updates"), str(tiny_model("qwen2")))
+    )
     weights = checkpoint_tensors(tiny_model("qwen2", seed=seed)).items()
     report = await WeightSync(made, [server], buffer_size=1 << 16, pause_mode="retract").update(weights, f"w{seed}")
     assert report.buckets > 1
     prompt = [5, 17, 300, 42]
-    out = httpx.post(server + "/generate", timeout=60, json={"input_ids": prompt, "return_logprob": True, "sampling_params": {
-        "max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}).json()
+    out = httpx.post(
+        server + "/generate",
+        timeout=60,
+        json={
+            "input_ids": prompt,
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True},
+        },
+    ).json()
     assert out["meta_info"]["weight_version"] == f"w{seed}"
     ref = hf_logprobs(tiny_model("qwen2", seed=seed), prompt + out["output_ids"])
     tokens = prompt + out["output_ids"]

@@ -21,8 +21,13 @@ from tests.job.test_train_job import ONE_ENGINE_RUN, check, inverted
 APP = "envs.guess_number:app"
 observe = guess_number.observe  # this module is also a driver: every reply is a guess
 # The game as OpenEnv's own servers are by default: one session at a time.
-ONE_SESSION = create_app(guess_number.GuessNumberEnvironment, guess_number.GuessAction, guess_number.GuessObservation,
-                         env_name="guess_number", max_concurrent_envs=1)
+ONE_SESSION = create_app(
+    guess_number.GuessNumberEnvironment,
+    guess_number.GuessAction,
+    guess_number.GuessObservation,
+    env_name="guess_number",
+    max_concurrent_envs=1,
+)
 
 
 def episode(**env_args):
@@ -41,7 +46,7 @@ def replay(sample: Sample, seed: int, tokenizer, driver_act=act) -> tuple[list[s
     observation, said, total = game.reset(seed=seed), [], 0.0
     for turn in sample.metadata["turns"]:
         said.append(observe(observation.model_dump()))
-        reply = tokenizer.decode(sample.tokens[turn["start"]:turn["end"]], skip_special_tokens=True)
+        reply = tokenizer.decode(sample.tokens[turn["start"] : turn["end"]], skip_special_tokens=True)
         try:
             action = driver_act(reply)
         except ValueError:
@@ -76,15 +81,19 @@ def test_an_environment_without_a_driver_is_played_by_its_own_action_schema(agen
     constrained by the server's own action schema (OpenEnv's /schema); every action is valid, the
     replay gives back the reward, and the constrained tokens carry the policy's own logprobs."""
     rows = openenv.rows(count=4, seed=70)
-    samples = play(agent_stack, rows, functools.partial(openenv.episode, app=APP, max_sessions=8,
-                                                  max_turns=guess_number.GUESSES), max_tokens=48)
+    samples = play(
+        agent_stack,
+        rows,
+        functools.partial(openenv.episode, app=APP, max_sessions=8, max_turns=guess_number.GUESSES),
+        max_tokens=48,
+    )
     tokenizer = AutoTokenizer.from_pretrained(agent_stack[0])
     complete = 0
     for row, sample in zip(rows, samples):
         turns = sample.metadata["turns"]
         actions = []
         for t in turns:  # every reply is an action, but one the token budget cut off (the episode's end)
-            reply = tokenizer.decode(sample.tokens[t["start"]:t["end"]], skip_special_tokens=True)
+            reply = tokenizer.decode(sample.tokens[t["start"] : t["end"]], skip_special_tokens=True)
             if t["finish_reason"] == "length":
                 assert t is turns[-1]
                 break
@@ -100,7 +109,7 @@ def test_an_environment_without_a_driver_is_played_by_its_own_action_schema(agen
             total += observation.reward
         assert sample.reward == total
     assert complete >= 4  # most replies are whole actions
-    assert '"guess"' in tokenizer.decode(samples[0].tokens[:samples[0].prompt_length])  # the schema, told
+    assert '"guess"' in tokenizer.decode(samples[0].tokens[: samples[0].prompt_length])  # the schema, told
 
 
 def test_a_reply_that_is_no_action_ends_the_episode_and_is_trained_on(agent_stack):
@@ -111,7 +120,9 @@ def test_a_reply_that_is_no_action_ends_the_episode_and_is_trained_on(agent_stac
     rows = openenv.rows(count=4, seed=0)
     tokenizer = AutoTokenizer.from_pretrained(agent_stack[0])
     ended = []
-    for row, sample in zip(rows, play(agent_stack, rows, episode(driver="envs.guess_number", max_turns=3), max_tokens=4)):
+    for row, sample in zip(
+        rows, play(agent_stack, rows, episode(driver="envs.guess_number", max_turns=3), max_tokens=4)
+    ):
         _, reward, no_action = replay(sample, row["metadata"]["openenv"]["reset"]["seed"], tokenizer, guess_number.act)
         assert sample.reward == reward
         ended.append(no_action)
@@ -132,13 +143,43 @@ def test_a_server_that_cannot_start_and_a_driver_that_does_not_exist_get_clear_e
 @pytest.mark.slow  # a whole job: left out of make test-fast
 def test_a_debug_rollout_only_job_plays_the_environment_the_command_line_names(tiny_model, tmp_path, capsys):
     prompts, data = tmp_path / "p.jsonl", tmp_path / "rollout.jsonl"
-    openenv.main(["--driver", "tests.envs.test_openenv", "--app", APP, "--out", str(prompts), "--count", "2",
-                  "--max-sessions", "4"])
+    openenv.main(
+        [
+            "--driver",
+            "tests.envs.test_openenv",
+            "--app",
+            APP,
+            "--out",
+            str(prompts),
+            "--count",
+            "2",
+            "--max-sessions",
+            "4",
+        ]
+    )
     env_args = json.dumps({"driver": "tests.envs.test_openenv", "app": APP, "max_turns": 16, "max_sessions": 4})
     assert f"--env-path envs.openenv:episode --env-args '{env_args}'" in capsys.readouterr().out
-    check(inverted("train", "--debug-rollout-only", "--hf-checkpoint", str(tiny_model()), "--prompt-data", str(prompts),
-                   "--env-path", "envs.openenv:episode", "--env-args", env_args, "--save-debug-rollout-data", str(data),
-                   "--output-dir", str(tmp_path / "run"), "--num-rollout", "1", *ONE_ENGINE_RUN))
+    check(
+        inverted(
+            "train",
+            "--debug-rollout-only",
+            "--hf-checkpoint",
+            str(tiny_model()),
+            "--prompt-data",
+            str(prompts),
+            "--env-path",
+            "envs.openenv:episode",
+            "--env-args",
+            env_args,
+            "--save-debug-rollout-data",
+            str(data),
+            "--output-dir",
+            str(tmp_path / "run"),
+            "--num-rollout",
+            "1",
+            *ONE_ENGINE_RUN,
+        )
+    )
     saved = [Sample.from_json(json.loads(line)) for line in data.read_text().splitlines()]
     assert len(saved) == 4 and all(s.status != Sample.Status.FAILED and s.reward in (0.0, 1.0) for s in saved)
     assert max(len(s.metadata["turns"]) for s in saved) > 1
@@ -159,8 +200,10 @@ def test_a_server_with_one_session_plays_every_episode_in_turn(agent_stack, max_
 def test_a_row_that_names_code_imports_nothing_and_fails_its_episode_with_the_reason(agent_stack):
     """The audit's row: before, envs.openenv imported whatever module a row named as its driver."""
     assert "this" not in sys.modules  # the Zen of Python prints itself when imported
-    hostile = {"input": "x", "metadata": {"openenv": {"driver": "this", "app": APP, "reset": {"seed": 1},
-                                                      "max_turns": 1}}}
+    hostile = {
+        "input": "x",
+        "metadata": {"openenv": {"driver": "this", "app": APP, "reset": {"seed": 1}, "max_turns": 1}},
+    }
     with pytest.raises(AssertionError, match="chosen by --env-args, never by a row"):
         play(agent_stack, [hostile], episode(), max_tokens=1)
     malformed = {"input": "x", "metadata": {"openenv": {"reset": {"seed": -3}}}}

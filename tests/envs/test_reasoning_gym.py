@@ -55,11 +55,39 @@ def test_the_command_writes_a_held_out_set_that_repeats_no_training_question(tmp
     train, held_out = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
     env.main(["--task", "chain_sum", "--config", json.dumps(CONFIG), "--out", str(train), "--count", "200"])
     # reasoning-gym seeds entry i with seed + i: seed 1 repeats rows 1-50 of seed 0, and all are dropped.
-    env.main(["--task", "chain_sum", "--config", json.dumps(CONFIG), "--out", str(held_out), "--count", "50",
-              "--seed", "1", "--exclude", str(train)])
+    env.main(
+        [
+            "--task",
+            "chain_sum",
+            "--config",
+            json.dumps(CONFIG),
+            "--out",
+            str(held_out),
+            "--count",
+            "50",
+            "--seed",
+            "1",
+            "--exclude",
+            str(train),
+        ]
+    )
     assert held_out.read_text() == ""
-    env.main(["--task", "chain_sum", "--config", json.dumps(CONFIG), "--out", str(held_out), "--count", "50",
-              "--seed", "1000000", "--exclude", str(train)])
+    env.main(
+        [
+            "--task",
+            "chain_sum",
+            "--config",
+            json.dumps(CONFIG),
+            "--out",
+            str(held_out),
+            "--count",
+            "50",
+            "--seed",
+            "1000000",
+            "--exclude",
+            str(train),
+        ]
+    )
     seen = {json.loads(line)["input"] for line in train.read_text().splitlines()}
     kept = [json.loads(line)["input"] for line in held_out.read_text().splitlines()]
     assert len(kept) > 25 and not set(kept) & seen

@@ -66,10 +66,18 @@ def test_a_network_call_is_stopped_and_nothing_reaches_the_machine(environment):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}/exfiltrate"
     try:
-        assert run(environment, f"python -c \"import urllib.request; urllib.request.urlopen('{url}', timeout=5)\"")[
-            "returncode"] != 0
-        assert run(environment, "python -c \"import socket; socket.create_connection(('1.1.1.1', 443), timeout=5)\"")[
-            "returncode"] != 0
+        assert (
+            run(environment, f"python -c \"import urllib.request; urllib.request.urlopen('{url}', timeout=5)\"")[
+                "returncode"
+            ]
+            != 0
+        )
+        assert (
+            run(environment, "python -c \"import socket; socket.create_connection(('1.1.1.1', 443), timeout=5)\"")[
+                "returncode"
+            ]
+            != 0
+        )
         assert run(environment, f"curl -s --max-time 5 {url} || wget -q -T 5 {url}")["returncode"] != 0
     finally:
         server.shutdown()
@@ -80,8 +88,9 @@ def test_a_write_outside_the_copy_is_stopped(environment, tmp_path):
     outside = [ROOT / "pwned.txt", Path("/etc/pwned.txt"), Path.home() / "pwned.txt"]
     for target in outside:
         done = run(environment, f"echo x > {target}")
-        assert done["returncode"] != 0 and ("Read-only file system" in done["output"] or
-                                            "Permission denied" in done["output"]), (target, done)
+        assert done["returncode"] != 0 and (
+            "Read-only file system" in done["output"] or "Permission denied" in done["output"]
+        ), (target, done)
     done = run(environment, f"echo x > {tmp_path}/pwned.txt; rm -rf {ROOT}/inverted")  # /tmp is the sandbox's own
     assert not any(p.exists() for p in [*outside, tmp_path / "pwned.txt"]) and (ROOT / "inverted").is_dir()
 

@@ -54,12 +54,13 @@ def test_the_librarys_reasoning_gym_environment_plays_and_grades_each_row(agent_
     tokenizer = AutoTokenizer.from_pretrained(agent_stack[0])
     graded = env.load(REASONING_GYM, GYM_ARGS)
     for row, sample in zip(rows, samples):
-        prompt = tokenizer.apply_chat_template(row["input"], add_generation_prompt=True, tokenize=True,
-                                               return_dict=False)
-        assert sample.tokens[:len(prompt)] == prompt and sample.loss_mask == [1] * sample.response_length
+        prompt = tokenizer.apply_chat_template(
+            row["input"], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        assert sample.tokens[: len(prompt)] == prompt and sample.loss_mask == [1] * sample.response_length
         assert len(sample.rollout_log_probs) == sample.response_length <= 3
         # The reward is reasoning-gym's own grade of what the model said, as the environment parses it.
-        reply = tokenizer.decode(sample.tokens[len(prompt):], skip_special_tokens=True)
+        reply = tokenizer.decode(sample.tokens[len(prompt) :], skip_special_tokens=True)
         entry = graded.rg_dataset[int(row["label"])]
         answer = str(graded.parser.parse_answer([{"role": "assistant", "content": reply}])).strip()
         assert sample.reward == graded.rg_dataset.score_answer(answer=answer, entry=entry)
@@ -81,15 +82,16 @@ def test_a_multi_turn_environment_is_one_branch_and_its_weighted_parts_are_the_r
     rows = env.rows(f"{__name__}:load_retry", {}, count=-1, seed=0)
     # At least one token a turn: a reply that is only the end of turn has no content, and verifiers ends the
     # rollout there without counting it (the test above), which a random tiny model does now and then.
-    samples = play(agent_stack, rows, functools.partial(env.episode, env=f"{__name__}:load_retry"), max_tokens=3,
-                   min_tokens=1)
+    samples = play(
+        agent_stack, rows, functools.partial(env.episode, env=f"{__name__}:load_retry"), max_tokens=3, min_tokens=1
+    )
     tokenizer = AutoTokenizer.from_pretrained(agent_stack[0])
     for sample in samples:
         turns_ = sample.metadata["turns"]
         assert len(turns_) == 2 and sample.metadata["branches"] == 1
         text = tokenizer.decode(sample.tokens)
         assert text.count(FEEDBACK) == 1  # the environment's feedback, not sampled: mask 0
-        replies = [tokenizer.decode(sample.tokens[t["start"]:t["end"]], skip_special_tokens=True) for t in turns_]
+        replies = [tokenizer.decode(sample.tokens[t["start"] : t["end"]], skip_special_tokens=True) for t in turns_]
         assert sum(sample.loss_mask) == sum(t["end"] - t["start"] for t in turns_)
         assert sample.reward == {"chars": float(sum(map(len, replies))), "turns": 1.0}  # never (weight 0) is left out
 
@@ -111,10 +113,27 @@ def test_a_debug_rollout_only_job_plays_the_environment_the_command_line_names(t
     said = capsys.readouterr().out
     env_args = json.dumps({"env": REASONING_GYM, "args": GYM_ARGS})
     assert f"--env-path envs.verifiers:episode --env-args '{env_args}'" in said  # the command to train on it
-    check(inverted("train", "--debug-rollout-only", "--hf-checkpoint", str(tiny_model()), "--prompt-data", str(prompts),
-                   "--env-path", "envs.verifiers:episode", "--env-args", env_args,
-                   "--save-debug-rollout-data", str(data), "--output-dir", str(tmp_path / "run"), "--num-rollout", "1",
-                   *ONE_ENGINE_RUN))
+    check(
+        inverted(
+            "train",
+            "--debug-rollout-only",
+            "--hf-checkpoint",
+            str(tiny_model()),
+            "--prompt-data",
+            str(prompts),
+            "--env-path",
+            "envs.verifiers:episode",
+            "--env-args",
+            env_args,
+            "--save-debug-rollout-data",
+            str(data),
+            "--output-dir",
+            str(tmp_path / "run"),
+            "--num-rollout",
+            "1",
+            *ONE_ENGINE_RUN,
+        )
+    )
     saved = [Sample.from_json(json.loads(line)) for line in data.read_text().splitlines()]
     assert len(saved) == 4 and all(s.status != Sample.Status.FAILED and s.reward in (0.0, 1.0) for s in saved)
     assert all(set(s.metadata["verifiers"]) == {"input"} for s in saved)
@@ -123,8 +142,7 @@ def test_a_debug_rollout_only_job_plays_the_environment_the_command_line_names(t
 def test_a_row_that_names_code_runs_nothing_and_fails_its_episode_with_the_reason(agent_stack, tmp_path):
     """The audit's row: before, envs.verifiers called os.system with the row's command."""
     witness = tmp_path / "ran"
-    hostile = {"input": "hi", "metadata": {"verifiers": {"env": "os:system",
-                                                          "args": {"command": f"touch {witness}"}}}}
+    hostile = {"input": "hi", "metadata": {"verifiers": {"env": "os:system", "args": {"command": f"touch {witness}"}}}}
     malformed = {"input": "hi", "metadata": {"verifiers": {"input": {"prompt": "not a list"}}}}
     with pytest.raises(AssertionError) as failed:
         play(agent_stack, [hostile], GYM_EPISODE, max_tokens=1)

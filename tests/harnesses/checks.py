@@ -26,13 +26,14 @@ def check_episode(stack: HarnessStack, played: Played, request: dict[str, Any], 
         assert len(sampled) == sum(t["end"] - t["start"] for t in turns)
         assert max(abs(got - ref) for got, ref in sampled) <= 1e-3
     episode = played.episode
-    prompt = stack.tokenizer.decode(episode.tokens[:episode.metadata["turns"][-1]["start"]])
+    prompt = stack.tokenizer.decode(episode.tokens[: episode.metadata["turns"][-1]["start"]])
     messages, tools = conversation(request)
     rendered = render(stack, as_sampled(messages, replies), tools)
-    assert prompt[:len(rendered)] == rendered, (prompt[-400:], rendered[-400:])
+    assert prompt[: len(rendered)] == rendered, (prompt[-400:], rendered[-400:])
     # past the render, only a call's opening the proxy wrote for tool_choice required or named
-    assert prompt[len(rendered):] in ("", "<tool_call>") or prompt[len(rendered):].startswith(
-        '<tool_call>\n{"name": '), prompt[len(rendered):]
+    assert prompt[len(rendered) :] in ("", "<tool_call>") or prompt[len(rendered) :].startswith(
+        '<tool_call>\n{"name": '
+    ), prompt[len(rendered) :]
 
 
 def as_sampled(messages: list[dict], replies: list[str]) -> list[dict]:
@@ -40,10 +41,13 @@ def as_sampled(messages: list[dict], replies: list[str]) -> list[dict]:
     proxy keeps the sampled tokens, where a harness sends a reply back re-serialized (pydantic-ai's
     compact JSON arguments) or rewritten (smolagents' "Calling tools:" text)."""
     written = iter(replies)
-    return [{"role": "assistant", "content": next(written).removesuffix("<|im_end|>")} if m["role"] == "assistant"
-            else m for m in messages]
+    return [
+        {"role": "assistant", "content": next(written).removesuffix("<|im_end|>")} if m["role"] == "assistant" else m
+        for m in messages
+    ]
 
 
 def render(stack: HarnessStack, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
-    return stack.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                               add_generation_prompt=True)
+    return stack.tokenizer.apply_chat_template(
+        messages, tools=tools or None, tokenize=False, add_generation_prompt=True
+    )

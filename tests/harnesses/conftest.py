@@ -69,7 +69,7 @@ class Played:
         seen: dict[tuple, tuple[list[int], dict[str, Any]]] = {}
         for sample in self.main:
             for turn in sample.metadata["turns"]:  # a forked branch repeats the turns it shares
-                seen.setdefault((turn["created"], turn["start"]), (sample.tokens[:turn["start"]], turn))
+                seen.setdefault((turn["created"], turn["start"]), (sample.tokens[: turn["start"]], turn))
         return [seen[key] for key in sorted(seen)]
 
     @property
@@ -93,8 +93,7 @@ class HarnessStack:
 
     def load(self, model: Path) -> None:
         """The engine's weights from ``model`` (SGLang's update_weights_from_disk); its cache is flushed."""
-        answer = httpx.post(self.engine.url + "/update_weights_from_disk", json={"model_path": str(model)},
-                            timeout=120)
+        answer = httpx.post(self.engine.url + "/update_weights_from_disk", json={"model_path": str(model)}, timeout=120)
         assert answer.status_code == 200 and answer.json()["success"], answer.text
         self.loaded = model
 
@@ -104,8 +103,9 @@ class HarnessStack:
     def play(self, run: Callable[[str, Path], Any]) -> Played:
         """One harness run in a fresh session: greedy, each reply at most 128 tokens (the session's
         settings, not the harness's: an untaught model would otherwise write to the end of the context)."""
-        session = httpx.post(self.proxy.url + "/sessions", headers=ADMIN,
-                             json={"sampling_params": {"temperature": 0, "max_tokens": 128}}).json()
+        session = httpx.post(
+            self.proxy.url + "/sessions", headers=ADMIN, json={"sampling_params": {"temperature": 0, "max_tokens": 128}}
+        ).json()
         before = len(self.engine_requests())
         path = session["base_url"].removeprefix(self.proxy.url)
         with tap(self.proxy.url) as (url, requests):
@@ -121,7 +121,7 @@ class HarnessStack:
         ids = self.tokenizer.encode(reply, add_special_tokens=False)
         if self.tokenizer.decode(prompt).endswith("<|im_start|>assistant\n"):
             return ids
-        overlap = next(n for n in range(min(len(ids), len(prompt)), -1, -1) if prompt[len(prompt) - n:] == ids[:n])
+        overlap = next(n for n in range(min(len(ids), len(prompt)), -1, -1) if prompt[len(prompt) - n :] == ids[:n])
         assert overlap, "the prompt ends past the generation prompt with none of the reply"
         return ids[overlap:]
 

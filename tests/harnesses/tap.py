@@ -35,16 +35,25 @@ def tap(upstream: str) -> Iterator[tuple[str, list[dict[str, Any]]]]:
             body = json.loads(raw) if raw else None
         except ValueError:
             body = raw.decode(errors="replace")
-        seen.append({"method": request.method, "path": request.url.path, "query": request.url.query,
-                     "headers": dict(request.headers), "body": body})
+        seen.append(
+            {
+                "method": request.method,
+                "path": request.url.path,
+                "query": request.url.query,
+                "headers": dict(request.headers),
+                "body": body,
+            }
+        )
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
-        upstream_request = client.build_request(request.method, request.url.path, params=request.url.query,
-                                                headers=headers, content=raw)
+        upstream_request = client.build_request(
+            request.method, request.url.path, params=request.url.query, headers=headers, content=raw
+        )
         answer = await client.send(upstream_request, stream=True)
         seen[-1]["status"] = answer.status_code
         kept = {k: v for k, v in answer.headers.items() if k.lower() not in HOP | {"content-encoding"}}
-        return StreamingResponse(answer.aiter_raw(), status_code=answer.status_code, headers=kept,
-                                 background=BackgroundTask(answer.aclose))
+        return StreamingResponse(
+            answer.aiter_raw(), status_code=answer.status_code, headers=kept, background=BackgroundTask(answer.aclose)
+        )
 
     app = Starlette(routes=[Route("/{path:path}", forward, methods=["GET", "POST", "PUT", "DELETE", "HEAD"])])
     with serving(app) as url:

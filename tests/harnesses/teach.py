@@ -32,7 +32,8 @@ def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     chosen = []
     for name, param in model.named_parameters():
         take = name.startswith("model.norm.") or (
-            name.startswith(f"model.layers.{last}.") and any(part in name for part in TRAINED))
+            name.startswith(f"model.layers.{last}.") and any(part in name for part in TRAINED)
+        )
         param.requires_grad_(take)
         if take:
             chosen.append(param)

@@ -22,22 +22,44 @@ pytestmark = pytest.mark.slow  # coding-agent harnesses and SDKs, each taught a 
 def sdk_agent(home: Path):
     def run(base_url: str, work: Path) -> subprocess.CompletedProcess:
         fresh_repo(work)
-        env = {"PATH": os.environ["PATH"], "HOME": str(home), "ANTHROPIC_BASE_URL": base_url.removesuffix("/v1"),
-               "ANTHROPIC_API_KEY": "sk-ant-inverted", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-               "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1", "PYTHONPATH": str(Path(__file__).parent)}
-        return subprocess.run([sys.executable, "-m", "claude_agent_sdk_agent", QUESTION], cwd=work, env=env,
-                              capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+        env = {
+            "PATH": os.environ["PATH"],
+            "HOME": str(home),
+            "ANTHROPIC_BASE_URL": base_url.removesuffix("/v1"),
+            "ANTHROPIC_API_KEY": "sk-ant-inverted",
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+            "DISABLE_TELEMETRY": "1",
+            "DISABLE_AUTOUPDATER": "1",
+            "PYTHONPATH": str(Path(__file__).parent),
+        }
+        return subprocess.run(
+            [sys.executable, "-m", "claude_agent_sdk_agent", QUESTION],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            stdin=subprocess.DEVNULL,
+        )
+
     return run
 
 
 def test_claude_agent_sdk_runs_an_episode_unchanged_recorded_exactly(harness_stack, tmp_path):
     notes = harness_stack.work / "notes.txt"
-    replies = ['<tool_call>\n{"name": "Read", "arguments": ' + json.dumps({"file_path": str(notes)}) +
-               '}\n</tool_call><|im_end|>', "The file says: the answer is 42.<|im_end|>"]
+    replies = [
+        '<tool_call>\n{"name": "Read", "arguments": '
+        + json.dumps({"file_path": str(notes)})
+        + "}\n</tool_call><|im_end|>",
+        "The file says: the answer is 42.<|im_end|>",
+    ]
     played = harness_stack.taught_episode(sdk_agent(tmp_path / "home"), replies, tmp_path)
     assert played.done.returncode == 0, (played.done.stdout[-2000:], played.done.stderr[-2000:])
     assert "the answer is 42" in played.done.stdout
-    main = [r for r in played.requests if r["path"].endswith("/v1/messages")
-            and r["body"]["model"] == played.episode.metadata["model"]]
+    main = [
+        r
+        for r in played.requests
+        if r["path"].endswith("/v1/messages") and r["body"]["model"] == played.episode.metadata["model"]
+    ]
     assert "sdk-py" in main[0]["headers"].get("user-agent", "") + json.dumps(main[0]["body"]["system"])
     check_episode(harness_stack, played, main[-1], replies)

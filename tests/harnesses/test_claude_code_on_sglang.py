@@ -10,7 +10,8 @@ import pytest
 
 from tests.harnesses.conftest import HarnessStack, start_harness_stack
 from tests.harnesses.test_claude_code import (  # noqa: F401  (collected here, against this module's stack)
-    test_claude_code_runs_an_episode_unchanged_recorded_exactly)
+    test_claude_code_runs_an_episode_unchanged_recorded_exactly,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -37,14 +37,36 @@ def codex(home: Path):
         home.mkdir(parents=True, exist_ok=True)
         (home / "config.toml").write_text(
             'model_provider = "inverted"\n\n[model_providers.inverted]\nname = "inverted"\n'
-            f'base_url = "{base_url}"\nenv_key = "INVERTED_SESSION_KEY"\nwire_api = "responses"\n')
+            f'base_url = "{base_url}"\nenv_key = "INVERTED_SESSION_KEY"\nwire_api = "responses"\n'
+        )
         scratch = home.parent / "codex-tmp"
         scratch.mkdir(exist_ok=True)
-        env = {"PATH": os.environ["PATH"], "HOME": str(home), "CODEX_HOME": str(home), "TMPDIR": str(scratch),
-               "INVERTED_SESSION_KEY": "sk-inverted"}
-        return subprocess.run([str(harness_binary("codex")), "exec", "-m", MODEL, "--skip-git-repo-check", "--sandbox",
-                               "workspace-write", "What does notes.txt say?"], cwd=work, env=env,
-                              capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+        env = {
+            "PATH": os.environ["PATH"],
+            "HOME": str(home),
+            "CODEX_HOME": str(home),
+            "TMPDIR": str(scratch),
+            "INVERTED_SESSION_KEY": "sk-inverted",
+        }
+        return subprocess.run(
+            [
+                str(harness_binary("codex")),
+                "exec",
+                "-m",
+                MODEL,
+                "--skip-git-repo-check",
+                "--sandbox",
+                "workspace-write",
+                "What does notes.txt say?",
+            ],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            stdin=subprocess.DEVNULL,
+        )
+
     return run
 
 
@@ -52,15 +74,19 @@ def test_codex_runs_an_episode_unchanged_recorded_exactly(harness_stack, tmp_pat
     run = codex(tmp_path / "codex-home")
     # The command also asks whether /etc is writable: outside the sandbox it is (to root), inside it is not.
     command = "cat notes.txt; test -w /etc || echo read-only"
-    replies = ['<tool_call>\n{"name": "exec_command", "arguments": ' + json.dumps({"cmd": command}) +
-               '}\n</tool_call><|im_end|>', "The file says: the answer is 42.<|im_end|>"]
+    replies = [
+        '<tool_call>\n{"name": "exec_command", "arguments": '
+        + json.dumps({"cmd": command})
+        + "}\n</tool_call><|im_end|>",
+        "The file says: the answer is 42.<|im_end|>",
+    ]
     played = harness_stack.taught_episode(run, replies, tmp_path)
     assert played.done.returncode == 0, (played.done.stdout[-2000:], played.done.stderr[-2000:])
     # Codex shows the model's last words. Its tool's output holds a random chunk id and wall times, so the
     # last prompt is never quite the taught one: what the model says there may stray from what it was
     # taught (under load it has), but it is what Codex must show.
     turn = played.episode.metadata["turns"][-1]
-    said = harness_stack.tokenizer.decode(played.episode.tokens[turn["start"]:turn["end"]], skip_special_tokens=True)
+    said = harness_stack.tokenizer.decode(played.episode.tokens[turn["start"] : turn["end"]], skip_special_tokens=True)
     assert said.strip() and said.strip() in played.done.stdout, (said, played.done.stdout[-2000:])
     main = [r for r in played.requests if r["path"].endswith("/v1/responses")]
     first, last = main[0]["body"], main[-1]["body"]

@@ -27,9 +27,11 @@ FIX = "pwd && sed -i 's/numbers\\[1:\\]/numbers/' calc.py"
 def play(base_url: str, work: Path) -> float:
     async def one() -> float:
         async with openai.AsyncOpenAI(base_url=base_url, api_key="sk-inverted") as client:
-            task = Task(lease_id="l", group_index=0, index=0, prompt_index=0, prompt=PROMPT,
-                        metadata={"repo": "off_by_one"})
+            task = Task(
+                lease_id="l", group_index=0, index=0, prompt_index=0, prompt=PROMPT, metadata={"repo": "off_by_one"}
+            )
             return await episode(task, client)
+
     return asyncio.run(one())
 
 
@@ -58,16 +60,46 @@ def test_a_job_runs_the_coding_harness_end_to_end_then_trains_a_step(tiny_model,
     data = tmp_path / "rollouts.jsonl"
     run = [*ONE_ENGINE_RUN]
     run[run.index("--rollout-max-response-len") + 1] = "24"
-    check(inverted("train", "--debug-rollout-only", "--hf-checkpoint", str(tiny_model()), "--prompt-data", str(rows),
-                   "--metadata-key", "metadata", "--env-path", "envs.coding:episode", "--num-rollout", "1",
-                   "--save-debug-rollout-data", str(data), "--output-dir", str(tmp_path / "rollout-run"), *run,
-                   timeout=600))
+    check(
+        inverted(
+            "train",
+            "--debug-rollout-only",
+            "--hf-checkpoint",
+            str(tiny_model()),
+            "--prompt-data",
+            str(rows),
+            "--metadata-key",
+            "metadata",
+            "--env-path",
+            "envs.coding:episode",
+            "--num-rollout",
+            "1",
+            "--save-debug-rollout-data",
+            str(data),
+            "--output-dir",
+            str(tmp_path / "rollout-run"),
+            *run,
+            timeout=600,
+        )
+    )
     from inverted.types import Sample
 
     saved = [Sample.from_json(json.loads(line)) for line in data.read_text().splitlines()]
     assert len(saved) == 4 and {s.reward for s in saved} == {0.0}
     assert all(s.status != Sample.Status.FAILED and sum(s.loss_mask) > 0 for s in saved)  # cut at 24 tokens: truncated
     run_dir = tmp_path / "train-run"
-    check(inverted("train", "--debug-train-only", "--hf-checkpoint", str(tiny_model()), "--load-debug-rollout-data",
-                   str(data), "--output-dir", str(run_dir), "--num-rollout", "1"))
+    check(
+        inverted(
+            "train",
+            "--debug-train-only",
+            "--hf-checkpoint",
+            str(tiny_model()),
+            "--load-debug-rollout-data",
+            str(data),
+            "--output-dir",
+            str(run_dir),
+            "--num-rollout",
+            "1",
+        )
+    )
     assert [m["step"] for m in metrics_rows(run_dir)] == [0]

@@ -27,8 +27,10 @@ pytestmark = pytest.mark.slow  # coding-agent harnesses and SDKs, each taught a 
 MODEL = "my-policy"
 # Its loop detection hangs up on an untaught model's repeated words (the proxy then records nothing for
 # the call, as for any call its client abandons): off, as the teaching stages need the prompt recorded.
-SETTINGS = {"security": {"auth": {"selectedType": "gemini-api-key"}, "folderTrust": {"enabled": False}},
-            "model": {"disableLoopDetection": True}}
+SETTINGS = {
+    "security": {"auth": {"selectedType": "gemini-api-key"}, "folderTrust": {"enabled": False}},
+    "model": {"disableLoopDetection": True},
+}
 
 
 def gemini(home: Path):
@@ -36,17 +38,33 @@ def gemini(home: Path):
         fresh_repo(work)
         (home / ".gemini").mkdir(parents=True, exist_ok=True)
         (home / ".gemini" / "settings.json").write_text(json.dumps(SETTINGS))
-        env = {"PATH": os.environ["PATH"], "HOME": str(home), "GEMINI_API_KEY": "sk-inverted",
-               "GOOGLE_GEMINI_BASE_URL": base_url.removesuffix("/v1")}
-        return subprocess.run([str(harness_binary("gemini")), "-m", MODEL, "--yolo", "-p", "What does notes.txt say?"],
-                              cwd=work, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+        env = {
+            "PATH": os.environ["PATH"],
+            "HOME": str(home),
+            "GEMINI_API_KEY": "sk-inverted",
+            "GOOGLE_GEMINI_BASE_URL": base_url.removesuffix("/v1"),
+        }
+        return subprocess.run(
+            [str(harness_binary("gemini")), "-m", MODEL, "--yolo", "-p", "What does notes.txt say?"],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            stdin=subprocess.DEVNULL,
+        )
+
     return run
 
 
 def test_gemini_cli_runs_an_episode_unchanged_recorded_exactly(harness_stack, tmp_path):
     run = gemini(tmp_path / "gemini-home")
-    replies = ['<tool_call>\n{"name": "read_file", "arguments": ' + json.dumps({"file_path": "notes.txt"}) +
-               '}\n</tool_call><|im_end|>', "The file says: the answer is 42.<|im_end|>"]
+    replies = [
+        '<tool_call>\n{"name": "read_file", "arguments": '
+        + json.dumps({"file_path": "notes.txt"})
+        + "}\n</tool_call><|im_end|>",
+        "The file says: the answer is 42.<|im_end|>",
+    ]
     played = harness_stack.taught_episode(run, replies, tmp_path)
     assert played.done.returncode == 0, (played.done.stdout[-2000:], played.done.stderr[-2000:])
     assert "the answer is 42" in played.done.stdout, played.done.stdout[-2000:]

@@ -32,17 +32,34 @@ def kimi(home: Path):
     def run(base_url: str, work: Path) -> subprocess.CompletedProcess:
         fresh_repo(work)
         home.mkdir(parents=True, exist_ok=True)
-        env = {"PATH": os.environ["PATH"], "HOME": str(home), "KIMI_BASE_URL": base_url, "KIMI_API_KEY": "sk-inverted",
-               "KIMI_MODEL_NAME": MODEL}
-        return subprocess.run([str(KIMI), "--print", "--yolo", "-p", "What does notes.txt say?"], cwd=work, env=env,
-                              capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+        env = {
+            "PATH": os.environ["PATH"],
+            "HOME": str(home),
+            "KIMI_BASE_URL": base_url,
+            "KIMI_API_KEY": "sk-inverted",
+            "KIMI_MODEL_NAME": MODEL,
+        }
+        return subprocess.run(
+            [str(KIMI), "--print", "--yolo", "-p", "What does notes.txt say?"],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            stdin=subprocess.DEVNULL,
+        )
+
     return run
 
 
 def test_kimi_cli_runs_an_episode_unchanged_recorded_exactly(harness_stack, tmp_path):
     run = kimi(tmp_path / "kimi-home")
-    replies = ['<tool_call>\n{"name": "ReadFile", "arguments": ' + json.dumps({"path": "notes.txt"}) +
-               '}\n</tool_call><|im_end|>', "The file says: the answer is 42.<|im_end|>"]
+    replies = [
+        '<tool_call>\n{"name": "ReadFile", "arguments": '
+        + json.dumps({"path": "notes.txt"})
+        + "}\n</tool_call><|im_end|>",
+        "The file says: the answer is 42.<|im_end|>",
+    ]
     played = harness_stack.taught_episode(run, replies, tmp_path)
     assert played.done.returncode == 0, (played.done.stdout[-2000:], played.done.stderr[-2000:])
     assert "the answer is 42" in played.done.stdout, played.done.stdout[-2000:]

@@ -26,18 +26,46 @@ SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 def mini(home: Path):
     def run(base_url: str, work: Path) -> subprocess.CompletedProcess:
         fresh_repo(work)
-        env = {"PATH": os.environ["PATH"], "HOME": str(home), "MSWEA_GLOBAL_CONFIG_DIR": str(home / "mswea"),
-               "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": "sk-inverted", "MSWEA_CONFIGURED": "true",
-               "MSWEA_COST_TRACKING": "ignore_errors", "MSWEA_SILENT_STARTUP": "1"}
+        env = {
+            "PATH": os.environ["PATH"],
+            "HOME": str(home),
+            "MSWEA_GLOBAL_CONFIG_DIR": str(home / "mswea"),
+            "OPENAI_BASE_URL": base_url,
+            "OPENAI_API_KEY": "sk-inverted",
+            "MSWEA_CONFIGURED": "true",
+            "MSWEA_COST_TRACKING": "ignore_errors",
+            "MSWEA_SILENT_STARTUP": "1",
+        }
         mini_cli = Path(sys.executable).parent / "mini"
-        return subprocess.run([str(mini_cli), "-m", "openai/gpt-5-mini", "-t", "What does notes.txt say?", "--yolo",
-                               "--exit-immediately", "-l", "0", "-o", str(home / "run.traj.json")], cwd=work,
-                              env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+        return subprocess.run(
+            [
+                str(mini_cli),
+                "-m",
+                "openai/gpt-5-mini",
+                "-t",
+                "What does notes.txt say?",
+                "--yolo",
+                "--exit-immediately",
+                "-l",
+                "0",
+                "-o",
+                str(home / "run.traj.json"),
+            ],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            stdin=subprocess.DEVNULL,
+        )
+
     return run
 
 
 def bash(command: str) -> str:
-    return '<tool_call>\n{"name": "bash", "arguments": ' + json.dumps({"command": command}) + '}\n</tool_call><|im_end|>'
+    return (
+        '<tool_call>\n{"name": "bash", "arguments": ' + json.dumps({"command": command}) + "}\n</tool_call><|im_end|>"
+    )
 
 
 def test_mini_swe_agent_runs_an_episode_unchanged_recorded_exactly(harness_stack, tmp_path):

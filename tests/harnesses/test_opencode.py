@@ -29,24 +29,44 @@ MODEL = "my-policy"
 def opencode(home: Path):
     def run(base_url: str, work: Path) -> subprocess.CompletedProcess:
         fresh_repo(work)
-        (work / "opencode.json").write_text(json.dumps({
-            "$schema": "https://opencode.ai/config.json",
-            "provider": {"inverted": {"npm": "@ai-sdk/openai-compatible", "name": "inverted",
-                                      "options": {"baseURL": base_url, "apiKey": "sk-inverted"},
-                                      "models": {MODEL: {"name": MODEL}}}},
-            "model": f"inverted/{MODEL}"}))
+        (work / "opencode.json").write_text(
+            json.dumps(
+                {
+                    "$schema": "https://opencode.ai/config.json",
+                    "provider": {
+                        "inverted": {
+                            "npm": "@ai-sdk/openai-compatible",
+                            "name": "inverted",
+                            "options": {"baseURL": base_url, "apiKey": "sk-inverted"},
+                            "models": {MODEL: {"name": MODEL}},
+                        }
+                    },
+                    "model": f"inverted/{MODEL}",
+                }
+            )
+        )
         env = {"PATH": os.environ["PATH"], "HOME": str(home)}
-        return subprocess.run([str(harness_binary("opencode")), "run", "--model", f"inverted/{MODEL}",
-                               "What does notes.txt say?"], cwd=work, env=env, capture_output=True, text=True,
-                              timeout=300, stdin=subprocess.DEVNULL)
+        return subprocess.run(
+            [str(harness_binary("opencode")), "run", "--model", f"inverted/{MODEL}", "What does notes.txt say?"],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            stdin=subprocess.DEVNULL,
+        )
+
     return run
 
 
 def test_opencode_runs_an_episode_unchanged_recorded_exactly(harness_stack, tmp_path):
     run = opencode(tmp_path / "opencode-home")
-    replies = ['<tool_call>\n{"name": "bash", "arguments": ' +
-               json.dumps({"command": "cat notes.txt", "description": "Show notes.txt"}) + '}\n</tool_call><|im_end|>',
-               "The file says: the answer is 42.<|im_end|>"]
+    replies = [
+        '<tool_call>\n{"name": "bash", "arguments": '
+        + json.dumps({"command": "cat notes.txt", "description": "Show notes.txt"})
+        + "}\n</tool_call><|im_end|>",
+        "The file says: the answer is 42.<|im_end|>",
+    ]
     played = harness_stack.taught_episode(run, replies, tmp_path)
     assert played.done.returncode == 0, (played.done.stdout[-2000:], played.done.stderr[-2000:])
     assert "the answer is 42" in played.done.stdout, played.done.stdout[-2000:]

@@ -26,8 +26,14 @@ ANSWER = "It is sunny, 24C in Paris.<|im_end|>"
 SDKS = {
     "langgraph": ("langgraph", [CALL, ANSWER]),
     "pydantic_ai": ("pydantic_ai", [CALL, ANSWER]),
-    "smolagents": (None, [CALL, '<tool_call>\n{"name": "final_answer", "arguments": {"answer": "It is sunny, 24C '
-                            'in Paris."}}\n</tool_call><|im_end|>']),
+    "smolagents": (
+        None,
+        [
+            CALL,
+            '<tool_call>\n{"name": "final_answer", "arguments": {"answer": "It is sunny, 24C '
+            'in Paris."}}\n</tool_call><|im_end|>',
+        ],
+    ),
     "adk": ("adk", [CALL, ANSWER]),
     "adk_gemini": ("adk", [CALL, ANSWER]),  # ADK's default: a Gemini model, through the Gemini API
     "strands": ("strands", [CALL, ANSWER]),
@@ -49,11 +55,25 @@ def sdk_agent(sdk: str, home: Path):
     python = python_of(SDKS[sdk][0])
 
     def run(base_url: str, work: Path) -> subprocess.CompletedProcess:
-        env = {"PATH": os.environ["PATH"], "HOME": str(home), "OPENAI_BASE_URL": base_url,
-               "OPENAI_API_KEY": "sk-inverted", "OTEL_SDK_DISABLED": "true",
-               "GOOGLE_GEMINI_BASE_URL": base_url.removesuffix("/v1"), "GOOGLE_API_KEY": "sk-inverted"}
-        return subprocess.run([python, str(AGENTS / f"{sdk}_agent.py")], cwd=work, env=env, capture_output=True,
-                              text=True, timeout=300, stdin=subprocess.DEVNULL)
+        env = {
+            "PATH": os.environ["PATH"],
+            "HOME": str(home),
+            "OPENAI_BASE_URL": base_url,
+            "OPENAI_API_KEY": "sk-inverted",
+            "OTEL_SDK_DISABLED": "true",
+            "GOOGLE_GEMINI_BASE_URL": base_url.removesuffix("/v1"),
+            "GOOGLE_API_KEY": "sk-inverted",
+        }
+        return subprocess.run(
+            [python, str(AGENTS / f"{sdk}_agent.py")],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            stdin=subprocess.DEVNULL,
+        )
+
     return run
 
 

@@ -41,8 +41,20 @@ from tests.job.test_train_job import ROOT, metrics_rows, stored_samples
 # land between two moments, a weight update that must cut into a running call.
 pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
-RUN = ["--num-engines", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--lr", "1e-3",
-       "--env-path", "envs.long_tail:episode", "--log-level", "warning"]
+RUN = [
+    "--num-engines",
+    "2",
+    "--rollout-batch-size",
+    "2",
+    "--n-samples-per-prompt",
+    "2",
+    "--lr",
+    "1e-3",
+    "--env-path",
+    "envs.long_tail:episode",
+    "--log-level",
+    "warning",
+]
 
 
 def long_tail_data(path: Path, count: int, short_s: float, long_s: float) -> Path:
@@ -59,8 +71,14 @@ def start_job(*args: str, log: Path, cwd: Path = ROOT) -> subprocess.Popen:
     """``inverted train`` in its own session, so that the whole job can be killed at once."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with log.open("w") as out:
-        return subprocess.Popen([sys.executable, "-m", "inverted.cli", "train", *args], stdout=out,
-                                stderr=subprocess.STDOUT, cwd=cwd, env=env, start_new_session=True)
+        return subprocess.Popen(
+            [sys.executable, "-m", "inverted.cli", "train", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=cwd,
+            env=env,
+            start_new_session=True,
+        )
 
 
 def wait_for(condition, job: subprocess.Popen, log: Path, timeout: float = 240.0) -> None:
@@ -142,8 +160,10 @@ def durable_states(run_dir: Path, scratch: Path) -> tuple[dict[int, str], dict[s
             shutil.copyfile(run_dir / f"buffer.db{suffix}", scratch / f"buffer.db{suffix}")
     (scratch / "buffer.db-shm").unlink(missing_ok=True)
     try:  # its first reader rebuilds the index from the WAL
-        return (group_states(scratch, read_only=False),
-                buffer_query(scratch, "SELECT state, COUNT(*) FROM tasks GROUP BY state", read_only=False))
+        return (
+            group_states(scratch, read_only=False),
+            buffer_query(scratch, "SELECT state, COUNT(*) FROM tasks GROUP BY state", read_only=False),
+        )
     finally:
         for suffix in ("", "-wal", "-shm"):
             (scratch / f"buffer.db{suffix}").unlink(missing_ok=True)
@@ -152,10 +172,27 @@ def durable_states(run_dir: Path, scratch: Path) -> tuple[dict[int, str], dict[s
 def test_async_one_step_off_with_partial_rollouts_survives_a_job_kill(tiny_model, tmp_path):
     model, run_dir = own_model(tiny_model, tmp_path), tmp_path / "run"
     data = long_tail_data(tmp_path / "long_tail.jsonl", count=64, short_s=0.05, long_s=1.0)
-    args = ["--hf-checkpoint", str(model), "--prompt-data", str(data), "--output-dir", str(run_dir), "--async-mode",
-            "--max-weight-staleness", "1", "--partial-rollout", "--pause-mode", "abort", "--rollout-max-response-len",
-            "128", "--save-interval", "1", "--save-debug-rollout-data", str(run_dir / "trained" / "{rollout_id}.jsonl"),
-            *RUN]
+    args = [
+        "--hf-checkpoint",
+        str(model),
+        "--prompt-data",
+        str(data),
+        "--output-dir",
+        str(run_dir),
+        "--async-mode",
+        "--max-weight-staleness",
+        "1",
+        "--partial-rollout",
+        "--pause-mode",
+        "abort",
+        "--rollout-max-response-len",
+        "128",
+        "--save-interval",
+        "1",
+        "--save-debug-rollout-data",
+        str(run_dir / "trained" / "{rollout_id}.jsonl"),
+        *RUN,
+    ]
 
     shared_before = shared_buckets()
     # More rollouts than it will reach: it is killed at the first look that finds a finished group
@@ -187,7 +224,9 @@ def test_async_one_step_off_with_partial_rollouts_survives_a_job_kill(tiny_model
     waiting = {g for g, state in group_states(run_dir).items() if state == "complete"}
     rows_before = len(metrics_rows(run_dir))
 
-    second = start_job(*args, "--num-rollout", str(end), "--load", str(run_dir / "checkpoints"), log=tmp_path / "second.log")
+    second = start_job(
+        *args, "--num-rollout", str(end), "--load", str(run_dir / "checkpoints"), log=tmp_path / "second.log"
+    )
     finish(second, tmp_path / "second.log")
     assert left and shared_buckets() <= shared_before  # ... the resumed job did
 
@@ -234,8 +273,20 @@ def test_killed_engines_are_replaced_side_by_side_with_the_current_weights(tiny_
     model, run_dir = own_model(tiny_model, tmp_path), tmp_path / "run"
     data = long_tail_data(tmp_path / "long_tail.jsonl", count=32, short_s=0.5, long_s=0.5)
     log = tmp_path / "job.log"
-    job = start_job("--hf-checkpoint", str(model), "--prompt-data", str(data), "--output-dir", str(run_dir),
-                    "--num-rollout", "14", "--rollout-max-response-len", "64", *RUN, log=log)
+    job = start_job(
+        "--hf-checkpoint",
+        str(model),
+        "--prompt-data",
+        str(data),
+        "--output-dir",
+        str(run_dir),
+        "--num-rollout",
+        "14",
+        "--rollout-max-response-len",
+        "64",
+        *RUN,
+        log=log,
+    )
     try:
         wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics_rows(run_dir)) >= 1, job, log)
         engines = processes_with(f"serve-engine --model {model} ")
@@ -284,11 +335,25 @@ def test_killed_services_start_again_at_their_address_and_lost_episodes_are_play
     model, run_dir = own_model(tiny_model, tmp_path), tmp_path / "run"
     data = long_tail_data(tmp_path / "long_tail.jsonl", count=64, short_s=1.0, long_s=1.0)
     log = tmp_path / "job.log"
-    job = start_job("--hf-checkpoint", str(model), "--prompt-data", str(data), "--output-dir", str(run_dir),
-                    "--num-rollout", "16", "--rollout-max-response-len", "8", *RUN, log=log)
-    commands = {"proxy": f"inverted.cli proxy --config {run_dir}/services/proxy.yaml",
-                "buffer": f"inverted.cli buffer --config {run_dir}/services/buffer.yaml",
-                "router": "sglang::router"}  # sgl-router names its process so
+    job = start_job(
+        "--hf-checkpoint",
+        str(model),
+        "--prompt-data",
+        str(data),
+        "--output-dir",
+        str(run_dir),
+        "--num-rollout",
+        "16",
+        "--rollout-max-response-len",
+        "8",
+        *RUN,
+        log=log,
+    )
+    commands = {
+        "proxy": f"inverted.cli proxy --config {run_dir}/services/proxy.yaml",
+        "buffer": f"inverted.cli buffer --config {run_dir}/services/buffer.yaml",
+        "router": "sglang::router",
+    }  # sgl-router names its process so
     try:
         wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics_rows(run_dir)) >= 1, job, log)
         for restarts, (name, command) in enumerate(commands.items(), 1):
@@ -317,7 +382,8 @@ def test_killed_services_start_again_at_their_address_and_lost_episodes_are_play
     tasks = buffer_query(run_dir, "SELECT group_index || '/' || sample_index, state FROM tasks")
     assert set(tasks.values()) <= {"done", "queued"}
     assert {int(key.split("/")[0]) for key, state in tasks.items() if state == "queued"} <= {
-        group for group, state in states.items() if state == "open"}
+        group for group, state in states.items() if state == "open"
+    }
     assert sum(m["rollout/trained_samples"] for m in rows) == 2 * list(states.values()).count("consumed")
 
 
@@ -328,13 +394,29 @@ def test_a_sync_job_killed_past_its_checkpoint_trains_each_served_batch_once_aft
     model, run_dir = own_model(tiny_model, tmp_path), tmp_path / "run"
     data = long_tail_data(tmp_path / "long_tail.jsonl", count=64, short_s=0.3, long_s=0.3)
     trained_at = run_dir / "trained" / "{rollout_id}.jsonl"
-    args = ["--hf-checkpoint", str(model), "--prompt-data", str(data), "--output-dir", str(run_dir),
-            "--rollout-max-response-len", "8", "--save-interval", "2", "--save-debug-rollout-data", str(trained_at), *RUN]
+    args = [
+        "--hf-checkpoint",
+        str(model),
+        "--prompt-data",
+        str(data),
+        "--output-dir",
+        str(run_dir),
+        "--rollout-max-response-len",
+        "8",
+        "--save-interval",
+        "2",
+        "--save-debug-rollout-data",
+        str(trained_at),
+        *RUN,
+    ]
     first = start_job(*args, "--num-rollout", "32", log=tmp_path / "first.log")
     try:
         while True:  # frozen to look: step 2 trained, its checkpoint (after step 3) not yet written
-            wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics_rows(run_dir)) >= 3, first,
-                     tmp_path / "first.log")
+            wait_for(
+                lambda: (run_dir / "metrics.jsonl").exists() and len(metrics_rows(run_dir)) >= 3,
+                first,
+                tmp_path / "first.log",
+            )
             freeze(first.pid)
             if latest_checkpoint(run_dir) == 2:
                 break
@@ -370,7 +452,8 @@ def test_a_sync_job_killed_past_its_checkpoint_trains_each_served_batch_once_aft
 
 
 def test_a_killed_trainer_rank_restarts_in_place_from_its_own_saved_state_and_trains_the_steps_since_again(
-        tiny_model, tmp_path):
+    tiny_model, tmp_path
+):
     """SIGKILL the trainer's rank twice in a running sync job that keeps no checkpoint (``--save-interval``
     at its default, 0) but keeps the trainer's own state every third step (``--restart-save-interval
     3``, in the background): each time the job starts a new trainer from that state, trains again the
@@ -381,9 +464,24 @@ def test_a_killed_trainer_rank_restarts_in_place_from_its_own_saved_state_and_tr
     data = long_tail_data(tmp_path / "long_tail.jsonl", count=64, short_s=0.3, long_s=0.3)
     trained_at = run_dir / "trained" / "{rollout_id}.jsonl"
     log = tmp_path / "job.log"
-    job = start_job("--hf-checkpoint", str(model), "--prompt-data", str(data), "--output-dir", str(run_dir),
-                    "--num-rollout", "12", "--rollout-max-response-len", "8", "--restart-save-interval", "3",
-                    "--save-debug-rollout-data", str(trained_at), *RUN, log=log)
+    job = start_job(
+        "--hf-checkpoint",
+        str(model),
+        "--prompt-data",
+        str(data),
+        "--output-dir",
+        str(run_dir),
+        "--num-rollout",
+        "12",
+        "--rollout-max-response-len",
+        "8",
+        "--restart-save-interval",
+        "3",
+        "--save-debug-rollout-data",
+        str(trained_at),
+        *RUN,
+        log=log,
+    )
     killed = []
     try:
         for restarts, steps in enumerate((5, 8), 1):  # two steps past a saved state (after steps 3 and 6)
@@ -400,8 +498,9 @@ def test_a_killed_trainer_rank_restarts_in_place_from_its_own_saved_state_and_tr
     rows, text = metrics_rows(run_dir), log.read_text()
     assert rows[-1]["faults/trainer_restarts"] == 2 and len({r["step"] for r in rows if "rollout/samples" in r}) == 12
     assert text.count(f"restarting the trainer from {run_dir / 'restart'}") == 2  # its own state, not the model's
-    replays = [(int(start), int(count)) for start, count in
-               re.findall(r"from step (\d+), (\d+) batches trained again", text)]
+    replays = [
+        (int(start), int(count)) for start, count in re.findall(r"from step (\d+), (\d+) batches trained again", text)
+    ]
     assert len(replays) == 2 and all(count >= 1 for _, count in replays), replays  # the steps since that state
     # The restarted trainer reproduced the dead one's weights: the servers kept those, and the
     # trainer's log-probs of what they sampled next equal theirs (a trainer at the saved state's weights,
@@ -424,15 +523,38 @@ def test_the_short_chaos_bench_kills_each_kind_and_nothing_is_lost_or_trained_tw
     """``bench/chaos.py``'s short version: six random SIGKILLs, one of each kind (engine, router,
     proxy, buffer, trainer, the whole job), in a job that trains (``make demo``'s task)."""
     out = tmp_path / "chaos.json"
-    result = subprocess.run([sys.executable, str(ROOT / "bench" / "chaos.py"), "--kills", "6", "--rollouts", "40",
-                             "--gap", "3", "--no-baseline", "--seed", "3", "--out", str(out)],
-                            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "chaos.py"),
+            "--kills",
+            "6",
+            "--rollouts",
+            "40",
+            "--gap",
+            "3",
+            "--no-baseline",
+            "--seed",
+            "3",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(out.read_text())
-    assert report["exit"] == 0 and report["kinds_killed"] == sorted(["engine", "router", "proxy", "buffer", "trainer",
-                                                                      "job"]), report["recoveries"]
-    assert all(r["recovery_s"] is not None and r["recovery_s"] <= 90 for r in report["recoveries"]), report["recoveries"]
-    assert not any("stopped the job" in r["kind"] for r in report["recoveries"])  # every kind but the job healed in place
+    assert report["exit"] == 0 and report["kinds_killed"] == sorted(
+        ["engine", "router", "proxy", "buffer", "trainer", "job"]
+    ), report["recoveries"]
+    assert all(r["recovery_s"] is not None and r["recovery_s"] <= 90 for r in report["recoveries"]), report[
+        "recoveries"
+    ]
+    assert not any(
+        "stopped the job" in r["kind"] for r in report["recoveries"]
+    )  # every kind but the job healed in place
     assert report["samples_trained_twice"] == report["served_never_trained"] == report["trained_never_served"] == 0
     assert report["samples_per_task_max"] == 1 and set(report["tasks"]) <= {"done", "queued"}, report
     assert report["buffer_disagrees_with_training"] == 0  # the buffer's trained steps are the surviving training

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from envs.datasets import write_dataset
-from inverted.types import Sample
 from envs.letters import rows as letter_rows
+from inverted.types import Sample
 from tests.job.test_train_job import ONE_ENGINE_RUN, check, inverted, metrics_rows, stored_samples
 
 pytestmark = pytest.mark.slow  # whole jobs: left out of make test-fast
@@ -48,7 +48,7 @@ def base_gap(model_dir, sample: Sample) -> float:
     ids = torch.tensor([sample.tokens])
     with torch.no_grad():
         logits = model(ids).logits[0, :-1].log_softmax(-1)
-    base = logits.gather(1, ids[0, 1:, None])[:, 0][-sample.response_length:]
+    base = logits.gather(1, ids[0, 1:, None])[:, 0][-sample.response_length :]
     sampled = torch.tensor(sample.loss_mask, dtype=torch.bool)
     return float((base - torch.tensor(sample.rollout_log_probs))[sampled].abs().max())
 
@@ -66,9 +66,24 @@ def check_peft_export(model_dir, run_dir) -> None:
 def test_a_lora_job_samples_from_its_adapter(tiny_model, tmp_path):
     model, run_dir = tiny_model(), tmp_path / "run"
     data = write_dataset(letter_rows, tmp_path / "letters.jsonl", count=8)
-    check(inverted("train", "--hf-checkpoint", str(model), "--prompt-data", str(data), "--env-path", "lora_task:episode",
-                   "--output-dir", str(run_dir), "--num-rollout", "2", *ONE_ENGINE_RUN, *LORA,
-                   pythonpath=task_module(tmp_path)))
+    check(
+        inverted(
+            "train",
+            "--hf-checkpoint",
+            str(model),
+            "--prompt-data",
+            str(data),
+            "--env-path",
+            "lora_task:episode",
+            "--output-dir",
+            str(run_dir),
+            "--num-rollout",
+            "2",
+            *ONE_ENGINE_RUN,
+            *LORA,
+            pythonpath=task_module(tmp_path),
+        )
+    )
 
     rows = [m for m in metrics_rows(run_dir) if "rollout/reward_mean" in m]
     assert [m["weight_version"] for m in rows] == [1, 2]
@@ -84,10 +99,27 @@ def test_a_lora_job_samples_from_its_adapter(tiny_model, tmp_path):
 def test_an_async_lora_job_with_the_single_turn_rollout(tiny_model, tmp_path):
     model, run_dir = tiny_model(), tmp_path / "run"
     data = write_dataset(letter_rows, tmp_path / "letters.jsonl", count=16)
-    check(inverted("train", "--hf-checkpoint", str(model), "--prompt-data", str(data), "--output-dir", str(run_dir),
-                   "--rollout-function-path", "rollout_functions.single_turn:generate_rollout", "--custom-rm-path",
-                   "lora_task:reward", "--async-mode", "--num-rollout", "3", *ONE_ENGINE_RUN, *LORA,
-                   pythonpath=task_module(tmp_path)))
+    check(
+        inverted(
+            "train",
+            "--hf-checkpoint",
+            str(model),
+            "--prompt-data",
+            str(data),
+            "--output-dir",
+            str(run_dir),
+            "--rollout-function-path",
+            "rollout_functions.single_turn:generate_rollout",
+            "--custom-rm-path",
+            "lora_task:reward",
+            "--async-mode",
+            "--num-rollout",
+            "3",
+            *ONE_ENGINE_RUN,
+            *LORA,
+            pythonpath=task_module(tmp_path),
+        )
+    )
 
     rows = [m for m in metrics_rows(run_dir) if "rollout/reward_mean" in m]
     assert len(rows) == 3 and all(m["async/staleness_max"] <= 1 for m in rows)

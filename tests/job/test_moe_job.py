@@ -21,9 +21,28 @@ pytestmark = pytest.mark.slow  # whole jobs: left out of make test-fast
 def test_a_moe_job_trains_and_serves_every_expert(tiny_model, tmp_path):
     model, run_dir = tiny_model("qwen3_moe"), tmp_path / "run"
     data = write_dataset(letter_rows, tmp_path / "letters.jsonl", count=8)
-    check(inverted("train", "--hf-checkpoint", str(model), "--prompt-data", str(data), "--env-path", "lora_task:episode",
-                   "--output-dir", str(run_dir), "--num-rollout", "2", *ONE_ENGINE_RUN, "--lr", "1e-2",
-                   "--use-rollout-routing-replay", "--moe-aux-loss-coeff", "0.01", pythonpath=task_module(tmp_path)))
+    check(
+        inverted(
+            "train",
+            "--hf-checkpoint",
+            str(model),
+            "--prompt-data",
+            str(data),
+            "--env-path",
+            "lora_task:episode",
+            "--output-dir",
+            str(run_dir),
+            "--num-rollout",
+            "2",
+            *ONE_ENGINE_RUN,
+            "--lr",
+            "1e-2",
+            "--use-rollout-routing-replay",
+            "--moe-aux-loss-coeff",
+            "0.01",
+            pythonpath=task_module(tmp_path),
+        )
+    )
     rows = [m for m in metrics_rows(run_dir) if "rollout/reward_mean" in m]
     assert [m["weight_version"] for m in rows] == [1, 2]
     assert rows[1]["train/train_rollout_logprob_abs_diff"] < 1e-4  # the engine ran the trainer's experts
@@ -35,10 +54,29 @@ def test_a_moe_job_trains_and_serves_every_expert(tiny_model, tmp_path):
 def test_an_async_moe_job_with_the_single_turn_rollout(tiny_model, tmp_path):
     model, run_dir = tiny_model("qwen3_moe"), tmp_path / "run"
     data = write_dataset(letter_rows, tmp_path / "letters.jsonl", count=16)
-    check(inverted("train", "--hf-checkpoint", str(model), "--prompt-data", str(data), "--output-dir", str(run_dir),
-                   "--rollout-function-path", "rollout_functions.single_turn:generate_rollout", "--custom-rm-path",
-                   "lora_task:reward", "--async-mode", "--num-rollout", "3", *ONE_ENGINE_RUN, "--lr", "1e-2",
-                   "--use-rollout-routing-replay", pythonpath=task_module(tmp_path)))
+    check(
+        inverted(
+            "train",
+            "--hf-checkpoint",
+            str(model),
+            "--prompt-data",
+            str(data),
+            "--output-dir",
+            str(run_dir),
+            "--rollout-function-path",
+            "rollout_functions.single_turn:generate_rollout",
+            "--custom-rm-path",
+            "lora_task:reward",
+            "--async-mode",
+            "--num-rollout",
+            "3",
+            *ONE_ENGINE_RUN,
+            "--lr",
+            "1e-2",
+            "--use-rollout-routing-replay",
+            pythonpath=task_module(tmp_path),
+        )
+    )
     rows = [m for m in metrics_rows(run_dir) if "rollout/reward_mean" in m]
     assert len(rows) == 3 and all(m["async/staleness_max"] <= 1 for m in rows)
     fresh = [m["train/fresh_logprob_abs_diff"] for m in rows if m.get("train/fresh_logprob_abs_diff") is not None]

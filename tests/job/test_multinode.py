@@ -65,10 +65,16 @@ def make_namespace(tag: str) -> tuple[str, str, str] | None:
     if os.geteuid() != 0 or shutil.which("ip") is None:
         return None
     ns, here, there = f"inv-{tag}", f"10.211.{int(tag[:2], 16)}.1", f"10.211.{int(tag[:2], 16)}.2"
-    steps = [["netns", "add", ns], ["link", "add", f"vh{tag}", "type", "veth", "peer", "name", f"vn{tag}"],
-             ["link", "set", f"vn{tag}", "netns", ns], ["addr", "add", f"{here}/24", "dev", f"vh{tag}"],
-             ["link", "set", f"vh{tag}", "up"], ["-n", ns, "addr", "add", f"{there}/24", "dev", f"vn{tag}"],
-             ["-n", ns, "link", "set", f"vn{tag}", "up"], ["-n", ns, "link", "set", "lo", "up"]]
+    steps = [
+        ["netns", "add", ns],
+        ["link", "add", f"vh{tag}", "type", "veth", "peer", "name", f"vn{tag}"],
+        ["link", "set", f"vn{tag}", "netns", ns],
+        ["addr", "add", f"{here}/24", "dev", f"vh{tag}"],
+        ["link", "set", f"vh{tag}", "up"],
+        ["-n", ns, "addr", "add", f"{there}/24", "dev", f"vn{tag}"],
+        ["-n", ns, "link", "set", f"vn{tag}", "up"],
+        ["-n", ns, "link", "set", "lo", "up"],
+    ]
     for step in steps:
         if subprocess.run(["ip", *step], capture_output=True).returncode:
             remove_namespace(ns, tag)
@@ -96,8 +102,22 @@ def start_head(home: Path, port: int, ip: str, temp: str, resources: dict[str, i
     head_env, _ = join_commands("")
     head_env["HOME"] = str(home)
     ray("get-auth-token", "--generate", env=head_env)
-    ray("start", "--head", "--port", str(port), "--node-ip-address", ip, "--num-cpus", "2", "--resources",
-        json.dumps(resources), "--include-dashboard=false", "--temp-dir", temp, env=head_env)
+    ray(
+        "start",
+        "--head",
+        "--port",
+        str(port),
+        "--node-ip-address",
+        ip,
+        "--num-cpus",
+        "2",
+        "--resources",
+        json.dumps(resources),
+        "--include-dashboard=false",
+        "--temp-dir",
+        temp,
+        env=head_env,
+    )
     return (home / ".ray" / "auth_token").read_text().strip()
 
 
@@ -127,8 +147,19 @@ def cluster(monkeypatch, tmp_path):
     try:
         token = start_head(tmp_path / "head", port, head_ip, temp, {"train_node": 1, "rollout_node": 1})
         _, worker_env = join_commands(token)
-        join = ["start", "--address", f"{head_ip}:{port}", "--node-ip-address", node_ip, "--num-cpus", "2",
-                "--resources", json.dumps({"rollout_node": 1, "second_node": 1}), "--temp-dir", temp]
+        join = [
+            "start",
+            "--address",
+            f"{head_ip}:{port}",
+            "--node-ip-address",
+            node_ip,
+            "--num-cpus",
+            "2",
+            "--resources",
+            json.dumps({"rollout_node": 1, "second_node": 1}),
+            "--temp-dir",
+            temp,
+        ]
         plain = {k: v for k, v in worker_env.items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
         with pytest.raises(subprocess.CalledProcessError) as refused:  # Ray's worker join: no token mode of its own
             ray(*join, env=plain | {"HOME": str(tmp_path / "worker")}, prefix=inside)
@@ -152,8 +183,12 @@ def net_namespace(pid: int | str) -> int:
 
 def raylet_offering(cluster: Cluster, resource: str) -> int:
     """The raylet of ``cluster``'s node that offers ``resource`` (and no other cluster's)."""
-    (pid,) = [p for p in processes_with(cluster.temp) if resource in Path(f"/proc/{p}/cmdline").read_text()
-              and "/raylet" in Path(f"/proc/{p}/cmdline").read_text().split("\0")[0]]
+    (pid,) = [
+        p
+        for p in processes_with(cluster.temp)
+        if resource in Path(f"/proc/{p}/cmdline").read_text()
+        and "/raylet" in Path(f"/proc/{p}/cmdline").read_text().split("\0")[0]
+    ]
     return pid
 
 
@@ -184,11 +219,36 @@ def test_servers_spread_over_the_nodes_and_losing_one_node_loses_no_episode(clus
     model, run_dir = own_model(tiny_model, tmp_path), tmp_path / "run"
     long_tail_data(tmp_path / "long_tail.jsonl", count=64, short_s=1.0, long_s=1.0)
     log = tmp_path / "job.log"
-    job = start_job("--hf-checkpoint", "model", "--prompt-data", "long_tail.jsonl", "--output-dir", "run",
-                    "--num-rollout", "16", "--rollout-max-response-len", "8", "--ray-address", cluster.address,
-                    "--actor-node-resource", "train_node", "--rollout-node-resource", "rollout_node",
-                    "--num-engines", "2", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
-                    "--lr", "1e-3", "--env-path", "envs.long_tail:episode", log=log, cwd=tmp_path)
+    job = start_job(
+        "--hf-checkpoint",
+        "model",
+        "--prompt-data",
+        "long_tail.jsonl",
+        "--output-dir",
+        "run",
+        "--num-rollout",
+        "16",
+        "--rollout-max-response-len",
+        "8",
+        "--ray-address",
+        cluster.address,
+        "--actor-node-resource",
+        "train_node",
+        "--rollout-node-resource",
+        "rollout_node",
+        "--num-engines",
+        "2",
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "2",
+        "--lr",
+        "1e-3",
+        "--env-path",
+        "envs.long_tail:episode",
+        log=log,
+        cwd=tmp_path,
+    )
     try:
         wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics_rows(run_dir)) >= 2, job, log, 400)
         second, head = raylet_offering(cluster, "second_node"), raylet_offering(cluster, "train_node")
@@ -229,9 +289,14 @@ def test_servers_spread_over_the_nodes_and_losing_one_node_loses_no_episode(clus
 
     # A server that no node can take fails within its deadline, naming the resource it needed and
     # what the cluster has free (joined as the job joins: the token from RAY_AUTH_TOKEN alone).
-    out = subprocess.run([sys.executable, "-c", NO_NODE, cluster.address, str(tmp_path / "engine-9.log")],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert ("no Ray node took rollout server engine-9 within 5s: it needs 0 GPUs and the resource 'nowhere_node' "
-            "(--rollout-node-resource)") in out.stdout, out.stderr[-3000:]
-
-
+    out = subprocess.run(
+        [sys.executable, "-c", NO_NODE, cluster.address, str(tmp_path / "engine-9.log")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert (
+        "no Ray node took rollout server engine-9 within 5s: it needs 0 GPUs and the resource 'nowhere_node' "
+        "(--rollout-node-resource)"
+    ) in out.stdout, out.stderr[-3000:]

@@ -24,8 +24,22 @@ pytestmark = pytest.mark.slow
 def test_cut_sampling_is_replayed_exactly(tiny_model, tmp_path, cut):
     data = write_dataset(letters.rows, tmp_path / "letters.jsonl", count=64)
     run = tmp_path / "run"
-    check(inverted("train", "--config", str(ROOT / "examples/demo.yaml"), "--hf-checkpoint", str(tiny_model()),
-                   "--prompt-data", str(data), "--output-dir", str(run), "--num-rollout", "2", *cut))
+    check(
+        inverted(
+            "train",
+            "--config",
+            str(ROOT / "examples/demo.yaml"),
+            "--hf-checkpoint",
+            str(tiny_model()),
+            "--prompt-data",
+            str(data),
+            "--output-dir",
+            str(run),
+            "--num-rollout",
+            "2",
+            *cut,
+        )
+    )
     rows = [r for r in metrics_rows(run) if "train/loss" in r]
     for row in rows:
         assert row["train/kept_set_tokens"] == 1.0 and row["rollout/kept_set_tokens"] > 0
@@ -44,9 +58,23 @@ def test_cut_sampling_is_replayed_exactly(tiny_model, tmp_path, cut):
 def test_without_masks_the_job_says_its_ratios_are_biased(tiny_model, tmp_path):
     data = write_dataset(letters.rows, tmp_path / "letters.jsonl", count=64)
     run = tmp_path / "run"
-    result = inverted("train", "--config", str(ROOT / "examples/demo.yaml"), "--hf-checkpoint", str(tiny_model()),
-                      "--prompt-data", str(data), "--output-dir", str(run), "--num-rollout", "1",
-                      "--rollout-top-p", "0.9", "--sampling-mask-top-k", "0")
+    result = inverted(
+        "train",
+        "--config",
+        str(ROOT / "examples/demo.yaml"),
+        "--hf-checkpoint",
+        str(tiny_model()),
+        "--prompt-data",
+        str(data),
+        "--output-dir",
+        str(run),
+        "--num-rollout",
+        "1",
+        "--rollout-top-p",
+        "0.9",
+        "--sampling-mask-top-k",
+        "0",
+    )
     check(result)
     assert "every importance ratio is biased" in result.stderr
     rows = [r for r in metrics_rows(run) if "train/loss" in r]

@@ -1,10 +1,11 @@
 """Whole jobs on real SGLang (``--rollout-backend sglang``), as a CPU user runs them after ``make sglang``.
 
 The tiny model learns ``make demo``'s letters task with real SGLang servers behind the real router:
-every weight update goes into SGLang by ``/update_weights_from_tensor`` inside its update session,
-and the trainer's log-probs of the tokens sampled with its own weights must equal SGLang's, every
-step: within 1e-6 on average, and every token within the fp32 floor of two forwards (3e-5). Afterwards: the servers ran on SGLang's native path, called none of the
-import stand-ins, and left nothing in ``/dev/shm`` or the temporary directory.
+every weight update goes into SGLang by ``/update_weights_from_tensor`` inside its update session, and
+the trainer's log-probs of the tokens sampled with its own weights must equal SGLang's, every step:
+within 1e-6 on average, and every token within the fp32 floor of two forwards (3e-5). Afterwards: the
+servers ran on SGLang's native path, called none of the import stand-ins, and left nothing in
+``/dev/shm`` or the temporary directory.
 """
 
 from __future__ import annotations
@@ -22,11 +23,20 @@ from envs import letters
 from envs.datasets import write_dataset
 from inverted.types import version_number
 from tests.conftest import SGLANG_PYTHON
-from tests.job.test_async_and_faults import (RUN, finish, group_states, long_tail_data, own_model, processes_with,
-                                             start_job, wait_for)
+from tests.job.test_async_and_faults import (
+    RUN,
+    finish,
+    group_states,
+    long_tail_data,
+    own_model,
+    processes_with,
+    start_job,
+    wait_for,
+)
 from tests.job.test_train_job import ROOT, check, inverted, metrics_rows, stored_samples
 
 pytestmark = pytest.mark.slow
+
 
 def left_behind(run: Path, since: float) -> set[Path]:
     """What this job's SGLang servers left: their launchers' scratch folders (each names its own in its
@@ -34,8 +44,11 @@ def left_behind(run: Path, since: float) -> set[Path]:
     tests' servers may run meanwhile (on the other worker): theirs are mapped, their folders not named here."""
     from inverted.rollout.sglang_cpu.launch import mapped_files
 
-    folders = {Path(m) for log in (run / "logs").glob("engine-*.log")
-               for m in re.findall(r"\[inverted\] scratch (\S+)", log.read_text())}
+    folders = {
+        Path(m)
+        for log in (run / "logs").glob("engine-*.log")
+        for m in re.findall(r"\[inverted\] scratch (\S+)", log.read_text())
+    }
     mapped = mapped_files()
     shm = set()
     for path in Path("/dev/shm").glob("sglang_loads_*.shm"):
@@ -56,19 +69,36 @@ def assert_nothing_left(run: Path, since: float) -> None:
 
 # The synchronous job shows the learning (16 steps); the asynchronous one, whose updates land while
 # SGLang is mid-rollout, shows the same exactness in 6 (the suite's slowest test took 289 s at 16).
-@pytest.mark.parametrize("mode, rollouts, learns", [([], 16, True), (["--async-mode"], 6, False)],
-                         ids=["sync", "async"])
-def test_the_demo_learns_on_real_sglang_with_the_trainers_logprobs_equal_to_sglangs(tiny_model, tmp_path, mode,
-                                                                                      rollouts, learns):
+@pytest.mark.parametrize(
+    "mode, rollouts, learns", [([], 16, True), (["--async-mode"], 6, False)], ids=["sync", "async"]
+)
+def test_the_demo_learns_on_real_sglang_with_the_trainers_logprobs_equal_to_sglangs(
+    tiny_model, tmp_path, mode, rollouts, learns
+):
     if not SGLANG_PYTHON.exists():
         pytest.skip(f"real SGLang is not installed ({SGLANG_PYTHON}): make sglang")
     data = write_dataset(letters.rows, tmp_path / "letters.jsonl", count=256)
     started = time.time()
     run = tmp_path / "run"
-    result = inverted("train", "--config", str(ROOT / "examples/demo.yaml"), "--hf-checkpoint", str(tiny_model()),
-                      "--prompt-data", str(data), "--output-dir", str(run), "--num-rollout", str(rollouts),
-                      "--rollout-backend", "sglang", "--rollout-sglang-python", str(SGLANG_PYTHON), *mode,
-                      timeout=600)
+    result = inverted(
+        "train",
+        "--config",
+        str(ROOT / "examples/demo.yaml"),
+        "--hf-checkpoint",
+        str(tiny_model()),
+        "--prompt-data",
+        str(data),
+        "--output-dir",
+        str(run),
+        "--num-rollout",
+        str(rollouts),
+        "--rollout-backend",
+        "sglang",
+        "--rollout-sglang-python",
+        str(SGLANG_PYTHON),
+        *mode,
+        timeout=600,
+    )
     check(result)
     rows = metrics_rows(run)
     rewards = [r["rollout/reward_mean"] for r in rows if "rollout/reward_mean" in r]
@@ -101,9 +131,24 @@ def test_a_killed_sglang_server_is_replaced_and_the_job_loses_no_episode(tiny_mo
     model, run_dir, log = own_model(tiny_model, tmp_path), tmp_path / "run", tmp_path / "job.log"
     data = long_tail_data(tmp_path / "long_tail.jsonl", count=64, short_s=0.5, long_s=0.5)
     started = time.time()
-    job = start_job("--hf-checkpoint", str(model), "--prompt-data", str(data), "--output-dir", str(run_dir),
-                    "--num-rollout", "30", "--rollout-max-response-len", "16", "--rollout-backend", "sglang",
-                    "--rollout-sglang-python", str(SGLANG_PYTHON), *RUN, log=log)
+    job = start_job(
+        "--hf-checkpoint",
+        str(model),
+        "--prompt-data",
+        str(data),
+        "--output-dir",
+        str(run_dir),
+        "--num-rollout",
+        "30",
+        "--rollout-max-response-len",
+        "16",
+        "--rollout-backend",
+        "sglang",
+        "--rollout-sglang-python",
+        str(SGLANG_PYTHON),
+        *RUN,
+        log=log,
+    )
     try:
         wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics_rows(run_dir)) >= 1, job, log)
         launchers = set(processes_with("sglang_cpu/launch.py --secrets-fd"))

@@ -28,22 +28,40 @@ from inverted.types import Sample
 pytestmark = pytest.mark.slow  # whole jobs: left out of make test-fast
 
 ROOT = Path(__file__).resolve().parents[2]
-SMALL_RUN = ["--num-engines", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-             "--rollout-max-response-len", "6", "--lr", "1e-3", "--log-level", "warning"]
+SMALL_RUN = [
+    "--num-engines",
+    "2",
+    "--rollout-batch-size",
+    "2",
+    "--n-samples-per-prompt",
+    "2",
+    "--rollout-max-response-len",
+    "6",
+    "--lr",
+    "1e-3",
+    "--log-level",
+    "warning",
+]
 ONE_ENGINE_RUN = [*SMALL_RUN[2:], "--num-engines", "1"]  # a rollout path end to end, at the least cost
 
 
 def inverted(*args: str, timeout: float = 300, pythonpath: Path | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(pythonpath or ""), str(ROOT)]))}
-    return subprocess.run([sys.executable, "-m", "inverted.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "inverted.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
 
 
 def check(result: subprocess.CompletedProcess) -> None:
     """A job that failed shows its last Python traceback from its start (a torch error's C++ frames
     would fill any tail) and the end of its log."""
     at = result.stderr.rfind("Traceback (most recent call last)")
-    head = f"{result.stderr[at:at + 4000]}\n[...]\n" if 0 <= at < len(result.stderr) - 6000 else ""
+    head = f"{result.stderr[at : at + 4000]}\n[...]\n" if 0 <= at < len(result.stderr) - 6000 else ""
     assert result.returncode == 0, f"exit {result.returncode}\n{head}{result.stderr[-6000:]}"
 
 
@@ -53,8 +71,10 @@ def metrics_rows(run_dir: Path) -> list[dict]:
 
 def stored_samples(run_dir: Path) -> dict[tuple[int, int], Sample]:
     with sqlite3.connect(run_dir / "buffer.db") as db:
-        return {(g, i): Sample.from_json(blob) for g, i, blob in
-                db.execute("SELECT group_index, sample_index, sample FROM samples")}
+        return {
+            (g, i): Sample.from_json(blob)
+            for g, i, blob in db.execute("SELECT group_index, sample_index, sample FROM samples")
+        }
 
 
 @pytest.fixture
@@ -71,7 +91,8 @@ def test_train_end_to_end_with_a_multi_turn_tool_env(tiny_model, tmp_path, calcu
     after resuming: rollout 1's log-probs must then match the trainer's to float precision.
     """
     env_module = tmp_path / "flaky_env.py"
-    env_module.write_text(textwrap.dedent("""
+    env_module.write_text(
+        textwrap.dedent("""
         from envs.calculator import episode as calculator_episode
 
         async def episode(task, client):
@@ -79,20 +100,42 @@ def test_train_end_to_end_with_a_multi_turn_tool_env(tiny_model, tmp_path, calcu
                 raise RuntimeError("the environment broke")
             reward = await calculator_episode(task, client)
             return float("nan") if task.metadata.get("nan") else reward
-    """))
+    """)
+    )
     rows = [json.loads(line) for line in calculator_data.read_text().splitlines()]
     rows[1]["metadata"] = {"nan": True}  # one group per rollout fails (a bad reward, then an exception);
     rows[2]["metadata"] = {"fail": True}  # the other group of the rollout trains
     calculator_data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     run_dir, eval_data = tmp_path / "run", write_dataset(calculator_rows, tmp_path / "eval.jsonl", count=2, seed=1)
-    args = ["train", "--hf-checkpoint", str(tiny_model()), "--prompt-data", str(calculator_data), "--env-path",
-            "flaky_env:episode", "--output-dir", str(run_dir), "--eval-interval", "2", "--eval-prompt-data",
-            str(eval_data), "--colocate", "--pipeline-model-parallel-size", "2", "--actor-num-gpus-per-node", "2", *SMALL_RUN]
+    args = [
+        "train",
+        "--hf-checkpoint",
+        str(tiny_model()),
+        "--prompt-data",
+        str(calculator_data),
+        "--env-path",
+        "flaky_env:episode",
+        "--output-dir",
+        str(run_dir),
+        "--eval-interval",
+        "2",
+        "--eval-prompt-data",
+        str(eval_data),
+        "--colocate",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--actor-num-gpus-per-node",
+        "2",
+        *SMALL_RUN,
+    ]
     shared_before = shared_buckets()
     check(inverted(*args, "--num-rollout", "1", pythonpath=tmp_path))
     assert shared_buckets() <= shared_before  # the weight buckets' shared memory is given back
     refused = inverted(*args, "--num-rollout", "2", pythonpath=tmp_path)  # the same directory, not resumed
-    assert refused.returncode == 2 and f"--output-dir {run_dir} holds an earlier run: resume it with --load" in refused.stderr
+    assert (
+        refused.returncode == 2
+        and f"--output-dir {run_dir} holds an earlier run: resume it with --load" in refused.stderr
+    )
     # Resume: the trainer continues from its checkpoint, the buffer from its file, the fresh servers get
     # the checkpoint's weights first (rollout 1's tokens must carry version 1).
     resumed = inverted(*args, "--num-rollout", "2", "--load", str(run_dir / "checkpoints"), pythonpath=tmp_path)
@@ -105,8 +148,16 @@ def test_train_end_to_end_with_a_multi_turn_tool_env(tiny_model, tmp_path, calcu
     assert [m["step"] for m in metrics] == [0, 1]
     assert [m["weight_version"] for m in metrics] == [1, 2]
     for m in metrics:
-        for key in ("rollout/reward_mean", "train/loss", "time/rollout_s", "time/train_s", "time/sync_s", "sync/servers",
-                    "sync/buckets_s", "sync/total_s"):
+        for key in (
+            "rollout/reward_mean",
+            "train/loss",
+            "time/rollout_s",
+            "time/train_s",
+            "time/sync_s",
+            "sync/servers",
+            "sync/buckets_s",
+            "sync/total_s",
+        ):
             assert m.get(key) is not None, key
         assert m["sync/servers"] == 2
     assert metrics[0]["rollout/failed"] == metrics[1]["rollout/failed"] == 2  # both samples of the failing prompt
@@ -122,14 +173,16 @@ def test_train_end_to_end_with_a_multi_turn_tool_env(tiny_model, tmp_path, calcu
     # Rollout 0 ran on the starting weights; rollout 1 on the weights synced after step 0.
     for (group, _), sample in samples.items():
         if sample.status == Sample.Status.FAILED:
-            expected = {1: "SampleError: reward: expected a finite number or a dict, got nan",
-                        2: "RuntimeError: the environment broke"}[group]
+            expected = {
+                1: "SampleError: reward: expected a finite number or a dict, got nan",
+                2: "RuntimeError: the environment broke",
+            }[group]
             assert sample.metadata["error"].startswith(expected)
             continue
         assert set(sample.weight_versions) == ({"default"} if group < 2 else {"1"}), (group, sample.weight_versions)
         assert len(sample.metadata["turns"]) >= 2  # multi-turn: tool results or feedback between the model's turns
         mask = sample.loss_mask
-        assert mask[0] == 1 and 0 in mask[mask.index(1):]  # environment tokens inside the response are masked
+        assert mask[0] == 1 and 0 in mask[mask.index(1) :]  # environment tokens inside the response are masked
         assert sum(mask) == sum(t["completion_tokens"] for t in sample.metadata["turns"])
 
     check_viewable(run_dir, samples)
@@ -167,7 +220,8 @@ def check_viewable(run_dir: Path, samples: dict) -> None:
     if not any("\ufffd" in text for text in page["text"]):
         runs = itertools.groupby(page["tokens"], key=lambda t: t < len(tokenizer))
         assert "".join(page["text"]) == "".join(
-            tokenizer.decode(list(run)) if known else "".join(f"<{t}>" for t in run) for known, run in runs)
+            tokenizer.decode(list(run)) if known else "".join(f"<{t}>" for t in run) for known, run in runs
+        )
     index.close()
 
 
@@ -191,17 +245,36 @@ def test_subprocess_agent_then_debug_train_only(tiny_model, tmp_path):
     seen.mkdir()
     prompts = write_dataset(lambda n, rng: [{"input": "unused: the agent brings its own"}] * n, tmp_path / "p.jsonl", 4)
     model, data = tiny_model(), tmp_path / "rollouts" / "rollout_{rollout_id}.jsonl"
-    check(inverted("train", "--debug-rollout-only", "--hf-checkpoint", str(model), "--prompt-data", str(prompts),
-                   "--rollout-function-path", "rollout_functions.subprocess_agent:generate_rollout",
-                   "--agent-command", f"{sys.executable} {tmp_path / 'agent.py'} {seen}",
-                   "--save-debug-rollout-data", str(data), "--output-dir", str(tmp_path / "rollout-run"),
-                   "--num-rollout", "2", *SMALL_RUN))
+    check(
+        inverted(
+            "train",
+            "--debug-rollout-only",
+            "--hf-checkpoint",
+            str(model),
+            "--prompt-data",
+            str(prompts),
+            "--rollout-function-path",
+            "rollout_functions.subprocess_agent:generate_rollout",
+            "--agent-command",
+            f"{sys.executable} {tmp_path / 'agent.py'} {seen}",
+            "--save-debug-rollout-data",
+            str(data),
+            "--output-dir",
+            str(tmp_path / "rollout-run"),
+            "--num-rollout",
+            "2",
+            *SMALL_RUN,
+        )
+    )
 
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    saved = [Sample.from_json(json.loads(line)) for i in range(2)
-             for line in Path(str(data).format(rollout_id=i)).read_text().splitlines()]
+    saved = [
+        Sample.from_json(json.loads(line))
+        for i in range(2)
+        for line in Path(str(data).format(rollout_id=i)).read_text().splitlines()
+    ]
     assert len(saved) == 8
     for sample in saved:
         assert sample.reward == 1.0  # exit status 0
@@ -211,8 +284,20 @@ def test_subprocess_agent_then_debug_train_only(tiny_model, tmp_path):
         assert sample.loss_mask == [1] * sample.response_length
 
     run_dir = tmp_path / "train-run"
-    check(inverted("train", "--debug-train-only", "--hf-checkpoint", str(model), "--load-debug-rollout-data", str(data),
-                   "--output-dir", str(run_dir), "--num-rollout", "2"))
+    check(
+        inverted(
+            "train",
+            "--debug-train-only",
+            "--hf-checkpoint",
+            str(model),
+            "--load-debug-rollout-data",
+            str(data),
+            "--output-dir",
+            str(run_dir),
+            "--num-rollout",
+            "2",
+        )
+    )
     assert [m["step"] for m in metrics_rows(run_dir)] == [0, 1]
 
 
@@ -249,9 +334,26 @@ def test_a_rollout_function_from_outside_the_package(tiny_model, tmp_path):
     (tmp_path / "my_rollout.py").write_text(SLIME_STYLE)
     prompts = write_dataset(lambda n, rng: [{"input": "x"}] * n, tmp_path / "p.jsonl", 4)
     data = tmp_path / "out.jsonl"
-    check(inverted("train", "--debug-rollout-only", "--hf-checkpoint", str(tiny_model()), "--prompt-data", str(prompts),
-                   "--rollout-function-path", "my_rollout.generate_rollout", "--save-debug-rollout-data", str(data),
-                   "--output-dir", str(tmp_path / "run"), "--num-rollout", "1", *SMALL_RUN, pythonpath=tmp_path))
+    check(
+        inverted(
+            "train",
+            "--debug-rollout-only",
+            "--hf-checkpoint",
+            str(tiny_model()),
+            "--prompt-data",
+            str(prompts),
+            "--rollout-function-path",
+            "my_rollout.generate_rollout",
+            "--save-debug-rollout-data",
+            str(data),
+            "--output-dir",
+            str(tmp_path / "run"),
+            "--num-rollout",
+            "1",
+            *SMALL_RUN,
+            pythonpath=tmp_path,
+        )
+    )
     saved = [Sample.from_json(json.loads(line)) for line in data.read_text().splitlines()]
     assert len(saved) == 4 and {s.metadata["made_by"] for s in saved} == {"my_rollout"}
     assert {s.reward for s in saved} == {3.0}
@@ -269,18 +371,33 @@ def leftover_processes(marker: str) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--no-such-flag", "1"], "unrecognized arguments: --no-such-flag"),
-    ([], "--rollout-function-path rollout_functions.agent:generate_rollout needs --env-path"),
-    (["--env-path", "no_such_module:episode"], "--env-path='no_such_module:episode': cannot load it"),
-    (["--env-path", "envs.letters:first_character"], "does not match def first_character(task, client)"),
-    (["--env-path", "envs.letters:score"], "expected 'async def score(task, client) -> reward'"),
-    (["--env-path", "envs.letters:episode", "--input-key", "question"], "has no text or messages under --input-key 'question'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--no-such-flag", "1"], "unrecognized arguments: --no-such-flag"),
+        ([], "--rollout-function-path rollout_functions.agent:generate_rollout needs --env-path"),
+        (["--env-path", "no_such_module:episode"], "--env-path='no_such_module:episode': cannot load it"),
+        (["--env-path", "envs.letters:first_character"], "does not match def first_character(task, client)"),
+        (["--env-path", "envs.letters:score"], "expected 'async def score(task, client) -> reward'"),
+        (
+            ["--env-path", "envs.letters:episode", "--input-key", "question"],
+            "has no text or messages under --input-key 'question'",
+        ),
+    ],
+)
 def test_bad_input_fails_fast_with_a_clear_message(tiny_model, tmp_path, args, message):
     prompts = write_dataset(lambda n, rng: [{"input": "hi", "label": "abcde"}] * n, tmp_path / "p.jsonl", 2)
-    result = inverted("train", "--hf-checkpoint", str(tiny_model()), "--prompt-data", str(prompts),
-                      "--output-dir", str(tmp_path / "run"), *args, timeout=60)
+    result = inverted(
+        "train",
+        "--hf-checkpoint",
+        str(tiny_model()),
+        "--prompt-data",
+        str(prompts),
+        "--output-dir",
+        str(tmp_path / "run"),
+        *args,
+        timeout=60,
+    )
     assert result.returncode == 2 and message in result.stderr, result.stderr[-3000:]
     assert not (tmp_path / "run" / "buffer.db").exists()  # refused before anything started
 
@@ -290,9 +407,19 @@ def test_a_broken_rollout_function_stops_the_job_and_leaves_no_process(tiny_mode
     model = tmp_path / "model"  # a private copy: its path marks this job's processes
     shutil.copytree(tiny_model(), model)
     prompts = write_dataset(lambda n, rng: [{"input": "hi"}] * n, tmp_path / "p.jsonl", 2)
-    result = inverted("train", "--hf-checkpoint", str(model), "--prompt-data", str(prompts),
-                      "--rollout-function-path", "broken:generate_rollout", "--output-dir", str(tmp_path / "run"),
-                      *SMALL_RUN, pythonpath=tmp_path)
+    result = inverted(
+        "train",
+        "--hf-checkpoint",
+        str(model),
+        "--prompt-data",
+        str(prompts),
+        "--rollout-function-path",
+        "broken:generate_rollout",
+        "--output-dir",
+        str(tmp_path / "run"),
+        *SMALL_RUN,
+        pythonpath=tmp_path,
+    )
     assert result.returncode == 2
     assert "--rollout-function-path broken:generate_rollout: expected one Sample per task (4), got 0" in result.stderr
     assert leftover_processes(str(model)) == [] and leftover_processes(str(tmp_path / "run")) == []
@@ -321,13 +448,28 @@ def test_every_socket_a_job_opens_is_deliberate(tiny_model, tmp_path):
 
     log, run_dir = tmp_path / "job.log", tmp_path / "run"
     data = write_dataset(calculator_rows, tmp_path / "calculator.jsonl", count=8)
-    job = start_job("--hf-checkpoint", str(tiny_model()), "--prompt-data", str(data), "--env-path",
-                    "envs.calculator:episode", "--output-dir", str(run_dir), "--num-rollout", "3", *ONE_ENGINE_RUN,
-                    log=log)
+    job = start_job(
+        "--hf-checkpoint",
+        str(tiny_model()),
+        "--prompt-data",
+        str(data),
+        "--env-path",
+        "envs.calculator:episode",
+        "--output-dir",
+        str(run_dir),
+        "--num-rollout",
+        "3",
+        *ONE_ENGINE_RUN,
+        log=log,
+    )
     seen: dict[tuple[str, int], tuple[str, bool]] = {}  # address -> (command line, Ray's)
     refused: dict[str, int] = {}  # our services' keyed routes, called without the key
     ray_token_mode = []
-    routes = {"inverted.cli buffer": "/tasks/lease", "inverted.cli proxy": "/sessions", "serve-engine": "/update_weights_from_disk"}
+    routes = {
+        "inverted.cli buffer": "/tasks/lease",
+        "inverted.cli proxy": "/sessions",
+        "serve-engine": "/update_weights_from_disk",
+    }
     root = psutil.Process(job.pid)
     while job.poll() is None:
         for process in [root, *root.children(recursive=True)]:

@@ -25,8 +25,14 @@ def test_written_logits_equal_transformers_reading_the_gguf(smollm2):
     with torch.no_grad():
         assert (written(ids).logits - direct(ids).logits).abs().max().item() <= 1e-5
     names = {p.name for p in smollm2.iterdir()}
-    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-            "chat_template.jinja"} <= names
+    assert {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    } <= names
 
 
 def test_a_second_import_is_byte_identical(smollm2, tmp_path):
@@ -61,8 +67,12 @@ def test_bad_files_are_refused_by_name_and_nothing_is_written(tmp_path):
     truncated.write_bytes(real.read_bytes()[: 4 << 20])
     write_gguf(tmp_path / "gpt2.gguf", "gpt2", np.zeros((4, 4), np.float32))
     write_gguf(tmp_path / "int.gguf", "llama", np.zeros((4, 4), np.int32))
-    cases = [(truncated, "not a readable GGUF file"), (tmp_path / "gpt2.gguf", "architecture 'gpt2' is not supported"),
-             (tmp_path / "int.gguf", "quantization ['I32'] cannot be dequantized"), (tmp_path / "none.gguf", "no such file")]
+    cases = [
+        (truncated, "not a readable GGUF file"),
+        (tmp_path / "gpt2.gguf", "architecture 'gpt2' is not supported"),
+        (tmp_path / "int.gguf", "quantization ['I32'] cannot be dequantized"),
+        (tmp_path / "none.gguf", "no such file"),
+    ]
     for src, message in cases:
         out = tmp_path / "out" / src.stem
         with pytest.raises(ModelError, match=message.replace("[", r"\[").replace("]", r"\]")):

@@ -36,8 +36,14 @@ pytestmark = pytest.mark.slow  # a real model through every part: left out of ma
 TEMPLATE = Path(__file__).resolve().parents[2] / "inverted" / "chat_template.jinja"
 CONFIG = {"min_terms": 2, "max_terms": 3, "min_digits": 2, "max_digits": 3, "operators": ["+", "-", "*"]}
 # The tool as the proxy renders it from the Responses request the SDK sends.
-TOOL = {"type": "function", "function": {"name": "calculator", "description": calculator_agent.calculator.description,
-                                         "parameters": calculator_agent.calculator.params_json_schema}}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": calculator_agent.calculator.description,
+        "parameters": calculator_agent.calculator.params_json_schema,
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -63,14 +69,26 @@ def episodes(module_procs, smollm2):
 
 def as_chat(question: str, items: list[dict]) -> list[dict]:
     """The SDK's record of a run (Responses input items) as the Chat Completions messages a template renders."""
-    messages = [{"role": "system", "content": calculator_agent.COACHED_INSTRUCTIONS},
-                {"role": "user", "content": question}]
+    messages = [
+        {"role": "system", "content": calculator_agent.COACHED_INSTRUCTIONS},
+        {"role": "user", "content": question},
+    ]
     for item in items[1:]:
         kind = item.get("type")
         if kind == "function_call":
-            messages.append({"role": "assistant", "content": "", "tool_calls": [
-                {"id": item["call_id"], "type": "function",
-                 "function": {"name": item["name"], "arguments": json.loads(item["arguments"])}}]})
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [
+                        {
+                            "id": item["call_id"],
+                            "type": "function",
+                            "function": {"name": item["name"], "arguments": json.loads(item["arguments"])},
+                        }
+                    ],
+                }
+            )
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
         else:
@@ -91,7 +109,7 @@ def test_a_tool_calling_episode_is_recorded_as_the_template_renders_it(episodes,
         assert messages[3]["content"] == calculate(call["function"]["arguments"]["expression"])
         call_turn = sample.metadata["turns"][0]
         assert call_turn["forced"] == HermesToolParser().forced("calculator")  # what the proxy wrote, said
-        written = tokenizer.decode(sample.tokens[call_turn["start"]:call_turn["end"]], skip_special_tokens=True)
+        written = tokenizer.decode(sample.tokens[call_turn["start"] : call_turn["end"]], skip_special_tokens=True)
         if not written.endswith("</tool_call>"):
             # The model wrote on after its call (untrained SmolLM2 does, until max_tokens): the parser
             # leaves that text out of the message, as SGLang's does, and the SDK never sees it, but
@@ -105,18 +123,21 @@ def test_a_tool_calling_episode_is_recorded_as_the_template_renders_it(episodes,
         # call (tool_choice "required"), the tool's answer and the template's glue are not
         mask = [0] * len(sample.tokens)
         for turn in sample.metadata["turns"]:
-            mask[turn["start"]: turn["end"]] = [1] * (turn["end"] - turn["start"])
-        assert sample.loss_mask == mask[sample.prompt_length:] and len(sample.metadata["turns"]) == 2
+            mask[turn["start"] : turn["end"]] = [1] * (turn["end"] - turn["start"])
+        assert sample.loss_mask == mask[sample.prompt_length :] and len(sample.metadata["turns"]) == 2
         glue = tokenizer.decode([t for t, m in zip(sample.response_tokens, sample.loss_mask) if not m])
         assert f"<tool_response>\n{messages[3]['content']}\n</tool_response>" in glue
         with torch.no_grad():
             reference = torch.log_softmax(hf(torch.tensor([sample.tokens])).logits[0], dim=-1)
-        for i, (token, logprob, trained) in enumerate(zip(sample.response_tokens, sample.rollout_log_probs,
-                                                          sample.loss_mask)):
+        for i, (token, logprob, trained) in enumerate(
+            zip(sample.response_tokens, sample.rollout_log_probs, sample.loss_mask)
+        ):
             at = sample.prompt_length + i
             assert abs(logprob - reference[at - 1, token].item()) <= 1e-4 if trained else logprob == 0.0
         # the reward is reasoning-gym's grade of the SDK's final output
-        assert calculator_agent.grade(result, row["metadata"]) == reasoning_gym.score(messages[-1]["content"], row["metadata"])
+        assert calculator_agent.grade(result, row["metadata"]) == reasoning_gym.score(
+            messages[-1]["content"], row["metadata"]
+        )
 
 
 def test_one_grpo_step_on_agent_episodes_moves_the_policy_toward_the_rewarded_one(episodes, smollm2, tmp_path):
@@ -125,8 +146,10 @@ def test_one_grpo_step_on_agent_episodes_moves_the_policy_toward_the_rewarded_on
     recorded = [sample for _, result, sample in episodes if result is not None][:2]
     assert len(recorded) == 2
     # copies: the module's episodes stay as recorded for the other tests
-    two = [dataclasses.replace(sample, group_index=0, index=index, reward=reward)
-           for index, (sample, reward) in enumerate(zip(recorded, (1.0, 0.0)))]
+    two = [
+        dataclasses.replace(sample, group_index=0, index=index, reward=reward)
+        for index, (sample, reward) in enumerate(zip(recorded, (1.0, 0.0)))
+    ]
     cfg = from_flags(TrainConfig, hf_checkpoint=str(smollm2), lr=1e-5, output_dir=str(tmp_path))
     spawn(grpo_step, 1, cfg, two, str(tmp_path / "grpo.pt"))
     result = torch.load(tmp_path / "grpo.pt")

@@ -13,9 +13,16 @@ from transformers import AutoTokenizer
 
 from inverted.errors import InvalidRequest, ModelError
 from inverted.hf_checkpoint import load_tokenizer
+from inverted.rollout.chat import (
+    ChatRenderer,
+    HermesToolParser,
+    Message,
+    ParsedMessages,
+    TemplateBreak,
+    parse_messages,
+    window,
+)
 from inverted.rollout.proxy.apis.call import forced_call
-from inverted.rollout.chat import (ChatRenderer, HermesToolParser, Message, ParsedMessages, TemplateBreak,
-                                   parse_messages, window)
 from tests.rollout.proxy.scripted import CONVERSATION, TOOLS
 
 
@@ -35,13 +42,15 @@ def test_bridging_turn_by_turn_equals_one_full_render(renderer):
         if last_assistant is None:
             ids = renderer.prompt_ids(messages[:i], TOOLS)
         else:
-            sampled = ids[last_assistant[1]:]
-            ids += renderer.bridge(messages[: last_assistant[0] + 1], messages[last_assistant[0] + 1: i], TOOLS, sampled)
+            sampled = ids[last_assistant[1] :]
+            ids += renderer.bridge(
+                messages[: last_assistant[0] + 1], messages[last_assistant[0] + 1 : i], TOOLS, sampled
+            )
         start = len(ids)
         full = renderer.encode(renderer.render(messages[: i + 1], TOOLS, generation_prompt=False))
         assert full[:start] == ids  # the prompt the engine would get equals the full render's prefix
         im_end = renderer.tokenizer.convert_tokens_to_ids("<|im_end|>")
-        ids += full[start: full.index(im_end, start) + 1]  # "sampled": the content and <|im_end|>
+        ids += full[start : full.index(im_end, start) + 1]  # "sampled": the content and <|im_end|>
         last_assistant = (i, start)
     assert ids + renderer.encode("\n") == renderer.encode(renderer.render(messages, TOOLS, generation_prompt=False))
 
@@ -59,9 +68,11 @@ def test_junction_after_a_stop_token_and_after_a_cut_turn(renderer):
 def test_a_template_that_rewrites_history_is_refused(tiny_model):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model("qwen2"))
     # Like Qwen3's stock template dropping earlier reasoning: the render of a turn changes later.
-    tokenizer.chat_template = ("{% for m in messages %}{% if loop.last or m.role != 'assistant' %}"
-                               "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
-                               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if loop.last or m.role != 'assistant' %}"
+        "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     renderer = ChatRenderer(tokenizer)
     history = parse_messages([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
     with pytest.raises(TemplateBreak):
@@ -70,17 +81,21 @@ def test_a_template_that_rewrites_history_is_refused(tiny_model):
 
 def test_hermes_tool_calls_are_parsed_and_malformed_ones_stay_text():
     parser = HermesToolParser()
-    reply = parser.parse('Let me check.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n'
-                         '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>')
+    reply = parser.parse(
+        'Let me check.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>'
+    )
     assert reply.content == "Let me check." and [(c.name, c.arguments) for c in reply.tool_calls] == [
-        ("f", '{"x": 1}'), ("g", "{}")]
+        ("f", '{"x": 1}'),
+        ("g", "{}"),
+    ]
     assert len({c.id for c in reply.tool_calls}) == 2
     assert parser.parse("<tool_call>\n{not json}\n</tool_call>").tool_calls == []
     assert parser.parse("plain").content == "plain"
 
 
 def test_a_required_tool_choice_with_one_tool_names_it():
-    """"required" with one tool offered can only mean that tool: its name is forced too (the model
+    """ "required" with one tool offered can only mean that tool: its name is forced too (the model
     samples the arguments alone); with several, only the call's opening is."""
     two = TOOLS + [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
     assert forced_call("required", None, TOOLS) == "get_weather" == forced_call("named", "get_weather", two)
@@ -91,8 +106,10 @@ def test_a_required_tool_choice_with_one_tool_names_it():
 def test_a_chat_template_file_replaces_the_checkpoints_own(tiny_model, tmp_path):
     """--chat-template: a model whose own template renders no tools (SmolLM2's) gets one that does."""
     plain = tmp_path / "plain.jinja"
-    plain.write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-                     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    plain.write_text(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     assert ChatRenderer(AutoTokenizer.from_pretrained(tiny_model())).renders_tools
     assert not ChatRenderer(load_tokenizer(tiny_model(), plain)).renders_tools
     with pytest.raises(ModelError, match="--chat-template .*missing.jinja: cannot read it"):
@@ -100,17 +117,37 @@ def test_a_chat_template_file_replaces_the_checkpoints_own(tiny_model, tmp_path)
 
 
 def test_messages_are_checked_where_they_enter():
-    messages = parse_messages([{"role": "developer", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]},
-                               {"role": "assistant", "content": None, "tool_calls": [
-                                   {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"b": 1, "a": 2}'}}]},
-                               {"role": "tool", "tool_call_id": "1", "content": "ok"}])
+    messages = parse_messages(
+        [
+            {"role": "developer", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"b": 1, "a": 2}'}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "1", "content": "ok"},
+        ]
+    )
     assert messages[0].role == "system" and messages[0].content == "be brief"
-    echoed = parse_messages([{"role": "assistant", "content": "", "tool_calls": [
-        {"id": "other", "type": "function", "function": {"name": "f", "arguments": '{"a":2,"b":1}'}}]}])
+    echoed = parse_messages(
+        [
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"id": "other", "type": "function", "function": {"name": "f", "arguments": '{"a":2,"b":1}'}}
+                ],
+            }
+        ]
+    )
     assert echoed[0].key == messages[1].key  # ids and JSON formatting do not break the match
-    for bad, param in [([{"role": "user"}], "messages.[0].content"),
-                       ([{"role": "assistant", "tool_calls": [{"id": 1}]}], "messages.[0].tool_calls[0]"),
-                       ("hi", "messages")]:
+    for bad, param in [
+        ([{"role": "user"}], "messages.[0].content"),
+        ([{"role": "assistant", "tool_calls": [{"id": 1}]}], "messages.[0].tool_calls[0]"),
+        ("hi", "messages"),
+    ]:
         with pytest.raises(InvalidRequest) as info:
             parse_messages(bad)
         assert info.value.param == param
@@ -119,9 +156,12 @@ def test_messages_are_checked_where_they_enter():
 # ---- the bridge's window ----------------------------------------------------------------
 
 TEMPLATES = Path(__file__).parent / "templates"  # as their authors ship them (templates/README.md)
-COUNTING = ("{% if tools %}{{ tools | tojson }}{% endif %}{% set ns = namespace(n=0) %}{% for m in messages %}<|im_start|>{{ m.role }}\n"
-            "{% if m.role == 'tool' %}{% set ns.n = ns.n + 1 %}result {{ ns.n }}: {% endif %}"
-            "{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+COUNTING = (
+    "{% if tools %}{{ tools | tojson }}{% endif %}{% set ns = namespace(n=0) %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.role == 'tool' %}{% set ns.n = ns.n + 1 %}result {{ ns.n }}: {% endif %}"
+    "{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def random_conversation(rng: random.Random, turns: int) -> list[Message]:
@@ -131,11 +171,21 @@ def random_conversation(rng: random.Random, turns: int) -> list[Message]:
     messages.append({"role": "user", "content": "Weather?"})
     for k in range(turns):
         if rng.random() < 0.6:
-            calls = [{"id": f"c{k}_{j}", "type": "function",
-                      "function": {"name": "get_weather", "arguments": f'{{"city": "c{k}"}}'}}
-                     for j in range(rng.choice((1, 1, 2)))]
-            messages.append({"role": "assistant", "content": rng.choice(("", "Checking.", "<think>\nhm\n</think>\n\nOne sec.")),
-                             "tool_calls": calls})
+            calls = [
+                {
+                    "id": f"c{k}_{j}",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": f'{{"city": "c{k}"}}'},
+                }
+                for j in range(rng.choice((1, 1, 2)))
+            ]
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": rng.choice(("", "Checking.", "<think>\nhm\n</think>\n\nOne sec.")),
+                    "tool_calls": calls,
+                }
+            )
             messages += [{"role": "tool", "tool_call_id": c["id"], "content": f"{k} degrees"} for c in calls]
         else:
             messages.append({"role": "assistant", "content": rng.choice(("Sunny.", "<think>\nok\n</think>\n\nRain."))})
@@ -171,7 +221,7 @@ def test_the_bridge_over_a_window_equals_the_one_over_the_whole_history(template
         messages = random_conversation(rng, 14)
         turns = [i for i, m in enumerate(messages) if m.role == "assistant"]
         for i, j in zip(turns, turns[1:]):
-            history, new = messages[: i + 1], messages[i + 1: j]
+            history, new = messages[: i + 1], messages[i + 1 : j]
             sampled = renderer.encode(messages[i].content + renderer.turn_end)
             try:
                 whole = whole_history_bridge(renderer, history, new, sampled)
@@ -194,17 +244,33 @@ def test_a_bridge_renders_as_much_at_turn_200_as_at_turn_2(tiny_model):
     rendered: list[int] = []
     apply = tokenizer.apply_chat_template
     tokenizer.apply_chat_template = lambda messages, **kw: rendered.append(len(messages)) or apply(messages, **kw)
-    messages = parse_messages([{"role": "system", "content": "s"}, {"role": "user", "content": "q"}] + [
-        m for k in range(200) for m in (
-            {"role": "assistant", "content": "", "tool_calls": [{"id": f"c{k}", "type": "function", "function": {
-                "name": "get_weather", "arguments": "{}"}}]},
-            {"role": "tool", "tool_call_id": f"c{k}", "content": "ok"})])
+    messages = parse_messages(
+        [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
+        + [
+            m
+            for k in range(200)
+            for m in (
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [
+                        {"id": f"c{k}", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+                    ],
+                },
+                {"role": "tool", "tool_call_id": f"c{k}", "content": "ok"},
+            )
+        ]
+    )
     per_turn = []
     for turn in (2, 200):
         last = 2 * turn  # the turn's assistant message
         rendered.clear()
-        renderer.bridge(messages[: last + 1], messages[last + 1: last + 2], TOOLS,
-                        renderer.encode(messages[last].content + renderer.turn_end))
+        renderer.bridge(
+            messages[: last + 1],
+            messages[last + 1 : last + 2],
+            TOOLS,
+            renderer.encode(messages[last].content + renderer.turn_end),
+        )
         per_turn.append(sum(rendered))
     assert per_turn[0] == per_turn[1] <= 2 * len(window(messages[:5])) + 1
 
@@ -216,9 +282,13 @@ def test_a_session_parses_only_what_its_next_request_appends():
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     sent = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
     first = parse_messages(sent, last)
-    resent = [dict(m) for m in sent] + [{"role": "tool", "tool_call_id": "c1", "content": "ok"}]  # new dicts, same values
+    resent = [dict(m) for m in sent] + [
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}
+    ]  # new dicts, same values
     second = parse_messages(resent, last)
-    assert all(a is b for a, b in zip(first, second)) and second[2].tool_call_id == "c1"  # its call was among the reused
+    assert (
+        all(a is b for a, b in zip(first, second)) and second[2].tool_call_id == "c1"
+    )  # its call was among the reused
     with pytest.raises(InvalidRequest) as info:
         parse_messages([{"role": "wizard", "content": "hi"}] + resent[1:], last)
     assert info.value.param == "messages.[0].role" and last.raw is resent  # kept as it was

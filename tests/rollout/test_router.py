@@ -74,7 +74,9 @@ async def test_round_robin_cache_aware_and_worker_registration(tiny_model, tmp_p
 
             # A batch sent at once with one shared prefix (an RL rollout): cache-aware routing alone puts it
             # all on one engine; with the job's balance defaults both engines share it.
-            balance = [x for flag, value in ROUTER_DEFAULTS.items() if flag.startswith("--balance") for x in (flag, value)]
+            balance = [
+                x for flag, value in ROUTER_DEFAULTS.items() if flag.startswith("--balance") for x in (flag, value)
+            ]
             assert balance, "the job's router defaults must bound the load imbalance"
             for args, spread in (((), False), (balance, True)):
                 batch_router = module_procs.router("--policy", "cache_aware", "--worker-urls", a, b, *args)
@@ -82,8 +84,14 @@ async def test_round_robin_cache_aware_and_worker_registration(tiny_model, tmp_p
                     while len(await router3.healthy_urls()) < 2:
                         await asyncio.sleep(0.1)
                     counts = {u: requests_served(u) for u in (a, b)}
-                    await asyncio.gather(*(client3.generate({**body(i, prefix), "sampling_params": {
-                        "max_new_tokens": 32, "ignore_eos": True}}) for i in range(16)))
+                    await asyncio.gather(
+                        *(
+                            client3.generate(
+                                {**body(i, prefix), "sampling_params": {"max_new_tokens": 32, "ignore_eos": True}}
+                            )
+                            for i in range(16)
+                        )
+                    )
                 served = {u: requests_served(u) - counts[u] for u in (a, b)}
                 assert (min(served.values()) >= 4) if spread else (sorted(served.values()) == [0, 16]), (args, served)
 
@@ -91,8 +99,14 @@ async def test_round_robin_cache_aware_and_worker_registration(tiny_model, tmp_p
 async def test_each_server_holds_the_kv_cache_the_job_gives_it(tiny_model, tmp_path):
     """``--max-total-tokens`` (SGLang's flag, a job flag too) bounds every server's KV cache, as its
     ``/server_info`` says; without it each backend keeps its own default."""
-    cfg = ServersConfig(hf_checkpoint=str(tiny_model("qwen2")), num_engines=1, engine_threads=1, log_dir=str(tmp_path),
-                        context_length=1024, max_total_tokens=3000)
+    cfg = ServersConfig(
+        hf_checkpoint=str(tiny_model("qwen2")),
+        num_engines=1,
+        engine_threads=1,
+        log_dir=str(tmp_path),
+        context_length=1024,
+        max_total_tokens=3000,
+    )
     async with RolloutServers(cfg) as servers:
         (url,) = servers.engine_urls
         async with SGLangClient(url) as client:
@@ -106,8 +120,9 @@ async def test_servers_report_a_dead_engine_with_its_log(tmp_path, tiny_model):
     for f in tiny_model("qwen2").iterdir():
         (broken / f.name).write_bytes(f.read_bytes())
     (broken / "model.safetensors").write_bytes(b"not safetensors")
-    cfg = ServersConfig(hf_checkpoint=str(broken), num_engines=1, engine_threads=1, log_dir=str(tmp_path / "logs"),
-                        startup_timeout=60)
+    cfg = ServersConfig(
+        hf_checkpoint=str(broken), num_engines=1, engine_threads=1, log_dir=str(tmp_path / "logs"), startup_timeout=60
+    )
     from inverted.errors import ModelError, ServiceUnavailable
 
     with pytest.raises(ServiceUnavailable, match=r"(?s)engine-0 exited with code [1-9].*safetensors"):
@@ -125,15 +140,29 @@ async def test_the_router_drops_return_routed_experts_so_the_workers_client_call
     router's workers (``WorkersClient``; every call, with routed experts), the same prompt to the same
     one, and the others through the router (``SplitClient``)."""
     from inverted.rollout.servers import ROUTED_EXPERTS_ARGV
-    from inverted.rollout.sglang_client import (SplitClient, WorkersClient, generate_client, read_routed_experts,
-                                                read_sampling_mask)
+    from inverted.rollout.sglang_client import (
+        SplitClient,
+        WorkersClient,
+        generate_client,
+        read_routed_experts,
+        read_sampling_mask,
+    )
 
-    cfg = ServersConfig(hf_checkpoint=str(tiny_model("qwen3_moe")), num_engines=2, engine_threads=1, log_dir=str(tmp_path))
+    cfg = ServersConfig(
+        hf_checkpoint=str(tiny_model("qwen3_moe")), num_engines=2, engine_threads=1, log_dir=str(tmp_path)
+    )
     async with RolloutServers(cfg, flags=ROUTED_EXPERTS_ARGV) as servers:
         asked = {**body(0), "return_routed_experts": True}
-        masked = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3, "top_k": 4}, "return_sampling_mask": True}
-        async with SGLangClient(servers.router_url) as router, generate_client(servers.router_url) as split, \
-                generate_client(servers.router_url, routed_experts=True) as direct:
+        masked = {
+            "input_ids": [5, 6, 7],
+            "sampling_params": {"max_new_tokens": 3, "top_k": 4},
+            "return_sampling_mask": True,
+        }
+        async with (
+            SGLangClient(servers.router_url) as router,
+            generate_client(servers.router_url) as split,
+            generate_client(servers.router_url, routed_experts=True) as direct,
+        ):
             assert isinstance(split, SplitClient) and isinstance(direct, WorkersClient)
             assert read_routed_experts(await router.generate(asked)) is None
             assert read_sampling_mask(await router.generate(masked)) is None
@@ -141,27 +170,36 @@ async def test_the_router_drops_return_routed_experts_so_the_workers_client_call
             assert len(masks) == 3 and all(len(m) <= 4 for m in masks)
             served = [[requests_served(url) for url in servers.engine_urls]]
             for _ in range(2):  # the same 8 prompts twice: each goes where it went the first time
-                outs = await asyncio.gather(*(direct.generate({**body(i), "return_routed_experts": True})
-                                              for i in range(8)))
+                outs = await asyncio.gather(
+                    *(direct.generate({**body(i), "return_routed_experts": True}) for i in range(8))
+                )
                 assert all(read_routed_experts(out) for out in outs)
                 served.append([requests_served(url) for url in servers.engine_urls])
             first, second = ([b - a for a, b in zip(*pair)] for pair in zip(served, served[1:]))
             assert first == second and sum(first) == 8 and min(first) > 0, served
 
 
-async def test_with_keys_only_the_job_changes_the_routers_workers_or_generates_through_it(tiny_model, tmp_path,
-                                                                                         module_procs):
+async def test_with_keys_only_the_job_changes_the_routers_workers_or_generates_through_it(
+    tiny_model, tmp_path, module_procs
+):
     """The audit's attack: anyone on the machine POSTed a worker of their own to the job's router
     and 2,525 of 3,072 stored Samples came from it. Now sgl-router's own authentication refuses it."""
-    cfg = ServersConfig(hf_checkpoint=str(tiny_model("qwen2")), num_engines=1, engine_threads=1, log_dir=str(tmp_path),
-                        admin_api_key="admin-key", router_api_key="router-key")
+    cfg = ServersConfig(
+        hf_checkpoint=str(tiny_model("qwen2")),
+        num_engines=1,
+        engine_threads=1,
+        log_dir=str(tmp_path),
+        admin_api_key="admin-key",
+        router_api_key="router-key",
+    )
     async with RolloutServers(cfg) as servers:
         (ours,) = servers.engine_urls
         async with httpx.AsyncClient(timeout=10) as http:
             for key in (None, "router-key", "wrong"):  # the control plane takes the admin key alone
                 headers = {"Authorization": f"Bearer {key}"} if key else {}
-                added = await http.post(servers.router_url + "/workers", json={"url": "http://127.0.0.1:9"},
-                                        headers=headers)
+                added = await http.post(
+                    servers.router_url + "/workers", json={"url": "http://127.0.0.1:9"}, headers=headers
+                )
                 removed = await http.delete(servers.router_url + "/workers/anything", headers=headers)
                 assert added.status_code == removed.status_code == 401
             for url in (servers.router_url, ours):  # nor can anyone generate through the router or at the server
@@ -172,7 +210,9 @@ async def test_with_keys_only_the_job_changes_the_routers_workers_or_generates_t
             assert len((await client.generate(body(0)))["output_ids"]) == 6
         await servers.verify_workers()  # only ours
         # and no key is on any command line the job started (anyone on the machine may read those)
-        commands = [(Path(f"/proc/{p.popen.pid}/cmdline").read_bytes(), p.name) for p in [*servers.engines, servers.router]]
+        commands = [
+            (Path(f"/proc/{p.popen.pid}/cmdline").read_bytes(), p.name) for p in [*servers.engines, servers.router]
+        ]
         assert all(b"admin-key" not in c and b"router-key" not in c for c, _ in commands), commands
         async with servers.control() as router:
             assert await router.urls() == {ours}

@@ -45,6 +45,7 @@ async def engine(handler, **kwargs):
 def answer(status: int, body=None, text: str | None = None):
     async def handler(request, n):
         return web.Response(status=status, text=text) if text is not None else web.json_response(body, status=status)
+
     return handler
 
 
@@ -90,11 +91,15 @@ async def test_health_probes_read_the_status():
 
 
 async def test_metrics_read_prometheus_text_as_real_sglang_writes_it():
-    text = ('# HELP sglang:num_running_reqs The number of running requests.\n# TYPE sglang:num_running_reqs gauge\n'
-            'sglang:num_running_reqs{model_name="qwen, tiny",tp_rank="0"} 3.0\n\ninverted:weight_loads_total 7\n')
+    text = (
+        "# HELP sglang:num_running_reqs The number of running requests.\n# TYPE sglang:num_running_reqs gauge\n"
+        'sglang:num_running_reqs{model_name="qwen, tiny",tp_rank="0"} 3.0\n\ninverted:weight_loads_total 7\n'
+    )
     async with engine(answer(200, text=text)) as (client, _):
-        assert await client.metrics() == {'sglang:num_running_reqs{model_name="qwen, tiny",tp_rank="0"}': 3.0,
-                                          "inverted:weight_loads_total": 7.0}
+        assert await client.metrics() == {
+            'sglang:num_running_reqs{model_name="qwen, tiny",tp_rank="0"}': 3.0,
+            "inverted:weight_loads_total": 7.0,
+        }
 
 
 async def _too_slow(request, n):

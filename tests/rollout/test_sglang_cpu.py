@@ -34,7 +34,8 @@ def python(code: str, *path: Path) -> subprocess.CompletedProcess:
 
 def test_stand_ins_satisfy_imports_decline_probes_and_raise_when_called():
     assert importlib.util.find_spec("sgl_kernel") is None and importlib.util.find_spec("torchvision") is None
-    result = python("""
+    result = python(
+        """
 import importlib.util
 print("probe", importlib.util.find_spec("torchvision"))
 import sgl_kernel
@@ -46,13 +47,16 @@ try:
     fused_experts(1, 2)
 except Exception as exc:
     print("raised", type(exc).__name__, exc)
-""", STAND_INS)
+""",
+        STAND_INS,
+    )
     assert result.returncode == 0, result.stderr
     out = result.stdout.splitlines()
     assert out[0] == "probe None"  # transformers probes torchvision this way: it must see none
     assert out[1] == "mode <stand-in torchvision.transforms.functional.InterpolationMode.BICUBIC>"
-    assert out[2].startswith("raised StandInCalled sgl_kernel.fused_experts was called, but sgl_kernel is an import "
-                             "stand-in here")
+    assert out[2].startswith(
+        "raised StandInCalled sgl_kernel.fused_experts was called, but sgl_kernel is an import stand-in here"
+    )
     assert "import stand-ins for sgl_kernel, torchvision" in result.stderr
     assert "[inverted] import stand-in called: sgl_kernel.fused_experts" in result.stderr
 
@@ -68,8 +72,17 @@ def test_a_real_package_is_never_replaced(tmp_path):
 
 def test_the_launcher_adds_the_cpu_settings_the_user_did_not_give():
     cpu_argv = launcher().cpu_argv
-    assert cpu_argv(["--model-path", "m"]) == ["--model-path", "m", "--device", "cpu", "--dtype", "float32",
-                                               "--max-total-tokens", "32768", "--sleep-on-idle"]
+    assert cpu_argv(["--model-path", "m"]) == [
+        "--model-path",
+        "m",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--max-total-tokens",
+        "32768",
+        "--sleep-on-idle",
+    ]
     mine = ["--dtype", "bfloat16", "--max-total-tokens=4096", "--sleep-on-idle"]
     assert cpu_argv(mine) == [*mine, "--device", "cpu"]
 
@@ -85,8 +98,12 @@ launch = importlib.util.module_from_spec(spec); spec.loader.exec_module(launch)
 print(launch.read_secrets(sys.argv[1:]), flush=True)
 time.sleep(30)
 """)
-    proc = ManagedProcess.spawn("show", [sys.executable, str(script), "--port", "1", Secret("--api-key=k3y")],
-                                tmp_path / "show.log", "http://127.0.0.1:1")
+    proc = ManagedProcess.spawn(
+        "show",
+        [sys.executable, str(script), "--port", "1", Secret("--api-key=k3y")],
+        tmp_path / "show.log",
+        "http://127.0.0.1:1",
+    )
     try:
         deadline = time.monotonic() + 30
         while "]" not in proc.tail() and time.monotonic() < deadline:

@@ -30,11 +30,20 @@ def test_the_first_wave_of_sessions_opens_in_one_request(agent_stack, monkeypatc
         return await real(self, metadata, sampling_params, scripts)
 
     monkeypatch.setattr(ProxyClient, "create_sessions", counted)
-    tasks = [Task(lease_id="l", group_index=i // 3, index=i % 3, prompt_index=i // 3, prompt="p", label=f"label {i}")
-             for i in range(7)]
-    ctx = RolloutContext(rollout_id=5, config=RolloutConfig(rollout_concurrency=4), proxy_url=proxy.url,
-                         proxy_api_key="admin-key", router_url=engine.url, hf_checkpoint=str(model),
-                         sampling={"temperature": 1.0, "max_tokens": 2}, env=reward_by_index)
+    tasks = [
+        Task(lease_id="l", group_index=i // 3, index=i % 3, prompt_index=i // 3, prompt="p", label=f"label {i}")
+        for i in range(7)
+    ]
+    ctx = RolloutContext(
+        rollout_id=5,
+        config=RolloutConfig(rollout_concurrency=4),
+        proxy_url=proxy.url,
+        proxy_api_key="admin-key",
+        router_url=engine.url,
+        hf_checkpoint=str(model),
+        sampling={"temperature": 1.0, "max_tokens": 2},
+        env=reward_by_index,
+    )
     samples = asyncio.run(generate_rollout(ctx, tasks))
 
     assert opened == [4, 1, 1, 1]  # the first four together; each later one when a slot frees
@@ -51,7 +60,9 @@ async def refused_then_gives_up(task: Task, client) -> float:
     if task.index == 0:
         await client.embeddings.create(model="policy", input="hi")
     try:
-        await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}], temperature=5)
+        await client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "hi"}], temperature=5
+        )
     except openai.BadRequestError:
         return 1.0
     raise AssertionError("the proxy took temperature 5")
@@ -60,9 +71,16 @@ async def refused_then_gives_up(task: Task, client) -> float:
 def test_a_failed_episode_says_what_the_proxy_refused(agent_stack):
     model, engine, proxy = agent_stack
     tasks = [Task(lease_id="l", group_index=0, index=i, prompt_index=0, prompt="p") for i in range(2)]
-    ctx = RolloutContext(rollout_id=0, config=RolloutConfig(), proxy_url=proxy.url, proxy_api_key="admin-key",
-                         router_url=engine.url, hf_checkpoint=str(model), sampling={"max_tokens": 2},
-                         env=refused_then_gives_up)
+    ctx = RolloutContext(
+        rollout_id=0,
+        config=RolloutConfig(),
+        proxy_url=proxy.url,
+        proxy_api_key="admin-key",
+        router_url=engine.url,
+        hf_checkpoint=str(model),
+        sampling={"max_tokens": 2},
+        env=refused_then_gives_up,
+    )
     missing_route, bad_value = asyncio.run(generate_rollout(ctx, tasks))
 
     assert missing_route.status == bad_value.status == Sample.Status.FAILED
@@ -78,4 +96,6 @@ def test_a_failed_episode_says_what_the_proxy_refused(agent_stack):
     assert "POST /sessions/{session_id}/v1/embeddings answered 404" in log and "sess_" not in log
     metrics = httpx.get(proxy.url + "/metrics").text
     assert 'inverted_proxy_rejected_total{route="(no route)",status="404"} 1.0' in metrics
-    assert 'inverted_proxy_rejected_total{route="/sessions/{session_id}/v1/chat/completions",status="400"} 1.0' in metrics
+    assert (
+        'inverted_proxy_rejected_total{route="/sessions/{session_id}/v1/chat/completions",status="400"} 1.0' in metrics
+    )

@@ -52,8 +52,10 @@ def coached_replies(tokenizer, row: dict, answer: str | None = None) -> list[lis
 
 
 def tasks_of(store: SQLiteStore, count: int) -> list[Task]:
-    return [Task(**{k: v for k, v in t.items() if k in Task.__dataclass_fields__})
-            for t in store.lease(count, "stage-1", 60.0)]
+    return [
+        Task(**{k: v for k, v in t.items() if k in Task.__dataclass_fields__})
+        for t in store.lease(count, "stage-1", 60.0)
+    ]
 
 
 async def record_stage_1(proxy_url: str, tasks: list[Task], scripts: list[list[list[int]]]) -> list[Sample]:
@@ -72,9 +74,11 @@ async def record_stage_1(proxy_url: str, tasks: list[Task], scripts: list[list[l
 def stage_1_buffer(path: Path, proxy_url: str, tokenizer, records: list[dict], wrong: set[int] = frozenset()) -> None:
     """A run's buffer file as stage 1 leaves it: the prompts, and one coached episode per prompt (a wrong
     answer for the rows in ``wrong``)."""
-    store = SQLiteStore(str(path), n_samples_per_prompt=1,
-                        prompts=[PromptRecord(prompt=r["input"], label=r["label"], metadata=r["metadata"])
-                                 for r in records])
+    store = SQLiteStore(
+        str(path),
+        n_samples_per_prompt=1,
+        prompts=[PromptRecord(prompt=r["input"], label=r["label"], metadata=r["metadata"]) for r in records],
+    )
     tasks = tasks_of(store, len(records))
     scripts = [coached_replies(tokenizer, r, "0" if i in wrong else None) for i, r in enumerate(records)]
     samples = asyncio.run(record_stage_1(proxy_url, tasks, scripts))
@@ -84,8 +88,9 @@ def stage_1_buffer(path: Path, proxy_url: str, tokenizer, records: list[dict], w
     store.close()
 
 
-def test_a_coached_success_replayed_through_the_users_agent_is_the_render_of_its_conversation(tiny_model, procs,
-                                                                                            tmp_path):
+def test_a_coached_success_replayed_through_the_users_agent_is_the_render_of_its_conversation(
+    tiny_model, procs, tmp_path
+):
     model = tiny_model()
     engine = procs.engine(model, "--log-requests")
     proxy = procs.proxy(engine.url, model, "--proxy-api-key", "admin-key")
@@ -102,11 +107,28 @@ def test_a_coached_success_replayed_through_the_users_agent_is_the_render_of_its
         seen = client.with_options(http_client=httpx.AsyncClient(event_hooks={"request": [capture]}))
         return await calculator_agent.episode(task, seen)
 
-    tasks = [Task(lease_id="l", group_index=i, index=i, prompt_index=i, prompt=r["input"], label=r["label"],
-                  metadata=r["metadata"]) for i, r in enumerate(records)]
-    ctx = RolloutContext(rollout_id=0, config=RolloutConfig(bootstrap_from=str(tmp_path)), proxy_url=proxy.url,
-                         proxy_api_key="admin-key", router_url=engine.url, hf_checkpoint=str(model),
-                         sampling={"max_tokens": 64}, env=users_agent)
+    tasks = [
+        Task(
+            lease_id="l",
+            group_index=i,
+            index=i,
+            prompt_index=i,
+            prompt=r["input"],
+            label=r["label"],
+            metadata=r["metadata"],
+        )
+        for i, r in enumerate(records)
+    ]
+    ctx = RolloutContext(
+        rollout_id=0,
+        config=RolloutConfig(bootstrap_from=str(tmp_path)),
+        proxy_url=proxy.url,
+        proxy_api_key="admin-key",
+        router_url=engine.url,
+        hf_checkpoint=str(model),
+        sampling={"max_tokens": 64},
+        env=users_agent,
+    )
     generated = len(engine.log_path.read_text().split(" request {"))
     replayed, unsolved = asyncio.run(bootstrap.generate_rollout(ctx, tasks))
 
@@ -120,22 +142,28 @@ def test_a_coached_success_replayed_through_the_users_agent_is_the_render_of_its
     messages, tools = conversation(sent[-1])
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool"]
     assert json.loads(messages[2]["tool_calls"][0]["function"]["arguments"]) == {
-        "expression": records[0]["metadata"]["entry"]["metadata"]["expression"]}
-    script = bootstrap.replies(stage_1_success(tmp_path / "buffer.db"), tokenizer,
-                               frozenset(tokenizer.all_special_ids))
+        "expression": records[0]["metadata"]["entry"]["metadata"]["expression"]
+    }
+    script = bootstrap.replies(stage_1_success(tmp_path / "buffer.db"), tokenizer, frozenset(tokenizer.all_special_ids))
     texts = [tokenizer.decode(reply) for reply in script]
     assert texts[0].startswith(FORCED)  # the forced opening is the model's own reply now
     # The Sample: the template's render of that conversation with the model's replies, token for token.
     spoken = as_sampled(messages, texts) + [{"role": "assistant", "content": texts[1].removesuffix("<|im_end|>")}]
     whole = tokenizer.encode(tokenizer.apply_chat_template(spoken, tools=tools, tokenize=False))
-    assert replayed.tokens == whole[:len(replayed.tokens)] and tokenizer.decode(whole[len(replayed.tokens):]).strip() == ""
+    assert (
+        replayed.tokens == whole[: len(replayed.tokens)]
+        and tokenizer.decode(whole[len(replayed.tokens) :]).strip() == ""
+    )
     # The mask: 1 exactly on the replies (each where the template's generation prompt ends), 0 elsewhere.
     mask = [0] * len(replayed.tokens)
     for i, reply in zip((2, 4), script):
-        start = len(tokenizer.encode(tokenizer.apply_chat_template(spoken[:i], tools=tools, tokenize=False,
-                                                                   add_generation_prompt=True)))
-        assert replayed.tokens[start:start + len(reply)] == reply
-        mask[start:start + len(reply)] = [1] * len(reply)
+        start = len(
+            tokenizer.encode(
+                tokenizer.apply_chat_template(spoken[:i], tools=tools, tokenize=False, add_generation_prompt=True)
+            )
+        )
+        assert replayed.tokens[start : start + len(reply)] == reply
+        mask[start : start + len(reply)] = [1] * len(reply)
     prompt_len = len(replayed.tokens) - replayed.response_length
     assert replayed.loss_mask == mask[prompt_len:] and sum(replayed.loss_mask) == sum(map(len, script))
     assert replayed.rollout_log_probs is None and replayed.metadata["scripted"] is True
@@ -166,7 +194,7 @@ def test_a_scripted_session_refuses_what_it_cannot_answer_and_says_why(tiny_mode
             assert cut.choices[0].finish_reason == "length" and cut.usage.completion_tokens == 2
             with pytest.raises(openai.ConflictError, match="more calls than the recorded episode"):
                 await sdk.chat.completions.create(**ask)
-            for script, says in (([[]], "a reply holds 1 to"), ([[10 ** 9]], "token ids lie in")):
+            for script, says in (([[]], "a reply holds 1 to"), ([[10**9]], "token ids lie in")):
                 with pytest.raises(Exception, match=says):
                     await client.create_session(script=script)
 
@@ -185,20 +213,57 @@ def test_stage_2_reads_stage_1s_buffer_trains_the_replays_and_evaluates_both_age
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     run = tmp_path / "stage-2"
-    check(inverted("train", "--hf-checkpoint", str(model), "--prompt-data", str(data), "--metadata-key", "metadata",
-                   "--env-path", "envs.calculator_agent:episode",
-                   "--rollout-function-path", "rollout_functions.bootstrap:generate_rollout",
-                   "--bootstrap-from", str(stage_1), "--loss-type", "sft_loss", "--output-dir", str(run),
-                   "--num-rollout", "1", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-                   "--rollout-max-response-len", "64", "--num-engines", "1", "--log-level", "warning",
-                   "--save-debug-rollout-data", str(run / "replayed.jsonl"),
-                   "--eval-interval", "1", "--eval-prompt-data", str(data), "--eval-max-response-len", "4",
-                   "--eval-function-path", "rollout_functions.agent:generate_rollout",
-                   "--eval-variants", json.dumps({"coached": {"coached": True}})))
+    check(
+        inverted(
+            "train",
+            "--hf-checkpoint",
+            str(model),
+            "--prompt-data",
+            str(data),
+            "--metadata-key",
+            "metadata",
+            "--env-path",
+            "envs.calculator_agent:episode",
+            "--rollout-function-path",
+            "rollout_functions.bootstrap:generate_rollout",
+            "--bootstrap-from",
+            str(stage_1),
+            "--loss-type",
+            "sft_loss",
+            "--output-dir",
+            str(run),
+            "--num-rollout",
+            "1",
+            "--rollout-batch-size",
+            "2",
+            "--n-samples-per-prompt",
+            "2",
+            "--rollout-max-response-len",
+            "64",
+            "--num-engines",
+            "1",
+            "--log-level",
+            "warning",
+            "--save-debug-rollout-data",
+            str(run / "replayed.jsonl"),
+            "--eval-interval",
+            "1",
+            "--eval-prompt-data",
+            str(data),
+            "--eval-max-response-len",
+            "4",
+            "--eval-function-path",
+            "rollout_functions.agent:generate_rollout",
+            "--eval-variants",
+            json.dumps({"coached": {"coached": True}}),
+        )
+    )
     trained = [Sample.from_json(json.loads(line)) for line in (run / "replayed.jsonl").read_text().splitlines()]
     # the solved prompt's two tasks replay its success; the other prompt has none, and nothing of it trains
     assert len(trained) == 2 and all(s.reward == 1.0 and s.rollout_log_probs is None for s in trained)
-    assert {s.prompt[-1]["content"] if isinstance(s.prompt, list) else s.prompt for s in trained} == {records[0]["input"]}
+    assert {s.prompt[-1]["content"] if isinstance(s.prompt, list) else s.prompt for s in trained} == {
+        records[0]["input"]
+    }
     step = next(r for r in metrics_rows(run) if "train/loss" in r)
     assert step["rollout/trained_samples"] == 2 and step["rollout/failed"] == 2 and math.isfinite(step["train/loss"])
     evaluations = [r for r in metrics_rows(run) if "eval/pass_rate" in r]

@@ -21,11 +21,19 @@ def test_single_turn_records_what_the_engine_sampled(tiny_model, procs):
     model = tiny_model()
     engine = procs.engine(model, "--weight-version", "7")
     messages = [{"role": "user", "content": "Name a color."}]
-    tasks = [Task(lease_id="l", group_index=0, index=i, prompt_index=0, prompt=p, label="x")
-             for i, p in enumerate([messages, messages, "plain text prompt"])]
-    ctx = RolloutContext(rollout_id=0, config=RolloutConfig(rollout_max_response_len=5), proxy_url="",
-                         proxy_api_key=None, router_url=engine.url, hf_checkpoint=str(model),
-                         sampling={"temperature": 1.0, "top_p": 1.0, "max_tokens": 5})
+    tasks = [
+        Task(lease_id="l", group_index=0, index=i, prompt_index=0, prompt=p, label="x")
+        for i, p in enumerate([messages, messages, "plain text prompt"])
+    ]
+    ctx = RolloutContext(
+        rollout_id=0,
+        config=RolloutConfig(rollout_max_response_len=5),
+        proxy_url="",
+        proxy_api_key=None,
+        router_url=engine.url,
+        hf_checkpoint=str(model),
+        sampling={"temperature": 1.0, "top_p": 1.0, "max_tokens": 5},
+    )
     samples = asyncio.run(generate_rollout(ctx, tasks))
     assert {s.reward for s in samples} == {None}  # the job scores them, for every rollout function alike
     asyncio.run(RewardModel(one=lambda ctx, sample: reward_by_length(sample)).score(ctx, samples))
@@ -36,7 +44,7 @@ def test_single_turn_records_what_the_engine_sampled(tiny_model, procs):
     for task, sample, prompt in zip(tasks, samples, expected_prompts):
         sample.validate()
         assert (sample.group_index, sample.index, sample.label) == (task.group_index, task.index, "x")
-        assert sample.tokens[:sample.prompt_length] == prompt and 1 <= sample.response_length <= 5
+        assert sample.tokens[: sample.prompt_length] == prompt and 1 <= sample.response_length <= 5
         assert sample.weight_versions == ["7"] * sample.response_length
         assert sample.loss_mask == [1] * sample.response_length
         assert sample.reward == {"length": float(sample.response_length)}
@@ -51,11 +59,25 @@ def test_single_turn_logprobs_are_the_engines(tiny_model, procs):
     model = tiny_model()
     engine = procs.engine(model)
     task = Task(lease_id="l", group_index=0, index=0, prompt_index=0, prompt="hello world")
-    ctx = RolloutContext(rollout_id=0, config=RolloutConfig(), proxy_url="", proxy_api_key=None, router_url=engine.url,
-                         hf_checkpoint=str(model), sampling={"temperature": 1.0, "top_p": 1.0, "max_tokens": 4})
+    ctx = RolloutContext(
+        rollout_id=0,
+        config=RolloutConfig(),
+        proxy_url="",
+        proxy_api_key=None,
+        router_url=engine.url,
+        hf_checkpoint=str(model),
+        sampling={"temperature": 1.0, "top_p": 1.0, "max_tokens": 4},
+    )
     (sample,) = asyncio.run(generate_rollout(ctx, [task]))
-    scored = httpx.post(engine.url + "/generate", timeout=60, json={
-        "input_ids": sample.tokens, "return_logprob": True, "logprob_start_len": sample.prompt_length - 1,
-        "sampling_params": {"max_new_tokens": 0}}).json()
+    scored = httpx.post(
+        engine.url + "/generate",
+        timeout=60,
+        json={
+            "input_ids": sample.tokens,
+            "return_logprob": True,
+            "logprob_start_len": sample.prompt_length - 1,
+            "sampling_params": {"max_new_tokens": 0},
+        },
+    ).json()
     recomputed = [lp for lp, _, _ in scored["meta_info"]["input_token_logprobs"]][1:]
     assert recomputed == pytest.approx(sample.rollout_log_probs, abs=1e-4)

@@ -32,11 +32,11 @@ open(os.environ["INVERTED_REWARD_FILE"], "w").write(str(len(reply.content[0].tex
     "gemini": """
 import json, os, urllib.request  # Google's REST shape, as its SDKs send it, with the variables they read
 body = {"contents": [{"role": "user", "parts": [{"text": "Name a color."}]}]}
-request = urllib.request.Request(os.environ["GOOGLE_GEMINI_BASE_URL"] + "/v1beta/models/gemini-2.5-flash:generateContent",
-                                 data=json.dumps(body).encode(), headers={"x-goog-api-key": os.environ["GEMINI_API_KEY"],
-                                                                          "content-type": "application/json"})
-reply = json.load(urllib.request.urlopen(request))
-assert reply["usageMetadata"]["candidatesTokenCount"] == 4 and os.environ["GOOGLE_API_KEY"] == os.environ["GEMINI_API_KEY"]
+url = os.environ["GOOGLE_GEMINI_BASE_URL"] + "/v1beta/models/gemini-2.5-flash:generateContent"
+headers = {"x-goog-api-key": os.environ["GEMINI_API_KEY"], "content-type": "application/json"}
+reply = json.load(urllib.request.urlopen(urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)))
+assert reply["usageMetadata"]["candidatesTokenCount"] == 4
+assert os.environ["GOOGLE_API_KEY"] == os.environ["GEMINI_API_KEY"]
 text = "".join(part.get("text", "") for part in reply["candidates"][0]["content"]["parts"])
 open(os.environ["INVERTED_REWARD_FILE"], "w").write(str(len(text)))
 """,
@@ -50,8 +50,15 @@ def test_an_unchanged_agent_program_of_each_sdk_is_recorded(agent_stack, tmp_pat
     program.write_text(PROGRAMS[sdk])
     tasks = [Task(lease_id="l", group_index=0, index=i, prompt_index=0, prompt="p") for i in range(2)]
     config = RolloutConfig(agent_command=f"{sys.executable} {program}")
-    ctx = RolloutContext(rollout_id=0, config=config, proxy_url=proxy.url, proxy_api_key="admin-key",
-                         router_url=engine.url, hf_checkpoint=str(model), sampling={"max_tokens": 4, "min_tokens": 4})
+    ctx = RolloutContext(
+        rollout_id=0,
+        config=config,
+        proxy_url=proxy.url,
+        proxy_api_key="admin-key",
+        router_url=engine.url,
+        hf_checkpoint=str(model),
+        sampling={"max_tokens": 4, "min_tokens": 4},
+    )
     samples = asyncio.run(generate_rollout(ctx, tasks))
     for sample in samples:
         assert sample.status != Sample.Status.FAILED, sample.metadata.get("error")

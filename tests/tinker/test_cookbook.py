@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 import tinker_cookbook
+
 from inverted.processes import ManagedProcess, free_port
 
 pytestmark = pytest.mark.slow
@@ -28,9 +28,25 @@ CONVERSATIONS = Path(tinker_cookbook.__file__).parent / "example_data" / "conver
 def service(smollm2, tmp_path_factory):
     out = tmp_path_factory.mktemp("cookbook")
     url = f"http://127.0.0.1:{free_port()}"
-    proc = ManagedProcess.spawn("tinker-serve", [
-        sys.executable, "-m", "inverted.cli", "tinker-serve", "--hf-checkpoint", str(smollm2), "--num-engines", "1",
-        "--output-dir", str(out / "service"), "--tinker-port", url.rsplit(":", 1)[1]], out / "serve.log", url)
+    proc = ManagedProcess.spawn(
+        "tinker-serve",
+        [
+            sys.executable,
+            "-m",
+            "inverted.cli",
+            "tinker-serve",
+            "--hf-checkpoint",
+            str(smollm2),
+            "--num-engines",
+            "1",
+            "--output-dir",
+            str(out / "service"),
+            "--tinker-port",
+            url.rsplit(":", 1)[1],
+        ],
+        out / "serve.log",
+        url,
+    )
     try:
         proc.wait_healthy(180, path="/api/v1/healthz")
         yield url, smollm2, out
@@ -42,19 +58,47 @@ def recipe(service, module: str, name: str, *config: str) -> list[dict]:
     """Run ``python -m module`` as its users do; its metrics rows."""
     url, checkpoint, out = service
     log = out / name
-    env = {**os.environ, "TINKER_API_KEY": f"tml-{name}", "TINKER_TELEMETRY": "0", "HF_HUB_OFFLINE": "1",
-           "HF_DATASETS_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-m", module, f"base_url={url}", f"model_name={checkpoint}",
-                           f"log_path={log}", "behavior_if_log_dir_exists=delete", *config],
-                          env=env, capture_output=True, text=True, timeout=900)
+    env = {
+        **os.environ,
+        "TINKER_API_KEY": f"tml-{name}",
+        "TINKER_TELEMETRY": "0",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+    }
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            module,
+            f"base_url={url}",
+            f"model_name={checkpoint}",
+            f"log_path={log}",
+            "behavior_if_log_dir_exists=delete",
+            *config,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     return [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_the_supervised_recipe_trains_and_saves(service):
-    rows = recipe(service, "tinker_cookbook.recipes.chat_sl.train", "sl", "renderer_name=qwen3_instruct",
-                  f"dataset={CONVERSATIONS}", "batch_size=8", "max_steps=3", "learning_rate=1e-3", "lora_rank=8",
-                  "eval_every=0", "save_every=0")
+    rows = recipe(
+        service,
+        "tinker_cookbook.recipes.chat_sl.train",
+        "sl",
+        "renderer_name=qwen3_instruct",
+        f"dataset={CONVERSATIONS}",
+        "batch_size=8",
+        "max_steps=3",
+        "learning_rate=1e-3",
+        "lora_rank=8",
+        "eval_every=0",
+        "save_every=0",
+    )
     losses = [r["train_mean_nll"] for r in rows if "train_mean_nll" in r]
     assert len(losses) == 3 and all(0 < loss < 20 for loss in losses), rows
     # its last step saved the state and the sampler weights through save_weights / save_weights_for_sampler
@@ -63,9 +107,20 @@ def test_the_supervised_recipe_trains_and_saves(service):
 
 
 def test_the_rl_recipe_samples_scores_and_trains(service):
-    rows = recipe(service, "tinker_cookbook.recipes.math_rl.train", "rl", "env=arithmetic",
-                  "renderer_name=qwen3_instruct", "loss_fn=importance_sampling", "group_size=4", "groups_per_batch=4",
-                  "max_steps=2", "learning_rate=3e-4", "eval_every=0", "save_every=0")
+    rows = recipe(
+        service,
+        "tinker_cookbook.recipes.math_rl.train",
+        "rl",
+        "env=arithmetic",
+        "renderer_name=qwen3_instruct",
+        "loss_fn=importance_sampling",
+        "group_size=4",
+        "groups_per_batch=4",
+        "max_steps=2",
+        "learning_rate=3e-4",
+        "eval_every=0",
+        "save_every=0",
+    )
     steps = [r for r in rows if "env/all/reward/total" in r]
     assert len(steps) == 2, rows
     for row in steps:

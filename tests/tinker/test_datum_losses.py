@@ -50,16 +50,30 @@ def reference(name: str, config: dict[str, float]) -> tuple[float, np.ndarray]:
     raise AssertionError(name)
 
 
-@pytest.mark.parametrize("name,config", [
-    ("cross_entropy", {}), ("importance_sampling", {}), ("ppo", {}), ("ppo", {"clip_low_threshold": 0.5,
-                                                                            "clip_high_threshold": 2.0}),
-    ("cispo", {}), ("cispo", {"clip_high_threshold": 1.5}), ("dro", {}), ("dro", {"beta": 0.3}), ("gspo", {}),
-    ("gspo", {"clip_low_threshold": 0.999, "clip_high_threshold": 1.001})])  # gspo's ratio (0.991) clipped
+@pytest.mark.parametrize(
+    "name,config",
+    [
+        ("cross_entropy", {}),
+        ("importance_sampling", {}),
+        ("ppo", {}),
+        ("ppo", {"clip_low_threshold": 0.5, "clip_high_threshold": 2.0}),
+        ("cispo", {}),
+        ("cispo", {"clip_high_threshold": 1.5}),
+        ("dro", {}),
+        ("dro", {"beta": 0.3}),
+        ("gspo", {}),
+        ("gspo", {"clip_low_threshold": 0.999, "clip_high_threshold": 1.001}),
+    ],
+)  # gspo's ratio (0.991) clipped
 def test_each_loss_and_its_gradient_equal_the_documented_formula(name, config):
     loss, resolved = datum_losses.resolve(name, config)
     logp = torch.tensor(LOGP, dtype=torch.float64, requires_grad=True)
-    inputs = {"weights": torch.tensor(WEIGHTS), "logprobs": torch.tensor(SAMPLED), "advantages": torch.tensor(ADV),
-              "sequence_ratio_mask": torch.tensor(MASK)}
+    inputs = {
+        "weights": torch.tensor(WEIGHTS),
+        "logprobs": torch.tensor(SAMPLED),
+        "advantages": torch.tensor(ADV),
+        "sequence_ratio_mask": torch.tensor(MASK),
+    }
     value = loss(logp, {k: v for k, v in inputs.items() if k in datum_losses.REQUIRED[name] + ("weights",)}, resolved)
     value.backward()
     expected, grad = reference(name, config)
@@ -75,10 +89,20 @@ def test_unknown_losses_and_configs_are_refused_with_what_is_served():
     with pytest.raises(datum_losses.LossInputError, match="'advantages' is missing"):
         datum_losses.check_inputs("cispo", {"target_tokens": np.zeros(3), "logprobs": np.zeros(3)}, 3, "datum 0")
     with pytest.raises(datum_losses.LossInputError, match="'sequence_ratio_mask' is missing"):
-        datum_losses.check_inputs("gspo", {"target_tokens": np.zeros(3), "logprobs": np.zeros(3),
-                                           "advantages": np.zeros(3)}, 3, "datum 0")
+        datum_losses.check_inputs(
+            "gspo", {"target_tokens": np.zeros(3), "logprobs": np.zeros(3), "advantages": np.zeros(3)}, 3, "datum 0"
+        )
     with pytest.raises(datum_losses.LossInputError, match="sequence_ratio_mask marks no token"):
-        datum_losses.check_inputs("gspo", {"target_tokens": np.zeros(3), "logprobs": np.zeros(3),
-                                           "advantages": np.zeros(3), "sequence_ratio_mask": np.zeros(3)}, 3, "datum 0")
+        datum_losses.check_inputs(
+            "gspo",
+            {
+                "target_tokens": np.zeros(3),
+                "logprobs": np.zeros(3),
+                "advantages": np.zeros(3),
+                "sequence_ratio_mask": np.zeros(3),
+            },
+            3,
+            "datum 0",
+        )
     with pytest.raises(datum_losses.LossInputError, match="has shape \\[2\\], the input has 3 tokens"):
         datum_losses.check_inputs("cross_entropy", {"target_tokens": np.zeros(2)}, 3, "datum 0")

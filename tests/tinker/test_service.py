@@ -42,9 +42,23 @@ def tinker_serve(checkpoint, out, *flags: str, start_s: float = 180):
     """``inverted tinker-serve`` on ``checkpoint`` as ``Qwen/Tiny`` with one server, as a user starts it;
     yields its URL while it runs."""
     url = f"http://127.0.0.1:{free_port()}"
-    argv = [sys.executable, "-m", "inverted.cli", "tinker-serve", "--hf-checkpoint", str(checkpoint),
-            "--base-model", "Qwen/Tiny", "--num-engines", "1", "--output-dir", str(out),
-            "--tinker-port", url.rsplit(":", 1)[1], *flags]
+    argv = [
+        sys.executable,
+        "-m",
+        "inverted.cli",
+        "tinker-serve",
+        "--hf-checkpoint",
+        str(checkpoint),
+        "--base-model",
+        "Qwen/Tiny",
+        "--num-engines",
+        "1",
+        "--output-dir",
+        str(out),
+        "--tinker-port",
+        url.rsplit(":", 1)[1],
+        *flags,
+    ]
     proc = ManagedProcess.spawn("tinker-serve", argv, out / "serve.log", url)
     try:
         proc.wait_healthy(start_s, path="/api/v1/healthz")
@@ -57,8 +71,16 @@ def tinker_serve(checkpoint, out, *flags: str, start_s: float = 180):
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     checkpoint, out = tiny_model("qwen2"), tmp_path_factory.mktemp("tinker")
-    for url in tinker_serve(checkpoint, out, "--tinker-chunk-datums", str(CHUNK), "--tinker-max-batch-tokens", "4096",
-                            "--tinker-max-models", "4"):
+    for url in tinker_serve(
+        checkpoint,
+        out,
+        "--tinker-chunk-datums",
+        str(CHUNK),
+        "--tinker-max-batch-tokens",
+        "4096",
+        "--tinker-max-models",
+        "4",
+    ):
         yield url, checkpoint, out
 
 
@@ -70,14 +92,18 @@ def sft_datum(prompt: list[int], completion: list[int]) -> types.Datum:
     """The cookbook's layout: the input shifted by one, the prompt's positions weighted 0."""
     tokens = prompt + completion
     weights = np.array([0.0] * (len(prompt) - 1) + [1.0] * len(completion), np.float32)
-    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                       loss_fn_inputs={"target_tokens": np.array(tokens[1:], np.int64), "weights": weights})
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": np.array(tokens[1:], np.int64), "weights": weights},
+    )
 
 
 def sequence_datum(tokens: list[int]) -> types.Datum:
     """Every next token of ``tokens`` as a target."""
-    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                       loss_fn_inputs={"target_tokens": np.array(tokens[1:], np.int64)})
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": np.array(tokens[1:], np.int64)},
+    )
 
 
 def reference_logprobs(checkpoint, datum: types.Datum) -> np.ndarray:
@@ -112,8 +138,10 @@ def test_a_supervised_loop_learns_with_exact_logprobs_and_its_sampler_agrees(ser
             np.testing.assert_allclose(output["logprobs"].to_numpy(), reference_logprobs(checkpoint, datum), atol=2e-5)
         # the loss is the documented sum over the weighted targets, recomputed from the returned log-probs
         for loss, output in zip(losses, outputs):
-            recomputed = -sum(float((o["logprobs"].to_numpy() * d.loss_fn_inputs["weights"].to_numpy()).sum())
-                              for o, d in zip(output, data))
+            recomputed = -sum(
+                float((o["logprobs"].to_numpy() * d.loss_fn_inputs["weights"].to_numpy()).sum())
+                for o, d in zip(output, data)
+            )
             assert loss == pytest.approx(recomputed, rel=1e-5)
         assert losses[-1] < 0.5 * losses[0], losses
 
@@ -126,8 +154,11 @@ def test_a_supervised_loop_learns_with_exact_logprobs_and_its_sampler_agrees(ser
             np.testing.assert_allclose(np.array(served[1:], np.float32), output["logprobs"].to_numpy(), atol=1e-4)
 
         # and it samples from it: each sequence with its log-probs, as many as asked
-        answer = await sampler.sample(prompt=types.ModelInput.from_ints([3, 14, 15, 92]), num_samples=3,
-                                      sampling_params=types.SamplingParams(max_tokens=5, temperature=1.0))
+        answer = await sampler.sample(
+            prompt=types.ModelInput.from_ints([3, 14, 15, 92]),
+            num_samples=3,
+            sampling_params=types.SamplingParams(max_tokens=5, temperature=1.0),
+        )
         assert len(answer.sequences) == 3
         for sequence in answer.sequences:
             assert len(sequence.tokens) == len(sequence.logprobs) == 5 and sequence.stop_reason == "length"
@@ -136,8 +167,11 @@ def test_a_supervised_loop_learns_with_exact_logprobs_and_its_sampler_agrees(ser
         for sequence in answer.sequences:
             tokens = prompt + list(sequence.tokens)
             scored = await training.forward([sequence_datum(tokens)], "cross_entropy")
-            np.testing.assert_allclose(np.array(sequence.logprobs, np.float32),
-                                       scored.loss_fn_outputs[0]["logprobs"].to_numpy()[len(prompt) - 1:], atol=1e-4)
+            np.testing.assert_allclose(
+                np.array(sequence.logprobs, np.float32),
+                scored.loss_fn_outputs[0]["logprobs"].to_numpy()[len(prompt) - 1 :],
+                atol=1e-4,
+            )
         await service.close("success")
         return training.model_id, answer
 
@@ -149,14 +183,15 @@ def test_a_supervised_loop_learns_with_exact_logprobs_and_its_sampler_agrees(ser
     assert [row["step"] for row in index.metrics() if "train/loss_sum" in row] == [1, 2, 3, 4, 5, 6]
     rows = index.page(SampleQuery(page_size=100))["rows"]
     sampled = [row for row in rows if row["response_length"] == 5]
-    assert len(sampled) == 3 and {(r["version_min"], r["version_max"], r["status"]) for r in sampled} == {(1, 1, "truncated")}
+    assert len(sampled) == 3 and {(r["version_min"], r["version_max"], r["status"]) for r in sampled} == {
+        (1, 1, "truncated")
+    }
     stored = [index.trajectory(r["group_index"], r["sample_index"], 0) for r in sampled]
     assert sorted(t["tokens"][4:] for t in stored) == sorted(list(s.tokens) for s in answer.sequences)
     for trajectory in stored:
         sequence = next(s for s in answer.sequences if list(s.tokens) == trajectory["tokens"][4:])
         assert trajectory["tokens"][:4] == [3, 14, 15, 92]
         np.testing.assert_allclose(trajectory["rollout_log_probs"], sequence.logprobs, rtol=1e-6)  # the wire's float32
-
 
 
 def test_policy_losses_read_their_inputs_as_the_cookbook_sends_them(server):
@@ -172,17 +207,24 @@ def test_policy_losses_read_their_inputs_as_the_cookbook_sends_them(server):
     mask = np.array([0.0] * ob + [1.0] * len(sampled), np.float32)
 
     def datum(**extra) -> types.Datum:
-        return types.Datum(model_input=types.ModelInput.from_ints(prompt + sampled[:-1]), loss_fn_inputs={
-            "target_tokens": np.array([0] * ob + sampled, np.int64), "logprobs": sampler_logprobs,
-            "advantages": advantage, **extra})
+        return types.Datum(
+            model_input=types.ModelInput.from_ints(prompt + sampled[:-1]),
+            loss_fn_inputs={
+                "target_tokens": np.array([0] * ob + sampled, np.int64),
+                "logprobs": sampler_logprobs,
+                "advantages": advantage,
+                **extra,
+            },
+        )
 
     async def run():
         service = client(url, "tml-policy")
         training = await service.create_lora_training_client(base_model="Qwen/Tiny", rank=4)
-        for loss, extra, config in [("gspo", {"sequence_ratio_mask": mask}, None),
-                                    ("gspo", {"sequence_ratio_mask": mask}, {"clip_low_threshold": 0.999,
-                                                                             "clip_high_threshold": 1.001}),
-                                    ("ppo", {}, {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1})]:
+        for loss, extra, config in [
+            ("gspo", {"sequence_ratio_mask": mask}, None),
+            ("gspo", {"sequence_ratio_mask": mask}, {"clip_low_threshold": 0.999, "clip_high_threshold": 1.001}),
+            ("ppo", {}, {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}),
+        ]:
             result = await training.forward([datum(**extra)], loss, loss_fn_config=config)
             logp = result.loss_fn_outputs[0]["logprobs"].to_numpy().astype(np.float64)
             low, high = (config or {}).get("clip_low_threshold", 0.8), (config or {}).get("clip_high_threshold", 1.2)
@@ -212,10 +254,14 @@ def test_a_groups_datums_share_their_prompt_and_train_exactly_as_alone(server):
     def datum(sampled: list[int]) -> types.Datum:
         ob = len(observation) - 1
         tokens = observation + sampled
-        return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
-            "target_tokens": np.array([0] * ob + sampled, np.int64),
-            "logprobs": np.array([0.0] * ob + list(rng.normal(-5.0, 0.5, len(sampled))), np.float32),
-            "advantages": np.array([0.0] * ob + [float(rng.normal())] * len(sampled), np.float32)})
+        return types.Datum(
+            model_input=types.ModelInput.from_ints(tokens[:-1]),
+            loss_fn_inputs={
+                "target_tokens": np.array([0] * ob + sampled, np.int64),
+                "logprobs": np.array([0.0] * ob + list(rng.normal(-5.0, 0.5, len(sampled))), np.float32),
+                "advantages": np.array([0.0] * ob + [float(rng.normal())] * len(sampled), np.float32),
+            },
+        )
 
     data = [datum(sampled) for sampled in group]
     probe = [sequence_datum(observation + [79, 32, 38, 11])]
@@ -281,35 +327,49 @@ def post(url: str, path: str, key: str, body, proto: bool = False):
 
     headers = {"X-API-Key": key}
     if proto:
-        return httpx.post(f"{url}/api/v1/{path}", content=body, headers=headers | {"Content-Type": "application/x-protobuf"},
-                          timeout=60)
+        return httpx.post(
+            f"{url}/api/v1/{path}",
+            content=body,
+            headers=headers | {"Content-Type": "application/x-protobuf"},
+            timeout=60,
+        )
     return httpx.post(f"{url}/api/v1/{path}", json=body, headers=headers, timeout=60)
 
 
 def retrieve(url: str, key: str, request_id: str):
     while True:
         answer = post(url, "retrieve_future", key, {"request_id": request_id})
-        if answer.status_code != 200 or answer.headers["content-type"].startswith("application/x-protobuf") or \
-                answer.json().get("type") != "try_again":
+        if (
+            answer.status_code != 200
+            or answer.headers["content-type"].startswith("application/x-protobuf")
+            or answer.json().get("type") != "try_again"
+        ):
             return answer
 
 
 def proto_request(model_id: str, seq_id: int, data: list[types.Datum], loss: str = "cross_entropy") -> bytes:
     """A forward_backward body exactly as the SDK encodes it (its own converter)."""
-    request = types.ForwardBackwardRequest(forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn=loss),
-                                           model_id=model_id, seq_id=seq_id)
+    request = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn=loss), model_id=model_id, seq_id=seq_id
+    )
     return forward_backward_request_to_proto(request).SerializeToString()
 
 
 def finish(url: str, key: str, model_id: str) -> None:
     """End the model's session, as the SDK's ``close`` does: its models are unloaded."""
-    assert post(url, f"sessions/{model_id.split(':')[0]}/finish", key, {"reason": {"type": "success"}}).status_code == 200
+    assert (
+        post(url, f"sessions/{model_id.split(':')[0]}/finish", key, {"reason": {"type": "success"}}).status_code == 200
+    )
 
 
 def new_model(url: str, key: str) -> str:
     session = post(url, "create_session", key, {"tags": [], "user_metadata": None, "sdk_version": "raw"}).json()
-    created = post(url, "create_model", key, {"session_id": session["session_id"], "model_seq_id": 0,
-                                              "base_model": "Qwen/Tiny", "lora_config": {"rank": 2}}).json()
+    created = post(
+        url,
+        "create_model",
+        key,
+        {"session_id": session["session_id"], "model_seq_id": 0, "base_model": "Qwen/Tiny", "lora_config": {"rank": 2}},
+    ).json()
     assert retrieve(url, key, created["request_id"]).json()["model_id"] == created["model_id"]
     return created["model_id"]
 
@@ -342,18 +402,27 @@ def test_bad_input_is_refused_clearly_and_cheaply(server):
         assert answer.json()["category"] == "user" and words in answer.json()["error"], answer.text
 
     refused(post(url, "forward_backward", key, b"\xff\xff\x00garbage", proto=True), 400, "protobuf")
-    refused(post(url, "forward_backward", key, proto_request("nobody:train:0", 1, [datum]), proto=True), 400,
-            "unknown model")
+    refused(
+        post(url, "forward_backward", key, proto_request("nobody:train:0", 1, [datum]), proto=True),
+        400,
+        "unknown model",
+    )
     # a call that names its model and turn but cannot run fails in its turn (the SDK has reserved it), at once
-    outside = types.Datum(model_input=types.ModelInput.from_ints([3, 4]),
-                          loss_fn_inputs={"target_tokens": np.array([4, 10**6], np.int64)})
-    missing = types.Datum(model_input=types.ModelInput.from_ints([3, 4]),
-                          loss_fn_inputs={"target_tokens": np.array([4, 5], np.int64)})
-    for seq_id, (data, loss, words) in enumerate([
+    outside = types.Datum(
+        model_input=types.ModelInput.from_ints([3, 4]), loss_fn_inputs={"target_tokens": np.array([4, 10**6], np.int64)}
+    )
+    missing = types.Datum(
+        model_input=types.ModelInput.from_ints([3, 4]), loss_fn_inputs={"target_tokens": np.array([4, 5], np.int64)}
+    )
+    for seq_id, (data, loss, words) in enumerate(
+        [
             ([datum] * 1500, "cross_entropy", "--tinker-max-batch-tokens"),
             ([datum], "stable_reinforce", "not published"),
             ([outside], "cross_entropy", "token ids"),
-            ([missing], "ppo", "'logprobs' is missing")], start=1):
+            ([missing], "ppo", "'logprobs' is missing"),
+        ],
+        start=1,
+    ):
         answer = post(url, "forward_backward", key, proto_request(model, seq_id, data, loss), proto=True).json()
         failed = retrieve(url, key, answer["request_id"]).json()
         assert failed["category"] == "user" and words in failed["error"], failed
@@ -376,8 +445,9 @@ def test_a_failed_call_fails_only_its_own_future(server):
         training = await service.create_lora_training_client(base_model="Qwen/Tiny", rank=2)
         good = sft_datum([3, 4], [5, 6])
         # not a loss input the SDK's cross_entropy takes: refused, naming it; the client goes on
-        odd = types.Datum(model_input=good.model_input, loss_fn_inputs={**good.loss_fn_inputs,
-                                                                        "advantages": np.ones(3, np.float32)})
+        odd = types.Datum(
+            model_input=good.model_input, loss_fn_inputs={**good.loss_fn_inputs, "advantages": np.ones(3, np.float32)}
+        )
         with pytest.raises(Exception, match="takes no input 'advantages'"):
             await training.forward_backward([odd], "cross_entropy")
         result = await training.forward_backward([good], "cross_entropy")
@@ -413,8 +483,9 @@ def test_two_lora_models_train_side_by_side_and_keys_keep_them_apart(server):
         np.testing.assert_allclose(b_served, b_after, atol=1e-4)
         # bob's key cannot read or train alice's model, nor sample her weights
         assert post(url, "get_info", "tml-bob", {"model_id": a.model_id}).status_code == 400
-        answer = post(url, "forward_backward", "tml-bob", proto_request(a.model_id, 99, [sft_datum([3], [4])]),
-                      proto=True)
+        answer = post(
+            url, "forward_backward", "tml-bob", proto_request(a.model_id, 99, [sft_datum([3], [4])]), proto=True
+        )
         assert answer.status_code == 400 and "unknown model" in answer.json()["error"]
         saved = await a.save_weights_for_sampler("alice-final")
         assert (await alice.create_sampling_client(model_path=saved.path)) is not None
@@ -464,16 +535,18 @@ def train_full_model(url: str, key: str) -> tuple[str, str, types.Datum, np.ndar
     """A full fine-tuning model (raw HTTP: the SDK creates LoRA models only), two steps on one datum,
     its weights saved for a sampler: its id, the sampler's path, the datum and the trainer's log-probs of it."""
     session = post(url, "create_session", key, {"tags": [], "user_metadata": None, "sdk_version": "raw"}).json()
-    created = post(url, "create_model", key, {"session_id": session["session_id"], "model_seq_id": 0,
-                                              "base_model": "Qwen/Tiny"}).json()
+    created = post(
+        url, "create_model", key, {"session_id": session["session_id"], "model_seq_id": 0, "base_model": "Qwen/Tiny"}
+    ).json()
     model = created["model_id"]
     assert retrieve(url, key, created["request_id"]).status_code == 200
     assert post(url, "get_info", key, {"model_id": model}).json()["is_lora"] is False
     datum = sft_datum([3, 40, 41], [42, 43, 44])
     for seq_id in (1, 3):
         post(url, "forward_backward", key, proto_request(model, seq_id, [datum]), proto=True)
-        step = post(url, "optim_step", key, {"model_id": model, "seq_id": seq_id + 1,
-                                             "adam_params": {"learning_rate": 1e-2}}).json()
+        step = post(
+            url, "optim_step", key, {"model_id": model, "seq_id": seq_id + 1, "adam_params": {"learning_rate": 1e-2}}
+        ).json()
         assert retrieve(url, key, step["request_id"]).json()["metrics"]["grad_norm:mean"] > 0
     saved = post(url, "save_weights_for_sampler", key, {"model_id": model, "seq_id": 5, "path": "full-1"}).json()
     path = retrieve(url, key, saved["request_id"]).json()["path"]
@@ -497,8 +570,11 @@ def test_full_fine_tuning_trains_every_weight_and_serves_them(server):
         # the servers now hold the full model's weights: the base model is not theirs to serve
         with pytest.raises(Exception, match="full weights"):
             base = await service.create_sampling_client(base_model="Qwen/Tiny")
-            await base.sample(prompt=types.ModelInput.from_ints([3]), num_samples=1,
-                              sampling_params=types.SamplingParams(max_tokens=2))
+            await base.sample(
+                prompt=types.ModelInput.from_ints([3]),
+                num_samples=1,
+                sampling_params=types.SamplingParams(max_tokens=2),
+            )
         await service.close("success")
         return np.array(served[1:], np.float32)
 
@@ -512,9 +588,25 @@ def test_a_restarted_server_fails_the_client_loudly_never_with_a_wrong_answer(ti
     url = f"http://127.0.0.1:{port}"
 
     def start(name: str) -> ManagedProcess:
-        proc = ManagedProcess.spawn(name, [
-            sys.executable, "-m", "inverted.cli", "tinker-serve", "--hf-checkpoint", str(checkpoint), "--num-engines",
-            "1", "--output-dir", str(tmp_path / name), "--tinker-port", str(port)], tmp_path / f"{name}.log", url)
+        proc = ManagedProcess.spawn(
+            name,
+            [
+                sys.executable,
+                "-m",
+                "inverted.cli",
+                "tinker-serve",
+                "--hf-checkpoint",
+                str(checkpoint),
+                "--num-engines",
+                "1",
+                "--output-dir",
+                str(tmp_path / name),
+                "--tinker-port",
+                str(port),
+            ],
+            tmp_path / f"{name}.log",
+            url,
+        )
         proc.wait_healthy(180, path="/api/v1/healthz")
         return proc
 

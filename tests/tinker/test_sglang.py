@@ -25,7 +25,13 @@ tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
 from tests.tinker.test_service import (  # noqa: E402
-    client, finish, reference_logprobs, sequence_datum, tinker_serve, train_full_model)
+    client,
+    finish,
+    reference_logprobs,
+    sequence_datum,
+    tinker_serve,
+    train_full_model,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -37,8 +43,9 @@ def server(tiny_model, tmp_path_factory):
     if not SGLANG_PYTHON.exists():
         pytest.skip(f"real SGLang is not installed ({SGLANG_PYTHON}): make sglang")
     checkpoint, out = tiny_model("qwen2"), tmp_path_factory.mktemp("tinker-sglang")
-    for url in tinker_serve(checkpoint, out, "--rollout-backend", "sglang", "--rollout-sglang-python",
-                            str(SGLANG_PYTHON), start_s=300):
+    for url in tinker_serve(
+        checkpoint, out, "--rollout-backend", "sglang", "--rollout-sglang-python", str(SGLANG_PYTHON), start_s=300
+    ):
         yield url, checkpoint, out
     assert "sglang servers" in (out / "serve.log").read_text()  # it was SGLang that served
 
@@ -46,9 +53,12 @@ def server(tiny_model, tmp_path_factory):
 async def base_sample(url: str, key: str, seed: int | None = None) -> types.SampleResponse:
     service = client(url, key)
     sampler = await service.create_sampling_client(base_model="Qwen/Tiny")
-    answer = await sampler.sample(prompt=types.ModelInput.from_ints(PROMPT), num_samples=2,
-                                  sampling_params=types.SamplingParams(max_tokens=6, temperature=1.0, seed=seed),
-                                  include_prompt_logprobs=True)
+    answer = await sampler.sample(
+        prompt=types.ModelInput.from_ints(PROMPT),
+        num_samples=2,
+        sampling_params=types.SamplingParams(max_tokens=6, temperature=1.0, seed=seed),
+        include_prompt_logprobs=True,
+    )
     await service.close("success")
     return answer
 
@@ -61,10 +71,11 @@ def test_the_base_model_samples_through_real_sglang_with_its_own_logprobs(server
         tokens = PROMPT + list(sequence.tokens)
         expected = reference_logprobs(checkpoint, sequence_datum(tokens))
         assert len(sequence.tokens) == 6 and sequence.stop_reason == "length"
-        np.testing.assert_allclose(sequence.logprobs, expected[len(PROMPT) - 1:], atol=1e-4)
+        np.testing.assert_allclose(sequence.logprobs, expected[len(PROMPT) - 1 :], atol=1e-4)
     assert answer.prompt_logprobs[0] is None
-    np.testing.assert_allclose(answer.prompt_logprobs[1:], reference_logprobs(checkpoint, sequence_datum(PROMPT)),
-                               atol=1e-4)
+    np.testing.assert_allclose(
+        answer.prompt_logprobs[1:], reference_logprobs(checkpoint, sequence_datum(PROMPT)), atol=1e-4
+    )
     # kept for inverted view, token for token
     index = RunIndex(out / "tinker" / "models" / "base")
     index.refresh()
@@ -106,4 +117,4 @@ def test_a_full_model_trains_and_real_sglang_serves_its_weights_then_the_base_ag
     answer = asyncio.run(base_sample(url, "tml-sglang-after"))
     for sequence in answer.sequences:
         expected = reference_logprobs(checkpoint, sequence_datum(PROMPT + list(sequence.tokens)))
-        np.testing.assert_allclose(sequence.logprobs, expected[len(PROMPT) - 1:], atol=1e-4)
+        np.testing.assert_allclose(sequence.logprobs, expected[len(PROMPT) - 1 :], atol=1e-4)

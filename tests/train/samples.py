@@ -17,10 +17,19 @@ def make_samples(seed: int, groups: int = 2, per_group: int = 4, vocab: int = 12
             mask = [1] * n
             if n > 2:
                 mask[1] = 0  # a tool-output token inside the response
-            samples.append(Sample(
-                group_index=group, index=group * per_group + i, tokens=prompt + [rng.randrange(3, vocab) for _ in range(n)],
-                response_length=n, loss_mask=mask, rollout_log_probs=[-rng.random() * 3 for _ in range(n)],
-                weight_versions=["0"] * n, reward=float(rng.random() > 0.5), status=Sample.Status.COMPLETED))
+            samples.append(
+                Sample(
+                    group_index=group,
+                    index=group * per_group + i,
+                    tokens=prompt + [rng.randrange(3, vocab) for _ in range(n)],
+                    response_length=n,
+                    loss_mask=mask,
+                    rollout_log_probs=[-rng.random() * 3 for _ in range(n)],
+                    weight_versions=["0"] * n,
+                    reward=float(rng.random() > 0.5),
+                    status=Sample.Status.COMPLETED,
+                )
+            )
     return samples
 
 

@@ -22,7 +22,9 @@ def test_buckets_split_at_capacity_cast_while_packing_and_alternate_two_buffers(
     packer = BucketPacker(capacity=450, allocate=allocate, dtype=torch.bfloat16)  # two 200-byte tensors per bucket
     buckets = []
     for bucket in packer.pack(iter(named)):
-        buckets.append((bucket.names, bucket.buffer.data_ptr(), [t.clone() for _, t in unflatten(bucket.flat, bucket.metadata)]))
+        buckets.append(
+            (bucket.names, bucket.buffer.data_ptr(), [t.clone() for _, t in unflatten(bucket.flat, bucket.metadata)])
+        )
     assert [names for names, _, _ in buckets] == [["t0", "t1"], ["t2", "t3"], ["t4"], ["big"]]
     assert buckets[0][1] == buckets[2][1] != buckets[1][1]  # buffer k+2 reuses buffer k
     assert allocations == [450, 450, 2000]  # a tensor larger than a bucket grows its buffer once
@@ -35,7 +37,9 @@ def test_a_repeated_stream_lands_where_it_did_and_a_changed_one_is_laid_out_afre
     """Each update streams the same names and shapes: the packer reuses its layout, the tensor transport
     its payload; the bytes packed are always the new values, and a changed stream gets a new layout."""
     transport = TensorTransport(torch.device("cpu"))
-    packer = BucketPacker(capacity=450, allocate=transport.allocate, dtype=torch.float32)  # two 200-byte tensors per bucket
+    packer = BucketPacker(
+        capacity=450, allocate=transport.allocate, dtype=torch.float32
+    )  # two 200-byte tensors per bucket
 
     def update(shapes: list[tuple[int, ...]]) -> list[tuple[list, str, dict[str, torch.Tensor]]]:
         named = [(f"t{i}", torch.randn(shape)) for i, shape in enumerate(shapes)]

@@ -21,8 +21,10 @@ from tests.train.samples import make_samples
 from tests.train.test_weight_sync import PROBE, engine_logprobs
 from tests.train.workers import check_packed_logits, grpo_step, logits_and_step, step_and_sync, straight_and_resumed
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none"),
+]
 
 
 @pytest.mark.parametrize("arch", [*ARCHS, *MOE_ARCHS])
@@ -31,7 +33,9 @@ def test_cuda_logits_equal_transformers(arch, tiny_model, tmp_path):
     spawn(logits_and_step, 1, from_flags(TrainConfig, hf_checkpoint=str(path)), str(tmp_path / "out.pt"))
     result = torch.load(tmp_path / "out.pt", weights_only=False)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
-    check_packed_logits(result, make_samples(seed=7), lambda tokens: hf(torch.tensor([tokens], device="cuda")).logits[0].cpu())
+    check_packed_logits(
+        result, make_samples(seed=7), lambda tokens: hf(torch.tensor([tokens], device="cuda")).logits[0].cpu()
+    )
 
 
 @pytest.mark.parametrize("distributed_optimizer", [False, True])
@@ -40,8 +44,13 @@ def test_cuda_bf16_grpo_step_raises_the_rewarded_answer(distributed_optimizer, t
     for i, sample in enumerate(samples):
         sample.reward = 1.0 if i == 2 else 0.0
         sample.loss_mask = [1] * sample.response_length
-    cfg = from_flags(TrainConfig, hf_checkpoint=str(tiny_model("qwen2")), lr=1e-3, bf16=True,
-                      use_distributed_optimizer=distributed_optimizer)
+    cfg = from_flags(
+        TrainConfig,
+        hf_checkpoint=str(tiny_model("qwen2")),
+        lr=1e-3,
+        bf16=True,
+        use_distributed_optimizer=distributed_optimizer,
+    )
     spawn(grpo_step, 1, cfg, samples, str(tmp_path / "grpo.pt"))
     result = torch.load(tmp_path / "grpo.pt", weights_only=False)
     gain = {i: float(result["after"][i].sum() - result["before"][i].sum()) for i in range(4)}
@@ -53,7 +62,9 @@ def test_cuda_bf16_grpo_step_raises_the_rewarded_answer(distributed_optimizer, t
 def test_cuda_resume_continues_the_uninterrupted_run(distributed_optimizer, tiny_model, tmp_path):
     """3 steps, save, resume, 2 more == 5 straight, in fp32 so that only a lost state could differ:
     Adam's moments restarted from zero would move the weights by ~lr, 1e3 times the tolerance."""
-    cfg = from_flags(TrainConfig, hf_checkpoint=str(tiny_model("qwen2")), lr=1e-3, use_distributed_optimizer=distributed_optimizer)
+    cfg = from_flags(
+        TrainConfig, hf_checkpoint=str(tiny_model("qwen2")), lr=1e-3, use_distributed_optimizer=distributed_optimizer
+    )
     batches = [make_samples(seed=20 + i) for i in range(5)]
     spawn(straight_and_resumed, 1, cfg, batches, str(tmp_path / "ckpt"), str(tmp_path / "out.pt"))
     weights = torch.load(tmp_path / "out.pt")
@@ -65,8 +76,13 @@ def test_cuda_resume_continues_the_uninterrupted_run(distributed_optimizer, tiny
 def test_cuda_step_then_cuda_ipc_sync_lands_exactly(procs, tiny_model, tmp_path):
     path = tiny_model("qwen2")
     url = procs.engine(path, "--device", "cuda", "--dtype", "float32").url
-    cfg = from_flags(TrainConfig, hf_checkpoint=str(path), lr=1e-2, update_weight_transport="tensor",
-                      update_weight_buffer_size=1 << 20)
+    cfg = from_flags(
+        TrainConfig,
+        hf_checkpoint=str(path),
+        lr=1e-2,
+        update_weight_transport="tensor",
+        update_weight_buffer_size=1 << 20,
+    )
     spawn(step_and_sync, 1, cfg, make_samples(seed=1), [url], PROBE, str(tmp_path / "out.pt"))
     result = torch.load(tmp_path / "out.pt", weights_only=False)
     assert result["report"].transport == "tensor" and result["report"].buckets >= 1

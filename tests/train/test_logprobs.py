@@ -22,7 +22,7 @@ def kept_sets(targets: torch.Tensor, vocab: int) -> KeptSets:
     ids, offsets = [], [0]
     for row, target in enumerate(targets.tolist()):
         if row % 3:
-            others = torch.randperm(vocab, generator=g)[:int(torch.randint(0, 31, (1,), generator=g))].tolist()
+            others = torch.randperm(vocab, generator=g)[: int(torch.randint(0, 31, (1,), generator=g))].tolist()
             ids += [target] + [t for t in others if t != target]
         offsets.append(len(ids))
     return KeptSets(torch.tensor(offsets), torch.tensor(ids))
@@ -36,8 +36,9 @@ def test_fused_head_equals_the_logits_path_and_an_exact_recomputation(tp, masked
     the logits path's within 1e-6, and the gradients (the same derivatives, written out) within fp32's rounding.
     With kept sets (sampling masks) every row that has one is a softmax over it alone, in fp64 too, and
     the whole vocabulary's log-probs come beside."""
-    cfg = from_flags(TrainConfig, hf_checkpoint=str(tiny_model("qwen2")), tensor_model_parallel_size=tp,
-                     actor_num_gpus_per_node=tp)
+    cfg = from_flags(
+        TrainConfig, hf_checkpoint=str(tiny_model("qwen2")), tensor_model_parallel_size=tp, actor_num_gpus_per_node=tp
+    )
     inputs = torch.Generator().manual_seed(0)  # head_paths' own draws, for the targets the sets must hold
     torch.randn(37, 16, generator=inputs), torch.randn(96, 16, generator=inputs)
     kept = kept_sets(torch.randint(0, 96, (37,), generator=inputs), 96) if masked else None
@@ -79,10 +80,12 @@ def test_the_trainer_without_full_logits_equals_the_logits_path_on_the_real_mode
     1e-4; one step of each gives the same metrics and weights."""
     samples = make_samples(seed=7)
     common = dict(hf_checkpoint=str(smollm2), lr=1e-2, adam_eps=1.0)
-    cfgs = [from_flags(TrainConfig, **common, logprob_chunk_size=0, recompute_granularity="none"),
-            from_flags(TrainConfig, **common, logprob_chunk_size=1024, recompute_granularity="none"),
-            from_flags(TrainConfig, **common, logprob_chunk_size=5, recompute_granularity="full"),
-            from_flags(TrainConfig, **common, logprob_chunk_size=5, recompute_granularity="selective")]
+    cfgs = [
+        from_flags(TrainConfig, **common, logprob_chunk_size=0, recompute_granularity="none"),
+        from_flags(TrainConfig, **common, logprob_chunk_size=1024, recompute_granularity="none"),
+        from_flags(TrainConfig, **common, logprob_chunk_size=5, recompute_granularity="full"),
+        from_flags(TrainConfig, **common, logprob_chunk_size=5, recompute_granularity="selective"),
+    ]
     spawn(heads_and_steps, 1, cfgs, samples, str(tmp_path / "runs.pt"))
     logits_path, *fused = torch.load(tmp_path / "runs.pt")
     assert not logits_path["fused"] and all(run["fused"] for run in fused)
@@ -90,8 +93,10 @@ def test_the_trainer_without_full_logits_equals_the_logits_path_on_the_real_mode
     hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
     with torch.no_grad():
         for i, sample in enumerate(samples):
-            logits = hf(torch.tensor([sample.tokens])).logits[0, -sample.response_length - 1:-1]
-            expected = logits.log_softmax(-1).gather(-1, torch.tensor(sample.tokens[-sample.response_length:])[:, None])
+            logits = hf(torch.tensor([sample.tokens])).logits[0, -sample.response_length - 1 : -1]
+            expected = logits.log_softmax(-1).gather(
+                -1, torch.tensor(sample.tokens[-sample.response_length :])[:, None]
+            )
             torch.testing.assert_close(logits_path["logprobs"][i], expected[:, 0], rtol=0, atol=1e-4)
     for run in fused:
         for i, logprobs in logits_path["logprobs"].items():
@@ -103,5 +108,6 @@ def test_the_trainer_without_full_logits_equals_the_logits_path_on_the_real_mode
         for name, tensor in logits_path["weights"].items():
             # One rounding of the stored weight at most: fp32's step between neighbours is 1.2e-7 at 1.0, so an
             # absolute 1e-7 failed on a norm weight above 1 (AMD EPYC, without AMX: 1.19e-7 apart, one ulp).
-            torch.testing.assert_close(run["weights"][name], tensor, rtol=torch.finfo(torch.float32).eps, atol=1e-7,
-                                       msg=name)
+            torch.testing.assert_close(
+                run["weights"][name], tensor, rtol=torch.finfo(torch.float32).eps, atol=1e-7, msg=name
+            )

@@ -55,7 +55,9 @@ def test_group_advantages(estimator, std_normalize):
     rewards, masks, per_token = batch(0)
     kl = per_token()
     got = losses.compute_advantages(estimator, rewards, GROUPS, masks, kl, kl_coef=0.1, std_normalize=std_normalize)
-    shaped = [float(r) - 0.1 * sum(float(k) * m for k, m in zip(kl_i, mask)) for r, kl_i, mask in zip(rewards, kl, MASKS)]
+    shaped = [
+        float(r) - 0.1 * sum(float(k) * m for k, m in zip(kl_i, mask)) for r, kl_i, mask in zip(rewards, kl, MASKS)
+    ]
     want = ref_group_adv(torch.tensor(shaped), std_normalize)
     for g, w, n in zip(got, want, LENGTHS):
         assert g.shape == (n,)
@@ -74,7 +76,9 @@ def test_reinforce_plus_plus():
         masked = [t for t, m in enumerate(mask) if m]
         if masked:
             token_rewards[masked[-1]] += reward
-        returns.append([sum(gamma ** (k - t) * token_rewards[k] for k in range(t, len(mask))) for t in range(len(mask))])
+        returns.append(
+            [sum(gamma ** (k - t) * token_rewards[k] for k in range(t, len(mask))) for t in range(len(mask))]
+        )
     for g, w in zip(got, ref_whiten(returns)):
         torch.testing.assert_close(g, torch.tensor(w, dtype=torch.float32), rtol=1e-5, atol=1e-5)
 
@@ -140,8 +144,18 @@ def test_policy_loss_values(estimator, dual):
     adv = per_token()
     adv[3] = adv[3] * 20  # large advantages and ratios reach the clip and dual-clip bounds
     seq_ids = torch.repeat_interleave(torch.arange(len(LENGTHS)), torch.tensor(LENGTHS))
-    got, info = losses.policy_loss(estimator, torch.cat(logp), torch.cat(old), torch.cat(adv), torch.cat(masks), seq_ids,
-                                   len(LENGTHS), eps_clip=0.1, eps_clip_high=0.15, eps_clip_c=dual)
+    got, info = losses.policy_loss(
+        estimator,
+        torch.cat(logp),
+        torch.cat(old),
+        torch.cat(adv),
+        torch.cat(masks),
+        seq_ids,
+        len(LENGTHS),
+        eps_clip=0.1,
+        eps_clip_high=0.15,
+        eps_clip_c=dual,
+    )
     want = ref_surrogate(estimator, logp, old, adv, MASKS, 0.1, 0.15, dual)
     torch.testing.assert_close(got, torch.tensor([v for row in want for v in row]), rtol=1e-5, atol=1e-6)
     assert 0 < float(info["clipped"].mean()) < 1

@@ -8,7 +8,9 @@ import sys
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the compatibility layer is for machines without CUDA")
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the compatibility layer is for machines without CUDA"
+)
 
 PROBE = r"""
 import torch

@@ -29,7 +29,7 @@ def test_logits_equal_transformers(arch, tiny_model, tmp_path):
 
     samples = make_samples(seed=7)
     check_packed_logits(result, samples, lambda tokens: hf(torch.tensor([tokens])).logits[0])
-    prompts = {tuple(s.tokens[:len(s.tokens) - s.response_length]) for s in samples}
+    prompts = {tuple(s.tokens[: len(s.tokens) - s.response_length]) for s in samples}
     assert result["logits"].shape[0] == sum(map(len, prompts)) + sum(s.response_length for s in samples)  # shared
 
 
@@ -59,14 +59,16 @@ def test_qkv_layout_is_megatrons_per_group_order(tiny_model):
     """Megatron's fused qkv rows are [q heads of group g, k_g, v_g] for each group g."""
     spec = ModelSpec.from_checkpoint(tiny_model("qwen2"))
     hf = checkpoint_tensors(tiny_model("qwen2"))
-    row = rows_for(["decoder.layers.0.self_attention.linear_qkv.weight"], 0, tied=False)["decoder.layers.0.self_attention.linear_qkv.weight"][0]
+    row = rows_for(["decoder.layers.0.self_attention.linear_qkv.weight"], 0, tied=False)[
+        "decoder.layers.0.self_attention.linear_qkv.weight"
+    ][0]
     q, k, v = (hf[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv")
     fused = to_megatron(spec, row, [q, k, v], 1, 0)
     d, per = spec.head_dim, spec.num_heads // spec.num_kv_heads
-    group1 = fused[(per + 2) * d:(per + 2) * 2 * d]
-    assert torch.equal(group1[:per * d], q[per * d:2 * per * d])
-    assert torch.equal(group1[per * d:(per + 1) * d], k[d:2 * d])
-    assert torch.equal(group1[(per + 1) * d:], v[d:2 * d])
+    group1 = fused[(per + 2) * d : (per + 2) * 2 * d]
+    assert torch.equal(group1[: per * d], q[per * d : 2 * per * d])
+    assert torch.equal(group1[per * d : (per + 1) * d], k[d : 2 * d])
+    assert torch.equal(group1[(per + 1) * d :], v[d : 2 * d])
 
 
 @pytest.mark.slow  # several ranks: left out of make test-fast
@@ -76,7 +78,14 @@ def test_tp2_equals_tp1(tiny_model, tmp_path):
     results = {}
     for tp in (1, 2):
         # adam_eps=1 makes the step nearly linear in the gradient, so equal weights mean equal gradients.
-        cfg = from_flags(TrainConfig, hf_checkpoint=path, lr=1e-2, adam_eps=1.0, tensor_model_parallel_size=tp, actor_num_gpus_per_node=tp)
+        cfg = from_flags(
+            TrainConfig,
+            hf_checkpoint=path,
+            lr=1e-2,
+            adam_eps=1.0,
+            tensor_model_parallel_size=tp,
+            actor_num_gpus_per_node=tp,
+        )
         spawn(logits_and_step, tp, cfg, str(tmp_path / f"tp{tp}.pt"))
         results[tp] = torch.load(tmp_path / f"tp{tp}.pt")
     torch.testing.assert_close(results[2]["logits"], results[1]["logits"], rtol=0, atol=1e-5)

@@ -19,14 +19,26 @@ from inverted.train.parallel import spawn
 from tests.conftest import MOE_ARCHS
 from tests.train.samples import make_samples
 from tests.train.test_weight_sync import PROBE, engine_logprobs
-from tests.train.workers import (check_packed_logits, check_same_training, logits_and_step, logprobs_step_and_save,
-                                 step_and_sync)
+from tests.train.workers import (
+    check_packed_logits,
+    check_same_training,
+    logits_and_step,
+    logprobs_step_and_save,
+    step_and_sync,
+)
 
 
 def run(path, tmp_path, ep: int) -> dict:
     # adam_eps=1 makes the step nearly linear in the gradient, so equal weights mean equal gradients.
-    cfg = from_flags(TrainConfig, hf_checkpoint=str(path), lr=1e-2, adam_eps=1.0, max_tokens_per_gpu=8192,
-                     expert_model_parallel_size=ep, actor_num_gpus_per_node=ep)
+    cfg = from_flags(
+        TrainConfig,
+        hf_checkpoint=str(path),
+        lr=1e-2,
+        adam_eps=1.0,
+        max_tokens_per_gpu=8192,
+        expert_model_parallel_size=ep,
+        actor_num_gpus_per_node=ep,
+    )
     spawn(logits_and_step, ep, cfg, str(tmp_path / f"ep{ep}.pt"))
     return torch.load(tmp_path / f"ep{ep}.pt")
 
@@ -67,13 +79,26 @@ def test_two_stages_with_experts_over_two_ranks_equal_one_process_and_export(tin
     path, samples = str(tiny_model("qwen2_moe")), make_samples(seed=7)
     results = {}
     for pp, ep in ((1, 1), (2, 2)):
-        cfg = from_flags(TrainConfig, hf_checkpoint=path, lr=1e-2, adam_eps=1.0, pipeline_model_parallel_size=pp,
-                         expert_model_parallel_size=ep, actor_num_gpus_per_node=pp * ep, max_tokens_per_gpu=24,
-                         global_batch_size=4)
+        cfg = from_flags(
+            TrainConfig,
+            hf_checkpoint=path,
+            lr=1e-2,
+            adam_eps=1.0,
+            pipeline_model_parallel_size=pp,
+            expert_model_parallel_size=ep,
+            actor_num_gpus_per_node=pp * ep,
+            max_tokens_per_gpu=24,
+            global_batch_size=4,
+        )
         spawn(logprobs_step_and_save, pp * ep, cfg, samples, str(tmp_path / f"ckpt{pp}"), str(tmp_path / f"{pp}.pt"))
         results[pp] = torch.load(tmp_path / f"{pp}.pt")
-    check_same_training(results[1], results[2], tmp_path / "ckpt2", tmp_path / "hf",
-                        ("train/loss", "train/pg_loss", "train/entropy", "train/grad_norm", "train/loss_tokens"))
+    check_same_training(
+        results[1],
+        results[2],
+        tmp_path / "ckpt2",
+        tmp_path / "hf",
+        ("train/loss", "train/pg_loss", "train/entropy", "train/grad_norm", "train/loss_tokens"),
+    )
 
 
 @pytest.mark.slow  # several ranks: left out of make test-fast
@@ -88,16 +113,32 @@ def test_tensor_parallel_experts_with_sequence_parallelism_equal_one_process(ep,
     aux = 0.5 if ep == 1 else 0.0
     results = {}
     for tp, experts_over in ((1, 1), (2, ep)):
-        cfg = from_flags(TrainConfig, hf_checkpoint=path, lr=1e-2, adam_eps=1.0, tensor_model_parallel_size=tp,
-                         expert_model_parallel_size=experts_over, sequence_parallel=tp > 1,
-                         actor_num_gpus_per_node=tp * experts_over, max_tokens_per_gpu=25,
-                         global_batch_size=4, moe_aux_loss_coeff=aux)
-        spawn(logprobs_step_and_save, cfg.parallel.world_size, cfg, samples, str(tmp_path / f"ckpt{tp}"),
-              str(tmp_path / f"{tp}.pt"))
+        cfg = from_flags(
+            TrainConfig,
+            hf_checkpoint=path,
+            lr=1e-2,
+            adam_eps=1.0,
+            tensor_model_parallel_size=tp,
+            expert_model_parallel_size=experts_over,
+            sequence_parallel=tp > 1,
+            actor_num_gpus_per_node=tp * experts_over,
+            max_tokens_per_gpu=25,
+            global_batch_size=4,
+            moe_aux_loss_coeff=aux,
+        )
+        spawn(
+            logprobs_step_and_save,
+            cfg.parallel.world_size,
+            cfg,
+            samples,
+            str(tmp_path / f"ckpt{tp}"),
+            str(tmp_path / f"{tp}.pt"),
+        )
         results[tp] = torch.load(tmp_path / f"{tp}.pt")
     metrics = ("train/loss", "train/entropy", "train/grad_norm", "train/loss_tokens")
-    check_same_training(results[1], results[2], tmp_path / "ckpt2", tmp_path / "hf",
-                        metrics + (("train/moe_aux_loss",) if aux else ()))
+    check_same_training(
+        results[1], results[2], tmp_path / "ckpt2", tmp_path / "hf", metrics + (("train/moe_aux_loss",) if aux else ())
+    )
 
 
 def test_expert_parallelism_that_does_not_fit_and_lora_are_refused(tiny_model):
@@ -116,20 +157,32 @@ def test_expert_parallelism_that_does_not_fit_and_lora_are_refused(tiny_model):
         Trainer(from_flags(TrainConfig, hf_checkpoint=str(tiny_model("qwen3_moe")), lora_rank=4))
 
 
-@pytest.mark.parametrize("transport, pp, tp", [("tensor", 1, 1), ("distributed", 1, 1), ("tensor", 2, 1),
-                                               ("distributed", 1, 2)])
+@pytest.mark.parametrize(
+    "transport, pp, tp", [("tensor", 1, 1), ("distributed", 1, 1), ("tensor", 2, 1), ("distributed", 1, 2)]
+)
 @pytest.mark.slow  # several ranks: left out of make test-fast
-def test_after_a_step_at_ep2_and_a_sync_the_engine_scores_tokens_as_the_trainer_does(transport, pp, tp, module_procs,
-                                                                                      tiny_model, tmp_path):
+def test_after_a_step_at_ep2_and_a_sync_the_engine_scores_tokens_as_the_trainer_does(
+    transport, pp, tp, module_procs, tiny_model, tmp_path
+):
     """Every expert of both expert-parallel ranks reaches the engine, checked by name and shape there;
     with two pipeline stages too (four ranks: each stage gathers its experts, the second sends them on),
     or with TP=2 (four ranks: each expert's halves are gathered over its TP group, then over EP)."""
     path = tiny_model("qwen3_moe")
     engine = module_procs.engine(path, name=f"moe-{transport}-{pp}-{tp}")
-    cfg = from_flags(TrainConfig, hf_checkpoint=str(path), lr=3e-2, adam_eps=1.0, output_dir=str(tmp_path),
-                     update_weight_transport=transport, update_weight_buffer_size=1 << 20,
-                     expert_model_parallel_size=2, pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp,
-                     sequence_parallel=tp > 1, actor_num_gpus_per_node=2 * pp * tp)
+    cfg = from_flags(
+        TrainConfig,
+        hf_checkpoint=str(path),
+        lr=3e-2,
+        adam_eps=1.0,
+        output_dir=str(tmp_path),
+        update_weight_transport=transport,
+        update_weight_buffer_size=1 << 20,
+        expert_model_parallel_size=2,
+        pipeline_model_parallel_size=pp,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=tp > 1,
+        actor_num_gpus_per_node=2 * pp * tp,
+    )
     before, _ = engine_logprobs(engine.url)
     spawn(step_and_sync, 2 * pp * tp, cfg, make_samples(seed=3), [engine.url], PROBE, str(tmp_path / "out.pt"))
     result = torch.load(tmp_path / "out.pt", weights_only=False)
@@ -138,4 +191,3 @@ def test_after_a_step_at_ep2_and_a_sync_the_engine_scores_tokens_as_the_trainer_
     assert version == "1"
     assert (after - result["logprobs"]).abs().max() <= 1e-4
     assert (before - result["logprobs"]).abs().max() > 1e-3, "the step must have changed the policy"
-

@@ -29,23 +29,45 @@ def rollout(url: str, groups: int = 4, per_group: int = 4) -> list[Sample]:
     """GRPO groups sampled by the engine, each Sample with its log-probs and its routed experts."""
     samples = []
     for group, prompt in enumerate(s.tokens[: s.prompt_length] for s in make_samples(seed=5, groups=groups)[::4]):
-        outs = httpx.post(url + "/generate", timeout=120, json={
-            "input_ids": [prompt] * per_group, "return_logprob": True, "return_routed_experts": True,
-            "sampling_params": {"max_new_tokens": 12, "ignore_eos": True, "temperature": 1.0, "sampling_seed": group}}).json()
+        outs = httpx.post(
+            url + "/generate",
+            timeout=120,
+            json={
+                "input_ids": [prompt] * per_group,
+                "return_logprob": True,
+                "return_routed_experts": True,
+                "sampling_params": {
+                    "max_new_tokens": 12,
+                    "ignore_eos": True,
+                    "temperature": 1.0,
+                    "sampling_seed": group,
+                },
+            },
+        ).json()
         for i, out in enumerate(outs):
             ids = out["output_ids"]
-            samples.append(Sample(group_index=group, index=group * per_group + i, tokens=prompt + ids,
-                                  response_length=len(ids), loss_mask=[1] * len(ids),
-                                  rollout_log_probs=[lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]],
-                                  weight_versions=["0"] * len(ids), reward=float(i % 2),
-                                  status=Sample.Status.COMPLETED,
-                                  rollout_routed_experts=out["meta_info"]["routed_experts"]))
+            samples.append(
+                Sample(
+                    group_index=group,
+                    index=group * per_group + i,
+                    tokens=prompt + ids,
+                    response_length=len(ids),
+                    loss_mask=[1] * len(ids),
+                    rollout_log_probs=[lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]],
+                    weight_versions=["0"] * len(ids),
+                    reward=float(i % 2),
+                    status=Sample.Status.COMPLETED,
+                    rollout_routed_experts=out["meta_info"]["routed_experts"],
+                )
+            )
     return samples
 
 
 def configs(path, tmp_path, *flags: dict) -> list[TrainConfig]:
-    return [from_flags(TrainConfig, **{"hf_checkpoint": str(path), "output_dir": str(tmp_path), "lr": 1e-2, **f})
-            for f in flags]
+    return [
+        from_flags(TrainConfig, **{"hf_checkpoint": str(path), "output_dir": str(tmp_path), "lr": 1e-2, **f})
+        for f in flags
+    ]
 
 
 def train(cfgs, samples, tmp_path, ranks: int = 1) -> list[dict]:
@@ -62,8 +84,12 @@ def test_r3_routes_as_the_engine_did_and_the_mismatch_falls(procs, tiny_model, t
     plain, r3 = train(configs(path, tmp_path, {}, {"use_rollout_routing_replay": True}), samples, tmp_path)
     assert plain[GAP] > 4 * r3[GAP], (plain[GAP], r3[GAP])  # measured: 0.058 and 0.0086
     # TP=2 with sequence parallelism: each rank's routers see half of every row, and replay that half.
-    split = {"use_rollout_routing_replay": True, "tensor_model_parallel_size": 2, "sequence_parallel": True,
-             "actor_num_gpus_per_node": 2}
+    split = {
+        "use_rollout_routing_replay": True,
+        "tensor_model_parallel_size": 2,
+        "sequence_parallel": True,
+        "actor_num_gpus_per_node": 2,
+    }
     [tp2] = train(configs(path, tmp_path, split), samples, tmp_path, ranks=2)
     for name in (GAP, "train/loss", "train/entropy"):
         assert tp2[name] == pytest.approx(r3[name], rel=1e-5), name
@@ -75,8 +101,18 @@ def test_replaying_the_routing_the_trainer_would_choose_changes_nothing(procs, t
     path = tiny_model("qwen3_moe")
     samples = rollout(procs.engine(path, "--enable-return-routed-experts").url, groups=2)
     two_steps = {"global_batch_size": 4, "lr": 0.0}
-    plain, r3, plain2, r2 = train(configs(path, tmp_path, {}, {"use_rollout_routing_replay": True}, two_steps,
-                                          {**two_steps, "use_routing_replay": True}), samples, tmp_path)
+    plain, r3, plain2, r2 = train(
+        configs(
+            path,
+            tmp_path,
+            {},
+            {"use_rollout_routing_replay": True},
+            two_steps,
+            {**two_steps, "use_routing_replay": True},
+        ),
+        samples,
+        tmp_path,
+    )
     assert plain[GAP] <= 1e-4
     for name in ("train/loss", GAP, "train/entropy", "train/grad_norm"):  # abs: two GPU runs differ by ~1e-7
         assert r3[name] == pytest.approx(plain[name], rel=1e-5, abs=1e-6), name

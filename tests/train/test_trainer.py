@@ -14,8 +14,14 @@ from inverted.config import TrainConfig, from_flags
 from inverted.train.parallel import spawn
 from inverted.types import Sample
 from tests.train.samples import make_samples, write_jsonl
-from tests.train.workers import (check_same_training, grpo_step, logits_and_step, logprobs_step_and_save, step_at_version,
-                                 step_save_and_finish)
+from tests.train.workers import (
+    check_same_training,
+    grpo_step,
+    logits_and_step,
+    logprobs_step_and_save,
+    step_at_version,
+    step_save_and_finish,
+)
 
 
 @pytest.mark.slow  # several ranks: left out of make test-fast
@@ -23,7 +29,9 @@ def test_dp2_equals_one_process_on_the_whole_batch(tiny_model, tmp_path):
     path = str(tiny_model("qwen2"))
     results = {}
     for ranks in (1, 2):
-        cfg = from_flags(TrainConfig, hf_checkpoint=path, lr=1e-2, adam_eps=1.0, actor_num_gpus_per_node=ranks, max_tokens_per_gpu=24)
+        cfg = from_flags(
+            TrainConfig, hf_checkpoint=path, lr=1e-2, adam_eps=1.0, actor_num_gpus_per_node=ranks, max_tokens_per_gpu=24
+        )
         spawn(logits_and_step, ranks, cfg, str(tmp_path / f"dp{ranks}.pt"))
         results[ranks] = torch.load(tmp_path / f"dp{ranks}.pt")
     for name in ("train/loss", "train/entropy", "train/grad_norm", "train/loss_tokens"):
@@ -49,17 +57,33 @@ def test_tp2_pp2_equals_one_process_and_exports(sequence_parallel, tiny_model, t
     samples = make_samples(seed=7)
     results = {}
     for tp, pp in ((1, 1), (2, 2)):
-        cfg = from_flags(TrainConfig, hf_checkpoint=path, lr=1e-2, adam_eps=1.0, tensor_model_parallel_size=tp,
-                          pipeline_model_parallel_size=pp, actor_num_gpus_per_node=tp * pp, max_tokens_per_gpu=24,
-                          global_batch_size=4, use_kl_loss=True, kl_loss_coef=0.1,
-                          sequence_parallel=sequence_parallel and tp > 1, output_dir=str(tmp_path / f"out{pp}"))
+        cfg = from_flags(
+            TrainConfig,
+            hf_checkpoint=path,
+            lr=1e-2,
+            adam_eps=1.0,
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            actor_num_gpus_per_node=tp * pp,
+            max_tokens_per_gpu=24,
+            global_batch_size=4,
+            use_kl_loss=True,
+            kl_loss_coef=0.1,
+            sequence_parallel=sequence_parallel and tp > 1,
+            output_dir=str(tmp_path / f"out{pp}"),
+        )
         spawn(logprobs_step_and_save, tp * pp, cfg, samples, str(tmp_path / f"ckpt{pp}"), str(tmp_path / f"{pp}.pt"))
         results[pp] = torch.load(tmp_path / f"{pp}.pt")
     one, four = results[1], results[2]
     assert len(one["logprobs"]) == len(samples) == len(four["logprobs"])
     assert one["metrics"]["train/optimizer_steps"] == 2 and one["metrics"]["train/kl"] > 0
-    check_same_training(one, four, tmp_path / "ckpt2", tmp_path / "hf", ("train/loss", "train/pg_loss", "train/kl",
-                                                                        "train/entropy", "train/grad_norm", "train/loss_tokens"))
+    check_same_training(
+        one,
+        four,
+        tmp_path / "ckpt2",
+        tmp_path / "hf",
+        ("train/loss", "train/pg_loss", "train/kl", "train/entropy", "train/grad_norm", "train/loss_tokens"),
+    )
     check_details(samples, one["logprobs"], [tmp_path / "out1", tmp_path / "out2"])
 
 
@@ -75,12 +99,17 @@ def check_details(samples: list[Sample], logprobs: dict[int, torch.Tensor], run_
         for i, sample in enumerate(samples):
             detail = reader.get(sample.group_index, sample.index, 0)
             assert detail.step == 0
-            torch.testing.assert_close(torch.from_numpy(detail.log_probs.copy()), logprobs[i].float(), rtol=0, atol=1e-5)
+            torch.testing.assert_close(
+                torch.from_numpy(detail.log_probs.copy()), logprobs[i].float(), rtol=0, atol=1e-5
+            )
             group = [s.reward for s in samples if s.group_index == sample.group_index]
             centred = sample.reward - sum(group) / len(group)
             assert (detail.advantages == detail.advantages[0]).all()
-            assert detail.advantages[0] == pytest.approx(0.0, abs=1e-6) if centred == 0 else \
-                (detail.advantages[0] > 0) == (centred > 0)
+            assert (
+                detail.advantages[0] == pytest.approx(0.0, abs=1e-6)
+                if centred == 0
+                else (detail.advantages[0] > 0) == (centred > 0)
+            )
             on = torch.tensor(sample.loss_mask, dtype=torch.bool)
             rollout = torch.tensor(sample.rollout_log_probs)
             assert detail.mismatch == pytest.approx(float((logprobs[i].float() - rollout)[on].abs().mean()), abs=1e-5)
@@ -115,8 +144,17 @@ def test_per_token_versions_reach_the_loss(tiny_model, tmp_path):
     path = str(tiny_model("qwen2"))
     masked_cfg = from_flags(TrainConfig, hf_checkpoint=path, lr=1e-2, mask_offpolicy_in_partial_rollout=True)
     spawn(step_at_version, 1, masked_cfg, samples, 2, str(tmp_path / "masked.pt"))
-    spawn(step_at_version, 1, from_flags(TrainConfig, hf_checkpoint=path, lr=1e-2), by_hand, 2, str(tmp_path / "by_hand.pt"))
-    spawn(step_at_version, 1, from_flags(TrainConfig, hf_checkpoint=path, lr=1e-2), samples, 2, str(tmp_path / "all.pt"))
+    spawn(
+        step_at_version,
+        1,
+        from_flags(TrainConfig, hf_checkpoint=path, lr=1e-2),
+        by_hand,
+        2,
+        str(tmp_path / "by_hand.pt"),
+    )
+    spawn(
+        step_at_version, 1, from_flags(TrainConfig, hf_checkpoint=path, lr=1e-2), samples, 2, str(tmp_path / "all.pt")
+    )
     masked, manual, unmasked = (torch.load(tmp_path / f"{name}.pt") for name in ("masked", "by_hand", "all"))
 
     for name, tensor in manual["weights"].items():
@@ -131,8 +169,12 @@ def test_per_token_versions_reach_the_loss(tiny_model, tmp_path):
 
 
 def train_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "inverted.cli", "train", "--debug-train-only", *args],
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "inverted.cli", "train", "--debug-train-only", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def metrics(out) -> list[dict]:
@@ -143,9 +185,11 @@ def check_resume_equals_straight(common: list[str], total: int, stop: int, root)
     """``total`` rollouts straight against ``stop``, a save (``root/ckpt``) and a resume to ``total``:
     every step's metrics are equal (timings aside). The straight run's metrics rows."""
     ckpt = str(root / "ckpt")
-    for args in (["--num-rollout", str(total), "--output-dir", str(root / "a")],
-                 ["--num-rollout", str(stop), "--output-dir", str(root / "b"), "--save", ckpt],
-                 ["--num-rollout", str(total), "--output-dir", str(root / "c"), "--load", ckpt, "--save", ckpt]):
+    for args in (
+        ["--num-rollout", str(total), "--output-dir", str(root / "a")],
+        ["--num-rollout", str(stop), "--output-dir", str(root / "b"), "--save", ckpt],
+        ["--num-rollout", str(total), "--output-dir", str(root / "c"), "--load", ckpt, "--save", ckpt],
+    ):
         done = train_cli(*common, *args)
         assert done.returncode == 0, done.stderr
     a, bc = metrics(root / "a"), metrics(root / "b") + metrics(root / "c")
@@ -165,14 +209,39 @@ def test_resume_reproduces_the_uninterrupted_run_and_exports(tiny_model, tmp_pat
         write_jsonl(make_samples(seed=rollout), str(data).format(rollout_id=rollout))
     template = tmp_path / "run.jinja"  # the run's --chat-template travels with its checkpoints
     template.write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}")
-    common = ["--hf-checkpoint", str(tiny_model("qwen2")), "--load-debug-rollout-data", str(data), "--lr", "1e-3",
-              "--global-batch-size", "4", "--max-tokens-per-gpu", "32", "--chat-template", str(template)]
+    common = [
+        "--hf-checkpoint",
+        str(tiny_model("qwen2")),
+        "--load-debug-rollout-data",
+        str(data),
+        "--lr",
+        "1e-3",
+        "--global-batch-size",
+        "4",
+        "--max-tokens-per-gpu",
+        "32",
+        "--chat-template",
+        str(template),
+    ]
     a = check_resume_equals_straight(common, 5, 3, tmp_path)
     assert a[-1]["train/loss"] != a[0]["train/loss"]
 
     exported = tmp_path / "hf"
-    done = subprocess.run([sys.executable, "-m", "inverted.cli", "export-hf", "--checkpoint", str(tmp_path / "ckpt"),
-                           "--out", str(exported)], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "inverted.cli",
+            "export-hf",
+            "--checkpoint",
+            str(tmp_path / "ckpt"),
+            "--out",
+            str(exported),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     trained = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)
     original = transformers.AutoModelForCausalLM.from_pretrained(tiny_model("qwen2"), dtype=torch.float32)
@@ -182,8 +251,18 @@ def test_resume_reproduces_the_uninterrupted_run_and_exports(tiny_model, tmp_pat
     # the tokenizer travels with the checkpoint, with the template the run rendered with
     assert transformers.AutoTokenizer.from_pretrained(exported).chat_template == template.read_text()
 
-    other = train_cli("--hf-checkpoint", str(tiny_model("llama")), "--load-debug-rollout-data", str(data),
-                      "--num-rollout", "6", "--output-dir", str(tmp_path / "d"), "--load", str(tmp_path / "ckpt"))
+    other = train_cli(
+        "--hf-checkpoint",
+        str(tiny_model("llama")),
+        "--load-debug-rollout-data",
+        str(data),
+        "--num-rollout",
+        "6",
+        "--output-dir",
+        str(tmp_path / "d"),
+        "--load",
+        str(tmp_path / "ckpt"),
+    )
     assert other.returncode == 2
     assert "checkpoint of another model than --hf-checkpoint" in other.stderr
     assert not (tmp_path / "d" / "metrics.jsonl").read_text()
@@ -194,8 +273,15 @@ def test_the_final_export_runs_after_the_trainer_has_let_go_of_its_state(tiny_mo
     export starts, so the export's working set never sits beside the training state (the whole job's
     peak memory, docs/performance-history.md), and the export holds the trained weights exactly."""
     cfg = from_flags(TrainConfig, hf_checkpoint=str(tiny_model("qwen2")), lr=1e-2, output_dir=str(tmp_path))
-    spawn(step_save_and_finish, 1, cfg, make_samples(seed=3), str(tmp_path / "ckpt"), str(tmp_path / "hf"),
-          str(tmp_path / "out.pt"))
+    spawn(
+        step_save_and_finish,
+        1,
+        cfg,
+        make_samples(seed=3),
+        str(tmp_path / "ckpt"),
+        str(tmp_path / "hf"),
+        str(tmp_path / "out.pt"),
+    )
     result = torch.load(tmp_path / "out.pt", weights_only=False)
     assert result["tracked"] > 20 and result["alive_at_export"] == 0
     exported = transformers.AutoModelForCausalLM.from_pretrained(result["path"], dtype=torch.float32).state_dict()
@@ -203,18 +289,27 @@ def test_the_final_export_runs_after_the_trainer_has_let_go_of_its_state(tiny_mo
         assert torch.equal(exported[name], tensor), name
 
 
-@pytest.mark.parametrize("breakage, message", [
-    (lambda s: s.loss_mask.pop(), "loss_mask: expected a list of"),
-    (lambda s: setattr(s, "reward", float("nan")), "reward"),
-    (lambda s: setattr(s, "status", Sample.Status.FAILED), "status 'failed' is not trainable"),
-    (lambda s: s.tokens.__setitem__(0, 99999), "outside the vocabulary"),
-])
+@pytest.mark.parametrize(
+    "breakage, message",
+    [
+        (lambda s: s.loss_mask.pop(), "loss_mask: expected a list of"),
+        (lambda s: setattr(s, "reward", float("nan")), "reward"),
+        (lambda s: setattr(s, "status", Sample.Status.FAILED), "status 'failed' is not trainable"),
+        (lambda s: s.tokens.__setitem__(0, 99999), "outside the vocabulary"),
+    ],
+)
 def test_bad_samples_are_refused_before_any_process_starts(breakage, message, tiny_model, tmp_path):
     samples = make_samples(seed=0)
     breakage(samples[5])
     write_jsonl(samples, tmp_path / "data.jsonl")
-    done = train_cli("--hf-checkpoint", str(tiny_model("qwen2")), "--load-debug-rollout-data", str(tmp_path / "data.jsonl"),
-                     "--output-dir", str(tmp_path / "out"))
+    done = train_cli(
+        "--hf-checkpoint",
+        str(tiny_model("qwen2")),
+        "--load-debug-rollout-data",
+        str(tmp_path / "data.jsonl"),
+        "--output-dir",
+        str(tmp_path / "out"),
+    )
     assert done.returncode == 2, done.stderr
     # The one line of the refusal: no trainer process started, no model was built (Megatron logs on import).
     (line,) = done.stderr.strip().splitlines()

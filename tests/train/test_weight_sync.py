@@ -30,9 +30,16 @@ def servers(module_procs, tiny_model):
 
 
 def engine_logprobs(url: str) -> tuple[torch.Tensor, str]:
-    out = httpx.post(url + "/generate", timeout=60, json={
-        "input_ids": PROBE, "sampling_params": {"max_new_tokens": 1, "temperature": 0}, "return_logprob": True,
-        "logprob_start_len": 0}).json()
+    out = httpx.post(
+        url + "/generate",
+        timeout=60,
+        json={
+            "input_ids": PROBE,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+        },
+    ).json()
     values = [entry[0] for entry in out["meta_info"]["input_token_logprobs"][1:]]
     return torch.tensor(values), out["meta_info"]["weight_version"]
 
@@ -40,14 +47,25 @@ def engine_logprobs(url: str) -> tuple[torch.Tensor, str]:
 CASES = [("tensor", 1), ("distributed", 1), ("disk", 1), ("tensor", 2), ("distributed", 2)]
 
 
-@pytest.mark.parametrize("transport, tp", [pytest.param(transport, tp, marks=pytest.mark.slow if tp > 1 else ())
-                                           for transport, tp in CASES])  # two ranks: left out of make test-fast
-def test_after_a_step_and_a_sync_the_engines_score_tokens_as_the_trainer_does(servers, tiny_model, tmp_path, transport, tp):
+@pytest.mark.parametrize(
+    "transport, tp", [pytest.param(transport, tp, marks=pytest.mark.slow if tp > 1 else ()) for transport, tp in CASES]
+)  # two ranks: left out of make test-fast
+def test_after_a_step_and_a_sync_the_engines_score_tokens_as_the_trainer_does(
+    servers, tiny_model, tmp_path, transport, tp
+):
     urls, router = servers
     before = [engine_logprobs(url)[0] for url in urls]
-    cfg = from_flags(TrainConfig, hf_checkpoint=str(tiny_model("qwen2")), lr=3e-2, adam_eps=1.0, output_dir=str(tmp_path),
-                      update_weight_transport=transport, update_weight_buffer_size=1 << 20,
-                      tensor_model_parallel_size=tp, actor_num_gpus_per_node=tp)
+    cfg = from_flags(
+        TrainConfig,
+        hf_checkpoint=str(tiny_model("qwen2")),
+        lr=3e-2,
+        adam_eps=1.0,
+        output_dir=str(tmp_path),
+        update_weight_transport=transport,
+        update_weight_buffer_size=1 << 20,
+        tensor_model_parallel_size=tp,
+        actor_num_gpus_per_node=tp,
+    )
     samples = make_samples(seed=CASES.index((transport, tp)))  # each case moves the shared engines somewhere new
     spawn(step_and_sync, tp, cfg, samples, urls, PROBE, str(tmp_path / "out.pt"))
     result = torch.load(tmp_path / "out.pt", weights_only=False)
@@ -59,7 +77,9 @@ def test_after_a_step_and_a_sync_the_engines_score_tokens_as_the_trainer_does(se
         assert version == "1"
         assert (got - result["logprobs"]).abs().max() <= 1e-4, (got - result["logprobs"]).abs().max()
         assert (old - result["logprobs"]).abs().max() > 1e-3, "the step must have changed the policy"
-    routed = httpx.post(router + "/generate", timeout=60, json={"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 2}})
+    routed = httpx.post(
+        router + "/generate", timeout=60, json={"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 2}}
+    )
     assert routed.json()["meta_info"]["weight_version"] == "1"
 
 
@@ -107,8 +127,14 @@ def test_a_grpo_loop_through_weight_sync_learns_and_stays_exactly_on_policy(proc
     """Generate -> train -> sync, 14 times: the engine always samples from the trainer's current weights
     (rollout and training log-probs agree to ~1e-7 at every step), and the policy learns the task."""
     url = procs.engine(tiny_model("qwen2"), "--random-seed", "1").url  # the same samples on every run
-    cfg = from_flags(TrainConfig, hf_checkpoint=str(tiny_model("qwen2")), lr=3e-2, output_dir=str(tmp_path),
-                      update_weight_transport=transport, update_weight_buffer_size=1 << 20)
+    cfg = from_flags(
+        TrainConfig,
+        hf_checkpoint=str(tiny_model("qwen2")),
+        lr=3e-2,
+        output_dir=str(tmp_path),
+        update_weight_transport=transport,
+        update_weight_buffer_size=1 << 20,
+    )
     spawn(grpo_loop, 1, cfg, url, 14, str(tmp_path / "loop.pt"))
     history = torch.load(tmp_path / "loop.pt")
     assert [h["versions"] for h in history] == [["default"]] + [[str(step)] for step in range(1, 14)]
@@ -125,8 +151,12 @@ def test_auto_transport_is_tensor_exactly_when_every_server_is_on_this_host():
 
     from inverted.train.weight_sync import choose_transport
 
-    ours = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
-            if a.family == socket.AF_INET and not a.address.startswith("127.")]
+    ours = [
+        a.address
+        for addrs in psutil.net_if_addrs().values()
+        for a in addrs
+        if a.family == socket.AF_INET and not a.address.startswith("127.")
+    ]
     if not ours:
         pytest.skip("this machine has no address but loopback")
     elsewhere = "http://203.0.113.7:30000"  # TEST-NET-3: never an address of this host
@@ -150,12 +180,28 @@ def test_a_bucket_is_no_larger_than_the_checkpoint(tiny_model, tmp_path):
     sync = make_weight_sync(cfg.sync, str(model), str(tmp_path), ["http://127.0.0.1:30000"])
     assert 0 < sync.buffer_size == stored < BUCKET_BYTES_CPU == 128 * 2**20
     cfg = from_flags(TrainConfig, hf_checkpoint=str(model), update_weight_buffer_size=2**20)
-    assert make_weight_sync(cfg.sync, str(model), str(tmp_path), ["http://127.0.0.1:30000"]).buffer_size == min(stored, 2**20)
+    assert make_weight_sync(cfg.sync, str(model), str(tmp_path), ["http://127.0.0.1:30000"]).buffer_size == min(
+        stored, 2**20
+    )
 
 
 def test_a_sync_report_is_the_jobs_sync_metrics():
     """What the job logs each step: what moved, the bucket phase's bandwidth, each phase's seconds."""
-    report = SyncReport(version="3", transport="tensor", servers=2, buckets=4, bytes=2_000_000_000, flushed=2,
-                        seconds={"pause": 0.01, "buckets": 2.0})
-    assert report.metrics() == {"sync/servers": 2.0, "sync/buckets": 4.0, "sync/bytes": 2e9, "sync/flushed": 2.0,
-                                "sync/gb_per_s": 1.0, "sync/pause_s": 0.01, "sync/buckets_s": 2.0}
+    report = SyncReport(
+        version="3",
+        transport="tensor",
+        servers=2,
+        buckets=4,
+        bytes=2_000_000_000,
+        flushed=2,
+        seconds={"pause": 0.01, "buckets": 2.0},
+    )
+    assert report.metrics() == {
+        "sync/servers": 2.0,
+        "sync/buckets": 4.0,
+        "sync/bytes": 2e9,
+        "sync/flushed": 2.0,
+        "sync/gb_per_s": 1.0,
+        "sync/pause_s": 0.01,
+        "sync/buckets_s": 2.0,
+    }

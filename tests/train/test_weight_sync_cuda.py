@@ -11,8 +11,10 @@ import torch
 from inverted.hf_checkpoint import checkpoint_tensors
 from inverted.train.weight_sync import TensorTransport, WeightSync
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none"),
+]
 
 
 def test_cuda_ipc_sync_lands_exactly(procs, tiny_model):

@@ -38,7 +38,7 @@ def logits_and_step(cfg: TrainConfig, out: str) -> None:
     """Full-vocabulary logits of a packed batch, then one training step: logits, metrics, new weights."""
     with parallel_group(cfg):
         trainer, samples, mb = trainer_and_batch(cfg)
-        logits = full_logits(trainer, mb)[:len(mb.tokens_T) - mb.padding]
+        logits = full_logits(trainer, mb)[: len(mb.tokens_T) - mb.padding]
         metrics = trainer.train(samples)
         weights = trainer.hf_weights()
         if torch.distributed.get_rank() == 0:
@@ -131,27 +131,49 @@ def grpo_loop(cfg: TrainConfig, url: str, steps: int, out: str) -> None:
     from inverted.types import Sample
 
     with parallel_group(cfg):
-        trainer, sync, rng = Trainer(cfg), make_weight_sync(cfg.sync, cfg.hf_checkpoint, cfg.output_dir, [url]), random.Random(0)
+        trainer, sync, rng = (
+            Trainer(cfg),
+            make_weight_sync(cfg.sync, cfg.hf_checkpoint, cfg.output_dir, [url]),
+            random.Random(0),
+        )
         try:
             history = []
             for step in range(steps):
                 prompts = [[rng.randrange(3, 1000) for _ in range(4)] for _ in range(16)]
-                answers = httpx.post(url + "/generate", timeout=120, json={
-                    "input_ids": prompts, "return_logprob": True,
-                    "sampling_params": {"max_new_tokens": 3, "temperature": 1.0, "n": 8, "ignore_eos": True}}).json()
+                answers = httpx.post(
+                    url + "/generate",
+                    timeout=120,
+                    json={
+                        "input_ids": prompts,
+                        "return_logprob": True,
+                        "sampling_params": {"max_new_tokens": 3, "temperature": 1.0, "n": 8, "ignore_eos": True},
+                    },
+                ).json()
                 samples = []
                 for j, answer in enumerate(answers):
                     ids = answer["output_ids"]
-                    samples.append(Sample(
-                        group_index=j // 8, index=j, tokens=prompts[j // 8] + ids, response_length=len(ids),
-                        loss_mask=[1] * len(ids), rollout_log_probs=[t[0] for t in answer["meta_info"]["output_token_logprobs"]],
-                        weight_versions=[answer["meta_info"]["weight_version"]] * len(ids),
-                        reward=float(ids[0] in GOOD_FIRST_TOKENS), status=Sample.Status.COMPLETED))
+                    samples.append(
+                        Sample(
+                            group_index=j // 8,
+                            index=j,
+                            tokens=prompts[j // 8] + ids,
+                            response_length=len(ids),
+                            loss_mask=[1] * len(ids),
+                            rollout_log_probs=[t[0] for t in answer["meta_info"]["output_token_logprobs"]],
+                            weight_versions=[answer["meta_info"]["weight_version"]] * len(ids),
+                            reward=float(ids[0] in GOOD_FIRST_TOKENS),
+                            status=Sample.Status.COMPLETED,
+                        )
+                    )
                 metrics = trainer.train(samples)
                 trainer.sync_weights(sync, str(step + 1))
-                history.append({"reward": sum(s.reward for s in samples) / len(samples),
-                                "versions": sorted({v for s in samples for v in s.weight_versions}),
-                                "mismatch": metrics["train/train_rollout_logprob_abs_diff"]})
+                history.append(
+                    {
+                        "reward": sum(s.reward for s in samples) / len(samples),
+                        "versions": sorted({v for s in samples for v in s.weight_versions}),
+                        "mismatch": metrics["train/train_rollout_logprob_abs_diff"],
+                    }
+                )
         finally:
             sync.release()  # its buckets' shared memory: the server keeps what it mapped
         torch.save(history, out)
@@ -206,8 +228,11 @@ def lora_step(cfg: TrainConfig, out: str) -> None:
         trainer, samples, mb = trainer_and_batch(cfg)
 
         def state() -> dict:  # copies: gathered tensors may be the live parameters themselves
-            return {"logits": full_logits(trainer, mb), "base": {k: v.clone() for k, v in trainer.hf_weights().items()},
-                    "adapter": {k: v.clone() for k, v in trainer.adapter_weights()}}
+            return {
+                "logits": full_logits(trainer, mb),
+                "base": {k: v.clone() for k, v in trainer.hf_weights().items()},
+                "adapter": {k: v.clone() for k, v in trainer.adapter_weights()},
+            }
 
         before = state()
         metrics = trainer.train(samples)
@@ -215,7 +240,9 @@ def lora_step(cfg: TrainConfig, out: str) -> None:
         trainable = sorted(n for n, p in trainer.model.module.named_parameters() if p.requires_grad)
         if torch.distributed.get_rank() == 0:
             rows = dict(zip(mb.indices, mb.sequence_positions()))
-            torch.save({"before": before, "after": after, "metrics": metrics, "rows": rows, "trainable": trainable}, out)
+            torch.save(
+                {"before": before, "after": after, "metrics": metrics, "rows": rows, "trainable": trainable}, out
+            )
 
 
 def train_each(cfgs: list[TrainConfig], samples, out: str) -> None:
@@ -268,15 +295,21 @@ def head_paths(cfg: TrainConfig, out: str, kept=None) -> None:
         hidden, weight = torch.randn(37, 16, generator=g), torch.randn(96, 16, generator=g)
         targets = torch.randint(0, 96, (37,), generator=g)
         upstream = torch.randn(2, 37, generator=g)
-        size, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+        size, rank = (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_tensor_model_parallel_rank(),
+        )
         group = parallel_state.get_tensor_model_parallel_group()
         results = {"inputs": (hidden, weight, targets, upstream)}
         for path in ("fused", "logits"):
             h, w = hidden.clone().requires_grad_(), weight.chunk(size)[rank].clone().requires_grad_()
             shared = copy_to_tensor_model_parallel_region(h, group=group)
             keep = kept.mask(slice(0, 37), rank * len(w), len(w), "cpu") if kept is not None else None
-            head = (fused_logprobs_and_entropy(shared, w, targets, 0.7, chunk=8, kept=kept) if path == "fused"
-                    else token_logprobs_and_entropy(shared @ w.t(), targets, 0.7, keep=keep))
+            head = (
+                fused_logprobs_and_entropy(shared, w, targets, 0.7, chunk=8, kept=kept)
+                if path == "fused"
+                else token_logprobs_and_entropy(shared @ w.t(), targets, 0.7, keep=keep)
+            )
             (head.logprobs * upstream[0] + head.entropy * upstream[1]).sum().backward()
             parts = [torch.empty_like(w.grad) for _ in range(size)]
             torch.distributed.all_gather(parts, w.grad.contiguous(), group=group)
@@ -297,8 +330,14 @@ def heads_and_steps(cfgs: list[TrainConfig], samples, out: str) -> None:
             trainer = Trainer(cfg)
             mbs = [mb for step in trainer._plan(samples) for mb in step.micro_batches]
             logprobs = trainer._no_grad_logprobs(trainer.model, mbs)
-            results.append({"fused": trainer.fused_head, "logprobs": logprobs, "metrics": trainer.train(samples),
-                            "weights": trainer.hf_weights()})
+            results.append(
+                {
+                    "fused": trainer.fused_head,
+                    "logprobs": logprobs,
+                    "metrics": trainer.train(samples),
+                    "weights": trainer.hf_weights(),
+                }
+            )
             del trainer
         torch.save(results, out)
 
@@ -322,8 +361,10 @@ def step_save_and_finish(cfg: TrainConfig, samples, root: str, hf_out: str, out:
         freeze_startup_heap()  # as ``TrainActor.setup`` does
         actor.train([sample.to_json() for sample in samples])
         weights = {name: tensor.clone() for name, tensor in actor.trainer.hf_weights().items()}
-        state = [*actor.trainer.model.parameters(),
-                 *(t for s in actor.trainer.optimizer.optimizer.state.values() for t in s.values() if torch.is_tensor(t))]
+        state = [
+            *actor.trainer.model.parameters(),
+            *(t for s in actor.trainer.optimizer.optimizer.state.values() for t in s.values() if torch.is_tensor(t)),
+        ]
         alive = [weakref.ref(tensor) for tensor in state]
         del state
         actor.save(root)

@@ -21,12 +21,24 @@ from inverted.processes import free_port
 from inverted.view.service import create_app, open_run
 from tests.view.run_dir import UNRECORDED, write_run
 
-playwright = pytest.importorskip("playwright.sync_api", reason="playwright is a test dependency (pip install -e '.[test]')")
+playwright = pytest.importorskip(
+    "playwright.sync_api", reason="playwright is a test dependency (pip install -e '.[test]')"
+)
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(CHROMIUM is None, reason="no Chromium: apt-get install chromium (.ci/run installs it)")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(CHROMIUM is None, reason="no Chromium: apt-get install chromium (.ci/run installs it)"),
+]
 # What the machine's closed network needs (no background connections), and root needs (no sandbox).
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-        "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
+ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-dev-shm-usage",
+]
 # view.css's token colours (view.js: COLOURS)
 PARTS = {"prompt": (232, 232, 232), "sampled": (186, 218, 255), "masked": (255, 214, 153)}
 
@@ -39,7 +51,9 @@ def served(tmp_path_factory, tiny_model):
     import uvicorn
 
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(index, title="a run"), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(index, title="a run"), host="127.0.0.1", port=port, log_level="warning")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
@@ -91,10 +105,15 @@ def test_the_run_page_draws_the_metrics_it_was_given(served, page):
     url, written, _ = served
     open_page(page, url + "/")
     page.wait_for_function("document.getElementById('reward').data !== undefined")
-    traces = page.evaluate("Object.fromEntries(['reward', 'phases', 'throughput', 'mismatch', 'versions'].map("
-                           "id => [id, document.getElementById(id).data.map(t => [t.name, t.x, t.y])]))")
+    traces = page.evaluate(
+        "Object.fromEntries(['reward', 'phases', 'throughput', 'mismatch', 'versions'].map("
+        "id => [id, document.getElementById(id).data.map(t => [t.name, t.x, t.y])]))"
+    )
     reward = {name: (x, y) for name, x, y in traces["reward"]}
-    assert reward["rollout reward"] == ([m["step"] for m in written.metrics], [m["rollout/reward_mean"] for m in written.metrics])
+    assert reward["rollout reward"] == (
+        [m["step"] for m in written.metrics],
+        [m["rollout/reward_mean"] for m in written.metrics],
+    )
     sampled = {name: y for name, _, y in traces["throughput"]}["sampled (rollout)"]
     assert sampled == pytest.approx([m["rollout/response_tokens"] / m["time/rollout_s"] for m in written.metrics])
     assert {name for name, _, _ in traces["phases"]} == {"rollout", "train", "sync", "step"}
@@ -115,7 +134,9 @@ def test_the_trajectory_page_shows_the_sample_token_by_token(served, page):
     facts = page.inner_text("#facts")
     assert "reward\t1" in facts and f"prompt {sample.prompt_length}" in facts
     assert page.locator("#turns tr").count() == 3  # a header and two turns
-    assert "tool_calls" in page.inner_text("#turns") and "<tool_response>42</tool_response>" in page.inner_text("#turns")
+    assert "tool_calls" in page.inner_text("#turns") and "<tool_response>42</tool_response>" in page.inner_text(
+        "#turns"
+    )
     assert "gpt-5.2" in page.inner_text("#turns")  # the model the call asked for, and what it took without effect
     assert "reasoning_effort: the chat template has no thinking mode" in page.inner_text("#turns")
     branches = page.inner_text("#branches")
@@ -176,7 +197,9 @@ def test_filters_and_presets_change_the_table(served, page):
     assert set(page.locator("#samples td.status").all_inner_texts()) == {"completed"}
     assert "reward_min=0.25" in page.url  # the view is an address: reload or share it
     page.click("button[data-preset=longest]")
-    page.wait_for_function(f"document.body.dataset.total === '{len(written.samples)}' && !document.body.dataset.loading")
+    page.wait_for_function(
+        f"document.body.dataset.total === '{len(written.samples)}' && !document.body.dataset.loading"
+    )
     lengths = [int(x) for x in page.locator("#samples td.response_length").all_inner_texts()]
     assert lengths == sorted(lengths, reverse=True) and lengths[0] == max(s.response_length for s in written.samples)
     page.click("button[data-preset=zero]")
@@ -203,6 +226,8 @@ def test_the_run_page_follows_a_running_job(served, page):
         file.write(json.dumps(row) + "\n")
     written.metrics.append(row)
     page.wait_for_function(f"Number(document.body.dataset.rows) === {shown + 1}", timeout=15_000)
-    x, y = page.evaluate("(() => { const t = document.getElementById('reward').data"
-                         ".find(t => t.name === 'rollout reward'); return [t.x, t.y]; })()")
+    x, y = page.evaluate(
+        "(() => { const t = document.getElementById('reward').data"
+        ".find(t => t.name === 'rollout reward'); return [t.x, t.y]; })()"
+    )
     assert x[-1] == row["step"] and y[-1] == 0.75

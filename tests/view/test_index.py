@@ -44,27 +44,41 @@ def expected_rows(written, keep, sort, descending=False):
     rows = []
     for s in written.samples:
         step = written.steps.get(key(s))
-        row = {"group_index": s.group_index, "sample_index": s.index, "branch": key(s)[2], "step": step,
-               "reward": s.reward, "response_length": s.response_length, "status": s.status.value,
-               "mismatch": written.details[key(s)].mismatch if key(s) in written.details else None}
+        row = {
+            "group_index": s.group_index,
+            "sample_index": s.index,
+            "branch": key(s)[2],
+            "step": step,
+            "reward": s.reward,
+            "response_length": s.response_length,
+            "status": s.status.value,
+            "mismatch": written.details[key(s)].mismatch if key(s) in written.details else None,
+        }
         if keep(row):
             rows.append(row)
     # SQLite's order: unknown values first ascending, and so last descending; ties by the key, in the same direction
-    rows.sort(key=lambda r: (r[sort] is not None, r[sort] or 0, r["group_index"], r["sample_index"], r["branch"]),
-              reverse=descending)
+    rows.sort(
+        key=lambda r: (r[sort] is not None, r[sort] or 0, r["group_index"], r["sample_index"], r["branch"]),
+        reverse=descending,
+    )
     return rows
 
 
-@pytest.mark.parametrize("query, keep", [
-    (SampleQuery(sort="reward"), lambda r: True),
-    (SampleQuery(sort="response_length", descending=True), lambda r: True),
-    (SampleQuery(reward_min=0.25, reward_max=0.9, sort="group_index"), lambda r: 0.25 <= r["reward"] <= 0.9),
-    (SampleQuery(status=["truncated"], length_min=5, sort="response_length"),
-     lambda r: r["status"] == "truncated" and r["response_length"] >= 5),
-    (SampleQuery(step_min=1, step_max=1, sort="mismatch", descending=True), lambda r: r["step"] == 1),
-    (SampleQuery(mismatch_min=0.1, sort="mismatch"), lambda r: r["mismatch"] is not None and r["mismatch"] >= 0.1),
-    (SampleQuery(group=1, sort="branch"), lambda r: r["group_index"] == 1),
-])
+@pytest.mark.parametrize(
+    "query, keep",
+    [
+        (SampleQuery(sort="reward"), lambda r: True),
+        (SampleQuery(sort="response_length", descending=True), lambda r: True),
+        (SampleQuery(reward_min=0.25, reward_max=0.9, sort="group_index"), lambda r: 0.25 <= r["reward"] <= 0.9),
+        (
+            SampleQuery(status=["truncated"], length_min=5, sort="response_length"),
+            lambda r: r["status"] == "truncated" and r["response_length"] >= 5,
+        ),
+        (SampleQuery(step_min=1, step_max=1, sort="mismatch", descending=True), lambda r: r["step"] == 1),
+        (SampleQuery(mismatch_min=0.1, sort="mismatch"), lambda r: r["mismatch"] is not None and r["mismatch"] >= 0.1),
+        (SampleQuery(group=1, sort="branch"), lambda r: r["group_index"] == 1),
+    ],
+)
 def test_a_filtered_sorted_page_is_what_the_samples_say(run, query, keep):
     _, written, index = run
     expected = expected_rows(written, keep, query.sort, query.descending)
@@ -75,7 +89,9 @@ def test_a_filtered_sorted_page_is_what_the_samples_say(run, query, keep):
     assert [tuple(r[f] for f in fields) for r in got["rows"]] == [tuple(r[f] for f in fields) for r in expected]
     for row in got["rows"]:
         if row["mismatch"] is not None:
-            assert row["mismatch"] == pytest.approx(written.details[(row["group_index"], row["sample_index"], row["branch"])].mismatch)
+            assert row["mismatch"] == pytest.approx(
+                written.details[(row["group_index"], row["sample_index"], row["branch"])].mismatch
+            )
 
 
 def test_zero_variance_groups_and_paging(run):
@@ -88,7 +104,9 @@ def test_zero_variance_groups_and_paging(run):
     assert {r["group_index"] for r in got["rows"]} == flat and flat
     pages = [index.page(SampleQuery(page=p, page_size=7))["rows"] for p in range(8)]
     assert sum(map(len, pages)) == len(written.samples)
-    assert len({(r["group_index"], r["sample_index"], r["branch"]) for page in pages for r in page}) == len(written.samples)
+    assert len({(r["group_index"], r["sample_index"], r["branch"]) for page in pages for r in page}) == len(
+        written.samples
+    )
 
 
 def test_steps_staleness_and_fate_come_from_the_buffer_and_the_trainer(run):
@@ -109,6 +127,7 @@ def test_the_index_takes_in_what_a_running_job_writes_later(run, tiny_model):
     tasks = store.lease(N, "worker", 600)
     tokenizer = load_tokenizer(tiny_model("qwen2"))
     import random
+
     store.submit([(t["lease_id"], episode(t, random.Random(1), 3, tokenizer)) for t in tasks])
     store.next_batch(2, 3, None)  # serves groups 4 and 5: a third batch
     store.close()
@@ -138,8 +157,9 @@ def test_a_trajectory_token_by_token_with_its_branches_and_group(run, tiny_model
     detail = written.details[(1, 1, 0)]
     np.testing.assert_array_equal(np.asarray(got["train_log_probs"], dtype=np.float32), detail.log_probs)
     np.testing.assert_array_equal(np.asarray(got["advantages"], dtype=np.float32), detail.advantages)
-    assert sorted((r["sample_index"], r["branch"]) for r in got["group"]) == \
-        sorted(key(s)[1:] for s in written.samples if s.group_index == 1)
+    assert sorted((r["sample_index"], r["branch"]) for r in got["group"]) == sorted(
+        key(s)[1:] for s in written.samples if s.group_index == 1
+    )
     other = index.trajectory(1, 1, 1)
     assert other["tokens"] == fork.tokens and other["reward"] == 0.0
     assert index.trajectory(1, 1, 7) is None and index.trajectory(99, 0, 0) is None
@@ -160,7 +180,10 @@ def test_routes_bad_input_and_the_key(run):
         assert client.get("/api/samples", headers={"Authorization": "Bearer s3cret"}).status_code == 200
         opened = client.get("/samples?key=s3cret&sort=reward", follow_redirects=False)
         assert opened.status_code == 303 and opened.headers["location"] == "/samples?sort=reward"
-        assert "httponly" in opened.headers["set-cookie"].lower() and "samesite=strict" in opened.headers["set-cookie"].lower()
+        assert (
+            "httponly" in opened.headers["set-cookie"].lower()
+            and "samesite=strict" in opened.headers["set-cookie"].lower()
+        )
         assert client.get("/api/run").status_code == 200  # the cookie now
         client.cookies.clear()
         assert client.get("/samples?key=wrong").status_code == 401
@@ -181,8 +204,12 @@ def test_inverted_view_serves_a_run_on_loopback_behind_the_runs_own_key(run):
     (path / "services").mkdir()
     (path / "services" / "buffer.yaml").write_text("api_key: the-jobs-buffer-key\n")
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "inverted.cli", "view", str(path), "--port", str(port)],
-                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "inverted.cli", "view", str(path), "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         printed = process.stdout.readline()
         url = f"http://127.0.0.1:{port}"
@@ -216,8 +243,10 @@ def test_routed_experts_are_shown_per_token_when_the_model_has_them(run):
     store = SQLiteStore(str(path / "buffer.db"), n_samples_per_prompt=N)
     with store._tx() as db:  # as the proxy would have recorded it (a test of the reader, not the writer)
         data = dict(sample.to_json(), rollout_routed_experts=encode_routed_experts(routes))
-        db.execute("UPDATE samples SET sample = ? WHERE group_index = ? AND sample_index = ?",
-                   (orjson.dumps(data), sample.group_index, sample.index))
+        db.execute(
+            "UPDATE samples SET sample = ? WHERE group_index = ? AND sample_index = ?",
+            (orjson.dumps(data), sample.group_index, sample.index),
+        )
     store.close()
     index.experts_shape = (2, 3)
     got = index.trajectory(sample.group_index, sample.index, 0)
@@ -234,9 +263,12 @@ def test_each_tokens_kept_set_size_is_shown_when_recorded(run):
     assert index.trajectory(sample.group_index, sample.index, 0)["kept_set_sizes"] is None
     store = SQLiteStore(str(path / "buffer.db"), n_samples_per_prompt=N)
     with store._tx() as db:  # as the proxy would have recorded it (a test of the reader, not the writer)
-        data = dict(sample.to_json(), rollout_top_p_token_ids=list(range(offsets[-1])),
-                    rollout_top_p_token_offsets=offsets)
-        db.execute("UPDATE samples SET sample = ? WHERE group_index = ? AND sample_index = ?",
-                   (orjson.dumps(data), sample.group_index, sample.index))
+        data = dict(
+            sample.to_json(), rollout_top_p_token_ids=list(range(offsets[-1])), rollout_top_p_token_offsets=offsets
+        )
+        db.execute(
+            "UPDATE samples SET sample = ? WHERE group_index = ? AND sample_index = ?",
+            (orjson.dumps(data), sample.group_index, sample.index),
+        )
     store.close()
     assert index.trajectory(sample.group_index, sample.index, 0)["kept_set_sizes"] == sizes

@@ -40,9 +40,15 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from inverted.errors import ServiceUnavailable
-from inverted.rollout.sglang_client import (GenerateClient, read_cached_tokens, read_output,
-                                            read_routed_experts, read_sampling_mask, read_unconstrained_logprobs,
-                                            with_sampling_mask)
+from inverted.rollout.sglang_client import (
+    GenerateClient,
+    read_cached_tokens,
+    read_output,
+    read_routed_experts,
+    read_sampling_mask,
+    read_unconstrained_logprobs,
+    with_sampling_mask,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +77,20 @@ class Sampled:
         return (self.finish or {}).get("type", "")
 
 
-async def sample_turn(client: GenerateClient, prompt_ids: list[int], sampling: dict[str, Any], *,
-                      stream: bool, partial_rollout: bool, max_resumes: int, top_logprobs: int = 0,
-                      lora_path: str | None = None, routes_from: int | None = None,
-                      server_loss_wait: float = 0.0, mask_top_k: int = 0) -> AsyncIterator[Sampled]:
+async def sample_turn(
+    client: GenerateClient,
+    prompt_ids: list[int],
+    sampling: dict[str, Any],
+    *,
+    stream: bool,
+    partial_rollout: bool,
+    max_resumes: int,
+    top_logprobs: int = 0,
+    lora_path: str | None = None,
+    routes_from: int | None = None,
+    server_loss_wait: float = 0.0,
+    mask_top_k: int = 0,
+) -> AsyncIterator[Sampled]:
     """Yield the turn's state as it grows; the last state yielded has ``finish`` set. ``lora_path``: the
     LoRA adapter to sample from (None: the base model); ``routes_from``: ask for the routed experts of
     the tokens from this position on (None: not at all); ``server_loss_wait``: seconds to go on trying
@@ -118,8 +134,9 @@ async def sample_turn(client: GenerateClient, prompt_ids: list[int], sampling: d
                 state.routes = read_routed_experts(body)  # the last chunk (or answer) of a call carries them
                 unconstrained = read_unconstrained_logprobs(body)
                 del state.unconstrained[kept:]
-                state.unconstrained += unconstrained if unconstrained and len(unconstrained) == len(ids) \
-                    else [None] * len(ids)
+                state.unconstrained += (
+                    unconstrained if unconstrained and len(unconstrained) == len(ids) else [None] * len(ids)
+                )
                 if finish is None or finish.get("type") != "abort":
                     yield state
         except ServiceUnavailable as error:
@@ -139,8 +156,10 @@ async def sample_turn(client: GenerateClient, prompt_ids: list[int], sampling: d
                 return
             aborts += 1
             if aborts > max_resumes:
-                raise ServiceUnavailable(f"generation was aborted {aborts} times (weight updates or aborts); giving up",
-                                         url=client.base_url + "/generate")
+                raise ServiceUnavailable(
+                    f"generation was aborted {aborts} times (weight updates or aborts); giving up",
+                    url=client.base_url + "/generate",
+                )
         if partial_rollout or (stream and state.ids):
             state.resumes += 1
             if len(state.ids) >= budget:
@@ -158,8 +177,14 @@ async def scripted_turn(ids: list[int], budget: int) -> AsyncIterator[Sampled]:
     a reply, and log-probs of 0.0 that the session's Samples leave out."""
     kept = ids[:budget]
     finish = {"type": "stop", "matched": kept[-1]} if len(ids) <= budget else {"type": "length", "length": budget}
-    yield Sampled(ids=list(kept), logprobs=[0.0] * len(kept), versions=[SCRIPT_VERSION] * len(kept), finish=finish,
-                  unconstrained=[None] * len(kept), kept=[[] for _ in kept])
+    yield Sampled(
+        ids=list(kept),
+        logprobs=[0.0] * len(kept),
+        versions=[SCRIPT_VERSION] * len(kept),
+        finish=finish,
+        unconstrained=[None] * len(kept),
+        kept=[[] for _ in kept],
+    )
 
 
 async def _single(call) -> AsyncIterator[Any]:

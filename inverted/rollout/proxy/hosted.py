@@ -40,8 +40,11 @@ from inverted.rollout.chat import Message, ParsedReply, ToolCall, join_reasoning
 
 # How the model is shown each kind: a function, its description, and its one argument.
 DEFINITIONS: dict[str, tuple[str, str, str]] = {
-    "web_search": ("web_search", "Search the web. Returns the most relevant pages, each with its title, URL and an "
-                                 "excerpt.", "query"),
+    "web_search": (
+        "web_search",
+        "Search the web. Returns the most relevant pages, each with its title, URL and an excerpt.",
+        "query",
+    ),
     "web_fetch": ("web_fetch", "Fetch a web page by its URL and return its text.", "url"),
     "file_search": ("file_search", "Search the user's files. Returns the most relevant passages.", "query"),
     "code_interpreter": ("code_interpreter", "Run Python code in a sandbox and return what it printed.", "code"),
@@ -103,23 +106,38 @@ class Round:
     tokens: int
 
 
-def offered(tools: list[dict[str, Any]], asks: list[Ask], names: dict[str, str], accepted: dict[str, str],
-            configured: set[str]) -> list[dict[str, Any]]:
+def offered(
+    tools: list[dict[str, Any]], asks: list[Ask], names: dict[str, str], accepted: dict[str, str], configured: set[str]
+) -> list[dict[str, Any]]:
     """The request's tools with each hosted one it declared shown where it stood, when configured;
     else left out, with why on the turn. ``names`` gets each offered function name's kind."""
     shown = list(tools)
     for ask in sorted(asks, key=lambda a: a.position, reverse=True):
         if ask.kind not in configured:
-            accepted[ask.where] = (f"{ask.kind}: a hosted tool, run by the service; none is configured here "
-                                   f"(--proxy-hosted-tools {ask.kind}=module:function), so the model is not offered "
-                                   "it and answers without it")
+            accepted[ask.where] = (
+                f"{ask.kind}: a hosted tool, run by the service; none is configured here "
+                f"(--proxy-hosted-tools {ask.kind}=module:function), so the model is not offered "
+                "it and answers without it"
+            )
             continue
         name, description, argument = DEFINITIONS[ask.kind]
         name = ask.name or name
         names[name] = ask.kind
-        shown.insert(ask.position, {"type": "function", "function": {
-            "name": name, "description": description,
-            "parameters": {"type": "object", "properties": {argument: {"type": "string"}}, "required": [argument]}}})
+        shown.insert(
+            ask.position,
+            {
+                "type": "function",
+                "function": {
+                    "name": name,
+                    "description": description,
+                    "parameters": {
+                        "type": "object",
+                        "properties": {argument: {"type": "string"}},
+                        "required": [argument],
+                    },
+                },
+            },
+        )
     return shown
 
 
@@ -131,8 +149,10 @@ class HostedTools:
         for spec in specs:
             kind, _, path = spec.partition("=")
             if kind not in KINDS or not path:
-                raise InvalidRequest(f"--proxy-hosted-tools {spec!r}: expected KIND=module:function with KIND one of "
-                                     f"{list(KINDS)}", param="proxy_hosted_tools")
+                raise InvalidRequest(
+                    f"--proxy-hosted-tools {spec!r}: expected KIND=module:function with KIND one of {list(KINDS)}",
+                    param="proxy_hosted_tools",
+                )
             self.run_by_kind[kind] = load_plugin(path, flag=f"--proxy-hosted-tools {kind}", params=["arguments"])
 
     @property
@@ -158,10 +178,19 @@ class HostedTools:
         if isinstance(out, str):
             return HostedCall(kind, made, HostedResult(out), "completed", round_ids)
         sources = out.get("sources") or [] if isinstance(out, dict) else None
-        if not (isinstance(out, dict) and isinstance(out.get("text"), str) and isinstance(sources, list)
-                and all(isinstance(s, dict) for s in sources)):
-            return failed(kind, made, round_ids, f"its implementation returned {type(out).__name__}, not a string "
-                                                 "or {'text': str, 'sources': [{'url', 'title'}]}")
+        if not (
+            isinstance(out, dict)
+            and isinstance(out.get("text"), str)
+            and isinstance(sources, list)
+            and all(isinstance(s, dict) for s in sources)
+        ):
+            return failed(
+                kind,
+                made,
+                round_ids,
+                f"its implementation returned {type(out).__name__}, not a string "
+                "or {'text': str, 'sources': [{'url', 'title'}]}",
+            )
         return HostedCall(kind, made, HostedResult(out["text"], tuple(sources)), "completed", round_ids)
 
 
@@ -175,8 +204,11 @@ def new_id(prefix: str) -> str:
 
 def follow_up(messages: list[Message], reply: ParsedReply, ran: list[HostedCall]) -> list[Message]:
     """The conversation after a reply whose hosted calls ran: the reply, then each call's result."""
-    return [*messages, Message(role="assistant", content=reply.content or "", tool_calls=tuple(reply.tool_calls)),
-            *(h.message() for h in ran)]
+    return [
+        *messages,
+        Message(role="assistant", content=reply.content or "", tool_calls=tuple(reply.tool_calls)),
+        *(h.message() for h in ran),
+    ]
 
 
 def expanded(rounds: list[Round], reply: ParsedReply) -> list[Message]:
@@ -204,8 +236,11 @@ class Regrouper:
     def recall(self, item_id: Any, where: str) -> HostedCall:
         found = self.known.get(item_id) if isinstance(item_id, str) else None
         if found is None:
-            raise InvalidRequest(f"{where}: hosted tool call {item_id!r} was not made in this session: the proxy "
-                                 "renders back only the hosted calls it ran itself", param=where)
+            raise InvalidRequest(
+                f"{where}: hosted tool call {item_id!r} was not made in this session: the proxy "
+                "renders back only the hosted calls it ran itself",
+                param=where,
+            )
         return found
 
     def _same_reply(self, call_id: str) -> bool:

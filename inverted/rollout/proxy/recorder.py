@@ -30,12 +30,19 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from inverted.config import ProxyConfig
 from inverted.errors import InvalidRequest
 from inverted.limits import cannot_fit, max_token_chars
-from inverted.rollout.chat import (THINK_OPEN, ChatRenderer, Message, ParsedReply, TemplateBreak, ToolParser,
-                                   tools_key)
-from inverted.rollout.proxy.apis import call
+from inverted.rollout.chat import THINK_OPEN, ChatRenderer, Message, ParsedReply, TemplateBreak, ToolParser, tools_key
 from inverted.rollout.proxy import hosted
-from inverted.rollout.proxy.apis.call import (MAX_TOKENS_REASON, Answer, CallRequest, Delta, Event, Hosted, Output,
-                                              TokenLogprob)
+from inverted.rollout.proxy.apis import call
+from inverted.rollout.proxy.apis.call import (
+    MAX_TOKENS_REASON,
+    Answer,
+    CallRequest,
+    Delta,
+    Event,
+    Hosted,
+    Output,
+    TokenLogprob,
+)
 from inverted.rollout.proxy.generation import Sampled, sample_turn, scripted_turn
 from inverted.rollout.proxy.session import Branch, History, Placement, Session, Sessions, Turn
 from inverted.rollout.sglang_client import GenerateClient
@@ -52,23 +59,37 @@ class ProxyMetrics:
         self.turns = Counter("inverted_proxy_turns", "recorded turns (one per choice)", registry=r)
         self.prompt_tokens = Counter("inverted_proxy_prompt_tokens", "prompt tokens sent to the servers", registry=r)
         self.completion_tokens = Counter("inverted_proxy_completion_tokens", "tokens sampled", registry=r)
-        self.branches = Counter("inverted_proxy_branches", "branches beyond a session's first (history rewritten, "
-                                "retried or parallel calls)", registry=r)
-        self.template_breaks = Counter("inverted_proxy_template_breaks", "bridges refused: template not append-only",
-                                       registry=r)
+        self.branches = Counter(
+            "inverted_proxy_branches",
+            "branches beyond a session's first (history rewritten, retried or parallel calls)",
+            registry=r,
+        )
+        self.template_breaks = Counter(
+            "inverted_proxy_template_breaks", "bridges refused: template not append-only", registry=r
+        )
         self.replays = Counter("inverted_proxy_replays", "retried calls answered from the record", registry=r)
         self.resumes = Counter("inverted_proxy_resumes", "aborted calls resumed from their tokens", registry=r)
         self.retries = Counter("inverted_proxy_retries", "aborted calls sampled again", registry=r)
-        self.rejected = Counter("inverted_proxy_rejected", "requests answered with a 4xx", ["route", "status"],
-                                registry=r)
-        self.latency = Histogram("inverted_proxy_call_latency_seconds", "call latency (whole call)", registry=r,
-                                 buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
-        for name, doc in (("created", "sessions created"), ("finished", "sessions finished"),
-                          ("expired", "sessions finished by the idle timeout")):
+        self.rejected = Counter(
+            "inverted_proxy_rejected", "requests answered with a 4xx", ["route", "status"], registry=r
+        )
+        self.latency = Histogram(
+            "inverted_proxy_call_latency_seconds",
+            "call latency (whole call)",
+            registry=r,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+        )
+        for name, doc in (
+            ("created", "sessions created"),
+            ("finished", "sessions finished"),
+            ("expired", "sessions finished by the idle timeout"),
+        ):
             Gauge(f"inverted_proxy_sessions_{name}_total", doc, registry=r).set_function(
-                lambda name=name: sessions.counts[name])
+                lambda name=name: sessions.counts[name]
+            )
         Gauge("inverted_proxy_sessions_active", "sessions not yet finished", registry=r).set_function(
-            lambda: sessions.active)
+            lambda: sessions.active
+        )
 
 
 @dataclass(slots=True)
@@ -94,8 +115,15 @@ class Choice:
 
 
 class Recorder:
-    def __init__(self, config: ProxyConfig, tokenizer: Any, client: GenerateClient, parser: ToolParser,
-                 context_length: int, model_name: str):
+    def __init__(
+        self,
+        config: ProxyConfig,
+        tokenizer: Any,
+        client: GenerateClient,
+        parser: ToolParser,
+        context_length: int,
+        model_name: str,
+    ):
         self.config = config
         self.tokenizer = tokenizer
         self.renderer = ChatRenderer(tokenizer)
@@ -105,8 +133,12 @@ class Recorder:
         self.context_length = context_length
         self.model_name = model_name
         self.hosted = hosted.HostedTools(config.proxy_hosted_tools)
-        self.sessions = Sessions(idle_timeout=config.proxy_session_timeout, retention=config.proxy_retention,
-                                 max_turns=config.proxy_max_turns, max_sessions=config.proxy_max_sessions)
+        self.sessions = Sessions(
+            idle_timeout=config.proxy_session_timeout,
+            retention=config.proxy_retention,
+            max_turns=config.proxy_max_turns,
+            max_sessions=config.proxy_max_sessions,
+        )
         self.metrics = ProxyMetrics(self.sessions)
 
     def offer(self, req: CallRequest) -> None:
@@ -114,12 +146,17 @@ class Recorder:
         the others are left out (``hosted.offered``)."""
         if not req.hosted:
             return
-        req.tools = hosted.offered(req.tools or [], req.hosted, req.hosted_names, req.accepted,
-                                   self.hosted.kinds) or None
+        req.tools = (
+            hosted.offered(req.tools or [], req.hosted, req.hosted_names, req.accepted, self.hosted.kinds) or None
+        )
         req.parse_tools = req.parse_tools and bool(req.tools)
         if req.hosted_names and req.n > 1:
-            raise InvalidRequest("hosted tools run inside the call, one reply at a time: n must be 1 with "
-                                 f"{sorted(set(req.hosted_names.values()))}", param="n", code="unsupported_parameter")
+            raise InvalidRequest(
+                "hosted tools run inside the call, one reply at a time: n must be 1 with "
+                f"{sorted(set(req.hosted_names.values()))}",
+                param="n",
+                code="unsupported_parameter",
+            )
 
     def _adapter(self, model: str | None) -> str | None:
         """The LoRA adapter a call samples from: SGLang's ``model: "base:adapter"`` (``base`` being the
@@ -142,12 +179,13 @@ class Recorder:
     def _bridge(self, placement: Placement, req: CallRequest) -> list[int]:
         branch = placement.branch
         turn = branch.turns[placement.base_turn]
-        sampled = branch.tokens[turn.start:turn.end]
+        sampled = branch.tokens[turn.start : turn.end]
         size = placement.extended  # its history's, or its echo's (a caller that saw no hosted round)
         if req.kind == "text":
             return self.renderer.encode(req.prompt[size:])
-        return self.renderer.bridge(req.messages[:size], req.messages[size:], req.tools, sampled,
-                                    thinking=self._thinking(req))
+        return self.renderer.bridge(
+            req.messages[:size], req.messages[size:], req.tools, sampled, thinking=self._thinking(req)
+        )
 
     def _thinking(self, req: CallRequest) -> bool | None:
         """The template's thinking switch for this call, where it has one and the call asked; a call that
@@ -158,8 +196,10 @@ class Recorder:
         if self.renderer.thinking_switch:
             return on
         for param in params:
-            req.accepted[param] = ("the chat template has no thinking mode: the model answers as it does at "
-                                   "effort 'none'" + ("" if on else ", which is what was asked"))
+            req.accepted[param] = (
+                "the chat template has no thinking mode: the model answers as it does at "
+                "effort 'none'" + ("" if on else ", which is what was asked")
+            )
         return None
 
     def _check_length(self, req: CallRequest, placement: Placement | None = None) -> None:
@@ -175,8 +215,10 @@ class Recorder:
         if req.kind == "text":
             chars = len(req.prompt) - skip
         else:
-            chars = sum(len(m.content) + len(m.name or "") + sum(len(c.name) + len(c.arguments) for c in m.tool_calls)
-                        for m in req.messages[skip:])
+            chars = sum(
+                len(m.content) + len(m.name or "") + sum(len(c.name) + len(c.arguments) for c in m.tool_calls)
+                for m in req.messages[skip:]
+            )
             chars += 0 if skip else sum(len(json.dumps(tool, separators=(",", ":"))) for tool in req.tools or [])
         room = self.context_length - held - 1  # a longer max_tokens is cut to what is left (_check_context)
         if cannot_fit(chars, room, self.max_token_chars):
@@ -185,7 +227,10 @@ class Recorder:
                 f"This model's maximum context length is {self.context_length} tokens. However, your messages and "
                 f"tools hold {chars} characters{after}, more than the {room} tokens left for them can hold (one "
                 f"token covers at most {self.max_token_chars} characters). Please reduce the length of the messages, "
-                "tools or completion.", param="messages", code="context_length_exceeded")
+                "tools or completion.",
+                param="messages",
+                code="context_length_exceeded",
+            )
 
     async def _open(self, session: Session, req: CallRequest) -> list[Choice]:
         """Place every choice, append its prompt ids, and check the context; nothing is kept on error.
@@ -217,18 +262,27 @@ class Recorder:
         self._check_context(prompt_len, req)
         session.check_tokens(len(delta) + (0 if first.in_place else base_len), self.config.proxy_max_session_tokens)
         # the Sample's prompt, for a branch that starts here (a whole history's worth: not on every turn)
-        prompt = None if first.base_turn is not None else \
-            [m.to_template() for m in req.messages] if req.kind == "chat" else req.prompt
+        prompt = (
+            None
+            if first.base_turn is not None
+            else [m.to_template() for m in req.messages]
+            if req.kind == "chat"
+            else req.prompt
+        )
         choices: list[Choice] = []
         for index in range(req.n):
-            placement = first if index == 0 else (
-                session.place(incoming) if first.base_turn is not None else Placement(Branch(), None, False, 0))
+            placement = (
+                first
+                if index == 0
+                else (session.place(incoming) if first.base_turn is not None else Placement(Branch(), None, False, 0))
+            )
             if not placement.in_place and session.branches:
                 self.metrics.branches.inc()
             branch = session.open(placement, prompt)
             branch.append_prompt(delta)
-            choices.append(Choice(index, branch, placement, prompt_len, incoming, forced, opened,
-                                  self._scripted(session, req)))
+            choices.append(
+                Choice(index, branch, placement, prompt_len, incoming, forced, opened, self._scripted(session, req))
+            )
         return choices
 
     @staticmethod
@@ -237,12 +291,18 @@ class Recorder:
         if session.script is None:
             return None
         if req.n != 1:
-            raise InvalidRequest(f"session {session.id} answers from a script, one reply per call; this call asked "
-                                 f"for n={req.n}", param="n", code="unsupported_parameter")
+            raise InvalidRequest(
+                f"session {session.id} answers from a script, one reply per call; this call asked for n={req.n}",
+                param="n",
+                code="unsupported_parameter",
+            )
         if session.turns >= len(session.script):
-            raise InvalidRequest(f"session {session.id} answers from a script of {len(session.script)} replies, and "
-                                 "this call would need one more: the agent made more calls than the recorded episode",
-                                 code="script_exhausted", status=409)
+            raise InvalidRequest(
+                f"session {session.id} answers from a script of {len(session.script)} replies, and "
+                "this call would need one more: the agent made more calls than the recorded episode",
+                code="script_exhausted",
+                status=409,
+            )
         return session.script[session.turns]
 
     def _opened(self, prompt: list[int]) -> str:
@@ -252,7 +312,7 @@ class Recorder:
         the block itself, streamed or not, and a reply cut short is all reasoning."""
         tail = self.tokenizer.decode(prompt[-OPEN_TAIL:], skip_special_tokens=False)
         at = tail.rfind(THINK_OPEN)
-        return tail[at:] if at >= 0 and not tail[at + len(THINK_OPEN):].strip() else ""
+        return tail[at:] if at >= 0 and not tail[at + len(THINK_OPEN) :].strip() else ""
 
     def _forced(self, req: CallRequest) -> str:
         """``tool_choice`` required or named: the call's opening text, which the model then completes."""
@@ -260,9 +320,13 @@ class Recorder:
             return ""
         forced = getattr(self.parser, "forced", None)
         if forced is None:
-            raise InvalidRequest(f"tool_choice {'required' if not req.force_call else req.force_call!r} needs a tool "
-                                 f"parser that can open a call; {type(self.parser).__name__} (--proxy-tool-parser-path) "
-                                 "has no forced(name)", param="tool_choice", code="unsupported_parameter")
+            raise InvalidRequest(
+                f"tool_choice {'required' if not req.force_call else req.force_call!r} needs a tool "
+                f"parser that can open a call; {type(self.parser).__name__} (--proxy-tool-parser-path) "
+                "has no forced(name)",
+                param="tool_choice",
+                code="unsupported_parameter",
+            )
         return forced(req.force_call)
 
     def _check_context(self, prompt_len: int, req: CallRequest) -> None:
@@ -274,10 +338,14 @@ class Recorder:
             raise InvalidRequest(
                 f"This model's maximum context length is {limit} tokens. However, you requested {prompt_len + 1} "
                 f"tokens ({prompt_len} in the messages, 1 in the completion). Please reduce the length of the "
-                "messages or completion.", param="messages", code="context_length_exceeded")
+                "messages or completion.",
+                param="messages",
+                code="context_length_exceeded",
+            )
         if req.max_tokens is not None and prompt_len + req.max_tokens > limit:
-            req.accepted[req.max_tokens_field] = (f"{MAX_TOKENS_REASON} ({limit - prompt_len} of the "
-                                                  f"{req.max_tokens} tokens asked)")
+            req.accepted[req.max_tokens_field] = (
+                f"{MAX_TOKENS_REASON} ({limit - prompt_len} of the {req.max_tokens} tokens asked)"
+            )
             req.max_tokens = limit - prompt_len
 
     async def count(self, req: CallRequest) -> int:
@@ -287,8 +355,9 @@ class Recorder:
 
     # ---- one call ------------------------------------------------------------------------------
 
-    async def complete(self, session: Session, req: CallRequest, replay_key: str | None = None,
-                       replay: bool = False) -> Answer:
+    async def complete(
+        self, session: Session, req: CallRequest, replay_key: str | None = None, replay: bool = False
+    ) -> Answer:
         """A whole (non-streamed) answer; identical retried calls can be answered from the record."""
         if replay_key is not None and replay and replay_key in session.replays:
             self.metrics.replays.inc()
@@ -319,8 +388,9 @@ class Recorder:
             req.on_recorded(answer)
         return answer
 
-    async def _run_hosted(self, session: Session, req: CallRequest, output: Output,
-                          rounds: list[hosted.Round]) -> CallRequest | None:
+    async def _run_hosted(
+        self, session: Session, req: CallRequest, output: Output, rounds: list[hosted.Round]
+    ) -> CallRequest | None:
         """Run the hosted calls of a reply; the request to sample next, or None when the reply is the answer:
         it made no hosted call, it also called the agent's own tools (they go back together), the call's
         limit of hosted calls or of tokens is reached."""
@@ -332,8 +402,10 @@ class Recorder:
         limit = hosted.MAX_CALLS if req.hosted_limit is None else req.hosted_limit
         room = limit - sum(len(r.hosted) for r in rounds)
         over = f"this response's limit of {limit} hosted tool calls is reached"
-        ran = [*await asyncio.gather(*(self.hosted.run(names[c.name], c, ids) for c in calls[:max(room, 0)])),
-               *(hosted.failed(names[c.name], c, ids, over) for c in calls[max(room, 0):])]
+        ran = [
+            *await asyncio.gather(*(self.hosted.run(names[c.name], c, ids) for c in calls[: max(room, 0)])),
+            *(hosted.failed(names[c.name], c, ids, over) for c in calls[max(room, 0) :]),
+        ]
         output.hosted = {h.call.id: h for h in ran}
         session.hosted.update(output.hosted)
         left = None if req.max_tokens is None else req.max_tokens - output.tokens
@@ -341,9 +413,14 @@ class Recorder:
             return None
         rounds.append(hosted.Round(output.reply, output.hosted, output.tokens))
         history, text = req.shown or (self._incoming(req), "")
-        return dataclasses.replace(req, messages=hosted.follow_up(req.messages, output.reply, ran), force_call=None,
-                                   max_tokens=left, on_recorded=None,
-                                   shown=(history, text + (output.reply.content or "")))
+        return dataclasses.replace(
+            req,
+            messages=hosted.follow_up(req.messages, output.reply, ran),
+            force_call=None,
+            max_tokens=left,
+            on_recorded=None,
+            shown=(history, text + (output.reply.content or "")),
+        )
 
     async def _round(self, session: Session, req: CallRequest) -> Answer:
         started = time.monotonic()
@@ -454,7 +531,7 @@ class Recorder:
         ``choice.turn`` and ``choice.output`` are set (``_settle`` records the turn or rolls the branch back)."""
         created = time.time()
         sampling = {**req.sampling, "max_new_tokens": req.max_tokens or self.context_length - choice.prompt_len}
-        prompt = choice.branch.tokens[:choice.prompt_len]
+        prompt = choice.branch.tokens[: choice.prompt_len]
         # the routed experts the branch's turns hold already cover tokens[:last turn's end - 1]
         turns = choice.branch.turns
         routes_from = (turns[-1].end - 1 if turns else 0) if self.config.return_routed_experts else None
@@ -462,12 +539,20 @@ class Recorder:
         if choice.script is not None:
             replies = scripted_turn(choice.script, sampling["max_new_tokens"])
         else:
-            replies = sample_turn(self.client, prompt, sampling, stream=stream, lora_path=self._adapter(req.model),
-                                  # a constrained call resumed would restart its grammar: sampled again
-                                  partial_rollout=self.config.partial_rollout and not constrained,
-                                  max_resumes=self.config.proxy_max_resumes, top_logprobs=req.top_logprobs,
-                                  routes_from=routes_from, server_loss_wait=self.config.proxy_server_loss_wait,
-                                  mask_top_k=self.config.sampling_mask_top_k)
+            replies = sample_turn(
+                self.client,
+                prompt,
+                sampling,
+                stream=stream,
+                lora_path=self._adapter(req.model),
+                # a constrained call resumed would restart its grammar: sampled again
+                partial_rollout=self.config.partial_rollout and not constrained,
+                max_resumes=self.config.proxy_max_resumes,
+                top_logprobs=req.top_logprobs,
+                routes_from=routes_from,
+                server_loss_wait=self.config.proxy_server_loss_wait,
+                mask_top_k=self.config.sampling_mask_top_k,
+            )
         async for state in replies:
             choice.state = state
             yield state
@@ -476,23 +561,42 @@ class Recorder:
         text = choice.lead + text
         reply = self.parser.parse(text) if req.parse_tools else ParsedReply(content=text)
         finish = call.finish_reason(state.reason, reply)
-        choice.output = Output(index=choice.index, text=text, reply=reply, finish=finish, stop=stop,
-                               tokens=len(state.ids), logprobs=self._logprobs(state) if req.logprobs else None,
-                               cached_tokens=state.cached_tokens)
+        choice.output = Output(
+            index=choice.index,
+            text=text,
+            reply=reply,
+            finish=finish,
+            stop=stop,
+            tokens=len(state.ids),
+            logprobs=self._logprobs(state) if req.logprobs else None,
+            cached_tokens=state.cached_tokens,
+        )
         logprobs, mask, how = recorded_logprobs(state, constrained, self.config.proxy_constrained_tokens)
         choice.branch.append_sampled(state.ids, logprobs, state.versions, mask)
-        choice.turn = Turn(start=choice.prompt_len, end=len(choice.branch.tokens),
-                           history=self._history_after(req, choice.incoming, reply), finish_reason=finish,
-                           sampling_params=sampling, created=created, latency_s=time.time() - created,
-                           resumes=state.resumes, routes=state.routes, constrained=how, accepted=dict(req.accepted),
-                           model=req.model, cached_tokens=state.cached_tokens, forced=choice.forced,
-                           # under a grammar the recorded logprob is not the kept set's (but the policy's or
-                           # none), unless the grammar's own distribution is what is recorded
-                           kept=state.kept if any(state.kept) and how in (None, "constrained") else None,
-                           echo=self._echo(req, reply))
+        choice.turn = Turn(
+            start=choice.prompt_len,
+            end=len(choice.branch.tokens),
+            history=self._history_after(req, choice.incoming, reply),
+            finish_reason=finish,
+            sampling_params=sampling,
+            created=created,
+            latency_s=time.time() - created,
+            resumes=state.resumes,
+            routes=state.routes,
+            constrained=how,
+            accepted=dict(req.accepted),
+            model=req.model,
+            cached_tokens=state.cached_tokens,
+            forced=choice.forced,
+            # under a grammar the recorded logprob is not the kept set's (but the policy's or
+            # none), unless the grammar's own distribution is what is recorded
+            kept=state.kept if any(state.kept) and how in (None, "constrained") else None,
+            echo=self._echo(req, reply),
+        )
 
-    def _settle(self, session: Session, req: CallRequest, answer: Answer, choices: list[Choice],
-                succeeded: bool) -> None:
+    def _settle(
+        self, session: Session, req: CallRequest, answer: Answer, choices: list[Choice], succeeded: bool
+    ) -> None:
         """All or nothing: every choice's turn is recorded, or every branch is rolled back."""
         for choice in choices:
             turn = choice.turn if succeeded else None
@@ -530,8 +634,10 @@ class Recorder:
         for marker in markers:
             at = text.find(marker)
             if at < 0:
-                at = next((len(text) - k for k in range(min(len(marker) - 1, len(text)), 0, -1)
-                           if text.endswith(marker[:k])), len(text))
+                at = next(
+                    (len(text) - k for k in range(min(len(marker) - 1, len(text)), 0, -1) if text.endswith(marker[:k])),
+                    len(text),
+                )
             cut = min(cut, at)
         return text[:cut].rstrip() if req.parse_tools else text[:cut]
 
@@ -551,8 +657,9 @@ class Recorder:
         if req.shown is None:
             return None
         history, text = req.shown
-        return self._history_after(req, history, ParsedReply(content=text + (reply.content or ""),
-                                                             tool_calls=reply.tool_calls))
+        return self._history_after(
+            req, history, ParsedReply(content=text + (reply.content or ""), tool_calls=reply.tool_calls)
+        )
 
     def _history_after(self, req: CallRequest, incoming: History, reply: ParsedReply) -> History:
         if req.kind == "text":
@@ -564,8 +671,10 @@ class Recorder:
     def _logprobs(self, state: Sampled) -> list[TokenLogprob]:
         decode = self.tokenizer.decode
         tops = state.tops or [[] for _ in state.ids]
-        return [TokenLogprob(decode([t]), lp, [(decode([tid]), tlp) for tlp, tid in top])
-                for t, lp, top in zip(state.ids, state.logprobs, tops)]
+        return [
+            TokenLogprob(decode([t]), lp, [(decode([tid]), tlp) for tlp, tid in top])
+            for t, lp, top in zip(state.ids, state.logprobs, tops)
+        ]
 
 
 def recorded_logprobs(state: Sampled, constrained: bool, mode: str) -> tuple[list[float], list[int], str | None]:

@@ -124,8 +124,9 @@ async def _recorder(request: Request) -> Recorder:
 RecorderDep = Annotated[Recorder, Depends(_recorder)]
 
 
-_require_api_key = require_key(lambda request: request.app.state.config.proxy_api_key,
-                               "a valid API key is required to create sessions")
+_require_api_key = require_key(
+    lambda request: request.app.state.config.proxy_api_key, "a valid API key is required to create sessions"
+)
 
 
 def _session(request: Request, session_id: str, *, admin: bool) -> Session:
@@ -136,8 +137,9 @@ def _session(request: Request, session_id: str, *, admin: bool) -> Session:
     key = request.app.state.config.proxy_api_key
     authorized = key_matches(given, session.token) or key_matches(given, key)
     if given and not authorized and recorder.sessions.by_token.get(given) is not None:
-        raise InvalidRequest(f"this token belongs to another session, not to {session_id}",
-                             code="wrong_session", status=403)
+        raise InvalidRequest(
+            f"this token belongs to another session, not to {session_id}", code="wrong_session", status=403
+        )
     if admin and key and not authorized:
         raise Unauthorized("this route needs the session's token or the API key")
     return session
@@ -150,8 +152,9 @@ def _token_session(request: Request) -> Session:
     return session
 
 
-def _open_sessions(recorder: Recorder, bodies: list[CreateSessionRequest], request: Request,
-                   where: str) -> list[CreateSessionResponse]:
+def _open_sessions(
+    recorder: Recorder, bodies: list[CreateSessionRequest], request: Request, where: str
+) -> list[CreateSessionResponse]:
     """Every body checked first, then every session created: a bad one opens none. ``where`` names
     body ``i`` in an error's message and ``param``."""
     templates = []
@@ -159,8 +162,11 @@ def _open_sessions(recorder: Recorder, bodies: list[CreateSessionRequest], reque
     for i, body in enumerate(bodies):
         at = where.format(i=i)
         if (size := len(orjson.dumps([body.metadata, body.sample]))) > limit:
-            raise InvalidRequest(f"{at}metadata: {size} bytes of metadata and sample template, over this proxy's "
-                                 f"limit of {limit} (--proxy-max-session-metadata-bytes)", param=f"{at}metadata")
+            raise InvalidRequest(
+                f"{at}metadata: {size} bytes of metadata and sample template, over this proxy's "
+                f"limit of {limit} (--proxy-max-session-metadata-bytes)",
+                param=f"{at}metadata",
+            )
         try:  # checked now, so that no call of this session fails on them
             call.check_overrides(body.sampling_params)
         except InvalidRequest as exc:
@@ -173,10 +179,13 @@ def _open_sessions(recorder: Recorder, bodies: list[CreateSessionRequest], reque
             raise InvalidRequest(f"{at}sample: {exc}", param=f"{at}sample") from None
     recorder.sessions.make_room(len(bodies))
     base = str(request.base_url).rstrip("/")
-    sessions = [recorder.sessions.create(body.metadata, body.sampling_params, template, body.script)
-                for body, template in zip(bodies, templates)]
-    return [CreateSessionResponse(session_id=s.id, token=s.token, base_url=f"{base}/sessions/{s.id}/v1")
-            for s in sessions]
+    sessions = [
+        recorder.sessions.create(body.metadata, body.sampling_params, template, body.script)
+        for body, template in zip(bodies, templates)
+    ]
+    return [
+        CreateSessionResponse(session_id=s.id, token=s.token, base_url=f"{base}/sessions/{s.id}/v1") for s in sessions
+    ]
 
 
 def _check_script(recorder: Recorder, script: list[list[int]], at: str) -> None:
@@ -185,12 +194,16 @@ def _check_script(recorder: Recorder, script: list[list[int]], at: str) -> None:
     vocab = len(recorder.tokenizer)
     limit = recorder.config.proxy_max_turns
     if limit and len(script) > limit:
-        raise InvalidRequest(f"{at}script: {len(script)} replies, more than the {limit} turns a session may take "
-                             "(--proxy-max-turns)", param=f"{at}script")
+        raise InvalidRequest(
+            f"{at}script: {len(script)} replies, more than the {limit} turns a session may take (--proxy-max-turns)",
+            param=f"{at}script",
+        )
     for i, reply in enumerate(script):
         if not reply or len(reply) > recorder.context_length:
-            raise InvalidRequest(f"{at}script[{i}]: a reply holds 1 to {recorder.context_length} tokens, not "
-                                 f"{len(reply)}", param=f"{at}script[{i}]")
+            raise InvalidRequest(
+                f"{at}script[{i}]: a reply holds 1 to {recorder.context_length} tokens, not {len(reply)}",
+                param=f"{at}script[{i}]",
+            )
         if not all(0 <= t < vocab for t in reply):
             raise InvalidRequest(f"{at}script[{i}]: token ids lie in [0, {vocab})", param=f"{at}script[{i}]")
 
@@ -228,8 +241,7 @@ async def _call(request: Request, session: Session, api: apis.Api) -> Response:
     req = api.parse(body, session)
     req.model = request.path_params.get("model", req.model)  # Gemini names it in the path
     if req.stream and api.prefix == "/v1beta" and request.query_params.get("alt") != "sse":
-        raise InvalidRequest("streamGenerateContent is served as server-sent events only: add ?alt=sse",
-                             param="alt")
+        raise InvalidRequest("streamGenerateContent is served as server-sent events only: add ?alt=sse", param="alt")
     recorder.offer(req)
     call.apply_overrides(req, session.overrides)
     if req.stream:
@@ -260,8 +272,10 @@ async def _prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
 
 
 def _models(recorder: Recorder) -> dict[str, Any]:
-    return {"object": "list", "data": [{"id": recorder.model_name, "object": "model", "created": 0,
-                                        "owned_by": "inverted"}]}
+    return {
+        "object": "list",
+        "data": [{"id": recorder.model_name, "object": "model", "created": 0, "owned_by": "inverted"}],
+    }
 
 
 def _samples(session: Session, samples: list[Sample]) -> SamplesResponse:
@@ -276,10 +290,22 @@ def create_app(config: ProxyConfig) -> FastAPI:
         tokenizer = load_tokenizer(config.tokenizer, config.chat_template)
         parser = load_plugin(config.proxy_tool_parser_path, flag="--proxy-tool-parser-path", params=[])()
         context = context_length(config.tokenizer, config.context_length)  # the servers' own rule
-        client = generate_client(config.router_url, routed_experts=config.return_routed_experts,
-                                 api_key=config.router_api_key, admin_api_key=config.router_admin_api_key, timeouts=Timeouts(generate=config.proxy_generate_timeout), max_connections=1024)
-        app.state.recorder = Recorder(config, tokenizer, client, parser, context,
-                                      config.served_model_name or Path(config.tokenizer).resolve().name)
+        client = generate_client(
+            config.router_url,
+            routed_experts=config.return_routed_experts,
+            api_key=config.router_api_key,
+            admin_api_key=config.router_admin_api_key,
+            timeouts=Timeouts(generate=config.proxy_generate_timeout),
+            max_connections=1024,
+        )
+        app.state.recorder = Recorder(
+            config,
+            tokenizer,
+            client,
+            parser,
+            context,
+            config.served_model_name or Path(config.tokenizer).resolve().name,
+        )
         sweeper = asyncio.create_task(_sweep(app.state.recorder))
         freeze_startup_heap()
         logger.info("proxy ready: router %s, context %d tokens", config.router_url, context)
@@ -370,38 +396,55 @@ def _add_session_routes(app: FastAPI) -> None:
         return Response(generate_latest(recorder.metrics.registry), media_type="text/plain; version=0.0.4")
 
     @app.post("/sessions", dependencies=[Depends(_require_api_key)])
-    async def create_session(body: CreateSessionRequest, request: Request,
-                             recorder: RecorderDep) -> CreateSessionResponse:
+    async def create_session(
+        body: CreateSessionRequest, request: Request, recorder: RecorderDep
+    ) -> CreateSessionResponse:
         return _open_sessions(recorder, [body], request, where="")[0]
 
     @app.post("/sessions/batch", dependencies=[Depends(_require_api_key)])
-    async def create_sessions(body: CreateSessionsRequest, request: Request,
-                              recorder: RecorderDep) -> CreateSessionsResponse:
+    async def create_sessions(
+        body: CreateSessionsRequest, request: Request, recorder: RecorderDep
+    ) -> CreateSessionsResponse:
         return CreateSessionsResponse(sessions=_open_sessions(recorder, body.sessions, request, where="sessions[{i}]."))
 
     @app.get("/sessions/{session_id}")
     async def get_session(session_id: str, request: Request) -> dict[str, Any]:
         session = _session(request, session_id, admin=True)
-        return {"session_id": session.id, "finished": session.finished, "expired": session.expired,
-                "turns": session.turns, "branches": len(session.branches), "inflight": session.inflight,
-                "reward": session.reward, "metadata": session.metadata, "refused": list(session.refused)}
+        return {
+            "session_id": session.id,
+            "finished": session.finished,
+            "expired": session.expired,
+            "turns": session.turns,
+            "branches": len(session.branches),
+            "inflight": session.inflight,
+            "reward": session.reward,
+            "metadata": session.metadata,
+            "refused": list(session.refused),
+        }
 
     @app.post("/sessions/{session_id}/reward")
     async def reward(session_id: str, body: RewardRequest, request: Request) -> dict[str, Any]:
         session = _session(request, session_id, admin=True)
         if session.finished:
-            raise InvalidRequest(f"session {session_id} is finished; its reward can no longer change",
-                                 code="session_finished", status=409)
+            raise InvalidRequest(
+                f"session {session_id} is finished; its reward can no longer change",
+                code="session_finished",
+                status=409,
+            )
         session.set_reward(body.reward, body.finished)
         return {"session_id": session.id, "reward": body.reward, "finished": body.finished}
 
     @app.post("/sessions/{session_id}/finish")
-    async def finish(session_id: str, request: Request, recorder: RecorderDep,
-                     body: FinishRequest | None = None) -> SamplesResponse:
+    async def finish(
+        session_id: str, request: Request, recorder: RecorderDep, body: FinishRequest | None = None
+    ) -> SamplesResponse:
         session = _session(request, session_id, admin=True)
         if session.inflight:
-            raise InvalidRequest(f"session {session_id} has {session.inflight} calls running; finish it after they "
-                                 "return", code="session_busy", status=409)
+            raise InvalidRequest(
+                f"session {session_id} has {session.inflight} calls running; finish it after they return",
+                code="session_busy",
+                status=409,
+            )
         if body is not None and body.reward is not None and not session.finished:
             session.set_reward(body.reward, True)
         samples = recorder.sessions.finish(session)
@@ -442,8 +485,9 @@ def _add_api_routes(app: FastAPI) -> None:
 Handler = Callable[[Request, Session, apis.Api], Awaitable[Response]]
 
 
-def _endpoints(api: apis.Api, handler: Handler) -> tuple[Callable[..., Awaitable[Response]],
-                                                          Callable[..., Awaitable[Response]]]:
+def _endpoints(
+    api: apis.Api, handler: Handler
+) -> tuple[Callable[..., Awaitable[Response]], Callable[..., Awaitable[Response]]]:
     async def in_session(session_id: str, request: Request) -> Response:
         return await handler(request, _session(request, session_id, admin=False), api)
 

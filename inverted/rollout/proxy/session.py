@@ -110,12 +110,25 @@ class Turn:
         return None if matched is None else history_size(matched)
 
     def record(self) -> dict[str, Any]:
-        record = {"prompt_tokens": self.start, "completion_tokens": self.end - self.start, "start": self.start,
-                  "end": self.end, "finish_reason": self.finish_reason, "sampling_params": self.sampling_params,
-                  "created": self.created, "latency_s": round(self.latency_s, 6), "resumes": self.resumes,
-                  "model": self.model, "cached_tokens": self.cached_tokens}
-        return record | ({"constrained": self.constrained} if self.constrained else {}) | \
-            ({"accepted": self.accepted} if self.accepted else {}) | ({"forced": self.forced} if self.forced else {})
+        record = {
+            "prompt_tokens": self.start,
+            "completion_tokens": self.end - self.start,
+            "start": self.start,
+            "end": self.end,
+            "finish_reason": self.finish_reason,
+            "sampling_params": self.sampling_params,
+            "created": self.created,
+            "latency_s": round(self.latency_s, 6),
+            "resumes": self.resumes,
+            "model": self.model,
+            "cached_tokens": self.cached_tokens,
+        }
+        return (
+            record
+            | ({"constrained": self.constrained} if self.constrained else {})
+            | ({"accepted": self.accepted} if self.accepted else {})
+            | ({"forced": self.forced} if self.forced else {})
+        )
 
 
 def kept_sets(turns: list[Turn], start: int, end: int) -> dict[str, list[int]]:
@@ -146,8 +159,14 @@ class Branch:
 
     def fork(self, upto_turn: int) -> "Branch":
         end = self.turns[upto_turn].end
-        return Branch(tokens=self.tokens[:end], mask=self.mask[:end], logprobs=self.logprobs[:end],
-                      versions=self.versions[:end], turns=list(self.turns[: upto_turn + 1]), prompt=self.prompt)
+        return Branch(
+            tokens=self.tokens[:end],
+            mask=self.mask[:end],
+            logprobs=self.logprobs[:end],
+            versions=self.versions[:end],
+            turns=list(self.turns[: upto_turn + 1]),
+            prompt=self.prompt,
+        )
 
     def append_prompt(self, ids: list[int]) -> None:
         self.tokens += ids
@@ -155,8 +174,9 @@ class Branch:
         self.logprobs += [0.0] * len(ids)
         self.versions += [None] * len(ids)
 
-    def append_sampled(self, ids: list[int], logprobs: list[float], versions: list[str],
-                       mask: list[int] | None = None) -> None:
+    def append_sampled(
+        self, ids: list[int], logprobs: list[float], versions: list[str], mask: list[int] | None = None
+    ) -> None:
         self.tokens += ids
         self.mask += [1] * len(ids) if mask is None else mask
         self.logprobs += logprobs
@@ -176,15 +196,28 @@ class Branch:
             versions.append(following)
         versions.reverse()
         last = self.turns[-1].finish_reason
-        status = Sample.Status.TRUNCATED if last == "length" or base.status == Sample.Status.TRUNCATED \
+        status = (
+            Sample.Status.TRUNCATED
+            if last == "length" or base.status == Sample.Status.TRUNCATED
             else Sample.Status.COMPLETED
-        return Sample(group_index=base.group_index, index=base.index, prompt=self.prompt or base.prompt, tokens=self.tokens[:end],
-                      response_length=end - start, loss_mask=self.mask[start:end],
-                      rollout_log_probs=self.logprobs[start:end], weight_versions=versions, reward=base.reward,
-                      status=status, label=base.label, session_id=base.session_id,
-                      metadata={**base.metadata, "turns": [t.record() for t in self.turns]},
-                      rollout_routed_experts=joined_routes([t.routes for t in self.turns]),
-                      **kept_sets(self.turns, start, end))
+        )
+        return Sample(
+            group_index=base.group_index,
+            index=base.index,
+            prompt=self.prompt or base.prompt,
+            tokens=self.tokens[:end],
+            response_length=end - start,
+            loss_mask=self.mask[start:end],
+            rollout_log_probs=self.logprobs[start:end],
+            weight_versions=versions,
+            reward=base.reward,
+            status=status,
+            label=base.label,
+            session_id=base.session_id,
+            metadata={**base.metadata, "turns": [t.record() for t in self.turns]},
+            rollout_routed_experts=joined_routes([t.routes for t in self.turns]),
+            **kept_sets(self.turns, start, end),
+        )
 
 
 @dataclass(slots=True)
@@ -205,8 +238,14 @@ class Session:
     index, prompt, label, metadata); each branch becomes a copy of it with the recorded tokens.
     """
 
-    def __init__(self, metadata: dict[str, Any], overrides: dict[str, Any] | None = None, max_turns: int = 0,
-                 template: Sample | None = None, script: list[list[int]] | None = None):
+    def __init__(
+        self,
+        metadata: dict[str, Any],
+        overrides: dict[str, Any] | None = None,
+        max_turns: int = 0,
+        template: Sample | None = None,
+        script: list[list[int]] | None = None,
+    ):
         self.id = "sess_" + secrets.token_urlsafe(18)
         self.token = "sk-sess-" + secrets.token_urlsafe(32)
         self.metadata = metadata
@@ -243,17 +282,22 @@ class Session:
         """Refuse a call that would take this session's recorded tokens (all branches) past ``limit``."""
         held = sum(len(branch.tokens) for branch in self.branches)
         if held + adding > limit:
-            raise InvalidRequest(f"session {self.id} would record {held + adding} tokens over its branches, more than "
-                                 f"the {limit} one session may hold (--proxy-max-session-tokens); start a new session",
-                                 param="messages", code="session_too_large")
+            raise InvalidRequest(
+                f"session {self.id} would record {held + adding} tokens over its branches, more than "
+                f"the {limit} one session may hold (--proxy-max-session-tokens); start a new session",
+                param="messages",
+                code="session_too_large",
+            )
 
     def check_open(self) -> None:
         if self.finished:
-            raise InvalidRequest(f"session {self.id} is finished; start a new session", code="session_finished",
-                                 status=409)
+            raise InvalidRequest(
+                f"session {self.id} is finished; start a new session", code="session_finished", status=409
+            )
         if self.max_turns and self.turns >= self.max_turns:
-            raise InvalidRequest(f"session {self.id} reached its limit of {self.max_turns} turns",
-                                 code="turn_limit_reached", status=409)
+            raise InvalidRequest(
+                f"session {self.id} reached its limit of {self.max_turns} turns", code="turn_limit_reached", status=409
+            )
 
     def place(self, incoming: History) -> Placement:
         """Pick the branch and turn this request continues (see the module docstring)."""
@@ -330,12 +374,23 @@ class Session:
         roots = [b for _, b in recorded if b.turns[0].model == main]
         agents = [b for b in roots if offers_tools(b.turns[0].history)]
         root = lineage_key((agents or roots)[0].prompt) if roots else None
-        kinds = {i: "main" if b.turns[0].model == main and lineage_key(b.prompt) == root else
-                 "subagent" if b.turns[0].model == main else "side" for i, b in recorded}
+        kinds = {
+            i: "main"
+            if b.turns[0].model == main and lineage_key(b.prompt) == root
+            else "subagent"
+            if b.turns[0].model == main
+            else "side"
+            for i, b in recorded
+        }
         found: dict[int, tuple[str, int | None]] = {}
         for i, branch in recorded:
-            before = [(t.created, j) for j, b in recorded if kinds[j] == "main" and j != i for t in b.turns
-                      if t.created <= branch.turns[0].created]
+            before = [
+                (t.created, j)
+                for j, b in recorded
+                if kinds[j] == "main" and j != i
+                for t in b.turns
+                if t.created <= branch.turns[0].created
+            ]
             found[i] = (kinds[i], None if kinds[i] == "main" or not before else max(before)[1])
         return found
 
@@ -346,15 +401,26 @@ class Session:
         the main lineage, which the episode's Sample skips (``Sessions.episode``)."""
         meta = {**self.template.metadata, **self.metadata, "expired": self.expired}
         truncated = self.finished_by_agent is False or self.expired
-        base = dataclasses.replace(self.template, reward=self.reward, session_id=self.id,
-                                   status=Sample.Status.TRUNCATED if truncated else Sample.Status.COMPLETED)
+        base = dataclasses.replace(
+            self.template,
+            reward=self.reward,
+            session_id=self.id,
+            status=Sample.Status.TRUNCATED if truncated else Sample.Status.COMPLETED,
+        )
         recorded = [(i, branch) for i, branch in enumerate(self.branches) if branch.turns]
         lineages = self.lineages()
         samples = []
         for i, branch in recorded:
             lineage, parent = lineages[i]
-            base.metadata = {**meta, "branch": i, "branches": len(recorded), "model": branch.turns[0].model,
-                             "lineage": lineage, "parent": parent, "side_call": lineage != "main"}
+            base.metadata = {
+                **meta,
+                "branch": i,
+                "branches": len(recorded),
+                "model": branch.turns[0].model,
+                "lineage": lineage,
+                "parent": parent,
+                "side_call": lineage != "main",
+            }
             sample = branch.to_sample(base)
             if self.script is not None:
                 sample.rollout_log_probs = None
@@ -384,14 +450,22 @@ class Sessions:
             return
         finished = sorted((s for s in self.by_id.values() if s.finished), key=lambda s: s.last_active)
         if len(finished) < excess:
-            raise InvalidRequest(f"the proxy holds its maximum of {self.max_sessions} sessions (--proxy-max-sessions), "
-                                 f"{len(self.by_id) - len(finished)} of them open: finish some, or retry later",
-                                 code="too_many_sessions", status=429)
+            raise InvalidRequest(
+                f"the proxy holds its maximum of {self.max_sessions} sessions (--proxy-max-sessions), "
+                f"{len(self.by_id) - len(finished)} of them open: finish some, or retry later",
+                code="too_many_sessions",
+                status=429,
+            )
         for session in finished[:excess]:
             del self.by_id[session.id], self.by_token[session.token]
 
-    def create(self, metadata: dict[str, Any], overrides: dict[str, Any] | None = None,
-               template: Sample | None = None, script: list[list[int]] | None = None) -> Session:
+    def create(
+        self,
+        metadata: dict[str, Any],
+        overrides: dict[str, Any] | None = None,
+        template: Sample | None = None,
+        script: list[list[int]] | None = None,
+    ) -> Session:
         session = Session(metadata, overrides, self.max_turns, template, script)
         self.by_id[session.id] = session
         self.by_token[session.token] = session
@@ -401,8 +475,11 @@ class Sessions:
     def get(self, session_id: str) -> Session:
         session = self.by_id.get(session_id)
         if session is None:
-            raise InvalidRequest(f"session {session_id!r} not found (never created, or finished more than "
-                                 f"{self.retention:.0f}s ago)", code="session_not_found", status=404)
+            raise InvalidRequest(
+                f"session {session_id!r} not found (never created, or finished more than {self.retention:.0f}s ago)",
+                code="session_not_found",
+                status=404,
+            )
         return session
 
     def finish(self, session: Session, *, expired: bool = False) -> list[Sample]:

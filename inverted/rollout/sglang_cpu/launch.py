@@ -6,7 +6,8 @@ SGLang's environment (``--rollout-sglang-python``), which need not hold ``invert
 the standard library, and is run by its path.
 
 On a machine with a GPU it changes nothing. On one without, it runs SGLang's native PyTorch path
-(``docs/user-guide.md``, "Real SGLang on a CPU"; what it cannot do: ``docs/sglang-differences.md``) and says so in the server's log:
+(``docs/user-guide.md``, "Real SGLang on a CPU"; what it cannot do: ``docs/sglang-differences.md``) and
+says so in the server's log:
 
 - ``SGLANG_USE_CPU_ENGINE=1``: without it SGLang takes its GPU path and hangs importing vLLM's ops;
 - this folder on ``PYTHONPATH``: its ``sitecustomize`` adds the import stand-ins for ``sgl_kernel``
@@ -70,8 +71,11 @@ def mapped_files() -> set[str]:
     found = set()
     for maps in Path("/proc").glob("[0-9]*/maps"):
         try:
-            found.update(line.split(maxsplit=5)[5].strip() for line in maps.read_text().splitlines()
-                         if line.count(" ") >= 5 and "/dev/shm/" in line)
+            found.update(
+                line.split(maxsplit=5)[5].strip()
+                for line in maps.read_text().splitlines()
+                if line.count(" ") >= 5 and "/dev/shm/" in line
+            )
         except (OSError, IndexError):
             continue
     return found
@@ -131,9 +135,12 @@ def main(argv: list[str]) -> int:
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
         args = cpu_argv(args)
         shown = [a for a in args if not a.startswith(("--api-key", "--admin-api-key"))]
-        print(f"[inverted] no GPU here: SGLang's native PyTorch path, SGLANG_USE_CPU_ENGINE=1, "
-              f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, flags {' '.join(shown)}",
-              file=sys.stderr, flush=True)
+        print(
+            f"[inverted] no GPU here: SGLang's native PyTorch path, SGLANG_USE_CPU_ENGINE=1, "
+            f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, flags {' '.join(shown)}",
+            file=sys.stderr,
+            flush=True,
+        )
         # this process started before PYTHONPATH named the stand-ins (and may have a sitecustomize of its own)
         spec = importlib.util.spec_from_file_location("inverted_sglang_stand_ins", Path(here) / "sitecustomize.py")
         spec.loader.exec_module(importlib.util.module_from_spec(spec))

@@ -44,8 +44,10 @@ class _Missing:
     def __call__(self, *args, **kwargs):
         # said in the server's log too, where SGLang might catch the error: a test reads the log for this line
         print(f"{CALLED} {self._name}", file=sys.stderr, flush=True)
-        raise StandInCalled(f"{self._name} was called, but {self._name.split('.')[0]} is an import stand-in here "
-                            "(real SGLang on a CPU, without CUDA kernels): this feature needs the real package")
+        raise StandInCalled(
+            f"{self._name} was called, but {self._name.split('.')[0]} is an import stand-in here "
+            "(real SGLang on a CPU, without CUDA kernels): this feature needs the real package"
+        )
 
     def __mro_entries__(self, bases):
         return (object,)
@@ -105,6 +107,10 @@ def install() -> list[str]:
 _installed = install()
 if _installed and not os.environ.get("INVERTED_SGLANG_STAND_INS"):  # said once, by the server's first process
     os.environ["INVERTED_SGLANG_STAND_INS"] = ",".join(_installed)
-    print(f"[inverted] SGLang on a CPU: import stand-ins for {', '.join(_installed)} (absent here; any call raises); "
-          f"SGLANG_USE_CPU_ENGINE={os.environ.get('SGLANG_USE_CPU_ENGINE')}, "
-          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}", file=sys.stderr, flush=True)
+    print(
+        f"[inverted] SGLang on a CPU: import stand-ins for {', '.join(_installed)} (absent here; any call raises); "
+        f"SGLANG_USE_CPU_ENGINE={os.environ.get('SGLANG_USE_CPU_ENGINE')}, "
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}",
+        file=sys.stderr,
+        flush=True,
+    )

@@ -35,8 +35,18 @@ from inverted.types import POLICY_ADAPTER
 BUCKET_BYTES_GPU = 512 * 1024**2
 BUCKET_BYTES_CPU = 128 * 1024**2
 
-__all__ = ["Bucket", "BucketPacker", "DiskTransport", "DistributedTransport", "SyncReport", "TensorTransport",
-           "Transport", "WeightSync", "choose_transport", "make_weight_sync"]
+__all__ = [
+    "Bucket",
+    "BucketPacker",
+    "DiskTransport",
+    "DistributedTransport",
+    "SyncReport",
+    "TensorTransport",
+    "Transport",
+    "WeightSync",
+    "choose_transport",
+    "make_weight_sync",
+]
 
 
 def choose_transport(kind: str, urls: list[str], *, lora: bool = False) -> str:
@@ -48,9 +58,16 @@ def choose_transport(kind: str, urls: list[str], *, lora: bool = False) -> str:
     return "tensor" if all(on_this_host(url) for url in urls) else "disk" if lora else "distributed"
 
 
-def make_weight_sync(cfg: WeightSyncConfig, hf_checkpoint: str, output_dir: str, urls: list[str], *,
-                     keys: ServerKeys = ServerKeys(), adapter: dict | None = None,
-                     adapter_name: str = POLICY_ADAPTER) -> WeightSync:
+def make_weight_sync(
+    cfg: WeightSyncConfig,
+    hf_checkpoint: str,
+    output_dir: str,
+    urls: list[str],
+    *,
+    keys: ServerKeys = ServerKeys(),
+    adapter: dict | None = None,
+    adapter_name: str = POLICY_ADAPTER,
+) -> WeightSync:
     """A weight sync by ``choose_transport``'s transport. The disk transport writes under ``output_dir``
     unless told where, beside ``hf_checkpoint``'s config."""
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -66,6 +83,13 @@ def make_weight_sync(cfg: WeightSyncConfig, hf_checkpoint: str, output_dir: str,
     # A bucket no larger than the checkpoint: a small model's buckets would otherwise take the whole
     # --update-weight-buffer-size each (on a CPU, RAM in /dev/shm; the bytes are written to share them).
     stored = sum(f.stat().st_size for f in Path(hf_checkpoint).glob("*.safetensors"))
-    return WeightSync(transport, urls, buffer_size=min(size, stored or size),
-                      pause_mode=cfg.pause_mode, keys=keys, checkpoint_dtype=checkpoint_dtype, adapter=adapter,
-                      adapter_name=adapter_name)
+    return WeightSync(
+        transport,
+        urls,
+        buffer_size=min(size, stored or size),
+        pause_mode=cfg.pause_mode,
+        keys=keys,
+        checkpoint_dtype=checkpoint_dtype,
+        adapter=adapter,
+        adapter_name=adapter_name,
+    )

@@ -96,8 +96,10 @@ class BucketPacker:
         def filled() -> Bucket:
             copy_all(targets, sources)  # casting to the bucket's dtype on the way
             if bad := non_finite([(m.name, t) for m, t in zip(metadata, targets)]):
-                raise ModelError(f"the trainer's weights hold NaN or inf values, which no server is sent: "
-                                 f"{bad[:5]}{' ...' if len(bad) > 5 else ''}")
+                raise ModelError(
+                    f"the trainer's weights hold NaN or inf values, which no server is sent: "
+                    f"{bad[:5]}{' ...' if len(bad) > 5 else ''}"
+                )
             targets.clear()
             sources.clear()
             return Bucket(buffer, metadata, index)
@@ -110,8 +112,13 @@ class BucketPacker:
             if not metadata:
                 buffer = self._buffer(index % len(self.buffers), nbytes)
             spot = previous[len(placed)] if len(placed) < len(previous) else None
-            if (spot is None or spot.name != name or spot.shape != tensor.shape or spot.buffer is not buffer
-                    or spot.meta.start_idx != offset):
+            if (
+                spot is None
+                or spot.name != name
+                or spot.shape != tensor.shape
+                or spot.buffer is not buffer
+                or spot.meta.start_idx != offset
+            ):
                 previous = []  # the stream changed here: lay out the rest afresh
                 meta = FlattenedTensorMetadata(name, tensor.shape, self.dtype, offset, offset + nbytes, nbytes)
                 target = buffer[offset : offset + nbytes].view(self.dtype).view(tensor.shape)

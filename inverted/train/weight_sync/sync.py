@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from inverted.errors import ConfigError
-from inverted.rollout.sglang_client import SGLangClient, ServerKeys
+from inverted.rollout.sglang_client import ServerKeys, SGLangClient
 from inverted.train.weight_sync.buckets import Bucket, BucketPacker
 from inverted.train.weight_sync.transports import Transport, all_servers
 from inverted.types import PAUSE_MODES, POLICY_ADAPTER, PauseMode
@@ -80,9 +80,16 @@ class SyncReport:
 
     def metrics(self) -> dict[str, float]:
         """The job's ``sync/*`` metrics: what moved, and each phase's seconds as ``sync/<phase>_s``."""
-        moved = {"servers": self.servers, "buckets": self.buckets, "bytes": self.bytes, "flushed": self.flushed,
-                 "gb_per_s": self.gb_per_s}
-        return {f"sync/{k}": float(v) for k, v in moved.items()} | {f"sync/{phase}_s": s for phase, s in self.seconds.items()}
+        moved = {
+            "servers": self.servers,
+            "buckets": self.buckets,
+            "bytes": self.bytes,
+            "flushed": self.flushed,
+            "gb_per_s": self.gb_per_s,
+        }
+        return {f"sync/{k}": float(v) for k, v in moved.items()} | {
+            f"sync/{phase}_s": s for phase, s in self.seconds.items()
+        }
 
 
 def served_dtype(info: dict, checkpoint_dtype: str | None) -> torch.dtype:
@@ -98,9 +105,18 @@ def served_dtype(info: dict, checkpoint_dtype: str | None) -> torch.dtype:
 class WeightSync:
     """Pushes the trainer's weights into every rollout server (the URLs of their SGLang endpoints)."""
 
-    def __init__(self, transport: Transport, urls: list[str], *, buffer_size: int, pause_mode: PauseMode = "retract",
-                 keys: ServerKeys = ServerKeys(), checkpoint_dtype: str | None = None, adapter: dict | None = None,
-                 adapter_name: str = POLICY_ADAPTER):
+    def __init__(
+        self,
+        transport: Transport,
+        urls: list[str],
+        *,
+        buffer_size: int,
+        pause_mode: PauseMode = "retract",
+        keys: ServerKeys = ServerKeys(),
+        checkpoint_dtype: str | None = None,
+        adapter: dict | None = None,
+        adapter_name: str = POLICY_ADAPTER,
+    ):
         """``adapter``: a LoRA run's PEFT adapter_config; the weights streamed are then that adapter's,
         loaded whole as ``adapter_name`` (a job's one policy; each of a Tinker service's models its own)."""
         if pause_mode not in PAUSE_MODES:
@@ -154,9 +170,16 @@ class WeightSync:
                         await asyncio.gather(*(s.end_weight_update() for s in servers), return_exceptions=True)
                     await asyncio.gather(*(s.continue_generation() for s in servers), return_exceptions=not done)
         report.seconds["total"] = time.perf_counter() - started
-        logger.info("weights %s -> %d servers over %s: %.1f MB in %d buckets, %.2f GB/s; %s", version, len(servers),
-                    report.transport, report.bytes / 1e6, report.buckets, report.gb_per_s,
-                    " ".join(f"{k}={v:.3f}s" for k, v in report.seconds.items()))
+        logger.info(
+            "weights %s -> %d servers over %s: %.1f MB in %d buckets, %.2f GB/s; %s",
+            version,
+            len(servers),
+            report.transport,
+            report.bytes / 1e6,
+            report.buckets,
+            report.gb_per_s,
+            " ".join(f"{k}={v:.3f}s" for k, v in report.seconds.items()),
+        )
         return report
 
     async def _connect(self, servers: list[SGLangClient]) -> None:
@@ -176,16 +199,20 @@ class WeightSync:
             self.connected = []
         dtypes = {served_dtype(info, self.checkpoint_dtype) for info in infos}
         if len(dtypes) != 1:
-            raise ValueError(f"the rollout servers hold different dtypes {sorted(map(str, dtypes))}: one update cannot fit all")
+            raise ValueError(
+                f"the rollout servers hold different dtypes {sorted(map(str, dtypes))}: one update cannot fit all"
+            )
         dtype = dtypes.pop()
         if self.packer is None or self.packer.dtype != dtype:
-            self.packer = BucketPacker(self.buffer_size, self.transport.allocate, dtype,
-                                       buffers=2 if self.transport.overlaps else 1)
+            self.packer = BucketPacker(
+                self.buffer_size, self.transport.allocate, dtype, buffers=2 if self.transport.overlaps else 1
+            )
         await self.transport.connect(servers, [int(info.get("tp_size", 1)) for info in infos])
         self.connected = identity
 
-    async def _load_adapter(self, servers: list[SGLangClient], weights: Iterable[tuple[str, torch.Tensor]],
-                            report: SyncReport) -> None:
+    async def _load_adapter(
+        self, servers: list[SGLangClient], weights: Iterable[tuple[str, torch.Tensor]], report: SyncReport
+    ) -> None:
         """The whole adapter in one bucket (SGLang loads an adapter in one request), replacing the servers' own."""
         assert self.packer is not None and self.adapter is not None
         named = list(weights)

@@ -35,8 +35,8 @@ import torch
 
 from inverted.errors import ConfigError
 from inverted.peft_adapter import CONFIG_FILE, WEIGHTS_FILE
-from inverted.train.shared_memory import SHARED_MEMORY
 from inverted.rollout.sglang_client import SGLangClient
+from inverted.train.shared_memory import SHARED_MEMORY
 from inverted.train.weight_sync.buckets import Bucket
 from inverted.weight_wire import UpdateGroup, bucket_payload, join_update_group, route_address
 
@@ -146,7 +146,9 @@ class TensorTransport(Transport):
         if self.device.type != "cpu":
             return bucket_payload(bucket.flat, bucket.metadata)
         buffer, metadata, payload = self.sent.get(bucket.index, (None, None, ""))
-        if buffer is bucket.buffer and metadata == bucket.metadata:  # the packer reuses entries: compared by identity first
+        if (
+            buffer is bucket.buffer and metadata == bucket.metadata
+        ):  # the packer reuses entries: compared by identity first
             bucket.buffer.untyped_storage()._shared_incref()
             return payload
         payload = bucket_payload(bucket.flat, bucket.metadata)  # pickling takes its own reference
@@ -154,9 +156,10 @@ class TensorTransport(Transport):
         return payload
 
     async def send(self, servers: list[SGLangClient], bucket: Bucket) -> None:
-        await all_servers(server.update_weights_from_tensor([self.payload(bucket) for _ in range(tp)],
-                                                            load_format="flattened_bucket")
-                          for server, tp in zip(servers, self.tp_sizes))
+        await all_servers(
+            server.update_weights_from_tensor([self.payload(bucket) for _ in range(tp)], load_format="flattened_bucket")
+            for server, tp in zip(servers, self.tp_sizes)
+        )
 
     async def load_adapter(self, servers: list[SGLangClient], name: str, config: dict, bucket: Bucket) -> None:
         async def replace(server: SGLangClient, tp: int) -> None:
@@ -200,10 +203,22 @@ class DistributedTransport(Transport):
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         world_size = 1 + sum(tp_sizes)
         offsets = [1 + sum(tp_sizes[:i]) for i in range(len(servers))]
-        ours = asyncio.to_thread(join_update_group, address, port, world_size, 0, group_name=self.group_name,
-                                 backend=backend, timeout=self.timeout)
-        theirs = [server.init_weights_update_group(address, port, offset, world_size, group_name=self.group_name,
-                                                   backend=backend) for server, offset in zip(servers, offsets)]
+        ours = asyncio.to_thread(
+            join_update_group,
+            address,
+            port,
+            world_size,
+            0,
+            group_name=self.group_name,
+            backend=backend,
+            timeout=self.timeout,
+        )
+        theirs = [
+            server.init_weights_update_group(
+                address, port, offset, world_size, group_name=self.group_name, backend=backend
+            )
+            for server, offset in zip(servers, offsets)
+        ]
         results = await asyncio.gather(ours, *theirs, return_exceptions=True)
         failures = [r for r in results if isinstance(r, BaseException)]
         if isinstance(results[0], UpdateGroup):
@@ -216,13 +231,19 @@ class DistributedTransport(Transport):
         assert self.group is not None, "connect first"
         shapes = [list(m.shape) for m in bucket.metadata]
         dtypes = [dtype_name(m.dtype) for m in bucket.metadata]
-        await all_servers([asyncio.to_thread(self.group.broadcast, bucket.flat)] + [
-            server.update_weights_from_distributed(bucket.names, dtypes, shapes, group_name=self.group_name)
-            for server in servers])
+        await all_servers(
+            [asyncio.to_thread(self.group.broadcast, bucket.flat)]
+            + [
+                server.update_weights_from_distributed(bucket.names, dtypes, shapes, group_name=self.group_name)
+                for server in servers
+            ]
+        )
 
     async def close(self, servers: list[SGLangClient]) -> None:
         # Best effort: a server that died has no group left to destroy.
-        await asyncio.gather(*(s.destroy_weights_update_group(self.group_name) for s in servers), return_exceptions=True)
+        await asyncio.gather(
+            *(s.destroy_weights_update_group(self.group_name) for s in servers), return_exceptions=True
+        )
         if self.group is not None:
             self.group.close()
             self.group = None
@@ -233,8 +254,10 @@ SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float1
 
 def write_safetensors_shard(path: Path, bucket: Bucket) -> None:
     """Write a bucket as a safetensors file: a JSON header, then the bucket's bytes unchanged."""
-    header = {m.name: {"dtype": SAFETENSORS_DTYPES[m.dtype], "shape": list(m.shape),
-                       "data_offsets": [m.start_idx, m.end_idx]} for m in bucket.metadata}
+    header = {
+        m.name: {"dtype": SAFETENSORS_DTYPES[m.dtype], "shape": list(m.shape), "data_offsets": [m.start_idx, m.end_idx]}
+        for m in bucket.metadata
+    }
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the format lets the header be space-padded; 8 keeps the data aligned
     with open(path, "wb") as f:

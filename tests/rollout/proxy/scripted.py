@@ -15,9 +15,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from inverted.rollout.chat import ChatRenderer, parse_messages
 
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather of a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 
 
 def call(cid: str, city: str) -> dict:
@@ -37,8 +44,9 @@ CONVERSATION = [
 ]
 
 
-def teach(base: Path, out: Path, steps: int = 300, conversation: list[dict] = CONVERSATION,
-          tools: list[dict] = TOOLS) -> Path:
+def teach(
+    base: Path, out: Path, steps: int = 300, conversation: list[dict] = CONVERSATION, tools: list[dict] = TOOLS
+) -> Path:
     """Fine-tune ``base`` on ``conversation`` (loss on assistant turns) and save it to ``out``."""
     tokenizer = AutoTokenizer.from_pretrained(base)
     renderer = ChatRenderer(tokenizer)

@@ -17,16 +17,31 @@ import pytest
 
 from inverted.types import Sample
 from tests.rollout.proxy.scripted import CONVERSATION, TOOLS
-from tests.rollout.proxy.test_recording import (EXPECTED, check_exact, finish, new_session, reference_logprobs,
-                                                reply_as_message, scripted_history)
+from tests.rollout.proxy.test_recording import (
+    EXPECTED,
+    check_exact,
+    finish,
+    new_session,
+    reference_logprobs,
+    reply_as_message,
+    scripted_history,
+)
 
 pytestmark = pytest.mark.anyio
 SYSTEM = CONVERSATION[0]["content"]
 FUNCTION = TOOLS[0]["function"]
-RESPONSES_TOOLS = [{"type": "function", "name": FUNCTION["name"], "description": FUNCTION["description"],
-                    "parameters": FUNCTION["parameters"], "strict": False}]
-ANTHROPIC_TOOLS = [{"name": FUNCTION["name"], "description": FUNCTION["description"],
-                    "input_schema": FUNCTION["parameters"]}]
+RESPONSES_TOOLS = [
+    {
+        "type": "function",
+        "name": FUNCTION["name"],
+        "description": FUNCTION["description"],
+        "parameters": FUNCTION["parameters"],
+        "strict": False,
+    }
+]
+ANTHROPIC_TOOLS = [
+    {"name": FUNCTION["name"], "description": FUNCTION["description"], "input_schema": FUNCTION["parameters"]}
+]
 RESULTS = {"Paris": "sunny, 24C", "Rome": "rain, 18C"}
 
 
@@ -41,8 +56,9 @@ def chat_conversation(session: dict) -> None:
     client = openai.OpenAI(base_url=session["base_url"], api_key="x")
     replies = []
     for turn in range(4):
-        reply = client.chat.completions.create(model="m", messages=scripted_history(turn, replies), tools=TOOLS,
-                                               temperature=0, max_tokens=64)
+        reply = client.chat.completions.create(
+            model="m", messages=scripted_history(turn, replies), tools=TOOLS, temperature=0, max_tokens=64
+        )
         replies.append(reply_as_message(reply.choices[0].message))
 
 
@@ -54,9 +70,15 @@ def responses_conversation(session: dict, *, stream: bool = False, chained: bool
     new: list = [{"role": "user", "content": user_turns()[0]}]
     responses, previous = [], None
     for turn in range(4):
-        kwargs = dict(model="m", instructions=SYSTEM, tools=RESPONSES_TOOLS, temperature=0, max_output_tokens=64,
-                      input=new if chained else history + new,
-                      **({"previous_response_id": previous} if chained and previous else {}))
+        kwargs = dict(
+            model="m",
+            instructions=SYSTEM,
+            tools=RESPONSES_TOOLS,
+            temperature=0,
+            max_output_tokens=64,
+            input=new if chained else history + new,
+            **({"previous_response_id": previous} if chained and previous else {}),
+        )
         if stream:
             with client.responses.stream(**kwargs) as events:
                 kinds = [event.type for event in events]
@@ -87,8 +109,10 @@ def answers(turn: int, output: list) -> list:
     """What the agent sends next: each call's result, or the next user message."""
     calls = [item for item in output if item.type == "function_call"]
     if calls:
-        return [{"type": "function_call_output", "call_id": c.call_id,
-                 "output": RESULTS[json.loads(c.arguments)["city"]]} for c in calls]
+        return [
+            {"type": "function_call_output", "call_id": c.call_id, "output": RESULTS[json.loads(c.arguments)["city"]]}
+            for c in calls
+        ]
     return [{"role": "user", "content": user_turns()[1]}] if turn == 2 else []
 
 
@@ -96,8 +120,14 @@ def messages_conversation(client: anthropic.Anthropic, *, stream: bool = False) 
     messages: list = [{"role": "user", "content": user_turns()[0]}]
     replies = []
     for turn in range(4):
-        kwargs = dict(model="m", max_tokens=64, system=SYSTEM, tools=ANTHROPIC_TOOLS, messages=messages,
-                      extra_body={"temperature": 0})
+        kwargs = dict(
+            model="m",
+            max_tokens=64,
+            system=SYSTEM,
+            tools=ANTHROPIC_TOOLS,
+            messages=messages,
+            extra_body={"temperature": 0},
+        )
         if stream:
             with client.messages.stream(**kwargs) as events:
                 kinds = [event.type for event in events]
@@ -110,8 +140,10 @@ def messages_conversation(client: anthropic.Anthropic, *, stream: bool = False) 
             (block,) = reply.content
             assert reply.stop_reason == "tool_use" and block.type == "tool_use" and block.input == {"city": text}
             results = [{"type": "tool_result", "tool_use_id": block.id, "content": RESULTS[text]}]
-            messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]},
-                         {"role": "user", "content": results}]
+            messages += [
+                {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]},
+                {"role": "user", "content": results},
+            ]
         else:
             (block,) = reply.content
             assert reply.stop_reason == "end_turn" and block.type == "text" and block.text == text
@@ -158,8 +190,10 @@ def test_responses_api_conversation_is_recorded_token_for_token(stack, stream, c
 def test_the_same_conversation_gives_the_same_sample_through_all_three_apis(stack):
     chat, _ = recorded(stack, chat_conversation)
     responses, _ = recorded(stack, responses_conversation)
-    messages, _ = recorded(stack, lambda s: messages_conversation(
-        anthropic.Anthropic(base_url=s["base_url"].removesuffix("/v1"), api_key="x")))
+    messages, _ = recorded(
+        stack,
+        lambda s: messages_conversation(anthropic.Anthropic(base_url=s["base_url"].removesuffix("/v1"), api_key="x")),
+    )
     for other in (responses, messages):
         assert other.tokens == chat.tokens and other.loss_mask == chat.loss_mask
         assert other.rollout_log_probs == chat.rollout_log_probs and other.weight_versions == chat.weight_versions
@@ -174,8 +208,11 @@ def test_previous_response_id_is_resolved_in_its_own_session_only_and_store_fals
     assert first.status == "incomplete" and first.incomplete_details.reason == "max_output_tokens"
     follow = client.responses.create(model="m", input="Again", previous_response_id=first.id, max_output_tokens=4)
     assert follow.previous_response_id == first.id
-    for client_, response_id in ((openai.OpenAI(base_url=other["base_url"], api_key="x"), first.id),
-                                 (client, unstored.id), (client, "resp_unknown")):
+    for client_, response_id in (
+        (openai.OpenAI(base_url=other["base_url"], api_key="x"), first.id),
+        (client, unstored.id),
+        (client, "resp_unknown"),
+    ):
         with pytest.raises(openai.BadRequestError) as info:
             client_.responses.create(model="m", input="Again", previous_response_id=response_id)
         assert info.value.body["code"] == "previous_response_not_found"
@@ -187,20 +224,25 @@ def test_previous_response_id_is_resolved_in_its_own_session_only_and_store_fals
 def test_responses_refuse_what_they_cannot_honour_in_openais_shape(stack):
     session = new_session(stack)
     client = openai.OpenAI(base_url=session["base_url"], api_key="x", max_retries=0)
-    bad = [({"input": [{"type": "input_image", "image_url": "x"}]}, "input[0].type"),
-           ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-            "input[0].content[0]"),
-           ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "input[0].call_id"),
-           ({"input": "x", "tools": [{"type": "computer_use_preview"}]}, "tools[0].type"),
-           ({"input": "x", "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
-           ({"input": "x", "text": {"format": {"type": "grammar"}}}, "text.format"),
-           ({"input": "x", "tool_choice": "required"}, "tool_choice")]
+    bad = [
+        ({"input": [{"type": "input_image", "image_url": "x"}]}, "input[0].type"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
+        ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "input[0].call_id"),
+        ({"input": "x", "tools": [{"type": "computer_use_preview"}]}, "tools[0].type"),
+        ({"input": "x", "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+        ({"input": "x", "text": {"format": {"type": "grammar"}}}, "text.format"),
+        ({"input": "x", "tool_choice": "required"}, "tool_choice"),
+    ]
     for body, param in bad:
         with pytest.raises(openai.BadRequestError) as info:
             client.responses.create(model="m", **body)
         assert info.value.body["param"] == param, info.value.body
-    assert httpx.get(f"{session['base_url'].removesuffix('/v1')}", headers={
-        "Authorization": "Bearer admin-key"}).json()["refused"][-1]["route"] == "POST /sessions/{session_id}/v1/responses"
+    assert (
+        httpx.get(f"{session['base_url'].removesuffix('/v1')}", headers={"Authorization": "Bearer admin-key"}).json()[
+            "refused"
+        ][-1]["route"]
+        == "POST /sessions/{session_id}/v1/responses"
+    )
 
 
 @pytest.mark.parametrize("api", ["responses", "chat"])
@@ -212,11 +254,25 @@ def test_an_openai_agents_agent_at_the_sdks_defaults_runs_unchanged(stack, api, 
     reason on the turn, and which change nothing: the Sample is the engine's, token for token."""
     session = new_session(stack, sampling_params={"temperature": 0})  # the session's setting, not the agent's
     logged_before = len(stack.engine_requests())
-    env = {**os.environ, "OPENAI_BASE_URL": session["base_url"], "OPENAI_API_KEY": "x",
-           "OPENAI_DEFAULT_MODEL": model, "OPENAI_AGENTS_DISABLE_TRACING": "1"}
-    done = subprocess.run([sys.executable, "-m", "tests.rollout.proxy.agents.openai_agents_default",
-                           *(["chat"] if api == "chat" else [])], env=env, capture_output=True, text=True,
-                          timeout=120)
+    env = {
+        **os.environ,
+        "OPENAI_BASE_URL": session["base_url"],
+        "OPENAI_API_KEY": "x",
+        "OPENAI_DEFAULT_MODEL": model,
+        "OPENAI_AGENTS_DISABLE_TRACING": "1",
+    }
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tests.rollout.proxy.agents.openai_agents_default",
+            *(["chat"] if api == "chat" else []),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == EXPECTED[2][1]
     (sample,) = finish(stack, session)
@@ -236,8 +292,12 @@ def test_an_openai_agents_agent_at_the_sdks_defaults_runs_unchanged(stack, api, 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_anthropic_messages_conversation_is_recorded_token_for_token(stack, stream):
-    sample, log = recorded(stack, lambda s: messages_conversation(
-        anthropic.Anthropic(base_url=s["base_url"].removesuffix("/v1"), api_key="x"), stream=stream))
+    sample, log = recorded(
+        stack,
+        lambda s: messages_conversation(
+            anthropic.Anthropic(base_url=s["base_url"].removesuffix("/v1"), api_key="x"), stream=stream
+        ),
+    )
     check_sample(stack, sample, log)
 
 
@@ -245,13 +305,14 @@ def test_anthropic_sdk_with_the_session_token_as_its_api_key(stack):
     """``x-api-key`` carries the session's token on the token route; another session's token is refused."""
     session, other = new_session(stack), new_session(stack)
     client = anthropic.Anthropic(base_url=stack.proxy.url, api_key=session["token"], max_retries=0)
-    reply = client.messages.create(model="m", max_tokens=3, messages=[{"role": "user", "content": "Hi"}],
-                                   stop_sequences=["never"])
+    reply = client.messages.create(
+        model="m", max_tokens=3, messages=[{"role": "user", "content": "Hi"}], stop_sequences=["never"]
+    )
     assert reply.stop_reason == "max_tokens" and reply.usage.output_tokens == 3
     with pytest.raises(anthropic.PermissionDeniedError):
-        anthropic.Anthropic(base_url=f"{stack.proxy.url}/sessions/{session['session_id']}", api_key=other["token"],
-                            max_retries=0).messages.create(model="m", max_tokens=3,
-                                                           messages=[{"role": "user", "content": "Hi"}])
+        anthropic.Anthropic(
+            base_url=f"{stack.proxy.url}/sessions/{session['session_id']}", api_key=other["token"], max_retries=0
+        ).messages.create(model="m", max_tokens=3, messages=[{"role": "user", "content": "Hi"}])
     assert len(finish(stack, session)[0].metadata["turns"]) == 1
 
 
@@ -259,13 +320,25 @@ def test_anthropic_errors_have_anthropics_shape(stack):
     session = new_session(stack)
     url = session["base_url"] + "/messages"
     user = [{"role": "user", "content": "Hi"}]
-    cases = [({"model": "m", "messages": user}, "max_tokens: Field required"),
-             ({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
-              "blocks of type 'image'"),
-             ({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": [
-                 {"type": "tool_result", "tool_use_id": "toolu_x", "content": "r"}]}]}, "unexpected `tool_use_id`"),
-             ({"model": "m", "max_tokens": 8, "messages": user, "frequency_penalty": 1}, "Extra inputs"),
-             ({"model": "m", "max_tokens": 8, "messages": user, "temperature": 1.5}, "between 0.0 and 1.0")]
+    cases = [
+        ({"model": "m", "messages": user}, "max_tokens: Field required"),
+        (
+            {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
+            "blocks of type 'image'",
+        ),
+        (
+            {
+                "model": "m",
+                "max_tokens": 8,
+                "messages": [
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x", "content": "r"}]}
+                ],
+            },
+            "unexpected `tool_use_id`",
+        ),
+        ({"model": "m", "max_tokens": 8, "messages": user, "frequency_penalty": 1}, "Extra inputs"),
+        ({"model": "m", "max_tokens": 8, "messages": user, "temperature": 1.5}, "between 0.0 and 1.0"),
+    ]
     for body, words in cases:
         response = httpx.post(url, json=body)
         assert response.status_code == 400
@@ -274,8 +347,18 @@ def test_anthropic_errors_have_anthropics_shape(stack):
         assert words in error["error"]["message"], error
     client = anthropic.Anthropic(base_url=session["base_url"].removesuffix("/v1"), api_key="x", max_retries=0)
     with pytest.raises(anthropic.BadRequestError) as info:
-        client.messages.create(model="m", max_tokens=8, messages=[{"role": "assistant", "content": [
-            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "x"}}]}])
+        client.messages.create(
+            model="m",
+            max_tokens=8,
+            messages=[
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "x"}}
+                    ],
+                }
+            ],
+        )
     assert info.value.body["error"]["type"] == "invalid_request_error"
     # a bad session's 404 is Anthropic-shaped too
     missing = httpx.post(stack.proxy.url + "/sessions/sess_nope/v1/messages", json=copy.deepcopy(cases[0][0]))
@@ -288,11 +371,13 @@ def test_a_strict_tool_renders_the_same_prompt_through_all_three_apis(stack):
     session = new_session(stack)
     ask = [{"role": "user", "content": user_turns()[0]}]
     chat = openai.OpenAI(base_url=session["base_url"], api_key="x")
-    chat.chat.completions.create(model="m", messages=ask, max_tokens=1, tools=[
-        {"type": "function", "function": {**FUNCTION, "strict": True}}])
+    chat.chat.completions.create(
+        model="m", messages=ask, max_tokens=1, tools=[{"type": "function", "function": {**FUNCTION, "strict": True}}]
+    )
     chat.chat.completions.create(model="m", messages=ask, max_tokens=1, tools=TOOLS)  # no strict at all
     chat.responses.create(model="m", input=ask, max_output_tokens=1, tools=[{**RESPONSES_TOOLS[0], "strict": True}])
     anthropic.Anthropic(base_url=session["base_url"].removesuffix("/v1"), api_key="x").messages.create(
-        model="m", max_tokens=1, messages=ask, tools=[{**ANTHROPIC_TOOLS[0], "strict": True}])
-    prompts = {tuple(s.tokens[:s.prompt_length]) for s in finish(stack, session)}
+        model="m", max_tokens=1, messages=ask, tools=[{**ANTHROPIC_TOOLS[0], "strict": True}]
+    )
+    prompts = {tuple(s.tokens[: s.prompt_length]) for s in finish(stack, session)}
     assert len(prompts) == 1

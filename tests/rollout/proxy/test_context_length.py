@@ -7,7 +7,6 @@ import json
 import shutil
 
 import httpx
-
 import pytest
 
 from inverted.errors import ModelError
@@ -15,7 +14,8 @@ from inverted.hf_checkpoint import context_length
 
 
 def test_with_default_flags_the_context_is_the_models_own_and_a_call_gets_the_room_its_prompt_leaves(
-        module_procs, tiny_model, tmp_path):
+    module_procs, tiny_model, tmp_path
+):
     """As in SGLang, ``--context-length 0`` is the model's own (12,288 here): Claude Code's 29k-token
     first request was refused behind default flags while it was capped at 4,096. A call without
     max_tokens gets the room its prompt leaves."""
@@ -30,8 +30,11 @@ def test_with_default_flags_the_context_is_the_models_own_and_a_call_gets_the_ro
     info = httpx.get(engine.url + "/server_info").json()
     assert info["context_length"] == 12288 and info["max_total_num_tokens"] >= 12288
     words = 12200  # the tiny tokenizer writes " a" as one token
-    reply = httpx.post(session["base_url"] + "/chat/completions", timeout=300, json={
-        "model": "m", "messages": [{"role": "user", "content": "a" + " a" * words}]})
+    reply = httpx.post(
+        session["base_url"] + "/chat/completions",
+        timeout=300,
+        json={"model": "m", "messages": [{"role": "user", "content": "a" + " a" * words}]},
+    )
     assert reply.status_code == 200, reply.text
     usage, finish = reply.json()["usage"], reply.json()["choices"][0]["finish_reason"]
     assert usage["prompt_tokens"] > 12200 and usage["prompt_tokens"] + usage["completion_tokens"] <= 12288

@@ -28,24 +28,46 @@ from tests.rollout.proxy.test_recording import ADMIN, check_exact
 QUESTION = "What does the with statement do?"
 QUERY = "with statement"
 ANSWER = "It runs a block inside a context manager."
-SEARCH = {"type": "function", "function": {"name": "web_search", "description": DEFINITIONS["web_search"][1],
-                                           "parameters": {"type": "object", "properties": {"query": {"type": "string"}},
-                                                          "required": ["query"]}}}
+SEARCH = {
+    "type": "function",
+    "function": {
+        "name": "web_search",
+        "description": DEFINITIONS["web_search"][1],
+        "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
+    },
+}
 FLAGS = ("--proxy-hosted-tools", "web_search=envs.local_search:search")
 WEATHER = TOOLS[0]["function"]
-RESPONSES_TOOLS = [{"type": "function", "name": WEATHER["name"], "description": WEATHER["description"],
-                   "parameters": WEATHER["parameters"]}, {"type": "web_search"}]
-ANTHROPIC_TOOLS = [{"name": WEATHER["name"], "description": WEATHER["description"],
-                    "input_schema": WEATHER["parameters"]},
-                   {"type": "web_search_20250305", "name": "web_search", "max_uses": 3}]
+RESPONSES_TOOLS = [
+    {
+        "type": "function",
+        "name": WEATHER["name"],
+        "description": WEATHER["description"],
+        "parameters": WEATHER["parameters"],
+    },
+    {"type": "web_search"},
+]
+ANTHROPIC_TOOLS = [
+    {"name": WEATHER["name"], "description": WEATHER["description"], "input_schema": WEATHER["parameters"]},
+    {"type": "web_search_20250305", "name": "web_search", "max_uses": 3},
+]
 
 
 def conversation() -> list[dict]:
     found = local_search.search({"query": QUERY})["text"]
-    call = {"id": "c1", "type": "function", "function": {"name": "web_search", "arguments": json.dumps({"query": QUERY})}}
-    return [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": None, "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": "c1", "content": found}, {"role": "assistant", "content": ANSWER},
-            {"role": "user", "content": "Thanks!"}, {"role": "assistant", "content": "You are welcome."}]
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "web_search", "arguments": json.dumps({"query": QUERY})},
+    }
+    return [
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": found},
+        {"role": "assistant", "content": ANSWER},
+        {"role": "user", "content": "Thanks!"},
+        {"role": "assistant", "content": "You are welcome."},
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -104,12 +126,20 @@ def test_responses_web_search_runs_in_the_call_and_the_next_call_continues_the_b
         response = client.responses.create(input=ask, **kwargs)
     search, message = response.output
     assert (search.type, search.status, search.action.type, search.action.query) == (
-        "web_search_call", "completed", "search", QUERY)
+        "web_search_call",
+        "completed",
+        "search",
+        QUERY,
+    )
     assert search.action.sources[0].url == local_search.search({"query": QUERY})["sources"][0]["url"]
     assert (message.type, response.output_text) == ("message", ANSWER)
     assert response.usage.output_tokens > len(ANSWER.split())  # both replies' tokens
-    again = client.responses.create(input=ask + [item.model_dump(exclude_none=True) for item in response.output] + [
-        {"role": "user", "content": "Thanks!"}], **kwargs)
+    again = client.responses.create(
+        input=ask
+        + [item.model_dump(exclude_none=True) for item in response.output]
+        + [{"role": "user", "content": "Thanks!"}],
+        **kwargs,
+    )
     assert again.output_text == "You are welcome."
     (sample,) = finish(searching.proxy.url, opened)
     check_searched(searching, sample, turns=3)
@@ -121,8 +151,9 @@ def test_messages_server_web_search_runs_in_the_call_and_the_next_call_continues
     client = anthropic.Anthropic(base_url=opened["base_url"].removesuffix("/v1"), api_key="x", max_retries=0)
     ask = [{"role": "user", "content": QUESTION}]
     if stream:
-        with client.messages.stream(model="claude-opus-5-5", max_tokens=200, messages=ask,
-                                    tools=ANTHROPIC_TOOLS) as events:
+        with client.messages.stream(
+            model="claude-opus-5-5", max_tokens=200, messages=ask, tools=ANTHROPIC_TOOLS
+        ) as events:
             for _ in events:  # the SDK parses every event
                 pass
             message = events.get_final_message()
@@ -134,9 +165,16 @@ def test_messages_server_web_search_runs_in_the_call_and_the_next_call_continues
     assert [r.url for r in result.content] == [s["url"] for s in local_search.search({"query": QUERY})["sources"]]
     assert text.text == ANSWER and message.stop_reason == "end_turn"
     assert message.usage.server_tool_use.web_search_requests == 1
-    again = client.messages.create(model="claude-opus-5-5", max_tokens=200, tools=ANTHROPIC_TOOLS, messages=ask + [
-        {"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in message.content]},
-        {"role": "user", "content": "Thanks!"}])
+    again = client.messages.create(
+        model="claude-opus-5-5",
+        max_tokens=200,
+        tools=ANTHROPIC_TOOLS,
+        messages=ask
+        + [
+            {"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in message.content]},
+            {"role": "user", "content": "Thanks!"},
+        ],
+    )
     assert again.content[0].text == "You are welcome."
     (sample,) = finish(searching.proxy.url, opened)
     check_searched(searching, sample, turns=3)
@@ -147,12 +185,18 @@ def test_chat_web_search_options_search_in_the_call_and_the_next_call_continues_
     opened = session(searching.proxy.url)
     client = openai.OpenAI(base_url=opened["base_url"], api_key="x", max_retries=0)
     ask = [{"role": "user", "content": QUESTION}]
-    reply = client.chat.completions.create(model="gpt-4o-search-preview", tools=TOOLS, web_search_options={},
-                                           messages=ask).choices[0].message
+    reply = (
+        client.chat.completions.create(model="gpt-4o-search-preview", tools=TOOLS, web_search_options={}, messages=ask)
+        .choices[0]
+        .message
+    )
     assert reply.content == ANSWER and not reply.tool_calls
-    again = client.chat.completions.create(model="gpt-4o-search-preview", tools=TOOLS, web_search_options={},
-                                           messages=ask + [{"role": "assistant", "content": reply.content},
-                                                           {"role": "user", "content": "Thanks!"}])
+    again = client.chat.completions.create(
+        model="gpt-4o-search-preview",
+        tools=TOOLS,
+        web_search_options={},
+        messages=ask + [{"role": "assistant", "content": reply.content}, {"role": "user", "content": "Thanks!"}],
+    )
     assert again.choices[0].message.content == "You are welcome."
     (sample,) = finish(searching.proxy.url, opened)
     check_searched(searching, sample, turns=3)
@@ -162,8 +206,18 @@ def test_chat_web_search_options_search_in_the_call_and_the_next_call_continues_
 def test_gemini_google_search_runs_in_the_call_and_the_next_call_continues_the_branch(searching, stream):
     opened = session(searching.proxy.url)
     base = opened["base_url"].removesuffix("/v1")
-    tools = [{"functionDeclarations": [{"name": WEATHER["name"], "description": WEATHER["description"],
-                                        "parametersJsonSchema": WEATHER["parameters"]}]}, {"googleSearch": {}}]
+    tools = [
+        {
+            "functionDeclarations": [
+                {
+                    "name": WEATHER["name"],
+                    "description": WEATHER["description"],
+                    "parametersJsonSchema": WEATHER["parameters"],
+                }
+            ]
+        },
+        {"googleSearch": {}},
+    ]
     contents = [{"role": "user", "parts": [{"text": QUESTION}]}]
     parts = generate(base, {"contents": contents, "tools": tools}, stream=stream)["candidates"][0]["content"]["parts"]
     assert parts == [{"text": ANSWER}]
@@ -183,7 +237,7 @@ def test_without_an_implementation_the_tool_is_not_offered_and_the_turn_says_why
     (sample,) = finish(searching.bare.url, opened)
     (turn,) = sample.metadata["turns"]
     assert "none is configured" in turn["accepted"]["tools[1]"]
-    assert "web_search" not in stack_text(searching, sample)[:turn["start"]]  # not in the prompt
+    assert "web_search" not in stack_text(searching, sample)[: turn["start"]]  # not in the prompt
 
 
 def test_a_limit_of_hosted_calls_and_a_failing_search_are_results_the_model_reads(searching):
@@ -195,7 +249,17 @@ def test_a_limit_of_hosted_calls_and_a_failing_search_are_results_the_model_read
     (sample,) = finish(searching.proxy.url, opened)
     assert len(sample.metadata["turns"]) == 1
     with pytest.raises(openai.BadRequestError) as info:  # a hosted call the proxy never made
-        client.responses.create(model="my-policy", tools=RESPONSES_TOOLS, input=[
-            {"role": "user", "content": QUESTION}, {"type": "web_search_call", "id": "ws_elsewhere",
-                                                     "status": "completed", "action": {"type": "search", "query": "x"}}])
+        client.responses.create(
+            model="my-policy",
+            tools=RESPONSES_TOOLS,
+            input=[
+                {"role": "user", "content": QUESTION},
+                {
+                    "type": "web_search_call",
+                    "id": "ws_elsewhere",
+                    "status": "completed",
+                    "action": {"type": "search", "query": "x"},
+                },
+            ],
+        )
     assert info.value.body["param"] == "input[1].id"

@@ -71,13 +71,17 @@ async def test_without_partial_rollout_an_aborted_call_is_sampled_again(module_p
 
 async def test_calls_wait_while_servers_are_paused(stack):
     async with httpx.AsyncClient(timeout=60) as http, SGLangClient(stack.engine.url) as engine:
-        session = (await http.post(stack.proxy.url + "/sessions", json={},
-                                   headers={"Authorization": "Bearer admin-key"})).json()
+        session = (
+            await http.post(stack.proxy.url + "/sessions", json={}, headers={"Authorization": "Bearer admin-key"})
+        ).json()
         await engine.pause_generation("retract")
         try:
-            call = asyncio.create_task(http.post(session["base_url"] + "/chat/completions",
-                                                 json={"messages": [{"role": "user", "content": "hi"}],
-                                                       "max_tokens": 4}))
+            call = asyncio.create_task(
+                http.post(
+                    session["base_url"] + "/chat/completions",
+                    json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+                )
+            )
             await asyncio.sleep(1.0)
             assert not call.done()
         finally:
@@ -103,7 +107,9 @@ async def test_a_call_whose_server_dies_is_finished_on_the_server_that_replaces_
     proxy = procs.proxy(router.url, taught_model, "--proxy-server-loss-wait", "60")
     async with httpx.AsyncClient(timeout=120) as http, RouterClient(router.url) as workers:
         session = (await http.post(proxy.url + "/sessions", json={})).json()
-        call = asyncio.create_task(http.post(session["base_url"] + "/chat/completions", json={**LONG, "stream": stream}))
+        call = asyncio.create_task(
+            http.post(session["base_url"] + "/chat/completions", json={**LONG, "stream": stream})
+        )
         while Stack(first, router, proxy, taught_model).engine_metric("sglang:generation_tokens_total") < 20:
             assert not call.done(), (await call).text
             await asyncio.sleep(0.02)
@@ -118,8 +124,8 @@ async def test_a_call_whose_server_dies_is_finished_on_the_server_that_replaces_
     assert sample.response_length == N and sample.metadata["turns"][0]["finish_reason"] == "length"
     replaced = Stack(second, router, proxy, taught_model).engine_requests()
     assert len(replaced) == 1
-    if stream and replaced[0]["input_ids"] != sample.tokens[:len(sample.tokens) - N]:  # resumed after streamed tokens
-        assert sample.tokens[-len(replaced[0]["output_ids"]):] == replaced[0]["output_ids"]
+    if stream and replaced[0]["input_ids"] != sample.tokens[: len(sample.tokens) - N]:  # resumed after streamed tokens
+        assert sample.tokens[-len(replaced[0]["output_ids"]) :] == replaced[0]["output_ids"]
         assert sample.metadata["turns"][0]["resumes"] == 1
     else:
         check_exact(sample, replaced)

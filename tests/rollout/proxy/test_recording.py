@@ -48,8 +48,8 @@ def check_exact(sample: Sample, engine_log: list[dict]) -> None:
     assert sample.response_length == len(sample.tokens) - start
     expected_mask = [0] * len(sample.tokens)
     for turn in turns:
-        assert sample.tokens[turn["start"]: turn["end"]] in outputs[tuple(sample.tokens[: turn["start"]])]
-        expected_mask[turn["start"]: turn["end"]] = [1] * (turn["end"] - turn["start"])
+        assert sample.tokens[turn["start"] : turn["end"]] in outputs[tuple(sample.tokens[: turn["start"]])]
+        expected_mask[turn["start"] : turn["end"]] = [1] * (turn["end"] - turn["start"])
     assert sample.loss_mask == expected_mask[start:]
     assert all(lp == 0.0 for lp, m in zip(sample.rollout_log_probs, sample.loss_mask) if not m)
     assert len(sample.weight_versions) == sample.response_length
@@ -61,7 +61,7 @@ def reference_logprobs(model_dir, sample: Sample) -> list[float]:
     with torch.no_grad():
         logits = model(torch.tensor([sample.tokens])).logits[0].float()
     logprobs = torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(sample.tokens[1:])[:, None])[:, 0]
-    return logprobs[sample.prompt_length - 1:].tolist()
+    return logprobs[sample.prompt_length - 1 :].tolist()
 
 
 def metric(stack, name: str) -> float:
@@ -84,8 +84,9 @@ def collect_stream(stream) -> tuple[dict, str, dict]:
             delta = choice.delta
             content += delta.content or ""
             for call in delta.tool_calls or []:
-                entry = calls.setdefault(call.index, {"id": call.id, "type": "function",
-                                                      "function": {"name": "", "arguments": ""}})
+                entry = calls.setdefault(
+                    call.index, {"id": call.id, "type": "function", "function": {"name": "", "arguments": ""}}
+                )
                 entry["function"]["name"] += call.function.name or ""
                 entry["function"]["arguments"] += call.function.arguments or ""
             finish = choice.finish_reason or finish
@@ -100,8 +101,12 @@ async def acollect_stream(stream) -> tuple[dict, str, dict]:
     return collect_stream(chunks)
 
 
-EXPECTED = [("tool_calls", "Paris"), ("tool_calls", "Rome"), ("stop", "Paris is sunny; Rome is rainy."),
-            ("stop", "You are welcome.")]
+EXPECTED = [
+    ("tool_calls", "Paris"),
+    ("tool_calls", "Rome"),
+    ("stop", "Paris is sunny; Rome is rainy."),
+    ("stop", "You are welcome."),
+]
 
 
 def check_reply(turn: int, message: dict, finish: str) -> None:
@@ -144,16 +149,26 @@ async def test_four_turn_tool_conversation_is_recorded_token_for_token(stack, mo
         for turn in range(4):
             messages = scripted_history(turn, replies)
             if mode == "sync-stream":
-                message, reason, usage = collect_stream(sync_client.chat.completions.create(
-                    messages=messages, stream=True, stream_options={"include_usage": True}, **kwargs))
+                message, reason, usage = collect_stream(
+                    sync_client.chat.completions.create(
+                        messages=messages, stream=True, stream_options={"include_usage": True}, **kwargs
+                    )
+                )
             elif mode == "async-stream":
-                message, reason, usage = await acollect_stream(await async_client.chat.completions.create(
-                    messages=messages, stream=True, stream_options={"include_usage": True}, **kwargs))
+                message, reason, usage = await acollect_stream(
+                    await async_client.chat.completions.create(
+                        messages=messages, stream=True, stream_options={"include_usage": True}, **kwargs
+                    )
+                )
             else:
                 create = sync_client.chat.completions.create if mode == "sync" else async_client.chat.completions.create
                 reply = create(messages=messages, **kwargs)
                 reply = await reply if mode == "async" else reply
-                message, reason, usage = reply_as_message(reply.choices[0].message), reply.choices[0].finish_reason, reply.usage
+                message, reason, usage = (
+                    reply_as_message(reply.choices[0].message),
+                    reply.choices[0].finish_reason,
+                    reply.usage,
+                )
             check_reply(turn, message, reason)
             replies.append(message)
             usages.append(usage)
@@ -209,7 +224,7 @@ async def test_a_named_or_required_tool_choice_opens_the_call_for_the_model(stac
         check_exact(sample, stack.engine_requests()[logged_before:])
         start = sample.metadata["turns"][0]["start"]
         forced_ids = tokenizer.encode(opening, add_special_tokens=False)
-        assert sample.tokens[start - len(forced_ids): start] == forced_ids  # the prompt's end, mask 0
+        assert sample.tokens[start - len(forced_ids) : start] == forced_ids  # the prompt's end, mask 0
         assert "<tool_call>" not in tokenizer.decode(sample.tokens[start:])  # the model sampled the rest
 
 
@@ -223,11 +238,17 @@ async def test_response_format_is_served_by_constrained_decoding(stack):
     session = new_session(stack)
     logged_before = len(stack.engine_requests())
     async with openai.AsyncOpenAI(base_url=session["base_url"], api_key="x") as client:
-        reply = await client.chat.completions.parse(model="m", messages=[{"role": "user", "content": "Paris?"}],
-                                                    response_format=Weather, max_tokens=60, seed=3)
+        reply = await client.chat.completions.parse(
+            model="m", messages=[{"role": "user", "content": "Paris?"}], response_format=Weather, max_tokens=60, seed=3
+        )
         assert isinstance(reply.choices[0].message.parsed, Weather)
-        loose = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Rome?"}],
-                                                     response_format={"type": "json_object"}, max_tokens=8, seed=3)
+        loose = await client.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "Rome?"}],
+            response_format={"type": "json_object"},
+            max_tokens=8,
+            seed=3,
+        )
         assert loose.choices[0].message.content.startswith("{")
     for sample in finish(stack, session):
         check_exact(sample, stack.engine_requests()[logged_before:])
@@ -246,14 +267,21 @@ async def test_constrained_tokens_are_recorded_with_the_policys_own_logprobs(sta
 
     proxies = {"policy": stack.proxy}
     for mode in ("mask", "constrained"):
-        proxies[mode] = module_procs.proxy(stack.router.url, stack.model, "--proxy-api-key", "admin-key",
-                                           "--proxy-constrained-tokens", mode)
+        proxies[mode] = module_procs.proxy(
+            stack.router.url, stack.model, "--proxy-api-key", "admin-key", "--proxy-constrained-tokens", mode
+        )
     samples = {}
     for mode, proxy in proxies.items():
         session = httpx.post(proxy.url + "/sessions", json={}, headers=ADMIN).json()
         async with openai.AsyncOpenAI(base_url=session["base_url"], api_key="x") as client:
-            reply = await client.chat.completions.parse(model="m", messages=[{"role": "user", "content": "Paris?"}],
-                                                        response_format=Weather, max_tokens=60, seed=5, temperature=1.0)
+            reply = await client.chat.completions.parse(
+                model="m",
+                messages=[{"role": "user", "content": "Paris?"}],
+                response_format=Weather,
+                max_tokens=60,
+                seed=5,
+                temperature=1.0,
+            )
             assert isinstance(reply.choices[0].message.parsed, Weather)
         answer = httpx.post(f"{proxy.url}/sessions/{session['session_id']}/finish", headers=ADMIN).json()
         (samples[mode],) = [Sample.from_json(s) for s in answer["samples"]]
@@ -291,13 +319,19 @@ def test_constrained_tokens_without_the_policys_logprobs_stay_out_of_the_loss():
 async def test_logprobs_in_the_answer_are_the_recorded_ones_and_top_logprobs_are_transformers_top_k(stack):
     session = new_session(stack)
     async with openai.AsyncOpenAI(base_url=session["base_url"], api_key="x") as client:
-        reply = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hello"}],
-                                                     max_tokens=12, logprobs=True, top_logprobs=3, seed=3,
-                                                     temperature=1.0)
+        reply = await client.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "hello"}],
+            max_tokens=12,
+            logprobs=True,
+            top_logprobs=3,
+            seed=3,
+            temperature=1.0,
+        )
         (sample,) = finish(stack, session)
         content = reply.choices[0].logprobs.content
         answer = [t.logprob for t in content]
-        assert answer == sample.rollout_log_probs[-len(answer):] and len(answer) == reply.usage.completion_tokens
+        assert answer == sample.rollout_log_probs[-len(answer) :] and len(answer) == reply.usage.completion_tokens
     model = AutoModelForCausalLM.from_pretrained(stack.model, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(stack.model)
     with torch.no_grad():
@@ -316,8 +350,9 @@ async def test_an_agent_that_drops_a_middle_message_gets_a_second_exact_branch(s
     async with openai.AsyncOpenAI(base_url=session["base_url"], api_key="x") as client:
         replies = []
         for turn in range(3):
-            reply = await client.chat.completions.create(model="m", messages=scripted_history(turn, replies), tools=TOOLS,
-                                                         temperature=0, max_tokens=64)
+            reply = await client.chat.completions.create(
+                model="m", messages=scripted_history(turn, replies), tools=TOOLS, temperature=0, max_tokens=64
+            )
             replies.append(reply_as_message(reply.choices[0].message))
         # The agent compacts its history: the first tool result is gone.
         edited = [m for m in scripted_history(3, replies) if m.get("content") != "sunny, 24C"]
@@ -372,21 +407,28 @@ async def test_text_completions_extend_their_own_tokens(stack):
     session = new_session(stack)
     async with openai.AsyncOpenAI(base_url=session["base_url"], api_key="x") as client:
         logged_before = len(stack.engine_requests())
-        first = await client.completions.create(model="m", prompt="Once upon a time", max_tokens=5, seed=1,
-                                                logprobs=2)  # the legacy API's type: a count of top tokens
+        first = await client.completions.create(
+            model="m", prompt="Once upon a time", max_tokens=5, seed=1, logprobs=2
+        )  # the legacy API's type: a count of top tokens
         prompt = "Once upon a time" + first.choices[0].text + " and then"
         await client.completions.create(model="m", prompt=prompt, max_tokens=5, seed=2)
         (sample,) = finish(stack, session)
         logprobs = first.choices[0].logprobs
         n = len(logprobs.tokens)
         assert logprobs.token_logprobs == sample.rollout_log_probs[:n]
-        assert all(1 <= len(top) <= 2 and max(top.values()) >= lp for top, lp in zip(logprobs.top_logprobs,
-                                                                                      logprobs.token_logprobs))
+        assert all(
+            1 <= len(top) <= 2 and max(top.values()) >= lp
+            for top, lp in zip(logprobs.top_logprobs, logprobs.token_logprobs)
+        )
         assert logprobs.text_offset[0] == len("Once upon a time")
-        assert [b - a for a, b in zip(logprobs.text_offset, logprobs.text_offset[1:])] == [len(t) for t in logprobs.tokens[:-1]]
+        assert [b - a for a, b in zip(logprobs.text_offset, logprobs.text_offset[1:])] == [
+            len(t) for t in logprobs.tokens[:-1]
+        ]
         engine_log = stack.engine_requests()[logged_before:]
-        assert engine_log[1]["input_ids"][: len(engine_log[0]["input_ids"] + engine_log[0]["output_ids"])] == \
-            engine_log[0]["input_ids"] + engine_log[0]["output_ids"]
+        assert (
+            engine_log[1]["input_ids"][: len(engine_log[0]["input_ids"] + engine_log[0]["output_ids"])]
+            == engine_log[0]["input_ids"] + engine_log[0]["output_ids"]
+        )
         check_exact(sample, engine_log)
 
 
@@ -394,14 +436,19 @@ async def test_n_choices_become_branches(stack):
     session = new_session(stack)
     async with openai.AsyncOpenAI(base_url=session["base_url"], api_key="x") as client:
         logged_before = len(stack.engine_requests())
-        reply = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "pick"}], n=3,
-                                                     max_tokens=4)
+        reply = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "pick"}], n=3, max_tokens=4
+        )
         assert [c.index for c in reply.choices] == [0, 1, 2]
         assert reply.usage.completion_tokens == sum(
-            len(r["output_ids"]) for r in stack.engine_requests()[logged_before:])
+            len(r["output_ids"]) for r in stack.engine_requests()[logged_before:]
+        )
         # The agent continues with choice 1: that branch grows, the others stay one turn long.
-        messages = [{"role": "user", "content": "pick"}, reply_as_message(reply.choices[1].message),
-                    {"role": "user", "content": "go on"}]
+        messages = [
+            {"role": "user", "content": "pick"},
+            reply_as_message(reply.choices[1].message),
+            {"role": "user", "content": "go on"},
+        ]
         await client.chat.completions.create(model="m", messages=messages, max_tokens=4)
         samples = finish(stack, session)
         assert sorted(len(s.metadata["turns"]) for s in samples) == [1, 1, 2]
@@ -437,19 +484,22 @@ async def test_a_cut_distribution_records_each_tokens_kept_set(stack):
     client = openai.OpenAI(base_url=session["base_url"], api_key="anything")
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     first = client.chat.completions.create(model="policy", messages=messages, top_p=0.9, max_tokens=8)
-    messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                 {"role": "user", "content": "And tomorrow?"}]
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And tomorrow?"},
+    ]
     client.chat.completions.create(model="policy", messages=messages, top_p=0.9, max_tokens=8)
     client.close()
     samples = finish(stack, session)
     model = AutoModelForCausalLM.from_pretrained(stack.model, dtype=torch.float32)
     for sample in samples:
         with torch.no_grad():
-            probs = torch.softmax(model(torch.tensor([sample.tokens])).logits[0, sample.prompt_length - 1:-1], dim=-1)
+            probs = torch.softmax(model(torch.tensor([sample.tokens])).logits[0, sample.prompt_length - 1 : -1], dim=-1)
         kept = sample.kept_sets()
         assert kept is not None and len(kept) == sample.response_length
-        for i, (token, mask, row, recorded) in enumerate(zip(sample.response_tokens, sample.loss_mask, probs,
-                                                              sample.rollout_log_probs)):
+        for i, (token, mask, row, recorded) in enumerate(
+            zip(sample.response_tokens, sample.loss_mask, probs, sample.rollout_log_probs)
+        ):
             if not mask:
                 assert kept[i] == [] and recorded == 0.0
                 continue

@@ -12,9 +12,12 @@ from tests.rollout.proxy.conftest import Stack, start_stack
 from tests.rollout.proxy.test_agent_apis import (  # noqa: F401  (collected here, against this module's stack)
     test_anthropic_messages_conversation_is_recorded_token_for_token,
     test_responses_api_conversation_is_recorded_token_for_token,
-    test_the_same_conversation_gives_the_same_sample_through_all_three_apis)
+    test_the_same_conversation_gives_the_same_sample_through_all_three_apis,
+)
 from tests.rollout.proxy.test_recording import (  # noqa: F401
-    test_a_cut_distribution_records_each_tokens_kept_set, test_four_turn_tool_conversation_is_recorded_token_for_token)
+    test_a_cut_distribution_records_each_tokens_kept_set,
+    test_four_turn_tool_conversation_is_recorded_token_for_token,
+)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]  # a real SGLang server: left out of make test-fast
 

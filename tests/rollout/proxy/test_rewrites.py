@@ -47,23 +47,39 @@ def key(message: dict) -> tuple:
     return parsed.key
 
 
-RECORDED = key({"role": "assistant", "content": "Let me look.", "tool_calls": [
-    {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": '{"city": "Paris", "days": 2}'}}]})
+RECORDED = key(
+    {
+        "role": "assistant",
+        "content": "Let me look.",
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "lookup", "arguments": '{"city": "Paris", "days": 2}'},
+            }
+        ],
+    }
+)
 
 
 def smolagents_text(text: str, arguments) -> str:
-    return text + "\nCalling tools:\n" + str([{"id": "call_1", "type": "function",
-                                               "function": {"name": "lookup", "arguments": arguments}}])
+    return (
+        text
+        + "\nCalling tools:\n"
+        + str([{"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": arguments}}])
+    )
 
 
 def test_smolagents_rewrite_is_recognised_only_when_it_says_what_was_recorded():
     rewritten = smolagents_text("Let me look.", {"days": 2, "city": "Paris"})  # key order is not significant
     assert smolagents_tool_calls(RECORDED, key({"role": "assistant", "content": rewritten}))
-    for wrong in (smolagents_text("Let me look again.", {"city": "Paris", "days": 2}),  # other text
-                  smolagents_text("Let me look.", {"city": "Rome", "days": 2}),  # other arguments
-                  "Let me look.\nCalling tools:\n[{'id': 'call_1', 'type': 'function'",  # cut off
-                  "Let me look.\nCalling tools:\n__import__('os').system('true')",  # code: never evaluated
-                  "Let me look."):
+    for wrong in (
+        smolagents_text("Let me look again.", {"city": "Paris", "days": 2}),  # other text
+        smolagents_text("Let me look.", {"city": "Rome", "days": 2}),  # other arguments
+        "Let me look.\nCalling tools:\n[{'id': 'call_1', 'type': 'function'",  # cut off
+        "Let me look.\nCalling tools:\n__import__('os').system('true')",  # code: never evaluated
+        "Let me look.",
+    ):
         assert not smolagents_tool_calls(RECORDED, key({"role": "assistant", "content": wrong})), wrong
     assert not same(RECORDED, key({"role": "user", "content": rewritten}))
     assert same(RECORDED, RECORDED)
@@ -73,8 +89,9 @@ def test_smolagents_rewrite_is_recognised_only_when_it_says_what_was_recorded():
 def stack(tiny_model, procs):
     model = tiny_model()
     engine = procs.engine(model, "--log-requests")
-    proxy = procs.proxy(engine.url, model, "--proxy-api-key", "k",
-                        "--proxy-tool-parser-path", f"{__name__}:EveryReplyALookup")
+    proxy = procs.proxy(
+        engine.url, model, "--proxy-api-key", "k", "--proxy-tool-parser-path", f"{__name__}:EveryReplyALookup"
+    )
     return model, engine, proxy
 
 

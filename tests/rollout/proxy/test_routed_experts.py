@@ -28,8 +28,9 @@ def experts(record: str, spec: ModelSpec) -> np.ndarray:
 def test_a_three_turn_session_records_every_tokens_experts(module_procs, tiny_model):
     model = tiny_model("qwen3_moe")
     engine = module_procs.engine(model, "--enable-return-routed-experts")
-    proxy = module_procs.proxy(module_procs.routed(engine).url, model, "--proxy-api-key", "admin-key",
-                               "--return-routed-experts")
+    proxy = module_procs.proxy(
+        module_procs.routed(engine).url, model, "--proxy-api-key", "admin-key", "--return-routed-experts"
+    )
     session = httpx.post(proxy.url + "/sessions", json={}, headers=ADMIN).json()
     client = openai.OpenAI(base_url=session["base_url"], api_key="anything")
     messages = [{"role": "user", "content": "Tell me about the weather."}]
@@ -44,6 +45,9 @@ def test_a_three_turn_session_records_every_tokens_experts(module_procs, tiny_mo
     spec = ModelSpec.from_checkpoint(model)
     got = experts(sample.rollout_routed_experts, spec)
     assert got.shape == (len(sample.tokens) - 1, spec.num_layers, spec.moe_top_k)
-    whole = httpx.post(engine.url + "/generate", timeout=60, json={
-        "input_ids": sample.tokens, "return_routed_experts": True, "sampling_params": {"max_new_tokens": 1}}).json()
+    whole = httpx.post(
+        engine.url + "/generate",
+        timeout=60,
+        json={"input_ids": sample.tokens, "return_routed_experts": True, "sampling_params": {"max_new_tokens": 1}},
+    ).json()
     assert np.array_equal(got, experts(whole["meta_info"]["routed_experts"], spec)[: len(sample.tokens) - 1])

@@ -17,8 +17,9 @@ USER = [{"role": "user", "content": "hi"}]
 
 def chat(url: str, body, **kwargs) -> httpx.Response:
     if isinstance(body, (bytes, str)):
-        return httpx.post(url + "/chat/completions", content=body, headers={"content-type": "application/json"},
-                          **kwargs)
+        return httpx.post(
+            url + "/chat/completions", content=body, headers={"content-type": "application/json"}, **kwargs
+        )
     return httpx.post(url + "/chat/completions", json=body, **kwargs)
 
 
@@ -38,8 +39,12 @@ def test_one_session_cannot_read_or_write_another(stack):
     as_a = {"Authorization": f"Bearer {a['token']}"}
     proxy = stack.proxy.url
     assert chat(a["base_url"], {"messages": USER, "max_tokens": 2}).status_code == 200
-    for method, path, body in [("GET", "/samples", None), ("POST", "/reward", {"reward": 1.0}),
-                               ("POST", "/finish", None), ("GET", "", None)]:
+    for method, path, body in [
+        ("GET", "/samples", None),
+        ("POST", "/reward", {"reward": 1.0}),
+        ("POST", "/finish", None),
+        ("GET", "", None),
+    ]:
         response = httpx.request(method, f"{proxy}/sessions/{b['session_id']}{path}", json=body, headers=as_a)
         assert error_of(response, 403)["code"] == "wrong_session"
     error_of(chat(b["base_url"], {"messages": USER}, headers=as_a), 403)
@@ -47,13 +52,19 @@ def test_one_session_cannot_read_or_write_another(stack):
     for session in (a, b):
         assert httpx.get(f"{proxy}/sessions/{session['session_id']}", headers=ADMIN).json()["refused"] == []
     # The token route writes only to its own session.
-    assert httpx.post(proxy + "/v1/chat/completions", json={"messages": USER, "max_tokens": 2},
-                      headers=as_a).status_code == 200
+    assert (
+        httpx.post(proxy + "/v1/chat/completions", json={"messages": USER, "max_tokens": 2}, headers=as_a).status_code
+        == 200
+    )
     assert (turns_of(stack, a), turns_of(stack, b)) == (2, 0)
     # Unknown sessions and tokens, and session creation without the API key.
     error_of(chat(f"{proxy}/sessions/sess_nope/v1", {"messages": USER}), 404)
-    error_of(httpx.post(proxy + "/v1/chat/completions", json={"messages": USER},
-                        headers={"Authorization": "Bearer sk-guess"}), 401)
+    error_of(
+        httpx.post(
+            proxy + "/v1/chat/completions", json={"messages": USER}, headers={"Authorization": "Bearer sk-guess"}
+        ),
+        401,
+    )
     error_of(httpx.post(proxy + "/sessions", json={}), 401)
     error_of(httpx.get(f"{proxy}/sessions/{b['session_id']}/samples"), 401)  # an API key is configured
     assert a["session_id"] != b["session_id"] and len(a["token"]) > 40
@@ -75,25 +86,40 @@ def test_the_openai_sdk_works_with_only_the_token(stack):
         openai.OpenAI(base_url=stack.proxy.url + "/v1", api_key="sk-wrong", max_retries=0).models.list()
 
 
-@pytest.mark.parametrize("body, status, param, code", [
-    (b"{not json", 400, None, "invalid_json"),
-    ({"model": "m"}, 400, "messages", "missing_required_parameter"),
-    ({"messages": []}, 400, "messages", None),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.[0].role", "invalid_value"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400,
-     "messages.[0].content[0]", None),
-    ({"messages": USER + [{"role": "tool", "tool_call_id": "call_x", "content": "42"}]}, 400,
-     "messages.[1].tool_call_id", None),
-    ({"messages": [{"role": "user", "content": "word " * 5000}]}, 400, "messages", "context_length_exceeded"),
-    ({"messages": USER, "temperature": "hot"}, 400, "temperature", "invalid_type"),
-    ({"messages": USER, "top_p": 1.5}, 400, "top_p", "invalid_value"),
-    ({"messages": USER, "logit_bias": {"5": 10}}, 400, "logit_bias", "unsupported_parameter"),
-    ({"messages": USER, "frequency_penalty": 0.5}, 400, "frequency_penalty", "unsupported_parameter"),
-    ({"messages": USER, "tool_choice": "required", "tools": []}, 400, "tool_choice", "invalid_value"),
-    ({"messages": USER, "tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": TOOLS}, 400,
-     "tool_choice", "invalid_value"),
-    ({"messages": USER, "best_of_luck": 1}, 400, "best_of_luck", "unrecognized_argument"),
-])
+@pytest.mark.parametrize(
+    "body, status, param, code",
+    [
+        (b"{not json", 400, None, "invalid_json"),
+        ({"model": "m"}, 400, "messages", "missing_required_parameter"),
+        ({"messages": []}, 400, "messages", None),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.[0].role", "invalid_value"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            400,
+            "messages.[0].content[0]",
+            None,
+        ),
+        (
+            {"messages": USER + [{"role": "tool", "tool_call_id": "call_x", "content": "42"}]},
+            400,
+            "messages.[1].tool_call_id",
+            None,
+        ),
+        ({"messages": [{"role": "user", "content": "word " * 5000}]}, 400, "messages", "context_length_exceeded"),
+        ({"messages": USER, "temperature": "hot"}, 400, "temperature", "invalid_type"),
+        ({"messages": USER, "top_p": 1.5}, 400, "top_p", "invalid_value"),
+        ({"messages": USER, "logit_bias": {"5": 10}}, 400, "logit_bias", "unsupported_parameter"),
+        ({"messages": USER, "frequency_penalty": 0.5}, 400, "frequency_penalty", "unsupported_parameter"),
+        ({"messages": USER, "tool_choice": "required", "tools": []}, 400, "tool_choice", "invalid_value"),
+        (
+            {"messages": USER, "tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": TOOLS},
+            400,
+            "tool_choice",
+            "invalid_value",
+        ),
+        ({"messages": USER, "best_of_luck": 1}, 400, "best_of_luck", "unrecognized_argument"),
+    ],
+)
 def test_bad_input_is_a_clear_4xx_and_records_nothing(stack, body, status, param, code):
     session = new_session(stack)
     logged = len(stack.engine_requests())
@@ -105,9 +131,21 @@ def test_bad_input_is_a_clear_4xx_and_records_nothing(stack, body, status, param
 
 def test_neutral_and_ignored_parameters_of_agent_sdks_are_accepted(stack):
     session = new_session(stack)
-    body = {"messages": USER, "max_completion_tokens": 2, "user": "u1", "metadata": {"k": "v"}, "store": False,
-            "parallel_tool_calls": True, "service_tier": "auto", "frequency_penalty": 0, "presence_penalty": 0.0,
-            "logit_bias": {}, "response_format": {"type": "text"}, "stream_options": None, "model": "gpt-4o"}
+    body = {
+        "messages": USER,
+        "max_completion_tokens": 2,
+        "user": "u1",
+        "metadata": {"k": "v"},
+        "store": False,
+        "parallel_tool_calls": True,
+        "service_tier": "auto",
+        "frequency_penalty": 0,
+        "presence_penalty": 0.0,
+        "logit_bias": {},
+        "response_format": {"type": "text"},
+        "stream_options": None,
+        "model": "gpt-4o",
+    }
     response = chat(session["base_url"], body)
     assert response.status_code == 200, response.text
     assert response.json()["model"] == "gpt-4o" and response.json()["usage"]["completion_tokens"] == 2
@@ -120,8 +158,12 @@ def test_rewards_finish_and_session_overrides(stack):
     assert chat(session["base_url"], {"messages": USER, "max_tokens": 50}).json()["usage"]["completion_tokens"] == 3
     error_of(httpx.post(url + "/reward", content=b'{"reward": NaN}', headers=as_owner), 400)
     error_of(httpx.post(url + "/reward", json={"reward": "high"}, headers=as_owner), 400)  # a dict may hold any JSON
-    assert httpx.post(url + "/reward", json={"reward": {"acc": 1.0, "fmt": 0.5}, "finished": False},
-                      headers=as_owner).status_code == 200
+    assert (
+        httpx.post(
+            url + "/reward", json={"reward": {"acc": 1.0, "fmt": 0.5}, "finished": False}, headers=as_owner
+        ).status_code
+        == 200
+    )
     preview = httpx.get(url + "/samples", headers=as_owner).json()
     assert preview["finished"] is False and len(preview["samples"]) == 1
     (sample,) = [Sample.from_json(s) for s in httpx.post(url + "/finish", headers=as_owner).json()["samples"]]
@@ -131,8 +173,9 @@ def test_rewards_finish_and_session_overrides(stack):
     assert [Sample.from_json(s) for s in again] == [sample]  # idempotent
     assert error_of(chat(session["base_url"], {"messages": USER}), 409)["code"] == "session_finished"
     error_of(httpx.post(url + "/reward", json={"reward": 0.0}, headers=as_owner), 409)
-    error_of(httpx.post(stack.proxy.url + "/sessions", json={"sampling_params": {"temperature": -1}},
-                        headers=ADMIN), 400)
+    error_of(
+        httpx.post(stack.proxy.url + "/sessions", json={"sampling_params": {"temperature": -1}}, headers=ADMIN), 400
+    )
 
 
 def created(stack) -> float:
@@ -145,14 +188,22 @@ def created(stack) -> float:
 def test_a_batch_of_sessions_opens_all_or_none(stack):
     batch = stack.proxy.url + "/sessions/batch"
     before = created(stack)
-    body = {"sessions": [{"sample": {"group_index": i, "label": f"l{i}"}, "sampling_params": {"max_tokens": i + 1}}
-                         for i in range(3)]}
+    body = {
+        "sessions": [
+            {"sample": {"group_index": i, "label": f"l{i}"}, "sampling_params": {"max_tokens": i + 1}} for i in range(3)
+        ]
+    }
     response = httpx.post(batch, json=body, headers=ADMIN)
     assert response.status_code == 200, response.text
     sessions = response.json()["sessions"]
-    assert created(stack) == before + 3 and len({s["session_id"] for s in sessions} | {s["token"] for s in sessions}) == 6
+    assert (
+        created(stack) == before + 3 and len({s["session_id"] for s in sessions} | {s["token"] for s in sessions}) == 6
+    )
     for i, session in enumerate(sessions):  # in order: each answer is its own entry's session
-        assert chat(session["base_url"], {"messages": USER, "max_tokens": 50}).json()["usage"]["completion_tokens"] == i + 1
+        assert (
+            chat(session["base_url"], {"messages": USER, "max_tokens": 50}).json()["usage"]["completion_tokens"]
+            == i + 1
+        )
         (sample,) = finish(stack, session)
         assert (sample.group_index, sample.label) == (i, f"l{i}")
     # One bad entry opens none of them, and the error names it.
@@ -180,7 +231,9 @@ def test_idle_sessions_expire_into_kept_samples(module_procs, stack):
     metrics = httpx.get(proxy.url + "/metrics").text
     assert "inverted_proxy_sessions_expired_total 1.0" in metrics
     assert "inverted_proxy_turns_total 1.0" in metrics
-    assert 'inverted_proxy_rejected_total{route="/sessions/{session_id}/v1/chat/completions",status="409"} 1.0' in metrics
+    assert (
+        'inverted_proxy_rejected_total{route="/sessions/{session_id}/v1/chat/completions",status="409"} 1.0' in metrics
+    )
 
 
 def test_a_session_returns_whole_samples_of_the_task_it_was_opened_for(stack):
@@ -188,19 +241,31 @@ def test_a_session_returns_whole_samples_of_the_task_it_was_opened_for(stack):
     the caller), and ``only_last`` answers with the episode's Sample: the last branch."""
     task = {"group_index": 3, "index": 1, "prompt": "the task's prompt", "label": "x", "metadata": {"task": "t"}}
     session = new_session(stack, sample=task, metadata={"episode": "e"})
-    edited = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "an edited reply"},
-              {"role": "user", "content": "hello"}]
+    edited = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "an edited reply"},
+        {"role": "user", "content": "hello"},
+    ]
     for messages in ([{"role": "user", "content": "hi"}], edited):  # the second does not extend the first's
-        body = {"messages": messages, "max_tokens": 2}                   # reply: a second branch, of the same task
+        body = {"messages": messages, "max_tokens": 2}  # reply: a second branch, of the same task
         assert chat(session["base_url"], body).status_code == 200
-    response = httpx.post(f"{stack.proxy.url}/sessions/{session['session_id']}/finish", headers=ADMIN,
-                          json={"reward": 1.0, "only_last": True})
+    response = httpx.post(
+        f"{stack.proxy.url}/sessions/{session['session_id']}/finish",
+        headers=ADMIN,
+        json={"reward": 1.0, "only_last": True},
+    )
     (sample,) = [Sample.from_json(s) for s in response.json()["samples"]]
     assert (sample.group_index, sample.index, sample.label, sample.reward) == (3, 1, "x", 1.0)
     assert sample.prompt == edited  # what the policy saw, not the task's text
-    assert {k: sample.metadata[k] for k in ("task", "episode", "branch", "branches")} == \
-        {"task": "t", "episode": "e", "branch": 1, "branches": 2}
+    assert {k: sample.metadata[k] for k in ("task", "episode", "branch", "branches")} == {
+        "task": "t",
+        "episode": "e",
+        "branch": 1,
+        "branches": 2,
+    }
     assert len(finish(stack, session)) == 2  # every branch is still kept
     bad = {"sessions": [{"sample": {"group_index": "three"}}]}
-    assert error_of(httpx.post(stack.proxy.url + "/sessions/batch", json=bad, headers=ADMIN), 400)["param"] == \
-        "sessions[0].sample"
+    assert (
+        error_of(httpx.post(stack.proxy.url + "/sessions/batch", json=bad, headers=ADMIN), 400)["param"]
+        == "sessions[0].sample"
+    )

@@ -35,10 +35,12 @@ WEATHER = TOOLS[0]["function"]
 
 def conversation() -> list[dict]:
     call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-    return [{"role": "user", "content": QUESTION},
-            {"role": "assistant", "content": f"<think>\n{THOUGHTS[0]}\n</think>\n\n", "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": "c1", "content": RESULT},
-            {"role": "assistant", "content": f"<think>\n{THOUGHTS[1]}\n</think>\n\n{ANSWER}"}]
+    return [
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": f"<think>\n{THOUGHTS[0]}\n</think>\n\n", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": RESULT},
+        {"role": "assistant", "content": f"<think>\n{THOUGHTS[1]}\n</think>\n\n{ANSWER}"},
+    ]
 
 
 def always_thinking_template(model: Path, out: Path) -> Path:
@@ -71,8 +73,9 @@ def thinker(request, taught, module_procs, tmp_path_factory) -> Stack:
 
 
 def opened(stack: Stack) -> dict:
-    return httpx.post(stack.proxy.url + "/sessions", json={"sampling_params": {"temperature": 0, "max_tokens": 64}},
-                      headers=ADMIN).json()
+    return httpx.post(
+        stack.proxy.url + "/sessions", json={"sampling_params": {"temperature": 0, "max_tokens": 64}}, headers=ADMIN
+    ).json()
 
 
 def finished(stack: Stack, session: dict) -> Sample:
@@ -95,10 +98,17 @@ def chat(stack: Stack, *, stream: bool, send_back: bool) -> Sample:
                     reasoning += getattr(delta, "reasoning_content", None) or ""
                     content += delta.content or ""
                     for c in delta.tool_calls or []:
-                        calls[c.index] = {"id": c.id, "type": "function",
-                                          "function": {"name": c.function.name, "arguments": c.function.arguments}}
-            reply = {"role": "assistant", "content": content or None, "reasoning_content": reasoning,
-                     **({"tool_calls": list(calls.values())} if calls else {})}
+                        calls[c.index] = {
+                            "id": c.id,
+                            "type": "function",
+                            "function": {"name": c.function.name, "arguments": c.function.arguments},
+                        }
+            reply = {
+                "role": "assistant",
+                "content": content or None,
+                "reasoning_content": reasoning,
+                **({"tool_calls": list(calls.values())} if calls else {}),
+            }
         else:
             message = client.chat.completions.create(model="qwen3", messages=messages, tools=TOOLS).choices[0].message
             reply = message.model_dump(exclude_none=True, exclude={"refusal", "annotations", "audio", "function_call"})
@@ -118,8 +128,14 @@ def chat(stack: Stack, *, stream: bool, send_back: bool) -> Sample:
 def responses(stack: Stack, *, stream: bool) -> Sample:
     session = opened(stack)
     client = openai.OpenAI(base_url=session["base_url"], api_key="x", max_retries=0)
-    tools = [{"type": "function", "name": WEATHER["name"], "description": WEATHER["description"],
-              "parameters": WEATHER["parameters"]}]
+    tools = [
+        {
+            "type": "function",
+            "name": WEATHER["name"],
+            "description": WEATHER["description"],
+            "parameters": WEATHER["parameters"],
+        }
+    ]
     history: list = [{"role": "user", "content": QUESTION}]
     kwargs = {"model": "qwen3", "tools": tools, "include": ["reasoning.encrypted_content"], "store": False}
     for turn in range(2):
@@ -148,14 +164,21 @@ def messages(stack: Stack, *, stream: bool) -> Sample:
     client = anthropic.Anthropic(base_url=session["base_url"].removesuffix("/v1"), api_key="x", max_retries=0)
     tools = [{"name": WEATHER["name"], "description": WEATHER["description"], "input_schema": WEATHER["parameters"]}]
     history: list = [{"role": "user", "content": QUESTION}]
-    kwargs = {"model": "claude-opus-5-5", "max_tokens": 64, "tools": tools,
-              "thinking": {"type": "enabled", "budget_tokens": 1024}}
+    kwargs = {
+        "model": "claude-opus-5-5",
+        "max_tokens": 64,
+        "tools": tools,
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+    }
     for turn in range(2):
         if stream:
             with client.messages.stream(messages=history, **kwargs) as events:
                 kinds = [(event.type, getattr(getattr(event, "delta", None), "type", None)) for event in events]
                 reply = events.get_final_message()
-            assert ("content_block_delta", "thinking_delta") in kinds and ("content_block_delta", "signature_delta") in kinds
+            assert ("content_block_delta", "thinking_delta") in kinds and (
+                "content_block_delta",
+                "signature_delta",
+            ) in kinds
         else:
             reply = client.messages.create(messages=history, **kwargs)
         thinking = reply.content[0]
@@ -164,8 +187,9 @@ def messages(stack: Stack, *, stream: bool) -> Sample:
         if turn == 0:
             use = reply.content[1]
             assert use.type == "tool_use" and use.input == {"city": "Paris"} and reply.stop_reason == "tool_use"
-            history.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
-                                                         "content": RESULT}]})
+            history.append(
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": RESULT}]}
+            )
         else:
             assert reply.content[1].text == ANSWER
     sample = finished(stack, session)
@@ -176,22 +200,36 @@ def messages(stack: Stack, *, stream: bool) -> Sample:
 def gemini(stack: Stack, *, stream: bool) -> Sample:
     session = opened(stack)
     base = session["base_url"].removesuffix("/v1")
-    tools = [{"functionDeclarations": [{"name": WEATHER["name"], "description": WEATHER["description"],
-                                        "parametersJsonSchema": WEATHER["parameters"]}]}]
+    tools = [
+        {
+            "functionDeclarations": [
+                {
+                    "name": WEATHER["name"],
+                    "description": WEATHER["description"],
+                    "parametersJsonSchema": WEATHER["parameters"],
+                }
+            ]
+        }
+    ]
     contents: list = [{"role": "user", "parts": [{"text": QUESTION}]}]
     for turn in range(2):
         body = {"contents": contents, "tools": tools, "generationConfig": {"thinkingConfig": {"includeThoughts": True}}}
         parts = generate(base, body, stream=stream)["candidates"][0]["content"]["parts"]
         if stream:  # the helper joins every text; the thought chunks come first, marked
             parts = [{"text": THOUGHTS[turn], "thought": True}] + [
-                p if "functionCall" in p else {"text": p["text"].removeprefix(THOUGHTS[turn])} for p in parts]
+                p if "functionCall" in p else {"text": p["text"].removeprefix(THOUGHTS[turn])} for p in parts
+            ]
             parts = [p for p in parts if p.get("text") != ""]
         assert parts[0] == {"text": THOUGHTS[turn], "thought": True}
         contents.append({"role": "model", "parts": parts})
         if turn == 0:
             assert parts[1]["functionCall"] == {"name": "get_weather", "args": {"city": "Paris"}}
-            contents.append({"role": "user", "parts": [{"functionResponse": {"name": "get_weather",
-                                                                              "response": {"output": RESULT}}}]})
+            contents.append(
+                {
+                    "role": "user",
+                    "parts": [{"functionResponse": {"name": "get_weather", "response": {"output": RESULT}}}],
+                }
+            )
         else:
             assert parts[1] == {"text": ANSWER}
     return finished(stack, session)
@@ -202,8 +240,12 @@ def test_every_api_returns_the_reasoning_in_its_own_shape_and_takes_it_back_into
     reference = chat(thinker, stream=False, send_back=True)
     assert "<think>" in thinker_text(thinker, reference)
     check_exact(reference, thinker.engine_requests())
-    for sample in (chat(thinker, stream=stream, send_back=False), responses(thinker, stream=stream),
-                   messages(thinker, stream=stream), gemini(thinker, stream=stream)):
+    for sample in (
+        chat(thinker, stream=stream, send_back=False),
+        responses(thinker, stream=stream),
+        messages(thinker, stream=stream),
+        gemini(thinker, stream=stream),
+    ):
         assert sample.tokens == reference.tokens and sample.loss_mask == reference.loss_mask
 
 
@@ -224,11 +266,18 @@ def test_a_reply_cut_inside_its_reasoning_is_all_reasoning(thinker):
 def test_reasoning_signed_elsewhere_is_rendered_as_plain_reasoning_and_said(thinker):
     session = opened(thinker)
     client = anthropic.Anthropic(base_url=session["base_url"].removesuffix("/v1"), api_key="x", max_retries=0)
-    history = [{"role": "user", "content": "Hi"},
-               {"role": "assistant", "content": [{"type": "thinking", "thinking": "Greet back.", "signature": "Eu8B"},
-                                                 {"type": "redacted_thinking", "data": "EmwKAh"},
-                                                 {"type": "text", "text": "Hello!"}]},
-               {"role": "user", "content": QUESTION}]
+    history = [
+        {"role": "user", "content": "Hi"},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": "Greet back.", "signature": "Eu8B"},
+                {"type": "redacted_thinking", "data": "EmwKAh"},
+                {"type": "text", "text": "Hello!"},
+            ],
+        },
+        {"role": "user", "content": QUESTION},
+    ]
     client.messages.create(model="claude-opus-5-5", max_tokens=8, messages=history)
     answer = httpx.post(f"{thinker.proxy.url}/sessions/{session['session_id']}/finish", headers=ADMIN).json()
     (sample,) = [Sample.from_json(s) for s in answer["samples"]]
@@ -249,12 +298,27 @@ def test_the_anthropic_typescript_sdk_parses_every_thinking_event(thinker):
     if not sdk.exists():
         pytest.fail(f"{sdk} is missing: `make harnesses` installs the Anthropic TypeScript SDK (make test does)")
     session = opened(thinker)
-    body = {"model": "claude-opus-5-5", "max_tokens": 64, "messages": [{"role": "user", "content": QUESTION}],
-            "tools": [{"name": WEATHER["name"], "description": WEATHER["description"],
-                       "input_schema": WEATHER["parameters"]}], "thinking": {"type": "enabled", "budget_tokens": 1024}}
-    done = subprocess.run(["node", str(Path(__file__).with_name("anthropic_ts_stream.js")),
-                           session["base_url"].removesuffix("/v1"), json.dumps(body)], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "NODE_PATH": str(HARNESSES.parent)})
+    body = {
+        "model": "claude-opus-5-5",
+        "max_tokens": 64,
+        "messages": [{"role": "user", "content": QUESTION}],
+        "tools": [
+            {"name": WEATHER["name"], "description": WEATHER["description"], "input_schema": WEATHER["parameters"]}
+        ],
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+    }
+    done = subprocess.run(
+        [
+            "node",
+            str(Path(__file__).with_name("anthropic_ts_stream.js")),
+            session["base_url"].removesuffix("/v1"),
+            json.dumps(body),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "NODE_PATH": str(HARNESSES.parent)},
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     lines = [json.loads(line) for line in done.stdout.splitlines()]
     deltas = {line["delta"] for line in lines if line.get("event") == "content_block_delta"}

@@ -26,13 +26,28 @@ from inverted.rollout.chat import THINK_CLOSE, THINK_OPEN, Message, ParsedReply,
 from inverted.rollout.proxy.hosted import Ask, HostedCall, Round
 
 NUMERIC = {  # name: (type, low, high) for implemented scalar parameters
-    "temperature": (float, 0.0, 2.0), "top_p": (float, 0.0, 1.0), "n": (int, 1, 16), "seed": (int, None, None),
-    "max_tokens": (int, 1, None), "max_completion_tokens": (int, 1, None), "max_output_tokens": (int, 1, None),
-    "top_logprobs": (int, 0, 20), "top_k": (int, -1, None), "min_p": (float, 0.0, 1.0),
-    "repetition_penalty": (float, 0.0, 2.0), "min_tokens": (int, 0, None),
+    "temperature": (float, 0.0, 2.0),
+    "top_p": (float, 0.0, 1.0),
+    "n": (int, 1, 16),
+    "seed": (int, None, None),
+    "max_tokens": (int, 1, None),
+    "max_completion_tokens": (int, 1, None),
+    "max_output_tokens": (int, 1, None),
+    "top_logprobs": (int, 0, 20),
+    "top_k": (int, -1, None),
+    "min_p": (float, 0.0, 1.0),
+    "repetition_penalty": (float, 0.0, 2.0),
+    "min_tokens": (int, 0, None),
 }
-ENGINE_NAMES = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                "repetition_penalty": "repetition_penalty", "min_tokens": "min_new_tokens", "seed": "sampling_seed"}
+ENGINE_NAMES = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "min_tokens": "min_new_tokens",
+    "seed": "sampling_seed",
+}
 # What a session's ``sampling_params`` may set for every call of the session, whatever its API.
 OVERRIDES = set(ENGINE_NAMES) | {"stop", "max_tokens", "max_completion_tokens"}
 
@@ -157,19 +172,24 @@ def failure(exc: Exception) -> Failure:
     """What to answer for an error a call raised."""
     if isinstance(exc, InvalidRequest):
         kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}.get(
-            exc.status, "invalid_request_error")
+            exc.status, "invalid_request_error"
+        )
         return Failure(exc.status, kind, str(exc), exc.param, exc.code)
     if isinstance(exc, ServiceError) and exc.status is not None and 400 <= exc.status < 500:
         # The engine refused what we sent (e.g. a sampling value it does not support): the caller's request.
         message = exc.body
         try:
             body = json.loads(exc.body)
-            message = (body.get("error") or {}).get("message") if isinstance(body.get("error"), dict) \
+            message = (
+                (body.get("error") or {}).get("message")
+                if isinstance(body.get("error"), dict)
                 else body.get("message") or body.get("error") or exc.body
+            )
         except (ValueError, AttributeError):
             pass
-        return Failure(400, "invalid_request_error", f"the rollout server rejected the request: {message}",
-                       code="engine_rejected")
+        return Failure(
+            400, "invalid_request_error", f"the rollout server rejected the request: {message}", code="engine_rejected"
+        )
     return Failure(503, "server_error", f"rollout servers unavailable: {exc}", code="unavailable")
 
 
@@ -189,8 +209,10 @@ def signed(reasoning: str, signature: Any) -> bool:
     return isinstance(signature, str) and hmac.compare_digest(signature, sign(reasoning))
 
 
-FOREIGN_REASONING = ("reasoning signed elsewhere (a conversation begun on another service, or before this proxy "
-                     "restarted) is rendered as the message's reasoning, as plain text")
+FOREIGN_REASONING = (
+    "reasoning signed elsewhere (a conversation begun on another service, or before this proxy "
+    "restarted) is rendered as the message's reasoning, as plain text"
+)
 
 
 class ReasoningStream:
@@ -208,17 +230,17 @@ class ReasoningStream:
         if THINK_OPEN.startswith(stripped) and len(stripped) < len(THINK_OPEN):
             return []  # maybe a <think> yet
         if stripped.startswith(THINK_OPEN):
-            inner, closed, rest = stripped[len(THINK_OPEN):].partition(THINK_CLOSE)
+            inner, closed, rest = stripped[len(THINK_OPEN) :].partition(THINK_CLOSE)
             if closed:
                 parts = {True: inner.strip("\n"), False: rest.lstrip("\n")}
             else:
                 held = next((k for k in range(len(THINK_CLOSE) - 1, 0, -1) if inner.endswith(THINK_CLOSE[:k])), 0)
-                parts = {True: inner[:len(inner) - held].lstrip("\n").rstrip("\n"), False: ""}
+                parts = {True: inner[: len(inner) - held].lstrip("\n").rstrip("\n"), False: ""}
         else:
             parts = {True: "", False: self.text}
         out = []
         for reasoning in (True, False):
-            new = parts[reasoning][self.sent[reasoning]:]
+            new = parts[reasoning][self.sent[reasoning] :]
             if new:
                 out.append((reasoning, new))
                 self.sent[reasoning] += len(new)
@@ -234,16 +256,21 @@ def reasoning_of(content: str | None) -> tuple[str | None, str | None]:
 
 # ---- checks every API shares ----------------------------------------------------------------
 
-MAX_TOKENS_REASON = ("the reply's limit is past the context left after the prompt: it may use what is left, as "
-                     "the API answers when the reply reaches it")
+MAX_TOKENS_REASON = (
+    "the reply's limit is past the context left after the prompt: it may use what is left, as "
+    "the API answers when the reply reaches it"
+)
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
 def effort(value: Any, param: str) -> bool:
     """Whether a reasoning effort asks for thinking: ``none`` is off, any other level on."""
     if value not in EFFORTS:
-        raise InvalidRequest(f"Invalid value for '{param}': {value!r}; expected one of {list(EFFORTS)}", param=param,
-                             code="invalid_value")
+        raise InvalidRequest(
+            f"Invalid value for '{param}': {value!r}; expected one of {list(EFFORTS)}",
+            param=param,
+            code="invalid_value",
+        )
     return value != "none"
 
 
@@ -277,40 +304,55 @@ def thinking_switch(req: CallRequest, body: dict[str, Any]) -> None:
     if thinking is not None:
         kind = thinking.get("type") if isinstance(thinking, dict) else None
         if kind not in ("enabled", "disabled", "auto"):
-            raise InvalidRequest(f"Invalid value for 'thinking': {thinking!r}; expected {{'type': 'enabled' | "
-                                 "'disabled' | 'auto'}", param="thinking", code="invalid_value")
+            raise InvalidRequest(
+                f"Invalid value for 'thinking': {thinking!r}; expected {{'type': 'enabled' | 'disabled' | 'auto'}}",
+                param="thinking",
+                code="invalid_value",
+            )
         asked.append(("thinking", kind != "disabled"))
         if thinking.get("budget_tokens") is not None:
             req.accepted["thinking.budget_tokens"] = OPENROUTER_REASONS["max_tokens"]
     if body.get("enable_thinking") is not None:
         if not isinstance(body["enable_thinking"], bool):
-            raise InvalidRequest("Invalid type for 'enable_thinking': expected a boolean", param="enable_thinking",
-                                 code="invalid_type")
+            raise InvalidRequest(
+                "Invalid type for 'enable_thinking': expected a boolean", param="enable_thinking", code="invalid_type"
+            )
         asked.append(("enable_thinking", body["enable_thinking"]))
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None:
         if not isinstance(kwargs, dict):
-            raise InvalidRequest("'chat_template_kwargs' must be an object", param="chat_template_kwargs",
-                                 code="invalid_type")
+            raise InvalidRequest(
+                "'chat_template_kwargs' must be an object", param="chat_template_kwargs", code="invalid_type"
+            )
         for key, value in kwargs.items():
             if key not in ("enable_thinking", "thinking") or not isinstance(value, bool):
-                raise InvalidRequest(f"'chat_template_kwargs.{key}' = {value!r} is not supported by this server: it "
-                                     "would change the prompt (supported: enable_thinking or thinking, a boolean)",
-                                     param=f"chat_template_kwargs.{key}", code="unsupported_parameter")
+                raise InvalidRequest(
+                    f"'chat_template_kwargs.{key}' = {value!r} is not supported by this server: it "
+                    "would change the prompt (supported: enable_thinking or thinking, a boolean)",
+                    param=f"chat_template_kwargs.{key}",
+                    code="unsupported_parameter",
+                )
             asked.append((f"chat_template_kwargs.{key}", value))
     reasoning = body.get("reasoning")
     if reasoning is not None:
         if not isinstance(reasoning, dict) or set(reasoning) - {"effort", "enabled", *OPENROUTER_REASONS}:
-            raise InvalidRequest(f"Invalid value for 'reasoning': {reasoning!r}; expected OpenRouter's {{effort, "
-                                 "enabled, max_tokens, exclude}", param="reasoning", code="invalid_value")
+            raise InvalidRequest(
+                f"Invalid value for 'reasoning': {reasoning!r}; expected OpenRouter's {{effort, "
+                "enabled, max_tokens, exclude}",
+                param="reasoning",
+                code="invalid_value",
+            )
         if reasoning.get("effort") is not None:
             asked.append(("reasoning.effort", effort(reasoning["effort"], "reasoning.effort")))
         if reasoning.get("enabled") is not None:
             asked.append(("reasoning.enabled", bool(reasoning["enabled"])))
         accept(req.accepted, reasoning, OPENROUTER_REASONS, "reasoning.")
     if len({on for _, on in asked}) > 1:
-        raise InvalidRequest(f"thinking switches disagree: {', '.join(f'{k}={v}' for k, v in asked)}",
-                             param=asked[0][0], code="invalid_value")
+        raise InvalidRequest(
+            f"thinking switches disagree: {', '.join(f'{k}={v}' for k, v in asked)}",
+            param=asked[0][0],
+            code="invalid_value",
+        )
     if asked:
         req.thinking = (tuple(k for k, _ in asked), asked[0][1])
 
@@ -326,8 +368,11 @@ def number(name: str, value: Any, bounds: tuple[type, float | None, float | None
     kind, low, high = bounds or NUMERIC[name]
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (kind is float or isinstance(value, int))
     if not ok:
-        raise InvalidRequest(f"Invalid type for '{name}': expected {'a number' if kind is float else 'an integer'}, "
-                             f"got {value!r}", param=name, code="invalid_type")
+        raise InvalidRequest(
+            f"Invalid type for '{name}': expected {'a number' if kind is float else 'an integer'}, got {value!r}",
+            param=name,
+            code="invalid_type",
+        )
     if (low is not None and value < low) or (high is not None and value > high):
         bounds_ = f"at least {low}" if high is None else f"between {low} and {high}"
         raise InvalidRequest(f"Invalid '{name}': {value!r} must be {bounds_}", param=name, code="invalid_value")
@@ -365,8 +410,9 @@ def first_stop(text: str, stop_strings: list[str]) -> str | None:
     return min(found)[1] if found else None
 
 
-def forced_call(mode: str, name: str | None, tools: list[dict[str, Any]] | None,
-                param: str = "tool_choice") -> str | None:
+def forced_call(
+    mode: str, name: str | None, tools: list[dict[str, Any]] | None, param: str = "tool_choice"
+) -> str | None:
     """A tool choice (``none``, ``auto``, ``required`` or ``named``) as ``CallRequest.force_call``.
 
     ``required`` with a single tool is that tool named: the only call the model may make, so its
@@ -375,11 +421,17 @@ def forced_call(mode: str, name: str | None, tools: list[dict[str, Any]] | None,
         return None
     names = [t["function"]["name"] for t in tools or []]
     if not names:
-        raise InvalidRequest(f"Invalid value for '{param}': '{param}' is only allowed when 'tools' are specified",
-                             param=param, code="invalid_value")
+        raise InvalidRequest(
+            f"Invalid value for '{param}': '{param}' is only allowed when 'tools' are specified",
+            param=param,
+            code="invalid_value",
+        )
     if mode == "named" and name not in names:
-        raise InvalidRequest(f"Invalid value for '{param}': no tool named {name!r} in 'tools' ({names})", param=param,
-                             code="invalid_value")
+        raise InvalidRequest(
+            f"Invalid value for '{param}': no tool named {name!r} in 'tools' ({names})",
+            param=param,
+            code="invalid_value",
+        )
     if mode == "required" and len(names) == 1:
         return names[0]
     return name if mode == "named" else ""
@@ -427,8 +479,11 @@ def apply_overrides(req: CallRequest, overrides: dict[str, Any]) -> None:
 def check_overrides(overrides: dict[str, Any]) -> None:
     unknown = sorted(set(overrides) - OVERRIDES)
     if unknown:
-        raise InvalidRequest(f"{unknown[0]!r} cannot be set for a whole session; these can: {sorted(OVERRIDES)}",
-                             param=unknown[0], code="unrecognized_argument")
+        raise InvalidRequest(
+            f"{unknown[0]!r} cannot be set for a whole session; these can: {sorted(OVERRIDES)}",
+            param=unknown[0],
+            code="unrecognized_argument",
+        )
     for name in ("max_tokens", "max_completion_tokens"):
         if overrides.get(name) is not None:
             number(name, overrides[name])

@@ -44,11 +44,28 @@ REASONS = {
     "labels": "the caller's own billing tags; nothing is sampled from them",
     "model": "the model is the one the path names",
 }
-GENERATION = {"temperature", "topP", "topK", "maxOutputTokens", "stopSequences", "seed", "candidateCount",
-              "responseMimeType", "responseSchema", "responseJsonSchema", "thinkingConfig"}
+GENERATION = {
+    "temperature",
+    "topP",
+    "topK",
+    "maxOutputTokens",
+    "stopSequences",
+    "seed",
+    "candidateCount",
+    "responseMimeType",
+    "responseSchema",
+    "responseJsonSchema",
+    "thinkingConfig",
+}
 GENERATION_NEUTRAL: dict[str, tuple] = {
-    "presencePenalty": (0, 0.0, None), "frequencyPenalty": (0, 0.0, None), "responseModalities": (["TEXT"], None),
-    "responseLogprobs": (False, None), "logprobs": (None, 0), "mediaResolution": (None,), "speechConfig": (None,)}
+    "presencePenalty": (0, 0.0, None),
+    "frequencyPenalty": (0, 0.0, None),
+    "responseModalities": (["TEXT"], None),
+    "responseLogprobs": (False, None),
+    "logprobs": (None, 0),
+    "mediaResolution": (None,),
+    "speechConfig": (None,),
+}
 THINKING_REASONS = {
     "thinkingBudget": "a thinking budget is not enforced: maxOutputTokens bounds the whole reply",
     "thinkingLevel": "a thinking level tunes how many tokens a hosted model spends; the prompt is as sent",
@@ -56,11 +73,23 @@ THINKING_REASONS = {
 PART_REASONS = {
     "thoughtSignature": "a signature of a hosted model's thoughts; no thought is rendered from it",
 }
-HOSTED_TOOLS = {"googleSearch": "web_search", "googleSearchRetrieval": "web_search", "urlContext": "web_fetch",
-                "codeExecution": "code_interpreter"}
+HOSTED_TOOLS = {
+    "googleSearch": "web_search",
+    "googleSearchRetrieval": "web_search",
+    "urlContext": "web_fetch",
+    "codeExecution": "code_interpreter",
+}
 FINISH = {"stop": "STOP", "tool_calls": "STOP", "length": "MAX_TOKENS"}
-STATUS = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
-          409: "ABORTED", 413: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE"}
+STATUS = {
+    400: "INVALID_ARGUMENT",
+    401: "UNAUTHENTICATED",
+    403: "PERMISSION_DENIED",
+    404: "NOT_FOUND",
+    409: "ABORTED",
+    413: "INVALID_ARGUMENT",
+    429: "RESOURCE_EXHAUSTED",
+    503: "UNAVAILABLE",
+}
 
 
 def parse(body: Any, session: Any = None, *, stream: bool = False) -> CallRequest:
@@ -76,29 +105,49 @@ def parse(body: Any, session: Any = None, *, stream: bool = False) -> CallReques
     config = _object(body.get("generationConfig"), "generationConfig")
     for key, value in config.items():
         if key in GENERATION_NEUTRAL and value not in GENERATION_NEUTRAL[key]:
-            raise InvalidRequest(f"generationConfig.{key} = {value!r} is not supported by this server: it would "
-                                 f"change what is sampled (accepted: {list(GENERATION_NEUTRAL[key])})",
-                                 param=f"generationConfig.{key}")
+            raise InvalidRequest(
+                f"generationConfig.{key} = {value!r} is not supported by this server: it would "
+                f"change what is sampled (accepted: {list(GENERATION_NEUTRAL[key])})",
+                param=f"generationConfig.{key}",
+            )
         if key not in GENERATION and key not in GENERATION_NEUTRAL:
-            raise InvalidRequest(f'Invalid JSON payload received. Unknown name "{key}" at \'generation_config\': '
-                                 "Cannot find field.", param=f"generationConfig.{key}")
+            raise InvalidRequest(
+                f"Invalid JSON payload received. Unknown name \"{key}\" at 'generation_config': Cannot find field.",
+                param=f"generationConfig.{key}",
+            )
     mode, names = _tool_config(body.get("toolConfig"))
     accepted: dict[str, str] = {}
     messages = _system(body.get("systemInstruction")) + _contents(body["contents"], accepted)
-    sampling = call.sampling({"temperature": config.get("temperature"), "top_p": config.get("topP"),
-                              "top_k": config.get("topK"), "seed": config.get("seed")})
+    sampling = call.sampling(
+        {
+            "temperature": config.get("temperature"),
+            "top_p": config.get("topP"),
+            "top_k": config.get("topK"),
+            "seed": config.get("seed"),
+        }
+    )
     found = call.stops(config.get("stopSequences"), "generationConfig.stopSequences", most=5)
     if found:
         sampling["stop"] = found
     n = config.get("candidateCount") or 1
     if config.get("maxOutputTokens") is not None:
         call.number("max_tokens", config["maxOutputTokens"])
-    req = CallRequest(kind="chat", model=None, messages=messages, prompt=None, tools=declared or None,
-                      parse_tools=bool(declared or asks) and mode != "none", stream=stream,
-                      max_tokens=config.get("maxOutputTokens"), max_tokens_field="generationConfig.maxOutputTokens",
-                      sampling=sampling, n=call.number("n", n),
-                      force_call=call.forced_call(mode, names[0] if len(names) == 1 else None, declared,
-                                                  "toolConfig"), hosted=asks, accepted=accepted)
+    req = CallRequest(
+        kind="chat",
+        model=None,
+        messages=messages,
+        prompt=None,
+        tools=declared or None,
+        parse_tools=bool(declared or asks) and mode != "none",
+        stream=stream,
+        max_tokens=config.get("maxOutputTokens"),
+        max_tokens_field="generationConfig.maxOutputTokens",
+        sampling=sampling,
+        n=call.number("n", n),
+        force_call=call.forced_call(mode, names[0] if len(names) == 1 else None, declared, "toolConfig"),
+        hosted=asks,
+        accepted=accepted,
+    )
     call.constrain(req, _schema(config), "generationConfig.responseSchema")
     call.accept(req.accepted, body, REASONS)
     thinking = _object(config.get("thinkingConfig"), "generationConfig.thinkingConfig")
@@ -107,8 +156,12 @@ def parse(body: Any, session: Any = None, *, stream: bool = False) -> CallReques
         if budget is not None:
             call.number("thinkingBudget", budget, (int, -1, None))
             req.thinking = (("generationConfig.thinkingConfig.thinkingBudget",), budget != 0)
-        call.accept(req.accepted, {k: v for k, v in thinking.items() if k != "thinkingBudget" or budget != 0},
-                    THINKING_REASONS, "generationConfig.thinkingConfig.")
+        call.accept(
+            req.accepted,
+            {k: v for k, v in thinking.items() if k != "thinkingBudget" or budget != 0},
+            THINKING_REASONS,
+            "generationConfig.thinkingConfig.",
+        )
     req.echo = {"thoughts": thinking.get("includeThoughts") is True}
     return req
 
@@ -182,8 +235,9 @@ def _contents(contents: list, accepted: dict[str, str]) -> list[Message]:
         content = _object(content, where)
         role = content.get("role", "user")
         if role not in ("user", "model", "function"):
-            raise InvalidRequest(f"Please use a valid role: user, model. ({where}.role: {role!r})",
-                                 param=f"{where}.role")
+            raise InvalidRequest(
+                f"Please use a valid role: user, model. ({where}.role: {role!r})", param=f"{where}.role"
+            )
         texts: list[str] = []
         thought: list[str] = []
         calls: list[ToolCall] = []
@@ -201,22 +255,40 @@ def _contents(contents: list, accepted: dict[str, str]) -> list[Message]:
                 made = part["functionCall"]
                 if not isinstance(made.get("name"), str):
                     raise InvalidRequest(f"{at}.functionCall: a function call needs a 'name'", param=at)
-                calls.append(ToolCall(id=made.get("id") or new_call_id(), name=made["name"],
-                                      arguments=json.dumps(made.get("args") or {})))
+                calls.append(
+                    ToolCall(
+                        id=made.get("id") or new_call_id(),
+                        name=made["name"],
+                        arguments=json.dumps(made.get("args") or {}),
+                    )
+                )
             elif isinstance(part.get("functionResponse"), dict) and role in ("user", "function"):
                 if texts:
                     messages.append(Message(role="user", content="".join(texts)))
                     texts = []
                 answered = part["functionResponse"]
-                messages.append(Message(role="tool", content=_response_text(answered.get("response"), at),
-                                        tool_call_id=answered.get("id") or answered.get("name")))
+                messages.append(
+                    Message(
+                        role="tool",
+                        content=_response_text(answered.get("response"), at),
+                        tool_call_id=answered.get("id") or answered.get("name"),
+                    )
+                )
             else:
                 kinds = sorted(k for k in part if k not in PART_REASONS)
-                raise InvalidRequest(f"{at}: parts of kind {kinds} are not supported in {role} turns here (text, "
-                                     "functionCall from the model, functionResponse from the user)", param=at)
+                raise InvalidRequest(
+                    f"{at}: parts of kind {kinds} are not supported in {role} turns here (text, "
+                    "functionCall from the model, functionResponse from the user)",
+                    param=at,
+                )
         if texts or calls or thought:
-            messages.append(Message(role="assistant" if role == "model" else "user",
-                                    content=join_reasoning("".join(thought), "".join(texts)), tool_calls=tuple(calls)))
+            messages.append(
+                Message(
+                    role="assistant" if role == "model" else "user",
+                    content=join_reasoning("".join(thought), "".join(texts)),
+                    tool_calls=tuple(calls),
+                )
+            )
     if not messages:
         raise InvalidRequest("* GenerateContentRequest.contents: contents holds no text", param="contents")
     return messages
@@ -243,13 +315,17 @@ def _tools(raw: Any) -> tuple[list[dict[str, Any]], list[hosted.Ask]]:
                     parameters = fn.get("parametersJsonSchema")
                     if parameters is None and fn.get("parameters") is not None:
                         parameters = json_schema(fn["parameters"])
-                    functions.append(call.function_tool(fn.get("name"), fn.get("description"), parameters,
-                                                        f"{where}[{j}]"))
+                    functions.append(
+                        call.function_tool(fn.get("name"), fn.get("description"), parameters, f"{where}[{j}]")
+                    )
             elif key in HOSTED_TOOLS:
                 asks.append(hosted.Ask(HOSTED_TOOLS[key], where, len(functions)))
             else:
-                raise InvalidRequest(f"{where}: tools of kind {key!r} are not supported here (functionDeclarations, "
-                                     f"and the hosted {', '.join(HOSTED_TOOLS)})", param=where)
+                raise InvalidRequest(
+                    f"{where}: tools of kind {key!r} are not supported here (functionDeclarations, "
+                    f"and the hosted {', '.join(HOSTED_TOOLS)})",
+                    param=where,
+                )
     return functions, asks
 
 
@@ -271,30 +347,39 @@ def _tool_config(config: Any) -> tuple[str, list[str]]:
     names = _list(calling.get("allowedFunctionNames"), "toolConfig.functionCallingConfig.allowedFunctionNames")
     modes = {"AUTO": "auto", "VALIDATED": "auto", "MODE_UNSPECIFIED": "auto", "NONE": "none", "ANY": "required"}
     if mode not in modes:
-        raise InvalidRequest(f"toolConfig.functionCallingConfig.mode: {mode!r} is not one of {list(modes)}",
-                             param="toolConfig.functionCallingConfig.mode")
+        raise InvalidRequest(
+            f"toolConfig.functionCallingConfig.mode: {mode!r} is not one of {list(modes)}",
+            param="toolConfig.functionCallingConfig.mode",
+        )
     found = modes[mode]
     if found == "required" and len(names) == 1:
         return "named", names
     if names and found != "required":
-        raise InvalidRequest("allowedFunctionNames may be set only with mode ANY",
-                             param="toolConfig.functionCallingConfig.allowedFunctionNames")
+        raise InvalidRequest(
+            "allowedFunctionNames may be set only with mode ANY",
+            param="toolConfig.functionCallingConfig.allowedFunctionNames",
+        )
     if len(names) > 1:
-        raise InvalidRequest("allowedFunctionNames with more than one name is not supported here: the sampled "
-                             "call is not constrained to a subset of the tools",
-                             param="toolConfig.functionCallingConfig.allowedFunctionNames")
+        raise InvalidRequest(
+            "allowedFunctionNames with more than one name is not supported here: the sampled "
+            "call is not constrained to a subset of the tools",
+            param="toolConfig.functionCallingConfig.allowedFunctionNames",
+        )
     return found, names
 
 
 def _schema(config: dict[str, Any]) -> dict[str, Any] | None:
     mime = config.get("responseMimeType", "text/plain")
     if mime not in ("text/plain", "application/json"):
-        raise InvalidRequest(f"generationConfig.responseMimeType: {mime!r} is not supported (text/plain, "
-                             "application/json)", param="generationConfig.responseMimeType")
+        raise InvalidRequest(
+            f"generationConfig.responseMimeType: {mime!r} is not supported (text/plain, application/json)",
+            param="generationConfig.responseMimeType",
+        )
     if mime != "application/json":
         if config.get("responseSchema") is not None or config.get("responseJsonSchema") is not None:
-            raise InvalidRequest("a response schema needs responseMimeType application/json",
-                                 param="generationConfig.responseMimeType")
+            raise InvalidRequest(
+                "a response schema needs responseMimeType application/json", param="generationConfig.responseMimeType"
+            )
         return None
     if isinstance(config.get("responseJsonSchema"), dict):
         return config["responseJsonSchema"]
@@ -309,8 +394,9 @@ def _schema(config: dict[str, Any]) -> dict[str, Any] | None:
 def _parts(output: Output, thoughts: bool) -> list[dict[str, Any]]:
     """The reply as parts: its reasoning as a thought part when ``includeThoughts`` asked, its text,
     its calls."""
-    reasoning, text = call.reasoning_of("".join(r.reply.content or "" for r in output.rounds) +
-                                        (output.reply.content or ""))
+    reasoning, text = call.reasoning_of(
+        "".join(r.reply.content or "" for r in output.rounds) + (output.reply.content or "")
+    )
     parts: list[dict[str, Any]] = [{"text": reasoning, "thought": True}] if reasoning and thoughts else []
     parts += [{"text": text}] if text else []
     for made in output.reply.tool_calls:
@@ -320,8 +406,14 @@ def _parts(output: Output, thoughts: bool) -> list[dict[str, Any]]:
             args = json.loads(made.arguments)
         except ValueError:
             args = None
-        parts.append({"functionCall": {"name": made.name,
-                                       "args": args if isinstance(args, dict) else {"arguments": made.arguments}}})
+        parts.append(
+            {
+                "functionCall": {
+                    "name": made.name,
+                    "args": args if isinstance(args, dict) else {"arguments": made.arguments},
+                }
+            }
+        )
     return parts
 
 
@@ -337,19 +429,24 @@ def _usage(answer: Answer, done: bool) -> dict[str, int]:
     if answer.cached_tokens:
         usage["cachedContentTokenCount"] = answer.cached_tokens
     if done:
-        usage |= {"candidatesTokenCount": answer.completion_tokens,
-                  "totalTokenCount": answer.prompt_tokens + answer.completion_tokens}
+        usage |= {
+            "candidatesTokenCount": answer.completion_tokens,
+            "totalTokenCount": answer.prompt_tokens + answer.completion_tokens,
+        }
     return usage
 
 
 def _response(answer: Answer, candidates: list[dict[str, Any]], done: bool) -> dict[str, Any]:
-    return {"candidates": candidates, "usageMetadata": _usage(answer, done), "modelVersion": answer.model,
-            "responseId": answer.id}
+    return {
+        "candidates": candidates,
+        "usageMetadata": _usage(answer, done),
+        "modelVersion": answer.model,
+        "responseId": answer.id,
+    }
 
 
 def answer(req: CallRequest, answer: Answer) -> dict[str, Any]:
-    return _response(answer, [_candidate(o, _parts(o, req.echo["thoughts"]), True) for o in answer.outputs],
-                     done=True)
+    return _response(answer, [_candidate(o, _parts(o, req.echo["thoughts"]), True) for o in answer.outputs], done=True)
 
 
 async def events(req: CallRequest, stream: AsyncIterator[Event]) -> AsyncIterator[tuple[str | None, dict]]:
@@ -377,9 +474,15 @@ async def events(req: CallRequest, stream: AsyncIterator[Event]) -> AsyncIterato
 
 
 def error_body(failure: Failure) -> dict[str, Any]:
-    return {"error": {"code": failure.status, "message": failure.message,
-                      "status": "INTERNAL" if failure.status >= 500 and failure.status != 503
-                      else STATUS.get(failure.status, "INVALID_ARGUMENT")}}
+    return {
+        "error": {
+            "code": failure.status,
+            "message": failure.message,
+            "status": "INTERNAL"
+            if failure.status >= 500 and failure.status != 503
+            else STATUS.get(failure.status, "INVALID_ARGUMENT"),
+        }
+    }
 
 
 def stream_error(failure: Failure, sent: int) -> tuple[str | None, dict[str, Any]]:

@@ -37,14 +37,29 @@ from inverted.rollout.proxy.apis import call, openai_shared
 from inverted.rollout.proxy.apis.call import Answer, CallRequest, Delta, Event, Failure, Hosted, Output
 
 ROUTE = "/responses"
-FIELDS = {"input", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature", "top_p", "stream",
-          "text", "previous_response_id", "top_logprobs", "include", "truncation", "store", "reasoning",
-          "max_tool_calls"}
+FIELDS = {
+    "input",
+    "instructions",
+    "tools",
+    "tool_choice",
+    "max_output_tokens",
+    "temperature",
+    "top_p",
+    "stream",
+    "text",
+    "previous_response_id",
+    "top_logprobs",
+    "include",
+    "truncation",
+    "store",
+    "reasoning",
+    "max_tool_calls",
+}
 REASONS = openai_shared.REASONS | {
     "stream_options": "its one option pads stream events against length side channels; these events are not "
-                      "padded, and what is sampled is the same",
+    "padded, and what is sampled is the same",
     "context_management": "the hosted service's compaction of a long conversation; here the conversation is "
-                          "rendered as sent, and one past the context is refused with context_length_exceeded",
+    "rendered as sent, and one past the context is refused with context_length_exceeded",
     "prompt_cache_options": "prefix caching here is automatic (the servers' radix cache)",
 }
 NEUTRAL: dict[str, tuple] = {"background": (False, None), "conversation": (None,), "prompt": (None,)}
@@ -55,22 +70,33 @@ INCLUDE_REASONS = {  # include entries asking for what this server never produce
     "computer_call_output.output.image_url": "no computer-use tool runs here",
 }
 # include entries that add a hosted call's results to its item (``--proxy-hosted-tools``)
-INCLUDE_HOSTED = ("web_search_call.action.sources", "web_search_call.results", "file_search_call.results",
-                  "code_interpreter_call.outputs")
+INCLUDE_HOSTED = (
+    "web_search_call.action.sources",
+    "web_search_call.results",
+    "file_search_call.results",
+    "code_interpreter_call.outputs",
+)
 # hosted tool types, by their prefix, and the kind that serves them; their items, by kind
 HOSTED_TYPES = {"web_search": "web_search", "file_search": "file_search", "code_interpreter": "code_interpreter"}
-HOSTED_ITEMS = {"web_search_call": "web_search", "file_search_call": "file_search",
-                "code_interpreter_call": "code_interpreter"}
+HOSTED_ITEMS = {
+    "web_search_call": "web_search",
+    "file_search_call": "file_search",
+    "code_interpreter_call": "code_interpreter",
+}
 HOSTED_OPTION_REASON = "an option of a hosted tool, which the configured implementation is not given"
 REASONING_REASONS = {
     "summary": "no reasoning summary is produced: a template's reasoning, if any, is in the message text",
     "generate_summary": "no reasoning summary is produced: a template's reasoning, if any, is in the message text",
     "context": "reasoning is not kept apart from the conversation here: the template renders the history as sent",
 }
-VERBOSITY_REASON = ("a length hint that hosted models follow through their own system prompt; this policy samples "
-                    "from the prompt as sent, and max_output_tokens bounds the reply")
-CUSTOM_REASON = ("custom tools are shown to the model as functions with one string argument, 'input', which is "
-                 "returned as the custom_tool_call's input; a grammar in its 'format' is not enforced")
+VERBOSITY_REASON = (
+    "a length hint that hosted models follow through their own system prompt; this policy samples "
+    "from the prompt as sent, and max_output_tokens bounds the reply"
+)
+CUSTOM_REASON = (
+    "custom tools are shown to the model as functions with one string argument, 'input', which is "
+    "returned as the custom_tool_call's input; a grammar in its 'format' is not enforced"
+)
 MAX_STORED = 256  # responses a session keeps for previous_response_id (the oldest go first)
 
 
@@ -92,40 +118,63 @@ def parse(body: Any, session: Any) -> CallRequest:
     include = _list(body.get("include"), "include")
     for j, entry in enumerate(include):
         if entry not in (LOGPROBS, ENCRYPTED) and entry not in INCLUDE_REASONS and entry not in INCLUDE_HOSTED:
-            raise InvalidRequest(f"Invalid value for 'include[{j}]': {entry!r}; supported values are "
-                                 f"{[LOGPROBS, ENCRYPTED, *INCLUDE_HOSTED, *INCLUDE_REASONS]}", param=f"include[{j}]",
-                                 code="invalid_value")
+            raise InvalidRequest(
+                f"Invalid value for 'include[{j}]': {entry!r}; supported values are "
+                f"{[LOGPROBS, ENCRYPTED, *INCLUDE_HOSTED, *INCLUDE_REASONS]}",
+                param=f"include[{j}]",
+                code="invalid_value",
+            )
     for name in ("max_output_tokens", "top_logprobs"):
         if body.get(name) is not None:
             call.number(name, body[name])
     if body.get("max_tool_calls") is not None:
         call.number("max_tool_calls", body["max_tool_calls"], (int, 0, None))
     choice = body.get("tool_choice")
-    req = CallRequest(kind="chat", model=openai_shared.model_name(body), messages=messages, prompt=None,
-                      tools=tools or None, parse_tools=bool(tools or declared.hosted) and choice != "none",
-                      stream=bool(body.get("stream")),
-                      max_tokens=body.get("max_output_tokens"), max_tokens_field="max_output_tokens",
-                      sampling=call.sampling({k: body.get(k) for k in ("temperature", "top_p")}),
-                      logprobs=LOGPROBS in include, top_logprobs=body.get("top_logprobs") or 0,
-                      force_call=call.forced_call(*_tool_choice(choice), tools), hosted=declared.hosted,
-                      hosted_limit=body.get("max_tool_calls"), accepted=accepted)
+    req = CallRequest(
+        kind="chat",
+        model=openai_shared.model_name(body),
+        messages=messages,
+        prompt=None,
+        tools=tools or None,
+        parse_tools=bool(tools or declared.hosted) and choice != "none",
+        stream=bool(body.get("stream")),
+        max_tokens=body.get("max_output_tokens"),
+        max_tokens_field="max_output_tokens",
+        sampling=call.sampling({k: body.get(k) for k in ("temperature", "top_p")}),
+        logprobs=LOGPROBS in include,
+        top_logprobs=body.get("top_logprobs") or 0,
+        force_call=call.forced_call(*_tool_choice(choice), tools),
+        hosted=declared.hosted,
+        hosted_limit=body.get("max_tool_calls"),
+        accepted=accepted,
+    )
     call.constrain(req, _text_schema(body.get("text")), "text.format")
     _accept(req, body, include, declared)
-    req.echo = {"instructions": instructions, "max_output_tokens": body.get("max_output_tokens"),
-                "parallel_tool_calls": body.get("parallel_tool_calls", True),
-                "previous_response_id": body.get("previous_response_id"), "store": body.get("store", True) is not False,
-                "temperature": body.get("temperature", 1.0), "text": body.get("text") or {"format": {"type": "text"}},
-                "tool_choice": choice or "auto", "tools": body.get("tools") or [], "top_p": body.get("top_p", 1.0),
-                "metadata": body.get("metadata") or {}, "user": body.get("user"),
-                "top_logprobs": body.get("top_logprobs") or 0, "custom": declared.custom,
-                "include": set(include)}
+    req.echo = {
+        "instructions": instructions,
+        "max_output_tokens": body.get("max_output_tokens"),
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "previous_response_id": body.get("previous_response_id"),
+        "store": body.get("store", True) is not False,
+        "temperature": body.get("temperature", 1.0),
+        "text": body.get("text") or {"format": {"type": "text"}},
+        "tool_choice": choice or "auto",
+        "tools": body.get("tools") or [],
+        "top_p": body.get("top_p", 1.0),
+        "metadata": body.get("metadata") or {},
+        "user": body.get("user"),
+        "top_logprobs": body.get("top_logprobs") or 0,
+        "custom": declared.custom,
+        "include": set(include),
+    }
     if req.echo["store"]:
         kept = conversation  # OpenAI does not carry instructions over to the next response
 
         def store(answer: Answer) -> None:
             output = answer.outputs[0]
-            session.stored[_response_id(answer)] = kept + hosted.expanded(output.rounds, output.reply) + [
-                h.message() for h in output.hosted.values()]
+            session.stored[_response_id(answer)] = (
+                kept + hosted.expanded(output.rounds, output.reply) + [h.message() for h in output.hosted.values()]
+            )
             while len(session.stored) > MAX_STORED:
                 session.stored.pop(next(iter(session.stored)))
 
@@ -145,24 +194,31 @@ def _accept(req: CallRequest, body: dict[str, Any], include: list, declared: "To
             raise InvalidRequest("'reasoning' must be an object", param="reasoning", code="invalid_type")
         unknown = sorted(set(reasoning) - {"effort"} - set(REASONING_REASONS))
         if unknown:
-            raise InvalidRequest(f"Unrecognized request argument supplied: reasoning.{unknown[0]}",
-                                 param=f"reasoning.{unknown[0]}", code="unrecognized_argument")
+            raise InvalidRequest(
+                f"Unrecognized request argument supplied: reasoning.{unknown[0]}",
+                param=f"reasoning.{unknown[0]}",
+                code="unrecognized_argument",
+            )
         if reasoning.get("effort") is not None:
             req.thinking = (("reasoning.effort",), call.effort(reasoning["effort"], "reasoning.effort"))
         call.accept(req.accepted, reasoning, REASONING_REASONS, "reasoning.")
     text = body.get("text")
     if isinstance(text, dict) and text.get("verbosity") is not None:
         if text["verbosity"] not in ("low", "medium", "high"):
-            raise InvalidRequest(f"Invalid value for 'text.verbosity': {text['verbosity']!r}; expected 'low', "
-                                 "'medium' or 'high'", param="text.verbosity", code="invalid_value")
+            raise InvalidRequest(
+                f"Invalid value for 'text.verbosity': {text['verbosity']!r}; expected 'low', 'medium' or 'high'",
+                param="text.verbosity",
+                code="invalid_value",
+            )
         req.accepted["text.verbosity"] = VERBOSITY_REASON
     if declared.custom:
         req.accepted["tools[].format"] = CUSTOM_REASON
     for where, key in declared.options:
         req.accepted[f"{where}.{key}"] = HOSTED_OPTION_REASON
     if declared.namespaced:
-        req.accepted["tools[].namespace"] = ("a namespace's tools are shown to the model by their own names, "
-                                             "each as a function")
+        req.accepted["tools[].namespace"] = (
+            "a namespace's tools are shown to the model by their own names, each as a function"
+        )
 
 
 def _previous(response_id: Any, session: Any) -> list[Message]:
@@ -170,9 +226,12 @@ def _previous(response_id: Any, session: Any) -> list[Message]:
         return []
     found = session.stored.get(response_id) if isinstance(response_id, str) else None
     if found is None:
-        raise InvalidRequest(f"Previous response with id '{response_id}' not found (only this session's stored "
-                             "responses can be continued).", param="previous_response_id",
-                             code="previous_response_not_found")
+        raise InvalidRequest(
+            f"Previous response with id '{response_id}' not found (only this session's stored "
+            "responses can be continued).",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
     return found
 
 
@@ -184,8 +243,9 @@ def _list(value: Any, name: str) -> list:
     return value
 
 
-def _conversation(raw: Any, prior: list[Message], declared: "Tools", session: Any,
-                  accepted: dict[str, str]) -> list[Message]:
+def _conversation(
+    raw: Any, prior: list[Message], declared: "Tools", session: Any, accepted: dict[str, str]
+) -> list[Message]:
     """``input`` as chat messages, after the ``prior`` conversation (a previous response's); its
     ``additional_tools`` items join ``declared`` (Codex's "responses lite" declares its tools there).
 
@@ -227,19 +287,26 @@ def _conversation(raw: Any, prior: list[Message], declared: "Tools", session: An
             built.hosted(ran)
         elif kind in ("function_call_output", "custom_tool_call_output"):
             if item.get("call_id") not in called:
-                raise InvalidRequest(f"a {kind} must answer a call made earlier in the conversation; no call has "
-                                     f"call_id {item.get('call_id')!r}", param=f"{where}.call_id")
+                raise InvalidRequest(
+                    f"a {kind} must answer a call made earlier in the conversation; no call has "
+                    f"call_id {item.get('call_id')!r}",
+                    param=f"{where}.call_id",
+                )
             built.flush()
-            built.messages.append(Message(role="tool", content=_text(item.get("output"), f"{where}.output"),
-                                          tool_call_id=item["call_id"]))
+            built.messages.append(
+                Message(role="tool", content=_text(item.get("output"), f"{where}.output"), tool_call_id=item["call_id"])
+            )
         elif kind == "additional_tools":
             for j, tool in enumerate(_list(item.get("tools"), f"{where}.tools")):
                 declared.add(tool, f"{where}.tools[{j}]")
         else:
-            raise InvalidRequest(f"input items of type {kind!r} are not supported: send message, function_call, "
-                                 "custom_tool_call, their outputs, the hosted calls this session made "
-                                 f"({', '.join(HOSTED_ITEMS)}) and additional_tools items", param=f"{where}.type",
-                                 code="invalid_value")
+            raise InvalidRequest(
+                f"input items of type {kind!r} are not supported: send message, function_call, "
+                "custom_tool_call, their outputs, the hosted calls this session made "
+                f"({', '.join(HOSTED_ITEMS)}) and additional_tools items",
+                param=f"{where}.type",
+                code="invalid_value",
+            )
     built.flush()
     return built.messages
 
@@ -253,8 +320,9 @@ def _reasoning(item: dict[str, Any], where: str, accepted: dict[str, str]) -> st
     sealed = _unsealed(item.get("encrypted_content"))
     text = "".join(p["text"] for p in parts) if parts else sealed
     if text is None:
-        accepted[f"{where}.encrypted_content"] = ("reasoning sealed by another service cannot be read: it is left "
-                                                  "out of the prompt")
+        accepted[f"{where}.encrypted_content"] = (
+            "reasoning sealed by another service cannot be read: it is left out of the prompt"
+        )
     elif sealed != text:
         accepted[f"{where}.content"] = call.FOREIGN_REASONING
     return text
@@ -289,8 +357,11 @@ def _call_item(item: dict[str, Any], where: str) -> ToolCall:
 def _message(item: dict[str, Any], where: str) -> Message:
     role = item.get("role")
     if role not in ("user", "system", "developer", "assistant"):
-        raise InvalidRequest(f"Invalid value: {role!r}. Supported values are: 'user', 'system', 'developer' and "
-                             "'assistant'.", param=f"{where}.role", code="invalid_value")
+        raise InvalidRequest(
+            f"Invalid value: {role!r}. Supported values are: 'user', 'system', 'developer' and 'assistant'.",
+            param=f"{where}.role",
+            code="invalid_value",
+        )
     content = _text(item.get("content"), f"{where}.content")
     return Message(role="system" if role == "developer" else role, content=content)
 
@@ -303,11 +374,18 @@ def _text(content: Any, where: str) -> str:
         raise InvalidRequest("expected a string or an array of text parts", param=where, code="invalid_type")
     texts = []
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text") \
-                or not isinstance(part.get("text"), str):
+        if (
+            not isinstance(part, dict)
+            or part.get("type") not in ("input_text", "output_text")
+            or not isinstance(part.get("text"), str)
+        ):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise InvalidRequest(f"content part of type {kind!r} is not supported: this model reads text parts only "
-                                 "(input_text, output_text)", param=f"{where}[{j}]", code="invalid_value")
+            raise InvalidRequest(
+                f"content part of type {kind!r} is not supported: this model reads text parts only "
+                "(input_text, output_text)",
+                param=f"{where}[{j}]",
+                code="invalid_value",
+            )
         texts.append(part["text"])
     return "".join(texts)
 
@@ -327,24 +405,34 @@ class Tools:
     def add(self, tool: Any, where: str) -> None:
         kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
         if kind == "function":
-            self.functions.append(call.function_tool(tool.get("name"), tool.get("description"),
-                                                     tool.get("parameters"), where, tool.get("strict")))
+            self.functions.append(
+                call.function_tool(
+                    tool.get("name"), tool.get("description"), tool.get("parameters"), where, tool.get("strict")
+                )
+            )
         elif kind == "custom":
-            self.functions.append(call.function_tool(tool.get("name"), tool.get("description"), CUSTOM_PARAMETERS,
-                                                     where))
+            self.functions.append(
+                call.function_tool(tool.get("name"), tool.get("description"), CUSTOM_PARAMETERS, where)
+            )
             self.custom.add(tool["name"])
         elif isinstance(kind, str) and kind.startswith(tuple(HOSTED_TYPES)):
-            self.hosted.append(hosted.Ask(HOSTED_TYPES[next(p for p in HOSTED_TYPES if kind.startswith(p))], where,
-                                          len(self.functions)))
+            self.hosted.append(
+                hosted.Ask(
+                    HOSTED_TYPES[next(p for p in HOSTED_TYPES if kind.startswith(p))], where, len(self.functions)
+                )
+            )
             self.options += [(where, key) for key in tool if key != "type"]
         elif kind == "namespace":
             self.namespaced = True
             for j, child in enumerate(_list(tool.get("tools"), f"{where}.tools")):
                 self.add(child, f"{where}.tools[{j}]")
         else:
-            raise InvalidRequest(f"tools of type {kind!r} are not supported: function, custom and namespace tools, "
-                                 "which the agent runs, and the hosted web_search, file_search and code_interpreter",
-                                 param=f"{where}.type", code="invalid_value")
+            raise InvalidRequest(
+                f"tools of type {kind!r} are not supported: function, custom and namespace tools, "
+                "which the agent runs, and the hosted web_search, file_search and code_interpreter",
+                param=f"{where}.type",
+                code="invalid_value",
+            )
 
 
 CUSTOM_PARAMETERS = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
@@ -357,8 +445,12 @@ def _tool_choice(choice: Any) -> tuple[str, str | None]:
         return choice, None
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return "named", choice["name"]
-    raise InvalidRequest(f"Invalid value for 'tool_choice': {choice!r}; expected 'none', 'auto', 'required' or "
-                         "{'type': 'function', 'name': ...}", param="tool_choice", code="invalid_value")
+    raise InvalidRequest(
+        f"Invalid value for 'tool_choice': {choice!r}; expected 'none', 'auto', 'required' or "
+        "{'type': 'function', 'name': ...}",
+        param="tool_choice",
+        code="invalid_value",
+    )
 
 
 def _text_schema(text: Any) -> dict[str, Any] | None:
@@ -373,9 +465,12 @@ def _text_schema(text: Any) -> dict[str, Any] | None:
         return {"type": "object"}
     if kind == "json_schema" and isinstance(spec.get("schema"), dict):
         return spec["schema"]
-    raise InvalidRequest(f"Invalid 'text.format': {str(spec)[:200]}; expected {{'type': 'text'}}, "
-                         "{'type': 'json_object'} or {'type': 'json_schema', 'name', 'schema'}", param="text.format",
-                         code="invalid_value")
+    raise InvalidRequest(
+        f"Invalid 'text.format': {str(spec)[:200]}; expected {{'type': 'text'}}, "
+        "{'type': 'json_object'} or {'type': 'json_schema', 'name', 'schema'}",
+        param="text.format",
+        code="invalid_value",
+    )
 
 
 # ---- answers --------------------------------------------------------------------------------
@@ -407,24 +502,37 @@ def output_items(req: CallRequest, answer: Answer, output: Output) -> list[dict[
     if content or not output.reply.tool_calls:
         status = "incomplete" if output.finish == "length" else "completed"
         items.append(_message_item(_message_id(answer, len(items)), content, output, status))
-    items += [_call_output(f"fc_{answer.id}_{len(items)}", made, req.echo, output.hosted)
-              for made in output.reply.tool_calls]
+    items += [
+        _call_output(f"fc_{answer.id}_{len(items)}", made, req.echo, output.hosted) for made in output.reply.tool_calls
+    ]
     return items
 
 
 def _reasoning_item(item_id: str, reasoning: str, echo: dict[str, Any]) -> dict[str, Any]:
     """A reply's reasoning as its own item, with ``encrypted_content`` when ``include`` asks for it."""
-    return {"id": item_id, "type": "reasoning", "summary": [], "status": "completed",
-            "content": [{"type": "reasoning_text", "text": reasoning}],
-            "encrypted_content": _sealed(reasoning) if ENCRYPTED in echo["include"] else None}
+    return {
+        "id": item_id,
+        "type": "reasoning",
+        "summary": [],
+        "status": "completed",
+        "content": [{"type": "reasoning_text", "text": reasoning}],
+        "encrypted_content": _sealed(reasoning) if ENCRYPTED in echo["include"] else None,
+    }
 
 
 def _message_item(item_id: str, text: str, output: Output | None, status: str) -> dict[str, Any]:
-    return {"id": item_id, "type": "message", "status": status, "role": "assistant",
-            "content": [_text_part(text, output)]}
+    return {
+        "id": item_id,
+        "type": "message",
+        "status": status,
+        "role": "assistant",
+        "content": [_text_part(text, output)],
+    }
 
 
-def _call_output(item_id: str, made: ToolCall, echo: dict[str, Any], ran: dict[str, hosted.HostedCall]) -> dict[str, Any]:
+def _call_output(
+    item_id: str, made: ToolCall, echo: dict[str, Any], ran: dict[str, hosted.HostedCall]
+) -> dict[str, Any]:
     """A call as its output item: a hosted call's own item (its id the call's, by which the proxy
     knows it when it comes back); a custom tool's ``custom_tool_call`` with the ``input`` the model
     wrote; else a ``function_call``."""
@@ -436,10 +544,22 @@ def _call_output(item_id: str, made: ToolCall, echo: dict[str, Any], ran: dict[s
         except ValueError:
             written = None
         text = written.get("input") if isinstance(written, dict) else None
-        return {"id": item_id, "type": "custom_tool_call", "status": "completed", "call_id": made.id,
-                "name": made.name, "input": text if isinstance(text, str) else made.arguments}
-    return {"id": item_id, "type": "function_call", "status": "completed", "call_id": made.id, "name": made.name,
-            "arguments": made.arguments}
+        return {
+            "id": item_id,
+            "type": "custom_tool_call",
+            "status": "completed",
+            "call_id": made.id,
+            "name": made.name,
+            "input": text if isinstance(text, str) else made.arguments,
+        }
+    return {
+        "id": item_id,
+        "type": "function_call",
+        "status": "completed",
+        "call_id": made.id,
+        "name": made.name,
+        "arguments": made.arguments,
+    }
 
 
 def _hosted_item(ran: hosted.HostedCall, include: set[str]) -> dict[str, Any]:
@@ -452,11 +572,19 @@ def _hosted_item(ran: hosted.HostedCall, include: set[str]) -> dict[str, Any]:
         return {**item, "type": "web_search_call", "action": action}
     if ran.kind == "file_search":
         results = [{"text": ran.result.text, "filename": None, "file_id": None, "score": None, "attributes": {}}]
-        return {**item, "type": "file_search_call", "queries": [ran.argument],
-                "results": results if "file_search_call.results" in include else None}
-    return {**item, "type": "code_interpreter_call", "code": ran.argument, "container_id": "inverted",
-            "outputs": [{"type": "logs", "logs": ran.result.text}] if "code_interpreter_call.outputs" in include
-            else None}
+        return {
+            **item,
+            "type": "file_search_call",
+            "queries": [ran.argument],
+            "results": results if "file_search_call.results" in include else None,
+        }
+    return {
+        **item,
+        "type": "code_interpreter_call",
+        "code": ran.argument,
+        "container_id": "inverted",
+        "outputs": [{"type": "logs", "logs": ran.result.text}] if "code_interpreter_call.outputs" in include else None,
+    }
 
 
 def _text_part(text: str, output: Output | None) -> dict[str, Any]:
@@ -468,19 +596,44 @@ def response(req: CallRequest, answer: Answer, output: list[dict[str, Any]], don
     """The response object; ``done``: with its status and usage (else ``in_progress``)."""
     cut = done and any(o.finish == "length" for o in answer.outputs)
     status = ("incomplete" if cut else "completed") if done else "in_progress"
-    usage = {"input_tokens": answer.prompt_tokens, "input_tokens_details": {"cached_tokens": answer.cached_tokens},
-             "output_tokens": answer.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-             "total_tokens": answer.prompt_tokens + answer.completion_tokens} if done else None
+    usage = (
+        {
+            "input_tokens": answer.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": answer.cached_tokens},
+            "output_tokens": answer.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": answer.prompt_tokens + answer.completion_tokens,
+        }
+        if done
+        else None
+    )
     echo = req.echo
-    return {"id": _response_id(answer), "object": "response", "created_at": answer.created, "status": status,
-            "error": None, "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
-            "instructions": echo["instructions"], "max_output_tokens": echo["max_output_tokens"],
-            "model": answer.model, "output": output, "parallel_tool_calls": echo["parallel_tool_calls"],
-            "previous_response_id": echo["previous_response_id"], "reasoning": {"effort": None, "summary": None},
-            "store": echo["store"], "temperature": echo["temperature"], "text": echo["text"],
-            "tool_choice": echo["tool_choice"], "tools": echo["tools"], "top_logprobs": echo["top_logprobs"],
-            "top_p": echo["top_p"], "truncation": "disabled", "usage": usage, "user": echo["user"],
-            "metadata": echo["metadata"]}
+    return {
+        "id": _response_id(answer),
+        "object": "response",
+        "created_at": answer.created,
+        "status": status,
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+        "instructions": echo["instructions"],
+        "max_output_tokens": echo["max_output_tokens"],
+        "model": answer.model,
+        "output": output,
+        "parallel_tool_calls": echo["parallel_tool_calls"],
+        "previous_response_id": echo["previous_response_id"],
+        "reasoning": {"effort": None, "summary": None},
+        "store": echo["store"],
+        "temperature": echo["temperature"],
+        "text": echo["text"],
+        "tool_choice": echo["tool_choice"],
+        "tools": echo["tools"],
+        "top_logprobs": echo["top_logprobs"],
+        "top_p": echo["top_p"],
+        "truncation": "disabled",
+        "usage": usage,
+        "user": echo["user"],
+        "metadata": echo["metadata"],
+    }
 
 
 def answer(req: CallRequest, answer: Answer) -> dict[str, Any]:
@@ -488,9 +641,11 @@ def answer(req: CallRequest, answer: Answer) -> dict[str, Any]:
 
 
 # streamed events of a hosted call, between its item's added and done: (kind: the status steps)
-HOSTED_STEPS = {"web_search": ("in_progress", "searching", "completed"),
-                "file_search": ("in_progress", "searching", "completed"),
-                "code_interpreter": ("in_progress", "interpreting", "completed")}
+HOSTED_STEPS = {
+    "web_search": ("in_progress", "searching", "completed"),
+    "file_search": ("in_progress", "searching", "completed"),
+    "code_interpreter": ("in_progress", "interpreting", "completed"),
+}
 
 
 async def events(req: CallRequest, stream: AsyncIterator[Event]) -> AsyncIterator[tuple[str | None, dict]]:
@@ -511,8 +666,16 @@ async def events(req: CallRequest, stream: AsyncIterator[Event]) -> AsyncIterato
 
     def open_reasoning() -> list[tuple[str, dict[str, Any]]]:
         nonlocal thinking, thought
-        thinking, thought = {"id": f"rs_{opened.id}_{len(items)}", "type": "reasoning", "summary": [],
-                             "content": [], "status": "in_progress"}, ""
+        thinking, thought = (
+            {
+                "id": f"rs_{opened.id}_{len(items)}",
+                "type": "reasoning",
+                "summary": [],
+                "content": [],
+                "status": "in_progress",
+            },
+            "",
+        )
         return [event("response.output_item.added", output_index=len(items), item=thinking)]
 
     def close_reasoning() -> list[tuple[str, dict[str, Any]]]:
@@ -521,16 +684,30 @@ async def events(req: CallRequest, stream: AsyncIterator[Event]) -> AsyncIterato
         at = {"item_id": done["id"], "output_index": len(items), "content_index": 0}
         thinking = None
         items.append(done)
-        return [event("response.reasoning_text.done", **at, text=thought),
-                event("response.output_item.done", output_index=len(items) - 1, item=done)]
+        return [
+            event("response.reasoning_text.done", **at, text=thought),
+            event("response.output_item.done", output_index=len(items) - 1, item=done),
+        ]
 
     def open_message() -> list[tuple[str, dict[str, Any]]]:
         nonlocal texting
-        texting = {"id": _message_id(opened, len(items)), "type": "message", "status": "in_progress",
-                   "role": "assistant", "content": []}
-        return [event("response.output_item.added", output_index=len(items), item=texting),
-                event("response.content_part.added", item_id=texting["id"], output_index=len(items),
-                      content_index=0, part=_text_part("", None))]
+        texting = {
+            "id": _message_id(opened, len(items)),
+            "type": "message",
+            "status": "in_progress",
+            "role": "assistant",
+            "content": [],
+        }
+        return [
+            event("response.output_item.added", output_index=len(items), item=texting),
+            event(
+                "response.content_part.added",
+                item_id=texting["id"],
+                output_index=len(items),
+                content_index=0,
+                part=_text_part("", None),
+            ),
+        ]
 
     def close_message(text: str, output: Output | None, status: str) -> list[tuple[str, dict[str, Any]]]:
         nonlocal texting
@@ -538,9 +715,11 @@ async def events(req: CallRequest, stream: AsyncIterator[Event]) -> AsyncIterato
         part, at = done["content"][0], {"item_id": done["id"], "output_index": len(items), "content_index": 0}
         texting = None
         items.append(done)
-        return [event("response.output_text.done", **at, text=part["text"], logprobs=part["logprobs"]),
-                event("response.content_part.done", **at, part=part),
-                event("response.output_item.done", output_index=len(items) - 1, item=done)]
+        return [
+            event("response.output_text.done", **at, text=part["text"], logprobs=part["logprobs"]),
+            event("response.content_part.done", **at, part=part),
+            event("response.output_item.done", output_index=len(items) - 1, item=done),
+        ]
 
     def call_item(done: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         index = len(items)
@@ -549,12 +728,21 @@ async def events(req: CallRequest, stream: AsyncIterator[Event]) -> AsyncIterato
         if done["type"] in ("function_call", "custom_tool_call"):
             field = "input" if done["type"] == "custom_tool_call" else "arguments"
             prefix = "response." + ("custom_tool_call_input" if field == "input" else "function_call_arguments")
-            out.append(event("response.output_item.added", output_index=index,
-                             item={**done, field: "", "status": "in_progress"}))
+            out.append(
+                event(
+                    "response.output_item.added", output_index=index, item={**done, field: "", "status": "in_progress"}
+                )
+            )
             at = {"item_id": done["id"], "output_index": index}
             out.append(event(prefix + ".delta", **at, delta=done[field]))
-            out.append(event(prefix + ".done", **at, **({"name": done["name"]} if field == "arguments" else {}),
-                             **{field: done[field]}))
+            out.append(
+                event(
+                    prefix + ".done",
+                    **at,
+                    **({"name": done["name"]} if field == "arguments" else {}),
+                    **{field: done[field]},
+                )
+            )
         else:  # a hosted call, which ran before this event
             out.append(event("response.output_item.added", output_index=index, item={**done, "status": "in_progress"}))
             for step in HOSTED_STEPS[HOSTED_ITEMS[done["type"]]]:
@@ -562,8 +750,9 @@ async def events(req: CallRequest, stream: AsyncIterator[Event]) -> AsyncIterato
         out.append(event("response.output_item.done", output_index=index, item=done))
         return out
 
-    def reply_items(reply: Any, output: Output | None, ran: dict[str, hosted.HostedCall], status: str,
-                    last: bool) -> list[tuple[str, dict[str, Any]]]:
+    def reply_items(
+        reply: Any, output: Output | None, ran: dict[str, hosted.HostedCall], status: str, last: bool
+    ) -> list[tuple[str, dict[str, Any]]]:
         out = close_reasoning() if thinking is not None else []
         if texting is not None:
             out += close_message(call.reasoning_of(reply.content or "")[1], output, status)
@@ -584,14 +773,26 @@ async def events(req: CallRequest, stream: AsyncIterator[Event]) -> AsyncIterato
                     for ev in open_reasoning() if thinking is None else []:
                         yield ev
                     thought += text
-                    yield event("response.reasoning_text.delta", item_id=thinking["id"], output_index=len(items),
-                                content_index=0, delta=text)
+                    yield event(
+                        "response.reasoning_text.delta",
+                        item_id=thinking["id"],
+                        output_index=len(items),
+                        content_index=0,
+                        delta=text,
+                    )
                     continue
-                for ev in (close_reasoning() if thinking is not None else []) + \
-                        (open_message() if texting is None else []):
+                for ev in (close_reasoning() if thinking is not None else []) + (
+                    open_message() if texting is None else []
+                ):
                     yield ev
-                yield event("response.output_text.delta", item_id=texting["id"], output_index=len(items),
-                            content_index=0, delta=text, logprobs=[])
+                yield event(
+                    "response.output_text.delta",
+                    item_id=texting["id"],
+                    output_index=len(items),
+                    content_index=0,
+                    delta=text,
+                    logprobs=[],
+                )
         elif isinstance(item, Hosted):
             split = call.ReasoningStream()
             for ev in reply_items(item.round.reply, None, item.round.hosted, "completed", last=False):
@@ -607,5 +808,10 @@ async def events(req: CallRequest, stream: AsyncIterator[Event]) -> AsyncIterato
 
 def stream_error(failure: Failure, sent: int) -> tuple[str | None, dict[str, Any]]:
     """The ``error`` event a Responses stream ends with once its headers are sent."""
-    return "error", {"type": "error", "code": failure.code, "message": failure.message, "param": failure.param,
-                     "sequence_number": sent}
+    return "error", {
+        "type": "error",
+        "code": failure.code,
+        "message": failure.message,
+        "param": failure.param,
+        "sequence_number": sent,
+    }

@@ -37,14 +37,15 @@ REASONS = {
     "service_tier": "a hosted service's billing and latency tier; these servers have one",
     "prompt_cache_key": "prefix caching here is automatic (the servers' radix cache), whatever the key",
     "prompt_cache_retention": "prefix caching here is automatic (the servers' radix cache); entries live while "
-                              "memory allows",
+    "memory allows",
     "parallel_tool_calls": "every call the model writes is returned; the sampled text is not constrained to one "
-                           "call or several",
+    "call or several",
 }
 
 
-def check_fields(body: Any, allowed: set[str], neutral: dict[str, tuple],
-                 reasons: dict[str, str] = REASONS) -> dict[str, Any]:
+def check_fields(
+    body: Any, allowed: set[str], neutral: dict[str, tuple], reasons: dict[str, str] = REASONS
+) -> dict[str, Any]:
     """``body`` itself, once it is an object whose every field is allowed, accepted with a reason, or neutral."""
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object", code="invalid_body")
@@ -53,12 +54,16 @@ def check_fields(body: Any, allowed: set[str], neutral: dict[str, tuple],
             continue
         if key in neutral:
             if value not in neutral[key]:
-                raise InvalidRequest(f"'{key}' = {brief(value)} is not supported by this server: it would change what is "
-                                     f"sampled (accepted values: {list(neutral[key])})", param=key,
-                                     code="unsupported_parameter")
+                raise InvalidRequest(
+                    f"'{key}' = {brief(value)} is not supported by this server: it would change what is "
+                    f"sampled (accepted values: {list(neutral[key])})",
+                    param=key,
+                    code="unsupported_parameter",
+                )
             continue
-        raise InvalidRequest(f"Unrecognized request argument supplied: {brief(key)}", param=key[:200],
-                             code="unrecognized_argument")
+        raise InvalidRequest(
+            f"Unrecognized request argument supplied: {brief(key)}", param=key[:200], code="unrecognized_argument"
+        )
     if body.get("stream") not in (None, True, False):
         raise InvalidRequest("Invalid type for 'stream': expected a boolean", param="stream", code="invalid_type")
     return body
@@ -77,8 +82,7 @@ def model_name(body: dict[str, Any]) -> str | None:
 
 
 def error_body(failure: Failure) -> dict[str, Any]:
-    return {"error": {"message": failure.message, "type": failure.type, "param": failure.param,
-                      "code": failure.code}}
+    return {"error": {"message": failure.message, "type": failure.type, "param": failure.param, "code": failure.code}}
 
 
 def stream_error(failure: Failure, sent: int) -> tuple[str | None, dict[str, Any]]:
@@ -88,16 +92,25 @@ def stream_error(failure: Failure, sent: int) -> tuple[str | None, dict[str, Any
 
 def token_logprobs(logprobs: list[TokenLogprob]) -> list[dict[str, Any]]:
     """Each sampled token's logprob and the most likely tokens at its position (Chat and Responses)."""
-    return [{"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode()),
-             "top_logprobs": [{"token": tt, "logprob": tlp, "bytes": list(tt.encode())} for tt, tlp in t.top]}
-            for t in logprobs]
+    return [
+        {
+            "token": t.token,
+            "logprob": t.logprob,
+            "bytes": list(t.token.encode()),
+            "top_logprobs": [{"token": tt, "logprob": tlp, "bytes": list(tt.encode())} for tt, tlp in t.top],
+        }
+        for t in logprobs
+    ]
 
 
 def usage(answer: Answer) -> dict[str, Any]:
     """OpenAI's usage, with the prompt tokens the server's prefix cache served (``cached_tokens``)."""
-    return {"prompt_tokens": answer.prompt_tokens, "completion_tokens": answer.completion_tokens,
-            "total_tokens": answer.prompt_tokens + answer.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": answer.cached_tokens}}
+    return {
+        "prompt_tokens": answer.prompt_tokens,
+        "completion_tokens": answer.completion_tokens,
+        "total_tokens": answer.prompt_tokens + answer.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": answer.cached_tokens},
+    }
 
 
 DONE = b"data: [DONE]\n\n"  # how Chat Completions and Completions streams end

@@ -20,8 +20,12 @@ async def get_weather(context, arguments: str) -> str:
 
 
 weather = agents.FunctionTool(
-    name="get_weather", description="Current weather of a city", on_invoke_tool=get_weather, strict_json_schema=False,
-    params_json_schema={"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
+    name="get_weather",
+    description="Current weather of a city",
+    on_invoke_tool=get_weather,
+    strict_json_schema=False,
+    params_json_schema={"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+)
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["chat"]:
