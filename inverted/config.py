@@ -64,7 +64,7 @@ def _argparse_kwargs(tp: Any) -> dict[str, Any]:
     raise TypeError(f"unsupported config field type {tp}")
 
 
-def _default(f: dataclasses.Field) -> Any:
+def _default(f: dataclasses.Field[Any]) -> Any:
     return f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
 
 
@@ -144,7 +144,7 @@ def add_flags(parser: argparse.ArgumentParser, section: type, exclude: frozenset
         help_text = meta.pop("help", "")
         meta.pop("path", None)
         # A positional field (import-gguf's SRC) is still optional to argparse, so --config can supply it.
-        names = (
+        names: tuple[tuple[str], dict[str, Any]] = (
             ((f.name,), {"metavar": f.name.upper(), "nargs": "?"})
             if meta.pop("positional", False)
             else ((flag_name(f.name),), {"dest": f.name})
@@ -195,7 +195,9 @@ def load_yaml_defaults(parser: argparse.ArgumentParser, path: str | None) -> Non
     parser.set_defaults(**values)
 
 
-def split_passthrough(argv: list[str], prefix: str, own: set[str] = frozenset()) -> tuple[list[str], list[str]]:
+def split_passthrough(
+    argv: list[str], prefix: str, own: set[str] | frozenset[str] = frozenset()
+) -> tuple[list[str], list[str]]:
     """Split ``--{prefix}-x v`` flags from argv; return (rest, ['--x', 'v', ...]) for the child.
 
     Flags in ``own`` (e.g. ``--router-port``, which the launcher itself must know) stay in ``rest``.

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator, Self
 
 import aiohttp
 import orjson
@@ -114,7 +114,7 @@ class HTTPService:
             await self._session.close()
             self._session = None
 
-    async def __aenter__(self):
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -132,9 +132,9 @@ class HTTPService:
         json_body: Any = None,
         content: bytes | None = None,
         timeout: float,
-        params: dict | None = None,
+        params: dict[str, str] | None = None,
         headers: dict[str, str] | None = None,
-    ):
+    ) -> Any:  # aiohttp's request context (its type is private)
         """One attempt's request context (``async with`` it); what ``request`` and streaming share.
         ``headers`` add to (or replace) the session's own, e.g. another key for one route."""
         headers = {**({"content-type": "application/json"} if content is not None else {}), **(headers or {})} or None
@@ -157,7 +157,7 @@ class HTTPService:
         content: bytes | None = None,
         timeout: float,
         idempotent: bool,
-        params: dict | None = None,
+        params: dict[str, str] | None = None,
         headers: dict[str, str] | None = None,
     ) -> Reply:
         """Send with retries; return a 2xx reply or raise ProtocolError / ServiceUnavailable."""
@@ -211,7 +211,7 @@ class HTTPService:
             raise ServiceUnavailable(f"{method} {path}: {type(error).__name__}: {error}", url=url) from None
         raise AssertionError("unreachable")
 
-    async def lines(self, method: str, path: str, *, json_body: Any, timeout: float) -> AsyncIterator[bytes]:
+    async def lines(self, method: str, path: str, *, json_body: Any, timeout: float) -> AsyncGenerator[bytes, None]:
         """The response body line by line, as it arrives (one attempt: a stream is never resent).
 
         A 502/503/504 or a lost connection raises ``ServiceUnavailable``, any other error status ``ProtocolError``.

@@ -125,7 +125,7 @@ class Sample:
         reward, number = self.reward, reward_number(self.reward, key)
         if number is not None:
             return number
-        if reward is None:
+        if not isinstance(reward, dict):  # (a number is always one: reward_number read it)
             raise SampleError(f"sample {self.index}: reward is missing")
         if key is None:
             raise SampleError(
@@ -334,7 +334,7 @@ def _json_form() -> type:
         (
             f.name,
             hints[f.name],
-            f.default if f.default is not MISSING else msgspec.field(default_factory=f.default_factory),
+            f.default if f.default is not MISSING else msgspec.field(default_factory=f.default_factory),  # type: ignore[arg-type]
         )
         for f in fields(Sample)
     ]
@@ -342,7 +342,7 @@ def _json_form() -> type:
 
 
 _JSON_FORM = _json_form()
-_JSON_DECODER = msgspec.json.Decoder(_JSON_FORM)
+_JSON_DECODER: msgspec.json.Decoder[Any] = msgspec.json.Decoder(_JSON_FORM)
 
 
 def check_reward(reward: Reward | None) -> None:

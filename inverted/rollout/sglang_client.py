@@ -19,7 +19,7 @@ import time
 import zlib
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator
 
 import orjson
 
@@ -57,7 +57,7 @@ def _check_success(reply: Reply, body: Any) -> dict[str, Any]:
     return body
 
 
-def read_output(body: Any, url: str) -> tuple[list[int], list[float], list[str], list, dict[str, Any] | None]:
+def read_output(body: Any, url: str) -> tuple[list[int], list[float], list[str], list[Any], dict[str, Any] | None]:
     """ids, logprobs, versions, top logprobs and finish reason of one ``/generate`` answer (or cumulative chunk).
 
     Each token's weight version: ``meta_info.weight_versions`` spans where the embedded engine
@@ -143,7 +143,7 @@ def read_sampling_mask(body: Any, url: str = "") -> tuple[list[list[int]], list[
     masks = meta.get("output_token_sampling_mask") if isinstance(meta, dict) else None
     if masks is None:
         return None
-    logprobs, ids = meta.get("output_token_sampling_logprobs"), body.get("output_ids")
+    logprobs, ids = meta.get("output_token_sampling_logprobs"), body.get("output_ids")  # type: ignore[union-attr]
     if not (
         isinstance(masks, list)
         and isinstance(logprobs, list)
@@ -206,7 +206,7 @@ class SGLangClient(HTTPService):
         )
         return self.json_of(response)
 
-    async def generate_stream(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def generate_stream(self, payload: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         """``POST /generate`` with ``stream``: yields each cumulative chunk until ``[DONE]``."""
         lines = self.lines("POST", "/generate", json_body={**payload, "stream": True}, timeout=self.timeouts.generate)
         async with aclosing(lines):
@@ -428,7 +428,7 @@ class SGLangClient(HTTPService):
                 return None
             raise
 
-    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
         response = await self._post("/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
         return self.json_of(response)
 
@@ -528,7 +528,7 @@ class WorkersClient:
             self._workers = []  # it may have been replaced: ask the router again next time
             raise
 
-    async def generate_stream(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def generate_stream(self, payload: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         client = await self._pick(payload)
         try:
             async with aclosing(client.generate_stream(payload)) as chunks:
@@ -572,7 +572,7 @@ class SplitClient:
     async def generate(self, payload: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
         return await self._for(payload).generate(payload)
 
-    async def generate_stream(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def generate_stream(self, payload: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         async with aclosing(self._for(payload).generate_stream(payload)) as chunks:
             async for chunk in chunks:
                 yield chunk
