@@ -16,6 +16,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -77,21 +78,29 @@ def stored_samples(run_dir: Path) -> dict[tuple[int, int], Sample]:
         }
 
 
-@pytest.fixture
-def calculator_data(tmp_path) -> Path:
-    return write_dataset(calculator_rows, tmp_path / "calculator.jsonl", count=8)
+@dataclass
+class ResumedRun:
+    run_dir: Path
+    refused: subprocess.CompletedProcess
+    resumed: subprocess.CompletedProcess
+    buckets_left: set  # the weight buckets' shared memory the first run did not give back
+
+    @property
+    def steps(self) -> list[dict]:
+        return [m for m in metrics_rows(self.run_dir) if "rollout/reward_mean" in m]
 
 
-def test_train_end_to_end_with_a_multi_turn_tool_env(tiny_model, tmp_path, calculator_data):
+@pytest.fixture(scope="module")
+def resumed_run(tiny_model, tmp_path_factory) -> ResumedRun:
     """Two rollouts (the second after a resume with --load), two engines behind the router, agent
-    rollout, calculator tool env (one episode's env raises), evaluation.
+    rollout, calculator tool env (one episode's env raises, another's reward is NaN), evaluation.
 
     The trainer is two pipeline stages (two Ray actors). With ``--colocate`` the engines release
     their memory while the trainer trains and get the new weights, assembled from both stages,
-    after resuming: rollout 1's log-probs must then match the trainer's to float precision.
+    after resuming. One job for every test of this group: each checks one thing it left behind.
     """
-    env_module = tmp_path / "flaky_env.py"
-    env_module.write_text(
+    tmp_path = tmp_path_factory.mktemp("resumed")
+    (tmp_path / "flaky_env.py").write_text(
         textwrap.dedent("""
         from envs.calculator import episode as calculator_episode
 
@@ -102,91 +111,92 @@ def test_train_end_to_end_with_a_multi_turn_tool_env(tiny_model, tmp_path, calcu
             return float("nan") if task.metadata.get("nan") else reward
     """)
     )
-    rows = [json.loads(line) for line in calculator_data.read_text().splitlines()]
+    data = write_dataset(calculator_rows, tmp_path / "calculator.jsonl", count=8)
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
     rows[1]["metadata"] = {"nan": True}  # one group per rollout fails (a bad reward, then an exception);
     rows[2]["metadata"] = {"fail": True}  # the other group of the rollout trains
-    calculator_data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     run_dir, eval_data = tmp_path / "run", write_dataset(calculator_rows, tmp_path / "eval.jsonl", count=2, seed=1)
     args = [
-        "train",
-        "--hf-checkpoint",
-        str(tiny_model()),
-        "--prompt-data",
-        str(calculator_data),
-        "--env-path",
-        "flaky_env:episode",
-        "--output-dir",
-        str(run_dir),
-        "--eval-interval",
-        "2",
-        "--eval-prompt-data",
-        str(eval_data),
-        "--colocate",
-        "--pipeline-model-parallel-size",
-        "2",
-        "--actor-num-gpus-per-node",
-        "2",
-        *SMALL_RUN,
+        *("train", "--hf-checkpoint", str(tiny_model()), "--prompt-data", str(data), "--env-path", "flaky_env:episode"),
+        *("--output-dir", str(run_dir), "--eval-interval", "2", "--eval-prompt-data", str(eval_data), "--colocate"),
+        *("--pipeline-model-parallel-size", "2", "--actor-num-gpus-per-node", "2", *SMALL_RUN),
     ]
     shared_before = shared_buckets()
     check(inverted(*args, "--num-rollout", "1", pythonpath=tmp_path))
-    assert shared_buckets() <= shared_before  # the weight buckets' shared memory is given back
+    left = shared_buckets() - shared_before
     refused = inverted(*args, "--num-rollout", "2", pythonpath=tmp_path)  # the same directory, not resumed
-    assert (
-        refused.returncode == 2
-        and f"--output-dir {run_dir} holds an earlier run: resume it with --load" in refused.stderr
-    )
     # Resume: the trainer continues from its checkpoint, the buffer from its file, the fresh servers get
     # the checkpoint's weights first (rollout 1's tokens must carry version 1).
     resumed = inverted(*args, "--num-rollout", "2", "--load", str(run_dir / "checkpoints"), pythonpath=tmp_path)
     check(resumed)
-    assert f"inverted view {run_dir}" in resumed.stdout  # the job says how to browse it
+    return ResumedRun(run_dir, refused, resumed, left)
 
-    rows = metrics_rows(run_dir)
-    metrics = [m for m in rows if "rollout/reward_mean" in m]
-    evaluations = [m for m in rows if "eval/reward_mean" in m]
-    assert [m["step"] for m in metrics] == [0, 1]
-    assert [m["weight_version"] for m in metrics] == [1, 2]
-    for m in metrics:
-        for key in (
-            "rollout/reward_mean",
-            "train/loss",
-            "time/rollout_s",
-            "time/train_s",
-            "time/sync_s",
-            "sync/servers",
-            "sync/buckets_s",
-            "sync/total_s",
-        ):
+
+def test_a_job_gives_back_the_shared_memory_of_its_weight_buckets(resumed_run):
+    assert resumed_run.buckets_left == set()
+
+
+def test_a_second_run_in_the_same_directory_is_refused_unless_it_resumes(resumed_run):
+    refused, run_dir = resumed_run.refused, resumed_run.run_dir
+    assert refused.returncode == 2
+    assert f"--output-dir {run_dir} holds an earlier run: resume it with --load" in refused.stderr
+    assert f"inverted view {run_dir}" in resumed_run.resumed.stdout  # the resumed job says how to browse it
+
+
+def test_the_resumed_job_goes_on_from_its_checkpoints_step_and_weights(resumed_run):
+    steps = resumed_run.steps
+    assert [m["step"] for m in steps] == [0, 1]
+    assert [m["weight_version"] for m in steps] == [1, 2]
+    for m in steps:
+        for key in ("rollout/reward_mean", "train/loss", "time/rollout_s", "time/train_s", "time/sync_s"):
             assert m.get(key) is not None, key
-        assert m["sync/servers"] == 2
-    assert metrics[0]["rollout/failed"] == metrics[1]["rollout/failed"] == 2  # both samples of the failing prompt
-    assert metrics[1]["train/train_rollout_logprob_abs_diff"] < 1e-4  # the engines held the synced weights exactly
+        assert m["sync/servers"] == 2 and m["sync/buckets_s"] is not None and m["sync/total_s"] is not None
+    # Rollout 0 ran on the starting weights; rollout 1 on the weights synced after step 0.
+    for (group, _), sample in stored_samples(resumed_run.run_dir).items():
+        if sample.status != Sample.Status.FAILED:
+            assert set(sample.weight_versions) == ({"default"} if group < 2 else {"1"}), (group, sample.weight_versions)
+
+
+def test_colocated_servers_hold_the_weights_both_pipeline_stages_synced_exactly(resumed_run):
+    assert resumed_run.steps[1]["train/train_rollout_logprob_abs_diff"] < 1e-4
+
+
+def test_a_failing_environment_and_a_nan_reward_fail_their_own_group_only(resumed_run):
+    steps, samples = resumed_run.steps, stored_samples(resumed_run.run_dir)
+    assert steps[0]["rollout/failed"] == steps[1]["rollout/failed"] == 2  # both samples of the failing prompt
+    assert steps[0]["rollout/trained_samples"] == steps[1]["rollout/trained_samples"] == 2
+    assert len(samples) == 8
+    errors = {
+        1: "SampleError: reward: expected a finite number or a dict, got nan",
+        2: "RuntimeError: the environment broke",
+    }
+    for (group, _), sample in samples.items():
+        if sample.status == Sample.Status.FAILED:
+            assert sample.metadata["error"].startswith(errors[group])
+
+
+def test_evaluation_runs_before_the_first_step_every_interval_and_after_the_last(resumed_run):
+    evaluations = [m for m in metrics_rows(resumed_run.run_dir) if "eval/reward_mean" in m]
     # Evaluated before any update, after the first run's last step, and after rollout 1 (--eval-interval 2);
     # an evaluation's step counts the updates its policy had.
     assert [m["step"] for m in evaluations] == [0, 1, 2] and [m["weight_version"] for m in evaluations] == [0, 1, 2]
     assert all(m["eval/failed"] == 0 and 0 <= m["eval/pass_rate"] <= 1 for m in evaluations)
-    assert metrics[0]["rollout/trained_samples"] == metrics[1]["rollout/trained_samples"] == 2
 
-    samples = stored_samples(run_dir)
-    assert len(samples) == 8
-    # Rollout 0 ran on the starting weights; rollout 1 on the weights synced after step 0.
-    for (group, _), sample in samples.items():
+
+def test_multi_turn_episodes_train_the_models_tokens_only(resumed_run):
+    for sample in stored_samples(resumed_run.run_dir).values():
         if sample.status == Sample.Status.FAILED:
-            expected = {
-                1: "SampleError: reward: expected a finite number or a dict, got nan",
-                2: "RuntimeError: the environment broke",
-            }[group]
-            assert sample.metadata["error"].startswith(expected)
             continue
-        assert set(sample.weight_versions) == ({"default"} if group < 2 else {"1"}), (group, sample.weight_versions)
         assert len(sample.metadata["turns"]) >= 2  # multi-turn: tool results or feedback between the model's turns
         mask = sample.loss_mask
         assert mask[0] == 1 and 0 in mask[mask.index(1) :]  # environment tokens inside the response are masked
         assert sum(mask) == sum(t["completion_tokens"] for t in sample.metadata["turns"])
 
-    check_viewable(run_dir, samples)
 
+def test_the_run_is_viewable_plotted_checkpointed_and_exported(resumed_run):
+    run_dir = resumed_run.run_dir
+    check_viewable(run_dir, stored_samples(run_dir))
     assert (run_dir / "reward.png").stat().st_size > 0
     assert list((run_dir / "tensorboard").iterdir())
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "iter_0000002"
