@@ -222,7 +222,7 @@ class AsyncSource:
                 pass
 
     async def _room(self) -> bool:
-        if len(self.running) >= self.admission.max_running:
+        if len(self.running) >= self.admission.max_running:  # the rule's cheap half: no buffer call
             return False
         waiting = (await self.job.buffer.stats())["groups"]["complete"]
         return self.admission.allows(

@@ -55,7 +55,7 @@ def config(tmp_path: Path, *flags: str) -> JobConfig:
     )
 
 
-class Trainer:
+class RecordingTrainer:
     """Records what the loop asks of the trainer; ``dies_at``: the step whose training raises."""
 
     def __init__(self, ledger: Ledger, step: int = 0, dies_at: int | None = None, train_s: float = 0.0):
@@ -94,12 +94,12 @@ class Servers:
         pass
 
 
-class Job:
+class RecordingJob:
     """What the loop reads of ``controller.job.Job``, the weights' version kept as the real one keeps it."""
 
     def __init__(self, buffer: BufferClient, trainer_step: int = 0, dies_at: int | None = None, train_s: float = 0.0):
         self.buffer, self.ledger = buffer, Ledger(buffer)
-        self.trainer = Trainer(self.ledger, trainer_step, dies_at, train_s)
+        self.trainer = RecordingTrainer(self.ledger, trainer_step, dies_at, train_s)
         self.servers, self.worker_id, self.proxy_url, self.proxy_key = Servers(), "controller-test", "", None
         self.lora = self.adapter = None
         self.weight_version = "default"
@@ -119,7 +119,7 @@ class Rollouts:
     """A rollout function that plays nothing: each Sample is filled at once, rewards differing in a group.
     ``started``: the version the servers held when each group began, by its group index."""
 
-    def __init__(self, job: Job | None = None, hold_s: float = 0.0):
+    def __init__(self, job: RecordingJob | None = None, hold_s: float = 0.0):
         self.job, self.hold_s = job, hold_s
         self.calls: list[tuple[int, bool, int]] = []  # (rollout_id, evaluation, tasks)
         self.started: dict[int, int] = {}
@@ -140,7 +140,7 @@ class Rollouts:
         return samples
 
 
-async def run_loop(cfg: JobConfig, job: Job, rollouts: Rollouts) -> list[dict]:
+async def run_loop(cfg: JobConfig, job: RecordingJob, rollouts: Rollouts) -> list[dict]:
     sink = build_metrics_sink(cfg.train.output_dir)
     try:
         await train(cfg, job, Plugins(rollout=rollouts), sink, Path(cfg.train.output_dir))
@@ -176,7 +176,7 @@ async def test_each_step_trains_its_batch_and_syncs_saves_and_evaluates_when_due
         str(tmp_path / "prompts.jsonl"),
     )
     async with BufferClient(started_buffer(procs, cfg).url) as buffer:
-        job = Job(buffer)
+        job = RecordingJob(buffer)
         rollouts = Rollouts()
         rows = await run_loop(cfg, job, rollouts)
         served = [await job.ledger.served(step) for step in range(4)]
@@ -216,14 +216,14 @@ async def test_a_resumed_loop_trains_the_batches_its_killed_run_was_served_befor
         *(["--async-mode", "--rollout-concurrency", "4"] if mode == "async" else []),
     )
     async with BufferClient(started_buffer(procs, cfg).url) as buffer:
-        killed = Job(buffer, dies_at=2)
+        killed = RecordingJob(buffer, dies_at=2)
         with pytest.raises(RuntimeError, match="the trainer died"):
             await run_loop(cfg, killed, Rollouts(killed))
         assert [c[:2] for c in killed.trainer.calls] == [("train", 0), ("sync", 1), ("train", 1), ("sync", 2)]
         # resumed from a checkpoint saved before step 1: step 1's training is lost with the killed run
         # (the buffer takes it again for the same step, and would refuse it for another), step 2 was
         # served but never trained
-        resumed = Job(buffer, trainer_step=1)
+        resumed = RecordingJob(buffer, trainer_step=1)
         rollouts = Rollouts(resumed)
         rows = await run_loop(cfg, resumed, rollouts)
         served = [await resumed.ledger.served(step) for step in range(4)]
@@ -251,7 +251,7 @@ async def test_a_step_whose_every_group_was_filtered_is_skipped_and_the_weights_
         "inverted.buffer.filters:drop_all_equal_rewards",
     )
     async with BufferClient(buffer_process.url) as buffer:
-        job = Job(buffer)
+        job = RecordingJob(buffer)
 
         async def same_reward(ctx, tasks):  # every group's rewards equal: the filter keeps none
             samples = await Rollouts()(ctx, tasks)
@@ -280,7 +280,7 @@ async def test_the_async_source_at_staleness_0_trains_each_step_only_on_groups_i
         "0",
     )
     async with BufferClient(started_buffer(procs, cfg).url) as buffer:
-        job = Job(buffer, train_s=1.0)  # while a step trains, the producer must start nothing more
+        job = RecordingJob(buffer, train_s=1.0)  # while a step trains, the producer must start nothing more
         rollouts = Rollouts(job, hold_s=0.05)
         rows = await run_loop(cfg, job, rollouts)
         served = [await job.ledger.served(step) for step in range(3)]
