@@ -109,7 +109,8 @@ def train_child(model: str, samples_path: str) -> None:
     """The trainer in this process: build it, train one step on the Samples; JSON to stdout."""
     from torch.distributed.elastic.utils.distributed import get_free_port
 
-    from inverted.config import TrainConfig, from_flags
+    from inverted.config import from_flags
+    from inverted.train.config import TrainConfig
     from inverted.train.parallel import init_parallel, shutdown_parallel
     from inverted.train.trainer import Trainer
     from inverted.types import Sample

@@ -41,7 +41,8 @@ sys.path.insert(0, str(ROOT))
 
 from envs.datasets import write_dataset  # noqa: E402
 from envs.letters import rows as letters_rows  # noqa: E402
-from inverted.config import ServersConfig, TinyModelConfig  # noqa: E402
+from inverted.config import TinyModelConfig  # noqa: E402
+from inverted.rollout.config import ServersConfig  # noqa: E402
 from inverted.rollout.servers import RolloutServers  # noqa: E402
 from inverted.rollout.sglang_client import SGLangClient  # noqa: E402
 from inverted.tiny_model import make_tiny_model  # noqa: E402

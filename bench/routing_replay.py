@@ -31,10 +31,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inverted.config import TinyModelConfig, TrainConfig, from_flags  # noqa: E402
+from inverted.config import TinyModelConfig, from_flags  # noqa: E402
 from inverted.hf_checkpoint import ModelSpec  # noqa: E402
 from inverted.processes import ManagedProcess, free_port  # noqa: E402
 from inverted.tiny_model import make_tiny_model, perturb_routers  # noqa: E402
+from inverted.train.config import TrainConfig
 from inverted.train.routing_replay import decode_routes  # noqa: E402
 from inverted.types import Sample  # noqa: E402
 

@@ -81,8 +81,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inverted.config import TinyModelConfig, TrainConfig, from_flags  # noqa: E402
+from inverted.config import TinyModelConfig, from_flags  # noqa: E402
 from inverted.tiny_model import make_tiny_model  # noqa: E402
+from inverted.train.config import TrainConfig
 from inverted.types import Sample  # noqa: E402
 
 

@@ -57,7 +57,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from inverted.config import LossConfig, OptimConfig, RolloutConfig, from_flags  # noqa: E402
+from inverted.config import from_flags  # noqa: E402
+from inverted.rollout.config import RolloutConfig  # noqa: E402
+from inverted.train.config import LossConfig, OptimConfig  # noqa: E402
 
 MODEL = ROOT / "models/smollm2-135m"
 DATA = ROOT / "data/chain_sum.jsonl"

@@ -25,25 +25,25 @@ import sys
 from pathlib import Path
 
 from inverted import compat
+from inverted.buffer.config import BufferConfig
 from inverted.compat import slime_flags
 from inverted.config import (
-    BufferConfig,
-    EngineConfig,
-    ExportConfig,
     ImportGGUFConfig,
-    JobConfig,
-    ProxyConfig,
-    ServersConfig,
-    TinkerServeConfig,
     TinyModelConfig,
-    ViewConfig,
     add_flags,
     build_section,
     load_yaml_defaults,
     resolve_paths,
     split_passthrough,
 )
+from inverted.controller.config import JobConfig
+from inverted.engine.config import EngineConfig
 from inverted.errors import InvertedError
+from inverted.rollout.config import ServersConfig
+from inverted.rollout.proxy.config import ProxyConfig
+from inverted.tinker.config import TinkerServeConfig
+from inverted.train.config import ExportConfig
+from inverted.view.config import ViewConfig
 
 
 def setup_logging(role: str, level: str = "info") -> None:
@@ -147,7 +147,7 @@ def cmd_train(
         return
     spin_briefly()  # inherited by the engines and the trainer
     ray_token_auth()
-    from inverted.controller import run
+    from inverted.controller.main import run
     from inverted.rollout.servers import resolve_backend
 
     sglang_args = apply(cfg, slime, sglang_args, resolve_backend(cfg.servers))

@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -89,7 +90,7 @@ CURVES = ("rollout/reward_mean", "eval/reward_mean", "eval/pass_rate", "eval/too
 VARIANT_CURVES = ("pass_rate", "tool_call_rate")  # of each evaluation beside the main one (eval/NAME/...)
 
 
-def plot_rewards(stages: list[str | Path], out: str | Path) -> Path | None:
+def plot_rewards(stages: Sequence[str | Path], out: str | Path) -> Path | None:
     """Plot the reward curves of runs' ``metrics.jsonl`` files into a PNG; None when there is nothing to plot.
 
     Several files are consecutive stages of one recipe (a run that learns from another run's episodes):

@@ -47,8 +47,10 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
-from inverted.config import LossConfig, RolloutConfig, flag_name
+from inverted.config import flag_name
 from inverted.errors import ConfigError, PluginError, PluginFailed
+from inverted.rollout.config import RolloutConfig
+from inverted.train.config import LossConfig
 from inverted.types import Reward, Sample, Task
 
 # -- the registry of foreign forms ------------------------------------------------------------------
@@ -140,7 +142,9 @@ def guarded(fn: Callable[..., Any], flag: str, path: str) -> Callable[..., Any]:
     which then reach the job's console from whichever process ran it."""
 
     def failed(exc: Exception) -> PluginFailed:
-        trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next))  # less this frame
+        trace = "".join(
+            traceback.format_exception(type(exc), exc, exc.__traceback__ and exc.__traceback__.tb_next)
+        )  # less this frame
         return PluginFailed(f"{flag}={path!r} raised {type(exc).__name__}: {exc}\n{trace.rstrip()}")
 
     if inspect.iscoroutinefunction(fn):
@@ -373,7 +377,10 @@ class RewardModel:
                 for sample, reward in zip(group, rewards):
                     sample.reward = reward
             return
-        for sample, reward in zip(todo, await asyncio.gather(*(self.one(ctx, s) for s in todo))):
+        one = self.one
+        if one is None:  # load sets exactly one of the two hooks
+            raise PluginError("--custom-rm-path: no reward hook loaded")
+        for sample, reward in zip(todo, await asyncio.gather(*(one(ctx, s) for s in todo))):
             sample.reward = reward
 
 
@@ -386,15 +393,15 @@ class Plugins:
     as its hook (slime's forms come adapted)."""
 
     rollout: RolloutFunction
-    env: Callable | None = None
+    env: Callable[..., Any] | None = None
     reward: RewardModel | None = None
-    generate: Callable | None = None  # (ctx, sample, sampling_params) -> Samples, run inside single_turn
+    generate: Callable[..., Any] | None = None  # (ctx, sample, sampling_params) -> Samples, run inside single_turn
     evaluate: RolloutFunction | None = None  # --eval-function-path (else the rollout function)
-    sample_filter: Callable | None = None  # (groups) -> None, setting Sample.remove_sample
-    rollout_log: Callable | None = None  # (rollout_id, samples, metrics, seconds) -> bool
-    eval_log: Callable | None = None  # (rollout_id, data, metrics) -> bool
+    sample_filter: Callable[..., Any] | None = None  # (groups) -> None, setting Sample.remove_sample
+    rollout_log: Callable[..., Any] | None = None  # (rollout_id, samples, metrics, seconds) -> bool
+    eval_log: Callable[..., Any] | None = None  # (rollout_id, data, metrics) -> bool
     # the environment of each evaluation, by name: "" the main one (--eval-env-args), then --eval-variants
-    eval_envs: dict[str, Callable | None] = field(default_factory=dict)
+    eval_envs: dict[str, Callable[..., Any] | None] = field(default_factory=dict)
 
     @classmethod
     def load(cls, cfg: RolloutConfig, flags: dict[str, Any] | None = None) -> "Plugins":
@@ -456,7 +463,7 @@ class Plugins:
         )
 
 
-def load_env(path: str | None, args: str | None, flag: str) -> Callable | None:
+def load_env(path: str | None, args: str | None, flag: str) -> Callable[..., Any] | None:
     """``--env-path`` called with ``args`` (a JSON object of keyword arguments, ``flag`` naming where
     they came from)."""
     env = load_optional(

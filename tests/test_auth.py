@@ -9,7 +9,9 @@ import pytest
 from starlette.requests import Request
 
 from inverted import auth
-from inverted.config import BufferConfig, EngineConfig, ProxyConfig
+from inverted.buffer.config import BufferConfig
+from inverted.engine.config import EngineConfig
+from inverted.rollout.proxy.config import ProxyConfig
 from tests.conftest import serving
 
 

@@ -11,11 +11,7 @@ import pytest
 
 from inverted.cli import COMMANDS, build_parser
 from inverted.config import (
-    EngineConfig,
     ImportGGUFConfig,
-    JobConfig,
-    ServersConfig,
-    TrainConfig,
     add_flags,
     build_section,
     flag_name,
@@ -24,7 +20,11 @@ from inverted.config import (
     split_passthrough,
     to_flags,
 )
+from inverted.controller.config import JobConfig
+from inverted.engine.config import EngineConfig
 from inverted.errors import ConfigError
+from inverted.rollout.config import ServersConfig
+from inverted.train.config import TrainConfig
 
 # The public command line. Adding a flag is fine, but it must be added here on purpose.
 FROZEN_FLAGS = {
@@ -451,6 +451,15 @@ def test_the_trainer_s_sections_take_flat_flags_and_go_to_their_owners():
         from_flags(TrainConfig, hf_checkpoint="/m", lr=-1.0)
 
 
+@dataclasses.dataclass(kw_only=True, slots=True)
+class TwoParts:
+    """A composite whose parts both hold --hf-checkpoint, and does not say whose flag it is."""
+
+    train: TrainConfig
+    servers: ServersConfig
+    SETS: typing.ClassVar[dict[str, dict]] = {}
+
+
 def test_the_job_shares_flags_between_its_sections_and_keeps_its_own_fields():
     job, parser = parse(
         JobConfig,
@@ -464,11 +473,26 @@ def test_the_job_shares_flags_between_its_sections_and_keeps_its_own_fields():
             "envs.letters:episode",
         ],
     )
-    assert job.train.hf_checkpoint == job.servers.hf_checkpoint == "/m"  # one flag, both sections
+    assert job.train.hf_checkpoint == job.servers.hf_checkpoint == "/m"  # the trainer's flag, passed to the servers
     assert job.buffer.partial_rollout and job.proxy.partial_rollout
-    flags = {s for a in parser._actions for s in a.option_strings}
-    for section, fixed in JobConfig.SETS.items():  # ports, keys and paths are the job's, not flags
-        assert not {flag_name(name) for name in fixed} & flags, section
+    # One flag is one field: a name the job's parts hold twice is a flag of one part only (ports, keys and
+    # paths of none: the job's), and the others get its value (JobConfig.share)
+    owners: dict[str, list[str]] = {}
+    for name, part in ((f.name, typing.get_type_hints(JobConfig)[f.name]) for f in dataclasses.fields(JobConfig)):
+        held = set(JobConfig.SETS.get(name, {}))
+        for section in (part, *nested_sections(part)):
+            for f in leaf_fields(section):
+                if f.name not in held:
+                    owners.setdefault(f.name, []).append(name)
+    assert {name: parts for name, parts in owners.items() if len(parts) > 1} == {}
+    for section, fixed in JobConfig.SETS.items():
+        for name in fixed:
+            assert flag_name(name) not in {s for a in parser._actions for s in a.option_strings} or name in owners
+    job.servers.chat_template, job.rollout.rollout_temperature, job.train.loss.reward_key = None, 0.5, "score"
+    job.share()  # an owner changed in place (slime's flags): the parts that need the value get it again
+    assert job.train.loss.rollout_temperature == 0.5 and job.buffer.reward_key == "score"
+    with pytest.raises(TypeError, match="--hf-checkpoint is already another section's flag; one flag is one field"):
+        add_flags(argparse.ArgumentParser(), TwoParts)
     job.validate()
     parse(JobConfig, ["--hf-checkpoint", "/m", "--prompt-data", "p", "--env-path", "e:f", "--lora-rank", "8"])[
         0
@@ -638,7 +662,7 @@ def test_cli_reports_config_errors_without_a_traceback(capsys):
 def test_a_random_key_that_looks_like_a_flag_reaches_the_engine():
     """secrets.token_urlsafe begins with "-" one time in 64; the engine must still get it as the key."""
     from inverted.cli import build_parser
-    from inverted.config import ServersConfig
+    from inverted.rollout.config import ServersConfig
     from inverted.rollout.servers import engine_argv
 
     argv = engine_argv(

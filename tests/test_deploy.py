@@ -21,7 +21,8 @@ import pytest
 import yaml
 
 from inverted.cli import build_parser
-from inverted.config import JobConfig, build_section, load_yaml_defaults
+from inverted.config import build_section, load_yaml_defaults
+from inverted.controller.config import JobConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

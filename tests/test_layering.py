@@ -30,7 +30,12 @@ without loading torch where it cannot) counts as shared, so the driver, the serv
 trainer group decide one way; and ``view`` (``inverted view``: a run directory in the browser) reads
 what the job left behind, read-only, through the two modules that own those files' formats,
 ``buffer.archive`` (the buffer's database) and ``train.details`` (the trainer's per-Sample log-probs),
-never through a service, which may be gone.
+never through a service, which may be gone; and each part's config section sits beside its owner
+(``engine.config``, ``buffer.config``, ``train.config``, ``rollout.config``, ``rollout.proxy.config``,
+``view.config``, and the composites ``controller.config`` and ``tinker.config``): a section module is
+data (fields, help, checks) and imports only ``config``'s flag machinery and the sections a composite
+holds, so the parts that run an owner (the controller, the Tinker service) and ``plugins`` (whose
+plug-ins get a section in their context) may read it without reaching into the owner's code.
 """
 
 from __future__ import annotations
@@ -55,12 +60,29 @@ SHARED = (
     "inverted.peft_adapter",
 )
 
+# the config sections beside their owners (data: fields, help, checks; see the docstring)
+SECTIONS = (
+    "inverted.engine.config",
+    "inverted.buffer.config",
+    "inverted.train.config",
+    "inverted.rollout.config",
+    "inverted.rollout.proxy.config",
+    "inverted.view.config",
+    "inverted.controller.config",
+    "inverted.tinker.config",
+)
+SECTION_RULES = [(section, ("inverted.config", "inverted.types", "inverted.errors") + SECTIONS) for section in SECTIONS]
+
 # module prefix -> prefixes it may import (besides itself); first match wins
 RULES: list[tuple[str, tuple[str, ...]]] = [
+    *SECTION_RULES,
     ("inverted.errors", ()),
     ("inverted.types", ("inverted.errors",)),
     ("inverted.config", ("inverted.types", "inverted.errors")),
-    ("inverted.plugins", ("inverted.types", "inverted.errors", "inverted.config")),
+    (
+        "inverted.plugins",
+        ("inverted.types", "inverted.errors", "inverted.config", "inverted.rollout.config", "inverted.train.config"),
+    ),
     (
         "inverted.compat",
         tuple(
@@ -84,6 +106,9 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
         SHARED
         + (
             "inverted.controller",
+            "inverted.buffer.config",
+            "inverted.rollout.config",
+            "inverted.train.config",
             "inverted.buffer.client",
             "inverted.buffer.datasets",
             "inverted.buffer.filters",
@@ -104,6 +129,7 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
         SHARED
         + (
             "inverted.buffer.client",
+            "inverted.rollout.config",
             "inverted.rollout.sglang_client",
             "inverted.rollout.servers",
             "inverted.rollout.proxy",
@@ -119,6 +145,8 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
         SHARED
         + (
             "inverted.tinker",
+            "inverted.rollout.config",
+            "inverted.train.config",
             "inverted.buffer.store",
             "inverted.buffer.datasets",
             "inverted.rollout.servers",

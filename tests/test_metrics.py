@@ -9,8 +9,8 @@ from pathlib import Path
 
 import matplotlib.axes
 
-from inverted.config import JobConfig
-from inverted.controller import stages
+from inverted.controller.config import JobConfig
+from inverted.controller.main import stages
 from inverted.metrics import build_metrics_sink, plot_rewards
 from tests.test_config import parse
 

@@ -8,9 +8,9 @@ import types
 
 import pytest
 
+from inverted.buffer.config import BufferConfig
 from inverted.buffer.service import build_store
 from inverted.compat.slime_forms import SlimeDataBuffer
-from inverted.config import BufferConfig
 from inverted.errors import ConfigError, PluginError, PluginFailed
 from inverted.plugins import in_daemon_thread, load_plugin, load_rollout_function, required_flags
 from inverted.types import Sample, Task
@@ -126,8 +126,8 @@ def sync_rollout(ctx, tasks):
 def test_slime_rollout_functions_are_adapted_to_the_contract():
     import asyncio
 
-    from inverted.config import RolloutConfig
     from inverted.plugins import RolloutContext
+    from inverted.rollout.config import RolloutConfig
     from inverted.types import Task
 
     fn = load_rollout_function(f"{__name__}.slime_rollout")  # slime's dotted form, slime's signature
@@ -160,8 +160,8 @@ def test_a_rollout_function_with_the_wrong_shape_is_refused_at_load():
 
 
 def test_env_args_are_bound_to_the_environment_and_checked_before_anything_starts():
-    from inverted.config import RolloutConfig
     from inverted.plugins import Plugins
+    from inverted.rollout.config import RolloutConfig
 
     args = '{"env": "verifiers.envs.integrations.reasoninggym_env:ReasoningGymEnv", "args": {"gym": "chain_sum"}}'
     env = Plugins.load(RolloutConfig(env_path="envs.verifiers:episode", env_args=args)).env

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from inverted.config import BufferConfig, plugin_flags
+from inverted.buffer.config import BufferConfig
+from inverted.config import plugin_flags
 from inverted.plugins import load_hook
 from inverted.types import Sample
 

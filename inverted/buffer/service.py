@@ -42,10 +42,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from starlette.exceptions import HTTPException
 
 from inverted.auth import NO_DOCS, require_key
+from inverted.buffer.config import BufferConfig
 from inverted.buffer.datasets import load_prompts
 from inverted.buffer.filters import load_group_chooser, load_group_filter
 from inverted.buffer.store import SQLiteStore
-from inverted.config import BufferConfig
 from inverted.errors import LeaseConflict, PluginFailed, SampleError, Unauthorized
 from inverted.limits import BodyLimit
 from inverted.processes import UVICORN_OPTIONS, freeze_startup_heap, serve_workers

@@ -30,7 +30,8 @@ import logging
 from typing import Any
 
 from inverted.compat import slime_flags
-from inverted.config import JobConfig, from_flags, read_yaml_mapping, to_flags
+from inverted.config import from_flags, read_yaml_mapping, to_flags
+from inverted.controller.config import JobConfig
 from inverted.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ def apply(cfg: JobConfig, flags: slime_flags.SlimeFlags | None, sglang_args: lis
     if (chunk := given.get("log_probs_chunk_size", -1)) > 0:
         _set_once(cfg, ("train",), "logprob_chunk_size", chunk, "--log-probs-chunk-size")
     if length := given.get("rollout_max_context_len"):
-        _set_once(cfg, ("servers", "proxy"), "context_length", length, "--rollout-max-context-len")
+        _set_once(cfg, ("servers",), "context_length", length, "--rollout-max-context-len")
     slime_flags.check_distillation(given, cfg.train.hf_checkpoint)
     _set_loss(cfg, given)
     if given.get("rm_type") and not cfg.rollout.custom_rm_path:  # slime's default reward path
@@ -71,6 +72,7 @@ def apply(cfg: JobConfig, flags: slime_flags.SlimeFlags | None, sglang_args: lis
     ignored = [*slime_flags.SlimeFlags(given).listing(), *plan.ignored]
     if ignored:
         logger.warning("slime flags accepted with no effect here:\n  %s", "\n  ".join(ignored))
+    cfg.share()  # what slime's flags set in an owner, to the parts that need it too
     namespace: dict[str, Any] = {}
     for section in SECTIONS:
         namespace |= {k: v for k, v in to_flags(getattr(cfg, section)).items() if k != "plugin_args"}

@@ -12,10 +12,11 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from inverted.config import JobConfig
+from inverted.controller.config import JobConfig
 from inverted.controller.job import Job
 from inverted.controller.rollouts import context, read_prompts, run_evaluation
 from inverted.controller.step_metrics import USABLE, episode_metrics, summary
+from inverted.errors import ConfigError
 from inverted.metrics import MetricsSink
 from inverted.plugins import EvalResults, Plugins
 from inverted.types import Sample, Task
@@ -36,7 +37,10 @@ async def evaluate(cfg: JobConfig, job: Job, plugins: Plugins, rollout_id: int) 
     nothing here is trained on), once for the main evaluation (``eval/*``) and once per
     ``--eval-variants`` entry (``eval/NAME/*``). A pass is a sample whose reward reaches 1, the
     graders' "correct"."""
-    records = read_prompts(cfg.buffer, cfg.rollout.eval_prompt_data)
+    data = cfg.rollout.eval_prompt_data
+    if not data:  # JobConfig.validate asks for it with --eval-interval
+        raise ConfigError("--eval-prompt-data: no evaluation dataset")
+    records = read_prompts(cfg.buffer, data)
     n = cfg.rollout.n_samples_per_eval_prompt
     tasks = [
         Task(
@@ -111,7 +115,7 @@ def log_evaluation(
         else:
             usable = [s for s in answer if s.status in USABLE]
             data = {
-                Path(cfg.rollout.eval_prompt_data).stem: {
+                Path(cfg.rollout.eval_prompt_data or "eval").stem: {
                     "rewards": [s.scalar_reward(cfg.train.loss.reward_key) for s in usable],
                     "truncated": [s.status == Sample.Status.TRUNCATED for s in usable],
                     "samples": usable,

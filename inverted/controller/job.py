@@ -23,10 +23,10 @@ import logging
 import secrets
 from contextlib import AsyncExitStack
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from inverted.buffer.client import BufferClient
-from inverted.config import JobConfig
+from inverted.controller.config import JobConfig
 from inverted.controller.ledger import Ledger
 from inverted.controller.supervisor import Supervisor, spawn_service
 from inverted.controller.trainer import Trainer
@@ -37,6 +37,9 @@ from inverted.processes import ManagedProcess, free_port
 from inverted.rollout.servers import ROUTED_EXPERTS_ARGV, RolloutServers, lora_argv
 from inverted.rollout.sglang_client import ServerKeys, SGLangClient, without_sampling_masks
 from inverted.types import POLICY_ADAPTER
+
+if TYPE_CHECKING:
+    from inverted.peft_adapter import LoRAConfig  # torch: imported where a LoRA run needs it
 
 logger = logging.getLogger(__name__)
 
@@ -253,7 +256,7 @@ class Job:
         await asyncio.gather(*(one(url) for url in self.servers.engine_urls))
 
 
-def _lora_config(cfg: JobConfig):
+def _lora_config(cfg: JobConfig) -> LoRAConfig | None:
     """The adapter a LoRA run trains (``peft_adapter.LoRAConfig``), None without LoRA."""
     a = cfg.train.lora
     if not a.enabled:

@@ -63,4 +63,6 @@ class Ledger:
 
     async def trained(self, batch: Batch, step: int) -> None:
         """Record that step ``step`` trained ``batch`` (the buffer refuses it for any other step)."""
+        if batch.batch_id is None:  # the buffer names every batch it serves with groups
+            raise ValueError(f"step {step} trained a batch the buffer did not serve")
         await self.buffer.trained(batch.batch_id, step)

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from inverted.buffer.client import Batch
-from inverted.config import JobConfig
+from inverted.controller.config import JobConfig
 from inverted.controller.evaluation import evaluate_and_log
 from inverted.controller.job import Job
 from inverted.controller.sources import AsyncSource, BatchSource, Clock, SyncSource

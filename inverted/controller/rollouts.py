@@ -13,15 +13,17 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from inverted.buffer.datasets import load_prompts
-from inverted.config import BufferConfig, JobConfig, plugin_flags
+from inverted.buffer.config import BufferConfig
+from inverted.buffer.datasets import PromptRecord, load_prompts
+from inverted.config import plugin_flags
+from inverted.controller.config import JobConfig
 from inverted.controller.job import Job
 from inverted.errors import PluginError
 from inverted.plugins import DUMP_FORMATS, EvalResults, Plugins, RolloutContext
 from inverted.types import Sample, Task
 
 
-def read_prompts(buffer: BufferConfig, path: str):
+def read_prompts(buffer: BufferConfig, path: str) -> list[PromptRecord]:
     return load_prompts(
         path,
         input_key=buffer.input_key,

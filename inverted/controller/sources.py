@@ -41,7 +41,7 @@ import time
 from typing import Protocol
 
 from inverted.buffer.client import Batch
-from inverted.config import JobConfig
+from inverted.controller.config import JobConfig
 from inverted.controller.job import Job
 from inverted.controller.rollouts import context, run_rollout
 from inverted.controller.step_metrics import prepare_batch
@@ -182,7 +182,7 @@ class AsyncSource:
         self.first_version = job.version
         self.step = start  # the step whose rollout context new groups get
         self.steps = 0  # batches taken since the source started
-        self.running: set[asyncio.Task] = set()
+        self.running: set[asyncio.Task[None]] = set()
         self.finished: list[Sample] = []  # Samples submitted since the last step took its batch
         self.exhausted = False  # the buffer has no task left to lease
         self.error: BaseException | None = None
@@ -234,12 +234,12 @@ class AsyncSource:
         await self.job.buffer.submit(list(zip(tasks, samples)))
         self.finished += samples
 
-    def _group_done(self, task: asyncio.Task) -> None:
+    def _group_done(self, task: asyncio.Task[None]) -> None:
         self.running.discard(task)
         self._note_failure(task)
         self.wake.set()
 
-    def _note_failure(self, task: asyncio.Task) -> None:
+    def _note_failure(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None and self.error is None:
             self.error = task.exception()
 

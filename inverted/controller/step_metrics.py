@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from inverted.config import JobConfig
+from inverted.controller.config import JobConfig
 from inverted.controller.job import Job
 from inverted.controller.rollouts import job_flags, save_rollout_data
 from inverted.plugins import Plugins

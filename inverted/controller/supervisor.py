@@ -26,7 +26,8 @@ from typing import Any, Awaitable, Protocol, TypeVar
 
 import yaml
 
-from inverted.config import JobConfig, to_flags
+from inverted.config import to_flags
+from inverted.controller.config import JobConfig
 from inverted.controller.trainer import Trainer
 from inverted.processes import ManagedProcess
 from inverted.rollout.servers import RolloutServers, ServerHandle
@@ -101,8 +102,7 @@ class Supervisor:
             for i, process in enumerate(job.processes):
                 if process.exited:
                     job.processes[i] = await self._restart(process)
-            if job.servers.router_exited:
-                router = job.servers.router
+            if job.servers.router_exited and (router := job.servers.router) is not None:
                 logger.warning("the router died; starting it again at %s. Log tail:\n%s", router.url, router.tail(10))
                 await job.servers.restart_router()
                 self.faults["service_restarts"] += 1

@@ -28,11 +28,12 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 from inverted.buffer.client import Batch
-from inverted.config import JobConfig, TrainConfig
+from inverted.controller.config import JobConfig
 from inverted.controller.ledger import Ledger
 from inverted.placement import node_resource
 from inverted.rollout.sglang_client import ServerKeys
 from inverted.train.actor import RankDied, TrainGroup
+from inverted.train.config import TrainConfig
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

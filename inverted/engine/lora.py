@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from inverted.config import EngineConfig
+from inverted.engine.config import EngineConfig
 from inverted.errors import ConfigError, InvalidRequest, ModelError
 from inverted.hf_checkpoint import ModelSpec
 from inverted.peft_adapter import LoRAConfig, check_tensors, module_shapes, read_adapter, target_modules

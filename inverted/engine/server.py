@@ -42,8 +42,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException
 
 from inverted.auth import NO_DOCS, require_key
-from inverted.config import EngineConfig
 from inverted.engine import protocol as P
+from inverted.engine.config import EngineConfig
 from inverted.engine.grammar import Grammars
 from inverted.engine.lora import Adapters, startup_adapters
 from inverted.engine.model import CausalLM, KVCache, load_model

@@ -48,11 +48,11 @@ import time
 from pathlib import Path
 from typing import Callable, Protocol
 
-from inverted.config import ServersConfig
 from inverted.devices import cuda_available
 from inverted.errors import ServiceUnavailable, UnknownWorker
 from inverted.hf_checkpoint import context_length
 from inverted.processes import ManagedProcess, Secret, free_port
+from inverted.rollout.config import ServersConfig
 from inverted.rollout.sglang_client import RouterClient, SGLangClient
 from inverted.types import POLICY_ADAPTER
 

@@ -47,13 +47,13 @@ import torch
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response
 
-from inverted.config import TinkerServeConfig
 from inverted.devices import cuda_available
 from inverted.errors import InvertedError, SampleError
 from inverted.metrics import build_metrics_sink
 from inverted.rollout.servers import RolloutServers, lora_argv, resolve_backend
 from inverted.rollout.sglang_client import ServerKeys, SGLangClient, read_output
 from inverted.tinker import wire
+from inverted.tinker.config import TinkerServeConfig
 from inverted.tinker.futures import Failure, Futures
 from inverted.tinker.record import BASE, SampleRecord
 from inverted.train import datum_losses

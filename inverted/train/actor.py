@@ -33,11 +33,11 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from inverted.config import TrainConfig
 from inverted.devices import cuda_available
 from inverted.errors import ServiceUnavailable
 from inverted.processes import alive, freeze_startup_heap
 from inverted.rollout.sglang_client import ServerKeys
+from inverted.train.config import TrainConfig
 from inverted.train.shared_memory import reap_buckets
 from inverted.types import Sample
 

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from inverted.config import AdapterConfig, TrainConfig
 from inverted.errors import SampleError
 from inverted.rollout.sglang_client import ServerKeys
 from inverted.train import datum_losses
+from inverted.train.config import AdapterConfig, TrainConfig
 from inverted.train.optimizer import set_adam
 from inverted.train.packing import MicroBatch, pack
 from inverted.train.trainer import Trainer

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from inverted.config import MoEConfig
 from inverted.hf_checkpoint import ModelSpec, rope_inv_freq
+from inverted.train.config import MoEConfig
 from inverted.train.convert import mark_tensor_parallel
 
 

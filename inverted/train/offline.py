@@ -18,10 +18,11 @@ from typing import Callable
 import torch
 import yaml
 
-from inverted.config import TrainConfig, to_flags
+from inverted.config import to_flags
 from inverted.errors import SampleError
 from inverted.hf_checkpoint import ModelSpec
 from inverted.plugins import DUMP_FORMATS
+from inverted.train.config import TrainConfig
 from inverted.train.trainer import check_samples
 from inverted.types import Sample
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from inverted.config import OptimConfig
+from inverted.train.config import OptimConfig
 
 # Elements squared in fp64 at once for the gradient norm: 16 MB of temporaries, not two fp64 copies
 # of the largest gradient (SmolLM2's embedding: 2 x 226 MB, the trainer's peak during a step).

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from inverted.config import ParallelConfig
+from inverted.train.config import ParallelConfig
 
 
 def init_parallel(cfg: ParallelConfig, seed: int) -> None:

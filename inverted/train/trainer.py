@@ -48,12 +48,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from inverted.config import TrainConfig, plugin_flags
+from inverted.config import plugin_flags
 from inverted.errors import ModelError, SampleError
 from inverted.hf_checkpoint import ModelSpec, checkpoint_tensors
 from inverted.peft_adapter import lora_config, read_adapter
 from inverted.plugins import LossPlugins
 from inverted.train import details, lora, losses
+from inverted.train.config import TrainConfig
 from inverted.train.convert import check_compatible, gather_hf_weights, iter_hf_weights, load_hf_weights, over_pipeline
 from inverted.train.logprobs import (
     Head,

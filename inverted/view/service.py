@@ -30,9 +30,9 @@ from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Resp
 from pydantic import BaseModel, ConfigDict, Field
 
 from inverted.auth import NO_DOCS, key_matches, presented_key
-from inverted.config import ViewConfig
 from inverted.hf_checkpoint import ModelSpec, load_tokenizer
 from inverted.processes import UVICORN_OPTIONS
+from inverted.view.config import ViewConfig
 from inverted.view.index import SORTABLE, STATUSES, RunIndex, SampleQuery
 
 logger = logging.getLogger(__name__)

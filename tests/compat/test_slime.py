@@ -14,10 +14,12 @@ import numpy as np
 import pytest
 import torch
 
+from inverted.buffer.config import BufferConfig
 from inverted.compat import slime
-from inverted.config import BufferConfig, RolloutConfig, plugin_flags, to_flags
+from inverted.config import plugin_flags, to_flags
 from inverted.errors import PluginError, SampleError
 from inverted.plugins import load_forms, load_plugin
+from inverted.rollout.config import RolloutConfig
 from inverted.types import Sample
 
 
@@ -583,7 +585,8 @@ def test_slimes_eval_functions_answer_per_dataset_and_are_logged_as_slime_logs_t
     import argparse
     import asyncio
 
-    from inverted.config import JobConfig, add_flags, build_section
+    from inverted.config import add_flags, build_section
+    from inverted.controller.config import JobConfig
     from inverted.controller.evaluation import eval_metrics, log_evaluation
     from inverted.controller.rollouts import run_evaluation
     from inverted.plugins import EvalResults, Plugins, RolloutContext, load_rollout_function

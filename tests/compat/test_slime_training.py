@@ -13,7 +13,8 @@ import pytest
 import torch
 import transformers
 
-from inverted.config import TrainConfig, from_flags
+from inverted.config import from_flags
+from inverted.train.config import TrainConfig
 from inverted.train.parallel import spawn
 from tests.train.samples import make_samples
 from tests.train.workers import step_at_version

@@ -15,8 +15,9 @@ import httpx
 import pytest
 
 from envs import calculator as calc
-from inverted.config import RolloutConfig, to_flags
+from inverted.config import to_flags
 from inverted.plugins import RolloutContext, load_hook
+from inverted.rollout.config import RolloutConfig
 from inverted.types import Sample, Task
 from rollout_functions import agent, single_turn
 from tests.rollout.proxy.scripted import teach

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from inverted.buffer.client import Batch, BufferClient
-from inverted.config import JobConfig, add_flags, build_section
+from inverted.config import add_flags, build_section
+from inverted.controller.config import JobConfig
 from inverted.controller.ledger import Ledger
 from inverted.controller.loop import train
 from inverted.controller.sources import Admission

@@ -171,7 +171,7 @@ def test_api_keys(procs, tiny_model):
 def test_a_torch_failure_inside_a_weight_load_is_our_500_not_the_clients_400(tiny_model, monkeypatch):
     """A weight load that passes every check and then fails in torch is a bug of the engine's (or
     its device's): 500 with the cause, never a 400 that blames the sender. The engine keeps serving."""
-    from inverted.config import EngineConfig
+    from inverted.engine.config import EngineConfig
     from inverted.engine.model import CausalLM
     from inverted.engine.server import create_app
     from inverted.hf_checkpoint import checkpoint_tensors

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from inverted.config import EngineConfig
+from inverted.engine.config import EngineConfig
 from inverted.engine.server import Engine
 from inverted.errors import ModelError
 from tests.conftest import ARCHS, BACKENDS, MOE_ARCHS

@@ -54,7 +54,7 @@ SERVE_AND_COUNT = (
     """
 import json, os, sys, threading, time, urllib.request
 import uvicorn
-from inverted.config import EngineConfig
+from inverted.engine.config import EngineConfig
 from inverted.engine.server import create_app
 """
     + FOREIGN_THREADS

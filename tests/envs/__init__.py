@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from inverted.config import RolloutConfig
 from inverted.plugins import RolloutContext
+from inverted.rollout.config import RolloutConfig
 from inverted.types import Sample, Task
 from rollout_functions.agent import generate_rollout
 

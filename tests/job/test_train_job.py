@@ -208,7 +208,7 @@ def test_the_run_is_viewable_plotted_checkpointed_and_exported(resumed_run):
 def check_viewable(run_dir: Path, samples: dict) -> None:
     """What ``inverted view`` reads of a real job: every stored Sample, the trainer's rows for the trained
     ones (written by the trainer's two pipeline stages, across the resume), the multi-turn episodes."""
-    from inverted.config import ViewConfig
+    from inverted.view.config import ViewConfig
     from inverted.view.index import SampleQuery
     from inverted.view.service import open_run
 

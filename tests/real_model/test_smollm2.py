@@ -17,9 +17,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from envs import reasoning_gym
-from inverted.config import TrainConfig, from_flags
+from inverted.config import from_flags
 from inverted.errors import ModelError
 from inverted.hf_checkpoint import ModelSpec
+from inverted.train.config import TrainConfig
 from inverted.train.convert import check_compatible
 from inverted.train.parallel import spawn
 from inverted.types import Sample, Task

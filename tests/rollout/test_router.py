@@ -8,8 +8,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from inverted.config import ServersConfig
 from inverted.errors import UnknownWorker
+from inverted.rollout.config import ServersConfig
 from inverted.rollout.servers import ROUTER_DEFAULTS, RolloutServers
 from inverted.rollout.sglang_client import RouterClient, SGLangClient
 

@@ -8,8 +8,8 @@ import asyncio
 import httpx
 import openai
 
-from inverted.config import RolloutConfig
 from inverted.plugins import RolloutContext
+from inverted.rollout.config import RolloutConfig
 from inverted.rollout.proxy.client import ProxyClient
 from inverted.types import Sample, Task
 from rollout_functions.agent import generate_rollout

@@ -25,9 +25,9 @@ from envs import calculator_agent, reasoning_gym
 from inverted.buffer.archive import BufferArchive
 from inverted.buffer.datasets import PromptRecord
 from inverted.buffer.store import SQLiteStore
-from inverted.config import RolloutConfig
 from inverted.hf_checkpoint import load_tokenizer
 from inverted.plugins import RolloutContext
+from inverted.rollout.config import RolloutConfig
 from inverted.rollout.proxy.client import ProxyClient
 from inverted.types import Sample, Task
 from rollout_functions import bootstrap

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 from transformers import AutoTokenizer
 
-from inverted.config import RolloutConfig
 from inverted.plugins import RewardModel, RolloutContext
+from inverted.rollout.config import RolloutConfig
 from inverted.types import Sample, Task
 from rollout_functions.single_turn import generate_rollout
 

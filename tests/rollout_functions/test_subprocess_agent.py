@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from inverted.config import RolloutConfig
 from inverted.plugins import RolloutContext
+from inverted.rollout.config import RolloutConfig
 from inverted.types import Sample, Task
 from rollout_functions.subprocess_agent import generate_rollout
 

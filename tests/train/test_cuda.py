@@ -14,7 +14,8 @@ import pytest
 import torch
 import transformers
 
-from inverted.config import TrainConfig, from_flags
+from inverted.config import from_flags
+from inverted.train.config import TrainConfig
 from inverted.train.parallel import spawn
 from tests.conftest import ARCHS, MOE_ARCHS
 from tests.train.samples import make_samples

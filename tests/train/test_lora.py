@@ -9,8 +9,9 @@ import torch
 import transformers
 from peft import LoraConfig, PeftModel, get_peft_model
 
-from inverted.config import TrainConfig, from_flags
+from inverted.config import from_flags
 from inverted.peft_adapter import LoRAConfig, write_adapter
+from inverted.train.config import TrainConfig
 from inverted.train.parallel import spawn
 from tests.train.samples import make_samples
 from tests.train.workers import check_packed_logits, lora_step

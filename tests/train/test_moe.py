@@ -11,9 +11,10 @@ import pytest
 import torch
 import transformers
 
-from inverted.config import TrainConfig, from_flags
+from inverted.config import from_flags
 from inverted.errors import ModelError
 from inverted.hf_checkpoint import ModelSpec, checkpoint_tensors
+from inverted.train.config import TrainConfig
 from inverted.train.convert import check_compatible
 from inverted.train.parallel import spawn
 from tests.conftest import MOE_ARCHS

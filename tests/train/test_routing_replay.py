@@ -12,10 +12,11 @@ import httpx
 import pytest
 import torch
 
-from inverted.config import TrainConfig, from_flags
+from inverted.config import from_flags
 from inverted.errors import ModelError, SampleError
 from inverted.hf_checkpoint import ModelSpec
 from inverted.tiny_model import perturb_routers
+from inverted.train.config import TrainConfig
 from inverted.train.parallel import spawn
 from inverted.train.routing_replay import decode_routes
 from inverted.types import Sample

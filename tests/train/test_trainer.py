@@ -10,7 +10,8 @@ import pytest
 import torch
 import transformers
 
-from inverted.config import TrainConfig, from_flags
+from inverted.config import from_flags
+from inverted.train.config import TrainConfig
 from inverted.train.parallel import spawn
 from inverted.types import Sample
 from tests.train.samples import make_samples, write_jsonl

@@ -12,8 +12,9 @@ import httpx
 import pytest
 import torch
 
-from inverted.config import TrainConfig, from_flags
+from inverted.config import from_flags
 from inverted.hf_checkpoint import checkpoint_tensors
+from inverted.train.config import TrainConfig
 from inverted.train.parallel import spawn
 from inverted.train.weight_sync import DistributedTransport, SyncReport, TensorTransport, WeightSync
 from tests.train.samples import make_samples

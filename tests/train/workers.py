@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import torch
 
-from inverted.config import TrainConfig
+from inverted.train.config import TrainConfig
 from inverted.train.packing import pack
 from tests.train.samples import make_samples
 

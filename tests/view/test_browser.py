@@ -16,8 +16,8 @@ from collections import Counter
 
 import pytest
 
-from inverted.config import ViewConfig
 from inverted.processes import free_port
+from inverted.view.config import ViewConfig
 from inverted.view.service import create_app, open_run
 from tests.view.run_dir import UNRECORDED, write_run
 

@@ -18,9 +18,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from inverted.buffer.store import SQLiteStore
-from inverted.config import ViewConfig
 from inverted.hf_checkpoint import load_tokenizer
 from inverted.processes import free_port
+from inverted.view.config import ViewConfig
 from inverted.view.index import SampleQuery
 from inverted.view.service import create_app, open_run
 from tests.view.run_dir import N, episode, write_run

@@ -27,7 +27,6 @@ from typing import Any, AsyncIterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from inverted.config import ProxyConfig
 from inverted.errors import InvalidRequest
 from inverted.limits import cannot_fit, max_token_chars
 from inverted.rollout.chat import THINK_OPEN, ChatRenderer, Message, ParsedReply, TemplateBreak, ToolParser, tools_key
@@ -43,6 +42,7 @@ from inverted.rollout.proxy.apis.call import (
     Output,
     TokenLogprob,
 )
+from inverted.rollout.proxy.config import ProxyConfig
 from inverted.rollout.proxy.generation import Sampled, sample_turn, scripted_turn
 from inverted.rollout.proxy.session import Branch, History, Placement, Session, Sessions, Turn
 from inverted.rollout.sglang_client import GenerateClient

@@ -53,7 +53,6 @@ from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, JsonValue
 from starlette.exceptions import HTTPException
 
 from inverted.auth import NO_DOCS, key_matches, presented_key, require_key
-from inverted.config import ProxyConfig
 from inverted.errors import InvalidRequest, SampleError, ServiceError, Unauthorized
 from inverted.limits import BodyLimit, parse_json
 from inverted.plugins import load_plugin
@@ -61,6 +60,7 @@ from inverted.processes import UVICORN_OPTIONS, freeze_startup_heap
 from inverted.rollout.proxy import apis
 from inverted.rollout.proxy.apis import call
 from inverted.rollout.proxy.apis.call import Failure
+from inverted.rollout.proxy.config import ProxyConfig
 from inverted.rollout.proxy.recorder import Recorder
 from inverted.rollout.proxy.session import Session, Sessions
 from inverted.rollout.sglang_client import Timeouts, generate_client

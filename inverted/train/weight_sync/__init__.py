@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from inverted.config import WeightSyncConfig
 from inverted.rollout.sglang_client import ServerKeys
+from inverted.train.config import WeightSyncConfig
 from inverted.train.weight_sync.buckets import Bucket, BucketPacker
 from inverted.train.weight_sync.sync import SyncReport, WeightSync
 from inverted.train.weight_sync.transports import (
