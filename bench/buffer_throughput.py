@@ -103,8 +103,10 @@ async def over_http(url: str, prompts: int, batches: int, concurrency: int) -> d
         latencies = []
         for _ in range(batches):
             t0 = time.perf_counter()
-            batch = await client.next_batch(num_samples=PER_REQUEST, current_weight_version=3)
-            assert len(batch.groups) == PER_REQUEST // GROUP
+            # served by reference, then its Samples read by the request id, as a trainer rank reads them
+            ref = await client.next_batch(num_samples=PER_REQUEST, current_weight_version=3)
+            batch = await client.batch(ref.request_id)
+            assert batch is not None and len(batch.groups) == len(ref.sizes) == PER_REQUEST // GROUP
             latencies.append(time.perf_counter() - t0)
     return {"samples_per_s": len(tasks) / elapsed, "batch_latency_ms": latencies}
 

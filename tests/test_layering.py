@@ -35,7 +35,10 @@ never through a service, which may be gone; and each part's config section sits 
 ``view.config``, and the composites ``controller.config`` and ``tinker.config``): a section module is
 data (fields, help, checks) and imports only ``config``'s flag machinery and the sections a composite
 holds, so the parts that run an owner (the controller, the Tinker service) and ``plugins`` (whose
-plug-ins get a section in their context) may read it without reaching into the owner's code.
+plug-ins get a section in their context) may read it without reaching into the owner's code; and
+``train.actor`` (the Ray edge of the trainer) reads each step's batch from the buffer through
+``buffer.client``, by the reference the driver passes, so that the driver never relays Samples; the
+rest of ``train/`` still knows nothing of the buffer.
 """
 
 from __future__ import annotations
@@ -138,6 +141,8 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ),
     ("inverted.buffer", SHARED + ("inverted.buffer",)),
     ("inverted.view", SHARED + ("inverted.view", "inverted.buffer.archive", "inverted.train.details")),
+    # a rank reads its step's batch from the buffer by reference (#77): the Ray edge of train/, through the client
+    ("inverted.train.actor", SHARED + ("inverted.rollout.sglang_client", "inverted.train", "inverted.buffer.client")),
     ("inverted.train", SHARED + ("inverted.rollout.sglang_client", "inverted.train")),
     # the Tinker service: a front end on the trainer (its learner) and the rollout servers, like the job's controller
     (
@@ -209,6 +214,7 @@ def test_the_engine_is_reached_only_over_http():
 def test_the_checker_catches_a_forbidden_import():
     assert not allowed("inverted.buffer.store", "inverted.engine.model")
     assert not allowed("inverted.train.actor", "inverted.rollout.proxy")
+    assert not allowed("inverted.train.trainer", "inverted.buffer.client")
     assert not allowed("inverted.types", "inverted.config")
     assert allowed("inverted.train.weight_sync", "inverted.rollout.sglang_client.SGLangClient")
 

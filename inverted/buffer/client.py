@@ -19,8 +19,28 @@ from inverted.http_client import HTTPService, Reply
 from inverted.types import Sample, Task
 
 
+@dataclass(frozen=True, slots=True)
+class BatchRef:
+    """A served batch by reference, as the job's driver holds it: the ``request_id`` it was served
+    under (by which the trainer's ranks read its Samples, ``BufferClient.batch``), its id, and each
+    group's size and staleness. ``removed``: the Samples (positions in the batch's order) that the
+    driver's ``--rollout-sample-filter-path`` left out of the loss."""
+
+    request_id: str
+    batch_id: str | None
+    sizes: tuple[int, ...]
+    staleness: tuple[int, ...]
+    removed: frozenset[int] = frozenset()
+
+    @property
+    def num_samples(self) -> int:
+        return sum(self.sizes)
+
+
 @dataclass(slots=True)
 class Batch:
+    """A served batch with its Samples."""
+
     batch_id: str | None
     groups: list[list[Sample]]
     staleness: list[int]
@@ -31,9 +51,27 @@ class Batch:
 
 
 def read_batch(content: bytes) -> Batch:
-    """A batch as the service answers one (``POST /batches/next``, ``GET /batches/{request_id}``)."""
+    """A batch as the service answers one with its Samples (``GET /batches/{request_id}``)."""
     data = orjson.loads(content)
     return Batch(data["batch_id"], [[Sample.from_json(s) for s in g] for g in data["groups"]], data["staleness"])
+
+
+def read_ref(content: bytes, request_id: str) -> BatchRef:
+    """A batch as the service answers one by reference (``samples: false``)."""
+    data = orjson.loads(content)
+    return BatchRef(request_id, data["batch_id"], tuple(data["sizes"]), tuple(data["staleness"]))
+
+
+@dataclass(frozen=True, slots=True)
+class BufferAddress:
+    """Where another process reaches the buffer (a trainer rank reads its batches there)."""
+
+    url: str
+    api_key: str | None = None
+    outage_s: float = 0.0  # how long its calls wait out a buffer restarted at its address
+
+    def client(self) -> BufferClient:
+        return BufferClient(self.url, api_key=self.api_key, outage_s=self.outage_s)
 
 
 class BufferClient(HTTPService):
@@ -88,12 +126,14 @@ class BufferClient(HTTPService):
         timeout_s: float = 0.0,
         allow_partial: bool = False,
         request_id: str | None = None,
-    ) -> Batch:
-        """Complete groups, oldest first; waits up to ``timeout_s`` for enough of them (empty on time-out).
+    ) -> BatchRef:
+        """Complete groups, oldest first, by reference (``batch`` reads their Samples); waits up to
+        ``timeout_s`` for enough of them (empty on time-out).
 
         A ``request_id`` that was answered with a batch before is answered with that batch again
-        (fresh by default; the async loop names each step's batch, so a resumed job gets it back).
+        (fresh by default; the job names each step's batch, so a resumed job gets it back).
         """
+        request_id = request_id or uuid.uuid4().hex
         body = {
             "num_groups": num_groups,
             "num_samples": num_samples,
@@ -101,22 +141,39 @@ class BufferClient(HTTPService):
             "max_weight_staleness": max_weight_staleness,
             "timeout_s": timeout_s,
             "allow_partial": allow_partial,
-            "request_id": request_id or uuid.uuid4().hex,
+            "request_id": request_id,
+            "samples": False,
         }
         response = await self.request(
             "POST", "/batches/next", json_body=body, timeout=timeout_s + self.timeouts.data, idempotent=True
         )
-        return read_batch(response.content)
+        return read_ref(response.content, request_id)
 
-    async def served_batch(self, request_id: str) -> Batch | None:
-        """The batch served under ``request_id`` before (a step of a job that died), or None; consumes nothing."""
+    async def served_batch(self, request_id: str) -> BatchRef | None:
+        """The batch served under ``request_id`` before (a step of a job that died), by reference, or
+        None; consumes nothing."""
+        content = await self._served(request_id, samples=False)
+        return None if content is None else read_ref(content, request_id)
+
+    async def batch(self, request_id: str) -> Batch | None:
+        """The Samples of the batch served under ``request_id``, or None if none was; consumes nothing."""
+        content = await self._served(request_id, samples=True)
+        return None if content is None else read_batch(content)
+
+    async def _served(self, request_id: str, *, samples: bool) -> bytes | None:
         try:
-            response = await self.request("GET", f"/batches/{request_id}", timeout=self.timeouts.data, idempotent=True)
+            response = await self.request(
+                "GET",
+                f"/batches/{request_id}",
+                params={"samples": "true" if samples else "false"},
+                timeout=self.timeouts.data,
+                idempotent=True,
+            )
         except ProtocolError as error:
             if error.status == 404:
                 return None
             raise
-        return read_batch(response.content)
+        return response.content
 
     async def trained(self, batch_id: str, step: int) -> int:
         """Record that training step ``step`` trained the batch; how many groups it held."""

@@ -11,9 +11,13 @@ the client sent it (types checked in C) and stored without re-encoding.
 
 ``GET /batches/{request_id}`` answers the batch a ``POST /batches/next`` with that ``request_id``
 was served, consuming nothing (404 if none was): a resumed job's step finds the batch its dead
-predecessor was served for it. ``POST /batches/{batch_id}/trained`` records the training step that
-trained a batch, once (its groups' ``trained_step``; the same step again is a no-op, another is 409):
-with it the buffer holds each task's outcome, trained in which step, filtered, failed or dropped.
+predecessor was served for it, and the trainer's ranks read the Samples of the batch the job's
+driver was served by reference. Either route answers a batch *by reference* when asked
+(``samples: false``, ``?samples=false``): its id, and each group's size and staleness, no Samples.
+
+``POST /batches/{batch_id}/trained`` records the training step that trained a batch, once (its
+groups' ``trained_step``; the same step again is a no-op, another is 409): with it the buffer holds
+each task's outcome, trained in which step, filtered, failed or dropped.
 
 ``POST /batches/next`` long-polls: it waits (up to ``timeout_s``) until enough groups are complete,
 woken at once by submissions to this process, and every ``RECHECK_S`` for those that reached
@@ -108,6 +112,7 @@ class BatchRequest(BaseModel):
     timeout_s: float = Field(default=0.0, ge=0, le=MAX_LONG_POLL_S)
     allow_partial: bool = False
     request_id: str | None = Field(default=None, max_length=200)
+    samples: bool = True  # false: the batch by reference (``store.batch_ref``)
 
     @model_validator(mode="after")
     def one_size(self) -> "BatchRequest":
@@ -320,19 +325,20 @@ def _add_routes(app: FastAPI) -> None:
                 body.max_weight_staleness,
                 body.request_id,
                 body.allow_partial and last_try,
+                body.samples,
             )
             if reply is not None:
                 return Response(reply, media_type="application/json")
             if last_try:
-                return JSONResponse({"batch_id": None, "groups": [], "staleness": [], "timed_out": True})
+                return JSONResponse({"batch_id": None, "groups": [], "sizes": [], "staleness": [], "timed_out": True})
             try:
                 await asyncio.wait_for(changed.wait(), min(RECHECK_S, deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 pass
 
     @app.get("/batches/{request_id}", dependencies=auth)
-    async def served_batch(request_id: str, state: StateDep) -> Response:
-        reply = await state.run(state.store.served_batch, request_id)
+    async def served_batch(request_id: str, state: StateDep, samples: bool = True) -> Response:
+        reply = await state.run(state.store.served_batch, request_id, samples)
         if reply is None:
             return JSONResponse(
                 {"error": {"message": f"no batch was served under request_id {request_id!r}", "type": "not_found"}},

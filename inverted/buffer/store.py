@@ -62,6 +62,17 @@ GROUP_STATES = ("open", "complete", "consumed", "dropped_stale", "filtered", "fa
 TASK_STATES = ("queued", "leased", "done")
 
 
+def batch_ref(batch_id: str | None, sizes: list[int], staleness: list[int]) -> bytes:
+    """A served batch by reference: its id, and each group's size and staleness, without its Samples."""
+    return orjson.dumps({"batch_id": batch_id, "groups": [], "sizes": sizes, "staleness": staleness})
+
+
+def by_reference(reply: bytes) -> bytes:
+    """A stored batch (with its Samples) by reference (parsed: only a batch served again pays for it)."""
+    batch = orjson.loads(reply)
+    return batch_ref(batch["batch_id"], [len(group) for group in batch["groups"]], batch["staleness"])
+
+
 @dataclass(slots=True)
 class SubmitResult:
     accepted: int = 0
@@ -410,8 +421,10 @@ class SQLiteStore:
         max_staleness: int | None,
         request_id: str | None = None,
         allow_partial: bool = False,
+        samples: bool = True,
     ) -> bytes | None:
-        """Serve ``num_groups`` complete groups as JSON, or None (nothing consumed) if too few qualify.
+        """Serve ``num_groups`` complete groups as JSON (without their Samples: ``by_reference``), or None
+        (nothing consumed) if too few qualify.
 
         Groups past the staleness bound are dropped or re-sampled, and groups the filter rejects
         are set aside, as they are met, oldest first; those decisions stand even if no batch is served.
@@ -419,7 +432,7 @@ class SQLiteStore:
         with self._tx() as db:
             replay = self._replay(request_id, "batch")
             if replay is not None:
-                return replay
+                return replay if samples else by_reference(replay)
             accepted: list[tuple[int, int, list[bytes]]] = []
             for group, min_version in db.execute(
                 "SELECT group_index, min_version FROM groups WHERE state = 'complete' ORDER BY group_index"
@@ -466,12 +479,15 @@ class SQLiteStore:
                 }
             )
             self._record(request_id, "batch", reply)
-            return reply
+            if samples:
+                return reply
+            return batch_ref(batch_id, [len(blobs) for _, _, blobs in accepted], [s for _, s, _ in accepted])
 
-    def served_batch(self, request_id: str) -> bytes | None:
+    def served_batch(self, request_id: str, samples: bool = True) -> bytes | None:
         """The batch ``next_batch`` served under ``request_id``, if it served one (nothing is consumed)."""
         with self._lock:
-            return self._replay(request_id, "batch")
+            reply = self._replay(request_id, "batch")
+        return reply if reply is None or samples else by_reference(reply)
 
     def trained(self, batch_id: str, step: int) -> int:
         """Record that training step ``step`` trained batch ``batch_id``; how many groups it held (0: no

@@ -25,7 +25,7 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
-from inverted.buffer.client import BufferClient
+from inverted.buffer.client import BufferAddress
 from inverted.controller.config import JobConfig
 from inverted.controller.ledger import Ledger
 from inverted.controller.supervisor import Supervisor, spawn_service
@@ -97,9 +97,8 @@ class Job:
         self.processes.append(buffer)
         start_ray(cfg.loop.ray_address)  # while the buffer boots
         await asyncio.to_thread(buffer.wait_healthy, timeout)
-        self.buffer = await self._stack.enter_async_context(
-            BufferClient(buffer.url, api_key=key, outage_s=RESTART_WAIT_S)
-        )
+        self.buffer_address = BufferAddress(buffer.url, api_key=key, outage_s=RESTART_WAIT_S)
+        self.buffer = await self._stack.enter_async_context(self.buffer_address.client())
         self.ledger = Ledger(self.buffer)
         self.worker_id = _worker_id(self.run_dir)
         if released := await self.buffer.release(self.worker_id):  # tasks an earlier, killed run of this job held
@@ -162,7 +161,7 @@ class Job:
         await self._check_sampling_masks()
 
     def _start_trainer(self) -> None:
-        self.trainer = Trainer(self.cfg, self.process_setup, self.ledger)
+        self.trainer = Trainer(self.cfg, self.process_setup, self.ledger, self.buffer_address)
 
     async def __aexit__(self, *exc: object) -> None:
         import ray

@@ -11,11 +11,16 @@ refused). Two things replay a step from it (``Ledger.served``), and nothing else
   state it starts from.
 
 So a served group is trained in exactly one step, whatever died.
+
+The ledger hands out batches by reference (``BatchRef``): the driver never holds a batch's Samples
+unless a plug-in of its own must see them (``samples``); the trainer's ranks read them from the
+buffer by the step's request id.
 """
 
 from __future__ import annotations
 
-from inverted.buffer.client import Batch, BufferClient
+from inverted.buffer.client import BatchRef, BufferClient
+from inverted.types import Sample
 
 
 def request_id(step: int) -> str:
@@ -28,7 +33,7 @@ class Ledger:
         self.buffer = buffer
         self._replaying = True  # until the first step the buffer served no batch for
 
-    async def replay(self, step: int) -> Batch | None:
+    async def replay(self, step: int) -> BatchRef | None:
         """The batch a killed run of this job was served for ``step``, whose training the checkpoint
         the job resumed from does not hold; None from the first step that was not served on."""
         if self._replaying:
@@ -45,7 +50,7 @@ class Ledger:
         max_weight_staleness: int | None,
         allow_partial: bool = False,
         timeout_s: float = 0.0,
-    ) -> Batch:
+    ) -> BatchRef:
         """The next complete groups, within ``max_weight_staleness`` of the policy trained at ``step``, as
         step ``step``'s batch (its earlier answer if it was served one already); empty while too few wait."""
         return await self.buffer.next_batch(
@@ -57,11 +62,18 @@ class Ledger:
             request_id=request_id(step),
         )
 
-    async def served(self, step: int) -> Batch | None:
+    async def served(self, step: int) -> BatchRef | None:
         """The batch step ``step`` was served, if it was; consumes nothing."""
         return await self.buffer.served_batch(request_id(step))
 
-    async def trained(self, batch: Batch, step: int) -> None:
+    async def samples(self, batch: BatchRef) -> list[Sample]:
+        """The batch's Samples (for a plug-in of the driver's that reads them: filters, logs, dumps)."""
+        served = await self.buffer.batch(batch.request_id)
+        if served is None:  # the buffer keeps every answer it gave under a request id
+            raise ValueError(f"the buffer holds no batch served under {batch.request_id!r}")
+        return served.samples
+
+    async def trained(self, batch: BatchRef, step: int) -> None:
         """Record that step ``step`` trained ``batch`` (the buffer refuses it for any other step)."""
         if batch.batch_id is None:  # the buffer names every batch it serves with groups
             raise ValueError(f"step {step} trained a batch the buffer did not serve")

@@ -23,7 +23,7 @@ import logging
 import time
 from pathlib import Path
 
-from inverted.buffer.client import Batch
+from inverted.buffer.client import BatchRef
 from inverted.controller.config import JobConfig
 from inverted.controller.evaluation import evaluate_and_log
 from inverted.controller.job import Job
@@ -74,11 +74,11 @@ async def train(cfg: JobConfig, job: Job, plugins: Plugins, sink: MetricsSink, r
         logger.info("final policy exported to %s", await trainer.finish(str(run_dir / "hf")))
 
 
-async def train_step(cfg: JobConfig, job: Job, batch: Batch, step: int, clock: Clock) -> dict[str, float]:
+async def train_step(cfg: JobConfig, job: Job, batch: BatchRef, step: int, clock: Clock) -> dict[str, float]:
     """Train on the batch (or skip a step with nothing to learn), then sync the weights when due."""
     trainer = job.trainer
     assert trainer is not None
-    if not batch.groups:  # every group failed or was filtered: nothing to learn, the weights stay
+    if not batch.sizes:  # every group failed or was filtered: nothing to learn, the weights stay
         logger.info("rollout %d: no group to train on; the policy stays at version %d", step, job.version)
         await trainer.skip(step)
         return {}

@@ -40,7 +40,7 @@ import logging
 import time
 from typing import Protocol
 
-from inverted.buffer.client import Batch
+from inverted.buffer.client import BatchRef
 from inverted.controller.config import JobConfig
 from inverted.controller.job import Job
 from inverted.controller.rollouts import context, run_rollout
@@ -63,7 +63,7 @@ class BatchSource(Protocol):
 
     async def __aexit__(self, *exc: object) -> None: ...
 
-    async def next_batch(self, step: int, clock: Clock) -> tuple[Batch, dict[str, float]]: ...
+    async def next_batch(self, step: int, clock: Clock) -> tuple[BatchRef, dict[str, float]]: ...
 
     def trained(self, step: int) -> None: ...
 
@@ -78,12 +78,12 @@ class SyncSource:
     async def __aexit__(self, *exc: object) -> None:
         pass
 
-    async def next_batch(self, step: int, clock: Clock) -> tuple[Batch, dict[str, float]]:
+    async def next_batch(self, step: int, clock: Clock) -> tuple[BatchRef, dict[str, float]]:
         """Lease, roll out and submit rounds of tasks until the buffer serves a full batch (or the last
         round's partial one)."""
         cfg, job = self.cfg, self.job
         if (replay := await job.ledger.replay(step)) is not None:
-            return replay, replayed(cfg, self.plugins, step, replay, clock)
+            return await replayed(cfg, job, self.plugins, step, replay, clock)
         samples: list[Sample] = []
         rounds = cfg.rollout.max_sampling_rounds
         for round_ in range(1, rounds + 1):
@@ -111,10 +111,12 @@ class SyncSource:
                 allow_partial=round_ == rounds or not tasks,
             )
             clock["batched"] = time.perf_counter()
-            if batch.groups or not tasks:
+            if batch.sizes or not tasks:
                 break
         self._warn(step, samples)
-        metrics = prepare_batch(cfg, self.plugins, step, samples, batch.samples, clock["rolled_out"] - clock["leased"])
+        batch, metrics = await prepare_batch(
+            cfg, job, self.plugins, step, samples, batch, clock["rolled_out"] - clock["leased"]
+        )
         return batch, metrics | {"rollout/sampling_rounds": float(round_)}
 
     def trained(self, step: int) -> None:
@@ -157,15 +159,20 @@ class Admission:
         )
 
 
-def replayed(cfg: JobConfig, plugins: Plugins, step: int, batch: Batch, clock: Clock) -> dict[str, float]:
+async def replayed(
+    cfg: JobConfig, job: Job, plugins: Plugins, step: int, batch: BatchRef, clock: Clock
+) -> tuple[BatchRef, dict[str, float]]:
+    """A batch a killed run was served for ``step``, prepared as a step's batch: measured as the Samples
+    played for it (none were played now), so the driver reads them."""
     logger.warning(
         "rollout %d: training the batch the killed run was served for this step (%d groups), "
         "whose training the checkpoint does not hold",
         step,
-        len(batch.groups),
+        len(batch.sizes),
     )
     clock["batched"] = time.perf_counter()
-    return prepare_batch(cfg, plugins, step, batch.samples, batch.samples, 0.0)
+    played = await job.ledger.samples(batch) if batch.sizes else []
+    return await prepare_batch(cfg, job, plugins, step, played, batch, 0.0)
 
 
 class AsyncSource:
@@ -181,7 +188,8 @@ class AsyncSource:
         )
         self.first_version = job.version
         self.step = start  # the step whose rollout context new groups get
-        self.steps = 0  # batches taken since the source started
+        self.replays = 0  # batches a killed run was served, taken again since the source started
+        self.consumed_at_start = 0  # the buffer's consumed groups when the source started
         self.running: set[asyncio.Task[None]] = set()
         self.finished: list[Sample] = []  # Samples submitted since the last step took its batch
         self.exhausted = False  # the buffer has no task left to lease
@@ -189,6 +197,7 @@ class AsyncSource:
         self.wake = asyncio.Event()
 
     async def __aenter__(self) -> AsyncSource:
+        self.consumed_at_start = (await self.job.buffer.stats())["groups"]["consumed"]
         self.producer = asyncio.create_task(self._produce())
         self.producer.add_done_callback(self._note_failure)
         return self
@@ -224,9 +233,15 @@ class AsyncSource:
     async def _room(self) -> bool:
         if len(self.running) >= self.admission.max_running:  # the rule's cheap half: no buffer call
             return False
-        waiting = (await self.job.buffer.stats())["groups"]["complete"]
+        # Groups waiting and batches taken, from one snapshot of the buffer: a batch is taken when the
+        # buffer consumes its groups, before its answer reaches this process (full batches only here).
+        groups = (await self.job.buffer.stats())["groups"]
+        taken = self.replays + (groups["consumed"] - self.consumed_at_start) // self.admission.batch_groups
         return self.admission.allows(
-            running=len(self.running), waiting=waiting, versions=self.job.version - self.first_version, steps=self.steps
+            running=len(self.running),
+            waiting=groups["complete"],
+            versions=self.job.version - self.first_version,
+            steps=taken,
         )
 
     async def _run_group(self, tasks: list[Task]) -> None:
@@ -248,12 +263,13 @@ class AsyncSource:
     def trained(self, step: int) -> None:
         self.wake.set()  # a step trained (and maybe a new version): room for more groups
 
-    async def next_batch(self, step: int, clock: Clock) -> tuple[Batch, dict[str, float]]:
+    async def next_batch(self, step: int, clock: Clock) -> tuple[BatchRef, dict[str, float]]:
         """The next batch within the staleness bound, long-polling while too few groups are complete."""
         self.step = step
         if (replay := await self.job.ledger.replay(step)) is not None:
-            self.steps += 1
-            return replay, replayed(self.cfg, self.plugins, step, replay, clock) | self._staleness(replay)
+            self.replays += 1
+            replay, metrics = await replayed(self.cfg, self.job, self.plugins, step, replay, clock)
+            return replay, metrics | self._staleness(replay)
         while True:
             if self.error is not None:
                 raise self.error
@@ -263,7 +279,7 @@ class AsyncSource:
                 max_weight_staleness=self.admission.staleness,
                 timeout_s=POLL_S,
             )
-            if batch.groups:
+            if batch.sizes:
                 break
             if self.exhausted and not self.running:
                 raise ServiceUnavailable(
@@ -271,15 +287,14 @@ class AsyncSource:
                     "batch (the dataset is exhausted: see --num-epoch)",
                     url=self.job.buffer.base_url,
                 )
-        self.steps += 1  # counted as it is taken: its groups are no longer waiting in the buffer
         clock["waited"] = time.perf_counter()
         finished, self.finished = self.finished, []
-        metrics = prepare_batch(
-            self.cfg, self.plugins, step, finished, batch.samples, clock["waited"] - clock["started"]
+        batch, metrics = await prepare_batch(
+            self.cfg, self.job, self.plugins, step, finished, batch, clock["waited"] - clock["started"]
         )
         return batch, metrics | self._staleness(batch)
 
-    def _staleness(self, batch: Batch) -> dict[str, float]:
+    def _staleness(self, batch: BatchRef) -> dict[str, float]:
         return {
             "async/staleness_mean": sum(batch.staleness) / len(batch.staleness),
             "async/staleness_max": float(max(batch.staleness)),

@@ -1,14 +1,17 @@
 """A step's metrics: what its batch held, how long each phase took, what the buffer set aside, faults.
 
-``prepare_batch`` is what every step does with its batch before training (the sample filter, the
-debug dump, the ``rollout/*`` metrics), whichever source served it; ``step_row`` is the step's row
-in ``metrics.jsonl`` and TensorBoard, and ``summary`` its console line.
+``prepare_batch`` is what every step does with its batch before training (the ``rollout/*``
+metrics; the sample filter, the debug dump and the log function where they are set), whichever
+source served it; ``step_row`` is the step's row in ``metrics.jsonl`` and TensorBoard, and
+``summary`` its console line.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+from inverted.buffer.client import BatchRef
 from inverted.controller.config import JobConfig
 from inverted.controller.job import Job
 from inverted.controller.rollouts import job_flags, save_rollout_data
@@ -18,30 +21,36 @@ from inverted.types import Sample, reward_number
 USABLE = (Sample.Status.COMPLETED, Sample.Status.TRUNCATED)
 
 
-def prepare_batch(
-    cfg: JobConfig, plugins: Plugins, step: int, played: list[Sample], batch: list[Sample], seconds: float
-) -> dict[str, float]:
-    """What every step does with its batch before training: ``--rollout-sample-filter-path`` marks the
-    Samples to leave out of the loss, ``--save-debug-rollout-data`` writes it, and it is measured
-    beside the Samples played for it (``seconds`` of rollout), a slime rollout log function having the
-    last say over the metrics."""
-    filter_samples(plugins, batch)
-    save_rollout_data(cfg.rollout.save_debug_rollout_data, step, batch, job_flags(cfg))
-    metrics = rollout_metrics(cfg.train.loss.reward_key, played, batch)
+async def prepare_batch(
+    cfg: JobConfig, job: Job, plugins: Plugins, step: int, played: list[Sample], batch: BatchRef, seconds: float
+) -> tuple[BatchRef, dict[str, float]]:
+    """What every step does with its batch before training: the batch is measured beside the Samples
+    played for it (``seconds`` of rollout). Only where a plug-in of the driver's reads the batch's
+    Samples does the driver read them from the buffer: ``--rollout-sample-filter-path`` marks those to
+    leave out of the loss (the batch then names them, for the ranks), ``--save-debug-rollout-data``
+    writes them, and a slime rollout log function has the last say over the metrics."""
+    metrics = rollout_metrics(cfg.train.loss.reward_key, played, batch.num_samples)
     if cfg.rollout.biased_ratios:  # said on every row: the ratios of this run's cut sampling are not exact
         metrics["rollout/biased_ratios"] = 1.0
-    return log_rollout(plugins, step, batch, metrics, seconds)
+    if not (plugins.sample_filter or plugins.rollout_log or cfg.rollout.save_debug_rollout_data):
+        return batch, metrics
+    samples = await job.ledger.samples(batch) if batch.sizes else []
+    if removed := filter_samples(plugins, samples):
+        batch = dataclasses.replace(batch, removed=removed)
+    save_rollout_data(cfg.rollout.save_debug_rollout_data, step, samples, job_flags(cfg))
+    return batch, log_rollout(plugins, step, samples, metrics, seconds)
 
 
-def filter_samples(plugins: Plugins, samples: list[Sample]) -> None:
+def filter_samples(plugins: Plugins, samples: list[Sample]) -> frozenset[int]:
     """``--rollout-sample-filter-path`` sees the batch by group and sets ``remove_sample`` on the Samples
-    the trainer is to leave out of the loss."""
+    the trainer is to leave out of the loss; their positions in the batch."""
     if plugins.sample_filter is None:
-        return
+        return frozenset()
     groups: dict[Any, list[Sample]] = {}
     for sample in samples:
         groups.setdefault(sample.group_index, []).append(sample)
     plugins.sample_filter(list(groups.values()))
+    return frozenset(position for position, s in enumerate(samples) if s.remove_sample)
 
 
 def log_rollout(
@@ -56,8 +65,8 @@ def log_rollout(
     return metrics
 
 
-def rollout_metrics(reward_key: str | None, played: list[Sample], batch: list[Sample]) -> dict[str, float]:
-    """The Samples played for a step and those it trains on."""
+def rollout_metrics(reward_key: str | None, played: list[Sample], trained: int) -> dict[str, float]:
+    """The Samples played for a step, and how many it trains on."""
     usable = [s for s in played if s.status in USABLE]
     # a raw reward slime's post-process makes a number in the trainer (OPD's: the teacher's answer) is not
     # averaged here; the trainer refuses one it cannot read
@@ -66,7 +75,7 @@ def rollout_metrics(reward_key: str | None, played: list[Sample], batch: list[Sa
     return {
         "rollout/reward_mean": sum(rewards) / len(rewards) if rewards else float("nan"),
         "rollout/samples": float(len(played)),
-        "rollout/trained_samples": float(len(batch)),
+        "rollout/trained_samples": float(trained),
         "rollout/failed": float(sum(s.status == Sample.Status.FAILED for s in played)),
         # episodes whose proxy session was lost (a restarted proxy): their tasks are played again
         "rollout/aborted": float(sum(s.status == Sample.Status.ABORTED for s in played)),

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Callable, TypeVar
 
-from inverted.buffer.client import Batch
+from inverted.buffer.client import BatchRef, BufferAddress
 from inverted.controller.config import JobConfig
 from inverted.controller.ledger import Ledger
 from inverted.placement import node_resource
@@ -49,9 +49,11 @@ def restart_dir(train: TrainConfig) -> str:
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, process_setup: Callable[[str], None], ledger: Ledger):
-        """Starts the group from ``--load``, else ``--hf-checkpoint`` (blocking: call it in a thread)."""
-        self.cfg, self.process_setup, self.ledger = cfg, process_setup, ledger
+    def __init__(self, cfg: JobConfig, process_setup: Callable[[str], None], ledger: Ledger, buffer: BufferAddress):
+        """Starts the group from ``--load``, else ``--hf-checkpoint`` (blocking: call it in a thread).
+        ``buffer``: where the ranks read each batch's Samples."""
+        self.cfg, self.process_setup, self.ledger, self.buffer = cfg, process_setup, ledger, buffer
+        self.removed: dict[int, frozenset[int]] = {}  # a step's filtered Samples, for a replay
         self.restarts = 0
         self.lock = asyncio.Lock()
         shutil.rmtree(restart_dir(cfg.train), ignore_errors=True)  # a killed run's restart state is not this run's
@@ -68,9 +70,12 @@ class Trainer:
 
     # -- what a step asks of it ------------------------------------------------------------
 
-    async def train(self, batch: Batch, step: int) -> dict[str, float]:
-        """Training step ``step`` on the batch; the ledger then records that this step trained it."""
-        metrics = await self._locked_call(lambda group: group.train(batch.samples))
+    async def train(self, batch: BatchRef, step: int) -> dict[str, float]:
+        """Training step ``step`` on the batch (the ranks read its Samples); the ledger then records
+        that this step trained it."""
+        if batch.removed:
+            self.removed[step] = batch.removed
+        metrics = await self._locked_call(lambda group: group.train(batch, self.buffer))
         self.step = step + 1
         await self.ledger.trained(batch, step)
         return metrics
@@ -152,10 +157,11 @@ class Trainer:
         start, replayed = self.group.step, 0
         for step in range(start, self.step):
             batch = await self.ledger.served(step)
-            if batch is None or not batch.groups:  # a step with nothing to train on
+            if batch is None or not batch.sizes:  # a step with nothing to train on
                 await asyncio.to_thread(self.group.skip, step)
             else:
-                await asyncio.to_thread(self.group.train, batch.samples)
+                batch = dataclasses.replace(batch, removed=self.removed.get(step, frozenset()))
+                await asyncio.to_thread(self.group.train, batch, self.buffer)
                 replayed += 1
         self.restarts += 1
         logger.warning(

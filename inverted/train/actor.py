@@ -15,11 +15,15 @@ A killed rank leaves its shared-memory weight buckets behind (RAM, a whole bucke
 reaps them when it shuts down, and each rank at start reaps those of the ranks an earlier run of
 the same output directory left on its node (``trainer.pids`` there names them).
 
-Samples cross into the actors as their JSON form (``types.py``).
+A step's batch reaches the ranks by reference (``buffer.client.BatchRef``): each rank reads its
+Samples from the buffer itself (``read_samples``), so the job's driver never decodes, re-encodes
+and relays them. Every rank reads the whole batch: the advantages need every group's rewards and
+the data-parallel deal needs every Sample's length (``train.trainer``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import gc
 import logging
@@ -33,8 +37,9 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from inverted.buffer.client import Batch, BatchRef, BufferAddress
 from inverted.devices import cuda_available
-from inverted.errors import ServiceUnavailable
+from inverted.errors import SampleError, ServiceUnavailable
 from inverted.processes import alive, freeze_startup_heap
 from inverted.rollout.sglang_client import ServerKeys
 from inverted.train.config import TrainConfig
@@ -110,8 +115,8 @@ class TrainActor:
         return self.trainer.step
 
     @settled
-    def train(self, samples: list[dict[str, Any]]) -> dict[str, float]:
-        return self.trainer.train([Sample.from_json(s) for s in samples])
+    def train(self, batch: BatchRef, buffer: BufferAddress) -> dict[str, float]:
+        return self.trainer.train(read_samples(batch, buffer))
 
     @settled
     def skip(self, step: int) -> None:
@@ -256,8 +261,9 @@ class TrainGroup:
         node = ray.util.get_node_ip_address()
         return any(ip == node and not alive(pid) for ip, pid in self.ranks)
 
-    def train(self, samples: list[Sample]) -> dict[str, float]:
-        return self._all("train", [s.to_json() for s in samples])
+    def train(self, batch: BatchRef, buffer: BufferAddress) -> dict[str, float]:
+        """Every rank reads the batch's Samples from ``buffer`` itself: only the reference passes here."""
+        return self._all("train", batch, buffer)
 
     def skip(self, step: int) -> None:
         self._all("skip", step)
@@ -289,6 +295,29 @@ class TrainGroup:
             ray.kill(actor)
         remove_placement_group(self.group)
         write_ranks(self.pids_file, reap_ranks(self.pids_file, wait_s=RANK_EXIT_WAIT_S))
+
+
+def read_samples(batch: BatchRef, buffer: BufferAddress) -> list[Sample]:
+    """The batch's Samples, as the buffer served them, those the driver's sample filter left out of the
+    loss marked so (``remove_sample``)."""
+
+    async def read() -> Batch | None:
+        async with buffer.client() as client:
+            return await client.batch(batch.request_id)
+
+    # Not asyncio.run: on Python 3.11, restoring the SIGINT handler it set formats the main task,
+    # result and all (a whole batch's repr: 0.3 s for a long-context batch)
+    loop = asyncio.new_event_loop()
+    try:
+        served = loop.run_until_complete(read())
+    finally:
+        loop.close()
+    if served is None:  # the buffer keeps every batch it served under its request id
+        raise SampleError(f"the buffer at {buffer.url} holds no batch served under {batch.request_id!r}")
+    samples = served.samples
+    for position in batch.removed:
+        samples[position].remove_sample = True
+    return samples
 
 
 def reap_ranks(pids_file: Path, wait_s: float = 0.0) -> list[tuple[str, int]]:

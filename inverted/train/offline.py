@@ -23,7 +23,7 @@ from inverted.errors import SampleError
 from inverted.hf_checkpoint import ModelSpec
 from inverted.plugins import DUMP_FORMATS
 from inverted.train.config import TrainConfig
-from inverted.train.trainer import check_samples
+from inverted.train.trainer import check_samples, sample_name
 from inverted.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -42,12 +42,17 @@ def read_rollout_data(template: str, rollout_id: int) -> list[Sample]:
         if line.strip():
             try:
                 # Python's json reads NaN and Infinity, so such a reward is reported as a bad reward
-                # (by check_samples) rather than as unreadable JSON.
+                # (by Sample.validate) rather than as unreadable JSON.
                 samples.append(Sample.from_json(json.loads(line)))
             except SampleError as exc:
                 raise SampleError(f"{path}:{number}: {exc}") from None
             except ValueError as exc:
                 raise SampleError(f"{path}:{number}: malformed JSON: {exc}") from None
+    for position, sample in enumerate(samples):  # where these Samples enter (the job's enter at the buffer)
+        try:
+            sample.validate()
+        except SampleError as exc:
+            raise SampleError(f"{sample_name(position, sample)}: {exc}") from None
     return samples
 
 

@@ -2,7 +2,9 @@
 
 ``Trainer.train(samples)`` is one rollout's worth of learning, read top to bottom:
 
-1. ``check_samples``: every Sample is valid and trainable, before anything is computed.
+1. ``check_samples``: every Sample is trainable by this model, before anything is computed (each
+   Sample's own invariants were checked once, where it entered: the buffer, or the reader of
+   ``--load-debug-rollout-data``).
 2. The batch is cut into optimizer steps of ``--global-batch-size`` samples; in each step the
    samples are dealt to data-parallel ranks by length and packed into micro-batches of at most
    ``--max-tokens-per-gpu`` tokens.
@@ -77,16 +79,19 @@ logger = logging.getLogger(__name__)
 TRAINABLE = {Sample.Status.COMPLETED, Sample.Status.TRUNCATED}
 
 
+def sample_name(position: int, sample: Sample) -> str:
+    """How an error names a Sample of a batch."""
+    return f"sample {position} (index {sample.index}, group {sample.group_index})"
+
+
 def check_samples(samples: list[Sample], spec: ModelSpec) -> None:
-    """Raise ``SampleError`` naming the first sample that must not be trained on."""
+    """Raise ``SampleError`` naming the first sample that this model must not be trained on: one not
+    finished, without a reward, or whose tokens the model cannot hold (``Sample.validate``, the
+    Sample's own invariants, ran where it entered)."""
     if not samples:
         raise SampleError("no samples to train on")
     for position, sample in enumerate(samples):
-        where = f"sample {position} (index {sample.index}, group {sample.group_index})"
-        try:
-            sample.validate()
-        except SampleError as exc:
-            raise SampleError(f"{where}: {exc}") from None
+        where = sample_name(position, sample)
         if sample.status not in TRAINABLE:
             raise SampleError(f"{where}: status {sample.status.value!r} is not trainable (completed or truncated)")
         if sample.reward is None:

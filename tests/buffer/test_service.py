@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
@@ -124,11 +125,13 @@ async def test_8_submitters_2_consumers_nothing_lost_nothing_served_twice(procs,
     async def consumer() -> None:
         async with BufferClient(buffer.url) as client:
             while True:
-                batch = await client.next_batch(num_groups=8, timeout_s=0.5, allow_partial=done_submitting.is_set())
-                served.extend(batch.groups)
-                if batch.groups:  # trained: the step that did it is recorded, whichever worker process answers
-                    assert await client.trained(batch.batch_id, next(steps)) == len(batch.groups)
-                if done_submitting.is_set() and not batch.groups:
+                ref = await client.next_batch(num_groups=8, timeout_s=0.5, allow_partial=done_submitting.is_set())
+                if ref.sizes:  # trained: the step that did it is recorded, whichever worker process answers
+                    batch = await client.batch(ref.request_id)  # its Samples, by the request it was served under
+                    assert batch is not None and [len(g) for g in batch.groups] == list(ref.sizes)
+                    served.extend(batch.groups)
+                    assert await client.trained(ref.batch_id, next(steps)) == len(ref.sizes)
+                if done_submitting.is_set() and not ref.sizes:
                     return
 
     async def submit_all() -> None:
@@ -214,10 +217,11 @@ async def test_long_poll_wakes_when_a_group_completes(procs, tmp_path, dataset):
         await asyncio.sleep(0.5)
         assert not waiting.done()
         await client.submit([(t, fill(t)) for t in tasks])
-        batch = await asyncio.wait_for(waiting, 10)
+        ref = await asyncio.wait_for(waiting, 10)
+        batch = await client.batch(ref.request_id)
         assert time.monotonic() - started < 5 and [s.index for s in batch.samples] == [0, 1]
         empty = await client.next_batch(num_groups=1, timeout_s=0.3)
-        assert empty.groups == [] and empty.batch_id is None
+        assert empty.sizes == () and empty.batch_id is None
 
 
 def test_bad_input_is_422_naming_the_field_and_stores_nothing(procs, tmp_path, dataset):
@@ -338,7 +342,59 @@ async def test_every_worker_process_loads_a_slime_filter(procs, tmp_path, datase
         await asyncio.gather(
             *(client.submit([(t, fill(t, reward=-t.index if t.group_index % 2 else 0.0))]) for t in tasks)
         )
-        batch = await client.next_batch(num_groups=8, timeout_s=1, allow_partial=True)
+        ref = await client.next_batch(num_groups=8, timeout_s=1, allow_partial=True)
+        batch = await client.batch(ref.request_id)
         stats = await client.stats()
     assert sorted(g[0].group_index % 2 for g in batch.groups) == [0, 0, 0, 0]
     assert stats["groups"]["filtered"] == 4 and stats["groups"]["consumed"] == 4
+
+
+async def test_a_batch_is_served_by_reference_and_its_samples_read_by_its_request_id(procs, tmp_path, dataset):
+    """The job's driver is served a batch by reference (its id, each group's size and staleness); the
+    trainer's ranks read its Samples, byte for byte as submitted, by the request it was served under."""
+    buffer = procs.buffer(tmp_path / "b.db", "--prompt-data", dataset(4), "--n-samples-per-prompt", "2")
+    async with BufferClient(buffer.url) as client:
+        tasks = await client.lease(6, "w")
+        submitted = {(t.group_index, t.index): fill(t, version="1") for t in tasks}
+        await client.submit([(t, submitted[t.group_index, t.index]) for t in tasks])
+        ref = await client.next_batch(num_groups=2, current_weight_version=3, request_id="batch:7")
+        assert (ref.request_id, ref.sizes, ref.staleness, ref.num_samples) == ("batch:7", (2, 2), (2, 2), 4)
+        assert await client.served_batch("batch:7") == ref  # found again by reference, consuming nothing
+        batch = await client.batch("batch:7")
+        assert batch is not None and batch.batch_id == ref.batch_id and batch.staleness == [2, 2]
+        assert [s.to_json() for s in batch.samples] == [
+            submitted[s.group_index, s.index].to_json() for s in batch.samples
+        ]
+        assert await client.served_batch("batch:8") is None and await client.batch("batch:8") is None
+        # a fresh request for the next batch is a new batch: the third group
+        assert (await client.next_batch(num_groups=1, allow_partial=True)).sizes == (2,)
+    by_ref = httpx.get(f"{buffer.url}/batches/batch:7", params={"samples": "false"}).json()
+    assert by_ref == {"batch_id": ref.batch_id, "groups": [], "sizes": [2, 2], "staleness": [2, 2]}
+
+
+def test_a_rank_reads_its_batch_by_reference_with_the_driver_s_filter_marks(procs, tmp_path, dataset):
+    """``train.actor.read_samples``, as a trainer rank runs it (no event loop of its own): the Samples of
+    the batch, and those the driver's sample filter left out of the loss marked so, by position."""
+    from inverted.buffer.client import BufferAddress
+    from inverted.train.actor import read_samples
+
+    buffer = procs.buffer(
+        tmp_path / "b.db", "--prompt-data", dataset(2), "--n-samples-per-prompt", "2", "--api-key", "k"
+    )
+
+    async def serve():
+        async with BufferAddress(buffer.url, api_key="k").client() as client:
+            tasks = await client.lease(4, "w")
+            await client.submit([(t, fill(t)) for t in tasks])
+            return await client.next_batch(num_groups=2)
+
+    ref = dataclasses.replace(asyncio.run(serve()), removed=frozenset({1, 2}))
+    samples = read_samples(ref, BufferAddress(buffer.url, api_key="k"))
+    assert [(s.group_index, s.index, s.remove_sample) for s in samples] == [
+        (0, 0, False),
+        (0, 1, True),
+        (1, 0, True),
+        (1, 1, False),
+    ]
+    with pytest.raises(ProtocolError, match="401"):  # the buffer's key, or nothing
+        read_samples(ref, BufferAddress(buffer.url, api_key="wrong"))

@@ -12,10 +12,11 @@ import argparse
 import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from inverted.buffer.client import Batch, BufferClient
+from inverted.buffer.client import BatchRef, BufferClient
 from inverted.config import add_flags, build_section
 from inverted.controller.config import JobConfig
 from inverted.controller.ledger import Ledger
@@ -62,12 +63,14 @@ class RecordingTrainer:
     def __init__(self, ledger: Ledger, step: int = 0, dies_at: int | None = None, train_s: float = 0.0):
         self.ledger, self.step, self.dies_at, self.train_s = ledger, step, dies_at, train_s
         self.calls: list[tuple] = []
+        self.removed: list[frozenset[int]] = []  # each trained batch's filtered Samples, as the ranks get them
 
-    async def train(self, batch: Batch, step: int) -> dict[str, float]:
+    async def train(self, batch: BatchRef, step: int) -> dict[str, float]:
         if step == self.dies_at:
             raise RuntimeError("the trainer died")
         await asyncio.sleep(self.train_s)
         self.calls.append(("train", step, batch.batch_id))
+        self.removed.append(batch.removed)
         self.step = step + 1
         await self.ledger.trained(batch, step)
         return {"train/loss": 0.5}
@@ -141,10 +144,10 @@ class Rollouts:
         return samples
 
 
-async def run_loop(cfg: JobConfig, job: RecordingJob, rollouts: Rollouts) -> list[dict]:
+async def run_loop(cfg: JobConfig, job: RecordingJob, rollouts: Rollouts, **plugins: Any) -> list[dict]:
     sink = build_metrics_sink(cfg.train.output_dir)
     try:
-        await train(cfg, job, Plugins(rollout=rollouts), sink, Path(cfg.train.output_dir))
+        await train(cfg, job, Plugins(rollout=rollouts, **plugins), sink, Path(cfg.train.output_dir))
     finally:
         sink.close()
     return [json.loads(line) for line in (Path(cfg.train.output_dir) / "metrics.jsonl").read_text().splitlines()]
@@ -195,7 +198,7 @@ async def test_each_step_trains_its_batch_and_syncs_saves_and_evaluates_when_due
         ("save", 4),
         ("finish", 4),
     ]
-    assert all(len(batch.groups) == 2 for batch in served)  # --rollout-batch-size groups a step
+    assert all(batch.sizes == (2, 2) for batch in served)  # --rollout-batch-size groups a step
     training = [r for r in rows if "rollout/reward_mean" in r]
     evaluations = [r for r in rows if "eval/reward_mean" in r]
     assert [r["step"] for r in training] == [0, 1, 2, 3] and [r["weight_version"] for r in training] == [0, 2, 2, 4]
@@ -284,10 +287,10 @@ async def test_the_async_source_at_staleness_0_trains_each_step_only_on_groups_i
         job = RecordingJob(buffer, train_s=1.0)  # while a step trains, the producer must start nothing more
         rollouts = Rollouts(job, hold_s=0.05)
         rows = await run_loop(cfg, job, rollouts)
-        served = [await job.ledger.served(step) for step in range(3)]
+        served = [await job.ledger.samples(await job.ledger.served(step)) for step in range(3)]
 
-    for step, batch in enumerate(served):  # on-policy: every group began under the weights of its step
-        assert {rollouts.started[s.group_index] for s in batch.samples} == {step}
+    for step, samples in enumerate(served):  # on-policy: every group began under the weights of its step
+        assert {rollouts.started[s.group_index] for s in samples} == {step}
     assert [r["async/staleness_max"] for r in rows] == [0, 0, 0]
     # the staleness rule started no group that could not be trained in time: none was set aside
     assert [sum(v == version for v in rollouts.started.values()) for version in range(3)] == [2, 2, 2]
@@ -317,3 +320,43 @@ def test_admission_never_runs_more_groups_than_the_concurrency_allows():
     rule = Admission(batch_groups=8, staleness=4, max_running=3)
     assert rule.allows(running=2, waiting=0, versions=0, steps=0)
     assert not rule.allows(running=3, waiting=0, versions=0, steps=0)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+async def test_the_driver_reads_a_batch_s_samples_only_for_a_plug_in_that_reads_them(procs, tmp_path, mode):
+    """A step's batch passes from the buffer to the trainer by reference: the driver reads its Samples
+    only where a plug-in of its own must see them (here ``--rollout-sample-filter-path``), and the
+    filter's marks reach the trainer with the reference (positions in the batch's order)."""
+    flags = ["--num-rollout", "2", "--restart-save-interval", "0"] + (["--async-mode"] if mode == "async" else [])
+    cfg = config(tmp_path, *flags)
+    reads: list[str] = []
+
+    def count_reads(job: RecordingJob) -> None:
+        read = job.ledger.samples
+
+        async def samples(batch: BatchRef) -> list[Sample]:
+            reads.append(batch.request_id)
+            return await read(batch)
+
+        job.ledger.samples = samples
+
+    def drop_the_first_of_each_group(groups: list[list[Sample]]) -> None:
+        for group in groups:
+            group[0].remove_sample = True
+
+    async with BufferClient(started_buffer(procs, cfg).url) as buffer:
+        plain = RecordingJob(buffer)
+        count_reads(plain)
+        await run_loop(cfg, plain, Rollouts(plain))
+    assert reads == [] and plain.trainer.removed == [frozenset(), frozenset()]
+
+    (tmp_path / "filtered").mkdir()
+    cfg = config(tmp_path / "filtered", *flags)
+    async with BufferClient(started_buffer(procs, cfg).url) as buffer:
+        filtered = RecordingJob(buffer)
+        count_reads(filtered)
+        await run_loop(cfg, filtered, Rollouts(filtered), sample_filter=drop_the_first_of_each_group)
+        assert reads == ["batch:0", "batch:1"]  # once a step
+        trained = [await filtered.ledger.samples(await filtered.ledger.served(step)) for step in range(2)]
+    assert filtered.trainer.removed == [frozenset({0, 2}), frozenset({0, 2})]
+    assert all([s.index % 2 for s in samples] == [0, 1, 0, 1] for samples in trained)

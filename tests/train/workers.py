@@ -359,7 +359,7 @@ def step_save_and_finish(cfg: TrainConfig, samples, root: str, hf_out: str, out:
         actor.cfg, actor.rank = cfg, torch.distributed.get_rank()
         actor.trainer = Trainer(cfg)
         freeze_startup_heap()  # as ``TrainActor.setup`` does
-        actor.train([sample.to_json() for sample in samples])
+        actor.trainer.train(samples)  # the step's Samples, as the rank reads them from the buffer
         weights = {name: tensor.clone() for name, tensor in actor.trainer.hf_weights().items()}
         state = [
             *actor.trainer.model.parameters(),

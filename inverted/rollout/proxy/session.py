@@ -425,8 +425,7 @@ class Session:
             if self.script is not None:
                 sample.rollout_log_probs = None
                 sample.metadata["scripted"] = True
-            sample.validate()
-            samples.append(sample)
+            samples.append(sample)  # validated where it enters: the buffer
         return samples
 
 
