@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-from inverted.errors import PluginFailed, ProtocolError
+from inverted.errors import PluginFailed, ProtocolError, SampleError
 from inverted.http_client import HTTPService, Reply
 from inverted.types import Sample, Task
 
@@ -156,9 +156,22 @@ class BufferClient(HTTPService):
         return None if content is None else read_ref(content, request_id)
 
     async def batch(self, request_id: str) -> Batch | None:
-        """The Samples of the batch served under ``request_id``, or None if none was; consumes nothing."""
+        """The batch served under ``request_id`` with its Samples, or None if none was; consumes nothing."""
         content = await self._served(request_id, samples=True)
         return None if content is None else read_batch(content)
+
+    async def samples(self, batch: BatchRef) -> list[Sample]:
+        """The Samples of a batch served by reference, those its ``removed`` names marked out of the loss
+        (``remove_sample``); none for an empty batch."""
+        if not batch.sizes:
+            return []
+        served = await self.batch(batch.request_id)
+        if served is None:  # the buffer keeps every batch it served under its request id
+            raise SampleError(f"the buffer at {self.base_url} holds no batch served under {batch.request_id!r}")
+        samples = served.samples
+        for position in batch.removed:
+            samples[position].remove_sample = True
+        return samples
 
     async def _served(self, request_id: str, *, samples: bool) -> bytes | None:
         try:

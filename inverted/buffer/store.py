@@ -423,8 +423,8 @@ class SQLiteStore:
         allow_partial: bool = False,
         samples: bool = True,
     ) -> bytes | None:
-        """Serve ``num_groups`` complete groups as JSON (without their Samples: ``by_reference``), or None
-        (nothing consumed) if too few qualify.
+        """Serve ``num_groups`` complete groups as JSON (by reference, without their Samples, unless
+        ``samples``), or None (nothing consumed) if too few qualify.
 
         Groups past the staleness bound are dropped or re-sampled, and groups the filter rejects
         are set aside, as they are met, oldest first; those decisions stand even if no batch is served.

@@ -14,10 +14,14 @@ So a served group is trained in exactly one step, whatever died.
 
 The ledger hands out batches by reference (``BatchRef``): the driver never holds a batch's Samples
 unless a plug-in of its own must see them (``samples``); the trainer's ranks read them from the
-buffer by the step's request id.
+buffer by the step's request id. A step's batch is replayed with the Samples the driver's sample
+filter left out of its loss (``BatchRef.removed``), as that step trained it (in this process; a
+resumed job's sources run the filter again).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from inverted.buffer.client import BatchRef, BufferClient
 from inverted.types import Sample
@@ -31,6 +35,7 @@ def request_id(step: int) -> str:
 class Ledger:
     def __init__(self, buffer: BufferClient):
         self.buffer = buffer
+        self._removed: dict[int, frozenset[int]] = {}  # by step: what the sample filter left out of its loss
         self._replaying = True  # until the first step the buffer served no batch for
 
     async def replay(self, step: int) -> BatchRef | None:
@@ -63,18 +68,20 @@ class Ledger:
         )
 
     async def served(self, step: int) -> BatchRef | None:
-        """The batch step ``step`` was served, if it was; consumes nothing."""
-        return await self.buffer.served_batch(request_id(step))
+        """The batch step ``step`` was served, if it was, as the step trained it; consumes nothing."""
+        served = await self.buffer.served_batch(request_id(step))
+        if served is None or step not in self._removed:
+            return served
+        return dataclasses.replace(served, removed=self._removed[step])
 
     async def samples(self, batch: BatchRef) -> list[Sample]:
         """The batch's Samples (for a plug-in of the driver's that reads them: filters, logs, dumps)."""
-        served = await self.buffer.batch(batch.request_id)
-        if served is None:  # the buffer keeps every answer it gave under a request id
-            raise ValueError(f"the buffer holds no batch served under {batch.request_id!r}")
-        return served.samples
+        return await self.buffer.samples(batch)
 
     async def trained(self, batch: BatchRef, step: int) -> None:
         """Record that step ``step`` trained ``batch`` (the buffer refuses it for any other step)."""
         if batch.batch_id is None:  # the buffer names every batch it serves with groups
             raise ValueError(f"step {step} trained a batch the buffer did not serve")
         await self.buffer.trained(batch.batch_id, step)
+        if batch.removed:
+            self._removed[step] = batch.removed

@@ -171,7 +171,7 @@ async def replayed(
         len(batch.sizes),
     )
     clock["batched"] = time.perf_counter()
-    played = await job.ledger.samples(batch) if batch.sizes else []
+    played = await job.ledger.samples(batch)
     return await prepare_batch(cfg, job, plugins, step, played, batch, 0.0)
 
 

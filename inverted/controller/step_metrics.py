@@ -34,7 +34,7 @@ async def prepare_batch(
         metrics["rollout/biased_ratios"] = 1.0
     if not (plugins.sample_filter or plugins.rollout_log or cfg.rollout.save_debug_rollout_data):
         return batch, metrics
-    samples = await job.ledger.samples(batch) if batch.sizes else []
+    samples = await job.ledger.samples(batch)
     if removed := filter_samples(plugins, samples):
         batch = dataclasses.replace(batch, removed=removed)
     save_rollout_data(cfg.rollout.save_debug_rollout_data, step, samples, job_flags(cfg))

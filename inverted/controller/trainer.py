@@ -53,7 +53,6 @@ class Trainer:
         """Starts the group from ``--load``, else ``--hf-checkpoint`` (blocking: call it in a thread).
         ``buffer``: where the ranks read each batch's Samples."""
         self.cfg, self.process_setup, self.ledger, self.buffer = cfg, process_setup, ledger, buffer
-        self.removed: dict[int, frozenset[int]] = {}  # a step's filtered Samples, for a replay
         self.restarts = 0
         self.lock = asyncio.Lock()
         shutil.rmtree(restart_dir(cfg.train), ignore_errors=True)  # a killed run's restart state is not this run's
@@ -73,8 +72,6 @@ class Trainer:
     async def train(self, batch: BatchRef, step: int) -> dict[str, float]:
         """Training step ``step`` on the batch (the ranks read its Samples); the ledger then records
         that this step trained it."""
-        if batch.removed:
-            self.removed[step] = batch.removed
         metrics = await self._locked_call(lambda group: group.train(batch, self.buffer))
         self.step = step + 1
         await self.ledger.trained(batch, step)
@@ -160,7 +157,6 @@ class Trainer:
             if batch is None or not batch.sizes:  # a step with nothing to train on
                 await asyncio.to_thread(self.group.skip, step)
             else:
-                batch = dataclasses.replace(batch, removed=self.removed.get(step, frozenset()))
                 await asyncio.to_thread(self.group.train, batch, self.buffer)
                 replayed += 1
         self.restarts += 1

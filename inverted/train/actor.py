@@ -37,9 +37,9 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from inverted.buffer.client import Batch, BatchRef, BufferAddress
+from inverted.buffer.client import BatchRef, BufferAddress
 from inverted.devices import cuda_available
-from inverted.errors import SampleError, ServiceUnavailable
+from inverted.errors import ServiceUnavailable
 from inverted.processes import alive, freeze_startup_heap
 from inverted.rollout.sglang_client import ServerKeys
 from inverted.train.config import TrainConfig
@@ -298,26 +298,19 @@ class TrainGroup:
 
 
 def read_samples(batch: BatchRef, buffer: BufferAddress) -> list[Sample]:
-    """The batch's Samples, as the buffer served them, those the driver's sample filter left out of the
-    loss marked so (``remove_sample``)."""
+    """The batch's Samples, read from the buffer by this rank (``BufferClient.samples``)."""
 
-    async def read() -> Batch | None:
+    async def read() -> list[Sample]:
         async with buffer.client() as client:
-            return await client.batch(batch.request_id)
+            return await client.samples(batch)
 
     # Not asyncio.run: on Python 3.11, restoring the SIGINT handler it set formats the main task,
     # result and all (a whole batch's repr: 0.3 s for a long-context batch)
     loop = asyncio.new_event_loop()
     try:
-        served = loop.run_until_complete(read())
+        return loop.run_until_complete(read())
     finally:
         loop.close()
-    if served is None:  # the buffer keeps every batch it served under its request id
-        raise SampleError(f"the buffer at {buffer.url} holds no batch served under {batch.request_id!r}")
-    samples = served.samples
-    for position in batch.removed:
-        samples[position].remove_sample = True
-    return samples
 
 
 def reap_ranks(pids_file: Path, wait_s: float = 0.0) -> list[tuple[str, int]]:
