@@ -12,14 +12,17 @@ session, of a random kind:
 - ``job``: the whole process group; the bench resumes it with ``--load``, and the resumed job
   trains again the steps since its checkpoint (every ``--save-interval`` steps, 4 by default).
 
-A resume's recovery is the time from the kill until the resumed job logs a step. At the end it
-reads the buffer's file and what each step trained (``--save-debug-rollout-data``, one file per
-step, written again by a resumed step) and reports each task's outcome: the rollout that played it,
-and its group trained (in the step the buffer recorded, checked against the files), filtered,
-failed, dropped as stale, or left queued or waiting; the Samples trained in two surviving steps;
-the Samples served to a step but in no surviving step's training (lost); the aborted episodes
-played again; and the shared memory (RAM) that killed trainers' weight buckets left behind. Then
-it runs the same job undisturbed, with the same seed, and compares the final held-out reward.
+A resume's recovery is the time from the kill until the resumed job logs a step. A job that stops
+with no kill to stop it is a bug: the report lists each such stop (its exit code and the end of its
+log) under ``crashes``, and the bench resumes it; a kill it could not make is listed under
+``skipped``. At the end it reads the buffer's file and what each step trained
+(``--save-debug-rollout-data``, one file per step, written again by a resumed step) and reports each
+task's outcome: the rollout that played it, and its group trained (in the step the buffer recorded,
+checked against the files), filtered, failed, dropped as stale, or left queued or waiting; the
+Samples trained in two surviving steps; the Samples served to a step but in no surviving step's
+training (lost); the aborted episodes played again; and the shared memory (RAM) that killed
+trainers' weight buckets left behind. Then it runs the same job undisturbed, with the same seed, and
+compares the final held-out reward.
 
     python bench/chaos.py                       # 20 kills of the six kinds, 100 rollouts
     python bench/chaos.py --kills 6 --rollouts 40 --gap 3 --no-baseline   # the suite's short version
@@ -79,6 +82,17 @@ def session_pids(sid: int, text: str) -> list[int]:
     return found
 
 
+def victims(sid: int, kind: str, timeout: float = 10.0) -> list[int]:
+    """The job's processes of ``kind``; one being started again (a replaced server, a service at its
+    address again) is back within seconds."""
+    if kind == "job":
+        return [sid]
+    deadline = time.monotonic() + timeout
+    while not (pids := session_pids(sid, COMMANDS[kind])) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return pids
+
+
 def metrics_rows(run: Path) -> list[dict]:
     path = run / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
@@ -134,6 +148,11 @@ class Job:
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    def crashed(self) -> dict:
+        """What the job's own exit left: its code, its step, the end of its log."""
+        tail = self.log.read_text(errors="replace").splitlines()[-30:]
+        return {"exit": self.process.returncode, "at_step": self.steps(), "log_tail": "\n".join(tail)}
+
     def kill(self) -> None:
         os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
@@ -168,18 +187,24 @@ def chaos(args: argparse.Namespace, work: Path) -> dict:
     job = Job(args, work, "chaos")
     job.start()
     recoveries: list[dict] = []
+    skipped: list[dict] = []  # kills not made, and why: a short run must still kill every kind
+    crashes: list[dict] = []  # the job stopped with no kill to stop it: a bug, noted, then resumed past
     plan = [KINDS[i % len(KINDS)] for i in range(args.kills)]  # every kind, then again, in a random order
     rng.shuffle(plan)
     for kind in plan:
         wait(lambda: job.steps() >= 1 or not job.running, 600)
-        if not job.running:
-            break  # the job ended: no more kills
         time.sleep(rng.uniform(0.5, args.gap))
+        if not job.running and job.process.returncode != 0:
+            crashes.append(job.crashed())
+            job.start()
+            wait(lambda: job.steps() > crashes[-1]["at_step"] or not job.running, 600)
         if not job.running:
-            break
+            skipped.append({"kind": kind, "at_step": job.steps(), "why": "the run had ended"})
+            continue
         sid, steps, healed = job.process.pid, job.steps(), job.log.read_text().count(HEALED.get(kind, "\0"))
-        pids = [job.process.pid] if kind == "job" else session_pids(sid, COMMANDS[kind])
+        pids = victims(sid, kind)
         if not pids:
+            skipped.append({"kind": kind, "at_step": steps, "why": f"the job had no process {COMMANDS[kind]!r}"})
             continue
         victim = rng.choice(pids)
         killed_at = time.monotonic()
@@ -190,7 +215,8 @@ def chaos(args: argparse.Namespace, work: Path) -> dict:
         if kind in HEALED:  # the job heals it: until its log says so
             recovered = wait(lambda: job.log.read_text().count(HEALED[kind]) > healed or not job.running, 300)
             if not job.running and job.process.returncode == 0:
-                break  # the run ended meanwhile: nothing to heal
+                skipped.append({"kind": kind, "at_step": steps, "why": "the run ended before it healed"})
+                continue
         if kind not in HEALED or not job.running:  # it stopped (a kind it could not heal): resume it
             if kind in HEALED:
                 kind += " (stopped the job)"
@@ -203,9 +229,11 @@ def chaos(args: argparse.Namespace, work: Path) -> dict:
                 "recovery_s": None if recovered is None else round(time.monotonic() - killed_at, 1),
             }
         )
-    while not job.process.wait() == 0 and job.starts <= args.kills + 3:  # a kill at the very end: resume it
+    while job.process.wait() != 0 and job.starts <= args.kills + 3:  # after the last recovery: a crash too
+        crashes.append(job.crashed())
         job.start()
-    return {"recoveries": recoveries, "exit": job.process.returncode, **outcomes(job.run)}
+    report = {"recoveries": recoveries, "skipped": skipped, "crashes": crashes, "exit": job.process.returncode}
+    return report | outcomes(job.run)
 
 
 def outcomes(run: Path) -> dict:
