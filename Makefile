@@ -218,11 +218,12 @@ $(HARNESSES)/.installed: $(VENV)/.installed
 	$(BIN)/python -m pip install -q $(PIP_BINARY) $(HARNESS_PYPI)
 	touch $@
 
-# The sandbox of the policy's commands (envs/sandbox.py): Debian's bubblewrap, where it is missing.
+# The sandboxes of the policy's commands: Debian's bubblewrap (envs/sandbox.py, Codex's, Claude Code's) and
+# socat (Claude Code's network proxy), where they are missing.
 sandbox:
-	@command -v bwrap >/dev/null || { sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
-	  $$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq bubblewrap >/dev/null; } \
-	  || echo "could not install bubblewrap: envs.coding cannot sandbox the model's commands (its tests fail and say why)"
+	@{ command -v bwrap && command -v socat; } >/dev/null || { sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq bubblewrap socat >/dev/null; } \
+	  || echo "could not install bubblewrap and socat: the policy's commands cannot be sandboxed (their tests fail and say why)"
 
 # Each test file runs whole in one worker (--dist loadfile): its module's servers start once. Two workers
 # on two cores: most of a whole-job test is waiting (on a subprocess, a server's start, a tool), and the

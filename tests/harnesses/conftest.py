@@ -100,12 +100,16 @@ class HarnessStack:
     def engine_requests(self) -> list[dict]:
         return server_requests(self.engine)
 
-    def play(self, run: Callable[[str, Path], Any]) -> Played:
+    def play(self, run: Callable[[str, Path], Any], script: list[str] | None = None) -> Played:
         """One harness run in a fresh session: greedy, each reply at most 128 tokens (the session's
-        settings, not the harness's: an untaught model would otherwise write to the end of the context)."""
-        session = httpx.post(
-            self.proxy.url + "/sessions", headers=ADMIN, json={"sampling_params": {"temperature": 0, "max_tokens": 128}}
-        ).json()
+        settings, not the harness's: an untaught model would otherwise write to the end of the context).
+        ``script``: the replies the session's calls answer with instead of sampling (the proxy's
+        ``script``), for a test of what the harness does with them, not of what was sampled."""
+        body: dict[str, Any] = {"sampling_params": {"temperature": 0, "max_tokens": 128}}
+        if script is not None:  # a scripted reply is cut at max_tokens too: each must fit whole
+            body["script"] = [self.tokenizer.encode(reply, add_special_tokens=False) for reply in script]
+            body["sampling_params"]["max_tokens"] = max(128, *map(len, body["script"]))
+        session = httpx.post(self.proxy.url + "/sessions", headers=ADMIN, json=body).json()
         before = len(self.engine_requests())
         path = session["base_url"].removeprefix(self.proxy.url)
         with tap(self.proxy.url) as (url, requests):

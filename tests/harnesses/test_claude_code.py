@@ -3,14 +3,19 @@ settings: ``ANTHROPIC_BASE_URL`` and ``ANTHROPIC_API_KEY``, with its switches fo
 (``CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC``, ``DISABLE_TELEMETRY``, ``DISABLE_AUTOUPDATER``).
 Its first request (a system prompt, a dozen tools, ~29,000 tokens here, ``thinking``, ``effort``,
 ``context_management``, beta headers, ``max_tokens: 128000``) is accepted, recorded and answered;
-taught to read a file, it runs a whole episode, recorded exactly."""
+taught to read a file, it runs a whole episode, recorded exactly. In its own sandbox (its settings),
+the policy's command reaches neither the network nor anything outside the task's directory."""
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import json
 import os
 import subprocess
+import threading
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -69,3 +74,60 @@ def test_claude_code_runs_an_episode_unchanged_recorded_exactly(harness_stack, t
     accepted = played.episode.metadata["turns"][0]["accepted"]
     assert {"thinking", "metadata", "context_management", "cache_control"} <= set(accepted), accepted
     check_episode(harness_stack, played, main[-1], replies)
+
+
+@contextlib.contextmanager
+def listener() -> Iterator[tuple[str, list[str]]]:
+    """An HTTP server on loopback, and the paths it was asked for."""
+    hits: list[str] = []
+
+    class Record(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            hits.append(self.path)
+            self.send_response(200)
+            self.end_headers()
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Record)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/", hits
+    finally:
+        server.shutdown()
+
+
+def test_claude_code_runs_the_policys_commands_in_its_own_sandbox(harness_stack, tmp_path):
+    """Claude Code's own sandbox (bubblewrap, and socat for its network proxy: ``make sandbox`` installs
+    both), turned on by its documented settings and made a requirement (``failIfUnavailable``): the
+    policy's Bash command runs in the task's directory and writes there, and is stopped at the network
+    and at a write outside it. The replies are scripted (the proxy's ``script``): this is about what
+    runs the policy's command, not about what sampled it."""
+    home = tmp_path / "home"
+    (home / ".claude").mkdir(parents=True)
+    # on, its commands run without an approval (none comes in -p), and never outside it
+    sandbox = {
+        "enabled": True,
+        "autoAllowBashIfSandboxed": True,
+        "failIfUnavailable": True,
+        "allowUnsandboxedCommands": False,
+    }
+    (home / ".claude" / "settings.json").write_text(json.dumps({"sandbox": sandbox}))
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    with listener() as (url, hits):
+        command = (
+            f"curl -sS -m 5 {url} && echo net-open || echo net-closed; "
+            f"echo x > {outside}/escaped && echo outside-open || echo outside-closed; "
+            "echo mine > written.txt && echo inside-open; cat notes.txt"
+        )
+        call = {"name": "Bash", "arguments": {"command": command, "description": "Read the notes"}}
+        replies = ["<tool_call>\n" + json.dumps(call) + "\n</tool_call><|im_end|>", "Done.<|im_end|>"]
+        played = harness_stack.play(claude_code(home), script=replies)
+    assert played.done.returncode == 0, played.done.stderr[-2000:] + played.done.stdout[-2000:]
+    episode = played.episode
+    first, second = episode.metadata["turns"][:2]
+    result = harness_stack.tokenizer.decode(episode.tokens[first["end"] : second["start"]])
+    assert "the answer is 42" in result and "inside-open" in result, result
+    assert "net-closed" in result and "outside-closed" in result, result
+    assert not hits and not (outside / "escaped").exists()
+    assert (harness_stack.work / "written.txt").read_text() == "mine\n"
+    assert not any(episode.loss_mask[first["end"] : second["start"]])  # the command's output is not trained
