@@ -90,7 +90,7 @@ class TrainActor:
     def setup(self, cfg: TrainConfig, rank: int, address: tuple[str, int], process_setup: Callable[[str], None]) -> int:
         import torch
 
-        from inverted.train.checkpoint import load_checkpoint
+        from inverted.train.checkpoint import resume
         from inverted.train.parallel import init_parallel
         from inverted.train.trainer import Trainer
 
@@ -110,7 +110,7 @@ class TrainActor:
         self.cfg, self.rank = cfg, rank
         self.trainer = Trainer(cfg)
         if cfg.ckpt.load:
-            load_checkpoint(self.trainer, cfg.ckpt.load)
+            resume(self.trainer, cfg.ckpt.load)
         freeze_startup_heap()
         return self.trainer.step
 

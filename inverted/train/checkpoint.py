@@ -159,6 +159,17 @@ def read_meta(directory: Path) -> dict:
         raise ModelError(f"{directory}: not a checkpoint ({exc})") from None
 
 
+def resume(trainer, root: str | Path) -> Path | None:
+    """``--load``: restore ``root``'s latest save into ``trainer``; or, where no save has finished there
+    yet (a job killed before its first save, started again by the same command), nothing: the trainer
+    stays at step 0 on ``--hf-checkpoint``, as slime's ``--load`` does, and the job trains again every
+    batch its killed run was served."""
+    if latest_iteration(root) is None:
+        logger.warning("--load %s: no save has finished there; the trainer starts from --hf-checkpoint at step 0", root)
+        return None
+    return load_checkpoint(trainer, root)
+
+
 def load_checkpoint(trainer, root: str | Path, *, optimizer: bool = True) -> Path:
     """Restore model, optimizer, RNG and counters from ``root``'s latest iteration into ``trainer``
     (without ``optimizer``: the weights alone, the trainer's optimizer and counters kept)."""

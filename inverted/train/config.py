@@ -227,7 +227,10 @@ class CheckpointConfig:
     """Training checkpoints: where to resume from, where and how often to save."""
 
     load: str | None = option(
-        None, "checkpoint directory to resume from (its latest step); overrides the HF weights", path=True
+        None,
+        "checkpoint directory to resume from (its latest step); overrides the HF weights. One where no save "
+        "has finished yet (a job killed before its first) starts from the HF weights at step 0, as slime's does",
+        path=True,
     )
     save: str | None = option(None, "directory to write checkpoints into", path=True)
     save_interval: int = option(0, "save every N rollouts (0: only at the end, when --save is set)")

@@ -74,7 +74,7 @@ def train_worker(cfg: TrainConfig, setup: Callable[[], None]) -> None:
     from tqdm import tqdm
 
     from inverted.metrics import build_metrics_sink
-    from inverted.train.checkpoint import load_checkpoint, save_checkpoint
+    from inverted.train.checkpoint import resume, save_checkpoint
     from inverted.train.parallel import init_parallel, shutdown_parallel
     from inverted.train.trainer import Trainer
 
@@ -85,7 +85,7 @@ def train_worker(cfg: TrainConfig, setup: Callable[[], None]) -> None:
     try:
         trainer = Trainer(cfg)
         if cfg.ckpt.load:
-            load_checkpoint(trainer, cfg.ckpt.load)
+            resume(trainer, cfg.ckpt.load)
         for rollout_id in tqdm(
             range(trainer.step, cfg.num_rollout),
             desc="train",

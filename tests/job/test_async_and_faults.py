@@ -387,10 +387,9 @@ def test_killed_services_start_again_at_their_address_and_lost_episodes_are_play
     assert sum(m["rollout/trained_samples"] for m in rows) == 2 * list(states.values()).count("consumed")
 
 
-def test_a_sync_job_killed_past_its_checkpoint_trains_each_served_batch_once_after_resume(tiny_model, tmp_path):
-    """A sync job checkpoints every second step and is killed after a step past the checkpoint was
-    served and trained: the resumed job trains the batches the dead one was served for those steps
-    (no rollout), so every consumed group is in exactly one surviving step's training."""
+def sync_job_args(tiny_model: Path, tmp_path: Path, save_interval: int) -> tuple[list[str], Path, Path]:
+    """A sync job's flags that save every ``save_interval`` steps and write what each step trained:
+    the flags, the run's directory and the pattern of the trained files."""
     model, run_dir = own_model(tiny_model, tmp_path), tmp_path / "run"
     data = long_tail_data(tmp_path / "long_tail.jsonl", count=64, short_s=0.3, long_s=0.3)
     trained_at = run_dir / "trained" / "{rollout_id}.jsonl"
@@ -404,11 +403,47 @@ def test_a_sync_job_killed_past_its_checkpoint_trains_each_served_batch_once_aft
         "--rollout-max-response-len",
         "8",
         "--save-interval",
-        "2",
+        str(save_interval),
         "--save-debug-rollout-data",
         str(trained_at),
         *RUN,
     ]
+    return args, run_dir, trained_at
+
+
+def resume_and_check(args: list[str], run_dir: Path, trained_at: Path, tmp_path: Path, first: int) -> None:
+    """Start the killed job again with ``--load`` for 6 steps: the steps from ``first`` (its checkpoint's)
+    train what the dead job was served for them, nothing else, and every consumed group is in exactly
+    one surviving step's training, as the buffer itself records."""
+    dead_steps = [m["step"] for m in metrics_rows(run_dir)]
+    served = {step: Path(str(trained_at).format(rollout_id=step)).read_text() for step in dead_steps if step >= first}
+    assert served, dead_steps
+
+    second = start_job(*args, "--num-rollout", "6", "--load", str(run_dir / "checkpoints"), log=tmp_path / "second.log")
+    finish(second, tmp_path / "second.log")
+
+    assert "training the batch the killed run was served for this step" in (tmp_path / "second.log").read_text()
+    for step, text in served.items():
+        assert Path(str(trained_at).format(rollout_id=step)).read_text() == text, step
+    trained: dict[tuple[int, int], int] = {}
+    for step in range(6):
+        for line in Path(str(trained_at).format(rollout_id=step)).read_text().splitlines():
+            sample = Sample.from_json(json.loads(line))
+            key = (sample.group_index, sample.index)
+            assert key not in trained, f"{key} trained at steps {trained[key]} and {step}"
+            trained[key] = step
+    consumed = {g for g, state in group_states(run_dir).items() if state == "consumed"}
+    assert consumed == {g for g, _ in trained}  # every served group trained, once, in a surviving step
+    # ... and the buffer says so itself: each group's recorded step is the surviving step that trained it
+    recorded = buffer_query(run_dir, "SELECT group_index, trained_step FROM groups WHERE state = 'consumed'")
+    assert recorded == {g: step for (g, _), step in trained.items()}
+
+
+def test_a_sync_job_killed_past_its_checkpoint_trains_each_served_batch_once_after_resume(tiny_model, tmp_path):
+    """A sync job checkpoints every second step and is killed after a step past the checkpoint was
+    served and trained: the resumed job trains the batches the dead one was served for those steps
+    (no rollout), so every consumed group is in exactly one surviving step's training."""
+    args, run_dir, trained_at = sync_job_args(tiny_model, tmp_path, save_interval=2)
     first = start_job(*args, "--num-rollout", "32", log=tmp_path / "first.log")
     try:
         while True:  # frozen to look: step 2 trained, its checkpoint (after step 3) not yet written
@@ -426,29 +461,27 @@ def test_a_sync_job_killed_past_its_checkpoint_trains_each_served_batch_once_aft
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
-    dead_steps = [m["step"] for m in metrics_rows(run_dir)]
-    served = {step: Path(str(trained_at).format(rollout_id=step)).read_text() for step in dead_steps if step >= 2}
-    assert 2 in served
+    resume_and_check(args, run_dir, trained_at, tmp_path, first=2)
 
-    second = start_job(*args, "--num-rollout", "6", "--load", str(run_dir / "checkpoints"), log=tmp_path / "second.log")
-    finish(second, tmp_path / "second.log")
 
-    # The steps past the checkpoint trained what the dead job was served for them, nothing else.
-    assert "training the batch the killed run was served for this step" in (tmp_path / "second.log").read_text()
-    for step, text in served.items():
-        assert Path(str(trained_at).format(rollout_id=step)).read_text() == text, step
-    trained: dict[tuple[int, int], int] = {}
-    for step in range(6):
-        for line in Path(str(trained_at).format(rollout_id=step)).read_text().splitlines():
-            sample = Sample.from_json(json.loads(line))
-            key = (sample.group_index, sample.index)
-            assert key not in trained, f"{key} trained at steps {trained[key]} and {step}"
-            trained[key] = step
-    consumed = {g for g, state in group_states(run_dir).items() if state == "consumed"}
-    assert consumed == {g for g, _ in trained}  # every served group trained, once, in a surviving step
-    # ... and the buffer says so itself: each group's recorded step is the surviving step that trained it
-    recorded = buffer_query(run_dir, "SELECT group_index, trained_step FROM groups WHERE state = 'consumed'")
-    assert recorded == {g: step for (g, _), step in trained.items()}
+def test_a_sync_job_killed_before_its_first_save_resumes_from_the_start_with_the_same_command(tiny_model, tmp_path):
+    """Killed before any save finished (``--save-interval 0``: only at the end), the job is started again
+    with ``--load`` all the same, as slime's users do: no checkpoint to load, so the trainer starts from
+    the HF weights at step 0 and trains the batches the dead job was served, each once."""
+    args, run_dir, trained_at = sync_job_args(tiny_model, tmp_path, save_interval=0)
+    first = start_job(*args, "--num-rollout", "32", log=tmp_path / "first.log")
+    try:
+        wait_for(
+            lambda: (run_dir / "metrics.jsonl").exists() and len(metrics_rows(run_dir)) >= 2,
+            first,
+            tmp_path / "first.log",
+        )
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    assert not (run_dir / "checkpoints" / "latest").exists()
+    resume_and_check(args, run_dir, trained_at, tmp_path, first=0)
+    assert "no save has finished there" in (tmp_path / "second.log").read_text()
 
 
 def test_a_killed_trainer_rank_restarts_in_place_from_its_own_saved_state_and_trains_the_steps_since_again(
