@@ -276,6 +276,7 @@ def outcomes(run: Path) -> dict:
         "buffer_disagrees_with_training": sum(trained_steps.get(g) != step for (g, _), step in trained.items())
         + sum(step is None for step in trained_steps.values()),
         "samples_without_their_rollout": unplayed,  # the buffer names the rollout that played each task
+        "steps": len({r["step"] for r in rows}),  # the job's --num-rollout, unless it ended early
         "steps_written_again": len(rows) - len({r["step"] for r in rows}),
         "aborted_played_again": counters.get("samples_requeued_aborted", 0),
         "leases_released": counters.get("leases_released", 0),
