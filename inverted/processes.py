@@ -186,6 +186,7 @@ def serve_workers(
 
 LOWEST_PORT = 20000  # below it: the ports services are configured on (8000, 8080, ...) and Ray's workers' (10002-19999)
 _DRAW = random.SystemRandom()  # from os.urandom: two processes that seeded ``random`` alike still draw apart
+_GIVEN: set[int] = set()  # the ports ``free_port`` handed out in this process
 
 
 def ephemeral_ports() -> tuple[int, int]:
@@ -214,20 +215,28 @@ def free_port(host: str = "127.0.0.1") -> int:
     The port the kernel picks for a bind to 0 comes from the ephemeral range, where every outgoing
     connection takes its local port too: between this check and the server's own bind a client
     could take it ("address already in use", seen with two test processes connecting all the time).
+    A port this process handed out is never handed out again: its server may not have bound it yet
+    (a job draws its proxy's port, then its router's metrics port while the proxy still imports; the
+    router bound the proxy's port and answered its requests 404).
     """
     low = ephemeral_ports()[0]
     if low > LOWEST_PORT + 1000:
         for _ in range(100):
             port = _DRAW.randrange(LOWEST_PORT, low)
+            if port in _GIVEN:
+                continue
             with socket.socket() as sock:
                 try:
                     sock.bind((host, port))
                 except OSError:
                     continue
-                return port
+            _GIVEN.add(port)
+            return port
     with socket.socket() as sock:  # a machine whose ephemeral range leaves no room below it
         sock.bind((host, 0))
-        return sock.getsockname()[1]
+        port = sock.getsockname()[1]
+    _GIVEN.add(port)
+    return port
 
 
 class Secret(str):

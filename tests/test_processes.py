@@ -38,3 +38,17 @@ def test_a_held_port_is_passed_over_and_a_range_without_room_falls_back_to_the_k
     port = free_port()  # the kernel's choice
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))
+
+
+def test_a_port_handed_out_is_not_handed_out_again_before_its_server_binds_it(monkeypatch):
+    """A job draws its proxy's port, then others while the proxy still imports: the same draw again is
+    passed over, though nothing holds the port yet."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        first = probe.getsockname()[1]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        second = probe.getsockname()[1]
+    draws = iter([first, first, second])
+    monkeypatch.setattr(processes._DRAW, "randrange", lambda a, b: next(draws))
+    assert free_port() == first and free_port() == second
