@@ -73,8 +73,9 @@ class Sample:
     two (importance weights, the mismatch metric, KL-as-reward) leaves the Sample out and counts it.
     ``remove_sample``: no token of it is in the loss (a sample filter's verdict; it still counts in
     its group). ``teacher_log_probs``: a teacher's log-prob of each response token, for on-policy
-    distillation (a reward post-process sets them). One ``metadata`` key means something to the
-    trainer: ``siblings`` (see ``with_siblings``).
+    distillation (a reward post-process sets them). One ``metadata`` key is the buffer's: ``siblings``,
+    the other Samples of a task that fanned out, stored with its first (``fold_siblings``) and served
+    as Samples of their own (``unfold_siblings``).
     ``rollout_routed_experts`` (MoE, for rollout routing replay): the experts the engine routed each
     token to, in SGLang's ``meta_info.routed_experts`` form (``encode_routed_experts``), over the
     whole sequence: ``[len(tokens) - 1, layers, top_k]`` (the last token is never run).
@@ -255,9 +256,21 @@ def decode_routed_experts(text: str) -> Any:
     return np.frombuffer(raw, dtype="<i4")
 
 
-def with_siblings(samples: list[Sample]) -> list[Sample]:
-    """Each Sample followed by the siblings it carries (``metadata["siblings"]``: the other Samples
-    one rollout fanned out into, stored and served with it so that they stay together)."""
+def fold_siblings(samples: list[Sample]) -> Sample:
+    """One task's fan-out (several Samples of one ``(group_index, index)``, its own first) as the buffer
+    stores a task: the first, carrying the others in ``metadata["siblings"]`` (a copy; the given
+    Samples are unchanged). One Sample is itself."""
+    first, *others = samples
+    if not others:
+        return first
+    folded = Sample(**{f.name: getattr(first, f.name) for f in fields(first)})
+    folded.metadata = {**first.metadata, "siblings": [s.to_json() for s in others]}
+    return folded
+
+
+def unfold_siblings(samples: list[Sample]) -> list[Sample]:
+    """Each Sample followed by the siblings it carries (``fold_siblings``), each checked, as Samples of
+    their own."""
     out = []
     for sample in samples:
         siblings = sample.metadata.get("siblings") or []

@@ -13,8 +13,8 @@ With ``--custom-generate-function-path`` the function replaces that one call, as
 (the generate hook: its adapter, ``compat.slime_forms``, converts the Samples both ways) it gets
 slime's ``Sample`` for the task and calls the router itself (``slime.utils.http_utils.post``
 records each answer's weight version, so every sampled token keeps the version that sampled it).
-Several Samples from one task (fan-out) must share ``rollout_id``: the first is the task's, the
-others travel with it as ``metadata["siblings"]`` and are trained beside it.
+Several Samples from one task (a fan-out) must share ``rollout_id``: each is a Sample of the task's
+(its group and index), scored, stored, served and trained as one of its group.
 
 A generation cut by the length limit is ``truncated``; an aborted one is returned ``aborted``
 (with --partial-rollout the buffer keeps it to resume).
@@ -94,7 +94,7 @@ async def generate_rollout(ctx: RolloutContext, tasks: list[Task]) -> list[Sampl
             sample.rollout_top_p_token_offsets = list(itertools.accumulate(map(len, masks), initial=0))
         return sample
 
-    async def custom(task: Task) -> Sample:
+    async def custom(task: Task) -> list[Sample]:
         start = task.partial if task.partial is not None else task.new_sample()
         if task.tools:
             start.metadata.setdefault("tools", task.tools)
@@ -111,13 +111,10 @@ async def generate_rollout(ctx: RolloutContext, tasks: list[Task]) -> list[Sampl
             raise PluginError(f"--custom-generate-function-path: no Sample for task {(task.group_index, task.index)}")
         for sample in samples:
             sample.group_index, sample.index = task.group_index, task.index
-        first = samples[0]
-        if len(samples) > 1:
-            first.metadata["siblings"] = [s.to_json() for s in samples[1:]]
-        return first
+        return samples
 
     if ctx.generate is not None:
-        return list(await asyncio.gather(*(custom(task) for task in tasks)))
+        return [sample for fanned in await asyncio.gather(*(custom(task) for task in tasks)) for sample in fanned]
     async with generate_client(
         ctx.router_url,
         routed_experts=ctx.routed_experts,

@@ -16,7 +16,7 @@ import orjson
 
 from inverted.errors import PluginFailed, ProtocolError, SampleError
 from inverted.http_client import HTTPService, Reply
-from inverted.types import Sample, Task
+from inverted.types import Sample, Task, fold_siblings, unfold_siblings
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +39,7 @@ class BatchRef:
 
 @dataclass(slots=True)
 class Batch:
-    """A served batch with its Samples."""
+    """A served batch with its Samples (a task's fan-out as Samples of their own)."""
 
     batch_id: str | None
     groups: list[list[Sample]]
@@ -53,7 +53,8 @@ class Batch:
 def read_batch(content: bytes) -> Batch:
     """A batch as the service answers one with its Samples (``GET /batches/{request_id}``)."""
     data = orjson.loads(content)
-    return Batch(data["batch_id"], [[Sample.from_json(s) for s in g] for g in data["groups"]], data["staleness"])
+    groups = [unfold_siblings([Sample.from_json(s) for s in g]) for g in data["groups"]]
+    return Batch(data["batch_id"], groups, data["staleness"])
 
 
 def read_ref(content: bytes, request_id: str) -> BatchRef:
@@ -107,9 +108,16 @@ class BufferClient(HTTPService):
         return self.json_of(response)["released"]
 
     async def submit(self, items: list[tuple[Task | str, Sample]]) -> dict[str, Any]:
-        """Submit finished (or aborted) samples, each with the lease of its task; all or nothing."""
+        """Submit finished (or aborted) samples, each with the lease of its task; all or nothing. Several
+        Samples of one task (a fan-out, its own first) are stored together (``types.fold_siblings``)."""
+        tasks: dict[str, list[Sample]] = {}
+        for task, sample in items:
+            tasks.setdefault(task if isinstance(task, str) else task.lease_id, []).append(sample)
         body = {
-            "samples": [{"lease_id": t if isinstance(t, str) else t.lease_id, "sample": s.to_json()} for t, s in items]
+            "samples": [
+                {"lease_id": lease_id, "sample": fold_siblings(samples).to_json()}
+                for lease_id, samples in tasks.items()
+            ]
         }
         response = await self.request(
             "POST", "/samples", content=orjson.dumps(body), timeout=self.timeouts.data, idempotent=True

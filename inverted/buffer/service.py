@@ -53,7 +53,7 @@ from inverted.buffer.store import SQLiteStore
 from inverted.errors import LeaseConflict, PluginFailed, SampleError, Unauthorized
 from inverted.limits import BodyLimit
 from inverted.processes import UVICORN_OPTIONS, freeze_startup_heap, serve_workers
-from inverted.types import Sample, version_number
+from inverted.types import Sample, unfold_siblings, version_number
 
 logger = logging.getLogger(__name__)
 
@@ -267,6 +267,7 @@ def _samples(raw: bytes) -> tuple[list[tuple[str, Sample]], list[bytes]]:
         try:
             sample = Sample.from_json(item.sample)  # straight from the bytes as sent, elements checked
             sample.validate(elements_checked=True)
+            unfold_siblings([sample])  # a task's fan-out: each of its other Samples checked too
         except SampleError as exc:
             raise SampleError(f"samples[{i}].{exc}") from None
         items.append((item.lease_id, sample))

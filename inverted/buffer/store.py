@@ -36,7 +36,7 @@ import orjson
 from inverted.buffer.datasets import PromptRecord, epoch_order
 from inverted.buffer.filters import GroupChooser, GroupFilter
 from inverted.errors import ConfigError, LeaseConflict, SampleError
-from inverted.types import Sample, Task, version_number
+from inverted.types import Sample, Task, unfold_siblings, version_number
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -53,7 +53,8 @@ CREATE TABLE IF NOT EXISTS tasks (
 CREATE INDEX IF NOT EXISTS tasks_by_state ON tasks (state, lease_expires);
 CREATE TABLE IF NOT EXISTS samples (
     group_index INTEGER NOT NULL, sample_index INTEGER NOT NULL, sample BLOB NOT NULL,
-    min_version INTEGER, failed INTEGER NOT NULL, rollout_id INTEGER, PRIMARY KEY (group_index, sample_index));
+    min_version INTEGER, failed INTEGER NOT NULL, rollout_id INTEGER, size INTEGER NOT NULL DEFAULT 1,
+    PRIMARY KEY (group_index, sample_index));  -- size: the task's Samples, its fan-out included
 CREATE TABLE IF NOT EXISTS replies (request_id TEXT PRIMARY KEY, kind TEXT NOT NULL, reply BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 """
@@ -63,14 +64,21 @@ TASK_STATES = ("queued", "leased", "done")
 
 
 def batch_ref(batch_id: str | None, sizes: list[int], staleness: list[int]) -> bytes:
-    """A served batch by reference: its id, and each group's size and staleness, without its Samples."""
+    """A served batch by reference: its id, and each group's size (its Samples, a task's fan-out
+    included) and staleness, without its Samples."""
     return orjson.dumps({"batch_id": batch_id, "groups": [], "sizes": sizes, "staleness": staleness})
 
 
 def by_reference(reply: bytes) -> bytes:
     """A stored batch (with its Samples) by reference (parsed: only a batch served again pays for it)."""
     batch = orjson.loads(reply)
-    return batch_ref(batch["batch_id"], [len(group) for group in batch["groups"]], batch["staleness"])
+    sizes = [sum(1 + len((s.get("metadata") or {}).get("siblings") or []) for s in group) for group in batch["groups"]]
+    return batch_ref(batch["batch_id"], sizes, batch["staleness"])
+
+
+def decoded(blobs: list[bytes]) -> list[Sample]:
+    """A group's stored Samples as a plug-in sees them: a task's fan-out as Samples of their own."""
+    return unfold_siblings([Sample.from_json(b) for b in blobs])
 
 
 @dataclass(slots=True)
@@ -110,11 +118,12 @@ class SQLiteStore:
             self._db.execute(f"PRAGMA {pragma}")
         self._db.executescript(SCHEMA)
         for table, column in (
-            ("groups", "trained_step"),
-            ("samples", "rollout_id"),
+            ("groups", "trained_step INTEGER"),
+            ("samples", "rollout_id INTEGER"),
+            ("samples", "size INTEGER NOT NULL DEFAULT 1"),
         ):  # a file from before they were kept
-            if column not in {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}:
-                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} INTEGER")
+            if column.split()[0] not in {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}:
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column}")
         with self._tx():
             self._init_meta(prompts)
         self.num_prompts = self._db.execute(  # the dataset's: not the prompts of recorded groups (epoch -1)
@@ -336,13 +345,14 @@ class SQLiteStore:
                         lowest[position],
                         sample.status == Sample.Status.FAILED,
                         sample.metadata.get("rollout_id"),
+                        1 + len(sample.metadata.get("siblings") or []),
                     )
                 )
                 done.append(key)
                 touched.add(sample.group_index)
             db.executemany(
-                "INSERT INTO samples (group_index, sample_index, sample, min_version, failed, rollout_id) "
-                "VALUES (?, ?, ?, ?, ?, ?)",
+                "INSERT INTO samples (group_index, sample_index, sample, min_version, failed, rollout_id, size) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
                 rows,
             )
             db.executemany(
@@ -433,7 +443,7 @@ class SQLiteStore:
             replay = self._replay(request_id, "batch")
             if replay is not None:
                 return replay if samples else by_reference(replay)
-            accepted: list[tuple[int, int, list[bytes]]] = []
+            accepted: list[tuple[int, int, list[bytes], int]] = []  # group, staleness, its tasks, its Samples
             for group, min_version in db.execute(
                 "SELECT group_index, min_version FROM groups WHERE state = 'complete' ORDER BY group_index"
             ).fetchall():
@@ -445,20 +455,18 @@ class SQLiteStore:
                 if max_staleness is not None and staleness > max_staleness:
                     self._set_aside_stale(group)
                     continue
-                blobs = [
-                    b
-                    for (b,) in db.execute(
-                        "SELECT sample FROM samples WHERE group_index = ? ORDER BY sample_index", (group,)
-                    )
-                ]
-                if self.group_filter is not None and not self.group_filter([Sample.from_json(b) for b in blobs]):
+                rows = db.execute(
+                    "SELECT sample, size FROM samples WHERE group_index = ? ORDER BY sample_index", (group,)
+                ).fetchall()
+                blobs = [b for b, _ in rows]
+                if self.group_filter is not None and not self.group_filter(decoded(blobs)):
                     db.execute("UPDATE groups SET state = 'filtered' WHERE group_index = ?", (group,))
                     self._count("groups_filtered")
                     continue
-                accepted.append((group, staleness, blobs))
+                accepted.append((group, staleness, blobs, sum(size for _, size in rows)))
             if self.group_chooser is not None and accepted:
                 chosen = self.group_chooser(
-                    [[Sample.from_json(b) for b in blobs] for _, _, blobs in accepted], num_groups, current_version
+                    [decoded(blobs) for _, _, blobs, _ in accepted], num_groups, current_version
                 )
                 accepted = [accepted[i] for i in chosen][:num_groups]
             if not accepted or (len(accepted) < num_groups and not allow_partial):
@@ -468,20 +476,20 @@ class SQLiteStore:
             db.executemany(
                 "UPDATE groups SET state = 'consumed', staleness = ?, batch_id = ?, consumed_at = ? "
                 "WHERE group_index = ?",
-                [(staleness, batch_id, now, group) for group, staleness, _ in accepted],
+                [(staleness, batch_id, now, group) for group, staleness, _, _ in accepted],
             )
             self._count("groups_consumed", len(accepted))
             reply = orjson.dumps(
                 {
                     "batch_id": batch_id,
-                    "groups": [[orjson.Fragment(b) for b in blobs] for _, _, blobs in accepted],
-                    "staleness": [s for _, s, _ in accepted],
+                    "groups": [[orjson.Fragment(b) for b in blobs] for _, _, blobs, _ in accepted],
+                    "staleness": [s for _, s, _, _ in accepted],
                 }
             )
             self._record(request_id, "batch", reply)
             if samples:
                 return reply
-            return batch_ref(batch_id, [len(blobs) for _, _, blobs in accepted], [s for _, s, _ in accepted])
+            return batch_ref(batch_id, [size for *_, size in accepted], [s for _, s, _, _ in accepted])
 
     def served_batch(self, request_id: str, samples: bool = True) -> bytes | None:
         """The batch ``next_batch`` served under ``request_id``, if it served one (nothing is consumed)."""

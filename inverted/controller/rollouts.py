@@ -1,9 +1,10 @@
 """Calling the rollout function: the context it gets, the Samples it answers, checked; its saved data.
 
 ``context`` builds the ``RolloutContext`` a rollout function receives; ``run_rollout`` calls the
-function on leased tasks and checks its answer (user code: one Sample per task, rewarded by
-``--custom-rm-path`` where it left none), ``run_evaluation`` the evaluation's (which may also answer
-per dataset, as slime's do: ``EvalResults``); ``save_rollout_data`` writes a batch where
+function on leased tasks and checks its answer (user code: one Sample per task, or several, a
+fan-out, rewarded by ``--custom-rm-path`` where it left none; ``by_task`` pairs each with its task),
+``run_evaluation`` the evaluation's (which may also answer per dataset, as slime's do:
+``EvalResults``); ``save_rollout_data`` writes a batch where
 ``--save-debug-rollout-data`` says, in the form ``--load-debug-rollout-data`` reads.
 """
 
@@ -79,8 +80,8 @@ def job_flags(cfg: JobConfig) -> dict[str, Any]:
 
 
 async def run_rollout(ctx: RolloutContext, plugins: Plugins, tasks: list[Task]) -> list[Sample]:
-    """The rollout function's Samples, one per task, checked (the function is user code), then scored
-    by ``--custom-rm-path`` where they have no reward yet."""
+    """The rollout function's Samples, one or more per task, checked (the function is user code), then
+    scored by ``--custom-rm-path`` where they have no reward yet."""
     answer = await plugins.rollout(ctx, tasks)
     return await checked(ctx, plugins, tasks, answer, f"--rollout-function-path {ctx.config.rollout_function_path}")
 
@@ -100,23 +101,37 @@ async def run_evaluation(ctx: RolloutContext, plugins: Plugins, tasks: list[Task
 
 
 async def checked(ctx: RolloutContext, plugins: Plugins, tasks: list[Task], samples: Any, where: str) -> list[Sample]:
-    """``samples`` in the tasks' order if they are one Sample per task, rewarded by ``--custom-rm-path``
-    where they have none yet; else a ``PluginError`` naming ``where``."""
+    """``samples`` in the tasks' order if each task has one (or several of its own: a fan-out, kept in
+    their order), rewarded by ``--custom-rm-path`` where they have none yet; else a ``PluginError``
+    naming ``where``."""
     if not isinstance(samples, list) or not all(isinstance(s, Sample) for s in samples):
         raise PluginError(f"{where}: expected a list of Samples, got {type(samples).__name__}")
-    by_key = {(s.group_index, s.index): s for s in samples}
+    if len({id(s) for s in samples}) != len(samples):  # a fan-out's Samples are each its own
+        raise PluginError(f"{where}: the same Sample object is in its answer twice")
+    by_key: dict[tuple[int | None, int | None], list[Sample]] = {}
+    for sample in samples:
+        by_key.setdefault((sample.group_index, sample.index), []).append(sample)
+    keys = {(t.group_index, t.index) for t in tasks}
     missing = [(t.group_index, t.index) for t in tasks if (t.group_index, t.index) not in by_key]
-    if missing or len(samples) != len(tasks):
+    strangers = [key for key in by_key if key not in keys]
+    if missing or strangers:
         raise PluginError(
-            f"{where}: expected one Sample per task ({len(tasks)}), got "
-            f"{len(samples)}; tasks without one (group_index, index): {missing[:5]}"
+            f"{where}: expected one Sample per task ({len(tasks)}), got {len(samples)} (or a task's fan-out: "
+            f"several with its group_index and index); tasks without one (group_index, index): {missing[:5]}; "
+            f"Samples of no task: {strangers[:5]}"
         )
-    ordered = [by_key[(t.group_index, t.index)] for t in tasks]
+    ordered = [sample for t in tasks for sample in by_key[(t.group_index, t.index)]]
     for sample in ordered:  # which rollout played each task: the buffer keeps it beside the Sample
         sample.metadata.setdefault("rollout_id", ctx.rollout_id)
     if plugins.reward is not None:
         await plugins.reward.score(ctx, ordered)
     return ordered
+
+
+def by_task(tasks: list[Task], samples: list[Sample]) -> list[tuple[Task | str, Sample]]:
+    """Each Sample with the task it played (a task's fan-out shares it), to submit with its lease."""
+    lease: dict[tuple[int | None, int | None], Task] = {(t.group_index, t.index): t for t in tasks}
+    return [(lease[(s.group_index, s.index)], s) for s in samples]
 
 
 def save_rollout_data(template: str | None, rollout_id: int, samples: list[Sample], flags: dict[str, Any]) -> None:

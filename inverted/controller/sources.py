@@ -43,7 +43,7 @@ from typing import Protocol
 from inverted.buffer.client import BatchRef
 from inverted.controller.config import JobConfig
 from inverted.controller.job import Job
-from inverted.controller.rollouts import context, run_rollout
+from inverted.controller.rollouts import by_task, context, run_rollout
 from inverted.controller.step_metrics import prepare_batch
 from inverted.errors import ServiceUnavailable
 from inverted.plugins import Plugins
@@ -100,7 +100,7 @@ class SyncSource:
             clock.setdefault("leased", time.perf_counter())  # a later round's lease counts as rollout time
             if tasks:  # else the dataset ran out in a later round: serve what the earlier ones gave
                 played = await run_rollout(context(cfg, job, self.plugins, step), self.plugins, tasks)
-                await job.buffer.submit(list(zip(tasks, played)))
+                await job.buffer.submit(by_task(tasks, played))
                 samples += played
             clock["rolled_out"] = time.perf_counter()
             # Not partial before the last round: the buffer serves nothing until the batch is full.
@@ -246,7 +246,7 @@ class AsyncSource:
 
     async def _run_group(self, tasks: list[Task]) -> None:
         samples = await run_rollout(context(self.cfg, self.job, self.plugins, self.step), self.plugins, tasks)
-        await self.job.buffer.submit(list(zip(tasks, samples)))
+        await self.job.buffer.submit(by_task(tasks, samples))
         self.finished += samples
 
     def _group_done(self, task: asyncio.Task[None]) -> None:

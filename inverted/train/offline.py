@@ -24,7 +24,7 @@ from inverted.hf_checkpoint import ModelSpec
 from inverted.plugins import DUMP_FORMATS
 from inverted.train.config import TrainConfig
 from inverted.train.trainer import check_samples, sample_name
-from inverted.types import Sample
+from inverted.types import Sample, unfold_siblings
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,7 @@ def read_rollout_data(template: str, rollout_id: int) -> list[Sample]:
                 raise SampleError(f"{path}:{number}: {exc}") from None
             except ValueError as exc:
                 raise SampleError(f"{path}:{number}: malformed JSON: {exc}") from None
+    samples = unfold_siblings(samples)  # a fan-out as the buffer stores it (an older dump's form)
     for position, sample in enumerate(samples):  # where these Samples enter (the job's enter at the buffer)
         try:
             sample.validate()

@@ -72,7 +72,7 @@ from inverted.train.packing import KeptSets, MicroBatch, balance, pack
 from inverted.train.parallel import sequence_share
 from inverted.train.routing_replay import RoutingReplay
 from inverted.train.weight_sync import SyncReport, WeightSync
-from inverted.types import Sample, version_number, with_siblings
+from inverted.types import Sample, version_number
 
 logger = logging.getLogger(__name__)
 
@@ -465,7 +465,6 @@ class Trainer:
 
         cfg, loss = self.cfg, self.cfg.loss
         started = time.perf_counter()
-        samples = with_siblings(samples)
         check_samples(samples, self.spec)
         plan = self._plan(samples)
         all_mbs = [mb for step in plan for mb in step.micro_batches]

@@ -398,3 +398,42 @@ def test_a_rank_reads_its_batch_by_reference_with_the_driver_s_filter_marks(proc
     ]
     with pytest.raises(ProtocolError, match="401"):  # the buffer's key, or nothing
         read_samples(ref, BufferAddress(buffer.url, api_key="wrong"))
+
+
+async def test_a_tasks_fan_out_is_stored_together_and_served_as_samples_of_its_group(procs, tmp_path, dataset):
+    """Several Samples of one task (a fan-out) are submitted with its lease, stored as the task's one row,
+    counted in its group's size, seen as Samples of their own by the buffer's filter and served so,
+    in their order; a bad one is refused with the rest, naming where it is."""
+    buffer = procs.buffer(
+        tmp_path / "b.db",
+        "--prompt-data",
+        dataset(2),
+        "--n-samples-per-prompt",
+        "2",
+        "--dynamic-sampling-filter-path",
+        "tests.compat.slime_plugins:keep_differing_rewards",
+    )
+    async with BufferClient(buffer.url) as client:
+        tasks = await client.lease(4, "w")
+        first, other = tasks[0], tasks[1]  # group 0: task 0 fans out into three, rewards 1, 7, 8
+        fanned = [fill(first), fill(first, reward=7.0), fill(first, reward=8.0)]
+        bad = fill(first)
+        bad.loss_mask = [1]
+        with pytest.raises(ProtocolError, match=r"metadata\.siblings\[0\]: .*loss_mask"):
+            await client.submit([(first, fanned[0]), (first, bad)])
+        accepted = await client.submit([(first, s) for s in fanned] + [(other, fill(other))])
+        assert accepted["accepted"] == 2
+        # group 1's two tasks share a reward: the filter sees them so, and sets the group aside
+        await client.submit([(t, fill(t, reward=-t.index)) for t in tasks[2:]])
+        ref = await client.next_batch(num_groups=2, timeout_s=1, allow_partial=True)
+        assert ref.sizes == (4,)
+        batch = await client.batch(ref.request_id)
+    assert batch is not None
+    assert [(s.group_index, s.index, s.reward) for s in batch.samples] == [
+        (0, 0, 1.0),
+        (0, 0, 7.0),
+        (0, 0, 8.0),
+        (0, 1, 2.0),
+    ]
+    assert not any("siblings" in s.metadata for s in batch.samples)
+    assert len(db_rows(tmp_path / "b.db")) == 4  # one row a task

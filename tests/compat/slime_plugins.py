@@ -5,6 +5,7 @@ resolve to ``inverted.compat.slime`` (slime itself is not installed).
 """
 
 import asyncio
+import copy
 import json
 import os
 import queue
@@ -474,3 +475,21 @@ async def generate_its_own_way(args, sample: Sample, sampling_params: dict) -> S
     )
     sample.reward = float(len(sample.response) % 2)  # differs within groups, so there is something to learn
     return sample
+
+
+async def generate_fanned_out(args, sample: Sample, sampling_params: dict) -> list[Sample]:
+    """slime's fan-out contract (its ``_fanout_test_helpers.compact_generate``): one generate call, then
+    1 + index % 3 Samples sharing the task's ``rollout_id``, each sampled on its own."""
+    from slime.rollout.sglang_rollout import generate as slimes_generate
+
+    fanned = []
+    for _ in range(1 + sample.index % 3):
+        one = await slimes_generate(args, copy.deepcopy(sample), sampling_params)
+        one.rollout_id = sample.index
+        fanned.append(one)
+    return fanned
+
+
+async def response_length_rm(args, sample: Sample) -> float:
+    """Per Sample: the response's length over 16."""
+    return sample.response_length / 16

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -668,3 +669,43 @@ def test_a_generate_function_that_records_neither_logprobs_nor_versions_trains(t
             assert sample.rollout_log_probs is None and sample.response_length > 0
             assert sample.weight_versions == [version] * sample.response_length
             assert "weight_versions_inferred" not in sample.metadata
+
+
+def test_a_slime_fan_out_trains_every_sample_of_a_task_each_with_its_own_reward(tiny_model, tmp_path):
+    """slime's fan-out contract (a generate function answers a task with several Samples that share its
+    ``rollout_id``, as slime's ``compact_generate``): each Sample is scored by the per-Sample reward
+    model, served as one of its group and trained; the buffer stores a task's Samples together. Before,
+    only a task's first Sample was scored, and the trainer refused the others ("reward is missing")."""
+    prompts = write_dataset(calculator_rows, tmp_path / "calc.jsonl", 8)
+    data, run_dir = tmp_path / "trained_{rollout_id}.jsonl", tmp_path / "run"
+    check(
+        inverted(
+            "train",
+            "--hf-checkpoint",
+            str(tiny_model()),
+            "--prompt-data",
+            str(prompts),
+            "--custom-generate-function-path",
+            f"{PLUGINS}:generate_fanned_out",
+            "--custom-rm-path",
+            f"{PLUGINS}:response_length_rm",
+            "--save-debug-rollout-data",
+            str(data),
+            "--output-dir",
+            str(run_dir),
+            "--num-rollout",
+            "2",
+            *ONE_ENGINE_RUN,
+        )
+    )
+    rows = [r for r in metrics_rows(run_dir) if "rollout/samples" in r]
+    assert len(rows) == 2
+    for step, row in enumerate(rows):
+        lines = Path(str(data).format(rollout_id=step)).read_text().splitlines()
+        trained = [Sample.from_json(json.loads(line)) for line in lines]
+        per_task = Counter((s.group_index, s.index) for s in trained)
+        # 1 + slime's index % 3, slime's index counting across the dataset (group x 2 + index)
+        assert all(count == 1 + (2 * group + index) % 3 for (group, index), count in per_task.items()), per_task
+        assert max(per_task.values()) > 1 and all(s.reward == s.response_length / 16 for s in trained)
+        assert row["rollout/trained_samples"] == len(trained)
+    assert any(s.metadata.get("siblings") for s in stored_samples(run_dir).values())  # stored as one task
