@@ -19,8 +19,10 @@ key, so no test sees another's models. What is checked:
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -106,6 +108,17 @@ def sequence_datum(tokens: list[int]) -> types.Datum:
     )
 
 
+def sampled_as_asked(sequence: types.SampledSequence, max_tokens: int, checkpoint) -> bool:
+    """A sequence runs to ``max_tokens`` ("length"), or ends early on the end-of-sequence token, which a
+    random tiny model draws now and then ("stop"), with one log-prob a token either way."""
+    eos = json.loads((Path(checkpoint) / "config.json").read_text())["eos_token_id"]
+    if len(sequence.tokens) != len(sequence.logprobs or []):
+        return False
+    if sequence.stop_reason == "length":
+        return len(sequence.tokens) == max_tokens
+    return sequence.stop_reason == "stop" and 0 < len(sequence.tokens) <= max_tokens and sequence.tokens[-1] == eos
+
+
 def reference_logprobs(checkpoint, datum: types.Datum) -> np.ndarray:
     """The base model's log-prob of each target, by ``transformers`` at fp32."""
     from transformers import AutoModelForCausalLM
@@ -161,7 +174,7 @@ def test_a_supervised_loop_learns_with_exact_logprobs_and_its_sampler_agrees(ser
         )
         assert len(answer.sequences) == 3
         for sequence in answer.sequences:
-            assert len(sequence.tokens) == len(sequence.logprobs) == 5 and sequence.stop_reason == "length"
+            assert sampled_as_asked(sequence, 5, checkpoint), sequence
         # each sampled token's log-prob is the trained policy's, as the trainer computes it
         prompt = [3, 14, 15, 92]
         for sequence in answer.sequences:
