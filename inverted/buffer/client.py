@@ -110,13 +110,14 @@ class BufferClient(HTTPService):
     async def submit(self, items: list[tuple[Task | str, Sample]]) -> dict[str, Any]:
         """Submit finished (or aborted) samples, each with the lease of its task; all or nothing. Several
         Samples of one task (a fan-out, its own first) are stored together (``types.fold_siblings``)."""
-        tasks: dict[str, list[Sample]] = {}
+        tasks: dict[tuple[str, int | None, int | None], list[Sample]] = {}
         for task, sample in items:
-            tasks.setdefault(task if isinstance(task, str) else task.lease_id, []).append(sample)
+            lease_id = task if isinstance(task, str) else task.lease_id
+            tasks.setdefault((lease_id, sample.group_index, sample.index), []).append(sample)
         body = {
             "samples": [
                 {"lease_id": lease_id, "sample": fold_siblings(samples).to_json()}
-                for lease_id, samples in tasks.items()
+                for (lease_id, *_), samples in tasks.items()
             ]
         }
         response = await self.request(
