@@ -216,8 +216,9 @@ def free_port(host: str = "127.0.0.1") -> int:
     connection takes its local port too: between this check and the server's own bind a client
     could take it ("address already in use", seen with two test processes connecting all the time).
     A port this process handed out is never handed out again: its server may not have bound it yet
-    (a job draws its proxy's port, then its router's metrics port while the proxy still imports; the
-    router bound the proxy's port and answered its requests 404).
+    (a job draws its proxy's port, then its router's metrics port and its servers' ports while the
+    proxy still imports; seen once: a resumed job's proxy found its port taken, and its requests were
+    answered 404 by whatever held it).
     """
     low = ephemeral_ports()[0]
     if low > LOWEST_PORT + 1000:
