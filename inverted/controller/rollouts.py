@@ -120,12 +120,23 @@ async def checked(ctx: RolloutContext, plugins: Plugins, tasks: list[Task], samp
             f"several with its group_index and index); tasks without one (group_index, index): {missing[:5]}; "
             f"Samples of no task: {strangers[:5]}"
         )
+    for fan_out in by_key.values():
+        numbered(fan_out)
     ordered = [sample for t in tasks for sample in by_key[(t.group_index, t.index)]]
     for sample in ordered:  # which rollout played each task: the buffer keeps it beside the Sample
         sample.metadata.setdefault("rollout_id", ctx.rollout_id)
     if plugins.reward is not None:
         await plugins.reward.score(ctx, ordered)
     return ordered
+
+
+def numbered(fan_out: list[Sample]) -> None:
+    """A task's Samples each with its own ``metadata["branch"]`` (of ``"branches"``), the key that tells
+    them apart beside ``(group_index, index)`` in the trainer's details and ``inverted view``. A proxy
+    session's branches come numbered; a plug-in's fan-out is numbered here in its order."""
+    if len(fan_out) > 1 and len({s.metadata.get("branch", 0) for s in fan_out}) < len(fan_out):
+        for branch, sample in enumerate(fan_out):
+            sample.metadata["branch"], sample.metadata["branches"] = branch, len(fan_out)
 
 
 def by_task(tasks: list[Task], samples: list[Sample]) -> list[tuple[Task | str, Sample]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -709,3 +710,8 @@ def test_a_slime_fan_out_trains_every_sample_of_a_task_each_with_its_own_reward(
         assert max(per_task.values()) > 1 and all(s.reward == s.response_length / 16 for s in trained)
         assert row["rollout/trained_samples"] == len(trained)
     assert any(s.metadata.get("siblings") for s in stored_samples(run_dir).values())  # stored as one task
+    # each Sample of a fan-out keeps its own row of the trainer's details (``inverted view``), told apart by
+    # its branch; before, a task's Samples shared one key and each overwrote the one before
+    with sqlite3.connect(run_dir / "train_details.db") as details:
+        kept = details.execute("SELECT COUNT(*) FROM details").fetchone()[0]
+    assert kept == sum(row["rollout/trained_samples"] for row in rows)
