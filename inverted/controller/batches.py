@@ -1,9 +1,10 @@
-"""A step's metrics: what its batch held, how long each phase took, what the buffer set aside, faults.
+"""What every step does with its batch before training, whichever source served it.
 
-``prepare_batch`` is what every step does with its batch before training (the ``rollout/*``
-metrics; the sample filter, the debug dump and the log function where they are set), whichever
-source served it; ``step_row`` is the step's row in ``metrics.jsonl`` and TensorBoard, and
-``summary`` its console line.
+``prepare_batch`` measures the batch beside the Samples played for it (the ``rollout/*`` metrics:
+rewards, lengths, statuses, partial rollouts, kept sets, episodes' turns and tool calls), and runs
+the driver's plug-ins that read a batch: ``--rollout-sample-filter-path`` (which Samples the loss
+leaves out), ``--save-debug-rollout-data`` and slime's rollout log function. ``episode_metrics``
+measures proxy-recorded episodes the same way for an evaluation.
 """
 
 from __future__ import annotations
@@ -109,74 +110,3 @@ def episode_metrics(prefix: str, samples: list[Sample]) -> dict[str, float]:
         f"{prefix}/tool_call_rate": sum(any(t["finish_reason"] == "tool_calls" for t in ts) for ts in turns)
         / len(turns),
     }
-
-
-def phase_times(clock: dict[str, float]) -> dict[str, float]:
-    """Seconds per phase of one step (a phase that did not happen is absent)."""
-    marks = list(clock.items())
-    names = {
-        "leased": "lease",
-        "rolled_out": "rollout",
-        "batched": "buffer",
-        "waited": "wait",
-        "trained": "train",
-        "synced": "sync",
-    }
-    times = {f"time/{names[name]}_s": at - before for (_, before), (name, at) in zip(marks, marks[1:])}
-    times["time/step_s"] = marks[-1][1] - marks[0][1]
-    return times
-
-
-async def step_row(job: Job, metrics: dict[str, float], clock: dict[str, float]) -> dict[str, float]:
-    """A step's metrics row: its own metrics, phase times, the buffer's totals, faults, the servers' version."""
-    return (
-        metrics
-        | phase_times(clock)
-        | await buffer_metrics(job)
-        | job.supervisor.metrics()
-        | {"weight_version": float(job.version)}
-    )
-
-
-async def buffer_metrics(job: Job) -> dict[str, float]:
-    """The buffer's running totals: what was set aside and why (nothing leaves it uncounted)."""
-    stats = await job.buffer.stats()
-    counters = stats["counters"]
-    names = (
-        "groups_filtered",
-        "groups_failed",
-        "groups_dropped_stale",
-        "groups_retried_stale",
-        "samples_requeued_partial",
-        "samples_requeued_aborted",
-        "leases_expired",
-        "leases_released",
-    )
-    return {f"buffer/{name}": float(counters.get(name, 0)) for name in names} | {
-        "buffer/groups_waiting": float(stats["groups"]["complete"])
-    }
-
-
-def summary(metrics: dict[str, float]) -> str:
-    shown = {
-        "reward": "rollout/reward_mean",
-        "loss": "train/loss",
-        "eval": "eval/reward_mean",
-        "pass": "eval/pass_rate",
-        "tool_calls": "eval/tool_call_rate",
-        "version": "weight_version",
-        "staleness": "async/staleness_mean",
-        "step_s": "time/step_s",
-        "rollout_s": "time/rollout_s",
-        "wait_s": "time/wait_s",
-        "train_s": "time/train_s",
-        "sync_s": "time/sync_s",
-    }
-    variants = {
-        f"{key.split('/')[1]} {what}": key
-        for key in metrics
-        if key.count("/") == 2
-        for what, end in (("pass", "/pass_rate"), ("tool_calls", "/tool_call_rate"))
-        if key.endswith(end)
-    }
-    return ", ".join(f"{name} {metrics[key]:.4g}" for name, key in (shown | variants).items() if key in metrics)

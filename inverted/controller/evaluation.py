@@ -1,7 +1,7 @@
 """Evaluation: the policy on ``--eval-prompt-data``, through no buffer (nothing here is trained on).
 
-``evaluate_and_log`` runs before the first step, every ``--eval-interval`` steps and after the
-last, as rows of their own: greedy unless ``--eval-temperature``, once for the main evaluation
+``evaluate`` runs before the first step, every ``--eval-interval`` steps and after the last (the
+loop logs each as a row of its own): greedy unless ``--eval-temperature``, once for the main evaluation
 (``eval/*``) and once per ``--eval-variants`` entry (``eval/NAME/*``). An eval function may answer
 per dataset (``EvalResults``, slime's ``RolloutFnEvalOutput``), and is then logged per dataset as
 slime logs it.
@@ -9,27 +9,15 @@ slime logs it.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
+from inverted.controller.batches import USABLE, episode_metrics
 from inverted.controller.config import JobConfig
 from inverted.controller.job import Job
 from inverted.controller.rollouts import context, read_prompts, run_evaluation
-from inverted.controller.step_metrics import USABLE, episode_metrics, summary
 from inverted.errors import ConfigError
-from inverted.metrics import MetricsSink
 from inverted.plugins import EvalResults, Plugins
 from inverted.types import Sample, Task
-
-logger = logging.getLogger(__name__)
-
-
-async def evaluate_and_log(cfg: JobConfig, job: Job, plugins: Plugins, sink: MetricsSink, updates: int) -> None:
-    """Evaluate the policy after ``updates`` training steps; its row's step is that count, so step 0
-    is the starting policy and an evaluation's step is the rollout its policy would serve next."""
-    metrics = await evaluate(cfg, job, plugins, updates)
-    sink.log(metrics | {"weight_version": float(job.version)}, updates)
-    logger.info("evaluation after %d updates: %s", updates, summary(metrics))
 
 
 async def evaluate(cfg: JobConfig, job: Job, plugins: Plugins, rollout_id: int) -> dict[str, float]:

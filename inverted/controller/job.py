@@ -6,9 +6,9 @@ actor), the trainer (a Ray actor group, ``controller.trainer``) and the proxy, e
 free loopback port with an unguessable key; on exit it stops them all, whatever happened. Its
 ``supervisor`` (``controller.supervisor``) heals whatever dies while the loop runs.
 
-``Job.sync_weights`` pushes the trainer's weights into every server as a new version. The
-servers' version is the job's (``Job.version``; ``weight_version`` as SGLang names it): what every
-rollout call is served with, and what a replacement server gets before it serves.
+The trainer (``controller.trainer``) pushes its weights into every server as a new version; that
+version (``Job.version``; ``weight_version`` as SGLang names it) is what every rollout call is served
+with, and what a replacement server gets before it serves.
 
 A LoRA run (``--lora-rank``) starts every server with LoRA enabled; the adapter the trainer
 trains is served as ``POLICY_ADAPTER``, which the proxy and the rollout context name in every
@@ -23,7 +23,7 @@ import logging
 import secrets
 from contextlib import AsyncExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Callable
 
 from inverted.buffer.client import BufferAddress
 from inverted.controller.config import JobConfig
@@ -70,11 +70,9 @@ class Job:
         self.run_dir = Path(cfg.train.output_dir)
         self.processes: list[ManagedProcess] = []
         self.trainer: Trainer | None = None  # none with --debug-rollout-only
-        self.weight_version = "default"  # what the servers hold, as they name it (SGLang's before any update)
         self.supervisor = Supervisor(self)
         self.lora = _lora_config(cfg)  # a LoRA run's adapter: the servers serve it as the policy
         self.adapter = POLICY_ADAPTER if self.lora else None  # what every policy call names (SGLang's lora_path)
-        self._pushed_to: list[str] = []  # the servers of the latest weight update
         self.engine_key = secrets.token_urlsafe(24)  # the rollout servers' admin key, and the router's
         self.router_key = secrets.token_urlsafe(24)  # /generate's, at the router and at the servers
         self.server_keys = ServerKeys(api=self.router_key, admin=self.engine_key)
@@ -161,7 +159,15 @@ class Job:
         await self._check_sampling_masks()
 
     def _start_trainer(self) -> None:
-        self.trainer = Trainer(self.cfg, self.process_setup, self.ledger, self.buffer_address)
+        self.trainer = Trainer(
+            self.cfg,
+            self.process_setup,
+            self.ledger,
+            self.buffer_address,
+            self.servers,
+            self.server_keys,
+            self.supervisor.heal,
+        )
 
     async def __aexit__(self, *exc: object) -> None:
         import ray
@@ -185,43 +191,15 @@ class Job:
     # -- the weights the servers hold ------------------------------------------------------
 
     @property
+    def weight_version(self) -> str:
+        """The weight version every rollout call is served with, as SGLang names it: the trainer's
+        latest sync (``controller.trainer``), or the starting weights' ``default``."""
+        return self.trainer.weight_version if self.trainer is not None else "default"
+
+    @property
     def version(self) -> int:
-        """The weight version the servers hold: the trainer's step at its latest sync (0: the starting weights)."""
-        return 0 if self.weight_version == "default" else int(self.weight_version)
-
-    async def sync_weights(self, version: int) -> dict[str, float]:
-        """Push the trainer's weights into every live server as ``version``; its metrics.
-
-        A server that dies during the update fails it: it is healed (its replacement gets the
-        weights the others held) and the update is made again.
-        """
-        try:
-            report = await self._push(version)
-        except Exception as error:
-            tried = self._pushed_to
-            await self.supervisor.heal()
-            if self.servers.engine_urls == tried:  # no server was replaced: the failure is the update's own
-                raise
-            logger.warning("weight update %d failed while a server died (%s); updating again", version, error)
-            report = await self._push(version)
-        return report or {}
-
-    async def _push(self, version: int) -> dict[str, float] | None:
-        assert self.trainer is not None
-        async with self.trainer.lock:
-            # The servers are read under the lock: a replacement adopted while this update waited
-            # for it (with the previous version's weights) must get this one too.
-            self._pushed_to = self.servers.engine_urls
-            report = await self.trainer.push(self._pushed_to, version, self.server_keys)
-            self.weight_version = str(version)
-        return report
-
-    async def release_memory(self) -> None:
-        """``--colocate``: every server frees its memory for the trainer."""
-        await self._all_servers(lambda client: client.release_memory_occupation())
-
-    async def resume_memory(self) -> None:
-        await self._all_servers(lambda client: client.resume_memory_occupation())
+        """The same as a number: the trainer's step at its latest sync (0: the starting weights)."""
+        return self.trainer.version if self.trainer is not None else 0
 
     async def _check_sampling_masks(self) -> None:
         """Under top-p or top-k, the servers must return each token's kept set, or the ratios are biased:
@@ -246,13 +224,6 @@ class Job:
                 "exact ratios. Use a server that returns them, or pass --sampling-mask-top-k 0 to "
                 "train with biased ratios"
             )
-
-    async def _all_servers(self, call: Callable[[SGLangClient], Awaitable[Any]]) -> None:
-        async def one(url: str) -> None:
-            async with SGLangClient.keyed(url, self.server_keys) as client:
-                await call(client)
-
-        await asyncio.gather(*(one(url) for url in self.servers.engine_urls))
 
 
 def _lora_config(cfg: JobConfig) -> LoRAConfig | None:

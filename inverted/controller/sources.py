@@ -41,10 +41,10 @@ import time
 from typing import Protocol
 
 from inverted.buffer.client import BatchRef
+from inverted.controller.batches import prepare_batch
 from inverted.controller.config import JobConfig
 from inverted.controller.job import Job
 from inverted.controller.rollouts import by_task, context, run_rollout
-from inverted.controller.step_metrics import prepare_batch
 from inverted.errors import ServiceUnavailable
 from inverted.plugins import Plugins
 from inverted.types import Sample, Task
@@ -52,7 +52,7 @@ from inverted.types import Sample, Task
 logger = logging.getLogger(__name__)
 
 POLL_S = 2.0  # the async source's longest wait for a batch before looking at its producer again
-Clock = dict[str, float]  # the moments a step reached each phase, in order (``step_metrics.phase_times``)
+Clock = dict[str, float]  # the moments a step reached each phase, in order (``loop.phase_times``)
 
 
 class BatchSource(Protocol):

@@ -31,7 +31,6 @@ from inverted.controller.config import JobConfig
 from inverted.controller.trainer import Trainer
 from inverted.processes import ManagedProcess
 from inverted.rollout.servers import RolloutServers, ServerHandle
-from inverted.rollout.sglang_client import ServerKeys
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +62,6 @@ class Supervised(Protocol):
     processes: list[ManagedProcess]  # the job's services, each started from its config file (``spawn_service``)
     servers: RolloutServers
     trainer: Trainer | None
-    lora: Any  # a LoRA run's adapter: its policy is never on a fresh server
-    server_keys: ServerKeys
 
     @property
     def version(self) -> int: ...
@@ -146,10 +143,7 @@ class Supervisor:
         if job.trainer is None:
             job.servers.adopt(engine)
         else:
-            async with job.trainer.lock:  # no update may pass between its weights and its adoption
-                if job.version or job.lora:  # a LoRA policy is never on a fresh server
-                    await job.trainer.push([engine.url], job.version, job.server_keys)
-                job.servers.adopt(engine)
+            await job.trainer.bring_in(engine.url, lambda: job.servers.adopt(engine))
         await job.servers.register(engine)
         self.faults["engine_restarts"] += 1
         logger.warning("%s replaces %s at %s with weight version %d", engine.name, dead.name, engine.url, job.version)

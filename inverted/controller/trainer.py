@@ -1,13 +1,20 @@
-"""``Trainer``: the job's one door into the trainer group, and the step it trains next.
+"""``Trainer``: the job's one door into the trainer group, the step it trains next, and the weights the
+servers hold.
 
 The trainer group (``train.actor.TrainGroup``: the Ray actors of every rank) is called through
-typed methods (``train``, ``skip``, ``push``, ``save``, ``save_for_restart``, ``finish``), each in a
-thread and one at a time behind one lock (``Trainer.lock``, which a weight push's caller holds), so
-a replacement server's weight sync never interleaves with a training step or another sync, and a
-trainer restart with neither.
+typed methods (``train``, ``skip``, ``sync``, ``save``, ``save_for_restart``, ``finish``, and
+``bring_in`` for a replacement server), each in a thread and one at a time behind one lock, so a
+replacement server's weights never interleave with a training step or a sync, and a trainer
+restart with neither.
 
 ``Trainer.step`` is the job's one step counter: the step the trainer trains next (a resumed
-trainer starts at its checkpoint's). If a rank dies during a call, every rank goes (their
+trainer starts at its checkpoint's). ``Trainer.version`` is the weight version the servers hold
+(``weight_version`` as SGLang names it): the step of the latest ``sync``, 0 for the starting
+weights. A server that dies during a sync fails it: the job heals (its replacement gets the
+weights the others held) and the sync is made again. With ``--colocate``, a training step borrows
+the servers' memory: they release it before the ranks train and take it back after.
+
+If a rank dies during a call, every rank goes (their
 collectives cannot go on without it) and a new group starts from the latest state saved: the
 trainer's own, kept every ``--restart-save-interval`` steps while episodes run, or a ``--save``
 checkpoint, or else the ``--hf-checkpoint``. It trains again, in order, the batches the ledger
@@ -25,13 +32,14 @@ import logging
 import shutil
 import time
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Any, Awaitable, Callable, TypeVar
 
 from inverted.buffer.client import BatchRef, BufferAddress
 from inverted.controller.config import JobConfig
 from inverted.controller.ledger import Ledger
 from inverted.placement import node_resource
-from inverted.rollout.sglang_client import ServerKeys
+from inverted.rollout.servers import RolloutServers
+from inverted.rollout.sglang_client import ServerKeys, SGLangClient
 from inverted.train.actor import RankDied, TrainGroup
 from inverted.train.config import TrainConfig
 
@@ -49,10 +57,23 @@ def restart_dir(train: TrainConfig) -> str:
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, process_setup: Callable[[str], None], ledger: Ledger, buffer: BufferAddress):
+    def __init__(
+        self,
+        cfg: JobConfig,
+        process_setup: Callable[[str], None],
+        ledger: Ledger,
+        buffer: BufferAddress,
+        servers: RolloutServers,
+        keys: ServerKeys,
+        heal: Callable[[], Awaitable[None]],
+    ):
         """Starts the group from ``--load``, else ``--hf-checkpoint`` (blocking: call it in a thread).
-        ``buffer``: where the ranks read each batch's Samples."""
+        ``buffer``: where the ranks read each batch's Samples; ``servers`` (with their ``keys``): where
+        its weights go; ``heal``: the job's supervisor, called when a server dies during a sync."""
         self.cfg, self.process_setup, self.ledger, self.buffer = cfg, process_setup, ledger, buffer
+        self.servers, self.keys, self.heal = servers, keys, heal
+        self.weight_version = "default"  # what the servers hold, as they name it (SGLang's before any update)
+        self._pushed_to: list[str] = []  # the servers of the latest sync
         self.restarts = 0
         self.lock = asyncio.Lock()
         shutil.rmtree(restart_dir(cfg.train), ignore_errors=True)  # a killed run's restart state is not this run's
@@ -71,8 +92,15 @@ class Trainer:
 
     async def train(self, batch: BatchRef, step: int) -> dict[str, float]:
         """Training step ``step`` on the batch (the ranks read its Samples); the ledger then records
-        that this step trained it."""
+        that this step trained it. A batch is trained only if the router served the job's own
+        servers alone (``UnknownWorker`` else)."""
+        await self.servers.verify_workers()
+        colocated = self.cfg.loop.colocate
+        if colocated:
+            await self._all_servers(lambda client: client.release_memory_occupation())
         metrics = await self._locked_call(lambda group: group.train(batch, self.buffer))
+        if colocated:
+            await self._all_servers(lambda client: client.resume_memory_occupation())
         self.step = step + 1
         await self.ledger.trained(batch, step)
         return metrics
@@ -82,10 +110,42 @@ class Trainer:
         await self._locked_call(lambda group: group.skip(step))
         self.step = step + 1
 
-    async def push(self, urls: list[str], version: int, keys: ServerKeys) -> dict[str, float] | None:
-        """(``lock`` held: the caller decides what may not pass between the push and what it does next.)
-        The weights into the servers at ``urls`` as ``version``; the sync's metrics."""
-        return await self._call(lambda group: group.sync_weights(urls, version, keys))
+    @property
+    def version(self) -> int:
+        """The weight version the servers hold: the step of the latest sync (0: the starting weights)."""
+        return 0 if self.weight_version == "default" else int(self.weight_version)
+
+    async def sync(self, version: int) -> dict[str, float]:
+        """Push the weights into every live server as ``version``; the sync's metrics. A server that
+        dies meanwhile fails the push: the job heals, and the push is made again to the servers then."""
+        try:
+            report = await self._push(version)
+        except Exception as error:
+            tried = self._pushed_to
+            await self.heal()
+            if self.servers.engine_urls == tried:  # no server was replaced: the failure is the update's own
+                raise
+            logger.warning("weight update %d failed while a server died (%s); updating again", version, error)
+            report = await self._push(version)
+        return report or {}
+
+    async def _push(self, version: int) -> dict[str, float] | None:
+        async with self.lock:
+            # The servers are read under the lock: a replacement adopted while this update waited
+            # for it (with the previous version's weights) must get this one too.
+            self._pushed_to = urls = self.servers.engine_urls
+            report = await self._call(lambda group: group.sync_weights(urls, version, self.keys))
+            self.weight_version = str(version)
+        return report
+
+    async def bring_in(self, url: str, adopt: Callable[[], None]) -> None:
+        """A replacement server at ``url`` gets the weights the others hold (a LoRA policy's adapter
+        always: a fresh server has none), then ``adopt`` makes it one of the servers, with no sync
+        passing between."""
+        async with self.lock:
+            if self.version or self.cfg.train.lora.enabled:
+                await self._call(lambda group: group.sync_weights([url], self.version, self.keys))
+            adopt()
 
     async def save(self) -> str:
         return await self._locked_call(lambda group: group.save(checkpoint_dir(self.cfg.train)))
@@ -114,6 +174,13 @@ class Trainer:
 
     async def shutdown(self) -> None:
         await asyncio.to_thread(self.group.shutdown)
+
+    async def _all_servers(self, call: Callable[[SGLangClient], Awaitable[Any]]) -> None:
+        async def one(url: str) -> None:
+            async with SGLangClient.keyed(url, self.keys) as client:
+                await call(client)
+
+        await asyncio.gather(*(one(url) for url in self.servers.engine_urls))
 
     async def _locked_call(self, call: Callable[[TrainGroup], T]) -> T:
         async with self.lock:

@@ -58,12 +58,23 @@ def config(tmp_path: Path, *flags: str) -> JobConfig:
 
 
 class RecordingTrainer:
-    """Records what the loop asks of the trainer; ``dies_at``: the step whose training raises."""
+    """Records what the loop asks of the trainer, the servers' version kept as the real one keeps it;
+    ``dies_at``: the step whose training raises."""
 
     def __init__(self, ledger: Ledger, step: int = 0, dies_at: int | None = None, train_s: float = 0.0):
         self.ledger, self.step, self.dies_at, self.train_s = ledger, step, dies_at, train_s
         self.calls: list[tuple] = []
         self.removed: list[frozenset[int]] = []  # each trained batch's filtered Samples, as the ranks get them
+        self.weight_version = "default"
+
+    @property
+    def version(self) -> int:
+        return 0 if self.weight_version == "default" else int(self.weight_version)
+
+    async def sync(self, version: int) -> dict[str, float]:
+        self.calls.append(("sync", version))
+        self.weight_version = str(version)
+        return {"sync/gb_per_s": 1.0}
 
     async def train(self, batch: BatchRef, step: int) -> dict[str, float]:
         if step == self.dies_at:
@@ -94,29 +105,24 @@ class RecordingTrainer:
 class Servers:
     router_url, config = "", type("Keys", (), {"router_api_key": None, "admin_api_key": None})()
 
-    async def verify_workers(self) -> None:
-        pass
-
 
 class RecordingJob:
-    """What the loop reads of ``controller.job.Job``, the weights' version kept as the real one keeps it."""
+    """What the loop reads of ``controller.job.Job``."""
 
     def __init__(self, buffer: BufferClient, trainer_step: int = 0, dies_at: int | None = None, train_s: float = 0.0):
         self.buffer, self.ledger = buffer, Ledger(buffer)
         self.trainer = RecordingTrainer(self.ledger, trainer_step, dies_at, train_s)
         self.servers, self.worker_id, self.proxy_url, self.proxy_key = Servers(), "controller-test", "", None
         self.lora = self.adapter = None
-        self.weight_version = "default"
         self.supervisor = type("Supervisor", (), {"metrics": staticmethod(lambda: {"faults/engine_deaths": 0.0})})()
 
     @property
-    def version(self) -> int:
-        return 0 if self.weight_version == "default" else int(self.weight_version)
+    def weight_version(self) -> str:
+        return self.trainer.weight_version
 
-    async def sync_weights(self, version: int) -> dict[str, float]:
-        self.trainer.calls.append(("sync", version))
-        self.weight_version = str(version)
-        return {"sync/gb_per_s": 1.0}
+    @property
+    def version(self) -> int:
+        return self.trainer.version
 
 
 class Rollouts:

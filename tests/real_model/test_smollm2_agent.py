@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 from envs import calculator_agent, reasoning_gym
 from envs.arithmetic import calculate
 from inverted.config import from_flags
-from inverted.controller.step_metrics import episode_metrics
+from inverted.controller.batches import episode_metrics
 from inverted.hf_checkpoint import load_tokenizer
 from inverted.rollout.chat import HermesToolParser
 from inverted.rollout.proxy.client import ProxyClient
