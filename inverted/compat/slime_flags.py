@@ -488,7 +488,11 @@ SLIME_SGLANG = (
     "sglang_router_request_timeout_secs",
     "prefill_num_servers",
 )
-EMBEDDED: dict[str, str] = {"max_running_requests": "engine_max_running_requests", "context_length": "context_length"}
+EMBEDDED: dict[str, str] = {
+    "max_running_requests": "engine_max_running_requests",
+    "context_length": "context_length",
+    "dtype": "engine_dtype",
+}
 
 
 @dataclass(slots=True)

@@ -42,6 +42,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException
 
 from inverted.auth import NO_DOCS, require_key
+from inverted.devices import native_bf16
 from inverted.engine import protocol as P
 from inverted.engine.config import EngineConfig
 from inverted.engine.grammar import Grammars
@@ -76,6 +77,8 @@ class Engine:
             if config.dtype != "auto"
             else (torch.float32 if device.type == "cpu" else torch.bfloat16)
         )
+        if device.type == "cpu" and dtype == torch.bfloat16 and not native_bf16():
+            logger.warning("--dtype bfloat16: this CPU has neither AVX512-BF16 nor AMX; torch emulates it, slower")
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         self.max_token_chars = max_token_chars(self.tokenizer)
         model = load_model(config.model, dtype, device)

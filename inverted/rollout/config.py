@@ -43,6 +43,12 @@ class ServersConfig:
         None, "a Ray custom resource (ray start --resources) that only the rollout nodes offer: the servers go there"
     )
     engine_device: Literal["cpu", "cuda"] = option("cpu", "device of the embedded engines")
+    engine_dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
+        "auto",
+        "weight dtype of the embedded engines (auto: float32 on a CPU, bfloat16 on CUDA; --sglang-dtype sets it "
+        "too). bfloat16 on a CPU with AVX512-BF16 or AMX halves what a decode step reads; the rollout log-probs "
+        "are then the bfloat16 policy's, as sampled, and --use-tis corrects the trainer's ratios for the gap",
+    )
     engine_max_running_requests: int = option(64, "--max-running-requests of each engine")
     max_total_tokens: int = option(
         0,

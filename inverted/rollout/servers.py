@@ -157,6 +157,8 @@ def engine_argv(
         str(port),
         "--device",
         cfg.engine_device,
+        "--dtype",
+        cfg.engine_dtype,
         "--max-running-requests",
         str(cfg.engine_max_running_requests),
         "--num-threads",

@@ -23,6 +23,7 @@ import pytest
 
 from envs.calculator import rows as calculator_rows
 from envs.datasets import write_dataset
+from envs.letters import rows as letter_rows
 from inverted.train.shared_memory import shared_buckets
 from inverted.types import Sample
 
@@ -367,6 +368,39 @@ def test_a_rollout_function_from_outside_the_package(tiny_model, tmp_path):
     saved = [Sample.from_json(json.loads(line)) for line in data.read_text().splitlines()]
     assert len(saved) == 4 and {s.metadata["made_by"] for s in saved} == {"my_rollout"}
     assert {s.reward for s in saved} == {3.0}
+
+
+def test_bfloat16_engines_record_what_they_sampled_and_tis_weighs_the_fp32_trainer(tiny_model, tmp_path):
+    """``--sglang-dtype bfloat16`` (slime's spelling; ``--engine-dtype`` is ours) on the embedded engines: they
+    hold bf16 weights, every sync casts the fp32 trainer's into them, the rollout log-probs are the bf16
+    policy's as sampled, and ``--use-tis`` weighs the trainer's ratios. The gap is bf16's at every step,
+    after a sync too (fp32 engines: <= 1e-5); before, the flag was ignored on the embedded engines."""
+    data = write_dataset(letter_rows, tmp_path / "letters.jsonl", count=8)
+    run_dir = tmp_path / "run"
+    check(
+        inverted(
+            "train",
+            "--hf-checkpoint",
+            str(tiny_model()),
+            "--prompt-data",
+            str(data),
+            "--env-path",
+            "envs.letters:episode",
+            "--sglang-dtype",
+            "bfloat16",
+            "--use-tis",
+            "--output-dir",
+            str(run_dir),
+            "--num-rollout",
+            "2",
+            *ONE_ENGINE_RUN,
+        )
+    )
+    steps = [r for r in metrics_rows(run_dir) if "rollout/reward_mean" in r]
+    assert [r["weight_version"] for r in steps] == [1, 2]
+    for row in steps:
+        assert 1e-4 < row["train/fresh_logprob_abs_diff"] < 0.1, row
+        assert 0.5 < row["train/tis_mean"] < 1.5, row
 
 
 def leftover_processes(marker: str) -> list[str]:
