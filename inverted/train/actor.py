@@ -40,7 +40,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from inverted.buffer.client import BatchRef, BufferAddress
 from inverted.devices import cuda_available
 from inverted.errors import ServiceUnavailable
-from inverted.processes import alive, freeze_startup_heap
+from inverted.processes import alive, free_port, freeze_startup_heap
 from inverted.rollout.sglang_client import ServerKeys
 from inverted.train.config import TrainConfig
 from inverted.train.shared_memory import reap_buckets
@@ -79,9 +79,8 @@ class TrainActor:
     saving: Future | None = None  # the background save under way
 
     def rendezvous(self) -> tuple[str, int]:
-        from torch.distributed.elastic.utils.distributed import get_free_port
-
-        return ray.util.get_node_ip_address(), get_free_port()
+        host = ray.util.get_node_ip_address()
+        return host, free_port(host)
 
     def where(self) -> tuple[str, int]:
         """This rank's node and process id."""

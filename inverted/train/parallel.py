@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from inverted.processes import free_port
 from inverted.train.config import ParallelConfig
 
 
@@ -121,9 +122,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
 
     One process runs ``fn`` right here (no extra process). ``fn`` must be importable (module level).
     """
-    from torch.distributed.elastic.utils.distributed import get_free_port
-
-    port = get_free_port()
+    port = free_port()  # not torch's get_free_port: a port from the ephemeral range can be taken before the bind
     if world_size == 1:
         _worker(0, 1, port, logging.root.level, fn, args)
         return

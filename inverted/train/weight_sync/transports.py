@@ -35,6 +35,7 @@ import torch
 
 from inverted.errors import ConfigError
 from inverted.peft_adapter import CONFIG_FILE, WEIGHTS_FILE
+from inverted.processes import free_port
 from inverted.rollout.sglang_client import SGLangClient
 from inverted.train.shared_memory import SHARED_MEMORY
 from inverted.train.weight_sync.buckets import Bucket
@@ -196,9 +197,8 @@ class DistributedTransport(Transport):
         self.group_name = ""
 
     async def connect(self, servers: list[SGLangClient], tp_sizes: list[int]) -> None:
-        from torch.distributed.elastic.utils.distributed import get_free_port
-
-        address, port = address_towards(servers[0].base_url), get_free_port()
+        address = address_towards(servers[0].base_url)
+        port = free_port(address)
         self.group_name = f"weight_update_group_{uuid.uuid4().hex[:8]}"  # fresh per server set: no stale keys
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         world_size = 1 + sum(tp_sizes)
