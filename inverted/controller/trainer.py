@@ -14,10 +14,10 @@ weights. A server that dies during a sync fails it: the job heals (its replaceme
 weights the others held) and the sync is made again. With ``--colocate``, a training step borrows
 the servers' memory: they release it before the ranks train and take it back after.
 
-If a rank dies during a call, every rank goes (their
-collectives cannot go on without it) and a new group starts from the latest state saved: the
-trainer's own, kept every ``--restart-save-interval`` steps while episodes run, or a ``--save``
-checkpoint, or else the ``--hf-checkpoint``. It trains again, in order, the batches the ledger
+If a rank dies during a call, every rank goes (their collectives cannot go on without it) and a
+new group starts from the latest state saved: the trainer's own, kept every
+``--restart-save-interval`` steps while episodes run, or a ``--save`` checkpoint, or else the
+``--hf-checkpoint``. It trains again, in order, the batches the ledger
 says were served to every step since, so it stands where the dead one stood, and the call it died
 in is made again. The servers keep their weights meanwhile: the restarted trainer pushes nothing
 until it has reached the step the dead one reached, so weight versions stay totally ordered.
