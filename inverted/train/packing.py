@@ -26,6 +26,7 @@ them: the set each token was sampled from under top-p or top-k, which the log-pr
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -138,8 +139,17 @@ class MicroBatch:
         return torch.cat(spans) if spans else torch.zeros(0, dtype=torch.long)
 
 
-def segments_of(sequences: list[list[int]], response_lengths: list[int], share_prefixes: bool) -> list[list[int]]:
-    """Consecutive sequences grouped by equal prompt (with ``share_prefixes``), as lists of positions."""
+def segments_of(
+    sequences: list[list[int]],
+    response_lengths: list[int],
+    share_prefixes: bool,
+    prompt_keys: Sequence[Hashable] | None = None,
+) -> list[list[int]]:
+    """Consecutive sequences grouped by equal prompt (with ``share_prefixes``), as lists of positions.
+
+    ``prompt_keys``: what else two prompts must agree on to be run once (routing replay: the experts each
+    prompt token went to, which differ when one sample was re-prefilled on new weights).
+    """
     groups: list[list[int]] = []
     for i, (tokens, length) in enumerate(zip(sequences, response_lengths)):
         if share_prefixes and groups:
@@ -148,6 +158,7 @@ def segments_of(sequences: list[list[int]], response_lengths: list[int], share_p
             if (
                 prompt == len(sequences[first]) - response_lengths[first]
                 and tokens[:prompt] == sequences[first][:prompt]
+                and (prompt_keys is None or prompt_keys[i] == prompt_keys[first])
             ):
                 groups[-1].append(i)
                 continue
@@ -199,13 +210,14 @@ def pack(
     max_tokens: int,
     share_prefixes: bool = False,
     multiple_of: int = 1,
+    prompt_keys: Sequence[Hashable] | None = None,
 ) -> list[MicroBatch]:
     """Greedy first-fit of segments in the given order: each micro-batch holds at most ``max_tokens`` tokens
-    (and padding up to a multiple of ``multiple_of``)."""
+    (and padding up to a multiple of ``multiple_of``). ``prompt_keys``: as ``segments_of``'s."""
     batches: list[MicroBatch] = []
     current: list[list[int]] = []
     used = 0
-    for group in segments_of(sequences, response_lengths, share_prefixes):
+    for group in segments_of(sequences, response_lengths, share_prefixes, prompt_keys):
         prompt = len(sequences[group[0]]) - response_lengths[group[0]]
         size = prompt + sum(response_lengths[i] for i in group)
         if current and used + size > max_tokens:

@@ -21,16 +21,19 @@ weights, differentiable, and the router still learns. SGLang returns ids only, s
 weights are not there to replay; what replay leaves is the gap in those weights (miles measured
 it too, #2722). ``bench/routing_replay.py`` measures the mismatch with and without R3.
 
-A packed micro-batch shares each prompt between its responses; a prompt's routing is the same in
-every sample of it (the engine keeps routes with the cached prefix), so any response's record
-serves. The last token of a sample is never run by the engine and has no record: it predicts
-nothing the loss reads, so it gets experts ``0..k-1``, as does padding. Under sequence parallelism
-each router sees only its tensor-parallel rank's share of the row, and replays that share.
+A packed micro-batch shares each prompt between its responses. The engine keeps routes with the
+cached prefix, so a prompt's routing is the same in every sample of it, except where a sample was
+retracted across a weight update and its prompt run again on the new weights. Samples share a prompt
+only where their records of it agree (``prompt_key``), so each response's record serves. The last
+token of a sample is never run by the engine and has no record: it predicts nothing the loss reads,
+so it gets experts ``0..k-1``, as does padding. Under sequence parallelism each router sees only its
+tensor-parallel rank's share of the row, and replays that share.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import Iterator
 
 import numpy as np
@@ -69,7 +72,7 @@ def decode_routes(sample: Sample, spec: ModelSpec) -> torch.Tensor:
 class RoutingReplay:
     """The policy's routers (Megatron ``TopKRouter``s with a ``RouterReplay``), driven per micro-batch.
 
-    ``rollout(samples, indices)`` takes a rollout's recorded experts (R3); ``with forward(mb,
+    ``rollout(samples)`` takes a rollout's recorded experts (R3); ``with forward(mb,
     "record" | "replay"):`` around a forward of ``mb`` records what its routers choose (R2) or
     routes it by the rollout's experts (R3) or by those recorded for it; outside such a block the
     routers route as usual. ``reset()`` ends the rollout.
@@ -89,11 +92,24 @@ class RoutingReplay:
         RouterReplay.clear_global_router_replay_instances()
         self.spec = spec
         self.sequence_parallel = sequence_parallel  # each router sees its tensor-parallel rank's share of a row
+        self.samples: list[Sample] = []  # R3: the rollout's, each decoded when first needed (this rank's)
         self.routes: dict[int, torch.Tensor] = {}  # R3: sample index -> [tokens - 1, layers, k]
         self.recorded: dict[int, dict[int, torch.Tensor]] = {}  # R2: id(mb) -> layer -> [T, k]
 
-    def rollout(self, samples: list[Sample], indices: list[int]) -> None:
-        self.routes = {i: decode_routes(samples[i], self.spec) for i in indices}
+    def rollout(self, samples: list[Sample]) -> None:
+        self.samples, self.routes = samples, {}
+
+    def routes_of(self, index: int) -> torch.Tensor:
+        """Sample ``index``'s recorded experts, decoded and checked once."""
+        if index not in self.routes:
+            self.routes[index] = decode_routes(self.samples[index], self.spec)
+        return self.routes[index]
+
+    def prompt_key(self, index: int) -> bytes:
+        """What sample ``index``'s prompt must share with another's to be run once: its tokens' experts, as
+        a digest (a long prompt's record of a large MoE is tens of MB; every sample's is held at once)."""
+        prompt = self.routes_of(index)[: self.samples[index].prompt_length]
+        return hashlib.blake2b(prompt.numpy(), digest_size=16).digest()
 
     @contextlib.contextmanager
     def forward(self, mb: MicroBatch, action: str) -> Iterator[None]:
@@ -102,7 +118,7 @@ class RoutingReplay:
         if action == "record":
             targets, mode = None, RouterReplayAction.RECORD
         else:  # R3: the rollout's experts; R2: those recorded for mb (none with one optimizer step: route)
-            targets = self._from_rollout(mb) if self.routes else self.recorded.get(id(mb))
+            targets = self._from_rollout(mb) if self.samples else self.recorded.get(id(mb))
             mode = RouterReplayAction.REPLAY_FORWARD if targets is not None else None
         for layer, replay in self.routers.items():
             replay.clear_indices()
@@ -123,7 +139,7 @@ class RoutingReplay:
         k = self.spec.moe_top_k
         ids = torch.arange(k).expand(len(mb.tokens_T), self.spec.num_layers, k).clone()
         for index, positions in zip(mb.indices, mb.sequence_positions()):
-            ids[positions[:-1]] = self.routes[index]
+            ids[positions[:-1]] = self.routes_of(index)
         if self.sequence_parallel:
             ids = sequence_share(ids)
         device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
@@ -131,4 +147,4 @@ class RoutingReplay:
         return {layer: ids[:, layer] for layer in self.routers}
 
     def reset(self) -> None:
-        self.routes, self.recorded = {}, {}
+        self.samples, self.routes, self.recorded = [], {}, {}

@@ -439,6 +439,8 @@ class Trainer:
                 self.cfg.max_tokens_per_gpu,
                 share_prefixes=self.packed_attention,
                 multiple_of=self.pad_to,
+                # R3 runs a shared prompt once by one record of its experts: only where every record agrees
+                prompt_keys=[self.replay.prompt_key(i) for i in mine] if self.replay and self.replay.samples else None,
             )
             for mb in mbs:  # the sampling masks the log-prob head replays
                 mb.kept = KeptSets.of([samples[i] for i in mb.indices])
@@ -466,6 +468,8 @@ class Trainer:
         cfg, loss = self.cfg, self.cfg.loss
         started = time.perf_counter()
         check_samples(samples, self.spec)
+        if self.replay is not None and cfg.moe.use_rollout_routing_replay:
+            self.replay.rollout(samples)  # R3's records, before the plan: they decide which prompts are shared
         plan = self._plan(samples)
         all_mbs = [mb for step in plan for mb in step.micro_batches]
         versions = [torch.tensor([version_number(v) for v in s.weight_versions], dtype=torch.int64) for s in samples]
@@ -478,8 +482,6 @@ class Trainer:
         # what compares the two (TIS, the mismatch metric, KL as reward) leaves them out.
         unrecorded = [i for i, s in enumerate(samples) if s.rollout_log_probs is None]
 
-        if self.replay is not None and cfg.moe.use_rollout_routing_replay:
-            self.replay.rollout(samples, [i for step in plan for i in step.indices])
         # R2 records the old policy's routing here; R3 routes by the rollout's (routing_replay.py).
         # One optimizer step trains on the live log-probs, unless distillation needs them beforehand.
         old_logp = (

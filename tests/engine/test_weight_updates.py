@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 import signal
 import threading
@@ -10,8 +11,10 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from inverted.errors import ProtocolError
 from inverted.hf_checkpoint import checkpoint_tensors
@@ -280,6 +283,53 @@ async def test_requests_in_flight_abort_or_resume_and_each_token_has_one_version
             and spans[1]["end"] == IN_FLIGHT_TOKENS
         )
     assert after["meta_info"]["weight_version"] == "step-1"
+
+
+async def test_retracted_requests_sample_their_new_tokens_from_the_new_weights_alone(procs, tiny_model):
+    """What the trainer's fresh-token gap rests on in an async job: after a retract across an update, every
+    token stamped with the new version has the log-prob the new weights give its whole sequence (no KV and
+    no routing kept from the old weights), and the routes returned are the new weights' (a MoE model). A
+    GRPO group's samples share their prompt's KV: the retract, re-prefill and sharing must not mix them."""
+    url = procs.engine(tiny_model("qwen3_moe"), "--enable-return-routed-experts").url
+    new_model = tiny_model("qwen3_moe", seed=5)
+    tokens_each = 1500  # a group started together is still running after 20 tokens (600 once ended first in CI)
+    sync = WeightSync(TensorTransport(torch.device("cpu")), [url], buffer_size=1 << 20, pause_mode="retract")
+    prompt = list(range(40, 90))
+
+    def body(seed: int) -> dict:
+        return {
+            "input_ids": prompt,
+            "return_logprob": True,
+            "return_routed_experts": True,
+            "sampling_params": {
+                "max_new_tokens": tokens_each,
+                "temperature": 1.0,
+                "ignore_eos": True,
+                "sampling_seed": seed,
+            },
+        }
+
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        group = await asyncio.gather(*(started(client, body(seed), min_tokens=20) for seed in range(4)))
+        await sync.update(checkpoint_tensors(new_model).items(), "step-1")
+        outs = await asyncio.wait_for(asyncio.gather(*group), 120)
+    model = AutoModelForCausalLM.from_pretrained(new_model, dtype=torch.float32).eval()
+    config = AutoConfig.from_pretrained(new_model)
+    for out in outs:
+        meta = out["meta_info"]
+        old, new = meta["weight_versions"]
+        assert (old["version"], new["version"]) == ("default", "step-1") and new["end"] == tokens_each
+        tokens = prompt + out["output_ids"]
+        with torch.no_grad():  # every token but the last sampled one went through the model
+            ran = model(torch.tensor([tokens[:-1]]), output_router_logits=True)
+        reference = torch.log_softmax(ran.logits[0].float(), dim=-1)
+        recorded = [lp for lp, _, _ in meta["output_token_logprobs"]]
+        positions = range(len(prompt) + new["start"], len(tokens))
+        gaps = [abs(recorded[p - len(prompt)] - reference[p - 1, tokens[p]].item()) for p in positions]
+        assert max(gaps) <= 1e-4, f"new-version tokens off the new weights by up to {max(gaps):.3g}"
+        got = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype="<i4")
+        expected = torch.stack([r.topk(config.num_experts_per_tok, dim=-1).indices for r in ran.router_logits], 1)
+        assert np.array_equal(got.reshape(expected.shape), expected.numpy())
 
 
 async def test_a_failed_update_leaves_the_engine_serving_and_out_of_the_session(engine, tiny_model):

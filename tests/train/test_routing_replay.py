@@ -96,6 +96,30 @@ def test_r3_routes_as_the_engine_did_and_the_mismatch_falls(procs, tiny_model, t
         assert tp2[name] == pytest.approx(r3[name], rel=1e-5), name
 
 
+def test_a_group_split_by_a_weight_update_runs_each_prompt_by_its_own_record(procs, tiny_model, tmp_path):
+    """An async job's group across an update: some samples were sampled on the old weights, the others
+    were retracted and ran their prompt again on the new ones, so the group's records of its prompt
+    disagree. R3 shares a prompt only between samples whose records agree: the tokens the trainer's own
+    weights sampled get their rollout log-probs back to fp32 (before, the group's prompt was run once,
+    routed by its last sample's record, and the fresh tokens were off by ~1e-2)."""
+    path = tiny_model("qwen3_moe")
+    old = perturb_routers(path, tmp_path / "old", scale=0.3)
+    spec = ModelSpec.from_checkpoint(path)
+    stale = rollout(procs.engine(old, "--enable-return-routed-experts").url, groups=2)
+    fresh = rollout(procs.engine(path, "--enable-return-routed-experts").url, groups=2)
+    samples = []
+    for group in range(2):  # fresh and stale in turn, a stale one last
+        for i in range(4):
+            sample = (stale if i % 2 else fresh)[group * 4 + i]
+            if i % 2:
+                sample.weight_versions = ["-1"] * sample.response_length  # one step behind the trainer's 0
+            samples.append(sample)
+    prompt = samples[0].prompt_length
+    assert decode_routes(samples[0], spec)[:prompt].ne(decode_routes(samples[1], spec)[:prompt]).any()
+    [r3] = train(configs(path, tmp_path, {"use_rollout_routing_replay": True}), samples, tmp_path)
+    assert r3["train/fresh_logprob_abs_diff_max"] <= 1e-4, r3["train/fresh_logprob_abs_diff_max"]
+
+
 def test_replaying_the_routing_the_trainer_would_choose_changes_nothing(procs, tiny_model, tmp_path):
     """R3 from an engine serving the trainer's own weights, and R2 over two optimizer steps at lr 0:
     the replayed experts are the ones the routers pick, so every number equals the plain run's."""
