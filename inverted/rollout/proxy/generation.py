@@ -23,9 +23,15 @@ names the policy's adapter (``lora_path``). With ``routes_from`` (a MoE policy t
 routing replay) each call asks for ``return_routed_experts`` from that position on
 (``routed_experts_start_len``: what earlier turns recorded is not sent again); the last call's
 answer covers the rest of the prompt and every token sampled so far, resumed calls included, and
-is kept as ``routes``. With ``mask_top_k`` a call whose sampling truncates (top-p, top-k, min-p) asks
-for each token's sampling mask (``sglang_client.with_sampling_mask``): every sampled token then
-keeps the set it was drawn from (``kept``) and, as its logprob, the one renormalised over that set.
+is kept as ``routes``. That record of earlier turns holds only while the weights are those it was
+made under (``routes_version``): after an update the server runs the whole prompt again on the new
+weights, so a turn sampled under other weights asks, once done, for the routes of its whole sequence
+as the server holds them (a prefill-only call that its prefix cache answers), and the earlier turns'
+parts are replaced (``Sampled.routes_from`` 0).
+
+With ``mask_top_k`` a call whose sampling truncates (top-p, top-k, min-p) asks for each token's
+sampling mask (``sglang_client.with_sampling_mask``): every sampled token then keeps the set it was
+drawn from (``kept``) and, as its logprob, the one renormalised over that set.
 
 ``scripted_turn`` answers a scripted session's call (``Session.script``) with its given reply
 instead: the same state, as a server would have ended it, with no server involved.
@@ -64,6 +70,8 @@ class Sampled:
     tops: list[list[tuple[float, int]]] = field(default_factory=list)  # per token, when top logprobs were asked for
     finish: dict[str, Any] | None = None  # SGLang's finish_reason once the turn is done
     routes: str | None = None  # the routed experts of prompt[routes_from:] + ids (read_routed_experts), when asked for
+    routes_from: int | None = None  # where ``routes`` begins: the call's routes_from, or 0 when it covers everything
+    routes_version: str | None = None  # the one weight version the whole record was computed under (None: mixed)
     # per token: its logprob before a grammar's mask, where the server reports one (constrained calls), else None
     unconstrained: list[float | None] = field(default_factory=list)
     kept: list[list[int]] = field(default_factory=list)  # per token: the set it was sampled from ([]: whole vocabulary)
@@ -88,12 +96,14 @@ async def sample_turn(
     top_logprobs: int = 0,
     lora_path: str | None = None,
     routes_from: int | None = None,
+    routes_version: str | None = None,
     server_loss_wait: float = 0.0,
     mask_top_k: int = 0,
 ) -> AsyncIterator[Sampled]:
     """Yield the turn's state as it grows; the last state yielded has ``finish`` set. ``lora_path``: the
     LoRA adapter to sample from (None: the base model); ``routes_from``: ask for the routed experts of
-    the tokens from this position on (None: not at all); ``server_loss_wait``: seconds to go on trying
+    the tokens from this position on (None: not at all), earlier turns' record of the rest having been made
+    under weights ``routes_version`` (None: unknown or mixed); ``server_loss_wait``: seconds to go on trying
     after the servers fail the call; ``mask_top_k``: ask for sampling masks (0: never)."""
     state = Sampled()
     budget = sampling["max_new_tokens"]
@@ -137,6 +147,8 @@ async def sample_turn(
                 state.unconstrained += (
                     unconstrained if unconstrained and len(unconstrained) == len(ids) else [None] * len(ids)
                 )
+                if routes_from is not None and finish is not None and finish.get("type") != "abort":
+                    await _settle_routes(client, state, prompt_ids, routes_from, routes_version, versions, lora_path)
                 if finish is None or finish.get("type") != "abort":
                     yield state
         except ServiceUnavailable as error:
@@ -170,6 +182,41 @@ async def sample_turn(
             state.retries += 1
             del state.ids[:], state.logprobs[:], state.versions[:], state.tops[:], state.unconstrained[:], state.kept[:]
         state.finish = None
+
+
+async def _settle_routes(
+    client: GenerateClient,
+    state: Sampled,
+    prompt_ids: list[int],
+    routes_from: int,
+    routes_version: str | None,
+    versions: list[str],
+    lora_path: str | None,
+) -> None:
+    """Make ``state``'s routes a record the earlier turns' parts can be joined to, or a whole one.
+
+    The last call ran under ``versions`` (its tokens'); if it ran under the very weights the earlier
+    record was made under, the server routed the shared prefix as recorded. Otherwise (an update since:
+    its prefix cache was flushed and the prompt run again, or the call spanned an update) the server's
+    cache now holds the routes it used, and one prefill-only call reads them for the whole sequence. A
+    stale token is then replayed by the latest run's routing, which its fresh successors were computed
+    over. (Where the server did not keep the sequence, a call paused in place across an update, it
+    computes the routes again on its current weights.)
+    """
+    ran = set(versions)
+    state.routes_version = versions[0] if len(ran) == 1 else None
+    state.routes_from = routes_from
+    if routes_from == 0 or (routes_version is not None and ran == {routes_version}):
+        return
+    payload: dict[str, Any] = {
+        "input_ids": (prompt_ids + state.ids)[:-1],
+        "sampling_params": {"max_new_tokens": 0},
+        "return_routed_experts": True,
+        "routed_experts_start_len": 0,
+    }
+    if lora_path:
+        payload["lora_path"] = lora_path
+    state.routes, state.routes_from = read_routed_experts(await client.generate(payload)), 0
 
 
 async def scripted_turn(ids: list[int], budget: int) -> AsyncIterator[Sampled]:

@@ -550,6 +550,7 @@ class Recorder:
                 max_resumes=self.config.proxy_max_resumes,
                 top_logprobs=req.top_logprobs,
                 routes_from=routes_from,
+                routes_version=turns[-1].routes_version if turns else None,
                 server_loss_wait=self.config.proxy_server_loss_wait,
                 mask_top_k=self.config.sampling_mask_top_k,
             )
@@ -583,6 +584,8 @@ class Recorder:
             latency_s=time.time() - created,
             resumes=state.resumes,
             routes=state.routes,
+            routes_from=state.routes_from,
+            routes_version=state.routes_version,
             constrained=how,
             accepted=dict(req.accepted),
             model=req.model,

@@ -69,9 +69,12 @@ def history_size(history: History) -> int:
     return len(history) if isinstance(history, str) else len(history[1])
 
 
-def joined_routes(parts: list[str | None]) -> str | None:
-    """The turns' routed experts (each SGLang's base64 of int32, from where the previous turn's ended)
-    as one record of the whole branch; None unless every turn has its part."""
+def joined_routes(turns: list[Turn]) -> str | None:
+    """The turns' routed experts (each SGLang's base64 of int32, from where the previous turn's ended, or
+    the whole sequence's where a turn read them again after a weight update) as one record of the whole
+    branch; None unless every turn from the last whole one has its part."""
+    whole = max((i for i, turn in enumerate(turns) if turn.routes_from == 0), default=0)
+    parts = [turn.routes for turn in turns[whole:]]
     if not parts or any(part is None for part in parts):
         return None
     if len(parts) == 1:
@@ -93,7 +96,9 @@ class Turn:
     created: float
     latency_s: float
     resumes: int = 0
-    routes: str | None = None  # routed experts (MoE, when asked for) of tokens[previous turn's end - 1:end - 1]
+    routes: str | None = None  # routed experts (MoE, when asked for) of tokens[routes_from:end - 1]
+    routes_from: int | None = None  # the previous turn's end - 1, or 0 (read whole again after a weight update)
+    routes_version: str | None = None  # the one weight version the branch's record up to here was made under
     constrained: str | None = None  # under a grammar: how its logprobs were recorded (recorder.recorded_logprobs)
     accepted: dict[str, str] = field(default_factory=dict)  # request fields taken without effect, and why
     model: str | None = None  # the model name the call asked for (any is served)
@@ -215,7 +220,7 @@ class Branch:
             label=base.label,
             session_id=base.session_id,
             metadata={**base.metadata, "turns": [t.record() for t in self.turns]},
-            rollout_routed_experts=joined_routes([t.routes for t in self.turns]),
+            rollout_routed_experts=joined_routes(self.turns),
             **kept_sets(self.turns, start, end),
         )
 
