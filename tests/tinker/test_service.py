@@ -109,14 +109,18 @@ def sequence_datum(tokens: list[int]) -> types.Datum:
 
 
 def sampled_as_asked(sequence: types.SampledSequence, max_tokens: int, checkpoint) -> bool:
-    """A sequence runs to ``max_tokens`` ("length"), or ends early on the end-of-sequence token, which a
-    random tiny model draws now and then ("stop"), with one log-prob a token either way."""
-    eos = json.loads((Path(checkpoint) / "config.json").read_text())["eos_token_id"]
+    """A sequence runs to ``max_tokens`` ("length"), or ends early on an end-of-sequence token, which a
+    random tiny model draws now and then ("stop"), with one log-prob a token either way. The end tokens
+    are the checkpoint's, as the servers read them: ``config.json``'s and ``generation_config.json``'s."""
+    eos: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        ids = json.loads((Path(checkpoint) / name).read_text()).get("eos_token_id", [])
+        eos |= set(ids if isinstance(ids, list) else [ids])
     if len(sequence.tokens) != len(sequence.logprobs or []):
         return False
     if sequence.stop_reason == "length":
         return len(sequence.tokens) == max_tokens
-    return sequence.stop_reason == "stop" and 0 < len(sequence.tokens) <= max_tokens and sequence.tokens[-1] == eos
+    return sequence.stop_reason == "stop" and 0 < len(sequence.tokens) <= max_tokens and sequence.tokens[-1] in eos
 
 
 def reference_logprobs(checkpoint, datum: types.Datum) -> np.ndarray:
