@@ -236,8 +236,8 @@ test: setup $(VENV)/.sglang-wire harnesses sglang sandbox cookbook lint
 test-fast: setup $(VENV)/.sglang-wire sandbox cookbook lint
 	$(BIN)/python -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile --durations=10
 
-# The checks that run with the tests (pyproject.toml configures them): ruff's lint and format, and mypy,
-# strict on the modules every other one leans on.
+# The checks that run with the tests (pyproject.toml configures them): ruff's lint and format, and mypy
+# over the whole package, strict on the modules every other one leans on.
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from starlette.requests import Request
 
 from inverted.errors import Unauthorized
 
-NO_DOCS = {"docs_url": None, "redoc_url": None, "openapi_url": None}
+NO_DOCS: dict[str, Any] = {"docs_url": None, "redoc_url": None, "openapi_url": None}
 
 
 def presented_key(request: Request, google: bool = False) -> str | None:
@@ -39,7 +40,9 @@ def presented_key(request: Request, google: bool = False) -> str | None:
 
 def key_matches(given: str | None, key: str | None) -> bool:
     """Whether ``given`` is ``key``, in constant time; never true when either is missing."""
-    return bool(given) and bool(key) and hmac.compare_digest(given.encode(), key.encode())
+    if not given or not key:
+        return False
+    return hmac.compare_digest(given.encode(), key.encode())
 
 
 def require_key(expected: Callable[[Request], str | None], message: str) -> Callable[[Request], Awaitable[None]]:

@@ -23,6 +23,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 from inverted import compat
 from inverted.buffer.config import BufferConfig
@@ -173,7 +174,8 @@ def cmd_view(cfg: ViewConfig) -> None:
     serve(cfg)
 
 
-COMMANDS = {
+# name: (its config section, what runs it, its help); a command that launches servers takes their arguments
+COMMANDS: dict[str, tuple[type, Callable[..., None], str]] = {
     "make-tiny-model": (TinyModelConfig, cmd_make_tiny_model, "write a random-initialized HF checkpoint and tokenizer"),
     "import-gguf": (
         ImportGGUFConfig,
@@ -214,6 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """One command's parser (argparse keeps them in its sub-parsers action)."""
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices[command]
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["train-async"]:  # slime's name for its async driver: the same job in --async-mode
@@ -230,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
             argv = slime_flags.slime_forms(argv)
         args, rest = parser.parse_known_args(argv)
         if args.config:
-            load_yaml_defaults(parser._subparsers._group_actions[0].choices[args.command], args.config)
+            load_yaml_defaults(command_parser(parser, args.command), args.config)
             args, rest = parser.parse_known_args(argv)
         if rest and args.command != "train":
             parser.error(f"unrecognized arguments: {' '.join(rest)}")

@@ -17,6 +17,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import ray
 
@@ -32,7 +33,7 @@ def start_ray(address: str | None) -> None:
         return
     if address:
         try:
-            ray.init(address=address, logging_level="WARNING")
+            ray.init(address=address, logging_level=logging.WARNING)
         except (ray.exceptions.AuthenticationError, ConnectionError) as exc:  # without a token Ray says the latter
             raise ConfigError(
                 f"--ray-address {address}: cannot join the cluster ({exc}). If it uses token "
@@ -47,7 +48,7 @@ def start_ray(address: str | None) -> None:
         ray.init(
             num_cpus=os.cpu_count() or 1,
             include_dashboard=False,
-            logging_level="WARNING",
+            logging_level=logging.WARNING,
             configure_logging=False,
             _system_config={"worker_niceness": 0},
         )
@@ -132,13 +133,13 @@ def _launch(
         # small machines unschedulable.
         # SPREAD: over every node that can take one (Ray's default packs them onto the head), so
         # that losing a node loses a share of the servers, not all of them.
-        actor = (
+        actor: Any = (  # Ray's handle: each method is called by its .remote
             ray.remote(ServerActor)
             .options(num_cpus=0, num_gpus=num_gpus, resources=node_resource(resource), scheduling_strategy="SPREAD")
             .remote()
         )
         try:
-            url = ray.get(actor.start.remote(name, argv_for, str(log_path), env, loopback), timeout=left)
+            url: str = ray.get(actor.start.remote(name, argv_for, str(log_path), env, loopback), timeout=left)
             return RayServer(actor, name, url)
         except ray.exceptions.RayActorError as exc:  # its node died under it (one Ray has not yet marked dead)
             logger.warning("%s: its Ray actor died while starting (%s); placing it again", name, exc)

@@ -20,6 +20,7 @@ import json
 import logging
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -127,10 +128,10 @@ def build_tokenizer(chat_template: str, max_length: int = PRESETS["tiny"]["max_p
 def _hf_config(arch: str, preset: str, vocab_size: int, eos_id: int, pad_id: int, max_positions: int = 0):
     import transformers
 
-    shape = dict(PRESETS[preset])
+    shape: dict[str, Any] = dict(PRESETS[preset])
     if max_positions:
         shape["max_position_embeddings"] = max_positions
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=vocab_size,
         eos_token_id=eos_id,
         pad_token_id=pad_id,
@@ -155,7 +156,7 @@ def _hf_config(arch: str, preset: str, vocab_size: int, eos_id: int, pad_id: int
         head_dim = 2 * shape["hidden_size"] // shape["num_attention_heads"]
         return transformers.Qwen3MoeConfig(
             tie_word_embeddings=True,
-            head_dim=head_dim,
+            head_dim=head_dim,  # type: ignore[call-arg]  # not in its signature; PretrainedConfig keeps it
             rope_parameters={"rope_type": "default", "rope_theta": 1e6},
             num_experts=8,
             num_experts_per_tok=2,

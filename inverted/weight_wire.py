@@ -37,7 +37,7 @@ import logging
 import pickle
 import socket
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch.multiprocessing import reductions
@@ -170,7 +170,7 @@ def _rebuild_cuda_tensor_by_uuid(*args: Any) -> torch.Tensor:
         if not matches:
             raise InvalidRequest(f"no local CUDA device has UUID {device}: CUDA IPC works only on the same node")
         device = matches[0]
-    return reductions.rebuild_cuda_tensor(*args[:6], device, *args[7:])
+    return reductions.rebuild_cuda_tensor(*args[:6], device, *args[7:])  # type: ignore[call-arg]  # torch's stub has fewer
 
 
 # Our objects that must pickle under SGLang's qualified names (and unpickle back to ours).
@@ -215,9 +215,9 @@ class _Pickler(pickle._Pickler):
     def save_global(self, obj: Any, name: str | None = None) -> None:
         alias = _ALIASED.get(id(obj))
         if alias is None:
-            return super().save_global(obj, name)
-        self.write(pickle.GLOBAL + f"{alias[0]}\n{alias[1]}\n".encode())  # readable at every protocol
-        self.memoize(obj)
+            return super().save_global(obj, name)  # type: ignore[misc]  # the pure-Python pickler's, not in the stub
+        self.write(pickle.GLOBAL + f"{alias[0]}\n{alias[1]}\n".encode())  # type: ignore[attr-defined]  # (every protocol)
+        self.memoize(obj)  # type: ignore[attr-defined]
 
 
 def _pickle(obj: Any, protocol: int) -> bytes:
@@ -281,7 +281,7 @@ def _load_storage_by_value(data: bytes) -> torch.UntypedStorage | torch.TypedSto
 class _RefuseFdSharing:
     """Stands in for torch's fd-sharing globals (a class, since ``DupFd`` is rebuilt as an object)."""
 
-    def __new__(cls, *_: Any) -> None:
+    def __new__(cls, *_: Any) -> NoReturn:
         raise InvalidRequest(
             "the payload shares CPU memory by file descriptor, which an unrelated process cannot open: "
             "the sender must use torch.multiprocessing.set_sharing_strategy('file_system') or send by value"
@@ -455,15 +455,15 @@ def join_update_group(
     if backend == "nccl":
         options = torch.distributed.ProcessGroupNCCL.Options()
         options._timeout = delta
-        group = torch.distributed.ProcessGroupNCCL(prefixed, rank, world_size, options)
+        group: Any = torch.distributed.ProcessGroupNCCL(prefixed, rank, world_size, options)
     else:
-        options = torch.distributed.ProcessGroupGloo._Options()
-        options._timeout = delta
+        gloo = torch.distributed.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private, not in the stub
+        gloo._timeout = delta
         # Listen where the other ranks can reach: gloo's default looks up the hostname, which is
         # 127.0.0.1 on many machines, and a server on another host (or network namespace) then
         # dials its own loopback and never connects.
-        options._devices = [torch.distributed.ProcessGroupGloo.create_device(hostname=route_address(master_address))]
-        group = torch.distributed.ProcessGroupGloo(prefixed, rank, world_size, options)
+        gloo._devices = [torch.distributed.ProcessGroupGloo.create_device(hostname=route_address(master_address))]
+        group = torch.distributed.ProcessGroupGloo(prefixed, rank, world_size, gloo)
     return UpdateGroup(group, store, rank, world_size)
 
 

@@ -311,9 +311,12 @@ def _add_routes(app: FastAPI) -> None:
     async def next_batch(request: Request, state: StateDep) -> Response:
         body: BatchRequest = await _parse(request, BatchRequest)
         size = state.config.n_samples_per_prompt
-        if body.num_samples is not None and body.num_samples % size:
+        if body.num_groups is not None:  # or else num_samples (BatchRequest.one_size)
+            groups = body.num_groups
+        elif body.num_samples is not None and body.num_samples % size == 0:
+            groups = body.num_samples // size
+        else:
             raise SampleError(f"num_samples: {body.num_samples} is not a multiple of the group size {size}")
-        groups = body.num_groups or body.num_samples // size
         version = None if body.current_weight_version is None else version_number(str(body.current_weight_version))
         deadline = time.monotonic() + body.timeout_s
         while True:

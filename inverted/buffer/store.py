@@ -148,6 +148,13 @@ class SQLiteStore:
         row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
         return row[0] if row else None
 
+    def _counter(self, key: str) -> int:
+        """One of the counters ``_init_meta`` sets (the dataset's epoch and offset, the next group)."""
+        value = self._meta(key)
+        if value is None:
+            raise RuntimeError(f"the buffer file has no {key!r}: it was not made by this store")
+        return int(value)
+
     def _set_meta(self, key: str, value: Any) -> None:
         self._db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, str(value)))
 
@@ -209,10 +216,10 @@ class SQLiteStore:
         """Turn the next prompt into a group of queued tasks; False when the epochs are used up."""
         if self.num_prompts == 0:
             return False
-        epoch, offset = int(self._meta("epoch")), int(self._meta("offset"))
+        epoch, offset = self._counter("epoch"), self._counter("offset")
         if self.num_epoch and epoch >= self.num_epoch:
             return False
-        group = int(self._meta("next_group"))
+        group = self._counter("next_group")
         prompt_index = self._order(epoch)[offset]
         self._db.execute(
             "INSERT INTO groups (group_index, prompt_index, epoch, state, created_at) VALUES (?, ?, ?, 'open', ?)",
@@ -303,16 +310,20 @@ class SQLiteStore:
         transaction, and the writes are batched, so the write lock is held briefly (other service
         processes wait on it).
         """
+        keys: list[tuple[int, int]] = []
         for position, (_, sample) in enumerate(items):
             if sample.group_index is None or sample.index is None:
                 raise SampleError(f"samples[{position}]: group_index and index are required")
+            keys.append((sample.group_index, sample.index))
         blobs = encoded if encoded is not None else [orjson.dumps(s.to_json()) for _, s in items]
         lowest = [min(map(version_number, set(s.weight_versions)), default=None) for _, s in items]
         result = SubmitResult()
         with self._tx() as db:
-            rows, done, touched = [], [], set()
-            for position, (lease_id, sample) in enumerate(items):
-                where, key = f"samples[{position}]", (sample.group_index, sample.index)
+            rows: list[tuple[Any, ...]] = []
+            done: list[tuple[int, int]] = []
+            touched: set[int] = set()
+            for position, ((lease_id, sample), key) in enumerate(zip(items, keys)):
+                where = f"samples[{position}]"
                 task = db.execute(
                     "SELECT t.lease_id, s.sample_index IS NOT NULL FROM tasks t LEFT JOIN samples s "
                     "USING (group_index, sample_index) WHERE t.group_index = ? AND t.sample_index = ?",
@@ -349,7 +360,7 @@ class SQLiteStore:
                     )
                 )
                 done.append(key)
-                touched.add(sample.group_index)
+                touched.add(key[0])
             db.executemany(
                 "INSERT INTO samples (group_index, sample_index, sample, min_version, failed, rollout_id, size) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -378,7 +389,7 @@ class SQLiteStore:
         lowest = [min(map(version_number, set(s.weight_versions)), default=None) for s in samples]
         with self._tx() as db:
             now = self.clock()
-            group = int(self._meta("next_group"))
+            group = self._counter("next_group")
             prompt_index = db.execute("SELECT COALESCE(MAX(prompt_index) + 1, 0) FROM prompts").fetchone()[0]
             db.execute("INSERT INTO prompts (prompt_index, record) VALUES (?, ?)", (prompt_index, blob))
             db.execute(
@@ -560,8 +571,8 @@ class SQLiteStore:
                 "counters": dict(db.execute("SELECT name, value FROM counters").fetchall()),
                 "dataset": {
                     "prompts": self.num_prompts,
-                    "epoch": int(self._meta("epoch")),
-                    "offset": int(self._meta("offset")),
+                    "epoch": self._counter("epoch"),
+                    "offset": self._counter("offset"),
                     "n_samples_per_prompt": self.n,
                 },
             }

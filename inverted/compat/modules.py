@@ -15,6 +15,7 @@ plug-in gets slime's own classes, and the conversions work on them by field name
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
@@ -120,6 +121,11 @@ def slime_installed() -> bool:
     return spec is not None
 
 
+def _provided(provider: str, attr: str) -> Any:
+    """A stand-in module's attribute, read from the module that provides it (its PEP 562 ``__getattr__``)."""
+    return getattr(importlib.import_module(provider), attr)
+
+
 def install() -> bool:
     """Make slime's module paths import from here, unless the real slime is installed; True if they do."""
     if slime_installed():
@@ -129,13 +135,13 @@ def install() -> bool:
         if name in sys.modules:
             continue
         module = types.ModuleType(name, f"slime's {name} as provided by inverted.compat")
-        module.__inverted__ = True
+        setattr(module, "__inverted__", True)  # what tells inverted's stand-ins from slime's own modules
         # a package, so its submodules import; with INVERTED_SLIME_SOURCE (a slime checkout), the
         # modules inverted does not provide (slime's in-tree plug-ins) import from slime's own files
         own = Path(source, *name.split(".")) if source else None
         module.__path__ = [str(own)] if own is not None and own.is_dir() else []
         if isinstance(names, str):
-            module.__getattr__ = lambda attr, provider=names: getattr(importlib.import_module(provider), attr)
+            setattr(module, "__getattr__", functools.partial(_provided, names))
         else:
             module.__dict__.update(names)
         sys.modules[name] = module

@@ -105,6 +105,18 @@ class PrefixCacheInfo:
         return PrefixCacheInfo(data.get("cached_tokens", 0), data.get("total_prompt_tokens", 0))
 
 
+# SGLang's finish reasons as a Sample's status (slime's ``update_from_meta_info``)
+_FINISHED: dict[str | None, _Sample.Status] = {
+    "length": _Sample.Status.TRUNCATED,
+    "abort": _Sample.Status.ABORTED,
+    "stop": _Sample.Status.COMPLETED,
+}
+
+# the fields' types, under names the class's own aliases (slime's ``Sample.SpecInfo``, ...) do not hide
+_SpecInfo = SpecInfo
+_PrefixCacheInfo = PrefixCacheInfo
+
+
 @dataclass
 class Sample:
     """slime's ``Sample`` (``slime.utils.types``), the fields both frameworks have, with slime's meanings.
@@ -150,13 +162,14 @@ class Sample:
     custom_rm_path: str | None = None
     train_metadata: dict | None = None
     non_generation_time: float = 0.0
-    spec_info: SpecInfo = field(default_factory=lambda: SpecInfo())
-    prefix_cache_info: PrefixCacheInfo = field(default_factory=lambda: PrefixCacheInfo())
+    spec_info: _SpecInfo = field(default_factory=lambda: _SpecInfo())
+    prefix_cache_info: _PrefixCacheInfo = field(default_factory=lambda: _PrefixCacheInfo())
 
     def get_reward_value(self, args: Any) -> Any:
         """slime's: the reward, or its ``args.reward_key`` entry."""
         key = getattr(args, "reward_key", None)
-        return self.reward if not key else self.reward[key]
+        reward: Any = self.reward  # a dict where the reward is keyed
+        return reward if not key else reward[key]
 
     @property
     def effective_response_length(self) -> int:
@@ -214,11 +227,7 @@ class Sample:
             self.prefix_cache_info.add(meta_info)
             if "weight_version" in meta_info:
                 self.weight_versions.append(meta_info["weight_version"])
-            status = {
-                "length": _Sample.Status.TRUNCATED,
-                "abort": _Sample.Status.ABORTED,
-                "stop": _Sample.Status.COMPLETED,
-            }.get((meta_info["finish_reason"] or {}).get("type"))
+            status = _FINISHED.get((meta_info["finish_reason"] or {}).get("type"))
             self.status = status or self.status
         if self.loss_mask is not None and len(self.loss_mask) != self.response_length:
             raise ValueError(f"loss_mask length {len(self.loss_mask)} != response_length {self.response_length}")
@@ -246,7 +255,7 @@ class Sample:
         return sample
 
 
-def from_inverted(sample: _Sample, cls: type | None = None, args: Any = None) -> Any:
+def from_inverted(sample: _Sample, cls: Any = None, args: Any = None) -> Any:
     """Our Sample as slime's: the class plug-ins import (the installed slime's, else ours), unless
     ``cls`` is given. Pure: it reads the Sample and, with ``args``, the tokenizer.
 
@@ -631,6 +640,14 @@ class GenerateState:
     """
 
     _instance: GenerateState | None = None
+    args: Any
+    tokenizer: Any
+    processor: Any
+    semaphore: asyncio.Semaphore
+    aborted: bool
+    dp_rank: int
+    group_sampling_seeds: list[int]
+    sampling_params: dict[str, Any]
 
     @contextlib.contextmanager
     def dp_rank_context(self) -> Iterator[int]:

@@ -33,7 +33,7 @@ import json
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from inverted.errors import ConfigError
 
@@ -63,7 +63,7 @@ class Flag:
 @functools.cache
 def flags() -> tuple[Flag, ...]:
     """slime's flags, in its parsers' order (two may share a destination: ``--x`` and ``--no-x``)."""
-    convert = {"int": int, "float": float, "json": json.loads}
+    convert: dict[str, Callable[[str], Any]] = {"int": int, "float": float, "json": json.loads}
     out = []
     for row in json.loads(TABLE.read_text())["flags"]:
         row = dict(row, options=tuple(row["options"]), choices=tuple(row["choices"]) if "choices" in row else None)

@@ -64,11 +64,11 @@ def get_log_probs_and_entropy(
         targets.append(tokens[total - response : total])
         offset += total
     index = torch.cat(rows).to(logits.device) if rows else torch.zeros(0, dtype=torch.long, device=logits.device)
-    logp, entropy, _ = token_logprobs_and_entropy(
+    logp, entropy = token_logprobs_and_entropy(
         logits[0][index], torch.cat(targets).to(logits.device), args.rollout_temperature, with_entropy
-    )
+    )[:2]
     out = {"log_probs": list(logp.split(response_lengths))}
-    if with_entropy:
+    if entropy is not None:  # asked for
         out["entropy"] = list(entropy.split(response_lengths))
     return torch.empty((0,), device=logits.device), out
 

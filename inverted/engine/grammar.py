@@ -54,39 +54,42 @@ class Grammars:
     def matcher(self, json_schema: str | None, regex: str | None) -> Any | None:
         """A fresh matcher for a request's constraint (None without one); a bad one is an ``InvalidRequest``.
         CPU work: call it off the event loop."""
-        if json_schema is None and regex is None:
-            return None
         if json_schema is not None and regex is not None:
             raise InvalidRequest("only one of json_schema and regex may constrain a request")
-        key = ("json_schema", json_schema) if json_schema is not None else ("regex", regex)
+        if json_schema is not None:
+            key = ("json_schema", json_schema)
+        elif regex is not None:
+            key = ("regex", regex)
+        else:
+            return None
         with self._lock:
             fresh = self._compiled.get(key)
             if fresh is not None:
                 self._compiled.move_to_end(key)
         if fresh is None:
-            fresh = self._compile(json_schema, regex)
+            fresh = self._compile(*key)
             with self._lock:
                 self._compiled[key] = fresh
                 while len(self._compiled) > CACHE_SIZE:
                     self._compiled.popitem(last=False)
         return fresh.deep_copy()
 
-    def _compile(self, json_schema: str | None, regex: str | None) -> Any:
+    def _compile(self, kind: str, source: str) -> Any:
         import llguidance
 
         self.compiles += 1
-        if json_schema is not None:
+        if kind == "json_schema":
             try:
-                schema = json.loads(json_schema)
+                schema = json.loads(source)
             except ValueError as exc:
                 raise InvalidRequest(f"Failed to compile json grammar: {exc}") from None  # SGLang's words
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
         else:
-            grammar = llguidance.LLMatcher.grammar_from_regex(regex)
+            grammar = llguidance.LLMatcher.grammar_from_regex(source)
         error = llguidance.LLMatcher.validate_grammar(grammar)
         if error:
             raise InvalidRequest(
-                f"Failed to compile {'json' if json_schema is not None else 'regex'} grammar: {error.strip()[:500]}"
+                f"Failed to compile {'json' if kind == 'json_schema' else 'regex'} grammar: {error.strip()[:500]}"
             )
         return llguidance.LLMatcher(self.info, grammar)
 
@@ -103,12 +106,13 @@ def mask(logits_BV: torch.Tensor, matchers: list[Any | None]) -> None:
     """Set the logits of the tokens each row's matcher forbids to ``-inf``, in place (rows without one: as they are)."""
     import llguidance.torch
 
-    rows = [i for i, m in enumerate(matchers) if m is not None]
-    if not rows:
+    live = [(i, m) for i, m in enumerate(matchers) if m is not None]
+    if not live:
         return
+    rows = [i for i, _ in live]
     bitmask = llguidance.torch.allocate_token_bitmask(len(rows), logits_BV.shape[-1])
-    for j, i in enumerate(rows):
-        llguidance.torch.fill_next_token_bitmask(matchers[i], bitmask, j)
+    for j, (_, matcher) in enumerate(live):
+        llguidance.torch.fill_next_token_bitmask(matcher, bitmask, j)
     constrained = logits_BV[rows]
     llguidance.torch.apply_token_bitmask_inplace(constrained, bitmask)
     logits_BV[rows] = constrained

@@ -70,8 +70,9 @@ class LoRABatch:
         """The batch of rows ``i`` using ``adapters[i]`` (``counts[i]`` consecutive tokens each, for a prefill)."""
         if all(a is None for a in adapters):
             return None
-        if all(a is adapters[0] for a in adapters):
-            return cls([(adapters[0], None)])
+        first = adapters[0]
+        if first is not None and all(a is first for a in adapters):
+            return cls([(first, None)])
         counts = counts or [1] * len(adapters)
         starts = [0]
         for n in counts:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -107,7 +108,7 @@ class KVCache:
             routes = torch.zeros(
                 rows, cap, self.spec.num_layers, self.spec.moe_top_k, dtype=torch.int16, device=self.device
             )
-            if kept_cap:
+            if kept_cap and self.routes is not None:
                 routes[:kept_rows, :kept_cap] = self.routes[:kept_rows, :kept_cap]
             self.routes = routes
         self.k, self.v, self.rows, self.capacity = k, v, rows, cap
@@ -122,11 +123,12 @@ class KVCache:
     def swap_rows(self, a: int, b: int, length_a: int, length_b: int) -> None:
         """Exchange the first ``length_a`` positions of row ``a`` with the first ``length_b`` of row ``b``."""
         held = self.k[:, a, :, :length_a].clone(), self.v[:, a, :, :length_a].clone()
-        routes = None if self.routes is None else self.routes[a, :length_a].clone()
+        own = self.routes
+        routes = None if own is None else own[a, :length_a].clone()
         self.move_row(b, a, length_b)
         self.k[:, b, :, :length_a], self.v[:, b, :, :length_a] = held
-        if routes is not None:
-            self.routes[b, :length_a] = routes
+        if own is not None and routes is not None:
+            own[b, :length_a] = routes
 
     def release(self) -> None:
         """Free the storage (``/release_memory_occupation``); ``reset`` allocates it again."""
@@ -157,6 +159,25 @@ class Slot:
         return matmul.unpack(getattr(self.holder, self.attr))[self.index]
 
 
+class Layer(torch.nn.Module):
+    """One decoder layer's weights, fused: q, k and v in one matrix, gate and up in another. A MoE layer
+    holds its router and experts, and its shared expert where it has one (Qwen2-MoE)."""
+
+    ln1: torch.Tensor
+    ln2: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None  # Qwen3's per-head norms
+    k_norm: torch.Tensor | None
+    o: torch.Tensor
+    gate_up: torch.Tensor | None  # the dense MLP, or the shared expert
+    down: torch.Tensor | None
+    router: torch.Tensor
+    experts_gate_up: torch.Tensor
+    experts_down: torch.Tensor
+    shared_gate: torch.Tensor | None
+
+
 class CausalLM(torch.nn.Module):
     """Decoder weights (fused) plus the two forward entry points."""
 
@@ -179,7 +200,7 @@ class CausalLM(torch.nn.Module):
         self.norm = param(s.hidden_size)
         self.layers = torch.nn.ModuleList()
         for _ in range(s.num_layers):
-            layer = torch.nn.Module()
+            layer = Layer()
             layer.ln1, layer.ln2 = param(s.hidden_size), param(s.hidden_size)
             layer.qkv = param(q + 2 * kv, s.hidden_size)
             layer.qkv_bias = param(q + 2 * kv) if s.qkv_bias else None
@@ -348,16 +369,19 @@ class CausalLM(torch.nn.Module):
         sin = self.rope_sin[positions]
         return self.rope_cos[positions][:, None], torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)[:, None]
 
+    def layer(self, li: int) -> Layer:
+        return cast(Layer, self.layers[li])
+
     def _qkv(self, li: int, x_TH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], lora: LoRABatch | None):
         """Roped queries ``[T, Hq, D]``, roped keys and values ``[T, Hkv, D]``."""
-        s, layer = self.spec, self.layers[li]
+        s, layer = self.spec, self.layer(li)
         h = self._norm(x_TH, layer.ln1)
         qkv = matmul.linear(h, layer.qkv, layer.qkv_bias)
         if lora is not None:
             lora.add(qkv, h, li, "qkv")
         qkv = qkv.view(-1, s.num_heads + 2 * s.num_kv_heads, s.head_dim)
         qk, v = qkv[:, : s.num_heads + s.num_kv_heads], qkv[:, s.num_heads + s.num_kv_heads :]
-        if layer.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k before RoPE
+        if layer.q_norm is not None and layer.k_norm is not None:  # Qwen3: per-head RMSNorm of q and k before RoPE
             qk = torch.cat(
                 (self._norm(qk[:, : s.num_heads], layer.q_norm), self._norm(qk[:, s.num_heads :], layer.k_norm)), 1
             )
@@ -371,13 +395,14 @@ class CausalLM(torch.nn.Module):
         self, li: int, x_TH: torch.Tensor, attn_TX: torch.Tensor, lora: LoRABatch | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer's output, and in a MoE model each token's routed experts ``[T, top_k]``."""
-        layer = self.layers[li]
+        layer = self.layer(li)
         x_TH = matmul.linear(attn_TX, layer.o, x_TH)
         if lora is not None:
             lora.add(x_TH, attn_TX, li, "o")
         h = self._norm(x_TH, layer.ln2)
         if self.spec.is_moe:
             return self._moe(layer, h, x_TH)
+        assert layer.gate_up is not None and layer.down is not None  # a dense layer's MLP
         gate_up = matmul.linear(h, layer.gate_up)
         if lora is not None:
             lora.add(gate_up, h, li, "gate_up")
@@ -388,7 +413,7 @@ class CausalLM(torch.nn.Module):
             lora.add(out, act, li, "down")
         return out, None
 
-    def _moe(self, layer: torch.nn.Module, h_TH: torch.Tensor, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _moe(self, layer: Layer, h_TH: torch.Tensor, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x + MoE(h)`` and the experts each token went to.
 
         Routing follows ``transformers`` (and SGLang): softmax over all experts in fp32, the top k,
@@ -414,6 +439,7 @@ class CausalLM(torch.nn.Module):
         routed = torch.cat(outs).mul_(weights.flatten()[order].to(h_TH.dtype)[:, None])
         out = x_TH.index_add(0, token, routed)
         if layer.gate_up is not None:  # Qwen2-MoE's shared expert, gated per token
+            assert layer.down is not None and layer.shared_gate is not None
             gate, up = matmul.linear(h_TH, layer.gate_up).chunk(2, dim=-1)
             shared = matmul.linear(F.silu(gate).mul_(up), layer.down)
             out.addcmul_(torch.sigmoid(matmul.linear(h_TH, layer.shared_gate)), shared)
@@ -466,7 +492,7 @@ class CausalLM(torch.nn.Module):
                 )
                 attn[lo:hi] = out[0].transpose(0, 1).reshape(hi - lo, -1)
             x, experts = self._finish_layer(li, x, attn, lora)
-            if cache.routes is not None:
+            if cache.routes is not None and experts is not None:
                 for row, start, end, lo, hi in zip(rows, starts, ends, offsets, offsets[1:]):
                     cache.routes[row, start:end, li] = experts[lo:hi].to(torch.int16)
         return [x[lo:hi] for lo, hi in zip(offsets, offsets[1:])]
@@ -502,7 +528,7 @@ class CausalLM(torch.nn.Module):
             )
             attn = torch.bmm(torch.softmax(scores, dim=-1), values)  # B*Hkv, G, D
             x, experts = self._finish_layer(li, x, attn.view(b, -1), lora)
-            if cache.routes is not None:
+            if cache.routes is not None and experts is not None:
                 cache.routes[rows, pos, li] = experts.to(torch.int16)
         return x
 

@@ -128,9 +128,11 @@ class LoadLoRAAdapterFromTensorsRequest(ControlModel):
     pinned: bool = False
 
     def payloads(self) -> list[str]:
-        if (self.serialized_named_tensors is None) == (self.serialized_tensors is None):
-            raise InvalidRequest("give serialized_named_tensors (one payload per TP rank), or serialized_tensors")
-        return self.serialized_named_tensors if self.serialized_tensors is None else [self.serialized_tensors]
+        if self.serialized_named_tensors is not None and self.serialized_tensors is None:
+            return self.serialized_named_tensors
+        if self.serialized_tensors is not None and self.serialized_named_tensors is None:
+            return [self.serialized_tensors]
+        raise InvalidRequest("give serialized_named_tensors (one payload per TP rank), or serialized_tensors")
 
 
 @dataclass(slots=True)
@@ -192,6 +194,7 @@ def parse_generate(
         raise InvalidRequest("Either text, input_ids or input_embeds should be provided.")
     if input_ids is not None:  # SGLang's precedence: input_ids over text
         text = None
+    prompts: Any  # checked below: a list of prompts, each text or ids
     if text is not None:
         prompts = [text] if isinstance(text, str) else text
         batched = not isinstance(text, str)

@@ -144,8 +144,8 @@ def top_logprobs(logprobs_TV: torch.Tensor, ks: list[int]) -> list[TopLogprobs |
     k_max = max(ks, default=0)
     if k_max == 0:
         return [None] * len(ks)
-    values, ids = logprobs_TV.topk(min(k_max, logprobs_TV.shape[-1]), dim=-1)
-    values, ids = values.tolist(), ids.tolist()
+    values_TK, ids_TK = logprobs_TV.topk(min(k_max, logprobs_TV.shape[-1]), dim=-1)
+    values, ids = values_TK.tolist(), ids_TK.tolist()
     return [list(zip(values[i][:k], ids[i][:k])) if k else None for i, k in enumerate(ks)]
 
 
@@ -224,13 +224,13 @@ class _Truncated:
 
     def filtered(self) -> torch.Tensor:
         """The rows with what is cut zeroed (left unnormalised: the inverse CDF scales by the sum)."""
-        if self.keep is None:
+        if self.keep is None or self.sorted_probs is None or self.order is None:  # nothing cut
             return self.probs
         kept = torch.where(self.keep, self.sorted_probs, torch.zeros_like(self.sorted_probs))
         return torch.zeros_like(self.probs).scatter(1, self.order, kept)
 
     def kept(self, row: int, token: int) -> Kept:
-        if self.keep is None:  # nothing cut: every token with a probability
+        if self.keep is None or self.sorted_probs is None or self.order is None:  # nothing cut: all with a probability
             self.sorted_probs, self.order = self.probs.sort(dim=-1, descending=True)
             self.keep = self.sorted_probs > 0
         size = int(self.keep[row].sum())

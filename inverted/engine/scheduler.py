@@ -60,8 +60,8 @@ from inverted.engine import grammar
 from inverted.engine.lora import Adapter, Adapters, LoRABatch
 from inverted.engine.model import CausalLM, KVCache
 from inverted.engine.sampling import Kept, SamplingParams, sample, top_logprobs
-from inverted.errors import EngineError, FieldError
-from inverted.types import PAUSE_MODES, PauseMode
+from inverted.errors import EngineError, FieldError, InvalidRequest
+from inverted.types import PAUSE_MODES
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class Request:
     rid: str
     input_ids: list[int]
     params: SamplingParams
-    notify: Callable[["Request", int], None]
+    notify: Callable[["Request", int], object]  # what it returns is ignored
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0  # with return_logprob: the k most likely tokens at each position
@@ -164,7 +164,7 @@ class Scheduler:
         self.update_timeout = update_timeout
         self._update_expires = 0.0
         self.memory_released = False
-        self.stats = collections.Counter()
+        self.stats: collections.defaultdict[str, float] = collections.defaultdict(int)  # counts, and seconds
         self._seeds = torch.Generator(device=model.device)  # shared by requests without a sampling_seed
         self._seeds.manual_seed(
             random_seed if random_seed is not None else int.from_bytes(os.urandom(8), "little") >> 2
@@ -234,7 +234,8 @@ class Scheduler:
         self.stats["requests_aborted"] += len(doomed) + len(doomed_rows)
         return len(doomed) + len(doomed_rows)
 
-    def pause(self, mode: PauseMode) -> None:
+    def pause(self, mode: str) -> None:
+        """SGLang's three pause modes (any other is refused: the route takes any string, as SGLang's does)."""
         if mode not in PAUSE_MODES:
             raise FieldError(f"mode: Input should be one of {list(PAUSE_MODES)}, got {mode!r}")
         self.paused = mode
@@ -353,7 +354,7 @@ class Scheduler:
         """Load a checked LoRA adapter (a command: between steps, so no step sees half of it). The
         server checks that LoRA is enabled, and that a request's adapter is loaded, before either
         reaches the scheduler."""
-        self.adapters.add(adapter)
+        self._adapters().add(adapter)
         self.forget_prefixes()  # a prefix cached under an earlier adapter of this name must not be reused
         self.stats["lora_loads"] += 1
 
@@ -361,11 +362,16 @@ class Scheduler:
         """Unload an adapter. Never waits on its requests (an engine paused in place would deadlock):
         a request that would step without its adapter is aborted then, unless one of its name is loaded
         again first, as a weight sync does (unload, load, continue)."""
-        self.adapters.remove(name)
+        self._adapters().remove(name)
         self.forget_prefixes()
 
     def _adapter(self, req: Request) -> Adapter | None:
-        return None if req.lora is None else self.adapters.loaded[req.lora]
+        return None if req.lora is None else self._adapters().loaded[req.lora]
+
+    def _adapters(self) -> Adapters:
+        if self.adapters is None:  # the server refuses LoRA routes and requests without --enable-lora
+            raise InvalidRequest("LoRA is not enabled on this server (--enable-lora)")
+        return self.adapters
 
     def _abort_orphans(self) -> None:
         """Finish the running requests whose adapter has been unloaded."""
@@ -451,10 +457,11 @@ class Scheduler:
             if not self._room_for(req, second):
                 break  # it waits (first in line) for running requests to finish and give their KV room back
             if req.lora is not None:
-                if req.lora not in self.adapters.loaded:
+                adapters = self._adapters()
+                if req.lora not in adapters.loaded:
                     self._finish(self.waiting.popleft(), _unloaded(req.lora))
                     continue
-                if req.lora not in loras and len(loras) >= self.adapters.max_per_batch:
+                if req.lora not in loras and len(loras) >= adapters.max_per_batch:
                     break  # --max-loras-per-batch: it waits (first in line) for a running adapter to finish
                 loras.add(req.lora)
             self.waiting.popleft()

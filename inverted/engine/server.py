@@ -129,7 +129,7 @@ class Engine:
         """The stop string that the newest token completed, if any (only the tail can hold it)."""
         stops = req.params.stops
         tail = req.output_ids[-(4 * max(map(len, stops)) + 4) :]
-        text = self.tokenizer.decode(tail, skip_special_tokens=req.params.skip_special_tokens)
+        text = str(self.tokenizer.decode(tail, skip_special_tokens=req.params.skip_special_tokens))
         return min((s for s in stops if s in text), key=text.find, default=None)  # the first in the text
 
     def adapters(self) -> Adapters:

@@ -46,7 +46,7 @@ import secrets
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 from inverted.devices import cuda_available
 from inverted.errors import ServiceUnavailable, UnknownWorker
@@ -289,15 +289,17 @@ class RolloutServers:
     async def register(self, engine: ServerHandle, deadline: float | None = None) -> None:
         """``POST /workers`` and wait until the router marks the worker healthy."""
         deadline = deadline or time.monotonic() + self.config.startup_timeout
+        process = self.router
+        assert process is not None, "the router is started first"
         async with self.control() as router:
             await router.add_worker(engine.url, health_failure_threshold=HEALTH_FAILURE_THRESHOLD)
             while time.monotonic() < deadline:
-                self.router.check_alive()
+                process.check_alive()
                 if engine.url in await router.healthy_urls():
                     return
                 await asyncio.sleep(0.2)
         raise ServiceUnavailable(
-            f"router did not activate {engine.url}; log tail:\n{self.router.tail()}", url=self.router_url
+            f"router did not activate {engine.url}; log tail:\n{process.tail()}", url=self.router_url
         )
 
     async def start_engine(self) -> ServerHandle:
@@ -386,7 +388,7 @@ async def run_demo(config: ServersConfig, router_args: list[str], sglang_args: l
         console.print(f"router {servers.router_url} -> engines {', '.join(servers.engine_urls)}")
         async with SGLangClient(servers.router_url, api_key=config.router_api_key) as client:
 
-            async def ask(question: str) -> dict:
+            async def ask(question: str) -> Any:
                 text = tokenizer.apply_chat_template(
                     [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
                 )

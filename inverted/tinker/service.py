@@ -37,6 +37,7 @@ import re
 import secrets
 import time
 import uuid
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -233,6 +234,9 @@ class Service:
         return {"type": "unload_model", "model_id": model.model_id}
 
     async def unload_adapter(self, name: str | None) -> None:
+        """Unload a LoRA save's adapter from every server (None, a full-weights save: there is none)."""
+        if name is None:
+            return
         for url in self.engine_urls:
             async with SGLangClient.keyed(url, self.keys) as server:
                 await server.unload_lora_adapter(name, missing_ok=True)
@@ -607,7 +611,9 @@ class Service:
             [(s.tokens, s.logprobs, s.stopped) for s in sequences],
             sampler.model_path or BASE,
         )
-        meta = answers[0]["meta_info"]
+        first = answers[0]
+        assert isinstance(first, dict)  # one prompt a call: one object
+        meta = first["meta_info"]
         prompt = None
         top_rows = None
         if prompt_logprobs or top_prompt:
@@ -904,7 +910,7 @@ def create_app(cfg: TinkerServeConfig, service: Service) -> FastAPI:
     return app
 
 
-def serve(cfg: TinkerServeConfig, router_args: list[str] = (), sglang_args: list[str] = ()) -> None:
+def serve(cfg: TinkerServeConfig, router_args: Sequence[str] = (), sglang_args: Sequence[str] = ()) -> None:
     """Start the rollout servers behind the router, then the service in front of them, until interrupted.
 
     ``router_args`` / ``sglang_args``: the command line's ``--router-*`` / ``--sglang-*`` flags, for

@@ -31,7 +31,7 @@ import os
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -45,6 +45,10 @@ from inverted.rollout.sglang_client import ServerKeys
 from inverted.train.config import TrainConfig
 from inverted.train.shared_memory import reap_buckets
 from inverted.types import Sample
+
+if TYPE_CHECKING:
+    from inverted.train.trainer import Trainer
+    from inverted.train.weight_sync import WeightSync
 
 logger = logging.getLogger(__name__)
 
@@ -74,9 +78,16 @@ def settled(method: Callable) -> Callable:
 class TrainActor:
     """One training rank: its process group, its ``Trainer`` and its weight sync."""
 
-    trainer = None  # made by setup; let go of by finish
-    sync = None  # the weight sync, made on the first push (its servers known then)
+    trainer: Trainer | None = None  # made by setup; let go of by finish
+    sync: WeightSync | None = None  # the weight sync, made on the first push (its servers known then)
     saving: Future | None = None  # the background save under way
+
+    @property
+    def ready(self) -> Trainer:
+        """The rank's trainer, which ``setup`` made."""
+        if self.trainer is None:
+            raise RuntimeError("this training rank is not set up, or has finished")
+        return self.trainer
 
     def rendezvous(self) -> tuple[str, int]:
         host = ray.util.get_node_ip_address()
@@ -107,20 +118,20 @@ class TrainActor:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.parallel.world_size))
         init_parallel(cfg.parallel, cfg.seed)
         self.cfg, self.rank = cfg, rank
-        self.trainer = Trainer(cfg)
+        self.trainer = trainer = Trainer(cfg)
         if cfg.ckpt.load:
-            resume(self.trainer, cfg.ckpt.load)
+            resume(trainer, cfg.ckpt.load)
         freeze_startup_heap()
-        return self.trainer.step
+        return trainer.step
 
     @settled
     def train(self, batch: BatchRef, buffer: BufferAddress) -> dict[str, float]:
-        return self.trainer.train(read_samples(batch, buffer))
+        return self.ready.train(read_samples(batch, buffer))
 
     @settled
     def skip(self, step: int) -> None:
         """A rollout with nothing to train on still counts, so checkpoints and resumes stay in step."""
-        self.trainer.step = step + 1
+        self.ready.step = step + 1
 
     @settled
     def sync_weights(self, urls: list[str], version: str, keys: ServerKeys | None = None) -> dict[str, float] | None:
@@ -134,19 +145,19 @@ class TrainActor:
                 self.cfg.output_dir,
                 urls,
                 keys=keys or ServerKeys(),
-                adapter=self.trainer.adapter_config(),
+                adapter=self.ready.adapter_config(),
             )
         # A changed server set (a replaced server, or one new server getting the current weights)
         # reuses this sync and its buckets: the servers may still map the buckets' shared memory.
         self.sync.urls = list(urls)
-        report = self.trainer.sync_weights(self.sync, version)
+        report = self.ready.sync_weights(self.sync, version)
         return report.metrics() if report is not None else None
 
     @settled
     def save(self, root: str) -> str:
         from inverted.train.checkpoint import save_checkpoint
 
-        return str(save_checkpoint(self.trainer, root))
+        return str(save_checkpoint(self.ready, root))
 
     @settled
     def save_for_restart(self, root: str) -> None:
@@ -156,7 +167,7 @@ class TrainActor:
         from inverted.train.checkpoint import save_checkpoint
 
         def save() -> None:
-            kept = save_checkpoint(self.trainer, root)
+            kept = save_checkpoint(self.ready, root)
             if self.rank == 0:  # every rank's file of the new iteration is written (the save's barrier)
                 for old in Path(root).glob("iter_*"):
                     if old != kept:
@@ -213,7 +224,7 @@ class TrainGroup:
     ) -> None:
         """``node``: custom resources each rank's node must offer (``placement.node_resource``)."""
         gpus = cuda_available()
-        bundle = ({"GPU": 1, "CPU": 1} if gpus else {"CPU": 0.01}) | (node or {})
+        bundle: dict[str, float] = ({"GPU": 1.0, "CPU": 1.0} if gpus else {"CPU": 0.01}) | (node or {})
         self.group = placement_group([bundle] * cfg.parallel.world_size, strategy="PACK")
         try:
             ray.get(self.group.ready(), timeout=PLACEMENT_TIMEOUT_S)
@@ -225,7 +236,7 @@ class TrainGroup:
                 f"{ray.available_resources()} free"
             ) from None
         remote = ray.remote(TrainActor)
-        self.actors = [
+        self.actors: list[Any] = [  # Ray's handles: each method is called by its .remote
             remote.options(
                 num_cpus=0.01 if not gpus else 1,
                 num_gpus=gpu_fraction if gpus else 0,

@@ -126,5 +126,14 @@ class DetailsReader:
         )
         if not row:
             return None
-        *head, log_probs, advantages = row
-        return Detail(*head, np.frombuffer(log_probs, dtype="<f4"), np.frombuffer(advantages, dtype="<f4"))
+        group, index, branch, step, mismatch, advantage, log_probs, advantages = row
+        return Detail(
+            group,
+            index,
+            branch,
+            step,
+            mismatch,
+            advantage,
+            np.frombuffer(log_probs, dtype="<f4"),
+            np.frombuffer(advantages, dtype="<f4"),
+        )

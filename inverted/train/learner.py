@@ -30,7 +30,7 @@ from inverted.train.config import AdapterConfig, TrainConfig
 from inverted.train.optimizer import set_adam
 from inverted.train.packing import MicroBatch, pack
 from inverted.train.trainer import Trainer
-from inverted.train.weight_sync import make_weight_sync
+from inverted.train.weight_sync import WeightSync, make_weight_sync
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +75,7 @@ class Learner:
         else:
             cfg = dataclasses.replace(cfg, lora=AdapterConfig())
         self.trainer = Trainer(cfg)
-        self._sync = None
+        self._sync: WeightSync | None = None
 
     @property
     def spec(self):

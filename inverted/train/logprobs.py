@@ -176,8 +176,9 @@ class _FusedHead(torch.autograd.Function):
             if size > 1:
                 torch.distributed.all_reduce(sums, group=group)
             head = _from_sums(sums, True, keep is not None)
+            assert head.entropy is not None  # asked for
             logprobs[part], entropy[part] = head.logprobs, head.entropy
-            unmasked[part] = head.unmasked if keep is not None else head.logprobs
+            unmasked[part] = head.unmasked if head.unmasked is not None else head.logprobs
             log_z[part] = row_max + sums[0].log()
             mean_z[part] = row_max + sums[2] / sums[0]
         ctx.save_for_backward(hidden, weight, targets, log_z, mean_z)
@@ -211,11 +212,11 @@ class _FusedHead(torch.autograd.Function):
             grad_z[on_slice, local[on_slice]] += g_logp[on_slice, 0]
             grad_logits = grad_z.div_(temperature).to(hidden.dtype)
             del grad_z
-            if want_hidden:
+            if grad_hidden is not None:
                 grad_hidden[part] = grad_logits @ weight
-            if want_weight:
+            if grad_weight is not None:
                 grad_weight += (grad_logits.t() @ hidden[part]).float()
-        return grad_hidden, grad_weight.to(weight.dtype) if want_weight else None, None, None, None, None
+        return grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None, None, None, None, None
 
 
 def fused_logprobs_and_entropy(

@@ -86,7 +86,8 @@ class LoRA(torch.nn.Module):
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
         super().__init__()
-        self.spec, self.layout, self.modules, self.config = spec, layout, modules, config
+        # the projections it adapts (not `modules`: that would hide torch.nn.Module.modules())
+        self.spec, self.layout, self.targets, self.config = spec, layout, modules, config
         self.tp = parallel_state.get_tensor_model_parallel_world_size()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.enabled = True
@@ -127,7 +128,7 @@ class LoRA(torch.nn.Module):
         )
 
         x = F.dropout(x, self.config.dropout, self.training) if self.config.dropout else x
-        a = torch.cat([self.A[m] for m in self.modules]) if len(self.modules) > 1 else self.A[self.modules[0]]
+        a = torch.cat([self.A[m] for m in self.targets]) if len(self.targets) > 1 else self.A[self.targets[0]]
         low = x @ a.t()
         if self.layout == "row":
             return reduce_from_tensor_model_parallel_region(low)
@@ -142,27 +143,27 @@ class LoRA(torch.nn.Module):
         (``qkv_b``), each part reading its own ``rank`` columns of ``low``."""
         r, s = self.config.rank, self.config.scaling
         if self.layout == "gate_up":
-            n = self.B[self.modules[0]].shape[0]  # gate's local rows, then up's
+            n = self.B[self.targets[0]].shape[0]  # gate's local rows, then up's
             block = {m: i for i, m in enumerate(LINEARS["mlp.linear_fc1"][1])}
             spans = tuple(
-                (slice(j * r, (j + 1) * r), slice(block[m] * n, (block[m] + 1) * n)) for j, m in enumerate(self.modules)
+                (slice(j * r, (j + 1) * r), slice(block[m] * n, (block[m] + 1) * n)) for j, m in enumerate(self.targets)
             )
-            return spans, [self.B[m] * s for m in self.modules]
-        b = self.qkv_b() if self.layout == "qkv" else self.B[self.modules[0]] * s
+            return spans, [self.B[m] * s for m in self.targets]
+        b = self.qkv_b() if self.layout == "qkv" else self.B[self.targets[0]] * s
         return ((slice(None), slice(None)),), [b]
 
     def qkv_b(self) -> torch.Tensor:
         """The q/k/v parts' ``B`` (scaled) as one matrix laid out as the fused weight's local rows, each
         part reading its own ``rank`` columns of the low-rank activations (zeros elsewhere, and for
         parts not adapted): one small product yields the whole fused output."""
-        r, k, shapes = self.config.rank, len(self.modules), module_shapes(self.spec)
+        r, k, shapes = self.config.rank, len(self.targets), module_shapes(self.spec)
         blocks = []
         for m in LINEARS["self_attention.linear_qkv"][1]:
-            if m in self.modules:
-                j = self.modules.index(m)
+            if m in self.targets:
+                j = self.targets.index(m)
                 blocks.append(F.pad(self.B[m] * self.config.scaling, (j * r, (k - j - 1) * r)))
             else:
-                blocks.append(self.B[self.modules[0]].new_zeros(shapes[m][0] // self.tp, k * r))
+                blocks.append(self.B[self.targets[0]].new_zeros(shapes[m][0] // self.tp, k * r))
         groups = self.spec.num_kv_heads // self.tp  # q, k, v rows interleaved per query group
         return torch.cat([b.reshape(groups, -1, k * r) for b in blocks], dim=1).reshape(-1, k * r)
 
@@ -275,7 +276,7 @@ def disabled(model) -> Iterator[None]:
 def adapter_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
     """This stage's adapter as full tensors with PEFT's names (every TP rank must iterate: gathers)."""
     for layer, lora in adapters(model):
-        for module in lora.modules:
+        for module in lora.targets:
             for which in ("A", "B"):
                 yield tensor_name(layer, module, which), lora.gather(module, which).contiguous()
 
@@ -285,7 +286,7 @@ def load_adapter(model, spec: ModelSpec, config: LoRAConfig, tensors: dict[str, 
     pairs = check_tensors(config, tensors, spec)
     with torch.no_grad():
         for layer, lora in adapters(model):
-            for module in lora.modules:
+            for module in lora.targets:
                 if (layer, module) not in pairs:
                     raise ModelError(f"--lora-adapter-path lacks layer {layer} {module}")
                 a, b = pairs[layer, module]

@@ -193,7 +193,7 @@ def apply() -> None:
     if getattr(torch.cuda.current_device, "_inverted_cpu", False):
         return
     # 1. current_device: every `device=torch.cuda.current_device()` becomes the CPU.
-    torch.cuda.current_device = functools.wraps(torch.cuda.current_device)(_cpu_device)
+    torch.cuda.current_device = functools.wraps(torch.cuda.current_device)(_cpu_device)  # type: ignore[assignment]
     torch.cuda.current_device._inverted_cpu = True  # type: ignore[attr-defined]
 
     # 2. The RNG tracker: Megatron reads it through get_cuda_rng_tracker(); give it ours.
@@ -201,7 +201,7 @@ def apply() -> None:
     mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
 
     # 3. Pipeline parallelism: the tied output layer's .cuda(), the schedule's synchronize() and its token counter.
-    torch.Tensor.cuda = _on_cpu
+    torch.Tensor.cuda = _on_cpu  # type: ignore[method-assign,assignment]  # patching torch is this module's job
     torch.cuda.synchronize = _no_stream
     schedules.torch = _TorchOnCPU()
 

@@ -170,7 +170,7 @@ class RMSNorm(torch.nn.RMSNorm):
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5) -> None:
         super().__init__(hidden_size, eps=eps)
-        self.weight.sequence_parallel = config.sequence_parallel
+        self.weight.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]  # Megatron's mark
 
 
 def layer_spec(spec: ModelSpec, te: bool, config):

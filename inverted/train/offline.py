@@ -19,7 +19,7 @@ import torch
 import yaml
 
 from inverted.config import to_flags
-from inverted.errors import SampleError
+from inverted.errors import ConfigError, SampleError
 from inverted.hf_checkpoint import ModelSpec
 from inverted.plugins import DUMP_FORMATS
 from inverted.train.config import TrainConfig
@@ -29,7 +29,9 @@ from inverted.types import Sample, unfold_siblings
 logger = logging.getLogger(__name__)
 
 
-def read_rollout_data(template: str, rollout_id: int) -> list[Sample]:
+def read_rollout_data(template: str | None, rollout_id: int) -> list[Sample]:
+    if template is None:
+        raise ConfigError("--debug-train-only trains on --load-debug-rollout-data, which is not set")
     path = Path(template.format(rollout_id=rollout_id))
     if path.suffix in DUMP_FORMATS:
         return DUMP_FORMATS[path.suffix].read(path)

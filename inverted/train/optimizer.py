@@ -23,7 +23,8 @@ NORM_CHUNK = 1 << 20
 
 class CPUAdamW:
     def __init__(self, cfg: OptimConfig, model: torch.nn.Module) -> None:
-        decay, no_decay = [], []
+        decay: list[torch.nn.Parameter] = []
+        no_decay: list[torch.nn.Parameter] = []
         for name, param in model.named_parameters():
             if param.requires_grad:
                 (no_decay if name.endswith(".bias") or param.ndim == 1 else decay).append(param)

@@ -109,7 +109,7 @@ class RoutingReplay:
         """What sample ``index``'s prompt must share with another's to be run once: its tokens' experts, as
         a digest (a long prompt's record of a large MoE is tens of MB; every sample's is held at once)."""
         prompt = self.routes_of(index)[: self.samples[index].prompt_length]
-        return hashlib.blake2b(prompt.numpy(), digest_size=16).digest()
+        return hashlib.blake2b(prompt.numpy().data, digest_size=16).digest()
 
     @contextlib.contextmanager
     def forward(self, mb: MicroBatch, action: str) -> Iterator[None]:

@@ -112,7 +112,7 @@ def _check_kept_sets(sample: Sample, spec: ModelSpec, where: str) -> None:
     if sample.rollout_top_p_token_ids is None:
         return
     ids = np.asarray(sample.rollout_top_p_token_ids, dtype=np.int64)
-    lengths = np.diff(np.asarray(sample.rollout_top_p_token_offsets, dtype=np.int64))
+    lengths: np.ndarray = np.diff(np.asarray(sample.rollout_top_p_token_offsets, dtype=np.int64))
     if len(ids) and ids.max() >= spec.vocab_size:
         raise SampleError(
             f"{where}: rollout_top_p_token_ids holds {ids.max()}, outside the vocabulary ({spec.vocab_size})"
@@ -274,8 +274,8 @@ class Trainer:
         # loss plug-in reads the logits themselves.
         self.fused_head = cfg.logprob_chunk_size > 0 and self.plugins.loss is None
         # on-policy distillation with the teacher in the trainer (--distill teacher)
-        self.teacher = (
-            self._frozen(checkpoint_tensors(cfg.loss.distill_teacher)) if cfg.loss.distill == "teacher" else None
+        self.teacher = (  # a checkpoint is given exactly when --distill teacher (LossConfig.validate)
+            self._frozen(checkpoint_tensors(cfg.loss.distill_teacher)) if cfg.loss.distill_teacher else None
         )
         self.details: details.DetailsWriter | None = None  # opened by rank 0 at its first write
 
@@ -519,6 +519,7 @@ class Trainer:
         if distill:
             if self.teacher is not None:
                 teacher_logp = self._all_samples(self._no_grad_logprobs(self.teacher, all_mbs), len(samples))
+            assert teacher_logp is not None  # else --distill samples: the Samples' own (_rewards)
             advantages, reverse_kl = losses.distillation_penalty(
                 advantages, self._all_samples(old_logp, len(samples)), teacher_logp, loss.distill_kl_coef
             )
@@ -664,6 +665,7 @@ class Trainer:
         )
 
         logp, entropy, unmasked = self._logprobs(self.model, mb, output, with_entropy=True)
+        assert entropy is not None  # asked for
         old = tokens.take("old_logp", mb.indices) if tokens.old_logp else logp.detach()
         recorded = ~rollout.isnan()  # tokens whose sampler recorded a log-prob; the old one stands in elsewhere
         rollout = torch.where(recorded, rollout, old.detach())

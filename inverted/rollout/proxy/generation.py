@@ -43,7 +43,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator
 
 from inverted.errors import ServiceUnavailable
 from inverted.rollout.sglang_client import (
@@ -99,7 +99,7 @@ async def sample_turn(
     routes_version: str | None = None,
     server_loss_wait: float = 0.0,
     mask_top_k: int = 0,
-) -> AsyncIterator[Sampled]:
+) -> AsyncGenerator[Sampled, None]:
     """Yield the turn's state as it grows; the last state yielded has ``finish`` set. ``lora_path``: the
     LoRA adapter to sample from (None: the base model); ``routes_from``: ask for the routed experts of
     the tokens from this position on (None: not at all), earlier turns' record of the rest having been made
@@ -144,9 +144,10 @@ async def sample_turn(
                 state.routes = read_routed_experts(body)  # the last chunk (or answer) of a call carries them
                 unconstrained = read_unconstrained_logprobs(body)
                 del state.unconstrained[kept:]
-                state.unconstrained += (
-                    unconstrained if unconstrained and len(unconstrained) == len(ids) else [None] * len(ids)
-                )
+                fresh: list[float | None] = [None] * len(ids)
+                if unconstrained and len(unconstrained) == len(ids):
+                    fresh = list(unconstrained)
+                state.unconstrained += fresh
                 if routes_from is not None and finish is not None and finish.get("type") != "abort":
                     await _settle_routes(client, state, prompt_ids, routes_from, routes_version, versions, lora_path)
                 if finish is None or finish.get("type") != "abort":
@@ -219,7 +220,7 @@ async def _settle_routes(
     state.routes, state.routes_from = read_routed_experts(await client.generate(payload)), 0
 
 
-async def scripted_turn(ids: list[int], budget: int) -> AsyncIterator[Sampled]:
+async def scripted_turn(ids: list[int], budget: int) -> AsyncGenerator[Sampled, None]:
     """A given reply as a finished turn: its ids cut at ``budget`` (``max_new_tokens``), as a server cuts
     a reply, and log-probs of 0.0 that the session's Samples leave out."""
     kept = ids[:budget]
@@ -234,5 +235,5 @@ async def scripted_turn(ids: list[int], budget: int) -> AsyncIterator[Sampled]:
     )
 
 
-async def _single(call) -> AsyncIterator[Any]:
+async def _single(call) -> AsyncGenerator[Any, None]:
     yield await call

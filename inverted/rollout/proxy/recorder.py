@@ -23,7 +23,7 @@ import json
 import time
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -85,7 +85,7 @@ class ProxyMetrics:
             ("expired", "sessions finished by the idle timeout"),
         ):
             Gauge(f"inverted_proxy_sessions_{name}_total", doc, registry=r).set_function(
-                lambda name=name: sessions.counts[name]
+                lambda name=name: sessions.counts[name]  # type: ignore[misc]  # (mypy cannot type a default's lambda)
             )
         Gauge("inverted_proxy_sessions_active", "sessions not yet finished", registry=r).set_function(
             lambda: sessions.active
@@ -112,6 +112,18 @@ class Choice:
     def lead(self) -> str:
         """Text before the reply that the reply continues: an open think block, a forced call's opening."""
         return self.opened + self.forced
+
+    @property
+    def ended(self) -> Output:
+        """The choice's Output, once it was sampled."""
+        assert self.output is not None, f"choice {self.index} has not been sampled"
+        return self.output
+
+    @property
+    def sampled(self) -> Sampled:
+        """The choice's last sampling state, once it started."""
+        assert self.state is not None, f"choice {self.index} has not started sampling"
+        return self.state
 
 
 class Recorder:
@@ -168,24 +180,23 @@ class Recorder:
 
     def _incoming(self, req: CallRequest) -> History:
         if req.kind == "text":
-            return req.prompt
-        return (tools_key(req.tools), tuple(m.key for m in req.messages))
+            return req.text
+        return (tools_key(req.tools), tuple(m.key for m in req.chat))
 
     def _fresh_prompt(self, req: CallRequest) -> list[int]:
         if req.kind == "text":
-            return self.renderer.encode(req.prompt)
-        return self.renderer.prompt_ids(req.messages, req.tools, thinking=self._thinking(req))
+            return self.renderer.encode(req.text)
+        return self.renderer.prompt_ids(req.chat, req.tools, thinking=self._thinking(req))
 
     def _bridge(self, placement: Placement, req: CallRequest) -> list[int]:
         branch = placement.branch
+        assert placement.base_turn is not None  # a bridge extends a recorded turn
         turn = branch.turns[placement.base_turn]
         sampled = branch.tokens[turn.start : turn.end]
         size = placement.extended  # its history's, or its echo's (a caller that saw no hosted round)
         if req.kind == "text":
-            return self.renderer.encode(req.prompt[size:])
-        return self.renderer.bridge(
-            req.messages[:size], req.messages[size:], req.tools, sampled, thinking=self._thinking(req)
-        )
+            return self.renderer.encode(req.text[size:])
+        return self.renderer.bridge(req.chat[:size], req.chat[size:], req.tools, sampled, thinking=self._thinking(req))
 
     def _thinking(self, req: CallRequest) -> bool | None:
         """The template's thinking switch for this call, where it has one and the call asked; a call that
@@ -213,11 +224,11 @@ class Recorder:
         if placement is not None and placement.base_turn is not None:
             skip, held = placement.extended, placement.branch.turns[placement.base_turn].end
         if req.kind == "text":
-            chars = len(req.prompt) - skip
+            chars = len(req.text) - skip
         else:
             chars = sum(
-                len(m.content) + len(m.name or "") + sum(len(c.name) + len(c.arguments) for c in m.tool_calls)
-                for m in req.messages[skip:]
+                len(m.content) + len(m.name or "") + sum([len(c.name) + len(c.arguments) for c in m.tool_calls])
+                for m in req.chat[skip:]
             )
             chars += 0 if skip else sum(len(json.dumps(tool, separators=(",", ":"))) for tool in req.tools or [])
         room = self.context_length - held - 1  # a longer max_tokens is cut to what is left (_check_context)
@@ -265,7 +276,7 @@ class Recorder:
         prompt = (
             None
             if first.base_turn is not None
-            else [m.to_template() for m in req.messages]
+            else [m.to_template() for m in req.chat]
             if req.kind == "chat"
             else req.prompt
         )
@@ -368,7 +379,7 @@ class Recorder:
         try:
             answer = await self._complete(session, req)
         except BaseException:
-            if future is not None:
+            if replay_key is not None and future is not None:
                 del session.replays[replay_key]
                 future.cancel()
             raise
@@ -415,7 +426,7 @@ class Recorder:
         history, text = req.shown or (self._incoming(req), "")
         return dataclasses.replace(
             req,
-            messages=hosted.follow_up(req.messages, output.reply, ran),
+            messages=hosted.follow_up(req.chat, output.reply, ran),
             force_call=None,
             max_tokens=left,
             on_recorded=None,
@@ -437,7 +448,7 @@ class Recorder:
             async with asyncio.TaskGroup() as group:  # one failed choice cancels the others
                 for choice in choices:
                     group.create_task(run(choice))
-            answer.outputs = [c.output for c in choices]
+            answer.outputs = [c.ended for c in choices]
             succeeded = True
         except BaseExceptionGroup as failed:
             raise failed.exceptions[0] from None
@@ -446,7 +457,7 @@ class Recorder:
         self.metrics.latency.observe(time.monotonic() - started)
         return answer
 
-    async def stream(self, session: Session, req: CallRequest) -> AsyncIterator[Event]:
+    async def stream(self, session: Session, req: CallRequest) -> AsyncGenerator[Event, None]:
         """The ``Answer`` once the call is placed, then each choice's ``Delta``s as tokens arrive
         (choices interleaved) and its ``Output`` as it ends; the call is recorded before the end.
         A reply whose hosted calls ran is a ``Hosted`` event, and the next reply's events follow."""
@@ -464,6 +475,7 @@ class Recorder:
                         held = event  # the call's answer only once its hosted calls are known
                     else:
                         yield event
+            assert opened is not None  # every round opens with its Answer
             if held is None:
                 break
             after = await self._run_hosted(session, req, held, rounds)
@@ -477,7 +489,7 @@ class Recorder:
         if req.on_recorded is not None:
             req.on_recorded(opened)
 
-    async def _stream_round(self, session: Session, req: CallRequest) -> AsyncIterator[Event]:
+    async def _stream_round(self, session: Session, req: CallRequest) -> AsyncGenerator[Event, None]:
         """One reply's events (``stream`` without hosted rounds)."""
         started = time.monotonic()
         choices = await self._start(session, req)
@@ -526,7 +538,7 @@ class Recorder:
         async with session.opening:
             return await self._open(session, req)
 
-    async def _sample(self, req: CallRequest, choice: Choice, *, stream: bool) -> AsyncIterator[Sampled]:
+    async def _sample(self, req: CallRequest, choice: Choice, *, stream: bool) -> AsyncGenerator[Sampled, None]:
         """Sample one choice, yielding its growing state; when done, its sampled ids join the branch and
         ``choice.turn`` and ``choice.output`` are set (``_settle`` records the turn or rolls the branch back)."""
         created = time.time()
@@ -554,10 +566,10 @@ class Recorder:
                 server_loss_wait=self.config.proxy_server_loss_wait,
                 mask_top_k=self.config.sampling_mask_top_k,
             )
-        async for state in replies:
-            choice.state = state
-            yield state
-        state = choice.state
+        async for update in replies:
+            choice.state = update
+            yield update
+        state = choice.sampled
         text, stop = self._decode(state, req.sampling.get("stop", []))
         text = choice.lead + text
         reply = self.parser.parse(text) if req.parse_tools else ParsedReply(content=text)
@@ -608,10 +620,10 @@ class Recorder:
                 self.metrics.turns.inc()
                 self.metrics.prompt_tokens.inc(choice.prompt_len)
                 self.metrics.completion_tokens.inc(turn.end - turn.start)
-                self.metrics.resumes.inc(choice.state.resumes)
-                self.metrics.retries.inc(choice.state.retries)
+                self.metrics.resumes.inc(choice.sampled.resumes)
+                self.metrics.retries.inc(choice.sampled.retries)
 
-    async def _stream_choice(self, req: CallRequest, choice: Choice) -> AsyncIterator[Delta | Output]:
+    async def _stream_choice(self, req: CallRequest, choice: Choice) -> AsyncGenerator[Delta | Output, None]:
         """One choice's visible text as it grows (tool-call text held back), the rest of its content, its Output."""
         sent = 0
         async with aclosing(self._sample(req, choice, stream=True)) as updates:
@@ -621,7 +633,7 @@ class Recorder:
                 if len(visible) > sent:
                     yield Delta(choice.index, visible[sent:])
                     sent = len(visible)
-        output = choice.output
+        output = choice.ended
         final = (output.reply.content or "") if req.kind == "chat" else output.text
         if len(final) > sent:
             yield Delta(choice.index, final[sent:])
@@ -665,8 +677,8 @@ class Recorder:
         )
 
     def _history_after(self, req: CallRequest, incoming: History, reply: ParsedReply) -> History:
-        if req.kind == "text":
-            return incoming + reply.content
+        if isinstance(incoming, str):  # a text call's
+            return incoming + (reply.content or "")
         message = Message(role="assistant", content=reply.content or "", tool_calls=tuple(reply.tool_calls))
         tools, keys = incoming
         return (tools, keys + (message.key,))
@@ -690,6 +702,7 @@ def recorded_logprobs(state: Sampled, constrained: bool, mode: str) -> tuple[lis
         return state.logprobs, [1] * n, None
     if mode == "constrained":
         return state.logprobs, [1] * n, "constrained"
-    if mode == "policy" and None not in state.unconstrained:
-        return list(state.unconstrained), [1] * n, "policy"
+    unconstrained = [lp for lp in state.unconstrained if lp is not None]
+    if mode == "policy" and len(unconstrained) == n:
+        return unconstrained, [1] * n, "policy"
     return [0.0] * n, [0] * n, "masked"  # mask-0 tokens carry logprob 0.0, as tool output does

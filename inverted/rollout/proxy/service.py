@@ -42,7 +42,7 @@ import logging
 import re
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
-from typing import Annotated, Any, AsyncIterator, Awaitable, Callable
+from typing import Annotated, Any, AsyncGenerator, Awaitable, Callable
 
 import orjson
 from fastapi import Depends, FastAPI, Request
@@ -217,7 +217,9 @@ async def _json(request: Request) -> tuple[Any, bytes]:
         raise InvalidRequest(f"We could not parse the JSON body of your request ({exc})", code="invalid_json") from None
 
 
-async def _sse(api: apis.Api, events: AsyncIterator[tuple[str | None, dict[str, Any]]]) -> AsyncIterator[bytes]:
+async def _sse(
+    api: apis.Api, events: AsyncGenerator[tuple[str | None, dict[str, Any]], None]
+) -> AsyncGenerator[bytes, None]:
     """SSE events. When the agent hangs up, Starlette cancels this stream; closing ``events`` then
     rolls the call back and ends its engine request."""
     sent = 0
@@ -257,6 +259,7 @@ async def _call(request: Request, session: Session, api: apis.Api) -> Response:
 
 async def _count(request: Request, session: Session, api: apis.Api) -> Response:
     """How many tokens a request's prompt renders to, as its API answers a count (nothing is recorded)."""
+    assert api.count is not None  # the route exists only for an API that counts
     parse, answer = api.count
     body, _ = await _json(request)
     req = parse(body)
@@ -264,7 +267,7 @@ async def _count(request: Request, session: Session, api: apis.Api) -> Response:
     return JSONResponse(answer(await request.app.state.recorder.count(req)))
 
 
-async def _prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+async def _prepend(first: Any, rest: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
     async with aclosing(rest):  # closing this closes the call's own stream too
         yield first
         async for item in rest:
@@ -284,7 +287,7 @@ def _samples(session: Session, samples: list[Sample]) -> SamplesResponse:
 
 def create_app(config: ProxyConfig) -> FastAPI:
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncGenerator[None, None]:
         from inverted.hf_checkpoint import context_length, load_tokenizer  # torch: in the service, not on import
 
         tokenizer = load_tokenizer(config.tokenizer, config.chat_template)
@@ -455,7 +458,7 @@ def _add_session_routes(app: FastAPI) -> None:
     @app.get("/sessions/{session_id}/samples")
     async def samples(session_id: str, request: Request) -> SamplesResponse:
         session = _session(request, session_id, admin=True)
-        return _samples(session, session.samples if session.finished else session.build_samples())
+        return _samples(session, session.samples if session.samples is not None else session.build_samples())
 
 
 def _add_api_routes(app: FastAPI) -> None:

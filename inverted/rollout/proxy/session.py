@@ -74,8 +74,8 @@ def joined_routes(turns: list[Turn]) -> str | None:
     the whole sequence's where a turn read them again after a weight update) as one record of the whole
     branch; None unless every turn from the last whole one has its part."""
     whole = max((i for i, turn in enumerate(turns) if turn.routes_from == 0), default=0)
-    parts = [turn.routes for turn in turns[whole:]]
-    if not parts or any(part is None for part in parts):
+    parts = [turn.routes for turn in turns[whole:] if turn.routes is not None]
+    if not parts or len(parts) < len(turns) - whole:
         return None
     if len(parts) == 1:
         return parts[0]
@@ -136,12 +136,13 @@ class Turn:
         )
 
 
-def kept_sets(turns: list[Turn], start: int, end: int) -> dict[str, list[int]]:
+def kept_sets(turns: list[Turn], start: int, end: int) -> tuple[list[int], list[int]] | tuple[None, None]:
     """The Sample's ``rollout_top_p_token_ids`` and ``..._offsets`` for tokens[start:end]: each sampled
     token's kept set from its turn, an empty range for the rest; nothing where no turn recorded any."""
     if not any(turn.kept for turn in turns):
-        return {}
-    ids, offsets, position = [], [0], start
+        return None, None
+    ids: list[int] = []
+    offsets, position = [0], start
     for turn in turns:
         offsets += [offsets[-1]] * (turn.start - position)  # glue and tool output before the turn
         for kept in turn.kept or [[] for _ in range(turn.start, turn.end)]:
@@ -149,7 +150,7 @@ def kept_sets(turns: list[Turn], start: int, end: int) -> dict[str, list[int]]:
             offsets.append(len(ids))
         position = turn.end
     offsets += [offsets[-1]] * (end - position)
-    return {"rollout_top_p_token_ids": ids, "rollout_top_p_token_offsets": offsets}
+    return ids, offsets
 
 
 @dataclass(slots=True, eq=False)  # identity, not value: two branches may hold the same tokens
@@ -206,6 +207,7 @@ class Branch:
             if last == "length" or base.status == Sample.Status.TRUNCATED
             else Sample.Status.COMPLETED
         )
+        kept_ids, kept_offsets = kept_sets(self.turns, start, end)
         return Sample(
             group_index=base.group_index,
             index=base.index,
@@ -221,7 +223,8 @@ class Branch:
             session_id=base.session_id,
             metadata={**base.metadata, "turns": [t.record() for t in self.turns]},
             rollout_routed_experts=joined_routes(self.turns),
-            **kept_sets(self.turns, start, end),
+            rollout_top_p_token_ids=kept_ids,
+            rollout_top_p_token_offsets=kept_offsets,
         )
 
 

@@ -68,7 +68,7 @@ def run_sglang(args: list[str]) -> None:
 
 def mapped_files() -> set[str]:
     """Every file some process on this machine has mapped (``/proc/*/maps``)."""
-    found = set()
+    found: set[str] = set()
     for maps in Path("/proc").glob("[0-9]*/maps"):
         try:
             found.update(
@@ -143,6 +143,7 @@ def main(argv: list[str]) -> int:
         )
         # this process started before PYTHONPATH named the stand-ins (and may have a sitecustomize of its own)
         spec = importlib.util.spec_from_file_location("inverted_sglang_stand_ins", Path(here) / "sitecustomize.py")
+        assert spec is not None and spec.loader is not None  # a file that exists, with a .py loader
         spec.loader.exec_module(importlib.util.module_from_spec(spec))
     child = os.fork()
     if child == 0:

@@ -84,7 +84,7 @@ class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 def _probed() -> bool:
     """Whether this lookup is an ``importlib.util.find_spec`` probe rather than an import."""
     probe = importlib.util.find_spec.__code__
-    frame = sys._getframe(2)
+    frame: types.FrameType | None = sys._getframe(2)
     while frame is not None:
         if frame.f_code is probe:
             return True

@@ -89,11 +89,13 @@ class BucketPacker:
         metadata: list[FlattenedTensorMetadata] = []
         targets: list[torch.Tensor] = []
         sources: list[torch.Tensor] = []
-        buffer, offset, index = None, 0, 0
-        previous, placed = self.placed, []
-        self.placed = placed
+        buffer: torch.Tensor | None = None
+        offset, index = 0, 0
+        placed: list[Placed] = []
+        previous, self.placed = self.placed, placed
 
         def filled() -> Bucket:
+            assert buffer is not None  # made with the bucket's first tensor
             copy_all(targets, sources)  # casting to the bucket's dtype on the way
             if bad := non_finite([(m.name, t) for m, t in zip(metadata, targets)]):
                 raise ModelError(
@@ -109,7 +111,7 @@ class BucketPacker:
             if metadata and offset + nbytes > self.capacity:
                 yield filled()
                 metadata, offset, index = [], 0, index + 1
-            if not metadata:
+            if buffer is None or not metadata:  # a new bucket
                 buffer = self._buffer(index % len(self.buffers), nbytes)
             spot = previous[len(placed)] if len(placed) < len(previous) else None
             if (

@@ -280,6 +280,7 @@ class DiskTransport(Transport):
         if bucket.index == 0:
             self.current = self.root / f"update-{uuid.uuid4().hex[:8]}"
             self.current.mkdir(parents=True)
+        assert self.current is not None, "a sync's buckets come in order"
         await asyncio.to_thread(write_safetensors_shard, self.current / f"model-{bucket.index:05d}.safetensors", bucket)
 
     async def finish(self, servers: list[SGLangClient], version: str) -> None:

@@ -11,7 +11,7 @@ module and one more line in ``APIS``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncGenerator, AsyncIterator, Callable
 
 from inverted.rollout.proxy.apis import (
     anthropic_messages,
@@ -30,7 +30,7 @@ class Api:
     route: str  # under {base_url} = /sessions/{id}/v1, and under /v1 with the session's token
     parse: Callable[[Any, Any], CallRequest]
     answer: Callable[[CallRequest, Answer], dict[str, Any]]
-    events: Callable[[CallRequest, AsyncIterator[Event]], AsyncIterator[tuple[str | None, dict[str, Any]]]]
+    events: Callable[[CallRequest, AsyncIterator[Event]], AsyncGenerator[tuple[str | None, dict[str, Any]], None]]
     error_body: Callable[[Failure], dict[str, Any]]
     stream_error: Callable[[Failure, int], tuple[str | None, dict[str, Any]]]  # (failure, events sent)
     done: bytes = b""  # what ends a stream after its last event

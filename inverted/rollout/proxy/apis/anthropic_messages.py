@@ -24,7 +24,7 @@ on the turn.
 from __future__ import annotations
 
 import json
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator, AsyncIterator
 
 from inverted.errors import InvalidRequest
 from inverted.rollout.chat import Message, ToolCall
@@ -121,7 +121,7 @@ def parse(body: Any, session: Any = None) -> CallRequest:
             tools.append(_tool(t, f"tools.{i}"))
     accepted: dict[str, str] = {}
     messages = _system(body.get("system")) + _messages(body["messages"], session, accepted)
-    mode, name = _tool_choice(body.get("tool_choice"))
+    mode, named = _tool_choice(body.get("tool_choice"))
     sampling = call.sampling({name: body.get(name) for name in ("temperature", "top_p", "top_k")})
     found = call.stops(body.get("stop_sequences"), "stop_sequences", most=16)
     if found:
@@ -136,7 +136,7 @@ def parse(body: Any, session: Any = None) -> CallRequest:
         stream=bool(body.get("stream")),
         max_tokens=body["max_tokens"],
         sampling=sampling,
-        force_call=call.forced_call(mode, name, tools),
+        force_call=call.forced_call(mode, named, tools),
         hosted=asks,
         accepted=accepted,
         hosted_limit=min((a.limit for a in asks if isinstance(a.limit, int)), default=None),
@@ -487,11 +487,10 @@ def answer(req: CallRequest, answer: Answer) -> dict[str, Any]:
     return _message(answer, blocks(output), _stop(output), answer.completion_tokens)
 
 
-async def events(req: CallRequest, stream: AsyncIterator[Event]) -> AsyncIterator[tuple[str | None, dict]]:
+async def events(req: CallRequest, stream: AsyncIterator[Event]) -> AsyncGenerator[tuple[str | None, dict], None]:
     def event(kind: str, **fields: Any) -> tuple[str, dict[str, Any]]:
         return kind, {"type": kind, **fields}
 
-    opened: Answer | None = None
     index = -1  # of the open block, or the last block
     open_block: str | None = None  # "thinking" | "text"
     thought = ""  # the open thinking block's text, which its signature signs
@@ -514,11 +513,10 @@ async def events(req: CallRequest, stream: AsyncIterator[Event]) -> AsyncIterato
         open_block = None
         return out
 
+    opened = await call.opened(stream)
+    yield event("message_start", message=_message(opened, [], (None, None), 0))
     async for item in stream:
-        if isinstance(item, Answer):
-            opened = item
-            yield event("message_start", message=_message(opened, [], (None, None), 0))
-        elif isinstance(item, Delta) and item.text:
+        if isinstance(item, Delta) and item.text:
             for reasoning, text in split.feed(item.text):
                 kind = "thinking" if reasoning else "text"
                 if open_block != kind:

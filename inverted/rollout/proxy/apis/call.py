@@ -18,8 +18,9 @@ import hmac
 import json
 import secrets
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, overload
 
 from inverted.errors import InvalidRequest, ServiceError
 from inverted.rollout.chat import THINK_CLOSE, THINK_OPEN, Message, ParsedReply, split_reasoning
@@ -89,6 +90,18 @@ class CallRequest:
     # round (``Turn.echo``).
     shown: tuple[Any, str] | None = None
 
+    @property
+    def chat(self) -> list[Message]:
+        """A chat call's messages (``kind == "chat"``)."""
+        assert self.messages is not None, "a text call has no messages"
+        return self.messages
+
+    @property
+    def text(self) -> str:
+        """A text call's prompt (``kind == "text"``)."""
+        assert self.prompt is not None, "a chat call has no prompt"
+        return self.prompt
+
 
 @dataclass(slots=True)
 class TokenLogprob:
@@ -157,6 +170,14 @@ class Hosted:
 Event = Answer | Delta | Hosted | Output
 
 
+async def opened(stream: AsyncIterator[Event]) -> Answer:
+    """A call's stream opens with its ``Answer``, which every later event belongs to."""
+    first = await anext(stream)
+    if not isinstance(first, Answer):
+        raise TypeError(f"a call's stream opens with its Answer, not a {type(first).__name__}")
+    return first
+
+
 @dataclass(slots=True)
 class Failure:
     """An error in neutral terms; each API writes it in its own body."""
@@ -177,7 +198,7 @@ def failure(exc: Exception) -> Failure:
         return Failure(exc.status, kind, str(exc), exc.param, exc.code)
     if isinstance(exc, ServiceError) and exc.status is not None and 400 <= exc.status < 500:
         # The engine refused what we sent (e.g. a sampling value it does not support): the caller's request.
-        message = exc.body
+        message: str | None = exc.body
         try:
             body = json.loads(exc.body)
             message = (
@@ -247,6 +268,10 @@ class ReasoningStream:
         return out
 
 
+@overload
+def reasoning_of(content: str) -> tuple[str | None, str]: ...
+@overload
+def reasoning_of(content: None) -> tuple[None, None]: ...
 def reasoning_of(content: str | None) -> tuple[str | None, str | None]:
     """A reply's content as its reasoning and its answer (None stays None)."""
     if content is None:

@@ -27,7 +27,7 @@ each with its reason on the turn.
 from __future__ import annotations
 
 import json
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator, AsyncIterator
 
 from inverted.errors import InvalidRequest
 from inverted.rollout.chat import Message, ToolCall, join_reasoning, new_call_id
@@ -449,17 +449,15 @@ def answer(req: CallRequest, answer: Answer) -> dict[str, Any]:
     return _response(answer, [_candidate(o, _parts(o, req.echo["thoughts"]), True) for o in answer.outputs], done=True)
 
 
-async def events(req: CallRequest, stream: AsyncIterator[Event]) -> AsyncIterator[tuple[str | None, dict]]:
+async def events(req: CallRequest, stream: AsyncIterator[Event]) -> AsyncGenerator[tuple[str | None, dict], None]:
     """One chunk per text delta; then each candidate's last chunk, with its calls and finish reason, and
     usage on the last. Those go once the call is recorded (the stream's end): a Gemini stream has no
     terminator, so clients hang up on the finish reason, and a call must not be cut short by it."""
-    opened: Answer | None = None
+    opened = await call.opened(stream)
     ended: list[Output] = []
     splits = [call.ReasoningStream() for _ in range(req.n)]
     async for item in stream:
-        if isinstance(item, Answer):
-            opened = item
-        elif isinstance(item, Delta) and item.text:
+        if isinstance(item, Delta) and item.text:
             for reasoning, text in splits[item.index].feed(item.text):
                 if reasoning and not req.echo["thoughts"]:
                     continue

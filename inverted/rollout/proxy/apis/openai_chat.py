@@ -14,7 +14,7 @@ SGLang's ``chat_template_kwargs``, OpenRouter's ``reasoning``) sets the template
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator, AsyncIterator
 
 from inverted.errors import InvalidRequest
 from inverted.rollout.chat import parse_messages
@@ -226,16 +226,14 @@ def envelope(
     return body
 
 
-async def events(req: CallRequest, stream: AsyncIterator[Event]) -> AsyncIterator[tuple[str | None, dict]]:
+async def events(req: CallRequest, stream: AsyncIterator[Event]) -> AsyncGenerator[tuple[str | None, dict], None]:
     """Chunks: each choice's role, its content as it grows, its tool calls in one delta, its finish; then usage."""
-    opened: Answer | None = None
+    opened = await call.opened(stream)
+    for index in range(req.n):
+        yield None, _chunk(opened, index, {"role": "assistant", "content": ""})
     splits = [call.ReasoningStream() for _ in range(req.n)]
     async for event in stream:
-        if isinstance(event, Answer):
-            opened = event
-            for index in range(req.n):
-                yield None, _chunk(opened, index, {"role": "assistant", "content": ""})
-        elif isinstance(event, Delta):
+        if isinstance(event, Delta):
             for reasoning, text in splits[event.index].feed(event.text):
                 yield None, _chunk(opened, event.index, {"reasoning_content" if reasoning else "content": text})
         elif isinstance(event, Output):

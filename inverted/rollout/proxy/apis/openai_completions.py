@@ -8,7 +8,7 @@ each position, that many most likely tokens, with ``text_offset``.
 from __future__ import annotations
 
 import itertools
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator, AsyncIterator
 
 from inverted.errors import InvalidRequest
 from inverted.rollout.proxy.apis import call, openai_shared
@@ -93,7 +93,7 @@ def logprobs(req: CallRequest, output: Output) -> dict[str, Any] | None:
     if output.logprobs is None:
         return None
     tokens = [t.token for t in output.logprobs]
-    offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=len(req.prompt)))
+    offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=len(req.prompt or "")))
     return {
         "tokens": tokens,
         "token_logprobs": [t.logprob for t in output.logprobs],
@@ -102,12 +102,10 @@ def logprobs(req: CallRequest, output: Output) -> dict[str, Any] | None:
     }
 
 
-async def events(req: CallRequest, stream: AsyncIterator[Event]) -> AsyncIterator[tuple[str | None, dict]]:
-    opened: Answer | None = None
+async def events(req: CallRequest, stream: AsyncIterator[Event]) -> AsyncGenerator[tuple[str | None, dict], None]:
+    opened = await call.opened(stream)
     async for event in stream:
-        if isinstance(event, Answer):
-            opened = event
-        elif isinstance(event, Delta):
+        if isinstance(event, Delta):
             yield None, _chunk(opened, event.index, event.text)
         elif isinstance(event, Output):
             yield None, _chunk(opened, event.index, "", finish=event.finish, logprobs=logprobs(req, event))

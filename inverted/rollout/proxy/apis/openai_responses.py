@@ -28,7 +28,7 @@ from __future__ import annotations
 import base64
 import itertools
 import json
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator, AsyncIterator
 
 from inverted.errors import InvalidRequest
 from inverted.rollout.chat import Message, ToolCall
@@ -457,7 +457,7 @@ def _text_schema(text: Any) -> dict[str, Any] | None:
     """``text.format`` as a JSON schema to constrain the reply with (``json_object``: any object)."""
     if text is None:
         return None
-    spec = text.get("format") if isinstance(text, dict) else "?"
+    spec: Any = text.get("format") if isinstance(text, dict) else "?"
     kind = spec.get("type") if isinstance(spec, dict) else None
     if spec is None or kind == "text":
         return None
@@ -571,7 +571,9 @@ def _hosted_item(ran: hosted.HostedCall, include: set[str]) -> dict[str, Any]:
             action["sources"] = [{"type": "url", "url": s.get("url", "")} for s in ran.result.sources]
         return {**item, "type": "web_search_call", "action": action}
     if ran.kind == "file_search":
-        results = [{"text": ran.result.text, "filename": None, "file_id": None, "score": None, "attributes": {}}]
+        results: list[dict[str, Any]] = [
+            {"text": ran.result.text, "filename": None, "file_id": None, "score": None, "attributes": {}}
+        ]
         return {
             **item,
             "type": "file_search_call",
@@ -648,7 +650,7 @@ HOSTED_STEPS = {
 }
 
 
-async def events(req: CallRequest, stream: AsyncIterator[Event]) -> AsyncIterator[tuple[str | None, dict]]:
+async def events(req: CallRequest, stream: AsyncIterator[Event]) -> AsyncGenerator[tuple[str | None, dict], None]:
     """The documented event sequence: a thinking model's reasoning in a reasoning item, then text
     deltas as tokens arrive, in a message item per reply; each hosted call as its own item once it
     ran; each function call whole at the end."""
@@ -657,7 +659,9 @@ async def events(req: CallRequest, stream: AsyncIterator[Event]) -> AsyncIterato
     def event(kind: str, **fields: Any) -> tuple[str, dict[str, Any]]:
         return kind, {"type": kind, "sequence_number": next(numbers), **fields}
 
-    opened: Answer | None = None
+    opened = await call.opened(stream)
+    yield event("response.created", response=response(req, opened, [], done=False))
+    yield event("response.in_progress", response=response(req, opened, [], done=False))
     items: list[dict[str, Any]] = []  # done, in order
     texting: dict[str, Any] | None = None  # the open message item
     thinking: dict[str, Any] | None = None  # the open reasoning item, and its text so far
@@ -680,6 +684,7 @@ async def events(req: CallRequest, stream: AsyncIterator[Event]) -> AsyncIterato
 
     def close_reasoning() -> list[tuple[str, dict[str, Any]]]:
         nonlocal thinking
+        assert thinking is not None  # called only while a reasoning item is open
         done = _reasoning_item(thinking["id"], thought, req.echo)
         at = {"item_id": done["id"], "output_index": len(items), "content_index": 0}
         thinking = None
@@ -711,6 +716,7 @@ async def events(req: CallRequest, stream: AsyncIterator[Event]) -> AsyncIterato
 
     def close_message(text: str, output: Output | None, status: str) -> list[tuple[str, dict[str, Any]]]:
         nonlocal texting
+        assert texting is not None  # called only while a message item is open
         done = _message_item(texting["id"], text, output, status)
         part, at = done["content"][0], {"item_id": done["id"], "output_index": len(items), "content_index": 0}
         texting = None
@@ -763,16 +769,13 @@ async def events(req: CallRequest, stream: AsyncIterator[Event]) -> AsyncIterato
         return out
 
     async for item in stream:
-        if isinstance(item, Answer):
-            opened = item
-            yield event("response.created", response=response(req, opened, [], done=False))
-            yield event("response.in_progress", response=response(req, opened, [], done=False))
-        elif isinstance(item, Delta) and item.text:
+        if isinstance(item, Delta) and item.text:
             for reasoning, text in split.feed(item.text):
                 if reasoning:
                     for ev in open_reasoning() if thinking is None else []:
                         yield ev
                     thought += text
+                    assert thinking is not None  # opened above
                     yield event(
                         "response.reasoning_text.delta",
                         item_id=thinking["id"],
@@ -785,6 +788,7 @@ async def events(req: CallRequest, stream: AsyncIterator[Event]) -> AsyncIterato
                     open_message() if texting is None else []
                 ):
                     yield ev
+                assert texting is not None  # opened above
                 yield event(
                     "response.output_text.delta",
                     item_id=texting["id"],
