@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import subprocess
 import sys
@@ -188,12 +189,28 @@ def run_measured(command: list[str], out: Path) -> None:
     with out.with_suffix(".log").open("w") as log:
         process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         probe = MemoryProbe(process.pid)
-        code = process.wait()
+        try:
+            code = process.wait()
+        finally:
+            stop(process)
     memory = probe.stop()
     if code:
         raise DidNotRun(f"{command[:4]} exited {code}; its log: {out.with_suffix('.log')}", out.with_suffix(".log"))
     wall = round(time.perf_counter() - started, 1)
     (out / "measured.json").write_text(json.dumps({"process_wall_s": wall, **memory}))
+
+
+def stop(process: subprocess.Popen) -> None:
+    """A run the bench was stopped during (Ctrl-C, SIGTERM) is stopped as Ctrl-C stops it, so that the
+    job shuts its servers and Ray down; killed if it has not ended a minute later."""
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def run_ours(args, out: Path) -> None:
@@ -467,6 +484,7 @@ def trl_worker(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stopped by SIGTERM as by Ctrl-C: runs stop()
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     parser.add_argument("--updates", type=int, default=40, help="optimizer steps for each framework (the job's 40)")
     parser.add_argument("--eval-interval", type=int, default=5, help="evaluate the held-out set every N updates")

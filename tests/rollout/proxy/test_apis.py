@@ -8,7 +8,14 @@ import json
 import pytest
 
 from inverted.errors import InvalidRequest
-from inverted.rollout.proxy.apis import anthropic_messages, call, openai_chat, openai_completions, openai_responses
+from inverted.rollout.proxy.apis import (
+    APIS,
+    anthropic_messages,
+    call,
+    openai_chat,
+    openai_completions,
+    openai_responses,
+)
 
 
 def test_the_cut_is_at_the_first_stop_string_in_the_text_not_in_the_list():
@@ -211,3 +218,30 @@ def test_both_chunked_openai_apis_check_stream_options_alike():
         assert parse({**body, "stream": True, "stream_options": {"include_usage": True}}).include_usage
         with pytest.raises(InvalidRequest, match="'stream_options' must be an object"):
             parse({**body, "stream_options": "yes"})
+
+
+USER = [{"role": "user", "content": "u"}]
+SMALLEST = {  # each API's smallest streamed request
+    "chat": {"messages": USER, "stream": True},
+    "completions": {"prompt": "p", "stream": True},
+    "responses": {"input": "u", "stream": True},
+    "messages": {"max_tokens": 8, "messages": USER, "stream": True},
+    "gemini": {"contents": [{"role": "user", "parts": [{"text": "u"}]}]},
+    "gemini-stream": {"contents": [{"role": "user", "parts": [{"text": "u"}]}]},
+}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("api", APIS, ids=lambda api: api.name)
+async def test_every_api_streams_a_call_that_opens_with_its_answer_and_refuses_one_that_does_not(api):
+    req = api.parse(SMALLEST[api.name], None)
+
+    async def stream(*events):
+        for event in events:
+            yield event
+
+    answer = call.Answer(model="m", prompt_tokens=3)
+    first = await anext(api.events(req, stream(answer, call.Delta(0, "hi"))))
+    assert answer.id in json.dumps(first[1])
+    with pytest.raises(TypeError, match="opens with its Answer, not a Delta"):
+        await anext(api.events(req, stream(call.Delta(0, "hi"), answer)))
