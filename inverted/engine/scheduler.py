@@ -354,7 +354,7 @@ class Scheduler:
         """Load a checked LoRA adapter (a command: between steps, so no step sees half of it). The
         server checks that LoRA is enabled, and that a request's adapter is loaded, before either
         reaches the scheduler."""
-        self._adapters().add(adapter)
+        self.lora_registry().add(adapter)
         self.forget_prefixes()  # a prefix cached under an earlier adapter of this name must not be reused
         self.stats["lora_loads"] += 1
 
@@ -362,15 +362,16 @@ class Scheduler:
         """Unload an adapter. Never waits on its requests (an engine paused in place would deadlock):
         a request that would step without its adapter is aborted then, unless one of its name is loaded
         again first, as a weight sync does (unload, load, continue)."""
-        self._adapters().remove(name)
+        self.lora_registry().remove(name)
         self.forget_prefixes()
 
     def _adapter(self, req: Request) -> Adapter | None:
-        return None if req.lora is None else self._adapters().loaded[req.lora]
+        return None if req.lora is None else self.lora_registry().loaded[req.lora]
 
-    def _adapters(self) -> Adapters:
-        if self.adapters is None:  # the server refuses LoRA routes and requests without --enable-lora
-            raise InvalidRequest("LoRA is not enabled on this server (--enable-lora)")
+    def lora_registry(self) -> Adapters:
+        """The LoRA registry; ``InvalidRequest`` on a server started without ``--enable-lora``."""
+        if self.adapters is None:
+            raise InvalidRequest("LoRA is not enabled on this server: start it with --enable-lora")
         return self.adapters
 
     def _abort_orphans(self) -> None:
@@ -457,7 +458,7 @@ class Scheduler:
             if not self._room_for(req, second):
                 break  # it waits (first in line) for running requests to finish and give their KV room back
             if req.lora is not None:
-                adapters = self._adapters()
+                adapters = self.lora_registry()
                 if req.lora not in adapters.loaded:
                     self._finish(self.waiting.popleft(), _unloaded(req.lora))
                     continue

@@ -134,9 +134,7 @@ class Engine:
 
     def adapters(self) -> Adapters:
         """The LoRA registry; ``InvalidRequest`` on a server started without ``--enable-lora``."""
-        if self.scheduler.adapters is None:
-            raise InvalidRequest("LoRA is not enabled on this server: start it with --enable-lora")
-        return self.scheduler.adapters
+        return self.scheduler.lora_registry()
 
     async def run(self, fn, *, barrier: bool = False) -> Any:
         return await asyncio.wrap_future(self.scheduler.call(fn, barrier=barrier))
