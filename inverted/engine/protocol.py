@@ -342,7 +342,9 @@ def generate_response(req: Request, item: GenerateItem, n: int, tokenizer, curre
         "finish_reason": reason,
         "prompt_tokens": len(req.input_ids),
         "completion_tokens": len(ids),
-        "cached_tokens": req.cached_tokens,
+        # SGLang's count: its radix cache always leaves a prompt's last token to compute; a fork (the
+        # engine held that token's state too) reports the same, and its computing nothing shows in /metrics
+        "cached_tokens": min(req.cached_tokens, len(req.input_ids) - 1),
         "weight_version": versions[-1] if versions else current_version,
     }
     if len(set(versions)) > 1:

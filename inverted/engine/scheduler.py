@@ -26,8 +26,11 @@ Prefix reuse: a finished request's cache row is kept (above the running rows) wi
 holds, and a new request whose prompt starts with some of them copies that much KV and prefills
 only the rest (``cached_tokens``). Multi-turn agents resend their whole history each turn, so
 this is most of their prompt. A running request's prompt is offered the same way, and requests
-admitted in one step that share a prompt (GRPO's n samples) are prefilled in two passes, so the
-second copies what the first computed. Running requests take the lowest rows; a kept row that a
+admitted in one step that share a prompt's beginning are prefilled in two passes, so the second
+copies what the first computed. A request whose whole prompt is held, with the hidden state of its
+last position, is a *fork* (GRPO's n samples of one prompt, arriving together or one by one): it
+copies the KV and samples its first token from that state, with no forward of its own. Running
+requests take the lowest rows; a kept row that a
 new request needs moves to a free row, and once every row is taken the least recently used kept
 row goes first (so 8 agents taking turns each find their own history, not 4 of them). Kept rows
 are dropped on a flush and on every weight load (their KV came from the old weights).
@@ -52,7 +55,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -100,6 +103,7 @@ class Request:
     cached_tokens: int = 0
     computed: int = 0  # positions whose keys/values are in this request's cache row
     lends_kv: bool = True  # whether later requests may copy its prompt's KV (not once the weights changed under it)
+    prompt_state: torch.Tensor | None = None  # the final hidden state at its prompt's last position, once computed
     created: float = field(default_factory=time.monotonic)
     finished_at: float | None = None
 
@@ -116,6 +120,18 @@ class WeightLoad:
     message: str
     flushed: bool
     paused_requests: int
+
+
+@dataclass(frozen=True, slots=True)
+class Prefix:
+    """What a kept cache row holds: ``tokens``' keys and values under adapter ``lora``, and the final
+    hidden state at the last position of the first ``prompt`` of them (the prompt of the request that
+    left the row), from which a request with that very prompt samples without a forward."""
+
+    lora: str | None
+    tokens: list[int]
+    prompt: int
+    state: torch.Tensor | None
 
 
 class Scheduler:
@@ -156,8 +172,7 @@ class Scheduler:
         self._incoming: collections.deque[Request] = collections.deque()  # submissions, under _cond
         self.running: list[Request] = []  # running[i] owns cache row i
         self.reuse_prefixes = reuse_prefixes
-        # kept row (>= len(running)) -> the adapter and the tokens whose KV it holds
-        self.prefixes: dict[int, tuple[str | None, list[int]]] = {}
+        self.prefixes: dict[int, Prefix] = {}  # kept row (>= len(running)) -> what it holds
         self.adapters = adapters  # with --enable-lora
         self.paused: str | None = None
         self.updating = False  # inside /begin_weight_update ... /end_weight_update: nothing steps
@@ -245,7 +260,7 @@ class Scheduler:
             retracted = list(self.running)
             self._release_rows(list(range(len(self.running))), keep=False)  # SGLang: KV freed, recomputed later
             for req in reversed(retracted):
-                req.computed = 0
+                req.computed, req.prompt_state = 0, None
                 self.waiting.appendleft(req)
             self.stats["requests_retracted"] += len(retracted)
 
@@ -446,16 +461,23 @@ class Scheduler:
         """Move waiting requests into free rows, up to the prefill budget, and prefill them together.
 
         A request that shares at least ``SHARED_PREFIX_MIN`` prompt tokens with one admitted before it
-        in the same step (the n samples of a GRPO prompt arrive together) waits for a second pass,
-        after the first has computed that prefix, and copies its KV: a shared prompt is prefilled once.
+        in the same step (prompts that open alike) waits for a second pass, after the first has computed
+        that prefix, and copies its KV: a shared beginning is prefilled once. A request whose whole prompt
+        is held, or is the prompt of one admitted before it (GRPO's n samples), is a fork: placed after
+        both passes, it computes nothing.
         """
         budget = self.max_prefill_tokens
         first: list[Request] = []
         second: list[Request] = []
+        forks: list[Request] = []
         loras = {r.lora for r in self.running} - {None}
-        while self.waiting and len(self.running) + len(second) < self.max_running and (budget > 0 or not first):
+        while (
+            self.waiting
+            and len(self.running) + len(second) + len(forks) < self.max_running
+            and (budget > 0 or not first)
+        ):
             req = self.waiting[0]
-            if not self._room_for(req, second):
+            if not self._room_for(req, second + forks):
                 break  # it waits (first in line) for running requests to finish and give their KV room back
             if req.lora is not None:
                 adapters = self.lora_registry()
@@ -466,6 +488,12 @@ class Scheduler:
                     break  # --max-loras-per-batch: it waits (first in line) for a running adapter to finish
                 loras.add(req.lora)
             self.waiting.popleft()
+            if self._reuses(req) and (
+                any(a.input_ids == req.input_ids and a.lora == req.lora and not a.output_ids for a in first + second)
+                or self._holds_whole(req)
+            ):
+                forks.append(req)
+                continue
             shared = (
                 max((common_prefix(f.input_ids, req.input_ids) for f in first if f.lora == req.lora), default=0)
                 if self._reuses(req)
@@ -478,13 +506,16 @@ class Scheduler:
                 self._place(req)
                 first.append(req)
                 budget -= len(req.input_ids) + len(req.output_ids) - req.cached_tokens
-        if not first:
-            return
-        self._prefill(first)
+        if first:
+            self._prefill(first)
+        for req in second:
+            self._place(req)  # the first pass has computed what it copies
         if second:
-            for req in second:
-                self._place(req)  # the first pass's rows now hold the shared prefix
             self._prefill(second)
+        for req in forks:
+            self._place(req)  # after both passes: a fork's prompt may be any one's
+        if forks:
+            self._fork(forks)
         self._release_rows([i for i, r in enumerate(self.running) if r.finished])
 
     def _room_for(self, req: Request, admitted: list[Request]) -> bool:
@@ -509,27 +540,48 @@ class Scheduler:
         the next decode step feeds, and samples nothing here.
         """
         tokens = [(r.input_ids + r.output_ids)[:-1] if r.output_ids else r.input_ids for r in batch]
-        rows = list(range(len(self.running) - len(batch), len(self.running)))  # admitted last, so at the end
+        rows = [self.running.index(r) for r in batch]
         starts = [r.cached_tokens for r in batch]
         fresh_ids = [ids[start:] for ids, start in zip(tokens, starts)]
         lora = LoRABatch.of([self._adapter(r) for r in batch], [len(t) for t in fresh_ids], self.model.device)
         hidden = self.model.prefill(self.cache, rows, fresh_ids, starts, lora)
         self._forget_lost_rows()
-        fresh: list[tuple[Request, torch.Tensor]] = []
+        fresh: list[Request] = []
         for req, ids, states in zip(batch, tokens, hidden):
             req.computed = len(ids)
             self.stats["prompt_tokens"] += len(ids) - req.cached_tokens
             self.stats["cached_tokens"] += req.cached_tokens
             if req.output_ids:
                 continue
+            req.prompt_state = states[-1].clone()  # a view would keep the whole step's activations
             if req.return_logprob and req.logprob_start_len >= 0:
                 req.input_logprobs, req.input_top_logprobs = self._input_logprobs(req, states)
+            fresh.append(req)
+        self._start(fresh)
+
+    def _fork(self, forks: list[Request]) -> None:
+        """Start placed forks: each copied its whole prompt and samples from the held state. One whose
+        holder went before it was placed (a kept row another request took) copied less and is prefilled."""
+        for req in forks:
+            if req.prompt_state is not None:
+                req.computed = len(req.input_ids)
+                self.stats["cached_tokens"] += req.cached_tokens
+        if unheld := [r for r in forks if r.prompt_state is None]:
+            self._prefill(unheld)
+        self._start([r for r in forks if r not in unheld])
+
+    def _start(self, reqs: list[Request]) -> None:
+        """Sample the first token of requests whose prompt is computed, from its last position's state;
+        a request that asks for no tokens (a prefill) is finished."""
+        going = []
+        for req in reqs:
             if req.params.max_new_tokens == 0:
                 self._finish(req, {"type": "length", "length": 0})
             else:
-                fresh.append((req, states[-1]))
-        if fresh:
-            self._sample_and_check([r for r, _ in fresh], self.model.logits(torch.stack([h for _, h in fresh])))
+                going.append(req)
+        if going:
+            states = torch.stack([r.prompt_state for r in going if r.prompt_state is not None])
+            self._sample_and_check(going, self.model.logits(states))
 
     def _input_logprobs(self, req: Request, hidden_TH: torch.Tensor) -> tuple[list[float | None], list]:
         """Prompt logprobs from ``logprob_start_len`` (the first position has none), and their top-k."""
@@ -630,22 +682,21 @@ class Scheduler:
         """Give ``req`` the next running row, with the longest cached prefix of its prompt copied in:
         from a kept row, or from a running request's prompt.
 
-        At least the prompt's last token is always prefilled (its logits give the first sample).
+        The prompt's last token is computed again (its logits give the first sample) unless a holder
+        of the whole prompt kept that position's hidden state: then ``req`` copies it all and takes the
+        state (a fork).
         """
         row = len(self.running)
         self.cache.reserve(len(req.input_ids), row + 1)
         self._forget_lost_rows()
-        source, length = None, 0
+        source, length, state = None, 0, None
         if self._reuses(req):
-            held = [(kept, tokens, len(tokens)) for kept, (lora, tokens) in self.prefixes.items() if lora == req.lora]
-            held += [
-                (i, r.input_ids, r.computed) for i, r in enumerate(self.running) if r.lends_kv and r.lora == req.lora
-            ]
-            for kept, tokens, valid in held:
+            for held, tokens, valid, prompt, held_state in self._holders(req.lora):
                 shared = min(common_prefix(tokens, req.input_ids), valid)
-                if shared > length:
-                    source, length = kept, shared
-            length = min(length, len(req.input_ids) - 1)
+                whole = held_state is not None and prompt == len(req.input_ids) <= shared
+                usable = len(req.input_ids) if whole else min(shared, len(req.input_ids) - 1)
+                if usable > length:
+                    source, length, state = held, usable, held_state if whole else None
         if row in self.prefixes and not (source == row and length > 0):
             self._move_kept(row, source)  # the row this request takes holds another prefix
         if source is not None and length > 0 and source != row:
@@ -655,7 +706,26 @@ class Scheduler:
         else:
             self.prefixes.pop(row, None)
         req.cached_tokens = length if source is not None and length > 0 else 0
+        req.prompt_state = state
         self.running.append(req)
+
+    def _holders(self, lora: str | None) -> Iterator[tuple[int, list[int], int, int, torch.Tensor | None]]:
+        """Rows whose KV a request under ``lora`` may copy: each one's row, tokens, positions computed,
+        prompt length and the hidden state at that prompt's last position (None where not kept)."""
+        for row, kept in self.prefixes.items():
+            if kept.lora == lora:
+                yield row, kept.tokens, len(kept.tokens), kept.prompt, kept.state
+        for i, r in enumerate(self.running):
+            if r.lends_kv and r.lora == lora:
+                yield i, r.input_ids, r.computed, len(r.input_ids), r.prompt_state
+
+    def _holds_whole(self, req: Request) -> bool:
+        """Whether a row holds ``req``'s whole prompt with its last hidden state."""
+        n = len(req.input_ids)
+        return any(
+            state is not None and prompt == n <= valid and tokens[:n] == req.input_ids
+            for _, tokens, valid, prompt, state in self._holders(req.lora)
+        )
 
     def _move_kept(self, row: int, source: int | None) -> None:
         """Make ``row`` free for a running request. Its kept prefix moves to a free row; with none
@@ -669,7 +739,7 @@ class Scheduler:
                 del self.prefixes[row]
                 return
             del self.prefixes[free]
-        self.cache.move_row(row, free, len(self.prefixes[row][1]))
+        self.cache.move_row(row, free, len(self.prefixes[row].tokens))
         self.prefixes = {(free if kept == row else kept): value for kept, value in self.prefixes.items()}
 
     def _release_rows(self, rows: list[int], keep: bool = True) -> None:
@@ -691,7 +761,8 @@ class Scheduler:
                 self.running[row] = moved
             self.running.pop()
             if keep and done.computed and done.lends_kv:
-                self.prefixes[last] = (done.lora, (done.input_ids + done.output_ids)[: done.computed])
+                tokens = (done.input_ids + done.output_ids)[: done.computed]
+                self.prefixes[last] = Prefix(done.lora, tokens, len(done.input_ids), done.prompt_state)
         if not self.running and self.cache.rows < self.cache.rows_for(KVCache.GROW):
             self.forget_prefixes()  # idle after a long request: every row back
             self.cache.reset()

@@ -161,6 +161,10 @@ def test_routed_experts_are_the_experts_transformers_routes_each_token_to(engine
         routers = model(torch.tensor([tokens[:-1]]), output_router_logits=True).router_logits
     expected = torch.stack([r.topk(config.num_experts_per_tok, dim=-1).indices for r in routers], dim=1)
     assert np.array_equal(got, expected.numpy())
+    # The same prompt again is a fork (it copies the whole prompt and samples from the state the first
+    # kept): the same tokens under the same seed, and the same record, the prompt's last position included.
+    fork = httpx.post(engines[arch] + "/generate", json=body, timeout=60).json()
+    assert fork["output_ids"] == first["output_ids"] and np.array_equal(routed(fork["meta_info"], config), got)
     # A second request continuing the first copies its cached prefix, routing included.
     again = httpx.post(engines[arch] + "/generate", timeout=60, json={**body, "input_ids": tokens}).json()
     assert again["meta_info"]["cached_tokens"] > 0

@@ -152,3 +152,42 @@ async def test_kv_computed_before_an_in_place_weight_load_is_never_lent(procs, t
         follow = {"input_ids": prompt + old_tokens[:5], "sampling_params": {"max_new_tokens": 2}}
         cached = (await client.post("/generate", json=follow)).json()["meta_info"]["cached_tokens"]
     assert len(prompt) <= cached <= len(prompt) + 1
+
+
+def computed_prompt_tokens(url: str) -> float:
+    lines = httpx.get(url + "/metrics").text.splitlines()
+    return float(next(line.split()[1] for line in lines if line.startswith("sglang:prompt_tokens_total ")))
+
+
+@pytest.mark.anyio
+async def test_a_prompt_sampled_again_is_forked_from_the_state_its_first_sample_kept(engines):
+    """GRPO's samples of a prompt arrive one by one, as their episodes call: while the first runs and
+    after it has finished. Each later one copies the whole prompt's KV and samples its first token from
+    the hidden state the first kept at the prompt's last position: the prompt is computed once (not
+    once plus a token per sample), and every sample is what an engine without reuse computes."""
+    from tests.engine.test_control import started
+
+    reuse, plain = engines
+    finished, running = list(range(800, 850)), list(range(900, 930))
+    before = computed_prompt_tokens(reuse)
+    async with httpx.AsyncClient(base_url=reuse, timeout=120) as client:
+
+        async def sample(prompt: list[int], n: int = 8) -> dict:
+            body = {
+                "input_ids": prompt,
+                "return_logprob": True,
+                "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+            }
+            return (await client.post("/generate", json=body)).json()
+
+        after_it = [await sample(finished) for _ in range(3)]  # each after the one before finished
+        first = await started(client, {"input_ids": running, "sampling_params": {"max_new_tokens": 300}})
+        beside_it = await asyncio.gather(*(sample(running) for _ in range(3)))
+        assert not first.done()  # they forked from a running request's row
+        await first
+    assert computed_prompt_tokens(reuse) - before == len(finished) + len(running)
+    for prompt, outs in ((finished, after_it), (running, beside_it)):
+        want = generate(plain, prompt, 8)
+        for out in outs:
+            assert_same(out, want)
+        assert [out["meta_info"]["cached_tokens"] for out in outs][-2:] == [len(prompt) - 1] * 2  # SGLang's count
