@@ -8,8 +8,11 @@ For each concurrency C the same workload runs twice, one after the other (never 
 * **transformers**: ``model.generate`` in batches of C prompts (left-padded, with its KV cache,
   sampling at the same temperature), each batch running until its longest request is done.
 
-Two workloads: ``uniform`` (every request wants the same number of tokens) and ``mixed``
-(requested lengths spread 16..max, like RL rollouts where episodes end at different times).
+Three workloads: ``uniform`` (every request wants the same number of tokens), ``mixed``
+(requested lengths spread 16..max, like RL rollouts where episodes end at different times) and
+``grpo`` (GRPO's rollout: prompts that open with the same 24 ids, as a chat template's system
+prompt, each sampled by ``GROUP`` requests in a row, as their episodes call; ``make run``'s shape is
+``--workloads grpo --concurrency 64 --requests-per-slot 4 --max-new-tokens 4``).
 Tokens/s counts only the tokens each request asked for, on both sides. The ratio
 engine / transformers is the figure of merit (the machine's speed cancels out).
 
@@ -77,9 +80,15 @@ from inverted.processes import ManagedProcess, free_port  # noqa: E402
 from inverted.rollout.servers import SGLANG_LAUNCH  # noqa: E402
 from inverted.tiny_model import make_tiny_model  # noqa: E402
 
+GROUP = 32  # samples of one prompt in the grpo workload (make run's --n-samples-per-prompt)
+
 
 def workload(name: str, count: int, max_new: int, seed: int) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
+    if name == "grpo":
+        head = [rng.randrange(10, 1200) for _ in range(24)]
+        prompts = [head + [rng.randrange(10, 1200) for _ in range(16)] for _ in range(-(-count // GROUP))]
+        return [(prompts[i // GROUP], max_new) for i in range(count)]
     jobs = []
     for _ in range(count):
         prompt = [rng.randrange(10, 1200) for _ in range(rng.randrange(32, 97))]
@@ -209,8 +218,10 @@ def matmul_seconds(model: CausalLM, rows: int, repeats: int = 15) -> float:
 def floor_tokens_per_s(jobs: list[tuple[list[int], int]], decode_s: float, rows: int, prefill_s: float) -> float:
     """Output tokens/s if the workload took only its matmuls: ``decode_s`` per decode step of
     ``rows`` rows (the most a step can hold), ``prefill_s`` per ``PREFILL_ROWS`` prompt tokens.
-    A request's first output token comes from its prefill, each later one from a decode row."""
-    output, prompt = sum(n for _, n in jobs), sum(len(p) for p, _ in jobs)
+    A request's first output token comes from its prefill, each later one from a decode row. A
+    prompt that several requests send (grpo) is counted once: an engine with a prefix cache needs
+    no more."""
+    output, prompt = sum(n for _, n in jobs), sum(len(p) for p in {tuple(p) for p, _ in jobs})
     return output / ((output - len(jobs)) * decode_s / rows + prompt * prefill_s / PREFILL_ROWS)
 
 
@@ -458,7 +469,7 @@ def main() -> None:
     parser.add_argument("--requests-per-slot", type=int, default=2, help="requests per unit of concurrency")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--workloads", nargs="+", default=["uniform", "mixed"], choices=["uniform", "mixed"])
+    parser.add_argument("--workloads", nargs="+", default=["uniform", "mixed"], choices=["uniform", "mixed", "grpo"])
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="for both sides")
     parser.add_argument("--lora-rank", type=int, default=0, help="with an adapter of this rank vs the base model")
