@@ -573,15 +573,14 @@ class Scheduler:
     def _start(self, reqs: list[Request]) -> None:
         """Sample the first token of requests whose prompt is computed, from its last position's state;
         a request that asks for no tokens (a prefill) is finished."""
-        going = []
         for req in reqs:
             if req.params.max_new_tokens == 0:
                 self._finish(req, {"type": "length", "length": 0})
-            else:
-                going.append(req)
+        going = [r for r in reqs if not r.finished]
+        states = [r.prompt_state for r in going if r.prompt_state is not None]
+        assert len(states) == len(going), "a request starts once its prompt is computed"
         if going:
-            states = torch.stack([r.prompt_state for r in going if r.prompt_state is not None])
-            self._sample_and_check(going, self.model.logits(states))
+            self._sample_and_check(going, self.model.logits(torch.stack(states)))
 
     def _input_logprobs(self, req: Request, hidden_TH: torch.Tensor) -> tuple[list[float | None], list]:
         """Prompt logprobs from ``logprob_start_len`` (the first position has none), and their top-k."""
