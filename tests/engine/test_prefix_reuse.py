@@ -7,6 +7,7 @@ import asyncio
 
 import httpx
 import pytest
+import torch
 
 
 @pytest.fixture(scope="module")
@@ -191,3 +192,67 @@ async def test_a_prompt_sampled_again_is_forked_from_the_state_its_first_sample_
         for out in outs:
             assert_same(out, want)
         assert [out["meta_info"]["cached_tokens"] for out in outs][-2:] == [len(prompt) - 1] * 2  # SGLang's count
+
+
+def test_a_fork_whose_holder_is_taken_in_its_own_step_is_prefilled_and_exact(tiny_model):
+    """A fork is decided when it is admitted and placed after the step's prefills; if the kept row holding
+    its prompt was given to a request admitted after it (two rows, both kept), it copies what is left and is
+    prefilled: the same tokens and log-probs as when its prompt was first computed."""
+    import threading
+    import time
+
+    from inverted.engine.model import load_model
+    from inverted.engine.sampling import SamplingParams
+    from inverted.engine.scheduler import Request, Scheduler
+
+    model = load_model(tiny_model("qwen2"), torch.float32, torch.device("cpu"))
+    scheduler = Scheduler(
+        model,
+        max_running=2,
+        context_length=256,
+        max_prefill_tokens=2048,
+        weight_version="0",
+        stop_checker=lambda req: None,
+        random_seed=0,
+    )
+    threading.Thread(target=scheduler.run, daemon=True).start()
+
+    def run(*prompts: list[int]) -> list[Request]:
+        """Submit while paused, so that the requests are admitted in one step, in this order."""
+        done = threading.Semaphore(0)
+        scheduler.call(lambda: scheduler.pause("in_place")).result()
+        reqs = [
+            Request(
+                rid=f"r{i}",
+                input_ids=p,
+                params=SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True),
+                notify=lambda req, n: done.release() if req.finished else None,
+                return_logprob=True,
+            )
+            for i, p in enumerate(prompts)
+        ]
+        for req in reqs:
+            scheduler.submit(req)
+        scheduler.call(scheduler.resume).result()
+        deadline = time.monotonic() + 60
+        for _ in reqs:
+            while not done.acquire(timeout=0.1):
+                assert scheduler.alive and time.monotonic() < deadline, f"stopped: {scheduler.error!r}"
+        return reqs
+
+    held, other, new = list(range(40, 70)), list(range(100, 130)), list(range(200, 230))
+    try:
+        (first,) = run(held)  # its row is kept, with the prompt's state
+        run(other)  # takes row 0; the held prompt's row moves to row 1, the least recently used
+        computed = scheduler.stats["prompt_tokens"]
+        fork, _ = run(held, new)  # a fork when admitted; then `new` takes row 0 and the held prompt's row goes
+        assert (
+            scheduler.error is None
+            and fork.cached_tokens == 0
+            and fork.finish_reason == {"type": "length", "length": 6}
+        )
+        assert scheduler.stats["prompt_tokens"] - computed == len(held) + len(new)
+        assert fork.output_ids == first.output_ids
+        assert max(abs(a - b) for a, b in zip(fork.output_logprobs, first.output_logprobs)) < 1e-5
+    finally:
+        scheduler.stop()
