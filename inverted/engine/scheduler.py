@@ -549,8 +549,7 @@ class Scheduler:
         fresh: list[Request] = []
         for req, ids, states in zip(batch, tokens, hidden):
             req.computed = len(ids)
-            self.stats["prompt_tokens"] += len(ids) - req.cached_tokens
-            self.stats["cached_tokens"] += req.cached_tokens
+            self.stats["prefill_tokens"] += len(ids) - req.cached_tokens
             if req.output_ids:
                 continue
             req.prompt_state = states[-1].clone()  # a view would keep the whole step's activations
@@ -565,7 +564,6 @@ class Scheduler:
         for req in forks:
             if req.prompt_state is not None:
                 req.computed = len(req.input_ids)
-                self.stats["cached_tokens"] += req.cached_tokens
         if unheld := [r for r in forks if r.prompt_state is None]:
             self._prefill(unheld)
         self._start([r for r in forks if r not in unheld])
@@ -574,6 +572,9 @@ class Scheduler:
         """Sample the first token of requests whose prompt is computed, from its last position's state;
         a request that asks for no tokens (a prefill) is finished."""
         for req in reqs:
+            # SGLang's counters: every prompt token, and of them what its cache served (never the last)
+            self.stats["prompt_tokens"] += len(req.input_ids)
+            self.stats["cached_tokens"] += min(req.cached_tokens, len(req.input_ids) - 1)
             if req.params.max_new_tokens == 0:
                 self._finish(req, {"type": "length", "length": 0})
         going = [r for r in reqs if not r.finished]

@@ -899,6 +899,7 @@ def _add_info_routes(app: FastAPI) -> None:
             f"sglang:cached_tokens_total {stats['cached_tokens']}",
             f"sglang:num_aborted_requests_total {stats['requests_aborted']}",
             f"inverted:weight_update_sessions_expired_total {stats['weight_update_sessions_expired']}",
+            f"inverted:prefill_tokens_total {stats['prefill_tokens']}",  # the prompt tokens it computed
             f"inverted:prefill_seconds_total {stats['prefill_seconds']:.3f}",
             f"inverted:decode_seconds_total {stats['decode_seconds']:.3f}",
             f"inverted:decode_steps_total {stats['decode_steps']}",

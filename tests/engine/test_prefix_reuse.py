@@ -155,9 +155,9 @@ async def test_kv_computed_before_an_in_place_weight_load_is_never_lent(procs, t
     assert len(prompt) <= cached <= len(prompt) + 1
 
 
-def computed_prompt_tokens(url: str) -> float:
+def metric(url: str, name: str) -> float:
     lines = httpx.get(url + "/metrics").text.splitlines()
-    return float(next(line.split()[1] for line in lines if line.startswith("sglang:prompt_tokens_total ")))
+    return float(next(line.split()[1] for line in lines if line.startswith(name + " ")))
 
 
 @pytest.mark.anyio
@@ -170,7 +170,8 @@ async def test_a_prompt_sampled_again_is_forked_from_the_state_its_first_sample_
 
     reuse, plain = engines
     finished, running = list(range(800, 850)), list(range(900, 930))
-    before = computed_prompt_tokens(reuse)
+    counters = ("inverted:prefill_tokens_total", "sglang:prompt_tokens_total", "sglang:cached_tokens_total")
+    before = [metric(reuse, name) for name in counters]
     async with httpx.AsyncClient(base_url=reuse, timeout=120) as client:
 
         async def sample(prompt: list[int], n: int = 8) -> dict:
@@ -186,7 +187,12 @@ async def test_a_prompt_sampled_again_is_forked_from_the_state_its_first_sample_
         beside_it = await asyncio.gather(*(sample(running) for _ in range(3)))
         assert not first.done()  # they forked from a running request's row
         await first
-    assert computed_prompt_tokens(reuse) - before == len(finished) + len(running)
+    computed, sent, cached = (metric(reuse, name) - b for name, b in zip(counters, before))
+    assert computed == len(finished) + len(running)  # each prompt once
+    # SGLang's counters: every prompt token sent, and what its cache serves of them (nothing of a prompt's
+    # first request; all but the last token of each later one)
+    assert sent == 3 * len(finished) + 4 * len(running)
+    assert cached == 2 * (len(finished) - 1) + 3 * (len(running) - 1)
     for prompt, outs in ((finished, after_it), (running, beside_it)):
         want = generate(plain, prompt, 8)
         for out in outs:
@@ -244,14 +250,14 @@ def test_a_fork_whose_holder_is_taken_in_its_own_step_is_prefilled_and_exact(tin
     try:
         (first,) = run(held)  # its row is kept, with the prompt's state
         run(other)  # takes row 0; the held prompt's row moves to row 1, the least recently used
-        computed = scheduler.stats["prompt_tokens"]
+        computed = scheduler.stats["prefill_tokens"]
         fork, _ = run(held, new)  # a fork when admitted; then `new` takes row 0 and the held prompt's row goes
         assert (
             scheduler.error is None
             and fork.cached_tokens == 0
             and fork.finish_reason == {"type": "length", "length": 6}
         )
-        assert scheduler.stats["prompt_tokens"] - computed == len(held) + len(new)
+        assert scheduler.stats["prefill_tokens"] - computed == len(held) + len(new)
         assert fork.output_ids == first.output_ids
         assert max(abs(a - b) for a, b in zip(fork.output_logprobs, first.output_logprobs)) < 1e-5
     finally:
