@@ -343,7 +343,7 @@ def generate_response(req: Request, item: GenerateItem, n: int, tokenizer, curre
         "prompt_tokens": len(req.input_ids),
         "completion_tokens": len(ids),
         # SGLang's count: its radix cache always leaves a prompt's last token to compute; a fork (the
-        # engine held that token's state too) reports the same, and its computing nothing shows in /metrics
+        # engine held that token's state too) reports the same (inverted:prefill_tokens_total shows the difference)
         "cached_tokens": min(req.cached_tokens, len(req.input_ids) - 1),
         "weight_version": versions[-1] if versions else current_version,
     }
