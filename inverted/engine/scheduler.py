@@ -693,7 +693,7 @@ class Scheduler:
         if self._reuses(req):
             for held, tokens, valid, prompt, held_state in self._holders(req.lora):
                 shared = min(common_prefix(tokens, req.input_ids), valid)
-                whole = held_state is not None and prompt == len(req.input_ids) <= shared
+                whole = holds_prompt(req.input_ids, tokens, valid, prompt, held_state)
                 usable = len(req.input_ids) if whole else min(shared, len(req.input_ids) - 1)
                 if usable > length:
                     source, length, state = held, usable, held_state if whole else None
@@ -721,11 +721,7 @@ class Scheduler:
 
     def _holds_whole(self, req: Request) -> bool:
         """Whether a row holds ``req``'s whole prompt with its last hidden state."""
-        n = len(req.input_ids)
-        return any(
-            state is not None and prompt == n <= valid and tokens[:n] == req.input_ids
-            for _, tokens, valid, prompt, state in self._holders(req.lora)
-        )
+        return any(holds_prompt(req.input_ids, *held[1:]) for held in self._holders(req.lora))
 
     def _move_kept(self, row: int, source: int | None) -> None:
         """Make ``row`` free for a running request. Its kept prefix moves to a free row; with none
@@ -770,6 +766,12 @@ class Scheduler:
 
 def _unloaded(name: str | None) -> dict[str, Any]:
     return {"type": "abort", "message": f"LoRA adapter {name!r} was unloaded", "status_code": None, "err_type": None}
+
+
+def holds_prompt(ids: list[int], tokens: list[int], valid: int, prompt: int, state: torch.Tensor | None) -> bool:
+    """Whether a row holding ``tokens`` (``valid`` of them computed) whose prompt was their first ``prompt``,
+    with ``state`` at its last position, holds the whole of ``ids`` as that prompt: a fork of it needs nothing."""
+    return state is not None and prompt == len(ids) <= valid and tokens[: len(ids)] == ids
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -15,6 +15,7 @@ from inverted.engine.config import EngineConfig
 from inverted.engine.server import Engine
 from inverted.errors import ModelError
 from tests.conftest import ARCHS, BACKENDS, MOE_ARCHS
+from tests.engine.test_prefix_reuse import metric
 
 ALL = ARCHS + MOE_ARCHS
 # What real SGLang 0.5.23 answers on a CPU (docs/sglang-differences.md): the capturer's host buffer is pinned by CUDA.
@@ -162,8 +163,11 @@ def test_routed_experts_are_the_experts_transformers_routes_each_token_to(engine
     expected = torch.stack([r.topk(config.num_experts_per_tok, dim=-1).indices for r in routers], dim=1)
     assert np.array_equal(got, expected.numpy())
     # The same prompt again is a fork (it copies the whole prompt and samples from the state the first
-    # kept): the same tokens under the same seed, and the same record, the prompt's last position included.
+    # kept, computing none of it): the same tokens under the same seed, and the same record, the prompt's
+    # last position included.
+    computed = metric(engines[arch], "inverted:prefill_tokens_total")
     fork = httpx.post(engines[arch] + "/generate", json=body, timeout=60).json()
+    assert metric(engines[arch], "inverted:prefill_tokens_total") == computed
     assert fork["output_ids"] == first["output_ids"] and np.array_equal(routed(fork["meta_info"], config), got)
     # A second request continuing the first copies its cached prefix, routing included.
     again = httpx.post(engines[arch] + "/generate", timeout=60, json={**body, "input_ids": tokens}).json()
