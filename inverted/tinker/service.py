@@ -18,6 +18,9 @@ Behind the routes:
   weight version it came from.
 - **Record.** Every sampled sequence is kept in its model's run directory (``record.py``), beside the
   model's metrics (one row per optimizer step), so ``inverted view`` opens it as it opens a job's.
+- **Checkpoints.** ``save_weights`` writes the trainer's state under the model's folder, beside
+  the run's ``training_run.json`` (owner, base, LoRA rank, the caller's ``user_metadata``), which the
+  SDK's REST reads (``training_runs/{id}``, ``weights_info``) answer from, after a restart too.
 - **Futures.** Every call answers a request id at once (``futures.py``); results are fetched
   by long-polling ``retrieve_future``, as protobuf where the SDK asks for it (``wire.py``).
 - **Errors.** A caller's mistake is a failed future of category ``user`` (or a 4xx before any
@@ -40,6 +43,7 @@ import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -66,6 +70,8 @@ KEPT_SAVES = 4  # a LoRA model's sampler weights kept on the servers at once (it
 TURN_WAIT_S = 900.0  # how long a call waits for the calls before it (one the client never sent)
 MAX_SEQ_AHEAD = 4096  # a seq_id further ahead than this is a caller's error, not a call to wait for
 OWNER_FILE = "tinker_owner.json"  # beside a saved checkpoint: whose it is (a digest of the key), what it holds
+RUN_FILE = "training_run.json"  # in a model's weights folder: whose it is, its base, LoRA rank, the caller's metadata
+MAX_METADATA_BYTES = 16_384  # a training run's user_metadata, as JSON
 SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}")  # a checkpoint's name: one segment, no ".."
 
 
@@ -92,6 +98,8 @@ class Model:
     owner: str
     base_model: str
     lora_rank: int  # 0: full fine-tuning
+    user_metadata: dict[str, str] = field(default_factory=dict)
+    last_request: float = field(default_factory=time.time)  # wall clock, for the SDK's TrainingRun
     learner: Any = None
     next_seq: int = 1
     turn_changed: asyncio.Condition = field(default_factory=asyncio.Condition)
@@ -262,9 +270,12 @@ class Service:
         if name not in self.names:
             raise UserError(f"base model {name!r} is not served here; this server serves {sorted(self.names)}")
 
-    def new_model(self, owner: str, session_id: str, seq: int, base: str, lora: dict | None) -> Model:
+    def new_model(
+        self, owner: str, session_id: str, seq: int, base: str, lora: dict | None, user_metadata: object = None
+    ) -> Model:
         self.owned_session(session_id, owner)
         self.check_base(base)
+        metadata = checked_metadata(user_metadata)
         if len(self.models) >= self.cfg.tinker.tinker_max_models:
             raise UserError(
                 f"this server holds at most {self.cfg.tinker.tinker_max_models} models "
@@ -286,7 +297,7 @@ class Service:
                 "one full fine-tuning model at a time: the servers hold one set of full weights; "
                 "train LoRA models beside it"
             )
-        model = Model(f"{session_id}:train:{seq}", owner, base, rank)
+        model = Model(f"{session_id}:train:{seq}", owner, base, rank, metadata)
         if model.model_id in self.models:
             raise UserError(f"model {model.model_id} exists (model_seq_id {seq} of this session was used)")
         self.models[model.model_id] = model
@@ -306,6 +317,16 @@ class Service:
             del self.models[model.model_id]
             raise
         model.sink = build_metrics_sink(self.model_dir(model))
+        run = {
+            "owner": _digest(model.owner),
+            "model_id": model.model_id,
+            "base_model": model.base_model,
+            "lora_rank": model.lora_rank,
+            "user_metadata": model.user_metadata,
+        }
+        folder = self.weights_root(model.model_id)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / RUN_FILE).write_text(json.dumps(run) + "\n")
         return {"model_id": model.model_id, "type": "create_model"}
 
     def model_dir(self, model: Model) -> Path:
@@ -334,6 +355,8 @@ class Service:
         """A future for ``work`` (a coroutine function), run after ``model``'s earlier calls when
         ``seq_id`` is given."""
         request_id = self.futures.create(owner)
+        if model is not None:
+            model.last_request = time.time()
 
         async def run() -> None:
             try:
@@ -456,17 +479,18 @@ class Service:
 
     # -- checkpoints ----------------------------------------------------------------------
 
+    def weights_root(self, model_id: str) -> Path:
+        """A model's folder of checkpoints (and its ``RUN_FILE``); the id must make one safe path segment."""
+        if not SAFE_NAME.fullmatch(model_id.replace(":", "_")):
+            raise UserError(f"not a model id of this server: {model_id!r}")
+        return Path(self.cfg.train.output_dir) / "tinker" / "weights" / model_id.replace(":", "_")
+
     def _weights_dir(self, tinker_path: str) -> tuple[str, Path]:
         """The model id and the folder of ``tinker://MODEL/weights/NAME`` (a name is one safe path segment)."""
         model_id, sep, name = tinker_path.removeprefix("tinker://").partition("/weights/")
-        if not (
-            tinker_path.startswith("tinker://")
-            and sep
-            and SAFE_NAME.fullmatch(name)
-            and SAFE_NAME.fullmatch(model_id.replace(":", "_"))
-        ):
+        if not (tinker_path.startswith("tinker://") and sep and SAFE_NAME.fullmatch(name)):
             raise UserError(f"not a checkpoint path of this server: {tinker_path!r} (tinker://MODEL_ID/weights/NAME)")
-        return model_id, Path(self.cfg.train.output_dir) / "tinker" / "weights" / model_id.replace(":", "_") / name
+        return model_id, self.weights_root(model_id) / name
 
     async def save(self, model: Model, name: str | None) -> dict:
         """The model's weights and optimizer state on disk (durable: a restarted server loads them)."""
@@ -511,6 +535,57 @@ class Service:
             if shape is None
             else {"rank": shape.rank, "train_attn": shape.train_attn, "train_mlp": shape.train_mlp}
         )
+
+    def training_run(self, model_id: str, owner: str) -> dict:
+        """The SDK's ``TrainingRun`` of one of the caller's models, live or unloaded (what a restart keeps):
+        its base, LoRA rank, the metadata it was created with, and its newest checkpoint."""
+        folder = self.weights_root(model_id)
+        try:
+            run = json.loads((folder / RUN_FILE).read_text())
+        except (OSError, ValueError):
+            run = None
+        if run is None or run.get("owner") != _digest(owner):
+            raise UserError(f"unknown training run {model_id!r}")
+        saved = sorted((d for d in folder.iterdir() if (d / OWNER_FILE).exists()), key=lambda d: d.stat().st_mtime)
+        checkpoint = saved[-1] if saved else None
+        model = self.models.get(model_id)
+        last = model.last_request if model is not None else (folder / RUN_FILE).stat().st_mtime
+        return {
+            "training_run_id": model_id,
+            "base_model": run["base_model"],
+            "model_owner": run["owner"][:16],
+            "is_lora": bool(run["lora_rank"]),
+            "lora_rank": run["lora_rank"] or None,
+            "corrupted": False,
+            "last_request_time": _iso(max([last, *(d.stat().st_mtime for d in saved)])),
+            "last_checkpoint": None
+            if checkpoint is None
+            else {
+                "checkpoint_id": f"weights/{checkpoint.name}",
+                "checkpoint_type": "training",
+                "time": _iso(checkpoint.stat().st_mtime),
+                "tinker_path": f"tinker://{model_id}/weights/{checkpoint.name}",
+                "size_bytes": sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file()),
+            },
+            "user_metadata": run["user_metadata"] or None,
+        }
+
+    def weights_info(self, tinker_path: str, owner: str) -> dict:
+        """The SDK's ``WeightsInfoResponse``: what a saved checkpoint holds, for a model made from it."""
+        model_id, _ = self._weights_dir(tinker_path)
+        lora = self.lora_of(tinker_path, owner)
+        try:
+            base = json.loads((self.weights_root(model_id) / RUN_FILE).read_text())["base_model"]
+        except (OSError, ValueError, KeyError):
+            base = self.model_name
+        return {
+            "base_model": base,
+            "is_lora": lora is not None,
+            "lora_rank": lora["rank"] if lora else None,
+            "train_unembed": False if lora else None,
+            "train_mlp": lora["train_mlp"] if lora else None,
+            "train_attn": lora["train_attn"] if lora else None,
+        }
 
     # -- sampling -------------------------------------------------------------------------
 
@@ -645,6 +720,21 @@ def _digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+def _iso(timestamp: float) -> str:
+    return datetime.fromtimestamp(timestamp, UTC).isoformat()
+
+
+def checked_metadata(metadata: object) -> dict[str, str]:
+    """A training run's ``user_metadata`` as the SDK types it (string to string), bounded in size."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise UserError("user_metadata must map strings to strings")
+    if len(json.dumps(metadata)) > MAX_METADATA_BYTES:
+        raise UserError(f"user_metadata is over {MAX_METADATA_BYTES} bytes as JSON")
+    return metadata
+
+
 def _raise(exc: Exception):
     """Work that fails with ``exc`` (a call refused before it ran, failed in its turn: later calls keep theirs)."""
 
@@ -768,7 +858,12 @@ def create_app(cfg: TinkerServeConfig, service: Service) -> FastAPI:
         body = await json_of(request)
         lora = body.get("lora_config")
         model = service.new_model(
-            owner, str(body.get("session_id")), int(body.get("model_seq_id", 0)), str(body.get("base_model")), lora
+            owner,
+            str(body.get("session_id")),
+            int(body.get("model_seq_id", 0)),
+            str(body.get("base_model")),
+            lora,
+            body.get("user_metadata"),
         )
         return future(service.start(owner, None, None, lambda: service.build(model, lora)), model.model_id)
 
@@ -845,6 +940,7 @@ def create_app(cfg: TinkerServeConfig, service: Service) -> FastAPI:
             int(body.get("model_seq_id", 0)),
             str(body.get("base_model") or service.model_name),
             lora,
+            body.get("user_metadata"),
         )
 
         async def create_and_load() -> dict:
@@ -852,6 +948,15 @@ def create_app(cfg: TinkerServeConfig, service: Service) -> FastAPI:
             return await service.load(model, path, optimizer)
 
         return future(service.start(owner, None, None, create_and_load), model.model_id)
+
+    @app.get(f"{api}/training_runs/{{training_run_id}}")
+    async def training_run(training_run_id: str, owner: Caller) -> dict:
+        return await asyncio.to_thread(service.training_run, training_run_id, owner)
+
+    @app.post(f"{api}/weights_info")
+    async def weights_info(request: Request, owner: Caller) -> dict:
+        body = await json_of(request)
+        return await asyncio.to_thread(service.weights_info, str(body.get("tinker_path")), owner)
 
     @app.get(f"{api}/get_server_capabilities")
     async def capabilities(owner: Caller) -> dict:

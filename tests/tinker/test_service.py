@@ -13,7 +13,8 @@ key, so no test sees another's models. What is checked:
 - calls sent out of ``seq_id`` order run in it; a used ``seq_id`` is refused;
 - a bad call fails its own future with the SDK's ``user`` category and a clear message, and the
   client goes on; malformed, oversized or foreign requests are refused before any work;
-- two LoRA models train side by side without touching each other; one key never reads another's.
+- two LoRA models train side by side without touching each other; one key never reads another's;
+- a training run's REST reads (its metadata, LoRA shape and newest checkpoint) answer its owner only.
 """
 
 from __future__ import annotations
@@ -546,6 +547,62 @@ def test_a_checkpoint_resumes_exactly_and_only_for_its_owner(server):
         await other.close("success")
 
     asyncio.run(run())
+
+
+def test_a_training_run_tells_its_owner_what_it_was_made_with_and_saved(server):
+    """The REST reads the cookbook makes of a checkpoint path (``get_training_run_by_tinker_path``, for the
+    renderer it recorded in ``user_metadata``; ``get_weights_info_by_tinker_path``), through the SDK's
+    own RestClient (the cookbook's way to it, ``create_rest_client``, runs in ``test_cookbook.py``): the
+    run's base, LoRA shape, metadata and newest checkpoint, after its session too; to another key it is
+    unknown, and metadata not of the SDK's type is refused."""
+    url, *_ = server
+
+    async def run():
+        service = client(url, "tml-runs")
+        training = await service.create_lora_training_client(
+            base_model="Qwen/Tiny", rank=3, train_mlp=False, user_metadata={"renderer_name": "qwen3_instruct"}
+        )
+        await training.save_state("first")
+        saved = await training.save_state("second")
+        sampler = await training.save_weights_for_sampler("s")
+        await service.close("success")  # its model unloaded: what was saved still answers
+
+        rest = tinker.RestClient(base_url=url, api_key="tml-runs")
+        for path in (saved.path, sampler.path):
+            run = await rest.get_training_run_by_tinker_path(path)
+            assert (run.training_run_id, run.base_model, run.is_lora, run.lora_rank) == (
+                training.model_id,
+                "Qwen/Tiny",
+                True,
+                3,
+            )
+            assert run.user_metadata == {"renderer_name": "qwen3_instruct"}
+            assert run.last_checkpoint is not None and run.last_checkpoint.tinker_path == saved.path
+            assert run.last_checkpoint.size_bytes > 0
+        info = await rest.get_weights_info_by_tinker_path(saved.path)
+        assert (info.base_model, info.is_lora, info.lora_rank, info.train_attn, info.train_mlp) == (
+            "Qwen/Tiny",
+            True,
+            3,
+            True,
+            False,
+        )
+        thief = tinker.RestClient(base_url=url, api_key="tml-runs-thief")
+        with pytest.raises(tinker.BadRequestError, match="unknown training run"):
+            await thief.get_training_run_by_tinker_path(saved.path)
+        with pytest.raises(tinker.BadRequestError, match="unknown checkpoint"):
+            await thief.get_weights_info_by_tinker_path(saved.path)
+
+    asyncio.run(run())
+    session = post(url, "create_session", "tml-runs", {"tags": [], "user_metadata": None, "sdk_version": "raw"}).json()
+    for metadata in ({"renderer_name": 3}, ["renderer_name"], {"k": "v" * 20_000}):
+        answer = post(
+            url,
+            "create_model",
+            "tml-runs",
+            {"session_id": session["session_id"], "base_model": "Qwen/Tiny", "user_metadata": metadata},
+        )
+        assert answer.status_code == 400 and "user_metadata" in answer.json()["error"], answer.text
 
 
 def train_full_model(url: str, key: str) -> tuple[str, str, types.Datum, np.ndarray]:
