@@ -506,13 +506,7 @@ class Service:
     def checkpoint(self, tinker_path: str, owner: str) -> tuple[Path, dict]:
         """A saved checkpoint ``owner`` may load: its folder and what it was saved from."""
         _, directory = self._weights_dir(tinker_path)
-        try:
-            saved = json.loads((directory / OWNER_FILE).read_text())
-        except (OSError, ValueError):
-            saved = None
-        if saved is None or saved.get("owner") != _digest(owner):
-            raise UserError(f"unknown checkpoint {tinker_path!r}")
-        return directory, saved
+        return directory, _owned(directory / OWNER_FILE, owner, f"checkpoint {tinker_path!r}")
 
     async def load(self, model: Model, tinker_path: str, optimizer: bool) -> dict:
         directory, saved = self.checkpoint(tinker_path, model.owner)
@@ -540,12 +534,7 @@ class Service:
         """The SDK's ``TrainingRun`` of one of the caller's models, live or unloaded (what a restart keeps):
         its base, LoRA rank, the metadata it was created with, and its newest checkpoint."""
         folder = self.weights_root(model_id)
-        try:
-            run = json.loads((folder / RUN_FILE).read_text())
-        except (OSError, ValueError):
-            run = None
-        if run is None or run.get("owner") != _digest(owner):
-            raise UserError(f"unknown training run {model_id!r}")
+        run = _owned(folder / RUN_FILE, owner, f"training run {model_id!r}")
         saved = sorted((d for d in folder.iterdir() if (d / OWNER_FILE).exists()), key=lambda d: d.stat().st_mtime)
         checkpoint = saved[-1] if saved else None
         model = self.models.get(model_id)
@@ -718,6 +707,17 @@ def _top(rows: list[list[tuple[float, int]]], k: int) -> tuple[np.ndarray, np.nd
 
 def _digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _owned(record: Path, owner: str, what: str) -> dict:
+    """A record the service wrote beside what it describes, if ``owner``'s key made it; else ``what`` is unknown."""
+    try:
+        held = json.loads(record.read_text())
+    except (OSError, ValueError):
+        held = None
+    if not isinstance(held, dict) or held.get("owner") != _digest(owner):
+        raise UserError(f"unknown {what}")
+    return held
 
 
 def _iso(timestamp: float) -> str:
