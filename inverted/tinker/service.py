@@ -498,9 +498,13 @@ class Service:
         tinker_path = f"tinker://{model.model_id}/weights/{name}"
         _, directory = self._weights_dir(tinker_path)
         await self.on_training_thread(model.live().save, str(directory))
-        (directory / OWNER_FILE).write_text(
-            json.dumps({"owner": _digest(model.owner), "model_id": model.model_id, "lora_rank": model.lora_rank}) + "\n"
-        )
+        saved = {
+            "owner": _digest(model.owner),
+            "model_id": model.model_id,
+            "base_model": model.base_model,
+            "lora_rank": model.lora_rank,
+        }
+        (directory / OWNER_FILE).write_text(json.dumps(saved) + "\n")
         return {"type": "save_weights", "path": tinker_path}
 
     def checkpoint(self, tinker_path: str, owner: str) -> tuple[Path, dict]:
@@ -561,14 +565,10 @@ class Service:
 
     def weights_info(self, tinker_path: str, owner: str) -> dict:
         """The SDK's ``WeightsInfoResponse``: what a saved checkpoint holds, for a model made from it."""
-        model_id, _ = self._weights_dir(tinker_path)
+        _, saved = self.checkpoint(tinker_path, owner)
         lora = self.lora_of(tinker_path, owner)
-        try:
-            base = json.loads((self.weights_root(model_id) / RUN_FILE).read_text())["base_model"]
-        except (OSError, ValueError, KeyError):
-            base = self.model_name
         return {
-            "base_model": base,
+            "base_model": saved.get("base_model", self.model_name),  # a checkpoint saved before it was recorded
             "is_lora": lora is not None,
             "lora_rank": lora["rank"] if lora else None,
             "train_unembed": False if lora else None,
