@@ -29,6 +29,7 @@ import gc
 import logging
 import os
 import shutil
+import socket
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -81,6 +82,7 @@ class TrainActor:
     trainer: Trainer | None = None  # made by setup; let go of by finish
     sync: WeightSync | None = None  # the weight sync, made on the first push (its servers known then)
     saving: Future | None = None  # the background save under way
+    held: socket.socket | None = None  # rank 0: the rendezvous port, bound until its process group takes it
 
     @property
     def ready(self) -> Trainer:
@@ -90,8 +92,13 @@ class TrainActor:
         return self.trainer
 
     def rendezvous(self) -> tuple[str, int]:
+        """Rank 0's address for the process group. The port stays bound here until ``setup`` opens the
+        group, seconds later (it imports the trainer first): a free port left unbound that long was once
+        taken by another job's process (EADDRINUSE in the group's store)."""
         host = ray.util.get_node_ip_address()
-        return host, free_port(host)
+        self.held = socket.socket()
+        self.held.bind((host, free_port(host)))
+        return self.held.getsockname()
 
     def where(self) -> tuple[str, int]:
         """This rank's node and process id."""
@@ -116,6 +123,9 @@ class TrainActor:
         )
         if not torch.cuda.is_available():  # rollout and training alternate: a rank may use its share of the cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.parallel.world_size))
+        if self.held is not None:  # let the group's store bind it (a socket never listened on leaves no TIME_WAIT)
+            self.held.close()
+            self.held = None
         init_parallel(cfg.parallel, cfg.seed)
         self.cfg, self.rank = cfg, rank
         self.trainer = trainer = Trainer(cfg)
