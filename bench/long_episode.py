@@ -107,7 +107,6 @@ def mask_is_exact(sample: dict) -> bool:
 
 def train_child(model: str, samples_path: str) -> None:
     """The trainer in this process: build it, train one step on the Samples; JSON to stdout."""
-    from torch.distributed.elastic.utils.distributed import get_free_port
 
     from inverted.config import from_flags
     from inverted.train.config import TrainConfig
@@ -115,7 +114,7 @@ def train_child(model: str, samples_path: str) -> None:
     from inverted.train.trainer import Trainer
     from inverted.types import Sample
 
-    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(get_free_port()))
+    os.environ.update(RANK="0", WORLD_SIZE="1")
     samples = [Sample.from_json(s) for s in json.loads(Path(samples_path).read_text())]
     cfg = from_flags(TrainConfig, hf_checkpoint=model, lr=1e-5)
     init_parallel(cfg.parallel, cfg.seed)

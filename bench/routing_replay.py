@@ -149,8 +149,6 @@ def main() -> None:
 
     import os
 
-    from torch.distributed.elastic.utils.distributed import get_free_port
-
     from inverted.train.parallel import init_parallel, shutdown_parallel
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -163,7 +161,7 @@ def main() -> None:
             name: rollout(model, dtype, args.groups, args.per_group, Path(tmp) / f"{name}.log")
             for name, (model, dtype) in sources.items()
         }
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(get_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1")
         cfg = from_flags(TrainConfig, hf_checkpoint=str(path))
         init_parallel(cfg.parallel, cfg.seed)
         result = {

@@ -519,7 +519,6 @@ def main() -> None:
     )
     args = parser.parse_args()
     import transformers
-    from torch.distributed.elastic.utils.distributed import get_free_port
 
     from inverted.train.parallel import init_parallel, shutdown_parallel
     from inverted.train.trainer import Trainer
@@ -540,7 +539,7 @@ def main() -> None:
             print(json.dumps(ep_vs_ep1(args, path, samples, budget), indent=2))
             return
         if args.details_cost or args.restart_save_cost:
-            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(get_free_port()))
+            os.environ.update(RANK="0", WORLD_SIZE="1")
             measure = details_cost if args.details_cost else restart_save_cost
             print(json.dumps(measure(args, path, samples, budget), indent=2))
             return
@@ -548,7 +547,7 @@ def main() -> None:
             print(json.dumps(memory_vs_transformers(args, path, samples), indent=2))
             return
         if args.lora_rank or args.memory_of:
-            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(get_free_port()))
+            os.environ.update(RANK="0", WORLD_SIZE="1")
             cfg = from_flags(TrainConfig, hf_checkpoint=str(path))
             init_parallel(cfg.parallel, cfg.seed)
             measure = memory_of if args.memory_of else lora_vs_full
@@ -558,7 +557,7 @@ def main() -> None:
         hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(args.device).train()
         hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-6)
 
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(get_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1")
         cfg = from_flags(TrainConfig, hf_checkpoint=str(path), lr=1e-6, bf16=cuda, max_tokens_per_gpu=budget)
         init_parallel(cfg.parallel, cfg.seed)
         trainer = Trainer(cfg)

@@ -1022,7 +1022,7 @@ def serve(cfg: TinkerServeConfig, router_args: Sequence[str] = (), sglang_args: 
     the router and every server (as ``inverted train`` passes them)."""
     import uvicorn
 
-    from inverted.processes import UVICORN_OPTIONS, free_port
+    from inverted.processes import UVICORN_OPTIONS
 
     async def main() -> None:
         keys = ServerKeys(api=secrets.token_urlsafe(24), admin=secrets.token_urlsafe(24))
@@ -1030,9 +1030,8 @@ def serve(cfg: TinkerServeConfig, router_args: Sequence[str] = (), sglang_args: 
         servers_cfg = dataclasses.replace(
             cfg.servers, log_dir=str(out / "servers"), router_api_key=keys.api, admin_api_key=keys.admin
         )
-        # The trainer is this process alone: its own rendezvous, whatever an inherited MASTER_PORT says
-        # (a launcher's, a test worker's: taken, it failed the start with EADDRINUSE).
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port("127.0.0.1")), RANK="0", WORLD_SIZE="1")
+        # The trainer is this process alone (no rendezvous port), whatever an inherited WORLD_SIZE says.
+        os.environ.update(RANK="0", WORLD_SIZE="1")
         can = ServersCan.of(resolve_backend(servers_cfg), list(sglang_args))
         flags = lora_argv(cfg.tinker.tinker_max_lora_rank, ["all"]) if can.lora else []
         async with RolloutServers(servers_cfg, list(router_args), list(sglang_args), flags=flags) as servers:

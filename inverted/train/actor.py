@@ -29,7 +29,6 @@ import gc
 import logging
 import os
 import shutil
-import socket
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -41,7 +40,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from inverted.buffer.client import BatchRef, BufferAddress
 from inverted.devices import cuda_available
 from inverted.errors import ServiceUnavailable
-from inverted.processes import alive, free_port, freeze_startup_heap
+from inverted.processes import alive, freeze_startup_heap
 from inverted.rollout.sglang_client import ServerKeys
 from inverted.train.config import TrainConfig
 from inverted.train.shared_memory import reap_buckets
@@ -82,7 +81,7 @@ class TrainActor:
     trainer: Trainer | None = None  # made by setup; let go of by finish
     sync: WeightSync | None = None  # the weight sync, made on the first push (its servers known then)
     saving: Future | None = None  # the background save under way
-    held: socket.socket | None = None  # rank 0: the rendezvous port, bound until its process group takes it
+    store: Any = None  # rank 0: the process group's rendezvous store (a TCPStore), hosted while the group lives
 
     @property
     def ready(self) -> Trainer:
@@ -92,13 +91,12 @@ class TrainActor:
         return self.trainer
 
     def rendezvous(self) -> tuple[str, int]:
-        """Rank 0's address for the process group. The port stays bound here until ``setup`` opens the
-        group, seconds later (it imports the trainer first): a free port left unbound that long was once
-        taken by another job's process (EADDRINUSE in the group's store)."""
+        """Rank 0 hosts the process group's store (``host_store``) and answers its address."""
+        from inverted.train.parallel import host_store
+
         host = ray.util.get_node_ip_address()
-        self.held = socket.socket()
-        self.held.bind((host, free_port(host)))
-        return self.held.getsockname()
+        self.store = host_store(host)
+        return host, self.store.port
 
     def where(self) -> tuple[str, int]:
         """This rank's node and process id."""
@@ -108,7 +106,7 @@ class TrainActor:
         import torch
 
         from inverted.train.checkpoint import resume
-        from inverted.train.parallel import init_parallel
+        from inverted.train.parallel import AGENT_STORE, init_parallel
         from inverted.train.trainer import Trainer
 
         process_setup(f"train r{rank}")
@@ -120,12 +118,10 @@ class TrainActor:
             MASTER_ADDR=address[0],
             MASTER_PORT=str(address[1]),
             LOCAL_RANK="0" if local else str(rank),
+            **AGENT_STORE,
         )
         if not torch.cuda.is_available():  # rollout and training alternate: a rank may use its share of the cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.parallel.world_size))
-        if self.held is not None:  # let the group's store bind it (a socket never listened on leaves no TIME_WAIT)
-            self.held.close()
-            self.held = None
         init_parallel(cfg.parallel, cfg.seed)
         self.cfg, self.rank = cfg, rank
         self.trainer = trainer = Trainer(cfg)

@@ -1,10 +1,11 @@
 """Process groups: one training process per GPU (or CPU worker), Megatron's parallel state on top.
 
-``init_parallel`` reads the torchrun-style environment (``RANK``, ``WORLD_SIZE``,
-``MASTER_ADDR``, ``MASTER_PORT``), opens the default group (NCCL on GPU, gloo on CPU), applies
+``init_parallel`` reads the torchrun-style environment (``RANK``, ``WORLD_SIZE``, and for more
+than one rank ``MASTER_ADDR``, ``MASTER_PORT``), opens the default group (NCCL on GPU, gloo on CPU), applies
 the CPU compatibility layer when there is no CUDA, creates Megatron's TP/PP/CP/EP/DP groups, and
 seeds every generator (Megatron's tracker gives TP ranks distinct model-parallel streams).
 ``spawn`` starts ``n`` such processes on this machine; a failure in any of them is raised here.
+``host_store`` is the ranks' rendezvous, hosted on a port the kernel picks as it binds it.
 ``sequence_share`` is a tensor-parallel rank's share of a packed row under sequence parallelism;
 ``all_gathered`` every rank's tensor of a group (shards of one parameter, or of one adapter).
 """
@@ -19,7 +20,6 @@ from typing import Any
 
 import torch
 
-from inverted.processes import free_port
 from inverted.train.config import ParallelConfig
 
 
@@ -38,10 +38,12 @@ def init_parallel(cfg: ParallelConfig, seed: int) -> None:
     if not torch.distributed.is_initialized():
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
         torch.distributed.init_process_group(
             "nccl" if cuda else "gloo",
             rank=int(os.environ.get("RANK", "0")),
-            world_size=int(os.environ.get("WORLD_SIZE", "1")),
+            world_size=world_size,
+            store=torch.distributed.HashStore() if world_size == 1 else None,  # one rank: no port to bind
         )
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -55,6 +57,18 @@ def init_parallel(cfg: ParallelConfig, seed: int) -> None:
         )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
+
+
+def host_store(host: str = "127.0.0.1") -> torch.distributed.TCPStore:
+    """The process group's rendezvous store, hosted by this process on a port the kernel picks as it
+    binds it; the ranks reach it as clients (``AGENT_STORE``, as under torchrun, whose agent hosts it).
+
+    Not a port drawn free for rank 0 to bind later: the ranks import Megatron first, and in those
+    seconds another process took it once (EADDRINUSE). Keep the store as long as the group."""
+    return torch.distributed.TCPStore(host, 0, None, True, wait_for_workers=False)
+
+
+AGENT_STORE = {"TORCHELASTIC_USE_AGENT_STORE": "True"}  # torch's switch: every rank a client of a hosted store
 
 
 def sequence_share(tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -101,11 +115,11 @@ def _keep_fds_from_children() -> None:
                 pass
 
 
-def _worker(rank: int, world_size: int, port: int, level: int, fn: Callable[..., Any], args: tuple) -> None:
+def _worker(rank: int, world_size: int, port: int | None, level: int, fn: Callable[..., Any], args: tuple) -> None:
     _keep_fds_from_children()
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    if port is not None:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **AGENT_STORE)
     if world_size > 1:  # a spawned process starts with no logging configuration
         logging.basicConfig(
             level=level,
@@ -122,13 +136,13 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
 
     One process runs ``fn`` right here (no extra process). ``fn`` must be importable (module level).
     """
-    port = free_port()  # not torch's get_free_port: a port from the ephemeral range can be taken before the bind
     if world_size == 1:
-        _worker(0, 1, port, logging.root.level, fn, args)
+        _worker(0, 1, None, logging.root.level, fn, args)
         return
+    store = host_store()
     torch.multiprocessing.start_processes(
         _worker,
-        args=(world_size, port, logging.root.level, fn, args),
+        args=(world_size, store.port, logging.root.level, fn, args),
         nprocs=world_size,
         start_method="spawn",
         join=True,
