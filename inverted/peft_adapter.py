@@ -9,7 +9,9 @@ A LoRA adapter adds ``scaling * B @ A`` to a linear layer's weight ``W [out, in]
 The trainer writes adapters in this form (export, disk weight sync), the embedded engine reads
 them (``/load_lora_adapter``, ``/load_lora_adapter_from_tensors``), and ``peft`` itself loads
 them, so the format is defined once, here. Only what our decoders have is accepted: the seven
-projections of a layer, no biases, no DoRA, no per-module ranks. It imports ``errors`` and
+projections of a layer and the output layer (``lm_head``, the unembedding: PEFT's
+``base_model.model.lm_head.lora_A.weight``), no biases, no DoRA, no per-module ranks. As in PEFT,
+``all`` (``all-linear``) is the projections: the output layer is adapted when named. It imports ``errors`` and
 ``hf_checkpoint`` (the shapes of the model an adapter adapts).
 """
 
@@ -38,43 +40,58 @@ MODULES = {
     "up_proj": "mlp",
     "down_proj": "mlp",
 }
+HEAD = "lm_head"  # the output layer; outside the layers, so its tensors name no layer (``layer`` None)
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 _NAME = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
+# PEFT saves the output layer's own weight beside an adapter of it (``save_embedding_layers``, in case
+# the vocabulary was resized): the base model's, which an adapter of ours never changes, so it is
+# checked for shape and otherwise left out.
+HEAD_BASE = "base_model.model.lm_head.base_layer.weight"
+_HEAD_NAME = re.compile(r"^base_model\.model\.lm_head\.lora_([AB])(?:\.\w+)?\.weight$")
+TARGETS = (*MODULES, HEAD)
 
 
 def target_modules(names: list[str] | str) -> tuple[str, ...]:
     """The modules a ``target_modules`` value names, as PEFT reads it: names match a module by their
     last part (``model.layers.0.mlp.down_proj`` is ``down_proj``), one string is a regex over full
-    module names, and ``all`` (or ``all-linear``) is every projection."""
-    if isinstance(names, str) and names not in MODULES and names not in ("all", "all-linear"):
-        found = tuple(m for m, block in MODULES.items() if re.fullmatch(names, f"model.layers.0.{block}.{m}"))
+    module names, and ``all`` (or ``all-linear``) is every projection (with ``lm_head`` only if named too)."""
+    if isinstance(names, str) and names not in TARGETS and names not in ("all", "all-linear"):
+        full = {**{m: f"model.layers.0.{block}.{m}" for m, block in MODULES.items()}, HEAD: HEAD}
+        found = tuple(m for m, path in full.items() if re.fullmatch(names, path))
         if not found:
-            raise ModelError(f"target_modules {names!r} matches none of {list(MODULES)}")
+            raise ModelError(f"target_modules {names!r} matches none of {list(TARGETS)}")
         return found
     names = [names] if isinstance(names, str) else [str(n).rsplit(".", 1)[-1] for n in names]
     if any(n in ("all", "all-linear") for n in names):
-        return tuple(MODULES)
-    unknown = sorted(set(names) - set(MODULES))
+        names = [*MODULES, *names]
+    unknown = sorted(set(names) - set(TARGETS) - {"all", "all-linear"})
     if unknown or not names:
         raise ModelError(
             f"target modules {unknown or names} are not LoRA targets of this model; "
-            f"choose from {list(MODULES)} or 'all'"
+            f"choose from {list(TARGETS)} or 'all'"
         )
-    return tuple(m for m in MODULES if m in names)
+    return tuple(m for m in TARGETS if m in names)
 
 
-def tensor_name(layer: int, module: str, which: str) -> str:
-    """PEFT's name of ``lora_A`` / ``lora_B`` (``which``: "A" or "B") of one module of one layer."""
+def tensor_name(layer: int | None, module: str, which: str) -> str:
+    """PEFT's name of ``lora_A`` / ``lora_B`` (``which``: "A" or "B") of one module of one layer (of the
+    output layer: ``module`` ``lm_head``, no layer)."""
+    if module == HEAD:
+        return f"base_model.model.lm_head.lora_{which}.weight"
     return f"base_model.model.model.layers.{layer}.{MODULES[module]}.{module}.lora_{which}.weight"
 
 
-def parse_name(name: str) -> tuple[int, str, str]:
-    """``(layer, module, "A" | "B")`` of a PEFT tensor name; ``ModelError`` for anything else."""
+def parse_name(name: str) -> tuple[int | None, str, str]:
+    """``(layer, module, "A" | "B")`` of a PEFT tensor name (layer None: the output layer's);
+    ``ModelError`` for anything else."""
+    if head := _HEAD_NAME.match(name):
+        return None, HEAD, head.group(1)
     match = _NAME.match(name)
     if match is None or match.group(3) not in MODULES or MODULES[match.group(3)] != match.group(2):
         raise ModelError(
-            f"{name!r} is not a LoRA tensor of a decoder projection "
-            "(base_model.model.model.layers.L.self_attn|mlp.MODULE.lora_A|lora_B.weight)"
+            f"{name!r} is not a LoRA tensor of a decoder projection or of the output layer "
+            "(base_model.model.model.layers.L.self_attn|mlp.MODULE.lora_A|lora_B.weight, "
+            "base_model.model.lm_head.lora_A|lora_B.weight)"
         )
     return int(match.group(1)), match.group(3), match.group(4)
 
@@ -181,17 +198,22 @@ def write_adapter(path: str | Path, config: LoRAConfig, tensors: dict[str, torch
 
 def check_tensors(
     config: LoRAConfig, tensors: dict[str, torch.Tensor], spec: ModelSpec
-) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-    """Every ``(layer, module) -> (A, B)`` pair of an adapter, checked against the model it adapts.
+) -> dict[tuple[int | None, str], tuple[torch.Tensor, torch.Tensor]]:
+    """Every ``(layer, module) -> (A, B)`` pair of an adapter (the output layer's: ``(None, "lm_head")``),
+    checked against the model it adapts.
 
     Every tensor must be an A or B of a targeted module of an
     existing layer, with the rank of the config, and come in pairs: anything else is a ``ModelError``.
     """
-    shapes, num_layers = module_shapes(spec), spec.num_layers
-    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    shapes, num_layers = {**module_shapes(spec), HEAD: head_shape(spec)}, spec.num_layers
+    halves: dict[tuple[int | None, str], dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
+        if name == HEAD_BASE:
+            if tuple(tensor.shape) != head_shape(spec):
+                raise ModelError(f"{name}: expected shape {head_shape(spec)} (a resized vocabulary is not supported)")
+            continue
         layer, module, which = parse_name(name)
-        if layer >= num_layers:
+        if layer is not None and layer >= num_layers:
             raise ModelError(f"{name}: the model has {num_layers} layers")
         if module not in config.modules:
             raise ModelError(f"{name}: module {module} is not in the adapter's target_modules {list(config.modules)}")
@@ -204,7 +226,7 @@ def check_tensors(
         halves.setdefault((layer, module), {})[which] = tensor
     if bad := non_finite(tensors):
         raise ModelError(f"LoRA tensors with NaN or inf values: {bad[:5]}{' ...' if len(bad) > 5 else ''}")
-    unpaired = sorted(f"layer {k[0]} {k[1]}" for k, v in halves.items() if len(v) != 2)
+    unpaired = sorted(f"layer {k[0]} {k[1]}" if k[0] is not None else k[1] for k, v in halves.items() if len(v) != 2)
     if unpaired:
         raise ModelError(f"lora_A and lora_B must come in pairs; unpaired: {unpaired[:5]}")
     if not halves:
@@ -225,3 +247,8 @@ def module_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
         "up_proj": (inter, hidden),
         "down_proj": (hidden, inter),
     }
+
+
+def head_shape(spec: ModelSpec) -> tuple[int, int]:
+    """``(out, in)`` of the output layer: the vocabulary by the hidden size."""
+    return spec.vocab_size, spec.hidden_size

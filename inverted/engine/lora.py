@@ -4,8 +4,9 @@ An ``Adapter`` is a PEFT LoRA adapter (``peft_adapter``) laid out for ``CausalLM
 weights. For each layer and fused weight (``qkv``, ``o``, ``gate_up``, ``down``) it keeps the
 ``A`` matrices of its adapted parts stacked, ``[parts * r, in]``, with the scaling folded in, and
 each part's ``B``, placed at that part's output columns: one matmul gives every part's low-rank
-input, one more per part its delta. Weights stay untouched, so one batch can mix adapters and
-the base model (SGLang's ``lora_path`` per request).
+input, one more per part its delta; an adapted output layer (``lm_head``) adds its delta to the
+logits the same way. Weights stay untouched, so one batch can mix adapters and the base model
+(SGLang's ``lora_path`` per request).
 
 ``LoRABatch`` is one forward's assignment of rows (decode) or packed tokens (prefill) to
 adapters, grouped: each adapter in the batch costs two small matmuls per fused weight on its own
@@ -26,7 +27,7 @@ import torch
 from inverted.engine.config import EngineConfig
 from inverted.errors import ConfigError, InvalidRequest, ModelError
 from inverted.hf_checkpoint import ModelSpec
-from inverted.peft_adapter import LoRAConfig, check_tensors, module_shapes, read_adapter, target_modules
+from inverted.peft_adapter import HEAD, LoRAConfig, check_tensors, module_shapes, read_adapter, target_modules
 
 
 def fused_parts(spec: ModelSpec) -> dict[str, tuple[tuple[str, int, int], ...]]:
@@ -56,7 +57,12 @@ class Adapter:
     pinned: bool
     config: LoRAConfig
     layers: list[dict[str, FusedLoRA]] = field(default_factory=list)  # per layer: fused weight -> its LoRA
+    head: FusedLoRA | None = None  # the output layer's
     nbytes: int = 0
+
+    def fused(self, layer: int | None, key: str) -> FusedLoRA | None:
+        """The LoRA of one fused weight of a layer (layer None: the output layer's)."""
+        return self.head if layer is None else self.layers[layer].get(key)
 
 
 @dataclass(slots=True)
@@ -83,10 +89,11 @@ class LoRABatch:
                 rows.setdefault(id(adapter), (adapter, []))[1].extend(range(lo, hi))
         return cls([(a, torch.tensor(idx, dtype=torch.long, device=device)) for a, idx in rows.values()])
 
-    def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, fused: str) -> None:
-        """``out += x @ (scaling * B @ A).T`` for each row's adapter, on the parts it adapts."""
+    def add(self, out: torch.Tensor, x: torch.Tensor, layer: int | None, fused: str = "") -> None:
+        """``out += x @ (scaling * B @ A).T`` for each row's adapter, on the parts it adapts (layer None:
+        the logits, by an adapted output layer)."""
         for adapter, idx in self.groups:
-            lora = adapter.layers[layer].get(fused)
+            lora = adapter.fused(layer, fused)
             if lora is None:
                 continue
             low = (x if idx is None else x[idx]) @ lora.a.t()
@@ -116,7 +123,9 @@ class Adapters:
         if spec.is_moe:  # the experts would need adapters of their own; attention alone is not what users ask for
             raise ModelError("LoRA on a Mixture-of-Experts model is not supported by the embedded engine")
         self.spec, self.dtype, self.device = spec, dtype, device
-        self.max_rank, self.modules = max_rank, target_modules(modules or ["all"])
+        # SGLang's `all` is every module it adapts, the output layer included (PEFT's leaves it out)
+        wanted = list(modules or ["all"])
+        self.max_rank, self.modules = max_rank, target_modules(wanted + [HEAD] * ("all" in wanted))
         self.max_loaded, self.max_per_batch = max_loaded, max_per_batch
         self.loaded: dict[str, Adapter] = {}
         self.parts = fused_parts(spec)
@@ -150,16 +159,20 @@ class Adapters:
         for layer in range(self.spec.num_layers):
             fused: dict[str, FusedLoRA] = {}
             for key, parts in self.parts.items():
-                adapted = [(lo, hi, pairs[layer, m]) for m, lo, hi in parts if (layer, m) in pairs]
-                if adapted:
-                    a = torch.cat([a for _, _, (a, _) in adapted]).to(self.device, torch.float32).mul_(lora.scaling)
-                    fused[key] = FusedLoRA(
-                        a.to(self.dtype),
-                        [(lo, hi, b.to(self.device, self.dtype, copy=True)) for lo, hi, (_, b) in adapted],
-                    )
+                if adapted := [(lo, hi, pairs[layer, m]) for m, lo, hi in parts if (layer, m) in pairs]:
+                    fused[key] = self._fused(adapted, lora.scaling)
             adapter.layers.append(fused)
-        adapter.nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        if (None, HEAD) in pairs:
+            adapter.head = self._fused([(0, self.spec.vocab_size, pairs[None, HEAD])], lora.scaling)
+        adapter.nbytes = sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in pairs.values())
         return adapter
+
+    def _fused(self, adapted: list[tuple[int, int, tuple[torch.Tensor, torch.Tensor]]], scaling: float) -> FusedLoRA:
+        """Parts' ``(lo, hi, (A, B))`` as one fused weight's LoRA: the A stacked and scaled, each B copied."""
+        a = torch.cat([a for _, _, (a, _) in adapted]).to(self.device, torch.float32).mul_(scaling)
+        return FusedLoRA(
+            a.to(self.dtype), [(lo, hi, b.to(self.device, self.dtype, copy=True)) for lo, hi, (_, b) in adapted]
+        )
 
     def add(self, adapter: Adapter) -> None:
         if adapter.name in self.loaded:

@@ -445,9 +445,14 @@ class CausalLM(torch.nn.Module):
             out.addcmul_(torch.sigmoid(matmul.linear(h_TH, layer.shared_gate)), shared)
         return out, experts
 
-    def logits(self, hidden_TH: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of the final hidden states."""
-        return matmul.linear(self._norm(hidden_TH, self.norm), self.lm_head).float()
+    def logits(self, hidden_TH: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+        """fp32 logits of the final hidden states (``lora``: the rows' adapters, of which an adapted
+        output layer adds its delta)."""
+        x = self._norm(hidden_TH, self.norm)
+        out = matmul.linear(x, self.lm_head)
+        if lora is not None:
+            lora.add(out, x, None)
+        return out.float()
 
     @torch.no_grad()
     def prefill(

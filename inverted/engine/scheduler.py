@@ -581,7 +581,8 @@ class Scheduler:
         states = [r.prompt_state for r in going if r.prompt_state is not None]
         assert len(states) == len(going), "a request starts once its prompt is computed"
         if going:
-            self._sample_and_check(going, self.model.logits(torch.stack(states)))
+            lora = LoRABatch.of([self._adapter(r) for r in going], None, self.model.device)
+            self._sample_and_check(going, self.model.logits(torch.stack(states), lora))
 
     def _input_logprobs(self, req: Request, hidden_TH: torch.Tensor) -> tuple[list[float | None], list]:
         """Prompt logprobs from ``logprob_start_len`` (the first position has none), and their top-k."""
@@ -591,7 +592,8 @@ class Scheduler:
         values: list[float | None] = [None] if start == 0 else []
         tops: list = [None] if start == 0 else []
         if first < len(ids):
-            logprobs = torch.log_softmax(self.model.logits(hidden_TH[first - 1 : len(ids) - 1]).float(), dim=-1)
+            lora = LoRABatch.of([self._adapter(req)], None, self.model.device)
+            logprobs = torch.log_softmax(self.model.logits(hidden_TH[first - 1 : len(ids) - 1], lora), dim=-1)
             target = torch.tensor(ids[first:], device=logprobs.device)[:, None]
             values += logprobs.gather(1, target)[:, 0].tolist()
             tops += top_logprobs(logprobs, [req.top_logprobs_num] * len(target))
@@ -605,7 +607,7 @@ class Scheduler:
         self._forget_lost_rows()
         for req in self.running:
             req.computed += 1
-        self._sample_and_check(self.running, self.model.logits(hidden))
+        self._sample_and_check(self.running, self.model.logits(hidden, lora))
         self._release_rows([i for i, r in enumerate(self.running) if r.finished])
 
     def _stop_ids(self, req: Request) -> set[int]:

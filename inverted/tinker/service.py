@@ -306,11 +306,7 @@ class Service:
     async def build(self, model: Model, lora: dict | None) -> dict:
         from inverted.train.learner import Learner, LoraShape
 
-        shape = (
-            LoraShape(int(lora["rank"]), lora.get("seed"), lora.get("train_attn", True), lora.get("train_mlp", True))
-            if lora
-            else None
-        )
+        shape = LoraShape.of(lora) if lora else None
         try:
             model.learner = await self.on_training_thread(Learner, self.cfg.train, shape)
         except BaseException:
@@ -528,11 +524,7 @@ class Service:
 
         directory, _ = self.checkpoint(tinker_path, owner)
         shape = saved_lora(str(directory))
-        return (
-            None
-            if shape is None
-            else {"rank": shape.rank, "train_attn": shape.train_attn, "train_mlp": shape.train_mlp}
-        )
+        return None if shape is None else shape.config()
 
     def training_run(self, model_id: str, owner: str) -> dict:
         """The SDK's ``TrainingRun`` of one of the caller's models, live or unloaded (what a restart keeps):
@@ -571,7 +563,7 @@ class Service:
             "base_model": saved.get("base_model", self.model_name),  # a checkpoint saved before it was recorded
             "is_lora": lora is not None,
             "lora_rank": lora["rank"] if lora else None,
-            "train_unembed": False if lora else None,
+            "train_unembed": lora["train_unembed"] if lora else None,
             "train_mlp": lora["train_mlp"] if lora else None,
             "train_attn": lora["train_attn"] if lora else None,
         }

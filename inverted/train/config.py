@@ -254,7 +254,9 @@ class AdapterConfig:
     lora_alpha: float = option(32.0, "LoRA alpha: the adapter's output is scaled by alpha / rank")
     lora_dropout: float = option(0.0, "dropout on the adapter's input")
     target_modules: list[str] = option(
-        ["all"], "modules to adapt: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, or all"
+        ["all"],
+        "modules to adapt: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj lm_head; all: the seven "
+        "projections (as PEFT's all-linear; add lm_head for the output layer)",
     )
     lora_adapter_path: str | None = option(
         None, "PEFT adapter directory to start from (its own rank, alpha and modules are used)", path=True

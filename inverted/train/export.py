@@ -9,11 +9,13 @@ parallelism each expert-parallel rank's experts shifted to their global numbers)
 
 A LoRA checkpoint exports as a PEFT adapter directory (``adapter_config.json``,
 ``adapter_model.safetensors``) that ``peft.PeftModel.from_pretrained(base, DIR)`` loads; with
-``--merge-lora`` the adapter is folded into the base weights it was trained on, as a full model.
+``--merge-lora`` the adapter is folded into the base weights it was trained on, as a full model
+(whose output layer, if adapted, is no longer its embedding: the config unties them).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -85,6 +87,9 @@ def export_hf(checkpoint: str | Path, out: str | Path, merge_lora: bool = False)
     out.mkdir(parents=True, exist_ok=True)
     for item in (root / HF_FILES_DIR).iterdir():
         shutil.copy(item, out / item.name)
+    if spec.tie_word_embeddings and "lm_head.weight" in tensors:  # an adapted output layer, merged
+        config = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}, indent=2) + "\n")
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     logger.info("exported %s (%d tensors) to %s", directory, len(tensors), out)
     return out

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from inverted.errors import SampleError
+from inverted.peft_adapter import HEAD
 from inverted.rollout.sglang_client import ServerKeys
 from inverted.train import datum_losses
 from inverted.train.config import AdapterConfig, TrainConfig
@@ -47,16 +48,35 @@ class AdamStep:
 
 @dataclass(frozen=True, slots=True)
 class LoraShape:
-    """The adapter a client asks for: its rank, and which of the attention and the MLP it adapts."""
+    """The adapter a client asks for (the SDK's ``LoraConfig``): its rank, and which of the attention,
+    the MLP and the unembedding (the output layer) it adapts."""
 
     rank: int
     seed: int | None = None
     train_attn: bool = True
     train_mlp: bool = True
+    train_unembed: bool = True
+
+    @classmethod
+    def of(cls, config: dict) -> LoraShape:
+        """The shape of the SDK's ``lora_config`` (its defaults where a field is absent)."""
+        flags = {k: bool(config.get(k, True)) for k in ("train_attn", "train_mlp", "train_unembed")}
+        return cls(int(config["rank"]), config.get("seed"), **flags)
+
+    def config(self) -> dict:
+        """As the SDK's ``lora_config`` (the seed left out: a model made from a checkpoint has its weights)."""
+        return {
+            "rank": self.rank,
+            "train_attn": self.train_attn,
+            "train_mlp": self.train_mlp,
+            "train_unembed": self.train_unembed,
+        }
 
     def modules(self) -> list[str]:
-        return (["q_proj", "k_proj", "v_proj", "o_proj"] if self.train_attn else []) + (
-            ["gate_proj", "up_proj", "down_proj"] if self.train_mlp else []
+        return (
+            (["q_proj", "k_proj", "v_proj", "o_proj"] if self.train_attn else [])
+            + (["gate_proj", "up_proj", "down_proj"] if self.train_mlp else [])
+            + ([HEAD] if self.train_unembed else [])
         )
 
 
@@ -64,7 +84,10 @@ class Learner:
     def __init__(self, cfg: TrainConfig, lora: LoraShape | None) -> None:
         if lora is not None:
             if not lora.modules():
-                raise SampleError("a LoRA model must adapt the attention or the MLP (train_attn, train_mlp)")
+                raise SampleError(
+                    "a LoRA model must adapt the attention, the MLP or the unembedding "
+                    "(train_attn, train_mlp, train_unembed)"
+                )
             cfg = dataclasses.replace(
                 cfg,
                 lora=dataclasses.replace(
@@ -212,6 +235,7 @@ def saved_lora(directory: str) -> LoraShape | None:
         int(peft["r"]),
         train_attn=bool(modules & {"q_proj", "k_proj", "v_proj", "o_proj"}),
         train_mlp=bool(modules & {"gate_proj", "up_proj", "down_proj"}),
+        train_unembed=HEAD in modules,
     )
 
 

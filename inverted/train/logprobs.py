@@ -143,9 +143,15 @@ def masked_logits(logits_TV: torch.Tensor, rows_R: torch.Tensor, keep_RV: torch.
     return torch.where(keep, logits_TV, logits_TV.detach().amin(dim=-1, keepdim=True) - 1e4)
 
 
-def _scaled_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    # The output layer's matmul in the model's dtype, then fp32: as the logits path computes them.
-    return (hidden @ weight.t()).float() / temperature
+def _scaled_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, temperature: float, low: torch.Tensor | None, b: torch.Tensor | None
+) -> torch.Tensor:
+    # The output layer's matmul in the model's dtype, then fp32: as the logits path computes them
+    # (with an adapter: plus its low-rank activations times its scaled B, as its forward hook adds them).
+    z = hidden @ weight.t()
+    if low is not None and b is not None:
+        z = torch.addmm(z, low, b.t())
+    return z.float() / temperature
 
 
 class _FusedHead(torch.autograd.Function):
@@ -156,6 +162,8 @@ class _FusedHead(torch.autograd.Function):
         ctx,
         hidden: torch.Tensor,
         weight: torch.Tensor,
+        low: torch.Tensor | None,
+        b: torch.Tensor | None,
         targets: torch.Tensor,
         temperature: float,
         chunk: int,
@@ -170,9 +178,9 @@ class _FusedHead(torch.autograd.Function):
         for start in range(0, rows, chunk):
             part = slice(start, start + chunk)
             keep = kept.mask(part, rank * width, width, hidden.device) if kept is not None else None
-            row_max, sums = _row_sums(
-                _scaled_logits(hidden[part], weight, temperature), targets[part], True, in_place=True, keep=keep
-            )
+            z = _scaled_logits(hidden[part], weight, temperature, low[part] if low is not None else None, b)
+            row_max, sums = _row_sums(z, targets[part], True, in_place=True, keep=keep)
+            del z
             if size > 1:
                 torch.distributed.all_reduce(sums, group=group)
             head = _from_sums(sums, True, keep is not None)
@@ -181,23 +189,25 @@ class _FusedHead(torch.autograd.Function):
             unmasked[part] = head.unmasked if head.unmasked is not None else head.logprobs
             log_z[part] = row_max + sums[0].log()
             mean_z[part] = row_max + sums[2] / sums[0]
-        ctx.save_for_backward(hidden, weight, targets, log_z, mean_z)
+        ctx.save_for_backward(hidden, weight, low, b, targets, log_z, mean_z)
         ctx.temperature, ctx.chunk, ctx.kept = temperature, chunk, kept
         ctx.mark_non_differentiable(unmasked)
         return logprobs, entropy, unmasked
 
     @staticmethod
     def backward(ctx, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor, _grad_unmasked: torch.Tensor):
-        hidden, weight, targets, log_z, mean_z = ctx.saved_tensors
+        hidden, weight, low, b, targets, log_z, mean_z = ctx.saved_tensors
         temperature = ctx.temperature
         _, rank, _ = _tensor_parallel()
         width = weight.shape[0]
-        want_hidden, want_weight = ctx.needs_input_grad[:2]
+        want_hidden, want_weight, want_low, want_b = ctx.needs_input_grad[:4]
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
+        grad_low = torch.empty_like(low) if want_low else None
+        grad_b = torch.zeros(b.shape, dtype=torch.float32, device=b.device) if want_b else None
         for start in range(0, len(hidden), ctx.chunk):
             part = slice(start, start + ctx.chunk)
-            z = _scaled_logits(hidden[part], weight, temperature)
+            z = _scaled_logits(hidden[part], weight, temperature, low[part] if low is not None else None, b)
             # d log p_t / dz_j = [j = t] - p_j;  dH / dz_j = -p_j (z_j - E_p[z]). In place, so that two
             # [chunk x V] tensors exist at once (z and p), not five.
             g_logp, g_ent = grad_logprobs[part, None], grad_entropy[part, None]
@@ -216,7 +226,17 @@ class _FusedHead(torch.autograd.Function):
                 grad_hidden[part] = grad_logits @ weight
             if grad_weight is not None:
                 grad_weight += (grad_logits.t() @ hidden[part]).float()
-        return grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None, None, None, None, None
+            if grad_low is not None:
+                grad_low[part] = grad_logits @ b
+            if grad_b is not None:
+                grad_b += (grad_logits.t() @ low[part]).float()
+        return (
+            grad_hidden,
+            grad_weight.to(weight.dtype) if grad_weight is not None else None,
+            grad_low,
+            grad_b.to(b.dtype) if grad_b is not None else None,
+            *(None,) * 4,
+        )
 
 
 def fused_logprobs_and_entropy(
@@ -226,12 +246,17 @@ def fused_logprobs_and_entropy(
     temperature: float = 1.0,
     chunk: int = 1024,
     kept: KeptSets | None = None,
+    low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Head:
     """``log p(target_t)`` and entropies (``[T]`` each, fp32) of ``hidden_TH @ weight_VH.T``, this rank's
     vocabulary slice of the output layer, ``chunk`` tokens at a time; equal to
     ``token_logprobs_and_entropy`` of those logits. ``kept``: the rows' kept sets (their distributions
-    are over them)."""
-    logprobs, entropy, unmasked = _FusedHead.apply(hidden_TH, weight_VH, targets_T, temperature, max(1, chunk), kept)
+    are over them). ``low_rank``: an adapted output layer's low-rank activations ``[T, r]`` and its
+    scaled ``B`` slice ``[V / tp, r]``, whose product is added to the logits."""
+    low, b = low_rank if low_rank is not None else (None, None)
+    logprobs, entropy, unmasked = _FusedHead.apply(
+        hidden_TH, weight_VH, low, b, targets_T, temperature, max(1, chunk), kept
+    )
     return Head(logprobs, entropy, unmasked if kept is not None else None)
 
 
@@ -244,12 +269,25 @@ def output_weight(model) -> torch.Tensor:
     )
 
 
+def head_inputs(model, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
+    """What the fused head multiplies, from what the model returned inside ``output_hidden_states``: the
+    hidden states, the output layer's weight, and an adapted output layer's ``(low-rank activations,
+    scaled B)`` (None without an adapter there, or with it disabled)."""
+    weight = output_weight(model)
+    lora = getattr(getattr(getattr(model, "module", model), "output_layer", None), "lora", None)
+    if lora is None or output.shape[-1] == weight.shape[1]:
+        return output, weight, None
+    hidden, low = output.split([weight.shape[1], output.shape[-1] - weight.shape[1]], dim=-1)
+    return hidden, weight, (low, lora.products()[1][0].to(hidden.dtype))
+
+
 @contextlib.contextmanager
 def output_hidden_states(model) -> Iterator[None]:
     """Inside, the (DDP-wrapped) ``GPTModel`` returns its final hidden states ``[1, T, H]`` where it
     returned logits: its output layer is skipped, keeping only what that layer does to its input across
     tensor-parallel ranks (sequence parallelism's all-gather, whose backward reduce-scatters; else
-    Megatron's copy, whose backward sums the ranks' partial gradients)."""
+    Megatron's copy, whose backward sums the ranks' partial gradients). An adapted output layer
+    (``train.lora``) appends its low-rank activations ``[1, T, r]`` (``head_inputs`` parts them)."""
     from megatron.core.tensor_parallel.mappings import (
         copy_to_tensor_model_parallel_region,
         gather_from_sequence_parallel_region,
@@ -260,13 +298,23 @@ def output_hidden_states(model) -> Iterator[None]:
         yield
         return
 
+    lora = getattr(layer, "lora", None)
+
     def hidden(input_, weight=None, runtime_gather_output=None):
         if layer.sequence_parallel:
             return gather_from_sequence_parallel_region(input_, group=layer.tp_group), None
+        if lora is not None and lora.enabled:  # the reference (adapters disabled) has no low-rank part
+            # One copy for both: Megatron's all-reduce of a gradient needs it contiguous, and the parts
+            # of a concatenation's gradient are not.
+            input_ = torch.cat([input_, lora.local_low(input_).to(input_.dtype)], dim=-1)
         return copy_to_tensor_model_parallel_region(input_, group=layer.tp_group), None
 
     layer.forward = hidden  # an instance attribute: the module, its weights and their names are untouched
+    if lora is not None:
+        lora.in_fused_head = True
     try:
         yield
     finally:
         del layer.forward
+        if lora is not None:
+            lora.in_fused_head = False

@@ -16,6 +16,10 @@ also on Megatron's fused linears, and are placed for tensor parallelism as the l
 - row-parallel (``linear_proj``, ``linear_fc2``): ``A`` split by input columns, ``B`` replicated;
   the low-rank activations are summed over TP (``reduce_from_tensor_model_parallel_region``).
 
+- the output layer (``lm_head``, when targeted; on the last pipeline stage): column-parallel over
+  the vocabulary, as ``linear_qkv``. The fused head (``logprobs``) never makes the logits: there
+  its low-rank activations ride beside the hidden states and the head adds ``B``'s share itself.
+
 Every rank initialises the *whole* ``A`` from a generator seeded by (seed, layer, module) and
 keeps its shard, so TP=2 starts (and stays) where TP=1 does. ``B`` starts at zero, as in PEFT:
 the untrained adapter is the base model. ``adapter_tensors`` gathers the adapter back into PEFT's
@@ -38,9 +42,11 @@ import torch.nn.functional as F
 from inverted.errors import ModelError
 from inverted.hf_checkpoint import ModelSpec
 from inverted.peft_adapter import (
+    HEAD,
     MODULES,
     LoRAConfig,
     check_tensors,
+    head_shape,
     module_shapes,
     parse_name,
     tensor_name,
@@ -54,6 +60,7 @@ LINEARS = {
     "mlp.linear_fc1": ("gate_up", ("gate_proj", "up_proj")),
     "mlp.linear_fc2": ("row", ("down_proj",)),
 }
+OUTPUT_LAYER = "output_layer"  # the GPTModel's, adapted as HF's lm_head
 MARK = ".lora."  # in the name of every adapter parameter
 
 
@@ -77,7 +84,7 @@ class LoRA(torch.nn.Module):
         layout: str,
         modules: tuple[str, ...],
         config: LoRAConfig,
-        layer: int,
+        layer: int | None,
         seed: int,
         dtype: torch.dtype,
         device: torch.device,
@@ -91,8 +98,9 @@ class LoRA(torch.nn.Module):
         self.tp = parallel_state.get_tensor_model_parallel_world_size()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.enabled = True
+        self.in_fused_head = False  # the output layer's, while the fused head applies it (``logprobs``)
         self.A, self.B = torch.nn.ParameterDict(), torch.nn.ParameterDict()
-        shapes = module_shapes(spec)
+        shapes = {**module_shapes(spec), HEAD: head_shape(spec)}
         for module in modules:
             out, inp = shapes[module]
             gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{layer}/{module}".encode()))
@@ -120,6 +128,13 @@ class LoRA(torch.nn.Module):
             return local
         return torch.cat(all_gathered(local, parallel_state.get_tensor_model_parallel_group()), dim=dim)
 
+    def local_low(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's low-rank activations ``A(dropout(x))`` of every adapted part, side by side (a
+        row-parallel linear's are partial sums: ``low`` sums them over TP)."""
+        x = F.dropout(x, self.config.dropout, self.training) if self.config.dropout else x
+        a = torch.cat([self.A[m] for m in self.targets]) if len(self.targets) > 1 else self.A[self.targets[0]]
+        return x @ a.t()
+
     def low(self, x: torch.Tensor) -> torch.Tensor:
         """The low-rank activations ``A(dropout(x))`` of every adapted part, side by side (whole over TP)."""
         from megatron.core.tensor_parallel import (
@@ -127,9 +142,7 @@ class LoRA(torch.nn.Module):
             reduce_from_tensor_model_parallel_region,
         )
 
-        x = F.dropout(x, self.config.dropout, self.training) if self.config.dropout else x
-        a = torch.cat([self.A[m] for m in self.targets]) if len(self.targets) > 1 else self.A[self.targets[0]]
-        low = x @ a.t()
+        low = self.local_low(x)
         if self.layout == "row":
             return reduce_from_tensor_model_parallel_region(low)
         return copy_to_tensor_model_parallel_region(low)
@@ -200,7 +213,7 @@ class _AddLowRank(torch.autograd.Function):
 def _add_delta(linear, inputs, output):
     """The linear's output plus its adapter's ``scaling * B(A(dropout(x)))``."""
     lora = linear.lora
-    if not lora.enabled:
+    if not lora.enabled or lora.in_fused_head:
         return output
     out, bias = output
     low = lora.low(inputs[0]).to(out.dtype)
@@ -244,6 +257,10 @@ def attach(model, spec: ModelSpec, config: LoRAConfig, seed: int) -> None:
             linear = layer.get_submodule(path)
             linear.lora = LoRA(spec, layout, modules, config, layer.layer_number - 1, seed, param.dtype, param.device)
             linear.register_forward_hook(_add_delta)
+    if HEAD in config.modules and model.post_process:
+        head = getattr(model, OUTPUT_LAYER)
+        head.lora = LoRA(spec, "column", (HEAD,), config, None, seed, param.dtype, param.device)
+        head.register_forward_hook(_add_delta)
     if model.pre_process:
         # The frozen embedding's output needs no gradient, but a recomputed layer (Megatron's checkpoint
         # is reentrant) runs its backward only when an input requires one: without it the adapters
@@ -251,13 +268,16 @@ def attach(model, spec: ModelSpec, config: LoRAConfig, seed: int) -> None:
         model.embedding.register_forward_hook(lambda module, args, output: output.requires_grad_(True))
 
 
-def adapters(model) -> Iterator[tuple[int, LoRA]]:
-    """``(global layer index, LoRA)`` of every adapted linear of this stage."""
+def adapters(model) -> Iterator[tuple[int | None, LoRA]]:
+    """``(global layer index, LoRA)`` of every adapted linear of this stage (the output layer's: None)."""
     for layer in model.decoder.layers:
         for path in LINEARS:
             linear = layer.get_submodule(path)
             if hasattr(linear, "lora"):
                 yield layer.layer_number - 1, linear.lora
+    head = getattr(model, OUTPUT_LAYER, None)
+    if head is not None and hasattr(head, "lora"):
+        yield None, head.lora
 
 
 @contextlib.contextmanager
@@ -288,7 +308,9 @@ def load_adapter(model, spec: ModelSpec, config: LoRAConfig, tensors: dict[str, 
         for layer, lora in adapters(model):
             for module in lora.targets:
                 if (layer, module) not in pairs:
-                    raise ModelError(f"--lora-adapter-path lacks layer {layer} {module}")
+                    raise ModelError(
+                        f"--lora-adapter-path lacks {module}{'' if layer is None else f' of layer {layer}'}"
+                    )
                 a, b = pairs[layer, module]
                 lora.A[module].copy_(lora.shard(a, "A"))
                 lora.B[module].copy_(lora.shard(b, "B"))
@@ -302,23 +324,30 @@ def adapter_from_shards(shards: list[dict[str, torch.Tensor]], layer_offset: int
             continue
         layer_path, _, rest = name.partition(MARK)
         which, module = rest.split(".")
-        local, _, path = layer_path.removeprefix("decoder.layers.").partition(".")
-        dim = split_dim(LINEARS[path][0], which)
+        if layer_path == OUTPUT_LAYER:
+            layer, layout = None, "column"
+        else:
+            local, _, path = layer_path.removeprefix("decoder.layers.").partition(".")
+            layer, layout = int(local) + layer_offset, LINEARS[path][0]
+        dim = split_dim(layout, which)
         tensor = shards[0][name] if dim is None else torch.cat([s[name] for s in shards], dim=dim)
-        full[tensor_name(int(local) + layer_offset, module, which)] = tensor
+        full[tensor_name(layer, module, which)] = tensor
     return full
 
 
 def merged(
     base: dict[str, torch.Tensor], config: LoRAConfig, adapter: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    """HF weights with the adapter folded in: ``W + scaling * B @ A`` for each adapted module (in fp32)."""
+    """HF weights with the adapter folded in: ``W + scaling * B @ A`` for each adapted module (in fp32).
+    An adapted output layer of a model that ties it to the embedding becomes a weight of its own
+    (``lm_head.weight``: the embedding plus the delta); the caller unties the config."""
     out = dict(base)
     for name, a in adapter.items():
         layer, module, which = parse_name(name)
         if which != "A":
             continue
-        weight = f"model.layers.{layer}.{MODULES[module]}.{module}.weight"
+        weight = "lm_head.weight" if layer is None else f"model.layers.{layer}.{MODULES[module]}.{module}.weight"
+        w = base.get(weight, base["model.embed_tokens.weight"]) if layer is None else base[weight]
         b = adapter[tensor_name(layer, module, "B")]
-        out[weight] = (base[weight].float() + config.scaling * (b.float() @ a.float())).to(base[weight].dtype)
+        out[weight] = (w.float() + config.scaling * (b.float() @ a.float())).to(w.dtype)
     return out

@@ -61,9 +61,9 @@ from inverted.train.convert import check_compatible, gather_hf_weights, iter_hf_
 from inverted.train.logprobs import (
     Head,
     fused_logprobs_and_entropy,
+    head_inputs,
     keep_mask,
     output_hidden_states,
-    output_weight,
     token_logprobs_and_entropy,
 )
 from inverted.train.model import Parallelism, Recompute, build_model, use_transformer_engine
@@ -382,8 +382,9 @@ class Trainer:
                 with_entropy,
                 keep_mask(mb.kept, len(positions), output.shape[-1], output.device),
             )
+        hidden, weight, low_rank = head_inputs(model, output[positions])
         head = fused_logprobs_and_entropy(
-            output[positions], output_weight(model), targets, temperature, self.cfg.logprob_chunk_size, mb.kept
+            hidden, weight, targets, temperature, self.cfg.logprob_chunk_size, mb.kept, low_rank
         )
         return head if with_entropy else head._replace(entropy=None)
 

@@ -13,7 +13,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from inverted.peft_adapter import read_adapter
+from inverted.peft_adapter import HEAD_BASE, read_adapter
 from inverted.weight_wire import bucket_layout, bucket_payload, serialize
 
 KEY = "admin-secret"
@@ -40,7 +40,8 @@ def adapters(tiny_model, tmp_path_factory):
     base, root = tiny_model("qwen2"), tmp_path_factory.mktemp("adapters")
     return {
         "a": make_adapter(base, root / "a", 4, "all-linear", seed=1),
-        "b": make_adapter(base, root / "b", 8, ["q_proj", "v_proj", "down_proj"], seed=2, alpha=8.0),
+        # the output layer too (tied to the embedding): its delta is in every logit, prompt and sampled
+        "b": make_adapter(base, root / "b", 8, ["q_proj", "v_proj", "down_proj", "lm_head"], seed=2, alpha=8.0),
         "big": make_adapter(base, root / "big", 16, ["q_proj"], seed=3),
     }
 
@@ -52,6 +53,8 @@ def engine(module_procs, tiny_model, adapters):
         "--enable-lora",
         "--max-lora-rank",
         "8",
+        "--lora-target-modules",
+        "all",  # as SGLang reads it: the output layer included
         "--lora-paths",
         f"a={adapters['a']}",
         "--admin-api-key",
@@ -218,6 +221,8 @@ def test_bad_adapters_get_400_and_change_nothing(engine, adapters, tmp_path):
         "not targeted": load(tensors, {**config, "target_modules": ["q_proj"]}),
         "unpaired": load({k: v for k, v in tensors.items() if "lora_B" not in k}),
         "NaN or inf values": load({**tensors, name: tensors[name].clone().fill_(float("nan"))}),
+        # peft saves the output layer's own weight beside its adapter: one of another vocabulary is refused
+        "resized vocabulary": load({**tensors, HEAD_BASE: tensors[HEAD_BASE][:-1]}),
         "duplicate name": httpx.post(
             engine + "/load_lora_adapter", headers=ADMIN, json={"lora_name": "a", "lora_path": str(adapters["b"])}
         ),
@@ -231,7 +236,7 @@ def test_bad_adapters_get_400_and_change_nothing(engine, adapters, tmp_path):
         body = response.json()
         assert body["success"] is False and body["error_message"] and body["loaded_adapters"] == before, (what, body)
         assert "shares CPU memory by file descriptor" not in body["error_message"], (what, body)
-        assert what != "NaN or inf values" or what in body["error_message"], body
+        assert what not in ("NaN or inf values", "resized vocabulary") or what in body["error_message"], body
     for route, body in (
         ("/load_lora_adapter", {"lora_name": "x", "lora_path": str(adapters["b"])}),
         ("/unload_lora_adapter", {"lora_name": "a"}),

@@ -515,6 +515,43 @@ def test_two_lora_models_train_side_by_side_and_keys_keep_them_apart(server):
     asyncio.run(run())
 
 
+def test_the_unembedding_is_adapted_as_asked(server):
+    """``train_unembed`` (the SDK's default: True) puts an adapter on the output layer: one alone learns,
+    its saved adapter holds it (PEFT's ``lm_head`` names; weights info says so), and the sampler, given
+    it by the weight sync, scores as the trainer does. A model adapting nothing is refused."""
+    url, *_ = server
+
+    async def run():
+        service = client(url, "tml-unembed")
+        training = await service.create_lora_training_client(
+            base_model="Qwen/Tiny", rank=4, train_attn=False, train_mlp=False
+        )
+        data = [sft_datum([3, 14, 15], [65, 35, 89])]
+        losses = []
+        for _ in range(4):
+            losses.append((await training.forward_backward(data, "cross_entropy")).metrics["loss:sum"])
+            await training.optim_step(types.AdamParams(learning_rate=5e-2))
+        assert losses[-1] < 0.7 * losses[0], losses
+        saved = await training.save_state("head")
+        info = await tinker.RestClient(base_url=url, api_key="tml-unembed").get_weights_info_by_tinker_path(saved.path)
+        assert (info.train_unembed, info.train_attn, info.train_mlp) == (True, False, False)
+        evaluated = (await training.forward(data, "cross_entropy")).loss_fn_outputs[0]["logprobs"].to_numpy()
+        sampler = await training.save_weights_and_get_sampling_client()
+        served = await sampler.compute_logprobs(types.ModelInput.from_ints([3, 14, 15, 65, 35, 89]))
+        np.testing.assert_allclose(np.array(served[1:], np.float32), evaluated, atol=1e-4)
+        with pytest.raises(Exception, match="train_unembed"):
+            await service.create_lora_training_client(
+                base_model="Qwen/Tiny", rank=4, train_attn=False, train_mlp=False, train_unembed=False
+            )
+        await service.close("success")
+        return saved.path
+
+    path = asyncio.run(run())
+    directory = next(server[2].glob(f"tinker/weights/*/{path.rsplit('/', 1)[-1]}"))
+    tensors = {name for f in directory.rglob("*.pt") for name in torch.load(f, weights_only=True)["model"]}
+    assert tensors == {"output_layer.lora.A.lm_head", "output_layer.lora.B.lm_head"}, tensors
+
+
 def test_a_checkpoint_resumes_exactly_and_only_for_its_owner(server):
     url, *_ = server
 

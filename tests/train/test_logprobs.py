@@ -29,25 +29,28 @@ def kept_sets(targets: torch.Tensor, vocab: int) -> KeptSets:
     return KeptSets(torch.tensor(offsets), torch.tensor(ids))
 
 
-@pytest.mark.parametrize("masked", [False, True], ids=["whole", "kept_sets"])
+@pytest.mark.parametrize(
+    ("masked", "adapted"), [(False, False), (True, False), (False, True)], ids=["whole", "kept_sets", "adapted"]
+)
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])  # two ranks: slow
-def test_fused_head_equals_the_logits_path_and_an_exact_recomputation(tp, masked, tiny_model, tmp_path):
+def test_fused_head_equals_the_logits_path_and_an_exact_recomputation(tp, masked, adapted, tiny_model, tmp_path):
     """37 tokens in chunks of 8 (the last one short), each TP rank holding half the vocabulary: log-probs,
     entropies and the gradients of hidden states and weight equal fp64's; the log-probs and entropies equal
     the logits path's within 1e-6, and the gradients (the same derivatives, written out) within fp32's rounding.
     With kept sets (sampling masks) every row that has one is a softmax over it alone, in fp64 too, and
-    the whole vocabulary's log-probs come beside."""
+    the whole vocabulary's log-probs come beside. With an adapted output layer (LoRA on ``lm_head``) its
+    low-rank product is in the logits, and the gradients of its activations and ``B`` are exact too."""
     cfg = from_flags(
         TrainConfig, hf_checkpoint=str(tiny_model("qwen2")), tensor_model_parallel_size=tp, actor_num_gpus_per_node=tp
     )
     inputs = torch.Generator().manual_seed(0)  # head_paths' own draws, for the targets the sets must hold
     torch.randn(37, 16, generator=inputs), torch.randn(96, 16, generator=inputs)
     kept = kept_sets(torch.randint(0, 96, (37,), generator=inputs), 96) if masked else None
-    spawn(head_paths, tp, cfg, str(tmp_path / "heads.pt"), kept)
+    spawn(head_paths, tp, cfg, str(tmp_path / "heads.pt"), kept, adapted)
     results = torch.load(tmp_path / "heads.pt")
-    hidden, weight, targets, upstream = (t.double() if t.is_floating_point() else t for t in results["inputs"])
-    hidden.requires_grad_(), weight.requires_grad_()
-    logits = hidden @ weight.t() / 0.7
+    hidden, weight, targets, upstream, low, b = (t.double() if t.is_floating_point() else t for t in results["inputs"])
+    hidden.requires_grad_(), weight.requires_grad_(), low.requires_grad_(), b.requires_grad_()
+    logits = (hidden @ weight.t() + (low @ b.t() if adapted else 0)) / 0.7
     whole = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
     if kept is not None:
         keep = kept.mask(slice(0, 37), 0, 96, "cpu")
@@ -64,7 +67,11 @@ def test_fused_head_equals_the_logits_path_and_an_exact_recomputation(tp, masked
             torch.testing.assert_close(results[f"{path}_unmasked"].double(), whole.detach(), rtol=1e-5, atol=1e-5)
             assert (logp.detach() - whole.detach()).abs().max() > 0.1  # the sets matter
     exact = (logp.detach(), entropy.detach(), hidden.grad, weight.grad)
-    names = ("log-probs", "entropies", "hidden states' gradient", "weight's gradient")
+    names: tuple[str, ...] = ("log-probs", "entropies", "hidden states' gradient", "weight's gradient")
+    if adapted:
+        exact += (low.grad, b.grad)
+        names += ("low-rank activations' gradient", "B's gradient")
+        assert len(results["fused"]) == 6
     for path in ("fused", "logits"):
         for name, got, want in zip(names, results[path], exact):
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5, msg=f"{path}: {name}")

@@ -16,6 +16,8 @@ from inverted.train.parallel import spawn
 from tests.train.samples import make_samples
 from tests.train.workers import check_packed_logits, lora_step
 
+MODULES = ("q_proj", "v_proj", "up_proj", "down_proj", "lm_head")
+
 
 def peft_adapter(base, out, rank: int = 4, modules="all-linear", seed: int = 1):
     """An adapter made by ``peft`` with random A and B (so it changes every adapted layer's output)."""
@@ -42,10 +44,11 @@ def peft_logits(base, adapter):
 
 @pytest.fixture(scope="module")
 def lora_runs(tiny_model, tmp_path_factory):
-    """One step from a peft adapter (q/v/up/down only: parts of both fused linears) at TP=1 and TP=2,
-    each run when a test first reads it (a fast run reads only TP=1's)."""
+    """One step from a peft adapter (q/v/up/down: parts of both fused linears; and the output layer, which
+    the model ties to its embedding) at TP=1 and TP=2, each run when a test first reads it (a fast run reads
+    only TP=1's)."""
     path, root = tiny_model("qwen3"), tmp_path_factory.mktemp("lora")
-    adapter = peft_adapter(path, root / "start", modules=["q_proj", "v_proj", "up_proj", "down_proj"])
+    adapter = peft_adapter(path, root / "start", modules=list(MODULES))
 
     @functools.cache
     def run(tp: int) -> dict:
@@ -73,9 +76,8 @@ def test_lora_logits_equal_peft_and_a_step_changes_only_the_adapter(lora_runs):
     check_packed_logits(
         {"logits": one["before"]["logits"], "rows": one["rows"]}, make_samples(seed=7), peft_logits(path, adapter)
     )
-    assert (
-        all(".lora." in name for name in one["trainable"]) and len(one["trainable"]) == 2 * 4 * 2
-    )  # A, B x 4 modules x 2 layers
+    assert all(".lora." in name for name in one["trainable"])
+    assert len(one["trainable"]) == 2 * 4 * 2 + 2  # A, B x 4 modules x 2 layers, and the output layer's
     for name, tensor in one["before"]["base"].items():
         assert torch.equal(one["after"]["base"][name], tensor), name
     assert one["before"]["adapter"].keys() == one["after"]["adapter"].keys()
@@ -83,9 +85,7 @@ def test_lora_logits_equal_peft_and_a_step_changes_only_the_adapter(lora_runs):
     assert one["metrics"]["train/kl"] > 0  # the reference is the base model: the adapter already moved away from it
 
     # The adapter after the step, written as PEFT's directory, loads in peft and gives the trainer's logits.
-    written = write_adapter(
-        root / "after", LoRAConfig(4, 8.0, ("q_proj", "v_proj", "up_proj", "down_proj")), one["after"]["adapter"]
-    )
+    written = write_adapter(root / "after", LoRAConfig(4, 8.0, MODULES), one["after"]["adapter"])
     check_packed_logits(
         {"logits": one["after"]["logits"], "rows": one["rows"]}, make_samples(seed=7), peft_logits(path, written)
     )
@@ -167,13 +167,15 @@ def test_lora_pp2_dp2_equals_one_process_and_exports(tiny_model, tmp_path):
 
 
 @pytest.mark.slow  # a whole job: left out of make test-fast
-def test_lora_resume_equals_the_uninterrupted_run_and_exports_an_adapter_or_a_merged_model(tiny_model, tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # its own output layer; one tied to the embedding
+def test_lora_resume_equals_the_uninterrupted_run_and_exports_an_adapter_or_a_merged_model(arch, tiny_model, tmp_path):
     """2 rollouts straight == 1, save (the adapter only), resume, 1 more; the checkpoint exports as a PEFT
-    adapter that peft loads, and merged (--merge-lora) as a model that transformers loads: the same logits."""
+    adapter that peft loads, and merged (--merge-lora) as a model that transformers loads: the same logits.
+    The output layer is adapted too: merged into a tied model, it becomes a weight of its own."""
     from tests.train.samples import write_jsonl
     from tests.train.test_trainer import check_resume_equals_straight, train_cli
 
-    base = tiny_model("llama")
+    base = tiny_model(arch)
     data = tmp_path / "rollout_{rollout_id}.jsonl"
     for rollout in range(2):
         write_jsonl(make_samples(seed=rollout), str(data).format(rollout_id=rollout))
@@ -196,13 +198,14 @@ def test_lora_resume_equals_the_uninterrupted_run_and_exports_an_adapter_or_a_me
         "q_proj",
         "o_proj",
         "gate_proj",
+        "lm_head",
     ]
     check_resume_equals_straight(common, 2, 1, tmp_path)
     saved = torch.load(next((tmp_path / "ckpt").glob("iter_*2/rank_0_0_0.pt")), weights_only=True)["model"]
     assert saved and all(".lora." in name for name in saved)  # the frozen base is not saved again
-
+    assert any("output_layer.lora." in name for name in saved)
     wrong = train_cli(
-        *common[:-2], "--num-rollout", "3", "--output-dir", str(tmp_path / "d"), "--load", str(tmp_path / "ckpt")
+        *common[:-3], "--num-rollout", "3", "--output-dir", str(tmp_path / "d"), "--load", str(tmp_path / "ckpt")
     )
     assert wrong.returncode == 2 and "saved with LoRA" in wrong.stderr
 

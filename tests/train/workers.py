@@ -280,11 +280,13 @@ def check_same_training(one: dict, many: dict, checkpoint, out, metrics: tuple[s
         assert torch.equal(exported[name], tensor), name
 
 
-def head_paths(cfg: TrainConfig, out: str, kept=None) -> None:
+def head_paths(cfg: TrainConfig, out: str, kept=None, adapted: bool = False) -> None:
     """Log-probs, entropies and their gradients (a random upstream gradient of each) at temperature 0.7
     through the fused head (chunks of 8 tokens) and through the logits path, on this rank's vocabulary
     slice of one random output layer; the weight's gradient gathered over TP. ``kept``: the rows' kept
-    sets (``KeptSets``), replayed by both; each path's whole-vocabulary log-probs beside. What rank 0 sees."""
+    sets (``KeptSets``), replayed by both; each path's whole-vocabulary log-probs beside. ``adapted``: the
+    output layer has a rank-3 adapter (random low-rank activations and ``B``; ``B`` split over TP as the
+    weight), whose gradients come too. What rank 0 sees."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
@@ -295,25 +297,35 @@ def head_paths(cfg: TrainConfig, out: str, kept=None) -> None:
         hidden, weight = torch.randn(37, 16, generator=g), torch.randn(96, 16, generator=g)
         targets = torch.randint(0, 96, (37,), generator=g)
         upstream = torch.randn(2, 37, generator=g)
+        low, b = torch.randn(37, 3, generator=g), torch.randn(96, 3, generator=g) * 0.5
         size, rank = (
             parallel_state.get_tensor_model_parallel_world_size(),
             parallel_state.get_tensor_model_parallel_rank(),
         )
         group = parallel_state.get_tensor_model_parallel_group()
-        results = {"inputs": (hidden, weight, targets, upstream)}
+        results = {"inputs": (hidden, weight, targets, upstream, low, b)}
+
+        def gathered(grad: torch.Tensor) -> torch.Tensor:
+            parts = [torch.empty_like(grad) for _ in range(size)]
+            torch.distributed.all_gather(parts, grad.contiguous(), group=group)
+            return torch.cat(parts)
+
         for path in ("fused", "logits"):
             h, w = hidden.clone().requires_grad_(), weight.chunk(size)[rank].clone().requires_grad_()
+            lo, bl = low.clone().requires_grad_(), b.chunk(size)[rank].clone().requires_grad_()
             shared = copy_to_tensor_model_parallel_region(h, group=group)
+            shared_low = copy_to_tensor_model_parallel_region(lo, group=group)
             keep = kept.mask(slice(0, 37), rank * len(w), len(w), "cpu") if kept is not None else None
-            head = (
-                fused_logprobs_and_entropy(shared, w, targets, 0.7, chunk=8, kept=kept)
-                if path == "fused"
-                else token_logprobs_and_entropy(shared @ w.t(), targets, 0.7, keep=keep)
-            )
+            if path == "fused":
+                low_rank = (shared_low, bl) if adapted else None
+                head = fused_logprobs_and_entropy(shared, w, targets, 0.7, chunk=8, kept=kept, low_rank=low_rank)
+            else:
+                logits = shared @ w.t() + (shared_low @ bl.t() if adapted else 0)
+                head = token_logprobs_and_entropy(logits, targets, 0.7, keep=keep)
             (head.logprobs * upstream[0] + head.entropy * upstream[1]).sum().backward()
-            parts = [torch.empty_like(w.grad) for _ in range(size)]
-            torch.distributed.all_gather(parts, w.grad.contiguous(), group=group)
-            results[path] = (head.logprobs.detach(), head.entropy.detach(), h.grad, torch.cat(parts))
+            results[path] = (head.logprobs.detach(), head.entropy.detach(), h.grad, gathered(w.grad))
+            if adapted:
+                results[path] += (lo.grad, gathered(bl.grad))
             results[f"{path}_unmasked"] = head.unmasked
         if torch.distributed.get_rank() == 0:
             torch.save(results, out)
