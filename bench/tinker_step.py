@@ -13,6 +13,9 @@ tokens per second of step. ``ratio`` is the job's step time over the Tinker step
 the Tinker loop is faster.
 
     python bench/tinker_step.py [--model models/small-qwen2] [--steps 4] [--batch 8] [--n 4] [--response-len 16]
+
+(#75 names it ``bench/tinker.py``: run by its path, a script of that name is first on ``sys.path`` and
+would be what ``import tinker`` finds, not the SDK.)
 """
 
 from __future__ import annotations
