@@ -39,6 +39,12 @@ from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa:
 pytestmark = pytest.mark.slow
 
 CHUNK = 2  # datums per forward_backward request: the SDK splits larger calls
+# How far the sampler's log-prob of a token may be from the trainer's after a few sharp steps (lr 3e-2 to
+# 5e-2: the tiny model's logits end up ~30 apart, which magnifies fp32 rounding). Usually 2e-6 to 8e-6;
+# once, on an Intel VM with AMX, 2.5e-4 and 4.3e-4. One optimizer step here moves every log-prob by at
+# least 0.04, so this still tells the trained adapter from a step-old one (or the base) by 40x. The
+# engine's own LoRA arithmetic is held to 1e-4 of peft's by tests/engine/test_lora.py.
+SERVED_ATOL = 1e-3
 
 
 def tinker_serve(checkpoint, out, *flags: str, start_s: float = 180):
@@ -169,7 +175,9 @@ def test_a_supervised_loop_learns_with_exact_logprobs_and_its_sampler_agrees(ser
         for datum, output in zip(data, evaluated.loss_fn_outputs):
             full = datum.model_input.to_ints() + [int(datum.loss_fn_inputs["target_tokens"].to_numpy()[-1])]
             served = await sampler.compute_logprobs(types.ModelInput.from_ints(full))
-            np.testing.assert_allclose(np.array(served[1:], np.float32), output["logprobs"].to_numpy(), atol=1e-4)
+            np.testing.assert_allclose(
+                np.array(served[1:], np.float32), output["logprobs"].to_numpy(), atol=SERVED_ATOL
+            )
 
         # and it samples from it: each sequence with its log-probs, as many as asked
         answer = await sampler.sample(
@@ -188,7 +196,7 @@ def test_a_supervised_loop_learns_with_exact_logprobs_and_its_sampler_agrees(ser
             np.testing.assert_allclose(
                 np.array(sequence.logprobs, np.float32),
                 scored.loss_fn_outputs[0]["logprobs"].to_numpy()[len(prompt) - 1 :],
-                atol=1e-4,
+                atol=SERVED_ATOL,
             )
         await service.close("success")
         return training.model_id, answer
@@ -538,7 +546,7 @@ def test_the_unembedding_is_adapted_as_asked(server):
         evaluated = (await training.forward(data, "cross_entropy")).loss_fn_outputs[0]["logprobs"].to_numpy()
         sampler = await training.save_weights_and_get_sampling_client()
         served = await sampler.compute_logprobs(types.ModelInput.from_ints([3, 14, 15, 65, 35, 89]))
-        np.testing.assert_allclose(np.array(served[1:], np.float32), evaluated, atol=1e-4)
+        np.testing.assert_allclose(np.array(served[1:], np.float32), evaluated, atol=SERVED_ATOL)
         with pytest.raises(Exception, match="train_unembed"):
             await service.create_lora_training_client(
                 base_model="Qwen/Tiny", rank=4, train_attn=False, train_mlp=False, train_unembed=False
