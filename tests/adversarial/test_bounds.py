@@ -309,7 +309,9 @@ def test_a_large_schema_compiles_off_the_event_loop_once_and_others_are_served(s
         )
     )
     latencies = call.health_while_running(engine, timeout=60)
-    assert len(call.result) == 16 and max(latencies) < 1.0, latencies
+    # Compiled on the event loop, the 16 held /health past the probe's 5 s timeout; off it, a loaded
+    # 2-core CI run still saw one probe take 1.7 s (scheduling), so 1 s was too tight a bound.
+    assert len(call.result) == 16 and max(latencies) < 3.0, latencies
     post_generate(engine, input_ids=[50, 52], sampling_params={"max_new_tokens": 2, "json_schema": schema})
     assert compiled() - before == 1
 

@@ -92,8 +92,8 @@ def test_r3_routes_as_the_engine_did_and_the_mismatch_falls(procs, tiny_model, t
         "actor_num_gpus_per_node": 2,
     }
     [tp2] = train(configs(path, tmp_path, split), samples, tmp_path, ranks=2)
-    for name in (GAP, "train/loss", "train/entropy"):
-        assert tp2[name] == pytest.approx(r3[name], rel=1e-5), name
+    for name in (GAP, "train/loss", "train/entropy"):  # abs: how TP splits the sums moves fp32 log-probs ~1e-6
+        assert tp2[name] == pytest.approx(r3[name], rel=1e-5, abs=1e-5), name
 
 
 def test_a_group_split_by_a_weight_update_runs_each_prompt_by_its_own_record(procs, tiny_model, tmp_path):
