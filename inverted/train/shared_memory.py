@@ -22,6 +22,12 @@ def shared_buckets(pid: int | str = "*") -> set[Path]:
     return set(SHARED_MEMORY.glob(f"torch_{pid}_*"))
 
 
+def orphaned_buckets() -> set[Path]:
+    """The bucket files on this node whose maker has exited: memory that no process will unlink. (A live
+    process's files may be in use: another job's, or a service's between two weight syncs.)"""
+    return {path for path in shared_buckets() if not alive(int(path.name.split("_")[1]))}
+
+
 def reap_buckets(pids: list[int], wait_s: float = 0.0) -> int:
     """Unlink the shared-memory buckets that processes ``pids`` made and died without unlinking; how many.
 
