@@ -217,9 +217,10 @@ def chaos(args: argparse.Namespace, work: Path) -> dict:
             if not job.running and job.process.returncode == 0:
                 skipped.append({"kind": kind, "at_step": steps, "why": "the run ended before it healed"})
                 continue
+        stopped = None
         if kind not in HEALED or not job.running:  # it stopped (a kind it could not heal): resume it
-            if kind in HEALED:
-                kind += " (stopped the job)"
+            if kind in HEALED:  # it should have healed this one: keep why it stopped instead
+                kind, stopped = kind + " (stopped the job)", job.crashed()
             job.start()
             recovered = wait(lambda: job.steps() > steps, 600)
         recoveries.append(
@@ -228,6 +229,7 @@ def chaos(args: argparse.Namespace, work: Path) -> dict:
                 "at_step": steps,
                 "recovery_s": None if recovered is None else round(time.monotonic() - killed_at, 1),
             }
+            | ({"stopped": stopped} if stopped else {})
         )
     while job.process.wait() != 0 and job.starts <= args.kills + 3:  # after the last recovery: a crash too
         crashes.append(job.crashed())
