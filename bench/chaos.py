@@ -301,13 +301,14 @@ def main() -> None:
         work = Path(args.work or tmp)
         work.mkdir(parents=True, exist_ok=True)
         make_inputs(work)
-        from inverted.train.shared_memory import shared_buckets
+        from inverted.train.shared_memory import orphaned_buckets, shared_buckets
 
         started, shared_before = time.monotonic(), shared_buckets()
         report = {"kills": args.kills, "rollouts": args.rollouts, **chaos(args, work)}
-        # A killed trainer's weight buckets are RAM until someone unlinks them: the job must.
+        # A killed trainer's weight buckets are RAM until someone unlinks them: the job must. (Orphaned
+        # only: another job on this machine may hold live buckets meanwhile.)
         report["shared_memory_left_mib"] = round(
-            sum(f.stat().st_size for f in shared_buckets() - shared_before) / 2**20
+            sum(f.stat().st_size for f in orphaned_buckets() - shared_before) / 2**20
         )
         report["kinds_killed"] = sorted({r["kind"].split()[0] for r in report["recoveries"]})
         report["chaos_run_s"] = round(time.monotonic() - started, 1)
