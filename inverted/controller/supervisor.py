@@ -11,6 +11,9 @@
   proxy on whichever server answers (``--proxy-server-loss-wait``), so its episode goes on.
 - A trainer with a dead rank is restarted (``controller.trainer``).
 
+The trainer calls ``heal`` too: when a server dies during a sync, and when the router does not
+answer the step's check of the servers it served (killed since the last round).
+
 Deaths and restarts are logged and counted (``faults/*`` metrics). A service that dies again
 during its restart stops the job with its name, exit code and log tail.
 """

@@ -69,7 +69,8 @@ class Trainer:
     ):
         """Starts the group from ``--load``, else ``--hf-checkpoint`` (blocking: call it in a thread).
         ``buffer``: where the ranks read each batch's Samples; ``servers`` (with their ``keys``): where
-        its weights go; ``heal``: the job's supervisor, called when a server dies during a sync."""
+        its weights go; ``heal``: the job's supervisor, called when a server dies during a sync or the
+        router does not answer before a step."""
         self.cfg, self.process_setup, self.ledger, self.buffer = cfg, process_setup, ledger, buffer
         self.servers, self.keys, self.heal = servers, keys, heal
         self.weight_version = "default"  # what the servers hold, as they name it (SGLang's before any update)
@@ -94,7 +95,7 @@ class Trainer:
         """Training step ``step`` on the batch (the ranks read its Samples); the ledger then records
         that this step trained it. A batch is trained only if the router served the job's own
         servers alone (``UnknownWorker`` else)."""
-        await self.servers.verify_workers()
+        await self.servers.verify_workers(heal=self.heal)
         colocated = self.cfg.loop.colocate
         if colocated:
             await self._all_servers(lambda client: client.release_memory_occupation())

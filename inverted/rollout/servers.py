@@ -46,7 +46,7 @@ import secrets
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Awaitable, Callable, Protocol
 
 from inverted.devices import cuda_available
 from inverted.errors import ServiceUnavailable, UnknownWorker
@@ -250,19 +250,33 @@ class RolloutServers:
         """A client of the router's worker API, with the job's admin key."""
         return RouterClient(self.router_url, api_key=self.config.admin_api_key)
 
-    async def verify_workers(self) -> None:
+    async def verify_workers(self, heal: Callable[[], Awaitable[None]] | None = None) -> None:
         """Raise ``UnknownWorker`` if the router serves a worker this object did not start (and take it
-        out): its samples must not be trained on."""
-        async with self.control() as router:
-            strangers = sorted(await router.urls() - self.started)
-            for url in strangers:
-                await router.remove_worker(url)
+        out): its samples must not be trained on. ``heal``: the job's supervisor. A router that does
+        not answer is healed (a restart under way is waited out, a dead router started again), and the
+        new one is asked: a router killed just before a step must not stop the job."""
+        try:
+            strangers = await self._strangers()
+        except ServiceUnavailable as error:
+            if heal is None:
+                raise
+            logger.warning("the router did not answer (%s); healing the job, then asking again", error)
+            await heal()
+            strangers = await self._strangers()
         if strangers:
             raise UnknownWorker(
                 f"the router served {strangers}, which this job did not start; they are removed, "
                 "and what they generated is not trained on",
                 url=self.router_url,
             )
+
+    async def _strangers(self) -> list[str]:
+        """The workers the router serves that this object did not start, taken out of it."""
+        async with self.control() as router:
+            strangers = sorted(await router.urls() - self.started)
+            for url in strangers:
+                await router.remove_worker(url)
+        return strangers
 
     async def __aenter__(self) -> "RolloutServers":
         try:
