@@ -105,8 +105,18 @@ def _spawn(app: str) -> tuple[subprocess.Popen, str, Path]:
             env=env,
             preexec_fn=_die_with_parent,
         )
-    atexit.register(process.terminate)
+    atexit.register(_stop, process, log)
     return process, f"http://127.0.0.1:{port}", log
+
+
+def _stop(process: subprocess.Popen, log: Path) -> None:
+    """At exit: the server goes, and its log with it (a failure to start has quoted it already)."""
+    process.terminate()
+    try:
+        process.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        process.kill()
+    log.unlink(missing_ok=True)
 
 
 async def serve(app: str) -> str:
@@ -132,7 +142,7 @@ async def serve(app: str) -> str:
                 pass
             await asyncio.sleep(0.1)
     raise RuntimeError(
-        f"the OpenEnv server {app!r} did not answer {url}/health within {START_TIMEOUT_S:g}s (its log: {log})"
+        f"the OpenEnv server {app!r} did not answer {url}/health within {START_TIMEOUT_S:g}s: {log.read_text()[-2000:]}"
     )
 
 

@@ -8,6 +8,8 @@ import asyncio
 import functools
 import json
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 from openenv.core.env_server import create_app
@@ -159,6 +161,7 @@ def test_a_debug_rollout_only_job_plays_the_environment_the_command_line_names(t
     )
     env_args = json.dumps({"driver": "tests.envs.test_openenv", "app": APP, "max_turns": 16, "max_sessions": 4})
     assert f"--env-path envs.openenv:episode --env-args '{env_args}'" in capsys.readouterr().out
+    logs_before = set(Path(tempfile.gettempdir()).glob("openenv-*.log"))
     check(
         inverted(
             "train",
@@ -183,6 +186,8 @@ def test_a_debug_rollout_only_job_plays_the_environment_the_command_line_names(t
     saved = [Sample.from_json(json.loads(line)) for line in data.read_text().splitlines()]
     assert len(saved) == 4 and all(s.status != Sample.Status.FAILED and s.reward in (0.0, 1.0) for s in saved)
     assert max(len(s.metadata["turns"]) for s in saved) > 1
+    # the job's environment server went with the job, and its log with it
+    assert set(Path(tempfile.gettempdir()).glob("openenv-*.log")) <= logs_before
 
 
 @pytest.mark.parametrize("max_sessions", [1, 4])
