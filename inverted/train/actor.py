@@ -13,7 +13,8 @@ has died. The job then ``kill``s the group and starts another (``Job``'s supervi
 
 A killed rank leaves its shared-memory weight buckets behind (RAM, a whole bucket each): the group
 reaps them when it shuts down, and each rank at start reaps those of the ranks an earlier run of
-the same output directory left on its node (``trainer.pids`` there names them).
+the same output directory left on its node (``trainer.pids`` there names them). The folder of the
+ranks' ``torch_shm_manager``, killed with them, goes at the group's end too.
 
 A step's batch reaches the ranks by reference (``buffer.client.BatchRef``): each rank reads its
 Samples from the buffer itself (``read_samples``), so the job's driver never decodes, re-encodes
@@ -43,7 +44,7 @@ from inverted.errors import ServiceUnavailable
 from inverted.processes import alive, freeze_startup_heap
 from inverted.rollout.sglang_client import ServerKeys
 from inverted.train.config import TrainConfig
-from inverted.train.shared_memory import reap_buckets
+from inverted.train.shared_memory import reap_buckets, reap_manager_dirs, shm_managers
 from inverted.types import Sample
 
 if TYPE_CHECKING:
@@ -307,10 +308,13 @@ class TrainGroup:
 
     def kill(self) -> None:
         """Stop every rank now (a group with a dead rank), and free what the dead ones left."""
+        node = ray.util.get_node_ip_address()  # Ray kills the ranks' torch_shm_managers with them
+        managers = shm_managers([pid for ip, pid in self.ranks if ip == node])
         for actor in self.actors:
             ray.kill(actor)
         remove_placement_group(self.group)
         write_ranks(self.pids_file, reap_ranks(self.pids_file, wait_s=RANK_EXIT_WAIT_S))
+        reap_manager_dirs(managers, wait_s=RANK_EXIT_WAIT_S)
 
 
 def read_samples(batch: BatchRef, buffer: BufferAddress) -> list[Sample]:

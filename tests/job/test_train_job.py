@@ -24,7 +24,7 @@ import pytest
 from envs.calculator import rows as calculator_rows
 from envs.datasets import write_dataset
 from envs.letters import rows as letter_rows
-from inverted.train.shared_memory import orphaned_buckets, shared_buckets
+from inverted.train.shared_memory import orphaned_buckets, orphaned_manager_dirs, shared_buckets
 from inverted.types import Sample
 
 pytestmark = pytest.mark.slow  # whole jobs: left out of make test-fast
@@ -85,6 +85,7 @@ class ResumedRun:
     refused: subprocess.CompletedProcess
     resumed: subprocess.CompletedProcess
     buckets_left: set  # the weight buckets' shared memory the first run did not give back
+    managers_left: set  # and the folders of torch's shared-memory manager it left in the temporary folder
 
     @property
     def steps(self) -> list[dict]:
@@ -123,20 +124,21 @@ def resumed_run(tiny_model, tmp_path_factory) -> ResumedRun:
         *("--output-dir", str(run_dir), "--eval-interval", "2", "--eval-prompt-data", str(eval_data), "--colocate"),
         *("--pipeline-model-parallel-size", "2", "--actor-num-gpus-per-node", "2", *SMALL_RUN),
     ]
-    shared_before = shared_buckets()
+    shared_before, managers_before = shared_buckets(), orphaned_manager_dirs()
     check(inverted(*args, "--num-rollout", "1", pythonpath=tmp_path))
     # orphaned: the test beside this one on the other worker may hold buckets of its own meanwhile
-    left = orphaned_buckets() - shared_before
+    left, managers_left = orphaned_buckets() - shared_before, orphaned_manager_dirs() - managers_before
     refused = inverted(*args, "--num-rollout", "2", pythonpath=tmp_path)  # the same directory, not resumed
     # Resume: the trainer continues from its checkpoint, the buffer from its file, the fresh servers get
     # the checkpoint's weights first (rollout 1's tokens must carry version 1).
     resumed = inverted(*args, "--num-rollout", "2", "--load", str(run_dir / "checkpoints"), pythonpath=tmp_path)
     check(resumed)
-    return ResumedRun(run_dir, refused, resumed, left)
+    return ResumedRun(run_dir, refused, resumed, left, managers_left)
 
 
 def test_a_job_gives_back_the_shared_memory_of_its_weight_buckets(resumed_run):
     assert resumed_run.buckets_left == set()
+    assert resumed_run.managers_left == set()
 
 
 def test_a_second_run_in_the_same_directory_is_refused_unless_it_resumes(resumed_run):
