@@ -169,7 +169,8 @@ def cluster(monkeypatch, tmp_path):
         monkeypatch.setenv("HOME", str(tmp_path / "job"))
         yield Cluster(f"{head_ip}:{port}", ns, head_ip, node_ip, temp)
     finally:
-        for pid in processes_with(temp):
+        # Ray's client server carries the head's address, not the temp dir, on its command line
+        for pid in {*processes_with(temp), *processes_with(f"--address={head_ip}:{port}")}:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         if ns:
