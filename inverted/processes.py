@@ -42,7 +42,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import httpx
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -207,6 +207,13 @@ def alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def wait_exited(pids: Iterable[int], wait_s: float) -> None:
+    """Until none of ``pids`` is alive, or ``wait_s`` has passed (a process just killed is still exiting)."""
+    deadline = time.monotonic() + wait_s
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

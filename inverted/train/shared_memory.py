@@ -12,10 +12,9 @@ from __future__ import annotations
 import shutil
 import socket
 import tempfile
-import time
 from pathlib import Path
 
-from inverted.processes import alive
+from inverted.processes import alive, wait_exited
 
 SHARED_MEMORY = Path("/dev/shm")
 
@@ -40,9 +39,7 @@ def reap_buckets(pids: list[int], wait_s: float = 0.0) -> int:
     still alive after ``wait_s`` (for one just killed to exit) are left alone; a server that maps
     one keeps its mapping.
     """
-    deadline = time.monotonic() + wait_s
-    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_exited(pids, wait_s)
     reaped = 0
     for pid in pids:
         if alive(pid):
@@ -103,9 +100,7 @@ def shm_managers(parents: list[int]) -> tuple[int, ...]:
 def reap_manager_dirs(managers: tuple[int, ...] = (), wait_s: float = 0.0) -> int:
     """Remove the orphaned manager folders on this node (another user's stay), once the ``managers``
     have exited or ``wait_s`` has passed; how many went."""
-    deadline = time.monotonic() + wait_s
-    while any(alive(pid) for pid in managers) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_exited(managers, wait_s)
     orphans = orphaned_manager_dirs()
     for folder in orphans:
         shutil.rmtree(folder, ignore_errors=True)
