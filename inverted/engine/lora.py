@@ -192,9 +192,9 @@ class Adapters:
         """SGLang's ``loaded_adapters``: name -> the path it was loaded from (None for tensors)."""
         return {name: a.path for name, a in self.loaded.items()}
 
-    def check_requested(self, names: list[str | None]) -> None:
+    def check_requested(self, names: list[str]) -> None:
         """``InvalidRequest`` unless every adapter a request names is loaded."""
-        missing = sorted({n for n in names if n is not None and n not in self.loaded})
+        missing = sorted({n for n in names if n not in self.loaded})
         if missing:
             raise InvalidRequest(
                 f"The following requested LoRA adapters are not loaded: {missing}. "

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict
 
 from inverted.engine.sampling import SamplingParams
 from inverted.engine.scheduler import Request, new_rid
-from inverted.errors import FieldError, InvalidRequest, SchemaError
+from inverted.errors import FieldError, InvalidRequest
 from inverted.types import encode_routed_experts
 
 UNSUPPORTED_GENERATE_FIELDS = (
@@ -148,6 +148,7 @@ class GenerateItem:
     return_text_in_logprobs: bool
     index: int
     top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None  # with return_logprob: these ids' log-probs at each position
     lora: str | None = None
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0  # the routes returned cover [this, prompt + completion - 1)
@@ -167,6 +168,7 @@ def _per_item(body: dict, key: str, default: Any, size: int, batched: bool) -> l
 
 
 MAX_TOP_LOGPROBS_NUM = 100  # alternatives per token: each costs a row of the answer for every token
+MAX_TOKEN_IDS_LOGPROB = 100  # likewise the ids of token_ids_logprob
 
 
 SAMPLING_LOGPROBS_MODES = ("selected", "support")
@@ -174,7 +176,7 @@ TOP_K_ALL = 1 << 30
 
 
 def parse_generate(
-    body: Any, max_items: int, max_prompt_tokens: int, mask_cap: int = 4096
+    body: dict, max_items: int, max_prompt_tokens: int, mask_cap: int = 4096
 ) -> tuple[list[GenerateItem], bool, bool]:
     """Normalise a ``/generate`` body; return (items, is_single, stream).
 
@@ -184,8 +186,6 @@ def parse_generate(
     looked at element by element. ``mask_cap``: the server's ``--sampling-mask-max-tokens``, which
     bounds the kept set a ``return_sampling_mask`` request may ask for (by its ``top_k``, as SGLang does).
     """
-    if not isinstance(body, dict):
-        raise SchemaError("invalid type: expected a JSON object")
     for key in UNSUPPORTED_GENERATE_FIELDS:
         if body.get(key) not in (None, False):
             raise InvalidRequest(f"{key} is not supported by the embedded engine")
@@ -239,12 +239,15 @@ def parse_generate(
         raise FieldError("invalid type: rid must be a string or a list of strings")
     logprob = _per_item(body, "return_logprob", False, size, batched)
     start = _per_item(body, "logprob_start_len", -1, size, batched)
+    if not all(isinstance(k, int) and not isinstance(k, bool) for k in start):
+        raise FieldError("invalid type: logprob_start_len must be an integer, or a list of them per prompt")
+    if any(k < -1 for k in start):  # real SGLang's server dies on one
+        raise InvalidRequest(f"logprob_start_len must be -1 (no prompt log-probs) or at least 0, got {min(start)}.")
     top = _per_item(body, "top_logprobs_num", 0, size, batched)
     if not all(isinstance(k, int) and not isinstance(k, bool) and k <= MAX_TOP_LOGPROBS_NUM for k in top):
         raise InvalidRequest(f"top_logprobs_num must be an integer of at most {MAX_TOP_LOGPROBS_NUM}")
     top = [max(k, 0) for k in top]  # SGLang returns no alternatives for a negative count
-    if body.get("token_ids_logprob"):
-        raise InvalidRequest("token_ids_logprob is not supported by the embedded engine")
+    token_ids = _token_ids_logprob(body.get("token_ids_logprob"), size, n)
     routed = _per_item(body, "return_routed_experts", False, size, batched)
     routed_from = _per_item(body, "routed_experts_start_len", 0, size, batched)
     for i, first in enumerate(routed_from):
@@ -285,6 +288,7 @@ def parse_generate(
                     return_logprob=bool(logprob[i]),
                     logprob_start_len=int(start[i]),
                     top_logprobs_num=int(top[i]),
+                    token_ids_logprob=token_ids[i],
                     return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
                     index=len(items),
                     lora=loras[i],
@@ -295,6 +299,30 @@ def parse_generate(
                 )
             )
     return items, not batched and n == 1, bool(body.get("stream", False))
+
+
+def _token_ids_logprob(value: Any, size: int, n: int) -> list[list[int] | None]:
+    """Each prompt's ``token_ids_logprob``, normalised as SGLang does: one id or one list of them for
+    every prompt, or a list per prompt (not with ``n > 1``); empty is none."""
+    if not value:
+        return [None] * size
+    if not isinstance(value, list):
+        value = [value]
+    if isinstance(value[0], list):
+        if n > 1:
+            raise InvalidRequest("Cannot use list token_ids_logprob with parallel_sample_num > 1")
+        if len(value) != size:
+            raise InvalidRequest(f"token_ids_logprob: expected {size} entries (one per prompt), got {len(value)}")
+    else:
+        value = [value] * size
+    for ids in value:
+        if ids is not None and not (
+            isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+        ):
+            raise FieldError("invalid type: token_ids_logprob must be token ids, or a list of them per prompt")
+        if ids is not None and len(ids) > MAX_TOKEN_IDS_LOGPROB:
+            raise InvalidRequest(f"token_ids_logprob must name at most {MAX_TOKEN_IDS_LOGPROB} ids, got {len(ids)}")
+    return [list(ids) if ids else None for ids in value]
 
 
 def _n_of(body: dict) -> int:
@@ -337,18 +365,24 @@ def generate_response(req: Request, item: GenerateItem, n: int, tokenizer, curre
     if reason and reason["type"] == "stop" and isinstance(reason["matched"], str) and not keep_stop:
         text = text[: text.find(reason["matched"])] if reason["matched"] in text else text
     versions = req.output_versions[:n]
+    # SGLang's count: its radix cache always leaves a prompt's last token to compute; a fork (the
+    # engine held that token's state too) reports the same (inverted:prefill_tokens_total shows the difference)
+    cached = min(req.cached_tokens, len(req.input_ids) - 1)
     meta: dict[str, Any] = {
         "id": req.rid,
         "finish_reason": reason,
         "prompt_tokens": len(req.input_ids),
         "completion_tokens": len(ids),
-        # SGLang's count: its radix cache always leaves a prompt's last token to compute; a fork (the
-        # engine held that token's state too) reports the same (inverted:prefill_tokens_total shows the difference)
-        "cached_tokens": min(req.cached_tokens, len(req.input_ids) - 1),
+        "cached_tokens": cached,
+        "cached_tokens_details": {"device": cached, "host": 0} if cached else None,
         "weight_version": versions[-1] if versions else current_version,
+        "num_retractions": req.retractions,
+        "reasoning_tokens": 0,  # SGLang counts them only behind a server-side reasoning parser
+        "dp_rank": None,
     }
-    if len(set(versions)) > 1:
-        meta["weight_versions"] = version_spans(versions)
+    # SGLang reports the spans once a request is done; mid-stream too where they differ (our addition)
+    if done or len(set(versions)) > 1:
+        meta["weight_versions"] = version_spans(versions) or [{"version": current_version, "start": 0, "end": 0}]
     if item.return_logprob:
         out_texts = [tokenizer.decode([t]) if item.return_text_in_logprobs else None for t in ids]
         meta["output_token_logprobs"] = _triples(req.output_logprobs[:n], ids, out_texts)
@@ -359,20 +393,21 @@ def generate_response(req: Request, item: GenerateItem, n: int, tokenizer, curre
         in_ids = req.input_ids[start:] if item.logprob_start_len >= 0 else []
         in_texts = [tokenizer.decode([t]) if item.return_text_in_logprobs else None for t in in_ids]
         meta["input_token_logprobs"] = _triples(req.input_logprobs, in_ids, in_texts)
+
+        def rows_of(rows: list) -> list:
+            return [
+                None
+                if row is None
+                else [[lp, tid, tokenizer.decode([tid]) if item.return_text_in_logprobs else None] for lp, tid in row]
+                for row in rows
+            ]
+
         if item.top_logprobs_num:
-
-            def tops(rows: list) -> list:
-                return [
-                    None
-                    if row is None
-                    else [
-                        [lp, tid, tokenizer.decode([tid]) if item.return_text_in_logprobs else None] for lp, tid in row
-                    ]
-                    for row in rows
-                ]
-
-            meta["output_top_logprobs"] = tops(req.output_top_logprobs[:n])
-            meta["input_top_logprobs"] = tops(req.input_top_logprobs)
+            meta["output_top_logprobs"] = rows_of(req.output_top_logprobs[:n])
+            meta["input_top_logprobs"] = rows_of(req.input_top_logprobs)
+        if item.token_ids_logprob is not None:
+            meta["output_token_ids_logprobs"] = rows_of(req.output_token_ids_logprobs[:n])
+            meta["input_token_ids_logprobs"] = rows_of(req.input_token_ids_logprobs)
     if item.return_sampling_mask:  # SGLang's: each output token's kept set, and its renormalised log-prob(s)
         kept = req.output_kept[:n]
         meta["output_token_sampling_mask"] = [row.ids for row in kept]

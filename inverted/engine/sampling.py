@@ -149,6 +149,12 @@ def top_logprobs(logprobs_TV: torch.Tensor, ks: list[int]) -> list[TopLogprobs |
     return [list(zip(values[i][:k], ids[i][:k])) if k else None for i, k in enumerate(ks)]
 
 
+def named_logprobs(logprobs_TV: torch.Tensor, ids: list[list[int] | None]) -> list[TopLogprobs | None]:
+    """Each row's ``(logprob, id)`` of the ids ``ids[i]`` names, in their order (SGLang's
+    ``token_ids_logprob``); None where it names none."""
+    return [None if row is None else list(zip(logprobs_TV[i, row].tolist(), row)) for i, row in enumerate(ids)]
+
+
 def temperatures(params: list[SamplingParams], device: torch.device | str) -> torch.Tensor:
     """Each row's temperature, as its logprobs are scaled: a greedy row's at 1."""
     return torch.tensor([1.0 if p.greedy else float(p.temperature) for p in params], device=device)
@@ -165,6 +171,18 @@ class Kept:
     selected: float
 
 
+@dataclass(frozen=True, slots=True)
+class Draw:
+    """One token per row, with its (temperature-scaled) logprob, and what each row asked to see of the
+    same distribution: its most likely tokens, the ids it named, the set the token was drawn from."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    tops: list[TopLogprobs | None]
+    named: list[TopLogprobs | None]
+    kept: list[Kept | None]
+
+
 def sample(
     logits_BV: torch.Tensor,
     params: list[SamplingParams],
@@ -173,12 +191,13 @@ def sample(
     shared: torch.Generator,
     top_k_logprobs: list[int] | None = None,
     masks: list[bool] | None = None,
-) -> tuple[list[int], list[float], list[TopLogprobs | None], list[Kept | None]]:
-    """Draw one token per row; return token ids, their (temperature-scaled) logprobs, top logprobs and
-    the kept sets of the rows whose ``masks[i]`` asks for one.
+    named_ids: list[list[int] | None] | None = None,
+) -> Draw:
+    """Draw one token per row.
 
     ``banned[i]`` lists ids row i may not emit yet (stop tokens before ``min_new_tokens``);
-    ``top_k_logprobs[i]`` asks for row i's k most likely tokens from the same distribution.
+    ``top_k_logprobs[i]`` asks for row i's k most likely tokens, ``named_ids[i]`` for the logprobs of
+    those ids, and ``masks[i]`` for its kept set, all from the distribution it was drawn from.
     """
     logits_BV = logits_BV.float()
     for row, ids in enumerate(banned):
@@ -209,7 +228,8 @@ def sample(
                 kept[i] = truncated.kept(j, int(chosen[i]))
     token_logprobs = logprobs_BV.gather(1, chosen[:, None])[:, 0]
     tops = top_logprobs(logprobs_BV, top_k_logprobs or [0] * len(params))
-    return chosen.tolist(), token_logprobs.tolist(), tops, kept
+    named = named_logprobs(logprobs_BV, named_ids or [None] * len(params))
+    return Draw(chosen.tolist(), token_logprobs.tolist(), tops, named, kept)
 
 
 @dataclass(slots=True)

@@ -62,7 +62,7 @@ import torch
 from inverted.engine import grammar
 from inverted.engine.lora import Adapter, Adapters, LoRABatch
 from inverted.engine.model import CausalLM, KVCache
-from inverted.engine.sampling import Kept, SamplingParams, sample, top_logprobs
+from inverted.engine.sampling import Kept, SamplingParams, named_logprobs, sample, top_logprobs
 from inverted.errors import EngineError, FieldError, InvalidRequest
 from inverted.types import PAUSE_MODES
 
@@ -82,6 +82,7 @@ class Request:
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0  # with return_logprob: the k most likely tokens at each position
+    token_ids_logprob: list[int] | None = None  # with return_logprob: these ids' logprobs at each position
     stream: bool = False
     generator: torch.Generator | None = None  # only for requests with a sampling_seed
     matcher: Any = None  # only for constrained requests (json_schema, regex): see engine.grammar
@@ -99,6 +100,9 @@ class Request:
     input_logprobs: list[float | None] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    output_token_ids_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_token_ids_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    retractions: int = 0  # times a retract pause sent it back to the queue (SGLang's num_retractions)
     finish_reason: dict[str, Any] | None = None
     cached_tokens: int = 0
     computed: int = 0  # positions whose keys/values are in this request's cache row
@@ -261,6 +265,7 @@ class Scheduler:
             self._release_rows(list(range(len(self.running))), keep=False)  # SGLang: KV freed, recomputed later
             for req in reversed(retracted):
                 req.computed, req.prompt_state = 0, None
+                req.retractions += 1
                 self.waiting.appendleft(req)
             self.stats["requests_retracted"] += len(retracted)
 
@@ -554,7 +559,7 @@ class Scheduler:
                 continue
             req.prompt_state = states[-1].clone()  # a view would keep the whole step's activations
             if req.return_logprob and req.logprob_start_len >= 0:
-                req.input_logprobs, req.input_top_logprobs = self._input_logprobs(req, states)
+                self._input_logprobs(req, states)
             fresh.append(req)
         self._start(fresh)
 
@@ -584,20 +589,25 @@ class Scheduler:
             lora = LoRABatch.of([self._adapter(r) for r in going], None, self.model.device)
             self._sample_and_check(going, self.model.logits(torch.stack(states), lora))
 
-    def _input_logprobs(self, req: Request, hidden_TH: torch.Tensor) -> tuple[list[float | None], list]:
-        """Prompt logprobs from ``logprob_start_len`` (the first position has none), and their top-k."""
+    def _input_logprobs(self, req: Request, hidden_TH: torch.Tensor) -> None:
+        """Prompt logprobs from ``logprob_start_len`` (the first position has none), their top-k and the
+        named ids' logprobs."""
         start = req.logprob_start_len
         ids = req.input_ids
         first = max(start, 1)
         values: list[float | None] = [None] if start == 0 else []
         tops: list = [None] if start == 0 else []
+        named: list = [None] if start == 0 else []
         if first < len(ids):
             lora = LoRABatch.of([self._adapter(req)], None, self.model.device)
             logprobs = torch.log_softmax(self.model.logits(hidden_TH[first - 1 : len(ids) - 1], lora), dim=-1)
             target = torch.tensor(ids[first:], device=logprobs.device)[:, None]
             values += logprobs.gather(1, target)[:, 0].tolist()
             tops += top_logprobs(logprobs, [req.top_logprobs_num] * len(target))
-        return values, tops if req.top_logprobs_num else []
+            named += named_logprobs(logprobs, [req.token_ids_logprob] * len(target))
+        req.input_logprobs = values
+        req.input_top_logprobs = tops if req.top_logprobs_num else []
+        req.input_token_ids_logprobs = named if req.token_ids_logprob is not None else []
 
     def _decode(self) -> None:
         tokens = [r.output_ids[-1] for r in self.running]
@@ -618,12 +628,13 @@ class Scheduler:
     def _sample_and_check(self, reqs: list[Request], logits_BV: torch.Tensor) -> None:
         banned = [sorted(self._stop_ids(r)) if len(r.output_ids) < r.params.min_new_tokens else [] for r in reqs]
         top_k = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
+        named = [r.token_ids_logprob if r.return_logprob else None for r in reqs]
         matchers = [r.matcher for r in reqs]
         constrained = [i for i, m in enumerate(matchers) if m is not None]
         if constrained:
             unmasked = logits_BV[constrained].float()  # a copy: the policy's own distribution, for the record
             grammar.mask(logits_BV, matchers)
-        tokens, logprobs, tops, kept = sample(
+        draw = sample(
             logits_BV,
             [r.params for r in reqs],
             [r.generator for r in reqs],
@@ -631,15 +642,17 @@ class Scheduler:
             self._seeds,
             top_k,
             [r.return_sampling_mask for r in reqs],
+            named,
         )
         if constrained:
             policy = grammar.unconstrained_logprobs(
-                unmasked, [tokens[i] for i in constrained], [reqs[i].params for i in constrained]
+                unmasked, [draw.tokens[i] for i in constrained], [reqs[i].params for i in constrained]
             )
             for i, logprob in zip(constrained, policy):
                 reqs[i].output_unconstrained_logprobs.append(logprob)
         self.stats["generated_tokens"] += len(reqs)
-        for req, token, logprob, top, row in zip(reqs, tokens, logprobs, tops, kept):
+        rows = zip(reqs, draw.tokens, draw.logprobs, draw.tops, draw.named, draw.kept)
+        for req, token, logprob, top, ids, row in rows:
             req.output_ids.append(token)
             req.output_logprobs.append(logprob)
             if row is not None:
@@ -648,6 +661,8 @@ class Scheduler:
                 grammar.advance(req.matcher, token)
             if top is not None:
                 req.output_top_logprobs.append(top)
+            if ids is not None:
+                req.output_token_ids_logprobs.append(ids)
             req.output_versions.append(self.weight_version)
             reason = self._finish_reason(req, token)
             if reason is not None:

@@ -54,7 +54,7 @@ from inverted.engine.scheduler import Scheduler, WeightLoad, new_rid
 from inverted.engine.weights import RecentBuckets, UpdateGroups, check_fits, read_checkpoint
 from inverted.errors import EngineError, FieldError, InvalidRequest, ModelError, Overloaded, SchemaError, Unauthorized
 from inverted.hf_checkpoint import ARCHITECTURES, context_length
-from inverted.limits import BodyLimit, cannot_fit, max_token_chars, parse_json
+from inverted.limits import BodyLimit, brief, cannot_fit, max_token_chars, parse_json
 from inverted.peft_adapter import read_adapter
 from inverted.processes import freeze_startup_heap
 
@@ -333,14 +333,34 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(P.error_body(str(exc.detail), exc.status_code), status_code=exc.status_code)
 
 
-async def _json_body(request: Request) -> Any:
+async def _json_body(request: Request) -> dict:
+    """The body as FastAPI (0.165, strict about content types) reads SGLang's: JSON under a JSON content
+    type; no body, no content type or another one, or JSON that is not an object is refused as pydantic
+    refuses it."""
     raw = await request.body()
+    if not raw:
+        raise FieldError("body: Field required")
+    kind = request.headers.get("content-type", "")
+    if not _names_json(kind):
+        raise FieldError(
+            f"body: a JSON object is required, sent as application/json; the content type was {brief(kind)}"
+        )
     try:
-        return await parse_json(raw or b"null")
+        body = await parse_json(raw)
     except (ValueError, RecursionError) as exc:  # json's own errors: malformed, or nested too deep
         raise RequestValidationError(
             [{"loc": ("body",), "msg": f"malformed JSON: {exc}", "type": "json_invalid"}]
         ) from None
+    if not isinstance(body, dict):
+        raise FieldError(f"body: Input should be a dictionary (a JSON object), got {type(body).__name__}")
+    return body
+
+
+def _names_json(content_type: str) -> bool:
+    """FastAPI's test: ``application/json`` or ``application/*+json``, whatever the parameters."""
+    kind = content_type.split(";", 1)[0].strip().lower()
+    main, _, sub = kind.partition("/")
+    return main == "application" and (sub == "json" or sub.endswith("+json"))
 
 
 def _context_exceeded(engine: Engine, prompt_tokens: int, max_new_tokens: int) -> InvalidRequest:
@@ -376,6 +396,10 @@ def _prepare(engine: Engine, item: P.GenerateItem) -> list[int]:
     vocab = engine.scheduler.model.spec.vocab_size
     if any(t < 0 or t >= vocab for t in ids):
         raise InvalidRequest(f"input_ids must be in [0, {vocab}): the model's vocabulary size is {vocab}.")
+    if outside := [t for t in item.token_ids_logprob or () if not 0 <= t < vocab]:  # SGLang's words
+        raise InvalidRequest(
+            f"token_ids_logprob contains out-of-vocabulary token id {outside[0]}; valid range is [0, {vocab})."
+        )
     if len(ids) + item.params.max_new_tokens > engine.context_length:
         raise _context_exceeded(engine, len(ids), item.params.max_new_tokens)
     if item.return_logprob and item.logprob_start_len > len(ids):
@@ -411,8 +435,13 @@ def _add_generate_routes(app: FastAPI) -> None:
             prompts = [_prepare(engine, item) for item in items]  # validate all before submitting any
         if len({i.rid for i in items}) != len(items):
             raise InvalidRequest("Duplicate request ID detected within the batch.")
-        if any(item.lora is not None for item in items):
-            engine.adapters().check_requested([item.lora for item in items])
+        if named := [item.lora for item in items if item.lora is not None]:
+            if engine.scheduler.adapters is None:  # SGLang's words
+                raise InvalidRequest(
+                    f"LoRA adapter '{named[0]}' was requested, but LoRA is not enabled. Please launch the server "
+                    "with --enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter endpoint."
+                )
+            engine.adapters().check_requested(named)
         if any(item.return_routed_experts for item in items) and not engine.config.enable_return_routed_experts:
             raise InvalidRequest("return_routed_experts needs a server started with --enable-return-routed-experts")
         # a bad constraint: 400, nothing runs; compiling is CPU work, so it leaves the event loop
@@ -436,6 +465,7 @@ def _add_generate_routes(app: FastAPI) -> None:
                 return_logprob=item.return_logprob,
                 logprob_start_len=item.logprob_start_len,
                 top_logprobs_num=item.top_logprobs_num,
+                token_ids_logprob=item.token_ids_logprob,
                 matcher=matcher,
                 stream=stream,
                 lora=item.lora,
@@ -881,6 +911,7 @@ def _add_info_routes(app: FastAPI) -> None:
                         "created": int(engine.started),
                         "owned_by": "sglang",
                         "root": engine.model_name,
+                        "parent": None,
                         "max_model_len": engine.context_length,
                     }
                 ],

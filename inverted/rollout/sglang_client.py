@@ -60,8 +60,9 @@ def _check_success(reply: Reply, body: Any) -> dict[str, Any]:
 def read_output(body: Any, url: str) -> tuple[list[int], list[float], list[str], list[Any], dict[str, Any] | None]:
     """ids, logprobs, versions, top logprobs and finish reason of one ``/generate`` answer (or cumulative chunk).
 
-    Each token's weight version: ``meta_info.weight_versions`` spans where the embedded engine
-    reports a mix (a call paused across an update), else ``meta_info.weight_version`` (real SGLang).
+    Each token's weight version: ``meta_info.weight_versions`` spans, which both engines report once a
+    call is done (the embedded engine mid-stream too, where a call paused across an update mixes
+    versions), else ``meta_info.weight_version``.
     """
     try:
         meta = body["meta_info"]

@@ -36,6 +36,7 @@ SCHEMA_ERRORS = [
 FIELD_ERRORS = [
     {"input_ids": [1, "2"]},
     {"input_ids": [1, 2], "sampling_params": [1, 2]},
+    {"input_ids": [1, 2], "return_logprob": True, "token_ids_logprob": [5, "x"]},
 ]
 
 # Values out of range, with real SGLang 0.5.23's own words.
@@ -59,6 +60,15 @@ VALUE_ERRORS = [
         "The parallel_sample_num should be the same for all samples in sample params.",
     ),
     (
+        {"input_ids": [1, 2], "token_ids_logprob": [5, 99999]},
+        "token_ids_logprob contains out-of-vocabulary token id 99999; valid range is [0, 1280).",
+    ),
+    (
+        {"input_ids": [1, 2], "lora_path": "nope"},
+        "LoRA adapter 'nope' was requested, but LoRA is not enabled. Please launch the server with --enable-lora "
+        "flag and preload adapters using --lora-paths or /load_lora_adapter endpoint.",
+    ),
+    (
         {"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 9},
         "req.logprob_start_len=9 is higher than the number of input tokens len(req.origin_input_ids)=2. "
         "Please use a smaller logprob_start_len.",
@@ -66,10 +76,15 @@ VALUE_ERRORS = [
 ]
 
 # Where the embedded engine refuses what real SGLang 0.5.23 does not (docs/sglang-differences.md): an empty text
-# prompt and an id past the vocabulary each kill the SGLang server; repetition_penalty is SGLang's alone.
+# prompt, an id past the vocabulary and a logprob_start_len below -1 each kill the SGLang server; a per-prompt
+# list shorter than the batch is its 500 (one longer is served, the rest ignored); repetition_penalty is SGLang's
+# alone.
 EMBEDDED_ONLY = [
     ({"text": ""}, "input_ids cannot be empty."),
     ({"input_ids": [1, 99999]}, "vocabulary size"),
+    ({"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": -5}, "logprob_start_len must be"),
+    ({"input_ids": [[1, 2], [3]], "return_logprob": [True]}, "return_logprob: expected 2 entries"),
+    ({"input_ids": [[1, 2], [3]], "return_logprob": [True, True, True]}, "return_logprob: expected 2 entries"),
     ({"input_ids": [1, 2], "sampling_params": {"repetition_penalty": 1.3}}, "does not support"),
 ]
 
@@ -130,6 +145,26 @@ def test_malformed_json_and_mistyped_control_bodies(engine):
     response = httpx.post(engine + "/pause_generation", json={"mode": "sideways"})
     assert response.status_code == 400 and response.json()["object"] == "error"
     assert "validation error" in response.json()["message"] and "sideways" in response.json()["message"]
+
+
+@pytest.mark.parametrize(
+    ("content", "content_type"),
+    [
+        (b"", "application/json"),  # no body
+        (b"[1, 2]", "application/json"),  # JSON, not an object
+        (b'{"input_ids": [1, 2]}', "text/plain"),  # FastAPI 0.165 reads JSON under a JSON content type only
+        (b'{"input_ids": [1, 2]}', None),
+    ],
+)
+def test_a_body_that_is_not_a_json_object_is_refused_with_the_validation_body(engine, content, content_type):
+    headers = {"content-type": content_type} if content_type else {}
+    response = httpx.post(engine + "/generate", content=content, headers=headers, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()
+    assert error["object"] == "error" and error["code"] == 400 and "validation error" in error["message"]
+    body = b'{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}'
+    for kind in ("application/json; charset=utf-8", "application/vnd.api+json"):
+        assert httpx.post(engine + "/generate", content=body, headers={"content-type": kind}).status_code == 200
 
 
 async def test_bad_requests_do_not_disturb_good_ones(engine):

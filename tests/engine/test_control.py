@@ -98,9 +98,35 @@ async def test_retract_and_in_place_resume_to_the_uninterrupted_result(engine, m
         await client.post("/continue_generation", json={})
         resumed = await asyncio.wait_for(task, 60)
     assert resumed["output_ids"] == reference["output_ids"]
+    assert resumed["meta_info"]["num_retractions"] == (1 if mode == "retract" else 0)
     got = [lp for lp, _, _ in resumed["meta_info"]["output_token_logprobs"]]
     want = [lp for lp, _, _ in reference["meta_info"]["output_token_logprobs"]]
     assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
+
+
+async def test_an_answer_carries_sglangs_meta_info(engine):
+    """The fields of real SGLang 0.5.23's ``meta_info`` besides the log-probs: the cache's share of the prompt
+    (none the first time, all but the last token the second), retractions, reasoning tokens (none without a
+    server-side reasoning parser), the data-parallel rank (none), and the weight-version spans, which SGLang
+    reports once a request is done."""
+    prompt = list(range(600, 640))
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
+    async with httpx.AsyncClient(base_url=engine, timeout=120) as client:
+        now = await version(client)
+        first = (await client.post("/generate", json=body)).json()["meta_info"]
+        second = (await client.post("/generate", json=body)).json()["meta_info"]
+        chunks = []
+        async with client.stream("POST", "/generate", json={**body, "stream": True}) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:])["meta_info"])
+    for meta in (first, second, chunks[-1]):
+        assert meta["num_retractions"] == 0 and meta["reasoning_tokens"] == 0 and meta["dp_rank"] is None
+        assert meta["weight_versions"] == [{"version": now, "start": 0, "end": 4}] and meta["weight_version"] == now
+    assert first["cached_tokens"] == 0 and first["cached_tokens_details"] is None
+    assert second["cached_tokens"] == len(prompt) - 1
+    assert second["cached_tokens_details"] == {"device": len(prompt) - 1, "host": 0}
+    assert len(chunks) > 1 and not any("weight_versions" in meta for meta in chunks[:-1])
 
 
 async def test_abort_request_by_rid_and_abort_all(engine):

@@ -117,6 +117,42 @@ def test_top_logprobs_are_transformers_top_k(engines, tiny_model):
         assert bad.status_code == 400 and "top_logprobs_num" in bad.text
 
 
+def test_token_ids_logprob_are_transformers_logprobs_of_those_ids(engines, tiny_model):
+    """SGLang's ``token_ids_logprob``: the named ids' log-probs at every position, prompt and output,
+    from the distribution the token was drawn from; a list for every prompt, or one list per prompt."""
+    prompts, named = [[5, 17, 300, 42], [999, 7, 8]], [[5, 700, 3], [1, 2]]
+    body = {
+        "input_ids": prompts,
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "token_ids_logprob": named,
+        "return_text_in_logprobs": True,
+        "sampling_params": {"max_new_tokens": 6, "temperature": 0.7, "ignore_eos": True, "sampling_seed": 3},
+    }
+    answers = httpx.post(engines["qwen2"] + "/generate", json=body, timeout=60).json()
+    for prompt, ids, answer in zip(prompts, named, answers):
+        meta = answer["meta_info"]
+        output_ids = answer["output_ids"]
+        ref = hf_logprobs(tiny_model("qwen2"), prompt + output_ids, 0.7)
+        assert len(meta["output_token_ids_logprobs"]) == len(output_ids)
+        for i, row in enumerate(meta["output_token_ids_logprobs"]):
+            assert [t for _, t, _ in row] == ids and all(isinstance(text, str) for _, _, text in row)
+            assert max(abs(lp - ref[len(prompt) - 1 + i, t].item()) for lp, t, _ in row) <= 1e-4
+        raw = hf_logprobs(tiny_model("qwen2"), prompt)
+        assert meta["input_token_ids_logprobs"][0] is None and len(meta["input_token_ids_logprobs"]) == len(prompt)
+        for i, row in enumerate(meta["input_token_ids_logprobs"][1:], start=1):
+            assert max(abs(lp - raw[i - 1, t].item()) for lp, t, _ in row) <= 1e-4
+    one = {**body, "input_ids": prompts[0], "token_ids_logprob": named[0]}
+    single = httpx.post(engines["qwen2"] + "/generate", json=one, timeout=60).json()["meta_info"]
+    assert [[t for _, t, _ in row] for row in single["output_token_ids_logprobs"]] == [named[0]] * 6
+    unasked = httpx.post(engines["qwen2"] + "/generate", json={**one, "return_logprob": False}, timeout=60).json()
+    assert "output_token_ids_logprobs" not in unasked["meta_info"]
+    n2 = {**body, "sampling_params": {**body["sampling_params"], "n": 2}}
+    refused = httpx.post(engines["qwen2"] + "/generate", json=n2, timeout=60)
+    assert refused.status_code == 400
+    assert refused.json()["error"]["message"] == "Cannot use list token_ids_logprob with parallel_sample_num > 1"
+
+
 @pytest.mark.parametrize("arch", ALL)
 def test_greedy_equals_transformers_generate(engines, tiny_model, arch):
     model = AutoModelForCausalLM.from_pretrained(tiny_model(arch), dtype=torch.float32).eval()
