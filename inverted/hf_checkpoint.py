@@ -6,7 +6,8 @@ are ``num_experts`` experts, ``moe_top_k`` per token, plus a gated shared expert
 ``rope_inv_freq`` turns its RoPE settings into inverse frequencies exactly as ``transformers`` does, and
 ``rope_angles`` lays them out for any positions (the engine's tables, the trainer's packed rows);
 ``checkpoint_tensors`` reads the safetensors files; ``context_length`` is the one rule of how long a
-request may be, which the servers and the proxy share; ``load_tokenizer`` gives its tokenizer, with the
+request may be, which the servers and the proxy share, and ``longest_prompt`` and ``room_after`` what
+SGLang serves of it; ``load_tokenizer`` gives its tokenizer, with the
 chat template of ``--chat-template`` in place of its own where one is given (SGLang's flag), so the
 proxy, the rollouts and slime's plug-ins render chats one way. The embedded engine and the trainer both
 build their models from these, so an architecture is understood in one place. It imports only
@@ -195,6 +196,18 @@ def context_length(path: str | Path, requested: int = 0) -> int:
             f"{Path(path) / 'config.json'} states no context length ({', '.join(CONTEXT_KEYS)}): set --context-length"
         )
     return stated
+
+
+# SGLang's scheduler (managers/tp_worker.py) serves a request of at most context - 1 tokens (max_req_len),
+# refuses a prompt of max_req_len - 5 tokens or more, and cuts max_new_tokens to max_req_len - prompt - 1.
+def longest_prompt(context: int) -> int:
+    """The longest prompt a server of this context serves (SGLang's rule, which the embedded engine keeps)."""
+    return context - 7
+
+
+def room_after(prompt_tokens: int, context: int) -> int:
+    """The most tokens a server of this context samples after a prompt of this length (SGLang's rule)."""
+    return context - 2 - prompt_tokens
 
 
 def checkpoint_tensors(path: str | Path) -> dict[str, torch.Tensor]:

@@ -217,7 +217,7 @@ def parse_generate(
             raise FieldError("invalid type: text must be a string or a list of strings")
     else:
         for ids in prompts:
-            if isinstance(ids, list) and len(ids) > max_prompt_tokens:  # by its length, before any id is read
+            if isinstance(ids, list) and len(ids) >= max_prompt_tokens:  # by its length, before any id is read
                 raise InvalidRequest(
                     f"The input ({len(ids)} tokens) is longer than the model's context length "
                     f"({max_prompt_tokens} tokens)."

@@ -85,6 +85,12 @@ class SamplingParams(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     @property
+    def max_new_tokens_given(self) -> bool:
+        """Whether the request set ``max_new_tokens``: SGLang checks only a given one against the context,
+        and stops a request without one where the context ends."""
+        return "max_new_tokens" in self.model_fields_set
+
+    @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
 

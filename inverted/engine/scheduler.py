@@ -590,14 +590,15 @@ class Scheduler:
             self._sample_and_check(going, self.model.logits(torch.stack(states), lora))
 
     def _input_logprobs(self, req: Request, hidden_TH: torch.Tensor) -> None:
-        """Prompt logprobs from ``logprob_start_len`` (the first position has none), their top-k and the
-        named ids' logprobs."""
+        """Prompt logprobs from ``logprob_start_len``, their top-k and the named ids' logprobs. As in SGLang,
+        the first position returned has none: the prompt's first token has none to have, and SGLang
+        reports none at a later start either."""
         start = req.logprob_start_len
         ids = req.input_ids
-        first = max(start, 1)
-        values: list[float | None] = [None] if start == 0 else []
-        tops: list = [None] if start == 0 else []
-        named: list = [None] if start == 0 else []
+        first = start + 1
+        values: list[float | None] = [None] if start < len(ids) else []
+        tops: list = list(values)
+        named: list = list(values)
         if first < len(ids):
             lora = LoRABatch.of([self._adapter(req)], None, self.model.device)
             logprobs = torch.log_softmax(self.model.logits(hidden_TH[first - 1 : len(ids) - 1], lora), dim=-1)

@@ -53,7 +53,7 @@ from inverted.engine.scheduler import Request as EngineRequest
 from inverted.engine.scheduler import Scheduler, WeightLoad, new_rid
 from inverted.engine.weights import RecentBuckets, UpdateGroups, check_fits, read_checkpoint
 from inverted.errors import EngineError, FieldError, InvalidRequest, ModelError, Overloaded, SchemaError, Unauthorized
-from inverted.hf_checkpoint import ARCHITECTURES, context_length
+from inverted.hf_checkpoint import ARCHITECTURES, context_length, longest_prompt, room_after
 from inverted.limits import BodyLimit, brief, cannot_fit, max_token_chars, parse_json
 from inverted.peft_adapter import read_adapter
 from inverted.processes import freeze_startup_heap
@@ -375,7 +375,7 @@ def _context_exceeded(engine: Engine, prompt_tokens: int, max_new_tokens: int) -
 def _check_text_lengths(engine: Engine, items: list[P.GenerateItem]) -> None:
     """Refuse, by its length alone, a text that cannot fit the context: tokenizing it first could cost minutes."""
     for item in items:
-        room = engine.context_length - item.params.max_new_tokens
+        room = engine.context_length - (item.params.max_new_tokens if item.params.max_new_tokens_given else 1)
         if item.text is not None and cannot_fit(len(item.text), room, engine.max_token_chars):
             raise InvalidRequest(
                 f"Requested token count exceeds the model's maximum context length of {engine.context_length} "
@@ -383,6 +383,13 @@ def _check_text_lengths(engine: Engine, items: list[P.GenerateItem]) -> None:
                 f"{item.params.max_new_tokens} for the completion can hold (one token covers at most "
                 f"{engine.max_token_chars} characters). Please shorten the input."
             )
+
+
+def _within_context(engine: Engine, params: SamplingParams, prompt_tokens: int) -> SamplingParams:
+    """``max_new_tokens`` cut to what SGLang samples after this prompt (``room_after``: 2 short of the
+    context), as SGLang's scheduler cuts it; the KV row is sized to that."""
+    room = room_after(prompt_tokens, engine.context_length)
+    return params if params.max_new_tokens <= room else params.model_copy(update={"max_new_tokens": room})
 
 
 def _prepare(engine: Engine, item: P.GenerateItem) -> list[int]:
@@ -400,8 +407,17 @@ def _prepare(engine: Engine, item: P.GenerateItem) -> list[int]:
         raise InvalidRequest(
             f"token_ids_logprob contains out-of-vocabulary token id {outside[0]}; valid range is [0, {vocab})."
         )
-    if len(ids) + item.params.max_new_tokens > engine.context_length:
+    if len(ids) >= engine.context_length:  # SGLang's words
+        raise InvalidRequest(
+            f"The input ({len(ids)} tokens) is longer than the model's context length ({engine.context_length} tokens)."
+        )
+    if item.params.max_new_tokens_given and len(ids) + item.params.max_new_tokens > engine.context_length:
         raise _context_exceeded(engine, len(ids), item.params.max_new_tokens)
+    if len(ids) > longest_prompt(engine.context_length):  # SGLang's words, but for its --allow-auto-truncate
+        raise InvalidRequest(
+            f"Input length ({len(ids)} tokens) exceeds the maximum allowed length "
+            f"({longest_prompt(engine.context_length) + 1} tokens). Use a shorter input."
+        )
     if item.return_logprob and item.logprob_start_len > len(ids):
         raise InvalidRequest(
             f"req.logprob_start_len={item.logprob_start_len} is higher than the number of input tokens "
@@ -460,7 +476,7 @@ def _add_generate_routes(app: FastAPI) -> None:
             req = EngineRequest(
                 rid=item.rid,
                 input_ids=ids,
-                params=item.params,
+                params=_within_context(engine, item.params, len(ids)),
                 notify=notify,
                 return_logprob=item.return_logprob,
                 logprob_start_len=item.logprob_start_len,

@@ -54,6 +54,12 @@ VALUE_ERRORS = [
         "tokens: 200 tokens from the input messages and 100 tokens for the completion.",
     ),
     ({"input_ids": []}, "input_ids cannot be empty."),
+    (
+        {"input_ids": list(range(1, 257))},
+        "The input (256 tokens) is longer than the model's context length (256 tokens).",
+    ),
+    # SGLang's scheduler takes a prompt of at most context - 7 tokens (hf_checkpoint.longest_prompt)
+    ({"input_ids": list(range(1, 251))}, "Input length (250 tokens) exceeds the maximum allowed length (250 tokens)."),
     ({}, "Either text, input_ids or input_embeds should be provided."),
     (
         {"input_ids": [[1], [2]], "sampling_params": [{"n": 1}, {"n": 2}]},
@@ -130,6 +136,32 @@ def test_text_beside_input_ids_generates_from_the_ids(engine):
     both = httpx.post(engine + "/generate", json={**body, "text": "something else"}, timeout=30)
     assert both.status_code == 200 and both.json()["output_ids"] == alone["output_ids"]
     assert both.json()["meta_info"]["prompt_tokens"] == 3
+
+
+@pytest.mark.parametrize(
+    ("prompt", "max_new_tokens", "sampled"),
+    [
+        (200, None, 54),  # SGLang checks only a max_new_tokens the request set against the context
+        (240, 16, 14),  # 256 in all fits the context, and is cut 2 short of it
+        (249, 1000, None),  # set, and past the context: refused
+        (249, 5, 5),  # the longest prompt served, and all it may sample
+    ],
+)
+def test_new_tokens_stop_two_short_of_the_context(engine, prompt, max_new_tokens, sampled):
+    """SGLang's scheduler serves at most context - 1 tokens and samples at most what that leaves less one
+    (``hf_checkpoint.room_after``), saying ``length`` with the cut limit."""
+    limit = {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}
+    body = {"input_ids": list(range(1, prompt + 1)), "sampling_params": {"temperature": 0, "ignore_eos": True, **limit}}
+    response = httpx.post(engine + "/generate", json=body, timeout=60)
+    if sampled is None:
+        assert response.status_code == 400 and "exceeds the model's maximum context length" in response.text
+        return
+    assert response.status_code == 200, response.text
+    out = response.json()
+    assert len(out["output_ids"]) == sampled and out["meta_info"]["finish_reason"] == {
+        "type": "length",
+        "length": sampled,
+    }
 
 
 def test_malformed_json_and_mistyped_control_bodies(engine):

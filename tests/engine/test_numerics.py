@@ -85,6 +85,11 @@ def test_sampled_and_prompt_logprobs_equal_transformers(engines, tiny_model, arc
     raw = hf_logprobs(tiny_model(arch), prompt)
     expected_in = torch.tensor([raw[i - 1, prompt[i]].item() for i in range(1, len(prompt))])
     assert (torch.tensor([lp for lp, _, _ in in_lps[1:]]) - expected_in).abs().max().item() <= 1e-4
+    # From a later start too, SGLang reports no log-prob for the first position it returns.
+    later = httpx.post(engines[arch] + "/generate", json={**body, "logprob_start_len": 4}, timeout=60).json()
+    in_lps = later["meta_info"]["input_token_logprobs"]
+    assert [t for _, t, _ in in_lps] == prompt[4:] and in_lps[0][0] is None
+    assert (torch.tensor([lp for lp, _, _ in in_lps[1:]]) - expected_in[4:]).abs().max().item() <= 1e-4
 
 
 def test_top_logprobs_are_transformers_top_k(engines, tiny_model):

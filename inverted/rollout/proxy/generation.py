@@ -99,12 +99,15 @@ async def sample_turn(
     routes_version: str | None = None,
     server_loss_wait: float = 0.0,
     mask_top_k: int = 0,
+    prompt_limit: int | None = None,
 ) -> AsyncGenerator[Sampled, None]:
     """Yield the turn's state as it grows; the last state yielded has ``finish`` set. ``lora_path``: the
     LoRA adapter to sample from (None: the base model); ``routes_from``: ask for the routed experts of
     the tokens from this position on (None: not at all), earlier turns' record of the rest having been made
     under weights ``routes_version`` (None: unknown or mixed); ``server_loss_wait``: seconds to go on trying
-    after the servers fail the call; ``mask_top_k``: ask for sampling masks (0: never)."""
+    after the servers fail the call; ``mask_top_k``: ask for sampling masks (0: never); ``prompt_limit``: the
+    longest prompt the servers take (``hf_checkpoint.longest_prompt``), past which a resume cannot be sent
+    and the turn ends at the length it has."""
     state = Sampled()
     budget = sampling["max_new_tokens"]
     aborts = 0
@@ -175,8 +178,9 @@ async def sample_turn(
                 )
         if partial_rollout or (stream and state.ids):
             state.resumes += 1
-            if len(state.ids) >= budget:
-                state.finish = {"type": "length", "length": budget}
+            past_limit = prompt_limit is not None and len(prompt_ids) + len(state.ids) > prompt_limit
+            if len(state.ids) >= budget or past_limit:
+                state.finish = {"type": "length", "length": min(len(state.ids), budget)}
                 yield state
                 return
         else:

@@ -28,6 +28,7 @@ from typing import Any, AsyncGenerator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from inverted.errors import InvalidRequest
+from inverted.hf_checkpoint import longest_prompt, room_after
 from inverted.limits import cannot_fit, max_token_chars
 from inverted.rollout.chat import THINK_OPEN, ChatRenderer, Message, ParsedReply, TemplateBreak, ToolParser, tools_key
 from inverted.rollout.proxy import hosted
@@ -231,7 +232,7 @@ class Recorder:
                 for m in req.chat[skip:]
             )
             chars += 0 if skip else sum(len(json.dumps(tool, separators=(",", ":"))) for tool in req.tools or [])
-        room = self.context_length - held - 1  # a longer max_tokens is cut to what is left (_check_context)
+        room = longest_prompt(self.context_length) - held  # a longer max_tokens is cut to what is left (_check_context)
         if cannot_fit(chars, room, self.max_token_chars):
             after = f" after the {held} tokens of the session's history" if held else ""
             raise InvalidRequest(
@@ -341,23 +342,24 @@ class Recorder:
         return forced(req.force_call)
 
     def _check_context(self, prompt_len: int, req: CallRequest) -> None:
-        """One rule in every API: a reply limit past the context left is cut to what is left, and the
-        turn says so (harnesses ask for 32,000 or 128,000 tokens of a model they do not know); a
-        prompt that leaves no room for one token is refused with the API's context error."""
+        """One rule in every API: a reply limit past what the servers sample after this prompt
+        (``room_after``: SGLang's, 2 short of the context) is cut to it, and the turn says so (harnesses
+        ask for 32,000 or 128,000 tokens of a model they do not know); a prompt longer than the servers
+        take (``longest_prompt``: SGLang refuses the last 6 tokens of the context) is refused with the
+        API's context error."""
         limit = self.context_length
-        if prompt_len >= limit:
+        if prompt_len > longest_prompt(limit):
             raise InvalidRequest(
-                f"This model's maximum context length is {limit} tokens. However, you requested {prompt_len + 1} "
-                f"tokens ({prompt_len} in the messages, 1 in the completion). Please reduce the length of the "
-                "messages or completion.",
+                f"This model's maximum context length is {limit} tokens. However, your messages hold {prompt_len} "
+                f"tokens, and its servers take a prompt of at most {longest_prompt(limit)} tokens. Please reduce "
+                "the length of the messages.",
                 param="messages",
                 code="context_length_exceeded",
             )
-        if req.max_tokens is not None and prompt_len + req.max_tokens > limit:
-            req.accepted[req.max_tokens_field] = (
-                f"{MAX_TOKENS_REASON} ({limit - prompt_len} of the {req.max_tokens} tokens asked)"
-            )
-            req.max_tokens = limit - prompt_len
+        room = room_after(prompt_len, limit)
+        if req.max_tokens is not None and req.max_tokens > room:
+            req.accepted[req.max_tokens_field] = f"{MAX_TOKENS_REASON} ({room} of the {req.max_tokens} tokens asked)"
+            req.max_tokens = room
 
     async def count(self, req: CallRequest) -> int:
         """The prompt tokens a call would start a new branch with (its template render), recording nothing."""
@@ -542,7 +544,8 @@ class Recorder:
         """Sample one choice, yielding its growing state; when done, its sampled ids join the branch and
         ``choice.turn`` and ``choice.output`` are set (``_settle`` records the turn or rolls the branch back)."""
         created = time.time()
-        sampling = {**req.sampling, "max_new_tokens": req.max_tokens or self.context_length - choice.prompt_len}
+        budget = req.max_tokens or room_after(choice.prompt_len, self.context_length)
+        sampling = {**req.sampling, "max_new_tokens": budget}
         prompt = choice.branch.tokens[: choice.prompt_len]
         # the routed experts the branch's turns hold already cover tokens[:last turn's end - 1]
         turns = choice.branch.turns
@@ -565,6 +568,7 @@ class Recorder:
                 routes_version=turns[-1].routes_version if turns else None,
                 server_loss_wait=self.config.proxy_server_loss_wait,
                 mask_top_k=self.config.sampling_mask_top_k,
+                prompt_limit=longest_prompt(self.context_length),
             )
         async for update in replies:
             choice.state = update

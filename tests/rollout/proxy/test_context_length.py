@@ -1,5 +1,5 @@
 """One context length for the servers and the proxy: a call without ``max_tokens`` gets the room its
-prompt leaves, as OpenAI's API gives it."""
+prompt leaves, as OpenAI's API gives it (less SGLang's 2-token margin)."""
 
 from __future__ import annotations
 
@@ -37,8 +37,9 @@ def test_with_default_flags_the_context_is_the_models_own_and_a_call_gets_the_ro
     )
     assert reply.status_code == 200, reply.text
     usage, finish = reply.json()["usage"], reply.json()["choices"][0]["finish_reason"]
-    assert usage["prompt_tokens"] > 12200 and usage["prompt_tokens"] + usage["completion_tokens"] <= 12288
-    assert finish == "stop" or usage["prompt_tokens"] + usage["completion_tokens"] == 12288  # cut off at the context
+    # the servers sample at most 2 short of the context (SGLang's rule: hf_checkpoint.room_after)
+    assert usage["prompt_tokens"] > 12200 and usage["prompt_tokens"] + usage["completion_tokens"] <= 12286
+    assert finish == "stop" or usage["prompt_tokens"] + usage["completion_tokens"] == 12286  # cut off there
 
 
 def test_a_checkpoint_that_states_no_context_needs_the_flag(tiny_model, tmp_path):
