@@ -9,6 +9,7 @@ import asyncio
 import httpx
 import pytest
 
+from inverted.rollout.proxy.generation import Sampled, sample_turn
 from inverted.rollout.sglang_client import SGLangClient
 from inverted.types import Sample
 from tests.rollout.proxy.conftest import Stack, start_stack
@@ -67,6 +68,36 @@ async def test_without_partial_rollout_an_aborted_call_is_sampled_again(module_p
     assert second["input_ids"] == first["input_ids"]  # the aborted tokens are dropped
     check_exact(sample, log)
     assert sample.weight_versions == ["v-retry"] * N
+
+
+async def test_a_resume_the_servers_would_refuse_ends_the_turn_at_the_length_it_has(stack):
+    """An aborted call is resumed with its sampled tokens as prompt; past the longest prompt the servers take
+    (SGLang refuses the last 6 tokens of the context: hf_checkpoint.longest_prompt) nothing is sent again,
+    and the turn ends, ``length``, with every token it has."""
+    prompt = [5, 6, 7]
+    async with SGLangClient(stack.engine.url) as engine:
+
+        async def last() -> Sampled:
+            sampling = {"max_new_tokens": N, "min_new_tokens": N}
+            turn = sample_turn(
+                engine, prompt, sampling, stream=True, partial_rollout=True, max_resumes=4, prompt_limit=len(prompt) + 1
+            )
+            async for state in turn:
+                pass
+            return state
+
+        logged = len(stack.engine_requests())
+        call = asyncio.create_task(last())
+        generated = stack.engine_metric("sglang:generation_tokens_total")
+        while stack.engine_metric("sglang:generation_tokens_total") < generated + 20:
+            await asyncio.sleep(0.02)
+        await engine.pause_generation("abort")
+        try:
+            state = await asyncio.wait_for(call, 30)  # while paused: no resume waits on the server
+        finally:
+            await engine.continue_generation()
+    assert 20 <= len(state.ids) < N and state.finish == {"type": "length", "length": len(state.ids)}
+    assert state.resumes == 1 and len(stack.engine_requests()[logged:]) == 1
 
 
 async def test_calls_wait_while_servers_are_paused(stack):
