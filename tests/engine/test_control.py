@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import re
+from pathlib import Path
 
 import httpx
 import pytest
@@ -127,6 +131,40 @@ async def test_an_answer_carries_sglangs_meta_info(engine):
     assert second["cached_tokens"] == len(prompt) - 1
     assert second["cached_tokens_details"] == {"device": len(prompt) - 1, "host": 0}
     assert len(chunks) > 1 and not any("weight_versions" in meta for meta in chunks[:-1])
+
+
+def held_sockets(pids: set[int]) -> set[str]:
+    """The paths of the Unix sockets that the processes ``pids`` hold open."""
+    paths = {}
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        if len(fields := line.split()) >= 8:
+            paths[f"socket:[{fields[6]}]"] = fields[7]
+    held = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    if (link := os.readlink(fd)) in paths:
+                        held.add(paths[link])
+    return held
+
+
+def test_sglangs_ipc_sockets_are_in_its_launchers_scratch_folder(engine, module_procs):
+    """The launcher removes its scratch folder when SGLang has exited, so SGLang's IPC sockets must be there:
+    they were in /tmp, and every server left three (and as many empty files) there."""
+    server = next(p for p in module_procs.procs if p.url == engine)
+    if "sglang" not in server.name:
+        pytest.skip("the embedded engine binds no Unix sockets")
+    scratch = re.search(r"\[inverted\] scratch (\S+)", server.log_path.read_text()).group(1)
+    launcher = server.popen.pid
+    stats = {}  # pid: the fields after the name (state, ppid, pgid, ...)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            stats[int(stat.parent.name)] = stat.read_text().rsplit(")", 1)[1].split()
+    sglang = {pid for pid, fields in stats.items() if int(fields[1]) == launcher}  # its fork: a group of its own
+    group = {pid for pid, fields in stats.items() if int(fields[2]) in sglang}
+    sockets = held_sockets(group | {launcher})
+    assert len(sockets) >= 3 and all(path.startswith(scratch + "/") for path in sockets), (scratch, sockets)
 
 
 async def test_abort_request_by_rid_and_abort_all(engine):

@@ -127,7 +127,9 @@ def main(argv: list[str]) -> int:
     args = read_secrets(argv)
     started = time.time()
     scratch = Path(tempfile.mkdtemp(prefix="inverted-sglang-"))
-    os.environ["TMPDIR"] = str(scratch)
+    # SGLang names its IPC sockets with tempfile, in this process (its children get the names): tempfile
+    # cached /tmp when it made the scratch folder, so TMPDIR alone would reach only the children
+    os.environ["TMPDIR"] = tempfile.tempdir = str(scratch)
     print(f"[inverted] scratch {scratch} (removed at exit)", file=sys.stderr, flush=True)  # whose folder is whose
     if not any(os.path.exists(node) for node in GPU_DEVICE_NODES):
         here = str(Path(__file__).resolve().parent)
