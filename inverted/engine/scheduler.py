@@ -592,7 +592,7 @@ class Scheduler:
     def _input_logprobs(self, req: Request, hidden_TH: torch.Tensor) -> None:
         """Prompt logprobs from ``logprob_start_len``, their top-k and the named ids' logprobs. As in SGLang,
         the first position returned has none: the prompt's first token has none to have, and SGLang
-        reports none at a later start either."""
+        reports none for that position at a later start too."""
         start = req.logprob_start_len
         ids = req.input_ids
         first = start + 1
