@@ -375,13 +375,15 @@ def _context_exceeded(engine: Engine, prompt_tokens: int, max_new_tokens: int) -
 def _check_text_lengths(engine: Engine, items: list[P.GenerateItem]) -> None:
     """Refuse, by its length alone, a text that cannot fit the context: tokenizing it first could cost minutes."""
     for item in items:
-        room = engine.context_length - (item.params.max_new_tokens if item.params.max_new_tokens_given else 1)
+        room = longest_prompt(engine.context_length)  # what _prepare allows it, once tokenized
+        if item.params.max_new_tokens_given:
+            room = min(room, engine.context_length - item.params.max_new_tokens)
         if item.text is not None and cannot_fit(len(item.text), room, engine.max_token_chars):
             raise InvalidRequest(
                 f"Requested token count exceeds the model's maximum context length of {engine.context_length} "
-                f"tokens. The input text has {len(item.text)} characters, more than the {room} tokens left after "
-                f"{item.params.max_new_tokens} for the completion can hold (one token covers at most "
-                f"{engine.max_token_chars} characters). Please shorten the input."
+                f"tokens. The input text has {len(item.text)} characters, more than the {room} tokens a prompt may "
+                f"have here can hold (one token covers at most {engine.max_token_chars} characters). Please shorten "
+                "the input."
             )
 
 
