@@ -183,7 +183,9 @@ async def test_a_prompt_sampled_again_is_forked_from_the_state_its_first_sample_
             return (await client.post("/generate", json=body)).json()
 
         after_it = [await sample(finished) for _ in range(3)]  # each after the one before finished
-        first = await started(client, {"input_ids": running, "sampling_params": {"max_new_tokens": 300}})
+        # greedy and past EOS: a sampled stop token once ended it before the samples beside it had forked
+        long = {"max_new_tokens": 300, "temperature": 0, "ignore_eos": True}
+        first = await started(client, {"input_ids": running, "sampling_params": long})
         beside_it = await asyncio.gather(*(sample(running) for _ in range(3)))
         assert not first.done()  # they forked from a running request's row
         await first
