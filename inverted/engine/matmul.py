@@ -10,11 +10,22 @@ packed: ``pack`` replaces it, ``unpack`` gives back the ``[out, in]`` tensor for
 also read row by row (a tied embedding, whose rows are looked up) stays as stored and still goes
 through oneDNN. On a GPU, or a torch without oneDNN, nothing is packed and ``linear`` is a matmul.
 
+One row is the exception. A decode step of one request (c=1, or a batch's last straggler) multiplies a
+single row by every matrix, so it only streams the weights from memory, and there the packed layout
+can lose: on Intel Xeons (AMX) MKL's GEMV on the stored matrix reads 24-27 GB/s against oneDNN's 18-20,
+a quarter of a one-row step; on AMD EPYCs oneDNN was the faster. So a model may also keep each packed
+matrix as stored (``keep_stored``), at the cost of its memory again, and ``linear`` takes that copy for
+products of up to ``Stored.rows`` rows. ``stored_rows`` measures, once at load, whether and up to how
+many rows it pays on this machine. Only float32 weights are kept so (activations are float32 on a CPU).
+
 The products agree with ``torch.matmul`` to fp32 rounding (summation order only); the engine's
 log-probs are checked against ``transformers`` by ``tests/engine/test_numerics.py``.
 """
 
 from __future__ import annotations
+
+import time
+from typing import NamedTuple
 
 import torch
 
@@ -34,19 +45,80 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACKED_FOR_ROWS)
 
 
+class Stored(NamedTuple):
+    """A packed matrix's copy as stored (``[out, in]``), multiplied instead for products of up to ``rows`` rows."""
+
+    matrix: torch.Tensor
+    rows: int
+
+
+def keep_stored(packed: torch.Tensor, matrix: torch.Tensor, rows: int) -> None:
+    """Hold ``matrix`` (the stored form of ``packed``) beside it, for products of up to ``rows`` rows
+    (an attribute of the tensor, as Megatron marks its parameters; 0 rows holds none)."""
+    packed.stored = Stored(matrix, rows) if rows else None  # type: ignore[attr-defined]
+
+
+def stored_copy(weight: torch.Tensor) -> Stored | None:
+    return getattr(weight, "stored", None)
+
+
 def unpack(weight: torch.Tensor) -> torch.Tensor:
     """The ``[out, in]`` tensor of a packed weight (a copy), or ``weight`` itself when it is not packed."""
-    return weight.to_dense() if weight.is_mkldnn else weight
+    if not weight.is_mkldnn:
+        return weight
+    stored = stored_copy(weight)
+    return stored.matrix.clone() if stored is not None else weight.to_dense()
+
+
+# A stored copy is kept only when it streams a pass over the model's matrices this much faster.
+STORED_MIN_GAIN = 1.1
+# Below this many bytes the matrices sit in the caches: a step is not bound by streaming them.
+STORED_MIN_BYTES = 64 * 1024**2
+STORED_ROWS_TRIED = (1, 2, 4)  # at 8 rows oneDNN's packed GEMM is far ahead everywhere we measured
+
+
+def stored_rows(pairs: list[tuple[torch.Tensor, torch.Tensor]], repeats: int = 2) -> int:
+    """Up to how many rows a pass over ``(packed, stored)`` matrices is ``STORED_MIN_GAIN`` faster from
+    the stored ones (0: at none), timed here at 1, 2 and 4 rows, the best of ``repeats`` passes each.
+    Matrices too small to leave the caches measure nothing: 0."""
+    if sum(stored.numel() * stored.element_size() for _, stored in pairs) < STORED_MIN_BYTES:
+        return 0
+
+    def seconds(rows: int, which: int) -> float:
+        inputs = {m.shape[1]: torch.randn(rows, m.shape[1], dtype=m.dtype) for _, m in pairs}
+        best = float("inf")
+        for _ in range(repeats + 1):  # the first warms the kernels up
+            started = time.perf_counter()
+            for packed, stored in pairs:
+                x = inputs[stored.shape[1]]
+                linear(x, packed) if which == 0 else _mkl(x, stored)
+            best = min(best, time.perf_counter() - started)
+        return best
+
+    rows = 0
+    for tried in STORED_ROWS_TRIED:
+        if seconds(tried, 0) <= STORED_MIN_GAIN * seconds(tried, 1):
+            break
+        rows = tried
+    return rows
+
+
+def _mkl(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+    """torch's own ``add + x @ weight.T`` (MKL on a CPU), both in one dtype."""
+    return x @ weight.t() if add is None else torch.addmm(add, x, weight.t())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
     """``add + x @ weight.T``, in ``x``'s dtype, computed in the weight's dtype.
 
     ``add`` is a bias ``[out]`` or a residual ``[rows, out]``; oneDNN adds either inside the GEMM.
+    A packed matrix with a stored copy multiplies few rows through the copy (MKL).
     """
+    if weight.is_mkldnn and (stored := stored_copy(weight)) is not None and x.shape[0] <= stored.rows:
+        return _mkl(x, stored.matrix, add)
     if not (weight.is_mkldnn or packs(weight.device, weight.dtype)):
         if x.dtype == weight.dtype:
-            return x @ weight.t() if add is None else torch.addmm(add, x, weight.t())
+            return _mkl(x, weight, add)
         out = (x.to(weight.dtype) @ weight.t()).to(x.dtype)
         return out if add is None else out.add_(add)
     if x.dtype != weight.dtype:

@@ -12,8 +12,9 @@ for SGLang's ``return_routed_experts``: the rollout's routing, which the trainer
 ``hf_slots`` is the single declarative name table: every Hugging Face parameter name maps to a
 ``Slot``, a place in the fused tensors, so loading, weight updates and ``get_weights_by_name`` all go
 through the same names and never through per-layer converters. On a CPU the matrices that are only
-multiplied are held in oneDNN's packed layout (``engine.matmul``); a load unpacks the ones it
-touches, writes their slots and packs them again.
+multiplied are held in oneDNN's packed layout (``engine.matmul``), and also as stored where one-row
+products are faster from that (measured at the first load); a load unpacks the ones it touches, writes
+their slots and packs them again.
 LoRA adapters (``engine.lora``) add their deltas to the fused projections' outputs, per row.
 
 Two entry points share the layers: ``prefill`` runs newly admitted requests' tokens (packed into one
@@ -181,7 +182,7 @@ class Layer(torch.nn.Module):
 class CausalLM(torch.nn.Module):
     """Decoder weights (fused) plus the two forward entry points."""
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, stored_rows: int = -1):
         super().__init__()
         self.spec, self.dtype, self.device = spec, dtype, device
         # On CPU, half-precision matmuls are fast (AMX/AVX-512 bf16) but the small element-wise and
@@ -236,6 +237,9 @@ class CausalLM(torch.nn.Module):
         )
         if self.packed and not s.tie_word_embeddings:  # a tied head is also the embedding's lookup table
             self.packed.add((self, "lm_head"))
+        # Products of up to this many rows use each packed matrix's stored copy (``matmul.Stored``);
+        # -1: the first load keeps the copies and measures whether they pay. float32 only.
+        self.stored_rows = stored_rows if self.packed and dtype == torch.float32 else 0
 
     def _hf_slots(self) -> dict[str, Slot]:
         """Hugging Face parameter name -> its place in our (fused) parameters."""
@@ -352,7 +356,19 @@ class CausalLM(torch.nn.Module):
                 covered = sum(math.prod(slot.shape) for slot, _ in group) == held.numel()
                 whole = torch.empty(held.shape, dtype=self.dtype) if covered else matmul.unpack(held)
                 copy_all([whole[slot.index] for slot, _ in group], [tensor for _, tensor in group])
-                setattr(holder, attr, torch.nn.Parameter(matmul.pack(whole), requires_grad=False))
+                packed = torch.nn.Parameter(matmul.pack(whole), requires_grad=False)
+                matmul.keep_stored(packed, whole, self.stored_rows)
+                setattr(holder, attr, packed)
+        if self.stored_rows < 0:
+            self._measure_stored_rows()
+
+    def _measure_stored_rows(self) -> None:
+        """After the first load: keep the stored copies for as many rows as they pay on this machine."""
+        held = [getattr(holder, attr) for holder, attr in self.packed]
+        pairs = [(packed, stored.matrix) for packed in held if (stored := matmul.stored_copy(packed))]
+        self.stored_rows = matmul.stored_rows(pairs)
+        for packed, matrix in pairs:
+            matmul.keep_stored(packed, matrix, self.stored_rows)
 
     # ---- forward -------------------------------------------------------------------------
     # Activations are 2-D, [tokens, hidden]: a prefill's T tokens or a decode step's B rows. On a
@@ -538,9 +554,10 @@ class CausalLM(torch.nn.Module):
         return x
 
 
-def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
-    """Build the model described by ``path/config.json`` and load its weights."""
+def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, stored_rows: int = -1) -> CausalLM:
+    """Build the model described by ``path/config.json`` and load its weights (``stored_rows``:
+    ``CausalLM.stored_rows``)."""
     spec = ModelSpec.from_checkpoint(path)
-    model = CausalLM(spec, dtype, device)
+    model = CausalLM(spec, dtype, device, stored_rows)
     model.load_weights(checkpoint_tensors(path), complete=True)
     return model

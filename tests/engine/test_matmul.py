@@ -58,3 +58,54 @@ def test_the_model_holds_its_matrices_packed_and_a_load_writes_exactly_the_slots
     for other in ("k_proj", "v_proj"):
         name = f"model.layers.0.self_attn.{other}.weight"
         assert torch.equal(model.hf_slots[name].view(), given[name])
+
+
+@pytest.mark.parametrize("add", ["none", "bias", "residual"])
+def test_a_stored_copy_multiplies_products_of_up_to_its_rows_and_the_packed_matrix_the_rest(add):
+    generator = torch.Generator().manual_seed(1)
+    weight, other = (torch.randn(64, 32, generator=generator) for _ in range(2))
+    packed = matmul.pack(weight)
+    # A copy that differs from the packed matrix (no model holds one so) shows which of them multiplied.
+    matmul.keep_stored(packed, other, rows=2)
+    for rows, used in ((1, other), (2, other), (3, weight), (8, weight)):
+        x = torch.randn(rows, 32, generator=generator)
+        extra = {"none": None, "bias": torch.randn(64), "residual": torch.randn(rows, 64)}[add]
+        want = x @ used.t() + (0 if extra is None else extra)
+        torch.testing.assert_close(matmul.linear(x, packed, extra), want, rtol=1e-5, atol=1e-5)
+    copy = matmul.unpack(packed)  # what a load writes into: a copy, never the matrix being multiplied
+    assert torch.equal(copy, other) and copy.data_ptr() != other.data_ptr()
+    matmul.keep_stored(packed, other, rows=0)
+    assert matmul.stored_copy(packed) is None and torch.equal(matmul.unpack(packed), weight)
+
+
+def test_a_load_writes_the_stored_copies_and_one_row_steps_match_the_packed_path(tiny_model):
+    """With stored copies (forced here: a tiny model's matrices sit in the caches, where the measurement
+    at load keeps none), a weight update reaches both forms of a matrix, and a one-row step through the
+    copies computes what the packed matrices compute."""
+    from inverted.engine.model import KVCache
+
+    path = tiny_model("qwen2")
+    both, packed_only = load_model(path, torch.float32, CPU, stored_rows=2), load_model(path, torch.float32, CPU)
+    assert both.stored_rows == 2 and packed_only.stored_rows == 0
+    generator = torch.Generator().manual_seed(2)
+    given = checkpoint_tensors(path)
+    update = {
+        name: torch.randn(tensor.shape, generator=generator) * tensor.std()
+        for name, tensor in given.items()
+        if name.startswith("model.layers.1.") and name.endswith(("q_proj.weight", "down_proj.weight"))
+    }
+    for model in (both, packed_only):
+        model.load_weights(update, complete=False)
+    layer = both.layers[1]
+    for attr in ("qkv", "o", "gate_up", "down"):
+        stored = matmul.stored_copy(getattr(layer, attr))
+        assert stored is not None and torch.equal(stored.matrix, getattr(layer, attr).to_dense())
+    for name, tensor in update.items():
+        assert torch.equal(both.hf_slots[name].view(), tensor)
+
+    hidden = []
+    for model in (both, packed_only):
+        cache = KVCache(model.spec, 2, 64, torch.float32, CPU)
+        model.prefill(cache, [0], [list(range(3, 20))], [0])
+        hidden.append(model.logits(model.decode(cache, [21], [17])))
+    torch.testing.assert_close(hidden[0], hidden[1], rtol=1e-5, atol=1e-5)
