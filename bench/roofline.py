@@ -10,10 +10,10 @@ only lowers it). Both bounds are measured here, not taken from a data sheet:
   over buffers far past the last-level cache, best of several passes; the read rate is decode's
   bound.
 - **GEMM**: the fastest way this torch build multiplies ``[rows x in]`` activations by the model's
-  own weight shapes in the dtype: ``torch.matmul`` on weights as stored (``[out, in]``, transposed
-  view), on pre-transposed ``[in, out]`` copies, and on oneDNN-packed weights
-  (``mkldnn._reorder_linear_weight`` + ``mkldnn._linear_pointwise``, the path Inductor freezes to);
-  each method's rate is reported, and the best is the bound.
+  own weight matrices (all of them, streamed from memory) in the dtype: ``torch.matmul`` on weights
+  as stored (``[out, in]``, transposed view; MKL), on pre-transposed ``[in, out]`` copies, and on
+  oneDNN-packed weights (``mkldnn._reorder_linear_weight`` + ``mkldnn._linear_pointwise``, the path
+  Inductor freezes to); each method's rate is reported, and the best is the bound.
 
 ``bench/engine_throughput.py`` reports each engine against these bounds; run alone:
 
@@ -82,9 +82,11 @@ def gemm_gflops(shapes: list[tuple[int, int]], rows: int, dtype: torch.dtype, re
 
 
 def model_shapes(model_dir: str) -> tuple[list[tuple[int, int]], int]:
-    """One decoder layer's weight shapes (fused q/k/v, o, fused gate/up, down) and the lm head, as the
-    embedded engine holds them, and how many weights each token multiplies: every layer's and the
-    lm head's (the embedding is a lookup of one row). Dense models."""
+    """The shape of every matrix a token multiplies (each layer's fused q/k/v, o, fused gate/up and
+    down, then the lm head), as the embedded engine holds them, and how many weights that is (the
+    embedding is a lookup of one row). Every layer's matrices are distinct tensors in the GEMM timing,
+    so a pass streams them from memory as decoding does: one layer's would sit in the caches and
+    overstate the one-row rate (by 1.8x on an Intel Xeon here). Dense models."""
     from inverted.hf_checkpoint import ModelSpec
 
     spec = ModelSpec.from_checkpoint(model_dir)
@@ -93,7 +95,8 @@ def model_shapes(model_dir: str) -> tuple[list[tuple[int, int]], int]:
     hidden, q, kv = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     layer = [(q + 2 * kv, hidden), (hidden, q), (2 * spec.intermediate_size, hidden), (hidden, spec.intermediate_size)]
     head = (spec.vocab_size, hidden)
-    return layer + [head], spec.num_layers * sum(o * i for o, i in layer) + head[0] * head[1]
+    shapes = layer * spec.num_layers + [head]
+    return shapes, sum(o * i for o, i in shapes)
 
 
 def measure(model_dir: str, dtype: torch.dtype, rows: tuple[int, ...] = (1, 32)) -> dict:
