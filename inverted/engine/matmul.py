@@ -72,15 +72,16 @@ def unpack(weight: torch.Tensor) -> torch.Tensor:
 
 # A stored copy is kept only when it streams a pass over the model's matrices this much faster.
 STORED_MIN_GAIN = 1.1
-# Below this many bytes the matrices sit in the caches: a step is not bound by streaming them.
+# Below this many bytes a pass over the matrices takes microseconds, too few to time against the noise
+# (and a step's GEMMs are not its cost): no copies are kept, and a small model behaves the same everywhere.
 STORED_MIN_BYTES = 64 * 1024**2
 STORED_ROWS_TRIED = (1, 2, 4)  # at 8 rows oneDNN's packed GEMM is far ahead everywhere we measured
 
 
 def stored_rows(pairs: list[tuple[torch.Tensor, torch.Tensor]], repeats: int = 2) -> int:
     """Up to how many rows a pass over ``(packed, stored)`` matrices is ``STORED_MIN_GAIN`` faster from
-    the stored ones (0: at none), timed here at 1, 2 and 4 rows, the best of ``repeats`` passes each.
-    Matrices too small to leave the caches measure nothing: 0."""
+    the stored ones (0: at none), timed here at 1, 2 and 4 rows, the best of ``repeats`` passes each
+    (under ``STORED_MIN_BYTES`` in all: 0, untimed)."""
     if sum(stored.numel() * stored.element_size() for _, stored in pairs) < STORED_MIN_BYTES:
         return 0
 

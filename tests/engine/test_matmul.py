@@ -79,7 +79,7 @@ def test_a_stored_copy_multiplies_products_of_up_to_its_rows_and_the_packed_matr
 
 
 def test_a_load_writes_the_stored_copies_and_one_row_steps_match_the_packed_path(tiny_model):
-    """With stored copies (forced here: a tiny model's matrices sit in the caches, where the measurement
+    """With stored copies (forced here: a tiny model is under ``matmul.STORED_MIN_BYTES``, where the measurement
     at load keeps none), a weight update reaches both forms of a matrix, and a one-row step through the
     copies computes what the packed matrices compute."""
     from inverted.engine.model import KVCache
