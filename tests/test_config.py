@@ -258,6 +258,7 @@ FROZEN_FLAGS = {
         "--api-key",
         "--admin-api-key",
         "--num-threads",
+        "--stored-copy-rows",
         "--random-seed",
         "--log-requests",
         "--weight-update-timeout",
