@@ -831,6 +831,7 @@ def _server_info(engine: Engine) -> dict[str, Any]:
         "skip_tokenizer_init": False,
         "max_total_num_tokens": engine.max_total_tokens,
         "sampling_mask_max_tokens": engine.config.sampling_mask_max_tokens,
+        "stored_copy_rows": engine.scheduler.model.stored_rows,  # resolved: 0 where the measurement kept none
         "max_req_input_len": engine.context_length - 1,
         "startup_time": engine.started,
         "internal_states": [{**engine.scheduler.load(), **engine.scheduler.stats}],

@@ -1,8 +1,9 @@
 """The engine's weight matrices as oneDNN holds them on a CPU: the same products, the same weights.
 
-``engine.matmul`` packs the matrices a forward only multiplies; these tests hold the packed path to
-``torch.matmul`` and hold the model's loads and reads (``Slot``) to the tensors they were given,
-whatever part of a fused matrix a load names. The engine's log-probs against ``transformers`` are
+``engine.matmul`` packs the matrices a forward only multiplies, and may keep them also as stored for
+steps of few rows; these tests hold both paths to ``torch.matmul``, each to the rows it serves, and
+hold the model's loads and reads (``Slot``) to the tensors they were given, whatever part of a fused
+matrix a load names, in both forms. The engine's log-probs against ``transformers`` are
 ``test_numerics.py``'s.
 """
 
@@ -109,3 +110,26 @@ def test_a_load_writes_the_stored_copies_and_one_row_steps_match_the_packed_path
         model.prefill(cache, [0], [list(range(3, 20))], [0])
         hidden.append(model.logits(model.decode(cache, [21], [17])))
     torch.testing.assert_close(hidden[0], hidden[1], rtol=1e-5, atol=1e-5)
+
+
+def test_a_server_started_with_stored_copies_reports_them_and_answers_as_one_without(procs, tiny_model):
+    """``--stored-copy-rows`` reaches the model (``/server_info`` reports what was resolved: a tiny model
+    keeps none by default), and a request decoded one row at a time through the copies gets the same
+    tokens and log-probs as without them."""
+    import httpx
+
+    model = tiny_model("qwen2")
+    flags = ([], ["--stored-copy-rows", "2"])
+    urls = [procs.engine(model, *extra, name=f"engine{i}").url for i, extra in enumerate(flags)]
+    assert [httpx.get(url + "/server_info").json()["stored_copy_rows"] for url in urls] == [0, 2]
+    body = {
+        "input_ids": list(range(30, 50)),
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True},
+    }
+    plain, stored = (httpx.post(url + "/generate", json=body, timeout=60).json() for url in urls)
+    assert stored["output_ids"] == plain["output_ids"]
+    got, want = (
+        torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]) for out in (stored, plain)
+    )
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
