@@ -111,6 +111,7 @@ FROZEN_FLAGS = {
         "--dynamic-sampling-filter-path",
         "--engine-device",
         "--engine-dtype",
+        "--engine-stored-copy-rows",
         "--engine-max-running-requests",
         "--engine-threads",
         "--env-args",
@@ -200,6 +201,7 @@ FROZEN_FLAGS = {
         "--context-length",
         "--engine-device",
         "--engine-dtype",
+        "--engine-stored-copy-rows",
         "--engine-max-running-requests",
         "--engine-threads",
         "--hf-checkpoint",
@@ -339,6 +341,7 @@ FROZEN_FLAGS = {
         "--num-engines",
         "--engine-device",
         "--engine-dtype",
+        "--engine-stored-copy-rows",
         "--engine-max-running-requests",
         "--engine-threads",
         "--router-host",
@@ -661,6 +664,17 @@ def test_cli_reports_config_errors_without_a_traceback(capsys):
         main(["serve-engine", "--port", "8000"])
     assert info.value.code == 2
     assert "--model=''" in capsys.readouterr().err
+
+
+def test_a_jobs_engine_flags_reach_its_embedded_engines():
+    from inverted.cli import build_parser
+    from inverted.rollout.config import ServersConfig
+    from inverted.rollout.servers import engine_argv
+
+    cfg = ServersConfig(hf_checkpoint="m", engine_dtype="bfloat16", engine_stored_copy_rows=0)
+    argv = engine_argv(cfg, "embedded", [], [], 1, "127.0.0.1", 1234)
+    args = build_parser().parse_args(argv[argv.index("serve-engine") :])
+    assert (args.dtype, args.stored_copy_rows) == ("bfloat16", 0)
 
 
 def test_a_random_key_that_looks_like_a_flag_reaches_the_engine():

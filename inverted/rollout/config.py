@@ -50,6 +50,11 @@ class ServersConfig:
         "are then the bfloat16 policy's, as sampled, and --use-tis corrects the trainer's ratios for the gap",
     )
     engine_max_running_requests: int = option(64, "--max-running-requests of each engine")
+    engine_stored_copy_rows: int = option(
+        -1,
+        "--stored-copy-rows of each embedded engine: steps of up to this many rows multiply copies of the packed "
+        "weight matrices as stored, where that is faster (-1: measured at load; 0: none, saving their memory)",
+    )
     max_total_tokens: int = option(
         0,
         "token positions each server's KV cache holds, over all its requests (SGLang's --max-total-tokens; 0: "

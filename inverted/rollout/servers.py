@@ -161,6 +161,8 @@ def engine_argv(
         cfg.engine_dtype,
         "--max-running-requests",
         str(cfg.engine_max_running_requests),
+        "--stored-copy-rows",
+        str(cfg.engine_stored_copy_rows),
         "--num-threads",
         str(threads),
         *keys,
