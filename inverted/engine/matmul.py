@@ -6,14 +6,14 @@ what the core can do (``bench/roofline.py``: 35-49 GFLOP/s at 32 rows on SmolLM2
 109 for oneDNN). oneDNN is faster still when the weight is reordered once into its blocked layout
 (Inductor's frozen-weight path does the same), so a matrix that is only ever multiplied is *held*
 packed: ``pack`` replaces it, ``unpack`` gives back the ``[out, in]`` tensor for a weight update or
-``/get_weights_by_name``. No copy is kept beside it, so packing costs no memory. A matrix that is
+``/get_weights_by_name``. Packing keeps no copy beside it, so it costs no memory. A matrix that is
 also read row by row (a tied embedding, whose rows are looked up) stays as stored and still goes
 through oneDNN. On a GPU, or a torch without oneDNN, nothing is packed and ``linear`` is a matmul.
 
 One row is the exception. A decode step of one request (c=1, or a batch's last straggler) multiplies a
 single row by every matrix, so it only streams the weights from memory, and there the packed layout
-can lose: on Intel Xeons (AMX) MKL's GEMV on the stored matrix reads 24-27 GB/s against oneDNN's 18-20,
-a quarter of a one-row step; on AMD EPYCs oneDNN was the faster. So a model may also keep each packed
+can lose: on an Intel Xeon (AMX) MKL's GEMV on the stored matrix read 24-27 GB/s against oneDNN's 18-20
+(a one-row step 1.2x faster), on an AMD EPYC oneDNN was the faster. So a model may also keep each packed
 matrix as stored (``keep_stored``), at the cost of its memory again, and ``linear`` takes that copy for
 products of up to ``Stored.rows`` rows. ``stored_rows`` measures, once at load, whether and up to how
 many rows it pays on this machine. Only float32 weights are kept so (activations are float32 on a CPU).
