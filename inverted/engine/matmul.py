@@ -85,20 +85,22 @@ def stored_rows(pairs: list[tuple[torch.Tensor, torch.Tensor]], repeats: int = 2
     if sum(stored.numel() * stored.element_size() for _, stored in pairs) < STORED_MIN_BYTES:
         return 0
 
-    def seconds(rows: int, which: int) -> float:
+    def seconds(rows: int, from_stored: bool) -> float:
         inputs = {m.shape[1]: torch.randn(rows, m.shape[1], dtype=m.dtype) for _, m in pairs}
         best = float("inf")
         for _ in range(repeats + 1):  # the first warms the kernels up
             started = time.perf_counter()
             for packed, stored in pairs:
-                x = inputs[stored.shape[1]]
-                linear(x, packed) if which == 0 else _mkl(x, stored)
+                if from_stored:
+                    _mkl(inputs[stored.shape[1]], stored)
+                else:
+                    linear(inputs[stored.shape[1]], packed)
             best = min(best, time.perf_counter() - started)
         return best
 
     rows = 0
     for tried in STORED_ROWS_TRIED:
-        if seconds(tried, 0) <= STORED_MIN_GAIN * seconds(tried, 1):
+        if seconds(tried, from_stored=False) <= STORED_MIN_GAIN * seconds(tried, from_stored=True):
             break
         rows = tried
     return rows
