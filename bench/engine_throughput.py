@@ -342,6 +342,11 @@ def against_bounds(bounds: dict, concurrency: int, rates: dict[str, float]) -> d
 PEERS = {"sglang": (start_sglang, "generate"), "vllm": (start_vllm, "completions")}
 
 
+def stored_copy_rows(url: str) -> int:
+    """Up to how many rows the engine multiplies stored copies of its packed matrices (its load decided)."""
+    return httpx.get(url + "/server_info", timeout=30).json()["stored_copy_rows"]
+
+
 def embedded_vs_peers(args, model_dir: Path, plan: dict, peers: dict[str, str]) -> dict:
     """The same workloads on the embedded engine, then on each peer (name -> its interpreter), each server
     alone on the machine; this machine's roofline first, while it is quiet. A peer that does not start
@@ -361,6 +366,7 @@ def embedded_vs_peers(args, model_dir: Path, plan: dict, peers: dict[str, str]) 
         for name, python in peers.items()
     }
     rates, startup, memory, failed = {}, {}, {}, {}
+    stored_rows = None
     for name, (start, api) in starts.items():
         began = time.perf_counter()
         try:
@@ -370,6 +376,8 @@ def embedded_vs_peers(args, model_dir: Path, plan: dict, peers: dict[str, str]) 
             failed[name] = f"{exc}; its log ends: {log.read_text()[-1500:] if log.exists() else '(none)'}"
             continue
         startup[name] = time.perf_counter() - began
+        if name == "embedded":
+            stored_rows = stored_copy_rows(server.url)
         probe = MemoryProbe(server.popen.pid)
         try:
             asyncio.run(run_engine(server.url, workload("uniform", 4, 8, 0), 4, args.temperature, api=api))  # warm-up
@@ -401,6 +409,7 @@ def embedded_vs_peers(args, model_dir: Path, plan: dict, peers: dict[str, str]) 
         "roofline": bounds,
         "startup_s": {k: round(v, 1) for k, v in startup.items()},
         "peak_pss_gb": memory,
+        "engine_stored_copy_rows": stored_rows,
         "did_not_start": failed,
         "results": results,
     }
@@ -510,6 +519,7 @@ def main() -> None:
     pad_id = AutoTokenizer.from_pretrained(model_dir).pad_token_id
     cpu_bounds = roofline.measure(str(model_dir), dtype, (1, max(args.concurrency))) if args.device == "cpu" else None
     engine = start_engine(model_dir, args.threads, max(args.concurrency), args.dtype, args.device, *args.engine_args)
+    stored_rows = stored_copy_rows(engine.url)
     ours = load_model(model_dir, dtype, torch.device(args.device))  # the engine's matrices, for the floor
     engine_tps, hf_tps, floor = {}, {}, {}
     try:
@@ -560,6 +570,7 @@ def main() -> None:
                 "threads": args.threads,
                 "max_new_tokens": args.max_new_tokens,
                 "torch": torch.__version__,
+                "engine_stored_copy_rows": stored_rows,
                 "results": results,
                 "target": {
                     "concurrency": 32,
