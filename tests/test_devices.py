@@ -33,6 +33,6 @@ def test_the_drivers_modules_do_not_load_torch():
     assert run(
         "import sys, tempfile; import inverted.cli, inverted.controller, inverted.placement, "
         "inverted.train.actor, inverted.rollout.servers; from inverted.metrics import build_metrics_sink; "
-        "sink = build_metrics_sink(tempfile.mkdtemp()); sink.log({'a/b': 1.0}, 0); sink.close(); "
-        "print('torch' in sys.modules)"
+        "out = tempfile.TemporaryDirectory(); sink = build_metrics_sink(out.name); sink.log({'a/b': 1.0}, 0); "
+        "sink.close(); out.cleanup(); print('torch' in sys.modules)"
     ) == ["False"]
