@@ -402,7 +402,7 @@ def test_append_response_tokens_grows_the_lists_in_place():
 
 
 SAME_AS_SLIMES = """
-import dataclasses, json
+import dataclasses, json, sys
 from slime.utils.types import Sample as Theirs
 from slime.rollout.filter_hub.dynamic_sampling_filters import check_reward_nonzero_std as their_filter
 from inverted import compat
@@ -440,14 +440,14 @@ for reward in ({"score": 0.0}, {"score": 1.0}):
     theirs, mine = their_filter(Args, group), ours.check_reward_nonzero_std(Args, mine)
     assert (theirs.keep, theirs.reason) == (mine.keep, mine.reason), (theirs, mine)
 
-# rollout dumps: ours read by slime's own reader (its --load-debug-rollout-data, forge_load), and its writer's read here
-import tempfile
+# rollout dumps, in the test's folder: ours read by slime's own reader (its --load-debug-rollout-data, forge_load),
+# and its writer's read here
 from slime.observability.rollout_data_utils import load_debug_rollout_data, save_debug_rollout_data
 from inverted.controller.rollouts import save_rollout_data
 from inverted.train.offline import read_rollout_data
 from inverted.types import Sample as Mine
 
-work = tempfile.mkdtemp()
+work = sys.argv[1]
 sample = Mine(group_index=0, index=1, prompt="p", tokens=[1, 2, 3, 4], response_length=2, loss_mask=[1, 0],
               rollout_log_probs=[-0.5, 0.0], weight_versions=["3", "3"], reward=1.0, status=Mine.Status.COMPLETED)
 save_rollout_data(work + "/ours_{rollout_id}.pt", 0, [sample], {})
@@ -461,13 +461,13 @@ print("same")
 
 
 @pytest.mark.skipif(not os.environ.get("SLIME_SOURCE"), reason="slime's source is not at hand (SLIME_SOURCE=checkout)")
-def test_our_sample_and_filter_behave_as_slimes_own():
+def test_our_sample_and_filter_behave_as_slimes_own(tmp_path):
     """Against slime's own ``Sample``, ``check_reward_nonzero_std`` and rollout-dump reader and writer,
     imported from its source (they need only torch): the same fields, the same
     ``append_response_tokens``, rewards and filter, and dumps each side reads."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.environ["SLIME_SOURCE"], str(Path(__file__).parents[2])])}
     result = subprocess.run(
-        [sys.executable, "-c", SAME_AS_SLIMES], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", SAME_AS_SLIMES, str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
     )
     assert result.stdout.strip() == "same", result.stderr[-3000:]
 
