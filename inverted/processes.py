@@ -40,9 +40,10 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Protocol
 
 import httpx
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -245,6 +246,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         port = sock.getsockname()[1]
     _GIVEN.add(port)
     return port
+
+
+class Terminable(Protocol):
+    """A process handle that stops its process and waits for it to exit (``ManagedProcess``, a Ray actor's)."""
+
+    def terminate(self, grace: float = 10.0) -> None: ...
+
+
+def terminate_all(processes: Iterable[Terminable]) -> None:
+    """Stop ``processes`` side by side: each waits for its own exit (a server's graceful shutdown, a
+    Ray actor's round trip), so one after the other they would wait in turn."""
+    with ThreadPoolExecutor(thread_name_prefix="terminate") as pool:
+        for done in [pool.submit(process.terminate) for process in processes]:
+            done.result()
 
 
 class Secret(str):

@@ -33,7 +33,7 @@ from inverted.controller.trainer import Trainer
 from inverted.devices import cuda_available
 from inverted.errors import ConfigError
 from inverted.placement import ray_launch, start_ray
-from inverted.processes import ManagedProcess, free_port
+from inverted.processes import ManagedProcess, free_port, terminate_all
 from inverted.rollout.servers import ROUTED_EXPERTS_ARGV, RolloutServers, lora_argv
 from inverted.rollout.sglang_client import ServerKeys, SGLangClient, without_sampling_masks
 from inverted.types import POLICY_ADAPTER
@@ -179,14 +179,18 @@ class Job:
             except Exception as error:  # noqa: BLE001 - stopping goes on regardless
                 logger.warning("could not give the job's leased tasks back to the buffer: %s", error)
         await self._stack.aclose()
+        # The trainer, the servers and the services stop side by side: none needs another at its end,
+        # and each waits for its own processes to exit (the trainer's ranks, to unlink their buckets).
+        stopping = [asyncio.to_thread(terminate_all, self.processes)]
         if self.trainer is not None:
-            await self.trainer.shutdown()
+            stopping.append(self.trainer.shutdown())
         if hasattr(self, "servers"):
-            self.servers.stop()
-        for process in reversed(self.processes):
-            process.terminate()
+            stopping.append(asyncio.to_thread(self.servers.stop))
+        failed = [r for r in await asyncio.gather(*stopping, return_exceptions=True) if isinstance(r, BaseException)]
         if self.cfg.loop.ray_address is None:
             ray.shutdown()
+        if failed:
+            raise failed[0]
 
     # -- the weights the servers hold ------------------------------------------------------
 
