@@ -23,7 +23,7 @@ import pytest
 
 from inverted import compat
 from inverted.config import TinyModelConfig
-from inverted.processes import ManagedProcess, free_port
+from inverted.processes import ManagedProcess, free_port, terminate_all
 from inverted.tiny_model import make_tiny_model
 from tests.zygote import Zygote
 
@@ -253,10 +253,9 @@ class ProcessPool:
         return router
 
     def close(self, failed: bool) -> None:
-        for proc in self.procs:
-            proc.terminate()
-            if failed:
-                sys.stderr.write(f"\n----- log of {proc.name} -----\n{proc.tail(60)}\n")
+        terminate_all(self.procs)
+        for proc in self.procs if failed else []:
+            sys.stderr.write(f"\n----- log of {proc.name} -----\n{proc.tail(60)}\n")
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

@@ -51,7 +51,7 @@ from typing import Any, Awaitable, Callable, Protocol
 from inverted.devices import cuda_available
 from inverted.errors import ServiceUnavailable, UnknownWorker
 from inverted.hf_checkpoint import context_length
-from inverted.processes import ManagedProcess, Secret, free_port
+from inverted.processes import ManagedProcess, Secret, Terminable, free_port, terminate_all
 from inverted.rollout.config import ServersConfig
 from inverted.rollout.sglang_client import RouterClient, SGLangClient
 from inverted.types import POLICY_ADAPTER
@@ -62,7 +62,7 @@ HEALTH_FAILURE_THRESHOLD = 10  # the router's default is 3 probes (~3 minutes at
 ROUTER_DEFAULTS = {"--log-level": "warn", "--balance-abs-threshold": "2", "--balance-rel-threshold": "1.1"}
 
 
-class ServerHandle(Protocol):
+class ServerHandle(Terminable, Protocol):
     """A launched server process, wherever it runs (``ManagedProcess`` here, a Ray actor's elsewhere)."""
 
     name: str
@@ -71,7 +71,6 @@ class ServerHandle(Protocol):
     def check_alive(self) -> None: ...
     def tail(self, lines: int = 30) -> str: ...
     def wait_healthy(self, timeout: float, path: str = "/health") -> None: ...
-    def terminate(self, grace: float = 10.0) -> None: ...
 
 
 ArgvFor = Callable[[str, int], list[str]]  # (host, port) -> the server's command line
@@ -370,8 +369,7 @@ class RolloutServers:
         await asyncio.to_thread(engine.terminate)
 
     def stop(self) -> None:
-        for proc in [*self.engines, *([self.router] if self.router else [])]:
-            proc.terminate()
+        terminate_all([*self.engines, *([self.router] if self.router else [])])
         if self.engines or self.router:
             logger.info("stopped router and %d engines", len(self.engines))
 
