@@ -13,10 +13,13 @@ through oneDNN. On a GPU, or a torch without oneDNN, nothing is packed and ``lin
 One row is the exception. A decode step of one request (c=1, or a batch's last straggler) multiplies a
 single row by every matrix, so it only streams the weights from memory, and there the packed layout
 can lose: on an Intel Xeon (AMX) MKL's GEMV on the stored matrix read 24-27 GB/s against oneDNN's 18-20
-(a one-row step 1.2x faster), on an AMD EPYC oneDNN was the faster. So a model may also keep each packed
-matrix as stored (``keep_stored``), at the cost of its memory again, and ``linear`` takes that copy for
-products of up to ``Stored.rows`` rows. ``stored_rows`` measures, once at load, whether and up to how
-many rows it pays on this machine. Only float32 weights are kept so (activations are float32 on a CPU).
+(a one-row step 1.2x faster). MKL runs a GEMV on one thread, though (15 GB/s on an AMD EPYC at one thread
+or two), so the stored matrix is multiplied as ``threads`` blocks of its output rows in one batched
+product (``split_rows``), each thread streaming its own: 29-31 GB/s on that EPYC, its read bandwidth,
+against oneDNN's 22-23. So a model may also keep each packed matrix as stored (``keep_stored``), at the
+cost of its memory again, and ``linear`` takes that copy for products of up to ``Stored.rows`` rows.
+``stored_rows`` measures, once at load, whether and up to how many rows it pays on this machine. Only
+float32 weights are kept so (activations are float32 on a CPU).
 
 The products agree with ``torch.matmul`` to fp32 rounding (summation order only); the engine's
 log-probs are checked against ``transformers`` by ``tests/engine/test_numerics.py``.
@@ -92,7 +95,7 @@ def stored_rows(pairs: list[tuple[torch.Tensor, torch.Tensor]], repeats: int = 2
             started = time.perf_counter()
             for packed, stored in pairs:
                 if from_stored:
-                    _mkl(inputs[stored.shape[1]], stored)
+                    split_rows(inputs[stored.shape[1]], stored)
                 else:
                     linear(inputs[stored.shape[1]], packed)
             best = min(best, time.perf_counter() - started)
@@ -111,14 +114,26 @@ def _mkl(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None)
     return x @ weight.t() if add is None else torch.addmm(add, x, weight.t())
 
 
+def split_rows(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+    """``add + x @ weight.T`` for a few rows of ``x``, with ``weight``'s output rows split in one block per
+    thread and the blocks multiplied as one batch: each thread streams its block (MKL's GEMV alone would
+    stream the whole matrix on one). A split that does not divide the output falls back to ``_mkl``."""
+    parts, rows, out_features = torch.get_num_threads(), x.shape[0], weight.shape[0]
+    if parts < 2 or out_features % parts:
+        return _mkl(x, weight, add)
+    blocks = torch.bmm(weight.view(parts, out_features // parts, -1), x.t().expand(parts, -1, -1))
+    out = blocks.permute(2, 0, 1).reshape(rows, out_features).contiguous()  # a view for one row, else a copy
+    return out if add is None else out.add_(add)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
     """``add + x @ weight.T``, in ``x``'s dtype, computed in the weight's dtype.
 
     ``add`` is a bias ``[out]`` or a residual ``[rows, out]``; oneDNN adds either inside the GEMM.
-    A packed matrix with a stored copy multiplies few rows through the copy (MKL).
+    A packed matrix with a stored copy multiplies few rows through the copy (``split_rows``).
     """
     if weight.is_mkldnn and (stored := stored_copy(weight)) is not None and x.shape[0] <= stored.rows:
-        return _mkl(x, stored.matrix, add)
+        return split_rows(x, stored.matrix, add)
     if not (weight.is_mkldnn or packs(weight.device, weight.dtype)):
         if x.dtype == weight.dtype:
             return _mkl(x, weight, add)

@@ -1,9 +1,9 @@
 """The engine's weight matrices as oneDNN holds them on a CPU: the same products, the same weights.
 
 ``engine.matmul`` packs the matrices a forward only multiplies, and may keep them also as stored for
-steps of few rows; these tests hold both paths to ``torch.matmul``, each to the rows it serves, and
-hold the model's loads and reads (``Slot``) to the tensors they were given, whatever part of a fused
-matrix a load names, in both forms. The engine's log-probs against ``transformers`` are
+steps of few rows (split among the threads); these tests hold both paths to ``torch.matmul``, each to
+the rows it serves, and hold the model's loads and reads (``Slot``) to the tensors they were given,
+whatever part of a fused matrix a load names, in both forms. The engine's log-probs against ``transformers`` are
 ``test_numerics.py``'s.
 """
 
@@ -77,6 +77,32 @@ def test_a_stored_copy_multiplies_products_of_up_to_its_rows_and_the_packed_matr
     assert torch.equal(copy, other) and copy.data_ptr() != other.data_ptr()
     matmul.keep_stored(packed, other, rows=0)
     assert matmul.stored_copy(packed) is None and torch.equal(matmul.unpack(packed), weight)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("add", ["none", "bias", "residual"])
+def test_a_stored_copy_split_among_the_threads_multiplies_as_torch_matmul(threads, add):
+    """``split_rows`` (a stored copy's product: one block of output rows per thread, in one batch), at 1 to 4
+    rows, for outputs the threads divide (96) and do not (64 at 3 threads: one product, unsplit)."""
+    generator = torch.Generator().manual_seed(3)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for out_features in (96, 64):
+            weight = torch.randn(out_features, 40, generator=generator)
+            for rows in (1, 2, 3, 4):
+                x = torch.randn(rows, 40, generator=generator)
+                extra = {
+                    "none": None,
+                    "bias": torch.randn(out_features, generator=generator),
+                    "residual": torch.randn(rows, out_features, generator=generator),
+                }[add]
+                want = x @ weight.t() + (0 if extra is None else extra)
+                got = matmul.split_rows(x, weight, None if extra is None else extra.clone())
+                assert got.shape == (rows, out_features) and got.is_contiguous()
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_load_writes_the_stored_copies_and_one_row_steps_match_the_packed_path(tiny_model):
