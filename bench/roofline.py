@@ -13,7 +13,9 @@ only lowers it). Both bounds are measured here, not taken from a data sheet:
   own weight matrices (all of them, streamed from memory) in the dtype: ``torch.matmul`` on weights
   as stored (``[out, in]``, transposed view; MKL), on pre-transposed ``[in, out]`` copies, and on
   oneDNN-packed weights (``mkldnn._reorder_linear_weight`` + ``mkldnn._linear_pointwise``, the path
-  Inductor freezes to); each method's rate is reported, and the best is the bound.
+  Inductor freezes to), and on weights as stored split in one block of output rows per thread, the
+  blocks multiplied as one batch (``inverted.engine.matmul.split_rows``: MKL's GEMV alone streams on
+  one thread); each method's rate is reported, and the best is the bound.
 
 ``bench/engine_throughput.py`` reports each engine against these bounds; run alone:
 
@@ -29,6 +31,8 @@ import time
 from collections.abc import Callable
 
 import torch
+
+from inverted.engine.matmul import split_rows
 
 BUFFER_BYTES = 1 << 29  # 512 MiB: far past any CPU's last-level cache
 
@@ -55,7 +59,11 @@ def bandwidth_gbs(repeats: int = 8) -> dict[str, float]:
 def _methods(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     """Ways to compute ``x @ weight.T``, each with what it prepares once (as an engine would at load)."""
     transposed = weight.t().contiguous()
-    methods = {"matmul": lambda x: x @ weight.t(), "pretransposed": lambda x: x @ transposed}
+    methods = {
+        "matmul": lambda x: x @ weight.t(),
+        "pretransposed": lambda x: x @ transposed,
+        "split_rows": lambda x: split_rows(x, weight),
+    }
     if weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         methods["onednn_packed"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
