@@ -50,8 +50,9 @@ class EngineConfig:
     stored_copy_rows: int = option(
         -1,
         "on a CPU in float32, also hold every packed weight matrix as stored and multiply steps of up to this "
-        "many rows through it (MKL's GEMV, which streams it faster than oneDNN's packed layout on some CPUs, "
-        "for the matrices' memory again); -1: measured at load (up to 4 rows, 0 where it does not pay by 10 %)",
+        "many rows through it, split in one block of output rows per thread (on some CPUs it streams faster "
+        "than oneDNN's packed layout), for the matrices' memory again; -1: measured at load (up to 4 rows, "
+        "0 where it does not pay by 10 %)",
     )
     random_seed: int | None = option(
         None, "seed for requests without sampling_seed (default: fresh per process, so engines differ)"
